@@ -1,0 +1,43 @@
+"""ParallelConfig: the layout the communication layer builds its process groups from.
+
+Only `world_size == tp_size == 1` runs today; the expert-parallel issue adds the groups.
+The layout (ranks, TP degree, device, backend) is part of what a result may depend on only
+through its declared invariance: every layout must give the same bits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+BACKENDS = ("auto", "gloo", "nccl")
+DEVICES = ("cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    world_size: int = 1
+    tp_size: int = 1
+    backend: str = "auto"
+    device: str = "cpu"
+    timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.world_size, int) or self.world_size < 1:
+            raise ValueError(f"parallel.world_size must be an int >= 1, got {self.world_size!r}")
+        if not isinstance(self.tp_size, int) or self.tp_size < 1:
+            raise ValueError(f"parallel.tp_size must be an int >= 1, got {self.tp_size!r}")
+        if self.world_size % self.tp_size:
+            raise ValueError(
+                f"parallel.world_size ({self.world_size}) must be a multiple of "
+                f"parallel.tp_size ({self.tp_size})"
+            )
+        if self.backend not in BACKENDS:
+            raise ValueError(f"parallel.backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"parallel.device must be one of {DEVICES}, got {self.device!r}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"parallel.timeout_s must be > 0, got {self.timeout_s!r}")
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // self.tp_size

@@ -1,0 +1,37 @@
+"""EplbConfig: settings of expert-parallel load balancing (the EPLB issue implements it).
+
+`num_redundant_experts` adds replica slots beyond the logical experts; the rest drive the
+periodic rebalance while serving.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+POLICIES = ("auto", "hierarchical", "global")
+
+
+@dataclass(frozen=True)
+class EplbConfig:
+    enabled: bool = False
+    interval_steps: int = 1000
+    window_steps: int = 1000
+    num_redundant_experts: int = 0
+    policy: str = "auto"
+    balancedness_threshold: float = 0.95
+
+    def __post_init__(self) -> None:
+        for key in ("interval_steps", "window_steps"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"eplb.{key} must be an int >= 1, got {value!r}")
+        if not isinstance(self.num_redundant_experts, int) or self.num_redundant_experts < 0:
+            raise ValueError(
+                f"eplb.num_redundant_experts must be an int >= 0, got {self.num_redundant_experts!r}"
+            )
+        if self.policy not in POLICIES:
+            raise ValueError(f"eplb.policy must be one of {POLICIES}, got {self.policy!r}")
+        if not 0.0 < self.balancedness_threshold <= 1.0:
+            raise ValueError(
+                f"eplb.balancedness_threshold must be in (0, 1], got {self.balancedness_threshold!r}"
+            )

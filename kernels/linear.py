@@ -1,0 +1,63 @@
+"""Linear and grouped (per-expert) linear, invariant reference and plain-torch fast path.
+
+`linear_ref` / `grouped_linear_ref` call BLAS only on fixed-shape row tiles, so a row's output
+never depends on the other rows in the call, their count or their order (fp32 `torch.mm` row 0
+differs between M <= 3 and M >= 7 on CPU). The fast versions call BLAS on whatever M the
+batch brings and are the negative control. No bias: DeepSeek projections have none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from kernels.tiling import map_row_tiles
+
+
+def linear_ref(x: torch.Tensor, weight: torch.Tensor, *, tile_rows: int) -> torch.Tensor:
+    """x [T, IN] @ weight [OUT, IN]^T -> [T, OUT]."""
+    weight_t = weight.t()
+    # Why: BLAS sees M == tile_rows every call, so it takes one code path for every row.
+    return map_row_tiles(lambda tile: tile @ weight_t, x, tile_rows)
+
+
+def linear_fast(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, weight)
+
+
+def _group_slices(group_sizes: Sequence[int], num_rows: int, num_groups: int) -> list[slice]:
+    if len(group_sizes) != num_groups or sum(group_sizes) != num_rows:
+        raise ValueError(
+            f"group_sizes must have {num_groups} entries summing to {num_rows} rows, "
+            f"got {list(group_sizes)}"
+        )
+    slices, start = [], 0
+    for size in group_sizes:
+        slices.append(slice(start, start + size))
+        start += size
+    return slices
+
+
+def grouped_linear_ref(
+    x: torch.Tensor, weight: torch.Tensor, group_sizes: Sequence[int], *, tile_rows: int
+) -> torch.Tensor:
+    """Rows of x [N, IN], sorted by group, times their group's weight [L, OUT, IN] -> [N, OUT].
+
+    group_sizes are host ints summing to N. Each row's result depends only on the row and its
+    group's weight: how many tokens the expert received never changes a bit.
+    """
+    slices = _group_slices(group_sizes, x.shape[0], weight.shape[0])
+    # Why: each group is tiled on its own, so a tile never mixes weights and M stays fixed.
+    outs = [linear_ref(x[s], weight[g], tile_rows=tile_rows) for g, s in enumerate(slices)]
+    # torch.cat places rows; no float index_add_/scatter_add_ whose order could vary.
+    return torch.cat(outs) if outs else x.new_zeros((0, weight.shape[1]))
+
+
+def grouped_linear_fast(
+    x: torch.Tensor, weight: torch.Tensor, group_sizes: Sequence[int]
+) -> torch.Tensor:
+    slices = _group_slices(group_sizes, x.shape[0], weight.shape[0])
+    outs = [F.linear(x[s], weight[g]) for g, s in enumerate(slices)]
+    return torch.cat(outs) if outs else x.new_zeros((0, weight.shape[1]))

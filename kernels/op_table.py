@@ -1,0 +1,73 @@
+"""The op table: one set of kernel callables chosen once per worker by device and mode.
+
+Invariant mode on CPU binds the torch references to `config.tile_rows`; fast mode is plain
+torch on any device. Invariant mode on CUDA needs the Triton kernels and is refused here.
+Building a table has no side effects; `pin_threads` is the one call that touches process
+state (torch's intra-op thread count) and each worker makes it once, at start-up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from kernels.attention import mla_attention_fast, mla_attention_ref
+from kernels.config import KernelConfig
+from kernels.linear import grouped_linear_fast, grouped_linear_ref, linear_fast, linear_ref
+from kernels.rmsnorm import rms_norm_fast, rms_norm_ref
+from kernels.router import router_topk_fast, router_topk_ref
+from kernels.softmax import log_softmax_fast, log_softmax_ref, softmax_fast, softmax_ref
+
+
+@dataclass(frozen=True)
+class OpTable:
+    """Kernel callables with the fast versions' signatures (tile_rows already bound)."""
+
+    linear: Callable
+    grouped_linear: Callable
+    rms_norm: Callable
+    softmax: Callable
+    log_softmax: Callable
+    mla_attention: Callable
+    router_topk: Callable
+    mode: str
+
+
+def build_op_table(config: KernelConfig, device: torch.device | str) -> OpTable:
+    device = torch.device(device)
+    if not config.is_invariant:
+        return OpTable(
+            linear=linear_fast,
+            grouped_linear=grouped_linear_fast,
+            rms_norm=rms_norm_fast,
+            softmax=softmax_fast,
+            log_softmax=log_softmax_fast,
+            mla_attention=mla_attention_fast,
+            router_topk=router_topk_fast,
+            mode=config.mode,
+        )
+    if device.type != "cpu":
+        raise ValueError(
+            f"kernels.mode='invariant' on device {device} needs the Triton kernels "
+            "(a later issue); only the CPU torch references exist so far"
+        )
+    bind = partial(partial, tile_rows=config.tile_rows)
+    return OpTable(
+        linear=bind(linear_ref),
+        grouped_linear=bind(grouped_linear_ref),
+        rms_norm=bind(rms_norm_ref),
+        softmax=bind(softmax_ref),
+        log_softmax=bind(log_softmax_ref),
+        mla_attention=bind(mla_attention_ref),
+        router_topk=bind(router_topk_ref),
+        mode=config.mode,
+    )
+
+
+def pin_threads(config: KernelConfig) -> None:
+    """Fix torch's intra-op thread count for this process: part of the layout, not the load."""
+    # Why: reduction plans (e.g. splitting one long row across threads) depend on it.
+    torch.set_num_threads(config.num_threads)

@@ -1,0 +1,134 @@
+"""BlockManager: the paged KV cache's block pool, reference counts and prefix cache.
+
+It hands out block ids and maps token positions to cache slots; it never touches KV tensors
+and knows nothing of requests beyond the block tables and token ids it is given. A full,
+computed block is cached under an exact key, (parent block's key id, its tokens), so two
+prefixes can share a block only if they are equal token for token: a cache hit then reuses
+KV that the request would have computed itself.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+
+_ROOT_KEY_ID = 0
+
+BlockKey = tuple[int, tuple[int, ...]]
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+        if not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"num_blocks must be an int >= 1, got {num_blocks!r}")
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._ref_counts = [0] * num_blocks
+        self._empty: deque[int] = deque(range(num_blocks))  # free, holding no cache entry
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # free, cached; oldest first
+        self._cached: dict[BlockKey, int] = {}  # key -> the block that owns it
+        self._block_key: dict[int, BlockKey] = {}  # owner block -> its key
+        # Key ids come from a counter and are never reused, so a child key can never point
+        # at a different prefix after its parent's entry was evicted.
+        self._block_key_id: dict[int, int] = {}
+        self._next_key_id = _ROOT_KEY_ID + 1
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._empty) + len(self._evictable)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def slot(self, block_table: Sequence[int], position: int) -> int:
+        return (
+            block_table[position // self.block_size] * self.block_size + position % self.block_size
+        )
+
+    def match_prefix(self, token_ids: Sequence[int]) -> list[int]:
+        """Cached blocks holding the longest run of leading full blocks of token_ids, with one
+        reference taken on each; at least one token is always left to compute, so the step
+        still produces logits."""
+        if not self.enable_prefix_caching:
+            return []
+        max_blocks = max(0, (len(token_ids) - 1) // self.block_size)
+        blocks: list[int] = []
+        parent = _ROOT_KEY_ID
+        for i in range(max_blocks):
+            block = self._cached.get((parent, self._block_tokens(token_ids, i)))
+            if block is None:
+                break
+            blocks.append(block)
+            parent = self._block_key_id[block]
+        for block in blocks:
+            if self._ref_counts[block] == 0:
+                del self._evictable[block]
+            self._ref_counts[block] += 1
+        return blocks
+
+    def allocate(self, block_table: list[int], num_tokens: int) -> bool:
+        """Appends blocks so block_table covers num_tokens slots; all or nothing."""
+        num_needed = -(-num_tokens // self.block_size) - len(block_table)
+        if num_needed <= 0:
+            return True
+        if num_needed > self.num_free_blocks:
+            return False
+        for _ in range(num_needed):
+            block = self._empty.popleft() if self._empty else self._evict()
+            self._ref_counts[block] = 1
+            block_table.append(block)
+        return True
+
+    def commit(
+        self, block_table: Sequence[int], token_ids: Sequence[int], num_computed_tokens: int
+    ) -> None:
+        """Caches every block of block_table that is full and computed (within the first
+        num_computed_tokens of token_ids) and not cached yet."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(num_computed_tokens, len(token_ids)) // self.block_size
+        parent = _ROOT_KEY_ID
+        for i, block in enumerate(block_table[:num_full]):
+            if block in self._block_key:
+                parent = self._block_key_id[block]
+                continue
+            key = (parent, self._block_tokens(token_ids, i))
+            owner = self._cached.get(key)
+            if owner is None:
+                # First copy of this prefix: this block becomes its owner.
+                self._cached[key] = block
+                self._block_key[block] = key
+                self._block_key_id[block] = self._next_key_id
+                self._next_key_id += 1
+                owner = block
+            # A duplicate of a cached block stays uncached; the chain continues from the
+            # owner's key id, which names the same prefix.
+            parent = self._block_key_id[owner]
+
+    def free(self, block_table: Sequence[int]) -> None:
+        """Drops one reference per block. Tail blocks are freed first, so they are evicted
+        before the prefix blocks that more requests are likely to share."""
+        for block in block_table:
+            if self._ref_counts[block] <= 0:
+                raise RuntimeError(f"double free of KV block {block}")
+        for block in reversed(block_table):
+            self._ref_counts[block] -= 1
+            if self._ref_counts[block] > 0:
+                continue
+            if block in self._block_key:
+                self._evictable[block] = None
+            else:
+                self._empty.append(block)
+
+    def _evict(self) -> int:
+        block, _ = self._evictable.popitem(last=False)
+        del self._cached[self._block_key.pop(block)]
+        del self._block_key_id[block]
+        return block
+
+    def _block_tokens(self, token_ids: Sequence[int], index: int) -> tuple[int, ...]:
+        return tuple(token_ids[index * self.block_size : (index + 1) * self.block_size])

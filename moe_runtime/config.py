@@ -1,0 +1,151 @@
+"""RuntimeConfig: one YAML file composed into frozen per-component configs.
+
+Sections `model`, `parallel`, `kernels`, `cache`, `scheduler`, `eplb`, `server`; each
+component receives only its own section. Overrides ("section.key" -> value) win over the
+file. Every bad value fails here, at load, with a message naming the key; values found at run
+time (number of KV blocks, eos id) are returned by their owners, never written back here.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from comm.config import ParallelConfig
+from eplb.config import EplbConfig
+from kernels.config import KernelConfig
+from moe_runtime.model_config import ModelConfig
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    num_blocks: int = 1024
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _positive_int("cache", "block_size", self.block_size)
+        _positive_int("cache", "num_blocks", self.num_blocks)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 1024
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        _positive_int("scheduler", "max_num_seqs", self.max_num_seqs)
+        _positive_int("scheduler", "max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive_int("scheduler", "max_model_len", self.max_model_len)
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                "scheduler.max_num_batched_tokens must be >= scheduler.max_model_len "
+                f"({self.max_model_len}) when chunked prefill is off, got {self.max_num_batched_tokens}"
+            )
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    model_name: str = "moe-runtime"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise ValueError(f"server.port must be an int in [0, 65535], got {self.port!r}")
+
+
+SECTIONS = {
+    "model": ModelConfig,
+    "parallel": ParallelConfig,
+    "kernels": KernelConfig,
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "eplb": EplbConfig,
+    "server": ServerConfig,
+}
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    kernels: KernelConfig = field(default_factory=KernelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    eplb: EplbConfig = field(default_factory=EplbConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+    def __post_init__(self) -> None:
+        if self.scheduler.max_model_len > self.model.max_position_embeddings:
+            raise ValueError(
+                f"scheduler.max_model_len ({self.scheduler.max_model_len}) exceeds "
+                f"model.max_position_embeddings ({self.model.max_position_embeddings})"
+            )
+
+
+def load_config(source: str | Path | dict | RuntimeConfig, overrides: dict[str, Any] | None = None) -> RuntimeConfig:
+    """YAML path or dict (+ {"section.key": value} overrides) -> validated RuntimeConfig."""
+    if isinstance(source, RuntimeConfig):
+        if overrides:
+            raise ValueError("overrides need a YAML path or dict, not a built RuntimeConfig")
+        return source
+    if isinstance(source, (str, Path)):
+        path = Path(source)
+        if not path.is_file():
+            raise ValueError(f"config file {str(path)!r} does not exist")
+        raw = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(raw, dict):
+            raise ValueError(f"config file {str(path)!r} must hold a mapping of sections")
+    elif isinstance(source, dict):
+        raw = copy.deepcopy(source)
+    else:
+        raise TypeError(f"config must be a YAML path, a dict or a RuntimeConfig, got {type(source).__name__}")
+    for dotted, value in (overrides or {}).items():
+        apply_override(raw, dotted, value)
+    unknown = sorted(set(raw) - set(SECTIONS))
+    if unknown:
+        raise ValueError(f"unknown config section {unknown[0]!r} (known: {sorted(SECTIONS)})")
+    built = {}
+    for name, cls in SECTIONS.items():
+        section = raw.get(name) or {}
+        if not isinstance(section, dict):
+            raise ValueError(f"config section {name!r} must be a mapping, got {section!r}")
+        built[name] = cls.from_dict(section) if hasattr(cls, "from_dict") else _build(name, cls, section)
+    return RuntimeConfig(**built)
+
+
+def apply_override(raw: dict, dotted: str, value: Any) -> None:
+    """Set raw[section][key] from "section.key"; string values are parsed as YAML scalars."""
+    section, _, key = dotted.partition(".")
+    if not key or section not in SECTIONS:
+        raise ValueError(f"override {dotted!r} must be 'section.key' with section in {sorted(SECTIONS)}")
+    if isinstance(value, str):
+        value = yaml.safe_load(value)
+    raw.setdefault(section, {})
+    if raw[section] is None:
+        raw[section] = {}
+    raw[section][key] = value
+
+
+def _build(name: str, cls: type, section: dict) -> Any:
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(section) - known)
+    if unknown:
+        raise ValueError(f"unknown key {name}.{unknown[0]} (known: {sorted(known)})")
+    try:
+        return cls(**section)
+    except TypeError as exc:
+        raise ValueError(f"config section {name!r}: {exc}") from exc
+
+
+def _positive_int(section: str, key: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{section}.{key} must be an int >= 1, got {value!r}")

@@ -1,0 +1,30 @@
+"""ForwardBatch: everything one model step reads, as explicit tensors (no globals).
+
+Shapes: T tokens in the step, B sequences, MB max blocks per sequence, R rows needing logits.
+The same request's rows carry the same values whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    token_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64, absolute position of each token in its sequence
+    query_seq_ids: torch.Tensor  # [T] int64, row of block_tables each token belongs to
+    block_tables: torch.Tensor  # [B, MB] int64, -1 padded
+    slot_mapping: torch.Tensor  # [T] int64, flat KV slot each token's latent is written to
+    logits_indices: torch.Tensor  # [R] int64, token rows whose logits are needed
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    def to(self, device: torch.device) -> ForwardBatch:
+        return ForwardBatch(*(t.to(device) for t in (
+            self.token_ids, self.positions, self.query_seq_ids, self.block_tables,
+            self.slot_mapping, self.logits_indices)))

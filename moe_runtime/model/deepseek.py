@@ -1,0 +1,86 @@
+"""The DeepSeek-V2/V3-style decoder: embeddings, MLA + (dense MLP | DeepSeekMoE) layers, LM head.
+
+Plain tensor math over the op table; module and parameter names mirror HF checkpoints
+(`model.layers.{i}.self_attn.kv_a_proj_with_mqa.weight`, ...). The model owns no KV memory:
+the runner passes one latent cache tensor per layer.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels import OpTable
+from moe_runtime.forward_batch import ForwardBatch
+from moe_runtime.model.layers import GatedMLP, Linear, RMSNorm
+from moe_runtime.model.mla import MLAttention
+from moe_runtime.model.moe import MoE
+from moe_runtime.model.rope import RotaryEmbedding
+from moe_runtime.model_config import ModelConfig
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, ops: OpTable, rope: RotaryEmbedding, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
+        self.self_attn = MLAttention(cfg, ops, rope, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
+        if cfg.is_moe_layer(layer_id):
+            self.mlp = MoE(cfg, ops, dtype)
+        else:
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, ops, dtype)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), batch, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DeepseekModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, ops: OpTable) -> None:
+        super().__init__()
+        dtype = TORCH_DTYPES[cfg.dtype]
+        rope = RotaryEmbedding(cfg.qk_rope_head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                               cfg.rope_scaling, cfg.rope_interleave)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, ops, rope, dtype) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
+        self.rope = rope
+
+    def forward(self, batch: ForwardBatch, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        x = self.embed_tokens.weight[batch.token_ids]
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, batch, kv_cache)
+        return self.norm(x)
+
+
+class DeepseekForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, ops: OpTable) -> None:
+        super().__init__()
+        self.config, self.ops = cfg, ops
+        self.model = DeepseekModel(cfg, ops)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, ops, TORCH_DTYPES[cfg.dtype])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return TORCH_DTYPES[self.config.dtype]
+
+    def after_weights_loaded(self) -> None:
+        """Derive the absorbed MLA weights; call after any change to the parameters."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        for layer in self.model.layers:
+            layer.self_attn.absorb_weights()
+
+    def to(self, *args, **kwargs):  # keep the rope tables beside the weights
+        module = super().to(*args, **kwargs)
+        self.model.rope.to(self.lm_head.weight.device)
+        return module
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        """-> fp32 logits [R, V] for the rows batch.logits_indices."""
+        hidden = self.model(batch, kv_caches)
+        return self.ops.linear(hidden[batch.logits_indices], self.lm_head.weight).float()

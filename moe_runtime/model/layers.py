@@ -1,0 +1,48 @@
+"""Weight-holding building blocks that run through the kernel op table.
+
+Parameter names follow HF DeepSeek checkpoints (`.weight`), so a state dict maps directly.
+Every reducing op goes through `ops`, which is the batch-invariant table or the fast one.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels import OpTable
+
+
+class Linear(nn.Module):
+    """y = x W^T, no bias. weight [OUT, IN]."""
+
+    def __init__(self, in_features: int, out_features: int, ops: OpTable, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.linear(x, self.weight)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, ops: OpTable, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
+        self.eps = eps
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.rms_norm(x, self.weight, self.eps)
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)): the dense MLP and the shared experts."""
+
+    def __init__(self, hidden: int, intermediate: int, ops: OpTable, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.gate_proj = Linear(hidden, intermediate, ops, dtype)
+        self.up_proj = Linear(hidden, intermediate, ops, dtype)
+        self.down_proj = Linear(intermediate, hidden, ops, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))

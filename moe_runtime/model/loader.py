@@ -1,0 +1,116 @@
+"""Model weights: HF DeepSeek-V2/V3 safetensors checkpoints, or random weights from a seed.
+
+HF names map one to one except the routed experts, stored per expert in checkpoints
+(`mlp.experts.{e}.gate_proj.weight`, ...) and stacked here by local slot
+(`mlp.experts.gate_up_proj [L, 2I, D]`, `mlp.experts.down_proj [L, D, I]`). `expert_ids` lists
+the logical expert each local slot holds, so a rank loads only its own experts.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from kernels import OpTable
+from moe_runtime.model.deepseek import DeepseekForCausalLM
+from moe_runtime.model_config import ModelConfig
+
+_EXPERT_KEY = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def build_model(cfg: ModelConfig, ops: OpTable, device: torch.device | str = "cpu",
+                expert_ids: Sequence[int] | None = None) -> DeepseekForCausalLM:
+    if expert_ids is None:
+        expert_ids = range(cfg.n_routed_experts)
+    model = DeepseekForCausalLM(cfg, ops)
+    if cfg.path:
+        load_hf_weights(model, Path(cfg.path), list(expert_ids))
+    else:
+        init_random_weights(model, cfg.seed, cfg.init_std, list(expert_ids))
+    model.to(device)
+    model.after_weights_loaded()
+    return model
+
+
+def init_random_weights(model: DeepseekForCausalLM, seed: int, std: float, expert_ids: list[int]) -> None:
+    """Draw every weight from `seed` in fp32 on the CPU, so any dtype/device gets the same values.
+
+    Routed experts are drawn per logical expert, so a rank holding a subset gets the same weights.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):
+                continue
+            if name.endswith("norm.weight"):
+                value = torch.ones(param.shape)
+            elif name.endswith("e_score_correction_bias"):
+                value = torch.rand(param.shape, generator=gen) * 0.2 - 0.1
+            else:
+                value = torch.randn(param.shape, generator=gen) * std
+            param.copy_(value.to(param.dtype))
+        for layer_id, layer in enumerate(model.model.layers):
+            experts = getattr(layer.mlp, "experts", None)
+            if experts is None:
+                continue
+            for slot, logical in enumerate(expert_ids):
+                expert_gen = torch.Generator().manual_seed(seed * 1_000_003 + layer_id * 10_007 + logical)
+                experts.gate_up_proj[slot].copy_(torch.randn(experts.gate_up_proj.shape[1:], generator=expert_gen) * std)
+                experts.down_proj[slot].copy_(torch.randn(experts.down_proj.shape[1:], generator=expert_gen) * std)
+
+
+def load_hf_weights(model: DeepseekForCausalLM, path: Path, expert_ids: list[int]) -> None:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model.path {str(path)!r} holds no *.safetensors files")
+    num_layers = model.config.num_hidden_layers
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        for key, value in load_file(str(file)).items():
+            layer = _LAYER_KEY.match(key)
+            if layer and int(layer.group(1)) >= num_layers:
+                continue  # multi-token-prediction layers are not part of this model
+            tensors[key] = value
+    tensors = _stack_experts(tensors, expert_ids)
+    params = dict(model.named_parameters())
+    if model.config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+        params.pop("lm_head.weight", None)
+    missing = sorted(set(params) - set(tensors))
+    unexpected = sorted(set(tensors) - set(params))
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {str(path)!r} does not match the model: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+    with torch.no_grad():
+        for name, param in params.items():
+            value = tensors[name]
+            if value.shape != param.shape:
+                raise ValueError(f"checkpoint tensor {name} has shape {tuple(value.shape)}, "
+                                 f"the model expects {tuple(param.shape)}")
+            param.copy_(value.to(param.dtype))
+
+
+def _stack_experts(tensors: dict[str, torch.Tensor], expert_ids: list[int]) -> dict[str, torch.Tensor]:
+    """Per-expert checkpoint tensors -> stacked gate_up_proj / down_proj for the local slots."""
+    per_expert: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    out = {}
+    for key, value in tensors.items():
+        match = _EXPERT_KEY.match(key)
+        if match is None:
+            out[key] = value
+            continue
+        prefix, expert, proj = match.group(1), int(match.group(2)), match.group(3)
+        per_expert.setdefault(prefix, {}).setdefault(expert, {})[proj] = value
+    for prefix, experts in per_expert.items():
+        absent = [e for e in expert_ids if e not in experts]
+        if absent:
+            raise ValueError(f"checkpoint lacks {prefix}.{absent[0]}")
+        out[f"{prefix}.gate_up_proj"] = torch.stack(
+            [torch.cat([experts[e]["gate_proj"], experts[e]["up_proj"]]) for e in expert_ids])
+        out[f"{prefix}.down_proj"] = torch.stack([experts[e]["down_proj"] for e in expert_ids])
+    return out

@@ -1,0 +1,79 @@
+"""Multi-head latent attention (MLA) over the paged latent KV cache.
+
+One formulation for prefill and decode: the latent (kv_lora) and rope key of every new token are
+written to the cache first, then every query attends over the cache with W_UK absorbed into the
+query and W_UV applied after, so a token's output has the same bits whether its prompt was
+prefilled whole, in chunks, from the prefix cache, or decoded one token at a time.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels import OpTable
+from moe_runtime.forward_batch import ForwardBatch
+from moe_runtime.model.layers import Linear, RMSNorm
+from moe_runtime.model.rope import RotaryEmbedding, softmax_scale
+from moe_runtime.model_config import ModelConfig
+
+
+class MLAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, ops: OpTable, rope: RotaryEmbedding, dtype: torch.dtype) -> None:
+        super().__init__()
+        d, h = cfg.hidden_size, cfg.num_attention_heads
+        self.num_heads, self.nope_dim, self.rope_dim = h, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+        self.kv_lora_rank, self.v_dim = cfg.kv_lora_rank, cfg.v_head_dim
+        if cfg.q_lora_rank is None:
+            self.q_proj = Linear(d, h * cfg.qk_head_dim, ops, dtype)
+        else:
+            self.q_a_proj = Linear(d, cfg.q_lora_rank, ops, dtype)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, ops, dtype)
+            self.q_b_proj = Linear(cfg.q_lora_rank, h * cfg.qk_head_dim, ops, dtype)
+        self.kv_a_proj_with_mqa = Linear(d, cfg.latent_dim, ops, dtype)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps, ops, dtype)
+        self.kv_b_proj = Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), ops, dtype)
+        self.o_proj = Linear(h * cfg.v_head_dim, d, ops, dtype)
+        self.scale = softmax_scale(cfg.qk_head_dim, cfg.rope_scaling)
+        self.rope, self.ops = rope, ops
+        self.w_uk_t: torch.Tensor | None = None
+        self.w_uv: torch.Tensor | None = None
+
+    def absorb_weights(self) -> None:
+        """Split kv_b_proj into per-head W_UK^T [H, kv_lora, nope] and W_UV [H, v, kv_lora].
+
+        Called after every weight load; contiguous copies so each per-head GEMM sees one layout.
+        """
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        self.w_uk_t = w[:, : self.nope_dim].transpose(1, 2).contiguous()
+        self.w_uv = w[:, self.nope_dim :].contiguous()
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
+        """x [T, D] -> [T, D]; writes this step's latents into kv_cache [NB, BS, C] first."""
+        t = x.shape[0]
+        if hasattr(self, "q_proj"):
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(t, self.num_heads, self.nope_dim + self.rope_dim)
+        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        q_pe = self.rope(q_pe, batch.positions)
+
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent.contiguous())
+        k_pe = self.rope(k_pe[:, None, :], batch.positions)[:, 0]
+        # Index assignment (no accumulation): the cache row of a token is exactly its latent.
+        kv_cache.view(-1, kv_cache.shape[-1])[batch.slot_mapping] = torch.cat([latent, k_pe], dim=-1)
+
+        q_latent = torch.stack(
+            [self.ops.linear(q_nope[:, h].contiguous(), self.w_uk_t[h]) for h in range(self.num_heads)], dim=1
+        )
+        query = torch.cat([q_latent, q_pe], dim=-1)
+        out_latent = self.ops.mla_attention(
+            query, kv_cache, batch.query_seq_ids, batch.block_tables, batch.positions,
+            scale=self.scale, v_dim=self.kv_lora_rank,
+        )
+        out = torch.stack(
+            [self.ops.linear(out_latent[:, h].contiguous(), self.w_uv[h]) for h in range(self.num_heads)], dim=1
+        )
+        return self.o_proj(out.reshape(t, self.num_heads * self.v_dim))

@@ -1,0 +1,151 @@
+"""ModelConfig: the architecture of a DeepSeek-style MoE model, and where its weights come from.
+
+Built from the YAML `model` section (random weights drawn from `seed`) or from an HF
+DeepSeek-V2/V3 `config.json` when `path` names a checkpoint directory. Field names follow the
+HF configs so a `config.json` maps one to one.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+SCORING_FUNCS = ("softmax", "sigmoid")
+TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str | None = None
+    dtype: str = "float32"
+    seed: int = 0
+    init_std: float = 0.02
+    vocab_size: int = 512
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    moe_intermediate_size: int = 32
+    num_hidden_layers: int = 3
+    num_attention_heads: int = 4
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 32
+    qk_nope_head_dim: int = 16
+    qk_rope_head_dim: int = 8
+    v_head_dim: int = 16
+    n_routed_experts: int = 16
+    n_shared_experts: int = 1
+    num_experts_per_tok: int = 4
+    n_group: int = 4
+    topk_group: int = 2
+    topk_method: str = "noaux_tc"
+    scoring_func: str = "sigmoid"
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    first_k_dense_replace: int = 1
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    rope_interleave: bool = True
+    max_position_embeddings: int = 2048
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
+                    "num_hidden_layers", "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim",
+                    "qk_rope_head_dim", "v_head_dim", "n_routed_experts", "num_experts_per_tok",
+                    "n_group", "topk_group", "max_position_embeddings"):
+            _require(isinstance(getattr(self, key), int) and getattr(self, key) >= 1, key,
+                     getattr(self, key), "an int >= 1")
+        _require(self.q_lora_rank is None or (isinstance(self.q_lora_rank, int) and self.q_lora_rank >= 1),
+                 "q_lora_rank", self.q_lora_rank, "null or an int >= 1")
+        _require(self.dtype in DTYPES, "dtype", self.dtype, f"one of {DTYPES}")
+        _require(self.scoring_func in SCORING_FUNCS, "scoring_func", self.scoring_func, f"one of {SCORING_FUNCS}")
+        _require(self.topk_method in TOPK_METHODS, "topk_method", self.topk_method, f"one of {TOPK_METHODS}")
+        _require(self.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim", self.qk_rope_head_dim, "even")
+        _require(self.n_routed_experts % self.n_group == 0, "n_group", self.n_group,
+                 f"a divisor of n_routed_experts ({self.n_routed_experts})")
+        _require(self.topk_group <= self.n_group, "topk_group", self.topk_group, f"<= n_group ({self.n_group})")
+        _require(self.num_experts_per_tok <= self.n_routed_experts, "num_experts_per_tok",
+                 self.num_experts_per_tok, f"<= n_routed_experts ({self.n_routed_experts})")
+        _require(isinstance(self.n_shared_experts, int) and self.n_shared_experts >= 0,
+                 "n_shared_experts", self.n_shared_experts, "an int >= 0")
+        _require(0 <= self.first_k_dense_replace <= self.num_hidden_layers, "first_k_dense_replace",
+                 self.first_k_dense_replace, f"in [0, num_hidden_layers={self.num_hidden_layers}]")
+        _require(self.rms_norm_eps > 0, "rms_norm_eps", self.rms_norm_eps, "> 0")
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
+            _require(kind in ("yarn", "default"), "rope_scaling.type", kind, "'yarn' or 'default'")
+        for key in ("bos_token_id", "eos_token_id"):
+            value = getattr(self, key)
+            _require(value is None or 0 <= value < self.vocab_size, key, value,
+                     f"null or in [0, vocab_size={self.vocab_size})")
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Width of one cached KV row: the compressed latent plus the shared rope key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        return layer_id >= self.first_k_dense_replace
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        """Build from the YAML section; with `path`, the architecture comes from config.json."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"unknown key model.{unknown[0]} (known: {sorted(known)})")
+        raw = dict(raw)
+        if raw.get("path"):
+            hf = _read_hf_config(Path(raw["path"]))
+            clash = sorted(set(raw) & set(hf))
+            if clash:
+                raise ValueError(f"model.{clash[0]} is set in the YAML but comes from {raw['path']}/config.json")
+            raw.update(hf)
+        return cls(**raw)
+
+
+def _read_hf_config(path: Path) -> dict[str, Any]:
+    """Map an HF DeepSeek-V2/V3 config.json onto ModelConfig fields."""
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"model.path {str(path)!r} has no config.json")
+    hf = json.loads(config_file.read_text())
+    model_type = hf.get("model_type")
+    if model_type not in ("deepseek_v2", "deepseek_v3"):
+        raise ValueError(f"model.path: model_type {model_type!r} is not deepseek_v2 or deepseek_v3")
+    known = {f.name for f in fields(ModelConfig)}
+    out = {k: v for k, v in hf.items() if k in known and k not in ("path", "dtype", "seed", "init_std")}
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if "rope_theta" in rope:
+        out["rope_theta"] = rope["rope_theta"]
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    out["rope_scaling"] = None if kind == "default" else {k: v for k, v in rope.items() if k != "rope_theta"}
+    if model_type == "deepseek_v2":
+        out["scoring_func"] = "softmax"
+        out["rope_interleave"] = True  # V2 rotates adjacent (even, odd) pairs
+        out.setdefault("norm_topk_prob", False)
+        out.setdefault("topk_method", "greedy")
+    else:
+        out["scoring_func"] = "sigmoid"
+        out["topk_method"] = "noaux_tc"
+    for key in ("n_group", "topk_group"):
+        if out.get(key) is None:
+            out[key] = 1
+    for key in ("bos_token_id", "eos_token_id"):
+        if isinstance(out.get(key), list):
+            out[key] = out[key][0]
+    return out
+
+
+def _require(ok: bool, key: str, value: object, expected: str) -> None:
+    if not ok:
+        raise ValueError(f"model.{key} must be {expected}, got {value!r}")

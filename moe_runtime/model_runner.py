@@ -1,0 +1,92 @@
+"""ModelRunner: turns scheduled chunks into a ForwardBatch, runs the model, samples.
+
+Owns the model, the per-layer latent KV caches and the sampler of one rank. Rows that need
+logits are the last token of a chunk that completes its sequence (a new token is sampled) and,
+for scoring sequences, every position whose next token is a scored one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import OpTable
+from moe_runtime.block_manager import BlockManager
+from moe_runtime.forward_batch import ForwardBatch
+from moe_runtime.model.deepseek import DeepseekForCausalLM
+from moe_runtime.sampler import Sampler, SampleResult, derive_seed
+from moe_runtime.scheduler import ScheduledChunk
+
+
+class ModelRunner:
+    def __init__(self, model: DeepseekForCausalLM, ops: OpTable, blocks: BlockManager,
+                 device: torch.device) -> None:
+        cfg = model.config
+        self.model, self.ops, self.blocks, self.device = model, ops, blocks, device
+        self.kv_caches = [
+            torch.zeros(blocks.num_blocks, blocks.block_size, cfg.latent_dim, dtype=model.dtype, device=device)
+            for _ in range(cfg.num_hidden_layers)
+        ]
+        self.sampler = Sampler(ops.log_softmax)
+
+    def step(self, chunks: list[ScheduledChunk]) -> tuple[dict[int, SampleResult], dict[int, list[float]]]:
+        """-> (sampled token per generating seq_id, new scored logprobs per scoring seq_id)."""
+        if not chunks:
+            return {}, {}
+        batch, row_owners = self._build_batch(chunks)
+        logits = self.model(batch.to(self.device), self.kv_caches)
+        samples: dict[int, SampleResult] = {}
+        scored: dict[int, list[float]] = {}
+        gen_rows = [i for i, (chunk, _) in enumerate(row_owners) if not chunk.seq.is_score]
+        if gen_rows:
+            seqs = [row_owners[i][0].seq for i in gen_rows]
+            results = self.sampler.sample(
+                logits[gen_rows], [s.params for s in seqs], [s.seed for s in seqs],
+                [len(s.output_token_ids) for s in seqs],
+            )
+            samples = {s.seq_id: r for s, r in zip(seqs, results, strict=True)}
+        score_rows = [i for i, (chunk, _) in enumerate(row_owners) if chunk.seq.is_score]
+        if score_rows:
+            logprobs = self.ops.log_softmax(logits[score_rows]).cpu()
+            for row, i in enumerate(score_rows):
+                chunk, position = row_owners[i]
+                next_token = chunk.seq.token_ids[position + 1]
+                scored.setdefault(chunk.seq.seq_id, []).append(logprobs[row, next_token].item())
+        return samples, scored
+
+    def _build_batch(self, chunks: list[ScheduledChunk]) -> tuple[ForwardBatch, list[tuple[ScheduledChunk, int]]]:
+        token_ids, positions, seq_rows, slots, logit_rows = [], [], [], [], []
+        row_owners: list[tuple[ScheduledChunk, int]] = []
+        for seq_row, chunk in enumerate(chunks):
+            seq = chunk.seq
+            span = range(chunk.start, chunk.start + chunk.num_tokens)
+            all_ids = seq.token_ids
+            for position in span:
+                if seq.is_score:
+                    # Positions scored before a preemption are not scored twice.
+                    first = seq.num_prompt_tokens - 1 + len(seq.output_logprobs)
+                    needs_logits = first <= position < seq.num_tokens - 1
+                else:
+                    needs_logits = position == seq.num_tokens - 1
+                if needs_logits:
+                    logit_rows.append(len(token_ids))
+                    row_owners.append((chunk, position))
+                token_ids.append(all_ids[position])
+                positions.append(position)
+                seq_rows.append(seq_row)
+                slots.append(self.blocks.slot(seq.block_table, position))
+        width = max(len(c.seq.block_table) for c in chunks)
+        tables = [c.seq.block_table + [-1] * (width - len(c.seq.block_table)) for c in chunks]
+        batch = ForwardBatch(
+            token_ids=torch.tensor(token_ids, dtype=torch.int64),
+            positions=torch.tensor(positions, dtype=torch.int64),
+            query_seq_ids=torch.tensor(seq_rows, dtype=torch.int64),
+            block_tables=torch.tensor(tables, dtype=torch.int64),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            logits_indices=torch.tensor(logit_rows, dtype=torch.int64),
+        )
+        return batch, row_owners
+
+
+def sample_seed(request_seed: int, sample_idx: int, num_samples: int) -> int:
+    """The seed of sample `sample_idx`: the request seed itself when n == 1, else derived."""
+    return request_seed if num_samples == 1 else derive_seed(request_seed, sample_idx)

@@ -1,0 +1,150 @@
+"""Scheduler: continuous batching with chunked prefill, prefix caching and lossless preemption.
+
+Each step packs up to `max_num_batched_tokens` tokens from at most `max_num_seqs` sequences:
+running sequences first (a decode token, or the next chunk of their prefill), then waiting ones
+in arrival order. When KV blocks run out, the newest running sequence is preempted: its blocks
+are freed and it goes back to the front of the queue with every token it has, to be recomputed
+later (which gives the same bits, since every kernel is batch-invariant). Nothing is dropped.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from moe_runtime.block_manager import BlockManager
+from moe_runtime.config import SchedulerConfig
+from moe_runtime.sampler import SampleResult
+from moe_runtime.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    seq: Sequence
+    start: int  # first position computed this step
+    num_tokens: int
+
+    @property
+    def completes_sequence(self) -> bool:
+        """True when this chunk reaches the last known token, so the step yields logits."""
+        return self.start + self.num_tokens == self.seq.num_tokens
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, eos_token_id: int | None) -> None:
+        self.config = config
+        self.blocks = block_manager
+        self.eos_token_id = eos_token_id
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledChunk]:
+        budget = self.config.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            chunk = self._chunk_for(seq, budget)
+            while not self.blocks.allocate(seq.block_table, seq.num_computed_tokens + chunk):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status is SequenceStatus.RUNNING:
+                chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, chunk))
+                budget -= chunk
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.block_table:
+                # A scoring sequence must compute every position it scores: match its prompt only.
+                known = seq.prompt_token_ids if seq.is_score else seq.token_ids
+                seq.block_table = self.blocks.match_prefix(known)
+                seq.num_computed_tokens = len(seq.block_table) * self.blocks.block_size
+            chunk = self._chunk_for(seq, budget)
+            if chunk == 0 or not self.blocks.allocate(seq.block_table, seq.num_computed_tokens + chunk):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, chunk))
+            budget -= chunk
+        return chunks
+
+    def _chunk_for(self, seq: Sequence, budget: int) -> int:
+        remaining = seq.num_tokens - seq.num_computed_tokens
+        if self.config.enable_chunked_prefill:
+            return min(remaining, budget)
+        return remaining if remaining <= budget else 0
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq.block_table)
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def update(self, chunks: list[ScheduledChunk], samples: dict[int, SampleResult]) -> list[Sequence]:
+        """Advance the scheduled sequences past this step; returns those that finished."""
+        finished = []
+        for chunk in chunks:
+            seq = chunk.seq
+            seq.num_computed_tokens += chunk.num_tokens
+            self.blocks.commit(seq.block_table, seq.token_ids, seq.num_computed_tokens)
+            if seq.is_score:
+                if seq.num_computed_tokens == seq.num_tokens:
+                    self._finish(seq, "scored")
+                    finished.append(seq)
+                continue
+            sample = samples.get(seq.seq_id)
+            if sample is None:
+                continue
+            seq.output_token_ids.append(sample.token_id)
+            seq.output_logprobs.append(sample.logprob)
+            seq.output_top_logprobs.append(sample.top_logprobs)
+            reason = self._finish_reason(seq, sample.token_id)
+            if reason is not None:
+                self._finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
+        params = seq.params
+        if token_id in params.stop_token_ids:
+            return "stop"
+        if not params.ignore_eos and token_id == self.eos_token_id:
+            return "stop"
+        if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.running.remove(seq)
+        self.blocks.free(seq.block_table)
+        seq.block_table = []
+
+    def abort(self, request_id: str) -> list[Sequence]:
+        """Drop every sequence of a request (e.g. a client went away); frees their blocks."""
+        dropped = [s for s in (*self.waiting, *self.running) if s.request_id == request_id]
+        for seq in dropped:
+            if seq in self.running:
+                self._finish(seq, "abort")
+            else:
+                self.waiting.remove(seq)
+                if seq.block_table:
+                    self.blocks.free(seq.block_table)
+                    seq.block_table = []
+                seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+        return dropped

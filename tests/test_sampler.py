@@ -1,0 +1,175 @@
+import math
+
+import pytest
+import torch
+
+from moe_runtime.sampler import Sampler, SampleResult, derive_seed, resolve_seed
+from moe_runtime.sampling_params import SamplingParams
+
+
+@pytest.fixture
+def sampler() -> Sampler:
+    return Sampler(lambda x: torch.log_softmax(x.float(), -1))
+
+
+@pytest.fixture
+def logits() -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1234)
+    return torch.randn(6, 50, generator=generator) * 3
+
+
+def _same(a: SampleResult, b: SampleResult) -> bool:
+    # Python float equality on values read from fp32 tensors is a bit comparison (no NaN here).
+    return (
+        a.token_id == b.token_id
+        and a.logprob == b.logprob
+        and list(a.top_logprobs.items()) == list(b.top_logprobs.items())
+    )
+
+
+def test_derive_seed_stable_and_distinct():
+    assert derive_seed(7, 0) == derive_seed(7, 0)
+    seeds = {derive_seed(7, i) for i in range(1000)} | {derive_seed(i, 7) for i in range(8, 1000)}
+    assert len(seeds) == 1000 + 992
+    assert all(0 <= s < 2**63 for s in seeds)
+    with pytest.raises(ValueError, match="derive_seed"):
+        derive_seed(-1)
+
+
+def test_resolve_seed():
+    assert resolve_seed(42) == 42
+    fresh = {resolve_seed(None) for _ in range(10)}
+    assert len(fresh) == 10 and all(0 <= s < 2**63 for s in fresh)
+
+
+def test_greedy_is_argmax_with_raw_logprobs(sampler, logits):
+    params = SamplingParams(temperature=0.0, logprobs=3, logprobs_mode="processed")
+    results = sampler.sample(logits, [params] * 6, [0] * 6, [0] * 6)
+    raw = torch.log_softmax(logits, -1)
+    for i, r in enumerate(results):
+        assert r.token_id == int(torch.argmax(logits[i]))
+        assert r.logprob == raw[i, r.token_id].item()
+        assert list(r.top_logprobs) == torch.topk(raw[i], 3).indices.tolist()
+
+
+def test_ties_go_to_lower_id(sampler):
+    row = torch.tensor([[0.0, 5.0, 1.0, 5.0, 5.0, -1.0]])
+    greedy = sampler.sample(row, [SamplingParams(temperature=0.0, logprobs=4)], [0], [0])[0]
+    assert greedy.token_id == 1
+    assert list(greedy.top_logprobs) == [1, 3, 4, 2]
+    # top_k=2 among three tied maxima keeps ids 1 and 3, never 4.
+    params = SamplingParams(temperature=1.0, top_k=2)
+    tokens = {sampler.sample(row, [params], [s], [0])[0].token_id for s in range(200)}
+    assert tokens == {1, 3}
+
+
+def test_batch_invariance(sampler, logits):
+    """A row's result does not depend on the other rows or on where it sits in the batch."""
+    params = [
+        SamplingParams(temperature=0.8, top_p=0.9, top_k=20, logprobs=5),
+        SamplingParams(temperature=1.3, logprobs=5, logprobs_mode="processed"),
+        SamplingParams(temperature=0.0, logprobs=2),
+        SamplingParams(temperature=0.5, top_k=3, logprobs=0),
+        SamplingParams(temperature=1.0, top_p=0.5, logprobs=7, logprobs_mode="processed"),
+        SamplingParams(temperature=2.0),
+    ]
+    seeds = [11, 22, 33, 44, 55, 66]
+    positions = [0, 5, 9, 1, 100, 3]
+    full = sampler.sample(logits, params, seeds, positions)
+    for i in range(6):
+        alone = sampler.sample(logits[i : i + 1].clone(), [params[i]], [seeds[i]], [positions[i]])
+        assert _same(alone[0], full[i])
+    perm = [3, 5, 0, 4, 2, 1]
+    permuted = sampler.sample(
+        logits[perm],
+        [params[j] for j in perm],
+        [seeds[j] for j in perm],
+        [positions[j] for j in perm],
+    )
+    for k, j in enumerate(perm):
+        assert _same(permuted[k], full[j])
+    # Other rows replaced by different logits: row 0 still the same.
+    mixed = torch.cat([logits[:1], torch.randn(3, 50)])
+    again = sampler.sample(mixed, [params[0]] * 4, [seeds[0], 1, 2, 3], [positions[0], 7, 8, 9])
+    assert _same(again[0], full[0])
+
+
+def test_seed_and_position_change_the_draw(sampler):
+    row = torch.zeros(1, 64)  # uniform: every token equally likely
+    params = SamplingParams(temperature=1.0)
+    by_seed = [sampler.sample(row, [params], [s], [0])[0].token_id for s in range(200)]
+    by_position = [sampler.sample(row, [params], [5], [p])[0].token_id for p in range(200)]
+    assert len(set(by_seed)) > 40 and len(set(by_position)) > 40
+    repeat = [sampler.sample(row, [params], [s], [0])[0].token_id for s in range(200)]
+    assert repeat == by_seed
+
+
+def test_frequencies_match_softmax(sampler):
+    """Chi-square over 4000 seeded draws; 18.47 is the 0.999 quantile for 4 degrees of freedom."""
+    temperature = 0.7
+    row = torch.tensor([[1.0, 0.5, 0.0, -0.5, 2.0]])
+    num_draws = 4000
+    params = SamplingParams(temperature=temperature)
+    counts = torch.zeros(5)
+    results = sampler.sample(
+        row.expand(num_draws, 5).contiguous(),
+        [params] * num_draws,
+        list(range(num_draws)),
+        [3] * num_draws,
+    )
+    for r in results:
+        counts[r.token_id] += 1
+
+    def chi2(t: float) -> float:
+        expected = torch.softmax(row[0] / t, -1) * num_draws
+        return float(((counts - expected) ** 2 / expected).sum())
+
+    assert chi2(temperature) < 18.47
+    assert chi2(1.0) > 18.47  # control: the test can tell the temperature apart
+
+
+def test_top_k_never_leaves_the_top_k(sampler, logits):
+    params = SamplingParams(temperature=5.0, top_k=4)
+    allowed = set(torch.topk(logits[2], 4).indices.tolist())
+    tokens = {sampler.sample(logits[2:3], [params], [s], [0])[0].token_id for s in range(300)}
+    assert tokens <= allowed and len(tokens) > 1
+
+
+def test_top_p_keeps_the_nucleus(sampler):
+    # probs 0.5, 0.3, 0.15, 0.05: top_p=0.75 needs the first two (0.5 < 0.75 <= 0.8).
+    probs = torch.tensor([0.15, 0.5, 0.05, 0.3])
+    row = probs.log()[None]
+    params = SamplingParams(temperature=1.0, top_p=0.75, logprobs=4, logprobs_mode="processed")
+    results = [sampler.sample(row, [params], [s], [0])[0] for s in range(300)]
+    assert {r.token_id for r in results} == {1, 3}
+    top = results[0].top_logprobs
+    assert math.isclose(math.exp(top[1]), 0.5 / 0.8, rel_tol=1e-5)
+    assert top[0] == top[2] == -math.inf
+    # A tiny top_p keeps the first token only.
+    tiny = SamplingParams(temperature=1.0, top_p=0.01)
+    assert {sampler.sample(row, [tiny], [s], [0])[0].token_id for s in range(50)} == {1}
+
+
+def test_raw_and_processed_logprobs(sampler, logits):
+    raw = SamplingParams(temperature=0.5, logprobs=3, seed=9)
+    processed = SamplingParams(temperature=0.5, logprobs=3, seed=9, logprobs_mode="processed")
+    a, b = sampler.sample(logits[:2], [raw, processed], [9, 9], [4, 4])
+    b_alone = sampler.sample(logits[:1], [processed], [9], [4])[0]
+    assert a.token_id == b_alone.token_id  # the mode changes what is reported, not the draw
+    assert a.logprob == torch.log_softmax(logits[0], -1)[a.token_id].item()
+    assert b_alone.logprob == torch.log_softmax(logits[0] / 0.5, -1)[a.token_id].item()
+    assert a.logprob != b_alone.logprob
+    assert b.top_logprobs != {}
+
+
+def test_no_top_logprobs_when_not_asked(sampler, logits):
+    for logprobs in (None, 0):
+        r = sampler.sample(logits[:1], [SamplingParams(logprobs=logprobs)], [1], [0])[0]
+        assert r.top_logprobs == {}
+
+
+def test_rejects_mismatched_inputs(sampler, logits):
+    with pytest.raises(ValueError, match="one params/seed"):
+        sampler.sample(logits, [SamplingParams()], [0], [0])
+    with pytest.raises(ValueError, match="fp32"):
+        sampler.sample(logits.double(), [SamplingParams()] * 6, [0] * 6, [0] * 6)
