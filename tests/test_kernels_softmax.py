@@ -1,0 +1,44 @@
+"""Softmax / log-softmax: closeness to fp64 and bitwise row invariance of the references.
+
+No negative control here: plain torch softmax was measured batch-invariant on this CPU
+(fp32 and bf16 inputs, V from 7 to 2**20, 1 and 2 threads), so a control could not fail.
+"""
+
+import pytest
+import torch
+
+from kernels.softmax import log_softmax_fast, log_softmax_ref, softmax_fast, softmax_ref
+
+TILE_SIZES = (4, 16)
+OPS = [
+    (softmax_ref, softmax_fast, torch.softmax),
+    (log_softmax_ref, log_softmax_fast, torch.log_softmax),
+]
+
+
+def _prefix_sizes(tile_rows):
+    return sorted({1, 2, 3, 7, tile_rows - 1, tile_rows, tile_rows + 1, 2 * tile_rows + 3} - {0})
+
+
+@pytest.mark.parametrize("ref, fast, fp64_op", OPS)
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+def test_softmax_ref_close_to_fp64_and_fast(generator, ref, fast, fp64_op, dtype):
+    x = (torch.randn(37, 1000, generator=generator) * 4).to(dtype)
+    out = ref(x, tile_rows=4)
+    assert out.dtype == torch.float32
+    expected = fp64_op(x.double(), dim=-1).float()
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-5)  # fp32 output, V = 1000
+    torch.testing.assert_close(out, fast(x), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("ref", [op[0] for op in OPS])
+@pytest.mark.parametrize("tile_rows", TILE_SIZES)
+def test_softmax_ref_rows_bitwise_invariant(generator, ref, tile_rows):
+    x = torch.randn(40, 1003, generator=generator) * 4
+    full = ref(x, tile_rows=tile_rows)
+    for m in _prefix_sizes(tile_rows):
+        assert torch.equal(ref(x[:m], tile_rows=tile_rows), full[:m]), m
+    perm = torch.randperm(40, generator=generator)
+    assert torch.equal(ref(x[perm], tile_rows=tile_rows), full[perm])
+    mixed = torch.cat([torch.randn(5, 1003, generator=generator), x[11:12]])
+    assert torch.equal(ref(mixed, tile_rows=tile_rows)[5], full[11])
