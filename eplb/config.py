@@ -27,11 +27,13 @@ class EplbConfig:
                 raise ValueError(f"eplb.{key} must be an int >= 1, got {value!r}")
         if not isinstance(self.num_redundant_experts, int) or self.num_redundant_experts < 0:
             raise ValueError(
-                f"eplb.num_redundant_experts must be an int >= 0, got {self.num_redundant_experts!r}"
+                "eplb.num_redundant_experts must be an int >= 0, "
+                f"got {self.num_redundant_experts!r}"
             )
         if self.policy not in POLICIES:
             raise ValueError(f"eplb.policy must be one of {POLICIES}, got {self.policy!r}")
         if not 0.0 < self.balancedness_threshold <= 1.0:
             raise ValueError(
-                f"eplb.balancedness_threshold must be in (0, 1], got {self.balancedness_threshold!r}"
+                "eplb.balancedness_threshold must be in (0, 1], "
+                f"got {self.balancedness_threshold!r}"
             )

@@ -67,8 +67,8 @@ def _attend_tile(q, kv_cache, seq_ids, block_tables, positions, scale, v_dim):
         p = torch.exp(scores - max_new[..., None])
         sum_new = row_sum * alpha + p.sum(-1)
         acc_new = acc * alpha[..., None] + torch.bmm(p, kv[:, :, :v_dim])
-        # Why: a chunk wholly past a query's position must leave its state bit-for-bit
-        # unchanged (not even 0.0 + -0.0), so the tile's chunk count never shows in its output.
+        # Why: a chunk wholly past a query's position must leave its state bit-for-bit as it
+        # was (adding +0.0 would still flip a -0.0), so the tile's chunk count never shows.
         is_live = valid[:, 0, None]
         row_max = torch.where(is_live, max_new, row_max)
         row_sum = torch.where(is_live, sum_new, row_sum)

@@ -14,7 +14,7 @@ from kernels.tiling import map_row_tiles
 
 
 def rms_norm_fast(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [T, D], weight [D] -> [T, D] in weight's/x's promoted dtype, as DeepseekV3RMSNorm."""
+    """x [T, D], weight [D] -> [T, D] (promoted dtype of weight and x), as HF DeepSeek."""
     x32 = x.float()
     var = x32.pow(2).mean(-1, keepdim=True)
     return weight * (x32 * torch.rsqrt(var + eps)).to(x.dtype)

@@ -35,6 +35,7 @@ class BlockManager:
         # at a different prefix after its parent's entry was evicted.
         self._block_key_id: dict[int, int] = {}
         self._next_key_id = _ROOT_KEY_ID + 1
+        self.num_hit_blocks = 0  # blocks served from the prefix cache so far (a metric)
 
     @property
     def num_free_blocks(self) -> int:
@@ -68,6 +69,7 @@ class BlockManager:
             if self._ref_counts[block] == 0:
                 del self._evictable[block]
             self._ref_counts[block] += 1
+        self.num_hit_blocks += len(blocks)
         return blocks
 
     def allocate(self, block_table: list[int], num_tokens: int) -> bool:

@@ -46,7 +46,8 @@ class SchedulerConfig:
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 "scheduler.max_num_batched_tokens must be >= scheduler.max_model_len "
-                f"({self.max_model_len}) when chunked prefill is off, got {self.max_num_batched_tokens}"
+                f"({self.max_model_len}) when chunked prefill is off, "
+                f"got {self.max_num_batched_tokens}"
             )
 
 
@@ -91,7 +92,9 @@ class RuntimeConfig:
             )
 
 
-def load_config(source: str | Path | dict | RuntimeConfig, overrides: dict[str, Any] | None = None) -> RuntimeConfig:
+def load_config(
+    source: str | Path | dict | RuntimeConfig, overrides: dict[str, Any] | None = None
+) -> RuntimeConfig:
     """YAML path or dict (+ {"section.key": value} overrides) -> validated RuntimeConfig."""
     if isinstance(source, RuntimeConfig):
         if overrides:
@@ -107,7 +110,9 @@ def load_config(source: str | Path | dict | RuntimeConfig, overrides: dict[str, 
     elif isinstance(source, dict):
         raw = copy.deepcopy(source)
     else:
-        raise TypeError(f"config must be a YAML path, a dict or a RuntimeConfig, got {type(source).__name__}")
+        raise TypeError(
+            f"config must be a YAML path, a dict or a RuntimeConfig, got {type(source).__name__}"
+        )
     for dotted, value in (overrides or {}).items():
         apply_override(raw, dotted, value)
     unknown = sorted(set(raw) - set(SECTIONS))
@@ -118,7 +123,9 @@ def load_config(source: str | Path | dict | RuntimeConfig, overrides: dict[str, 
         section = raw.get(name) or {}
         if not isinstance(section, dict):
             raise ValueError(f"config section {name!r} must be a mapping, got {section!r}")
-        built[name] = cls.from_dict(section) if hasattr(cls, "from_dict") else _build(name, cls, section)
+        built[name] = (
+            cls.from_dict(section) if hasattr(cls, "from_dict") else _build(name, cls, section)
+        )
     return RuntimeConfig(**built)
 
 
@@ -126,7 +133,9 @@ def apply_override(raw: dict, dotted: str, value: Any) -> None:
     """Set raw[section][key] from "section.key"; string values are parsed as YAML scalars."""
     section, _, key = dotted.partition(".")
     if not key or section not in SECTIONS:
-        raise ValueError(f"override {dotted!r} must be 'section.key' with section in {sorted(SECTIONS)}")
+        raise ValueError(
+            f"override {dotted!r} must be 'section.key' with section in {sorted(SECTIONS)}"
+        )
     if isinstance(value, str):
         value = yaml.safe_load(value)
     raw.setdefault(section, {})

@@ -39,33 +39,56 @@ class LLMEngine:
         self.blocks = BlockManager(cache.num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.blocks, config.model.eos_token_id)
         self.runner = ModelRunner(model, self.ops, self.blocks, self.device)
-        self.tokenizer = ByteTokenizer(config.model.vocab_size, config.model.bos_token_id, config.model.eos_token_id)
+        self.tokenizer = ByteTokenizer(
+            config.model.vocab_size, config.model.bos_token_id, config.model.eos_token_id
+        )
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> list[Sequence]:
+    def add_request(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+    ) -> list[Sequence]:
         """Queue one request (n sequences); raises ValueError naming the problem if it is bad."""
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.validate_prompt(token_ids)
         request_id = request_id if request_id is not None else f"req-{next(self._request_ids)}"
         seed = resolve_seed(params.seed)
         seqs = [
-            Sequence(next(self._seq_ids), request_id, i, list(token_ids), params, sample_seed(seed, i, params.n))
+            Sequence(
+                next(self._seq_ids),
+                request_id,
+                i,
+                list(token_ids),
+                params,
+                sample_seed(seed, i, params.n),
+            )
             for i in range(params.n)
         ]
         for seq in seqs:
             self.scheduler.add(seq)
         return seqs
 
-    def add_score_request(self, token_ids: list[int], prompt_len: int, request_id: str | None = None) -> Sequence:
+    def add_score_request(
+        self, token_ids: list[int], prompt_len: int, request_id: str | None = None
+    ) -> Sequence:
         """Queue a teacher-forced scoring of token_ids[prompt_len:] given everything before."""
         self.validate_prompt(token_ids)
         if not 1 <= prompt_len < len(token_ids):
-            raise ValueError(f"prompt_len must be in [1, {len(token_ids) - 1}] for a sequence of "
-                             f"{len(token_ids)} tokens, got {prompt_len}")
+            raise ValueError(
+                f"prompt_len must be in [1, {len(token_ids) - 1}] for a sequence of "
+                f"{len(token_ids)} tokens, got {prompt_len}"
+            )
         request_id = request_id if request_id is not None else f"score-{next(self._request_ids)}"
-        seq = Sequence(next(self._seq_ids), request_id, 0, list(token_ids[:prompt_len]), SamplingParams(), 0,
-                       is_score=True, output_token_ids=list(token_ids[prompt_len:]))
+        seq = Sequence(
+            next(self._seq_ids),
+            request_id,
+            0,
+            list(token_ids[:prompt_len]),
+            SamplingParams(),
+            0,
+            is_score=True,
+            output_token_ids=list(token_ids[prompt_len:]),
+        )
         self.scheduler.add(seq)
         return seq
 
@@ -74,15 +97,26 @@ class LLMEngine:
         max_len = self.config.scheduler.max_model_len
         if not token_ids:
             raise ValueError("prompt is empty")
-        bad = next((t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab), None)
+        bad = next(
+            (
+                t
+                for t in token_ids
+                if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab
+            ),
+            None,
+        )
         if bad is not None:
             raise ValueError(f"token id {bad!r} is outside the vocabulary [0, {vocab})")
         if len(token_ids) > max_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens, more than scheduler.max_model_len={max_len}")
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens, more than scheduler.max_model_len={max_len}"
+            )
         needed = -(-max_len // self.blocks.block_size)
         if needed > self.blocks.num_blocks:
-            raise ValueError(f"a sequence of max_model_len={max_len} needs {needed} KV blocks, "
-                             f"the cache has cache.num_blocks={self.blocks.num_blocks}")
+            raise ValueError(
+                f"a sequence of max_model_len={max_len} needs {needed} KV blocks, "
+                f"the cache has cache.num_blocks={self.blocks.num_blocks}"
+            )
 
     def step(self) -> list[Sequence]:
         """Run one scheduler step; returns the sequences that finished in it."""

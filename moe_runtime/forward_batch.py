@@ -25,6 +25,16 @@ class ForwardBatch:
         return int(self.token_ids.shape[0])
 
     def to(self, device: torch.device) -> ForwardBatch:
-        return ForwardBatch(*(t.to(device) for t in (
-            self.token_ids, self.positions, self.query_seq_ids, self.block_tables,
-            self.slot_mapping, self.logits_indices)))
+        return ForwardBatch(
+            *(
+                t.to(device)
+                for t in (
+                    self.token_ids,
+                    self.positions,
+                    self.query_seq_ids,
+                    self.block_tables,
+                    self.slot_mapping,
+                    self.logits_indices,
+                )
+            )
+        )

@@ -62,11 +62,17 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def generate(self, prompts: list[str | list[int]] | str, params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: list[str | list[int]] | str,
+        params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in prompt order. Bad prompts raise before any work."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        params_list = (
+            params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        )
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
         for i, prompt in enumerate(prompts):
@@ -75,7 +81,9 @@ class LLM:
                 self.engine.validate_prompt(ids)
             except ValueError as exc:
                 raise ValueError(f"prompt {i}: {exc}") from None
-        requests = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params_list, strict=True)]
+        requests = [
+            self.engine.add_request(p, sp) for p, sp in zip(prompts, params_list, strict=True)
+        ]
         self._run_until_done()
         return [self._request_output(seqs) for seqs in requests]
 
@@ -83,7 +91,10 @@ class LLM:
         """Teacher-forced logprob of every token after the prompt, one list per sequence."""
         if len(sequences) != len(prompt_lens):
             raise ValueError(f"got {len(prompt_lens)} prompt_lens for {len(sequences)} sequences")
-        seqs = [self.engine.add_score_request(list(s), n) for s, n in zip(sequences, prompt_lens, strict=True)]
+        seqs = [
+            self.engine.add_score_request(list(s), n)
+            for s, n in zip(sequences, prompt_lens, strict=True)
+        ]
         self._run_until_done()
         return [list(s.output_logprobs) for s in seqs]
 
@@ -97,8 +108,13 @@ class LLM:
 
     def _request_output(self, seqs: list[Sequence]) -> RequestOutput:
         outputs = [
-            CompletionOutput(list(s.output_token_ids), list(s.output_logprobs), list(s.output_top_logprobs),
-                             s.finish_reason, self.tokenizer.decode(s.output_token_ids))
+            CompletionOutput(
+                list(s.output_token_ids),
+                list(s.output_logprobs),
+                list(s.output_top_logprobs),
+                s.finish_reason,
+                self.tokenizer.decode(s.output_token_ids),
+            )
             for s in seqs
         ]
         return RequestOutput(seqs[0].request_id, list(seqs[0].prompt_token_ids), outputs)

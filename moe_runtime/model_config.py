@@ -54,35 +54,92 @@ class ModelConfig:
     tie_word_embeddings: bool = False
 
     def __post_init__(self) -> None:
-        for key in ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
-                    "num_hidden_layers", "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim",
-                    "qk_rope_head_dim", "v_head_dim", "n_routed_experts", "num_experts_per_tok",
-                    "n_group", "topk_group", "max_position_embeddings"):
-            _require(isinstance(getattr(self, key), int) and getattr(self, key) >= 1, key,
-                     getattr(self, key), "an int >= 1")
-        _require(self.q_lora_rank is None or (isinstance(self.q_lora_rank, int) and self.q_lora_rank >= 1),
-                 "q_lora_rank", self.q_lora_rank, "null or an int >= 1")
+        for key in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "moe_intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "kv_lora_rank",
+            "qk_nope_head_dim",
+            "qk_rope_head_dim",
+            "v_head_dim",
+            "n_routed_experts",
+            "num_experts_per_tok",
+            "n_group",
+            "topk_group",
+            "max_position_embeddings",
+        ):
+            _require(
+                isinstance(getattr(self, key), int) and getattr(self, key) >= 1,
+                key,
+                getattr(self, key),
+                "an int >= 1",
+            )
+        _require(
+            self.q_lora_rank is None
+            or (isinstance(self.q_lora_rank, int) and self.q_lora_rank >= 1),
+            "q_lora_rank",
+            self.q_lora_rank,
+            "null or an int >= 1",
+        )
         _require(self.dtype in DTYPES, "dtype", self.dtype, f"one of {DTYPES}")
-        _require(self.scoring_func in SCORING_FUNCS, "scoring_func", self.scoring_func, f"one of {SCORING_FUNCS}")
-        _require(self.topk_method in TOPK_METHODS, "topk_method", self.topk_method, f"one of {TOPK_METHODS}")
+        _require(
+            self.scoring_func in SCORING_FUNCS,
+            "scoring_func",
+            self.scoring_func,
+            f"one of {SCORING_FUNCS}",
+        )
+        _require(
+            self.topk_method in TOPK_METHODS,
+            "topk_method",
+            self.topk_method,
+            f"one of {TOPK_METHODS}",
+        )
         _require(self.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim", self.qk_rope_head_dim, "even")
-        _require(self.n_routed_experts % self.n_group == 0, "n_group", self.n_group,
-                 f"a divisor of n_routed_experts ({self.n_routed_experts})")
-        _require(self.topk_group <= self.n_group, "topk_group", self.topk_group, f"<= n_group ({self.n_group})")
-        _require(self.num_experts_per_tok <= self.n_routed_experts, "num_experts_per_tok",
-                 self.num_experts_per_tok, f"<= n_routed_experts ({self.n_routed_experts})")
-        _require(isinstance(self.n_shared_experts, int) and self.n_shared_experts >= 0,
-                 "n_shared_experts", self.n_shared_experts, "an int >= 0")
-        _require(0 <= self.first_k_dense_replace <= self.num_hidden_layers, "first_k_dense_replace",
-                 self.first_k_dense_replace, f"in [0, num_hidden_layers={self.num_hidden_layers}]")
+        _require(
+            self.n_routed_experts % self.n_group == 0,
+            "n_group",
+            self.n_group,
+            f"a divisor of n_routed_experts ({self.n_routed_experts})",
+        )
+        _require(
+            self.topk_group <= self.n_group,
+            "topk_group",
+            self.topk_group,
+            f"<= n_group ({self.n_group})",
+        )
+        _require(
+            self.num_experts_per_tok <= self.n_routed_experts,
+            "num_experts_per_tok",
+            self.num_experts_per_tok,
+            f"<= n_routed_experts ({self.n_routed_experts})",
+        )
+        _require(
+            isinstance(self.n_shared_experts, int) and self.n_shared_experts >= 0,
+            "n_shared_experts",
+            self.n_shared_experts,
+            "an int >= 0",
+        )
+        _require(
+            0 <= self.first_k_dense_replace <= self.num_hidden_layers,
+            "first_k_dense_replace",
+            self.first_k_dense_replace,
+            f"in [0, num_hidden_layers={self.num_hidden_layers}]",
+        )
         _require(self.rms_norm_eps > 0, "rms_norm_eps", self.rms_norm_eps, "> 0")
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
             _require(kind in ("yarn", "default"), "rope_scaling.type", kind, "'yarn' or 'default'")
         for key in ("bos_token_id", "eos_token_id"):
             value = getattr(self, key)
-            _require(value is None or 0 <= value < self.vocab_size, key, value,
-                     f"null or in [0, vocab_size={self.vocab_size})")
+            _require(
+                value is None or 0 <= value < self.vocab_size,
+                key,
+                value,
+                f"null or in [0, vocab_size={self.vocab_size})",
+            )
 
     @property
     def qk_head_dim(self) -> int:
@@ -108,7 +165,9 @@ class ModelConfig:
             hf = _read_hf_config(Path(raw["path"]))
             clash = sorted(set(raw) & set(hf))
             if clash:
-                raise ValueError(f"model.{clash[0]} is set in the YAML but comes from {raw['path']}/config.json")
+                raise ValueError(
+                    f"model.{clash[0]} is set in the YAML but comes from {raw['path']}/config.json"
+                )
             raw.update(hf)
         return cls(**raw)
 
@@ -123,12 +182,16 @@ def _read_hf_config(path: Path) -> dict[str, Any]:
     if model_type not in ("deepseek_v2", "deepseek_v3"):
         raise ValueError(f"model.path: model_type {model_type!r} is not deepseek_v2 or deepseek_v3")
     known = {f.name for f in fields(ModelConfig)}
-    out = {k: v for k, v in hf.items() if k in known and k not in ("path", "dtype", "seed", "init_std")}
+    out = {
+        k: v for k, v in hf.items() if k in known and k not in ("path", "dtype", "seed", "init_std")
+    }
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     if "rope_theta" in rope:
         out["rope_theta"] = rope["rope_theta"]
     kind = rope.get("rope_type", rope.get("type", "default"))
-    out["rope_scaling"] = None if kind == "default" else {k: v for k, v in rope.items() if k != "rope_theta"}
+    out["rope_scaling"] = (
+        None if kind == "default" else {k: v for k, v in rope.items() if k != "rope_theta"}
+    )
     if model_type == "deepseek_v2":
         out["scoring_func"] = "softmax"
         out["rope_interleave"] = True  # V2 rotates adjacent (even, odd) pairs

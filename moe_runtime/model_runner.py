@@ -18,17 +18,26 @@ from moe_runtime.scheduler import ScheduledChunk
 
 
 class ModelRunner:
-    def __init__(self, model: DeepseekForCausalLM, ops: OpTable, blocks: BlockManager,
-                 device: torch.device) -> None:
+    def __init__(
+        self, model: DeepseekForCausalLM, ops: OpTable, blocks: BlockManager, device: torch.device
+    ) -> None:
         cfg = model.config
         self.model, self.ops, self.blocks, self.device = model, ops, blocks, device
         self.kv_caches = [
-            torch.zeros(blocks.num_blocks, blocks.block_size, cfg.latent_dim, dtype=model.dtype, device=device)
+            torch.zeros(
+                blocks.num_blocks,
+                blocks.block_size,
+                cfg.latent_dim,
+                dtype=model.dtype,
+                device=device,
+            )
             for _ in range(cfg.num_hidden_layers)
         ]
         self.sampler = Sampler(ops.log_softmax)
 
-    def step(self, chunks: list[ScheduledChunk]) -> tuple[dict[int, SampleResult], dict[int, list[float]]]:
+    def step(
+        self, chunks: list[ScheduledChunk]
+    ) -> tuple[dict[int, SampleResult], dict[int, list[float]]]:
         """-> (sampled token per generating seq_id, new scored logprobs per scoring seq_id)."""
         if not chunks:
             return {}, {}
@@ -40,7 +49,9 @@ class ModelRunner:
         if gen_rows:
             seqs = [row_owners[i][0].seq for i in gen_rows]
             results = self.sampler.sample(
-                logits[gen_rows], [s.params for s in seqs], [s.seed for s in seqs],
+                logits[gen_rows],
+                [s.params for s in seqs],
+                [s.seed for s in seqs],
                 [len(s.output_token_ids) for s in seqs],
             )
             samples = {s.seq_id: r for s, r in zip(seqs, results, strict=True)}
@@ -53,7 +64,9 @@ class ModelRunner:
                 scored.setdefault(chunk.seq.seq_id, []).append(logprobs[row, next_token].item())
         return samples, scored
 
-    def _build_batch(self, chunks: list[ScheduledChunk]) -> tuple[ForwardBatch, list[tuple[ScheduledChunk, int]]]:
+    def _build_batch(
+        self, chunks: list[ScheduledChunk]
+    ) -> tuple[ForwardBatch, list[tuple[ScheduledChunk, int]]]:
         token_ids, positions, seq_rows, slots, logit_rows = [], [], [], [], []
         row_owners: list[tuple[ScheduledChunk, int]] = []
         for seq_row, chunk in enumerate(chunks):

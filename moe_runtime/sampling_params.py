@@ -27,14 +27,39 @@ class SamplingParams:
     logprobs_mode: str = "raw"
 
     def __post_init__(self) -> None:
-        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", self.max_tokens, "an int >= 1")
+        _check(
+            isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+            "max_tokens",
+            self.max_tokens,
+            "an int >= 1",
+        )
         _check(self.temperature >= 0.0, "temperature", self.temperature, ">= 0")
         _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "in (0, 1]")
-        _check(isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1), "top_k", self.top_k, "-1 (off) or an int >= 1")
-        _check(self.seed is None or (isinstance(self.seed, int) and self.seed >= 0), "seed", self.seed, "None or an int >= 0")
-        _check(self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0), "logprobs", self.logprobs, "None or an int >= 0")
+        _check(
+            isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1),
+            "top_k",
+            self.top_k,
+            "-1 (off) or an int >= 1",
+        )
+        _check(
+            self.seed is None or (isinstance(self.seed, int) and self.seed >= 0),
+            "seed",
+            self.seed,
+            "None or an int >= 0",
+        )
+        _check(
+            self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0),
+            "logprobs",
+            self.logprobs,
+            "None or an int >= 0",
+        )
         _check(isinstance(self.n, int) and self.n >= 1, "n", self.n, "an int >= 1")
-        _check(self.logprobs_mode in LOGPROBS_MODES, "logprobs_mode", self.logprobs_mode, f"one of {LOGPROBS_MODES}")
+        _check(
+            self.logprobs_mode in LOGPROBS_MODES,
+            "logprobs_mode",
+            self.logprobs_mode,
+            f"one of {LOGPROBS_MODES}",
+        )
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
     @property

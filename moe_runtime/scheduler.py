@@ -31,7 +31,9 @@ class ScheduledChunk:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, eos_token_id: int | None) -> None:
+    def __init__(
+        self, config: SchedulerConfig, block_manager: BlockManager, eos_token_id: int | None
+    ) -> None:
         self.config = config
         self.blocks = block_manager
         self.eos_token_id = eos_token_id
@@ -70,7 +72,9 @@ class Scheduler:
                 seq.block_table = self.blocks.match_prefix(known)
                 seq.num_computed_tokens = len(seq.block_table) * self.blocks.block_size
             chunk = self._chunk_for(seq, budget)
-            if chunk == 0 or not self.blocks.allocate(seq.block_table, seq.num_computed_tokens + chunk):
+            if chunk == 0 or not self.blocks.allocate(
+                seq.block_table, seq.num_computed_tokens + chunk
+            ):
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
@@ -94,7 +98,9 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def update(self, chunks: list[ScheduledChunk], samples: dict[int, SampleResult]) -> list[Sequence]:
+    def update(
+        self, chunks: list[ScheduledChunk], samples: dict[int, SampleResult]
+    ) -> list[Sequence]:
         """Advance the scheduled sequences past this step; returns those that finished."""
         finished = []
         for chunk in chunks:
@@ -124,7 +130,10 @@ class Scheduler:
             return "stop"
         if not params.ignore_eos and token_id == self.eos_token_id:
             return "stop"
-        if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
+        if (
+            len(seq.output_token_ids) >= params.max_tokens
+            or seq.num_tokens >= self.config.max_model_len
+        ):
             return "length"
         return None
 

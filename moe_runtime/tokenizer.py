@@ -8,9 +8,13 @@ from __future__ import annotations
 
 
 class ByteTokenizer:
-    def __init__(self, vocab_size: int, bos_token_id: int | None = None, eos_token_id: int | None = None) -> None:
+    def __init__(
+        self, vocab_size: int, bos_token_id: int | None = None, eos_token_id: int | None = None
+    ) -> None:
         if vocab_size < 256:
-            raise ValueError(f"the byte-level tokenizer needs model.vocab_size >= 256, got {vocab_size}")
+            raise ValueError(
+                f"the byte-level tokenizer needs model.vocab_size >= 256, got {vocab_size}"
+            )
         self.vocab_size = vocab_size
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id

@@ -16,21 +16,48 @@ from moe_runtime import LLM, SamplingParams  # noqa: E402
 from moe_runtime.forward_batch import ForwardBatch  # noqa: E402
 
 TINY = dict(
-    vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
-    num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=16,
-    kv_lora_rank=32, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16, n_group=4, topk_group=2,
-    num_experts_per_tok=4, first_k_dense_replace=1, max_position_embeddings=512, initializer_range=0.1,
-    bos_token_id=256, eos_token_id=257,
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    n_shared_experts=1,
+    n_routed_experts=16,
+    kv_lora_rank=32,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    qk_nope_head_dim=16,
+    n_group=4,
+    topk_group=2,
+    num_experts_per_tok=4,
+    first_k_dense_replace=1,
+    max_position_embeddings=512,
+    initializer_range=0.1,
+    bos_token_id=256,
+    eos_token_id=257,
 )
-YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
-        "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}
+YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 128,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 0.707,
+    "mscale_all_dim": 0.707,
+}
 
 CASES = {
     "v3-sigmoid-noaux_tc": ("v3", dict(q_lora_rank=None, routed_scaling_factor=2.5)),
     "v3-sigmoid-q_lora": ("v3", dict(q_lora_rank=24, routed_scaling_factor=2.5)),
     "v3-q_lora-yarn": ("v3", dict(q_lora_rank=24, rope_parameters=YARN)),
     "v2-softmax-greedy": ("v2", dict(q_lora_rank=None, topk_method="greedy")),
-    "v2-softmax-group_limited-q_lora": ("v2", dict(q_lora_rank=24, topk_method="group_limited_greedy")),
+    "v2-softmax-group_limited-q_lora": (
+        "v2",
+        dict(q_lora_rank=24, topk_method="group_limited_greedy"),
+    ),
 }
 
 
@@ -58,8 +85,12 @@ def _our_logits(llm: LLM, token_ids: list[int]) -> torch.Tensor:
     n = len(token_ids)
     num_blocks = -(-n // block_size)
     batch = ForwardBatch(
-        token_ids=torch.tensor(token_ids), positions=torch.arange(n), query_seq_ids=torch.zeros(n, dtype=torch.int64),
-        block_tables=torch.arange(num_blocks)[None], slot_mapping=torch.arange(n), logits_indices=torch.arange(n),
+        token_ids=torch.tensor(token_ids),
+        positions=torch.arange(n),
+        query_seq_ids=torch.zeros(n, dtype=torch.int64),
+        block_tables=torch.arange(num_blocks)[None],
+        slot_mapping=torch.arange(n),
+        logits_indices=torch.arange(n),
     )
     return runner.model(batch, runner.kv_caches)
 
@@ -70,7 +101,7 @@ def _hf_greedy(model: torch.nn.Module, prompt: list[int], num_tokens: int) -> li
     with torch.no_grad():
         for _ in range(num_tokens):
             tokens.append(int(model(torch.tensor([tokens])).logits[0, -1].argmax()))
-    return tokens[len(prompt):]
+    return tokens[len(prompt) :]
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -39,9 +39,15 @@ def paged_cache(generator):
 def _run(op, q, kv_cache, seq_ids, block_tables, positions, rows, **kwargs):
     rows = torch.as_tensor(rows, dtype=torch.int64)
     return op(
-        q[rows], kv_cache, seq_ids[rows], block_tables, positions[rows],
-        scale=SCALE, v_dim=KV_LORA_RANK, **kwargs,
-    )  # fmt: skip
+        q[rows],
+        kv_cache,
+        seq_ids[rows],
+        block_tables,
+        positions[rows],
+        scale=SCALE,
+        v_dim=KV_LORA_RANK,
+        **kwargs,
+    )
 
 
 def _fp64_attention(q, kv_cache, seq_ids, block_tables, positions):
@@ -73,7 +79,10 @@ def test_attention_ref_close_to_fp64_and_fast(paged_cache, tile_rows):
 @pytest.mark.parametrize("tile_rows", TILE_SIZES)
 def test_attention_ref_prefill_equals_decode_bitwise(paged_cache, tile_rows):
     q, kv_cache, seq_ids, block_tables, positions = paged_cache
-    attend = lambda rows: _run(mla_attention_ref, *paged_cache, rows, tile_rows=tile_rows)  # noqa: E731
+
+    def attend(rows):
+        return _run(mla_attention_ref, *paged_cache, rows, tile_rows=tile_rows)
+
     prefill = attend(range(len(seq_ids)))
     seq0, seq1, seq2 = (_rows_of(s, seq_ids) for s in range(3))
     # A sequence's prefill alone, and chunked prefill in pieces that cut through blocks.

@@ -27,16 +27,17 @@ def test_linear_ref_close_to_fp64_and_fast(generator, tile_rows):
     torch.testing.assert_close(out, linear_fast(x, w), atol=ATOL, rtol=RTOL)
 
 
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
 @pytest.mark.parametrize("tile_rows", TILE_SIZES)
-def test_linear_ref_rows_bitwise_invariant(generator, tile_rows):
-    x, w = _inputs(generator)
+def test_linear_ref_rows_bitwise_invariant(generator, tile_rows, dtype):
+    x, w = (t.to(dtype) for t in _inputs(generator))
     full = linear_ref(x, w, tile_rows=tile_rows)
     for m in _prefix_sizes(tile_rows):
         assert torch.equal(linear_ref(x[:m], w, tile_rows=tile_rows), full[:m]), m
     perm = torch.randperm(x.shape[0], generator=generator)
     assert torch.equal(linear_ref(x[perm], w, tile_rows=tile_rows), full[perm])
     # Row 5 placed among freshly drawn neighbours, at another offset in its tile.
-    others = torch.randn(9, x.shape[1], generator=generator)
+    others = torch.randn(9, x.shape[1], generator=generator).to(dtype)
     mixed = torch.cat([others[:6], x[5:6], others[6:]])
     assert torch.equal(linear_ref(mixed, w, tile_rows=tile_rows)[6], full[5])
 

@@ -22,7 +22,14 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, ops: OpTable, rope: RotaryEmbedding, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layer_id: int,
+        ops: OpTable,
+        rope: RotaryEmbedding,
+        dtype: torch.dtype,
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
         self.self_attn = MLAttention(cfg, ops, rope, dtype)
@@ -41,11 +48,18 @@ class DeepseekModel(nn.Module):
     def __init__(self, cfg: ModelConfig, ops: OpTable) -> None:
         super().__init__()
         dtype = TORCH_DTYPES[cfg.dtype]
-        rope = RotaryEmbedding(cfg.qk_rope_head_dim, cfg.max_position_embeddings, cfg.rope_theta,
-                               cfg.rope_scaling, cfg.rope_interleave)
+        rope = RotaryEmbedding(
+            cfg.qk_rope_head_dim,
+            cfg.max_position_embeddings,
+            cfg.rope_theta,
+            cfg.rope_scaling,
+            cfg.rope_interleave,
+        )
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, ops, rope, dtype) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, ops, rope, dtype) for i in range(cfg.num_hidden_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
         self.rope = rope
 

@@ -15,9 +15,13 @@ from kernels import OpTable
 class Linear(nn.Module):
     """y = x W^T, no bias. weight [OUT, IN]."""
 
-    def __init__(self, in_features: int, out_features: int, ops: OpTable, dtype: torch.dtype) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, ops: OpTable, dtype: torch.dtype
+    ) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features, dtype=dtype), requires_grad=False
+        )
         self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -19,12 +19,18 @@ from kernels import OpTable
 from moe_runtime.model.deepseek import DeepseekForCausalLM
 from moe_runtime.model_config import ModelConfig
 
-_EXPERT_KEY = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT_KEY = re.compile(
+    r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$"
+)
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
 
 
-def build_model(cfg: ModelConfig, ops: OpTable, device: torch.device | str = "cpu",
-                expert_ids: Sequence[int] | None = None) -> DeepseekForCausalLM:
+def build_model(
+    cfg: ModelConfig,
+    ops: OpTable,
+    device: torch.device | str = "cpu",
+    expert_ids: Sequence[int] | None = None,
+) -> DeepseekForCausalLM:
     if expert_ids is None:
         expert_ids = range(cfg.n_routed_experts)
     model = DeepseekForCausalLM(cfg, ops)
@@ -37,7 +43,9 @@ def build_model(cfg: ModelConfig, ops: OpTable, device: torch.device | str = "cp
     return model
 
 
-def init_random_weights(model: DeepseekForCausalLM, seed: int, std: float, expert_ids: list[int]) -> None:
+def init_random_weights(
+    model: DeepseekForCausalLM, seed: int, std: float, expert_ids: list[int]
+) -> None:
     """Draw every weight from `seed` in fp32 on the CPU, so any dtype/device gets the same values.
 
     Routed experts are drawn per logical expert, so a rank holding a subset gets the same weights.
@@ -59,9 +67,15 @@ def init_random_weights(model: DeepseekForCausalLM, seed: int, std: float, exper
             if experts is None:
                 continue
             for slot, logical in enumerate(expert_ids):
-                expert_gen = torch.Generator().manual_seed(seed * 1_000_003 + layer_id * 10_007 + logical)
-                experts.gate_up_proj[slot].copy_(torch.randn(experts.gate_up_proj.shape[1:], generator=expert_gen) * std)
-                experts.down_proj[slot].copy_(torch.randn(experts.down_proj.shape[1:], generator=expert_gen) * std)
+                expert_gen = torch.Generator().manual_seed(
+                    seed * 1_000_003 + layer_id * 10_007 + logical
+                )
+                experts.gate_up_proj[slot].copy_(
+                    torch.randn(experts.gate_up_proj.shape[1:], generator=expert_gen) * std
+                )
+                experts.down_proj[slot].copy_(
+                    torch.randn(experts.down_proj.shape[1:], generator=expert_gen) * std
+                )
 
 
 def load_hf_weights(model: DeepseekForCausalLM, path: Path, expert_ids: list[int]) -> None:
@@ -84,18 +98,24 @@ def load_hf_weights(model: DeepseekForCausalLM, path: Path, expert_ids: list[int
     missing = sorted(set(params) - set(tensors))
     unexpected = sorted(set(tensors) - set(params))
     if missing or unexpected:
-        raise ValueError(f"checkpoint {str(path)!r} does not match the model: missing {missing[:5]}, "
-                         f"unexpected {unexpected[:5]}")
+        raise ValueError(
+            f"checkpoint {str(path)!r} does not match the model: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}"
+        )
     with torch.no_grad():
         for name, param in params.items():
             value = tensors[name]
             if value.shape != param.shape:
-                raise ValueError(f"checkpoint tensor {name} has shape {tuple(value.shape)}, "
-                                 f"the model expects {tuple(param.shape)}")
+                raise ValueError(
+                    f"checkpoint tensor {name} has shape {tuple(value.shape)}, "
+                    f"the model expects {tuple(param.shape)}"
+                )
             param.copy_(value.to(param.dtype))
 
 
-def _stack_experts(tensors: dict[str, torch.Tensor], expert_ids: list[int]) -> dict[str, torch.Tensor]:
+def _stack_experts(
+    tensors: dict[str, torch.Tensor], expert_ids: list[int]
+) -> dict[str, torch.Tensor]:
     """Per-expert checkpoint tensors -> stacked gate_up_proj / down_proj for the local slots."""
     per_expert: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
     out = {}
@@ -111,6 +131,7 @@ def _stack_experts(tensors: dict[str, torch.Tensor], expert_ids: list[int]) -> d
         if absent:
             raise ValueError(f"checkpoint lacks {prefix}.{absent[0]}")
         out[f"{prefix}.gate_up_proj"] = torch.stack(
-            [torch.cat([experts[e]["gate_proj"], experts[e]["up_proj"]]) for e in expert_ids])
+            [torch.cat([experts[e]["gate_proj"], experts[e]["up_proj"]]) for e in expert_ids]
+        )
         out[f"{prefix}.down_proj"] = torch.stack([experts[e]["down_proj"] for e in expert_ids])
     return out

@@ -19,7 +19,9 @@ from moe_runtime.model_config import ModelConfig
 
 
 class MLAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: OpTable, rope: RotaryEmbedding, dtype: torch.dtype) -> None:
+    def __init__(
+        self, cfg: ModelConfig, ops: OpTable, rope: RotaryEmbedding, dtype: torch.dtype
+    ) -> None:
         super().__init__()
         d, h = cfg.hidden_size, cfg.num_attention_heads
         self.num_heads, self.nope_dim, self.rope_dim = h, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
@@ -32,7 +34,9 @@ class MLAttention(nn.Module):
             self.q_b_proj = Linear(cfg.q_lora_rank, h * cfg.qk_head_dim, ops, dtype)
         self.kv_a_proj_with_mqa = Linear(d, cfg.latent_dim, ops, dtype)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps, ops, dtype)
-        self.kv_b_proj = Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), ops, dtype)
+        self.kv_b_proj = Linear(
+            cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), ops, dtype
+        )
         self.o_proj = Linear(h * cfg.v_head_dim, d, ops, dtype)
         self.scale = softmax_scale(cfg.qk_head_dim, cfg.rope_scaling)
         self.rope, self.ops = rope, ops
@@ -44,7 +48,9 @@ class MLAttention(nn.Module):
 
         Called after every weight load; contiguous copies so each per-head GEMM sees one layout.
         """
-        w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        w = self.kv_b_proj.weight.view(
+            self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank
+        )
         self.w_uk_t = w[:, : self.nope_dim].transpose(1, 2).contiguous()
         self.w_uv = w[:, self.nope_dim :].contiguous()
 
@@ -63,17 +69,32 @@ class MLAttention(nn.Module):
         latent = self.kv_a_layernorm(latent.contiguous())
         k_pe = self.rope(k_pe[:, None, :], batch.positions)[:, 0]
         # Index assignment (no accumulation): the cache row of a token is exactly its latent.
-        kv_cache.view(-1, kv_cache.shape[-1])[batch.slot_mapping] = torch.cat([latent, k_pe], dim=-1)
+        kv_cache.view(-1, kv_cache.shape[-1])[batch.slot_mapping] = torch.cat(
+            [latent, k_pe], dim=-1
+        )
 
         q_latent = torch.stack(
-            [self.ops.linear(q_nope[:, h].contiguous(), self.w_uk_t[h]) for h in range(self.num_heads)], dim=1
+            [
+                self.ops.linear(q_nope[:, h].contiguous(), self.w_uk_t[h])
+                for h in range(self.num_heads)
+            ],
+            dim=1,
         )
         query = torch.cat([q_latent, q_pe], dim=-1)
         out_latent = self.ops.mla_attention(
-            query, kv_cache, batch.query_seq_ids, batch.block_tables, batch.positions,
-            scale=self.scale, v_dim=self.kv_lora_rank,
+            query,
+            kv_cache,
+            batch.query_seq_ids,
+            batch.block_tables,
+            batch.positions,
+            scale=self.scale,
+            v_dim=self.kv_lora_rank,
         )
         out = torch.stack(
-            [self.ops.linear(out_latent[:, h].contiguous(), self.w_uv[h]) for h in range(self.num_heads)], dim=1
+            [
+                self.ops.linear(out_latent[:, h].contiguous(), self.w_uv[h])
+                for h in range(self.num_heads)
+            ],
+            dim=1,
         )
         return self.o_proj(out.reshape(t, self.num_heads * self.v_dim))

@@ -20,9 +20,13 @@ from moe_runtime.model_config import ModelConfig
 class Router(nn.Module):
     def __init__(self, cfg: ModelConfig, ops: OpTable) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size), requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.empty(cfg.n_routed_experts, cfg.hidden_size), requires_grad=False
+        )
         if cfg.topk_method == "noaux_tc":
-            self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.n_routed_experts), requires_grad=False)
+            self.e_score_correction_bias = nn.Parameter(
+                torch.zeros(cfg.n_routed_experts), requires_grad=False
+            )
         else:
             self.e_score_correction_bias = None
         self.cfg, self.ops = cfg, ops
@@ -32,9 +36,14 @@ class Router(nn.Module):
         logits = self.ops.linear(x.float(), self.weight.float())
         cfg = self.cfg
         return self.ops.router_topk(
-            logits, self.e_score_correction_bias, top_k=cfg.num_experts_per_tok,
-            num_groups=cfg.n_group, topk_group=cfg.topk_group, scoring_func=cfg.scoring_func,
-            topk_method=cfg.topk_method, norm_topk_prob=cfg.norm_topk_prob,
+            logits,
+            self.e_score_correction_bias,
+            top_k=cfg.num_experts_per_tok,
+            num_groups=cfg.n_group,
+            topk_group=cfg.topk_group,
+            scoring_func=cfg.scoring_func,
+            topk_method=cfg.topk_method,
+            norm_topk_prob=cfg.norm_topk_prob,
             routed_scaling_factor=cfg.routed_scaling_factor,
         )
 
@@ -42,25 +51,37 @@ class Router(nn.Module):
 class Experts(nn.Module):
     """Routed experts stacked by local slot: gate_up_proj [L, 2I, D], down_proj [L, D, I]."""
 
-    def __init__(self, num_local: int, hidden: int, intermediate: int, ops: OpTable, dtype: torch.dtype) -> None:
+    def __init__(
+        self, num_local: int, hidden: int, intermediate: int, ops: OpTable, dtype: torch.dtype
+    ) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.empty(num_local, 2 * intermediate, hidden, dtype=dtype), requires_grad=False)
-        self.down_proj = nn.Parameter(torch.empty(num_local, hidden, intermediate, dtype=dtype), requires_grad=False)
+        self.gate_up_proj = nn.Parameter(
+            torch.empty(num_local, 2 * intermediate, hidden, dtype=dtype), requires_grad=False
+        )
+        self.down_proj = nn.Parameter(
+            torch.empty(num_local, hidden, intermediate, dtype=dtype), requires_grad=False
+        )
         self.ops = ops
 
     def forward(self, rows: torch.Tensor, group_sizes: list[int]) -> torch.Tensor:
         """rows [N, D] sorted by local expert (group_sizes [L] host ints) -> [N, D]."""
         gate, up = self.ops.grouped_linear(rows, self.gate_up_proj, group_sizes).chunk(2, dim=-1)
-        return self.ops.grouped_linear(torch.nn.functional.silu(gate) * up, self.down_proj, group_sizes)
+        return self.ops.grouped_linear(
+            torch.nn.functional.silu(gate) * up, self.down_proj, group_sizes
+        )
 
 
 class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, ops: OpTable, dtype: torch.dtype) -> None:
         super().__init__()
         self.gate = Router(cfg, ops)
-        self.experts = Experts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, ops, dtype)
+        self.experts = Experts(
+            cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, ops, dtype
+        )
         if cfg.n_shared_experts:
-            self.shared_experts = GatedMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, ops, dtype)
+            self.shared_experts = GatedMLP(
+                cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, ops, dtype
+            )
         else:
             self.shared_experts = None
         self.num_experts, self.ops = cfg.n_routed_experts, ops
@@ -70,7 +91,9 @@ class MoE(nn.Module):
         routed = self.routed(x, topk_ids, topk_weights)
         return routed if self.shared_experts is None else routed + self.shared_experts(x)
 
-    def routed(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    def routed(
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor:
         t, k = topk_ids.shape
         flat_ids = topk_ids.reshape(-1)
         # Stable sort: rows of one expert keep (token, slot) order, whatever the batch holds.
@@ -85,7 +108,9 @@ class MoE(nn.Module):
         return combine_in_slot_order(y_sorted, order, topk_weights).to(x.dtype)
 
 
-def combine_in_slot_order(y_sorted: torch.Tensor, order: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+def combine_in_slot_order(
+    y_sorted: torch.Tensor, order: torch.Tensor, topk_weights: torch.Tensor
+) -> torch.Tensor:
     """out[t] = sum_k w[t, k] * y[t, k] in fp32, k ascending. y_sorted [T*K, D] in `order`."""
     t, k = topk_weights.shape
     y = torch.empty_like(y_sorted)

@@ -13,8 +13,14 @@ import torch
 
 
 class RotaryEmbedding:
-    def __init__(self, rope_dim: int, max_positions: int, theta: float,
-                 scaling: dict | None, is_interleaved: bool) -> None:
+    def __init__(
+        self,
+        rope_dim: int,
+        max_positions: int,
+        theta: float,
+        scaling: dict | None,
+        is_interleaved: bool,
+    ) -> None:
         inv_freq, attention_factor = _inv_freq(rope_dim, theta, scaling)
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
         self.cos = freqs.cos() * attention_factor  # [S, R/2]
@@ -38,7 +44,7 @@ class RotaryEmbedding:
 
 def softmax_scale(qk_head_dim: int, scaling: dict | None) -> float:
     """qk_head_dim^-0.5, times mscale(factor, mscale_all_dim)^2 under YaRN (DeepSeek's rule)."""
-    scale = qk_head_dim ** -0.5
+    scale = qk_head_dim**-0.5
     if scaling and scaling.get("mscale_all_dim"):
         mscale = _yarn_mscale(scaling["factor"], scaling["mscale_all_dim"])
         scale = scale * mscale * mscale
@@ -77,5 +83,7 @@ def _inv_freq(dim: int, theta: float, scaling: dict | None) -> tuple[torch.Tenso
         high += 0.001
     ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
     extrapolation = 1 - ramp
-    inv_freq = (1.0 / (factor * base_freqs)) * (1 - extrapolation) + (1.0 / base_freqs) * extrapolation
+    inv_freq = (1.0 / (factor * base_freqs)) * (1 - extrapolation) + (
+        1.0 / base_freqs
+    ) * extrapolation
     return inv_freq, float(attention_factor)

@@ -1,0 +1,100 @@
+"""Generate from prompts on one rank: the README's first command until the Ray job lands.
+
+    python launch/generate.py --config launch/configs/tiny_cpu.yaml --prompt "Hello" \
+        [--max-tokens 32] [--temperature 0] [--seed 0] [--logprobs 5] [--set kernels.mode=fast]
+
+Prints one JSON line per prompt: token ids, text, chosen-token logprobs, top logprobs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from a checkout
+
+from moe_runtime import LLM, SamplingParams  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="YAML config file")
+    parser.add_argument(
+        "--prompt", action="append", default=None, help="a text prompt (repeatable)"
+    )
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=-1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--logprobs", type=int, default=5)
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="config override (repeatable), e.g. kernels.mode=fast",
+    )
+    return parser.parse_args(argv)
+
+
+def parse_overrides(items: list[str]) -> dict[str, str]:
+    overrides = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--set {item!r}: expected SECTION.KEY=VALUE")
+        overrides[key.strip()] = value
+    return overrides
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        params = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            logprobs=args.logprobs,
+        )
+        started = time.perf_counter()
+        llm = LLM(args.config, **parse_overrides(args.set))
+        print(f"loaded {args.config} in {time.perf_counter() - started:.1f}s", file=sys.stderr)
+        prompts = args.prompt or ["The quick brown fox"]
+        started = time.perf_counter()
+        outputs = llm.generate(prompts, params)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    elapsed = time.perf_counter() - started
+    num_tokens = sum(len(o.token_ids) for o in outputs)
+    for prompt, out in zip(prompts, outputs, strict=True):
+        print(
+            json.dumps(
+                {
+                    "prompt": prompt,
+                    "text": out.text,
+                    "token_ids": out.token_ids,
+                    "logprobs": out.logprobs,
+                    "top_logprobs": [
+                        {str(k): v for k, v in top.items()} for top in out.top_logprobs
+                    ],
+                    "finish_reason": out.finish_reason,
+                }
+            )
+        )
+    print(
+        f"generated {num_tokens} tokens for {len(prompts)} prompt(s) in {elapsed:.2f}s",
+        file=sys.stderr,
+    )
+    llm.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""Helpers for the end-to-end invariance tests: prompts, parameters and exact fingerprints."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from moe_runtime import SamplingParams
+
+TINY_CONFIG = Path(__file__).resolve().parent.parent / "launch" / "configs" / "tiny_cpu.yaml"
+
+
+def mixed_prompts(num: int, min_len: int, max_len: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(256) for _ in range(rng.randint(min_len, max_len))] for _ in range(num)]
+
+
+def mixed_params(num: int, max_tokens: int, logprobs: int = 5) -> list[SamplingParams]:
+    """Even indices greedy, odd indices seeded sampling with temperature, top-k and top-p."""
+    return [
+        SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=logprobs, ignore_eos=True)
+        if i % 2 == 0
+        else SamplingParams(
+            max_tokens=max_tokens,
+            temperature=0.9,
+            top_k=50,
+            top_p=0.95,
+            seed=1000 + i,
+            logprobs=logprobs,
+            ignore_eos=True,
+        )
+        for i in range(num)
+    ]
+
+
+def fingerprint(output) -> tuple:
+    """Token ids, chosen logprobs and top-k ids and logprobs; every float as its exact bits."""
+    return (
+        tuple(output.token_ids),
+        tuple(float.hex(x) for x in output.logprobs),
+        tuple(tuple((t, float.hex(lp)) for t, lp in top.items()) for top in output.top_logprobs),
+    )
+
+
+def run_in_batches(llm, prompts, params, batches: list[list[int]]) -> dict[int, tuple]:
+    """Generate the prompts in the given index batches; -> {prompt index: fingerprint}."""
+    results = {}
+    for batch in batches:
+        outputs = llm.generate([prompts[i] for i in batch], [params[i] for i in batch])
+        results.update({i: fingerprint(o) for i, o in zip(batch, outputs, strict=True)})
+    return results
+
+
+def random_sub_batches(num: int, seed: int, max_size: int = 16) -> list[list[int]]:
+    rng = random.Random(seed)
+    order = list(range(num))
+    rng.shuffle(order)
+    batches = []
+    while order:
+        size = rng.randint(1, max_size)
+        batches.append(order[:size])
+        order = order[size:]
+    return batches

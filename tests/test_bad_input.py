@@ -1,0 +1,94 @@
+"""Bad config values, bad token ids and over-long prompts: clear errors, nothing else lost."""
+
+from __future__ import annotations
+
+import pytest
+
+from moe_runtime import LLM, SamplingParams
+from moe_runtime.config import load_config
+from tests.invariance import TINY_CONFIG, fingerprint
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ({"kernels.mode": "fastest"}, "kernels.mode"),
+        ({"cache.block_size": 0}, "cache.block_size"),
+        ({"model.n_group": 3}, "model.n_group"),
+        ({"model.topk_group": 9}, "model.topk_group"),
+        ({"model.nonsense": 1}, "model.nonsense"),
+        ({"parallel.world_size": -2}, "parallel.world_size"),
+        ({"scheduler.max_model_len": 4096}, "scheduler.max_model_len"),
+        ({"eplb.policy": "random"}, "eplb.policy"),
+        ({"server.port": 70000}, "server.port"),
+    ],
+)
+def test_bad_config_value_names_the_key(override, message):
+    with pytest.raises(ValueError, match=message.replace(".", r"\.")):
+        load_config(TINY_CONFIG, override)
+
+
+def test_unknown_section_and_missing_file(tmp_path):
+    with pytest.raises(ValueError, match="unknown config section 'modle'"):
+        load_config({"modle": {}})
+    with pytest.raises(ValueError, match="does not exist"):
+        load_config(tmp_path / "absent.yaml")
+
+
+def test_bad_sampling_params_name_the_field():
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0.0)
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+
+
+def test_bad_requests_fail_alone_while_others_finish():
+    llm = LLM(TINY_CONFIG, **{"scheduler.max_model_len": 128})
+    params = SamplingParams(max_tokens=10, temperature=0.7, seed=9, logprobs=3, ignore_eos=True)
+    good = [[5, 6, 7, 8, 9, 10, 11, 12], list(range(40, 90))]
+    expected = [fingerprint(o) for o in LLM(TINY_CONFIG).generate(good, params)]
+
+    engine = llm.engine
+    in_flight = [engine.add_request(p, params)[0] for p in good]
+    engine.step()
+    engine.step()
+    with pytest.raises(ValueError, match="token id 512 is outside the vocabulary"):
+        engine.add_request([1, 2, 512], params)
+    with pytest.raises(ValueError, match="token id -1 is outside the vocabulary"):
+        engine.add_request([-1], params)
+    with pytest.raises(ValueError, match="more than scheduler.max_model_len=128"):
+        engine.add_request(list(range(129)), params)
+    with pytest.raises(ValueError, match="prompt is empty"):
+        engine.add_request([], params)
+    while engine.has_unfinished():
+        engine.step()
+    assert [s.finish_reason for s in in_flight] == ["length", "length"]
+    got = [
+        (
+            tuple(s.output_token_ids),
+            tuple(map(float.hex, s.output_logprobs)),
+            tuple(tuple((t, float.hex(v)) for t, v in d.items()) for d in s.output_top_logprobs),
+        )
+        for s in in_flight
+    ]
+    assert got == expected
+
+
+def test_generate_names_the_bad_prompt():
+    llm = LLM(TINY_CONFIG)
+    with pytest.raises(ValueError, match="prompt 1: token id 9999"):
+        llm.generate([[1, 2, 3], [9999]], SamplingParams(max_tokens=2))
+    assert not llm.engine.has_unfinished(), "a rejected batch must not leave requests queued"
+
+
+def test_stop_tokens_and_eos_end_generation():
+    llm = LLM(TINY_CONFIG)
+    prompt = [10, 20, 30, 40]
+    free = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
+    stop_at = free.token_ids[2]
+    stopped = llm.generate(
+        [prompt], SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=[stop_at])
+    )[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.token_ids == free.token_ids[: free.token_ids.index(stop_at) + 1]
+    assert free.finish_reason == "length" and len(free.token_ids) == 8

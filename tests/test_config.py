@@ -1,0 +1,49 @@
+"""Config loading: shipped YAML files, overrides in every accepted spelling."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from moe_runtime.config import RuntimeConfig, load_config
+from moe_runtime.llm import _flatten_overrides
+
+CONFIGS = Path(__file__).resolve().parent.parent / "launch" / "configs"
+
+
+@pytest.mark.parametrize("name", ["tiny_cpu.yaml", "v2_lite_gpu.yaml"])
+def test_shipped_configs_load(name):
+    config = load_config(CONFIGS / name)
+    assert isinstance(config, RuntimeConfig)
+    assert config.parallel.world_size >= 1 and config.kernels.mode == "invariant"
+
+
+def test_v2_lite_shape():
+    model = load_config(CONFIGS / "v2_lite_gpu.yaml").model
+    assert (model.hidden_size, model.num_hidden_layers, model.n_routed_experts) == (2048, 27, 64)
+    assert (model.num_experts_per_tok, model.n_shared_experts, model.kv_lora_rank) == (6, 2, 512)
+
+
+def test_overrides_win_and_parse_yaml_scalars():
+    config = load_config(
+        CONFIGS / "tiny_cpu.yaml", {"kernels.mode": "fast", "cache.num_blocks": "64"}
+    )
+    assert config.kernels.mode == "fast" and config.cache.num_blocks == 64
+
+
+def test_override_spellings_agree():
+    assert _flatten_overrides({"kernels": {"mode": "fast"}}) == {"kernels.mode": "fast"}
+    assert _flatten_overrides({"kernels__mode": "fast"}) == {"kernels.mode": "fast"}
+    assert _flatten_overrides({"kernels.mode": "fast"}) == {"kernels.mode": "fast"}
+
+
+def test_override_needs_section_and_key():
+    with pytest.raises(ValueError, match="section.key"):
+        load_config(CONFIGS / "tiny_cpu.yaml", {"mode": "fast"})
+
+
+def test_configs_are_frozen():
+    config = load_config(CONFIGS / "tiny_cpu.yaml")
+    with pytest.raises(AttributeError):
+        config.kernels.mode = "fast"  # type: ignore[misc]

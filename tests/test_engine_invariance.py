@@ -1,0 +1,127 @@
+"""Bitwise invariance of chunked prefill, prefix caching, preemption and decode vs score().
+
+Each comparison is against the same prompts run alone with prefix caching off and a budget that
+fits every prompt in one step; each has an engagement check that the path under test ran, and
+the fast-mode control shows the comparison can fail.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from moe_runtime import LLM, SamplingParams
+from tests.invariance import TINY_CONFIG, fingerprint, mixed_params, mixed_prompts, run_in_batches
+
+NUM = 12
+
+
+@pytest.fixture(scope="module")
+def workload():
+    return mixed_prompts(NUM, 20, 200, seed=5), mixed_params(NUM, 12)
+
+
+@pytest.fixture(scope="module")
+def reference(workload):
+    prompts, params = workload
+    llm = LLM(TINY_CONFIG, **{"cache.enable_prefix_caching": False})
+    return run_in_batches(llm, prompts, params, [[i] for i in range(NUM)])
+
+
+def _record_chunks(llm: LLM) -> list:
+    seen = []
+    step = llm.engine.runner.step
+    llm.engine.runner.step = lambda chunks: (
+        seen.extend((c.start, c.num_tokens) for c in chunks),
+        step(chunks),
+    )[1]
+    return seen
+
+
+@pytest.mark.parametrize("budget", [7, 16, 33, 100])
+def test_chunked_prefill_is_bitwise_invariant(workload, reference, budget):
+    prompts, params = workload
+    llm = LLM(
+        TINY_CONFIG,
+        **{"scheduler.max_num_batched_tokens": budget, "cache.enable_prefix_caching": False},
+    )
+    chunks = _record_chunks(llm)
+    got = run_in_batches(llm, prompts, params, [list(range(NUM))])
+    assert any(start > 0 and n > 1 for start, n in chunks), (
+        "no prompt was prefilled in several chunks"
+    )
+    assert got == reference
+
+
+def test_prefix_cache_hit_is_bitwise_equal_to_miss(workload, reference):
+    prompts, params = workload
+    llm = LLM(TINY_CONFIG)
+    run_in_batches(llm, prompts, params, [list(range(NUM))])  # fills the cache
+    computed_at_admission = []
+    schedule = llm.engine.scheduler.schedule
+
+    def spy():
+        chunks = schedule()
+        computed_at_admission.extend(
+            c.start for c in chunks if c.start > 0 and c.seq.num_output_tokens == 0
+        )
+        return chunks
+
+    llm.engine.scheduler.schedule = spy
+    got = run_in_batches(llm, prompts, params, [list(range(NUM))])
+    assert computed_at_admission, "the second run never started a prompt from cached blocks"
+    assert got == reference
+
+
+def test_shared_prefix_across_requests(reference, workload):
+    prompts, params = workload
+    base = prompts[0]
+    variants = [base[:100] + p[:30] for p in prompts[1:5]]
+    cold = LLM(TINY_CONFIG, **{"cache.enable_prefix_caching": False})
+    warm = LLM(TINY_CONFIG)
+    warm.generate([base[:120]], params[0])
+    expected = [fingerprint(o) for o in cold.generate(variants, params[1:5])]
+    got = [fingerprint(o) for o in warm.generate(variants, params[1:5])]
+    # 100 shared tokens = 6 full blocks of 16 per variant, served from the warm-up's cache.
+    assert warm.engine.blocks.num_hit_blocks >= 6 * len(variants), "the variants missed the cache"
+    assert got == expected
+
+
+def test_preemption_loses_nothing_and_changes_no_bit(workload, reference):
+    prompts, params = workload
+    llm = LLM(TINY_CONFIG, **{"cache.num_blocks": 64, "scheduler.max_model_len": 512})
+    got = run_in_batches(llm, prompts, params, [list(range(NUM))])
+    assert llm.engine.scheduler.num_preemptions > 0, "the small cache never forced a preemption"
+    assert got == reference
+
+
+def _decode_vs_score(mode: str, workload) -> list[tuple[list[float], list[float]]]:
+    prompts, params = workload
+    llm = LLM(TINY_CONFIG, **{"kernels.mode": mode})
+    outputs = llm.generate(prompts, params)
+    sequences = [p + o.token_ids for p, o in zip(prompts, outputs, strict=True)]
+    scored = llm.score(sequences, [len(p) for p in prompts])
+    return [(o.logprobs, s) for o, s in zip(outputs, scored, strict=True)]
+
+
+def test_decode_logprobs_equal_score(workload):
+    pairs = _decode_vs_score("invariant", workload)
+    for decoded, scored in pairs:
+        assert len(scored) == len(decoded) == 12
+        assert [float.hex(x) for x in decoded] == [float.hex(x) for x in scored]
+
+
+def test_decode_vs_score_negative_control(workload):
+    pairs = _decode_vs_score("fast", workload)
+    assert any(decoded != scored for decoded, scored in pairs), (
+        "fast mode matched too: control cannot fail"
+    )
+
+
+def test_n_samples_use_distinct_derived_seeds():
+    llm = LLM(TINY_CONFIG)
+    params = SamplingParams(max_tokens=16, temperature=1.0, seed=3, n=4, logprobs=2)
+    first = llm.generate([[1, 2, 3, 4, 5, 6, 7, 8]], params)[0]
+    again = llm.generate([[1, 2, 3, 4, 5, 6, 7, 8]], params)[0]
+    samples = [tuple(o.token_ids) for o in first.outputs]
+    assert len(samples) == 4 and len(set(samples)) == 4
+    assert [fingerprint(o) for o in first.outputs] == [fingerprint(o) for o in again.outputs]
