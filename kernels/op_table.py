@@ -14,6 +14,7 @@ from functools import partial
 
 import torch
 
+from kernels.activation import silu_fast, silu_ref
 from kernels.attention import mla_attention_fast, mla_attention_ref
 from kernels.config import KernelConfig
 from kernels.linear import grouped_linear_fast, grouped_linear_ref, linear_fast, linear_ref
@@ -33,6 +34,7 @@ class OpTable:
     log_softmax: Callable
     mla_attention: Callable
     router_topk: Callable
+    silu: Callable
     mode: str
 
 
@@ -47,6 +49,7 @@ def build_op_table(config: KernelConfig, device: torch.device | str) -> OpTable:
             log_softmax=log_softmax_fast,
             mla_attention=mla_attention_fast,
             router_topk=router_topk_fast,
+            silu=silu_fast,
             mode=config.mode,
         )
     if device.type != "cpu":
@@ -63,6 +66,7 @@ def build_op_table(config: KernelConfig, device: torch.device | str) -> OpTable:
         log_softmax=bind(log_softmax_ref),
         mla_attention=bind(mla_attention_ref),
         router_topk=bind(router_topk_ref),
+        silu=silu_ref,  # elementwise: no tile needed, only a shape-blind formula
         mode=config.mode,
     )
 

@@ -47,6 +47,7 @@ class GatedMLP(nn.Module):
         self.gate_proj = Linear(hidden, intermediate, ops, dtype)
         self.up_proj = Linear(hidden, intermediate, ops, dtype)
         self.down_proj = Linear(intermediate, hidden, ops, dtype)
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.ops.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -67,7 +67,7 @@ class Experts(nn.Module):
         """rows [N, D] sorted by local expert (group_sizes [L] host ints) -> [N, D]."""
         gate, up = self.ops.grouped_linear(rows, self.gate_up_proj, group_sizes).chunk(2, dim=-1)
         return self.ops.grouped_linear(
-            torch.nn.functional.silu(gate) * up, self.down_proj, group_sizes
+            self.ops.silu(gate) * up, self.down_proj, group_sizes
         )
 
 

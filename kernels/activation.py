@@ -1,0 +1,21 @@
+"""SiLU, the gated-MLP activation, in a form whose bits do not depend on tensor shape.
+
+On this CPU `F.silu` (like `torch.sigmoid`) rounds differently in its vectorised body and its
+scalar tail, so an element's bits depend on its offset in the tensor, and so on the batch.
+`exp` and IEEE division have no such split: `silu_ref` is built from them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def silu_ref(x: torch.Tensor) -> torch.Tensor:
+    """x * sigmoid(x), elementwise, any shape; fp32 math for low-precision inputs."""
+    xf = x.float()
+    return (xf / (1.0 + torch.exp(-xf))).to(x.dtype)
+
+
+def silu_fast(x: torch.Tensor) -> torch.Tensor:
+    return F.silu(x)
