@@ -1,0 +1,40 @@
+"""Communication layer: process groups, MoE dispatch/combine, pinned all-reduce, NCCL pinning.
+
+Imports only `kernels` and `comm`; never eplb, moe_runtime, launch or ray, and never reads
+environment variables: every value arrives as an argument.
+"""
+
+from comm.allreduce import pinned_all_reduce, plain_all_reduce
+from comm.config import ParallelConfig
+from comm.dispatch import (
+    AllToAllDispatcher,
+    DispatchHandle,
+    LocalDispatcher,
+    combine_in_slot_order,
+    sort_rows_by_destination,
+)
+from comm.errors import CollectiveError
+from comm.groups import (
+    ProcessGroups,
+    destroy_process_groups,
+    get_process_groups,
+    init_process_groups,
+)
+from comm.nccl_env import pinned_nccl_env
+
+__all__ = [
+    "AllToAllDispatcher",
+    "CollectiveError",
+    "DispatchHandle",
+    "LocalDispatcher",
+    "ParallelConfig",
+    "ProcessGroups",
+    "combine_in_slot_order",
+    "destroy_process_groups",
+    "get_process_groups",
+    "init_process_groups",
+    "pinned_all_reduce",
+    "pinned_nccl_env",
+    "plain_all_reduce",
+    "sort_rows_by_destination",
+]

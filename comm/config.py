@@ -1,6 +1,5 @@
 """ParallelConfig: the layout the communication layer builds its process groups from.
 
-Only `world_size == tp_size == 1` runs today; the expert-parallel issue adds the groups.
 The layout (ranks, TP degree, device, backend) is part of what a result may depend on only
 through its declared invariance: every layout must give the same bits.
 """
@@ -20,6 +19,9 @@ class ParallelConfig:
     backend: str = "auto"
     device: str = "cpu"
     timeout_s: float = 120.0
+    # Pre-reduce a token's expert outputs per rank before sending them back: fewer bytes, but
+    # the sum order then depends on the placement. Off keeps the invariance contract.
+    allow_multiple_reduction: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.world_size, int) or self.world_size < 1:

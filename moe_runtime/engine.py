@@ -1,49 +1,80 @@
-"""LLMEngine: requests in, finished sequences out, one scheduler step at a time.
+"""LLMEngine: requests in, finished sequences out, one lockstep step at a time.
 
-Validates every request before it enters the queue (token ids in the vocabulary, prompt within
-the context, fits the KV cache), so a bad request raises at `add_request` and never disturbs
-the requests already in flight. `step()` is: schedule -> run the model -> update.
+The driver side of the runtime: it owns one scheduler (and KV block bookkeeping) per
+data-parallel rank, assigns each request to a DP rank, and every step hands each rank its
+chunks through the executor, all ranks at once. Every request is validated before it enters a
+queue (token ids in the vocabulary, prompt within the context), so a bad request raises at
+`add_request` and never disturbs those in flight. A worker failure fails every request in
+flight with the worker's error and leaves the engine dead, never hung.
 """
 
 from __future__ import annotations
 
 import itertools
 
-import torch
-
-from kernels import build_op_table, pin_threads
 from moe_runtime.block_manager import BlockManager
 from moe_runtime.config import RuntimeConfig
-from moe_runtime.model.loader import build_model
-from moe_runtime.model_runner import ModelRunner, sample_seed
+from moe_runtime.executor import WorkerError, create_executor
+from moe_runtime.model_runner import sample_seed
 from moe_runtime.sampler import resolve_seed
 from moe_runtime.sampling_params import SamplingParams
 from moe_runtime.scheduler import Scheduler
-from moe_runtime.sequence import Sequence
+from moe_runtime.sequence import Sequence, SequenceStatus
 from moe_runtime.tokenizer import ByteTokenizer
 
 
 class LLMEngine:
     def __init__(self, config: RuntimeConfig) -> None:
         self.config = config
-        if config.parallel.world_size != 1:
+        parallel, cache = config.parallel, config.cache
+        if parallel.tp_size != 1:
             raise ValueError(
-                f"parallel.world_size={config.parallel.world_size}: this engine runs one rank; "
-                "expert parallelism across ranks is not available yet"
+                f"parallel.tp_size={parallel.tp_size}: tensor parallelism inside a DP group "
+                "is not available yet; use tp_size 1"
             )
-        pin_threads(config.kernels)
-        self.device = torch.device(config.parallel.device)
-        self.ops = build_op_table(config.kernels, self.device)
-        model = build_model(config.model, self.ops, self.device)
-        cache = config.cache
-        self.blocks = BlockManager(cache.num_blocks, cache.block_size, cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.blocks, config.model.eos_token_id)
-        self.runner = ModelRunner(model, self.ops, self.blocks, self.device)
+        self.block_managers = [
+            BlockManager(cache.num_blocks, cache.block_size, cache.enable_prefix_caching)
+            for _ in range(parallel.dp_size)
+        ]
+        self.schedulers = [
+            Scheduler(config.scheduler, blocks, config.model.eos_token_id)
+            for blocks in self.block_managers
+        ]
         self.tokenizer = ByteTokenizer(
             config.model.vocab_size, config.model.bos_token_id, config.model.eos_token_id
         )
+        self.executor = create_executor(config)
+        self.error: str | None = None
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
+
+    @property
+    def block_size(self) -> int:
+        return self.config.cache.block_size
+
+    @property
+    def num_preemptions(self) -> int:
+        return sum(s.num_preemptions for s in self.schedulers)
+
+    @property
+    def num_prefix_hit_blocks(self) -> int:
+        return sum(b.num_hit_blocks for b in self.block_managers)
+
+    def _pick_dp_rank(self) -> int:
+        """The DP rank with the fewest unfinished sequences (lowest rank on ties).
+
+        Which rank serves a request changes no bit of its result (layout invariance).
+        """
+        loads = [len(s.waiting) + len(s.running) for s in self.schedulers]
+        return loads.index(min(loads))
+
+    def _enqueue(self, seqs: list[Sequence]) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"the engine is dead: {self.error}")
+        dp_rank = self._pick_dp_rank()
+        for seq in seqs:
+            seq.dp_rank = dp_rank
+            self.schedulers[dp_rank].add(seq)
 
     def add_request(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
@@ -64,8 +95,7 @@ class LLMEngine:
             )
             for i in range(params.n)
         ]
-        for seq in seqs:
-            self.scheduler.add(seq)
+        self._enqueue(seqs)
         return seqs
 
     def add_score_request(
@@ -89,7 +119,7 @@ class LLMEngine:
             is_score=True,
             output_token_ids=list(token_ids[prompt_len:]),
         )
-        self.scheduler.add(seq)
+        self._enqueue([seq])
         return seq
 
     def validate_prompt(self, token_ids: list[int]) -> None:
@@ -111,23 +141,50 @@ class LLMEngine:
             raise ValueError(
                 f"prompt has {len(token_ids)} tokens, more than scheduler.max_model_len={max_len}"
             )
-        needed = -(-max_len // self.blocks.block_size)
-        if needed > self.blocks.num_blocks:
+        needed = -(-max_len // self.block_size)
+        if needed > self.config.cache.num_blocks:
             raise ValueError(
                 f"a sequence of max_model_len={max_len} needs {needed} KV blocks, "
-                f"the cache has cache.num_blocks={self.blocks.num_blocks}"
+                f"the cache has cache.num_blocks={self.config.cache.num_blocks}"
             )
 
     def step(self) -> list[Sequence]:
-        """Run one scheduler step; returns the sequences that finished in it."""
-        chunks = self.scheduler.schedule()
-        samples, scored = self.runner.step(chunks)
-        for chunk in chunks:
-            chunk.seq.output_logprobs.extend(scored.get(chunk.seq.seq_id, []))
-        return self.scheduler.update(chunks, samples)
+        """Run one lockstep step on every rank; returns the sequences that finished in it."""
+        if self.error is not None:
+            raise RuntimeError(f"the engine is dead: {self.error}")
+        per_rank = [scheduler.schedule() for scheduler in self.schedulers]
+        try:
+            results = self.executor.execute(per_rank)
+        except WorkerError as exc:
+            self._fail_all(str(exc))
+            raise
+        finished = []
+        for scheduler, chunks, (samples, scored) in zip(
+            self.schedulers, per_rank, results, strict=True
+        ):
+            for chunk in chunks:
+                chunk.seq.output_logprobs.extend(scored.get(chunk.seq.seq_id, []))
+            finished.extend(scheduler.update(chunks, samples))
+        return finished
+
+    def _fail_all(self, error: str) -> None:
+        """Every request in flight ends with the error; nothing is left waiting forever."""
+        self.error = error
+        for scheduler in self.schedulers:
+            for seq in (*scheduler.waiting, *scheduler.running):
+                seq.status, seq.finish_reason, seq.error = SequenceStatus.FINISHED, "error", error
+            scheduler.waiting.clear()
+            scheduler.running.clear()
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return any(s.has_unfinished() for s in self.schedulers)
 
     def abort(self, request_id: str) -> None:
-        self.scheduler.abort(request_id)
+        for scheduler in self.schedulers:
+            scheduler.abort(request_id)
+
+    def stats(self) -> list[dict[str, int]]:
+        return self.executor.stats()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

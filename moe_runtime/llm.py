@@ -100,7 +100,9 @@ class LLM:
 
     def shutdown(self) -> None:
         """Release the engine; nothing is left running in this process."""
-        self.engine = None
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
 
     def _run_until_done(self) -> None:
         while self.engine.has_unfinished():

@@ -1,6 +1,8 @@
 """ModelRunner: turns scheduled chunks into a ForwardBatch, runs the model, samples.
 
-Owns the model, the per-layer latent KV caches and the sampler of one rank. Rows that need
+Owns the model, the per-layer latent KV caches and the sampler of one rank. With expert
+parallelism (`must_join`), a step with no chunks still runs the model on zero tokens, because
+every MoE layer is a collective all ranks join. Rows that need
 logits are the last token of a chunk that completes its sequence (a new token is sampled) and,
 for scoring sequences, every position whose next token is a scored one.
 """
@@ -10,7 +12,6 @@ from __future__ import annotations
 import torch
 
 from kernels import OpTable
-from moe_runtime.block_manager import BlockManager
 from moe_runtime.forward_batch import ForwardBatch
 from moe_runtime.model.deepseek import DeepseekForCausalLM
 from moe_runtime.sampler import Sampler, SampleResult, derive_seed
@@ -19,14 +20,21 @@ from moe_runtime.scheduler import ScheduledChunk
 
 class ModelRunner:
     def __init__(
-        self, model: DeepseekForCausalLM, ops: OpTable, blocks: BlockManager, device: torch.device
+        self,
+        model: DeepseekForCausalLM,
+        ops: OpTable,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        must_join: bool = False,
     ) -> None:
         cfg = model.config
-        self.model, self.ops, self.blocks, self.device = model, ops, blocks, device
+        self.model, self.ops, self.device = model, ops, device
+        self.block_size, self.must_join = block_size, must_join
         self.kv_caches = [
             torch.zeros(
-                blocks.num_blocks,
-                blocks.block_size,
+                num_blocks,
+                block_size,
                 cfg.latent_dim,
                 dtype=model.dtype,
                 device=device,
@@ -39,7 +47,7 @@ class ModelRunner:
         self, chunks: list[ScheduledChunk]
     ) -> tuple[dict[int, SampleResult], dict[int, list[float]]]:
         """-> (sampled token per generating seq_id, new scored logprobs per scoring seq_id)."""
-        if not chunks:
+        if not chunks and not self.must_join:
             return {}, {}
         batch, row_owners = self._build_batch(chunks)
         logits = self.model(batch.to(self.device), self.kv_caches)
@@ -86,14 +94,15 @@ class ModelRunner:
                 token_ids.append(all_ids[position])
                 positions.append(position)
                 seq_rows.append(seq_row)
-                slots.append(self.blocks.slot(seq.block_table, position))
-        width = max(len(c.seq.block_table) for c in chunks)
+                block = seq.block_table[position // self.block_size]
+                slots.append(block * self.block_size + position % self.block_size)
+        width = max((len(c.seq.block_table) for c in chunks), default=1)
         tables = [c.seq.block_table + [-1] * (width - len(c.seq.block_table)) for c in chunks]
         batch = ForwardBatch(
             token_ids=torch.tensor(token_ids, dtype=torch.int64),
             positions=torch.tensor(positions, dtype=torch.int64),
             query_seq_ids=torch.tensor(seq_rows, dtype=torch.int64),
-            block_tables=torch.tensor(tables, dtype=torch.int64),
+            block_tables=torch.tensor(tables, dtype=torch.int64).view(len(chunks), width),
             slot_mapping=torch.tensor(slots, dtype=torch.int64),
             logits_indices=torch.tensor(logit_rows, dtype=torch.int64),
         )

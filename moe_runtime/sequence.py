@@ -34,6 +34,8 @@ class Sequence:
     num_computed_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
+    error: str | None = None
+    dp_rank: int = 0
 
     @property
     def token_ids(self) -> list[int]:

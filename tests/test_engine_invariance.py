@@ -29,10 +29,10 @@ def reference(workload):
 
 def _record_chunks(llm: LLM) -> list:
     seen = []
-    step = llm.engine.runner.step
-    llm.engine.runner.step = lambda chunks: (
-        seen.extend((c.start, c.num_tokens) for c in chunks),
-        step(chunks),
+    execute = llm.engine.executor.execute
+    llm.engine.executor.execute = lambda per_rank: (
+        seen.extend((c.start, c.num_tokens) for chunks in per_rank for c in chunks),
+        execute(per_rank),
     )[1]
     return seen
 
@@ -57,7 +57,7 @@ def test_prefix_cache_hit_is_bitwise_equal_to_miss(workload, reference):
     llm = LLM(TINY_CONFIG)
     run_in_batches(llm, prompts, params, [list(range(NUM))])  # fills the cache
     computed_at_admission = []
-    schedule = llm.engine.scheduler.schedule
+    schedule = llm.engine.schedulers[0].schedule
 
     def spy():
         chunks = schedule()
@@ -66,7 +66,7 @@ def test_prefix_cache_hit_is_bitwise_equal_to_miss(workload, reference):
         )
         return chunks
 
-    llm.engine.scheduler.schedule = spy
+    llm.engine.schedulers[0].schedule = spy
     got = run_in_batches(llm, prompts, params, [list(range(NUM))])
     assert computed_at_admission, "the second run never started a prompt from cached blocks"
     assert got == reference
@@ -82,7 +82,7 @@ def test_shared_prefix_across_requests(reference, workload):
     expected = [fingerprint(o) for o in cold.generate(variants, params[1:5])]
     got = [fingerprint(o) for o in warm.generate(variants, params[1:5])]
     # 100 shared tokens = 6 full blocks of 16 per variant, served from the warm-up's cache.
-    assert warm.engine.blocks.num_hit_blocks >= 6 * len(variants), "the variants missed the cache"
+    assert warm.engine.num_prefix_hit_blocks >= 6 * len(variants), "the variants missed the cache"
     assert got == expected
 
 
@@ -90,7 +90,7 @@ def test_preemption_loses_nothing_and_changes_no_bit(workload, reference):
     prompts, params = workload
     llm = LLM(TINY_CONFIG, **{"cache.num_blocks": 64, "scheduler.max_model_len": 512})
     got = run_in_batches(llm, prompts, params, [list(range(NUM))])
-    assert llm.engine.scheduler.num_preemptions > 0, "the small cache never forced a preemption"
+    assert llm.engine.num_preemptions > 0, "the small cache never forced a preemption"
     assert got == reference
 
 

@@ -28,8 +28,11 @@ def workload():
 
 def _record_batch_sizes(llm: LLM) -> list[int]:
     sizes: list[int] = []
-    step = llm.engine.runner.step
-    llm.engine.runner.step = lambda chunks: (sizes.append(len(chunks)), step(chunks))[1]
+    execute = llm.engine.executor.execute
+    llm.engine.executor.execute = lambda per_rank: (
+        sizes.append(sum(len(c) for c in per_rank)),
+        execute(per_rank),
+    )[1]
     return sizes
 
 

@@ -80,8 +80,8 @@ def _write_checkpoint(path, family: str, extra: dict) -> torch.nn.Module:
 
 
 def _our_logits(llm: LLM, token_ids: list[int]) -> torch.Tensor:
-    runner = llm.engine.runner
-    block_size = llm.config.cache.block_size
+    runner = llm.engine.executor.worker.runner
+    block_size = runner.block_size
     n = len(token_ids)
     num_blocks = -(-n // block_size)
     batch = ForwardBatch(

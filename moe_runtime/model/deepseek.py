@@ -29,13 +29,14 @@ class DecoderLayer(nn.Module):
         ops: OpTable,
         rope: RotaryEmbedding,
         dtype: torch.dtype,
+        num_local_slots: int,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
         self.self_attn = MLAttention(cfg, ops, rope, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
         if cfg.is_moe_layer(layer_id):
-            self.mlp = MoE(cfg, ops, dtype)
+            self.mlp = MoE(cfg, ops, dtype, num_local_slots)
         else:
             self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, ops, dtype)
 
@@ -45,7 +46,7 @@ class DecoderLayer(nn.Module):
 
 
 class DeepseekModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: OpTable) -> None:
+    def __init__(self, cfg: ModelConfig, ops: OpTable, num_local_slots: int) -> None:
         super().__init__()
         dtype = TORCH_DTYPES[cfg.dtype]
         rope = RotaryEmbedding(
@@ -58,7 +59,8 @@ class DeepseekModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, ops, rope, dtype) for i in range(cfg.num_hidden_layers)
+            DecoderLayer(cfg, i, ops, rope, dtype, num_local_slots)
+            for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
         self.rope = rope
@@ -71,10 +73,12 @@ class DeepseekModel(nn.Module):
 
 
 class DeepseekForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: OpTable) -> None:
+    """`num_local_slots`: routed-expert slots held by this rank (all experts when None)."""
+
+    def __init__(self, cfg: ModelConfig, ops: OpTable, num_local_slots: int | None = None) -> None:
         super().__init__()
         self.config, self.ops = cfg, ops
-        self.model = DeepseekModel(cfg, ops)
+        self.model = DeepseekModel(cfg, ops, num_local_slots or cfg.n_routed_experts)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, ops, TORCH_DTYPES[cfg.dtype])
 
     @property
@@ -87,6 +91,15 @@ class DeepseekForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         for layer in self.model.layers:
             layer.self_attn.absorb_weights()
+
+    @property
+    def moe_layers(self) -> list[nn.Module]:
+        return [layer.mlp for layer in self.model.layers if hasattr(layer.mlp, "dispatcher")]
+
+    def bind_expert_parallel(self, dispatcher, replica_rows: torch.Tensor) -> None:
+        """replica_rows [L_moe, E]: this rank's static logical -> physical map per MoE layer."""
+        for moe, row in zip(self.moe_layers, replica_rows, strict=True):
+            moe.bind_expert_parallel(dispatcher, row)
 
     def to(self, *args, **kwargs):  # keep the rope tables beside the weights
         module = super().to(*args, **kwargs)

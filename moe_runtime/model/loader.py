@@ -2,8 +2,9 @@
 
 HF names map one to one except the routed experts, stored per expert in checkpoints
 (`mlp.experts.{e}.gate_proj.weight`, ...) and stacked here by local slot
-(`mlp.experts.gate_up_proj [L, 2I, D]`, `mlp.experts.down_proj [L, D, I]`). `expert_ids` lists
-the logical expert each local slot holds, so a rank loads only its own experts.
+(`mlp.experts.gate_up_proj [L, 2I, D]`, `mlp.experts.down_proj [L, D, I]`).
+`local_experts [L_moe][slots]` lists the logical expert each local slot holds per MoE layer, so
+a rank loads only its own.
 """
 
 from __future__ import annotations
@@ -29,22 +30,26 @@ def build_model(
     cfg: ModelConfig,
     ops: OpTable,
     device: torch.device | str = "cpu",
-    expert_ids: Sequence[int] | None = None,
+    local_experts: Sequence[Sequence[int]] | None = None,
 ) -> DeepseekForCausalLM:
-    if expert_ids is None:
-        expert_ids = range(cfg.n_routed_experts)
-    model = DeepseekForCausalLM(cfg, ops)
+    num_moe = cfg.num_hidden_layers - cfg.first_k_dense_replace
+    if local_experts is None:
+        local_experts = [range(cfg.n_routed_experts)] * num_moe
+    local_experts = [[int(e) for e in row] for row in local_experts]
+    if len(local_experts) != num_moe or len({len(row) for row in local_experts}) > 1:
+        raise ValueError(f"local_experts must hold one equal-length row per MoE layer ({num_moe})")
+    model = DeepseekForCausalLM(cfg, ops, len(local_experts[0]) if local_experts else None)
     if cfg.path:
-        load_hf_weights(model, Path(cfg.path), list(expert_ids))
+        load_hf_weights(model, Path(cfg.path), local_experts)
     else:
-        init_random_weights(model, cfg.seed, cfg.init_std, list(expert_ids))
+        init_random_weights(model, cfg.seed, cfg.init_std, local_experts)
     model.to(device)
     model.after_weights_loaded()
     return model
 
 
 def init_random_weights(
-    model: DeepseekForCausalLM, seed: int, std: float, expert_ids: list[int]
+    model: DeepseekForCausalLM, seed: int, std: float, local_experts: list[list[int]]
 ) -> None:
     """Draw every weight from `seed` in fp32 on the CPU, so any dtype/device gets the same values.
 
@@ -62,11 +67,12 @@ def init_random_weights(
             else:
                 value = torch.randn(param.shape, generator=gen) * std
             param.copy_(value.to(param.dtype))
+        first_moe = model.config.first_k_dense_replace
         for layer_id, layer in enumerate(model.model.layers):
             experts = getattr(layer.mlp, "experts", None)
             if experts is None:
                 continue
-            for slot, logical in enumerate(expert_ids):
+            for slot, logical in enumerate(local_experts[layer_id - first_moe]):
                 expert_gen = torch.Generator().manual_seed(
                     seed * 1_000_003 + layer_id * 10_007 + logical
                 )
@@ -78,7 +84,7 @@ def init_random_weights(
                 )
 
 
-def load_hf_weights(model: DeepseekForCausalLM, path: Path, expert_ids: list[int]) -> None:
+def load_hf_weights(model: DeepseekForCausalLM, path: Path, local_experts: list[list[int]]) -> None:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"model.path {str(path)!r} holds no *.safetensors files")
@@ -90,7 +96,7 @@ def load_hf_weights(model: DeepseekForCausalLM, path: Path, expert_ids: list[int
             if layer and int(layer.group(1)) >= num_layers:
                 continue  # multi-token-prediction layers are not part of this model
             tensors[key] = value
-    tensors = _stack_experts(tensors, expert_ids)
+    tensors = _stack_experts(tensors, local_experts, model.config.first_k_dense_replace)
     params = dict(model.named_parameters())
     if model.config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
@@ -114,7 +120,7 @@ def load_hf_weights(model: DeepseekForCausalLM, path: Path, expert_ids: list[int
 
 
 def _stack_experts(
-    tensors: dict[str, torch.Tensor], expert_ids: list[int]
+    tensors: dict[str, torch.Tensor], local_experts: list[list[int]], first_moe: int
 ) -> dict[str, torch.Tensor]:
     """Per-expert checkpoint tensors -> stacked gate_up_proj / down_proj for the local slots."""
     per_expert: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
@@ -127,6 +133,7 @@ def _stack_experts(
         prefix, expert, proj = match.group(1), int(match.group(2)), match.group(3)
         per_expert.setdefault(prefix, {}).setdefault(expert, {})[proj] = value
     for prefix, experts in per_expert.items():
+        expert_ids = local_experts[int(prefix.split(".")[2]) - first_moe]
         absent = [e for e in expert_ids if e not in experts]
         if absent:
             raise ValueError(f"checkpoint lacks {prefix}.{absent[0]}")

@@ -1,10 +1,9 @@
 """DeepSeekMoE: router, routed experts and shared experts on one rank.
 
-Invariant path: (token, slot) pairs are grouped by expert with a stable sort (so inside an
-expert rows stay in (token, slot) order), each expert's rows run through the grouped GEMM whose
-per-row result ignores the other rows, results are placed back by index assignment and summed on
-the token in fp32 in top-k slot order. No float index_add_/scatter_add_ (unordered accumulation).
-Fast path: the same routing, summed with index_add_ (the negative control).
+Logical expert ids from the router are mapped to physical slots by a static replica table, the
+dispatcher (comm/) moves (token, slot) rows to the ranks holding those slots in a fixed order,
+each expert's rows run through the grouped GEMM whose per-row result ignores the other rows, and
+the combine sums every token's rows on its own rank in fp32 in top-k slot order.
 """
 
 from __future__ import annotations
@@ -12,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from comm.dispatch import LocalDispatcher
 from kernels import OpTable
 from moe_runtime.model.layers import GatedMLP
 from moe_runtime.model_config import ModelConfig
@@ -66,17 +66,23 @@ class Experts(nn.Module):
     def forward(self, rows: torch.Tensor, group_sizes: list[int]) -> torch.Tensor:
         """rows [N, D] sorted by local expert (group_sizes [L] host ints) -> [N, D]."""
         gate, up = self.ops.grouped_linear(rows, self.gate_up_proj, group_sizes).chunk(2, dim=-1)
-        return self.ops.grouped_linear(
-            self.ops.silu(gate) * up, self.down_proj, group_sizes
-        )
+        return self.ops.grouped_linear(self.ops.silu(gate) * up, self.down_proj, group_sizes)
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: OpTable, dtype: torch.dtype) -> None:
+    """Router + routed experts (this rank's physical slots) + shared experts.
+
+    `bind_expert_parallel` gives the layer its dispatcher and this rank's row of the static
+    replica table (logical expert -> physical slot); until then it runs all experts locally.
+    """
+
+    def __init__(
+        self, cfg: ModelConfig, ops: OpTable, dtype: torch.dtype, num_local_slots: int
+    ) -> None:
         super().__init__()
         self.gate = Router(cfg, ops)
         self.experts = Experts(
-            cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, ops, dtype
+            num_local_slots, cfg.hidden_size, cfg.moe_intermediate_size, ops, dtype
         )
         if cfg.n_shared_experts:
             self.shared_experts = GatedMLP(
@@ -84,39 +90,22 @@ class MoE(nn.Module):
             )
         else:
             self.shared_experts = None
-        self.num_experts, self.ops = cfg.n_routed_experts, ops
+        self.ops = ops
+        self.dispatcher = LocalDispatcher(num_local_slots)
+        self.replica_row = torch.arange(cfg.n_routed_experts)
+
+    def bind_expert_parallel(self, dispatcher, replica_row: torch.Tensor) -> None:
+        """replica_row [E] int64: the physical slot serving each logical expert from this rank."""
+        self.dispatcher = dispatcher
+        self.replica_row = replica_row.to(self.experts.gate_up_proj.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         topk_ids, topk_weights = self.gate(x)
-        routed = self.routed(x, topk_ids, topk_weights)
+        # Collective: every rank calls dispatch and combine once per MoE layer per step, in
+        # layer order, even with zero tokens.
+        recv, group_sizes, handle = self.dispatcher.dispatch(
+            x, self.replica_row[topk_ids], topk_weights
+        )
+        routed = self.dispatcher.combine(self.experts(recv, group_sizes), handle, topk_weights)
+        routed = routed.to(x.dtype)
         return routed if self.shared_experts is None else routed + self.shared_experts(x)
-
-    def routed(
-        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
-    ) -> torch.Tensor:
-        t, k = topk_ids.shape
-        flat_ids = topk_ids.reshape(-1)
-        # Stable sort: rows of one expert keep (token, slot) order, whatever the batch holds.
-        order = torch.sort(flat_ids, stable=True).indices
-        # Host sync: the group sizes drive the per-expert GEMM loop.
-        group_sizes = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
-        y_sorted = self.experts(x[order // k], group_sizes)
-        if self.ops.mode == "fast":
-            out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
-            weighted = y_sorted.float() * topk_weights.reshape(-1)[order, None]
-            return out.index_add_(0, order // k, weighted).to(x.dtype)
-        return combine_in_slot_order(y_sorted, order, topk_weights).to(x.dtype)
-
-
-def combine_in_slot_order(
-    y_sorted: torch.Tensor, order: torch.Tensor, topk_weights: torch.Tensor
-) -> torch.Tensor:
-    """out[t] = sum_k w[t, k] * y[t, k] in fp32, k ascending. y_sorted [T*K, D] in `order`."""
-    t, k = topk_weights.shape
-    y = torch.empty_like(y_sorted)
-    y[order] = y_sorted  # index assignment back to (token, slot) order
-    y = y.view(t, k, -1).float()
-    out = topk_weights[:, 0:1] * y[:, 0]
-    for slot in range(1, k):  # why: a fixed summation order, the same on every layout
-        out = out + topk_weights[:, slot : slot + 1] * y[:, slot]
-    return out

@@ -1,0 +1,122 @@
+"""Process groups for one worker, built once from a ParallelConfig and kept in a registry.
+
+Layout: R = world_size ranks; TP groups are contiguous blocks of tp_size ranks, DP groups hold
+the ranks with equal tp_rank, and the EP group is the whole world. The registry below is the
+only mutable module state in comm/: `init_process_groups` fills it, `get_process_groups` reads
+it, `destroy_process_groups` empties it. Nothing here reads environment variables: rank,
+address and port arrive as arguments (launch/ owns the environment).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from comm.config import ParallelConfig
+from comm.errors import collective_guard
+
+_registry: ProcessGroups | None = None
+
+
+@dataclass(frozen=True)
+class ProcessGroups:
+    """This rank's place in the layout and its groups; the EP group is the default (world)."""
+
+    rank: int
+    world_size: int
+    tp_rank: int
+    tp_size: int
+    dp_rank: int
+    dp_size: int
+    ep_group: dist.ProcessGroup
+    tp_group: dist.ProcessGroup
+    dp_group: dist.ProcessGroup
+    device: torch.device
+
+
+def select_backend(config: ParallelConfig) -> str:
+    """gloo on CPU or when asked for (e.g. ranks sharing one GPU); NCCL for CUDA otherwise."""
+    if config.backend == "gloo" or (config.device == "cpu" and config.backend == "auto"):
+        return "gloo"
+    if config.device == "cpu":
+        raise ValueError("parallel.backend='nccl' needs parallel.device='cuda', got 'cpu'")
+    return "nccl"
+
+
+def tp_group_ranks(world_size: int, tp_size: int) -> list[list[int]]:
+    """TP groups: contiguous blocks of tp_size ranks, in block order."""
+    return [list(range(start, start + tp_size)) for start in range(0, world_size, tp_size)]
+
+
+def dp_group_ranks(world_size: int, tp_size: int) -> list[list[int]]:
+    """DP groups: ranks with equal tp_rank, in tp_rank order."""
+    return [list(range(tp_rank, world_size, tp_size)) for tp_rank in range(tp_size)]
+
+
+def init_process_groups(
+    config: ParallelConfig, rank: int, master_addr: str, master_port: int
+) -> ProcessGroups:
+    """Join the job's default group over TCP and build the TP/DP groups; fill the registry.
+
+    Every rank of the job must call this once, with the same config, address and port. On
+    CUDA the caller selects this worker's device (torch.cuda.set_device) beforehand.
+    """
+    global _registry
+    if _registry is not None:
+        raise RuntimeError(f"rank {rank}: process groups are already initialised")
+    if not 0 <= rank < config.world_size:
+        raise ValueError(f"rank must be in [0, {config.world_size}), got {rank}")
+    backend = select_backend(config)
+    device = torch.device("cpu")
+    if config.device == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    timeout = timedelta(seconds=config.timeout_s)
+    # Collective: every rank joins the rendezvous at master_addr:master_port.
+    with collective_guard(rank, "init_process_group"):
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{master_addr}:{master_port}",
+            world_size=config.world_size,
+            rank=rank,
+            timeout=timeout,
+        )
+        # Collective: new_group must be called by ALL ranks, for every group, in the same
+        # order (TP groups in block order, then DP groups in tp_rank order), even by ranks
+        # that are not members; a different order pairs the wrong groups and hangs.
+        tp_group = dp_group = None
+        for ranks in tp_group_ranks(config.world_size, config.tp_size):
+            group = dist.new_group(ranks, timeout=timeout, backend=backend)
+            tp_group = group if rank in ranks else tp_group
+        for ranks in dp_group_ranks(config.world_size, config.tp_size):
+            group = dist.new_group(ranks, timeout=timeout, backend=backend)
+            dp_group = group if rank in ranks else dp_group
+    _registry = ProcessGroups(
+        rank=rank,
+        world_size=config.world_size,
+        tp_rank=rank % config.tp_size,
+        tp_size=config.tp_size,
+        dp_rank=rank // config.tp_size,
+        dp_size=config.dp_size,
+        ep_group=dist.group.WORLD,
+        tp_group=tp_group,
+        dp_group=dp_group,
+        device=device,
+    )
+    return _registry
+
+
+def get_process_groups() -> ProcessGroups:
+    if _registry is None:
+        raise RuntimeError("process groups are not initialised; call init_process_groups first")
+    return _registry
+
+
+def destroy_process_groups() -> None:
+    """Tear down every group of this process; a no-op when none were built."""
+    global _registry
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _registry = None

@@ -1,0 +1,124 @@
+"""RayExecutor: one worker actor per rank in a Ray placement group, driven in lockstep.
+
+Joins the running cluster (under `ray job submit`, or after `ray start`) or starts a local one
+with enough logical CPUs for one single-CPU actor per rank. Bundles: one per rank, CPU bundles
+for `device: cpu`, GPU bundles for `device: cuda` (fractional when ranks share a GPU). Rank r
+runs in bundle r; rank 0's node and a free port there are the rendezvous point. Every remote
+call is bounded by the collective timeout plus a margin; a dead or stuck worker becomes a
+WorkerError naming its rank and the step. This is the one module besides launch/ that
+imports ray.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import ray
+from ray.exceptions import RayActorError, RayError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from moe_runtime.config import RuntimeConfig
+from moe_runtime.executor import StepResult, WorkerError
+from moe_runtime.scheduler import ScheduledChunk
+from moe_runtime.worker import Worker
+
+_MARGIN_S = 30.0
+
+
+def connect_ray(num_cpus_needed: int) -> None:
+    """Join a running cluster if there is one, else start a local one big enough."""
+    if ray.is_initialized():
+        return
+    try:
+        ray.init(address="auto", log_to_driver=True)
+    except (ConnectionError, RuntimeError):
+        ray.init(num_cpus=max(num_cpus_needed, os.cpu_count() or 1), log_to_driver=True)
+
+
+class RayExecutor:
+    def __init__(self, config: RuntimeConfig) -> None:
+        parallel = config.parallel
+        self.world_size = parallel.world_size
+        self.timeout_s = parallel.timeout_s + _MARGIN_S
+        self.num_steps = 0
+        connect_ray(self.world_size)
+        self.placement_group = placement_group(
+            _bundles(parallel.device, self.world_size), strategy="PACK"
+        )
+        self._get([self.placement_group.ready()], "placement group ready")
+        actor_cls = ray.remote(Worker)
+        self.workers = [
+            actor_cls.options(
+                num_cpus=1,
+                num_gpus=_gpu_share(parallel.device, self.world_size),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=self.placement_group, placement_group_bundle_index=rank
+                ),
+            ).remote(config, rank)
+            for rank in range(self.world_size)
+        ]
+        master_addr, master_port = self._get([self.workers[0].address.remote()], "address")[0]
+        # Collective: every rank joins the rendezvous, so all init calls go out together.
+        self._get([w.init.remote(master_addr, master_port) for w in self.workers], "init")
+
+    def execute(self, per_rank_chunks: list[list[ScheduledChunk]]) -> list[StepResult]:
+        self.num_steps += 1
+        refs = [w.execute.remote(c) for w, c in zip(self.workers, per_rank_chunks, strict=True)]
+        return self._get(refs, f"step {self.num_steps}")
+
+    def stats(self) -> list[dict[str, int]]:
+        return self._get([w.stats.remote() for w in self.workers], "stats")
+
+    def kill_worker(self, rank: int) -> None:
+        """Fault injection for tests: the actor dies as if its process crashed."""
+        ray.kill(self.workers[rank], no_restart=True)
+
+    def shutdown(self) -> None:
+        for worker in self.workers:
+            ray.kill(worker, no_restart=True)
+        remove_placement_group(self.placement_group)
+
+    def _get(self, refs: list, what: str) -> list:
+        """ray.get bounded by the timeout; the first failure is raised at once, naming its rank.
+
+        Why not one ray.get: when one rank dies the others block in a collective until its
+        timeout, so waiting for all would hide the dead rank behind the slow ones.
+        """
+        rank_of = {ref: rank for rank, ref in enumerate(refs)}
+        pending = list(refs)
+        deadline = time.monotonic() + self.timeout_s
+        while pending:
+            done, pending = ray.wait(
+                pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic())
+            )
+            if not done:
+                ranks = sorted(rank_of[ref] for ref in pending)
+                raise WorkerError(
+                    f"ranks {ranks} did not finish {what} within {self.timeout_s:.0f}s"
+                )
+            try:
+                ray.get(done[0])
+            except RayActorError as exc:
+                raise WorkerError(f"rank {rank_of[done[0]]} died during {what}: {exc}") from exc
+            except RayError as exc:
+                raise WorkerError(f"rank {rank_of[done[0]]} failed during {what}: {exc}") from exc
+        return ray.get(refs)
+
+
+def _bundles(device: str, world_size: int) -> list[dict[str, float]]:
+    gpu = _gpu_share(device, world_size)
+    return [{"CPU": 1, "GPU": gpu} if gpu else {"CPU": 1} for _ in range(world_size)]
+
+
+def _gpu_share(device: str, world_size: int) -> float:
+    """One GPU per rank when there are enough; otherwise ranks share them evenly."""
+    if device != "cuda":
+        return 0
+    num_gpus = int(ray.cluster_resources().get("GPU", 0))
+    if num_gpus == 0:
+        raise WorkerError("parallel.device is 'cuda' but the Ray cluster has no GPU")
+    if num_gpus >= world_size:
+        return 1
+    return 1 / -(-world_size // num_gpus)

@@ -1,0 +1,74 @@
+"""Pinned all-reduce on CPU with gloo: same bits on every rank and for every message size.
+
+The control: gloo's own all_reduce (ring, chunked by message size) gives element i different
+bits when it travels in a short message than inside a long one, for fp32 values of very
+different magnitudes at 4 ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from comm import destroy_process_groups, init_process_groups, pinned_all_reduce, plain_all_reduce
+from tests.test_comm_groups import MASTER_ADDR, gloo_config, run_ranks
+
+NUM_ELEMENTS = 1 << 13
+WINDOW = 16  # the short message: WINDOW elements taken from the long one
+NUM_WINDOWS = 8
+
+
+def rank_values(rank: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[NUM_ELEMENTS] values with magnitudes 1e-6 .. 1e6, so summation order shows in the bits."""
+    gen = torch.Generator().manual_seed(1000 + rank)
+    exponent = torch.randint(-6, 7, (NUM_ELEMENTS,), generator=gen).float()
+    return (torch.randn(NUM_ELEMENTS, generator=gen) * torch.pow(10.0, exponent)).to(dtype)
+
+
+def _windows(x: torch.Tensor) -> list[torch.Tensor]:
+    stride = NUM_ELEMENTS // NUM_WINDOWS
+    return [x[i * stride : i * stride + WINDOW] for i in range(NUM_WINDOWS)]
+
+
+def _all_reduce_worker(rank: int, world_size: int, port: int) -> dict:
+    groups = init_process_groups(gloo_config(world_size), rank, MASTER_ADDR, port)
+    result = {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        x = rank_values(rank, dtype)
+        # Collectives: every rank runs the same sequence of reductions below.
+        result[name] = {
+            "pinned_long": pinned_all_reduce(x, groups.ep_group),
+            "pinned_short": [pinned_all_reduce(w, groups.ep_group) for w in _windows(x)],
+            "plain_long": plain_all_reduce(x, groups.ep_group),
+            "plain_short": [plain_all_reduce(w, groups.ep_group) for w in _windows(x)],
+        }
+    destroy_process_groups()
+    return result
+
+
+def test_pinned_all_reduce_ignores_message_size_world4(tmp_path):
+    world_size = 4
+    results = run_ranks(_all_reduce_worker, world_size, tmp_path)
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        # Reference: the rank-order sum in fp32, computed here in one process.
+        expected = rank_values(0, dtype).float()
+        for rank in range(1, world_size):
+            expected = expected + rank_values(rank, dtype).float()
+        expected = expected.to(dtype)
+        for res in results:
+            pinned = res[name]
+            assert pinned["pinned_long"].dtype == dtype
+            assert torch.equal(pinned["pinned_long"], expected)
+            for short, long in zip(pinned["pinned_short"], _windows(expected), strict=True):
+                assert torch.equal(short, long)
+            assert torch.equal(pinned["plain_long"], results[0][name]["plain_long"])
+    plain = results[0]["fp32"]
+    # Same sum in another order: close in fp32 (bf16 plain accumulates in bf16, so not there);
+    # atol 1.0 because terms up to 1e6 cancel, leaving their fp32 rounding (ulp 0.06 at 1e6).
+    torch.testing.assert_close(plain["plain_long"], plain["pinned_long"], rtol=1e-5, atol=1.0)
+    # Control: gloo's own all_reduce gives some element other bits in a short message.
+    num_diff = sum(
+        int((short != long).sum())
+        for short, long in zip(plain["plain_short"], _windows(plain["plain_long"]), strict=True)
+    )
+    assert num_diff > 0, "gloo all_reduce was size-independent: the control found nothing"
+

@@ -1,0 +1,153 @@
+"""Dispatch/combine over gloo at 2, 4 and 8 ranks, bitwise against one process.
+
+Each rank owns L physical slots; the expert function is `grouped_linear_ref` (per-row invariant),
+so every layout and placement must reproduce the single-process LocalDispatcher result bit for
+bit. The data holds a rank with no tokens, an unused physical slot, uneven counts, and tokens
+with several slots on one rank. Negative control: with multiple reduction the same tokens under
+a permuted placement give other bits, while the invariant path still matches the reference.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from comm import AllToAllDispatcher, LocalDispatcher, destroy_process_groups, init_process_groups
+from kernels.linear import grouped_linear_ref
+from tests.test_comm_groups import MASTER_ADDR, gloo_config, run_ranks
+
+NUM_LOCAL_SLOTS = 2
+HIDDEN = 16
+TOP_K = 3
+TILE_ROWS = 4
+
+
+def num_tokens(rank: int) -> int:
+    """Uneven per-rank token counts; rank 1 sends nothing."""
+    return 0 if rank == 1 else 3 + (5 * rank + 2) % 7
+
+
+def make_case(world_size: int) -> dict:
+    """Global data every process rebuilds from one seed: tokens, routing, expert weights."""
+    num_slots = world_size * NUM_LOCAL_SLOTS
+    gen = torch.Generator().manual_seed(world_size)
+    weight = torch.randn(num_slots, HIDDEN, HIDDEN, generator=gen) / HIDDEN**0.5
+    xs, ids, topk_weights = [], [], []
+    for rank in range(world_size):
+        t = num_tokens(rank)
+        xs.append(torch.randn(t, HIDDEN, generator=gen))
+        # Distinct slots per token, never the last slot (an expert with zero tokens).
+        rows = [torch.randperm(num_slots - 1, generator=gen)[:TOP_K] for _ in range(t)]
+        rank_ids = torch.stack(rows) if rows else torch.empty(0, TOP_K, dtype=torch.int64)
+        if t:
+            # Token 0: all K slots on ranks 0 and 1, two of them on rank 0.
+            rank_ids[0] = torch.tensor([1, NUM_LOCAL_SLOTS, 0])
+        ids.append(rank_ids)
+        topk_weights.append(torch.rand(t, TOP_K, generator=gen))
+    return {"x": xs, "ids": ids, "weights": topk_weights, "expert_weight": weight}
+
+
+def shifted_placement(case: dict, shift: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Move physical slot p to (p + shift) % P, weights with it: same math, other ranks."""
+    num_slots = case["expert_weight"].shape[0]
+    perm = (torch.arange(num_slots) + shift) % num_slots
+    weight = torch.empty_like(case["expert_weight"])
+    weight[perm] = case["expert_weight"]
+    return [perm[ids] for ids in case["ids"]], weight
+
+
+def run_moe(dispatcher, x, ids, topk_weights, local_weight) -> tuple[torch.Tensor, list[int]]:
+    recv_x, group_sizes, handle = dispatcher.dispatch(x, ids, topk_weights)
+    y = grouped_linear_ref(recv_x, local_weight, group_sizes, tile_rows=TILE_ROWS)
+    return dispatcher.combine(y, handle, topk_weights), group_sizes
+
+
+def _dispatch_worker(rank: int, world_size: int, port: int) -> dict:
+    groups = init_process_groups(gloo_config(world_size), rank, MASTER_ADDR, port)
+    case = make_case(world_size)
+    x, topk_weights = case["x"][rank], case["weights"][rank]
+    local = slice(rank * NUM_LOCAL_SLOTS, (rank + 1) * NUM_LOCAL_SLOTS)
+    result = {}
+    # Collectives: every rank runs the same dispatch/combine sequence, rank 1 with 0 tokens.
+    for allow_multiple_reduction in (False, True):
+        dispatcher = AllToAllDispatcher(
+            groups.ep_group, rank, world_size, NUM_LOCAL_SLOTS, allow_multiple_reduction, "cpu"
+        )
+        for shift in (0, 1):
+            ids, weight = shifted_placement(case, shift)
+            out, group_sizes = run_moe(dispatcher, x, ids[rank], topk_weights, weight[local])
+            result[allow_multiple_reduction, shift] = out
+            result["group_sizes", allow_multiple_reduction, shift] = group_sizes
+        result["num_rows_sent_remote", allow_multiple_reduction] = dispatcher.num_rows_sent_remote
+    # The receive order itself: dispatch each token's (rank, token) tag.
+    dispatcher = AllToAllDispatcher(groups.ep_group, rank, world_size, NUM_LOCAL_SLOTS, False, "cpu")
+    tags = torch.stack([torch.full((len(x),), rank), torch.arange(len(x))], dim=1)
+    result["recv_tags"], _, _ = dispatcher.dispatch(tags.double(), case["ids"][rank], topk_weights)
+    destroy_process_groups()
+    return result
+
+
+def expected_recv_tags(case: dict, rank: int) -> torch.Tensor:
+    """(source rank, token) of each row rank receives, in (local slot, source rank, token, slot)."""
+    tags = []
+    for slot in range(rank * NUM_LOCAL_SLOTS, (rank + 1) * NUM_LOCAL_SLOTS):
+        for source, ids in enumerate(case["ids"]):
+            tags += [(source, token) for token in range(len(ids)) if slot in ids[token].tolist()]
+    return torch.tensor(tags, dtype=torch.float64).reshape(-1, 2)
+
+
+def reference(case: dict, allow_multiple_reduction: bool = False) -> list[torch.Tensor]:
+    """Single process: every token of every rank through LocalDispatcher with all P slots."""
+    num_slots = case["expert_weight"].shape[0]
+    dispatcher = LocalDispatcher(num_slots, allow_multiple_reduction)
+    x, ids, w = (torch.cat(case[key]) for key in ("x", "ids", "weights"))
+    out, _ = run_moe(dispatcher, x, ids, w, case["expert_weight"])
+    assert dispatcher.num_rows_sent_remote == 0
+    return list(out.split([len(t) for t in case["x"]]))
+
+
+@pytest.mark.parametrize("world_size", [2, 4, 8])
+def test_dispatch_combine_bitwise_equal_to_one_process(tmp_path, world_size):
+    case = make_case(world_size)
+    results = run_ranks(_dispatch_worker, world_size, tmp_path)
+    expected = reference(case)
+    expected_fast = reference(case, allow_multiple_reduction=True)
+    num_differ = 0
+    for rank, res in enumerate(results):
+        assert res[False, 0].dtype == torch.float32 and res[False, 0].shape == (num_tokens(rank), HIDDEN)
+        # Invariant path: every placement gives the single-process bits.
+        assert torch.equal(res[False, 0], expected[rank])
+        assert torch.equal(res[False, 1], expected[rank])
+        # Multiple reduction: the same sums, in a placement-dependent order.
+        for shift in (0, 1):
+            torch.testing.assert_close(res[True, shift], expected_fast[rank])
+        num_differ += int((res[True, 0] != res[True, 1]).any(dim=1).sum())
+        assert torch.equal(res["recv_tags"], expected_recv_tags(case, rank))
+        # Engagement: rows crossed ranks in both modes, fewer with pre-reduction.
+        assert res["num_rows_sent_remote", False] > res["num_rows_sent_remote", True] > 0
+    # Negative control: some token's bits moved with the placement under multiple reduction.
+    assert num_differ > 0
+    # The last physical slot is never routed to: its expert ran with zero rows.
+    last_rank = results[world_size - 1]
+    assert last_rank["group_sizes", False, 0][-1] == 0
+
+
+def test_local_dispatcher_groups_rows_by_slot(generator):
+    x = torch.randn(4, HIDDEN, generator=generator)
+    ids = torch.tensor([[2, 0], [1, 2], [0, 1], [2, 1]])
+    w = torch.rand(4, 2, generator=generator)
+    recv_x, group_sizes, handle = LocalDispatcher(4).dispatch(x, ids, w)
+    assert group_sizes == [2, 3, 3, 0]
+    # Rows by slot, then token: slot 0 <- tokens 0, 2; slot 1 <- 1, 2, 3; slot 2 <- 0, 1, 3.
+    assert torch.equal(recv_x, x[[0, 2, 1, 2, 3, 0, 1, 3]])
+    out = LocalDispatcher(4).combine(recv_x, handle, w)
+    assert torch.equal(out, w[:, 0:1] * x + w[:, 1:2] * x)
+
+
+def test_dispatch_rejects_bad_routing():
+    dispatcher = LocalDispatcher(2)
+    x = torch.zeros(2, HIDDEN)
+    with pytest.raises(ValueError, match=r"lie in \[0, 2\)"):
+        dispatcher.dispatch(x, torch.tensor([[0], [2]]), torch.ones(2, 1))
+    with pytest.raises(ValueError, match="int64"):
+        dispatcher.dispatch(x, torch.tensor([[0], [1]], dtype=torch.int32), torch.ones(2, 1))

@@ -1,0 +1,235 @@
+"""The rebalancing policy: DeepSeek's README example as a known answer, properties of plans over
+many random loads and shapes, and agreement of the layer-vectorized packing with a per-row
+reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eplb import (
+    ExpertPlacement,
+    balanced_packing,
+    balancedness,
+    load_per_rank,
+    rebalance_experts,
+    replicate_experts,
+)
+
+README_WEIGHT = [
+    [90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86],
+    [20, 107, 104, 64, 19, 197, 187, 157, 172, 86, 16, 27],
+]
+README_PHYSICAL_TO_LOGICAL = [
+    [5, 6, 5, 7, 8, 4, 3, 4, 10, 9, 10, 2, 0, 1, 11, 1],
+    [7, 10, 6, 8, 6, 11, 8, 9, 2, 4, 5, 1, 5, 0, 3, 1],
+]
+
+# (num_layers, num_logical, num_replicas, num_groups, num_nodes, num_gpus)
+SHAPES = [
+    (2, 12, 16, 4, 2, 8),
+    (3, 16, 16, 4, 2, 4),
+    (4, 64, 80, 8, 4, 16),
+    (2, 32, 48, 8, 2, 8),
+    (2, 64, 96, 8, 8, 32),
+    (3, 20, 24, 5, 2, 4),
+    (2, 10, 15, 1, 1, 5),
+    (2, 8, 9, 2, 1, 1),
+    (2, 6, 30, 3, 3, 6),
+]
+LOADS = ["uniform", "zipf", "one_hot", "equal", "zero"]
+
+
+def _load(kind: str, num_layers: int, num_logical: int, generator: torch.Generator):
+    if kind == "uniform":
+        return torch.randint(0, 1000, (num_layers, num_logical), generator=generator)
+    if kind == "zipf":
+        ranks = torch.stack(
+            [torch.randperm(num_logical, generator=generator) + 1 for _ in range(num_layers)]
+        )
+        return (10_000 / ranks.double()).round().long()
+    if kind == "one_hot":
+        load = torch.ones(num_layers, num_logical, dtype=torch.int64)
+        load[:, num_logical // 2] = 1_000
+        return load
+    if kind == "equal":
+        return torch.full((num_layers, num_logical), 7)
+    return torch.zeros(num_layers, num_logical, dtype=torch.int64)
+
+
+def _node_of_logical(physical_to_logical, num_logical, num_nodes):
+    """[L, E] node holding each logical expert; asserts all its replicas share that node."""
+    num_layers, num_physical = physical_to_logical.shape
+    slot_node = (torch.arange(num_physical) // (num_physical // num_nodes)).expand(num_layers, -1)
+    lowest = torch.full((num_layers, num_logical), num_nodes).scatter_reduce(
+        1, physical_to_logical, slot_node, reduce="amin"
+    )
+    highest = torch.full((num_layers, num_logical), -1).scatter_reduce(
+        1, physical_to_logical, slot_node, reduce="amax"
+    )
+    assert torch.equal(lowest, highest), "a logical expert has replicas on two nodes"
+    return lowest
+
+
+def test_readme_example_known_answer():
+    physical_to_logical, logical_to_physical, replica_count = rebalance_experts(
+        torch.tensor(README_WEIGHT), num_replicas=16, num_groups=4, num_nodes=2, num_gpus=8
+    )
+    assert physical_to_logical.tolist() == README_PHYSICAL_TO_LOGICAL
+    assert replica_count.tolist() == [
+        [1, 2, 1, 1, 2, 2, 1, 1, 1, 1, 2, 1],
+        [1, 2, 1, 1, 1, 2, 2, 1, 2, 1, 1, 1],
+    ]
+    assert logical_to_physical.shape == (2, 12, 5)
+    assert logical_to_physical[0, 1].tolist() == [13, 15, -1, -1, -1]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("kind", LOADS)
+def test_plan_properties(shape, kind, generator):
+    num_layers, num_logical, num_replicas, num_groups, num_nodes, num_gpus = shape
+    weight = _load(kind, num_layers, num_logical, generator)
+    physical_to_logical, logical_to_physical, replica_count = rebalance_experts(
+        weight, num_replicas, num_groups, num_nodes, num_gpus
+    )
+    assert physical_to_logical.shape == (num_layers, num_replicas)
+    assert physical_to_logical.dtype == torch.int64
+    assert (replica_count >= 1).all()
+    assert (replica_count.sum(dim=1) == num_replicas).all()
+    # Construction validates that the three maps agree.
+    placement = ExpertPlacement(physical_to_logical, logical_to_physical, replica_count)
+    assert num_replicas % num_gpus == 0
+    slots = [placement.local_experts(r, num_gpus) for r in range(num_gpus)]
+    assert {s.shape[1] for s in slots} == {num_replicas // num_gpus}
+    if num_groups % num_nodes == 0:
+        node = _node_of_logical(physical_to_logical, num_logical, num_nodes)
+        group_node = node.view(num_layers, num_groups, -1)
+        assert (group_node == group_node[..., :1]).all(), "a group is split across nodes"
+        groups_per_node = torch.stack([(group_node[..., 0] == n).sum(1) for n in range(num_nodes)])
+        assert (groups_per_node == num_groups // num_nodes).all()
+    else:
+        node = torch.zeros(num_layers, num_logical, dtype=torch.int64)
+    # Within one replication domain (a node), a hotter expert never has fewer replicas.
+    hotter = weight.unsqueeze(2) > weight.unsqueeze(1)
+    same_node = node.unsqueeze(2) == node.unsqueeze(1)
+    fewer = replica_count.unsqueeze(2) < replica_count.unsqueeze(1)
+    assert not (hotter & same_node & fewer).any()
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_layers_plan_independently(shape, generator):
+    num_layers, num_logical, num_replicas, num_groups, num_nodes, num_gpus = shape
+    weight = _load("uniform", num_layers, num_logical, generator)
+    together = rebalance_experts(weight, num_replicas, num_groups, num_nodes, num_gpus)[0]
+    for layer in range(num_layers):
+        alone = rebalance_experts(
+            weight[layer : layer + 1], num_replicas, num_groups, num_nodes, num_gpus
+        )[0]
+        assert torch.equal(alone[0], together[layer])
+
+
+def test_deterministic_and_dtype_independent(generator):
+    weight = _load("uniform", 4, 64, generator)
+    first = rebalance_experts(weight, 80, 8, 4, 16)
+    again = rebalance_experts(weight.clone(), 80, 8, 4, 16)
+    as_float = rebalance_experts(weight.float(), 80, 8, 4, 16)
+    for a, b, c in zip(first, again, as_float, strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_global_policy(generator):
+    weight = _load("zipf", 3, 32, generator)
+    forced = rebalance_experts(weight, 48, 8, 2, 8, policy="global")
+    one_node = rebalance_experts(weight, 48, 1, 1, 8)
+    fallback = rebalance_experts(weight, 48, 8, 3, 6)  # 8 % 3 != 0 -> global
+    for a, b in zip(forced, one_node, strict=True):
+        assert torch.equal(a, b)
+    assert (fallback[2] >= 1).all()
+
+
+@pytest.mark.parametrize("shape", [(4, 64, 80, 8, 4, 16), (6, 256, 320, 8, 8, 64)])
+@pytest.mark.parametrize("policy,floor", [("auto", 0.3), ("global", 0.9)])
+def test_balancedness_improves_on_skewed_load(shape, policy, floor, generator):
+    # Hierarchical plans balance nodes only at group granularity, hence the lower floor.
+    num_layers, num_logical, num_replicas, num_groups, num_nodes, num_gpus = shape
+    weight = _load("zipf", num_layers, num_logical, generator)
+    default = torch.arange(num_logical).expand(num_layers, -1)
+    before = balancedness(load_per_rank(weight, default, num_gpus))
+    plan = rebalance_experts(weight, num_replicas, num_groups, num_nodes, num_gpus, policy=policy)[
+        0
+    ]
+    after = balancedness(load_per_rank(weight, plan, num_gpus))
+    assert (after > before).all()
+    assert (after > floor).all()
+
+
+def test_balancedness_values():
+    assert balancedness(torch.tensor([1.0, 1.0, 1.0])).item() == 1.0
+    assert balancedness(torch.tensor([[0, 4], [2, 2]])).tolist() == [0.5, 1.0]
+    assert balancedness(torch.zeros(4)).item() == 1.0
+
+
+def test_load_per_rank_splits_load_over_replicas():
+    weight = torch.tensor([[6.0, 2.0]])
+    physical_to_logical = torch.tensor([[0, 1, 0, 0]])
+    assert load_per_rank(weight, physical_to_logical, 2).tolist() == [[4.0, 4.0]]
+
+
+def _packing_reference(weight_row: list[float], num_packs: int):
+    """Per-row greedy: heaviest item first (lower id on ties) into the lightest open pack.
+    With one item per pack, item i goes to pack i (every assignment is then equally good)."""
+    per_pack = len(weight_row) // num_packs
+    if per_pack == 1:
+        return list(range(num_packs)), [0] * num_packs
+    loads, sizes = [0.0] * num_packs, [0] * num_packs
+    pack_index, rank_in_pack = [0] * len(weight_row), [0] * len(weight_row)
+    for item in sorted(range(len(weight_row)), key=lambda i: (-weight_row[i], i)):
+        pack = min((p for p in range(num_packs) if sizes[p] < per_pack), key=lambda p: loads[p])
+        pack_index[item], rank_in_pack[item] = pack, sizes[pack]
+        loads[pack] += weight_row[item]
+        sizes[pack] += 1
+    return pack_index, rank_in_pack
+
+
+@pytest.mark.parametrize("num_items,num_packs", [(12, 4), (40, 8), (9, 3), (6, 6), (8, 1)])
+def test_balanced_packing_matches_reference(num_items, num_packs, generator):
+    # Small integer loads force many ties.
+    weight = torch.randint(0, 5, (16, num_items), generator=generator).double()
+    pack_index, rank_in_pack = balanced_packing(weight, num_packs)
+    for row in range(weight.shape[0]):
+        expected = _packing_reference(weight[row].tolist(), num_packs)
+        assert (pack_index[row].tolist(), rank_in_pack[row].tolist()) == expected
+    counts = torch.stack([(pack_index == p).sum(1) for p in range(num_packs)], dim=1)
+    assert (counts == num_items // num_packs).all()
+
+
+def test_replicate_experts_gives_replicas_to_the_hottest():
+    weight = torch.tensor([[10.0, 40.0, 20.0, 20.0]])
+    physical_to_logical, replica_count = replicate_experts(weight, 7)
+    # Expert 1 (40) twice: after one extra replica it ties at 20 with experts 2 and 3, and the
+    # lowest id wins; then expert 2.
+    assert physical_to_logical.tolist() == [[0, 1, 2, 3, 1, 1, 2]]
+    assert replica_count.tolist() == [[1, 3, 2, 1]]
+
+
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        ((torch.ones(2, 12), 16, 4, 2, 7), "num_gpus"),
+        ((torch.ones(2, 12), 10, 4, 2, 2), "num_replicas"),
+        ((torch.ones(2, 12), 16, 5, 1, 8), "num_groups"),
+        ((torch.ones(2, 12), 16, 4, 3, 8), "num_nodes"),
+        ((-torch.ones(2, 12), 16, 4, 2, 8), ">= 0"),
+        ((torch.ones(12), 16, 4, 2, 8), "weight"),
+    ],
+)
+def test_bad_arguments_raise(args, match):
+    with pytest.raises(ValueError, match=match):
+        rebalance_experts(*args)
+
+
+def test_bad_policy_raises():
+    with pytest.raises(ValueError, match="hierarchical"):
+        rebalance_experts(torch.ones(2, 12), 18, 4, 3, 6, policy="hierarchical")
+    with pytest.raises(ValueError, match="policy"):
+        rebalance_experts(torch.ones(2, 12), 16, 4, 2, 8, policy="random")
