@@ -60,7 +60,7 @@ def combine_in_slot_order(
     t, k = topk_weights.shape
     y = torch.empty_like(y_sorted)
     y[order] = y_sorted  # index assignment back to (token, slot) order
-    y = y.view(t, k, -1).float()
+    y = y.view(t, k, y_sorted.shape[1]).float()  # explicit D: T may be 0
     out = topk_weights[:, 0:1] * y[:, 0]
     for slot in range(1, k):  # why: a fixed summation order, the same on every layout
         out = out + topk_weights[:, slot : slot + 1] * y[:, slot]

@@ -30,6 +30,8 @@ def mla_attention_ref(
     block_tables [B, MB] int64 (-1 padding allowed past a sequence's end) -> [T, H, v_dim].
     """
     num_tokens = q.shape[0]
+    if num_tokens == 0:  # a rank with no tokens still runs the step (EP lockstep)
+        return q.new_empty((0, q.shape[1], v_dim))
     # Why: queries run in fixed tiles; padded rows (seq 0, position 0) are valid and dropped.
     tiles = zip(
         pad_rows(q.float(), tile_rows).split(tile_rows),

@@ -75,11 +75,14 @@ class Worker:
         self.num_steps += 1
         return self.runner.step(chunks)
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict:
+        """Counters of this rank; `slot_load[l][s]` = rows served by local slot s of MoE layer l."""
+        model = self.runner.model
         return {
             "rank": self.rank,
             "num_steps": self.num_steps,
             "num_rows_sent_remote": getattr(self.dispatcher, "num_rows_sent_remote", 0),
+            "slot_load": [list(moe.slot_load) for moe in model.moe_layers],
         }
 
     def shutdown(self) -> None:

@@ -1,4 +1,4 @@
-"""Pinned all-reduce on CPU with gloo: same bits on every rank and for every message size.
+"""Pinned all-reduce (gloo on CPU; NCCL on 2 GPUs): same bits on every rank, for every size.
 
 The control: gloo's own all_reduce (ring, chunked by message size) gives element i different
 bits when it travels in a short message than inside a long one, for fp32 values of very
@@ -7,10 +7,19 @@ different magnitudes at 4 ranks.
 
 from __future__ import annotations
 
+import os
+
+import pytest
 import torch
 
-from comm import destroy_process_groups, init_process_groups, pinned_all_reduce, plain_all_reduce
-from tests.test_comm_groups import MASTER_ADDR, gloo_config, run_ranks
+from comm import (
+    destroy_process_groups,
+    init_process_groups,
+    pinned_all_reduce,
+    pinned_nccl_env,
+    plain_all_reduce,
+)
+from tests.test_comm_groups import BACKENDS, MASTER_ADDR, backend_config, run_ranks
 
 NUM_ELEMENTS = 1 << 13
 WINDOW = 16  # the short message: WINDOW elements taken from the long one
@@ -29,11 +38,15 @@ def _windows(x: torch.Tensor) -> list[torch.Tensor]:
     return [x[i * stride : i * stride + WINDOW] for i in range(NUM_WINDOWS)]
 
 
-def _all_reduce_worker(rank: int, world_size: int, port: int) -> dict:
-    groups = init_process_groups(gloo_config(world_size), rank, MASTER_ADDR, port)
+def _all_reduce_worker(rank: int, world_size: int, port: int, backend: str) -> dict:
+    config = backend_config(world_size, backend)
+    if config.device == "cuda":
+        os.environ.update(pinned_nccl_env())  # this test process stands in for launch/
+        torch.cuda.set_device(rank)
+    groups = init_process_groups(config, rank, MASTER_ADDR, port)
     result = {}
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        x = rank_values(rank, dtype)
+        x = rank_values(rank, dtype).to(groups.device)
         # Collectives: every rank runs the same sequence of reductions below.
         result[name] = {
             "pinned_long": pinned_all_reduce(x, groups.ep_group),
@@ -42,12 +55,20 @@ def _all_reduce_worker(rank: int, world_size: int, port: int) -> dict:
             "plain_short": [plain_all_reduce(w, groups.ep_group) for w in _windows(x)],
         }
     destroy_process_groups()
-    return result
+    return {
+        name: {
+            key: [t.cpu() for t in v] if isinstance(v, list) else v.cpu() for key, v in r.items()
+        }
+        for name, r in result.items()
+    }
 
 
-def test_pinned_all_reduce_ignores_message_size_world4(tmp_path):
-    world_size = 4
-    results = run_ranks(_all_reduce_worker, world_size, tmp_path)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_pinned_all_reduce_ignores_message_size(tmp_path, backend):
+    world_size = 4 if backend == "gloo" else 2
+    if torch.cuda.device_count() < world_size and backend == "nccl":
+        pytest.skip(f"needs {world_size} CUDA devices")
+    results = run_ranks(_all_reduce_worker, world_size, tmp_path, backend)
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         # Reference: the rank-order sum in fp32, computed here in one process.
         expected = rank_values(0, dtype).float()
@@ -61,6 +82,8 @@ def test_pinned_all_reduce_ignores_message_size_world4(tmp_path):
             for short, long in zip(pinned["pinned_short"], _windows(expected), strict=True):
                 assert torch.equal(short, long)
             assert torch.equal(pinned["plain_long"], results[0][name]["plain_long"])
+    if backend == "nccl":
+        return  # NCCL's own order is measured in the report, not asserted here
     plain = results[0]["fp32"]
     # Same sum in another order: close in fp32 (bf16 plain accumulates in bf16, so not there);
     # atol 1.0 because terms up to 1e6 cancel, leaving their fp32 rounding (ulp 0.06 at 1e6).
@@ -71,4 +94,3 @@ def test_pinned_all_reduce_ignores_message_size_world4(tmp_path):
         for short, long in zip(plain["plain_short"], _windows(plain["plain_long"]), strict=True)
     )
     assert num_diff > 0, "gloo all_reduce was size-independent: the control found nothing"
-

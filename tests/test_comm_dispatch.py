@@ -14,7 +14,7 @@ import torch
 
 from comm import AllToAllDispatcher, LocalDispatcher, destroy_process_groups, init_process_groups
 from kernels.linear import grouped_linear_ref
-from tests.test_comm_groups import MASTER_ADDR, gloo_config, run_ranks
+from tests.test_comm_groups import BACKENDS, MASTER_ADDR, backend_config, run_ranks
 
 NUM_LOCAL_SLOTS = 2
 HIDDEN = 16
@@ -62,16 +62,24 @@ def run_moe(dispatcher, x, ids, topk_weights, local_weight) -> tuple[torch.Tenso
     return dispatcher.combine(y, handle, topk_weights), group_sizes
 
 
-def _dispatch_worker(rank: int, world_size: int, port: int) -> dict:
-    groups = init_process_groups(gloo_config(world_size), rank, MASTER_ADDR, port)
-    case = make_case(world_size)
+def _dispatch_worker(rank: int, world_size: int, port: int, backend: str) -> dict:
+    config = backend_config(world_size, backend)
+    if config.device == "cuda":
+        torch.cuda.set_device(rank)
+    groups = init_process_groups(config, rank, MASTER_ADDR, port)
+    case = to_device(make_case(world_size), groups.device)
     x, topk_weights = case["x"][rank], case["weights"][rank]
     local = slice(rank * NUM_LOCAL_SLOTS, (rank + 1) * NUM_LOCAL_SLOTS)
     result = {}
     # Collectives: every rank runs the same dispatch/combine sequence, rank 1 with 0 tokens.
     for allow_multiple_reduction in (False, True):
         dispatcher = AllToAllDispatcher(
-            groups.ep_group, rank, world_size, NUM_LOCAL_SLOTS, allow_multiple_reduction, "cpu"
+            groups.ep_group,
+            rank,
+            world_size,
+            NUM_LOCAL_SLOTS,
+            allow_multiple_reduction,
+            groups.device,
         )
         for shift in (0, 1):
             ids, weight = shifted_placement(case, shift)
@@ -80,11 +88,25 @@ def _dispatch_worker(rank: int, world_size: int, port: int) -> dict:
             result["group_sizes", allow_multiple_reduction, shift] = group_sizes
         result["num_rows_sent_remote", allow_multiple_reduction] = dispatcher.num_rows_sent_remote
     # The receive order itself: dispatch each token's (rank, token) tag.
-    dispatcher = AllToAllDispatcher(groups.ep_group, rank, world_size, NUM_LOCAL_SLOTS, False, "cpu")
+    dispatcher = AllToAllDispatcher(
+        groups.ep_group, rank, world_size, NUM_LOCAL_SLOTS, False, groups.device
+    )
     tags = torch.stack([torch.full((len(x),), rank), torch.arange(len(x))], dim=1)
-    result["recv_tags"], _, _ = dispatcher.dispatch(tags.double(), case["ids"][rank], topk_weights)
+    tags = tags.double().to(groups.device)
+    result["recv_tags"], _, _ = dispatcher.dispatch(tags, case["ids"][rank], topk_weights)
     destroy_process_groups()
-    return result
+    return to_device(result, torch.device("cpu"))
+
+
+def to_device(tree, device: torch.device):
+    """Every tensor inside dicts/lists moved to device; other leaves as they are."""
+    if isinstance(tree, torch.Tensor):
+        return tree.to(device)
+    if isinstance(tree, dict):
+        return {key: to_device(value, device) for key, value in tree.items()}
+    if isinstance(tree, list):
+        return [to_device(value, device) for value in tree]
+    return tree
 
 
 def expected_recv_tags(case: dict, rank: int) -> torch.Tensor:
@@ -96,25 +118,32 @@ def expected_recv_tags(case: dict, rank: int) -> torch.Tensor:
     return torch.tensor(tags, dtype=torch.float64).reshape(-1, 2)
 
 
-def reference(case: dict, allow_multiple_reduction: bool = False) -> list[torch.Tensor]:
+def reference(case: dict, allow_multiple_reduction: bool, device: str) -> list[torch.Tensor]:
     """Single process: every token of every rank through LocalDispatcher with all P slots."""
+    case = to_device(case, torch.device(device))
     num_slots = case["expert_weight"].shape[0]
     dispatcher = LocalDispatcher(num_slots, allow_multiple_reduction)
     x, ids, w = (torch.cat(case[key]) for key in ("x", "ids", "weights"))
     out, _ = run_moe(dispatcher, x, ids, w, case["expert_weight"])
     assert dispatcher.num_rows_sent_remote == 0
-    return list(out.split([len(t) for t in case["x"]]))
+    return list(out.cpu().split([len(t) for t in case["x"]]))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("world_size", [2, 4, 8])
-def test_dispatch_combine_bitwise_equal_to_one_process(tmp_path, world_size):
+def test_dispatch_combine_bitwise_equal_to_one_process(tmp_path, world_size, backend):
+    if backend == "nccl" and torch.cuda.device_count() < world_size:
+        pytest.skip(f"needs {world_size} CUDA devices")
     case = make_case(world_size)
-    results = run_ranks(_dispatch_worker, world_size, tmp_path)
-    expected = reference(case)
-    expected_fast = reference(case, allow_multiple_reduction=True)
+    results = run_ranks(_dispatch_worker, world_size, tmp_path, backend)
+    # The reference runs on rank 0's device kind: GPU bits are compared with GPU bits.
+    device = "cpu" if backend == "gloo" else "cuda:0"
+    expected = reference(case, False, device)
+    expected_fast = reference(case, True, device)
     num_differ = 0
     for rank, res in enumerate(results):
-        assert res[False, 0].dtype == torch.float32 and res[False, 0].shape == (num_tokens(rank), HIDDEN)
+        assert res[False, 0].dtype == torch.float32
+        assert res[False, 0].shape == (num_tokens(rank), HIDDEN)
         # Invariant path: every placement gives the single-process bits.
         assert torch.equal(res[False, 0], expected[rank])
         assert torch.equal(res[False, 1], expected[rank])
@@ -123,10 +152,12 @@ def test_dispatch_combine_bitwise_equal_to_one_process(tmp_path, world_size):
             torch.testing.assert_close(res[True, shift], expected_fast[rank])
         num_differ += int((res[True, 0] != res[True, 1]).any(dim=1).sum())
         assert torch.equal(res["recv_tags"], expected_recv_tags(case, rank))
-        # Engagement: rows crossed ranks in both modes, fewer with pre-reduction.
-        assert res["num_rows_sent_remote", False] > res["num_rows_sent_remote", True] > 0
+        # Engagement: rows crossed ranks in both modes, never more with pre-reduction.
+        assert res["num_rows_sent_remote", False] >= res["num_rows_sent_remote", True] > 0
     # Negative control: some token's bits moved with the placement under multiple reduction.
     assert num_differ > 0
+    sent = {mode: sum(res["num_rows_sent_remote", mode] for res in results) for mode in (0, 1)}
+    assert sent[False] > sent[True], "pre-reduction never merged two slots of a token"
     # The last physical slot is never routed to: its expert ran with zero rows.
     last_rank = results[world_size - 1]
     assert last_rank["group_sizes", False, 0][-1] == 0

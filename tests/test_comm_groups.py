@@ -1,9 +1,11 @@
-"""Process groups on CPU with gloo: layout arithmetic, registry, and the spawn harness.
+"""Process groups on CPU with gloo: layout arithmetic, registry, and the multi-process harness.
 
-`run_ranks` (used by every tests/test_comm_*.py) starts one spawned process per rank, lines them
-up on a barrier so a short group timeout is not eaten by torch's import, runs `worker(rank,
-world_size, port, *args)` in each and returns the per-rank results (a failure carries the rank's
-traceback).
+`run_ranks` (used by every tests/test_comm_*.py) starts one process per rank, lines them up on a
+barrier so a short group timeout is not eaten by start-up, runs `worker(rank, world_size, port,
+*args)` in each and returns the per-rank results (a failure carries the rank's traceback).
+Processes come from a forkserver that imported torch once: a clean parent (no threads, no
+process group) that forks in milliseconds, where spawning 8 fresh interpreters on CI's 2 cores
+costs ~10 s of imports.
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ def _rank_main(worker, rank, world_size, port, barrier, out_dir, args) -> None:
 
 def run_ranks(worker, world_size: int, tmp_path: Path, *args, timeout_s: float = 40.0) -> list:
     """Run worker in world_size spawned processes; return [result of rank 0, 1, ...]."""
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "comm", "kernels", __name__])
     barrier = ctx.Barrier(world_size)
     port = free_port()
     procs = [
@@ -79,6 +82,26 @@ def gloo_config(world_size: int, tp_size: int = 1, timeout_s: float = 30.0) -> P
     return ParallelConfig(
         world_size=world_size, tp_size=tp_size, backend="gloo", timeout_s=timeout_s
     )
+
+
+def backend_config(world_size: int, backend: str) -> ParallelConfig:
+    """gloo on CPU, or NCCL with rank r on cuda:r (selected here, before the groups)."""
+    if backend == "gloo":
+        return gloo_config(world_size)
+    return ParallelConfig(world_size=world_size, backend="nccl", device="cuda", timeout_s=60.0)
+
+
+BACKENDS = [
+    pytest.param("gloo", id="gloo"),
+    pytest.param(
+        "nccl",
+        id="nccl",
+        marks=[
+            pytest.mark.multi_gpu,
+            pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"),
+        ],
+    ),
+]
 
 
 def test_group_ranks_layout():

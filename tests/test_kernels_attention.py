@@ -4,6 +4,8 @@ Three sequences of different lengths live in scattered cache blocks (BS = 4) wit
 in the block table and NaN garbage in every unwritten slot, so masking is tested too.
 """
 
+from functools import partial
+
 import pytest
 import torch
 
@@ -111,3 +113,13 @@ def test_attention_fast_prefill_differs_from_decode(paged_cache):
     prefill = _run(mla_attention_fast, *paged_cache, seq2)
     decode = torch.cat([_run(mla_attention_fast, *paged_cache, [row]) for row in seq2])
     assert not torch.equal(prefill, decode)
+
+
+def test_zero_queries_give_an_empty_result():
+    # An expert-parallel rank with no requests still runs every step on zero tokens.
+    q = torch.zeros(0, 2, 6)
+    cache = torch.zeros(3, 4, 6)
+    empty = torch.zeros(0, dtype=torch.int64)
+    for fn in (partial(mla_attention_ref, tile_rows=4), mla_attention_fast):
+        out = fn(q, cache, empty, torch.zeros(0, 1, dtype=torch.int64), empty, scale=0.5, v_dim=4)
+        assert out.shape == (0, 2, 4)

@@ -93,6 +93,7 @@ class MoE(nn.Module):
         self.ops = ops
         self.dispatcher = LocalDispatcher(num_local_slots)
         self.replica_row = torch.arange(cfg.n_routed_experts)
+        self.slot_load = [0] * num_local_slots  # rows served per local slot since start
 
     def bind_expert_parallel(self, dispatcher, replica_row: torch.Tensor) -> None:
         """replica_row [E] int64: the physical slot serving each logical expert from this rank."""
@@ -106,6 +107,7 @@ class MoE(nn.Module):
         recv, group_sizes, handle = self.dispatcher.dispatch(
             x, self.replica_row[topk_ids], topk_weights
         )
+        self.slot_load = [a + b for a, b in zip(self.slot_load, group_sizes, strict=True)]
         routed = self.dispatcher.combine(self.experts(recv, group_sizes), handle, topk_weights)
         routed = routed.to(x.dtype)
         return routed if self.shared_experts is None else routed + self.shared_experts(x)

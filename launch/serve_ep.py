@@ -1,0 +1,119 @@
+"""Serve the runtime over an OpenAI-compatible HTTP API (the Ray job's entry point).
+
+    python launch/serve_ep.py --config launch/configs/tiny_cpu.yaml [--host H] [--port P] \
+        [--set section.key=value ...] [--drain-timeout-s 30]
+    ray job submit --working-dir . -- python launch/serve_ep.py --config ...
+
+Loads the engine, starts its loop thread, then serves until SIGTERM or SIGINT: new connections
+are refused, requests in flight are answered (up to the drain timeout), the engine shuts down
+and the process exits 0. Prints "ready on http://host:port" once the port is listening.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from a checkout
+
+import uvicorn  # noqa: E402
+
+from launch.generate import parse_overrides  # noqa: E402
+from launch.server_app import create_app  # noqa: E402
+from moe_runtime.config import load_config  # noqa: E402
+from moe_runtime.engine import LLMEngine  # noqa: E402
+from moe_runtime.engine_loop import EngineLoop  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="YAML config file")
+    parser.add_argument("--host", default=None, help="overrides server.host")
+    parser.add_argument("--port", type=int, default=None, help="overrides server.port (0: any)")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="config override (repeatable), e.g. kernels.mode=fast",
+    )
+    parser.add_argument(
+        "--drain-timeout-s",
+        type=float,
+        default=30.0,
+        help="on SIGTERM/SIGINT, how long requests in flight may take to finish",
+    )
+    parser.add_argument("--log-level", default="warning", help="uvicorn's log level")
+    return parser.parse_args(argv)
+
+
+def log(message: str) -> None:
+    print(f"serve_ep: {message}", flush=True)
+
+
+async def serve(server: uvicorn.Server, sock: socket.socket, url: str) -> None:
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started and not task.done():
+        await asyncio.sleep(0.02)  # uvicorn has no started event; this runs only at start-up
+    if server.started:
+        log(f"ready on {url}")
+    await task
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    overrides = parse_overrides(args.set)
+    if args.host is not None:
+        overrides["server.host"] = args.host
+    if args.port is not None:
+        overrides["server.port"] = args.port
+    try:
+        config = load_config(args.config, overrides)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    host, port = config.server.host, config.server.port
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))  # fail fast on a taken port, before the (slow) model load
+    except OSError as exc:
+        print(f"error: cannot listen on {host}:{port}: {exc}", file=sys.stderr)
+        return 2
+    port = sock.getsockname()[1]
+
+    started = time.perf_counter()
+    log(f"loading {args.config} (world_size={config.parallel.world_size})")
+    engine = LLMEngine(config)
+    loop = EngineLoop(engine)
+    log(f"engine loaded in {time.perf_counter() - started:.1f}s")
+
+    app = create_app(loop, config, engine.tokenizer)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=max(1, round(args.drain_timeout_s)),
+        )
+    )
+    # uvicorn re-raises a captured signal after its graceful shutdown; with these handlers
+    # installed first, that re-raise is a no-op and we go on to drain and stop the engine.
+    received: list[int] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, _frame: received.append(signum))
+    shown_host = f"[{host}]" if ":" in host else host
+    asyncio.run(serve(server, sock, f"http://{shown_host}:{port}"))
+    why = signal.Signals(received[0]).name if received else "server exit"
+    log(f"{why}: draining requests in flight (up to {args.drain_timeout_s:g}s)")
+    loop.shutdown(drain_timeout_s=args.drain_timeout_s)
+    log("stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""A collective whose peer never shows up fails with CollectiveError naming the rank, in time."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from comm import AllToAllDispatcher, CollectiveError, init_process_groups, pinned_all_reduce
+from comm.errors import collective_guard
+from tests.test_comm_groups import MASTER_ADDR, gloo_config, run_ranks
+
+TIMEOUT_S = 3.0
+
+
+def _absent_peer_worker(rank: int, world_size: int, port: int) -> dict:
+    groups = init_process_groups(
+        gloo_config(world_size, timeout_s=TIMEOUT_S), rank, MASTER_ADDR, port
+    )
+    if rank == 1:
+        # The peer that never shows up: alive, connected, but never joins the collective.
+        time.sleep(TIMEOUT_S + 1.5)
+        return {}
+    dispatcher = AllToAllDispatcher(groups.ep_group, rank, world_size, 2, False, "cpu")
+    start = time.monotonic()
+    try:
+        dispatcher.dispatch(torch.zeros(1, 4), torch.tensor([[3]]), torch.ones(1, 1))
+    except CollectiveError as error:
+        return {"error": str(error), "elapsed": time.monotonic() - start}
+    return {"error": None}
+
+
+def test_absent_peer_raises_collective_error_within_timeout(tmp_path):
+    result = run_ranks(_absent_peer_worker, 2, tmp_path)[0]
+    assert result["error"] is not None, "dispatch returned although rank 1 never joined"
+    assert result["error"].startswith("rank 0: dispatch counts all_to_all failed:")
+    # It was the group timeout that fired, not a closed connection, and it fired in time.
+    assert TIMEOUT_S - 0.5 < result["elapsed"] < TIMEOUT_S + 1.5
+
+
+def test_collective_guard_wraps_runtime_errors_only():
+    try:
+        with collective_guard(3, "combine all_to_all"):
+            raise RuntimeError("Connection closed by peer")
+    except CollectiveError as error:
+        assert str(error) == "rank 3: combine all_to_all failed: Connection closed by peer"
+        assert isinstance(error.__cause__, RuntimeError)
+    else:
+        raise AssertionError("no CollectiveError")
+    try:
+        with collective_guard(0, "x"):
+            raise ValueError("bad split")
+    except ValueError:
+        pass
+
+
+def test_pinned_all_reduce_world1_is_identity(tmp_path):
+    results = run_ranks(_world1_worker, 1, tmp_path)
+    assert torch.equal(results[0], torch.arange(4.0))
+
+
+def _world1_worker(rank: int, world_size: int, port: int) -> torch.Tensor:
+    groups = init_process_groups(gloo_config(world_size), rank, MASTER_ADDR, port)
+    return pinned_all_reduce(torch.arange(4.0), groups.ep_group)

@@ -1,0 +1,350 @@
+"""The HTTP server: OpenAI client compatibility, online batch invariance, bad requests, shutdown.
+
+One in-process server (uvicorn in a thread, tiny CPU config, one rank) serves most tests;
+`serve_ep.py` itself runs once as a subprocess for start-up, a request and a draining SIGTERM.
+Results are compared bit for bit (float.hex) with each other and with `LLM.generate`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from launch.server_app import create_app
+from moe_runtime import LLM, SamplingParams
+from moe_runtime.config import load_config
+from moe_runtime.engine import LLMEngine
+from moe_runtime.engine_loop import EngineLoop, EngineUnavailableError
+from moe_runtime.executor import WorkerError
+from moe_runtime.tokenizer import ByteTokenizer
+from tests.invariance import TINY_CONFIG, fingerprint, mixed_prompts
+
+ROOT = Path(__file__).resolve().parent.parent
+MAX_MODEL_LEN = 1024  # scheduler.max_model_len of the tiny config
+TARGETS = [
+    {"prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0.0},
+    {
+        "prompt": [5, 17, 99, 200, 3, 42, 7],
+        "max_tokens": 12,
+        "temperature": 0.9,
+        "top_k": 50,
+        "top_p": 0.95,
+        "seed": 123,
+    },
+]
+for _target in TARGETS:
+    _target.update(logprobs=5, ignore_eos=True)
+
+
+@contextlib.contextmanager
+def running_server(overrides: dict | None = None):
+    """An in-process server (uvicorn in a thread) on a free loopback port, and an HTTP client."""
+    config = load_config(TINY_CONFIG, overrides)
+    engine = LLMEngine(config)
+    loop = EngineLoop(engine)
+    app = create_app(loop, config, engine.tokenizer)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not uv.started:
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.01)
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        limits = httpx.Limits(max_connections=64)
+        with httpx.Client(base_url=url, timeout=60, limits=limits) as http:
+            yield SimpleNamespace(url=url, http=http, loop=loop, model=config.server.model_name)
+    finally:
+        uv.should_exit = True
+        thread.join(timeout=10)
+        loop.shutdown(drain_timeout_s=5)
+
+
+@pytest.fixture(scope="module")
+def server():
+    with running_server() as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """{target index: fingerprint} from LLM.generate in this process, one request at a time."""
+    llm = LLM(TINY_CONFIG)
+    keys = ("max_tokens", "temperature", "top_k", "top_p", "seed", "logprobs", "ignore_eos")
+    result = {
+        i: fingerprint(
+            llm.generate([t["prompt"]], SamplingParams(**{k: t[k] for k in keys if k in t}))[0]
+        )
+        for i, t in enumerate(TARGETS)
+    }
+    llm.shutdown()
+    return result
+
+
+def http_fingerprint(choice: dict) -> tuple:
+    """The same exact fingerprint as tests.invariance.fingerprint, from a JSON choice."""
+    logprobs = choice["logprobs"]
+    return (
+        tuple(choice["token_ids"]),
+        tuple(float.hex(x) for x in logprobs["token_logprobs"]),
+        tuple(
+            tuple((int(t), float.hex(lp)) for t, lp in top.items())
+            for top in logprobs["top_logprob_ids"]
+        ),
+    )
+
+
+def post(http: httpx.Client, body: dict | str) -> httpx.Response:
+    if isinstance(body, str):
+        headers = {"content-type": "application/json"}
+        return http.post("/v1/completions", content=body, headers=headers)
+    return http.post("/v1/completions", json=body)
+
+
+def test_openai_client_text_and_token_prompts(server, reference):
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+    for i, target in enumerate(TARGETS):
+        extra = {"top_k": target["top_k"]} if "top_k" in target else {}
+        extra["ignore_eos"] = True
+        out = client.completions.create(
+            model=server.model,
+            prompt=target["prompt"],
+            max_tokens=target["max_tokens"],
+            temperature=target["temperature"],
+            top_p=target.get("top_p", 1.0),
+            seed=target.get("seed"),
+            logprobs=5,
+            extra_body=extra,
+        )
+        choice = out.choices[0]
+        assert out.object == "text_completion" and out.model == server.model
+        assert choice.finish_reason == "length"
+        assert len(choice.logprobs.token_logprobs) == target["max_tokens"]
+        assert all(len(top) <= 5 for top in choice.logprobs.top_logprobs)
+        assert out.usage.completion_tokens == target["max_tokens"]
+        assert http_fingerprint(choice.model_dump()) == reference[i]
+    with pytest.raises(openai.BadRequestError, match="frequency_penalty"):
+        client.completions.create(model=server.model, prompt="a", frequency_penalty=0.5)
+
+
+def test_health_and_models(server):
+    health = server.http.get("/health")
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+    models = server.http.get("/v1/models").json()
+    assert [m["id"] for m in models["data"]] == [server.model]
+
+
+def _background_requests(num: int) -> list[dict]:
+    prompts = mixed_prompts(num, 3, 60, seed=11)
+    return [
+        {
+            "prompt": p if i % 3 else "".join(chr(97 + t % 26) for t in p),
+            "max_tokens": 4 + i % 13,
+            "temperature": 0.0 if i % 2 else 0.7,
+            "seed": i,
+            "n": 2 if i % 5 == 0 else 1,
+            "logprobs": i % 6,
+            "ignore_eos": True,
+        }
+        for i, p in enumerate(prompts)
+    ]
+
+
+def alone_and_together(server) -> tuple[list[tuple], list[tuple]]:
+    """Target fingerprints served alone, then among 34 other concurrent clients (36 threads)."""
+    alone = [http_fingerprint(post(server.http, t).json()["choices"][0]) for t in TARGETS]
+    background = _background_requests(34)
+    bodies = [*background[:17], TARGETS[0], *background[17:], TARGETS[1]]
+    steps_before = server.loop.num_steps
+    with ThreadPoolExecutor(max_workers=len(bodies)) as pool:
+        responses = list(pool.map(lambda b: post(server.http, b), bodies))
+    num_steps = server.loop.num_steps - steps_before
+    assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
+    for body, response in zip(bodies, responses, strict=True):
+        assert len(response.json()["choices"]) == body.get("n", 1)
+    # Served one at a time, these requests would need one step per generated token.
+    serial_steps = sum(b["max_tokens"] for b in bodies)
+    assert num_steps < serial_steps / 2, f"{num_steps} steps: requests were not batched"
+    together = [http_fingerprint(responses[i].json()["choices"][0]) for i in (17, -1)]
+    return alone, together
+
+
+def test_online_batch_invariance(server, reference):
+    alone, together = alone_and_together(server)
+    assert alone == [reference[i] for i in range(len(TARGETS))]
+    assert together == alone
+
+
+def test_online_batch_invariance_negative_control():
+    with running_server({"kernels.mode": "fast"}) as fast_server:
+        alone, together = alone_and_together(fast_server)
+    assert together != alone, "fast mode matched too: the comparison cannot fail"
+
+
+def test_floats_round_trip_exactly_through_json(server, reference):
+    raw = post(server.http, TARGETS[1]).text
+    choice = json.loads(raw)["choices"][0]
+    assert http_fingerprint(choice) == reference[1]
+    for value in choice["logprobs"]["token_logprobs"]:
+        assert json.loads(json.dumps(value)).hex() == value.hex()
+
+
+BAD_REQUESTS = [
+    ('{"prompt": "a",', "malformed JSON"),
+    ({"prompt": "a", "frequency_penalty": 0.5}, "frequency_penalty"),
+    ({"prompt": "a", "temperature": -1}, "temperature"),
+    ({"prompt": "a", "logprobs": 21}, "logprobs"),
+    ({"prompt": "a", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": [1, 2, 600]}, "token id 600 is outside the vocabulary"),
+    ({"prompt": [[1, 2], [3, 9999]]}, "prompt 1: token id 9999"),
+    ({"prompt": [7] * (MAX_MODEL_LEN + 1)}, f"more than scheduler.max_model_len={MAX_MODEL_LEN}"),
+    ({"prompt": []}, "prompt"),
+]
+
+
+def test_bad_requests_are_400s_while_good_ones_succeed(server):
+    good = _background_requests(12)
+    bodies = [*good, *(b for b, _ in BAD_REQUESTS)]
+    with ThreadPoolExecutor(max_workers=len(bodies)) as pool:
+        responses = list(pool.map(lambda b: post(server.http, b), bodies))
+    assert [r.status_code for r in responses[: len(good)]] == [200] * len(good)
+    for (body, problem), response in zip(BAD_REQUESTS, responses[len(good) :], strict=True):
+        assert response.status_code == 400, (body, response.text)
+        assert problem in response.json()["error"]["message"], (body, response.text)
+    wrong_model = post(server.http, {"model": "other", "prompt": "a"})
+    assert wrong_model.status_code == 404
+    assert server.http.get("/health").status_code == 200
+
+
+def test_stop_string_and_echo(server):
+    base = {"prompt": "abc", "max_tokens": 16, "temperature": 0.0, "ignore_eos": True}
+    full = post(server.http, base).json()["choices"][0]
+    ids, tokenizer = full["token_ids"], ByteTokenizer(512, bos_token_id=256)
+    # A printable byte first seen at token k > 0 makes a stop string that cuts after token k.
+    k = next(
+        k
+        for k in range(1, len(ids))
+        if 33 <= ids[k] < 127 and chr(ids[k]) not in tokenizer.decode(ids[:k])
+    )
+    cut = post(server.http, {**base, "stop": ["#@!", chr(ids[k])], "logprobs": 1}).json()
+    choice = cut["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    assert choice["token_ids"] == ids[: k + 1]
+    assert choice["text"] == tokenizer.decode(ids[:k])
+    assert len(choice["logprobs"]["token_logprobs"]) == k + 1
+    assert cut["usage"]["completion_tokens"] == k + 1
+
+    echoed = post(server.http, {**base, "echo": True, "logprobs": 1}).json()["choices"][0]
+    plain = post(server.http, {**base, "logprobs": 1}).json()["choices"][0]
+    prompt_ids = tokenizer.encode("abc")
+    assert echoed["token_ids"] == [*prompt_ids, *ids]
+    assert echoed["text"] == "abc" + full["text"]
+    echoed_logprobs = echoed["logprobs"]["token_logprobs"]
+    assert echoed_logprobs == [None] * len(prompt_ids) + plain["logprobs"]["token_logprobs"]
+
+
+def test_engine_loop_worker_failure_fails_pending_and_reports_dead():
+    config = load_config(TINY_CONFIG)
+    engine = LLMEngine(config)
+
+    def broken(per_rank_chunks):
+        raise WorkerError("rank 0 failed step 1: injected")
+
+    engine.executor.execute = broken  # before the loop thread exists: no race
+    loop = EngineLoop(engine)
+    params = SamplingParams(max_tokens=4)
+    futures = [loop.submit([1, 2, 3], params) for _ in range(3)]
+    for future in futures:
+        with pytest.raises(WorkerError, match="injected"):
+            future.result(timeout=10)
+    assert not loop.is_healthy and "injected" in loop.error
+    with pytest.raises(EngineUnavailableError, match="dead"):
+        loop.submit([1, 2, 3], params)
+
+    async def health() -> httpx.Response:
+        transport = httpx.ASGITransport(app=create_app(loop, config, engine.tokenizer))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return await client.get("/health")
+
+    assert asyncio.run(health()).status_code == 503
+    loop.shutdown(drain_timeout_s=1)
+
+
+def test_engine_loop_cancel_aborts_and_shutdown_drains():
+    loop = EngineLoop(LLMEngine(load_config(TINY_CONFIG)))
+    long = SamplingParams(max_tokens=600, ignore_eos=True, temperature=0.0)
+    cancelled = loop.submit([1, 2, 3], long)
+    deadline = time.monotonic() + 10
+    while loop.num_running == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    assert cancelled.cancel()
+    while loop.num_running:  # aborted long before 600 steps
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    short = loop.submit("abc", SamplingParams(max_tokens=5, ignore_eos=True))
+    too_long = loop.submit([4, 5], long)
+    loop.shutdown(drain_timeout_s=0.5)
+    assert len(short.result(timeout=0)[0].output_token_ids) == 5
+    with pytest.raises(EngineUnavailableError):
+        too_long.result(timeout=0)
+    assert not loop.is_healthy
+
+
+def _read_lines(stream, lines: queue.Queue) -> None:
+    for line in stream:
+        lines.put(line)
+
+
+def test_serve_ep_subprocess_starts_answers_and_drains_on_sigterm():
+    proc = subprocess.Popen(
+        [sys.executable, "launch/serve_ep.py", "--config", str(TINY_CONFIG), "--port", "0"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=_read_lines, args=(proc.stdout, lines), daemon=True).start()
+    try:
+        url, deadline = None, time.monotonic() + 30
+        while url is None:
+            line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            if "ready on " in line:
+                url = line.split("ready on ", 1)[1].strip()
+        with httpx.Client(base_url=url, timeout=30) as http:
+            assert http.get("/health").status_code == 200
+            assert post(http, {"prompt": "hi", "max_tokens": 3}).status_code == 200
+            body = {"prompt": [1, 2], "max_tokens": 500, "temperature": 0, "ignore_eos": True}
+            with ThreadPoolExecutor(1) as pool:
+                in_flight = pool.submit(post, http, body)
+                while http.get("/health").json()["num_running"] == 0:
+                    assert not in_flight.done(), "finished before SIGTERM could be sent"
+                proc.send_signal(signal.SIGTERM)
+                response = in_flight.result(timeout=30)
+        assert response.status_code == 200
+        assert len(response.json()["choices"][0]["token_ids"]) == 500
+        assert proc.wait(timeout=15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
