@@ -27,11 +27,6 @@ class LLMEngine:
     def __init__(self, config: RuntimeConfig) -> None:
         self.config = config
         parallel, cache = config.parallel, config.cache
-        if parallel.tp_size != 1:
-            raise ValueError(
-                f"parallel.tp_size={parallel.tp_size}: tensor parallelism inside a DP group "
-                "is not available yet; use tp_size 1"
-            )
         self.block_managers = [
             BlockManager(cache.num_blocks, cache.block_size, cache.enable_prefix_caching)
             for _ in range(parallel.dp_size)
@@ -152,15 +147,18 @@ class LLMEngine:
         """Run one lockstep step on every rank; returns the sequences that finished in it."""
         if self.error is not None:
             raise RuntimeError(f"the engine is dead: {self.error}")
-        per_rank = [scheduler.schedule() for scheduler in self.schedulers]
+        per_dp_rank = [scheduler.schedule() for scheduler in self.schedulers]
+        tp_size = self.config.parallel.tp_size
+        # Worker rank w serves DP rank w // tp_size; all TP ranks of a group get the same chunks.
+        per_worker = [chunks for chunks in per_dp_rank for _ in range(tp_size)]
         try:
-            results = self.executor.execute(per_rank)
+            results = self.executor.execute(per_worker)[::tp_size]  # TP rank 0 of each group
         except WorkerError as exc:
             self._fail_all(str(exc))
             raise
         finished = []
         for scheduler, chunks, (samples, scored) in zip(
-            self.schedulers, per_rank, results, strict=True
+            self.schedulers, per_dp_rank, results, strict=True
         ):
             for chunk in chunks:
                 chunk.seq.output_logprobs.extend(scored.get(chunk.seq.seq_id, []))

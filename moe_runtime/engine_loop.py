@@ -88,7 +88,7 @@ class EngineLoop:
     def num_waiting(self) -> int:
         """Sequences queued here or in the engine's waiting queues after the last step."""
         with self._cond:
-            return self._num_waiting + sum(len(r.params) for r in self._queue)
+            return self._num_waiting + sum(p.n for r in self._queue for p in r.params)
 
     @property
     def num_steps(self) -> int:

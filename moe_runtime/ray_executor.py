@@ -19,6 +19,7 @@ from ray.exceptions import RayActorError, RayError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from comm.nccl_env import pinned_nccl_env
 from moe_runtime.config import RuntimeConfig
 from moe_runtime.executor import StepResult, WorkerError
 from moe_runtime.scheduler import ScheduledChunk
@@ -49,10 +50,13 @@ class RayExecutor:
         )
         self._get([self.placement_group.ready()], "placement group ready")
         actor_cls = ray.remote(Worker)
+        # NCCL reads its settings at communicator creation: pin them in the actors' environment.
+        env = pinned_nccl_env() if parallel.device == "cuda" else {}
         self.workers = [
             actor_cls.options(
                 num_cpus=1,
                 num_gpus=_gpu_share(parallel.device, self.world_size),
+                runtime_env={"env_vars": env},
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=self.placement_group, placement_group_bundle_index=rank
                 ),

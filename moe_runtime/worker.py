@@ -18,6 +18,7 @@ from eplb.placement import ExpertPlacement
 from kernels import build_op_table, pin_threads
 from moe_runtime.config import RuntimeConfig
 from moe_runtime.model.loader import build_model
+from moe_runtime.model.tensor_parallel import TensorParallel
 from moe_runtime.model_runner import ModelRunner
 from moe_runtime.sampler import SampleResult
 from moe_runtime.scheduler import ScheduledChunk
@@ -47,20 +48,24 @@ class Worker:
         ops = build_op_table(cfg.kernels, device)
         world = parallel.world_size
         num_moe = cfg.model.num_hidden_layers - cfg.model.first_k_dense_replace
+        # A placement needs one layer at least; an all-dense model uses none of its rows.
         placement = ExpertPlacement.default(
-            num_moe, cfg.model.n_routed_experts, cfg.eplb.num_redundant_experts, world
+            max(num_moe, 1), cfg.model.n_routed_experts, cfg.eplb.num_redundant_experts, world
         )
         slots = placement.num_physical // world
-        model = build_model(
-            cfg.model, ops, device, placement.local_experts(self.rank, world).tolist()
-        )
+        tp = TensorParallel()
         if world > 1:
             groups = init_process_groups(parallel, self.rank, master_addr, master_port)
+            tp = TensorParallel(groups.tp_size, groups.tp_rank, groups.tp_group)
+            # Experts are parallel over the whole world; the TP ranks of one DP group hold the
+            # same tokens after every all-reduce and each dispatches its own copy.
             self.dispatcher = AllToAllDispatcher(
                 groups.ep_group, self.rank, world, slots, parallel.allow_multiple_reduction, device
             )
         else:
             self.dispatcher = LocalDispatcher(slots, parallel.allow_multiple_reduction)
+        local_experts = placement.local_experts(self.rank, world)[:num_moe].tolist()
+        model = build_model(cfg.model, ops, device, local_experts, tp)
         if num_moe:
             model.bind_expert_parallel(
                 self.dispatcher, placement.replica_table(world)[:, self.rank]

@@ -6,7 +6,16 @@ import pytest
 import torch
 
 import kernels
-from kernels import KernelConfig, OpTable, build_op_table, linear, pin_threads, router, softmax
+from kernels import (
+    KernelConfig,
+    OpTable,
+    activation,
+    build_op_table,
+    linear,
+    pin_threads,
+    router,
+    softmax,
+)
 
 OPS = (
     "linear",
@@ -36,11 +45,21 @@ def test_invariant_cpu_binds_refs_to_tile_rows(generator):
     assert torch.equal(table.softmax(x), softmax.softmax_ref(x, tile_rows=8))
 
 
-def test_invariant_cuda_is_refused_naming_the_device():
-    with pytest.raises(ValueError, match=r"cuda:1.*Triton"):
-        build_op_table(KernelConfig(), "cuda:1")
-    with pytest.raises(ValueError, match="cuda:1"):
-        build_op_table(KernelConfig(), torch.device("cuda", 1))
+def test_invariant_cuda_binds_triton_ops_and_refuses_missing_ones():
+    table = build_op_table(KernelConfig(), "cuda:1")
+    assert table.mode == "invariant"
+    for name in ("linear", "grouped_linear", "rms_norm", "softmax", "log_softmax"):
+        assert getattr(table, name).__name__ == f"{name}_triton", name
+    assert table.silu is activation.silu_ref  # elementwise: invariant on GPU as it stands
+    x = torch.zeros(1, 4)
+    for name in ("mla_attention", "router_topk"):
+        with pytest.raises(ValueError, match=rf"cuda:1.*{name}.*Triton"):
+            getattr(table, name)(x)
+
+
+def test_invariant_refuses_other_devices_naming_the_device():
+    with pytest.raises(ValueError, match="meta"):
+        build_op_table(KernelConfig(), torch.device("meta"))
 
 
 def test_op_table_is_frozen():

@@ -12,10 +12,11 @@ from torch import nn
 
 from kernels import OpTable
 from moe_runtime.forward_batch import ForwardBatch
-from moe_runtime.model.layers import GatedMLP, Linear, RMSNorm
+from moe_runtime.model.layers import NO_TP, GatedMLP, Linear, RMSNorm
 from moe_runtime.model.mla import MLAttention
 from moe_runtime.model.moe import MoE
 from moe_runtime.model.rope import RotaryEmbedding
+from moe_runtime.model.tensor_parallel import TensorParallel
 from moe_runtime.model_config import ModelConfig
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -30,15 +31,16 @@ class DecoderLayer(nn.Module):
         rope: RotaryEmbedding,
         dtype: torch.dtype,
         num_local_slots: int,
+        tp: TensorParallel,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
-        self.self_attn = MLAttention(cfg, ops, rope, dtype)
+        self.self_attn = MLAttention(cfg, ops, rope, dtype, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
         if cfg.is_moe_layer(layer_id):
-            self.mlp = MoE(cfg, ops, dtype, num_local_slots)
+            self.mlp = MoE(cfg, ops, dtype, num_local_slots, tp)
         else:
-            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, ops, dtype)
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, ops, dtype, tp)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), batch, kv_cache)
@@ -46,7 +48,9 @@ class DecoderLayer(nn.Module):
 
 
 class DeepseekModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: OpTable, num_local_slots: int) -> None:
+    def __init__(
+        self, cfg: ModelConfig, ops: OpTable, num_local_slots: int, tp: TensorParallel
+    ) -> None:
         super().__init__()
         dtype = TORCH_DTYPES[cfg.dtype]
         rope = RotaryEmbedding(
@@ -59,7 +63,7 @@ class DeepseekModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, ops, rope, dtype, num_local_slots)
+            DecoderLayer(cfg, i, ops, rope, dtype, num_local_slots, tp)
             for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
@@ -73,13 +77,23 @@ class DeepseekModel(nn.Module):
 
 
 class DeepseekForCausalLM(nn.Module):
-    """`num_local_slots`: routed-expert slots held by this rank (all experts when None)."""
+    """`num_local_slots`: routed-expert slots held by this rank (all experts when None);
+    `tp`: this rank's place in its tensor-parallel group (none by default)."""
 
-    def __init__(self, cfg: ModelConfig, ops: OpTable, num_local_slots: int | None = None) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        ops: OpTable,
+        num_local_slots: int | None = None,
+        tp: TensorParallel = NO_TP,
+    ) -> None:
         super().__init__()
-        self.config, self.ops = cfg, ops
-        self.model = DeepseekModel(cfg, ops, num_local_slots or cfg.n_routed_experts)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, ops, TORCH_DTYPES[cfg.dtype])
+        if tp.size > 1 and cfg.tie_word_embeddings:
+            raise ValueError("tied word embeddings are not supported with parallel.tp_size > 1")
+        self.config, self.ops, self.tp = cfg, ops, tp
+        self.model = DeepseekModel(cfg, ops, num_local_slots or cfg.n_routed_experts, tp)
+        vocab = tp.split(cfg.vocab_size, "model.vocab_size")
+        self.lm_head = Linear(cfg.hidden_size, vocab, ops, TORCH_DTYPES[cfg.dtype])
 
     @property
     def dtype(self) -> torch.dtype:
@@ -110,4 +124,5 @@ class DeepseekForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """-> fp32 logits [R, V] for the rows batch.logits_indices."""
         hidden = self.model(batch, kv_caches)
-        return self.ops.linear(hidden[batch.logits_indices], self.lm_head.weight).float()
+        logits = self.ops.linear(hidden[batch.logits_indices], self.lm_head.weight).float()
+        return self.tp.all_gather_last(logits)  # vocab-parallel head: slices in rank order

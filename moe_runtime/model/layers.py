@@ -10,6 +10,9 @@ import torch
 from torch import nn
 
 from kernels import OpTable
+from moe_runtime.model.tensor_parallel import TensorParallel
+
+NO_TP = TensorParallel()
 
 
 class Linear(nn.Module):
@@ -40,14 +43,28 @@ class RMSNorm(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)): the dense MLP and the shared experts."""
+    """down(silu(gate(x)) * up(x)): the dense MLP and the shared experts.
 
-    def __init__(self, hidden: int, intermediate: int, ops: OpTable, dtype: torch.dtype) -> None:
+    With TP the intermediate dim is split; the partial down projections are summed by the
+    pinned all-reduce.
+    """
+
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        ops: OpTable,
+        dtype: torch.dtype,
+        tp: TensorParallel = NO_TP,
+    ) -> None:
         super().__init__()
-        self.gate_proj = Linear(hidden, intermediate, ops, dtype)
-        self.up_proj = Linear(hidden, intermediate, ops, dtype)
-        self.down_proj = Linear(intermediate, hidden, ops, dtype)
-        self.ops = ops
+        local = tp.split(intermediate, "the MLP intermediate size")
+        self.gate_proj = Linear(hidden, local, ops, dtype)
+        self.up_proj = Linear(hidden, local, ops, dtype)
+        self.down_proj = Linear(local, hidden, ops, dtype)
+        self.ops, self.tp = ops, tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.tp.all_reduce(
+            self.down_proj(self.ops.silu(self.gate_proj(x)) * self.up_proj(x))
+        )

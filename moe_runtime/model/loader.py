@@ -18,6 +18,8 @@ from safetensors.torch import load_file
 
 from kernels import OpTable
 from moe_runtime.model.deepseek import DeepseekForCausalLM
+from moe_runtime.model.layers import NO_TP
+from moe_runtime.model.tensor_parallel import TensorParallel
 from moe_runtime.model_config import ModelConfig
 
 _EXPERT_KEY = re.compile(
@@ -31,6 +33,7 @@ def build_model(
     ops: OpTable,
     device: torch.device | str = "cpu",
     local_experts: Sequence[Sequence[int]] | None = None,
+    tp: TensorParallel = NO_TP,
 ) -> DeepseekForCausalLM:
     num_moe = cfg.num_hidden_layers - cfg.first_k_dense_replace
     if local_experts is None:
@@ -38,7 +41,7 @@ def build_model(
     local_experts = [[int(e) for e in row] for row in local_experts]
     if len(local_experts) != num_moe or len({len(row) for row in local_experts}) > 1:
         raise ValueError(f"local_experts must hold one equal-length row per MoE layer ({num_moe})")
-    model = DeepseekForCausalLM(cfg, ops, len(local_experts[0]) if local_experts else None)
+    model = DeepseekForCausalLM(cfg, ops, len(local_experts[0]) if local_experts else None, tp)
     if cfg.path:
         load_hf_weights(model, Path(cfg.path), local_experts)
     else:
@@ -60,13 +63,15 @@ def init_random_weights(
         for name, param in sorted(model.named_parameters()):
             if name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):
                 continue
+            # Drawn at full size and then sliced: every TP degree sees the same weights.
+            shape = model.tp.full_shape(name, param.shape)
             if name.endswith("norm.weight"):
-                value = torch.ones(param.shape)
+                value = torch.ones(shape)
             elif name.endswith("e_score_correction_bias"):
-                value = torch.rand(param.shape, generator=gen) * 0.2 - 0.1
+                value = torch.rand(shape, generator=gen) * 0.2 - 0.1
             else:
-                value = torch.randn(param.shape, generator=gen) * std
-            param.copy_(value.to(param.dtype))
+                value = torch.randn(shape, generator=gen) * std
+            param.copy_(model.tp.shard(name, value).to(param.dtype))
         first_moe = model.config.first_k_dense_replace
         for layer_id, layer in enumerate(model.model.layers):
             experts = getattr(layer.mlp, "experts", None)
@@ -110,7 +115,7 @@ def load_hf_weights(model: DeepseekForCausalLM, path: Path, local_experts: list[
         )
     with torch.no_grad():
         for name, param in params.items():
-            value = tensors[name]
+            value = model.tp.shard(name, tensors[name])
             if value.shape != param.shape:
                 raise ValueError(
                     f"checkpoint tensor {name} has shape {tuple(value.shape)}, "

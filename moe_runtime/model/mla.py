@@ -15,15 +15,21 @@ from kernels import OpTable
 from moe_runtime.forward_batch import ForwardBatch
 from moe_runtime.model.layers import Linear, RMSNorm
 from moe_runtime.model.rope import RotaryEmbedding, softmax_scale
+from moe_runtime.model.tensor_parallel import TensorParallel
 from moe_runtime.model_config import ModelConfig
 
 
 class MLAttention(nn.Module):
     def __init__(
-        self, cfg: ModelConfig, ops: OpTable, rope: RotaryEmbedding, dtype: torch.dtype
+        self,
+        cfg: ModelConfig,
+        ops: OpTable,
+        rope: RotaryEmbedding,
+        dtype: torch.dtype,
+        tp: TensorParallel,
     ) -> None:
         super().__init__()
-        d, h = cfg.hidden_size, cfg.num_attention_heads
+        d, h = cfg.hidden_size, tp.split(cfg.num_attention_heads, "model.num_attention_heads")
         self.num_heads, self.nope_dim, self.rope_dim = h, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
         self.kv_lora_rank, self.v_dim = cfg.kv_lora_rank, cfg.v_head_dim
         if cfg.q_lora_rank is None:
@@ -39,7 +45,7 @@ class MLAttention(nn.Module):
         )
         self.o_proj = Linear(h * cfg.v_head_dim, d, ops, dtype)
         self.scale = softmax_scale(cfg.qk_head_dim, cfg.rope_scaling)
-        self.rope, self.ops = rope, ops
+        self.rope, self.ops, self.tp = rope, ops, tp
         self.w_uk_t: torch.Tensor | None = None
         self.w_uv: torch.Tensor | None = None
 
@@ -97,4 +103,5 @@ class MLAttention(nn.Module):
             ],
             dim=1,
         )
-        return self.o_proj(out.reshape(t, self.num_heads * self.v_dim))
+        # Row-parallel: each TP rank holds some heads; the pinned all-reduce sums them.
+        return self.tp.all_reduce(self.o_proj(out.reshape(t, self.num_heads * self.v_dim)))

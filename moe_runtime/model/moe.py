@@ -14,6 +14,7 @@ from torch import nn
 from comm.dispatch import LocalDispatcher
 from kernels import OpTable
 from moe_runtime.model.layers import GatedMLP
+from moe_runtime.model.tensor_parallel import TensorParallel
 from moe_runtime.model_config import ModelConfig
 
 
@@ -77,7 +78,12 @@ class MoE(nn.Module):
     """
 
     def __init__(
-        self, cfg: ModelConfig, ops: OpTable, dtype: torch.dtype, num_local_slots: int
+        self,
+        cfg: ModelConfig,
+        ops: OpTable,
+        dtype: torch.dtype,
+        num_local_slots: int,
+        tp: TensorParallel,
     ) -> None:
         super().__init__()
         self.gate = Router(cfg, ops)
@@ -86,7 +92,7 @@ class MoE(nn.Module):
         )
         if cfg.n_shared_experts:
             self.shared_experts = GatedMLP(
-                cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, ops, dtype
+                cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, ops, dtype, tp
             )
         else:
             self.shared_experts = None

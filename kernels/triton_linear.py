@@ -1,0 +1,224 @@
+"""Batch-invariant linear and grouped (per-expert) linear as Triton kernels (GPU path).
+
+Each output tile is a plain tiled matmul: one program per [BLOCK_M, BLOCK_N] tile walks K in
+steps of BLOCK_K, accumulating in fp32. The block config is a function of the weight shape
+(N, K) and dtype only, never of the row count, and there is no split-K: a row's result is
+one fixed sequence of fp32 multiply-adds whatever the other rows are. No autotuning.
+Oracles: `linear_ref` / `grouped_linear_ref` (kernels/linear.py). Under TRITON_INTERPRET=1
+the kernels run on CPU tensors (tests); compiled, they need CUDA tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+from kernels.linear import _group_slices
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class LinearConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+
+
+def linear_config(out_dim: int, in_dim: int, dtype: torch.dtype) -> LinearConfig:
+    """The one block config for a weight [out_dim, in_dim]: never a function of the rows."""
+    # Why: BLOCK_M is fixed for every M (a different M tile could lower tl.dot to another
+    # MMA instruction with other rounding); BLOCK_K is fixed per weight, so the K reduction
+    # order of every output element is decided by the weight alone.
+    block_n = 128 if out_dim >= 8192 else 64
+    if dtype == torch.float32:
+        return LinearConfig(64, block_n, 32, 8, 4, 2)
+    return LinearConfig(64, block_n, 64, 8, 4, 4)
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _linear_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    tile_group_ptr,
+    tile_start_ptr,
+    tile_end_ptr,
+    num_rows,
+    N,
+    K,
+    IS_GROUPED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):
+    """out[r] = x[r] @ w[g]^T. Plain: rows tiled from 0, g = 0. Grouped: tile i covers rows
+    [tile_start[i], tile_end[i]) of group tile_group[i]; num_rows is the tile count."""
+    pid = tl.program_id(0)
+    if IS_GROUPED:
+        num_pid_m = num_rows
+    else:
+        num_pid_m = tl.cdiv(num_rows, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    # Program order grouped along M for L2 reuse; it moves tiles between programs only.
+    pids_per_group = GROUP_M * num_pid_n
+    first_m = (pid // pids_per_group) * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % pids_per_group) % group_rows
+    pid_n = (pid % pids_per_group) // group_rows
+
+    if IS_GROUPED:
+        group_id = tl.load(tile_group_ptr + pid_m).to(tl.int64)
+        row_start = tl.load(tile_start_ptr + pid_m)
+        row_end = tl.load(tile_end_ptr + pid_m)
+        w_ptr += group_id * N * K
+    else:
+        row_start = pid_m * BLOCK_M
+        row_end = num_rows
+    offs_m = (row_start + tl.arange(0, BLOCK_M)).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    row_ok = offs_m < row_end
+    col_ok = offs_n < N
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # Why: one K loop per tile, BLOCK_K fixed, no split-K: each output element sums its
+    # K products in the same order for any row count. Masked lanes load exact zeros.
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + offs_k
+        k_ok = k < K
+        a = tl.load(
+            x_ptr + offs_m[:, None] * K + k[None, :],
+            mask=row_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )
+        b = tl.load(
+            w_ptr + offs_n[None, :] * K + k[:, None],
+            mask=col_ok[None, :] & k_ok[:, None],
+            other=0.0,
+        )
+        if UPCAST_DOT:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+    out = acc.to(out_ptr.dtype.element_ty)
+    tl.store(
+        out_ptr + offs_m[:, None] * N + offs_n[None, :],
+        out,
+        mask=row_ok[:, None] & col_ok[None, :],
+    )
+
+
+def _is_interpreted() -> bool:
+    return isinstance(_linear_kernel, InterpretedFunction)
+
+
+def _check_tensor(name: str, t: torch.Tensor, ndim: int, dtype: torch.dtype | None) -> None:
+    allowed = ("cpu", "cuda") if _is_interpreted() else ("cuda",)
+    if t.device.type not in allowed:
+        raise ValueError(f"{name} must be on a device of type {allowed}, got {t.device}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
+    if t.dtype not in _DTYPES or (dtype is not None and t.dtype != dtype):
+        want = dtype if dtype is not None else _DTYPES
+        raise ValueError(f"{name} dtype must be {want}, got {t.dtype}")
+
+
+def _check_pair(x: torch.Tensor, weight: torch.Tensor, weight_ndim: int) -> None:
+    _check_tensor("x", x, 2, None)
+    _check_tensor("weight", weight, weight_ndim, x.dtype)
+    if weight.device != x.device:
+        raise ValueError(f"weight is on {weight.device} but x is on {x.device}")
+    if weight.shape[-1] != x.shape[1]:
+        raise ValueError(
+            f"x has {x.shape[1]} input features but weight {tuple(weight.shape)} "
+            f"expects {weight.shape[-1]}"
+        )
+
+
+def _launch(x, weight, out, tiles, num_rows, config: LinearConfig) -> torch.Tensor:
+    """Launch over row tiles: `tiles` is None (plain) or (group, start, end) int32 tensors."""
+    out_dim, in_dim = weight.shape[-2:]
+    num_pid_n = triton.cdiv(out_dim, config.block_n)
+    num_pid_m = triton.cdiv(num_rows, config.block_m) if tiles is None else num_rows
+    dummy = out  # never read: IS_GROUPED is False
+    group, start, end = tiles if tiles is not None else (dummy, dummy, dummy)
+    _linear_kernel[(num_pid_m * num_pid_n,)](
+        x,
+        weight,
+        out,
+        group,
+        start,
+        end,
+        num_rows,
+        out_dim,
+        in_dim,
+        IS_GROUPED=tiles is not None,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        GROUP_M=config.group_m,
+        # Why: fp32 inputs (router logits) use exact fp32 products, not tf32.
+        INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        # The interpreter hands 16-bit floats to numpy's matmul as raw bits: feed it fp32
+        # (exact for bf16/fp16 products). Compiled kernels keep the 16-bit MMA.
+        UPCAST_DOT=_is_interpreted() and x.dtype != torch.float32,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    return out
+
+
+def linear_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [T, IN] @ weight [OUT, IN]^T -> [T, OUT] in x's dtype; fp32 accumulation."""
+    _check_pair(x, weight, 2)
+    x, weight = x.contiguous(), weight.contiguous()
+    out = x.new_empty((x.shape[0], weight.shape[0]))
+    if x.shape[0] == 0:
+        return out
+    config = linear_config(weight.shape[0], weight.shape[1], x.dtype)
+    return _launch(x, weight, out, None, x.shape[0], config)
+
+
+def _row_tiles(group_sizes: Sequence[int], block_m: int, device: torch.device):
+    """Tiles of at most block_m rows that never cross a group boundary, as int32 tensors."""
+    groups, starts, ends, start = [], [], [], 0
+    for group_id, size in enumerate(group_sizes):
+        for tile_start in range(start, start + size, block_m):
+            groups.append(group_id)
+            starts.append(tile_start)
+            ends.append(min(tile_start + block_m, start + size))
+        start += size
+    table = torch.tensor([groups, starts, ends], dtype=torch.int32)
+    # Host-to-device copy of the tile table: group_sizes are host ints already.
+    return table.to(device).unbind(0)
+
+
+def grouped_linear_triton(
+    x: torch.Tensor, weight: torch.Tensor, group_sizes: Sequence[int]
+) -> torch.Tensor:
+    """Rows of x [N, IN], sorted by group, times their group's weight [L, OUT, IN] -> [N, OUT].
+
+    Every tile holds rows of one group and starts at the group's first row + a multiple of
+    BLOCK_M; a row's bits never depend on how many rows its group (or any other) received.
+    """
+    _check_pair(x, weight, 3)
+    _group_slices(group_sizes, x.shape[0], weight.shape[0])
+    x, weight = x.contiguous(), weight.contiguous()
+    out = x.new_empty((x.shape[0], weight.shape[1]))
+    if x.shape[0] == 0:
+        return out
+    config = linear_config(weight.shape[1], weight.shape[2], x.dtype)
+    tiles = _row_tiles(group_sizes, config.block_m, x.device)
+    return _launch(x, weight, out, tiles, tiles[0].numel(), config)

@@ -1,0 +1,74 @@
+"""Batch-invariant RMSNorm as a Triton kernel (GPU path), HF DeepSeek semantics.
+
+One program per row walks the row in blocks of a fixed width chosen from D alone, keeping a
+per-lane fp32 sum of squares that is reduced once at the end: the order of every addition is
+fixed by D, never by how many rows share the launch. Oracle: `rms_norm_ref`
+(kernels/rmsnorm.py): fp32 statistics, the normalised row rounded to x's dtype, then times
+the weight in the promoted dtype. Under TRITON_INTERPRET=1 it runs on CPU tensors (tests).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MAX_BLOCK_D = 4096
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, eps, BLOCK_D: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * D
+    out_row = out_ptr + row * D
+    offs = tl.arange(0, BLOCK_D)
+    # Why: lane i accumulates elements i, i + BLOCK_D, ... in order; one tree sum at the end.
+    # Both depend on D and BLOCK_D only: one program per row, nothing split across programs.
+    sum_sq = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        x = tl.load(x_row + d0 + offs, mask=d0 + offs < D, other=0.0).to(tl.float32)
+        sum_sq += x * x
+    rstd = 1.0 / tl.sqrt(tl.sum(sum_sq, axis=0) / D + eps)
+    for d0 in range(0, D, BLOCK_D):
+        mask = d0 + offs < D
+        x = tl.load(x_row + d0 + offs, mask=mask, other=0.0)
+        normed = (x.to(tl.float32) * rstd).to(x_ptr.dtype.element_ty)
+        w = tl.load(w_ptr + d0 + offs, mask=mask, other=0.0)
+        y = w.to(tl.float32) * normed.to(tl.float32)
+        tl.store(out_row + d0 + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm_block(dim: int) -> int:
+    """Block width over a row of `dim` elements: a function of the row length only."""
+    return min(triton.next_power_of_2(dim), MAX_BLOCK_D)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
+    allowed = ("cpu", "cuda") if isinstance(_rms_norm_kernel, InterpretedFunction) else ("cuda",)
+    if x.device.type not in allowed:
+        raise ValueError(f"x must be on a device of type {allowed}, got {x.device}")
+    if weight.device != x.device:
+        raise ValueError(f"weight is on {weight.device} but x is on {x.device}")
+    if x.dim() != 2 or weight.dim() != 1 or weight.shape[0] != x.shape[1]:
+        raise ValueError(
+            f"x must be [T, D] and weight [D], got x {tuple(x.shape)}, weight {tuple(weight.shape)}"
+        )
+    for name, t in (("x", x), ("weight", weight)):
+        if t.dtype not in _DTYPES:
+            raise ValueError(f"{name} dtype must be one of {_DTYPES}, got {t.dtype}")
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [T, D], weight [D] -> [T, D] in the promoted dtype of weight and x."""
+    _check(x, weight)
+    x, weight = x.contiguous(), weight.contiguous()
+    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    if x.shape[0] == 0:
+        return out
+    block_d = rms_norm_block(x.shape[1])
+    _rms_norm_kernel[(x.shape[0],)](
+        x, weight, out, x.shape[1], eps, BLOCK_D=block_d, num_warps=8 if block_d >= 2048 else 4
+    )
+    return out

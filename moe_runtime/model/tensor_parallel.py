@@ -1,0 +1,77 @@
+"""Tensor parallelism inside one data-parallel group: which weights are split, and the reductions.
+
+Attention heads, the dense MLP and shared-expert intermediate dims, and the LM head's vocabulary
+are split over the TP ranks; everything else is replicated. Row-parallel outputs (o_proj,
+down_proj) are summed with the pinned all-reduce (all-gather, then a sum in rank order), whose
+bits do not depend on the message size, so a token's result stays independent of the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from comm.allreduce import pinned_all_reduce
+from comm.errors import collective_guard
+
+# Parameter-name suffix -> the dim split across TP ranks (0: output rows, 1: input columns).
+_SHARD_DIMS = (
+    ("self_attn.q_proj.weight", 0),
+    ("self_attn.q_b_proj.weight", 0),
+    ("self_attn.kv_b_proj.weight", 0),
+    ("self_attn.o_proj.weight", 1),
+    (".gate_proj.weight", 0),
+    (".up_proj.weight", 0),
+    (".down_proj.weight", 1),
+    ("lm_head.weight", 0),
+)
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    size: int = 1
+    rank: int = 0
+    group: Any = None
+
+    def split(self, total: int, what: str) -> int:
+        if total % self.size:
+            raise ValueError(f"{what} ({total}) is not divisible by parallel.tp_size ({self.size})")
+        return total // self.size
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of the TP ranks' partial results. Collective: every TP rank calls it in order."""
+        if self.size == 1:
+            return x
+        return pinned_all_reduce(x, self.group)
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """Concatenate the ranks' slices of the last dim in rank order. Collective."""
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        with collective_guard(self.rank, "tp all_gather"):
+            dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+    def shard(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a full-size parameter (replicated ones are returned whole)."""
+        dim = shard_dim(name)
+        if self.size == 1 or dim is None:
+            return full
+        return full.chunk(self.size, dim=dim)[self.rank]
+
+    def full_shape(self, name: str, local_shape: torch.Size) -> tuple[int, ...]:
+        shape = list(local_shape)
+        dim = shard_dim(name)
+        if dim is not None:
+            shape[dim] *= self.size
+        return tuple(shape)
+
+
+def shard_dim(name: str) -> int | None:
+    if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+        return None  # routed experts are expert-parallel, never split
+    return next((dim for suffix, dim in _SHARD_DIMS if name.endswith(suffix)), None)

@@ -1,0 +1,208 @@
+"""Triton kernels on CPU under TRITON_INTERPRET=1: closeness to the torch oracles, bit-exact
+row invariance of the kernels themselves, and the wrappers' input checks.
+
+Triton reads TRITON_INTERPRET when a kernel is decorated, i.e. at import of the kernel
+module, and other test modules may import those modules first (through the op table). So
+the interpreted checks run together in one fresh interpreter process (`_run_checks`) and
+each test asserts on its own check's outcome.
+The interpreter's tl.dot is numpy's BLAS, whose rounding depends on a row's position inside
+the [BLOCK_M, BLOCK_K] tile, a property of the CPU emulation and not of the kernel. Here the
+linear checks move rows only by whole tiles (offset kept); arbitrary permutations are
+checked bitwise on the GPU (tests/test_gpu_kernels.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+
+SEED = 0
+EPS = 1e-6
+LINEAR_ROWS = (1, 2, 63, 64, 65, 130)  # both sides of BLOCK_M = 64, and two full tiles
+NORM_ROWS = (1, 2, 7, 33)
+# fp32 with exact (ieee) products vs fp64, K <= 160, weights ~ 1/sqrt(K): a few fp32 ulps.
+FP32_TOL = {"atol": 1e-5, "rtol": 1e-5}
+# bf16 outputs: the kernel and the oracle may round one bf16 ulp (2**-8 relative) apart.
+BF16_TOL = {"atol": 1e-2, "rtol": 1e-2}
+# RMSNorm in bf16 rounds twice (normalised row, then times weight): up to two ulps apart.
+BF16_NORM_TOL = {"atol": 2e-2, "rtol": 2e-2}
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _tol(dtype: torch.dtype) -> dict:
+    return FP32_TOL if dtype == torch.float32 else BF16_TOL
+
+
+def check_linear(generator: torch.Generator) -> None:
+    from kernels.triton_linear import linear_triton
+
+    for dtype in DTYPES:
+        x = torch.randn(130, 160, generator=generator).to(dtype)
+        w = (torch.randn(96, 160, generator=generator) / 160**0.5).to(dtype)
+        full = linear_triton(x, w)
+        assert full.dtype == dtype and full.shape == (130, 96)
+        expected = (x.double() @ w.double().t()).to(dtype)
+        torch.testing.assert_close(full, expected, **_tol(dtype))
+        for m in LINEAR_ROWS:
+            assert torch.equal(linear_triton(x[:m], w), full[:m]), (dtype, m)
+        assert linear_triton(x[:0], w).shape == (0, 96)
+        # Tiles swapped, and row 5 among fresh neighbours in another tile at offset 5.
+        perm = torch.cat([torch.arange(64, 128), torch.arange(64), torch.arange(128, 130)])
+        assert torch.equal(linear_triton(x[perm], w), full[perm]), dtype
+        others = torch.randn(70, 160, generator=generator).to(dtype)
+        mixed = torch.cat([others[:69], x[5:6], others[69:]])
+        assert torch.equal(linear_triton(mixed, w)[69], full[5]), dtype
+
+
+def check_grouped_linear(generator: torch.Generator) -> None:
+    from kernels.linear import grouped_linear_ref
+    from kernels.triton_linear import grouped_linear_triton
+
+    sizes = [9, 0, 70, 1]
+    for dtype in DTYPES:
+        x = torch.randn(80, 96, generator=generator).to(dtype)
+        w = (torch.randn(4, 64, 96, generator=generator) / 96**0.5).to(dtype)
+        out = grouped_linear_triton(x, w, sizes)
+        expected = grouped_linear_ref(x.double(), w.double(), sizes, tile_rows=8).to(dtype)
+        torch.testing.assert_close(out, expected, **_tol(dtype))
+        # Group 2 receives fewer tokens: each of its rows keeps its bits.
+        rows = x[9:79]
+        for m in LINEAR_ROWS[:-1]:
+            sub = grouped_linear_triton(rows[:m], w, [0, 0, m, 0])
+            assert torch.equal(sub, out[9 : 9 + m]), (dtype, m)
+        # Other experts receive other counts: group 2's rows keep their bits.
+        moved = grouped_linear_triton(torch.cat([x[:3], rows, x[:5]]), w, [3, 0, 70, 5])
+        assert torch.equal(moved[3:73], out[9:79]), dtype
+
+
+def check_rms_norm(generator: torch.Generator) -> None:
+    from kernels.rmsnorm import rms_norm_ref
+    from kernels.triton_rmsnorm import rms_norm_triton
+
+    for dtype in DTYPES:
+        for dim in (96, 5000):  # one block, and two blocks of 4096 with a masked tail
+            x = (torch.randn(33, dim, generator=generator) * 3).to(dtype)
+            weight = (torch.rand(dim, generator=generator) + 0.5).to(dtype)
+            full = rms_norm_triton(x, weight, EPS)
+            expected = rms_norm_ref(x, weight, EPS, tile_rows=4)
+            assert full.dtype == expected.dtype
+            tol = FP32_TOL if dtype == torch.float32 else BF16_NORM_TOL
+            torch.testing.assert_close(full, expected, **tol)
+            for m in NORM_ROWS:
+                assert torch.equal(rms_norm_triton(x[:m], weight, EPS), full[:m]), (dim, m)
+            perm = torch.randperm(33, generator=generator)
+            assert torch.equal(rms_norm_triton(x[perm], weight, EPS), full[perm])
+    # Mixed dtypes follow torch promotion (bf16 activations, fp32 weight -> fp32).
+    x = torch.randn(3, 96, generator=generator).to(torch.bfloat16)
+    weight = torch.rand(96, generator=generator)
+    assert rms_norm_triton(x, weight, EPS).dtype == torch.float32
+
+
+def check_softmax(generator: torch.Generator) -> None:
+    from kernels.triton_softmax import log_softmax_triton, softmax_triton
+
+    for op, fp64_op in ((softmax_triton, torch.softmax), (log_softmax_triton, torch.log_softmax)):
+        for dtype in DTYPES:
+            for dim in (1003, 5000):
+                x = (torch.randn(33, dim, generator=generator) * 4).to(dtype)
+                full = op(x)
+                assert full.dtype == torch.float32
+                expected = fp64_op(x.double(), dim=-1).float()
+                # fp32 exp/log and a V-term sum: a few fp32 ulps of the largest values.
+                torch.testing.assert_close(full, expected, atol=1e-5, rtol=1e-5)
+                for m in NORM_ROWS:
+                    assert torch.equal(op(x[:m]), full[:m]), (op.__name__, dim, m)
+                perm = torch.randperm(33, generator=generator)
+                assert torch.equal(op(x[perm]), full[perm])
+        # -inf logits (masked vocab) give probability 0 / log-probability -inf, no NaN.
+        x = torch.randn(2, 300, generator=generator)
+        x[:, 7:250] = float("-inf")
+        torch.testing.assert_close(op(x), fp64_op(x.double(), dim=-1).float())
+
+
+def check_bad_inputs(generator: torch.Generator) -> None:
+    from kernels.triton_linear import grouped_linear_triton, linear_triton
+    from kernels.triton_rmsnorm import rms_norm_triton
+    from kernels.triton_softmax import log_softmax_triton
+
+    x, w = torch.randn(4, 8, generator=generator), torch.randn(6, 8, generator=generator)
+    cases = [
+        (lambda: linear_triton(x.long(), w), "torch.int64"),
+        (lambda: linear_triton(x, w.double()), "torch.float64"),
+        (lambda: linear_triton(x, w[:, :7]), "7"),
+        (lambda: linear_triton(x[0], w), r"\(8,\)"),
+        (lambda: grouped_linear_triton(x, w[None], [3]), "group_sizes"),
+        (lambda: rms_norm_triton(x, torch.ones(9), EPS), r"\(9,\)"),
+        (lambda: log_softmax_triton(x.half().long()), "torch.int64"),
+    ]
+    for call, pattern in cases:
+        try:
+            call()
+        except ValueError as err:
+            assert re.search(pattern, str(err)), (pattern, str(err))
+        else:
+            raise AssertionError(f"no ValueError for {pattern}")
+
+
+CHECKS = {
+    "linear": check_linear,
+    "grouped_linear": check_grouped_linear,
+    "rms_norm": check_rms_norm,
+    "softmax": check_softmax,
+    "bad_inputs": check_bad_inputs,
+}
+
+
+def _run_checks(seed: int) -> None:
+    """Subprocess entry: run every check, print {name: traceback or ""} as JSON."""
+    results = {}
+    for name, check in CHECKS.items():
+        try:
+            check(torch.Generator().manual_seed(seed))
+            results[name] = ""
+        except Exception:
+            results[name] = traceback.format_exc()
+    print(json.dumps(results))
+
+
+@pytest.fixture(scope="module")
+def interpreted_results() -> dict:
+    root = Path(__file__).resolve().parent.parent
+    code = f"import tests.test_triton_kernels as m; m._run_checks({SEED})"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", list(CHECKS))
+def test_triton_kernel_interpreted(interpreted_results, name):
+    assert interpreted_results[name] == "", interpreted_results[name]
+
+
+def test_compiled_wrappers_refuse_cpu_and_bad_inputs(generator):
+    # In this process the kernels are compiled (no interpreter), so CPU tensors are refused.
+    from kernels.triton_linear import grouped_linear_triton, linear_triton
+    from kernels.triton_rmsnorm import rms_norm_triton
+    from kernels.triton_softmax import softmax_triton
+
+    x, w = torch.randn(4, 8, generator=generator), torch.randn(6, 8, generator=generator)
+    with pytest.raises(ValueError, match="cpu"):
+        linear_triton(x, w)
+    with pytest.raises(ValueError, match="cpu"):
+        rms_norm_triton(x, torch.ones(8), EPS)
+    with pytest.raises(ValueError, match="cpu"):
+        softmax_triton(x)
+    meta_x, meta_w = x.to("meta"), w.to("meta")
+    with pytest.raises(ValueError, match="meta"):
+        grouped_linear_triton(meta_x, meta_w[None], [4])
