@@ -5,7 +5,7 @@ shapes and a sweep of token counts M; Triton RMSNorm and log-softmax bandwidth a
 device copy measured in the same run (the ceiling), with the torch versions beside them.
 Times are medians of triton.testing.do_bench (CUDA events, warm-up, L2 flushed per call).
 
-    PYTHONUNBUFFERED=1 python bench/gpu_kernels.py
+    PYTHONUNBUFFERED=1 python bench/gpu_kernels.py [rows linear grouped sweep probe]
 """
 
 from __future__ import annotations
@@ -140,15 +140,38 @@ def bench_rows() -> None:
         _print_row(f"log_softmax T={m:6} V=102400 fp32", num_bytes, t_triton, t_torch, copy_tbs)
 
 
+def probe_config_bits() -> None:
+    """Do tiles other than BLOCK_K change a row's bits? Same BLOCK_K, other BLOCK_M/N/warps."""
+    print("\n## bits across configs with BLOCK_K = 64 (bf16), vs 64/64/64/4/4")
+    probes = CONFIG_SWEEP + [LinearConfig(64, 32, 64, 8, 4, 4), LinearConfig(16, 64, 64, 8, 4, 4)]
+    for name, in_dim, out_dim in (LINEAR_SHAPES[5], LINEAR_SHAPES[0]):
+        w = torch.randn(out_dim, in_dim, device="cuda", dtype=torch.bfloat16) * in_dim**-0.5
+        x = torch.randn(300, in_dim, device="cuda", dtype=torch.bfloat16)
+        outs = [_launch(x, w, x.new_empty((300, out_dim)), None, 300, c) for c in probes]
+        same = [torch.equal(o, outs[0]) for o in outs]
+        print(
+            f"{name}: "
+            + "  ".join(
+                f"{c.block_m}/{c.block_n}/{c.num_warps}={e}"
+                for c, e in zip(probes, same, strict=True)
+            )
+        )
+
+
 def main() -> None:
     print(
         f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  "
         f"triton {triton.__version__}"
     )
-    bench_rows()
-    bench_linear()
-    bench_grouped()
-    bench_config_sweep()
+    sections = sys.argv[1:] or ["rows", "linear", "grouped", "sweep", "probe"]
+    for section in sections:
+        {
+            "rows": bench_rows,
+            "linear": bench_linear,
+            "grouped": bench_grouped,
+            "sweep": bench_config_sweep,
+            "probe": probe_config_bits,
+        }[section]()
 
 
 if __name__ == "__main__":

@@ -91,10 +91,8 @@ def test_grouped_linear_rows_independent_of_expert_load(generator):
         out[5:305],
         generator,
     )
-    # Negative control: torch's per-expert matmul changes with the expert's token count.
-    fast_full = grouped_linear_fast(rows, w, [0, 0, 300, 0, 0, 0, 0, 0])
-    fast_one = [grouped_linear_fast(rows[:m], w, [0, 0, m, 0, 0, 0, 0, 0]) for m in (1, 16, 64)]
-    assert any(not torch.equal(f[0], fast_full[0]) for f in fast_one)
+    # No cuBLAS control at this shape: measured equal row 0 for M in (1, 16, 64) vs 300 at
+    # K=2048, N=2816; the K=7168 control in the linear test is the one that fails for cuBLAS.
 
 
 @pytest.mark.parametrize("dim", (2048, 7168 + 5))
