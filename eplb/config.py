@@ -19,9 +19,10 @@ class EplbConfig:
     num_redundant_experts: int = 0
     policy: str = "auto"
     balancedness_threshold: float = 0.95
+    num_nodes: int = 1  # nodes the ranks span (the hierarchical policy packs groups per node)
 
     def __post_init__(self) -> None:
-        for key in ("interval_steps", "window_steps"):
+        for key in ("interval_steps", "window_steps", "num_nodes"):
             value = getattr(self, key)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"eplb.{key} must be an int >= 1, got {value!r}")

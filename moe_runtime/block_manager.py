@@ -35,6 +35,7 @@ class BlockManager:
         # at a different prefix after its parent's entry was evicted.
         self._block_key_id: dict[int, int] = {}
         self._next_key_id = _ROOT_KEY_ID + 1
+        self._stale: set[int] = set()  # in use since before clear_cache: never cached
         self.num_hit_blocks = 0  # blocks served from the prefix cache so far (a metric)
 
     @property
@@ -95,6 +96,8 @@ class BlockManager:
         num_full = min(num_computed_tokens, len(token_ids)) // self.block_size
         parent = _ROOT_KEY_ID
         for i, block in enumerate(block_table[:num_full]):
+            if block in self._stale:
+                return  # computed under other weights: neither it nor what follows is reusable
             if block in self._block_key:
                 parent = self._block_key_id[block]
                 continue
@@ -121,10 +124,21 @@ class BlockManager:
             self._ref_counts[block] -= 1
             if self._ref_counts[block] > 0:
                 continue
+            self._stale.discard(block)
             if block in self._block_key:
                 self._evictable[block] = None
             else:
                 self._empty.append(block)
+
+    def clear_cache(self) -> None:
+        """Forget every cached prefix (the weights changed). Blocks still in use stay allocated
+        but are never cached, since their contents came from the old weights."""
+        self._empty.extend(self._evictable)
+        self._evictable.clear()
+        self._cached.clear()
+        self._block_key.clear()
+        self._block_key_id.clear()
+        self._stale = {b for b, refs in enumerate(self._ref_counts) if refs > 0}
 
     def _evict(self) -> int:
         block, _ = self._evictable.popitem(last=False)

@@ -11,16 +11,18 @@ flight with the worker's error and leaves the engine dead, never hung.
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 from moe_runtime.block_manager import BlockManager
 from moe_runtime.config import RuntimeConfig
 from moe_runtime.executor import WorkerError, create_executor
+from moe_runtime.expert_balancer import ExpertBalancer
 from moe_runtime.model_runner import sample_seed
 from moe_runtime.sampler import resolve_seed
 from moe_runtime.sampling_params import SamplingParams
 from moe_runtime.scheduler import Scheduler
 from moe_runtime.sequence import Sequence, SequenceStatus
-from moe_runtime.tokenizer import ByteTokenizer
+from moe_runtime.tokenizer import load_tokenizer
 
 
 class LLMEngine:
@@ -35,13 +37,46 @@ class LLMEngine:
             Scheduler(config.scheduler, blocks, config.model.eos_token_id)
             for blocks in self.block_managers
         ]
-        self.tokenizer = ByteTokenizer(
-            config.model.vocab_size, config.model.bos_token_id, config.model.eos_token_id
-        )
+        self.tokenizer = load_tokenizer(config.model)
         self.executor = create_executor(config)
+        self.balancer = ExpertBalancer(config, self.executor)
         self.error: str | None = None
+        self.num_steps = 0
+        self.weight_version = 0
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
+
+    @property
+    def num_rebalances(self) -> int:
+        return self.balancer.num_rebalances
+
+    @property
+    def last_balancedness(self) -> float | None:
+        return self.balancer.last_balancedness
+
+    def rebalance(self, force: bool = True, inject_failure: tuple[int, int] | None = None) -> dict:
+        """Re-place the experts from the recent load, between steps; see ExpertBalancer."""
+        self._check_alive()
+        return self.balancer.rebalance(force=force, inject_failure=inject_failure)
+
+    def update_weights(self, source: str | dict) -> int:
+        """Swap every rank's weights (HF checkpoint dir or HF-named state dict) between steps.
+
+        Requests in flight go on with the new weights; cached prefixes are dropped, since
+        their KV came from the old ones. Returns the new weight version.
+        """
+        self._check_alive()
+        if isinstance(source, str) and not Path(source).is_dir():
+            raise ValueError(f"update_weights: {source!r} is not a checkpoint directory")
+        self.executor.call_all("update_weights", source)
+        for blocks in self.block_managers:
+            blocks.clear_cache()
+        self.weight_version += 1
+        return self.weight_version
+
+    def _check_alive(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"the engine is dead: {self.error}")
 
     @property
     def block_size(self) -> int:
@@ -64,8 +99,7 @@ class LLMEngine:
         return loads.index(min(loads))
 
     def _enqueue(self, seqs: list[Sequence]) -> None:
-        if self.error is not None:
-            raise RuntimeError(f"the engine is dead: {self.error}")
+        self._check_alive()
         dp_rank = self._pick_dp_rank()
         for seq in seqs:
             seq.dp_rank = dp_rank
@@ -145,8 +179,7 @@ class LLMEngine:
 
     def step(self) -> list[Sequence]:
         """Run one lockstep step on every rank; returns the sequences that finished in it."""
-        if self.error is not None:
-            raise RuntimeError(f"the engine is dead: {self.error}")
+        self._check_alive()
         per_dp_rank = [scheduler.schedule() for scheduler in self.schedulers]
         tp_size = self.config.parallel.tp_size
         # Worker rank w serves DP rank w // tp_size; all TP ranks of a group get the same chunks.
@@ -157,12 +190,15 @@ class LLMEngine:
             self._fail_all(str(exc))
             raise
         finished = []
-        for scheduler, chunks, (samples, scored) in zip(
-            self.schedulers, per_dp_rank, results, strict=True
-        ):
+        for scheduler, chunks, result in zip(self.schedulers, per_dp_rank, results, strict=True):
             for chunk in chunks:
-                chunk.seq.output_logprobs.extend(scored.get(chunk.seq.seq_id, []))
-            finished.extend(scheduler.update(chunks, samples))
+                seq = chunk.seq
+                seq.output_logprobs.extend(result.scored.get(seq.seq_id, []))
+                if seq.seq_id in result.routed:
+                    seq.routed_experts.append(result.routed[seq.seq_id])
+            finished.extend(scheduler.update(chunks, result.samples))
+        self.num_steps += 1
+        self.balancer.maybe_rebalance(self.num_steps)  # between steps: nothing is in a kernel
         return finished
 
     def _fail_all(self, error: str) -> None:

@@ -8,11 +8,9 @@ per rank each step and return one (samples, scored) pair per rank, or raise Work
 from __future__ import annotations
 
 from moe_runtime.config import RuntimeConfig
-from moe_runtime.sampler import SampleResult
+from moe_runtime.model_runner import StepOutput
 from moe_runtime.scheduler import ScheduledChunk
 from moe_runtime.worker import Worker
-
-StepResult = tuple[dict[int, SampleResult], dict[int, list[float]]]
 
 
 class WorkerError(RuntimeError):
@@ -28,11 +26,18 @@ class LocalExecutor:
         self.worker = Worker(config, rank=0)
         self.worker.init("127.0.0.1", 0)
 
-    def execute(self, per_rank_chunks: list[list[ScheduledChunk]]) -> list[StepResult]:
+    def execute(self, per_rank_chunks: list[list[ScheduledChunk]]) -> list[StepOutput]:
         return [self.worker.execute(per_rank_chunks[0])]
 
-    def stats(self) -> list[dict[str, int]]:
-        return [self.worker.stats()]
+    def call(self, method: str, per_rank_args: list[tuple]) -> list:
+        """Run Worker.<method> on every rank with its own arguments; results in rank order."""
+        return [getattr(self.worker, method)(*per_rank_args[0])]
+
+    def call_all(self, method: str, *args) -> list:
+        return self.call(method, [args])
+
+    def stats(self) -> list[dict]:
+        return self.call_all("stats")
 
     def shutdown(self) -> None:
         self.worker.shutdown()

@@ -7,7 +7,7 @@ name with a dict of keys, and win over the config file.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,9 @@ class CompletionOutput:
     top_logprobs: list[dict[int, float]]
     finish_reason: str
     text: str
+    # Per token: [MoE layer][K] logical experts of the position whose logits sampled it.
+    routed_experts: list[list[list[int]]] = field(default_factory=list)
+    seed: int | None = None  # the seed this sample drew its noise from
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,10 @@ class RequestOutput:
     @property
     def text(self) -> str:
         return self.outputs[0].text
+
+    @property
+    def routed_experts(self) -> list[list[list[int]]]:
+        return self.outputs[0].routed_experts
 
 
 class LLM:
@@ -98,6 +105,14 @@ class LLM:
         self._run_until_done()
         return [list(s.output_logprobs) for s in seqs]
 
+    def rebalance(self) -> dict:
+        """Re-place the experts now from the recent load (EPLB); changes no output bit."""
+        return self.engine.rebalance(force=True)
+
+    def update_weights(self, source: str | dict) -> int:
+        """New weights (HF checkpoint dir or HF-named state dict) on every rank; -> version."""
+        return self.engine.update_weights(source)
+
     def shutdown(self) -> None:
         """Release the engine; nothing is left running in this process."""
         if self.engine is not None:
@@ -116,6 +131,8 @@ class LLM:
                 list(s.output_top_logprobs),
                 s.finish_reason,
                 self.tokenizer.decode(s.output_token_ids),
+                list(s.routed_experts),
+                s.seed,
             )
             for s in seqs
         ]

@@ -9,6 +9,8 @@ for scoring sequences, every position whose next token is a scored one.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from kernels import OpTable
@@ -16,6 +18,15 @@ from moe_runtime.forward_batch import ForwardBatch
 from moe_runtime.model.deepseek import DeepseekForCausalLM
 from moe_runtime.sampler import Sampler, SampleResult, derive_seed
 from moe_runtime.scheduler import ScheduledChunk
+
+
+@dataclass
+class StepOutput:
+    """What one rank returns from a step, keyed by seq_id."""
+
+    samples: dict[int, SampleResult] = field(default_factory=dict)
+    scored: dict[int, list[float]] = field(default_factory=dict)  # new teacher-forced logprobs
+    routed: dict[int, list[list[int]]] = field(default_factory=dict)  # [MoE layer][K] experts
 
 
 class ModelRunner:
@@ -43,16 +54,13 @@ class ModelRunner:
         ]
         self.sampler = Sampler(ops.log_softmax)
 
-    def step(
-        self, chunks: list[ScheduledChunk]
-    ) -> tuple[dict[int, SampleResult], dict[int, list[float]]]:
-        """-> (sampled token per generating seq_id, new scored logprobs per scoring seq_id)."""
+    def step(self, chunks: list[ScheduledChunk]) -> StepOutput:
+        out = StepOutput()
         if not chunks and not self.must_join:
-            return {}, {}
+            return out
         batch, row_owners = self._build_batch(chunks)
         logits = self.model(batch.to(self.device), self.kv_caches)
-        samples: dict[int, SampleResult] = {}
-        scored: dict[int, list[float]] = {}
+        samples, scored = out.samples, out.scored
         gen_rows = [i for i, (chunk, _) in enumerate(row_owners) if not chunk.seq.is_score]
         if gen_rows:
             seqs = [row_owners[i][0].seq for i in gen_rows]
@@ -62,7 +70,8 @@ class ModelRunner:
                 [s.seed for s in seqs],
                 [len(s.output_token_ids) for s in seqs],
             )
-            samples = {s.seq_id: r for s, r in zip(seqs, results, strict=True)}
+            samples.update({s.seq_id: r for s, r in zip(seqs, results, strict=True)})
+            out.routed = self._routed_experts(batch, gen_rows, seqs)
         score_rows = [i for i, (chunk, _) in enumerate(row_owners) if chunk.seq.is_score]
         if score_rows:
             logprobs = self.ops.log_softmax(logits[score_rows]).cpu()
@@ -70,7 +79,16 @@ class ModelRunner:
                 chunk, position = row_owners[i]
                 next_token = chunk.seq.token_ids[position + 1]
                 scored.setdefault(chunk.seq.seq_id, []).append(logprobs[row, next_token].item())
-        return samples, scored
+        return out
+
+    def _routed_experts(self, batch: ForwardBatch, gen_rows: list[int], seqs) -> dict:
+        """seq_id -> [MoE layer][K] logical experts of the position whose logits were sampled."""
+        moe_layers = self.model.moe_layers
+        if not moe_layers:
+            return {}
+        token_rows = batch.logits_indices[gen_rows]
+        per_layer = [moe.last_topk_ids[token_rows].tolist() for moe in moe_layers]
+        return {s.seq_id: [layer[i] for layer in per_layer] for i, s in enumerate(seqs)}
 
     def _build_batch(
         self, chunks: list[ScheduledChunk]

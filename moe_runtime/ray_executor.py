@@ -15,13 +15,14 @@ import os
 import time
 
 import ray
-from ray.exceptions import RayActorError, RayError
+from ray.exceptions import RayActorError, RayError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from comm.nccl_env import pinned_nccl_env
 from moe_runtime.config import RuntimeConfig
-from moe_runtime.executor import StepResult, WorkerError
+from moe_runtime.executor import WorkerError
+from moe_runtime.model_runner import StepOutput
 from moe_runtime.scheduler import ScheduledChunk
 from moe_runtime.worker import Worker
 
@@ -67,13 +68,24 @@ class RayExecutor:
         # Collective: every rank joins the rendezvous, so all init calls go out together.
         self._get([w.init.remote(master_addr, master_port) for w in self.workers], "init")
 
-    def execute(self, per_rank_chunks: list[list[ScheduledChunk]]) -> list[StepResult]:
+    def execute(self, per_rank_chunks: list[list[ScheduledChunk]]) -> list[StepOutput]:
         self.num_steps += 1
         refs = [w.execute.remote(c) for w, c in zip(self.workers, per_rank_chunks, strict=True)]
         return self._get(refs, f"step {self.num_steps}")
 
-    def stats(self) -> list[dict[str, int]]:
-        return self._get([w.stats.remote() for w in self.workers], "stats")
+    def call(self, method: str, per_rank_args: list[tuple]) -> list:
+        """Worker.<method> on every rank at once (collective methods need that), rank order."""
+        refs = [
+            getattr(w, method).remote(*args)
+            for w, args in zip(self.workers, per_rank_args, strict=True)
+        ]
+        return self._get(refs, method)
+
+    def call_all(self, method: str, *args) -> list:
+        return self.call(method, [args] * self.world_size)
+
+    def stats(self) -> list[dict]:
+        return self.call_all("stats")
 
     def kill_worker(self, rank: int) -> None:
         """Fault injection for tests: the actor dies as if its process crashed."""
@@ -104,6 +116,10 @@ class RayExecutor:
                 )
             try:
                 ray.get(done[0])
+            except RayTaskError as exc:
+                if isinstance(exc.cause, ValueError):  # bad input, identical on every rank
+                    raise ValueError(f"rank {rank_of[done[0]]}: {exc.cause}") from exc
+                raise WorkerError(f"rank {rank_of[done[0]]} failed during {what}: {exc}") from exc
             except RayActorError as exc:
                 raise WorkerError(f"rank {rank_of[done[0]]} died during {what}: {exc}") from exc
             except RayError as exc:

@@ -1,10 +1,19 @@
-"""ByteTokenizer: the fallback for models without a tokenizer file.
+"""Tokenizers: a model directory's tokenizer.json, or bytes for models without one.
 
-Ids 0-255 are the UTF-8 bytes of the text; ids >= 256 are special (bos, eos, padding of the
-vocabulary) and decode to nothing. Needs a vocabulary of at least 256 ids.
+`load_tokenizer(model_config)` picks `HFTokenizer` when `model.path` holds a `tokenizer.json`
+(the `tokenizers` library) and `ByteTokenizer` otherwise: ids 0-255 are the UTF-8 bytes of the
+text; ids >= 256 are special (bos, eos, padding of the vocabulary) and decode to nothing.
+Both prepend `bos_token_id` (from the model config) when encoding text, decode without special
+tokens, and build chat prompts with `apply_chat_template`. No model code here.
 """
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from moe_runtime.chat_template import DEFAULT_CHAT_TEMPLATE, render_chat
+from moe_runtime.model_config import ModelConfig
 
 
 class ByteTokenizer:
@@ -18,6 +27,7 @@ class ByteTokenizer:
         self.vocab_size = vocab_size
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
+        self.chat_template = DEFAULT_CHAT_TEMPLATE
 
     def encode(self, text: str) -> list[int]:
         ids = list(text.encode("utf-8"))
@@ -25,3 +35,75 @@ class ByteTokenizer:
 
     def decode(self, token_ids: list[int]) -> str:
         return bytes(t for t in token_ids if 0 <= t < 256).decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of the prompt for `messages`, with the default template (bos first)."""
+        return self.encode(render_chat(self.chat_template, messages))
+
+
+class HFTokenizer:
+    """`tokenizers.Tokenizer` from `<model dir>/tokenizer.json`; chat template and special
+    token strings from `tokenizer_config.json` when present."""
+
+    def __init__(
+        self, model_dir: str | Path, bos_token_id: int | None, eos_token_id: int | None
+    ) -> None:
+        from tokenizers import Tokenizer
+
+        model_dir = Path(model_dir)
+        self._tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_id
+        settings = _read_tokenizer_config(model_dir / "tokenizer_config.json")
+        self.has_chat_template = bool(settings.get("chat_template"))
+        self.chat_template = settings.get("chat_template") or DEFAULT_CHAT_TEMPLATE
+        self.bos_token = self._special_text(settings.get("bos_token"), bos_token_id)
+        self.eos_token = self._special_text(settings.get("eos_token"), eos_token_id)
+
+    def encode(self, text: str) -> list[int]:
+        ids = self._tokenizer.encode(text, add_special_tokens=False).ids
+        return ids if self.bos_token_id is None else [self.bos_token_id, *ids]
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self._tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of the prompt for `messages`. The model's own template writes its special
+        tokens itself (no bos added); the default template is encoded like any text."""
+        if not self.has_chat_template:
+            return self.encode(render_chat(self.chat_template, messages))
+        text = render_chat(self.chat_template, messages, self.bos_token, self.eos_token)
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def _special_text(self, configured, token_id: int | None) -> str:
+        if isinstance(configured, dict):
+            configured = configured.get("content")
+        if isinstance(configured, str):
+            return configured
+        return "" if token_id is None else self._tokenizer.id_to_token(token_id) or ""
+
+
+def load_tokenizer(model_config: ModelConfig) -> ByteTokenizer | HFTokenizer:
+    """HFTokenizer for a model directory with tokenizer.json, else the byte-level fallback."""
+    bos, eos = model_config.bos_token_id, model_config.eos_token_id
+    if model_config.path and (Path(model_config.path) / "tokenizer.json").is_file():
+        tokenizer = HFTokenizer(model_config.path, bos, eos)
+        if tokenizer.vocab_size > model_config.vocab_size:
+            raise ValueError(
+                f"{model_config.path}/tokenizer.json has {tokenizer.vocab_size} tokens, more "
+                f"than model.vocab_size={model_config.vocab_size}"
+            )
+        return tokenizer
+    return ByteTokenizer(model_config.vocab_size, bos, eos)
+
+
+def _read_tokenizer_config(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    settings = json.loads(path.read_text(encoding="utf-8"))
+    template = settings.get("chat_template")
+    if isinstance(template, list):  # [{"name": ..., "template": ...}]: the default one
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        settings["chat_template"] = named.get("default") or next(iter(named.values()), None)
+    return settings

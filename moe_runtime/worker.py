@@ -3,33 +3,57 @@
 The driver creates one per rank (in-process for a single rank, a Ray actor otherwise), calls
 `init` on all of them at once (the process-group rendezvous is a collective), then `execute`
 on all of them every step, in lockstep: every MoE layer is a collective, so a rank with no
-requests still runs the step on zero tokens. This module never imports ray.
+requests still runs the step on zero tokens. `rearrange` and `update_weights` run between
+steps, on all ranks together. This module never imports ray.
 """
 
 from __future__ import annotations
 
 import socket
+from collections import deque
+from pathlib import Path
 
+import numpy as np
 import torch
 
 from comm.dispatch import AllToAllDispatcher, LocalDispatcher
 from comm.groups import destroy_process_groups, init_process_groups
 from eplb.placement import ExpertPlacement
+from eplb.rearrange import rearrange_experts
 from kernels import build_op_table, pin_threads
 from moe_runtime.config import RuntimeConfig
-from moe_runtime.model.loader import build_model
+from moe_runtime.model.loader import assign_weights, build_model, read_checkpoint
 from moe_runtime.model.tensor_parallel import TensorParallel
-from moe_runtime.model_runner import ModelRunner
-from moe_runtime.sampler import SampleResult
+from moe_runtime.model_runner import ModelRunner, StepOutput
 from moe_runtime.scheduler import ScheduledChunk
+
+
+def initial_placement(config: RuntimeConfig) -> ExpertPlacement:
+    """The placement every run starts from (the driver and all workers build the same one).
+
+    A placement needs one layer at least; an all-dense model uses none of its rows.
+    """
+    model = config.model
+    num_moe = max(model.num_hidden_layers - model.first_k_dense_replace, 1)
+    return ExpertPlacement.default(
+        num_moe,
+        model.n_routed_experts,
+        config.eplb.num_redundant_experts,
+        config.parallel.world_size,
+    )
 
 
 class Worker:
     def __init__(self, config: RuntimeConfig, rank: int) -> None:
         self.config, self.rank = config, rank
+        self.world_size = config.parallel.world_size
         self.runner: ModelRunner | None = None
         self.dispatcher = None
+        self.group = None
+        self.placement = initial_placement(config)
         self.num_steps = 0
+        self.load_window: deque[np.ndarray] = deque(maxlen=config.eplb.window_steps)
+        self.total_load: np.ndarray | None = None
 
     def address(self) -> tuple[str, int]:
         """(ip, free port) of this worker's node: rank 0's is the rendezvous point."""
@@ -46,48 +70,105 @@ class Worker:
             torch.cuda.set_device(0)  # Ray exposes this rank's GPU as device 0
             device = torch.device("cuda", 0)
         ops = build_op_table(cfg.kernels, device)
-        world = parallel.world_size
-        num_moe = cfg.model.num_hidden_layers - cfg.model.first_k_dense_replace
-        # A placement needs one layer at least; an all-dense model uses none of its rows.
-        placement = ExpertPlacement.default(
-            max(num_moe, 1), cfg.model.n_routed_experts, cfg.eplb.num_redundant_experts, world
-        )
-        slots = placement.num_physical // world
+        slots = self.placement.num_physical // self.world_size
         tp = TensorParallel()
-        if world > 1:
+        if self.world_size > 1:
             groups = init_process_groups(parallel, self.rank, master_addr, master_port)
             tp = TensorParallel(groups.tp_size, groups.tp_rank, groups.tp_group)
+            self.group = groups.ep_group
             # Experts are parallel over the whole world; the TP ranks of one DP group hold the
             # same tokens after every all-reduce and each dispatches its own copy.
             self.dispatcher = AllToAllDispatcher(
-                groups.ep_group, self.rank, world, slots, parallel.allow_multiple_reduction, device
+                groups.ep_group,
+                self.rank,
+                self.world_size,
+                slots,
+                parallel.allow_multiple_reduction,
+                device,
             )
         else:
             self.dispatcher = LocalDispatcher(slots, parallel.allow_multiple_reduction)
-        local_experts = placement.local_experts(self.rank, world)[:num_moe].tolist()
-        model = build_model(cfg.model, ops, device, local_experts, tp)
-        if num_moe:
-            model.bind_expert_parallel(
-                self.dispatcher, placement.replica_table(world)[:, self.rank]
-            )
+        model = build_model(cfg.model, ops, device, self._local_experts(), tp)
         self.runner = ModelRunner(
-            model, ops, cfg.cache.num_blocks, cfg.cache.block_size, device, must_join=world > 1
+            model,
+            ops,
+            cfg.cache.num_blocks,
+            cfg.cache.block_size,
+            device,
+            must_join=self.world_size > 1,
         )
+        self._bind_placement()
 
-    def execute(
-        self, chunks: list[ScheduledChunk]
-    ) -> tuple[dict[int, SampleResult], dict[int, list[float]]]:
+    def _local_experts(self) -> list[list[int]]:
+        num_moe = self.config.model.num_hidden_layers - self.config.model.first_k_dense_replace
+        return self.placement.local_experts(self.rank, self.world_size)[:num_moe].tolist()
+
+    def _bind_placement(self) -> None:
+        model = self.runner.model
+        if model.moe_layers:
+            table = self.placement.replica_table(self.world_size)[:, self.rank]
+            model.bind_expert_parallel(self.dispatcher, table)
+
+    def execute(self, chunks: list[ScheduledChunk]) -> StepOutput:
         self.num_steps += 1
-        return self.runner.step(chunks)
+        out = self.runner.step(chunks)
+        layers = self.runner.model.moe_layers
+        if layers:
+            # Host ints already (the dispatcher's counts): recording them costs no device sync.
+            step_load = np.array([moe.last_group_sizes for moe in layers], dtype=np.int64)
+            self.load_window.append(step_load)
+            self.total_load = step_load if self.total_load is None else self.total_load + step_load
+        return out
+
+    def window_load(self) -> list[list[int]]:
+        """[MoE layer][local slot] rows served over the last eplb.window_steps steps."""
+        num_moe = len(self.runner.model.moe_layers)
+        slots = self.placement.num_physical // self.world_size
+        if not self.load_window:
+            return [[0] * slots for _ in range(num_moe)]
+        return np.sum(np.stack(self.load_window), axis=0).tolist()
+
+    def rearrange(
+        self, new_physical_to_logical: list[list[int]], fail_at_layer: int | None = None
+    ) -> dict:
+        """Collective: move experts to the new placement, committed on all ranks or on none."""
+        layers = self.runner.model.moe_layers
+        new_p2l = torch.tensor(new_physical_to_logical, dtype=torch.int64)
+        old_p2l = self.placement.physical_to_logical[: len(layers)]
+        experts = [(moe.experts.gate_up_proj.data, moe.experts.down_proj.data) for moe in layers]
+        result = rearrange_experts(
+            experts, old_p2l, new_p2l, self.rank, self.world_size, self.group, fail_at_layer
+        )
+        if result.ok:
+            for moe, (gate_up, down) in zip(layers, result.weights, strict=True):
+                moe.experts.gate_up_proj.data, moe.experts.down_proj.data = gate_up, down
+            self.placement = ExpertPlacement.from_physical_to_logical(
+                new_p2l, self.config.model.n_routed_experts
+            )
+            self._bind_placement()  # the replica table switches with the weights, at once
+            self.load_window.clear()
+        return {
+            "ok": result.ok,
+            "experts_moved": result.experts_moved,
+            "bytes_sent": result.bytes_sent,
+        }
+
+    def update_weights(self, source: str | dict[str, torch.Tensor]) -> None:
+        """Replace every weight (HF names) between steps; validated fully before any change."""
+        model = self.runner.model
+        tensors = read_checkpoint(Path(source), model.config) if isinstance(source, str) else source
+        assign_weights(model, dict(tensors), self._local_experts(), str(source)[:80])
+        model.after_weights_loaded()
 
     def stats(self) -> dict:
         """Counters of this rank; `slot_load[l][s]` = rows served by local slot s of MoE layer l."""
-        model = self.runner.model
+        total = self.total_load.tolist() if self.total_load is not None else []
         return {
             "rank": self.rank,
             "num_steps": self.num_steps,
             "num_rows_sent_remote": getattr(self.dispatcher, "num_rows_sent_remote", 0),
-            "slot_load": [list(moe.slot_load) for moe in model.moe_layers],
+            "slot_load": total,
+            "physical_to_logical": self.placement.physical_to_logical.tolist(),
         }
 
     def shutdown(self) -> None:

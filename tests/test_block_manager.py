@@ -138,3 +138,25 @@ def test_double_free_raises():
     manager.free(table)
     with pytest.raises(RuntimeError, match="double free"):
         manager.free(table)
+
+
+def test_clear_cache_forgets_prefixes_and_never_caches_blocks_in_use():
+    blocks = BlockManager(num_blocks=8, block_size=2, enable_prefix_caching=True)
+    tokens = [1, 2, 3, 4, 5]
+    done = []
+    assert blocks.allocate(done, 5)
+    blocks.commit(done, tokens, 5)
+    blocks.free(done)
+    running = []
+    assert blocks.allocate(running, 5)
+    blocks.clear_cache()
+    assert blocks.match_prefix(tokens) == []
+    blocks.commit(running, tokens, 5)  # computed before the change: must not become a hit
+    blocks.free(running)
+    assert blocks.match_prefix(tokens) == []
+    fresh = []
+    assert blocks.allocate(fresh, 5)
+    blocks.commit(fresh, tokens, 5)
+    blocks.free(fresh)
+    assert len(blocks.match_prefix(tokens)) == 2
+    assert blocks.num_free_blocks == 8 - 2

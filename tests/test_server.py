@@ -8,23 +8,19 @@ Results are compared bit for bit (float.hex) with each other and with `LLM.gener
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from types import SimpleNamespace
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from launch.server_app import create_app
 from moe_runtime import LLM, SamplingParams
@@ -34,6 +30,7 @@ from moe_runtime.engine_loop import EngineLoop, EngineUnavailableError
 from moe_runtime.executor import WorkerError
 from moe_runtime.tokenizer import ByteTokenizer
 from tests.invariance import TINY_CONFIG, fingerprint, mixed_prompts
+from tests.serving import running_server
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_MODEL_LEN = 1024  # scheduler.max_model_len of the tiny config
@@ -50,33 +47,6 @@ TARGETS = [
 ]
 for _target in TARGETS:
     _target.update(logprobs=5, ignore_eos=True)
-
-
-@contextlib.contextmanager
-def running_server(overrides: dict | None = None):
-    """An in-process server (uvicorn in a thread) on a free loopback port, and an HTTP client."""
-    config = load_config(TINY_CONFIG, overrides)
-    engine = LLMEngine(config)
-    loop = EngineLoop(engine)
-    app = create_app(loop, config, engine.tokenizer)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 20
-        while not uv.started:
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.01)
-        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        limits = httpx.Limits(max_connections=64)
-        with httpx.Client(base_url=url, timeout=60, limits=limits) as http:
-            yield SimpleNamespace(url=url, http=http, loop=loop, model=config.server.model_name)
-    finally:
-        uv.should_exit = True
-        thread.join(timeout=10)
-        loop.shutdown(drain_timeout_s=5)
 
 
 @pytest.fixture(scope="module")

@@ -90,17 +90,32 @@ def init_random_weights(
 
 
 def load_hf_weights(model: DeepseekForCausalLM, path: Path, local_experts: list[list[int]]) -> None:
+    assign_weights(model, read_checkpoint(path, model.config), local_experts, str(path))
+
+
+def read_checkpoint(path: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Every tensor of an HF checkpoint directory that belongs to this model, by HF name."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise ValueError(f"model.path {str(path)!r} holds no *.safetensors files")
-    num_layers = model.config.num_hidden_layers
+        raise ValueError(f"weights path {str(path)!r} holds no *.safetensors files")
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
         for key, value in load_file(str(file)).items():
             layer = _LAYER_KEY.match(key)
-            if layer and int(layer.group(1)) >= num_layers:
+            if layer and int(layer.group(1)) >= cfg.num_hidden_layers:
                 continue  # multi-token-prediction layers are not part of this model
             tensors[key] = value
+    return tensors
+
+
+def assign_weights(
+    model: DeepseekForCausalLM,
+    tensors: dict[str, torch.Tensor],
+    local_experts: list[list[int]],
+    source: str,
+) -> None:
+    """Copy HF-named tensors into the model: all names and shapes are checked before any copy,
+    so a bad source leaves the model untouched."""
     tensors = _stack_experts(tensors, local_experts, model.config.first_k_dense_replace)
     params = dict(model.named_parameters())
     if model.config.tie_word_embeddings:
@@ -110,18 +125,19 @@ def load_hf_weights(model: DeepseekForCausalLM, path: Path, local_experts: list[
     unexpected = sorted(set(tensors) - set(params))
     if missing or unexpected:
         raise ValueError(
-            f"checkpoint {str(path)!r} does not match the model: missing {missing[:5]}, "
+            f"weights {source!r} do not match the model: missing {missing[:5]}, "
             f"unexpected {unexpected[:5]}"
         )
+    values = {name: model.tp.shard(name, tensors[name]) for name in params}
+    for name, param in params.items():
+        if values[name].shape != param.shape:
+            raise ValueError(
+                f"weights {source!r}: tensor {name} has shape {tuple(values[name].shape)}, "
+                f"the model expects {tuple(param.shape)}"
+            )
     with torch.no_grad():
         for name, param in params.items():
-            value = model.tp.shard(name, tensors[name])
-            if value.shape != param.shape:
-                raise ValueError(
-                    f"checkpoint tensor {name} has shape {tuple(value.shape)}, "
-                    f"the model expects {tuple(param.shape)}"
-                )
-            param.copy_(value.to(param.dtype))
+            param.copy_(values[name].to(param.dtype))
 
 
 def _stack_experts(

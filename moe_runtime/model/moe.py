@@ -99,7 +99,8 @@ class MoE(nn.Module):
         self.ops = ops
         self.dispatcher = LocalDispatcher(num_local_slots)
         self.replica_row = torch.arange(cfg.n_routed_experts)
-        self.slot_load = [0] * num_local_slots  # rows served per local slot since start
+        self.last_group_sizes = [0] * num_local_slots  # rows per local slot in the last step
+        self.last_topk_ids = torch.zeros(0, cfg.num_experts_per_tok, dtype=torch.int64)
 
     def bind_expert_parallel(self, dispatcher, replica_row: torch.Tensor) -> None:
         """replica_row [E] int64: the physical slot serving each logical expert from this rank."""
@@ -108,12 +109,13 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         topk_ids, topk_weights = self.gate(x)
+        self.last_topk_ids = topk_ids  # read back for routed-expert reporting
         # Collective: every rank calls dispatch and combine once per MoE layer per step, in
         # layer order, even with zero tokens.
         recv, group_sizes, handle = self.dispatcher.dispatch(
             x, self.replica_row[topk_ids], topk_weights
         )
-        self.slot_load = [a + b for a, b in zip(self.slot_load, group_sizes, strict=True)]
+        self.last_group_sizes = group_sizes
         routed = self.dispatcher.combine(self.experts(recv, group_sizes), handle, topk_weights)
         routed = routed.to(x.dtype)
         return routed if self.shared_experts is None else routed + self.shared_experts(x)

@@ -1,0 +1,265 @@
+"""Batch-invariant paged MLA attention over the latent cache as Triton kernels (GPU path).
+
+Contract of `mla_attention_ref` (kernels/attention.py): query t attends to positions
+0..positions[t] of sequence query_seq_ids[t], keys are whole cache rows [C], values their first
+v_dim channels. One program per (query token, head block, KV split): it walks cache blocks
+(chunks of exactly the cache block size, aligned to absolute positions) with an online softmax
+in fp32. A split is a fixed run of SPLIT_BLOCKS blocks counted from position 0, so which splits
+a query has depends on its own position only; a second kernel merges a query's splits in split
+order. Nothing a program computes depends on the other queries: prefill, decode and any
+chunking of a prompt give the same bits. Under TRITON_INTERPRET=1 it runs on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+SPLIT_BLOCKS = 4  # cache blocks per KV split: a constant, never a function of the batch
+BLOCK_H = 16  # heads per program (tl.dot needs 16 rows); extra heads are masked
+PARTIAL_BYTES = 256 << 20  # cap on the fp32 split buffers of one launch (queries grouped)
+
+
+@triton.jit
+def _mla_split_kernel(
+    q_ptr,
+    kv_ptr,
+    seq_ids_ptr,
+    tables_ptr,
+    positions_ptr,
+    acc_ptr,
+    stats_ptr,
+    scale,
+    num_heads,
+    num_splits,
+    table_width,
+    C: tl.constexpr,
+    V: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    SPLIT_BLOCKS: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):
+    """Partial (max, sum, acc) of one query's heads over one split of its cache blocks."""
+    t = tl.program_id(0).to(tl.int64)
+    head_block = tl.program_id(1)
+    split = tl.program_id(2)
+    position = tl.load(positions_ptr + t)
+    first_block = split * SPLIT_BLOCKS
+    num_blocks = position // BS + 1
+    if first_block < num_blocks:
+        seq = tl.load(seq_ids_ptr + t)
+        heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
+        head_ok = heads < num_heads
+        offs_v = tl.arange(0, BLOCK_V)
+        offs_r = tl.arange(0, BLOCK_R)
+        offs_s = tl.arange(0, BLOCK_S)
+        v_ok = offs_v < V
+        r_ok = V + offs_r < C
+        q_rows = q_ptr + (t * num_heads + heads)[:, None] * C
+        q_lat = tl.load(q_rows + offs_v[None, :], mask=head_ok[:, None] & v_ok[None, :], other=0.0)
+        q_pe = tl.load(
+            q_rows + V + offs_r[None, :], mask=head_ok[:, None] & r_ok[None, :], other=0.0
+        )
+        if UPCAST_DOT:
+            q_lat = q_lat.to(tl.float32)
+            q_pe = q_pe.to(tl.float32)
+        row_max = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
+        row_sum = tl.zeros((BLOCK_H,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_H, BLOCK_V), dtype=tl.float32)
+        last_block = tl.minimum(first_block + SPLIT_BLOCKS, num_blocks)
+        # Why: chunk j is cache block j of the sequence, whole (BS positions, aligned to
+        # absolute positions), merged in order j ascending; positions past the query read
+        # exact zeros (unwritten slots may hold garbage) and score -inf.
+        for j in range(first_block, last_block):
+            block_id = tl.load(tables_ptr + seq * table_width + j).to(tl.int64)
+            kv_ok = (offs_s < BS) & (j * BS + offs_s <= position)
+            kv_rows = kv_ptr + (block_id * BS + offs_s)[:, None] * C
+            k_lat = tl.load(
+                kv_rows + offs_v[None, :], mask=kv_ok[:, None] & v_ok[None, :], other=0.0
+            )
+            k_pe = tl.load(
+                kv_rows + V + offs_r[None, :], mask=kv_ok[:, None] & r_ok[None, :], other=0.0
+            )
+            if UPCAST_DOT:
+                k_lat = k_lat.to(tl.float32)
+                k_pe = k_pe.to(tl.float32)
+            scores = tl.dot(q_lat, tl.trans(k_lat), input_precision=INPUT_PRECISION)
+            scores = tl.dot(q_pe, tl.trans(k_pe), scores, input_precision=INPUT_PRECISION)
+            scores = tl.where(kv_ok[None, :], scores * scale, float("-inf"))
+            max_new = tl.maximum(row_max, tl.max(scores, axis=1))
+            alpha = tl.exp(row_max - max_new)
+            p = tl.exp(scores - max_new[:, None])
+            row_sum = row_sum * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(
+                p.to(k_lat.dtype), k_lat, input_precision=INPUT_PRECISION
+            )
+            row_max = max_new
+        slot = (t * num_splits + split) * num_heads + heads
+        tl.store(
+            acc_ptr + slot[:, None] * BLOCK_V + offs_v[None, :],
+            acc,
+            mask=head_ok[:, None] & v_ok[None, :],
+        )
+        tl.store(stats_ptr + slot * 2, row_max, mask=head_ok)
+        tl.store(stats_ptr + slot * 2 + 1, row_sum, mask=head_ok)
+
+
+@triton.jit
+def _mla_merge_kernel(
+    acc_ptr,
+    stats_ptr,
+    positions_ptr,
+    out_ptr,
+    num_heads,
+    num_splits,
+    V: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    SPLIT_BLOCKS: tl.constexpr,
+):
+    """out[t, h] = merge of the query's splits 0, 1, ... in that order, then acc / sum."""
+    t = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    position = tl.load(positions_ptr + t)
+    num_own_splits = (position // BS) // SPLIT_BLOCKS + 1
+    offs_v = tl.arange(0, BLOCK_V)
+    v_ok = offs_v < V
+    first = t * num_splits * num_heads + head
+    row_max = tl.load(stats_ptr + first * 2)
+    row_sum = tl.load(stats_ptr + first * 2 + 1)
+    acc = tl.load(acc_ptr + first * BLOCK_V + offs_v, mask=v_ok, other=0.0)
+    # Why: a fixed merge order (split ascending) over splits fixed by the position alone.
+    for split in range(1, num_own_splits):
+        slot = (t * num_splits + split) * num_heads + head
+        part_max = tl.load(stats_ptr + slot * 2)
+        part_sum = tl.load(stats_ptr + slot * 2 + 1)
+        part_acc = tl.load(acc_ptr + slot * BLOCK_V + offs_v, mask=v_ok, other=0.0)
+        max_new = tl.maximum(row_max, part_max)
+        alpha = tl.exp(row_max - max_new)
+        beta = tl.exp(part_max - max_new)
+        row_sum = row_sum * alpha + part_sum * beta
+        acc = acc * alpha + part_acc * beta
+        row_max = max_new
+    out = acc / row_sum
+    tl.store(out_ptr + (t * num_heads + head) * V + offs_v, out, mask=v_ok)
+
+
+def _is_interpreted() -> bool:
+    return isinstance(_mla_split_kernel, InterpretedFunction)
+
+
+def _check(q, kv_cache, query_seq_ids, block_tables, positions, v_dim) -> None:
+    allowed = ("cpu", "cuda") if _is_interpreted() else ("cuda",)
+    tensors = {
+        "q": q,
+        "kv_cache": kv_cache,
+        "query_seq_ids": query_seq_ids,
+        "block_tables": block_tables,
+        "positions": positions,
+    }
+    for name, t in tensors.items():
+        if t.device.type not in allowed:
+            raise ValueError(f"{name} must be on a device of type {allowed}, got {t.device}")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+    if q.dim() != 3 or kv_cache.dim() != 3 or q.shape[2] != kv_cache.shape[2]:
+        raise ValueError(
+            f"need q [T, H, C] and kv_cache [NB, BS, C], got {tuple(q.shape)}, "
+            f"{tuple(kv_cache.shape)}"
+        )
+    if q.dtype not in _DTYPES or kv_cache.dtype != q.dtype:
+        raise ValueError(
+            f"q and kv_cache must share a dtype in {_DTYPES}, got {q.dtype}, {kv_cache.dtype}"
+        )
+    num_tokens = q.shape[0]
+    if query_seq_ids.shape != (num_tokens,) or positions.shape != (num_tokens,):
+        raise ValueError(f"query_seq_ids and positions must be [{num_tokens}]")
+    if block_tables.dim() != 2:
+        raise ValueError(f"block_tables must be [B, MB], got {tuple(block_tables.shape)}")
+    if not 1 <= v_dim <= q.shape[2]:
+        raise ValueError(f"v_dim must be in [1, {q.shape[2]}], got {v_dim}")
+
+
+def mla_attention_triton(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_seq_ids: torch.Tensor,
+    block_tables: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    scale: float,
+    v_dim: int,
+) -> torch.Tensor:
+    """q [T, H, C], kv_cache [NB, BS, C] (q's dtype), query_seq_ids/positions [T] int64,
+    block_tables [B, MB] int64 (-1 padding past a sequence's end) -> [T, H, v_dim] q.dtype.
+    """
+    _check(q, kv_cache, query_seq_ids, block_tables, positions, v_dim)
+    num_tokens, num_heads, cache_dim = q.shape
+    out = q.new_empty((num_tokens, num_heads, v_dim))
+    if num_tokens == 0:  # a rank with no tokens still runs the step (EP lockstep)
+        return out
+    q, kv_cache, block_tables = q.contiguous(), kv_cache.contiguous(), block_tables.contiguous()
+    block_size = kv_cache.shape[1]
+    block_v = triton.next_power_of_2(v_dim)
+    block_r = max(16, triton.next_power_of_2(max(cache_dim - v_dim, 1)))
+    # Host sync: the split count of the launch is the batch's longest query's. Queries with
+    # fewer splits skip the extra programs; no query's result depends on this number.
+    num_splits = (int(positions.max()) // block_size) // SPLIT_BLOCKS + 1
+    per_token = num_splits * num_heads * (block_v + 2) * 4
+    group = max(1, PARTIAL_BYTES // per_token)
+    is_fp32 = q.dtype == torch.float32
+    for start in range(0, num_tokens, group):  # launch boundaries only: rows are independent
+        rows = slice(start, min(start + group, num_tokens))
+        count = rows.stop - rows.start
+        acc = torch.empty((count, num_splits, num_heads, block_v), device=q.device)
+        stats = torch.empty((count, num_splits, num_heads, 2), device=q.device)
+        seq_ids, pos = query_seq_ids[rows].contiguous(), positions[rows].contiguous()
+        _mla_split_kernel[(count, triton.cdiv(num_heads, BLOCK_H), num_splits)](
+            q[rows],
+            kv_cache,
+            seq_ids,
+            block_tables,
+            pos,
+            acc,
+            stats,
+            scale,
+            num_heads,
+            num_splits,
+            block_tables.shape[1],
+            C=cache_dim,
+            V=v_dim,
+            BS=block_size,
+            BLOCK_S=max(16, triton.next_power_of_2(block_size)),  # tl.dot needs 16 columns
+            BLOCK_H=BLOCK_H,
+            BLOCK_V=block_v,
+            BLOCK_R=block_r,
+            SPLIT_BLOCKS=SPLIT_BLOCKS,
+            # fp32 inputs use exact fp32 products; 16-bit ones the MMA with fp32 accumulation.
+            INPUT_PRECISION="ieee" if is_fp32 else "tf32",
+            # The interpreter hands 16-bit floats to numpy as raw bits: feed it fp32.
+            UPCAST_DOT=_is_interpreted() and not is_fp32,
+            num_warps=8 if block_v >= 256 else 4,
+            num_stages=2,
+        )
+        _mla_merge_kernel[(count, num_heads)](
+            acc,
+            stats,
+            pos,
+            out[rows],
+            num_heads,
+            num_splits,
+            V=v_dim,
+            BS=block_size,
+            BLOCK_V=block_v,
+            SPLIT_BLOCKS=SPLIT_BLOCKS,
+            num_warps=4,
+        )
+    return out

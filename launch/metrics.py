@@ -1,0 +1,112 @@
+"""Prometheus metrics of the server, on a registry of its own (one per app).
+
+Request-side series (tokens in and out, time to first token, inter-token latency, requests by
+route and status) are recorded from the EngineLoop's token events; engine-side series (running
+and waiting sequences, KV cache usage, rebalances, balancedness, weight version) are read from
+the loop's last snapshot at scrape time, so a scrape never touches the engine itself.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from moe_runtime.loop_events import LoopStats, TokenEvent
+
+LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class _EngineCollector:
+    """Series read from the loop's snapshot; none while the engine is loading."""
+
+    def __init__(self, stats: Callable[[], LoopStats | None]) -> None:
+        self._stats = stats
+
+    def collect(self):
+        stats = self._stats()
+        if stats is None:
+            return
+        yield _gauge("moe_num_requests_running", "Sequences in running batches", stats.num_running)
+        yield _gauge("moe_num_requests_waiting", "Sequences waiting to run", stats.num_waiting)
+        usage = GaugeMetricFamily(
+            "moe_kv_cache_usage_ratio", "Fraction of KV blocks in use", labels=["dp_rank"]
+        )
+        for dp_rank, value in enumerate(stats.kv_cache_usage):
+            usage.add_metric([str(dp_rank)], value)
+        yield usage
+        yield CounterMetricFamily(
+            "moe_rebalances", "Expert rebalances done", value=stats.num_rebalances
+        )
+        if stats.last_balancedness is not None:
+            yield _gauge(
+                "moe_last_balancedness",
+                "Mean over max expert load per rank after the last rebalance",
+                stats.last_balancedness,
+            )
+        yield _gauge("moe_weight_version", "Version of the weights served", stats.weight_version)
+        yield CounterMetricFamily("moe_engine_steps", "Engine steps run", value=stats.num_steps)
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+class ServerMetrics:
+    def __init__(self, stats: Callable[[], LoopStats | None]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.prompt_tokens = Counter("moe_prompt_tokens", "Prompt tokens admitted", registry=r)
+        self.generation_tokens = Counter(
+            "moe_generation_tokens", "Output tokens generated", registry=r
+        )
+        self.requests = Counter(
+            "moe_http_requests", "Generation requests answered", ["route", "status"], registry=r
+        )
+        self.time_to_first_token = Histogram(
+            "moe_time_to_first_token_seconds",
+            "From submission to a sample's first token",
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.inter_token_latency = Histogram(
+            "moe_inter_token_latency_seconds",
+            "Between consecutive tokens of one sample",
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        r.register(_EngineCollector(stats))
+
+    def tracker(self) -> RequestTracker:
+        return RequestTracker(self)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestTracker:
+    """Timings of one request's samples. `observe` runs on the engine loop thread."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self._metrics = metrics
+        self._submitted = time.monotonic()
+        self._last: dict[tuple[int, int], float] = {}
+
+    def observe(self, event: TokenEvent) -> None:
+        num_new = len(event.token_ids)
+        if num_new == 0:
+            return
+        now, key, m = time.monotonic(), (event.prompt_idx, event.sample_idx), self._metrics
+        last = self._last.get(key)
+        if last is None:
+            m.time_to_first_token.observe(now - self._submitted)
+            if event.sample_idx == 0:
+                m.prompt_tokens.inc(event.num_prompt_tokens)
+        else:
+            m.inter_token_latency.observe((now - last) / num_new)
+        self._last[key] = now
+        m.generation_tokens.inc(num_new)

@@ -1,0 +1,136 @@
+"""ExpertBalancer: the driver side of EPLB — load statistics in, a new placement out, moved live.
+
+Every `eplb.interval_steps` steps (when `eplb.enabled`), or on demand, it gathers each rank's
+per-slot row counts over the last `eplb.window_steps` steps (integers: every rank's numbers are
+exact and the plan is the same wherever it is computed), folds them into per-logical-expert load,
+and, unless balancedness (mean / max per-rank load) is already above the threshold, plans a new
+placement with `eplb.policy` and has all ranks move their experts between two steps. The logical
+reduction order never depends on the placement (multiple reduction stays off unless configured),
+so a rebalance changes no output bit. A failed move leaves the old placement serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from eplb.placement import ExpertPlacement
+from eplb.policy import balancedness, load_per_rank, rebalance_experts
+from moe_runtime.config import RuntimeConfig
+from moe_runtime.worker import initial_placement
+
+log = logging.getLogger("moe_runtime.eplb")
+
+
+class RebalanceError(RuntimeError):
+    """The new placement could not be moved into place; the old one is still serving."""
+
+
+class ExpertBalancer:
+    def __init__(self, config: RuntimeConfig, executor) -> None:
+        self.config, self.executor = config, executor
+        model = config.model
+        self.num_moe_layers = model.num_hidden_layers - model.first_k_dense_replace
+        self.placement: ExpertPlacement = initial_placement(config)
+        self.num_rebalances = 0
+        self.last_balancedness: float | None = None
+        self.history: list[dict] = []  # every report, skipped and failed ones too
+
+    def maybe_rebalance(self, step: int) -> dict | None:
+        eplb = self.config.eplb
+        if not eplb.enabled or self.num_moe_layers == 0 or step % eplb.interval_steps:
+            return None
+        return self.rebalance(force=False)
+
+    def rebalance(self, force: bool = True, inject_failure: tuple[int, int] | None = None) -> dict:
+        """Plan and move; `force` skips the balancedness check. inject_failure=(rank, layer) is
+        fault injection for tests: that rank fails while staging that layer."""
+        started = time.perf_counter()
+        world = self.config.parallel.world_size
+        logical_load = self._logical_load()
+        p2l = self.placement.physical_to_logical[: self.num_moe_layers]
+        before = _mean_balancedness(logical_load, p2l, world)
+        report = {
+            "balancedness_before": before,
+            "balancedness_after": before,
+            "experts_moved": 0,
+            "bytes_moved": 0,
+            "seconds": 0.0,
+            "skipped": False,
+        }
+        if self.num_moe_layers == 0 or (
+            not force and before >= self.config.eplb.balancedness_threshold
+        ):
+            report.update(skipped=True, seconds=time.perf_counter() - started)
+            self.last_balancedness = before
+            self.history.append(report)
+            return report
+        new_p2l = self._plan(logical_load)
+        per_rank_args = [
+            (
+                new_p2l.tolist(),
+                inject_failure[1] if inject_failure and inject_failure[0] == r else None,
+            )
+            for r in range(world)
+        ]
+        results = self.executor.call("rearrange", per_rank_args)
+        seconds = time.perf_counter() - started
+        report.update(
+            experts_moved=sum(r["experts_moved"] for r in results),
+            bytes_moved=sum(r["bytes_sent"] for r in results),
+            seconds=seconds,
+        )
+        if not all(r["ok"] for r in results):
+            self.history.append({**report, "failed": True})
+            log.warning("rebalance failed after %.3fs; the old placement stays in use", seconds)
+            raise RebalanceError("a rank failed while moving experts; the old placement is in use")
+        full = self.placement.physical_to_logical.clone()
+        full[: self.num_moe_layers] = new_p2l
+        self.placement = ExpertPlacement.from_physical_to_logical(
+            full, self.config.model.n_routed_experts
+        )
+        report["balancedness_after"] = _mean_balancedness(logical_load, new_p2l, world)
+        self.num_rebalances += 1
+        self.last_balancedness = report["balancedness_after"]
+        self.history.append(report)
+        log.info(
+            "rebalance %d: balancedness %.3f -> %.3f (planned), %d experts moved, %d bytes, %.3fs",
+            self.num_rebalances,
+            before,
+            report["balancedness_after"],
+            report["experts_moved"],
+            report["bytes_moved"],
+            seconds,
+        )
+        return report
+
+    def _logical_load(self) -> torch.Tensor:
+        """[L, E] int64 rows per logical expert over the window, summed over every rank."""
+        per_rank = self.executor.call_all("window_load")
+        physical = torch.tensor(
+            [sum(col, []) for col in zip(*per_rank, strict=True)], dtype=torch.int64
+        )
+        physical = physical.view(self.num_moe_layers, -1)
+        p2l = self.placement.physical_to_logical[: self.num_moe_layers]
+        logical = torch.zeros(
+            self.num_moe_layers, self.config.model.n_routed_experts, dtype=torch.int64
+        )
+        return logical.scatter_add_(1, p2l, physical)  # integers: exact in any order
+
+    def _plan(self, logical_load: torch.Tensor) -> torch.Tensor:
+        eplb, model = self.config.eplb, self.config.model
+        p2l, _, _ = rebalance_experts(
+            logical_load,
+            self.placement.num_physical,
+            model.n_group,
+            eplb.num_nodes,
+            self.config.parallel.world_size,
+            policy=eplb.policy,
+        )
+        return p2l
+
+
+def _mean_balancedness(logical_load: torch.Tensor, p2l: torch.Tensor, num_ranks: int) -> float:
+    return float(balancedness(load_per_rank(logical_load, p2l, num_ranks)).mean())

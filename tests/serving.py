@@ -1,0 +1,86 @@
+"""Helpers for the HTTP server tests: an in-process server on loopback and SSE parsing."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import threading
+import time
+from types import SimpleNamespace
+
+import httpx
+import uvicorn
+
+from launch.server_app import create_app
+from moe_runtime.config import load_config
+from moe_runtime.engine import LLMEngine
+from moe_runtime.engine_loop import EngineLoop
+from tests.invariance import TINY_CONFIG
+
+
+@contextlib.contextmanager
+def running_server(overrides: dict | None = None, headers: dict | None = None):
+    """An in-process server (uvicorn in a thread) on a free loopback port, and an HTTP client."""
+    config = load_config(TINY_CONFIG, overrides)
+    engine = LLMEngine(config)
+    loop = EngineLoop(engine)
+    app = create_app(loop, config, engine.tokenizer)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not uv.started:
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.01)
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        limits = httpx.Limits(max_connections=64)
+        with httpx.Client(base_url=url, timeout=60, limits=limits, headers=headers) as http:
+            yield SimpleNamespace(
+                url=url, http=http, loop=loop, engine=engine, model=config.server.model_name
+            )
+    finally:
+        uv.should_exit = True
+        thread.join(timeout=10)
+        loop.shutdown(drain_timeout_s=5)
+
+
+def sse_events(http: httpx.Client, path: str, body: dict) -> list[dict]:
+    """POST with stream=true; the parsed `data:` payloads up to [DONE] (asserted present)."""
+    events = []
+    with http.stream("POST", path, json={**body, "stream": True}) as response:
+        assert response.status_code == 200, response.read()
+        assert response.headers["content-type"].startswith("text/event-stream")
+        for line in response.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                return events
+            events.append(json.loads(line[len("data: ") :]))
+    raise AssertionError("the stream ended without data: [DONE]")
+
+
+def merge_completion_chunks(chunks: list[dict]) -> dict[int, dict]:
+    """{choice index: choice with text, token_ids and logprobs concatenated over its chunks}."""
+    merged: dict[int, dict] = {}
+    for chunk in chunks:
+        for c in chunk["choices"]:
+            m = merged.setdefault(
+                c["index"],
+                {"text": "", "token_ids": [], "finish_reason": None, "logprobs": None},
+            )
+            m["text"] += c["text"]
+            m["token_ids"] += c["token_ids"]
+            m["finish_reason"] = c["finish_reason"] or m["finish_reason"]
+            if c["logprobs"] is not None:
+                lp = m["logprobs"] = m["logprobs"] or {
+                    "tokens": [],
+                    "token_logprobs": [],
+                    "top_logprob_ids": [],
+                }
+                for key in lp:
+                    lp[key] += c["logprobs"][key]
+    return merged

@@ -1,0 +1,139 @@
+"""SSE streaming of /v1/completions: the same bits as whole responses, alone or among many.
+
+Streamed token ids and logprobs are compared bit for bit (float.hex) with the non-streamed
+response and with `LLM.generate`, alone and among 34 concurrent clients; stop strings end a
+sample early and never reach the streamed text; a client that leaves aborts its request.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+
+from tests.serving import merge_completion_chunks, running_server, sse_events
+from tests.test_server import TARGETS, _background_requests, http_fingerprint, post
+
+COMPLETIONS = "/v1/completions"
+
+
+@pytest.fixture(scope="module")
+def server():
+    with running_server() as running:
+        yield running
+
+
+def streamed(server, body: dict) -> dict[int, dict]:
+    return merge_completion_chunks(sse_events(server.http, COMPLETIONS, body))
+
+
+def test_stream_chunks_are_openai_format_and_end_with_done(server):
+    chunks = sse_events(server.http, COMPLETIONS, {**TARGETS[0], "max_tokens": 5})
+    assert len(chunks) == 5  # one chunk per sampled token
+    for chunk in chunks:
+        assert chunk["object"] == "text_completion" and chunk["model"] == server.model
+        assert chunk["id"] == chunks[0]["id"] and "weight_version" in chunk
+        (choice,) = chunk["choices"]
+        assert len(choice["token_ids"]) == 1 and len(choice["logprobs"]["token_logprobs"]) == 1
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * 4 + ["length"]
+
+
+def test_streamed_equals_whole_response(server):
+    for target in TARGETS:
+        whole = post(server.http, target).json()["choices"][0]
+        (choice,) = streamed(server, target).values()
+        assert http_fingerprint(choice) == http_fingerprint(whole)
+        assert choice["text"] == whole["text"] and choice["finish_reason"] == "length"
+
+
+def test_streamed_batch_invariance_among_concurrent_clients(server):
+    alone = [http_fingerprint(streamed(server, t)[0]) for t in TARGETS]
+    background = _background_requests(34)
+    jobs = [(b, i % 2 == 0) for i, b in enumerate(background)]  # half of them stream too
+    jobs = [*jobs[:17], (TARGETS[0], True), *jobs[17:], (TARGETS[1], True)]
+
+    def run(job):
+        body, is_stream = job
+        if is_stream:
+            return streamed(server, body)
+        return dict(enumerate(post(server.http, body).json()["choices"]))
+
+    with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+        results = list(pool.map(run, jobs))
+    for (body, _), result in zip(jobs, results, strict=True):
+        assert sorted(result) == list(range(body.get("n", 1)))
+        assert all(len(c["token_ids"]) == body["max_tokens"] for c in result.values())
+    together = [http_fingerprint(results[i][0]) for i in (17, -1)]
+    assert together == alone
+
+
+def test_stream_n_and_several_prompts_with_usage(server):
+    body = {
+        "prompt": ["ab", "xyz"],
+        "n": 2,
+        "max_tokens": 4,
+        "seed": 9,
+        "temperature": 0.8,
+        "logprobs": 2,
+        "ignore_eos": True,
+    }
+    whole = post(server.http, body).json()
+    chunks = sse_events(
+        server.http, COMPLETIONS, {**body, "stream_options": {"include_usage": True}}
+    )
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]
+    merged = merge_completion_chunks(chunks[:-1])
+    assert sorted(merged) == [0, 1, 2, 3]
+    for choice in whole["choices"]:
+        assert http_fingerprint(merged[choice["index"]]) == http_fingerprint(choice)
+    assert merged[0]["token_ids"] != merged[1]["token_ids"]  # n samples get their own seeds
+
+
+def test_stop_string_ends_stream_early_and_is_never_sent(server):
+    base = {"prompt": "abc", "max_tokens": 40, "temperature": 0.0, "ignore_eos": True}
+    full = post(server.http, base).json()["choices"][0]
+    ids, text, decode = full["token_ids"], full["text"], server.engine.tokenizer.decode
+    # A two-character stop string that first appears after the start of the text.
+    at = next(i for i in range(1, len(text) - 1) if text.find(text[i : i + 2]) == i)
+    stop = text[at : at + 2]
+    k = next(k for k in range(len(ids)) if stop in decode(ids[: k + 1]))  # completing token
+    body = {**base, "stop": [stop, "never-there"], "logprobs": 1}
+    whole = post(server.http, body).json()
+    (choice,) = streamed(server, body).values()
+    assert choice["finish_reason"] == "stop" == whole["choices"][0]["finish_reason"]
+    assert choice["token_ids"] == ids[: k + 1] == whole["choices"][0]["token_ids"]
+    assert choice["text"] == text[:at] == whole["choices"][0]["text"]
+    assert whole["usage"]["completion_tokens"] == k + 1  # the engine stopped early
+
+
+def test_client_leaving_a_stream_aborts_its_request(server):
+    body = {"prompt": [1, 2, 3], "max_tokens": 900, "temperature": 0, "ignore_eos": True}
+    with server.http.stream("POST", COMPLETIONS, json={**body, "stream": True}) as response:
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+    deadline = time.monotonic() + 20
+    while server.loop.num_running:  # aborted long before 900 tokens
+        assert time.monotonic() < deadline, "the request kept running after its client left"
+        time.sleep(0.01)
+
+
+def test_openai_client_streams(server):
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+    target = TARGETS[1]
+    stream = client.completions.create(
+        model=server.model,
+        prompt=target["prompt"],
+        max_tokens=target["max_tokens"],
+        temperature=target["temperature"],
+        top_p=target["top_p"],
+        seed=target["seed"],
+        logprobs=5,
+        stream=True,
+        extra_body={"top_k": target["top_k"], "ignore_eos": True},
+    )
+    chunks = [chunk.model_dump() for chunk in stream]
+    (choice,) = merge_completion_chunks(chunks).values()
+    whole = post(server.http, target).json()["choices"][0]
+    assert http_fingerprint(choice) == http_fingerprint(whole)
