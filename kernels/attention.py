@@ -49,7 +49,7 @@ def _attend_tile(q, kv_cache, seq_ids, block_tables, positions, scale, v_dim):
     """Online softmax over one query tile q [R, H, C] fp32 -> [R, H, v_dim] fp32."""
     num_rows, num_heads, _ = q.shape
     block_size = kv_cache.shape[1]
-    offsets = torch.arange(block_size)
+    offsets = torch.arange(block_size, device=q.device)
     row_max = q.new_full((num_rows, num_heads), float("-inf"))
     row_sum = q.new_zeros((num_rows, num_heads))
     acc = q.new_zeros((num_rows, num_heads, v_dim))
@@ -94,7 +94,7 @@ def mla_attention_fast(
     for seq_id in query_seq_ids.unique().tolist():  # host sync: loop over the batch's sequences
         rows = (query_seq_ids == seq_id).nonzero().squeeze(1)
         seq_positions = positions[rows]
-        kv_positions = torch.arange(int(seq_positions.max()) + 1)
+        kv_positions = torch.arange(int(seq_positions.max()) + 1, device=q.device)
         block_ids = block_tables[seq_id, kv_positions // block_size]
         kv = kv_cache[block_ids, kv_positions % block_size].float()  # [S, C]
         q_heads = q[rows].float().transpose(0, 1)  # [H, n, C]

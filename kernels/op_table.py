@@ -1,8 +1,8 @@
 """The op table: one set of kernel callables chosen once per worker by device and mode.
 
 Invariant mode on CPU binds the torch references to `config.tile_rows`; fast mode is plain
-torch on any device. Invariant mode on CUDA binds the Triton kernels; an op that has none yet
-is bound to a stub that raises a ValueError naming the op and the device when called.
+torch on any device. Invariant mode on CUDA binds the Triton kernels; any other device is
+refused with a ValueError naming it.
 Building a table has no side effects; `pin_threads` is the one call that touches process
 state (torch's intra-op thread count) and each worker makes it once, at start-up.
 """
@@ -73,21 +73,12 @@ def build_op_table(config: KernelConfig, device: torch.device | str) -> OpTable:
     )
 
 
-def _missing_triton_op(op: str, device: torch.device) -> Callable:
-    def refuse(*args, **kwargs):
-        raise ValueError(
-            f"kernels.mode='invariant' on device {device}: op {op!r} has no Triton kernel yet "
-            "and its torch version is not batch-invariant on GPU; use kernels.mode='fast'"
-        )
-
-    refuse.__name__ = f"{op}_missing_triton"
-    return refuse
-
-
 def _triton_op_table(config: KernelConfig, device: torch.device) -> OpTable:
     # Imported here so CPU-only workers never load Triton's compiler front end.
+    from kernels.triton_attention import mla_attention_triton
     from kernels.triton_linear import grouped_linear_triton, linear_triton
     from kernels.triton_rmsnorm import rms_norm_triton
+    from kernels.triton_router import router_topk_triton
     from kernels.triton_softmax import log_softmax_triton, softmax_triton
 
     return OpTable(
@@ -96,10 +87,10 @@ def _triton_op_table(config: KernelConfig, device: torch.device) -> OpTable:
         rms_norm=rms_norm_triton,
         softmax=softmax_triton,
         log_softmax=log_softmax_triton,
-        mla_attention=_missing_triton_op("mla_attention", device),
-        # torch.softmax over experts, torch.sort and the weight-normalising sum choose
-        # their CUDA launch plans from the tensor shape: not provably invariant, so refused.
-        router_topk=_missing_triton_op("router_topk", device),
+        mla_attention=mla_attention_triton,
+        # Why a kernel and not torch: torch.softmax over experts and the weight-normalising
+        # sum choose their CUDA launch plans from the tensor shape.
+        router_topk=router_topk_triton,
         # Why the torch version is kept: silu_ref is elementwise exp and IEEE division; CUDA
         # elementwise kernels vectorise only loads and stores and run one scalar formula on
         # every element, so an element's bits never depend on its offset or the batch.

@@ -20,9 +20,10 @@ from tests.invariance import TINY_CONFIG
 
 
 @contextlib.contextmanager
-def running_server(overrides: dict | None = None, headers: dict | None = None):
-    """An in-process server (uvicorn in a thread) on a free loopback port, and an HTTP client."""
-    config = load_config(TINY_CONFIG, overrides)
+def running_server(overrides: dict | None = None, headers: dict | None = None, config=TINY_CONFIG):
+    """An in-process server (uvicorn in a thread) on a free loopback port, and an HTTP client
+    (sending `headers` with every request)."""
+    config = load_config(config, overrides)
     engine = LLMEngine(config)
     loop = EngineLoop(engine)
     app = create_app(loop, config, engine.tokenizer)

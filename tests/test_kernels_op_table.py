@@ -45,16 +45,33 @@ def test_invariant_cpu_binds_refs_to_tile_rows(generator):
     assert torch.equal(table.softmax(x), softmax.softmax_ref(x, tile_rows=8))
 
 
-def test_invariant_cuda_binds_triton_ops_and_refuses_missing_ones():
+def test_invariant_cuda_binds_a_triton_kernel_for_every_op():
     table = build_op_table(KernelConfig(), "cuda:1")
     assert table.mode == "invariant"
-    for name in ("linear", "grouped_linear", "rms_norm", "softmax", "log_softmax"):
+    for name in OPS:
         assert getattr(table, name).__name__ == f"{name}_triton", name
     assert table.silu is activation.silu_ref  # elementwise: invariant on GPU as it stands
-    x = torch.zeros(1, 4)
-    for name in ("mla_attention", "router_topk"):
-        with pytest.raises(ValueError, match=rf"cuda:1.*{name}.*Triton"):
-            getattr(table, name)(x)
+
+
+def test_compiled_triton_ops_refuse_cpu_tensors_naming_the_device(generator):
+    table = build_op_table(KernelConfig(), "cuda")
+    logits = torch.randn(3, 8, generator=generator)
+    with pytest.raises(ValueError, match="cpu"):
+        table.router_topk(
+            logits,
+            None,
+            top_k=2,
+            num_groups=1,
+            topk_group=1,
+            scoring_func="softmax",
+            topk_method="greedy",
+            norm_topk_prob=False,
+            routed_scaling_factor=1.0,
+        )
+    q, kv = torch.randn(2, 4, 24, generator=generator), torch.randn(3, 16, 24, generator=generator)
+    ids = torch.zeros(2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="cpu"):
+        table.mla_attention(q, kv, ids, ids[None], ids, scale=1.0, v_dim=16)
 
 
 def test_invariant_refuses_other_devices_naming_the_device():

@@ -1,0 +1,157 @@
+"""API key, Prometheus metrics and the admin routes (rebalance, weight updates) over HTTP.
+
+The server loads a tiny DeepSeek-V3 checkpoint written with transformers, so a weight update
+to a copy of itself must leave every bit unchanged and one to other weights must not.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.serving import running_server, sse_events
+
+transformers = pytest.importorskip("transformers")
+from tests.test_weight_updates import TINY  # noqa: E402
+
+KEY = "s3cret"
+AUTH = {"authorization": f"Bearer {KEY}"}
+BODY = {
+    "prompt": [3, 1, 4, 1, 5, 9, 2, 6],
+    "max_tokens": 8,
+    "temperature": 0.8,
+    "seed": 4,
+    "logprobs": 2,
+    "ignore_eos": True,
+}
+
+
+def _checkpoint(path, seed: int) -> str:
+    torch.manual_seed(seed)
+    transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**TINY)).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    return (
+        _checkpoint(tmp_path_factory.mktemp("a"), seed=1),
+        _checkpoint(tmp_path_factory.mktemp("b"), seed=2),
+    )
+
+
+@pytest.fixture(scope="module")
+def server(checkpoints):
+    config = {
+        "model": {"path": checkpoints[0]},
+        "scheduler": {"max_model_len": 256},
+        "server": {"api_key": KEY},
+    }
+    with running_server(headers=AUTH, config=config) as running:
+        yield running
+
+
+def bits(response: httpx.Response) -> tuple:
+    choice = response.json()["choices"][0]
+    return tuple(choice["token_ids"]), tuple(map(float.hex, choice["logprobs"]["token_logprobs"]))
+
+
+def metrics(server) -> dict[str, float]:
+    """{sample name with labels: value} from /metrics, fetched without the API key."""
+    text = httpx.get(f"{server.url}/metrics").text
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "le")
+            if "le" not in s.labels:
+                samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return samples
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("POST", "/v1/completions"),
+        ("POST", "/v1/chat/completions"),
+        ("GET", "/v1/models"),
+        ("POST", "/admin/rebalance"),
+        ("POST", "/admin/update_weights"),
+    ],
+)
+def test_api_key_guards_every_route_but_health_and_metrics(server, method, path):
+    for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": KEY}):
+        response = httpx.request(method, f"{server.url}{path}", headers=headers, json={})
+        assert response.status_code == 401, (headers, response.text)
+        assert response.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert httpx.get(f"{server.url}/metrics").status_code == 200
+
+
+def test_metrics_count_tokens_latencies_and_engine_state(server):
+    before = metrics(server)
+    assert server.http.post("/v1/completions", json=BODY).status_code == 200
+    sse_events(server.http, "/v1/completions", {**BODY, "n": 2})
+    assert server.http.post("/v1/completions", json={**BODY, "top_p": 7}).status_code == 400
+    after = metrics(server)
+
+    def grew(name: str) -> float:
+        return after[name] - before.get(name, 0.0)
+
+    assert grew("moe_prompt_tokens_total") == 2 * len(BODY["prompt"])
+    assert grew("moe_generation_tokens_total") == 3 * BODY["max_tokens"]
+    assert grew("moe_time_to_first_token_seconds_count") == 3
+    assert grew("moe_inter_token_latency_seconds_count") == 3 * (BODY["max_tokens"] - 1)
+    assert grew("moe_http_requests_total{route=/v1/completions,status=200}") == 2
+    assert grew("moe_http_requests_total{route=/v1/completions,status=400}") == 1
+    for name in ("moe_num_requests_running", "moe_num_requests_waiting", "moe_weight_version"):
+        assert name in after
+    assert 0.0 <= after["moe_kv_cache_usage_ratio{dp_rank=0}"] <= 1.0
+    assert "moe_rebalances_total" in after
+
+
+def test_admin_rebalance_reports_and_counts(server):
+    count = metrics(server)["moe_rebalances_total"]
+    assert server.http.post("/v1/completions", json=BODY).status_code == 200  # some load
+    report = server.http.post("/admin/rebalance")
+    assert report.status_code == 200, report.text
+    keys = {"balancedness_before", "balancedness_after", "experts_moved", "bytes_moved"}
+    assert keys | {"seconds", "skipped"} <= set(report.json())
+    after = metrics(server)
+    assert after["moe_rebalances_total"] == count + (0 if report.json()["skipped"] else 1)
+    assert "moe_last_balancedness" in after or report.json()["skipped"]
+
+
+def test_admin_update_weights_to_self_then_other(server, checkpoints):
+    first, second = checkpoints
+    original = server.http.post("/v1/completions", json=BODY)
+    version = original.json()["weight_version"]
+    updated = server.http.post("/admin/update_weights", json={"path": first})
+    assert updated.status_code == 200 and updated.json() == {"weight_version": version + 1}
+    same = server.http.post("/v1/completions", json=BODY)
+    assert same.json()["weight_version"] == version + 1
+    assert bits(same) == bits(original), "a copy of the weights changed the output"
+    assert server.http.post("/admin/update_weights", json={"path": second}).status_code == 200
+    changed = server.http.post("/v1/completions", json=BODY)
+    assert changed.json()["weight_version"] == version + 2
+    assert bits(changed) != bits(original), "other weights left the output unchanged"
+    assert metrics(server)["moe_weight_version"] == version + 2
+    server.http.post("/admin/update_weights", json={"path": first})
+    assert bits(server.http.post("/v1/completions", json=BODY)) == bits(original)
+
+
+@pytest.mark.parametrize(
+    ("body", "problem"),
+    [
+        ({"path": "/nonexistent/weights"}, "path"),
+        ({"path": 3}, "path"),
+        ({"path": "x", "force": True}, "force"),
+        ({}, "path"),
+    ],
+)
+def test_admin_update_weights_bad_input(server, body, problem):
+    response = server.http.post("/admin/update_weights", json=body)
+    assert response.status_code == 400, response.text
+    assert problem in response.json()["error"]["message"]
+    assert server.http.get("/health").status_code == 200

@@ -1,0 +1,130 @@
+"""/v1/chat/completions: template, OpenAI chat format with logprobs, streaming, bad input.
+
+The prompt is the tokenizer's chat template applied to the messages; the answer must be the
+bits `LLM.generate` gives for those prompt ids, whole or streamed.
+"""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from moe_runtime import LLM, SamplingParams
+from moe_runtime.chat_template import DEFAULT_CHAT_TEMPLATE, render_chat
+from tests.invariance import TINY_CONFIG, fingerprint
+from tests.serving import running_server, sse_events
+
+CHAT = "/v1/chat/completions"
+MESSAGES = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Hello there"},
+]
+BODY = {
+    "messages": MESSAGES,
+    "max_tokens": 10,
+    "temperature": 0.7,
+    "seed": 5,
+    "top_k": 40,
+    "logprobs": True,
+    "top_logprobs": 3,
+    "ignore_eos": True,
+}
+
+
+@pytest.fixture(scope="module")
+def server():
+    with running_server() as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def reference():
+    llm = LLM(TINY_CONFIG)
+    prompt_ids = llm.tokenizer.apply_chat_template(MESSAGES)
+    params = SamplingParams(
+        max_tokens=10, temperature=0.7, seed=5, top_k=40, logprobs=3, ignore_eos=True
+    )
+    out = llm.generate([prompt_ids], params)[0]
+    llm.shutdown()
+    return prompt_ids, fingerprint(out)
+
+
+def chat_fingerprint(token_ids: list[int], content: list[dict]) -> tuple:
+    return (
+        tuple(token_ids),
+        tuple(float.hex(e["logprob"]) for e in content),
+        tuple(
+            tuple((t["token_id"], float.hex(t["logprob"])) for t in e["top_logprobs"])
+            for e in content
+        ),
+    )
+
+
+def test_default_template_is_documented_format():
+    text = render_chat(DEFAULT_CHAT_TEMPLATE, MESSAGES)
+    assert text == "<|system|>\nBe brief.\n<|user|>\nHello there\n<|assistant|>\n"
+
+
+def test_chat_response_equals_generate(server, reference):
+    prompt_ids, expected = reference
+    response = server.http.post(CHAT, json=BODY).json()
+    assert response["object"] == "chat.completion" and response["weight_version"] == 0
+    (choice,) = response["choices"]
+    assert choice["message"]["role"] == "assistant" and choice["finish_reason"] == "length"
+    content = choice["logprobs"]["content"]
+    assert chat_fingerprint(choice["token_ids"], content) == expected
+    assert choice["message"]["content"] == server.engine.tokenizer.decode(choice["token_ids"])
+    assert all(len(e["top_logprobs"]) == 3 for e in content)
+    assert response["usage"]["prompt_tokens"] == len(prompt_ids)
+
+
+def test_chat_stream_equals_whole(server, reference):
+    chunks = sse_events(server.http, CHAT, {**BODY, "stream_options": {"include_usage": True}})
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    usage = chunks.pop()["usage"]
+    ids = [t for c in chunks for t in c["choices"][0]["token_ids"]]
+    content = [e for c in chunks for e in c["choices"][0]["logprobs"]["content"]]
+    assert chat_fingerprint(ids, content) == reference[1]
+    text = "".join(c["choices"][0]["delta"]["content"] for c in chunks)
+    assert text == server.engine.tokenizer.decode(ids)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert usage["completion_tokens"] == 10
+
+
+def test_openai_client_chat_with_n(server):
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+    out = client.chat.completions.create(
+        model=server.model,
+        messages=MESSAGES,
+        max_tokens=6,
+        n=2,
+        seed=3,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
+    assert [c.index for c in out.choices] == [0, 1]
+    assert all(len(c.logprobs.content) == 6 for c in out.choices)
+    assert out.choices[0].message.content is not None
+    stream = client.chat.completions.create(
+        model=server.model, messages=MESSAGES, max_tokens=6, seed=3, stream=True
+    )
+    assert sum(len(chunk.choices) for chunk in stream) == 6
+
+
+@pytest.mark.parametrize(
+    ("body", "problem"),
+    [
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+        ({"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"),
+        ({"messages": MESSAGES, "top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+        ({"messages": MESSAGES, "functions": []}, "functions"),
+        ({"messages": [{"role": "user", "content": "x" * 2000}]}, "max_model_len"),
+    ],
+)
+def test_bad_chat_requests_are_400s(server, body, problem):
+    response = server.http.post(CHAT, json=body)
+    assert response.status_code == 400, response.text
+    assert problem in response.json()["error"]["message"]

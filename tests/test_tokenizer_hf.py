@@ -1,0 +1,92 @@
+"""HFTokenizer and load_tokenizer: a tokenizer.json built here with the tokenizers library.
+
+A WordLevel tokenizer over a few words stands in for a model's tokenizer; the engine must pick
+it up from `model.path` and use it for text prompts, decoding and chat templates.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from moe_runtime import LLM, SamplingParams
+from moe_runtime.config import load_config
+from moe_runtime.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from tests.invariance import TINY_CONFIG
+
+WORDS = ["<bos>", "<eos>", "[UNK]", "hello", "world", "the", "fox", "<|user|>", "<|assistant|>"]
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} "
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def write_tokenizer(directory, chat_template: str | None = None) -> None:
+    vocab = {w: i for i, w in enumerate(WORDS)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.add_special_tokens(["<bos>", "<eos>", "<|user|>", "<|assistant|>"])
+    tokenizer.save(str(directory / "tokenizer.json"))
+    settings = {"bos_token": "<bos>", "eos_token": {"content": "<eos>"}}
+    if chat_template is not None:
+        settings["chat_template"] = chat_template
+    (directory / "tokenizer_config.json").write_text(json.dumps(settings))
+
+
+@pytest.fixture
+def model_config(tmp_path):
+    write_tokenizer(tmp_path, TEMPLATE)
+    raw = load_config(TINY_CONFIG).model
+    # ModelConfig.path would read config.json; set it on a copy for load_tokenizer only.
+    return raw.__class__(**{**raw.__dict__, "path": str(tmp_path), "bos_token_id": 0})
+
+
+def test_hf_tokenizer_encodes_decodes_and_templates(tmp_path):
+    write_tokenizer(tmp_path, TEMPLATE)
+    tok = HFTokenizer(tmp_path, bos_token_id=0, eos_token_id=1)
+    assert tok.encode("hello the fox") == [0, 3, 5, 6]
+    assert tok.encode("hello zebra") == [0, 3, 2]
+    assert tok.decode([0, 3, 4, 1]) == "hello world"  # special tokens skipped
+    assert tok.bos_token == "<bos>" and tok.eos_token == "<eos>"
+    ids = tok.apply_chat_template([{"role": "user", "content": "hello world"}])
+    assert ids == [0, 7, 3, 4, 8]  # the template writes bos itself: no second one
+
+
+def test_hf_tokenizer_without_template_uses_default(tmp_path):
+    write_tokenizer(tmp_path)
+    tok = HFTokenizer(tmp_path, bos_token_id=0, eos_token_id=1)
+    assert not tok.has_chat_template
+    assert tok.apply_chat_template([{"role": "user", "content": "fox"}]) == [0, 7, 6, 8]
+
+
+def test_load_tokenizer_picks_by_model_dir(model_config):
+    assert isinstance(load_tokenizer(model_config), HFTokenizer)
+    no_path = model_config.__class__(**{**model_config.__dict__, "path": None})
+    assert isinstance(load_tokenizer(no_path), ByteTokenizer)
+    small = {"vocab_size": 4, "bos_token_id": 0, "eos_token_id": 1}
+    tiny_vocab = model_config.__class__(**{**model_config.__dict__, **small})
+    with pytest.raises(ValueError, match="model.vocab_size=4"):
+        load_tokenizer(tiny_vocab)
+
+
+def test_engine_uses_the_model_dirs_tokenizer(tmp_path):
+    """A written checkpoint plus tokenizer.json: text prompts go through the HF tokenizer."""
+    transformers = pytest.importorskip("transformers")
+    from tests.test_weight_updates import TINY
+
+    transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**TINY)).save_pretrained(
+        tmp_path
+    )
+    write_tokenizer(tmp_path, TEMPLATE)
+    llm = LLM({"model": {"path": str(tmp_path)}, "scheduler": {"max_model_len": 64}})
+    assert isinstance(llm.tokenizer, HFTokenizer)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    by_text = llm.generate(["hello the fox"], params)[0]
+    bos = llm.tokenizer.bos_token_id
+    by_ids = llm.generate([[*([bos] if bos is not None else []), 3, 5, 6]], params)[0]
+    assert by_text.prompt_token_ids == by_ids.prompt_token_ids
+    assert by_text.token_ids == by_ids.token_ids
+    assert by_text.text == llm.tokenizer.decode(by_text.token_ids)
+    llm.shutdown()
