@@ -14,6 +14,8 @@ import torch
 
 from kernels.tiling import pad_rows
 
+FAST_PADDED_BYTES = 1 << 30  # fast path: largest gathered KV [T, S, C] of the padded kernel
+
 
 def mla_attention_ref(
     q: torch.Tensor,
@@ -88,7 +90,35 @@ def mla_attention_fast(
     scale: float,
     v_dim: int,
 ) -> torch.Tensor:
-    """Same contract as mla_attention_ref; per-sequence matmuls whose M is the query count."""
+    """Same contract as mla_attention_ref; plain torch in the input dtype, shapes set by the batch.
+
+    Up to FAST_PADDED_BYTES of gathered KV (decode-sized steps), one padded batched matmul over
+    every query; beyond that, per-sequence matmuls whose M is the sequence's query count.
+    """
+    if q.shape[0] == 0:
+        return q.new_empty((0, q.shape[1], v_dim))
+    num_kv = int(positions.max()) + 1  # host sync: the padded length is the batch's longest
+    if q.shape[0] * num_kv * kv_cache.shape[2] * kv_cache.element_size() <= FAST_PADDED_BYTES:
+        return _attend_padded(
+            q, kv_cache, query_seq_ids, block_tables, positions, num_kv, scale, v_dim
+        )
+    return _attend_per_sequence(q, kv_cache, query_seq_ids, block_tables, positions, scale, v_dim)
+
+
+def _attend_padded(q, kv_cache, query_seq_ids, block_tables, positions, num_kv, scale, v_dim):
+    block_size = kv_cache.shape[1]
+    num_blocks = -(-num_kv // block_size)
+    blocks = block_tables[query_seq_ids, :num_blocks].clamp(min=0)  # [T, nb]; -1 masked below
+    kv = kv_cache[blocks].flatten(1, 2)[:, :num_kv]  # [T, S, C]
+    valid = torch.arange(num_kv, device=q.device)[None, :] <= positions[:, None]  # [T, S]
+    kv = torch.where(valid[:, :, None], kv, 0)  # unwritten slots may hold anything
+    scores = torch.bmm(q, kv.transpose(1, 2)).float() * scale  # [T, H, S]
+    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    probs = torch.softmax(scores, -1).to(kv.dtype)
+    return torch.bmm(probs, kv[:, :, :v_dim]).to(q.dtype)
+
+
+def _attend_per_sequence(q, kv_cache, query_seq_ids, block_tables, positions, scale, v_dim):
     out = q.new_empty((q.shape[0], q.shape[1], v_dim))
     block_size = kv_cache.shape[1]
     for seq_id in query_seq_ids.unique().tolist():  # host sync: loop over the batch's sequences

@@ -23,7 +23,9 @@ BLOCK_H = 16  # heads per program (tl.dot needs 16 rows); extra heads are masked
 PARTIAL_BYTES = 256 << 20  # cap on the fp32 split buffers of one launch (queries grouped)
 
 
-@triton.jit
+# Why: batch-dependent ints are not specialised (==1, %16), so one compiled kernel serves
+# every batch; specialisation would change only address arithmetic, never a float.
+@triton.jit(do_not_specialize=["num_splits", "table_width"])
 def _mla_split_kernel(
     q_ptr,
     kv_ptr,
@@ -112,7 +114,7 @@ def _mla_split_kernel(
         tl.store(stats_ptr + slot * 2 + 1, row_sum, mask=head_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _mla_merge_kernel(
     acc_ptr,
     stats_ptr,

@@ -23,13 +23,39 @@ from moe_runtime.model_config import ModelConfig
 
 @dataclass(frozen=True)
 class CacheConfig:
+    """`num_blocks: 0` sizes the KV cache at start-up from the GPU memory still free after the
+    weights, times `gpu_memory_utilization`; the count is returned by the workers, never
+    written back here."""
+
     block_size: int = 16
     num_blocks: int = 1024
     enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
 
     def __post_init__(self) -> None:
         _positive_int("cache", "block_size", self.block_size)
-        _positive_int("cache", "num_blocks", self.num_blocks)
+        if (
+            not isinstance(self.num_blocks, int)
+            or isinstance(self.num_blocks, bool)
+            or (self.num_blocks < 0)
+        ):
+            raise ValueError(
+                f"cache.num_blocks must be an int >= 0 (0: size from free GPU memory), "
+                f"got {self.num_blocks!r}"
+            )
+        utilization = self.gpu_memory_utilization
+        if (
+            isinstance(utilization, bool)
+            or not isinstance(utilization, (int, float))
+            or not (0 < utilization <= 1)
+        ):
+            raise ValueError(
+                f"cache.gpu_memory_utilization must be a number in (0, 1], got {utilization!r}"
+            )
+
+    @property
+    def is_sized_from_memory(self) -> bool:
+        return self.num_blocks == 0
 
 
 @dataclass(frozen=True)

@@ -29,16 +29,19 @@ class LLMEngine:
     def __init__(self, config: RuntimeConfig) -> None:
         self.config = config
         parallel, cache = config.parallel, config.cache
+        self.tokenizer = load_tokenizer(config.model)
+        self.executor = create_executor(config)
+        # Found at start-up when cache.num_blocks is 0 (sized from free GPU memory): every DP
+        # rank's scheduler assumes the smallest cache any worker holds.
+        self.num_kv_blocks = min(self.executor.call_all("num_kv_blocks"))
         self.block_managers = [
-            BlockManager(cache.num_blocks, cache.block_size, cache.enable_prefix_caching)
+            BlockManager(self.num_kv_blocks, cache.block_size, cache.enable_prefix_caching)
             for _ in range(parallel.dp_size)
         ]
         self.schedulers = [
             Scheduler(config.scheduler, blocks, config.model.eos_token_id)
             for blocks in self.block_managers
         ]
-        self.tokenizer = load_tokenizer(config.model)
-        self.executor = create_executor(config)
         self.balancer = ExpertBalancer(config, self.executor)
         self.error: str | None = None
         self.num_steps = 0
@@ -171,10 +174,10 @@ class LLMEngine:
                 f"prompt has {len(token_ids)} tokens, more than scheduler.max_model_len={max_len}"
             )
         needed = -(-max_len // self.block_size)
-        if needed > self.config.cache.num_blocks:
+        if needed > self.num_kv_blocks:
             raise ValueError(
                 f"a sequence of max_model_len={max_len} needs {needed} KV blocks, "
-                f"the cache has cache.num_blocks={self.config.cache.num_blocks}"
+                f"the cache has {self.num_kv_blocks} (cache.num_blocks)"
             )
 
     def step(self) -> list[Sequence]:

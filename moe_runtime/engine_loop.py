@@ -335,16 +335,16 @@ class EngineLoop:
         Checked after every token, so a sample ends at the first token completing a match.
         """
         stopped = []
-        for request in {r for r in self._by_seq_id.values() if r.stop}:
-            for seq in (s for group in request.groups for s in group):
-                num_reported = self._where.get(seq.seq_id, [0, 0, -1])[2]
-                if seq.is_finished or seq.num_output_tokens == num_reported:
-                    continue
-                text = self._engine.tokenizer.decode(seq.output_token_ids)
-                if any(s in text for s in request.stop):
-                    self._engine.abort(seq.request_id)  # one sample per engine request
-                    seq.finish_reason = "stop"
-                    stopped.append(seq)
+        for seq_id, request in self._by_seq_id.items():
+            prompt_idx, sample_idx, num_reported = self._where[seq_id]
+            seq = request.groups[prompt_idx][sample_idx]
+            if not request.stop or seq.is_finished or seq.num_output_tokens == num_reported:
+                continue
+            text = self._engine.tokenizer.decode(seq.output_token_ids)
+            if any(s in text for s in request.stop):
+                self._engine.abort(seq.request_id)  # one sample per engine request
+                seq.finish_reason = "stop"
+                stopped.append(seq)
         return stopped
 
     def _report_tokens(self) -> None:
@@ -356,7 +356,7 @@ class EngineLoop:
             if request.on_token is None or id(request) in failed:
                 continue
             where = self._where[seq_id]
-            seq = next(s for s in request.groups[where[0]] if s.seq_id == seq_id)
+            seq = request.groups[where[0]][where[1]]
             start = where[2]
             if seq.num_output_tokens == start and not seq.is_finished:
                 continue

@@ -22,6 +22,7 @@ from eplb.placement import ExpertPlacement
 from eplb.rearrange import rearrange_experts
 from kernels import build_op_table, pin_threads
 from moe_runtime.config import RuntimeConfig
+from moe_runtime.model.deepseek import TORCH_DTYPES
 from moe_runtime.model.loader import assign_weights, build_model, read_checkpoint
 from moe_runtime.model.tensor_parallel import TensorParallel
 from moe_runtime.model_runner import ModelRunner, StepOutput
@@ -41,6 +42,29 @@ def initial_placement(config: RuntimeConfig) -> ExpertPlacement:
         config.eplb.num_redundant_experts,
         config.parallel.world_size,
     )
+
+
+def kv_cache_blocks(config: RuntimeConfig, device: torch.device) -> int:
+    """cache.num_blocks, or when it is 0 the blocks that fit in gpu_memory_utilization of the
+    device memory free now (after the weights), over all layers' latent caches."""
+    cache, model = config.cache, config.model
+    if not cache.is_sized_from_memory:
+        return cache.num_blocks
+    if device.type != "cuda":
+        raise ValueError(
+            f"cache.num_blocks: 0 sizes the cache from free GPU memory; device {device} has "
+            "none to measure, set cache.num_blocks >= 1"
+        )
+    free_bytes, _ = torch.cuda.mem_get_info(device)
+    elem_bytes = torch.finfo(TORCH_DTYPES[model.dtype]).bits // 8
+    block_bytes = model.num_hidden_layers * cache.block_size * model.latent_dim * elem_bytes
+    num_blocks = int(free_bytes * cache.gpu_memory_utilization) // block_bytes
+    if num_blocks < 1:
+        raise ValueError(
+            f"no KV block fits: {free_bytes / 2**30:.2f} GiB free on {device} after the weights, "
+            f"cache.gpu_memory_utilization={cache.gpu_memory_utilization}"
+        )
+    return num_blocks
 
 
 class Worker:
@@ -92,12 +116,16 @@ class Worker:
         self.runner = ModelRunner(
             model,
             ops,
-            cfg.cache.num_blocks,
+            kv_cache_blocks(cfg, device),
             cfg.cache.block_size,
             device,
             must_join=self.world_size > 1,
         )
         self._bind_placement()
+
+    def num_kv_blocks(self) -> int:
+        """KV blocks this rank's cache holds (found at start-up when cache.num_blocks is 0)."""
+        return self.runner.kv_caches[0].shape[0]
 
     def _local_experts(self) -> list[list[int]]:
         num_moe = self.config.model.num_hidden_layers - self.config.model.first_k_dense_replace

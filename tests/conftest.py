@@ -24,3 +24,15 @@ def restore_num_threads():
     num_threads = torch.get_num_threads()
     yield
     torch.set_num_threads(num_threads)
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    """A private local Ray cluster of 8 single-CPU slots for one test module.
+
+    `address="local"` starts a fresh cluster even if another one runs on the machine.
+    """
+    ray = pytest.importorskip("ray")
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()

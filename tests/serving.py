@@ -16,6 +16,7 @@ from launch.server_app import create_app
 from moe_runtime.config import load_config
 from moe_runtime.engine import LLMEngine
 from moe_runtime.engine_loop import EngineLoop
+from tests.checkpoints import write_tiny_checkpoint
 from tests.invariance import TINY_CONFIG
 
 
@@ -85,3 +86,9 @@ def merge_completion_chunks(chunks: list[dict]) -> dict[int, dict]:
                 for key in lp:
                     lp[key] += c["logprobs"][key]
     return merged
+
+
+def write_checkpoint(path, seed: int) -> str:
+    """A random tiny DeepSeek-V3 checkpoint written by transformers into `path`."""
+    write_tiny_checkpoint(path, "v3", seed=seed, q_lora_rank=None)
+    return str(path)

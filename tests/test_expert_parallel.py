@@ -30,11 +30,8 @@ NUM_PROMPTS, MAX_TOKENS = 64, 32
 
 
 @pytest.fixture(scope="module", autouse=True)
-def ray_cluster():
-    # A private local cluster, whatever else runs on the machine.
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
+def _ray(ray_local):
     yield
-    ray.shutdown()
 
 
 def _ep_llm(world_size: int, **overrides) -> LLM:

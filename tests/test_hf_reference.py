@@ -14,30 +14,8 @@ transformers = pytest.importorskip("transformers")
 
 from moe_runtime import LLM, SamplingParams  # noqa: E402
 from moe_runtime.forward_batch import ForwardBatch  # noqa: E402
+from tests.checkpoints import write_tiny_checkpoint  # noqa: E402
 
-TINY = dict(
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    moe_intermediate_size=32,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    n_shared_experts=1,
-    n_routed_experts=16,
-    kv_lora_rank=32,
-    qk_rope_head_dim=8,
-    v_head_dim=16,
-    qk_nope_head_dim=16,
-    n_group=4,
-    topk_group=2,
-    num_experts_per_tok=4,
-    first_k_dense_replace=1,
-    max_position_embeddings=512,
-    initializer_range=0.1,
-    bos_token_id=256,
-    eos_token_id=257,
-)
 YARN = {
     "rope_type": "yarn",
     "rope_theta": 10000.0,
@@ -59,24 +37,6 @@ CASES = {
         dict(q_lora_rank=24, topk_method="group_limited_greedy"),
     ),
 }
-
-
-def _write_checkpoint(path, family: str, extra: dict) -> torch.nn.Module:
-    if family == "v3":
-        config = transformers.DeepseekV3Config(**TINY, **extra)
-        model_cls = transformers.DeepseekV3ForCausalLM
-    else:
-        config = transformers.DeepseekV2Config(**TINY, **extra)
-        model_cls = transformers.DeepseekV2ForCausalLM
-    config._attn_implementation = "eager"
-    torch.manual_seed(1234)
-    model = model_cls(config).eval()
-    with torch.no_grad():
-        for name, buf in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buf.copy_(torch.rand(buf.shape) * 0.2 - 0.1)  # a non-zero bias exercises noaux_tc
-    model.save_pretrained(path)
-    return model
 
 
 def _our_logits(llm: LLM, token_ids: list[int]) -> torch.Tensor:
@@ -107,7 +67,7 @@ def _hf_greedy(model: torch.nn.Module, prompt: list[int], num_tokens: int) -> li
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_logits_and_greedy_match_transformers(tmp_path, case):
     family, extra = CASES[case]
-    hf_model = _write_checkpoint(tmp_path, family, extra)
+    hf_model = write_tiny_checkpoint(tmp_path, family, **extra)
     llm = LLM({"model": {"path": str(tmp_path)}, "scheduler": {"max_model_len": 256}})
     gen = torch.Generator().manual_seed(7)
     prompt = torch.randint(0, 256, (40,), generator=gen).tolist()

@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import httpx
 import pytest
-import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.serving import running_server, sse_events
+from tests.serving import running_server, sse_events, write_checkpoint
 
-transformers = pytest.importorskip("transformers")
-from tests.test_weight_updates import TINY  # noqa: E402
+pytest.importorskip("transformers")
 
 KEY = "s3cret"
 AUTH = {"authorization": f"Bearer {KEY}"}
@@ -28,17 +26,11 @@ BODY = {
 }
 
 
-def _checkpoint(path, seed: int) -> str:
-    torch.manual_seed(seed)
-    transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**TINY)).save_pretrained(path)
-    return str(path)
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     return (
-        _checkpoint(tmp_path_factory.mktemp("a"), seed=1),
-        _checkpoint(tmp_path_factory.mktemp("b"), seed=2),
+        write_checkpoint(tmp_path_factory.mktemp("a"), seed=1),
+        write_checkpoint(tmp_path_factory.mktemp("b"), seed=2),
     )
 
 

@@ -26,10 +26,8 @@ NUM = 12
 
 
 @pytest.fixture(scope="module", autouse=True)
-def ray_cluster():
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
+def _ray(ray_local):
     yield
-    ray.shutdown()
 
 
 def _tp_llm(world_size: int, **overrides) -> LLM:

@@ -15,6 +15,7 @@ from moe_runtime import LLM, SamplingParams
 from moe_runtime.config import load_config
 from moe_runtime.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from tests.invariance import TINY_CONFIG
+from tests.serving import write_checkpoint
 
 WORDS = ["<bos>", "<eos>", "[UNK]", "hello", "world", "the", "fox", "<|user|>", "<|assistant|>"]
 TEMPLATE = (
@@ -73,12 +74,8 @@ def test_load_tokenizer_picks_by_model_dir(model_config):
 
 def test_engine_uses_the_model_dirs_tokenizer(tmp_path):
     """A written checkpoint plus tokenizer.json: text prompts go through the HF tokenizer."""
-    transformers = pytest.importorskip("transformers")
-    from tests.test_weight_updates import TINY
-
-    transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**TINY)).save_pretrained(
-        tmp_path
-    )
+    pytest.importorskip("transformers")
+    write_checkpoint(tmp_path, seed=0)
     write_tokenizer(tmp_path, TEMPLATE)
     llm = LLM({"model": {"path": str(tmp_path)}, "scheduler": {"max_model_len": 64}})
     assert isinstance(llm.tokenizer, HFTokenizer)

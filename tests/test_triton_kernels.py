@@ -128,11 +128,104 @@ def check_softmax(generator: torch.Generator) -> None:
         torch.testing.assert_close(op(x), fp64_op(x.double(), dim=-1).float())
 
 
+def _paged_cache(generator, seq_lens, num_heads, v_dim, rope_dim, block_size):
+    """NaN-filled cache with the sequences written into shuffled blocks, one q per token."""
+    cache_dim = v_dim + rope_dim
+    num_blocks = sum(-(-n // block_size) for n in seq_lens) + 3
+    kv_cache = torch.full((num_blocks, block_size, cache_dim), float("nan"))
+    block_tables = torch.full((len(seq_lens), max(seq_lens) // block_size + 2), -1)
+    free_blocks = torch.randperm(num_blocks, generator=generator).tolist()
+    for seq_id, seq_len in enumerate(seq_lens):
+        for j in range(-(-seq_len // block_size)):
+            block_tables[seq_id, j] = free_blocks.pop()
+        for pos in range(seq_len):
+            block = block_tables[seq_id, pos // block_size]
+            kv_cache[block, pos % block_size] = torch.randn(cache_dim, generator=generator)
+    seq_ids = torch.cat([torch.full((n,), s) for s, n in enumerate(seq_lens)])
+    positions = torch.cat([torch.arange(n) for n in seq_lens])
+    q = torch.randn(len(seq_ids), num_heads, cache_dim, generator=generator)
+    return q, kv_cache, seq_ids, block_tables, positions
+
+
+def check_mla_attention(generator: torch.Generator) -> None:
+    from kernels.attention import mla_attention_ref
+    from kernels.triton_attention import SPLIT_BLOCKS, mla_attention_triton
+
+    # 70 positions at block size 16 = 5 blocks: two KV splits of SPLIT_BLOCKS (4) blocks.
+    assert SPLIT_BLOCKS == 4
+    q, kv_cache, seq_ids, tables, positions = _paged_cache(generator, (40, 5, 70), 4, 32, 8, 16)
+    args = dict(scale=40**-0.5, v_dim=32)
+    for dtype in DTYPES:
+        q_d, kv_d = q.to(dtype), kv_cache.to(dtype)
+        full = mla_attention_triton(q_d, kv_d, seq_ids, tables, positions, **args)
+        assert full.dtype == dtype and full.shape == (115, 4, 32)
+        expected = mla_attention_ref(
+            q_d.double(), kv_d.double(), seq_ids, tables, positions, **args, tile_rows=8
+        )
+        # fp32: exact products, online softmax; bf16: bf16 probabilities times bf16 values.
+        tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
+        torch.testing.assert_close(full.double(), expected, **tol)
+        # Decode (one query), a chunk of a prompt, and a permuted batch: the same bits.
+        for rows in ([114], [44, 45, 46], list(range(45, 115))):
+            rows = torch.tensor(rows)
+            got = mla_attention_triton(
+                q_d[rows], kv_d, seq_ids[rows], tables, positions[rows], **args
+            )
+            assert torch.equal(got, full[rows]), (dtype, rows[:3])
+        perm = torch.randperm(115, generator=generator)
+        got = mla_attention_triton(q_d[perm], kv_d, seq_ids[perm], tables, positions[perm], **args)
+        assert torch.equal(got, full[perm]), dtype
+        assert mla_attention_triton(
+            q_d[:0], kv_d, seq_ids[:0], tables, positions[:0], **args
+        ).shape == (0, 4, 32)
+
+
+def check_router_topk(generator: torch.Generator) -> None:
+    from kernels.router import router_topk_ref
+    from kernels.triton_router import router_topk_triton
+    from tests.test_kernels_router import METHODS, NUM_EXPERTS
+
+    for method, params in METHODS.items():
+        logits = torch.randn(37, NUM_EXPERTS, generator=generator) * 2
+        bias = torch.rand(NUM_EXPERTS, generator=generator) * 0.1
+        bias = bias if method == "noaux_tc" else None
+        ids, weights = router_topk_triton(logits, bias, **params)
+        ref_ids, ref_weights = router_topk_ref(logits, bias, **params, tile_rows=4)
+        assert torch.equal(ids, ref_ids), method
+        # fp32 exp, one division or a sum of <= E terms in another order: a few fp32 ulps.
+        torch.testing.assert_close(weights, ref_weights, atol=1e-6, rtol=1e-6)
+        for m in NORM_ROWS:
+            sub_ids, sub_weights = router_topk_triton(logits[:m], bias, **params)
+            assert torch.equal(sub_ids, ids[:m]) and torch.equal(sub_weights, weights[:m])
+        perm = torch.randperm(37, generator=generator)
+        perm_ids, perm_weights = router_topk_triton(logits[perm], bias, **params)
+        assert torch.equal(perm_ids, ids[perm]) and torch.equal(perm_weights, weights[perm])
+        # Ties: lower group and lower expert ids win, as in the reference.
+        tied = torch.full((2, NUM_EXPERTS), -3.0)
+        tied[:, 6:12] = tied[:, 18:24] = torch.tensor([0.5, 2.0, 1.0, 2.0, 2.0, -1.0])
+        zero_bias = None if bias is None else torch.zeros(NUM_EXPERTS)
+        tied_ids, _ = router_topk_triton(tied, zero_bias, **params)
+        assert torch.equal(tied_ids, router_topk_ref(tied, zero_bias, **params, tile_rows=4)[0])
+
+
 def check_bad_inputs(generator: torch.Generator) -> None:
+    from kernels.triton_attention import mla_attention_triton
     from kernels.triton_linear import grouped_linear_triton, linear_triton
     from kernels.triton_rmsnorm import rms_norm_triton
+    from kernels.triton_router import router_topk_triton
     from kernels.triton_softmax import log_softmax_triton
 
+    q, kv = torch.randn(2, 4, 24, generator=generator), torch.randn(3, 16, 24, generator=generator)
+    ids = torch.zeros(2, dtype=torch.int64)
+    route = dict(
+        top_k=2,
+        num_groups=1,
+        topk_group=1,
+        scoring_func="softmax",
+        topk_method="greedy",
+        norm_topk_prob=False,
+        routed_scaling_factor=1.0,
+    )
     x, w = torch.randn(4, 8, generator=generator), torch.randn(6, 8, generator=generator)
     cases = [
         (lambda: linear_triton(x.long(), w), "torch.int64"),
@@ -142,6 +235,17 @@ def check_bad_inputs(generator: torch.Generator) -> None:
         (lambda: grouped_linear_triton(x, w[None], [3]), "group_sizes"),
         (lambda: rms_norm_triton(x, torch.ones(9), EPS), r"\(9,\)"),
         (lambda: log_softmax_triton(x.half().long()), "torch.int64"),
+        (
+            lambda: mla_attention_triton(q, kv.half(), ids, ids[None], ids, scale=1.0, v_dim=16),
+            "dtype",
+        ),
+        (
+            lambda: mla_attention_triton(q[0], kv, ids, ids[None], ids, scale=1.0, v_dim=16),
+            r"\[T, H, C\]",
+        ),
+        (lambda: mla_attention_triton(q, kv, ids, ids[None], ids, scale=1.0, v_dim=25), "v_dim"),
+        (lambda: router_topk_triton(x.half(), None, **route), "fp32"),
+        (lambda: router_topk_triton(x, torch.zeros(7), **route), "bias"),
     ]
     for call, pattern in cases:
         try:
@@ -157,6 +261,8 @@ CHECKS = {
     "grouped_linear": check_grouped_linear,
     "rms_norm": check_rms_norm,
     "softmax": check_softmax,
+    "mla_attention": check_mla_attention,
+    "router_topk": check_router_topk,
     "bad_inputs": check_bad_inputs,
 }
 

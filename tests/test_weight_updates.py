@@ -9,44 +9,16 @@ import torch
 
 from moe_runtime import LLM, SamplingParams
 from tests.invariance import fingerprint
+from tests.serving import write_checkpoint
 
 transformers = pytest.importorskip("transformers")
-
-TINY = dict(
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    moe_intermediate_size=32,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    n_shared_experts=1,
-    n_routed_experts=16,
-    kv_lora_rank=32,
-    q_lora_rank=None,
-    qk_rope_head_dim=8,
-    v_head_dim=16,
-    qk_nope_head_dim=16,
-    n_group=4,
-    topk_group=2,
-    num_experts_per_tok=4,
-    first_k_dense_replace=1,
-    max_position_embeddings=512,
-    initializer_range=0.1,
-)
-
-
-def _checkpoint(path, seed: int) -> str:
-    torch.manual_seed(seed)
-    transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**TINY)).save_pretrained(path)
-    return str(path)
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     return (
-        _checkpoint(tmp_path_factory.mktemp("a"), seed=1),
-        _checkpoint(tmp_path_factory.mktemp("b"), seed=2),
+        write_checkpoint(tmp_path_factory.mktemp("a"), seed=1),
+        write_checkpoint(tmp_path_factory.mktemp("b"), seed=2),
     )
 
 

@@ -1,0 +1,206 @@
+"""End-to-end prefill and decode throughput of the DeepSeek-V2-Lite-shaped model, invariant vs
+fast kernels, in one run on one GPU; plus decode attention bandwidth vs a device copy.
+
+The model forward is timed directly (ForwardBatch in, logits out; no scheduler, no sampler), so
+the numbers are the model's: prefill = P prompts of L tokens in one step; decode = B sequences,
+one token each per step, S steps from context L. Random weights drawn on the GPU (the loader's
+CPU draw of 15.7B parameters would take minutes); the KV cache is random too, since attention
+reads it all the same. Both modes run on one set of weights: the op table is swapped in place.
+Times are CUDA-event medians after warm-up.
+
+    PYTHONUNBUFFERED=1 python bench/e2e_decode.py [--set model.num_hidden_layers=8] ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from functools import partial
+from pathlib import Path
+
+import torch
+import triton.testing
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kernels import KernelConfig, build_op_table  # noqa: E402
+from kernels.attention import mla_attention_fast  # noqa: E402
+from kernels.triton_attention import mla_attention_triton  # noqa: E402
+from moe_runtime.config import load_config  # noqa: E402
+from moe_runtime.forward_batch import ForwardBatch  # noqa: E402
+from moe_runtime.model.deepseek import DeepseekForCausalLM  # noqa: E402
+
+CONFIG = Path(__file__).resolve().parent.parent / "launch" / "configs" / "v2_lite_gpu.yaml"
+
+
+def build_random_model(cfg, ops) -> DeepseekForCausalLM:
+    with torch.device("cuda"):
+        model = DeepseekForCausalLM(cfg.model, ops)
+    gen = torch.Generator(device="cuda").manual_seed(cfg.model.seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif name.endswith("e_score_correction_bias"):
+                param.zero_()
+            else:
+                param.normal_(0.0, cfg.model.init_std, generator=gen)
+    model.after_weights_loaded()
+    return model
+
+
+def set_ops(model: torch.nn.Module, ops) -> None:
+    """Rebind every module's op table (benchmark only: one set of weights for both modes)."""
+    for module in model.modules():
+        if hasattr(module, "ops"):
+            module.ops = ops
+
+
+def make_batch(num_seqs: int, positions_per_seq: list[range], blocks_per_seq: int, block_size):
+    token_ids, positions, seq_ids, slots, logit_rows = [], [], [], [], []
+    for s, span in enumerate(positions_per_seq):
+        for p in span:
+            token_ids.append((s * 7919 + p * 104729) % 100000)
+            positions.append(p)
+            seq_ids.append(s)
+            slots.append((s * blocks_per_seq + p // block_size) * block_size + p % block_size)
+        logit_rows.append(len(token_ids) - 1)
+    tables = torch.arange(num_seqs * blocks_per_seq).view(num_seqs, blocks_per_seq)
+    return ForwardBatch(
+        torch.tensor(token_ids),
+        torch.tensor(positions),
+        torch.tensor(seq_ids),
+        tables,
+        torch.tensor(slots),
+        torch.tensor(logit_rows),
+    ).to(torch.device("cuda"))
+
+
+def time_ms(fn, reps: int, warmup=None) -> float:
+    (warmup or fn)()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def bench_model(cfg, args) -> dict:
+    block_size = cfg.cache.block_size
+    ctx = args.prompt_len + args.decode_steps
+    blocks_per_seq = -(-ctx // block_size)
+    num_seqs = max(args.prefill_prompts, args.decode_batch)
+    num_blocks = num_seqs * blocks_per_seq
+    kv_caches = [
+        torch.randn(num_blocks, block_size, cfg.model.latent_dim, device="cuda").bfloat16()
+        for _ in range(cfg.model.num_hidden_layers)
+    ]
+    ops = {mode: build_op_table(KernelConfig(mode=mode), "cuda") for mode in ("invariant", "fast")}
+    model = build_random_model(cfg, ops["invariant"])
+    print(f"weights: {torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated with KV cache")
+    prefill = make_batch(
+        args.prefill_prompts,
+        [range(args.prompt_len)] * args.prefill_prompts,
+        blocks_per_seq,
+        block_size,
+    )
+    decode_batches = [
+        make_batch(
+            args.decode_batch,
+            [range(args.prompt_len + i, args.prompt_len + i + 1)] * args.decode_batch,
+            blocks_per_seq,
+            block_size,
+        )
+        for i in range(args.decode_steps)
+    ]
+    results = {}
+    for mode in args.modes:
+        set_ops(model, ops[mode])
+        prefill_ms = time_ms(lambda: model(prefill, kv_caches), reps=3)
+
+        def decode(batches):
+            for batch in batches:
+                model(batch, kv_caches)
+
+        # One timed pass over all steps, after a few warm-up steps.
+        decode_ms = time_ms(
+            lambda: decode(decode_batches), reps=1, warmup=lambda: decode(decode_batches[:4])
+        )
+        results[mode] = {
+            "prefill_tok_s": prefill.num_tokens / prefill_ms * 1e3,
+            "prefill_ms": prefill_ms,
+            "decode_tok_s": args.decode_batch * args.decode_steps / decode_ms * 1e3,
+            "decode_step_ms": decode_ms / args.decode_steps,
+        }
+        print(mode, {k: round(v, 2) for k, v in results[mode].items()})
+    return results
+
+
+def bench_attention(args) -> None:
+    """Decode attention alone (B queries, 16 heads, latent 512 + rope 64) vs a device copy."""
+    copy_src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    copy_dst = torch.empty_like(copy_src)
+    copy_ms = triton.testing.do_bench(lambda: copy_dst.copy_(copy_src), return_mode="median")
+    ceiling = 2 * copy_src.numel() / copy_ms / 1e9
+    print(f"\ndevice copy ceiling: {ceiling:.2f} TB/s (read + write)")
+    for batch, ctx in ((64, 1024), (64, 4096), (256, 1024), (8, 8192)):
+        block_size, blocks = 64, -(-ctx // 64)
+        kv = torch.randn(batch * blocks, block_size, 576, device="cuda").bfloat16()
+        q = torch.randn(batch, 16, 576, device="cuda").bfloat16()
+        tables = torch.arange(batch * blocks, device="cuda").view(batch, blocks)
+        seq_ids = torch.arange(batch, device="cuda")
+        positions = torch.full((batch,), ctx - 1, device="cuda")
+        inputs = (q, kv, seq_ids, tables, positions)
+        times = [
+            triton.testing.do_bench(
+                partial(op, *inputs, scale=192**-0.5, v_dim=512), return_mode="median"
+            )
+            for op in (mla_attention_triton, mla_attention_fast)
+        ]
+        triton_ms, fast_ms = times
+        read = batch * ctx * 576 * 2
+        tbs = read / triton_ms / 1e9
+        print(
+            f"decode attention B={batch:4d} ctx={ctx:5d}: triton {triton_ms * 1e3:8.1f} us "
+            f"{tbs:5.2f} TB/s ({tbs / ceiling:4.0%} of copy) | fast {fast_ms * 1e3:8.1f} us"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", default=str(CONFIG))
+    parser.add_argument("--set", action="append", default=[], help="section.key=value")
+    parser.add_argument("--prefill-prompts", type=int, default=8)
+    parser.add_argument("--prompt-len", type=int, default=1024)
+    parser.add_argument("--decode-batch", type=int, default=64)
+    parser.add_argument("--decode-steps", type=int, default=128)
+    parser.add_argument("--modes", nargs="+", default=["invariant", "fast"])
+    parser.add_argument("--skip-attention", action="store_true")
+    args = parser.parse_args()
+    overrides = dict(item.split("=", 1) for item in args.set)
+    cfg = load_config(args.config, overrides)
+    print(
+        f"model: {cfg.model.num_hidden_layers} layers, hidden {cfg.model.hidden_size}, "
+        f"{cfg.model.n_routed_experts} experts top-{cfg.model.num_experts_per_tok}; "
+        f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
+    )
+    results = bench_model(cfg, args)
+    if "invariant" in results and "fast" in results:
+        inv, fast = results["invariant"], results["fast"]
+        print("\n| phase | invariant tok/s | fast tok/s | invariant / fast time |")
+        print("|---|---|---|---|")
+        for phase in ("prefill", "decode"):
+            key = f"{phase}_tok_s"
+            print(f"| {phase} | {inv[key]:.0f} | {fast[key]:.0f} | {fast[key] / inv[key]:.2f} |")
+    if not args.skip_attention:
+        bench_attention(args)
+
+
+if __name__ == "__main__":
+    main()

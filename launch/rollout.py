@@ -1,0 +1,194 @@
+"""Batch-invariant RL rollouts as a Ray job: JSONL prompts in, one JSONL row per sample out.
+
+    python launch/rollout.py --config X.yaml --input prompts.jsonl --output out.jsonl \
+        [--set section.key=value ...] [--batch-size 64] [--base-seed 0] [--max-tokens 64] ...
+    python launch/rollout.py --config X.yaml --input out.jsonl --output scores.jsonl --score
+    ray job submit --working-dir . -- python launch/rollout.py --config ...
+
+Input rows: {"id", "prompt" (text or token ids), "n", "seed" | "seeds", "max_tokens",
+"temperature", "top_p", "top_k", "logprobs"}; missing fields take the CLI defaults, and a row
+without seeds gets derive_seed(--base-seed, row index). Output rows: {"id", "sample_idx",
+"prompt_token_ids", "token_ids", "logprobs", "top_logprobs", "routed_experts",
+"finish_reason", "seed"}. Every sample is generated alone with its own seed, so its row is the
+same bits whatever batch it ran in. Each finished batch is appended, flushed and fsynced; a
+rerun with the same --output skips the (id, sample_idx) pairs already there (a torn last line
+is cut off), so a killed job resumes without losing or duplicating rows. A bad input row stops
+the job before anything is generated (--on-bad-row skip: report it and go on).
+`--score` reads rows with "prompt_token_ids" and "token_ids" (e.g. a rollout's output) and
+writes their teacher-forced logprobs (LLM.score), bitwise equal to the rollout's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from a checkout
+
+from tqdm import tqdm  # noqa: E402
+
+from launch.generate import parse_overrides  # noqa: E402
+from launch.rollout_io import (  # noqa: E402
+    RowError,
+    Sample,
+    append_rows,
+    read_done,
+    read_samples,
+)
+from moe_runtime import LLM  # noqa: E402
+from moe_runtime.sequence import Sequence  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="YAML config file")
+    parser.add_argument("--input", required=True, type=Path, help="JSONL rows")
+    parser.add_argument("--output", required=True, type=Path, help="JSONL rows (appended)")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    parser.add_argument("--score", action="store_true", help="teacher-forced logprobs instead")
+    parser.add_argument("--batch-size", type=int, default=64, help="samples per written batch")
+    parser.add_argument("--base-seed", type=int, default=0, help="seeds rows that give none")
+    parser.add_argument("--n", type=int, default=1)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=-1)
+    parser.add_argument("--logprobs", type=int, default=0, help="top logprobs per token")
+    parser.add_argument(
+        "--on-bad-row",
+        choices=("stop", "skip"),
+        default="stop",
+        help="stop: exit 2 before generating anything; skip: report the row and go on",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.batch_size < 1:
+        print("error: --batch-size must be >= 1", file=sys.stderr)
+        return 2
+    defaults = {
+        "n": args.n,
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "logprobs": args.logprobs,
+    }
+    try:
+        samples = read_samples(args.input, defaults, args.base_seed, args.score)
+        done = read_done(args.output)
+        llm = LLM(args.config, **parse_overrides(args.set))
+    except (RowError, ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        samples = _checked(llm, samples, args)
+    except RowError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        llm.shutdown()
+        return 2
+    todo = [s for s in samples if s.key not in done]
+    started = time.perf_counter()
+    progress = tqdm(
+        total=len(samples),
+        initial=len(samples) - len(todo),
+        unit="sample",
+        file=sys.stderr,
+        disable=args.no_progress,
+        desc="score" if args.score else "rollout",
+    )
+    run = _score_batch if args.score else _rollout_batch
+    for first in range(0, len(todo), args.batch_size):
+        batch = todo[first : first + args.batch_size]
+        append_rows(args.output, run(llm, batch, progress))
+    progress.close()
+    llm.shutdown()
+    elapsed = time.perf_counter() - started
+    print(
+        f"rollout: wrote {len(todo)} rows ({len(samples) - len(todo)} already done) "
+        f"in {elapsed:.2f}s to {args.output}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _checked(llm: LLM, samples: list[Sample], args: argparse.Namespace) -> list[Sample]:
+    """Samples whose prompts the engine accepts; a bad one raises (or is skipped and reported)."""
+    good, bad_lines = [], set()
+    for sample in samples:
+        try:
+            ids = _prompt_ids(llm, sample)
+            llm.engine.validate_prompt(ids + list(sample.token_ids or []))
+        except ValueError as exc:
+            message = f"{args.input}:{sample.line_no}: {exc}"
+            if args.on_bad_row == "stop":
+                raise RowError(message) from None
+            if sample.line_no not in bad_lines:
+                print(f"skipped {message}", file=sys.stderr)
+            bad_lines.add(sample.line_no)
+            continue
+        good.append(sample)
+    return good
+
+
+def _prompt_ids(llm: LLM, sample: Sample) -> list[int]:
+    prompt = sample.prompt
+    return llm.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+
+
+def _rollout_batch(llm: LLM, batch: list[Sample], progress: tqdm) -> list[dict]:
+    """Generate the batch together; rows in batch order."""
+    engine = llm.engine
+    seqs = [engine.add_request(_prompt_ids(llm, s), s.params)[0] for s in batch]
+    while engine.has_unfinished():
+        progress.update(len(engine.step()))
+    return [_rollout_row(sample, seq) for sample, seq in zip(batch, seqs, strict=True)]
+
+
+def _rollout_row(sample: Sample, seq: Sequence) -> dict:
+    routed = getattr(seq, "routed_experts", None)
+    return {
+        "id": sample.row_id,
+        "sample_idx": sample.sample_idx,
+        "prompt_token_ids": list(seq.prompt_token_ids),
+        "token_ids": list(seq.output_token_ids),
+        "logprobs": list(seq.output_logprobs),
+        "top_logprobs": [{str(t): lp for t, lp in top.items()} for top in seq.output_top_logprobs],
+        "routed_experts": None if routed is None else [_plain(r) for r in routed],
+        "finish_reason": seq.finish_reason,
+        "seed": sample.seed,
+    }
+
+
+def _score_batch(llm: LLM, batch: list[Sample], progress: tqdm) -> list[dict]:
+    sequences = [list(s.prompt) + list(s.token_ids) for s in batch]
+    logprobs = llm.score(sequences, [len(s.prompt) for s in batch])
+    progress.update(len(batch))
+    return [
+        {
+            "id": s.row_id,
+            "sample_idx": s.sample_idx,
+            "prompt_token_ids": list(s.prompt),
+            "token_ids": list(s.token_ids),
+            "logprobs": lps,
+        }
+        for s, lps in zip(batch, logprobs, strict=True)
+    ]
+
+
+def _plain(value):
+    """Nested lists of ints from tensors, tuples or lists."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+if __name__ == "__main__":
+    sys.exit(main())

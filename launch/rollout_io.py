@@ -1,0 +1,176 @@
+"""JSONL in and out for the rollout job: input rows to samples, and resuming a partial output.
+
+Every input row becomes one `Sample` per requested sample, each with its own explicit seed, so
+a sample's tokens depend on nothing but its prompt, parameters and seed (the runtime is
+batch-invariant): it can be generated in any batch, in any run, and resumed alone. Bad rows
+raise `RowError` naming the line. The output file is only ever appended to; `read_done`
+returns the (id, sample_idx) pairs already written and cuts a torn last line off.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from moe_runtime.model_runner import sample_seed
+from moe_runtime.sampler import derive_seed
+from moe_runtime.sampling_params import SamplingParams
+
+PARAM_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "logprobs")
+ROLLOUT_FIELDS = {"id", "prompt", "n", "seed", "seeds", *PARAM_FIELDS}
+SCORE_FIELDS = {"id", "sample_idx", "prompt_token_ids", "token_ids"}
+
+
+class RowError(ValueError):
+    """A bad input row; the message starts with `<file>:<line>:`."""
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One output row to produce."""
+
+    row_id: Any
+    sample_idx: int
+    prompt: str | list[int]
+    params: SamplingParams | None  # None in score mode
+    seed: int | None
+    line_no: int
+    token_ids: list[int] | None = None  # score mode: the tokens to score after the prompt
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return done_key(self.row_id, self.sample_idx)
+
+
+def done_key(row_id: Any, sample_idx: int) -> tuple[str, int]:
+    """Hashable key of an output row; ids keep their JSON type (1 and "1" differ)."""
+    return json.dumps(row_id), sample_idx
+
+
+def read_samples(path: Path, defaults: dict[str, Any], base_seed: int, score: bool) -> list[Sample]:
+    """All samples of the input file, in file order; raises RowError at the first bad row."""
+    samples: list[Sample] = []
+    seen_ids: set[str] = set()
+    row_idx = 0
+    with open(path, encoding="utf-8") as lines:
+        for line_no, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{line_no}"
+            try:
+                row = json.loads(line)
+                if not isinstance(row, dict):
+                    raise ValueError("a row must be a JSON object")
+                parse = _score_samples if score else _rollout_samples
+                new = parse(row, line_no, defaults, derive_seed(base_seed, row_idx))
+            except (ValueError, TypeError) as exc:
+                raise RowError(f"{where}: {exc}") from None
+            key = json.dumps(row.get("id"))
+            if not score and key in seen_ids:
+                raise RowError(f"{where}: id {row['id']!r} appears twice")
+            seen_ids.add(key)
+            samples.extend(new)
+            row_idx += 1
+    return samples
+
+
+def _rollout_samples(row: dict, line_no: int, defaults: dict, row_seed: int) -> list[Sample]:
+    _check_fields(row, ROLLOUT_FIELDS, ("id", "prompt"))
+    prompt = row["prompt"]
+    is_ids = isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt)
+    if not (isinstance(prompt, str) and prompt) and not is_ids:
+        raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
+    seeds = row.get("seeds")
+    n = row.get("n", len(seeds) if isinstance(seeds, list) else defaults["n"])
+    if not _is_int(n) or n < 1:
+        raise ValueError(f"n must be an int >= 1, got {n!r}")
+    if seeds is not None:
+        if "seed" in row:
+            raise ValueError("give seed or seeds, not both")
+        if not isinstance(seeds, list) or len(seeds) != n:
+            raise ValueError(f"seeds must be a list of n={n} ints")
+        sample_seeds = list(seeds)
+    else:
+        seed = row.get("seed", row_seed)
+        sample_seeds = [seed if not _is_int(seed) else sample_seed(seed, i, n) for i in range(n)]
+    knobs = {k: row.get(k, defaults[k]) for k in PARAM_FIELDS}
+    samples = []
+    for i, seed in enumerate(sample_seeds):
+        if not _is_int(seed) or seed < 0:
+            raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+        try:
+            params = SamplingParams(seed=seed, **knobs)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(str(exc).removeprefix("SamplingParams.")) from None
+        samples.append(Sample(row["id"], i, prompt, params, seed, line_no))
+    return samples
+
+
+def _score_samples(row: dict, line_no: int, defaults: dict, row_seed: int) -> list[Sample]:
+    _check_fields(row, SCORE_FIELDS, ("id", "prompt_token_ids", "token_ids"), extra_ok=True)
+    prompt, tokens = row["prompt_token_ids"], row["token_ids"]
+    for name, ids in (("prompt_token_ids", prompt), ("token_ids", tokens)):
+        if not isinstance(ids, list) or not ids or not all(_is_int(t) for t in ids):
+            raise ValueError(f"{name} must be a non-empty list of token ids")
+    sample_idx = row.get("sample_idx", 0)
+    if not _is_int(sample_idx) or sample_idx < 0:
+        raise ValueError(f"sample_idx must be an int >= 0, got {sample_idx!r}")
+    return [Sample(row["id"], sample_idx, prompt, None, row.get("seed"), line_no, tokens)]
+
+
+def _check_fields(row: dict, allowed: set, required: tuple, extra_ok: bool = False) -> None:
+    missing = [k for k in required if k not in row]
+    if missing:
+        raise ValueError(f"missing field {missing[0]!r}")
+    unknown = sorted(set(row) - allowed)
+    if unknown and not extra_ok:
+        raise ValueError(f"unknown field {unknown[0]!r} (allowed: {', '.join(sorted(allowed))})")
+    if not isinstance(row["id"], str | int) or isinstance(row["id"], bool):
+        raise ValueError(f"id must be a string or an int, got {row['id']!r}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def read_done(path: Path) -> set[tuple[str, int]]:
+    """Keys of the rows already in the output file. A torn last line (a run killed mid-write)
+    is cut off; a bad line before the last is an error, since the file was not ours."""
+    if not path.exists():
+        return set()
+    done: set[tuple[str, int]] = set()
+    good_end = 0
+    with open(path, "rb") as f:
+        data = f.read()
+    lines = data.split(b"\n")
+    for i, raw in enumerate(lines):
+        is_last = i == len(lines) - 1
+        if is_last and not raw:
+            break
+        try:
+            if is_last:
+                raise ValueError("no newline")  # written but not finished
+            row = json.loads(raw)
+            done.add(done_key(row["id"], row["sample_idx"]))
+        except (ValueError, KeyError, TypeError) as exc:
+            if not is_last:
+                raise RowError(f"{path}:{i + 1}: not a row of this job's output ({exc})") from None
+            break
+        good_end += len(raw) + 1
+    if good_end < len(data):
+        with open(path, "r+b") as f:
+            f.truncate(good_end)
+            os.fsync(f.fileno())
+    return done
+
+
+def append_rows(path: Path, rows: list[dict]) -> None:
+    """Append rows as JSON lines in one write, then flush and fsync: a batch is on disk."""
+    text = "".join(json.dumps(row, separators=(",", ":")) + "\n" for row in rows)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())

@@ -1,0 +1,52 @@
+"""Tiny DeepSeek-V2/V3 checkpoints written with transformers (the outside reference)."""
+
+from __future__ import annotations
+
+import torch
+
+TINY_HF = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    n_shared_experts=1,
+    n_routed_experts=16,
+    kv_lora_rank=32,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    qk_nope_head_dim=16,
+    n_group=4,
+    topk_group=2,
+    num_experts_per_tok=4,
+    first_k_dense_replace=1,
+    max_position_embeddings=512,
+    initializer_range=0.1,
+    bos_token_id=256,
+    eos_token_id=257,
+)
+
+
+def write_tiny_checkpoint(path, family: str = "v3", seed: int = 1234, **extra) -> torch.nn.Module:
+    """Save a random tiny model to `path`; returns transformers' model (eval, eager attention).
+
+    A non-zero e_score_correction_bias exercises noaux_tc routing.
+    """
+    import transformers
+
+    config_cls, model_cls = {
+        "v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
+        "v2": (transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM),
+    }[family]
+    config = config_cls(**{**TINY_HF, **extra})
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.rand(buf.shape) * 0.2 - 0.1)
+    model.save_pretrained(path)
+    return model

@@ -1,0 +1,184 @@
+"""Golden invariance tests on the GPU: the tiny model in bf16 through the Triton kernels.
+
+- 64 prompts x 32 tokens, top-5 logprobs, greedy and seeded sampling: alone vs batched vs
+  shuffled sub-batches, bitwise, at world size 1; negative control with kernels.mode fast.
+- EP=8 as 8 Ray actors sharing the one GPU, gloo between them: batched and shuffled runs
+  bitwise equal to the world-size-1 run alone (batch and layout invariance together).
+- Chunked prefill, prefix-cache hits and decode vs score() bitwise on the GPU.
+- The KV cache sized from free GPU memory (cache.num_blocks: 0).
+Skipped without CUDA; independent of launch/ (the GPU machine has no HTTP stack).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe_runtime import LLM
+from tests.invariance import mixed_params, mixed_prompts, random_sub_batches, run_in_batches
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+TINY_GPU = Path(__file__).resolve().parent.parent / "launch" / "configs" / "tiny_gpu.yaml"
+NUM_PROMPTS, MAX_TOKENS = 64, 32
+NO_PREFIX_CACHE = {"cache.enable_prefix_caching": False}
+
+
+@pytest.fixture(scope="module")
+def workload():
+    return mixed_prompts(NUM_PROMPTS, 8, 300, seed=11), mixed_params(NUM_PROMPTS, MAX_TOKENS)
+
+
+def _alone(mode: str, workload, num: int = NUM_PROMPTS) -> dict:
+    prompts, params = workload
+    llm = LLM(TINY_GPU, **{"kernels.mode": mode, **NO_PREFIX_CACHE})
+    return run_in_batches(llm, prompts, params, [[i] for i in range(num)])
+
+
+@pytest.fixture(scope="module")
+def alone_invariant(workload) -> dict:
+    return _alone("invariant", workload)
+
+
+def _batched(mode: str, workload, **overrides) -> tuple[dict, dict, int]:
+    """All prompts in one batch, then shuffled sub-batches; -> (together, shuffled, max rows)."""
+    prompts, params = workload
+    llm = LLM(TINY_GPU, **{"kernels.mode": mode, **overrides})
+    sizes: list[int] = []
+    execute = llm.engine.executor.execute
+    llm.engine.executor.execute = lambda per_rank: (
+        sizes.append(sum(len(c) for c in per_rank)),
+        execute(per_rank),
+    )[1]
+    try:
+        together = run_in_batches(llm, prompts, params, [list(range(NUM_PROMPTS))])
+        shuffled = run_in_batches(llm, prompts, params, random_sub_batches(NUM_PROMPTS, seed=3))
+    finally:
+        llm.shutdown()
+    return together, shuffled, max(sizes)
+
+
+def test_gpu_golden_batch_invariance(workload, alone_invariant):
+    together, shuffled, max_rows = _batched("invariant", workload, **NO_PREFIX_CACHE)
+    assert max_rows >= 32, f"the batched run never packed many sequences into a step: {max_rows}"
+    assert all(len(alone_invariant[i][0]) == MAX_TOKENS for i in alone_invariant)
+    for i in range(NUM_PROMPTS):
+        assert together[i] == alone_invariant[i], f"prompt {i}: batched differs from alone"
+        assert shuffled[i] == alone_invariant[i], f"prompt {i}: shuffled differs from alone"
+
+
+def test_gpu_golden_negative_control_fast_mode(workload):
+    alone = _alone("fast", workload)
+    together, shuffled, _ = _batched("fast", workload, **NO_PREFIX_CACHE)
+    differing = [i for i in alone if together[i] != alone[i] or shuffled[i] != alone[i]]
+    assert differing, "fast kernels gave identical bits alone and batched: the test cannot fail"
+
+
+@pytest.mark.parametrize("budget", [7, 33])
+def test_gpu_chunked_prefill_bitwise(workload, alone_invariant, budget):
+    prompts, params = workload
+    llm = LLM(TINY_GPU, **{"scheduler.max_num_batched_tokens": budget, **NO_PREFIX_CACHE})
+    starts: list[int] = []
+    execute = llm.engine.executor.execute
+    llm.engine.executor.execute = lambda per_rank: (
+        starts.extend(c.start for chunks in per_rank for c in chunks if c.num_tokens > 1),
+        execute(per_rank),
+    )[1]
+    got = run_in_batches(llm, prompts, params, [list(range(16))])
+    assert any(start > 0 for start in starts), "no prompt was prefilled in several chunks"
+    assert got == {i: alone_invariant[i] for i in range(16)}
+
+
+def test_gpu_prefix_cache_hit_bitwise(workload, alone_invariant):
+    prompts, params = workload
+    llm = LLM(TINY_GPU)
+    batch = [list(range(16))]
+    run_in_batches(llm, prompts, params, batch)  # fills the cache
+    hits_before = llm.engine.num_prefix_hit_blocks
+    got = run_in_batches(llm, prompts, params, batch)
+    assert llm.engine.num_prefix_hit_blocks > hits_before, "the second run never hit the cache"
+    assert got == {i: alone_invariant[i] for i in range(16)}
+
+
+def _decode_vs_score(mode: str, workload) -> list[tuple[list[float], list[float]]]:
+    prompts, params = workload
+    prompts, params = prompts[:16], params[:16]
+    llm = LLM(TINY_GPU, **{"kernels.mode": mode})
+    outputs = llm.generate(prompts, params)
+    sequences = [p + o.token_ids for p, o in zip(prompts, outputs, strict=True)]
+    scored = llm.score(sequences, [len(p) for p in prompts])
+    return [(o.logprobs, s) for o, s in zip(outputs, scored, strict=True)]
+
+
+def test_gpu_decode_logprobs_equal_score(workload):
+    for decoded, scored in _decode_vs_score("invariant", workload):
+        assert len(decoded) == len(scored) == MAX_TOKENS
+        assert [float.hex(x) for x in decoded] == [float.hex(x) for x in scored]
+
+
+def test_gpu_decode_vs_score_negative_control(workload):
+    pairs = _decode_vs_score("fast", workload)
+    assert any(decoded != scored for decoded, scored in pairs), "fast mode matched too"
+
+
+def test_gpu_kv_cache_sized_from_free_memory():
+    llm = LLM(TINY_GPU, **{"cache.num_blocks": 0, "cache.gpu_memory_utilization": 0.05})
+    assert llm.config.cache.num_blocks == 0  # the found count is returned, never written back
+    free_bytes, _ = torch.cuda.mem_get_info()
+    model = llm.config.model
+    block_bytes = model.num_hidden_layers * llm.config.cache.block_size * model.latent_dim * 2
+    assert 1000 < llm.engine.num_kv_blocks <= int(0.06 * free_bytes) // block_bytes + 1
+    out = llm.generate([[1, 2, 3]], mixed_params(1, 4)[0])[0]
+    assert len(out.token_ids) == 4
+
+
+@pytest.fixture(scope="module")
+def ray_on_gpu():
+    ray = pytest.importorskip("ray")
+    ray.init(address="local", num_cpus=8, num_gpus=1, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def _ep8(mode: str, workload) -> tuple[dict, dict, dict, list[dict]]:
+    prompts, params = workload
+    llm = LLM(
+        TINY_GPU,
+        **{
+            "kernels.mode": mode,
+            "parallel.world_size": 8,
+            "parallel.backend": "gloo",
+            "parallel.timeout_s": 120,
+            **NO_PREFIX_CACHE,
+        },
+    )
+    try:
+        alone = run_in_batches(llm, prompts, params, [[i] for i in range(8)])
+        together = run_in_batches(llm, prompts, params, [list(range(NUM_PROMPTS))])
+        shuffled = run_in_batches(llm, prompts, params, random_sub_batches(NUM_PROMPTS, seed=5))
+        stats = llm.engine.stats()
+    finally:
+        llm.shutdown()
+    return alone, together, shuffled, stats
+
+
+def test_gpu_ep8_ray_gloo_golden(ray_on_gpu, workload, alone_invariant):
+    alone, together, shuffled, stats = _ep8("invariant", workload)
+    assert all(s["num_rows_sent_remote"] > 0 for s in stats), "some rank never sent rows away"
+    for i in range(8):
+        assert alone[i] == alone_invariant[i], f"prompt {i}: EP=8 alone differs from EP=1 alone"
+    for i in range(NUM_PROMPTS):
+        assert together[i] == alone_invariant[i], f"prompt {i}: EP=8 batched differs"
+        assert shuffled[i] == alone_invariant[i], f"prompt {i}: EP=8 shuffled differs"
+
+
+def test_gpu_ep8_negative_control_fast(ray_on_gpu, workload):
+    alone, together, shuffled, _ = _ep8("fast", workload)
+    assert any(together[i] != alone[i] or shuffled[i] != alone[i] for i in range(8)), (
+        "fast kernels gave identical bits at EP=8: the golden test could not fail"
+    )
