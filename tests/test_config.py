@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from moe_runtime.config import RuntimeConfig, load_config
 from moe_runtime.llm import _flatten_overrides
@@ -47,3 +48,26 @@ def test_configs_are_frozen():
     config = load_config(CONFIGS / "tiny_cpu.yaml")
     with pytest.raises(AttributeError):
         config.kernels.mode = "fast"  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("cache.num_blocks", -1),
+        ("cache.gpu_memory_utilization", 0),
+        ("cache.gpu_memory_utilization", 1.5),
+    ],
+)
+def test_cache_sizing_keys_validated(key, value):
+    with pytest.raises(ValueError, match=key):
+        load_config(CONFIGS / "tiny_cpu.yaml", {key: value})
+
+
+def test_kv_cache_sized_from_memory_needs_cuda():
+    from moe_runtime.worker import kv_cache_blocks
+
+    config = load_config(CONFIGS / "tiny_cpu.yaml", {"cache.num_blocks": 0})
+    assert config.cache.is_sized_from_memory
+    with pytest.raises(ValueError, match="cache.num_blocks.*cpu"):
+        kv_cache_blocks(config, torch.device("cpu"))
+    assert kv_cache_blocks(load_config(CONFIGS / "tiny_cpu.yaml"), torch.device("cpu")) == 512
