@@ -48,8 +48,10 @@ def _mla_split_kernel(
     SPLIT_BLOCKS: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    WRITE_OUT: tl.constexpr,
 ):
-    """Partial (max, sum, acc) of one query's heads over one split of its cache blocks."""
+    """Partial (max, sum, acc) of one query's heads over one split of its cache blocks; with
+    WRITE_OUT (the launch has one split) the finished acc / sum into out_ptr (= acc_ptr)."""
     t = tl.program_id(0).to(tl.int64)
     head_block = tl.program_id(1)
     split = tl.program_id(2)
@@ -104,6 +106,15 @@ def _mla_split_kernel(
                 p.to(k_lat.dtype), k_lat, input_precision=INPUT_PRECISION
             )
             row_max = max_new
+        if WRITE_OUT:
+            # The merge kernel's one-split case, the same fp32 division: the same bits.
+            out = acc / row_sum[:, None]
+            tl.store(
+                acc_ptr + (t * num_heads + heads)[:, None] * V + offs_v[None, :],
+                out,
+                mask=head_ok[:, None] & v_ok[None, :],
+            )
+            return
         slot = (t * num_splits + split) * num_heads + heads
         tl.store(
             acc_ptr + slot[:, None] * BLOCK_V + offs_v[None, :],
@@ -204,6 +215,18 @@ def mla_attention_triton(
     block_tables [B, MB] int64 (-1 padding past a sequence's end) -> [T, H, v_dim] q.dtype.
     """
     _check(q, kv_cache, query_seq_ids, block_tables, positions, v_dim)
+    # Launch shape (4 warps, 3 stages) measured best on the H200 (BENCHMARKS.md); it is a
+    # constant, so prefill and decode compile the same kernel and round the same way.
+    return _attend(
+        q, kv_cache, query_seq_ids, block_tables, positions, scale, v_dim, SPLIT_BLOCKS, 4, 3
+    )
+
+
+def _attend(
+    q, kv_cache, query_seq_ids, block_tables, positions, scale, v_dim,
+    split_blocks, num_warps, num_stages,
+) -> torch.Tensor:  # fmt: skip
+    """The launches; the launch parameters are arguments so bench/ can sweep them."""
     num_tokens, num_heads, cache_dim = q.shape
     out = q.new_empty((num_tokens, num_heads, v_dim))
     if num_tokens == 0:  # a rank with no tokens still runs the step (EP lockstep)
@@ -212,17 +235,22 @@ def mla_attention_triton(
     block_size = kv_cache.shape[1]
     block_v = triton.next_power_of_2(v_dim)
     block_r = max(16, triton.next_power_of_2(max(cache_dim - v_dim, 1)))
-    # Host sync: the split count of the launch is the batch's longest query's. Queries with
-    # fewer splits skip the extra programs; no query's result depends on this number.
-    num_splits = (int(positions.max()) // block_size) // SPLIT_BLOCKS + 1
+    # No host sync: the launch's split count comes from the table width (a host shape, the
+    # batch's longest block table). Queries with fewer splits skip the extra programs; no
+    # query's result depends on this number.
+    num_splits = triton.cdiv(block_tables.shape[1], split_blocks)
     per_token = num_splits * num_heads * (block_v + 2) * 4
     group = max(1, PARTIAL_BYTES // per_token)
     is_fp32 = q.dtype == torch.float32
+    is_direct = num_splits == 1
     for start in range(0, num_tokens, group):  # launch boundaries only: rows are independent
         rows = slice(start, min(start + group, num_tokens))
         count = rows.stop - rows.start
-        acc = torch.empty((count, num_splits, num_heads, block_v), device=q.device)
-        stats = torch.empty((count, num_splits, num_heads, 2), device=q.device)
+        if is_direct:
+            acc, stats = out[rows], out  # stats never written: WRITE_OUT returns first
+        else:
+            acc = torch.empty((count, num_splits, num_heads, block_v), device=q.device)
+            stats = torch.empty((count, num_splits, num_heads, 2), device=q.device)
         seq_ids, pos = query_seq_ids[rows].contiguous(), positions[rows].contiguous()
         _mla_split_kernel[(count, triton.cdiv(num_heads, BLOCK_H), num_splits)](
             q[rows],
@@ -243,14 +271,17 @@ def mla_attention_triton(
             BLOCK_H=BLOCK_H,
             BLOCK_V=block_v,
             BLOCK_R=block_r,
-            SPLIT_BLOCKS=SPLIT_BLOCKS,
+            SPLIT_BLOCKS=split_blocks,
             # fp32 inputs use exact fp32 products; 16-bit ones the MMA with fp32 accumulation.
             INPUT_PRECISION="ieee" if is_fp32 else "tf32",
             # The interpreter hands 16-bit floats to numpy as raw bits: feed it fp32.
             UPCAST_DOT=_is_interpreted() and not is_fp32,
-            num_warps=8 if block_v >= 256 else 4,
-            num_stages=2,
+            WRITE_OUT=is_direct,
+            num_warps=num_warps if block_v >= 256 else 4,
+            num_stages=num_stages,
         )
+        if is_direct:
+            continue
         _mla_merge_kernel[(count, num_heads)](
             acc,
             stats,
@@ -261,7 +292,7 @@ def mla_attention_triton(
             V=v_dim,
             BS=block_size,
             BLOCK_V=block_v,
-            SPLIT_BLOCKS=SPLIT_BLOCKS,
+            SPLIT_BLOCKS=split_blocks,
             num_warps=4,
         )
     return out

@@ -1,15 +1,20 @@
 """Batch-invariant linear and grouped (per-expert) linear as Triton kernels (GPU path).
 
-Each output tile is a plain tiled matmul: one program per [BLOCK_M, BLOCK_N] tile walks K in
-steps of BLOCK_K, accumulating in fp32. The block config is a function of the weight shape
-(N, K) and dtype only, never of the row count, and there is no split-K: a row's result is
-one fixed sequence of fp32 multiply-adds whatever the other rows are. No autotuning.
+Each output tile is a plain tiled matmul: a program per [BLOCK_M, BLOCK_N] tile (or a
+persistent program walking tiles, with TMA loads) walks K in steps of BLOCK_K, accumulating in
+fp32. BLOCK_K and the K loop order are a function of the weight shape (N, K) and dtype only,
+and there is no split-K: each output element is one fixed sequence of fp32 multiply-adds over
+K whatever the other rows are. The tile shape (BLOCK_M, BLOCK_N, warps, stages, persistent or
+not) is chosen by a bucket of the row count; it moves work between programs, not the order of
+any element's sum, and tests/test_gpu_kernels.py checks every bucket's config bitwise against
+every other on the model's shapes. No autotuning.
 Oracles: `linear_ref` / `grouped_linear_ref` (kernels/linear.py). Under TRITON_INTERPRET=1
 the kernels run on CPU tensors (tests); compiled, they need CUDA tensors.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -17,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.linear import _group_slices
 
@@ -31,17 +37,52 @@ class LinearConfig:
     group_m: int
     num_warps: int
     num_stages: int
+    is_persistent: bool = False  # TMA loads, one program per SM walking tiles
 
 
-def linear_config(out_dim: int, in_dim: int, dtype: torch.dtype) -> LinearConfig:
-    """The one block config for a weight [out_dim, in_dim]: never a function of the rows."""
-    # Why: BLOCK_M is fixed for every M (a different M tile could lower tl.dot to another
-    # MMA instruction with other rounding); BLOCK_K is fixed per weight, so the K reduction
-    # order of every output element is decided by the weight alone.
-    block_n = 128 if out_dim >= 8192 else 64
+BLOCK_K_16BIT = 64  # the one K step of every bf16/fp16 weight: fixes each element's sum order
+# Row-count buckets (measured on the H200 against cuBLAS, BENCHMARKS.md). A bucket picks only
+# the tile shape; every config shares BLOCK_K = 64 and the ascending K loop, and all of them
+# gave bit-identical outputs on every DeepSeek-V2-Lite weight.
+DECODE_ROWS = 16
+SMALL_ROWS = 64
+MEDIUM_ROWS = 512
+WIDE_N_TILES = 264  # out_dim / 64 at least this: enough 64-wide column programs for 132 SMs
+TMA_MIN_FLOPS = 30e9  # below this the persistent TMA kernel's fixed cost outweighs its speed
+
+
+def linear_config(
+    out_dim: int, in_dim: int, dtype: torch.dtype, num_rows: int | None = None
+) -> LinearConfig:
+    """Block config for x [num_rows, in_dim] @ weight [out_dim, in_dim]^T.
+
+    BLOCK_K is a function of the weight's dtype only (fp32: 32, 16-bit: 64); num_rows and the
+    weight shape choose the tiles. num_rows None is the grouped GEMM's fixed config.
+    """
+    # Why: fp32 (the router, ieee products) keeps one config for every M: it is tiny, and
+    # only the 16-bit configs were checked bitwise against each other.
     if dtype == torch.float32:
-        return LinearConfig(64, block_n, 32, 8, 4, 2)
-    return LinearConfig(64, block_n, 64, 8, 4, 4)
+        return LinearConfig(64, 128 if out_dim >= 8192 else 64, 32, 8, 4, 2)
+    bk = BLOCK_K_16BIT
+    if num_rows is None:
+        return LinearConfig(64, 128 if out_dim >= 8192 else 64, bk, 8, 4, 4)
+    is_wide = triton.cdiv(out_dim, 64) >= WIDE_N_TILES
+    if num_rows <= DECODE_ROWS:
+        # Narrow column tiles: more programs stream the weight (no split-K to add them).
+        return LinearConfig(16, 64, bk, 8, 4, 4) if is_wide else LinearConfig(16, 32, bk, 8, 4, 6)
+    if num_rows <= SMALL_ROWS:
+        if is_wide:
+            return LinearConfig(64, 64, bk, 8, 4, 4)
+        if out_dim <= 2048:
+            return LinearConfig(16, 32, bk, 8, 4, 6)
+        return LinearConfig(64, 32, bk, 8, 4, 4)
+    if num_rows <= MEDIUM_ROWS:
+        if is_wide:
+            return LinearConfig(128, 128, bk, 8, 8, 4, is_persistent=True)
+        return LinearConfig(64, 64, bk, 8, 4, 4)
+    if 2 * num_rows * out_dim * in_dim >= TMA_MIN_FLOPS:
+        return LinearConfig(128, 256, bk, 8, 8, 3, is_persistent=True)
+    return LinearConfig(128, 128, bk, 8, 8, 3)
 
 
 @triton.jit(do_not_specialize=["num_rows"])
@@ -120,8 +161,84 @@ def _linear_kernel(
     )
 
 
+@triton.jit(do_not_specialize=["num_rows"])
+def _linear_persistent_kernel(
+    x_desc,
+    w_desc,
+    out_desc,
+    num_rows,
+    N,
+    K,
+    NUM_PROGRAMS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):
+    """out = x @ w^T with TMA tiles; program p computes tiles p, p + NUM_PROGRAMS, ..."""
+    num_pid_m = tl.cdiv(num_rows, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_k = tl.cdiv(K, BLOCK_K)
+    pids_per_group = GROUP_M * num_pid_n
+    # Which program computes a tile depends on the row count; the tile's sums do not.
+    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS, flatten=True):
+        first_m = (tile // pids_per_group) * GROUP_M
+        group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+        pid_m = first_m + (tile % pids_per_group) % group_rows
+        pid_n = (tile % pids_per_group) // group_rows
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        # Why: the same ascending K loop with the same BLOCK_K as _linear_kernel; TMA fills
+        # out-of-range rows and K columns with exact zeros, as the masked loads there do.
+        for ki in range(num_k):
+            a = x_desc.load([pid_m * BLOCK_M, ki * BLOCK_K])
+            b = w_desc.load([pid_n * BLOCK_N, ki * BLOCK_K])
+            if UPCAST_DOT:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b.T, acc)
+        out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(out_desc.dtype))
+
+
 def _is_interpreted() -> bool:
     return isinstance(_linear_kernel, InterpretedFunction)
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _tma_ok(*tensors: torch.Tensor) -> bool:
+    """TMA needs 16-byte aligned base addresses and row strides."""
+    return all(
+        t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in tensors
+    )
+
+
+def _launch_persistent(x, weight, out, config: LinearConfig) -> torch.Tensor:
+    num_rows, (out_dim, in_dim) = x.shape[0], weight.shape
+    num_tiles = triton.cdiv(num_rows, config.block_m) * triton.cdiv(out_dim, config.block_n)
+    sms = 4 if _is_interpreted() else _num_sms(x.device.index or 0)
+    num_programs = min(num_tiles, sms)
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    _linear_persistent_kernel[(num_programs,)](
+        TensorDescriptor.from_tensor(x, [bm, bk]),
+        TensorDescriptor.from_tensor(weight, [bn, bk]),
+        TensorDescriptor.from_tensor(out, [bm, bn]),
+        num_rows,
+        out_dim,
+        in_dim,
+        NUM_PROGRAMS=num_programs,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        GROUP_M=config.group_m,
+        UPCAST_DOT=_is_interpreted(),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    return out
 
 
 def _check_tensor(name: str, t: torch.Tensor, ndim: int, dtype: torch.dtype | None) -> None:
@@ -149,6 +266,12 @@ def _check_pair(x: torch.Tensor, weight: torch.Tensor, weight_ndim: int) -> None
 
 def _launch(x, weight, out, tiles, num_rows, config: LinearConfig) -> torch.Tensor:
     """Launch over row tiles: `tiles` is None (plain) or (group, start, end) int32 tensors."""
+    if config.is_persistent and tiles is None:
+        if not _tma_ok(x, weight, out):
+            x, weight = x.clone(), weight.clone()  # fresh allocations are 16-byte aligned
+        if _tma_ok(x, weight, out):
+            return _launch_persistent(x, weight, out, config)
+        config = linear_config(weight.shape[0], weight.shape[1], x.dtype, None)
     out_dim, in_dim = weight.shape[-2:]
     num_pid_n = triton.cdiv(out_dim, config.block_n)
     num_pid_m = triton.cdiv(num_rows, config.block_m) if tiles is None else num_rows
@@ -187,7 +310,7 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     out = x.new_empty((x.shape[0], weight.shape[0]))
     if x.shape[0] == 0:
         return out
-    config = linear_config(weight.shape[0], weight.shape[1], x.dtype)
+    config = linear_config(weight.shape[0], weight.shape[1], x.dtype, x.shape[0])
     return _launch(x, weight, out, None, x.shape[0], config)
 
 
@@ -219,6 +342,6 @@ def grouped_linear_triton(
     out = x.new_empty((x.shape[0], weight.shape[1]))
     if x.shape[0] == 0:
         return out
-    config = linear_config(weight.shape[1], weight.shape[2], x.dtype)
+    config = linear_config(weight.shape[1], weight.shape[2], x.dtype, None)
     tiles = _row_tiles(group_sizes, config.block_m, x.device)
     return _launch(x, weight, out, tiles, tiles[0].numel(), config)

@@ -4,9 +4,10 @@
         [--set section.key=value ...] [--drain-timeout-s 30]
     ray job submit --working-dir . -- python launch/serve_ep.py --config ...
 
-Loads the engine, starts its loop thread, then serves until SIGTERM or SIGINT: new connections
-are refused, requests in flight are answered (up to the drain timeout), the engine shuts down
-and the process exits 0. Prints "ready on http://host:port" once the port is listening.
+Listens first (/health answers 503 while the engine loads), loads the engine and starts its
+loop thread, prints "ready on http://host:port", then serves until SIGTERM or SIGINT: new
+connections are refused, requests in flight are answered (up to the drain timeout), the engine
+shuts down and the process exits 0. An engine that fails to load exits 1.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from launch.server_app import create_app  # noqa: E402
 from moe_runtime.config import load_config  # noqa: E402
 from moe_runtime.engine import LLMEngine  # noqa: E402
 from moe_runtime.engine_loop import EngineLoop  # noqa: E402
+from moe_runtime.tokenizer import load_tokenizer  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -56,13 +58,29 @@ def log(message: str) -> None:
     print(f"serve_ep: {message}", flush=True)
 
 
-async def serve(server: uvicorn.Server, sock: socket.socket, url: str) -> None:
+async def serve(
+    server: uvicorn.Server, sock: socket.socket, url: str, app, config
+) -> EngineLoop | None:
+    """Serve; load the engine meanwhile. -> the engine loop, or None if the engine failed."""
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started and not task.done():
         await asyncio.sleep(0.02)  # uvicorn has no started event; this runs only at start-up
-    if server.started:
+    log(f"listening on {url}; loading the engine (world_size={config.parallel.world_size})")
+    started = time.perf_counter()
+    try:
+        engine = await asyncio.to_thread(LLMEngine, config)
+    except Exception as exc:  # a bad checkpoint, no Ray cluster, a worker that died ...
+        log(f"error: the engine failed to load: {type(exc).__name__}: {exc}")
+        server.should_exit = True
+        await task
+        return None
+    loop = EngineLoop(engine)
+    app.state.engine_loop = loop
+    log(f"engine loaded in {time.perf_counter() - started:.1f}s")
+    if server.started and not server.should_exit:
         log(f"ready on {url}")
     await task
+    return loop
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,13 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     port = sock.getsockname()[1]
 
-    started = time.perf_counter()
-    log(f"loading {args.config} (world_size={config.parallel.world_size})")
-    engine = LLMEngine(config)
-    loop = EngineLoop(engine)
-    log(f"engine loaded in {time.perf_counter() - started:.1f}s")
-
-    app = create_app(loop, config, engine.tokenizer)
+    app = create_app(None, config, load_tokenizer(config.model))
     server = uvicorn.Server(
         uvicorn.Config(
             app,
@@ -107,7 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _frame: received.append(signum))
     shown_host = f"[{host}]" if ":" in host else host
-    asyncio.run(serve(server, sock, f"http://{shown_host}:{port}"))
+    loop = asyncio.run(serve(server, sock, f"http://{shown_host}:{port}", app, config))
+    if loop is None:
+        return 1
     why = signal.Signals(received[0]).name if received else "server exit"
     log(f"{why}: draining requests in flight (up to {args.drain_timeout_s:g}s)")
     loop.shutdown(drain_timeout_s=args.drain_timeout_s)

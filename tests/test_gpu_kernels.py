@@ -18,7 +18,21 @@ pytestmark = [
 
 EPS = 1e-6
 # Both sides of BLOCK_M = 64 and of cuBLAS's small-M paths (it differs for M <= 128).
-ROW_COUNTS = (1, 2, 3, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 1000)
+# Both sides of the linear's row buckets (16, 64, 512) and BLOCK_M (16, 32, 128).
+ROW_COUNTS = (1, 2, 3, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 511, 512, 513, 1000)
+# DeepSeek-V2-Lite linear weights (name, in_dim K, out_dim N), as in bench/gpu_kernels.py.
+V2_LITE_LINEARS = [
+    ("q_proj", 2048, 3072),
+    ("kv_a", 2048, 576),
+    ("kv_b", 512, 4096),
+    ("o_proj", 2048, 2048),
+    ("mlp_gate_up", 2048, 2 * 10944),
+    ("mlp_down", 10944, 2048),
+    ("expert_gate_up", 2048, 2 * 1408),
+    ("expert_down", 1408, 2048),
+    ("lm_head", 2048, 102400),
+]
+BUCKET_PROBE_ROWS = (1, 16, 17, 64, 65, 512, 513, 4096)
 # bf16 output after fp32 accumulation: one bf16 ulp (2**-8 relative) plus order effects.
 BF16_TOL = {"atol": 2e-2, "rtol": 2e-2}
 
@@ -74,9 +88,31 @@ def test_linear_other_shapes_invariant(generator, in_dim, out_dim):
     _assert_row_invariant(lambda rows: linear_triton(rows, w), x, full, generator)
 
 
+@pytest.mark.parametrize("name, in_dim, out_dim", V2_LITE_LINEARS)
+def test_linear_every_bucket_config_gives_the_same_bits(generator, name, in_dim, out_dim):
+    """The row-count buckets pick tile shapes only: each config in use, run on the same 600
+    rows, gives bit-identical output, and slices across every bucket boundary match."""
+    from kernels.triton_linear import _launch, linear_config, linear_triton
+
+    x = _randn(generator, 600, in_dim)
+    w = _randn(generator, out_dim, in_dim, scale=in_dim**-0.5)
+    configs = {linear_config(out_dim, in_dim, x.dtype, m) for m in BUCKET_PROBE_ROWS}
+    configs.add(linear_config(out_dim, in_dim, x.dtype, None))  # the grouped GEMM's
+    assert len({c.block_k for c in configs}) == 1, configs
+    outs = {c: _launch(x, w, x.new_empty((600, out_dim)), None, 600, c) for c in configs}
+    first = next(iter(outs.values()))
+    for config, out in outs.items():
+        assert torch.equal(out, first), (name, config)
+    torch.testing.assert_close(first.float(), x.float() @ w.float().t(), **BF16_TOL)
+    for m in ROW_COUNTS:
+        if m <= 600:
+            assert torch.equal(linear_triton(x[:m], w), first[:m]), (name, m)
+    assert torch.equal(linear_triton(x[1:], w), first[1:])  # an odd base address (TMA)
+
+
 def test_grouped_linear_rows_independent_of_expert_load(generator):
     from kernels.linear import grouped_linear_fast
-    from kernels.triton_linear import grouped_linear_triton
+    from kernels.triton_linear import grouped_linear_triton, linear_triton
 
     hidden, inter, num_local = 2048, 1408, 8
     w = _randn(generator, num_local, 2 * inter, hidden, scale=hidden**-0.5)
@@ -91,6 +127,8 @@ def test_grouped_linear_rows_independent_of_expert_load(generator):
         out[5:305],
         generator,
     )
+    # The grouped GEMM and the plain linear give a row the same bits.
+    assert torch.equal(linear_triton(rows, w[2]), out[5:305])
     # No cuBLAS control at this shape: measured equal row 0 for M in (1, 16, 64) vs 300 at
     # K=2048, N=2816; the K=7168 control in the linear test is the one that fails for cuBLAS.
 
@@ -153,7 +191,7 @@ def _paged_cache(generator, seq_lens, num_heads, cache_dim, block_size):
 def test_mla_attention_prefill_decode_and_batch_bitwise(generator):
     """DeepSeek-V2-Lite MLA: 16 heads, latent 512 + rope 64, cache blocks of 64 positions."""
     from kernels.attention import mla_attention_fast, mla_attention_ref
-    from kernels.triton_attention import mla_attention_triton
+    from kernels.triton_attention import SPLIT_BLOCKS, mla_attention_triton
 
     seq_lens = (1000, 70, 300, 5, 257)
     q, kv_cache, seq_ids, tables, positions = _paged_cache(generator, seq_lens, 16, 576, 64)
@@ -180,6 +218,11 @@ def test_mla_attention_prefill_decode_and_batch_bitwise(generator):
         assert torch.equal(attend(rows), full[rows]), (start, stop)
     perm = torch.randperm(q.shape[0], generator=generator).cuda()
     assert torch.equal(attend(perm), full[perm])
+    # A narrow table (one KV split per launch: no merge launch) for sequences 1 and 3.
+    short = torch.cat([torch.arange(1000, 1070), torch.arange(1370, 1375)]).cuda()
+    narrow = tables[:, :SPLIT_BLOCKS].contiguous()
+    got = mla_attention_triton(q[short], kv_cache, seq_ids[short], narrow, positions[short], **args)
+    assert torch.equal(got, full[short])
     # Negative control: the fast path's per-sequence matmuls see M = the query count.
     fast_full = mla_attention_fast(q, kv_cache, seq_ids, tables, positions, **args)
     fast_decode = mla_attention_fast(

@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import torch
 
 from launch.server_app import create_app
 from moe_runtime import LLM, SamplingParams
@@ -318,3 +319,30 @@ def test_serve_ep_subprocess_starts_answers_and_drains_on_sigterm():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_serve_ep_listens_while_loading_and_exits_1_when_the_engine_fails():
+    # device cuda on a machine without one: the config is valid, the engine load is not.
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    result = subprocess.run(
+        [
+            sys.executable,
+            "launch/serve_ep.py",
+            "--config",
+            str(TINY_CONFIG),
+            "--port",
+            "0",
+            "--set",
+            "parallel.device=cuda",
+            "--set",
+            "kernels.mode=fast",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "listening on" in result.stdout and "the engine failed to load" in result.stdout
+    assert "ready on" not in result.stdout

@@ -175,6 +175,10 @@ def check_mla_attention(generator: torch.Generator) -> None:
         perm = torch.randperm(115, generator=generator)
         got = mla_attention_triton(q_d[perm], kv_d, seq_ids[perm], tables, positions[perm], **args)
         assert torch.equal(got, full[perm]), dtype
+        # A table of SPLIT_BLOCKS columns: one split, the output written without a merge.
+        narrow = tables[:, :SPLIT_BLOCKS].contiguous()
+        got = mla_attention_triton(q_d[:45], kv_d, seq_ids[:45], narrow, positions[:45], **args)
+        assert torch.equal(got, full[:45]), dtype
         assert mla_attention_triton(
             q_d[:0], kv_d, seq_ids[:0], tables, positions[:0], **args
         ).shape == (0, 4, 32)
