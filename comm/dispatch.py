@@ -1,12 +1,15 @@
 """MoE token dispatch and combine across expert-parallel ranks (layout -> dispatch -> combine).
 
+Shaped like DeepEP: `layout(ids)` (which rows go where), `dispatch(x, ids, w, layout)` ->
+(rows, group sizes, handle), `combine(y, handle, w)`.
+
 Inputs are PHYSICAL expert ids: slot p lives on rank p // L as local slot p % L (the caller maps
 logical to physical experts with a static replica table). Every (token, slot) pair travels as its
 own row, in the fixed order (destination rank, physical expert, source token, slot); the
 receiver regroups rows by (local slot, source rank, source token, slot), so each expert's rows
 are contiguous and in an order that does not depend on what else the step holds.
 The handle returned by dispatch carries everything combine needs, as in DeepEP, so a DeepEP
-backend can replace AllToAllDispatcher behind the same three calls. Nothing here knows about
+backend can replace AllToAllDispatcher behind the same calls. Nothing here knows about
 the model, EPLB or how workers are launched.
 """
 
@@ -44,6 +47,24 @@ class DispatchHandle:
     reduce_send_splits: list[int] | None = None
     reduce_recv_splits: list[int] | None = None
     reduce_token_ids: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class DispatchLayout:
+    """The first of DeepEP's three calls: where every (token, slot) row goes, before any data.
+
+    order [T*K]: flat (token * K + slot) indices in send order; rows_per_slot [R*L] int64:
+    rows bound for each (destination rank, local slot).
+    """
+
+    order: torch.Tensor
+    rows_per_slot: torch.Tensor
+
+
+def dispatch_layout(topk_phys_ids: torch.Tensor, num_physical: int) -> DispatchLayout:
+    """[T, K] int64 physical ids (all < num_physical) -> DispatchLayout."""
+    order = sort_rows_by_destination(topk_phys_ids)
+    return DispatchLayout(order, _count_rows(topk_phys_ids.reshape(-1), num_physical))
 
 
 def sort_rows_by_destination(topk_phys_ids: torch.Tensor) -> torch.Tensor:
@@ -94,15 +115,23 @@ class LocalDispatcher:
         self.allow_multiple_reduction = allow_multiple_reduction
         self.num_rows_sent_remote = 0
 
+    def layout(self, topk_phys_ids: torch.Tensor) -> DispatchLayout:
+        return dispatch_layout(topk_phys_ids, self.num_local_slots)
+
     def dispatch(
-        self, x: torch.Tensor, topk_phys_ids: torch.Tensor, topk_weights: torch.Tensor
+        self,
+        x: torch.Tensor,
+        topk_phys_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        layout: DispatchLayout | None = None,
     ) -> tuple[torch.Tensor, list[int], DispatchHandle]:
         """x [T, D] -> rows [T*K, D] sorted by (local slot, token, slot), group_sizes [L]."""
         _check_routing(x, topk_phys_ids, topk_weights)
         k = topk_phys_ids.shape[1]
-        order = sort_rows_by_destination(topk_phys_ids)
+        layout = layout or self.layout(topk_phys_ids)
+        order = layout.order
         # Host sync: group sizes drive the per-expert GEMM loop.
-        group_sizes = _count_rows(topk_phys_ids.reshape(-1), self.num_local_slots).tolist()
+        group_sizes = layout.rows_per_slot.tolist()
         num_rows = order.numel()
         handle = DispatchHandle(
             order=order,
@@ -165,16 +194,24 @@ class AllToAllDispatcher:
     def _count_remote(self, send_splits: list[int]) -> None:
         self.num_rows_sent_remote += sum(send_splits) - send_splits[self.rank]
 
+    def layout(self, topk_phys_ids: torch.Tensor) -> DispatchLayout:
+        return dispatch_layout(topk_phys_ids, self.world_size * self.num_local_slots)
+
     def dispatch(
-        self, x: torch.Tensor, topk_phys_ids: torch.Tensor, topk_weights: torch.Tensor
+        self,
+        x: torch.Tensor,
+        topk_phys_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        layout: DispatchLayout | None = None,
     ) -> tuple[torch.Tensor, list[int], DispatchHandle]:
         """x [T, D] -> recv_x [N, D] sorted by (local slot, source rank, token, slot),
-        group_sizes [L] host ints, handle. topk_phys_ids [T, K] int64, topk_weights fp32."""
+        group_sizes [L] host ints, handle. topk_phys_ids [T, K] int64, topk_weights fp32.
+        `layout` (from `self.layout`) may be computed ahead, as DeepEP's callers do."""
         _check_routing(x, topk_phys_ids, topk_weights)
         r, slots, k = self.world_size, self.num_local_slots, topk_phys_ids.shape[1]
         flat_ids = topk_phys_ids.reshape(-1)
-        order = sort_rows_by_destination(topk_phys_ids)
-        send_counts = _count_rows(flat_ids, r * slots)  # [R*L], (dest rank, local slot)
+        layout = layout or self.layout(topk_phys_ids)
+        order, send_counts = layout.order, layout.rows_per_slot  # [R*L]: (dest rank, slot)
         recv_counts = torch.empty_like(send_counts)
         # Collective (all ranks, every step, first): counts per (rank, local slot), so each
         # receiver knows its group sizes before any row arrives.
