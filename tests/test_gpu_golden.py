@@ -105,10 +105,21 @@ def test_gpu_prefix_cache_hit_bitwise(workload, alone_invariant):
     assert got == {i: alone_invariant[i] for i in range(16)}
 
 
+# Decode vs score runs on a wider model: at the tiny model's K = 64 cuBLAS was seen to pick the
+# same kernel for decode- and prefill-sized M, so the fast-mode control could not fail there.
+WIDE = {
+    "model.hidden_size": 1024,
+    "model.intermediate_size": 2816,
+    "model.moe_intermediate_size": 512,
+    "model.kv_lora_rank": 256,
+    "model.num_attention_heads": 8,
+}
+
+
 def _decode_vs_score(mode: str, workload) -> list[tuple[list[float], list[float]]]:
     prompts, params = workload
     prompts, params = prompts[:16], params[:16]
-    llm = LLM(TINY_GPU, **{"kernels.mode": mode})
+    llm = LLM(TINY_GPU, **{"kernels.mode": mode, **WIDE})
     outputs = llm.generate(prompts, params)
     sequences = [p + o.token_ids for p, o in zip(prompts, outputs, strict=True)]
     scored = llm.score(sequences, [len(p) for p in prompts])
