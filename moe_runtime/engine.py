@@ -10,13 +10,14 @@ flight with the worker's error and leaves the engine dead, never hung.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from pathlib import Path
 
 from moe_runtime.block_manager import BlockManager
 from moe_runtime.config import RuntimeConfig
 from moe_runtime.executor import WorkerError, create_executor
-from moe_runtime.expert_balancer import ExpertBalancer
+from moe_runtime.expert_balancer import ExpertBalancer, RebalanceError
 from moe_runtime.model_runner import sample_seed
 from moe_runtime.sampler import resolve_seed
 from moe_runtime.sampling_params import SamplingParams
@@ -34,6 +35,13 @@ class LLMEngine:
         # Found at start-up when cache.num_blocks is 0 (sized from free GPU memory): every DP
         # rank's scheduler assumes the smallest cache any worker holds.
         self.num_kv_blocks = min(self.executor.call_all("num_kv_blocks"))
+        needed = -(-config.scheduler.max_model_len // cache.block_size)
+        if needed > self.num_kv_blocks:
+            self.executor.shutdown()
+            raise ValueError(
+                f"a sequence of scheduler.max_model_len={config.scheduler.max_model_len} needs "
+                f"{needed} KV blocks; the cache holds {self.num_kv_blocks} (cache.num_blocks)"
+            )
         self.block_managers = [
             BlockManager(self.num_kv_blocks, cache.block_size, cache.enable_prefix_caching)
             for _ in range(parallel.dp_size)
@@ -60,7 +68,8 @@ class LLMEngine:
     def rebalance(self, force: bool = True, inject_failure: tuple[int, int] | None = None) -> dict:
         """Re-place the experts from the recent load, between steps; see ExpertBalancer."""
         self._check_alive()
-        return self.balancer.rebalance(force=force, inject_failure=inject_failure)
+        with self._fatal_on_error():
+            return self.balancer.rebalance(force=force, inject_failure=inject_failure)
 
     def update_weights(self, source: str | dict) -> int:
         """Swap every rank's weights (HF checkpoint dir or HF-named state dict) between steps.
@@ -71,7 +80,13 @@ class LLMEngine:
         self._check_alive()
         if isinstance(source, str) and not Path(source).is_dir():
             raise ValueError(f"update_weights: {source!r} is not a checkpoint directory")
-        self.executor.call_all("update_weights", source)
+        try:
+            self.executor.call_all("update_weights", source)
+        except ValueError:
+            raise  # refused on every rank before anything changed: nothing to fail
+        except Exception as exc:
+            self._fail_all(f"update_weights: {type(exc).__name__}: {exc}")
+            raise
         for blocks in self.block_managers:
             blocks.clear_cache()
         self.weight_version += 1
@@ -173,12 +188,6 @@ class LLMEngine:
             raise ValueError(
                 f"prompt has {len(token_ids)} tokens, more than scheduler.max_model_len={max_len}"
             )
-        needed = -(-max_len // self.block_size)
-        if needed > self.num_kv_blocks:
-            raise ValueError(
-                f"a sequence of max_model_len={max_len} needs {needed} KV blocks, "
-                f"the cache has {self.num_kv_blocks} (cache.num_blocks)"
-            )
 
     def step(self) -> list[Sequence]:
         """Run one lockstep step on every rank; returns the sequences that finished in it."""
@@ -187,11 +196,8 @@ class LLMEngine:
         tp_size = self.config.parallel.tp_size
         # Worker rank w serves DP rank w // tp_size; all TP ranks of a group get the same chunks.
         per_worker = [chunks for chunks in per_dp_rank for _ in range(tp_size)]
-        try:
+        with self._fatal_on_error():
             results = self.executor.execute(per_worker)[::tp_size]  # TP rank 0 of each group
-        except WorkerError as exc:
-            self._fail_all(str(exc))
-            raise
         finished = []
         for scheduler, chunks, result in zip(self.schedulers, per_dp_rank, results, strict=True):
             for chunk in chunks:
@@ -201,8 +207,26 @@ class LLMEngine:
                     seq.routed_experts.append(result.routed[seq.seq_id])
             finished.extend(scheduler.update(chunks, result.samples))
         self.num_steps += 1
-        self.balancer.maybe_rebalance(self.num_steps)  # between steps: nothing is in a kernel
+        try:
+            with self._fatal_on_error():
+                self.balancer.maybe_rebalance(self.num_steps)  # between steps
+        except RebalanceError:
+            pass  # logged; the old placement keeps serving and nothing in flight changed
         return finished
+
+    @contextlib.contextmanager
+    def _fatal_on_error(self):
+        """A worker that died, stalled or failed mid-collective leaves the ranks out of step:
+        every request in flight ends with the error and the engine stays dead."""
+        try:
+            yield
+        except RebalanceError:
+            raise  # every rank agreed to keep the old placement: still in step
+        except Exception as exc:
+            self._fail_all(
+                f"{type(exc).__name__}: {exc}" if not isinstance(exc, WorkerError) else str(exc)
+            )
+            raise
 
     def _fail_all(self, error: str) -> None:
         """Every request in flight ends with the error; nothing is left waiting forever."""

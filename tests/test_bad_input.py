@@ -92,3 +92,10 @@ def test_stop_tokens_and_eos_end_generation():
     assert stopped.finish_reason == "stop"
     assert stopped.token_ids == free.token_ids[: free.token_ids.index(stop_at) + 1]
     assert free.finish_reason == "length" and len(free.token_ids) == 8
+
+
+def test_cache_too_small_for_the_context_fails_at_start():
+    with pytest.raises(
+        ValueError, match=r"max_model_len=512 needs 32 KV blocks.*cache\.num_blocks"
+    ):
+        LLM(TINY_CONFIG, **{"cache.num_blocks": 8, "scheduler.max_model_len": 512})
