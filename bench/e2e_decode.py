@@ -6,7 +6,9 @@ the numbers are the model's: prefill = P prompts of L tokens in one step; decode
 one token each per step, S steps from context L. Random weights drawn on the GPU (the loader's
 CPU draw of 15.7B parameters would take minutes); the KV cache is random too, since attention
 reads it all the same. Both modes run on one set of weights: the op table is swapped in place.
-Times are CUDA-event medians after warm-up.
+Times are CUDA-event medians after warm-up. `--cuda-graphs` instead times invariant decode
+eagerly and through the DecodeGraphRunner (host batch in, as the ModelRunner feeds it), and
+checks the two give the same logits bits.
 
     PYTHONUNBUFFERED=1 python bench/e2e_decode.py [--set model.num_hidden_layers=8] ...
 """
@@ -28,6 +30,7 @@ from kernels import KernelConfig, build_op_table  # noqa: E402
 from kernels.attention import mla_attention_fast  # noqa: E402
 from kernels.triton_attention import mla_attention_triton  # noqa: E402
 from moe_runtime.config import load_config  # noqa: E402
+from moe_runtime.cuda_graphs import DecodeGraphRunner  # noqa: E402
 from moe_runtime.forward_batch import ForwardBatch  # noqa: E402
 from moe_runtime.model.deepseek import DeepseekForCausalLM  # noqa: E402
 
@@ -57,7 +60,9 @@ def set_ops(model: torch.nn.Module, ops) -> None:
             module.ops = ops
 
 
-def make_batch(num_seqs: int, positions_per_seq: list[range], blocks_per_seq: int, block_size):
+def make_batch(
+    num_seqs: int, positions_per_seq: list[range], blocks_per_seq: int, block_size, device="cuda"
+):
     token_ids, positions, seq_ids, slots, logit_rows = [], [], [], [], []
     for s, span in enumerate(positions_per_seq):
         for p in span:
@@ -74,7 +79,7 @@ def make_batch(num_seqs: int, positions_per_seq: list[range], blocks_per_seq: in
         tables,
         torch.tensor(slots),
         torch.tensor(logit_rows),
-    ).to(torch.device("cuda"))
+    ).to(torch.device(device))
 
 
 def time_ms(fn, reps: int, warmup=None) -> float:
@@ -142,6 +147,54 @@ def bench_model(cfg, args) -> dict:
     return results
 
 
+def bench_graphs(cfg, args, batch_sizes: list[int]) -> None:
+    """Invariant decode, B sequences x S steps from context L, per B: eager vs CUDA graphs."""
+    block_size = cfg.cache.block_size
+    blocks_per_seq = -(-(args.prompt_len + args.decode_steps) // block_size)
+    max_blocks = max(blocks_per_seq, -(-cfg.scheduler.max_model_len // block_size))
+    num_blocks = max(batch_sizes) * blocks_per_seq
+    kv_caches = [  # one extra block: the graphs' scratch block
+        torch.randn(num_blocks + 1, block_size, cfg.model.latent_dim, device="cuda").bfloat16()
+        for _ in range(cfg.model.num_hidden_layers)
+    ]
+    model = build_random_model(cfg, build_op_table(KernelConfig(), "cuda"))
+    sizes = cfg.kernels.cuda_graph_batch_sizes
+    graphs = DecodeGraphRunner(model, kv_caches, sizes, max_blocks, num_blocks)
+    for num_seqs in batch_sizes:
+        batches = [
+            make_batch(
+                num_seqs,
+                [range(args.prompt_len + i, args.prompt_len + i + 1)] * num_seqs,
+                blocks_per_seq,
+                block_size,
+                device="cpu",
+            )
+            for i in range(args.decode_steps)
+        ]
+        paths = {
+            "eager": lambda b: model(b.to(torch.device("cuda")), kv_caches),
+            "graphs": graphs.run,
+        }
+        step_ms, last = {}, {}
+        for name, run in paths.items():
+
+            def decode(steps, run=run, name=name, last=last):
+                for batch in steps:
+                    last[name] = run(batch)
+
+            decode(batches[:2])  # warm-up: compiles, and captures the graphs of this size
+            timed = partial(decode, batches)
+            step_ms[name] = time_ms(timed, reps=3) / args.decode_steps
+        bucket = next(n for n in sizes if n >= num_seqs)
+        print(
+            f"decode B={num_seqs} (graph size {bucket}) ctx={args.prompt_len}: "
+            f"eager {step_ms['eager']:.2f} ms/step, graphs {step_ms['graphs']:.2f} ms/step "
+            f"({step_ms['eager'] / step_ms['graphs']:.2f}x); "
+            f"last step's logits bitwise equal: {torch.equal(last['eager'], last['graphs'])}; "
+            f"replays {graphs.num_replays}, captures {graphs.num_captures}"
+        )
+
+
 def bench_attention(args) -> None:
     """Decode attention alone (B queries, 16 heads, latent 512 + rope 64) vs a device copy."""
     copy_src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
@@ -182,6 +235,12 @@ def main() -> None:
     parser.add_argument("--decode-steps", type=int, default=128)
     parser.add_argument("--modes", nargs="+", default=["invariant", "fast"])
     parser.add_argument("--skip-attention", action="store_true")
+    parser.add_argument(
+        "--cuda-graphs", action="store_true", help="decode eager vs CUDA graphs, then exit"
+    )
+    parser.add_argument(
+        "--graph-batches", type=int, nargs="*", default=[], help="decode batch sizes to time"
+    )
     args = parser.parse_args()
     overrides = dict(item.split("=", 1) for item in args.set)
     cfg = load_config(args.config, overrides)
@@ -190,6 +249,9 @@ def main() -> None:
         f"{cfg.model.n_routed_experts} experts top-{cfg.model.num_experts_per_tok}; "
         f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
     )
+    if args.cuda_graphs:
+        bench_graphs(cfg, args, args.graph_batches or [args.decode_batch])
+        return
     results = bench_model(cfg, args)
     if "invariant" in results and "fast" in results:
         inv, fast = results["invariant"], results["fast"]

@@ -3,7 +3,9 @@
 `mode` picks between the batch-invariant implementations and plain torch ("fast", used for
 speed and as the negative control of every invariance test). `num_threads` is the intra-op
 thread count of a worker: part of the layout, never of the load. `tile_rows` is the fixed
-row count every CPU BLAS call and row reduction is padded to.
+row count every CPU BLAS call and row reduction is padded to. `cuda_graphs` replays pure
+decode steps of at most max(`cuda_graph_batch_sizes`) sequences as CUDA graphs, the batch
+padded up to the next size; it needs the invariant kernels, whose rows ignore the padding.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MODES = ("invariant", "fast")
+DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
 @dataclass(frozen=True)
@@ -18,6 +21,8 @@ class KernelConfig:
     mode: str = "invariant"
     num_threads: int = 1
     tile_rows: int = 16
+    cuda_graphs: bool = False
+    cuda_graph_batch_sizes: tuple[int, ...] = DEFAULT_GRAPH_BATCH_SIZES
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -26,6 +31,26 @@ class KernelConfig:
             raise ValueError(f"kernels.num_threads must be an int >= 1, got {self.num_threads!r}")
         if not isinstance(self.tile_rows, int) or self.tile_rows < 1:
             raise ValueError(f"kernels.tile_rows must be an int >= 1, got {self.tile_rows!r}")
+        if not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"kernels.cuda_graphs must be a bool, got {self.cuda_graphs!r}")
+        sizes = self.cuda_graph_batch_sizes
+        if (
+            not isinstance(sizes, (list, tuple))
+            or not sizes
+            or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in sizes)
+            or any(a >= b for a, b in zip(sizes, sizes[1:], strict=False))
+        ):
+            raise ValueError(
+                "kernels.cuda_graph_batch_sizes must be a non-empty, strictly increasing list "
+                f"of ints >= 1, got {sizes!r}"
+            )
+        object.__setattr__(self, "cuda_graph_batch_sizes", tuple(sizes))  # YAML gives a list
+        if self.cuda_graphs and not self.is_invariant:
+            # Why: padding a batch up to a graph size is invisible to a row only when every
+            # kernel is row-independent; the fast (cuBLAS) kernels are not.
+            raise ValueError(
+                f"kernels.cuda_graphs: true needs kernels.mode 'invariant', got {self.mode!r}"
+            )
 
     @property
     def is_invariant(self) -> bool:

@@ -116,6 +116,16 @@ class RuntimeConfig:
                 f"scheduler.max_model_len ({self.scheduler.max_model_len}) exceeds "
                 f"model.max_position_embeddings ({self.model.max_position_embeddings})"
             )
+        if self.kernels.cuda_graphs and self.parallel.device != "cuda":
+            raise ValueError(
+                "kernels.cuda_graphs: true needs parallel.device 'cuda', "
+                f"got {self.parallel.device!r}"
+            )
+        if self.kernels.cuda_graphs and self.parallel.tp_size > 1:
+            # The pinned TP all-reduce inside attention is not captured.
+            raise ValueError(
+                f"kernels.cuda_graphs: true needs parallel.tp_size 1, got {self.parallel.tp_size}"
+            )
 
 
 def load_config(

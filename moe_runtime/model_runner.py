@@ -4,7 +4,9 @@ Owns the model, the per-layer latent KV caches and the sampler of one rank. With
 parallelism (`must_join`), a step with no chunks still runs the model on zero tokens, because
 every MoE layer is a collective all ranks join. Rows that need
 logits are the last token of a chunk that completes its sequence (a new token is sampled) and,
-for scoring sequences, every position whose next token is a scored one.
+for scoring sequences, every position whose next token is a scored one. With graph batch sizes
+(cuda only) pure decode steps go through a DecodeGraphRunner, and the cache holds one more
+block than the BlockManager is given: the scratch block the graphs' padding rows write to.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels import OpTable
+from moe_runtime.cuda_graphs import DecodeGraphRunner
 from moe_runtime.forward_batch import ForwardBatch
 from moe_runtime.model.deepseek import DeepseekForCausalLM
 from moe_runtime.sampler import Sampler, SampleResult, derive_seed
@@ -38,13 +41,19 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         must_join: bool = False,
+        graph_batch_sizes: tuple[int, ...] = (),
+        max_blocks_per_seq: int = 0,
     ) -> None:
+        """graph_batch_sizes: CUDA-graph decode batch sizes (empty: always eager); block
+        tables of graphed steps are padded to max_blocks_per_seq columns."""
         cfg = model.config
         self.model, self.ops, self.device = model, ops, device
         self.block_size, self.must_join = block_size, must_join
+        self.num_blocks = num_blocks  # blocks the BlockManager may hand out
+        num_scratch = 1 if graph_batch_sizes else 0
         self.kv_caches = [
             torch.zeros(
-                num_blocks,
+                num_blocks + num_scratch,
                 block_size,
                 cfg.latent_dim,
                 dtype=model.dtype,
@@ -53,13 +62,24 @@ class ModelRunner:
             for _ in range(cfg.num_hidden_layers)
         ]
         self.sampler = Sampler(ops.log_softmax)
+        self.graphs: DecodeGraphRunner | None = None
+        if graph_batch_sizes:
+            if device.type != "cuda":
+                raise ValueError(f"kernels.cuda_graphs needs a cuda device, got {device}")
+            self.graphs = DecodeGraphRunner(
+                model, self.kv_caches, graph_batch_sizes, max_blocks_per_seq, num_blocks
+            )
 
     def step(self, chunks: list[ScheduledChunk]) -> StepOutput:
         out = StepOutput()
         if not chunks and not self.must_join:
             return out
         batch, row_owners = self._build_batch(chunks)
-        logits = self.model(batch.to(self.device), self.kv_caches)
+        is_pure_decode = all(c.num_tokens == 1 and not c.seq.is_score for c in chunks)
+        if self.graphs is not None and self.graphs.can_run(is_pure_decode, batch):
+            logits = self.graphs.run(batch)
+        else:
+            logits = self.model(batch.to(self.device), self.kv_caches)
         samples, scored = out.samples, out.scored
         gen_rows = [i for i, (chunk, _) in enumerate(row_owners) if not chunk.seq.is_score]
         if gen_rows:

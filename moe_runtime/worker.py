@@ -120,12 +120,14 @@ class Worker:
             cfg.cache.block_size,
             device,
             must_join=self.world_size > 1,
+            graph_batch_sizes=cfg.kernels.cuda_graph_batch_sizes if cfg.kernels.cuda_graphs else (),
+            max_blocks_per_seq=-(-cfg.scheduler.max_model_len // cfg.cache.block_size),
         )
         self._bind_placement()
 
     def num_kv_blocks(self) -> int:
         """KV blocks this rank's cache holds (found at start-up when cache.num_blocks is 0)."""
-        return self.runner.kv_caches[0].shape[0]
+        return self.runner.num_blocks
 
     def _local_experts(self) -> list[list[int]]:
         num_moe = self.config.model.num_hidden_layers - self.config.model.first_k_dense_replace
@@ -187,6 +189,8 @@ class Worker:
         tensors = read_checkpoint(Path(source), model.config) if isinstance(source, str) else source
         assign_weights(model, dict(tensors), self._local_experts(), str(source)[:80])
         model.after_weights_loaded()
+        if self.runner.graphs is not None:
+            self.runner.graphs.reset()  # the absorbed MLA weights are new tensors
 
     def stats(self) -> dict:
         """Counters of this rank; `slot_load[l][s]` = rows served by local slot s of MoE layer l."""

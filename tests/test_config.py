@@ -71,3 +71,59 @@ def test_kv_cache_sized_from_memory_needs_cuda():
     with pytest.raises(ValueError, match="cache.num_blocks.*cpu"):
         kv_cache_blocks(config, torch.device("cpu"))
     assert kv_cache_blocks(load_config(CONFIGS / "tiny_cpu.yaml"), torch.device("cpu")) == 512
+
+
+def test_cuda_graph_keys_default_off_and_parse():
+    assert load_config(CONFIGS / "tiny_cpu.yaml").kernels.cuda_graphs is False
+    config = load_config(
+        CONFIGS / "tiny_gpu.yaml",
+        {"kernels.cuda_graphs": True, "kernels.cuda_graph_batch_sizes": "[1, 4, 16]"},
+    )
+    assert config.kernels.cuda_graphs is True
+    assert config.kernels.cuda_graph_batch_sizes == (1, 4, 16)  # YAML's list, kept as a tuple
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("kernels.cuda_graphs", "yes please"),
+        ("kernels.cuda_graphs", 1),
+        ("kernels.cuda_graph_batch_sizes", "[]"),
+        ("kernels.cuda_graph_batch_sizes", "[4, 2]"),
+        ("kernels.cuda_graph_batch_sizes", "[1, 1]"),
+        ("kernels.cuda_graph_batch_sizes", "[0, 8]"),
+        ("kernels.cuda_graph_batch_sizes", "[1, true]"),
+        ("kernels.cuda_graph_batch_sizes", 8),
+    ],
+)
+def test_cuda_graph_keys_validated(key, value):
+    with pytest.raises(ValueError, match=key):
+        load_config(CONFIGS / "tiny_gpu.yaml", {key: value})
+
+
+@pytest.mark.parametrize(
+    "overrides, needs",
+    [
+        ({}, "parallel.device 'cuda', got 'cpu'"),  # tiny_cpu runs on the CPU
+        ({"kernels.mode": "fast", "parallel.device": "cuda"}, "kernels.mode 'invariant'"),
+        (
+            {"parallel.device": "cuda", "parallel.world_size": 2, "parallel.tp_size": 2},
+            "parallel.tp_size 1",
+        ),
+    ],
+)
+def test_cuda_graphs_refused_where_they_cannot_run(overrides, needs):
+    with pytest.raises(ValueError, match=f"kernels.cuda_graphs.*{needs}"):
+        load_config(CONFIGS / "tiny_cpu.yaml", {"kernels.cuda_graphs": True, **overrides})
+
+
+def test_cpu_runner_stays_eager_with_its_cache_unchanged():
+    from moe_runtime import LLM
+
+    llm = LLM(CONFIGS / "tiny_cpu.yaml")
+    try:
+        runner = llm.engine.executor.worker.runner
+        assert runner.graphs is None  # no scratch block either: the cache is cache.num_blocks
+        assert runner.kv_caches[0].shape[0] == runner.num_blocks == llm.engine.num_kv_blocks
+    finally:
+        llm.shutdown()

@@ -42,9 +42,26 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, ops, dtype, tp)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
+    @property
+    def is_moe(self) -> bool:
+        return isinstance(self.mlp, MoE)
+
+    def attention_part(
+        self, x: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, D] -> (x + attention, its post-attention norm): the MLP's residual and input.
+
+        Free of host syncs and collectives (with tp.size 1), so a CUDA graph can capture it.
+        """
         x = x + self.self_attn(self.input_layernorm(x), batch, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x, self.post_attention_layernorm(x)
+
+    def mlp_part(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """Residual x [T, D] + MLP or MoE of the normed h [T, D]."""
+        return x + self.mlp(h)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
+        return self.mlp_part(*self.attention_part(x, batch, kv_cache))
 
 
 class DeepseekModel(nn.Module):

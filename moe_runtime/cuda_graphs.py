@@ -1,0 +1,182 @@
+"""DecodeGraphRunner: pure decode steps replayed as CUDA graphs between the eager MoE layers.
+
+A decode step of B sequences (one token each, no scoring rows) is padded up to the next batch
+size N of `batch_sizes` with dummy rows: token 0, position 0, a block table naming only the
+scratch KV block (reserved by the runner, never handed out by the BlockManager), the latent
+written to that block. Per size the model is cut at every MoE layer into segments, each
+captured once as a graph: [embedding, dense layers, the first MoE layer's attention part],
+[dense layers after it, the next MoE layer's attention part], ..., [final norm, LM head]. The
+MoE layers (router, host-side expert counts, the EP exchange, experts, shared experts) run
+eagerly on the B real rows between replays, so expert loads and routed experts are the eager
+path's. Real rows keep their eager bits because every captured kernel computes a row from that
+row alone (invariant mode) and the block-table width sets only the attention launch, never a
+query's result. Not for TP > 1 (the attention all-reduce is not captured): the config refuses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moe_runtime.forward_batch import ForwardBatch
+from moe_runtime.model.deepseek import DeepseekForCausalLM
+
+
+@dataclass(frozen=True)
+class _Segment:
+    """layers[first_layer:end_layer] run whole; then end_layer's attention part, or the final
+    norm and LM head when end_layer is the layer count."""
+
+    first_layer: int
+    end_layer: int
+
+
+@dataclass
+class _SizeGraphs:
+    """Static buffers and captured segments of one padded batch size N."""
+
+    batch: ForwardBatch  # device tensors, [N] / [N, MB]; logits_indices = arange(N)
+    inputs: list[torch.Tensor | None]  # per segment: its residual input [N, D] (None: embed)
+    outputs: list[tuple[torch.Tensor, ...]]  # per segment: (x, h) [N, D] or (logits [N, V],)
+    graphs: list[torch.cuda.CUDAGraph]
+
+
+class DecodeGraphRunner:
+    def __init__(
+        self,
+        model: DeepseekForCausalLM,
+        kv_caches: list[torch.Tensor],
+        batch_sizes: tuple[int, ...],
+        max_blocks_per_seq: int,
+        scratch_block: int,
+    ) -> None:
+        """batch_sizes strictly increasing; block tables are padded to max_blocks_per_seq
+        columns so the attention launch is static; scratch_block is a cache block no sequence
+        owns."""
+        self.model, self.kv_caches = model, kv_caches
+        self.batch_sizes, self.max_blocks_per_seq = batch_sizes, max_blocks_per_seq
+        self.scratch_block = scratch_block
+        self.block_size = kv_caches[0].shape[1]
+        self.device = kv_caches[0].device
+        layers = model.model.layers
+        moe_ids = [i for i, layer in enumerate(layers) if layer.is_moe]
+        starts = [0] + [i + 1 for i in moe_ids]
+        self.segments = [
+            _Segment(a, b) for a, b in zip(starts, moe_ids + [len(layers)], strict=True)
+        ]
+        self.pool = torch.cuda.graph_pool_handle()
+        self._graphs: dict[int, _SizeGraphs] = {}
+        self.num_replays = 0  # steps served by graphs (tests check the path really ran)
+        self.num_captures = 0
+
+    def can_run(self, is_pure_decode: bool, batch: ForwardBatch) -> bool:
+        """batch on the host; is_pure_decode: one token per sequence and no scoring rows."""
+        num_seqs = batch.block_tables.shape[0]
+        return (
+            is_pure_decode
+            and 1 <= num_seqs <= self.batch_sizes[-1]
+            and batch.num_tokens == num_seqs
+            and batch.block_tables.shape[1] <= self.max_blocks_per_seq
+        )
+
+    def reset(self) -> None:
+        """Drop every capture (weights were replaced: the graphs hold the old addresses)."""
+        self._graphs.clear()
+
+    @torch.inference_mode()
+    def run(self, batch: ForwardBatch) -> torch.Tensor:
+        """batch (host tensors, B rows, can_run true) -> fp32 logits [R, V] for
+        batch.logits_indices, bitwise the eager model's."""
+        num_real = batch.num_tokens
+        size = next(n for n in self.batch_sizes if n >= num_real)
+        graphs = self._graphs.get(size)
+        if graphs is None:
+            graphs = self._capture(size, batch)
+        else:
+            self._load(graphs.batch, batch)
+        layers = self.model.model.layers
+        for j, segment in enumerate(self.segments):
+            graphs.graphs[j].replay()
+            if segment.end_layer == len(layers):
+                break
+            x, h = graphs.outputs[j]
+            # Eager MoE on the real rows only: the pad rows never reach the router or the
+            # dispatcher (a collective every rank joins once per layer, in layer order).
+            torch.add(
+                x[:num_real],
+                layers[segment.end_layer].mlp(h[:num_real]),
+                out=graphs.inputs[j + 1][:num_real],
+            )
+        self.num_replays += 1
+        logits = graphs.outputs[-1][0]
+        return logits[batch.logits_indices.to(self.device)]  # a copy: the pool is reused
+
+    def _load(self, static: ForwardBatch, batch: ForwardBatch) -> None:
+        """Copy the B real rows into the static buffers; rows B.. become dummy rows."""
+        num_real, width = batch.num_tokens, batch.block_tables.shape[1]
+        num_rows = static.token_ids.shape[0]
+        pad = num_rows - num_real
+        tables = torch.full((num_rows, self.max_blocks_per_seq), -1, dtype=torch.int64)
+        tables[:num_real, :width] = batch.block_tables
+        tables[num_real:, 0] = self.scratch_block
+        static.token_ids.copy_(torch.cat([batch.token_ids, batch.token_ids.new_zeros(pad)]))
+        static.positions.copy_(torch.cat([batch.positions, batch.positions.new_zeros(pad)]))
+        scratch_slot = self.scratch_block * self.block_size
+        static.slot_mapping.copy_(
+            torch.cat([batch.slot_mapping, batch.slot_mapping.new_full((pad,), scratch_slot)])
+        )
+        static.block_tables.copy_(tables)
+
+    def _run_segment(self, j: int, graphs: _SizeGraphs) -> tuple[torch.Tensor, ...]:
+        """The eager code of segment j over all N rows (captured as is)."""
+        segment, model = self.segments[j], self.model
+        layers, batch = model.model.layers, graphs.batch
+        if j == 0:
+            x = model.model.embed_tokens.weight[batch.token_ids]
+        else:
+            x = graphs.inputs[j]
+        for i in range(segment.first_layer, segment.end_layer):
+            x = layers[i](x, batch, self.kv_caches[i])
+        if segment.end_layer < len(layers):
+            i = segment.end_layer
+            return layers[i].attention_part(x, batch, self.kv_caches[i])
+        hidden = model.model.norm(x)
+        return (model.ops.linear(hidden, model.lm_head.weight).float(),)
+
+    def _capture(self, num_rows: int, batch: ForwardBatch) -> _SizeGraphs:
+        """Warm up (compiles this size's kernels), then capture every segment of size N."""
+        cfg, dev = self.model.config, self.device
+        static = ForwardBatch(
+            token_ids=torch.zeros(num_rows, dtype=torch.int64, device=dev),
+            positions=torch.zeros(num_rows, dtype=torch.int64, device=dev),
+            query_seq_ids=torch.arange(num_rows, device=dev),
+            block_tables=torch.full(
+                (num_rows, self.max_blocks_per_seq), -1, dtype=torch.int64, device=dev
+            ),
+            slot_mapping=torch.zeros(num_rows, dtype=torch.int64, device=dev),
+            logits_indices=torch.arange(num_rows, device=dev),
+        )
+        inputs = [None] + [
+            torch.zeros(num_rows, cfg.hidden_size, dtype=self.model.dtype, device=dev)
+            for _ in self.segments[1:]
+        ]
+        graphs = _SizeGraphs(static, inputs, [], [])
+        self._load(static, batch)
+        # The warm-up writes this step's latents from zero inputs into this step's own slots
+        # (and the scratch block); the replays below overwrite each of them before any
+        # attention reads it, since every layer writes its cache rows before attending.
+        stream = torch.cuda.Stream(dev)
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(stream):
+            for j in range(len(self.segments)):
+                self._run_segment(j, graphs)
+        torch.cuda.current_stream(dev).wait_stream(stream)
+        for j in range(len(self.segments)):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                graphs.outputs.append(self._run_segment(j, graphs))
+            graphs.graphs.append(graph)
+        self._graphs[num_rows] = graphs
+        self.num_captures += 1
+        return graphs
