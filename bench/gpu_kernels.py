@@ -19,7 +19,8 @@ import triton
 import triton.testing
 
 # Run as a script from anywhere: the repository root holds the top-level packages.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
 from kernels.linear import grouped_linear_fast  # noqa: E402
 from kernels.rmsnorm import rms_norm_fast  # noqa: E402
@@ -32,19 +33,10 @@ from kernels.triton_linear import (  # noqa: E402
 )
 from kernels.triton_rmsnorm import rms_norm_triton  # noqa: E402
 from kernels.triton_softmax import log_softmax_triton  # noqa: E402
+from moe_runtime.config import load_config  # noqa: E402
 
-# (name, in_dim K, out_dim N) of DeepSeek-V2-Lite (hidden 2048).
-LINEAR_SHAPES = [
-    ("q_proj", 2048, 3072),
-    ("kv_a", 2048, 576),
-    ("kv_b", 512, 4096),
-    ("o_proj", 2048, 2048),
-    ("mlp_gate_up", 2048, 2 * 10944),
-    ("mlp_down", 10944, 2048),
-    ("expert_gate_up", 2048, 2 * 1408),
-    ("expert_down", 1408, 2048),
-    ("lm_head", 2048, 102400),
-]
+# (name, in_dim K, out_dim N) of DeepSeek-V2-Lite (hidden 2048), from the shipped config.
+LINEAR_SHAPES = load_config(ROOT / "launch" / "configs" / "v2_lite_gpu.yaml").model.linear_shapes()
 ROW_COUNTS = (1, 16, 64, 256, 1024, 4096, 16384)
 L2_BYTES = 60 << 20
 

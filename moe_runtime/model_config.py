@@ -150,6 +150,23 @@ class ModelConfig:
         """Width of one cached KV row: the compressed latent plus the shared rope key."""
         return self.kv_lora_rank + self.qk_rope_head_dim
 
+    def linear_shapes(self) -> list[tuple[str, int, int]]:
+        """(name, in_dim K, out_dim N) of every distinct linear weight (no TP split), with
+        gate and up fused as the runtime runs them; benchmarks and kernel tests sweep these."""
+        heads, hidden = self.num_attention_heads, self.hidden_size
+        q_in = hidden if self.q_lora_rank is None else self.q_lora_rank
+        return [
+            ("q_proj", q_in, heads * self.qk_head_dim),
+            ("kv_a", hidden, self.latent_dim),
+            ("kv_b", self.kv_lora_rank, heads * (self.qk_nope_head_dim + self.v_head_dim)),
+            ("o_proj", heads * self.v_head_dim, hidden),
+            ("mlp_gate_up", hidden, 2 * self.intermediate_size),
+            ("mlp_down", self.intermediate_size, hidden),
+            ("expert_gate_up", hidden, 2 * self.moe_intermediate_size),
+            ("expert_down", self.moe_intermediate_size, hidden),
+            ("lm_head", hidden, self.vocab_size),
+        ]
+
     def is_moe_layer(self, layer_id: int) -> bool:
         return layer_id >= self.first_k_dense_replace
 

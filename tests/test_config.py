@@ -127,3 +127,18 @@ def test_cpu_runner_stays_eager_with_its_cache_unchanged():
         assert runner.kv_caches[0].shape[0] == runner.num_blocks == llm.engine.num_kv_blocks
     finally:
         llm.shutdown()
+
+
+def test_v2_lite_linear_shapes():
+    shapes = load_config(CONFIGS / "v2_lite_gpu.yaml").model.linear_shapes()
+    assert shapes == [
+        ("q_proj", 2048, 3072),
+        ("kv_a", 2048, 576),
+        ("kv_b", 512, 4096),
+        ("o_proj", 2048, 2048),
+        ("mlp_gate_up", 2048, 2 * 10944),
+        ("mlp_down", 10944, 2048),
+        ("expert_gate_up", 2048, 2 * 1408),
+        ("expert_down", 1408, 2048),
+        ("lm_head", 2048, 102400),
+    ]

@@ -5,11 +5,14 @@ and cuBLAS / torch as the negative control that the same comparison can fail.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from kernels.activation import silu_ref
 from kernels.rmsnorm import rms_norm_fast
+from moe_runtime.config import load_config
 
 pytestmark = [
     pytest.mark.gpu,
@@ -20,18 +23,10 @@ EPS = 1e-6
 # Both sides of BLOCK_M = 64 and of cuBLAS's small-M paths (it differs for M <= 128).
 # Both sides of the linear's row buckets (16, 64, 512) and BLOCK_M (16, 32, 128).
 ROW_COUNTS = (1, 2, 3, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 511, 512, 513, 1000)
-# DeepSeek-V2-Lite linear weights (name, in_dim K, out_dim N), as in bench/gpu_kernels.py.
-V2_LITE_LINEARS = [
-    ("q_proj", 2048, 3072),
-    ("kv_a", 2048, 576),
-    ("kv_b", 512, 4096),
-    ("o_proj", 2048, 2048),
-    ("mlp_gate_up", 2048, 2 * 10944),
-    ("mlp_down", 10944, 2048),
-    ("expert_gate_up", 2048, 2 * 1408),
-    ("expert_down", 1408, 2048),
-    ("lm_head", 2048, 102400),
-]
+# DeepSeek-V2-Lite linear weights (name, in_dim K, out_dim N), from the shipped config.
+V2_LITE_LINEARS = load_config(
+    Path(__file__).resolve().parent.parent / "launch" / "configs" / "v2_lite_gpu.yaml"
+).model.linear_shapes()
 BUCKET_PROBE_ROWS = (1, 16, 17, 64, 65, 512, 513, 4096)
 # bf16 output after fp32 accumulation: one bf16 ulp (2**-8 relative) plus order effects.
 BF16_TOL = {"atol": 2e-2, "rtol": 2e-2}
