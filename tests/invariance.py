@@ -61,3 +61,16 @@ def random_sub_batches(num: int, seed: int, max_size: int = 16) -> list[list[int
         batches.append(order[:size])
         order = order[size:]
     return batches
+
+
+def record_steps(llm) -> list[list]:
+    """Spy on the engine's executor: one list of ScheduledChunks (all ranks) per step run."""
+    steps: list[list] = []
+    execute = llm.engine.executor.execute
+
+    def spy(per_rank):
+        steps.append([chunk for chunks in per_rank for chunk in chunks])
+        return execute(per_rank)
+
+    llm.engine.executor.execute = spy
+    return steps

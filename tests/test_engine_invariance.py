@@ -10,7 +10,14 @@ from __future__ import annotations
 import pytest
 
 from moe_runtime import LLM, SamplingParams
-from tests.invariance import TINY_CONFIG, fingerprint, mixed_params, mixed_prompts, run_in_batches
+from tests.invariance import (
+    TINY_CONFIG,
+    fingerprint,
+    mixed_params,
+    mixed_prompts,
+    record_steps,
+    run_in_batches,
+)
 
 NUM = 12
 
@@ -27,16 +34,6 @@ def reference(workload):
     return run_in_batches(llm, prompts, params, [[i] for i in range(NUM)])
 
 
-def _record_chunks(llm: LLM) -> list:
-    seen = []
-    execute = llm.engine.executor.execute
-    llm.engine.executor.execute = lambda per_rank: (
-        seen.extend((c.start, c.num_tokens) for chunks in per_rank for c in chunks),
-        execute(per_rank),
-    )[1]
-    return seen
-
-
 @pytest.mark.parametrize("budget", [7, 16, 33, 100])
 def test_chunked_prefill_is_bitwise_invariant(workload, reference, budget):
     prompts, params = workload
@@ -44,8 +41,9 @@ def test_chunked_prefill_is_bitwise_invariant(workload, reference, budget):
         TINY_CONFIG,
         **{"scheduler.max_num_batched_tokens": budget, "cache.enable_prefix_caching": False},
     )
-    chunks = _record_chunks(llm)
+    steps = record_steps(llm)
     got = run_in_batches(llm, prompts, params, [list(range(NUM))])
+    chunks = [(c.start, c.num_tokens) for step in steps for c in step]
     assert any(start > 0 and n > 1 for start, n in chunks), (
         "no prompt was prefilled in several chunks"
     )

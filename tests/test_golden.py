@@ -15,6 +15,7 @@ from tests.invariance import (
     mixed_params,
     mixed_prompts,
     random_sub_batches,
+    record_steps,
     run_in_batches,
 )
 
@@ -26,22 +27,12 @@ def workload():
     return mixed_prompts(NUM_PROMPTS, 8, 300, seed=11), mixed_params(NUM_PROMPTS, MAX_TOKENS)
 
 
-def _record_batch_sizes(llm: LLM) -> list[int]:
-    sizes: list[int] = []
-    execute = llm.engine.executor.execute
-    llm.engine.executor.execute = lambda per_rank: (
-        sizes.append(sum(len(c) for c in per_rank)),
-        execute(per_rank),
-    )[1]
-    return sizes
-
-
 def _alone_vs_together(mode: str, workload) -> tuple[dict, dict, dict, list[int]]:
     prompts, params = workload
     alone_llm = LLM(TINY_CONFIG, **{"kernels.mode": mode, "cache.enable_prefix_caching": False})
     alone = run_in_batches(alone_llm, prompts, params, [[i] for i in range(NUM_PROMPTS)])
     llm = LLM(TINY_CONFIG, **{"kernels.mode": mode})
-    sizes = _record_batch_sizes(llm)
+    steps = record_steps(llm)
     together = run_in_batches(llm, prompts, params, [list(range(NUM_PROMPTS))])
     shuffled = {}
     for seed in (1, 2):
@@ -50,7 +41,7 @@ def _alone_vs_together(mode: str, workload) -> tuple[dict, dict, dict, list[int]
         )
         part = run_in_batches(shuffled_llm, prompts, params, random_sub_batches(NUM_PROMPTS, seed))
         shuffled.update({(seed, i): v for i, v in part.items()})
-    return alone, together, shuffled, sizes
+    return alone, together, shuffled, [len(step) for step in steps]
 
 
 def test_golden_batch_invariance(workload):

@@ -17,7 +17,13 @@ import pytest
 import torch
 
 from moe_runtime import LLM
-from tests.invariance import mixed_params, mixed_prompts, random_sub_batches, run_in_batches
+from tests.invariance import (
+    mixed_params,
+    mixed_prompts,
+    random_sub_batches,
+    record_steps,
+    run_in_batches,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -49,18 +55,13 @@ def _batched(mode: str, workload, **overrides) -> tuple[dict, dict, int]:
     """All prompts in one batch, then shuffled sub-batches; -> (together, shuffled, max rows)."""
     prompts, params = workload
     llm = LLM(TINY_GPU, **{"kernels.mode": mode, **overrides})
-    sizes: list[int] = []
-    execute = llm.engine.executor.execute
-    llm.engine.executor.execute = lambda per_rank: (
-        sizes.append(sum(len(c) for c in per_rank)),
-        execute(per_rank),
-    )[1]
+    steps = record_steps(llm)
     try:
         together = run_in_batches(llm, prompts, params, [list(range(NUM_PROMPTS))])
         shuffled = run_in_batches(llm, prompts, params, random_sub_batches(NUM_PROMPTS, seed=3))
     finally:
         llm.shutdown()
-    return together, shuffled, max(sizes)
+    return together, shuffled, max(len(step) for step in steps)
 
 
 def test_gpu_golden_batch_invariance(workload, alone_invariant):
@@ -83,13 +84,9 @@ def test_gpu_golden_negative_control_fast_mode(workload):
 def test_gpu_chunked_prefill_bitwise(workload, alone_invariant, budget):
     prompts, params = workload
     llm = LLM(TINY_GPU, **{"scheduler.max_num_batched_tokens": budget, **NO_PREFIX_CACHE})
-    starts: list[int] = []
-    execute = llm.engine.executor.execute
-    llm.engine.executor.execute = lambda per_rank: (
-        starts.extend(c.start for chunks in per_rank for c in chunks if c.num_tokens > 1),
-        execute(per_rank),
-    )[1]
+    steps = record_steps(llm)
     got = run_in_batches(llm, prompts, params, [list(range(16))])
+    starts = [c.start for step in steps for c in step if c.num_tokens > 1]
     assert any(start > 0 for start in starts), "no prompt was prefilled in several chunks"
     assert got == {i: alone_invariant[i] for i in range(16)}
 
