@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kernels import KernelConfig, build_op_table  # noqa: E402
 from kernels.attention import mla_attention_fast  # noqa: E402
 from kernels.triton_attention import mla_attention_triton  # noqa: E402
+from launch.cli import add_override_argument, parse_overrides  # noqa: E402
 from moe_runtime.config import load_config  # noqa: E402
 from moe_runtime.cuda_graphs import DecodeGraphRunner  # noqa: E402
 from moe_runtime.forward_batch import ForwardBatch  # noqa: E402
@@ -228,7 +229,7 @@ def bench_attention(args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", default=str(CONFIG))
-    parser.add_argument("--set", action="append", default=[], help="section.key=value")
+    add_override_argument(parser)
     parser.add_argument("--prefill-prompts", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=1024)
     parser.add_argument("--decode-batch", type=int, default=64)
@@ -242,7 +243,7 @@ def main() -> None:
         "--graph-batches", type=int, nargs="*", default=[], help="decode batch sizes to time"
     )
     args = parser.parse_args()
-    overrides = dict(item.split("=", 1) for item in args.set)
+    overrides = parse_overrides(args.set)
     cfg = load_config(args.config, overrides)
     print(
         f"model: {cfg.model.num_hidden_layers} layers, hidden {cfg.model.hidden_size}, "

@@ -16,6 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from a checkout
 
+from launch.cli import add_override_argument, parse_overrides  # noqa: E402
 from moe_runtime import LLM, SamplingParams  # noqa: E402
 
 
@@ -31,24 +32,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--top-k", type=int, default=-1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--logprobs", type=int, default=5)
-    parser.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="config override (repeatable), e.g. kernels.mode=fast",
-    )
+    add_override_argument(parser)
     return parser.parse_args(argv)
-
-
-def parse_overrides(items: list[str]) -> dict[str, str]:
-    overrides = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise SystemExit(f"--set {item!r}: expected SECTION.KEY=VALUE")
-        overrides[key.strip()] = value
-    return overrides
 
 
 def main(argv: list[str] | None = None) -> int:

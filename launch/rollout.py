@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 
 from tqdm import tqdm  # noqa: E402
 
-from launch.generate import parse_overrides  # noqa: E402
+from launch.cli import add_override_argument, parse_overrides  # noqa: E402
 from launch.rollout_io import (  # noqa: E402
     RowError,
     Sample,
@@ -46,7 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--config", required=True, help="YAML config file")
     parser.add_argument("--input", required=True, type=Path, help="JSONL rows")
     parser.add_argument("--output", required=True, type=Path, help="JSONL rows (appended)")
-    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    add_override_argument(parser)
     parser.add_argument("--score", action="store_true", help="teacher-forced logprobs instead")
     parser.add_argument("--batch-size", type=int, default=64, help="samples per written batch")
     parser.add_argument("--base-seed", type=int, default=0, help="seeds rows that give none")

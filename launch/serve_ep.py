@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 
 import uvicorn  # noqa: E402
 
-from launch.generate import parse_overrides  # noqa: E402
+from launch.cli import add_override_argument, parse_overrides  # noqa: E402
 from launch.server_app import create_app  # noqa: E402
 from moe_runtime.config import load_config  # noqa: E402
 from moe_runtime.engine import LLMEngine  # noqa: E402
@@ -37,13 +37,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--config", required=True, help="YAML config file")
     parser.add_argument("--host", default=None, help="overrides server.host")
     parser.add_argument("--port", type=int, default=None, help="overrides server.port (0: any)")
-    parser.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="config override (repeatable), e.g. kernels.mode=fast",
-    )
+    add_override_argument(parser)
     parser.add_argument(
         "--drain-timeout-s",
         type=float,
