@@ -212,6 +212,16 @@ def error(
     return ExactJSONResponse(error_body(status, message, param, kind), status_code=status)
 
 
+def refusal(loop, model: str | None = None, served: str | None = None) -> JSONResponse | None:
+    """503 while the engine loads, 404 for a model name other than the served one; None when
+    the request may go on."""
+    if loop is None:
+        return error(503, "the engine is still loading", None, "unavailable")
+    if model is not None and model != served:
+        return error(404, f"model {model!r} does not exist", "model", "not_found_error")
+    return None
+
+
 def generation_error(exc: Exception, metrics, route: str) -> JSONResponse:
     """The response for a request that failed before answering: 400 for a bad request (the
     message names the field), 503 when the engine cannot take it, 500 for a worker failure."""

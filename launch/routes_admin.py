@@ -13,7 +13,7 @@ import asyncio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from launch.protocol import ExactJSONResponse, UpdateWeightsRequest, error
+from launch.protocol import ExactJSONResponse, UpdateWeightsRequest, error, refusal
 from moe_runtime.engine_loop import EngineUnavailableError
 
 
@@ -32,8 +32,9 @@ def add_admin_routes(app: FastAPI) -> None:
 
 async def _on_loop(request: Request, fn, param: str | None) -> JSONResponse:
     loop = request.app.state.engine_loop
-    if loop is None:
-        return error(503, "the engine is still loading", None, "unavailable")
+    refused = refusal(loop)
+    if refused is not None:
+        return refused
     try:
         result = await asyncio.wrap_future(loop.call(fn))
     except EngineUnavailableError as exc:

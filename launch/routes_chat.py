@@ -18,7 +18,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from launch.generation import Generation, TextDeltas, cut_at_stop
 from launch.metrics import ServerMetrics
-from launch.protocol import ChatCompletionRequest, ExactJSONResponse, error, generation_error
+from launch.protocol import (
+    ChatCompletionRequest,
+    ExactJSONResponse,
+    generation_error,
+    refusal,
+)
 from launch.routes_completions import sse
 from moe_runtime.config import RuntimeConfig
 
@@ -32,10 +37,9 @@ def add_chat_routes(app: FastAPI, config: RuntimeConfig, tokenizer, metrics: Ser
     @app.post(ROUTE)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> JSONResponse:
         loop = request.app.state.engine_loop
-        if loop is None:
-            return error(503, "the engine is still loading", None, "unavailable")
-        if body.model is not None and body.model != model_name:
-            return error(404, f"model {body.model!r} does not exist", "model", "not_found_error")
+        refused = refusal(loop, body.model, model_name)
+        if refused is not None:
+            return refused
         try:
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
             prompt_ids = tokenizer.apply_chat_template(messages)

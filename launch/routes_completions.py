@@ -22,8 +22,8 @@ from launch.protocol import (
     CompletionRequest,
     ExactJSONResponse,
     dumps,
-    error,
     generation_error,
+    refusal,
 )
 from moe_runtime.config import RuntimeConfig
 from moe_runtime.sequence import Sequence
@@ -40,10 +40,9 @@ def add_completion_routes(
     @app.post(ROUTE)
     async def completions(body: CompletionRequest, request: Request) -> JSONResponse:
         loop = request.app.state.engine_loop
-        if loop is None:
-            return error(503, "the engine is still loading", None, "unavailable")
-        if body.model is not None and body.model != model_name:
-            return error(404, f"model {body.model!r} does not exist", "model", "not_found_error")
+        refused = refusal(loop, body.model, model_name)
+        if refused is not None:
+            return refused
         prompts = body.prompts()
         try:
             params = body.sampling_params(DEFAULT_MAX_TOKENS)
