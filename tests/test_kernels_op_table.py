@@ -16,6 +16,7 @@ from kernels import (
     router,
     softmax,
 )
+from tests.test_kernels_router import V2_GREEDY
 
 OPS = (
     "linear",
@@ -57,17 +58,7 @@ def test_compiled_triton_ops_refuse_cpu_tensors_naming_the_device(generator):
     table = build_op_table(KernelConfig(), "cuda")
     logits = torch.randn(3, 8, generator=generator)
     with pytest.raises(ValueError, match="cpu"):
-        table.router_topk(
-            logits,
-            None,
-            top_k=2,
-            num_groups=1,
-            topk_group=1,
-            scoring_func="softmax",
-            topk_method="greedy",
-            norm_topk_prob=False,
-            routed_scaling_factor=1.0,
-        )
+        table.router_topk(logits, None, **{**V2_GREEDY, "top_k": 2})
     q, kv = torch.randn(2, 4, 24, generator=generator), torch.randn(3, 16, 24, generator=generator)
     ids = torch.zeros(2, dtype=torch.int64)
     with pytest.raises(ValueError, match="cpu"):

@@ -221,15 +221,9 @@ def check_bad_inputs(generator: torch.Generator) -> None:
 
     q, kv = torch.randn(2, 4, 24, generator=generator), torch.randn(3, 16, 24, generator=generator)
     ids = torch.zeros(2, dtype=torch.int64)
-    route = dict(
-        top_k=2,
-        num_groups=1,
-        topk_group=1,
-        scoring_func="softmax",
-        topk_method="greedy",
-        norm_topk_prob=False,
-        routed_scaling_factor=1.0,
-    )
+    from tests.test_kernels_router import V2_GREEDY
+
+    route = {**V2_GREEDY, "top_k": 2}
     x, w = torch.randn(4, 8, generator=generator), torch.randn(6, 8, generator=generator)
     cases = [
         (lambda: linear_triton(x.long(), w), "torch.int64"),
