@@ -12,8 +12,10 @@ from __future__ import annotations
 
 # Each entry: variable -> value, with why it is pinned.
 _PINNED_NCCL_ENV: dict[str, str] = {
-    # One algorithm for every size; Tree's reduction order follows the tree, not the chunking.
-    "NCCL_ALGO": "Tree",
+    # One all-reduce algorithm for every size; Tree's reduction order follows the tree, not the
+    # chunking. Per-function form: a bare "Tree" also applies to all-gather, which has no Tree
+    # implementation, and NCCL then refuses every all-gather (seen on 2 H200s).
+    "NCCL_ALGO": "allreduce:tree",
     # One protocol: LL/LL128 are chosen for small messages and change the pipelining.
     "NCCL_PROTO": "Simple",
     # One channel: with several, a message is split across channels at size-dependent offsets.

@@ -50,7 +50,7 @@ def make_case(world_size: int) -> dict:
 def shifted_placement(case: dict, shift: int) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Move physical slot p to (p + shift) % P, weights with it: same math, other ranks."""
     num_slots = case["expert_weight"].shape[0]
-    perm = (torch.arange(num_slots) + shift) % num_slots
+    perm = (torch.arange(num_slots, device=case["expert_weight"].device) + shift) % num_slots
     weight = torch.empty_like(case["expert_weight"])
     weight[perm] = case["expert_weight"]
     return [perm[ids] for ids in case["ids"]], weight
