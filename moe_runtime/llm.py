@@ -7,57 +7,12 @@ name with a dict of keys, and win over the config file.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from moe_runtime.config import SECTIONS, RuntimeConfig, load_config
-from moe_runtime.engine import LLMEngine
+from moe_runtime.engine import LLMEngine, RequestOutput
 from moe_runtime.sampling_params import SamplingParams
-from moe_runtime.sequence import Sequence
-
-
-@dataclass(frozen=True)
-class CompletionOutput:
-    token_ids: list[int]
-    logprobs: list[float]
-    top_logprobs: list[dict[int, float]]
-    finish_reason: str
-    text: str
-    # Per token: [MoE layer][K] logical experts of the position whose logits sampled it.
-    routed_experts: list[list[list[int]]] = field(default_factory=list)
-    seed: int | None = None  # the seed this sample drew its noise from
-
-
-@dataclass(frozen=True)
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]  # one per sample (n)
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.outputs[0].token_ids
-
-    @property
-    def logprobs(self) -> list[float]:
-        return self.outputs[0].logprobs
-
-    @property
-    def top_logprobs(self) -> list[dict[int, float]]:
-        return self.outputs[0].top_logprobs
-
-    @property
-    def finish_reason(self) -> str:
-        return self.outputs[0].finish_reason
-
-    @property
-    def text(self) -> str:
-        return self.outputs[0].text
-
-    @property
-    def routed_experts(self) -> list[list[list[int]]]:
-        return self.outputs[0].routed_experts
 
 
 class LLM:
@@ -80,30 +35,20 @@ class LLM:
         params_list = (
             params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         )
-        if len(params_list) != len(prompts):
-            raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
-        for i, prompt in enumerate(prompts):
-            try:
-                ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-                self.engine.validate_prompt(ids)
-            except ValueError as exc:
-                raise ValueError(f"prompt {i}: {exc}") from None
-        requests = [
-            self.engine.add_request(p, sp) for p, sp in zip(prompts, params_list, strict=True)
-        ]
+        requests = self.engine.add_requests(list(prompts), params_list)
         self._run_until_done()
-        return [self._request_output(seqs) for seqs in requests]
+        return [self.engine.output(request) for request in requests]
 
     def score(self, sequences: list[list[int]], prompt_lens: list[int]) -> list[list[float]]:
         """Teacher-forced logprob of every token after the prompt, one list per sequence."""
         if len(sequences) != len(prompt_lens):
             raise ValueError(f"got {len(prompt_lens)} prompt_lens for {len(sequences)} sequences")
-        seqs = [
+        requests = [
             self.engine.add_score_request(list(s), n)
             for s, n in zip(sequences, prompt_lens, strict=True)
         ]
         self._run_until_done()
-        return [list(s.output_logprobs) for s in seqs]
+        return [list(r.samples[0].output_logprobs) for r in requests]
 
     def rebalance(self) -> dict:
         """Re-place the experts now from the recent load (EPLB); changes no output bit."""
@@ -122,21 +67,6 @@ class LLM:
     def _run_until_done(self) -> None:
         while self.engine.has_unfinished():
             self.engine.step()
-
-    def _request_output(self, seqs: list[Sequence]) -> RequestOutput:
-        outputs = [
-            CompletionOutput(
-                list(s.output_token_ids),
-                list(s.output_logprobs),
-                list(s.output_top_logprobs),
-                s.finish_reason,
-                self.tokenizer.decode(s.output_token_ids),
-                list(s.routed_experts),
-                s.seed,
-            )
-            for s in seqs
-        ]
-        return RequestOutput(seqs[0].request_id, list(seqs[0].prompt_token_ids), outputs)
 
 
 def _flatten_overrides(overrides: dict[str, Any]) -> dict[str, Any]:

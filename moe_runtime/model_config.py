@@ -170,6 +170,11 @@ class ModelConfig:
     def is_moe_layer(self, layer_id: int) -> bool:
         return layer_id >= self.first_k_dense_replace
 
+    @property
+    def num_moe_layers(self) -> int:
+        """Layers whose MLP is the routed MoE (every layer after the first dense ones)."""
+        return max(self.num_hidden_layers - self.first_k_dense_replace, 0)
+
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         """Build from the YAML section; with `path`, the architecture comes from config.json."""

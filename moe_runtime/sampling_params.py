@@ -25,6 +25,11 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     logprobs_mode: str = "raw"
+    # Strings that end a sample once its text holds one; the text stops before it, the token
+    # completing it is kept, finish_reason is "stop".
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    # Report, per output token, the [MoE layer][K] logical experts that routed it.
+    return_routed_experts: bool = False
 
     def __post_init__(self) -> None:
         _check(
@@ -61,6 +66,9 @@ class SamplingParams:
             f"one of {LOGPROBS_MODES}",
         )
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        _check(all(isinstance(s, str) for s in stop), "stop", self.stop, "a string or strings")
+        object.__setattr__(self, "stop", tuple(s for s in stop if s))
 
     @property
     def is_greedy(self) -> bool:

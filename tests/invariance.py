@@ -64,12 +64,12 @@ def random_sub_batches(num: int, seed: int, max_size: int = 16) -> list[list[int
 
 
 def record_steps(llm) -> list[list]:
-    """Spy on the engine's executor: one list of ScheduledChunks (all ranks) per step run."""
+    """Spy on the engine's executor: one list of ScheduledSeqs (all ranks) per step run."""
     steps: list[list] = []
     execute = llm.engine.executor.execute
 
     def spy(per_rank):
-        steps.append([chunk for chunks in per_rank for chunk in chunks])
+        steps.append([item for step in per_rank for item in step.scheduled])
         return execute(per_rank)
 
     llm.engine.executor.execute = spy

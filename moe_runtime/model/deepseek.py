@@ -86,11 +86,15 @@ class DeepseekModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
         self.rope = rope
 
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """[T] int64 -> [T, D]: a row gather, no arithmetic."""
+        return self.embed_tokens.weight[token_ids]
+
     def forward(self, batch: ForwardBatch, kv_caches: list[torch.Tensor]) -> torch.Tensor:
-        x = self.embed_tokens.weight[batch.token_ids]
+        x = self.embed(batch.token_ids)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, batch, kv_cache)
-        return self.norm(x)
+        return x
 
 
 class DeepseekForCausalLM(nn.Module):
@@ -141,5 +145,9 @@ class DeepseekForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """-> fp32 logits [R, V] for the rows batch.logits_indices."""
         hidden = self.model(batch, kv_caches)
-        logits = self.ops.linear(hidden[batch.logits_indices], self.lm_head.weight).float()
+        return self.logits(hidden[batch.logits_indices])
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head: residual stream [R, D] -> fp32 logits [R, V]."""
+        logits = self.ops.linear(self.model.norm(hidden), self.lm_head.weight).float()
         return self.tp.all_gather_last(logits)  # vocab-parallel head: slices in rank order

@@ -7,6 +7,7 @@ and, unless balancedness (mean / max per-rank load) is already above the thresho
 placement with `eplb.policy` and has all ranks move their experts between two steps. The logical
 reduction order never depends on the placement (multiple reduction stays off unless configured),
 so a rebalance changes no output bit. A failed move leaves the old placement serving.
+The balancer is the one owner of the placement: workers get it at start-up and with each move.
 """
 
 from __future__ import annotations
@@ -19,9 +20,20 @@ import torch
 from eplb.placement import ExpertPlacement
 from eplb.policy import balancedness, load_per_rank, rebalance_experts
 from moe_runtime.config import RuntimeConfig
-from moe_runtime.worker import initial_placement
 
 log = logging.getLogger("moe_runtime.eplb")
+
+
+def initial_placement(config: RuntimeConfig) -> ExpertPlacement:
+    """The placement every run starts from. A placement needs one layer at least; an
+    all-dense model uses none of its rows."""
+    model = config.model
+    return ExpertPlacement.default(
+        max(model.num_moe_layers, 1),
+        model.n_routed_experts,
+        config.eplb.num_redundant_experts,
+        config.parallel.world_size,
+    )
 
 
 class RebalanceError(RuntimeError):
@@ -29,11 +41,11 @@ class RebalanceError(RuntimeError):
 
 
 class ExpertBalancer:
-    def __init__(self, config: RuntimeConfig, executor) -> None:
+    def __init__(self, config: RuntimeConfig, executor, placement: ExpertPlacement) -> None:
+        """placement: the one the workers were started with (initial_placement)."""
         self.config, self.executor = config, executor
-        model = config.model
-        self.num_moe_layers = model.num_hidden_layers - model.first_k_dense_replace
-        self.placement: ExpertPlacement = initial_placement(config)
+        self.num_moe_layers = config.model.num_moe_layers
+        self.placement = placement
         self.num_rebalances = 0
         self.last_balancedness: float | None = None
         self.history: list[dict] = []  # every report, skipped and failed ones too

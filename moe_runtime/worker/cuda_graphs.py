@@ -133,7 +133,7 @@ class DecodeGraphRunner:
         segment, model = self.segments[j], self.model
         layers, batch = model.model.layers, graphs.batch
         if j == 0:
-            x = model.model.embed_tokens.weight[batch.token_ids]
+            x = model.model.embed(batch.token_ids)
         else:
             x = graphs.inputs[j]
         for i in range(segment.first_layer, segment.end_layer):
@@ -141,8 +141,7 @@ class DecodeGraphRunner:
         if segment.end_layer < len(layers):
             i = segment.end_layer
             return layers[i].attention_part(x, batch, self.kv_caches[i])
-        hidden = model.model.norm(x)
-        return (model.ops.linear(hidden, model.lm_head.weight).float(),)
+        return (model.logits(x),)  # tp.size is 1 here (the config refuses graphs with TP)
 
     def _capture(self, num_rows: int, batch: ForwardBatch) -> _SizeGraphs:
         """Warm up (compiles this size's kernels), then capture every segment of size N."""

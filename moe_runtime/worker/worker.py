@@ -1,10 +1,12 @@
 """Worker: one rank of the runtime — its share of the experts, a full copy of the rest, a KV cache.
 
 The driver creates one per rank (in-process for a single rank, a Ray actor otherwise), calls
-`init` on all of them at once (the process-group rendezvous is a collective), then `execute`
-on all of them every step, in lockstep: every MoE layer is a collective, so a rank with no
-requests still runs the step on zero tokens. `rearrange` and `update_weights` run between
-steps, on all ranks together. This module never imports ray.
+`init` on all of them at once (the process-group rendezvous is a collective) with the expert
+placement it owns, then `execute` on all of them every step, in lockstep: every MoE layer is a
+collective, so a rank with no requests still runs the step on zero tokens. Each step arrives as
+a `StepInput` (the wire format): the worker keeps its own copy of every sequence it serves and
+applies the step's deltas to it; it never sees the driver's objects. `rearrange` and
+`update_weights` run between steps, on all ranks together. This module never imports ray.
 """
 
 from __future__ import annotations
@@ -25,23 +27,8 @@ from moe_runtime.config import RuntimeConfig
 from moe_runtime.model.deepseek import TORCH_DTYPES
 from moe_runtime.model.loader import assign_weights, build_model, read_checkpoint
 from moe_runtime.model.tensor_parallel import TensorParallel
-from moe_runtime.model_runner import ModelRunner, StepOutput
-from moe_runtime.scheduler import ScheduledChunk
-
-
-def initial_placement(config: RuntimeConfig) -> ExpertPlacement:
-    """The placement every run starts from (the driver and all workers build the same one).
-
-    A placement needs one layer at least; an all-dense model uses none of its rows.
-    """
-    model = config.model
-    num_moe = max(model.num_hidden_layers - model.first_k_dense_replace, 1)
-    return ExpertPlacement.default(
-        num_moe,
-        model.n_routed_experts,
-        config.eplb.num_redundant_experts,
-        config.parallel.world_size,
-    )
+from moe_runtime.worker.model_runner import Chunk, ModelRunner, SequenceState
+from moe_runtime.worker.step_input import StepInput, StepOutput
 
 
 def kv_cache_blocks(config: RuntimeConfig, device: torch.device) -> int:
@@ -74,7 +61,8 @@ class Worker:
         self.runner: ModelRunner | None = None
         self.dispatcher = None
         self.group = None
-        self.placement = initial_placement(config)
+        self.placement: ExpertPlacement | None = None  # the driver's, given at init
+        self.seqs: dict[int, SequenceState] = {}
         self.num_steps = 0
         self.load_window: deque[np.ndarray] = deque(maxlen=config.eplb.window_steps)
         self.total_load: np.ndarray | None = None
@@ -86,8 +74,15 @@ class Worker:
             port = sock.getsockname()[1]
         return socket.gethostbyname(socket.gethostname()), port
 
-    def init(self, master_addr: str, master_port: int) -> None:
+    def init(
+        self, master_addr: str, master_port: int, physical_to_logical: list[list[int]]
+    ) -> None:
+        """Collective: joins the process groups, builds the model with this rank's experts of
+        the driver's placement ([layer][physical slot] -> logical expert)."""
         cfg, parallel = self.config, self.config.parallel
+        self.placement = ExpertPlacement.from_physical_to_logical(
+            torch.tensor(physical_to_logical, dtype=torch.int64), cfg.model.n_routed_experts
+        )
         pin_threads(cfg.kernels)
         device = torch.device(parallel.device)
         if device.type == "cuda":
@@ -130,7 +125,7 @@ class Worker:
         return self.runner.num_blocks
 
     def _local_experts(self) -> list[list[int]]:
-        num_moe = self.config.model.num_hidden_layers - self.config.model.first_k_dense_replace
+        num_moe = self.config.model.num_moe_layers
         return self.placement.local_experts(self.rank, self.world_size)[:num_moe].tolist()
 
     def _bind_placement(self) -> None:
@@ -139,9 +134,9 @@ class Worker:
             table = self.placement.replica_table(self.world_size)[:, self.rank]
             model.bind_expert_parallel(self.dispatcher, table)
 
-    def execute(self, chunks: list[ScheduledChunk]) -> StepOutput:
+    def execute(self, step: StepInput) -> StepOutput:
         self.num_steps += 1
-        out = self.runner.step(chunks)
+        out = self.runner.step(self._apply(step))
         layers = self.runner.model.moe_layers
         if layers:
             # Host ints already (the dispatcher's counts): recording them costs no device sync.
@@ -150,9 +145,29 @@ class Worker:
             self.total_load = step_load if self.total_load is None else self.total_load + step_load
         return out
 
+    def _apply(self, step: StepInput) -> list[Chunk]:
+        """Bring the sequences up to date with the step's deltas; -> the step's chunks."""
+        for seq_id in step.released_seq_ids:
+            del self.seqs[seq_id]
+        for new in step.new_seqs:
+            self.seqs[new.seq_id] = SequenceState.of(new)
+        chunks = []
+        for item in step.scheduled:
+            seq = self.seqs[item.seq_id]
+            seq.token_ids.extend(item.new_token_ids)
+            seq.block_table.extend(item.new_block_ids)
+            if item.start != seq.num_computed_tokens:
+                raise RuntimeError(
+                    f"rank {self.rank}: sequence {item.seq_id} scheduled from position "
+                    f"{item.start}, but {seq.num_computed_tokens} are computed here"
+                )
+            seq.num_computed_tokens += item.num_tokens
+            chunks.append(Chunk(seq, item.start, item.num_tokens))
+        return chunks
+
     def window_load(self) -> list[list[int]]:
         """[MoE layer][local slot] rows served over the last eplb.window_steps steps."""
-        num_moe = len(self.runner.model.moe_layers)
+        num_moe = self.config.model.num_moe_layers
         slots = self.placement.num_physical // self.world_size
         if not self.load_window:
             return [[0] * slots for _ in range(num_moe)]

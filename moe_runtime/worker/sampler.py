@@ -3,45 +3,21 @@
 A request's result is a function of its own logits row, its SamplingParams, its seed and its
 output position only: every row is processed alone, and the Gumbel noise is drawn from a
 generator seeded by (seed, output position), one value per vocab id. The sampler owns no
-state across steps and never looks at other rows; choosing seeds for n > 1 (`derive_seed`)
-and recording fresh ones (`resolve_seed`) is the engine's job.
+state across steps and never looks at other rows; choosing seeds for n > 1 and recording
+fresh ones is the engine's job (moe_runtime.seeds).
 """
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Callable
-from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from moe_runtime.sampling_params import SamplingParams
+from moe_runtime.seeds import derive_seed
+from moe_runtime.worker.step_input import SampleResult
 
 LogSoftmax = Callable[[torch.Tensor], torch.Tensor]
-
-_SEED_BITS = 63
-
-
-def derive_seed(*parts: int) -> int:
-    """A stable 63-bit seed from non-negative ints, e.g. (request seed, sample index)."""
-    if not parts or any(not isinstance(p, int) or p < 0 for p in parts):
-        raise ValueError(f"derive_seed needs one or more ints >= 0, got {parts!r}")
-    state = np.random.SeedSequence(parts).generate_state(1, dtype=np.uint64)[0]
-    return int(state) >> (64 - _SEED_BITS)
-
-
-def resolve_seed(seed: int | None) -> int:
-    """The given seed as is; None draws a fresh one, which the engine records."""
-    return secrets.randbits(_SEED_BITS) if seed is None else seed
-
-
-@dataclass(frozen=True)
-class SampleResult:
-    token_id: int
-    logprob: float
-    top_logprobs: dict[int, float]
-
 
 class Sampler:
     """Samples one token per row. `log_softmax(x [R, V] fp32) -> [R, V] fp32` is the

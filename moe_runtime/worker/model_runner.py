@@ -1,35 +1,66 @@
-"""ModelRunner: turns scheduled chunks into a ForwardBatch, runs the model, samples.
+"""ModelRunner: turns a step's sequences into a ForwardBatch, runs the model, samples.
 
-Owns the model, the per-layer latent KV caches and the sampler of one rank. With expert
-parallelism (`must_join`), a step with no chunks still runs the model on zero tokens, because
-every MoE layer is a collective all ranks join. Rows that need
-logits are the last token of a chunk that completes its sequence (a new token is sampled) and,
-for scoring sequences, every position whose next token is a scored one. With graph batch sizes
-(cuda only) pure decode steps go through a DecodeGraphRunner, and the cache holds one more
-block than the BlockManager is given: the scratch block the graphs' padding rows write to.
+Owns the model, the per-layer latent KV caches, the sampler of one rank and the worker's copy
+of every sequence it serves (`SequenceState`, kept up to date from the wire format's deltas).
+With expert parallelism (`must_join`), a step with no sequences still runs the model on zero
+tokens, because every MoE layer is a collective all ranks join. Rows that need logits are the
+last token of a chunk that completes its sequence (a new token is sampled) and, for scoring
+sequences, every position whose next token is a scored one. With graph batch sizes (cuda only)
+pure decode steps go through a DecodeGraphRunner, and the cache holds one more block than the
+BlockManager is given: the scratch block the graphs' padding rows write to.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from kernels import OpTable
-from moe_runtime.cuda_graphs import DecodeGraphRunner
 from moe_runtime.forward_batch import ForwardBatch
 from moe_runtime.model.deepseek import DeepseekForCausalLM
-from moe_runtime.sampler import Sampler, SampleResult, derive_seed
-from moe_runtime.scheduler import ScheduledChunk
+from moe_runtime.sampling_params import SamplingParams
+from moe_runtime.worker.cuda_graphs import DecodeGraphRunner
+from moe_runtime.worker.sampler import Sampler
+from moe_runtime.worker.step_input import NewSequence, StepOutput
 
 
-@dataclass
-class StepOutput:
-    """What one rank returns from a step, keyed by seq_id."""
+@dataclass(eq=False)
+class SequenceState:
+    """The worker's copy of one sequence: every known token, its block table, progress."""
 
-    samples: dict[int, SampleResult] = field(default_factory=dict)
-    scored: dict[int, list[float]] = field(default_factory=dict)  # new teacher-forced logprobs
-    routed: dict[int, list[list[int]]] = field(default_factory=dict)  # [MoE layer][K] experts
+    seq_id: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    num_computed_tokens: int
+    params: SamplingParams
+    seed: int
+    is_score: bool
+    num_scored: int
+    block_table: list[int]
+
+    @classmethod
+    def of(cls, new: NewSequence) -> SequenceState:
+        return cls(
+            new.seq_id,
+            list(new.token_ids),
+            new.num_prompt_tokens,
+            new.num_computed_tokens,
+            new.params,
+            new.seed,
+            new.is_score,
+            new.num_scored,
+            [],
+        )
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Positions [start, start + num_tokens) of one sequence, computed this step."""
+
+    seq: SequenceState
+    start: int
+    num_tokens: int
 
 
 class ModelRunner:
@@ -70,7 +101,7 @@ class ModelRunner:
                 model, self.kv_caches, graph_batch_sizes, max_blocks_per_seq, num_blocks
             )
 
-    def step(self, chunks: list[ScheduledChunk]) -> StepOutput:
+    def step(self, chunks: list[Chunk]) -> StepOutput:
         out = StepOutput()
         if not chunks and not self.must_join:
             return out
@@ -88,7 +119,7 @@ class ModelRunner:
                 logits[gen_rows],
                 [s.params for s in seqs],
                 [s.seed for s in seqs],
-                [len(s.output_token_ids) for s in seqs],
+                [len(s.token_ids) - s.num_prompt_tokens for s in seqs],
             )
             samples.update({s.seq_id: r for s, r in zip(seqs, results, strict=True)})
             out.routed = self._routed_experts(batch, gen_rows, seqs)
@@ -99,33 +130,35 @@ class ModelRunner:
                 chunk, position = row_owners[i]
                 next_token = chunk.seq.token_ids[position + 1]
                 scored.setdefault(chunk.seq.seq_id, []).append(logprobs[row, next_token].item())
+                chunk.seq.num_scored += 1
         return out
 
     def _routed_experts(self, batch: ForwardBatch, gen_rows: list[int], seqs) -> dict:
-        """seq_id -> [MoE layer][K] logical experts of the position whose logits were sampled."""
+        """seq_id -> [MoE layer][K] logical experts of the position whose logits were sampled,
+        for the sequences that asked for them (one device-to-host copy per MoE layer)."""
         moe_layers = self.model.moe_layers
-        if not moe_layers:
+        asking = [i for i, s in enumerate(seqs) if s.params.return_routed_experts]
+        if not moe_layers or not asking:
             return {}
-        token_rows = batch.logits_indices[gen_rows]
+        token_rows = batch.logits_indices[[gen_rows[i] for i in asking]]
         per_layer = [moe.last_topk_ids[token_rows].tolist() for moe in moe_layers]
-        return {s.seq_id: [layer[i] for layer in per_layer] for i, s in enumerate(seqs)}
+        return {seqs[i].seq_id: [layer[j] for layer in per_layer] for j, i in enumerate(asking)}
 
-    def _build_batch(
-        self, chunks: list[ScheduledChunk]
-    ) -> tuple[ForwardBatch, list[tuple[ScheduledChunk, int]]]:
+    def _build_batch(self, chunks: list[Chunk]) -> tuple[ForwardBatch, list[tuple[Chunk, int]]]:
         token_ids, positions, seq_rows, slots, logit_rows = [], [], [], [], []
-        row_owners: list[tuple[ScheduledChunk, int]] = []
+        row_owners: list[tuple[Chunk, int]] = []
         for seq_row, chunk in enumerate(chunks):
             seq = chunk.seq
             span = range(chunk.start, chunk.start + chunk.num_tokens)
             all_ids = seq.token_ids
+            num_tokens = len(all_ids)
             for position in span:
                 if seq.is_score:
                     # Positions scored before a preemption are not scored twice.
-                    first = seq.num_prompt_tokens - 1 + len(seq.output_logprobs)
-                    needs_logits = first <= position < seq.num_tokens - 1
+                    first = seq.num_prompt_tokens - 1 + seq.num_scored
+                    needs_logits = first <= position < num_tokens - 1
                 else:
-                    needs_logits = position == seq.num_tokens - 1
+                    needs_logits = position == num_tokens - 1
                 if needs_logits:
                     logit_rows.append(len(token_ids))
                     row_owners.append((chunk, position))
@@ -146,7 +179,3 @@ class ModelRunner:
         )
         return batch, row_owners
 
-
-def sample_seed(request_seed: int, sample_idx: int, num_samples: int) -> int:
-    """The seed of sample `sample_idx`: the request seed itself when n == 1, else derived."""
-    return request_seed if num_samples == 1 else derive_seed(request_seed, sample_idx)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import Counter
 
 import ray
 from ray.exceptions import RayActorError, RayError, RayTaskError
@@ -21,10 +22,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from comm.nccl_env import pinned_nccl_env
 from moe_runtime.config import RuntimeConfig
-from moe_runtime.executor import WorkerError
-from moe_runtime.model_runner import StepOutput
-from moe_runtime.scheduler import ScheduledChunk
-from moe_runtime.worker import Worker
+from moe_runtime.executor.base import WorkerError
+from moe_runtime.worker.step_input import StepInput, StepOutput
+from moe_runtime.worker.worker import Worker
 
 _MARGIN_S = 30.0
 
@@ -40,7 +40,7 @@ def connect_ray(num_cpus_needed: int) -> None:
 
 
 class RayExecutor:
-    def __init__(self, config: RuntimeConfig) -> None:
+    def __init__(self, config: RuntimeConfig, physical_to_logical: list[list[int]]) -> None:
         parallel = config.parallel
         self.world_size = parallel.world_size
         self.timeout_s = parallel.timeout_s + _MARGIN_S
@@ -66,11 +66,21 @@ class RayExecutor:
         ]
         master_addr, master_port = self._get([self.workers[0].address.remote()], "address")[0]
         # Collective: every rank joins the rendezvous, so all init calls go out together.
-        self._get([w.init.remote(master_addr, master_port) for w in self.workers], "init")
+        p2l = ray.put(physical_to_logical)
+        self._get([w.init.remote(master_addr, master_port, p2l) for w in self.workers], "init")
 
-    def execute(self, per_rank_chunks: list[list[ScheduledChunk]]) -> list[StepOutput]:
+    def execute(self, per_rank_inputs: list[StepInput]) -> list[StepOutput]:
         self.num_steps += 1
-        refs = [w.execute.remote(c) for w, c in zip(self.workers, per_rank_chunks, strict=True)]
+        # The TP ranks of a DP group get the same input object: serialized once, not per rank.
+        num_uses = Counter(id(step) for step in per_rank_inputs)
+        refs_of: dict[int, ray.ObjectRef] = {}
+        for step in per_rank_inputs:
+            if num_uses[id(step)] > 1 and id(step) not in refs_of:
+                refs_of[id(step)] = ray.put(step)
+        refs = [
+            w.execute.remote(refs_of.get(id(step), step))
+            for w, step in zip(self.workers, per_rank_inputs, strict=True)
+        ]
         return self._get(refs, f"step {self.num_steps}")
 
     def call(self, method: str, per_rank_args: list[tuple]) -> list:
@@ -83,9 +93,6 @@ class RayExecutor:
 
     def call_all(self, method: str, *args) -> list:
         return self.call(method, [args] * self.world_size)
-
-    def stats(self) -> list[dict]:
-        return self.call_all("stats")
 
     def kill_worker(self, rank: int) -> None:
         """Fault injection for tests: the actor dies as if its process crashed."""

@@ -5,6 +5,8 @@ running sequences first (a decode token, or the next chunk of their prefill), th
 in arrival order. When KV blocks run out, the newest running sequence is preempted: its blocks
 are freed and it goes back to the front of the queue with every token it has, to be recomputed
 later (which gives the same bits, since every kernel is batch-invariant). Nothing is dropped.
+Every sequence that leaves the running set (finished, aborted, preempted) is listed in
+`released` until the engine collects it, so the worker can drop its copy.
 """
 
 from __future__ import annotations
@@ -12,10 +14,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from moe_runtime.block_manager import BlockManager
 from moe_runtime.config import SchedulerConfig
-from moe_runtime.sampler import SampleResult
-from moe_runtime.sequence import Sequence, SequenceStatus
+from moe_runtime.engine.block_manager import BlockManager
+from moe_runtime.engine.request import Sequence, SequenceStatus
+from moe_runtime.worker.step_input import SampleResult
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,7 @@ class Scheduler:
         self.eos_token_id = eos_token_id
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.released: list[Sequence] = []
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -91,6 +94,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        self.released.append(seq)
         self.blocks.free(seq.block_table)
         seq.block_table = []
         seq.num_computed_tokens = 0
@@ -103,10 +107,14 @@ class Scheduler:
     ) -> list[Sequence]:
         """Advance the scheduled sequences past this step; returns those that finished."""
         finished = []
+        block_size = self.blocks.block_size
         for chunk in chunks:
             seq = chunk.seq
+            num_full_before = seq.num_computed_tokens // block_size
             seq.num_computed_tokens += chunk.num_tokens
-            self.blocks.commit(seq.block_table, seq.token_ids, seq.num_computed_tokens)
+            if seq.num_computed_tokens // block_size > num_full_before:
+                # Only when a block filled up: the per-step cost stays flat in context.
+                self.blocks.commit(seq.block_table, seq.token_ids, seq.num_computed_tokens)
             if seq.is_score:
                 if seq.num_computed_tokens == seq.num_tokens:
                     self._finish(seq, "scored")
@@ -141,12 +149,23 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.running.remove(seq)
+        self.released.append(seq)
         self.blocks.free(seq.block_table)
         seq.block_table = []
 
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End a running sequence now (e.g. its text reached a stop string)."""
+        self._finish(seq, reason)
+
+    def collect_released(self) -> list[Sequence]:
+        released, self.released = self.released, []
+        return released
+
     def abort(self, request_id: str) -> list[Sequence]:
         """Drop every sequence of a request (e.g. a client went away); frees their blocks."""
-        dropped = [s for s in (*self.waiting, *self.running) if s.request_id == request_id]
+        dropped = [
+            s for s in (*self.waiting, *self.running) if s.request.request_id == request_id
+        ]
         for seq in dropped:
             if seq in self.running:
                 self._finish(seq, "abort")

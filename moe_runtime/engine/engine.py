@@ -1,0 +1,374 @@
+"""LLMEngine: requests in, per-step output deltas out, one lockstep step at a time.
+
+The driver side of the runtime: it owns one scheduler (and KV block bookkeeping) per
+data-parallel rank, the expert placement (through the balancer), every request's sequences
+and their outputs. Each step it turns every DP rank's scheduled chunks into that rank's
+`StepInput` (the wire format: only what changed since the worker's last step), runs all ranks
+at once through the executor, records the results, detokenizes the new tokens incrementally,
+ends samples at stop strings, and returns one `RequestOutput` delta per request that changed.
+Every request is validated before it enters a queue (token ids in the vocabulary, prompt
+within the context), so a bad request raises at `add_request` and never disturbs those in
+flight. A worker failure fails every request in flight with the worker's error and leaves the
+engine dead, never hung.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from pathlib import Path
+
+from moe_runtime.config import RuntimeConfig
+from moe_runtime.engine.balancer import ExpertBalancer, RebalanceError, initial_placement
+from moe_runtime.engine.block_manager import BlockManager
+from moe_runtime.engine.outputs import CompletionOutput, EngineStats, RequestOutput
+from moe_runtime.engine.request import Request, Sequence, SequenceStatus
+from moe_runtime.engine.scheduler import ScheduledChunk, Scheduler
+from moe_runtime.executor import WorkerError, create_executor
+from moe_runtime.sampling_params import SamplingParams
+from moe_runtime.seeds import resolve_seed
+from moe_runtime.tokenizer import load_tokenizer
+from moe_runtime.worker.step_input import NewSequence, ScheduledSeq, StepInput
+
+
+class LLMEngine:
+    def __init__(self, config: RuntimeConfig) -> None:
+        self.config = config
+        parallel, cache = config.parallel, config.cache
+        self.tokenizer = load_tokenizer(config.model)
+        placement = initial_placement(config)
+        self.executor = create_executor(config, placement.physical_to_logical.tolist())
+        # Found at start-up when cache.num_blocks is 0 (sized from free GPU memory): every DP
+        # rank's scheduler assumes the smallest cache any worker holds.
+        self.num_kv_blocks = min(self.executor.call_all("num_kv_blocks"))
+        needed = -(-config.scheduler.max_model_len // cache.block_size)
+        if needed > self.num_kv_blocks:
+            self.executor.shutdown()
+            raise ValueError(
+                f"a sequence of scheduler.max_model_len={config.scheduler.max_model_len} needs "
+                f"{needed} KV blocks; the cache holds {self.num_kv_blocks} (cache.num_blocks)"
+            )
+        self.block_managers = [
+            BlockManager(self.num_kv_blocks, cache.block_size, cache.enable_prefix_caching)
+            for _ in range(parallel.dp_size)
+        ]
+        self.schedulers = [
+            Scheduler(config.scheduler, blocks, config.model.eos_token_id)
+            for blocks in self.block_managers
+        ]
+        self.balancer = ExpertBalancer(config, self.executor, placement)
+        self.error: str | None = None
+        self.num_steps = 0
+        self.weight_version = 0
+        self._next_seq_id = 0
+        self._request_ids = itertools.count()
+
+    # ---- requests in ----
+
+    def add_request(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+    ) -> Request:
+        """Queue one request (n samples); raises ValueError naming the problem if it is bad."""
+        return self.add_requests([prompt], [params], [request_id])[0]
+
+    def add_requests(
+        self,
+        prompts: list[str | list[int]],
+        params: list[SamplingParams],
+        request_ids: list[str | None] | None = None,
+    ) -> list[Request]:
+        """Queue several requests all or none: a bad prompt raises ValueError naming its index
+        (when there are several) before any is queued."""
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        for p in params:
+            if not isinstance(p, SamplingParams):
+                raise TypeError(f"params must be SamplingParams, got {type(p).__name__}")
+        token_ids = []
+        for i, prompt in enumerate(prompts):
+            try:
+                token_ids.append(self.encode(prompt))
+            except ValueError as exc:
+                raise ValueError(f"prompt {i}: {exc}" if len(prompts) > 1 else str(exc)) from None
+        self._check_alive()
+        ids = request_ids or [None] * len(prompts)
+        requests = [
+            Request(self._request_id(rid, "req"), ids_, p, resolve_seed(p.seed))
+            for ids_, p, rid in zip(token_ids, params, ids, strict=True)
+        ]
+        for request in requests:
+            self._enqueue(request)
+        return requests
+
+    def add_score_request(
+        self, token_ids: list[int], prompt_len: int, request_id: str | None = None
+    ) -> Request:
+        """Queue a teacher-forced scoring of token_ids[prompt_len:] given everything before."""
+        self.validate_prompt(token_ids)
+        if not 1 <= prompt_len < len(token_ids):
+            raise ValueError(
+                f"prompt_len must be in [1, {len(token_ids) - 1}] for a sequence of "
+                f"{len(token_ids)} tokens, got {prompt_len}"
+            )
+        self._check_alive()
+        request = Request(
+            self._request_id(request_id, "score"),
+            list(token_ids[:prompt_len]),
+            SamplingParams(),
+            0,
+            score_token_ids=list(token_ids[prompt_len:]),
+        )
+        self._enqueue(request)
+        return request
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a prompt (text through the tokenizer), validated."""
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self.validate_prompt(token_ids)
+        return token_ids
+
+    def validate_prompt(self, token_ids: list[int]) -> None:
+        vocab = self.config.model.vocab_size
+        max_len = self.config.scheduler.max_model_len
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        bad = next(
+            (
+                t
+                for t in token_ids
+                if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab
+            ),
+            None,
+        )
+        if bad is not None:
+            raise ValueError(f"token id {bad!r} is outside the vocabulary [0, {vocab})")
+        if len(token_ids) > max_len:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens, more than scheduler.max_model_len={max_len}"
+            )
+
+    def _request_id(self, given: str | None, prefix: str) -> str:
+        return given if given is not None else f"{prefix}-{next(self._request_ids)}"
+
+    def _enqueue(self, request: Request) -> None:
+        """All of a request's samples go to the DP rank with the fewest unfinished sequences
+        (lowest rank on ties); which rank serves it changes no bit of its result."""
+        loads = [len(s.waiting) + len(s.running) for s in self.schedulers]
+        dp_rank = loads.index(min(loads))
+        for seq in request.expand_samples(self._next_seq_id, self.tokenizer):
+            seq.dp_rank = dp_rank
+            self.schedulers[dp_rank].add(seq)
+        self._next_seq_id += len(request.samples)
+
+    # ---- the step ----
+
+    def step(self) -> list[RequestOutput]:
+        """Run one lockstep step on every rank; -> a delta per generation request that got new
+        tokens or finished in it (scoring requests are read whole with `output`)."""
+        self._check_alive()
+        per_dp_rank = [scheduler.schedule() for scheduler in self.schedulers]
+        inputs = [
+            _step_input(scheduler.collect_released(), chunks)
+            for scheduler, chunks in zip(self.schedulers, per_dp_rank, strict=True)
+        ]
+        tp_size = self.config.parallel.tp_size
+        # Worker rank w serves DP rank w // tp_size; all TP ranks of a group get the same input.
+        per_worker = [step for step in inputs for _ in range(tp_size)]
+        with self._fatal_on_error():
+            results = self.executor.execute(per_worker)[::tp_size]  # TP rank 0 of each group
+        changed: dict[int, Request] = {}
+        for scheduler, chunks, result in zip(self.schedulers, per_dp_rank, results, strict=True):
+            self._record(scheduler, chunks, result)
+            for chunk in chunks:
+                if chunk.seq.seq_id in result.samples and not chunk.seq.is_score:
+                    changed[id(chunk.seq.request)] = chunk.seq.request
+        self.num_steps += 1
+        try:
+            with self._fatal_on_error():
+                self.balancer.maybe_rebalance(self.num_steps)  # between steps
+        except RebalanceError:
+            pass  # logged; the old placement keeps serving and nothing in flight changed
+        return [self._delta(request) for request in changed.values()]
+
+    def _record(self, scheduler: Scheduler, chunks: list[ScheduledChunk], result) -> None:
+        """Outputs of one DP rank's step onto its sequences; ends samples at stop strings."""
+        for chunk in chunks:
+            seq = chunk.seq
+            seq.output_logprobs.extend(result.scored.get(seq.seq_id, ()))
+            if seq.seq_id in result.routed:
+                seq.routed_experts.append(result.routed[seq.seq_id])
+        scheduler.update(chunks, result.samples)
+        for chunk in chunks:
+            seq = chunk.seq
+            if seq.detokenizer is None or seq.seq_id not in result.samples:
+                continue
+            stopped = seq.detokenizer.update(seq.output_token_ids, is_final=seq.is_finished)
+            if stopped and not seq.is_finished:
+                scheduler.finish(seq, "stop")
+
+    def _delta(self, request: Request) -> RequestOutput:
+        outputs = []
+        for seq in request.samples:
+            start = seq.num_reported
+            if seq.num_output_tokens == start:
+                continue
+            seq.num_reported = seq.num_output_tokens
+            outputs.append(_completion(seq, start, seq.detokenizer.delta(seq.is_finished)))
+        return RequestOutput(
+            request.request_id,
+            request.prompt_token_ids,
+            outputs,
+            request.is_finished,
+            self.weight_version,
+        )
+
+    def output(self, request: Request) -> RequestOutput:
+        """The request's whole result so far (every sample, every token)."""
+        outputs = [
+            _completion(seq, 0, seq.detokenizer.text if seq.detokenizer else "")
+            for seq in request.samples
+        ]
+        return RequestOutput(
+            request.request_id,
+            request.prompt_token_ids,
+            outputs,
+            request.is_finished,
+            self.weight_version,
+        )
+
+    # ---- between steps ----
+
+    def rebalance(self, force: bool = True, inject_failure: tuple[int, int] | None = None) -> dict:
+        """Re-place the experts from the recent load, between steps; see ExpertBalancer."""
+        self._check_alive()
+        with self._fatal_on_error():
+            return self.balancer.rebalance(force=force, inject_failure=inject_failure)
+
+    def update_weights(self, source: str | dict) -> int:
+        """Swap every rank's weights (HF checkpoint dir or HF-named state dict) between steps.
+
+        Requests in flight go on with the new weights; cached prefixes are dropped, since
+        their KV came from the old ones. Returns the new weight version.
+        """
+        self._check_alive()
+        if isinstance(source, str) and not Path(source).is_dir():
+            raise ValueError(f"update_weights: {source!r} is not a checkpoint directory")
+        try:
+            self.executor.call_all("update_weights", source)
+        except ValueError:
+            raise  # refused on every rank before anything changed: nothing to fail
+        except Exception as exc:
+            self._fail_all(f"update_weights: {type(exc).__name__}: {exc}")
+            raise
+        for blocks in self.block_managers:
+            blocks.clear_cache()
+        self.weight_version += 1
+        return self.weight_version
+
+    def abort(self, request_id: str) -> None:
+        for scheduler in self.schedulers:
+            scheduler.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return any(s.has_unfinished() for s in self.schedulers)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=sum(len(s.running) for s in self.schedulers),
+            num_waiting=sum(len(s.waiting) for s in self.schedulers),
+            num_steps=self.num_steps,
+            kv_cache_usage=tuple(b.usage for b in self.block_managers),
+            weight_version=self.weight_version,
+            num_rebalances=self.balancer.num_rebalances,
+            last_balancedness=self.balancer.last_balancedness,
+            num_preemptions=sum(s.num_preemptions for s in self.schedulers),
+            num_prefix_hit_blocks=sum(b.num_hit_blocks for b in self.block_managers),
+        )
+
+    def worker_stats(self) -> list[dict]:
+        """Each rank's counters (Worker.stats), in rank order."""
+        return self.executor.call_all("stats")
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+    # ---- failure ----
+
+    def _check_alive(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"the engine is dead: {self.error}")
+
+    @contextlib.contextmanager
+    def _fatal_on_error(self):
+        """A worker that died, stalled or failed mid-collective leaves the ranks out of step:
+        every request in flight ends with the error and the engine stays dead."""
+        try:
+            yield
+        except RebalanceError:
+            raise  # every rank agreed to keep the old placement: still in step
+        except Exception as exc:
+            self._fail_all(
+                f"{type(exc).__name__}: {exc}" if not isinstance(exc, WorkerError) else str(exc)
+            )
+            raise
+
+    def _fail_all(self, error: str) -> None:
+        """Every request in flight ends with the error; nothing is left waiting forever."""
+        self.error = error
+        for scheduler in self.schedulers:
+            for seq in (*scheduler.waiting, *scheduler.running):
+                seq.status, seq.finish_reason, seq.error = SequenceStatus.FINISHED, "error", error
+            scheduler.waiting.clear()
+            scheduler.running.clear()
+
+
+def _step_input(released: list[Sequence], chunks: list[ScheduledChunk]) -> StepInput:
+    """One DP rank's wire message: drop released sequences, send new ones whole and running
+    ones only the tokens and blocks their worker has not seen."""
+    released_ids = []
+    for seq in released:
+        if seq.is_on_worker:
+            released_ids.append(seq.seq_id)
+            seq.num_sent_tokens = seq.num_sent_blocks = 0
+    new_seqs, scheduled = [], []
+    for chunk in chunks:
+        seq = chunk.seq
+        new_token_ids: list[int] = []
+        if not seq.is_on_worker:
+            new_seqs.append(
+                NewSequence(
+                    seq.seq_id,
+                    seq.token_ids,
+                    seq.num_prompt_tokens,
+                    chunk.start,
+                    seq.params,
+                    seq.seed,
+                    seq.is_score,
+                    len(seq.output_logprobs) if seq.is_score else 0,
+                )
+            )
+        else:
+            new_token_ids = seq.tokens_from(seq.num_sent_tokens)
+        seq.num_sent_tokens = seq.num_tokens
+        new_block_ids = seq.block_table[seq.num_sent_blocks :]
+        seq.num_sent_blocks = len(seq.block_table)
+        scheduled.append(
+            ScheduledSeq(seq.seq_id, chunk.start, chunk.num_tokens, new_token_ids, new_block_ids)
+        )
+    return StepInput(released_ids, new_seqs, scheduled)
+
+
+def _completion(seq: Sequence, start: int, text: str) -> CompletionOutput:
+    """Sample seq's output from token `start` on, as copies."""
+    routed = seq.routed_experts[start:] if seq.params.return_routed_experts else None
+    return CompletionOutput(
+        index=seq.sample_idx,
+        token_ids=seq.output_token_ids[start:],
+        logprobs=seq.output_logprobs[start:],
+        top_logprobs=seq.output_top_logprobs[start:],
+        text=text,
+        finish_reason=seq.finish_reason if seq.is_finished else None,
+        seed=seq.seed,
+        routed_experts=routed,
+    )
+

@@ -1,0 +1,73 @@
+"""RequestOutput and CompletionOutput: the one output type of `LLM`, HTTP and rollouts.
+
+A step's delta and a finished result are the same type: a delta's CompletionOutputs hold only
+the samples that changed in the step and only their new tokens and text; a finished result
+holds every sample whole. Values are copies of what the engine recorded, so a delta's floats
+are bitwise those of the final result. Plain frozen values, safe to hand to any thread.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class CompletionOutput:
+    index: int  # the sample's index among the request's n
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[dict[int, float]]
+    text: str  # cut before a stop string
+    finish_reason: str | None  # None while the sample runs; stop | length | error | abort
+    seed: int  # the seed this sample drew its noise from
+    # Per token, when the request asks for them: [MoE layer][K] logical experts of the
+    # position whose logits sampled it.
+    routed_experts: list[list[list[int]]] | None = None
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]  # shared with the engine's request: read it, never change it
+    outputs: list[CompletionOutput]  # a delta: the samples that changed; else all n
+    is_finished: bool
+    weight_version: int = 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def logprobs(self) -> list[float]:
+        return self.outputs[0].logprobs
+
+    @property
+    def top_logprobs(self) -> list[dict[int, float]]:
+        return self.outputs[0].top_logprobs
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def routed_experts(self) -> list[list[list[int]]] | None:
+        return self.outputs[0].routed_experts
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Counts and state of the engine after its last step."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_steps: int = 0
+    kv_cache_usage: tuple[float, ...] = ()  # per DP rank, fraction of KV blocks in use
+    weight_version: int = 0
+    num_rebalances: int = 0
+    last_balancedness: float | None = None
+    num_preemptions: int = 0
+    num_prefix_hit_blocks: int = 0

@@ -1,0 +1,131 @@
+"""Request and Sequence: what the driver knows of one request and of each of its samples.
+
+A `Request` is one prompt with its SamplingParams and resolved seed; `expand_samples()` is the
+only place a request becomes its n sequences, each with its own seed (moe_runtime.seeds), so
+`LLM`, HTTP and rollouts fan out the same way. A `Sequence` holds what the scheduler, the
+block manager and the output assembly need: token ids, outputs so far, the block table, and
+how much of it the worker already holds (`num_sent_tokens`, `num_sent_blocks`), from which
+the engine builds the wire format's deltas. Workers never see these objects.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from moe_runtime.engine.detokenizer import IncrementalDetokenizer
+from moe_runtime.sampling_params import SamplingParams
+from moe_runtime.seeds import sample_seeds
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    request: Request
+    sample_idx: int
+    seed: int
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    # Per output token (when the request asks): [MoE layer][K] logical experts that routed it.
+    routed_experts: list[list[list[int]]] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None
+    error: str | None = None
+    dp_rank: int = 0
+    # What the worker holds: 0 sent tokens means it holds nothing (new, or preempted).
+    num_sent_tokens: int = 0
+    num_sent_blocks: int = 0
+    num_reported: int = 0  # output tokens already handed out as deltas
+    detokenizer: IncrementalDetokenizer | None = None
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.request.prompt_token_ids
+
+    @property
+    def is_score(self) -> bool:
+        return self.request.is_score
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Prompt then outputs: a new list, O(length); not for per-step paths."""
+        return self.prompt_token_ids + self.output_token_ids
+
+    def tokens_from(self, start: int) -> list[int]:
+        """token_ids[start:] without building the whole list."""
+        num_prompt = len(self.prompt_token_ids)
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt :]
+        return self.prompt_token_ids[start:] + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def is_on_worker(self) -> bool:
+        return self.num_sent_tokens > 0
+
+
+@dataclass(eq=False)
+class Request:
+    """One prompt. For a scoring request `score_token_ids` are the tokens to score after it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    score_token_ids: list[int] | None = None
+    samples: list[Sequence] = field(default_factory=list)
+
+    @property
+    def is_score(self) -> bool:
+        return self.score_token_ids is not None
+
+    @property
+    def is_finished(self) -> bool:
+        return all(seq.is_finished for seq in self.samples)
+
+    def expand_samples(self, first_seq_id: int, tokenizer) -> list[Sequence]:
+        """The request's n sequences, with seq ids first_seq_id.. and one seed each."""
+        if self.is_score:
+            seq = Sequence(first_seq_id, self, 0, self.seed)
+            seq.output_token_ids = list(self.score_token_ids)
+            self.samples = [seq]
+            return self.samples
+        self.samples = [
+            Sequence(
+                first_seq_id + i,
+                self,
+                i,
+                seed,
+                detokenizer=IncrementalDetokenizer(tokenizer, self.params.stop),
+            )
+            for i, seed in enumerate(sample_seeds(self.seed, self.params.n))
+        ]
+        return self.samples
