@@ -49,7 +49,7 @@ def test_bad_requests_fail_alone_while_others_finish():
     expected = [fingerprint(o) for o in LLM(TINY_CONFIG).generate(good, params)]
 
     engine = llm.engine
-    in_flight = [engine.add_request(p, params)[0] for p in good]
+    in_flight = [engine.add_request(p, params).samples[0] for p in good]
     engine.step()
     engine.step()
     with pytest.raises(ValueError, match="token id 512 is outside the vocabulary"):

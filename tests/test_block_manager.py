@@ -1,6 +1,6 @@
 import pytest
 
-from moe_runtime.block_manager import BlockManager
+from moe_runtime.engine.block_manager import BlockManager
 
 BLOCK_SIZE = 4
 

@@ -64,7 +64,7 @@ def test_cache_sizing_keys_validated(key, value):
 
 
 def test_kv_cache_sized_from_memory_needs_cuda():
-    from moe_runtime.worker import kv_cache_blocks
+    from moe_runtime.worker.worker import kv_cache_blocks
 
     config = load_config(CONFIGS / "tiny_cpu.yaml", {"cache.num_blocks": 0})
     assert config.cache.is_sized_from_memory

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from moe_runtime import LLM
-from moe_runtime.expert_balancer import RebalanceError
+from moe_runtime.engine.balancer import RebalanceError
 from tests.invariance import TINY_CONFIG, mixed_params, mixed_prompts, run_in_batches
 
 ray = pytest.importorskip("ray")
@@ -73,13 +73,13 @@ def test_failed_move_keeps_old_placement_and_requests(workload):
     llm = _ep8()
     engine = llm.engine
     try:
-        seqs = [engine.add_request(p, sp)[0] for p, sp in zip(prompts, params, strict=True)]
+        seqs = [engine.add_request(p, sp).samples[0] for p, sp in zip(prompts, params, strict=True)]
         for _ in range(5):
             engine.step()
-        before = [s["physical_to_logical"] for s in engine.stats()]
+        before = [s["physical_to_logical"] for s in engine.worker_stats()]
         with pytest.raises(RebalanceError, match="old placement is in use"):
             engine.rebalance(inject_failure=(3, 1))
-        assert [s["physical_to_logical"] for s in engine.stats()] == before
+        assert [s["physical_to_logical"] for s in engine.worker_stats()] == before
         assert engine.balancer.history[-1].get("failed")
         while engine.has_unfinished():
             engine.step()

@@ -169,7 +169,7 @@ def _ep8(mode: str, workload) -> tuple[dict, dict, dict, list[dict]]:
         alone = run_in_batches(llm, prompts, params, [[i] for i in range(8)])
         together = run_in_batches(llm, prompts, params, [list(range(NUM_PROMPTS))])
         shuffled = run_in_batches(llm, prompts, params, random_sub_batches(NUM_PROMPTS, seed=5))
-        stats = llm.engine.stats()
+        stats = llm.engine.worker_stats()
     finally:
         llm.shutdown()
     return alone, together, shuffled, stats

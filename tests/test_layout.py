@@ -2,7 +2,8 @@
 
 Layering `kernels -> comm -> eplb -> moe_runtime -> launch`: a package may import only those to
 its left. Only `launch/` and the driver's Ray executor import ray; only `launch/` reads environment
-variables.
+variables. Inside moe_runtime, the engine reaches the worker only through the wire format and the
+executors, the worker never imports the engine, and no modules import each other in a cycle.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYERS = ["kernels", "comm", "eplb", "moe_runtime", "launch"]
-RAY_DRIVER = ROOT / "moe_runtime" / "ray_executor.py"
+RAY_DRIVER = ROOT / "moe_runtime" / "executor" / "ray_executor.py"
 
 
 @pytest.mark.parametrize("package", LAYERS)
@@ -52,3 +53,62 @@ def test_layering(package):
             assert "ray" not in _imports(path), f"{path.relative_to(ROOT)} imports ray"
         if package != "launch":
             assert not _reads_environment(path), f"{path.relative_to(ROOT)} reads the environment"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _runtime_imports() -> dict[str, set[str]]:
+    """moe_runtime module -> the moe_runtime modules it imports (anywhere in the file)."""
+    graph = {}
+    for path in sorted((ROOT / "moe_runtime").rglob("*.py")):
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets.add(node.module)
+            elif isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+        graph[_module_name(path)] = {t for t in targets if t.startswith("moe_runtime")}
+    return graph
+
+
+def test_engine_reaches_the_worker_only_through_the_wire_format():
+    for module, targets in _runtime_imports().items():
+        if module.startswith("moe_runtime.engine"):
+            wrong = {
+                t
+                for t in targets
+                if t.startswith("moe_runtime.worker") and t != "moe_runtime.worker.step_input"
+            }
+            assert not wrong, f"{module} imports worker internals {sorted(wrong)}"
+
+
+def test_worker_never_imports_the_engine():
+    for module, targets in _runtime_imports().items():
+        if module.startswith("moe_runtime.worker") or module.startswith("moe_runtime.model"):
+            wrong = {
+                t
+                for t in targets
+                if t.startswith(("moe_runtime.engine", "moe_runtime.executor", "moe_runtime.llm"))
+            }
+            assert not wrong, f"{module} imports the driver side {sorted(wrong)}"
+
+
+def test_no_import_cycles():
+    graph = _runtime_imports()
+    done: set[str] = set()
+
+    def visit(module: str, path: list[str]) -> None:
+        if module in path:
+            cycle = path[path.index(module) :] + [module]
+            raise AssertionError(f"import cycle: {' -> '.join(cycle)}")
+        if module in done or module not in graph:
+            return
+        for target in sorted(graph[module]):
+            visit(target, path + [module])
+        done.add(module)
+
+    for module in graph:
+        visit(module, [])

@@ -3,8 +3,10 @@ import math
 import pytest
 import torch
 
-from moe_runtime.sampler import Sampler, SampleResult, derive_seed, resolve_seed
 from moe_runtime.sampling_params import SamplingParams
+from moe_runtime.seeds import derive_seed, resolve_seed
+from moe_runtime.worker.sampler import Sampler
+from moe_runtime.worker.step_input import SampleResult
 
 
 @pytest.fixture
