@@ -80,7 +80,9 @@ def test_shared_prefix_across_requests(reference, workload):
     expected = [fingerprint(o) for o in cold.generate(variants, params[1:5])]
     got = [fingerprint(o) for o in warm.generate(variants, params[1:5])]
     # 100 shared tokens = 6 full blocks of 16 per variant, served from the warm-up's cache.
-    assert warm.engine.num_prefix_hit_blocks >= 6 * len(variants), "the variants missed the cache"
+    assert warm.engine.stats().num_prefix_hit_blocks >= 6 * len(variants), (
+        "the variants missed the cache"
+    )
     assert got == expected
 
 
@@ -88,7 +90,7 @@ def test_preemption_loses_nothing_and_changes_no_bit(workload, reference):
     prompts, params = workload
     llm = LLM(TINY_CONFIG, **{"cache.num_blocks": 64, "scheduler.max_model_len": 512})
     got = run_in_batches(llm, prompts, params, [list(range(NUM))])
-    assert llm.engine.num_preemptions > 0, "the small cache never forced a preemption"
+    assert llm.engine.stats().num_preemptions > 0, "the small cache never forced a preemption"
     assert got == reference
 
 

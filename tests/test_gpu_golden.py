@@ -96,9 +96,11 @@ def test_gpu_prefix_cache_hit_bitwise(workload, alone_invariant):
     llm = LLM(TINY_GPU)
     batch = [list(range(16))]
     run_in_batches(llm, prompts, params, batch)  # fills the cache
-    hits_before = llm.engine.num_prefix_hit_blocks
+    hits_before = llm.engine.stats().num_prefix_hit_blocks
     got = run_in_batches(llm, prompts, params, batch)
-    assert llm.engine.num_prefix_hit_blocks > hits_before, "the second run never hit the cache"
+    assert llm.engine.stats().num_prefix_hit_blocks > hits_before, (
+        "the second run never hit the cache"
+    )
     assert got == {i: alone_invariant[i] for i in range(16)}
 
 
