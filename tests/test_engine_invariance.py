@@ -20,6 +20,7 @@ from tests.invariance import (
 )
 
 NUM = 12
+BUDGETS = [7, 16, 33, 100]
 
 
 @pytest.fixture(scope="module")
@@ -27,19 +28,33 @@ def workload():
     return mixed_prompts(NUM, 20, 200, seed=5), mixed_params(NUM, 12)
 
 
-@pytest.fixture(scope="module")
-def reference(workload):
+def _plain_run(workload, mode: str) -> dict[int, tuple]:
+    """Each prompt alone, prefix caching off, the whole prompt in one step: the reference."""
     prompts, params = workload
-    llm = LLM(TINY_CONFIG, **{"cache.enable_prefix_caching": False})
+    llm = LLM(TINY_CONFIG, **{"kernels.mode": mode, "cache.enable_prefix_caching": False})
     return run_in_batches(llm, prompts, params, [[i] for i in range(NUM)])
 
 
-@pytest.mark.parametrize("budget", [7, 16, 33, 100])
-def test_chunked_prefill_is_bitwise_invariant(workload, reference, budget):
+@pytest.fixture(scope="module")
+def reference(workload):
+    return _plain_run(workload, "invariant")
+
+
+@pytest.fixture(scope="module")
+def fast_reference(workload):
+    return _plain_run(workload, "fast")
+
+
+def _chunked_run(workload, mode: str, budget: int) -> dict[int, tuple]:
+    """All prompts together under a token budget; asserts some prompt took several chunks."""
     prompts, params = workload
     llm = LLM(
         TINY_CONFIG,
-        **{"scheduler.max_num_batched_tokens": budget, "cache.enable_prefix_caching": False},
+        **{
+            "kernels.mode": mode,
+            "scheduler.max_num_batched_tokens": budget,
+            "cache.enable_prefix_caching": False,
+        },
     )
     steps = record_steps(llm)
     got = run_in_batches(llm, prompts, params, [list(range(NUM))])
@@ -47,12 +62,26 @@ def test_chunked_prefill_is_bitwise_invariant(workload, reference, budget):
     assert any(start > 0 and n > 1 for start, n in chunks), (
         "no prompt was prefilled in several chunks"
     )
-    assert got == reference
+    return got
 
 
-def test_prefix_cache_hit_is_bitwise_equal_to_miss(workload, reference):
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_chunked_prefill_is_bitwise_invariant(workload, reference, budget):
+    assert _chunked_run(workload, "invariant", budget) == reference
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_chunked_prefill_negative_control(workload, fast_reference, budget):
+    assert _chunked_run(workload, "fast", budget) != fast_reference, (
+        f"fast kernels gave the same bits chunked at budget {budget}: the test could not fail"
+    )
+
+
+def _cache_hit_run(workload, mode: str) -> dict[int, tuple]:
+    """All prompts together, twice; -> the second run's fingerprints. Asserts that it started
+    prompts from cached blocks."""
     prompts, params = workload
-    llm = LLM(TINY_CONFIG)
+    llm = LLM(TINY_CONFIG, **{"kernels.mode": mode})
     run_in_batches(llm, prompts, params, [list(range(NUM))])  # fills the cache
     computed_at_admission = []
     schedule = llm.engine.schedulers[0].schedule
@@ -67,15 +96,27 @@ def test_prefix_cache_hit_is_bitwise_equal_to_miss(workload, reference):
     llm.engine.schedulers[0].schedule = spy
     got = run_in_batches(llm, prompts, params, [list(range(NUM))])
     assert computed_at_admission, "the second run never started a prompt from cached blocks"
-    assert got == reference
+    return got
 
 
-def test_shared_prefix_across_requests(reference, workload):
+def test_prefix_cache_hit_is_bitwise_equal_to_miss(workload, reference):
+    assert _cache_hit_run(workload, "invariant") == reference
+
+
+def test_prefix_cache_negative_control(workload, fast_reference):
+    assert _cache_hit_run(workload, "fast") != fast_reference, (
+        "fast kernels gave the same bits from the prefix cache: the test could not fail"
+    )
+
+
+def _shared_prefix_run(workload, mode: str) -> tuple[list[tuple], list[tuple]]:
+    """Four prompts sharing 100 tokens with a warm-up prompt; -> (cold, warm) fingerprints.
+    Asserts the warm run served the shared blocks from the cache."""
     prompts, params = workload
     base = prompts[0]
     variants = [base[:100] + p[:30] for p in prompts[1:5]]
-    cold = LLM(TINY_CONFIG, **{"cache.enable_prefix_caching": False})
-    warm = LLM(TINY_CONFIG)
+    cold = LLM(TINY_CONFIG, **{"kernels.mode": mode, "cache.enable_prefix_caching": False})
+    warm = LLM(TINY_CONFIG, **{"kernels.mode": mode})
     warm.generate([base[:120]], params[0])
     expected = [fingerprint(o) for o in cold.generate(variants, params[1:5])]
     got = [fingerprint(o) for o in warm.generate(variants, params[1:5])]
@@ -83,15 +124,39 @@ def test_shared_prefix_across_requests(reference, workload):
     assert warm.engine.stats().num_prefix_hit_blocks >= 6 * len(variants), (
         "the variants missed the cache"
     )
+    return expected, got
+
+
+def test_shared_prefix_across_requests(workload):
+    expected, got = _shared_prefix_run(workload, "invariant")
     assert got == expected
 
 
-def test_preemption_loses_nothing_and_changes_no_bit(workload, reference):
+def test_shared_prefix_negative_control(workload):
+    expected, got = _shared_prefix_run(workload, "fast")
+    assert got != expected, "fast kernels gave the same bits from a shared prefix"
+
+
+def _preempted_run(workload, mode: str) -> dict[int, tuple]:
+    """All prompts together in a cache too small for them; asserts a preemption happened."""
     prompts, params = workload
-    llm = LLM(TINY_CONFIG, **{"cache.num_blocks": 64, "scheduler.max_model_len": 512})
+    llm = LLM(
+        TINY_CONFIG,
+        **{"kernels.mode": mode, "cache.num_blocks": 64, "scheduler.max_model_len": 512},
+    )
     got = run_in_batches(llm, prompts, params, [list(range(NUM))])
     assert llm.engine.stats().num_preemptions > 0, "the small cache never forced a preemption"
-    assert got == reference
+    return got
+
+
+def test_preemption_loses_nothing_and_changes_no_bit(workload, reference):
+    assert _preempted_run(workload, "invariant") == reference
+
+
+def test_preemption_negative_control(workload, fast_reference):
+    assert _preempted_run(workload, "fast") != fast_reference, (
+        "fast kernels gave the same bits across preemption: the test could not fail"
+    )
 
 
 def _decode_vs_score(mode: str, workload) -> list[tuple[list[float], list[float]]]:
