@@ -31,9 +31,9 @@ from kernels.attention import mla_attention_fast  # noqa: E402
 from kernels.triton_attention import mla_attention_triton  # noqa: E402
 from launch.cli import add_override_argument, parse_overrides  # noqa: E402
 from moe_runtime.config import load_config  # noqa: E402
-from moe_runtime.worker.cuda_graphs import DecodeGraphRunner  # noqa: E402
 from moe_runtime.forward_batch import ForwardBatch  # noqa: E402
 from moe_runtime.model.deepseek import DeepseekForCausalLM  # noqa: E402
+from moe_runtime.worker.cuda_graphs import DecodeGraphRunner  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parent.parent / "launch" / "configs" / "v2_lite_gpu.yaml"
 

@@ -1,16 +1,17 @@
 """IncrementalDetokenizer: one sample's text, grown a token at a time, and its stop strings.
 
 Each new token decodes a short window of recent tokens, never the whole output, so the cost of
-a step does not grow with the sample's length. A window whose text ends in an incomplete
-UTF-8 character ("\ufffd") waits for the next token. The text is searched for stop strings
-only where a new match can start. `delta()` hands out the text not yet sent, holding back an
-incomplete character and any tail that may still grow into a stop string; the text after a
-stop string is never sent.
+a step does not grow with the sample's length. A window whose text ends in an incomplete UTF-8
+character ("\ufffd") waits for the next token, up to the 4 a character can span. The text is
+searched for stop strings only where a new match can start. `delta()` hands out the text not
+yet sent, holding back any tail that may still grow into a stop string; the text after a stop
+string is never sent.
 """
 
 from __future__ import annotations
 
 _REPLACEMENT = "\ufffd"
+_MAX_CHAR_TOKENS = 4  # a UTF-8 character spans at most 4 bytes, so at most 4 byte tokens
 
 
 class IncrementalDetokenizer:
@@ -37,8 +38,12 @@ class IncrementalDetokenizer:
         decode = self._tokenizer.decode
         prefix = decode(token_ids[self._prefix_offset : self._read_offset])
         window = decode(token_ids[self._prefix_offset :])
-        if len(window) > len(prefix) and (is_final or not window.endswith(_REPLACEMENT)):
-            new = window[len(prefix) :]
+        num_unread = len(token_ids) - self._read_offset
+        if is_final or not window.endswith(_REPLACEMENT) or num_unread >= _MAX_CHAR_TOKENS:
+            # The window moves on even when it added no text (special tokens decode to
+            # nothing) or its "\ufffd" can no longer complete (invalid bytes), so it never
+            # grows with the output.
+            new = window[len(prefix) :] if len(window) > len(prefix) else ""
             searched_from = max(0, len(self._text) - self._max_stop_len + 1)
             self._text += new
             self._prefix_offset, self._read_offset = self._read_offset, len(token_ids)

@@ -18,6 +18,8 @@ import contextlib
 import itertools
 from pathlib import Path
 
+import numpy as np
+
 from moe_runtime.config import RuntimeConfig
 from moe_runtime.engine.balancer import ExpertBalancer, RebalanceError, initial_placement
 from moe_runtime.engine.block_manager import BlockManager
@@ -28,7 +30,7 @@ from moe_runtime.executor import WorkerError, create_executor
 from moe_runtime.sampling_params import SamplingParams
 from moe_runtime.seeds import resolve_seed
 from moe_runtime.tokenizer import load_tokenizer
-from moe_runtime.worker.step_input import NewSequence, ScheduledSeq, StepInput
+from moe_runtime.worker.step_input import NewSequence, ScheduledSeq, StepInput, StepOutput
 
 
 class LLMEngine:
@@ -168,7 +170,7 @@ class LLMEngine:
         self._check_alive()
         per_dp_rank = [scheduler.schedule() for scheduler in self.schedulers]
         inputs = [
-            _step_input(scheduler.collect_released(), chunks)
+            build_step_input(scheduler.collect_released(), chunks)
             for scheduler, chunks in zip(self.schedulers, per_dp_rank, strict=True)
         ]
         tp_size = self.config.parallel.tp_size
@@ -178,7 +180,7 @@ class LLMEngine:
             results = self.executor.execute(per_worker)[::tp_size]  # TP rank 0 of each group
         changed: dict[int, Request] = {}
         for scheduler, chunks, result in zip(self.schedulers, per_dp_rank, results, strict=True):
-            self._record(scheduler, chunks, result)
+            record_results(scheduler, chunks, result)
             for chunk in chunks:
                 if chunk.seq.seq_id in result.samples and not chunk.seq.is_score:
                     changed[id(chunk.seq.request)] = chunk.seq.request
@@ -188,39 +190,7 @@ class LLMEngine:
                 self.balancer.maybe_rebalance(self.num_steps)  # between steps
         except RebalanceError:
             pass  # logged; the old placement keeps serving and nothing in flight changed
-        return [self._delta(request) for request in changed.values()]
-
-    def _record(self, scheduler: Scheduler, chunks: list[ScheduledChunk], result) -> None:
-        """Outputs of one DP rank's step onto its sequences; ends samples at stop strings."""
-        for chunk in chunks:
-            seq = chunk.seq
-            seq.output_logprobs.extend(result.scored.get(seq.seq_id, ()))
-            if seq.seq_id in result.routed:
-                seq.routed_experts.append(result.routed[seq.seq_id])
-        scheduler.update(chunks, result.samples)
-        for chunk in chunks:
-            seq = chunk.seq
-            if seq.detokenizer is None or seq.seq_id not in result.samples:
-                continue
-            stopped = seq.detokenizer.update(seq.output_token_ids, is_final=seq.is_finished)
-            if stopped and not seq.is_finished:
-                scheduler.finish(seq, "stop")
-
-    def _delta(self, request: Request) -> RequestOutput:
-        outputs = []
-        for seq in request.samples:
-            start = seq.num_reported
-            if seq.num_output_tokens == start:
-                continue
-            seq.num_reported = seq.num_output_tokens
-            outputs.append(_completion(seq, start, seq.detokenizer.delta(seq.is_finished)))
-        return RequestOutput(
-            request.request_id,
-            request.prompt_token_ids,
-            outputs,
-            request.is_finished,
-            self.weight_version,
-        )
+        return [request_delta(r, self.weight_version) for r in changed.values()]
 
     def output(self, request: Request) -> RequestOutput:
         """The request's whole result so far (every sample, every token)."""
@@ -322,7 +292,43 @@ class LLMEngine:
             scheduler.running.clear()
 
 
-def _step_input(released: list[Sequence], chunks: list[ScheduledChunk]) -> StepInput:
+def record_results(scheduler: Scheduler, chunks: list[ScheduledChunk], result: StepOutput) -> None:
+    """Outputs of one DP rank's step onto its sequences; ends samples at stop strings."""
+    for chunk in chunks:
+        seq = chunk.seq
+        seq.output_logprobs.extend(result.scored.get(seq.seq_id, ()))
+        if seq.seq_id in result.routed:
+            seq.routed_experts.append(result.routed[seq.seq_id])
+    scheduler.update(chunks, result.samples)
+    for chunk in chunks:
+        seq = chunk.seq
+        if seq.detokenizer is None or seq.seq_id not in result.samples:
+            continue
+        stopped = seq.detokenizer.update(seq.output_token_ids, is_final=seq.is_finished)
+        if stopped and not seq.is_finished:
+            scheduler.finish(seq, "stop")
+
+
+def request_delta(request: Request, weight_version: int) -> RequestOutput:
+    """What changed in a request since its last delta: the samples with new tokens, only
+    their new tokens and text."""
+    outputs = []
+    for seq in request.samples:
+        start = seq.num_reported
+        if seq.num_output_tokens == start:
+            continue
+        seq.num_reported = seq.num_output_tokens
+        outputs.append(_completion(seq, start, seq.detokenizer.delta(seq.is_finished)))
+    return RequestOutput(
+        request.request_id,
+        request.prompt_token_ids,
+        outputs,
+        request.is_finished,
+        weight_version,
+    )
+
+
+def build_step_input(released: list[Sequence], chunks: list[ScheduledChunk]) -> StepInput:
     """One DP rank's wire message: drop released sequences, send new ones whole and running
     ones only the tokens and blocks their worker has not seen."""
     released_ids = []
@@ -360,7 +366,9 @@ def _step_input(released: list[Sequence], chunks: list[ScheduledChunk]) -> StepI
 
 def _completion(seq: Sequence, start: int, text: str) -> CompletionOutput:
     """Sample seq's output from token `start` on, as copies."""
-    routed = seq.routed_experts[start:] if seq.params.return_routed_experts else None
+    routed = None
+    if seq.params.return_routed_experts:
+        routed = np.array(seq.routed_experts[start:], dtype=np.int32)  # [T, L_moe, K]
     return CompletionOutput(
         index=seq.sample_idx,
         token_ids=seq.output_token_ids[start:],
@@ -371,4 +379,3 @@ def _completion(seq: Sequence, start: int, text: str) -> CompletionOutput:
         seed=seq.seed,
         routed_experts=routed,
     )
-

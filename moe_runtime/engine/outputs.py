@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class CompletionOutput:
@@ -20,9 +22,9 @@ class CompletionOutput:
     text: str  # cut before a stop string
     finish_reason: str | None  # None while the sample runs; stop | length | error | abort
     seed: int  # the seed this sample drew its noise from
-    # Per token, when the request asks for them: [MoE layer][K] logical experts of the
-    # position whose logits sampled it.
-    routed_experts: list[list[list[int]]] | None = None
+    # When the request asks: int32 [T, L_moe, K], the logical experts (top-k in slot order,
+    # per MoE layer) that routed the position whose logits sampled token t.
+    routed_experts: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -54,7 +56,7 @@ class RequestOutput:
         return self.outputs[0].text
 
     @property
-    def routed_experts(self) -> list[list[list[int]]] | None:
+    def routed_experts(self) -> np.ndarray | None:
         return self.outputs[0].routed_experts
 
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from moe_runtime.engine.detokenizer import IncrementalDetokenizer
 from moe_runtime.sampling_params import SamplingParams
 from moe_runtime.seeds import sample_seeds
@@ -33,8 +35,8 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[dict[int, float]] = field(default_factory=list)
-    # Per output token (when the request asks): [MoE layer][K] logical experts that routed it.
-    routed_experts: list[list[list[int]]] = field(default_factory=list)
+    # Per output token (when the request asks): [L_moe, K] int32 logical experts that routed it.
+    routed_experts: list[np.ndarray] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING

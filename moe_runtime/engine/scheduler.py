@@ -163,9 +163,7 @@ class Scheduler:
 
     def abort(self, request_id: str) -> list[Sequence]:
         """Drop every sequence of a request (e.g. a client went away); frees their blocks."""
-        dropped = [
-            s for s in (*self.waiting, *self.running) if s.request.request_id == request_id
-        ]
+        dropped = [s for s in (*self.waiting, *self.running) if s.request.request_id == request_id]
         for seq in dropped:
             if seq in self.running:
                 self._finish(seq, "abort")

@@ -134,15 +134,16 @@ class ModelRunner:
         return out
 
     def _routed_experts(self, batch: ForwardBatch, gen_rows: list[int], seqs) -> dict:
-        """seq_id -> [MoE layer][K] logical experts of the position whose logits were sampled,
-        for the sequences that asked for them (one device-to-host copy per MoE layer)."""
+        """seq_id -> [L_moe, K] int32 logical experts of the position whose logits were
+        sampled, for the sequences that asked for them."""
         moe_layers = self.model.moe_layers
         asking = [i for i, s in enumerate(seqs) if s.params.return_routed_experts]
         if not moe_layers or not asking:
             return {}
-        token_rows = batch.logits_indices[[gen_rows[i] for i in asking]]
-        per_layer = [moe.last_topk_ids[token_rows].tolist() for moe in moe_layers]
-        return {seqs[i].seq_id: [layer[j] for layer in per_layer] for j, i in enumerate(asking)}
+        token_rows = batch.logits_indices[[gen_rows[i] for i in asking]].to(self.device)
+        ids = torch.stack([moe.last_topk_ids[token_rows] for moe in moe_layers], dim=1)
+        ids = ids.to(torch.int32).cpu().numpy()  # [R, L_moe, K]: one host copy, compact
+        return {seqs[i].seq_id: ids[j] for j, i in enumerate(asking)}
 
     def _build_batch(self, chunks: list[Chunk]) -> tuple[ForwardBatch, list[tuple[Chunk, int]]]:
         token_ids, positions, seq_rows, slots, logit_rows = [], [], [], [], []
@@ -178,4 +179,3 @@ class ModelRunner:
             logits_indices=torch.tensor(logit_rows, dtype=torch.int64),
         )
         return batch, row_owners
-

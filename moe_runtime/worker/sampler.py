@@ -19,6 +19,7 @@ from moe_runtime.worker.step_input import SampleResult
 
 LogSoftmax = Callable[[torch.Tensor], torch.Tensor]
 
+
 class Sampler:
     """Samples one token per row. `log_softmax(x [R, V] fp32) -> [R, V] fp32` is the
     batch-invariant op from the kernel table."""

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from moe_runtime.sampling_params import SamplingParams
 
 
@@ -70,5 +72,6 @@ class StepOutput:
 
     samples: dict[int, SampleResult] = field(default_factory=dict)
     scored: dict[int, list[float]] = field(default_factory=dict)  # new teacher-forced logprobs
-    # [MoE layer][K] logical experts of the sampled position; only for sequences that ask.
-    routed: dict[int, list[list[int]]] = field(default_factory=dict)
+    # [L_moe, K] int32 logical experts of the sampled position; only for sequences that ask.
+    # Arrays, not nested lists: one object per token on the driver, not L_moe * (K + 1).
+    routed: dict[int, np.ndarray] = field(default_factory=dict)
