@@ -76,9 +76,7 @@ class TokenSource:
         model = config.model
         self.rng = random.Random(seed)
         self.vocab_size = model.vocab_size
-        self.num_moe_layers = sum(
-            model.is_moe_layer(layer_id) for layer_id in range(model.num_hidden_layers)
-        )
+        self.num_moe_layers = model.num_moe_layers
         self.top_k = model.num_experts_per_tok
         experts = range(model.n_routed_experts)
         self._rows = [self.rng.sample(experts, self.top_k) for _ in range(NUM_ROUTING_ROWS)]

@@ -35,7 +35,7 @@ def build_model(
     local_experts: Sequence[Sequence[int]] | None = None,
     tp: TensorParallel = NO_TP,
 ) -> DeepseekForCausalLM:
-    num_moe = cfg.num_hidden_layers - cfg.first_k_dense_replace
+    num_moe = cfg.num_moe_layers
     if local_experts is None:
         local_experts = [range(cfg.n_routed_experts)] * num_moe
     local_experts = [[int(e) for e in row] for row in local_experts]
