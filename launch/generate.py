@@ -14,7 +14,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from a checkout
+if __name__ == "__main__":  # the checkout on the path, not launch/ (whose openai/ would shadow)
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 from launch.cli import add_override_argument, parse_overrides  # noqa: E402
 from moe_runtime import LLM, SamplingParams  # noqa: E402

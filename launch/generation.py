@@ -1,123 +1,118 @@
-"""The bridge from an async route to the EngineLoop: submit, then stream or collect.
+"""The bridge from an async route to the AsyncEngine: submit, then stream or collect.
 
-`Generation` submits a request with an `on_token` callback that forwards the loop thread's
-TokenEvents into an asyncio queue (thread-safe hand-off), followed by one end marker when the
-request's Future settles. Streaming routes iterate the events as they come; non-streaming routes
-await the finished sequences. Either way the bits are the sequences' own (the events are copies).
-`TextDeltas` turns one sample's growing token list into text deltas that never show a stop
-string or half a UTF-8 character.
+`Generation` submits prompts with an `on_output` callback that hands each step's
+`RequestOutput` deltas from the engine thread to an asyncio queue (thread-safe), then one end
+marker when the submission's Future settles. Streaming routes iterate the deltas as they come
+(`sse_stream`); other routes await the whole outputs. Text, stop strings and samples are the
+engine's: nothing here decodes or cuts text.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
 
-from launch.metrics import ServerMetrics
-from moe_runtime.engine_loop import EngineLoop
-from moe_runtime.loop_events import TokenEvent
+from launch.metrics import RequestTracker, ServerMetrics
+from launch.openai.errors import error_body
+from launch.openai.render import sse, usage
+from moe_runtime.engine.async_engine import AsyncEngine, EngineUnavailableError
+from moe_runtime.engine.outputs import RequestOutput
 from moe_runtime.sampling_params import SamplingParams
-from moe_runtime.sequence import Sequence
 
 _END = object()
 
 
+@dataclass(frozen=True)
+class Backend:
+    """What the routes serve from: the engine's thread and the engine's own tokenizer."""
+
+    engine: AsyncEngine
+    tokenizer: Any
+
+
+def ready(backend: Backend | None) -> Backend:
+    if backend is None:
+        raise EngineUnavailableError("the engine is still loading")
+    return backend
+
+
 class Generation:
-    """One submitted request: its events as they come and its finished sequences."""
+    """One submission: its deltas as they come, then its whole outputs."""
 
     def __init__(
         self,
-        loop: EngineLoop,
+        engine: AsyncEngine,
         prompts: list[str | list[int]],
         params: list[SamplingParams],
-        stop: list[str],
         metrics: ServerMetrics,
     ) -> None:
-        self._events: asyncio.Queue = asyncio.Queue()
-        self._pending: list = []
-        self.weight_version = 0
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._first: list = []
         aio_loop = asyncio.get_running_loop()
-        tracker = metrics.tracker()
+        tracker = RequestTracker(metrics)
 
-        def on_token(event: TokenEvent) -> None:  # on the engine loop thread
-            tracker.observe(event)
-            aio_loop.call_soon_threadsafe(self._events.put_nowait, event)
+        def on_output(prompt_idx: int, delta: RequestOutput) -> None:  # on the engine thread
+            tracker.observe(prompt_idx, delta)
+            aio_loop.call_soon_threadsafe(self._queue.put_nowait, (prompt_idx, delta))
 
         def on_done(_future: Future) -> None:  # on whichever thread settled it
             try:
-                aio_loop.call_soon_threadsafe(self._events.put_nowait, _END)
+                aio_loop.call_soon_threadsafe(self._queue.put_nowait, _END)
             except RuntimeError:
                 pass  # the event loop has closed: nobody is listening
 
-        self.future = loop.submit_batch(prompts, params, stop=stop, on_token=on_token)
+        self.future = engine.submit(prompts, params, on_output)
         self.future.add_done_callback(on_done)
 
     async def started(self) -> None:
-        """Wait for the first event; raises the request's error (e.g. ValueError) if it failed
-        before producing anything, so a route can still answer with a status code."""
-        item = await self._events.get()
-        self._pending.append(item)
-        if item is _END:
+        """Wait for the first delta; raises the submission's error (e.g. ValueError) if it
+        failed before producing anything, so a route can still answer with a status code."""
+        self._first.append(await self._queue.get())
+        if self._first[0] is _END:
             self.future.result()
 
-    async def events(self) -> AsyncIterator[TokenEvent]:
-        """Events in the order the loop thread sent them; raises the request's error at the
+    async def deltas(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, delta) in the engine's order; raises the submission's error at the
         end if it failed."""
         while True:
-            item = self._pending.pop(0) if self._pending else await self._events.get()
+            item = self._first.pop() if self._first else await self._queue.get()
             if item is _END:
                 break
-            self.weight_version = max(self.weight_version, item.weight_version)
             yield item
         self.future.result()
 
-    async def result(self) -> list[list[Sequence]]:
-        """The finished sequences, one list per prompt (n each)."""
-        async for _ in self.events():
-            pass
-        return self.future.result()
+    async def result(self) -> list[RequestOutput]:
+        """The whole outputs, one per prompt. Cancelling the awaiting task aborts them."""
+        return await asyncio.wrap_future(self.future)
 
     def cancel(self) -> None:
-        """The client went away: the loop aborts the request between steps."""
+        """The client went away: the engine aborts the submission between steps."""
         self.future.cancel()
 
 
-class TextDeltas:
-    """Text of one sample as it grows, cut before the first stop string."""
-
-    def __init__(self, tokenizer, stop: list[str]) -> None:
-        self._tokenizer = tokenizer
-        self._stop = stop
-        self.token_ids: list[int] = []
-        self.text = ""  # what has been sent
-        self.is_stopped = False
-
-    def push(self, token_ids: tuple[int, ...] | list[int], is_final: bool) -> str:
-        """Add tokens; returns the text that may be sent now."""
-        self.token_ids.extend(token_ids)
-        text, self.is_stopped = cut_at_stop(self._tokenizer.decode(self.token_ids), self._stop)
-        if not (is_final or self.is_stopped):
-            text = text.rstrip("\ufffd")  # an incomplete UTF-8 character may still complete
-            text = text[: len(text) - _partial_stop_len(text, self._stop)]
-        if len(text) <= len(self.text):
-            return ""
-        delta, self.text = text[len(self.text) :], text
-        return delta
-
-
-def cut_at_stop(text: str, stop: list[str]) -> tuple[str, bool]:
-    """(text before the first stop string, whether one occurs)."""
-    hits = [i for i in (text.find(s) for s in stop) if i >= 0]
-    return (text[: min(hits)], True) if hits else (text, False)
-
-
-def _partial_stop_len(text: str, stop: list[str]) -> int:
-    """Length of the longest tail of text that begins some stop string (held back)."""
-    best = 0
-    for s in stop:
-        for k in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:k]):
-                best = k
-                break
-    return best
+async def sse_stream(
+    generation: Generation,
+    head: dict,
+    choices: Callable[[int, RequestOutput], list[dict]],
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    """Server-sent events: a chunk per choice of each delta, an optional usage chunk, then
+    [DONE]; a failure mid-stream is sent as one error chunk. A client that leaves aborts."""
+    num_in: dict[int, int] = {}
+    num_out = 0
+    try:
+        async for prompt_idx, delta in generation.deltas():
+            num_in[prompt_idx] = len(delta.prompt_token_ids)
+            num_out += sum(len(out.token_ids) for out in delta.outputs)
+            for choice in choices(prompt_idx, delta):
+                yield sse({**head, "choices": [choice], "weight_version": delta.weight_version})
+        if include_usage:
+            yield sse({**head, "choices": [], "usage": usage(sum(num_in.values()), num_out)})
+    except Exception as exc:
+        yield sse(error_body(exc))
+    finally:
+        generation.cancel()  # no-op once finished
+    yield "data: [DONE]\n\n"

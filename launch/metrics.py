@@ -1,9 +1,10 @@
 """Prometheus metrics of the server, on a registry of its own (one per app).
 
 Request-side series (tokens in and out, time to first token, inter-token latency, requests by
-route and status) are recorded from the EngineLoop's token events; engine-side series (running
-and waiting sequences, KV cache usage, rebalances, balancedness, weight version) are read from
-the loop's last snapshot at scrape time, so a scrape never touches the engine itself.
+route and status) are recorded from the engine's per-step output deltas; engine-side series
+(running and waiting sequences, KV cache usage, rebalances, balancedness, weight version,
+steps) are read from the AsyncEngine's last `EngineStats` at scrape time, so a scrape never
+touches the engine itself.
 """
 
 from __future__ import annotations
@@ -15,16 +16,16 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from moe_runtime.loop_events import LoopStats, TokenEvent
+from moe_runtime.engine.outputs import EngineStats, RequestOutput
 
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
 class _EngineCollector:
-    """Series read from the loop's snapshot; none while the engine is loading."""
+    """Series read from the engine's last stats; none while the engine is loading."""
 
-    def __init__(self, stats: Callable[[], LoopStats | None]) -> None:
+    def __init__(self, stats: Callable[[], EngineStats | None]) -> None:
         self._stats = stats
 
     def collect(self):
@@ -57,7 +58,7 @@ def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
 
 
 class ServerMetrics:
-    def __init__(self, stats: Callable[[], LoopStats | None]) -> None:
+    def __init__(self, stats: Callable[[], EngineStats | None]) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.prompt_tokens = Counter("moe_prompt_tokens", "Prompt tokens admitted", registry=r)
@@ -81,32 +82,31 @@ class ServerMetrics:
         )
         r.register(_EngineCollector(stats))
 
-    def tracker(self) -> RequestTracker:
-        return RequestTracker(self)
+    def count(self, route: str, status: int) -> None:
+        self.requests.labels(route, str(status)).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
 class RequestTracker:
-    """Timings of one request's samples. `observe` runs on the engine loop thread."""
+    """Timings of one submission's samples. `observe` runs on the engine thread."""
 
     def __init__(self, metrics: ServerMetrics) -> None:
         self._metrics = metrics
         self._submitted = time.monotonic()
-        self._last: dict[tuple[int, int], float] = {}
+        self._last: dict[tuple[int, int], float] = {}  # (prompt idx, sample idx) -> time
 
-    def observe(self, event: TokenEvent) -> None:
-        num_new = len(event.token_ids)
-        if num_new == 0:
-            return
-        now, key, m = time.monotonic(), (event.prompt_idx, event.sample_idx), self._metrics
-        last = self._last.get(key)
-        if last is None:
-            m.time_to_first_token.observe(now - self._submitted)
-            if event.sample_idx == 0:
-                m.prompt_tokens.inc(event.num_prompt_tokens)
-        else:
-            m.inter_token_latency.observe((now - last) / num_new)
-        self._last[key] = now
-        m.generation_tokens.inc(num_new)
+    def observe(self, prompt_idx: int, delta: RequestOutput) -> None:
+        now, m = time.monotonic(), self._metrics
+        for out in delta.outputs:
+            key = (prompt_idx, out.index)
+            last = self._last.get(key)
+            if last is None:
+                m.time_to_first_token.observe(now - self._submitted)
+                if out.index == 0:
+                    m.prompt_tokens.inc(len(delta.prompt_token_ids))
+            else:
+                m.inter_token_latency.observe((now - last) / len(out.token_ids))
+            self._last[key] = now
+            m.generation_tokens.inc(len(out.token_ids))

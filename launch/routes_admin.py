@@ -1,46 +1,45 @@
 """Admin routes: POST /admin/rebalance and POST /admin/update_weights.
 
-Both run on the engine loop thread between two steps (EngineLoop.call), so they never overlap
-a step; requests in flight continue afterwards. A rebalance answers with the engine's report
-as JSON; a weight update with the new `weight_version`. Failures answer with an error naming
-the problem and leave the server serving.
+Both run on the engine thread between two steps (AsyncEngine.call), so they never overlap a
+step; requests in flight continue afterwards. A rebalance answers with the engine's report as
+JSON; a weight update with the new `weight_version`. Failures answer through the one error map
+(launch.openai.errors) and leave the server serving.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 
-from launch.protocol import ExactJSONResponse, UpdateWeightsRequest, error, refusal
-from moe_runtime.engine_loop import EngineUnavailableError
+from launch.generation import ready
+from launch.openai.errors import FieldError, error_response
+from launch.openai.render import ExactJSONResponse
+from launch.openai.schemas import UpdateWeightsRequest
+from moe_runtime.engine import LLMEngine
 
 
 def add_admin_routes(app: FastAPI) -> None:
     @app.post("/admin/rebalance")
-    async def rebalance(request: Request) -> JSONResponse:
-        return await _on_loop(request, lambda engine: engine.rebalance(), None)
+    async def rebalance(request: Request) -> Response:
+        return await _on_engine(request, lambda engine: engine.rebalance())
 
     @app.post("/admin/update_weights")
-    async def update_weights(body: UpdateWeightsRequest, request: Request) -> JSONResponse:
-        def update(engine) -> dict:
-            return {"weight_version": engine.update_weights(body.path)}
+    async def update_weights(body: UpdateWeightsRequest, request: Request) -> Response:
+        def update(engine: LLMEngine) -> dict:
+            try:
+                return {"weight_version": engine.update_weights(body.path)}
+            except ValueError as exc:  # refused on every rank before anything changed
+                raise FieldError("path", f"path: {exc}") from None
 
-        return await _on_loop(request, update, "path")
+        return await _on_engine(request, update)
 
 
-async def _on_loop(request: Request, fn, param: str | None) -> JSONResponse:
-    loop = request.app.state.engine_loop
-    refused = refusal(loop)
-    if refused is not None:
-        return refused
+async def _on_engine(request: Request, fn: Callable[[LLMEngine], dict]) -> Response:
     try:
-        result = await asyncio.wrap_future(loop.call(fn))
-    except EngineUnavailableError as exc:
-        return error(503, str(exc), None, "unavailable")
-    except (ValueError, FileNotFoundError) as exc:
-        return error(400, f"{param or 'request'}: {exc}", param)
+        engine = ready(request.app.state.backend).engine
+        return ExactJSONResponse(await asyncio.wrap_future(engine.call(fn)))
     except Exception as exc:
-        return error(500, f"{type(exc).__name__}: {exc}", None, "internal_error")
-    return ExactJSONResponse(result)
+        return error_response(exc)

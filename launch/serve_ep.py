@@ -5,7 +5,7 @@
     ray job submit --working-dir . -- python launch/serve_ep.py --config ...
 
 Listens first (/health answers 503 while the engine loads), loads the engine and starts its
-loop thread, prints "ready on http://host:port", then serves until SIGTERM or SIGINT: new
+AsyncEngine thread, prints "ready on http://host:port", then serves until SIGTERM or SIGINT: new
 connections are refused, requests in flight are answered (up to the drain timeout), the engine
 shuts down and the process exits 0. An engine that fails to load exits 1.
 """
@@ -20,16 +20,17 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from a checkout
+if __name__ == "__main__":  # the checkout on the path, not launch/ (whose openai/ would shadow)
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 import uvicorn  # noqa: E402
 
 from launch.cli import add_override_argument, parse_overrides  # noqa: E402
+from launch.generation import Backend  # noqa: E402
 from launch.server_app import create_app  # noqa: E402
 from moe_runtime.config import load_config  # noqa: E402
 from moe_runtime.engine import LLMEngine  # noqa: E402
-from moe_runtime.engine_loop import EngineLoop  # noqa: E402
-from moe_runtime.tokenizer import load_tokenizer  # noqa: E402
+from moe_runtime.engine.async_engine import AsyncEngine  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -54,8 +55,8 @@ def log(message: str) -> None:
 
 async def serve(
     server: uvicorn.Server, sock: socket.socket, url: str, app, config
-) -> EngineLoop | None:
-    """Serve; load the engine meanwhile. -> the engine loop, or None if the engine failed."""
+) -> AsyncEngine | None:
+    """Serve; load the engine meanwhile. -> its AsyncEngine, or None if the engine failed."""
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started and not task.done():
         await asyncio.sleep(0.02)  # uvicorn has no started event; this runs only at start-up
@@ -68,13 +69,13 @@ async def serve(
         server.should_exit = True
         await task
         return None
-    loop = EngineLoop(engine)
-    app.state.engine_loop = loop
+    async_engine = AsyncEngine(engine)
+    app.state.backend = Backend(async_engine, engine.tokenizer)
     log(f"engine loaded in {time.perf_counter() - started:.1f}s")
     if server.started and not server.should_exit:
         log(f"ready on {url}")
     await task
-    return loop
+    return async_engine
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     port = sock.getsockname()[1]
 
-    app = create_app(None, config, load_tokenizer(config.model))
+    app = create_app(config)
     server = uvicorn.Server(
         uvicorn.Config(
             app,
@@ -113,12 +114,12 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _frame: received.append(signum))
     shown_host = f"[{host}]" if ":" in host else host
-    loop = asyncio.run(serve(server, sock, f"http://{shown_host}:{port}", app, config))
-    if loop is None:
+    engine = asyncio.run(serve(server, sock, f"http://{shown_host}:{port}", app, config))
+    if engine is None:
         return 1
     why = signal.Signals(received[0]).name if received else "server exit"
     log(f"{why}: draining requests in flight (up to {args.drain_timeout_s:g}s)")
-    loop.shutdown(drain_timeout_s=args.drain_timeout_s)
+    engine.shutdown(drain_timeout_s=args.drain_timeout_s)
     log("stopped")
     return 0
 

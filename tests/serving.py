@@ -12,10 +12,11 @@ from types import SimpleNamespace
 import httpx
 import uvicorn
 
+from launch.generation import Backend
 from launch.server_app import create_app
 from moe_runtime.config import load_config
 from moe_runtime.engine import LLMEngine
-from moe_runtime.engine_loop import EngineLoop
+from moe_runtime.engine.async_engine import AsyncEngine
 from tests.checkpoints import write_tiny_checkpoint
 from tests.invariance import TINY_CONFIG
 
@@ -26,8 +27,8 @@ def running_server(overrides: dict | None = None, headers: dict | None = None, c
     (sending `headers` with every request)."""
     config = load_config(config, overrides)
     engine = LLMEngine(config)
-    loop = EngineLoop(engine)
-    app = create_app(loop, config, engine.tokenizer)
+    async_engine = AsyncEngine(engine)
+    app = create_app(config, Backend(async_engine, engine.tokenizer))
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     uv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
@@ -42,12 +43,22 @@ def running_server(overrides: dict | None = None, headers: dict | None = None, c
         limits = httpx.Limits(max_connections=64)
         with httpx.Client(base_url=url, timeout=60, limits=limits, headers=headers) as http:
             yield SimpleNamespace(
-                url=url, http=http, loop=loop, engine=engine, model=config.server.model_name
+                url=url,
+                http=http,
+                async_engine=async_engine,
+                engine=engine,
+                model=config.server.model_name,
             )
     finally:
         uv.should_exit = True
         thread.join(timeout=10)
-        loop.shutdown(drain_timeout_s=5)
+        async_engine.shutdown(drain_timeout_s=5)
+
+
+def num_running(async_engine) -> int:
+    """Sequences running now, read on the engine thread (`stats()` is as of the last step, and
+    no step follows an abort of the last request)."""
+    return async_engine.call(lambda engine: engine.stats().num_running).result(timeout=30)
 
 
 def sse_events(http: httpx.Client, path: str, body: dict) -> list[dict]:

@@ -23,15 +23,16 @@ import openai
 import pytest
 import torch
 
+from launch.generation import Backend
 from launch.server_app import create_app
 from moe_runtime import LLM, SamplingParams
 from moe_runtime.config import load_config
 from moe_runtime.engine import LLMEngine
-from moe_runtime.engine_loop import EngineLoop, EngineUnavailableError
+from moe_runtime.engine.async_engine import AsyncEngine, EngineUnavailableError
 from moe_runtime.executor import WorkerError
 from moe_runtime.tokenizer import ByteTokenizer
 from tests.invariance import TINY_CONFIG, fingerprint, mixed_prompts
-from tests.serving import running_server
+from tests.serving import num_running, running_server
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_MODEL_LEN = 1024  # scheduler.max_model_len of the tiny config
@@ -145,10 +146,10 @@ def alone_and_together(server) -> tuple[list[tuple], list[tuple]]:
     alone = [http_fingerprint(post(server.http, t).json()["choices"][0]) for t in TARGETS]
     background = _background_requests(34)
     bodies = [*background[:17], TARGETS[0], *background[17:], TARGETS[1]]
-    steps_before = server.loop.num_steps
+    steps_before = server.async_engine.stats().num_steps
     with ThreadPoolExecutor(max_workers=len(bodies)) as pool:
         responses = list(pool.map(lambda b: post(server.http, b), bodies))
-    num_steps = server.loop.num_steps - steps_before
+    num_steps = server.async_engine.stats().num_steps - steps_before
     assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
     for body, response in zip(bodies, responses, strict=True):
         assert len(response.json()["choices"]) == body.get("n", 1)
@@ -233,52 +234,53 @@ def test_stop_string_and_echo(server):
     assert echoed_logprobs == [None] * len(prompt_ids) + plain["logprobs"]["token_logprobs"]
 
 
-def test_engine_loop_worker_failure_fails_pending_and_reports_dead():
+def test_async_engine_worker_failure_fails_pending_and_reports_dead():
     config = load_config(TINY_CONFIG)
     engine = LLMEngine(config)
 
     def broken(per_rank_chunks):
         raise WorkerError("rank 0 failed step 1: injected")
 
-    engine.executor.execute = broken  # before the loop thread exists: no race
-    loop = EngineLoop(engine)
+    engine.executor.execute = broken  # before the engine thread exists: no race
+    async_engine = AsyncEngine(engine)
     params = SamplingParams(max_tokens=4)
-    futures = [loop.submit([1, 2, 3], params) for _ in range(3)]
+    futures = [async_engine.submit([[1, 2, 3]], [params]) for _ in range(3)]
     for future in futures:
         with pytest.raises(WorkerError, match="injected"):
             future.result(timeout=10)
-    assert not loop.is_healthy and "injected" in loop.error
+    assert not async_engine.is_healthy and "injected" in async_engine.error
     with pytest.raises(EngineUnavailableError, match="dead"):
-        loop.submit([1, 2, 3], params)
+        async_engine.submit([[1, 2, 3]], [params])
 
     async def health() -> httpx.Response:
-        transport = httpx.ASGITransport(app=create_app(loop, config, engine.tokenizer))
+        app = create_app(config, Backend(async_engine, engine.tokenizer))
+        transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
             return await client.get("/health")
 
     assert asyncio.run(health()).status_code == 503
-    loop.shutdown(drain_timeout_s=1)
+    async_engine.shutdown(drain_timeout_s=1)
 
 
-def test_engine_loop_cancel_aborts_and_shutdown_drains():
-    loop = EngineLoop(LLMEngine(load_config(TINY_CONFIG)))
+def test_async_engine_cancel_aborts_and_shutdown_drains():
+    async_engine = AsyncEngine(LLMEngine(load_config(TINY_CONFIG)))
     long = SamplingParams(max_tokens=600, ignore_eos=True, temperature=0.0)
-    cancelled = loop.submit([1, 2, 3], long)
+    cancelled = async_engine.submit([[1, 2, 3]], [long])
     deadline = time.monotonic() + 10
-    while loop.num_running == 0:
+    while async_engine.stats().num_running == 0:
         assert time.monotonic() < deadline
         time.sleep(0.005)
     assert cancelled.cancel()
-    while loop.num_running:  # aborted long before 600 steps
+    while num_running(async_engine):  # aborted long before 600 steps
         assert time.monotonic() < deadline
         time.sleep(0.005)
-    short = loop.submit("abc", SamplingParams(max_tokens=5, ignore_eos=True))
-    too_long = loop.submit([4, 5], long)
-    loop.shutdown(drain_timeout_s=0.5)
-    assert len(short.result(timeout=0)[0].output_token_ids) == 5
+    short = async_engine.submit(["abc"], [SamplingParams(max_tokens=5, ignore_eos=True)])
+    too_long = async_engine.submit([[4, 5]], [long])
+    async_engine.shutdown(drain_timeout_s=0.5)
+    assert len(short.result(timeout=0)[0].token_ids) == 5
     with pytest.raises(EngineUnavailableError):
         too_long.result(timeout=0)
-    assert not loop.is_healthy
+    assert not async_engine.is_healthy
 
 
 def _read_lines(stream, lines: queue.Queue) -> None:

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP surface: request schemas, response rendering, the error map."""

@@ -1,0 +1,76 @@
+"""One map from exceptions to HTTP errors for every route, by exception type.
+
+A bad request is a ValueError: pydantic's validation errors, a `FieldError` raised where the
+field is known (its `param` names it), the engine's prompt checks. Statuses: 400 for those,
+401 `AuthenticationError`, 404 `UnknownModelError`, 503 `EngineUnavailableError` (loading,
+draining, dead), 500 anything else (a worker failure). Never decided by a message's words.
+Bodies are OpenAI's {"error": {"message", "type", "param", "code"}}.
+"""
+
+from __future__ import annotations
+
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from launch.openai.render import ExactJSONResponse
+from moe_runtime.engine.async_engine import EngineUnavailableError
+
+
+class FieldError(ValueError):
+    """A bad value of the request field `param`."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class UnknownModelError(FieldError):
+    def __init__(self, model: str) -> None:
+        super().__init__("model", f"model {model!r} does not exist")
+
+
+class AuthenticationError(Exception):
+    """A missing or wrong API key."""
+
+
+_STATUS_BY_TYPE = (  # the first matching row wins
+    (AuthenticationError, 401, "authentication_error"),
+    (UnknownModelError, 404, "not_found_error"),
+    (RequestValidationError, 400, "invalid_request_error"),
+    (ValueError, 400, "invalid_request_error"),
+    (EngineUnavailableError, 503, "unavailable"),
+)
+
+
+def error_body(exc: Exception) -> dict:
+    status, kind = next(
+        ((status, kind) for t, status, kind in _STATUS_BY_TYPE if isinstance(exc, t)),
+        (500, "internal_error"),
+    )
+    if isinstance(exc, RequestValidationError):
+        message, param = describe_validation(exc.errors())
+    elif status == 500:
+        message, param = f"{type(exc).__name__}: {exc}", None
+    else:
+        message, param = str(exc), exc.param if isinstance(exc, FieldError) else None
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def error_response(exc: Exception) -> JSONResponse:
+    body = error_body(exc)
+    return ExactJSONResponse(body, status_code=body["error"]["code"])
+
+
+def describe_validation(errors: list[dict]) -> tuple[str, str | None]:
+    """(message naming the field, param) from pydantic/FastAPI validation errors."""
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        detail = (first.get("ctx") or {}).get("error", "")
+        return f"malformed JSON body: {detail}".rstrip(": "), None
+    messages, param = [], None
+    for err in errors[:3]:
+        loc = [str(part) for part in err.get("loc", ()) if part != "body"]
+        param = param or (loc[0] if loc else "body")
+        detail = str(err.get("msg", "invalid")).removeprefix("Value error, ")
+        messages.append(f"{'.'.join(loc) or 'body'}: {detail}")
+    return "; ".join(messages), param

@@ -1,0 +1,145 @@
+"""OpenAI response bodies from the engine's outputs: choices, logprobs blocks, usage, JSON.
+
+A whole result and a streamed delta are the same `CompletionOutput` type, so one function
+renders a choice of either, and streamed bits equal whole ones. Floats are written by Python's
+json (shortest round-tripping repr, -Infinity allowed), so each logprob reaches the client with
+its exact bits. Routed experts travel as base64 of little-endian int32 [T, MoE layers, K], one
+row per generated token. Pure formatting: no engine calls, no error mapping.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import Any
+
+import numpy as np
+from fastapi.responses import JSONResponse
+
+from moe_runtime.engine.outputs import CompletionOutput
+
+
+class ExactJSONResponse(JSONResponse):
+    def render(self, content: Any) -> bytes:
+        return dumps(content).encode("utf-8")
+
+
+def dumps(content: Any) -> str:
+    return json.dumps(content, ensure_ascii=False, separators=(",", ":"), default=_plain)
+
+
+def _plain(value: Any) -> Any:
+    """numpy/torch scalars and arrays in engine reports, as plain JSON values."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+def sse(payload: dict) -> str:
+    return f"data: {dumps(payload)}\n\n"
+
+
+def usage(num_in: int, num_out: int) -> dict:
+    return {"prompt_tokens": num_in, "completion_tokens": num_out, "total_tokens": num_in + num_out}
+
+
+def completion_choice(
+    index: int,
+    out: CompletionOutput,
+    tokenizer,
+    with_logprobs: bool,
+    echo: tuple[str, list[int]] | None = None,
+    text_offset: int = 0,
+) -> dict:
+    """A text_completion choice; `echo` (prompt text, prompt ids) is prepended, its tokens
+    with null logprobs (prompt logprobs are not computed in this version)."""
+    text, token_ids = out.text, list(out.token_ids)
+    logprobs: list[float | None] = list(out.logprobs)
+    tops: list[dict[int, float] | None] = list(out.top_logprobs)
+    if echo is not None:
+        text, token_ids = echo[0] + text, list(echo[1]) + token_ids
+        logprobs, tops = [None] * len(echo[1]) + logprobs, [None] * len(echo[1]) + tops
+    choice = {
+        "index": index,
+        "text": text,
+        "finish_reason": out.finish_reason,
+        "logprobs": completion_logprobs(token_ids, logprobs, tops, tokenizer, text_offset)
+        if with_logprobs
+        else None,
+        "token_ids": token_ids,
+    }
+    return _with_routed_experts(choice, out)
+
+
+def completion_logprobs(token_ids, logprobs, tops, tokenizer, offset: int) -> dict:
+    """OpenAI's completion logprobs block, plus the exact `top_logprob_ids`; text offsets
+    start at `offset`."""
+    tokens = [tokenizer.decode([t]) for t in token_ids]
+    offsets = []
+    for token in tokens:
+        offsets.append(offset)
+        offset += len(token)
+    return {
+        "tokens": tokens,
+        "token_logprobs": list(logprobs),
+        "top_logprobs": [None if top is None else _by_text(top, tokenizer) for top in tops],
+        "text_offset": offsets,
+        "top_logprob_ids": [None if top is None else dict(top) for top in tops],
+    }
+
+
+def _by_text(top: dict[int, float], tokenizer) -> dict[str, float]:
+    """OpenAI's top_logprobs keyed by token text; on a collision the more likely id wins."""
+    result: dict[str, float] = {}
+    for token_id, logprob in top.items():
+        key = tokenizer.decode([token_id])
+        if key not in result or logprob > result[key]:
+            result[key] = logprob
+    return result
+
+
+def chat_choice(key: str, message: dict, out: CompletionOutput, tokenizer, with_logprobs: bool):
+    """A chat choice: `key` is "message" (whole) or "delta" (streamed)."""
+    choice = {
+        "index": out.index,
+        key: message,
+        "logprobs": chat_logprobs(out, tokenizer) if with_logprobs else None,
+        "finish_reason": out.finish_reason,
+        "token_ids": list(out.token_ids),
+    }
+    return _with_routed_experts(choice, out)
+
+
+def chat_logprobs(out: CompletionOutput, tokenizer) -> dict:
+    """OpenAI's chat logprobs block, with the exact `token_id` on every entry."""
+    return {
+        "content": [
+            {
+                **_entry(token_id, logprob, tokenizer),
+                "top_logprobs": [_entry(t, lp, tokenizer) for t, lp in top.items()],
+            }
+            for token_id, logprob, top in zip(
+                out.token_ids, out.logprobs, out.top_logprobs, strict=True
+            )
+        ]
+    }
+
+
+def _entry(token_id: int, logprob: float, tokenizer) -> dict:
+    token = tokenizer.decode([token_id])
+    return {
+        "token": token,
+        "logprob": logprob,
+        "bytes": list(token.encode("utf-8")),
+        "token_id": token_id,
+    }
+
+
+def _with_routed_experts(choice: dict, out: CompletionOutput) -> dict:
+    """Adds `routed_experts` when the request asked for them (the engine returns them only
+    then): {"data": base64 of little-endian int32, "shape": [T, MoE layers, K], "dtype"}."""
+    if out.routed_experts is not None:
+        routed = np.asarray(out.routed_experts, dtype="<i4")
+        data = base64.b64encode(routed.tobytes()).decode("ascii")
+        choice["routed_experts"] = {"data": data, "shape": list(routed.shape), "dtype": "int32"}
+    return choice

@@ -1,0 +1,166 @@
+"""OpenAI-compatible request schemas: every field checked here, before the engine sees it.
+
+Requests forbid unknown fields and coerce nothing (strict), so every mistake is a 400 whose
+message names the field. Sampling fields are shared by completions and chat completions and
+map onto `SamplingParams` in one place (`sampling_params`), which therefore cannot refuse
+them. No routes or responses here.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator
+
+from launch.openai.errors import UnknownModelError
+from moe_runtime.sampling_params import SamplingParams
+from moe_runtime.seeds import SEED_BITS
+
+MAX_LOGPROBS = 20
+MAX_N = 128
+MAX_SEED = 2**SEED_BITS - 1
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: int = Field(-1, ge=-1)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    n: int = Field(1, ge=1, le=MAX_N)
+    stop: str | list[StrictStr] | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    ignore_eos: bool = False
+    return_routed_experts: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_off_or_positive(cls, value: int) -> int:
+        if value == 0:
+            raise ValueError("must be -1 (off) or an int >= 1")
+        return value
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def check_model(self, served: str) -> None:
+        if self.model is not None and self.model != served:
+            raise UnknownModelError(self.model)
+
+    def num_top_logprobs(self) -> int | None:
+        raise NotImplementedError
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            logprobs=self.num_top_logprobs(),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+            n=self.n,
+            stop=self.stop or (),
+            return_routed_experts=self.return_routed_experts,
+        )
+
+
+class CompletionRequest(SamplingFields):
+    """/v1/completions; `max_tokens` defaults to 16 as in OpenAI's API."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, value: Any) -> Any:
+        ok = isinstance(value, str) or (
+            isinstance(value, list)
+            and value
+            and (
+                all(is_token_id(t) for t in value)
+                or all(isinstance(p, str) for p in value)
+                or all(isinstance(p, list) and all(is_token_id(t) for t in p) for p in value)
+            )
+        )
+        if not ok:
+            raise ValueError("must be a string, a non-empty list of token ids, or a list of either")
+        return value
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: a string or a list of token ids."""
+        if isinstance(self.prompt, str) or is_token_id(self.prompt[0]):
+            return [self.prompt]
+        return list(self.prompt)
+
+    def num_top_logprobs(self) -> int | None:
+        return self.logprobs
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(SamplingFields):
+    """/v1/chat/completions; `max_tokens` (or `max_completion_tokens`) defaults to the room
+    left in the context."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, value: int | None, info) -> int | None:
+        if value is not None and not info.data.get("logprobs"):  # info.data: fields above
+            raise ValueError("needs logprobs: true")
+        return value
+
+    def num_top_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def token_budget(self) -> int | None:
+        return self.max_completion_tokens if self.max_tokens is None else self.max_tokens
+
+
+class UpdateWeightsRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    path: str = Field(min_length=1)
+
+
+def is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

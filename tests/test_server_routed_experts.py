@@ -1,0 +1,90 @@
+"""`return_routed_experts` over HTTP: each choice's experts, whole or streamed, decode to exactly
+what `LLM.generate(..., SamplingParams(return_routed_experts=True))` returns."""
+
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+import pytest
+
+from moe_runtime import LLM, SamplingParams
+from moe_runtime.config import load_config
+from tests.invariance import TINY_CONFIG
+from tests.serving import running_server, sse_events
+
+PROMPTS = [[7, 3, 99, 12], [200, 5, 41]]
+MESSAGES = [{"role": "user", "content": "Which experts?"}]
+SAMPLING = {"max_tokens": 6, "temperature": 0.8, "seed": 21, "n": 2, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def server():
+    with running_server() as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, list[list]]:
+    """{"completions": routed experts per choice index, "chat": the same} from LLM.generate."""
+    llm = LLM(TINY_CONFIG)
+    params = SamplingParams(**SAMPLING, return_routed_experts=True)
+    chat_prompt = llm.tokenizer.apply_chat_template(MESSAGES)
+    completions = [listed(o) for r in llm.generate(PROMPTS, params) for o in r.outputs]
+    chat = [listed(o) for o in llm.generate([chat_prompt], params)[0].outputs]
+    llm.shutdown()
+    return {"completions": completions, "chat": chat}
+
+
+def listed(output) -> list:
+    return np.asarray(output.routed_experts).tolist()
+
+
+def decode(block: dict) -> np.ndarray:
+    assert block["dtype"] == "int32"
+    data = np.frombuffer(base64.b64decode(block["data"]), dtype="<i4")
+    return data.reshape(block["shape"])
+
+
+def check_shape(experts: np.ndarray, num_tokens: int) -> None:
+    model = load_config(TINY_CONFIG).model
+    assert experts.shape == (num_tokens, model.num_moe_layers, model.num_experts_per_tok)
+
+
+def streamed_experts(chunks: list[dict]) -> dict[int, np.ndarray]:
+    parts: dict[int, list[np.ndarray]] = {}
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            experts = decode(choice["routed_experts"])
+            check_shape(experts, len(choice["token_ids"]))
+            parts.setdefault(choice["index"], []).append(experts)
+    return {index: np.concatenate(p) for index, p in parts.items()}
+
+
+def test_completions_whole_and_streamed(server, reference):
+    body = {"prompt": PROMPTS, **SAMPLING, "return_routed_experts": True}
+    whole = server.http.post("/v1/completions", json=body).json()
+    assert [c["index"] for c in whole["choices"]] == [0, 1, 2, 3]
+    for choice, expected in zip(whole["choices"], reference["completions"], strict=True):
+        experts = decode(choice["routed_experts"])
+        check_shape(experts, len(choice["token_ids"]))
+        assert experts.tolist() == expected
+    streamed = streamed_experts(sse_events(server.http, "/v1/completions", body))
+    assert {i: e.tolist() for i, e in streamed.items()} == dict(enumerate(reference["completions"]))
+
+
+def test_chat_whole_and_streamed(server, reference):
+    body = {"messages": MESSAGES, **SAMPLING, "return_routed_experts": True}
+    whole = server.http.post("/v1/chat/completions", json=body).json()
+    got = [decode(c["routed_experts"]).tolist() for c in whole["choices"]]
+    assert got == reference["chat"]
+    streamed = streamed_experts(sse_events(server.http, "/v1/chat/completions", body))
+    assert {i: e.tolist() for i, e in streamed.items()} == dict(enumerate(reference["chat"]))
+
+
+def test_absent_unless_asked(server):
+    body = {"prompt": PROMPTS[0], "max_tokens": 2}
+    choice = server.http.post("/v1/completions", json=body).json()["choices"][0]
+    assert "routed_experts" not in choice
+    bad = server.http.post("/v1/completions", json={**body, "return_routed_experts": 1})
+    assert bad.status_code == 400 and "return_routed_experts" in bad.json()["error"]["message"]
