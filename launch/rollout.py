@@ -1,44 +1,34 @@
 """Batch-invariant RL rollouts as a Ray job: JSONL prompts in, one JSONL row per sample out.
 
     python launch/rollout.py --config X.yaml --input prompts.jsonl --output out.jsonl \
-        [--set section.key=value ...] [--batch-size 64] [--base-seed 0] [--max-tokens 64] ...
+        [--set section.key=value ...] [--batch-size 64] [--base-seed 0] [--no-routed-experts]
     python launch/rollout.py --config X.yaml --input out.jsonl --output scores.jsonl --score
-    ray job submit --working-dir . -- python launch/rollout.py --config ...
 
-Input rows: {"id", "prompt" (text or token ids), "n", "seed" | "seeds", "max_tokens",
-"temperature", "top_p", "top_k", "logprobs"}; missing fields take the CLI defaults, and a row
-without seeds gets derive_seed(--base-seed, row index). Output rows: {"id", "sample_idx",
-"prompt_token_ids", "token_ids", "logprobs", "top_logprobs", "routed_experts",
-"finish_reason", "seed"}. Every sample is generated alone with its own seed, so its row is the
-same bits whatever batch it ran in. Each finished batch is appended, flushed and fsynced; a
-rerun with the same --output skips the (id, sample_idx) pairs already there (a torn last line
-is cut off), so a killed job resumes without losing or duplicating rows. A bad input row stops
-the job before anything is generated (--on-bad-row skip: report it and go on).
-`--score` reads rows with "prompt_token_ids" and "token_ids" (e.g. a rollout's output) and
-writes their teacher-forced logprobs (LLM.score), bitwise equal to the rollout's.
+Input rows and seeds: launch.rollout_io. Each sample runs as its own request with its own
+seed, so its row (token ids, logprobs, routed experts, seed: the engine's CompletionOutput) is
+the same bits whatever batch it ran in. Finished batches are appended and fsynced; a rerun
+with the same --output resumes without losing or duplicating rows. A bad row stops the job
+before anything runs (--on-bad-row skip: report it and go on). `--score` writes the
+teacher-forced logprobs (LLM.score) of rows with "prompt_token_ids" and "token_ids".
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from a checkout
+if __name__ == "__main__":  # the checkout on the path, not launch/ (whose openai/ would shadow)
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
+import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from launch.cli import add_override_argument, parse_overrides  # noqa: E402
-from launch.rollout_io import (  # noqa: E402
-    RowError,
-    Sample,
-    append_rows,
-    read_done,
-    read_samples,
-)
-from moe_runtime import LLM  # noqa: E402
-from moe_runtime.sequence import Sequence  # noqa: E402
+from launch.rollout_io import RowError, Sample, append_rows, read_done, read_samples  # noqa: E402
+from moe_runtime import LLM, RequestOutput  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -56,6 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=-1)
     parser.add_argument("--logprobs", type=int, default=0, help="top logprobs per token")
+    parser.add_argument("--no-routed-experts", action="store_true", help="routed_experts: null")
     parser.add_argument(
         "--on-bad-row",
         choices=("stop", "skip"),
@@ -78,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         "top_p": args.top_p,
         "top_k": args.top_k,
         "logprobs": args.logprobs,
+        "return_routed_experts": not args.no_routed_experts,
     }
     try:
         samples = read_samples(args.input, defaults, args.base_seed, args.score)
@@ -118,12 +110,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _checked(llm: LLM, samples: list[Sample], args: argparse.Namespace) -> list[Sample]:
-    """Samples whose prompts the engine accepts; a bad one raises (or is skipped and reported)."""
+    """Samples whose prompts the engine accepts, as token ids; a bad one raises (or is skipped
+    and reported)."""
     good, bad_lines = [], set()
     for sample in samples:
         try:
-            ids = _prompt_ids(llm, sample)
-            llm.engine.validate_prompt(ids + list(sample.token_ids or []))
+            prompt_ids = llm.engine.encode(sample.prompt)
+            if sample.token_ids is not None:  # score mode: the whole sequence must fit
+                llm.engine.validate_prompt(prompt_ids + sample.token_ids)
         except ValueError as exc:
             message = f"{args.input}:{sample.line_no}: {exc}"
             if args.on_bad_row == "stop":
@@ -132,36 +126,32 @@ def _checked(llm: LLM, samples: list[Sample], args: argparse.Namespace) -> list[
                 print(f"skipped {message}", file=sys.stderr)
             bad_lines.add(sample.line_no)
             continue
-        good.append(sample)
+        good.append(dataclasses.replace(sample, prompt=prompt_ids))
     return good
 
 
-def _prompt_ids(llm: LLM, sample: Sample) -> list[int]:
-    prompt = sample.prompt
-    return llm.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-
-
 def _rollout_batch(llm: LLM, batch: list[Sample], progress: tqdm) -> list[dict]:
-    """Generate the batch together; rows in batch order."""
+    """Generate the batch together (one request per sample); rows in batch order."""
     engine = llm.engine
-    seqs = [engine.add_request(_prompt_ids(llm, s), s.params)[0] for s in batch]
+    requests = engine.add_requests([s.prompt for s in batch], [s.params for s in batch])
     while engine.has_unfinished():
-        progress.update(len(engine.step()))
-    return [_rollout_row(sample, seq) for sample, seq in zip(batch, seqs, strict=True)]
+        progress.update(sum(delta.is_finished for delta in engine.step()))
+    return [_rollout_row(s, engine.output(r)) for s, r in zip(batch, requests, strict=True)]
 
 
-def _rollout_row(sample: Sample, seq: Sequence) -> dict:
-    routed = getattr(seq, "routed_experts", None)
+def _rollout_row(sample: Sample, output: RequestOutput) -> dict:
+    (out,) = output.outputs
+    routed = out.routed_experts
     return {
         "id": sample.row_id,
         "sample_idx": sample.sample_idx,
-        "prompt_token_ids": list(seq.prompt_token_ids),
-        "token_ids": list(seq.output_token_ids),
-        "logprobs": list(seq.output_logprobs),
-        "top_logprobs": [{str(t): lp for t, lp in top.items()} for top in seq.output_top_logprobs],
-        "routed_experts": None if routed is None else [_plain(r) for r in routed],
-        "finish_reason": seq.finish_reason,
-        "seed": sample.seed,
+        "prompt_token_ids": output.prompt_token_ids,
+        "token_ids": out.token_ids,
+        "logprobs": out.logprobs,
+        "top_logprobs": [{str(t): lp for t, lp in top.items()} for top in out.top_logprobs],
+        "routed_experts": None if routed is None else np.asarray(routed).tolist(),
+        "finish_reason": out.finish_reason,
+        "seed": out.seed,
     }
 
 
@@ -179,15 +169,6 @@ def _score_batch(llm: LLM, batch: list[Sample], progress: tqdm) -> list[dict]:
         }
         for s, lps in zip(batch, logprobs, strict=True)
     ]
-
-
-def _plain(value):
-    """Nested lists of ints from tensors, tuples or lists."""
-    if hasattr(value, "tolist"):
-        return value.tolist()
-    if isinstance(value, list | tuple):
-        return [_plain(v) for v in value]
-    return value
 
 
 if __name__ == "__main__":

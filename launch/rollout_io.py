@@ -1,10 +1,12 @@
 """JSONL in and out for the rollout job: input rows to samples, and resuming a partial output.
 
-Every input row becomes one `Sample` per requested sample, each with its own explicit seed, so
-a sample's tokens depend on nothing but its prompt, parameters and seed (the runtime is
-batch-invariant): it can be generated in any batch, in any run, and resumed alone. Bad rows
-raise `RowError` naming the line. The output file is only ever appended to; `read_done`
-returns the (id, sample_idx) pairs already written and cuts a torn last line off.
+Input rows: {"id", "prompt" (text or token ids), "n", "seed" | "seeds", "max_tokens",
+"temperature", "top_p", "top_k", "logprobs"}; missing fields take the CLI defaults. A row
+becomes one `Sample` per sample, each with its own seed (`sample_seeds` of the row's seed,
+which is derive_seed(base seed, row index) when the row gives none), so a sample can run in
+any batch, in any run, and be resumed alone. Bad rows raise `RowError` naming the line. The
+output file is only appended to; `read_done` returns the (id, sample_idx) pairs already
+written and cuts a torn last line off.
 """
 
 from __future__ import annotations
@@ -15,9 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from moe_runtime.model_runner import sample_seed
-from moe_runtime.sampler import derive_seed
 from moe_runtime.sampling_params import SamplingParams
+from moe_runtime.seeds import derive_seed, sample_seeds
 
 PARAM_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "logprobs")
 ROLLOUT_FIELDS = {"id", "prompt", "n", "seed", "seeds", *PARAM_FIELDS}
@@ -36,7 +37,6 @@ class Sample:
     sample_idx: int
     prompt: str | list[int]
     params: SamplingParams | None  # None in score mode
-    seed: int | None
     line_no: int
     token_ids: list[int] | None = None  # score mode: the tokens to score after the prompt
 
@@ -51,7 +51,9 @@ def done_key(row_id: Any, sample_idx: int) -> tuple[str, int]:
 
 
 def read_samples(path: Path, defaults: dict[str, Any], base_seed: int, score: bool) -> list[Sample]:
-    """All samples of the input file, in file order; raises RowError at the first bad row."""
+    """All samples of the input file, in file order; raises RowError at the first bad row.
+    `defaults`: the value of each of PARAM_FIELDS and "n" for rows without it, and
+    "return_routed_experts" for every row."""
     samples: list[Sample] = []
     seen_ids: set[str] = set()
     row_idx = 0
@@ -87,25 +89,23 @@ def _rollout_samples(row: dict, line_no: int, defaults: dict, row_seed: int) -> 
     n = row.get("n", len(seeds) if isinstance(seeds, list) else defaults["n"])
     if not _is_int(n) or n < 1:
         raise ValueError(f"n must be an int >= 1, got {n!r}")
-    if seeds is not None:
-        if "seed" in row:
-            raise ValueError("give seed or seeds, not both")
-        if not isinstance(seeds, list) or len(seeds) != n:
-            raise ValueError(f"seeds must be a list of n={n} ints")
-        sample_seeds = list(seeds)
-    else:
-        seed = row.get("seed", row_seed)
-        sample_seeds = [seed if not _is_int(seed) else sample_seed(seed, i, n) for i in range(n)]
-    knobs = {k: row.get(k, defaults[k]) for k in PARAM_FIELDS}
-    samples = []
-    for i, seed in enumerate(sample_seeds):
+    if seeds is not None and "seed" in row:
+        raise ValueError("give seed or seeds, not both")
+    if seeds is not None and (not isinstance(seeds, list) or len(seeds) != n):
+        raise ValueError(f"seeds must be a list of n={n} ints")
+    request_seed = row.get("seed", row_seed)
+    for seed in seeds or [request_seed]:
         if not _is_int(seed) or seed < 0:
             raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+    knobs = {k: row.get(k, defaults[k]) for k in PARAM_FIELDS}
+    knobs["return_routed_experts"] = defaults["return_routed_experts"]
+    samples = []
+    for i, seed in enumerate(seeds or sample_seeds(request_seed, n)):
         try:
             params = SamplingParams(seed=seed, **knobs)
         except (ValueError, TypeError) as exc:
             raise ValueError(str(exc).removeprefix("SamplingParams.")) from None
-        samples.append(Sample(row["id"], i, prompt, params, seed, line_no))
+        samples.append(Sample(row["id"], i, prompt, params, line_no))
     return samples
 
 
@@ -118,7 +118,7 @@ def _score_samples(row: dict, line_no: int, defaults: dict, row_seed: int) -> li
     sample_idx = row.get("sample_idx", 0)
     if not _is_int(sample_idx) or sample_idx < 0:
         raise ValueError(f"sample_idx must be an int >= 0, got {sample_idx!r}")
-    return [Sample(row["id"], sample_idx, prompt, None, row.get("seed"), line_no, tokens)]
+    return [Sample(row["id"], sample_idx, prompt, None, line_no, tokens)]
 
 
 def _check_fields(row: dict, allowed: set, required: tuple, extra_ok: bool = False) -> None:

@@ -10,11 +10,12 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from launch import rollout
 from moe_runtime import LLM, SamplingParams
-from moe_runtime.sampler import derive_seed
+from moe_runtime.seeds import derive_seed
 from tests.invariance import TINY_CONFIG
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -65,6 +66,7 @@ def test_rows_equal_generate(rollout_rows):
     expected = []
     for row_idx, row in enumerate(ROWS):
         knobs = {"max_tokens": row.get("max_tokens", 7), "temperature": row.get("temperature", 1.0)}
+        knobs["return_routed_experts"] = True
         knobs.update({k: row[k] for k in ("top_k", "top_p", "logprobs") if k in row})
         if "seeds" in row:  # one request per sample seed
             for seed in row["seeds"]:
@@ -83,8 +85,15 @@ def test_rows_equal_generate(rollout_rows):
             tuple((t, lp.hex()) for t, lp in top.items()) for top in want.top_logprobs
         )
         assert row["finish_reason"] == want.finish_reason
+        assert row["routed_experts"] == np.asarray(want.routed_experts).tolist()
         assert len(row["routed_experts"]) == len(row["token_ids"])  # one entry per token
     assert [(r["id"], r["sample_idx"]) for r in rows[:3]] == [("text", 0), ("text", 1), (1, 0)]
+
+
+def test_no_routed_experts_flag(tmp_path):
+    source, out = write_jsonl(tmp_path / "in.jsonl", ROWS[:1]), tmp_path / "out.jsonl"
+    assert run("--input", source, "--output", out, "--no-routed-experts", *ARGS) == 0
+    assert [r["routed_experts"] for r in read_jsonl(out)] == [None, None]
 
 
 def test_score_equals_rollout_logprobs(rollout_rows, tmp_path):
