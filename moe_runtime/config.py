@@ -9,6 +9,7 @@ time (number of KV blocks, eos id) are returned by their owners, never written b
 from __future__ import annotations
 
 import copy
+import logging
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,8 @@ from comm.config import ParallelConfig
 from eplb.config import EplbConfig
 from kernels.config import KernelConfig
 from moe_runtime.model_config import ModelConfig
+
+log = logging.getLogger("moe_runtime.config")
 
 
 @dataclass(frozen=True)
@@ -125,6 +128,15 @@ class RuntimeConfig:
             # The pinned TP all-reduce inside attention is not captured.
             raise ValueError(
                 f"kernels.cuda_graphs: true needs parallel.tp_size 1, got {self.parallel.tp_size}"
+            )
+        if self.kernels.is_invariant and self.parallel.allow_multiple_reduction:
+            # A warning, not an error: a legitimate trade of bits for bytes, but it gives up
+            # part of the contract the invariant mode stands for.
+            log.warning(
+                "parallel.allow_multiple_reduction: true with kernels.mode: invariant breaks "
+                "expert-placement and rebalance invariance: a token's expert outputs are summed "
+                "per rank before they return, so its bits depend on where its experts sit "
+                "(EP degree, redundant replicas, EPLB rebalances)"
             )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -142,3 +143,24 @@ def test_v2_lite_linear_shapes():
         ("expert_down", 1408, 2048),
         ("lm_head", 2048, 102400),
     ]
+
+
+@pytest.mark.parametrize(
+    "overrides, warns",
+    [
+        ({}, False),
+        ({"parallel.allow_multiple_reduction": True}, True),
+        ({"parallel.allow_multiple_reduction": True, "kernels.mode": "fast"}, False),
+    ],
+    ids=["defaults", "invariant-multiple-reduction", "fast-multiple-reduction"],
+)
+def test_multiple_reduction_with_invariant_kernels_warns(caplog, overrides, warns):
+    with caplog.at_level(logging.WARNING, logger="moe_runtime.config"):
+        load_config(CONFIGS / "tiny_cpu.yaml", overrides)
+    messages = [r.getMessage() for r in caplog.records if r.name == "moe_runtime.config"]
+    if warns:
+        assert len(messages) == 1
+        assert "parallel.allow_multiple_reduction" in messages[0]
+        assert "expert-placement and rebalance invariance" in messages[0]
+    else:
+        assert messages == []
