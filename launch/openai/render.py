@@ -98,7 +98,9 @@ def _by_text(top: dict[int, float], tokenizer) -> dict[str, float]:
     return result
 
 
-def chat_choice(key: str, message: dict, out: CompletionOutput, tokenizer, with_logprobs: bool):
+def chat_choice(
+    key: str, message: dict, out: CompletionOutput, tokenizer, with_logprobs: bool
+) -> dict:
     """A chat choice: `key` is "message" (whole) or "delta" (streamed)."""
     choice = {
         "index": out.index,
