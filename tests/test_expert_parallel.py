@@ -4,7 +4,8 @@
   ranks, bitwise; engagement: rows crossed ranks and several DP ranks held requests; negative
   control: fast kernels find a difference.
 - Layout invariance: EP = 1, 2, 4, 8, with and without redundant experts, bitwise equal;
-  engagement: redundant replicas served rows.
+  engagement: redundant replicas served rows; negative control: multiple reduction (with
+  invariant kernels) at EP=4 finds a difference from EP=1.
 - A worker killed mid-generation fails its requests with an error naming the rank, in time.
 """
 
@@ -89,11 +90,18 @@ def test_ep8_negative_control_fast_kernels(golden_workload):
     )
 
 
-@pytest.mark.parametrize("with_redundant", [False, True], ids=["no-redundant", "redundant"])
-def test_layout_invariance_across_ep_degrees(with_redundant):
+@pytest.fixture(scope="module")
+def layout_workload():
+    """16 prompts run together; -> prompts, params, and their fingerprints at EP=1."""
     prompts, params = mixed_prompts(16, 8, 120, seed=8), mixed_params(16, 16)
+    reference = run_in_batches(LLM(TINY_CONFIG), prompts, params, [list(range(16))])
+    return prompts, params, reference
+
+
+@pytest.mark.parametrize("with_redundant", [False, True], ids=["no-redundant", "redundant"])
+def test_layout_invariance_across_ep_degrees(layout_workload, with_redundant):
+    prompts, params, reference = layout_workload
     everything = [list(range(16))]
-    reference = run_in_batches(LLM(TINY_CONFIG), prompts, params, everything)
     for world_size in (1, 2, 4, 8):
         redundant = world_size if with_redundant else 0
         llm = _ep_llm(world_size, **{"eplb.num_redundant_experts": redundant})
@@ -117,6 +125,20 @@ def test_layout_invariance_across_ep_degrees(with_redundant):
                 if s["rank"] * num_slots + slot >= 16
             )
             assert replica_load > 0, f"EP={world_size}: redundant replicas served no rows"
+
+
+def test_layout_negative_control_multiple_reduction(layout_workload):
+    prompts, params, reference = layout_workload
+    llm = _ep_llm(4, **{"parallel.allow_multiple_reduction": True})
+    try:
+        got = run_in_batches(llm, prompts, params, [list(range(16))])
+        stats = llm.engine.worker_stats()
+    finally:
+        llm.shutdown()
+    assert sum(s["num_rows_sent_remote"] for s in stats) > 0, "no row crossed ranks at EP=4"
+    assert got != reference, (
+        "multiple reduction at EP=4 gave EP=1's exact bits: the layout test could not fail"
+    )
 
 
 def test_killed_worker_fails_requests_within_timeout():
