@@ -15,7 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from launch.generation import ready
-from launch.openai.errors import FieldError, error_response
+from launch.openai.errors import FieldError, answer
 from launch.openai.render import ExactJSONResponse
 from launch.openai.schemas import UpdateWeightsRequest
 from moe_runtime.engine import LLMEngine
@@ -24,7 +24,7 @@ from moe_runtime.engine import LLMEngine
 def add_admin_routes(app: FastAPI) -> None:
     @app.post("/admin/rebalance")
     async def rebalance(request: Request) -> Response:
-        return await _on_engine(request, lambda engine: engine.rebalance())
+        return await answer(_on_engine(request, lambda engine: engine.rebalance()))
 
     @app.post("/admin/update_weights")
     async def update_weights(body: UpdateWeightsRequest, request: Request) -> Response:
@@ -34,12 +34,9 @@ def add_admin_routes(app: FastAPI) -> None:
             except ValueError as exc:  # refused on every rank before anything changed
                 raise FieldError("path", f"path: {exc}") from None
 
-        return await _on_engine(request, update)
+        return await answer(_on_engine(request, update))
 
 
 async def _on_engine(request: Request, fn: Callable[[LLMEngine], dict]) -> Response:
-    try:
-        engine = ready(request.app.state.backend).engine
-        return ExactJSONResponse(await asyncio.wrap_future(engine.call(fn)))
-    except Exception as exc:
-        return error_response(exc)
+    engine = ready(request.app.state.backend).engine
+    return ExactJSONResponse(await asyncio.wrap_future(engine.call(fn)))

@@ -18,7 +18,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from launch.generation import Backend, Generation, ready, sse_stream
 from launch.metrics import ServerMetrics
-from launch.openai.errors import FieldError, error_response
+from launch.openai.errors import FieldError, answer
 from launch.openai.render import ExactJSONResponse, chat_choice, usage
 from launch.openai.schemas import ChatCompletionRequest
 from moe_runtime.config import RuntimeConfig
@@ -30,17 +30,18 @@ ROUTE = "/v1/chat/completions"
 def add_chat_routes(app: FastAPI, config: RuntimeConfig, metrics: ServerMetrics) -> None:
     @app.post(ROUTE)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        try:
-            response = await _chat(body, ready(request.app.state.backend), config, metrics)
-        except Exception as exc:
-            response = error_response(exc)
+        response = await answer(_chat(body, request.app.state.backend, config, metrics))
         metrics.count(ROUTE, response.status_code)
         return response
 
 
 async def _chat(
-    body: ChatCompletionRequest, backend: Backend, config: RuntimeConfig, metrics: ServerMetrics
+    body: ChatCompletionRequest,
+    backend: Backend | None,
+    config: RuntimeConfig,
+    metrics: ServerMetrics,
 ) -> Response:
+    backend = ready(backend)
     body.check_model(config.server.model_name)
     tokenizer = backend.tokenizer
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]

@@ -17,7 +17,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from launch.generation import Backend, Generation, ready, sse_stream
 from launch.metrics import ServerMetrics
-from launch.openai.errors import FieldError, error_response
+from launch.openai.errors import FieldError, answer
 from launch.openai.render import ExactJSONResponse, completion_choice, usage
 from launch.openai.schemas import CompletionRequest
 from moe_runtime.config import RuntimeConfig
@@ -32,17 +32,15 @@ def add_completion_routes(app: FastAPI, config: RuntimeConfig, metrics: ServerMe
 
     @app.post(ROUTE)
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        try:
-            response = await _complete(body, ready(request.app.state.backend), model_name, metrics)
-        except Exception as exc:
-            response = error_response(exc)
+        response = await answer(_complete(body, request.app.state.backend, model_name, metrics))
         metrics.count(ROUTE, response.status_code)
         return response
 
 
 async def _complete(
-    body: CompletionRequest, backend: Backend, model_name: str, metrics: ServerMetrics
+    body: CompletionRequest, backend: Backend | None, model_name: str, metrics: ServerMetrics
 ) -> Response:
+    backend = ready(backend)
     body.check_model(model_name)
     prompts, params = body.prompts(), body.sampling_params(DEFAULT_MAX_TOKENS)
     generation = Generation(backend.engine, prompts, [params] * len(prompts), metrics)

@@ -9,8 +9,10 @@ Bodies are OpenAI's {"error": {"message", "type", "param", "code"}}.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
+
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from launch.openai.render import ExactJSONResponse
 from moe_runtime.engine.async_engine import EngineUnavailableError
@@ -59,6 +61,14 @@ def error_body(exc: Exception) -> dict:
 def error_response(exc: Exception) -> JSONResponse:
     body = error_body(exc)
     return ExactJSONResponse(body, status_code=body["error"]["code"])
+
+
+async def answer(response: Awaitable[Response]) -> Response:
+    """The awaited response, or the error response for what it raised."""
+    try:
+        return await response
+    except Exception as exc:
+        return error_response(exc)
 
 
 def describe_validation(errors: list[dict]) -> tuple[str, str | None]:
