@@ -159,6 +159,8 @@ class AsyncEngine:
                         self._settle(submission, None)
                 if self._error is None and self._engine.has_unfinished():
                     self._step()
+                with self._cond:  # after calls and aborts too: a rebalance, a cancel
+                    self._stats = self._engine.stats()
         except BaseException as exc:  # a bug here must not leave callers waiting forever
             with self._cond:
                 self._error = exc
@@ -210,8 +212,6 @@ class AsyncEngine:
                 self._settle(submission, exc)
             self._owner.clear()
             return
-        with self._cond:
-            self._stats = self._engine.stats()
         failed: dict[int, tuple[_Submission, Exception]] = {}
         for delta in deltas:
             submission, prompt_idx = self._owner[delta.request_id]
