@@ -1,8 +1,9 @@
 """The op table: one set of kernel callables chosen once per worker by device and mode.
 
-Invariant mode on CPU binds the torch references to `config.tile_rows`; fast mode is plain
-torch on any device. Invariant mode on CUDA binds the Triton kernels; any other device is
-refused with a ValueError naming it.
+It holds every reducing op of the token path, the MoE combine, the TP sum and the sampler's
+cumsum included, so `kernels.mode: fast` turns invariance off everywhere. Invariant mode on
+CPU binds the torch references (tiled ones to `config.tile_rows`); fast mode is plain torch on
+any device. Invariant mode on CUDA binds the Triton kernels; other devices are refused.
 Building a table has no side effects; `pin_threads` is the one call that touches process
 state (torch's intra-op thread count) and each worker makes it once, at start-up.
 """
@@ -17,7 +18,14 @@ import torch
 
 from kernels.activation import silu_fast, silu_ref
 from kernels.attention import mla_attention_fast, mla_attention_ref
+from kernels.combine import (
+    moe_combine_fast,
+    moe_combine_ref,
+    sum_over_ranks_fast,
+    sum_over_ranks_ref,
+)
 from kernels.config import KernelConfig
+from kernels.cumsum import cumsum_fast, cumsum_ref
 from kernels.linear import grouped_linear_fast, grouped_linear_ref, linear_fast, linear_ref
 from kernels.rmsnorm import rms_norm_fast, rms_norm_ref
 from kernels.router import router_topk_fast, router_topk_ref
@@ -35,6 +43,9 @@ class OpTable:
     log_softmax: Callable
     mla_attention: Callable
     router_topk: Callable
+    moe_combine: Callable
+    sum_over_ranks: Callable
+    cumsum: Callable
     silu: Callable
     mode: str
 
@@ -50,6 +61,9 @@ def build_op_table(config: KernelConfig, device: torch.device | str) -> OpTable:
             log_softmax=log_softmax_fast,
             mla_attention=mla_attention_fast,
             router_topk=router_topk_fast,
+            moe_combine=moe_combine_fast,
+            sum_over_ranks=sum_over_ranks_fast,
+            cumsum=cumsum_fast,
             silu=silu_fast,
             mode=config.mode,
         )
@@ -68,6 +82,10 @@ def build_op_table(config: KernelConfig, device: torch.device | str) -> OpTable:
         log_softmax=bind(log_softmax_ref),
         mla_attention=bind(mla_attention_ref),
         router_topk=bind(router_topk_ref),
+        # Row-wise already: a token's slots, ranks or vocab, never a tile of other rows.
+        moe_combine=moe_combine_ref,
+        sum_over_ranks=sum_over_ranks_ref,
+        cumsum=cumsum_ref,
         silu=silu_ref,  # elementwise: no tile needed, only a shape-blind formula
         mode=config.mode,
     )
@@ -91,6 +109,12 @@ def _triton_op_table(config: KernelConfig, device: torch.device) -> OpTable:
         # Why a kernel and not torch: torch.softmax over experts and the weight-normalising
         # sum choose their CUDA launch plans from the tensor shape.
         router_topk=router_topk_triton,
+        # Why torch, not Triton: both are index copies plus elementwise multiplies and adds
+        # in a fixed slot / rank order, and CUDA elementwise kernels compute each element
+        # with one scalar formula, whatever its offset, the tensor size or the batch.
+        moe_combine=moe_combine_ref,
+        sum_over_ranks=sum_over_ranks_ref,
+        cumsum=cumsum_ref,  # a sequential scan on the host: see kernels/cumsum.py
         # Why the torch version is kept: silu_ref is elementwise exp and IEEE division; CUDA
         # elementwise kernels vectorise only loads and stores and run one scalar formula on
         # every element, so an element's bits never depend on its offset or the batch.

@@ -1,6 +1,8 @@
-"""Op table: selection by device and mode, bound tile_rows, pin_threads, package exports."""
+"""Op table: `kernels.mode` selects every reducing op of the token path, by device; bound
+tile_rows, pin_threads, package exports."""
 
 import dataclasses
+from functools import partial
 
 import pytest
 import torch
@@ -11,14 +13,14 @@ from kernels import (
     OpTable,
     activation,
     build_op_table,
-    linear,
+    combine,
+    cumsum,
     pin_threads,
-    router,
     softmax,
 )
 from tests.test_kernels_router import V2_GREEDY
 
-OPS = (
+TILED_OPS = (
     "linear",
     "grouped_linear",
     "rms_norm",
@@ -27,31 +29,58 @@ OPS = (
     "mla_attention",
     "router_topk",
 )
+# Row-wise by construction (a token's slots, the ranks of one element, one vocab row): the
+# torch references need no tile, and serve the CUDA table too (elementwise or host-ordered).
+UNTILED_OPS = ("moe_combine", "sum_over_ranks", "cumsum")
+REDUCING_OPS = TILED_OPS + UNTILED_OPS
 
 
-def test_fast_mode_uses_plain_torch_on_any_device():
-    for device in ("cpu", "cuda", torch.device("cuda", 1)):
-        table = build_op_table(KernelConfig(mode="fast"), device)
-        assert table.mode == "fast"
-        assert table.linear is linear.linear_fast and table.router_topk is router.router_topk_fast
+def _name(op) -> str:
+    return op.func.__name__ if isinstance(op, partial) else op.__name__
+
+
+def test_every_field_is_a_known_op():
+    # A new op must join REDUCING_OPS (and so every check below) or be named here.
+    fields = {f.name for f in dataclasses.fields(OpTable)}
+    assert fields == set(REDUCING_OPS) | {"silu", "mode"}
+
+
+@pytest.mark.parametrize("mode", ("fast", "invariant"))
+def test_mode_selects_every_reducing_op(mode):
+    devices = ("cpu", "cuda", torch.device("cuda", 1))
+    suffix = {"fast": "_fast", "invariant": "_ref"}[mode]
+    for device in devices if mode == "fast" else ("cpu",):
+        table = build_op_table(KernelConfig(mode=mode), device)
+        assert table.mode == mode
+        for name in REDUCING_OPS:
+            assert _name(getattr(table, name)) == f"{name}{suffix}", (device, name)
 
 
 def test_invariant_cpu_binds_refs_to_tile_rows(generator):
     table = build_op_table(KernelConfig(mode="invariant", tile_rows=8), "cpu")
-    assert table.mode == "invariant" and set(OPS) <= {f.name for f in dataclasses.fields(table)}
-    for name in OPS:
-        bound = getattr(table, name)
-        assert bound.func.__name__ == f"{name}_ref" and bound.keywords == {"tile_rows": 8}
+    for name in TILED_OPS:
+        assert getattr(table, name).keywords == {"tile_rows": 8}, name
     x = torch.randn(5, 12, generator=generator)
     assert torch.equal(table.softmax(x), softmax.softmax_ref(x, tile_rows=8))
 
 
-def test_invariant_cuda_binds_a_triton_kernel_for_every_op():
+def test_invariant_cuda_binds_a_fixed_order_op_for_every_reducing_op():
     table = build_op_table(KernelConfig(), "cuda:1")
     assert table.mode == "invariant"
-    for name in OPS:
+    for name in TILED_OPS:
         assert getattr(table, name).__name__ == f"{name}_triton", name
+    assert table.moe_combine is combine.moe_combine_ref
+    assert table.sum_over_ranks is combine.sum_over_ranks_ref
+    assert table.cumsum is cumsum.cumsum_ref
     assert table.silu is activation.silu_ref  # elementwise: invariant on GPU as it stands
+
+
+def test_fast_and_invariant_tables_differ_in_every_reducing_op():
+    fast = build_op_table(KernelConfig(mode="fast"), "cpu")
+    for device in ("cpu", "cuda"):
+        invariant = build_op_table(KernelConfig(), device)
+        for name in REDUCING_OPS:
+            assert _name(getattr(fast, name)) != _name(getattr(invariant, name)), name
 
 
 def test_compiled_triton_ops_refuse_cpu_tensors_naming_the_device(generator):
