@@ -1,16 +1,15 @@
-"""Communication layer: process groups, MoE dispatch/combine, pinned all-reduce, NCCL pinning.
+"""Communication layer: process groups, MoE dispatch/combine, TP all-reduce, NCCL pinning.
 
 Imports only `kernels` and `comm`; never eplb, moe_runtime, launch or ray, and never reads
 environment variables: every value arrives as an argument.
 """
 
-from comm.allreduce import pinned_all_reduce, plain_all_reduce
+from comm.allreduce import all_gather, all_reduce
 from comm.config import ParallelConfig
 from comm.dispatch import (
     AllToAllDispatcher,
     DispatchHandle,
     LocalDispatcher,
-    combine_in_slot_order,
     sort_rows_by_destination,
 )
 from comm.errors import CollectiveError
@@ -29,12 +28,11 @@ __all__ = [
     "LocalDispatcher",
     "ParallelConfig",
     "ProcessGroups",
-    "combine_in_slot_order",
+    "all_gather",
+    "all_reduce",
     "destroy_process_groups",
     "get_process_groups",
     "init_process_groups",
-    "pinned_all_reduce",
     "pinned_nccl_env",
-    "plain_all_reduce",
     "sort_rows_by_destination",
 ]

@@ -1,13 +1,14 @@
-"""All-reduce for TP groups: a pinned version whose bits ignore message size, and the control.
+"""All-reduce (sum) for TP groups: the collectives here, the arithmetic from the op table.
 
-`pinned_all_reduce` gathers every rank's tensor and sums them in rank order, elementwise, with
-at least fp32 accumulation: element i's result depends only on the ranks' values of element i,
-never on how long the message was or which algorithm the backend picked for that length, and
-every rank computes the same bits. `plain_all_reduce` is the backend's own all-reduce (ring,
-tree, chunking chosen by size), kept as the fast path and the negative control.
+`all_reduce(x, group, sum_over_ranks)` offers the op two collectives, an all-gather and the
+backend's own all_reduce; the op table's `sum_over_ranks` picks which does the arithmetic. The
+invariant op sums the gathered parts in rank order (bits independent of message size, the
+same on every rank); the fast one is the backend's ring/tree, chosen by message size.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -15,27 +16,25 @@ import torch.distributed as dist
 from comm.errors import collective_guard
 
 
-def pinned_all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """Sum x over the group's ranks in rank order; same shape and dtype as x, on every rank.
-
-    Costs R times the bytes of a ring all-reduce: meant for the small activations of TP layers.
-    """
-    world_size = dist.get_world_size(group)
-    gathered = [torch.empty_like(x) for _ in range(world_size)]
+def all_gather(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> list[torch.Tensor]:
+    """[R] copies of every rank's x, in rank order."""
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
     # Collective: every rank of the group calls this, in the same order as its other collectives.
-    with collective_guard(dist.get_rank(), "pinned_all_reduce all_gather"):
-        dist.all_gather(gathered, x.contiguous(), group=group)
-    acc_dtype = torch.promote_types(x.dtype, torch.float32)
-    acc = gathered[0].to(acc_dtype)
-    for part in gathered[1:]:  # why: rank order, one elementwise add at a time
-        acc = acc + part.to(acc_dtype)
-    return acc.to(x.dtype)
+    with collective_guard(dist.get_rank(), "all_gather"):
+        dist.all_gather(parts, x.contiguous(), group=group)
+    return parts
 
 
-def plain_all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """The backend's all-reduce (sum) on a copy of x; its order may change with message size."""
-    out = x.clone()
-    # Collective: every rank of the group calls this, in the same order as its other collectives.
-    with collective_guard(dist.get_rank(), "plain_all_reduce"):
-        dist.all_reduce(out, group=group)
-    return out
+def all_reduce(
+    x: torch.Tensor, group: dist.ProcessGroup | None, sum_over_ranks: Callable
+) -> torch.Tensor:
+    """Sum of x over the group's ranks; same shape and dtype as x, on every rank. Collective:
+    every rank calls it with the same op (the ops use different collectives)."""
+
+    def backend_all_reduce(t: torch.Tensor) -> torch.Tensor:
+        out = t.clone()
+        with collective_guard(dist.get_rank(), "all_reduce"):
+            dist.all_reduce(out, group=group)
+        return out
+
+    return sum_over_ranks(x, lambda t: all_gather(t, group), backend_all_reduce)

@@ -9,12 +9,14 @@ own row, in the fixed order (destination rank, physical expert, source token, sl
 receiver regroups rows by (local slot, source rank, source token, slot), so each expert's rows
 are contiguous and in an order that does not depend on what else the step holds.
 The handle returned by dispatch carries everything combine needs, as in DeepEP, so a DeepEP
-backend can replace AllToAllDispatcher behind the same calls. Nothing here knows about
+backend can replace AllToAllDispatcher behind the same calls. Every sum is the op table's
+`moe_combine`, given at construction; this module only moves rows. Nothing here knows about
 the model, EPLB or how workers are launched.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -32,9 +34,10 @@ class DispatchHandle:
 
     order [T*K]: flat (token * K + slot) index of each sent row, in send order.
     recv_order [N]: for each expert-sorted row, its index in the received buffer.
-    The reduce_* fields are set only with multiple reduction: reduce_inverse [N] maps each
-    received row (buffer order) to its partial row, recv_weights [N] fp32 are its top-k weights,
-    reduce_token_ids [U'] are the source tokens of the partial rows this rank gets back.
+    The reduce_* fields are set only with multiple reduction: reduce_slot_ids [N] is each
+    received row's flat (partial * K + slot) (buffer order), reduce_weights [U, K] fp32 the
+    partials' top-k weights (0 where absent), reduce_back_ids [U'] the flat
+    (token * R + expert rank) of each partial row this rank gets back.
     """
 
     order: torch.Tensor
@@ -42,11 +45,11 @@ class DispatchHandle:
     recv_splits: list[int]
     recv_order: torch.Tensor
     num_tokens: int
-    reduce_inverse: torch.Tensor | None = None
-    recv_weights: torch.Tensor | None = None
+    reduce_slot_ids: torch.Tensor | None = None
+    reduce_weights: torch.Tensor | None = None
     reduce_send_splits: list[int] | None = None
     reduce_recv_splits: list[int] | None = None
-    reduce_token_ids: torch.Tensor | None = None
+    reduce_back_ids: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -74,20 +77,6 @@ def sort_rows_by_destination(topk_phys_ids: torch.Tensor) -> torch.Tensor:
     return torch.sort(topk_phys_ids.reshape(-1), stable=True).indices
 
 
-def combine_in_slot_order(
-    y_sorted: torch.Tensor, order: torch.Tensor, topk_weights: torch.Tensor
-) -> torch.Tensor:
-    """out[t] = sum_k w[t, k] * y[t, k] in fp32, k ascending. y_sorted [T*K, D] in `order`."""
-    t, k = topk_weights.shape
-    y = torch.empty_like(y_sorted)
-    y[order] = y_sorted  # index assignment back to (token, slot) order
-    y = y.view(t, k, y_sorted.shape[1]).float()  # explicit D: T may be 0
-    out = topk_weights[:, 0:1] * y[:, 0]
-    for slot in range(1, k):  # why: a fixed summation order, the same on every layout
-        out = out + topk_weights[:, slot : slot + 1] * y[:, slot]
-    return out
-
-
 def _check_routing(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> None:
     if x.dim() != 2 or ids.dim() != 2 or ids.shape[0] != x.shape[0]:
         raise ValueError(f"need x [T, D] and topk_phys_ids [T, K], got {x.shape}, {ids.shape}")
@@ -108,11 +97,13 @@ def _count_rows(flat_ids: torch.Tensor, num_slots: int) -> torch.Tensor:
 
 
 class LocalDispatcher:
-    """World size 1: the same dispatch/combine results with no communication."""
+    """World size 1: the same dispatch/combine results with no communication. One rank holds
+    every slot of a token, so there is nothing to pre-reduce: no multiple-reduction switch.
+    moe_combine: the op table's (rows, slot_ids, weights) -> out."""
 
-    def __init__(self, num_local_slots: int, allow_multiple_reduction: bool = False) -> None:
+    def __init__(self, num_local_slots: int, moe_combine: Callable) -> None:
         self.num_local_slots = num_local_slots
-        self.allow_multiple_reduction = allow_multiple_reduction
+        self.moe_combine = moe_combine
         self.num_rows_sent_remote = 0
 
     def layout(self, topk_phys_ids: torch.Tensor) -> DispatchLayout:
@@ -146,13 +137,7 @@ class LocalDispatcher:
         self, y: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor
     ) -> torch.Tensor:
         """y [T*K, D] in dispatch order -> out [T, D] fp32."""
-        if not self.allow_multiple_reduction:
-            return combine_in_slot_order(y, handle.order, topk_weights)
-        k = topk_weights.shape[1]
-        weighted = y.float() * topk_weights.reshape(-1)[handle.order, None]
-        out = torch.zeros(handle.num_tokens, y.shape[1], dtype=torch.float32, device=y.device)
-        # Fast path only: index_add_ accumulates in an unpinned order (the negative control).
-        return out.index_add_(0, handle.order // k, weighted)
+        return self.moe_combine(y, handle.order, topk_weights)
 
 
 class AllToAllDispatcher:
@@ -163,7 +148,7 @@ class AllToAllDispatcher:
     allow_multiple_reduction=True pre-reduces a token's slots on each expert rank (fewer bytes,
     but the sum order then depends on the placement): the caller must pass False whenever the
     invariance contract is on. num_rows_sent_remote counts rows sent to other ranks by
-    dispatch and combine together.
+    dispatch and combine together. moe_combine: the op table's, for every sum of combine.
     """
 
     def __init__(
@@ -174,10 +159,12 @@ class AllToAllDispatcher:
         num_local_slots: int,
         allow_multiple_reduction: bool,
         device: torch.device | str,
+        moe_combine: Callable,
     ) -> None:
         self.group, self.rank, self.world_size = group, rank, world_size
         self.num_local_slots = num_local_slots
         self.allow_multiple_reduction = allow_multiple_reduction
+        self.moe_combine = moe_combine
         self.device = torch.device(device)
         self.num_rows_sent_remote = 0
 
@@ -238,35 +225,38 @@ class AllToAllDispatcher:
     def _reduction_plan(
         self, handle: DispatchHandle, flat_ids: torch.Tensor, topk_weights: torch.Tensor, k: int
     ) -> DispatchHandle:
-        """Multiple reduction: send each row's token id and weight; plan one partial row per
-        (source rank, token) on the expert rank, returned in (rank, token) order."""
+        """Multiple reduction: send each row's (token, slot) and weight; plan one partial row
+        per (source rank, token) on the expert rank, returned in (rank, token) order."""
         order, send_splits, recv_splits = handle.order, handle.send_splits, handle.recv_splits
-        # Collectives (all ranks, right after the rows, only in this mode): token ids, weights.
-        token_ids = self._all_to_all(order // k, send_splits, recv_splits, "dispatch token ids")
+        # Collectives (all ranks, right after the rows, only in this mode): slot ids, weights.
+        flat = self._all_to_all(order, send_splits, recv_splits, "dispatch slot ids")
         weights = self._all_to_all(
             topk_weights.reshape(-1)[order].float(), send_splits, recv_splits, "dispatch weights"
         )
-        src_rank = torch.arange(self.world_size, device=token_ids.device)
-        src_rank = src_rank.repeat_interleave(torch.tensor(recv_splits, device=token_ids.device))
+        src_rank = torch.arange(self.world_size, device=flat.device)
+        src_rank = src_rank.repeat_interleave(torch.tensor(recv_splits, device=flat.device))
         keys, inverse = torch.unique(
-            src_rank * _TOKEN_KEY_STRIDE + token_ids, sorted=True, return_inverse=True
+            src_rank * _TOKEN_KEY_STRIDE + flat // k, sorted=True, return_inverse=True
         )
-        reduce_send_splits = self._per_rank(keys)
+        slot_ids = inverse * k + flat % k
+        reduce_weights = weights.new_zeros(keys.numel() * k)
+        reduce_weights[slot_ids] = weights  # index assignment: each (partial, slot) once
         # The source derives which (dest rank, token) partials come back, in the same order.
         dest_rank = flat_ids // self.num_local_slots
         token_of_flat = torch.arange(flat_ids.numel(), device=flat_ids.device) // k
         back_keys = torch.unique(dest_rank * _TOKEN_KEY_STRIDE + token_of_flat, sorted=True)
+        back_rank, back_token = back_keys // _TOKEN_KEY_STRIDE, back_keys % _TOKEN_KEY_STRIDE
         return DispatchHandle(
             order=order,
             send_splits=send_splits,
             recv_splits=recv_splits,
             recv_order=handle.recv_order,
             num_tokens=handle.num_tokens,
-            reduce_inverse=inverse,
-            recv_weights=weights,
-            reduce_send_splits=reduce_send_splits,
+            reduce_slot_ids=slot_ids,
+            reduce_weights=reduce_weights.view(-1, k),
+            reduce_send_splits=self._per_rank(keys),
             reduce_recv_splits=self._per_rank(back_keys),
-            reduce_token_ids=back_keys % _TOKEN_KEY_STRIDE,
+            reduce_back_ids=back_token * self.world_size + back_rank,
         )
 
     def _per_rank(self, keys: torch.Tensor) -> list[int]:
@@ -281,21 +271,19 @@ class AllToAllDispatcher:
         y_buf[handle.recv_order] = y  # index assignment back to the received buffer order
         if not self.allow_multiple_reduction:
             # Collective (all ranks, once per dispatch): every row goes home alone, so the
-            # source sums each token's slots in slot order whatever the placement.
+            # source's moe_combine sees all of a token's slots whatever the placement.
             y_sorted = self._all_to_all(
                 y_buf, handle.recv_splits, handle.send_splits, "combine all_to_all"
             )
             self._count_remote(handle.recv_splits)
-            return combine_in_slot_order(y_sorted, handle.order, topk_weights)
-        weighted = y_buf.float() * handle.recv_weights[:, None]
-        num_partials = sum(handle.reduce_send_splits)
-        partial = torch.zeros(num_partials, y.shape[1], dtype=torch.float32, device=y.device)
-        # Fast path only: pre-reduction order depends on which slots share a rank.
-        partial.index_add_(0, handle.reduce_inverse, weighted)
+            return self.moe_combine(y_sorted, handle.order, topk_weights)
+        # Pre-reduction: which slots share a partial depends on the placement, whatever the op.
+        partial = self.moe_combine(y_buf, handle.reduce_slot_ids, handle.reduce_weights)
         # Collective (all ranks, once per dispatch): one partial row per (token, expert rank).
         back = self._all_to_all(
             partial, handle.reduce_send_splits, handle.reduce_recv_splits, "combine all_to_all"
         )
         self._count_remote(handle.reduce_send_splits)
-        out = torch.zeros(handle.num_tokens, y.shape[1], dtype=torch.float32, device=y.device)
-        return out.index_add_(0, handle.reduce_token_ids, back)
+        # The partials weigh 1 each: a sum over expert ranks, by the same op.
+        ones = back.new_ones(handle.num_tokens, self.world_size)
+        return self.moe_combine(back, handle.reduce_back_ids, ones)

@@ -1,8 +1,9 @@
-"""Pinned all-reduce (gloo on CPU; NCCL on 2 GPUs): same bits on every rank, for every size.
+"""TP all-reduce with the invariant `sum_over_ranks` (gloo on CPU; NCCL on 2 GPUs): same bits
+on every rank, for every message size.
 
-The control: gloo's own all_reduce (ring, chunked by message size) gives element i different
-bits when it travels in a short message than inside a long one, for fp32 values of very
-different magnitudes at 4 ranks.
+The control, the fast `sum_over_ranks`: gloo's own all_reduce (ring, chunked by message size)
+gives element i different bits when it travels in a short message than inside a long one, for
+fp32 values of very different magnitudes at 4 ranks.
 """
 
 from __future__ import annotations
@@ -12,13 +13,8 @@ import os
 import pytest
 import torch
 
-from comm import (
-    destroy_process_groups,
-    init_process_groups,
-    pinned_all_reduce,
-    pinned_nccl_env,
-    plain_all_reduce,
-)
+from comm import all_reduce, destroy_process_groups, init_process_groups, pinned_nccl_env
+from kernels.combine import sum_over_ranks_fast, sum_over_ranks_ref
 from tests.test_comm_groups import BACKENDS, MASTER_ADDR, backend_config, run_ranks
 
 NUM_ELEMENTS = 1 << 13
@@ -47,13 +43,12 @@ def _all_reduce_worker(rank: int, world_size: int, port: int, backend: str) -> d
     result = {}
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         x = rank_values(rank, dtype).to(groups.device)
+        group = groups.ep_group
         # Collectives: every rank runs the same sequence of reductions below.
-        result[name] = {
-            "pinned_long": pinned_all_reduce(x, groups.ep_group),
-            "pinned_short": [pinned_all_reduce(w, groups.ep_group) for w in _windows(x)],
-            "plain_long": plain_all_reduce(x, groups.ep_group),
-            "plain_short": [plain_all_reduce(w, groups.ep_group) for w in _windows(x)],
-        }
+        result[name] = {}
+        for key, op in (("pinned", sum_over_ranks_ref), ("plain", sum_over_ranks_fast)):
+            result[name][f"{key}_long"] = all_reduce(x, group, op)
+            result[name][f"{key}_short"] = [all_reduce(w, group, op) for w in _windows(x)]
     destroy_process_groups()
     return {
         name: {

@@ -3,8 +3,9 @@
 Each rank owns L physical slots; the expert function is `grouped_linear_ref` (per-row invariant),
 so every layout and placement must reproduce the single-process LocalDispatcher result bit for
 bit. The data holds a rank with no tokens, an unused physical slot, uneven counts, and tokens
-with several slots on one rank. Negative control: with multiple reduction the same tokens under
-a permuted placement give other bits, while the invariant path still matches the reference.
+with several slots on one rank. Negative controls: with multiple reduction (even with the
+invariant combine op), or with the fast combine op (index_add_ in arrival order), the same
+tokens under a permuted placement give other bits, while the invariant path still matches.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from comm import AllToAllDispatcher, LocalDispatcher, destroy_process_groups, init_process_groups
+from kernels.combine import moe_combine_fast, moe_combine_ref
 from kernels.linear import grouped_linear_ref
 from tests.test_comm_groups import BACKENDS, MASTER_ADDR, backend_config, run_ranks
 
@@ -20,6 +22,15 @@ NUM_LOCAL_SLOTS = 2
 HIDDEN = 16
 TOP_K = 3
 TILE_ROWS = 4
+# Placements: 1 keeps the order of the physical ids a token uses (only which slots share a
+# rank moves); 3 wraps some of them round, so rows come home in another order too.
+SHIFTS = (0, 1, 3)
+# Result key -> (allow_multiple_reduction, the op table's moe_combine).
+MODES = {
+    False: (False, moe_combine_ref),
+    True: (True, moe_combine_ref),
+    "fast": (False, moe_combine_fast),
+}
 
 
 def num_tokens(rank: int) -> int:
@@ -72,7 +83,7 @@ def _dispatch_worker(rank: int, world_size: int, port: int, backend: str) -> dic
     local = slice(rank * NUM_LOCAL_SLOTS, (rank + 1) * NUM_LOCAL_SLOTS)
     result = {}
     # Collectives: every rank runs the same dispatch/combine sequence, rank 1 with 0 tokens.
-    for allow_multiple_reduction in (False, True):
+    for mode, (allow_multiple_reduction, combine) in MODES.items():
         dispatcher = AllToAllDispatcher(
             groups.ep_group,
             rank,
@@ -80,16 +91,17 @@ def _dispatch_worker(rank: int, world_size: int, port: int, backend: str) -> dic
             NUM_LOCAL_SLOTS,
             allow_multiple_reduction,
             groups.device,
+            combine,
         )
-        for shift in (0, 1):
+        for shift in SHIFTS:
             ids, weight = shifted_placement(case, shift)
             out, group_sizes = run_moe(dispatcher, x, ids[rank], topk_weights, weight[local])
-            result[allow_multiple_reduction, shift] = out
-            result["group_sizes", allow_multiple_reduction, shift] = group_sizes
-        result["num_rows_sent_remote", allow_multiple_reduction] = dispatcher.num_rows_sent_remote
+            result[mode, shift] = out
+            result["group_sizes", mode, shift] = group_sizes
+        result["num_rows_sent_remote", mode] = dispatcher.num_rows_sent_remote
     # The receive order itself: dispatch each token's (rank, token) tag.
     dispatcher = AllToAllDispatcher(
-        groups.ep_group, rank, world_size, NUM_LOCAL_SLOTS, False, groups.device
+        groups.ep_group, rank, world_size, NUM_LOCAL_SLOTS, False, groups.device, moe_combine_ref
     )
     tags = torch.stack([torch.full((len(x),), rank), torch.arange(len(x))], dim=1)
     tags = tags.double().to(groups.device)
@@ -118,11 +130,11 @@ def expected_recv_tags(case: dict, rank: int) -> torch.Tensor:
     return torch.tensor(tags, dtype=torch.float64).reshape(-1, 2)
 
 
-def reference(case: dict, allow_multiple_reduction: bool, device: str) -> list[torch.Tensor]:
+def reference(case: dict, device: str) -> list[torch.Tensor]:
     """Single process: every token of every rank through LocalDispatcher with all P slots."""
     case = to_device(case, torch.device(device))
     num_slots = case["expert_weight"].shape[0]
-    dispatcher = LocalDispatcher(num_slots, allow_multiple_reduction)
+    dispatcher = LocalDispatcher(num_slots, moe_combine_ref)
     x, ids, w = (torch.cat(case[key]) for key in ("x", "ids", "weights"))
     out, _ = run_moe(dispatcher, x, ids, w, case["expert_weight"])
     assert dispatcher.num_rows_sent_remote == 0
@@ -138,24 +150,24 @@ def test_dispatch_combine_bitwise_equal_to_one_process(tmp_path, world_size, bac
     results = run_ranks(_dispatch_worker, world_size, tmp_path, backend)
     # The reference runs on rank 0's device kind: GPU bits are compared with GPU bits.
     device = "cpu" if backend == "gloo" else "cuda:0"
-    expected = reference(case, False, device)
-    expected_fast = reference(case, True, device)
-    num_differ = 0
+    expected = reference(case, device)
+    num_differ = {True: 0, "fast": 0}
     for rank, res in enumerate(results):
         assert res[False, 0].dtype == torch.float32
         assert res[False, 0].shape == (num_tokens(rank), HIDDEN)
         # Invariant path: every placement gives the single-process bits.
-        assert torch.equal(res[False, 0], expected[rank])
-        assert torch.equal(res[False, 1], expected[rank])
-        # Multiple reduction: the same sums, in a placement-dependent order.
-        for shift in (0, 1):
-            torch.testing.assert_close(res[True, shift], expected_fast[rank])
-        num_differ += int((res[True, 0] != res[True, 1]).any(dim=1).sum())
+        for shift in SHIFTS:
+            assert torch.equal(res[False, shift], expected[rank])
+        # Multiple reduction, fast combine: the same sums, in a placement-dependent order.
+        for mode in num_differ:
+            for shift in SHIFTS:
+                torch.testing.assert_close(res[mode, shift], expected[rank])
+                num_differ[mode] += int((res[mode, 0] != res[mode, shift]).any(dim=1).sum())
         assert torch.equal(res["recv_tags"], expected_recv_tags(case, rank))
         # Engagement: rows crossed ranks in both modes, never more with pre-reduction.
         assert res["num_rows_sent_remote", False] >= res["num_rows_sent_remote", True] > 0
-    # Negative control: some token's bits moved with the placement under multiple reduction.
-    assert num_differ > 0
+    # Negative controls: some token's bits moved with the placement in both modes.
+    assert num_differ[True] > 0 and num_differ["fast"] > 0, num_differ
     sent = {mode: sum(res["num_rows_sent_remote", mode] for res in results) for mode in (0, 1)}
     assert sent[False] > sent[True], "pre-reduction never merged two slots of a token"
     # The last physical slot is never routed to: its expert ran with zero rows.
@@ -167,16 +179,16 @@ def test_local_dispatcher_groups_rows_by_slot(generator):
     x = torch.randn(4, HIDDEN, generator=generator)
     ids = torch.tensor([[2, 0], [1, 2], [0, 1], [2, 1]])
     w = torch.rand(4, 2, generator=generator)
-    recv_x, group_sizes, handle = LocalDispatcher(4).dispatch(x, ids, w)
+    recv_x, group_sizes, handle = LocalDispatcher(4, moe_combine_ref).dispatch(x, ids, w)
     assert group_sizes == [2, 3, 3, 0]
     # Rows by slot, then token: slot 0 <- tokens 0, 2; slot 1 <- 1, 2, 3; slot 2 <- 0, 1, 3.
     assert torch.equal(recv_x, x[[0, 2, 1, 2, 3, 0, 1, 3]])
-    out = LocalDispatcher(4).combine(recv_x, handle, w)
+    out = LocalDispatcher(4, moe_combine_ref).combine(recv_x, handle, w)
     assert torch.equal(out, w[:, 0:1] * x + w[:, 1:2] * x)
 
 
 def test_dispatch_rejects_bad_routing():
-    dispatcher = LocalDispatcher(2)
+    dispatcher = LocalDispatcher(2, moe_combine_ref)
     x = torch.zeros(2, HIDDEN)
     with pytest.raises(ValueError, match=r"lie in \[0, 2\)"):
         dispatcher.dispatch(x, torch.tensor([[0], [2]]), torch.ones(2, 1))
@@ -186,7 +198,7 @@ def test_dispatch_rejects_bad_routing():
 
 def test_precomputed_layout_gives_the_same_dispatch(generator):
     # The DeepEP-shaped seam: layout first, then dispatch with it, then combine.
-    dispatcher = LocalDispatcher(num_local_slots=6)
+    dispatcher = LocalDispatcher(6, moe_combine_ref)
     x = torch.randn(9, 5, generator=generator)
     ids = torch.randint(0, 6, (9, 3), generator=generator)
     weights = torch.rand(9, 3, generator=generator)

@@ -6,8 +6,9 @@ import time
 
 import torch
 
-from comm import AllToAllDispatcher, CollectiveError, init_process_groups, pinned_all_reduce
+from comm import AllToAllDispatcher, CollectiveError, all_reduce, init_process_groups
 from comm.errors import collective_guard
+from kernels.combine import moe_combine_ref, sum_over_ranks_ref
 from tests.test_comm_groups import MASTER_ADDR, gloo_config, run_ranks
 
 TIMEOUT_S = 3.0
@@ -21,7 +22,9 @@ def _absent_peer_worker(rank: int, world_size: int, port: int) -> dict:
         # The peer that never shows up: alive, connected, but never joins the collective.
         time.sleep(TIMEOUT_S + 1.5)
         return {}
-    dispatcher = AllToAllDispatcher(groups.ep_group, rank, world_size, 2, False, "cpu")
+    dispatcher = AllToAllDispatcher(
+        groups.ep_group, rank, world_size, 2, False, "cpu", moe_combine_ref
+    )
     start = time.monotonic()
     try:
         dispatcher.dispatch(torch.zeros(1, 4), torch.tensor([[3]]), torch.ones(1, 1))
@@ -61,4 +64,4 @@ def test_pinned_all_reduce_world1_is_identity(tmp_path):
 
 def _world1_worker(rank: int, world_size: int, port: int) -> torch.Tensor:
     groups = init_process_groups(gloo_config(world_size), rank, MASTER_ADDR, port)
-    return pinned_all_reduce(torch.arange(4.0), groups.ep_group)
+    return all_reduce(torch.arange(4.0), groups.ep_group, sum_over_ranks_ref)

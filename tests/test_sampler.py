@@ -3,6 +3,7 @@ import math
 import pytest
 import torch
 
+from kernels.cumsum import cumsum_ref
 from moe_runtime.sampling_params import SamplingParams
 from moe_runtime.seeds import derive_seed, resolve_seed
 from moe_runtime.worker.sampler import Sampler
@@ -11,7 +12,7 @@ from moe_runtime.worker.step_input import SampleResult
 
 @pytest.fixture
 def sampler() -> Sampler:
-    return Sampler(lambda x: torch.log_softmax(x.float(), -1))
+    return Sampler(lambda x: torch.log_softmax(x.float(), -1), cumsum_ref)
 
 
 @pytest.fixture
@@ -150,6 +151,22 @@ def test_top_p_keeps_the_nucleus(sampler):
     # A tiny top_p keeps the first token only.
     tiny = SamplingParams(temperature=1.0, top_p=0.01)
     assert {sampler.sample(row, [tiny], [s], [0])[0].token_id for s in range(50)} == {1}
+
+
+def test_top_p_mass_comes_from_the_table_cumsum():
+    # The prefix sum is the op table's (a fixed-order scan in invariant mode), never torch's.
+    rows_seen = []
+
+    def cumsum(x):
+        rows_seen.append(x.shape)
+        return cumsum_ref(x)
+
+    sampler = Sampler(lambda x: torch.log_softmax(x, -1), cumsum)
+    row = torch.tensor([[0.15, 0.5, 0.05, 0.3]]).log()
+    sampler.sample(row, [SamplingParams(temperature=1.0, top_p=0.75)], [0], [0])
+    assert rows_seen == [torch.Size([4])]
+    sampler.sample(row, [SamplingParams(temperature=1.0, top_k=2)], [0], [0])
+    assert len(rows_seen) == 1  # top-k alone needs no prefix sum
 
 
 def test_raw_and_processed_logprobs(sampler, logits):

@@ -3,7 +3,8 @@
 Logical expert ids from the router are mapped to physical slots by a static replica table, the
 dispatcher (comm/) moves (token, slot) rows to the ranks holding those slots in a fixed order,
 each expert's rows run through the grouped GEMM whose per-row result ignores the other rows, and
-the combine sums every token's rows on its own rank in fp32 in top-k slot order.
+the combine (the op table's `moe_combine`) sums every token's rows on its own rank, in fp32 in
+top-k slot order in invariant mode.
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ class MoE(nn.Module):
         else:
             self.shared_experts = None
         self.ops = ops
-        self.dispatcher = LocalDispatcher(num_local_slots)
+        self.dispatcher = LocalDispatcher(num_local_slots, ops.moe_combine)
         self.replica_row = torch.arange(cfg.n_routed_experts)
         self.last_group_sizes = [0] * num_local_slots  # rows per local slot in the last step
         self.last_topk_ids = torch.zeros(0, cfg.num_experts_per_tok, dtype=torch.int64)

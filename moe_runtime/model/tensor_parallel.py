@@ -2,20 +2,19 @@
 
 Attention heads, the dense MLP and shared-expert intermediate dims, and the LM head's vocabulary
 are split over the TP ranks; everything else is replicated. Row-parallel outputs (o_proj,
-down_proj) are summed with the pinned all-reduce (all-gather, then a sum in rank order), whose
-bits do not depend on the message size, so a token's result stays independent of the batch.
+down_proj) are summed by comm's all_reduce with the op table's `sum_over_ranks`: in invariant
+mode an all-gather and a sum in rank order, whose bits ignore the message size and the batch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from comm.allreduce import pinned_all_reduce
-from comm.errors import collective_guard
+from comm.allreduce import all_gather, all_reduce
 
 # Parameter-name suffix -> the dim split across TP ranks (0: output rows, 1: input columns).
 _SHARD_DIMS = (
@@ -35,6 +34,7 @@ class TensorParallel:
     size: int = 1
     rank: int = 0
     group: Any = None
+    sum_over_ranks: Callable | None = None  # the op table's; needed when size > 1
 
     def split(self, total: int, what: str) -> int:
         if total % self.size:
@@ -45,16 +45,13 @@ class TensorParallel:
         """Sum of the TP ranks' partial results. Collective: every TP rank calls it in order."""
         if self.size == 1:
             return x
-        return pinned_all_reduce(x, self.group)
+        return all_reduce(x, self.group, self.sum_over_ranks)
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """Concatenate the ranks' slices of the last dim in rank order. Collective."""
         if self.size == 1:
             return x
-        parts = [torch.empty_like(x) for _ in range(self.size)]
-        with collective_guard(self.rank, "tp all_gather"):
-            dist.all_gather(parts, x.contiguous(), group=self.group)
-        return torch.cat(parts, dim=-1)
+        return torch.cat(all_gather(x, self.group), dim=-1)
 
     def shard(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a full-size parameter (replicated ones are returned whole)."""

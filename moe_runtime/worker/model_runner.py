@@ -92,7 +92,7 @@ class ModelRunner:
             )
             for _ in range(cfg.num_hidden_layers)
         ]
-        self.sampler = Sampler(ops.log_softmax)
+        self.sampler = Sampler(ops.log_softmax, ops.cumsum)
         self.graphs: DecodeGraphRunner | None = None
         if graph_batch_sizes:
             if device.type != "cuda":

@@ -17,15 +17,15 @@ from moe_runtime.sampling_params import SamplingParams
 from moe_runtime.seeds import derive_seed
 from moe_runtime.worker.step_input import SampleResult
 
-LogSoftmax = Callable[[torch.Tensor], torch.Tensor]
+RowOp = Callable[[torch.Tensor], torch.Tensor]
 
 
 class Sampler:
-    """Samples one token per row. `log_softmax(x [R, V] fp32) -> [R, V] fp32` is the
-    batch-invariant op from the kernel table."""
+    """Samples one token per row with two ops of the kernel table: `log_softmax(x [R, V]
+    fp32) -> [R, V] fp32` and `cumsum(x [V]) -> [V]` (a fixed-order scan when invariant)."""
 
-    def __init__(self, log_softmax: LogSoftmax) -> None:
-        self._log_softmax = log_softmax
+    def __init__(self, log_softmax: RowOp, cumsum: RowOp) -> None:
+        self._log_softmax, self._cumsum = log_softmax, cumsum
 
     def sample(
         self,
@@ -85,8 +85,8 @@ class Sampler:
             masked = sorted_logits.masked_fill(~keep, float("-inf"))
             probs = self._log_softmax(masked[None])[0].exp()
             # Keep a token while the mass before it is short of top_p: the smallest prefix
-            # reaching top_p. cumsum over one row runs in a fixed order.
-            mass_before = torch.cumsum(probs, 0) - probs
+            # reaching top_p. The table's cumsum: a fixed-order scan in invariant mode.
+            mass_before = self._cumsum(probs) - probs
             keep &= mass_before < params.top_p
             keep[0] = True
         keep_by_id = torch.zeros_like(keep)

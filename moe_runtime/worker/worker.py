@@ -93,7 +93,7 @@ class Worker:
         tp = TensorParallel()
         if self.world_size > 1:
             groups = init_process_groups(parallel, self.rank, master_addr, master_port)
-            tp = TensorParallel(groups.tp_size, groups.tp_rank, groups.tp_group)
+            tp = TensorParallel(groups.tp_size, groups.tp_rank, groups.tp_group, ops.sum_over_ranks)
             self.group = groups.ep_group
             # Experts are parallel over the whole world; the TP ranks of one DP group hold the
             # same tokens after every all-reduce and each dispatches its own copy.
@@ -104,9 +104,10 @@ class Worker:
                 slots,
                 parallel.allow_multiple_reduction,
                 device,
+                ops.moe_combine,
             )
         else:
-            self.dispatcher = LocalDispatcher(slots, parallel.allow_multiple_reduction)
+            self.dispatcher = LocalDispatcher(slots, ops.moe_combine)
         model = build_model(cfg.model, ops, device, self._local_experts(), tp)
         self.runner = ModelRunner(
             model,
