@@ -8,8 +8,9 @@ mode an all-gather and a sum in rank order, whose bits ignore the message size a
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -35,6 +36,10 @@ class TensorParallel:
     rank: int = 0
     group: Any = None
     sum_over_ranks: Callable | None = None  # the op table's; needed when size > 1
+    # Collectives this rank ran in its TP group, by name ("all_reduce", "all_gather"): the
+    # record is frozen, the counts are not; Worker.stats reports them, so a test can see the
+    # split path ran without relying on TP changing any bits.
+    num_calls: Counter = field(default_factory=Counter, compare=False, repr=False)
 
     def split(self, total: int, what: str) -> int:
         if total % self.size:
@@ -45,12 +50,14 @@ class TensorParallel:
         """Sum of the TP ranks' partial results. Collective: every TP rank calls it in order."""
         if self.size == 1:
             return x
+        self.num_calls["all_reduce"] += 1
         return all_reduce(x, self.group, self.sum_over_ranks)
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """Concatenate the ranks' slices of the last dim in rank order. Collective."""
         if self.size == 1:
             return x
+        self.num_calls["all_gather"] += 1
         return torch.cat(all_gather(x, self.group), dim=-1)
 
     def shard(self, name: str, full: torch.Tensor) -> torch.Tensor:

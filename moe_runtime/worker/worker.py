@@ -209,10 +209,15 @@ class Worker:
             self.runner.graphs.reset()  # the absorbed MLA weights are new tensors
 
     def stats(self) -> dict:
-        """Counters of this rank; `slot_load[l][s]` = rows served by local slot s of MoE layer l."""
+        """Counters of this rank; `slot_load[l][s]` = rows served by local slot s of MoE layer l;
+        `num_tp_all_reduces` = TP all-reduces this rank ran (0 at tp_size 1)."""
         total = self.total_load.tolist() if self.total_load is not None else []
+        tp = self.runner.model.tp
         return {
             "rank": self.rank,
+            "tp_size": tp.size,
+            "tp_rank": tp.rank,
+            "num_tp_all_reduces": tp.num_calls["all_reduce"],
             "num_steps": self.num_steps,
             "num_rows_sent_remote": getattr(self.dispatcher, "num_rows_sent_remote", 0),
             "slot_load": total,
