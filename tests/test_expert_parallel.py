@@ -58,16 +58,16 @@ def test_ep8_golden_batch_invariance(golden_workload):
     llm = _ep_llm(8, **{"cache.enable_prefix_caching": False})
     try:
         dp_ranks_used = set()
-        add_request = llm.engine.add_request
+        add_requests = llm.engine.add_requests
 
         def spy(*args, **kwargs):
-            seqs = add_request(*args, **kwargs)
-            dp_ranks_used.update(s.dp_rank for s in seqs)
-            return seqs
+            requests = add_requests(*args, **kwargs)
+            dp_ranks_used.update(s.dp_rank for r in requests for s in r.samples)
+            return requests
 
-        llm.engine.add_request = spy
+        llm.engine.add_requests = spy
         alone, together, shuffled = _alone_together_shuffled(llm, prompts, params, NUM_PROMPTS)
-        stats = llm.engine.stats()
+        stats = llm.engine.worker_stats()
     finally:
         llm.shutdown()
     assert len(dp_ranks_used) == 8, f"requests reached only DP ranks {sorted(dp_ranks_used)}"
@@ -107,7 +107,7 @@ def test_layout_invariance_across_ep_degrees(layout_workload, with_redundant):
         llm = _ep_llm(world_size, **{"eplb.num_redundant_experts": redundant})
         try:
             got = run_in_batches(llm, prompts, params, everything)
-            stats = llm.engine.stats()
+            stats = llm.engine.worker_stats()
         finally:
             llm.shutdown()
         assert got == reference, f"EP={world_size}, redundant={redundant} differs from EP=1"
@@ -145,7 +145,9 @@ def test_killed_worker_fails_requests_within_timeout():
     llm = _ep_llm(4, **{"parallel.timeout_s": 10})
     engine = llm.engine
     try:
-        seqs = [engine.add_request(p, sp)[0] for p, sp in zip(*_small_workload(), strict=True)]
+        seqs = [
+            engine.add_request(p, sp).samples[0] for p, sp in zip(*_small_workload(), strict=True)
+        ]
         engine.step()
         engine.step()
         engine.executor.kill_worker(2)
