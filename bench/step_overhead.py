@@ -38,7 +38,7 @@ from moe_runtime.engine.block_manager import BlockManager  # noqa: E402
 from moe_runtime.engine.engine import (  # noqa: E402
     build_step_input,
     record_results,
-    request_delta,
+    request_output,
 )
 from moe_runtime.engine.request import Request, Sequence, SequenceStatus  # noqa: E402
 from moe_runtime.engine.scheduler import ScheduledChunk, Scheduler  # noqa: E402
@@ -148,7 +148,7 @@ def apply_replies(state: DriverState, replies: list[StepOutput]) -> list[Sequenc
     for scheduler, chunks, result in zip(state.schedulers, state.scheduled, results, strict=True):
         record_results(scheduler, chunks, result)
         for chunk in chunks:
-            request_delta(chunk.seq.request, 0)
+            request_output(chunk.seq.request, 0, True)
             finished.extend([chunk.seq] if chunk.seq.is_finished else [])
     return finished
 

@@ -1,14 +1,11 @@
 """AsyncEngine: one background thread that owns an LLMEngine and steps it while there is work.
 
-The engine is not thread-safe, so the loop thread is its only caller. `submit` queues prompts
-and returns a Future; between steps the loop thread runs queued `call`s (a rebalance, a weight
-update), adds queued requests (all of a submission or none), aborts those whose Future was
-cancelled, steps, hands each step's `RequestOutput` deltas to the submission's `on_output`,
-and resolves each Future with its requests' whole outputs once all have finished. Concurrent
-callers therefore share the engine's batches. A bad prompt fails its Future with ValueError; a
-failing step fails every pending Future with the step's error and leaves the loop dead
-(`is_healthy` False) but answering. Request semantics (samples, stop strings, outputs) are
-the engine's; this module only moves work between threads. No HTTP, flags or environment.
+The loop thread is the engine's only caller. Between steps it runs queued `call`s (a
+rebalance, a weight update), adds queued submissions (all prompts or none), aborts cancelled
+ones, steps, hands the deltas to `on_output` and resolves each Future with whole outputs. A
+bad prompt fails its Future with ValueError; a failing step fails every pending Future and
+leaves the loop dead (`is_healthy` False) but answering. Request semantics are the engine's;
+this module only moves work between threads.
 """
 
 from __future__ import annotations
@@ -45,8 +42,7 @@ class _Submission:
 class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self._engine = engine
-        self._cond = threading.Condition()
-        # Guarded by _cond: queued work, every submission not yet settled, flags, the snapshot.
+        self._cond = threading.Condition()  # guards the queue, _live, flags and the snapshot
         self._queue: deque[_Submission | tuple[Callable, Future]] = deque()
         self._live: set[_Submission] = set()
         self._is_accepting = True
@@ -59,17 +55,15 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
-    # ---- any thread ----
-
     def submit(
         self,
         prompts: list[str | list[int]],
         params: list[SamplingParams],
         on_output: OutputCallback | None = None,
     ) -> Future:
-        """Queue one request per prompt, all or none. The Future resolves to their whole
-        RequestOutputs in prompt order. `on_output(prompt_idx, delta)` runs on the loop thread
-        after every step that changed a request; it must be quick and must not block."""
+        """Queue one request per prompt, all or none; the Future resolves to their whole
+        RequestOutputs. `on_output(prompt_idx, delta)` runs on the loop thread after each step
+        that changed a request; it must be quick and must not block."""
         if len(prompts) != len(params) or not prompts:
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         submission = _Submission(list(prompts), list(params), on_output)
@@ -78,8 +72,7 @@ class AsyncEngine:
         return submission.future
 
     def call(self, fn: Callable[[LLMEngine], Any]) -> Future:
-        """Run fn(engine) on the loop thread between two steps; the Future gets its result.
-        Requests in flight continue after it."""
+        """Run fn(engine) on the loop thread between two steps; the Future gets its result."""
         future: Future = Future()
         self._put((fn, future))
         return future
@@ -103,10 +96,8 @@ class AsyncEngine:
             return dataclasses.replace(self._stats, num_waiting=self._stats.num_waiting + queued)
 
     def shutdown(self, drain_timeout_s: float = 30.0) -> None:
-        """Stop accepting, wait up to drain_timeout_s for requests in flight, then stop.
-
-        Requests still unfinished then fail with EngineUnavailableError. The engine is shut
-        down on the loop thread, its only user. Safe to call more than once."""
+        """Stop accepting, wait up to drain_timeout_s for requests in flight (the rest fail
+        with EngineUnavailableError), then shut the engine down. Safe to call more than once."""
         with self._cond:
             self._is_accepting = False
             self._cond.wait_for(lambda: not self._live or self._error is not None, drain_timeout_s)
@@ -130,8 +121,6 @@ class AsyncEngine:
             with self._cond:
                 self._has_cancelled = True
                 self._cond.notify_all()
-
-    # ---- loop thread ----
 
     def _has_work(self) -> bool:
         return (
@@ -210,7 +199,6 @@ class AsyncEngine:
                 self._error = exc
             for submission in self._snapshot():
                 self._settle(submission, exc)
-            self._owner.clear()
             return
         failed: dict[int, tuple[_Submission, Exception]] = {}
         for delta in deltas:

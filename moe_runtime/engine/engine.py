@@ -1,15 +1,11 @@
 """LLMEngine: requests in, per-step output deltas out, one lockstep step at a time.
 
-The driver side of the runtime: it owns one scheduler (and KV block bookkeeping) per
-data-parallel rank, the expert placement (through the balancer), every request's sequences
-and their outputs. Each step it turns every DP rank's scheduled chunks into that rank's
-`StepInput` (the wire format: only what changed since the worker's last step), runs all ranks
-at once through the executor, records the results, detokenizes the new tokens incrementally,
-ends samples at stop strings, and returns one `RequestOutput` delta per request that changed.
-Every request is validated before it enters a queue (token ids in the vocabulary, prompt
-within the context), so a bad request raises at `add_request` and never disturbs those in
-flight. A worker failure fails every request in flight with the worker's error and leaves the
-engine dead, never hung.
+The driver: one scheduler and KV block pool per data-parallel rank, the expert placement (the
+balancer), every request's sequences and outputs. A step sends each rank a `StepInput` (only
+what changed since its last step), runs all ranks at once, records the results, detokenizes
+incrementally, ends samples at stop strings and returns a `RequestOutput` delta per request
+that changed. A bad request raises at `add_request` and never disturbs those in flight; a
+worker failure fails every request in flight and leaves the engine dead, never hung.
 """
 
 from __future__ import annotations
@@ -65,27 +61,20 @@ class LLMEngine:
         self._next_seq_id = 0
         self._request_ids = itertools.count()
 
-    # ---- requests in ----
-
-    def add_request(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
-    ) -> Request:
+    def add_request(self, prompt: str | list[int], params: SamplingParams) -> Request:
         """Queue one request (n samples); raises ValueError naming the problem if it is bad."""
-        return self.add_requests([prompt], [params], [request_id])[0]
+        return self.add_requests([prompt], [params])[0]
 
     def add_requests(
-        self,
-        prompts: list[str | list[int]],
-        params: list[SamplingParams],
-        request_ids: list[str | None] | None = None,
+        self, prompts: list[str | list[int]], params: list[SamplingParams]
     ) -> list[Request]:
         """Queue several requests all or none: a bad prompt raises ValueError naming its index
         (when there are several) before any is queued."""
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
-        for p in params:
-            if not isinstance(p, SamplingParams):
-                raise TypeError(f"params must be SamplingParams, got {type(p).__name__}")
+        bad_type = next((p for p in params if not isinstance(p, SamplingParams)), None)
+        if bad_type is not None:
+            raise TypeError(f"params must be SamplingParams, got {type(bad_type).__name__}")
         token_ids = []
         for i, prompt in enumerate(prompts):
             try:
@@ -93,18 +82,12 @@ class LLMEngine:
             except ValueError as exc:
                 raise ValueError(f"prompt {i}: {exc}" if len(prompts) > 1 else str(exc)) from None
         self._check_alive()
-        ids = request_ids or [None] * len(prompts)
-        requests = [
-            Request(self._request_id(rid, "req"), ids_, p, resolve_seed(p.seed))
-            for ids_, p, rid in zip(token_ids, params, ids, strict=True)
+        return [
+            self._enqueue(Request(f"req-{next(self._request_ids)}", ids, p, resolve_seed(p.seed)))
+            for ids, p in zip(token_ids, params, strict=True)
         ]
-        for request in requests:
-            self._enqueue(request)
-        return requests
 
-    def add_score_request(
-        self, token_ids: list[int], prompt_len: int, request_id: str | None = None
-    ) -> Request:
+    def add_score_request(self, token_ids: list[int], prompt_len: int) -> Request:
         """Queue a teacher-forced scoring of token_ids[prompt_len:] given everything before."""
         self.validate_prompt(token_ids)
         if not 1 <= prompt_len < len(token_ids):
@@ -113,15 +96,9 @@ class LLMEngine:
                 f"{len(token_ids)} tokens, got {prompt_len}"
             )
         self._check_alive()
-        request = Request(
-            self._request_id(request_id, "score"),
-            list(token_ids[:prompt_len]),
-            SamplingParams(),
-            0,
-            score_token_ids=list(token_ids[prompt_len:]),
-        )
-        self._enqueue(request)
-        return request
+        prompt, scored = list(token_ids[:prompt_len]), list(token_ids[prompt_len:])
+        request_id = f"score-{next(self._request_ids)}"
+        return self._enqueue(Request(request_id, prompt, SamplingParams(), 0, scored))
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         """Token ids of a prompt (text through the tokenizer), validated."""
@@ -134,25 +111,15 @@ class LLMEngine:
         max_len = self.config.scheduler.max_model_len
         if not token_ids:
             raise ValueError("prompt is empty")
-        bad = next(
-            (
-                t
-                for t in token_ids
-                if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab
-            ),
-            None,
-        )
-        if bad is not None:
-            raise ValueError(f"token id {bad!r} is outside the vocabulary [0, {vocab})")
+        for t in token_ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise ValueError(f"token id {t!r} is outside the vocabulary [0, {vocab})")
         if len(token_ids) > max_len:
             raise ValueError(
                 f"prompt has {len(token_ids)} tokens, more than scheduler.max_model_len={max_len}"
             )
 
-    def _request_id(self, given: str | None, prefix: str) -> str:
-        return given if given is not None else f"{prefix}-{next(self._request_ids)}"
-
-    def _enqueue(self, request: Request) -> None:
+    def _enqueue(self, request: Request) -> Request:
         """All of a request's samples go to the DP rank with the fewest unfinished sequences
         (lowest rank on ties); which rank serves it changes no bit of its result."""
         loads = [len(s.waiting) + len(s.running) for s in self.schedulers]
@@ -161,8 +128,7 @@ class LLMEngine:
             seq.dp_rank = dp_rank
             self.schedulers[dp_rank].add(seq)
         self._next_seq_id += len(request.samples)
-
-    # ---- the step ----
+        return request
 
     def step(self) -> list[RequestOutput]:
         """Run one lockstep step on every rank; -> a delta per generation request that got new
@@ -190,23 +156,11 @@ class LLMEngine:
                 self.balancer.maybe_rebalance(self.num_steps)  # between steps
         except RebalanceError:
             pass  # logged; the old placement keeps serving and nothing in flight changed
-        return [request_delta(r, self.weight_version) for r in changed.values()]
+        return [request_output(r, self.weight_version, True) for r in changed.values()]
 
     def output(self, request: Request) -> RequestOutput:
         """The request's whole result so far (every sample, every token)."""
-        outputs = [
-            _completion(seq, 0, seq.detokenizer.text if seq.detokenizer else "")
-            for seq in request.samples
-        ]
-        return RequestOutput(
-            request.request_id,
-            request.prompt_token_ids,
-            outputs,
-            request.is_finished,
-            self.weight_version,
-        )
-
-    # ---- between steps ----
+        return request_output(request, self.weight_version, False)
 
     def rebalance(self, force: bool = True, inject_failure: tuple[int, int] | None = None) -> dict:
         """Re-place the experts from the recent load, between steps; see ExpertBalancer."""
@@ -262,8 +216,6 @@ class LLMEngine:
     def shutdown(self) -> None:
         self.executor.shutdown()
 
-    # ---- failure ----
-
     def _check_alive(self) -> None:
         if self.error is not None:
             raise RuntimeError(f"the engine is dead: {self.error}")
@@ -309,22 +261,36 @@ def record_results(scheduler: Scheduler, chunks: list[ScheduledChunk], result: S
             scheduler.finish(seq, "stop")
 
 
-def request_delta(request: Request, weight_version: int) -> RequestOutput:
-    """What changed in a request since its last delta: the samples with new tokens, only
-    their new tokens and text."""
+def request_output(request: Request, weight_version: int, is_delta: bool) -> RequestOutput:
+    """The whole result, or (is_delta) what changed since the last delta: the samples with
+    new tokens, only their new tokens and text. Values are copies."""
     outputs = []
     for seq in request.samples:
-        start = seq.num_reported
-        if seq.num_output_tokens == start:
+        start = seq.num_reported if is_delta else 0
+        if is_delta and seq.num_output_tokens == start:
             continue
-        seq.num_reported = seq.num_output_tokens
-        outputs.append(_completion(seq, start, seq.detokenizer.delta(seq.is_finished)))
+        if is_delta:
+            seq.num_reported = seq.num_output_tokens
+            text = seq.detokenizer.delta(seq.is_finished)
+        else:
+            text = seq.detokenizer.text if seq.detokenizer else ""
+        routed = None
+        if seq.params.return_routed_experts:
+            routed = np.array(seq.routed_experts[start:], dtype=np.int32)  # [T, L_moe, K]
+        outputs.append(
+            CompletionOutput(
+                index=seq.sample_idx,
+                token_ids=seq.output_token_ids[start:],
+                logprobs=seq.output_logprobs[start:],
+                top_logprobs=seq.output_top_logprobs[start:],
+                text=text,
+                finish_reason=seq.finish_reason if seq.is_finished else None,
+                seed=seq.seed,
+                routed_experts=routed,
+            )
+        )
     return RequestOutput(
-        request.request_id,
-        request.prompt_token_ids,
-        outputs,
-        request.is_finished,
-        weight_version,
+        request.request_id, request.prompt_token_ids, outputs, request.is_finished, weight_version
     )
 
 
@@ -345,7 +311,7 @@ def build_step_input(released: list[Sequence], chunks: list[ScheduledChunk]) -> 
                 NewSequence(
                     seq.seq_id,
                     seq.token_ids,
-                    seq.num_prompt_tokens,
+                    len(seq.prompt_token_ids),
                     chunk.start,
                     seq.params,
                     seq.seed,
@@ -362,20 +328,3 @@ def build_step_input(released: list[Sequence], chunks: list[ScheduledChunk]) -> 
             ScheduledSeq(seq.seq_id, chunk.start, chunk.num_tokens, new_token_ids, new_block_ids)
         )
     return StepInput(released_ids, new_seqs, scheduled)
-
-
-def _completion(seq: Sequence, start: int, text: str) -> CompletionOutput:
-    """Sample seq's output from token `start` on, as copies."""
-    routed = None
-    if seq.params.return_routed_experts:
-        routed = np.array(seq.routed_experts[start:], dtype=np.int32)  # [T, L_moe, K]
-    return CompletionOutput(
-        index=seq.sample_idx,
-        token_ids=seq.output_token_ids[start:],
-        logprobs=seq.output_logprobs[start:],
-        top_logprobs=seq.output_top_logprobs[start:],
-        text=text,
-        finish_reason=seq.finish_reason if seq.is_finished else None,
-        seed=seq.seed,
-        routed_experts=routed,
-    )

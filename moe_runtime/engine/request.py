@@ -1,11 +1,10 @@
 """Request and Sequence: what the driver knows of one request and of each of its samples.
 
-A `Request` is one prompt with its SamplingParams and resolved seed; `expand_samples()` is the
-only place a request becomes its n sequences, each with its own seed (moe_runtime.seeds), so
-`LLM`, HTTP and rollouts fan out the same way. A `Sequence` holds what the scheduler, the
-block manager and the output assembly need: token ids, outputs so far, the block table, and
-how much of it the worker already holds (`num_sent_tokens`, `num_sent_blocks`), from which
-the engine builds the wire format's deltas. Workers never see these objects.
+`Request.expand_samples()` is the only place a request becomes its n sequences, each with its
+own seed (moe_runtime.seeds), so `LLM`, HTTP and rollouts fan out the same way. A `Sequence`
+holds what the scheduler, the block manager and the outputs need, and how much of it its
+worker already holds, from which the engine builds the wire format's deltas. Workers never
+see these objects.
 """
 
 from __future__ import annotations
@@ -49,17 +48,10 @@ class Sequence:
     num_reported: int = 0  # output tokens already handed out as deltas
     detokenizer: IncrementalDetokenizer | None = None
 
-    @property
-    def params(self) -> SamplingParams:
-        return self.request.params
-
-    @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.request.prompt_token_ids
-
-    @property
-    def is_score(self) -> bool:
-        return self.request.is_score
+    def __post_init__(self) -> None:
+        self.params: SamplingParams = self.request.params
+        self.prompt_token_ids: list[int] = self.request.prompt_token_ids
+        self.is_score: bool = self.request.is_score
 
     @property
     def token_ids(self) -> list[int]:
@@ -80,10 +72,6 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
 
     @property
     def is_finished(self) -> bool:
