@@ -221,7 +221,9 @@ def build_state(
         seq.num_computed_tokens = seq.num_tokens - 1
         if not scheduler.blocks.allocate(seq.block_table, seq.num_computed_tokens):
             raise RuntimeError(f"cache.num_blocks={cache.num_blocks} is too small")
-        scheduler.blocks.commit(seq.block_table, seq.token_ids, seq.num_computed_tokens)
+        seq.num_committed_blocks, seq.commit_parent = scheduler.blocks.commit(
+            seq.block_table, seq.token_ids, seq.num_computed_tokens
+        )
         seq.status = SequenceStatus.RUNNING
         scheduler.running.append(seq)
     workers = [Worker(config, rank) for rank in range(config.parallel.world_size)]

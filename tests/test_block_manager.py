@@ -160,3 +160,23 @@ def test_clear_cache_forgets_prefixes_and_never_caches_blocks_in_use():
     blocks.free(fresh)
     assert len(blocks.match_prefix(tokens)) == 2
     assert blocks.num_free_blocks == 8 - 2
+
+
+def test_incremental_commit_caches_what_one_commit_caches():
+    """Committing block by block from the returned (block, parent) equals one commit of all,
+    and never reads the tokens before the first uncommitted block."""
+    tokens = list(range(100, 117))  # 4 full blocks and one token more
+    whole, step = _manager(16), _manager(16)
+    table = whole.match_prefix(tokens)
+    assert whole.allocate(table, len(tokens))
+    whole.commit(table, tokens, len(tokens))
+
+    table = step.match_prefix(tokens)
+    assert step.allocate(table, len(tokens))
+    first, parent = 0, 0
+    for computed in range(1, len(tokens) + 1):
+        tail = tokens[first * BLOCK_SIZE :]  # only the tokens from the first open block
+        first, parent = step.commit(table, tail, computed, first, parent)
+        assert first == computed // BLOCK_SIZE
+    for manager in (whole, step):
+        assert len(manager.match_prefix(tokens + [1])) == 4  # every full block is a hit

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 
-_ROOT_KEY_ID = 0
+ROOT_KEY_ID = 0
 
 BlockKey = tuple[int, tuple[int, ...]]
 
@@ -34,7 +34,7 @@ class BlockManager:
         # Key ids come from a counter and are never reused, so a child key can never point
         # at a different prefix after its parent's entry was evicted.
         self._block_key_id: dict[int, int] = {}
-        self._next_key_id = _ROOT_KEY_ID + 1
+        self._next_key_id = ROOT_KEY_ID + 1
         self._stale: set[int] = set()  # in use since before clear_cache: never cached
         self.num_hit_blocks = 0  # blocks served from the prefix cache so far (a metric)
 
@@ -59,7 +59,7 @@ class BlockManager:
             return []
         max_blocks = max(0, (len(token_ids) - 1) // self.block_size)
         blocks: list[int] = []
-        parent = _ROOT_KEY_ID
+        parent = ROOT_KEY_ID
         for i in range(max_blocks):
             block = self._cached.get((parent, self._block_tokens(token_ids, i)))
             if block is None:
@@ -87,21 +87,29 @@ class BlockManager:
         return True
 
     def commit(
-        self, block_table: Sequence[int], token_ids: Sequence[int], num_computed_tokens: int
-    ) -> None:
+        self,
+        block_table: Sequence[int],
+        token_ids: Sequence[int],
+        num_computed_tokens: int,
+        first_block: int = 0,
+        parent: int = ROOT_KEY_ID,
+    ) -> tuple[int, int]:
         """Caches every block of block_table that is full and computed (within the first
-        num_computed_tokens of token_ids) and not cached yet."""
+        num_computed_tokens) and not cached yet, from block `first_block` on: token_ids then
+        start at that block and `parent` is the key id the blocks before it end with. Returns
+        (first block not committed, its parent key id), where the next call may start."""
         if not self.enable_prefix_caching:
-            return
-        num_full = min(num_computed_tokens, len(token_ids)) // self.block_size
-        parent = _ROOT_KEY_ID
-        for i, block in enumerate(block_table[:num_full]):
+            return first_block, parent
+        num_full = num_computed_tokens // self.block_size
+        offset = first_block * self.block_size
+        for i in range(first_block, num_full):
+            block = block_table[i]
             if block in self._stale:
-                return  # computed under other weights: neither it nor what follows is reusable
+                return i, parent  # computed under other weights: nothing from here is reusable
             if block in self._block_key:
                 parent = self._block_key_id[block]
                 continue
-            key = (parent, self._block_tokens(token_ids, i))
+            key = (parent, self._block_tokens(token_ids, i, offset))
             owner = self._cached.get(key)
             if owner is None:
                 # First copy of this prefix: this block becomes its owner.
@@ -113,6 +121,7 @@ class BlockManager:
             # A duplicate of a cached block stays uncached; the chain continues from the
             # owner's key id, which names the same prefix.
             parent = self._block_key_id[owner]
+        return max(first_block, num_full), parent
 
     def free(self, block_table: Sequence[int]) -> None:
         """Drops one reference per block. Tail blocks are freed first, so they are evicted
@@ -146,5 +155,8 @@ class BlockManager:
         del self._block_key_id[block]
         return block
 
-    def _block_tokens(self, token_ids: Sequence[int], index: int) -> tuple[int, ...]:
-        return tuple(token_ids[index * self.block_size : (index + 1) * self.block_size])
+    def _block_tokens(
+        self, token_ids: Sequence[int], index: int, offset: int = 0
+    ) -> tuple[int, ...]:
+        start = index * self.block_size - offset
+        return tuple(token_ids[start : start + self.block_size])

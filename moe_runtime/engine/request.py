@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from moe_runtime.engine.block_manager import ROOT_KEY_ID
 from moe_runtime.engine.detokenizer import IncrementalDetokenizer
 from moe_runtime.sampling_params import SamplingParams
 from moe_runtime.seeds import sample_seeds
@@ -38,6 +39,9 @@ class Sequence:
     routed_experts: list[np.ndarray] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # Prefix-cache commits so far: the next block to commit and the key id it chains from.
+    num_committed_blocks: int = 0
+    commit_parent: int = ROOT_KEY_ID
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     error: str | None = None

@@ -15,7 +15,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from moe_runtime.config import SchedulerConfig
-from moe_runtime.engine.block_manager import BlockManager
+from moe_runtime.engine.block_manager import ROOT_KEY_ID, BlockManager
 from moe_runtime.engine.request import Sequence, SequenceStatus
 from moe_runtime.worker.step_input import SampleResult
 
@@ -97,6 +97,7 @@ class Scheduler:
         self.released.append(seq)
         self.blocks.free(seq.block_table)
         seq.block_table = []
+        seq.num_committed_blocks, seq.commit_parent = 0, ROOT_KEY_ID
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
@@ -107,14 +108,19 @@ class Scheduler:
     ) -> list[Sequence]:
         """Advance the scheduled sequences past this step; returns those that finished."""
         finished = []
-        block_size = self.blocks.block_size
         for chunk in chunks:
             seq = chunk.seq
-            num_full_before = seq.num_computed_tokens // block_size
             seq.num_computed_tokens += chunk.num_tokens
-            if seq.num_computed_tokens // block_size > num_full_before:
-                # Only when a block filled up: the per-step cost stays flat in context.
-                self.blocks.commit(seq.block_table, seq.token_ids, seq.num_computed_tokens)
+            first = seq.num_committed_blocks
+            if seq.num_computed_tokens // self.blocks.block_size > first:
+                # Only the blocks filled since the last commit: the cost stays flat in context.
+                seq.num_committed_blocks, seq.commit_parent = self.blocks.commit(
+                    seq.block_table,
+                    seq.tokens_from(first * self.blocks.block_size),
+                    seq.num_computed_tokens,
+                    first,
+                    seq.commit_parent,
+                )
             if seq.is_score:
                 if seq.num_computed_tokens == seq.num_tokens:
                     self._finish(seq, "scored")
@@ -152,6 +158,7 @@ class Scheduler:
         self.released.append(seq)
         self.blocks.free(seq.block_table)
         seq.block_table = []
+        seq.num_committed_blocks, seq.commit_parent = 0, ROOT_KEY_ID
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """End a running sequence now (e.g. its text reached a stop string)."""
