@@ -24,10 +24,10 @@ class ParallelConfig:
     allow_multiple_reduction: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.world_size, int) or self.world_size < 1:
-            raise ValueError(f"parallel.world_size must be an int >= 1, got {self.world_size!r}")
-        if not isinstance(self.tp_size, int) or self.tp_size < 1:
-            raise ValueError(f"parallel.tp_size must be an int >= 1, got {self.tp_size!r}")
+        for key in ("world_size", "tp_size"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"parallel.{key} must be an int >= 1, got {value!r}")
         if self.world_size % self.tp_size:
             raise ValueError(
                 f"parallel.world_size ({self.world_size}) must be a multiple of "

@@ -17,7 +17,7 @@ the model, EPLB or how workers are launched.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -66,8 +66,12 @@ class DispatchLayout:
 
 def dispatch_layout(topk_phys_ids: torch.Tensor, num_physical: int) -> DispatchLayout:
     """[T, K] int64 physical ids (all < num_physical) -> DispatchLayout."""
-    order = sort_rows_by_destination(topk_phys_ids)
-    return DispatchLayout(order, _count_rows(topk_phys_ids.reshape(-1), num_physical))
+    rows_per_slot = torch.bincount(topk_phys_ids.reshape(-1), minlength=num_physical)
+    if rows_per_slot.numel() != num_physical:
+        raise ValueError(
+            f"physical expert ids must lie in [0, {num_physical}), got {rows_per_slot.numel() - 1}"
+        )
+    return DispatchLayout(sort_rows_by_destination(topk_phys_ids), rows_per_slot)
 
 
 def sort_rows_by_destination(topk_phys_ids: torch.Tensor) -> torch.Tensor:
@@ -85,15 +89,6 @@ def _check_routing(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) ->
             f"topk_phys_ids must be int64 and topk_weights {tuple(ids.shape)}, got "
             f"{ids.dtype} and {tuple(weights.shape)}"
         )
-
-
-def _count_rows(flat_ids: torch.Tensor, num_slots: int) -> torch.Tensor:
-    counts = torch.bincount(flat_ids, minlength=num_slots)
-    if counts.numel() != num_slots:
-        raise ValueError(
-            f"physical expert ids must lie in [0, {num_slots}), got {counts.numel() - 1}"
-        )
-    return counts
 
 
 class LocalDispatcher:
@@ -124,13 +119,8 @@ class LocalDispatcher:
         # Host sync: group sizes drive the per-expert GEMM loop.
         group_sizes = layout.rows_per_slot.tolist()
         num_rows = order.numel()
-        handle = DispatchHandle(
-            order=order,
-            send_splits=[num_rows],
-            recv_splits=[num_rows],
-            recv_order=torch.arange(num_rows, device=order.device),
-            num_tokens=x.shape[0],
-        )
+        recv_order = torch.arange(num_rows, device=order.device)
+        handle = DispatchHandle(order, [num_rows], [num_rows], recv_order, x.shape[0])
         return x[order // k], group_sizes, handle
 
     def combine(
@@ -246,12 +236,8 @@ class AllToAllDispatcher:
         token_of_flat = torch.arange(flat_ids.numel(), device=flat_ids.device) // k
         back_keys = torch.unique(dest_rank * _TOKEN_KEY_STRIDE + token_of_flat, sorted=True)
         back_rank, back_token = back_keys // _TOKEN_KEY_STRIDE, back_keys % _TOKEN_KEY_STRIDE
-        return DispatchHandle(
-            order=order,
-            send_splits=send_splits,
-            recv_splits=recv_splits,
-            recv_order=handle.recv_order,
-            num_tokens=handle.num_tokens,
+        return replace(
+            handle,
             reduce_slot_ids=slot_ids,
             reduce_weights=reduce_weights.view(-1, k),
             reduce_send_splits=self._per_rank(keys),

@@ -22,15 +22,11 @@ class EplbConfig:
     num_nodes: int = 1  # nodes the ranks span (the hierarchical policy packs groups per node)
 
     def __post_init__(self) -> None:
-        for key in ("interval_steps", "window_steps", "num_nodes"):
+        minimums = {"interval_steps": 1, "window_steps": 1, "num_nodes": 1}
+        for key, minimum in (minimums | {"num_redundant_experts": 0}).items():
             value = getattr(self, key)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"eplb.{key} must be an int >= 1, got {value!r}")
-        if not isinstance(self.num_redundant_experts, int) or self.num_redundant_experts < 0:
-            raise ValueError(
-                "eplb.num_redundant_experts must be an int >= 0, "
-                f"got {self.num_redundant_experts!r}"
-            )
+            if not isinstance(value, int) or value < minimum:
+                raise ValueError(f"eplb.{key} must be an int >= {minimum}, got {value!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"eplb.policy must be one of {POLICIES}, got {self.policy!r}")
         if not 0.0 < self.balancedness_threshold <= 1.0:

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from eplb.config import POLICIES
 from eplb.placement import build_logical_to_physical
-
-POLICIES = ("auto", "hierarchical", "global")
 
 
 def balanced_packing(weight: torch.Tensor, num_packs: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,13 +157,8 @@ def rebalance_experts(
         )
     if policy == "global" or not is_hierarchical:
         num_groups, num_nodes = 1, 1
-    physical_to_logical = _rebalance_hierarchical(
-        weight, num_replicas, num_groups, num_nodes, num_gpus
-    )
-    logical_to_physical, replica_count = build_logical_to_physical(
-        physical_to_logical, weight.shape[1]
-    )
-    return physical_to_logical, logical_to_physical, replica_count
+    p2l = _rebalance_hierarchical(weight, num_replicas, num_groups, num_nodes, num_gpus)
+    return p2l, *build_logical_to_physical(p2l, weight.shape[1])
 
 
 def load_per_rank(

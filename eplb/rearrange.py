@@ -72,18 +72,14 @@ def rearrange_experts(
     for layer, (gate_up, down) in enumerate(experts):
         mine = [t for t in transfers if t.layer == layer]
         new_gate_up, new_down = torch.empty_like(gate_up), torch.empty_like(down)
-        received = _exchange_layer(gate_up, down, mine, rank, num_ranks, group)
-        bytes_sent += received.bytes_sent
+        received, sent = _exchange_layer(gate_up, down, mine, rank, num_ranks, group)
+        bytes_sent += sent
         for t in mine:
             if t.dst_rank != rank:
                 continue
-            if t.src_rank == rank:
-                new_gate_up[t.dst_slot], new_down[t.dst_slot] = (
-                    gate_up[t.src_slot],
-                    down[t.src_slot],
-                )
-            else:
-                new_gate_up[t.dst_slot], new_down[t.dst_slot] = received.rows.pop(0)
+            is_local = t.src_rank == rank
+            rows = (gate_up[t.src_slot], down[t.src_slot]) if is_local else received.pop(0)
+            new_gate_up[t.dst_slot], new_down[t.dst_slot] = rows
         if fail_at_layer == layer:
             ok = False
         staged.append((new_gate_up, new_down))
@@ -93,33 +89,24 @@ def rearrange_experts(
     return RearrangeResult(ok, staged if ok else None, moved, bytes_sent)
 
 
-@dataclass
-class _Received:
-    rows: list[tuple[torch.Tensor, torch.Tensor]]
-    bytes_sent: int
-
-
-def _exchange_layer(gate_up, down, transfers, rank, num_ranks, group) -> _Received:
-    """One all_to_all_single of flattened expert weights for one layer's remote transfers."""
+def _exchange_layer(
+    gate_up, down, transfers, rank, num_ranks, group
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
+    """One all_to_all_single of flattened expert weights for one layer's remote transfers.
+    Returns the received (gate_up, down) rows in `transfers` order and the bytes sent."""
     remote = [t for t in transfers if t.src_rank != t.dst_rank]
     if num_ranks == 1 or not remote:
         # Every rank computes the same plan, so all skip this layer's collective together.
-        return _Received([], 0)
+        return [], 0
     width = gate_up[0].numel() + down[0].numel()
     sends = [t for t in remote if t.src_rank == rank]  # already in (dst_rank, dst_slot) order
     recvs = sorted(
         (t for t in remote if t.dst_rank == rank), key=lambda t: (t.src_rank, t.dst_slot)
     )
-    send = (
-        torch.cat(
-            [
-                torch.cat([gate_up[t.src_slot].reshape(-1), down[t.src_slot].reshape(-1)])
-                for t in sends
-            ]
-        )
-        if sends
-        else gate_up.new_empty(0)
-    )
+    rows = [
+        torch.cat([gate_up[t.src_slot].reshape(-1), down[t.src_slot].reshape(-1)]) for t in sends
+    ]
+    send = torch.cat(rows) if rows else gate_up.new_empty(0)
     recv = gate_up.new_empty(len(recvs) * width)
     send_splits = [width * sum(t.dst_rank == r for t in sends) for r in range(num_ranks)]
     recv_splits = [width * sum(t.src_rank == r for t in recvs) for r in range(num_ranks)]
@@ -138,7 +125,7 @@ def _exchange_layer(gate_up, down, transfers, rank, num_ranks, group) -> _Receiv
     ordered = [
         rows_by_slot[t.dst_slot] for t in transfers if t.dst_rank == rank and t.src_rank != rank
     ]
-    return _Received(ordered, send.numel() * send.element_size())
+    return ordered, send.numel() * send.element_size()
 
 
 def _all_ok(ok: bool, rank: int, num_ranks: int, group, device) -> bool:

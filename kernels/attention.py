@@ -35,14 +35,10 @@ def mla_attention_ref(
     if num_tokens == 0:  # a rank with no tokens still runs the step (EP lockstep)
         return q.new_empty((0, q.shape[1], v_dim))
     # Why: queries run in fixed tiles; padded rows (seq 0, position 0) are valid and dropped.
-    tiles = zip(
-        pad_rows(q.float(), tile_rows).split(tile_rows),
-        pad_rows(query_seq_ids, tile_rows).split(tile_rows),
-        pad_rows(positions, tile_rows).split(tile_rows),
-        strict=True,
-    )
+    tiles = [pad_rows(t, tile_rows).split(tile_rows) for t in (q.float(), query_seq_ids, positions)]
     outs = [
-        _attend_tile(q_t, kv_cache, s_t, block_tables, p_t, scale, v_dim) for q_t, s_t, p_t in tiles
+        _attend_tile(q_t, kv_cache, s_t, block_tables, p_t, scale, v_dim)
+        for q_t, s_t, p_t in zip(*tiles, strict=True)
     ]
     return torch.cat(outs)[:num_tokens].to(q.dtype)
 

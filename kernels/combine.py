@@ -1,10 +1,9 @@
 """Sums of partial results on the token path: the MoE combine over top-k slots, the TP sum.
 
-`moe_combine` sums each token's weighted expert rows, `sum_over_ranks` the TP ranks' partial
-activations. The invariant versions add in one fixed order (slot order, rank order) with
-elementwise fp32 ops, so a row's bits ignore the batch, the arrival order and the message size;
-the fast versions are what a plain engine does. No collective runs here: comm/ hands in its
-all_gather and all_reduce, and the op picks which one does the arithmetic.
+The invariant versions add in one fixed order (slot order, rank order) with elementwise fp32
+ops, so a row's bits ignore the batch, the arrival order and the message size; the fast
+versions are what a plain engine does. No collective runs here: comm/ hands in its all_gather
+and all_reduce, and the op picks which one does the arithmetic.
 """
 
 from __future__ import annotations

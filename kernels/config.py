@@ -27,10 +27,10 @@ class KernelConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"kernels.mode must be one of {MODES}, got {self.mode!r}")
-        if not isinstance(self.num_threads, int) or self.num_threads < 1:
-            raise ValueError(f"kernels.num_threads must be an int >= 1, got {self.num_threads!r}")
-        if not isinstance(self.tile_rows, int) or self.tile_rows < 1:
-            raise ValueError(f"kernels.tile_rows must be an int >= 1, got {self.tile_rows!r}")
+        for key in ("num_threads", "tile_rows"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"kernels.{key} must be an int >= 1, got {value!r}")
         if not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"kernels.cuda_graphs must be a bool, got {self.cuda_graphs!r}")
         sizes = self.cuda_graph_batch_sizes

@@ -18,5 +18,4 @@ def cumsum_ref(x: torch.Tensor) -> torch.Tensor:
 
 
 def cumsum_fast(x: torch.Tensor) -> torch.Tensor:
-    """[V] -> [V] with torch.cumsum on x's device."""
     return torch.cumsum(x, 0)

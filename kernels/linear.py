@@ -9,6 +9,7 @@ batch brings and are the negative control. No bias: DeepSeek projections have no
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -33,11 +34,8 @@ def _group_slices(group_sizes: Sequence[int], num_rows: int, num_groups: int) ->
             f"group_sizes must have {num_groups} entries summing to {num_rows} rows, "
             f"got {list(group_sizes)}"
         )
-    slices, start = [], 0
-    for size in group_sizes:
-        slices.append(slice(start, start + size))
-        start += size
-    return slices
+    ends = list(accumulate(group_sizes))
+    return [slice(end - size, end) for size, end in zip(group_sizes, ends, strict=True)]
 
 
 def grouped_linear_ref(

@@ -50,48 +50,48 @@ class OpTable:
     mode: str
 
 
+# Each op: (fast, invariant reference). The tiled references take `tile_rows`.
+_TILED_OPS: dict[str, tuple[Callable, Callable]] = {
+    "linear": (linear_fast, linear_ref),
+    "grouped_linear": (grouped_linear_fast, grouped_linear_ref),
+    "rms_norm": (rms_norm_fast, rms_norm_ref),
+    "softmax": (softmax_fast, softmax_ref),
+    "log_softmax": (log_softmax_fast, log_softmax_ref),
+    "mla_attention": (mla_attention_fast, mla_attention_ref),
+    "router_topk": (router_topk_fast, router_topk_ref),
+}
+# Why these references serve CPU and CUDA alike, untiled: each is row-wise already (a token's
+# slots, ranks or vocab, never a tile of other rows). The combine and TP sum are index copies
+# plus elementwise multiplies and adds in a fixed slot / rank order; cumsum is a sequential scan
+# on the host (kernels/cumsum.py); silu_ref is elementwise exp and IEEE division. Elementwise
+# kernels run one scalar formula on every element (CUDA vectorises only loads and stores), so
+# an element's bits never depend on its offset, the tensor size or the batch.
+_ROW_WISE_OPS: dict[str, tuple[Callable, Callable]] = {
+    "moe_combine": (moe_combine_fast, moe_combine_ref),
+    "sum_over_ranks": (sum_over_ranks_fast, sum_over_ranks_ref),
+    "cumsum": (cumsum_fast, cumsum_ref),
+    "silu": (silu_fast, silu_ref),
+}
+
+
 def build_op_table(config: KernelConfig, device: torch.device | str) -> OpTable:
     device = torch.device(device)
+    row_wise = {name: ref for name, (_, ref) in _ROW_WISE_OPS.items()}
     if not config.is_invariant:
-        return OpTable(
-            linear=linear_fast,
-            grouped_linear=grouped_linear_fast,
-            rms_norm=rms_norm_fast,
-            softmax=softmax_fast,
-            log_softmax=log_softmax_fast,
-            mla_attention=mla_attention_fast,
-            router_topk=router_topk_fast,
-            moe_combine=moe_combine_fast,
-            sum_over_ranks=sum_over_ranks_fast,
-            cumsum=cumsum_fast,
-            silu=silu_fast,
-            mode=config.mode,
-        )
-    if device.type == "cuda":
-        return _triton_op_table(config, device)
-    if device.type != "cpu":
+        ops = {name: fast for name, (fast, _) in (_TILED_OPS | _ROW_WISE_OPS).items()}
+    elif device.type == "cuda":
+        ops = _triton_kernels() | row_wise
+    elif device.type == "cpu":
+        tile = partial(partial, tile_rows=config.tile_rows)
+        ops = {name: tile(ref) for name, (_, ref) in _TILED_OPS.items()} | row_wise
+    else:
         raise ValueError(
             f"kernels.mode='invariant' supports devices cpu and cuda, got device {device}"
         )
-    bind = partial(partial, tile_rows=config.tile_rows)
-    return OpTable(
-        linear=bind(linear_ref),
-        grouped_linear=bind(grouped_linear_ref),
-        rms_norm=bind(rms_norm_ref),
-        softmax=bind(softmax_ref),
-        log_softmax=bind(log_softmax_ref),
-        mla_attention=bind(mla_attention_ref),
-        router_topk=bind(router_topk_ref),
-        # Row-wise already: a token's slots, ranks or vocab, never a tile of other rows.
-        moe_combine=moe_combine_ref,
-        sum_over_ranks=sum_over_ranks_ref,
-        cumsum=cumsum_ref,
-        silu=silu_ref,  # elementwise: no tile needed, only a shape-blind formula
-        mode=config.mode,
-    )
+    return OpTable(**ops, mode=config.mode)
 
 
-def _triton_op_table(config: KernelConfig, device: torch.device) -> OpTable:
+def _triton_kernels() -> dict[str, Callable]:
     # Imported here so CPU-only workers never load Triton's compiler front end.
     from kernels.triton_attention import mla_attention_triton
     from kernels.triton_linear import grouped_linear_triton, linear_triton
@@ -99,28 +99,17 @@ def _triton_op_table(config: KernelConfig, device: torch.device) -> OpTable:
     from kernels.triton_router import router_topk_triton
     from kernels.triton_softmax import log_softmax_triton, softmax_triton
 
-    return OpTable(
-        linear=linear_triton,
-        grouped_linear=grouped_linear_triton,
-        rms_norm=rms_norm_triton,
-        softmax=softmax_triton,
-        log_softmax=log_softmax_triton,
-        mla_attention=mla_attention_triton,
+    return {
+        "linear": linear_triton,
+        "grouped_linear": grouped_linear_triton,
+        "rms_norm": rms_norm_triton,
+        "softmax": softmax_triton,
+        "log_softmax": log_softmax_triton,
+        "mla_attention": mla_attention_triton,
         # Why a kernel and not torch: torch.softmax over experts and the weight-normalising
         # sum choose their CUDA launch plans from the tensor shape.
-        router_topk=router_topk_triton,
-        # Why torch, not Triton: both are index copies plus elementwise multiplies and adds
-        # in a fixed slot / rank order, and CUDA elementwise kernels compute each element
-        # with one scalar formula, whatever its offset, the tensor size or the batch.
-        moe_combine=moe_combine_ref,
-        sum_over_ranks=sum_over_ranks_ref,
-        cumsum=cumsum_ref,  # a sequential scan on the host: see kernels/cumsum.py
-        # Why the torch version is kept: silu_ref is elementwise exp and IEEE division; CUDA
-        # elementwise kernels vectorise only loads and stores and run one scalar formula on
-        # every element, so an element's bits never depend on its offset or the batch.
-        silu=silu_ref,
-        mode=config.mode,
-    )
+        "router_topk": router_topk_triton,
+    }
 
 
 def pin_threads(config: KernelConfig) -> None:

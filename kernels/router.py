@@ -38,18 +38,15 @@ def _sigmoid_by_exp(x: torch.Tensor) -> torch.Tensor:
 
 
 def _route(
-    logits,
-    bias,
-    top_k,
-    num_groups,
-    topk_group,
-    scoring_func,
-    topk_method,
-    norm_topk_prob,
-    routed_scaling_factor,
+    logits: torch.Tensor,
+    bias: torch.Tensor | None,
+    routing: tuple[int, int, int, str, str, bool],
+    scale: float,
     topk: TopK,
-    sigmoid,
-):
+    sigmoid: Callable[[torch.Tensor], torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """routing: (top_k, num_groups, topk_group, scoring_func, topk_method, norm_topk_prob)."""
+    top_k, num_groups, topk_group, scoring_func, topk_method, norm_topk_prob = routing
     num_tokens, num_experts = logits.shape
     if scoring_func == "softmax":
         scores = torch.softmax(logits.float(), dim=-1)
@@ -70,7 +67,7 @@ def _route(
     topk_weights = scores.gather(1, topk_ids)
     if norm_topk_prob:
         topk_weights = topk_weights / (topk_weights.sum(-1, keepdim=True) + 1e-20)
-    return topk_ids, topk_weights * routed_scaling_factor
+    return topk_ids, topk_weights * scale
 
 
 def _check(logits, top_k, num_groups, topk_group, scoring_func, topk_method):
@@ -101,20 +98,9 @@ def router_topk_fast(
     routed_scaling_factor: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] fp32, bias [E] or None -> topk_ids [T, K] int64, topk_weights [T, K] fp32."""
+    routing = (top_k, num_groups, topk_group, scoring_func, topk_method, norm_topk_prob)
     _check(logits, top_k, num_groups, topk_group, scoring_func, topk_method)
-    return _route(
-        logits,
-        bias,
-        top_k,
-        num_groups,
-        topk_group,
-        scoring_func,
-        topk_method,
-        norm_topk_prob,
-        routed_scaling_factor,
-        _torch_topk,
-        torch.sigmoid,
-    )
+    return _route(logits, bias, routing, routed_scaling_factor, _torch_topk, torch.sigmoid)
 
 
 def router_topk_ref(
@@ -130,24 +116,12 @@ def router_topk_ref(
     routed_scaling_factor: float,
     tile_rows: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    routing = (top_k, num_groups, topk_group, scoring_func, topk_method, norm_topk_prob)
     _check(logits, top_k, num_groups, topk_group, scoring_func, topk_method)
     # Why: fixed [tile_rows, E] tiles fix the softmax/sum reduction plans for every row.
-    routed = [
-        _route(
-            tile,
-            bias,
-            top_k,
-            num_groups,
-            topk_group,
-            scoring_func,
-            topk_method,
-            norm_topk_prob,
-            routed_scaling_factor,
-            _stable_topk,
-            _sigmoid_by_exp,
-        )
-        for tile in pad_rows(logits, tile_rows).split(tile_rows)
-    ]
+    tiles = pad_rows(logits, tile_rows).split(tile_rows)
+    scale = routed_scaling_factor
+    routed = [_route(t, bias, routing, scale, _stable_topk, _sigmoid_by_exp) for t in tiles]
     num_tokens = logits.shape[0]
     topk_ids = torch.cat([ids for ids, _ in routed])[:num_tokens]
     topk_weights = torch.cat([weights for _, weights in routed])[:num_tokens]

@@ -275,8 +275,7 @@ def _launch(x, weight, out, tiles, num_rows, config: LinearConfig) -> torch.Tens
     out_dim, in_dim = weight.shape[-2:]
     num_pid_n = triton.cdiv(out_dim, config.block_n)
     num_pid_m = triton.cdiv(num_rows, config.block_m) if tiles is None else num_rows
-    dummy = out  # never read: IS_GROUPED is False
-    group, start, end = tiles if tiles is not None else (dummy, dummy, dummy)
+    group, start, end = tiles if tiles is not None else (out,) * 3  # unread: IS_GROUPED False
     _linear_kernel[(num_pid_m * num_pid_n,)](
         x,
         weight,

@@ -40,11 +40,6 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, eps, BLOCK_D: tl.constexpr):
         tl.store(out_row + d0 + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def rms_norm_block(dim: int) -> int:
-    """Block width over a row of `dim` elements: a function of the row length only."""
-    return min(triton.next_power_of_2(dim), MAX_BLOCK_D)
-
-
 def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
     allowed = ("cpu", "cuda") if isinstance(_rms_norm_kernel, InterpretedFunction) else ("cuda",)
     if x.device.type not in allowed:
@@ -67,7 +62,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     if x.shape[0] == 0:
         return out
-    block_d = rms_norm_block(x.shape[1])
+    block_d = min(triton.next_power_of_2(x.shape[1]), MAX_BLOCK_D)  # a function of D only
     _rms_norm_kernel[(x.shape[0],)](
         x, weight, out, x.shape[1], eps, BLOCK_D=block_d, num_warps=8 if block_d >= 2048 else 4
     )

@@ -48,11 +48,6 @@ def _softmax_kernel(x_ptr, out_ptr, V, IS_LOG: tl.constexpr, BLOCK_V: tl.constex
         tl.store(out_row + v0 + offs, y, mask=mask)
 
 
-def softmax_block(dim: int) -> int:
-    """Block width over a row of `dim` elements: a function of the row length only."""
-    return min(triton.next_power_of_2(dim), MAX_BLOCK_V)
-
-
 def _run(x: torch.Tensor, is_log: bool) -> torch.Tensor:
     allowed = ("cpu", "cuda") if isinstance(_softmax_kernel, InterpretedFunction) else ("cuda",)
     if x.device.type not in allowed:
@@ -65,7 +60,7 @@ def _run(x: torch.Tensor, is_log: bool) -> torch.Tensor:
     out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
     if x.shape[0] == 0:
         return out
-    block_v = softmax_block(x.shape[1])
+    block_v = min(triton.next_power_of_2(x.shape[1]), MAX_BLOCK_V)  # a function of V only
     _softmax_kernel[(x.shape[0],)](
         x, out, x.shape[1], IS_LOG=is_log, BLOCK_V=block_v, num_warps=8 if block_v >= 2048 else 4
     )
