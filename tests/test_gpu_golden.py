@@ -4,6 +4,8 @@
   shuffled sub-batches, bitwise, at world size 1; negative control with kernels.mode fast.
 - EP=8 as 8 Ray actors sharing the one GPU, gloo between them: batched and shuffled runs
   bitwise equal to the world-size-1 run alone (batch and layout invariance together).
+- With two GPUs, one Ray actor per GPU over NCCL: EP=2 equal to world size 1, TP=2 batch
+  invariant by itself (the step wire format across real processes and NCCL).
 - Chunked prefill, prefix-cache hits and decode vs score() bitwise on the GPU.
 - The KV cache sized from free GPU memory (cache.num_blocks: 0).
 Skipped without CUDA; independent of launch/ (the GPU machine has no HTTP stack).
@@ -150,23 +152,18 @@ def test_gpu_kv_cache_sized_from_free_memory():
 @pytest.fixture(scope="module")
 def ray_on_gpu():
     ray = pytest.importorskip("ray")
-    ray.init(address="local", num_cpus=8, num_gpus=1, include_dashboard=False, log_to_driver=False)
+    num_gpus = torch.cuda.device_count()
+    ray.init(
+        address="local", num_cpus=8, num_gpus=num_gpus, include_dashboard=False, log_to_driver=False
+    )
     yield
     ray.shutdown()
 
 
-def _ep8(mode: str, workload) -> tuple[dict, dict, dict, list[dict]]:
+def _layout_run(workload, **overrides) -> tuple[dict, dict, dict, list[dict]]:
+    """(the first 8 prompts alone, all together, shuffled sub-batches, worker stats)."""
     prompts, params = workload
-    llm = LLM(
-        TINY_GPU,
-        **{
-            "kernels.mode": mode,
-            "parallel.world_size": 8,
-            "parallel.backend": "gloo",
-            "parallel.timeout_s": 120,
-            **NO_PREFIX_CACHE,
-        },
-    )
+    llm = LLM(TINY_GPU, **{"parallel.timeout_s": 120, **NO_PREFIX_CACHE, **overrides})
     try:
         alone = run_in_batches(llm, prompts, params, [[i] for i in range(8)])
         together = run_in_batches(llm, prompts, params, [list(range(NUM_PROMPTS))])
@@ -175,6 +172,12 @@ def _ep8(mode: str, workload) -> tuple[dict, dict, dict, list[dict]]:
     finally:
         llm.shutdown()
     return alone, together, shuffled, stats
+
+
+def _ep8(mode: str, workload) -> tuple[dict, dict, dict, list[dict]]:
+    return _layout_run(
+        workload, **{"kernels.mode": mode, "parallel.world_size": 8, "parallel.backend": "gloo"}
+    )
 
 
 def test_gpu_ep8_ray_gloo_golden(ray_on_gpu, workload, alone_invariant):
@@ -192,3 +195,22 @@ def test_gpu_ep8_negative_control_fast(ray_on_gpu, workload):
     assert any(together[i] != alone[i] or shuffled[i] != alone[i] for i in range(8)), (
         "fast kernels gave identical bits at EP=8: the golden test could not fail"
     )
+
+
+@pytest.mark.multi_gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("tp_size", [1, 2], ids=["ep2", "tp2"])
+def test_gpu_two_ranks_nccl(ray_on_gpu, workload, alone_invariant, tp_size):
+    overrides = {"parallel.world_size": 2, "parallel.tp_size": tp_size, "parallel.backend": "nccl"}
+    alone, together, shuffled, stats = _layout_run(workload, **overrides)
+    if tp_size == 1:
+        assert all(s["num_rows_sent_remote"] > 0 for s in stats), "no rows crossed the GPUs"
+        reference = alone_invariant  # EP=2 over NCCL is bitwise the world-size-1 run
+    else:
+        assert [(s["tp_size"], s["tp_rank"]) for s in stats] == [(2, 0), (2, 1)]
+        assert all(s["num_tp_all_reduces"] > 0 for s in stats), "no TP reduction ran"
+        reference = alone  # TP=2 is batch-invariant by itself, not equal to TP=1
+    for i in range(8):
+        assert alone[i] == reference[i], f"prompt {i}: alone differs"
+    for i in range(NUM_PROMPTS):
+        assert together[i] == reference.get(i, together[i]) == shuffled[i], f"prompt {i} differs"
