@@ -1,8 +1,12 @@
-"""The command-line pieces every launch script shares: `--set SECTION.KEY=VALUE` overrides."""
+"""The command-line pieces the launch scripts share: `--set SECTION.KEY=VALUE` overrides and
+the sampling flags of generate.py and rollout.py."""
 
 from __future__ import annotations
 
 import argparse
+from typing import Any
+
+SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "logprobs")
 
 
 def add_override_argument(parser: argparse.ArgumentParser) -> None:
@@ -24,3 +28,18 @@ def parse_overrides(items: list[str]) -> dict[str, str]:
             raise SystemExit(f"--set {item!r}: expected SECTION.KEY=VALUE")
         overrides[key.strip()] = value
     return overrides
+
+
+def add_sampling_arguments(
+    parser: argparse.ArgumentParser, max_tokens: int, temperature: float, logprobs: int
+) -> None:
+    parser.add_argument("--max-tokens", type=int, default=max_tokens)
+    parser.add_argument("--temperature", type=float, default=temperature)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=-1)
+    parser.add_argument("--logprobs", type=int, default=logprobs, help="top logprobs per token")
+
+
+def sampling_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The sampling flags' values, keyed as SamplingParams' fields."""
+    return {name: getattr(args, name) for name in SAMPLING_FLAGS}

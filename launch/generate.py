@@ -17,7 +17,7 @@ from pathlib import Path
 if __name__ == "__main__":  # the checkout on the path, not launch/ (whose openai/ would shadow)
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
-from launch.cli import add_override_argument, parse_overrides  # noqa: E402
+from launch import cli  # noqa: E402
 from moe_runtime import LLM, SamplingParams  # noqa: E402
 
 
@@ -27,29 +27,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--prompt", action="append", default=None, help="a text prompt (repeatable)"
     )
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=-1)
+    cli.add_sampling_arguments(parser, max_tokens=32, temperature=0.0, logprobs=5)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--logprobs", type=int, default=5)
-    add_override_argument(parser)
+    cli.add_override_argument(parser)
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        params = SamplingParams(
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            seed=args.seed,
-            logprobs=args.logprobs,
-        )
+        params = SamplingParams(seed=args.seed, **cli.sampling_args(args))
         started = time.perf_counter()
-        llm = LLM(args.config, **parse_overrides(args.set))
+        llm = LLM(args.config, **cli.parse_overrides(args.set))
         print(f"loaded {args.config} in {time.perf_counter() - started:.1f}s", file=sys.stderr)
         prompts = args.prompt or ["The quick brown fox"]
         started = time.perf_counter()
@@ -60,20 +49,15 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.perf_counter() - started
     num_tokens = sum(len(o.token_ids) for o in outputs)
     for prompt, out in zip(prompts, outputs, strict=True):
-        print(
-            json.dumps(
-                {
-                    "prompt": prompt,
-                    "text": out.text,
-                    "token_ids": out.token_ids,
-                    "logprobs": out.logprobs,
-                    "top_logprobs": [
-                        {str(k): v for k, v in top.items()} for top in out.top_logprobs
-                    ],
-                    "finish_reason": out.finish_reason,
-                }
-            )
-        )
+        row = {
+            "prompt": prompt,
+            "text": out.text,
+            "token_ids": out.token_ids,
+            "logprobs": out.logprobs,
+            "top_logprobs": [{str(k): v for k, v in top.items()} for top in out.top_logprobs],
+            "finish_reason": out.finish_reason,
+        }
+        print(json.dumps(row))
     print(
         f"generated {num_tokens} tokens for {len(prompts)} prompt(s) in {elapsed:.2f}s",
         file=sys.stderr,

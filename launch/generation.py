@@ -2,9 +2,9 @@
 
 `Generation` submits prompts with an `on_output` callback that hands each step's
 `RequestOutput` deltas from the engine thread to an asyncio queue (thread-safe), then one end
-marker when the submission's Future settles. Streaming routes iterate the deltas as they come
-(`sse_stream`); other routes await the whole outputs. Text, stop strings and samples are the
-engine's: nothing here decodes or cuts text.
+marker when the submission's Future settles; it answers with the route's choices, as server-sent
+events of the deltas as they come or as one body of the whole outputs. Text, stop strings and
+samples are the engine's: nothing here decodes or cuts text.
 """
 
 from __future__ import annotations
@@ -15,14 +15,17 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from fastapi.responses import Response, StreamingResponse
+
 from launch.metrics import RequestTracker, ServerMetrics
 from launch.openai.errors import error_body
-from launch.openai.render import sse, usage
+from launch.openai.render import ExactJSONResponse, sse, usage
 from moe_runtime.engine.async_engine import AsyncEngine, EngineUnavailableError
 from moe_runtime.engine.outputs import RequestOutput
 from moe_runtime.sampling_params import SamplingParams
 
 _END = object()
+Choices = Callable[[int, RequestOutput], list[dict]]  # (prompt index, output) -> its choices
 
 
 @dataclass(frozen=True)
@@ -40,7 +43,8 @@ def ready(backend: Backend | None) -> Backend:
 
 
 class Generation:
-    """One submission: its deltas as they come, then its whole outputs."""
+    """One submission: started, then answered with its deltas as they come (server-sent
+    events) or with its whole outputs (one JSON body)."""
 
     def __init__(
         self,
@@ -50,7 +54,8 @@ class Generation:
         metrics: ServerMetrics,
     ) -> None:
         self._queue: asyncio.Queue = asyncio.Queue()
-        self._first: list = []
+        self._first: Any = None  # the first delta (or the end), which `start` waited for
+        self._outputs: list[RequestOutput] | None = None  # None: streamed
         aio_loop = asyncio.get_running_loop()
         tracker = RequestTracker(metrics)
 
@@ -67,52 +72,56 @@ class Generation:
         self.future = engine.submit(prompts, params, on_output)
         self.future.add_done_callback(on_done)
 
-    async def started(self) -> None:
-        """Wait for the first delta; raises the submission's error (e.g. ValueError) if it
-        failed before producing anything, so a route can still answer with a status code."""
-        self._first.append(await self._queue.get())
-        if self._first[0] is _END:
+    async def start(self, stream: bool) -> None:
+        """Wait for the whole outputs (cancelling the awaiting task aborts them) or, to stream,
+        for the first delta. Raises the submission's error (e.g. ValueError) if it failed before
+        producing anything, so a route can still answer with a status code."""
+        if not stream:
+            self._outputs = await asyncio.wrap_future(self.future)
+            return
+        self._first = await self._queue.get()
+        if self._first is _END:
             self.future.result()
 
-    async def deltas(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(prompt index, delta) in the engine's order; raises the submission's error at the
-        end if it failed."""
-        while True:
-            item = self._first.pop() if self._first else await self._queue.get()
-            if item is _END:
-                break
-            yield item
-        self.future.result()
+    def response(self, head: dict, choices: Choices, include_usage: bool) -> Response:
+        """After `start`: `head` and the choices of the whole outputs, usage and weight version
+        as one body; or, streamed, as server-sent events."""
+        if self._outputs is None:
+            chunks = self._events(head, choices, include_usage)
+            return StreamingResponse(chunks, media_type="text/event-stream")
+        outputs = self._outputs
+        num_in = sum(len(whole.prompt_token_ids) for whole in outputs)
+        num_out = sum(len(out.token_ids) for whole in outputs for out in whole.outputs)
+        return ExactJSONResponse(
+            {
+                **head,
+                "choices": [c for i, whole in enumerate(outputs) for c in choices(i, whole)],
+                "usage": usage(num_in, num_out),
+                "weight_version": max(whole.weight_version for whole in outputs),
+            }
+        )
 
-    async def result(self) -> list[RequestOutput]:
-        """The whole outputs, one per prompt. Cancelling the awaiting task aborts them."""
-        return await asyncio.wrap_future(self.future)
-
-    def cancel(self) -> None:
-        """The client went away: the engine aborts the submission between steps."""
-        self.future.cancel()
-
-
-async def sse_stream(
-    generation: Generation,
-    head: dict,
-    choices: Callable[[int, RequestOutput], list[dict]],
-    include_usage: bool,
-) -> AsyncIterator[str]:
-    """Server-sent events: a chunk per choice of each delta, an optional usage chunk, then
-    [DONE]; a failure mid-stream is sent as one error chunk. A client that leaves aborts."""
-    num_in: dict[int, int] = {}
-    num_out = 0
-    try:
-        async for prompt_idx, delta in generation.deltas():
-            num_in[prompt_idx] = len(delta.prompt_token_ids)
-            num_out += sum(len(out.token_ids) for out in delta.outputs)
-            for choice in choices(prompt_idx, delta):
-                yield sse({**head, "choices": [choice], "weight_version": delta.weight_version})
-        if include_usage:
-            yield sse({**head, "choices": [], "usage": usage(sum(num_in.values()), num_out)})
-    except Exception as exc:
-        yield sse(error_body(exc))
-    finally:
-        generation.cancel()  # no-op once finished
-    yield "data: [DONE]\n\n"
+    async def _events(
+        self, head: dict, choices: Choices, include_usage: bool
+    ) -> AsyncIterator[str]:
+        """A chunk per choice of each delta, an optional usage chunk, then [DONE]; a failure
+        mid-stream is sent as one error chunk. A client that leaves aborts the submission."""
+        num_in: dict[int, int] = {}
+        num_out = 0
+        try:
+            item = self._first
+            while item is not _END:
+                prompt_idx, delta = item
+                num_in[prompt_idx] = len(delta.prompt_token_ids)
+                num_out += sum(len(out.token_ids) for out in delta.outputs)
+                for choice in choices(prompt_idx, delta):
+                    yield sse({**head, "choices": [choice], "weight_version": delta.weight_version})
+                item = await self._queue.get()
+            self.future.result()  # raises the submission's error if it failed
+            if include_usage:
+                yield sse({**head, "choices": [], "usage": usage(sum(num_in.values()), num_out)})
+        except Exception as exc:
+            yield sse(error_body(exc))
+        finally:
+            self.future.cancel()  # no-op once finished
+        yield "data: [DONE]\n\n"

@@ -4,12 +4,11 @@
         [--set section.key=value ...] [--batch-size 64] [--base-seed 0] [--no-routed-experts]
     python launch/rollout.py --config X.yaml --input out.jsonl --output scores.jsonl --score
 
-Input rows and seeds: launch.rollout_io. Each sample runs as its own request with its own
-seed, so its row (token ids, logprobs, routed experts, seed: the engine's CompletionOutput) is
-the same bits whatever batch it ran in. Finished batches are appended and fsynced; a rerun
-with the same --output resumes without losing or duplicating rows. A bad row stops the job
-before anything runs (--on-bad-row skip: report it and go on). `--score` writes the
-teacher-forced logprobs (LLM.score) of rows with "prompt_token_ids" and "token_ids".
+Rows and seeds: launch.rollout_io. Each sample is its own request with its own seed, so its row
+(the engine's CompletionOutput: token ids, logprobs, routed experts, seed) is the same bits in
+any batch. Batches are appended and fsynced: a rerun with the same --output resumes without
+losing or duplicating rows. A bad row stops the job before anything runs (--on-bad-row skip:
+report it, go on). `--score`: teacher-forced logprobs (LLM.score) of rows' "token_ids".
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ if __name__ == "__main__":  # the checkout on the path, not launch/ (whose opena
 import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from launch.cli import add_override_argument, parse_overrides  # noqa: E402
+from launch import cli  # noqa: E402
 from launch.rollout_io import RowError, Sample, append_rows, read_done, read_samples  # noqa: E402
 from moe_runtime import LLM, RequestOutput  # noqa: E402
 
@@ -36,16 +35,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--config", required=True, help="YAML config file")
     parser.add_argument("--input", required=True, type=Path, help="JSONL rows")
     parser.add_argument("--output", required=True, type=Path, help="JSONL rows (appended)")
-    add_override_argument(parser)
+    cli.add_override_argument(parser)
     parser.add_argument("--score", action="store_true", help="teacher-forced logprobs instead")
     parser.add_argument("--batch-size", type=int, default=64, help="samples per written batch")
     parser.add_argument("--base-seed", type=int, default=0, help="seeds rows that give none")
     parser.add_argument("--n", type=int, default=1)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=-1)
-    parser.add_argument("--logprobs", type=int, default=0, help="top logprobs per token")
+    cli.add_sampling_arguments(parser, max_tokens=64, temperature=1.0, logprobs=0)
     parser.add_argument("--no-routed-experts", action="store_true", help="routed_experts: null")
     parser.add_argument(
         "--on-bad-row",
@@ -62,19 +57,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.batch_size < 1:
         print("error: --batch-size must be >= 1", file=sys.stderr)
         return 2
-    defaults = {
-        "n": args.n,
-        "max_tokens": args.max_tokens,
-        "temperature": args.temperature,
-        "top_p": args.top_p,
-        "top_k": args.top_k,
-        "logprobs": args.logprobs,
-        "return_routed_experts": not args.no_routed_experts,
-    }
+    defaults = {"n": args.n, **cli.sampling_args(args)}
+    defaults["return_routed_experts"] = not args.no_routed_experts
     try:
         samples = read_samples(args.input, defaults, args.base_seed, args.score)
         done = read_done(args.output)
-        llm = LLM(args.config, **parse_overrides(args.set))
+        llm = LLM(args.config, **cli.parse_overrides(args.set))
     except (RowError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

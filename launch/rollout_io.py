@@ -56,26 +56,20 @@ def read_samples(path: Path, defaults: dict[str, Any], base_seed: int, score: bo
     "return_routed_experts" for every row."""
     samples: list[Sample] = []
     seen_ids: set[str] = set()
-    row_idx = 0
-    with open(path, encoding="utf-8") as lines:
-        for line_no, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{line_no}"
-            try:
-                row = json.loads(line)
-                if not isinstance(row, dict):
-                    raise ValueError("a row must be a JSON object")
-                parse = _score_samples if score else _rollout_samples
-                new = parse(row, line_no, defaults, derive_seed(base_seed, row_idx))
-            except (ValueError, TypeError) as exc:
-                raise RowError(f"{where}: {exc}") from None
-            key = json.dumps(row.get("id"))
-            if not score and key in seen_ids:
-                raise RowError(f"{where}: id {row['id']!r} appears twice")
-            seen_ids.add(key)
-            samples.extend(new)
-            row_idx += 1
+    parse = _score_samples if score else _rollout_samples
+    with open(path, encoding="utf-8") as f:
+        lines = [(line_no, line) for line_no, line in enumerate(f, start=1) if line.strip()]
+    for row_idx, (line_no, line) in enumerate(lines):
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict):
+                raise ValueError("a row must be a JSON object")
+            samples.extend(parse(row, line_no, defaults, derive_seed(base_seed, row_idx)))
+            if not score and json.dumps(row["id"]) in seen_ids:
+                raise ValueError(f"id {row['id']!r} appears twice")
+            seen_ids.add(json.dumps(row["id"]))
+        except (ValueError, TypeError) as exc:
+            raise RowError(f"{path}:{line_no}: {exc}") from None
     return samples
 
 
@@ -138,31 +132,21 @@ def _is_int(value: Any) -> bool:
 
 def read_done(path: Path) -> set[tuple[str, int]]:
     """Keys of the rows already in the output file. A torn last line (a run killed mid-write)
-    is cut off; a bad line before the last is an error, since the file was not ours."""
+    is cut off; a bad line before it is an error, since the file was not ours."""
     if not path.exists():
         return set()
+    data = path.read_bytes()
+    *lines, torn = data.split(b"\n")  # `torn`: written but not finished, or b""
     done: set[tuple[str, int]] = set()
-    good_end = 0
-    with open(path, "rb") as f:
-        data = f.read()
-    lines = data.split(b"\n")
     for i, raw in enumerate(lines):
-        is_last = i == len(lines) - 1
-        if is_last and not raw:
-            break
         try:
-            if is_last:
-                raise ValueError("no newline")  # written but not finished
             row = json.loads(raw)
             done.add(done_key(row["id"], row["sample_idx"]))
         except (ValueError, KeyError, TypeError) as exc:
-            if not is_last:
-                raise RowError(f"{path}:{i + 1}: not a row of this job's output ({exc})") from None
-            break
-        good_end += len(raw) + 1
-    if good_end < len(data):
+            raise RowError(f"{path}:{i + 1}: not a row of this job's output ({exc})") from None
+    if torn:
         with open(path, "r+b") as f:
-            f.truncate(good_end)
+            f.truncate(len(data) - len(torn))
             os.fsync(f.fileno())
     return done
 

@@ -101,12 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     port = sock.getsockname()[1]
 
     app = create_app(config)
+    drain_s = max(1, round(args.drain_timeout_s))
     server = uvicorn.Server(
-        uvicorn.Config(
-            app,
-            log_level=args.log_level,
-            timeout_graceful_shutdown=max(1, round(args.drain_timeout_s)),
-        )
+        uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=drain_s)
     )
     # uvicorn re-raises a captured signal after its graceful shutdown; with these handlers
     # installed first, that re-raise is a no-op and we go on to drain and stop the engine.

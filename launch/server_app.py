@@ -1,32 +1,36 @@
-"""The OpenAI-compatible HTTP app: `create_app` and the small routes.
+"""The OpenAI-compatible HTTP app: `create_app`, its route table and the small routes.
 
-Routes: POST /v1/completions (launch.routes_completions), POST /v1/chat/completions
-(launch.routes_chat), POST /admin/rebalance and /admin/update_weights (launch.routes_admin),
-GET /v1/models, GET /health, GET /metrics (Prometheus, launch.metrics). Handlers are async and
-await the AsyncEngine's Futures, so concurrent clients share the engine's batches; the results
-do not depend on that sharing (the runtime is batch-invariant). The app serves
-`app.state.backend` (a launch.generation.Backend), None (503s) until the engine is ready.
-With `server.api_key` set, every route but /health and /metrics needs `Authorization: Bearer`.
+Routes: POST /v1/completions and /v1/chat/completions (launch.completions), POST
+/admin/rebalance and /admin/update_weights (on the engine thread between two steps), GET
+/v1/models, GET /health, GET /metrics (Prometheus, launch.metrics). Handlers await the
+AsyncEngine's Futures, so concurrent clients share the engine's batches; the results do not
+depend on that sharing (the runtime is batch-invariant). The app serves `app.state.backend`
+(launch.generation.Backend), None (503s) until the engine is ready. Errors answer through
+launch.openai.errors. With `server.api_key` set, every route but /health and /metrics needs
+`Authorization: Bearer`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 
-from launch.generation import Backend
+from launch.completions import chat, complete
+from launch.generation import Backend, ready
 from launch.metrics import CONTENT_TYPE, ServerMetrics
-from launch.openai.errors import AuthenticationError, error_response
+from launch.openai.errors import AuthenticationError, FieldError, answer, error_response
 from launch.openai.render import ExactJSONResponse
-from launch.routes_admin import add_admin_routes
-from launch.routes_chat import add_chat_routes
-from launch.routes_completions import add_completion_routes
+from launch.openai.schemas import ChatCompletionRequest, CompletionRequest, UpdateWeightsRequest
 from moe_runtime.config import RuntimeConfig
+from moe_runtime.engine import LLMEngine
 
 OPEN_PATHS = ("/health", "/metrics")
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 
 
 def create_app(config: RuntimeConfig, backend: Backend | None = None) -> FastAPI:
@@ -38,7 +42,6 @@ def create_app(config: RuntimeConfig, backend: Backend | None = None) -> FastAPI
         return None if current is None else current.engine.stats()
 
     metrics = ServerMetrics(engine_stats)
-    app.state.metrics = metrics
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> Response:
@@ -59,8 +62,8 @@ def create_app(config: RuntimeConfig, backend: Backend | None = None) -> FastAPI
             return await call_next(request)
 
     @app.get("/health")
-    async def health(request: Request) -> Response:
-        backend = request.app.state.backend
+    async def health() -> Response:
+        backend = app.state.backend
         if backend is None:
             return ExactJSONResponse({"status": "loading"}, status_code=503)
         engine = backend.engine
@@ -85,7 +88,39 @@ def create_app(config: RuntimeConfig, backend: Backend | None = None) -> FastAPI
         }
         return ExactJSONResponse({"object": "list", "data": [card]})
 
-    add_completion_routes(app, config, metrics)
-    add_chat_routes(app, config, metrics)
-    add_admin_routes(app)
+    _add_post_routes(app, config, metrics)
     return app
+
+
+def _add_post_routes(app: FastAPI, config: RuntimeConfig, metrics: ServerMetrics) -> None:
+    async def counted(route: str, response: Awaitable[Response]) -> Response:
+        response = await answer(response)
+        metrics.count(route, response.status_code)
+        return response
+
+    @app.post(COMPLETIONS)
+    async def completions(body: CompletionRequest) -> Response:
+        return await counted(COMPLETIONS, complete(body, app.state.backend, config, metrics))
+
+    @app.post(CHAT)
+    async def chat_completions(body: ChatCompletionRequest) -> Response:
+        return await counted(CHAT, chat(body, app.state.backend, config, metrics))
+
+    async def on_engine(fn: Callable[[LLMEngine], dict]) -> Response:
+        # on the engine thread between two steps: never during one; requests in flight go on
+        engine = ready(app.state.backend).engine
+        return ExactJSONResponse(await asyncio.wrap_future(engine.call(fn)))
+
+    @app.post("/admin/rebalance")
+    async def rebalance() -> Response:
+        return await answer(on_engine(lambda engine: engine.rebalance()))
+
+    @app.post("/admin/update_weights")
+    async def update_weights(body: UpdateWeightsRequest) -> Response:
+        def update(engine: LLMEngine) -> dict:
+            try:
+                return {"weight_version": engine.update_weights(body.path)}
+            except ValueError as exc:  # refused on every rank before anything changed
+                raise FieldError("path", f"path: {exc}") from None
+
+        return await answer(on_engine(update))

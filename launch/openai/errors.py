@@ -41,14 +41,12 @@ _STATUS_BY_TYPE = (  # the first matching row wins
     (RequestValidationError, 400, "invalid_request_error"),
     (ValueError, 400, "invalid_request_error"),
     (EngineUnavailableError, 503, "unavailable"),
+    (Exception, 500, "internal_error"),  # a worker failure
 )
 
 
 def error_body(exc: Exception) -> dict:
-    status, kind = next(
-        ((status, kind) for t, status, kind in _STATUS_BY_TYPE if isinstance(exc, t)),
-        (500, "internal_error"),
-    )
+    status, kind = next((status, kind) for t, status, kind in _STATUS_BY_TYPE if isinstance(exc, t))
     if isinstance(exc, RequestValidationError):
         message, param = describe_validation(exc.errors())
     elif status == 500:

@@ -10,6 +10,7 @@ row per generated token. Pure formatting: no engine calls, no error mapping.
 from __future__ import annotations
 
 import base64
+import itertools
 import json
 from typing import Any
 
@@ -75,10 +76,7 @@ def completion_logprobs(token_ids, logprobs, tops, tokenizer, offset: int) -> di
     """OpenAI's completion logprobs block, plus the exact `top_logprob_ids`; text offsets
     start at `offset`."""
     tokens = [tokenizer.decode([t]) for t in token_ids]
-    offsets = []
-    for token in tokens:
-        offsets.append(offset)
-        offset += len(token)
+    offsets = list(itertools.accumulate(map(len, tokens), initial=offset))[:-1]
     return {
         "tokens": tokens,
         "token_logprobs": list(logprobs),

@@ -21,16 +21,16 @@ MAX_N = 128
 MAX_SEED = 2**SEED_BITS - 1
 
 
-class StreamOptions(BaseModel):
+class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
+
+class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
@@ -113,16 +113,12 @@ class CompletionRequest(SamplingFields):
         return self.logprobs
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
+class TextPart(_Strict):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
+class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[TextPart]
     name: str | None = None
@@ -156,9 +152,7 @@ class ChatCompletionRequest(SamplingFields):
         return self.max_completion_tokens if self.max_tokens is None else self.max_tokens
 
 
-class UpdateWeightsRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
+class UpdateWeightsRequest(_Strict):
     path: str = Field(min_length=1)
 
 

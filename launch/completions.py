@@ -1,0 +1,112 @@
+"""POST /v1/completions and /v1/chat/completions, in OpenAI's text_completion and
+chat.completion(.chunk) formats, whole or streamed (the same bits either way).
+
+Completion choices are indexed `prompt_idx * n + sample_idx`; their logprobs add the exact
+`top_logprob_ids` to OpenAI's fields. Chat messages become a prompt through the tokenizer's chat
+template (the model's own, else moe_runtime.chat_template's documented default); chat logprobs
+are OpenAI's `{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}` plus the exact
+`token_id`. Every choice carries `token_ids` (and `routed_experts` when asked), every response
+`weight_version` (all non-standard; launch.openai.render).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from fastapi.responses import Response
+
+from launch.generation import Backend, Generation, ready
+from launch.metrics import ServerMetrics
+from launch.openai.errors import FieldError
+from launch.openai.render import chat_choice, completion_choice
+from launch.openai.schemas import ChatCompletionRequest, CompletionRequest
+from moe_runtime.config import RuntimeConfig
+from moe_runtime.engine.outputs import CompletionOutput, RequestOutput
+
+DEFAULT_MAX_TOKENS = 16
+
+
+async def complete(
+    body: CompletionRequest, backend: Backend | None, config: RuntimeConfig, metrics: ServerMetrics
+) -> Response:
+    backend = ready(backend)
+    body.check_model(config.server.model_name)
+    prompts, params = body.prompts(), body.sampling_params(DEFAULT_MAX_TOKENS)
+    generation = Generation(backend.engine, prompts, [params] * len(prompts), metrics)
+    try:
+        await generation.start(body.stream)
+    except ValueError as exc:  # the engine's prompt checks
+        raise FieldError("prompt", str(exc)) from None
+    head = {
+        "id": f"cmpl-{uuid.uuid4().hex}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": config.server.model_name,
+    }
+    choices = _Choices(body, prompts, backend.tokenizer)
+    return generation.response(head, choices, body.include_usage)
+
+
+class _Choices:
+    """A request's choices, whole or a delta at a time (text offsets carried on)."""
+
+    def __init__(self, body: CompletionRequest, prompts: list, tokenizer) -> None:
+        self._body, self._prompts, self._tokenizer = body, prompts, tokenizer
+        self._with_logprobs = body.logprobs is not None
+        self._offsets: dict[int, int] = {}  # choice index -> text offset of its next token
+
+    def __call__(self, prompt_idx: int, output: RequestOutput) -> list[dict]:
+        return [self._choice(prompt_idx, output, out) for out in output.outputs]
+
+    def _choice(self, prompt_idx: int, output: RequestOutput, out: CompletionOutput) -> dict:
+        index = prompt_idx * self._body.n + out.index
+        echo = None
+        if self._body.echo and index not in self._offsets:  # its first chunk
+            prompt, ids = self._prompts[prompt_idx], output.prompt_token_ids
+            echo = (prompt if isinstance(prompt, str) else self._tokenizer.decode(ids), ids)
+        offset = self._offsets.setdefault(index, 0)
+        choice = completion_choice(index, out, self._tokenizer, self._with_logprobs, echo, offset)
+        if self._with_logprobs:
+            self._offsets[index] += sum(len(t) for t in choice["logprobs"]["tokens"])
+        return choice
+
+
+async def chat(
+    body: ChatCompletionRequest,
+    backend: Backend | None,
+    config: RuntimeConfig,
+    metrics: ServerMetrics,
+) -> Response:
+    backend = ready(backend)
+    body.check_model(config.server.model_name)
+    tokenizer = backend.tokenizer
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    prompt_ids = tokenizer.apply_chat_template(messages)
+    room = max(1, config.scheduler.max_model_len - len(prompt_ids))  # too long fails below
+    params = body.sampling_params(body.token_budget() or room)
+    generation = Generation(backend.engine, [prompt_ids], [params], metrics)
+    try:
+        await generation.start(body.stream)
+    except ValueError as exc:  # the engine's prompt checks
+        raise FieldError("messages", f"messages: {exc}") from None
+    head = {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "created": int(time.time()),
+        "model": config.server.model_name,
+        "object": "chat.completion.chunk" if body.stream else "chat.completion",
+    }
+    key = "delta" if body.stream else "message"
+    has_role: set[int] = set()  # samples whose first chunk (with the role) went out
+
+    def choices(_prompt_idx: int, output: RequestOutput) -> list[dict]:
+        result = []
+        for out in output.outputs:
+            message = {"content": out.text}
+            if out.index not in has_role:
+                message = {"role": "assistant", **message}
+                has_role.add(out.index)
+            result.append(chat_choice(key, message, out, tokenizer, body.logprobs))
+        return result
+
+    return generation.response(head, choices, body.include_usage)
