@@ -36,22 +36,11 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
 
     def __post_init__(self) -> None:
-        _positive_int("cache", "block_size", self.block_size)
-        if (
-            not isinstance(self.num_blocks, int)
-            or isinstance(self.num_blocks, bool)
-            or (self.num_blocks < 0)
-        ):
-            raise ValueError(
-                f"cache.num_blocks must be an int >= 0 (0: size from free GPU memory), "
-                f"got {self.num_blocks!r}"
-            )
+        _int_at_least("cache", "block_size", self.block_size)
+        _int_at_least("cache", "num_blocks", self.num_blocks, 0, " (0: size from free GPU memory)")
         utilization = self.gpu_memory_utilization
-        if (
-            isinstance(utilization, bool)
-            or not isinstance(utilization, (int, float))
-            or not (0 < utilization <= 1)
-        ):
+        is_number = isinstance(utilization, (int, float)) and not isinstance(utilization, bool)
+        if not (is_number and 0 < utilization <= 1):
             raise ValueError(
                 f"cache.gpu_memory_utilization must be a number in (0, 1], got {utilization!r}"
             )
@@ -69,9 +58,9 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
 
     def __post_init__(self) -> None:
-        _positive_int("scheduler", "max_num_seqs", self.max_num_seqs)
-        _positive_int("scheduler", "max_num_batched_tokens", self.max_num_batched_tokens)
-        _positive_int("scheduler", "max_model_len", self.max_model_len)
+        _int_at_least("scheduler", "max_num_seqs", self.max_num_seqs)
+        _int_at_least("scheduler", "max_num_batched_tokens", self.max_num_batched_tokens)
+        _int_at_least("scheduler", "max_model_len", self.max_model_len)
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 "scheduler.max_num_batched_tokens must be >= scheduler.max_model_len "
@@ -203,6 +192,6 @@ def _build(name: str, cls: type, section: dict) -> Any:
         raise ValueError(f"config section {name!r}: {exc}") from exc
 
 
-def _positive_int(section: str, key: str, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{section}.{key} must be an int >= 1, got {value!r}")
+def _int_at_least(section: str, key: str, value: object, minimum: int = 1, note: str = "") -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{section}.{key} must be an int >= {minimum}{note}, got {value!r}")

@@ -6,7 +6,7 @@ The same request's rows carry the same values whatever else is in the batch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -25,16 +25,4 @@ class ForwardBatch:
         return int(self.token_ids.shape[0])
 
     def to(self, device: torch.device) -> ForwardBatch:
-        return ForwardBatch(
-            *(
-                t.to(device)
-                for t in (
-                    self.token_ids,
-                    self.positions,
-                    self.query_seq_ids,
-                    self.block_tables,
-                    self.slot_mapping,
-                    self.logits_indices,
-                )
-            )
-        )
+        return ForwardBatch(*(getattr(self, f.name).to(device) for f in fields(self)))

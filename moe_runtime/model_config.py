@@ -71,12 +71,8 @@ class ModelConfig:
             "topk_group",
             "max_position_embeddings",
         ):
-            _require(
-                isinstance(getattr(self, key), int) and getattr(self, key) >= 1,
-                key,
-                getattr(self, key),
-                "an int >= 1",
-            )
+            value = getattr(self, key)
+            _require(isinstance(value, int) and value >= 1, key, value, "an int >= 1")
         _require(
             self.q_lora_rank is None
             or (isinstance(self.q_lora_rank, int) and self.q_lora_rank >= 1),
@@ -84,19 +80,13 @@ class ModelConfig:
             self.q_lora_rank,
             "null or an int >= 1",
         )
-        _require(self.dtype in DTYPES, "dtype", self.dtype, f"one of {DTYPES}")
-        _require(
-            self.scoring_func in SCORING_FUNCS,
-            "scoring_func",
-            self.scoring_func,
-            f"one of {SCORING_FUNCS}",
-        )
-        _require(
-            self.topk_method in TOPK_METHODS,
-            "topk_method",
-            self.topk_method,
-            f"one of {TOPK_METHODS}",
-        )
+        for key, choices in (
+            ("dtype", DTYPES),
+            ("scoring_func", SCORING_FUNCS),
+            ("topk_method", TOPK_METHODS),
+        ):
+            value = getattr(self, key)
+            _require(value in choices, key, value, f"one of {choices}")
         _require(self.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim", self.qk_rope_head_dim, "even")
         _require(
             self.n_routed_experts % self.n_group == 0,

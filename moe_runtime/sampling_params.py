@@ -46,18 +46,10 @@ class SamplingParams:
             self.top_k,
             "-1 (off) or an int >= 1",
         )
-        _check(
-            self.seed is None or (isinstance(self.seed, int) and self.seed >= 0),
-            "seed",
-            self.seed,
-            "None or an int >= 0",
-        )
-        _check(
-            self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0),
-            "logprobs",
-            self.logprobs,
-            "None or an int >= 0",
-        )
+        for name in ("seed", "logprobs"):
+            value = getattr(self, name)
+            ok = value is None or (isinstance(value, int) and value >= 0)
+            _check(ok, name, value, "None or an int >= 0")
         _check(isinstance(self.n, int) and self.n >= 1, "n", self.n, "an int >= 1")
         _check(
             self.logprobs_mode in LOGPROBS_MODES,

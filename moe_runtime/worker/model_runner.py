@@ -12,7 +12,7 @@ BlockManager is given: the scratch block the graphs' padding rows write to.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -41,17 +41,9 @@ class SequenceState:
 
     @classmethod
     def of(cls, new: NewSequence) -> SequenceState:
-        return cls(
-            new.seq_id,
-            list(new.token_ids),
-            new.num_prompt_tokens,
-            new.num_computed_tokens,
-            new.params,
-            new.seed,
-            new.is_score,
-            new.num_scored,
-            [],
-        )
+        state = {f.name: getattr(new, f.name) for f in fields(new)}
+        state["token_ids"] = list(new.token_ids)
+        return cls(**state, block_table=[])
 
 
 @dataclass(frozen=True)

@@ -193,11 +193,7 @@ class Worker:
             )
             self._bind_placement()  # the replica table switches with the weights, at once
             self.load_window.clear()
-        return {
-            "ok": result.ok,
-            "experts_moved": result.experts_moved,
-            "bytes_sent": result.bytes_sent,
-        }
+        return {key: getattr(result, key) for key in ("ok", "experts_moved", "bytes_sent")}
 
     def update_weights(self, source: str | dict[str, torch.Tensor]) -> None:
         """Replace every weight (HF names) between steps; validated fully before any change."""
