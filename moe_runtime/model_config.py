@@ -15,6 +15,11 @@ from typing import Any
 SCORING_FUNCS = ("softmax", "sigmoid")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 DTYPES = ("float32", "bfloat16")
+_POSITIVE_INTS = (
+    "vocab_size hidden_size intermediate_size moe_intermediate_size num_hidden_layers "
+    "num_attention_heads kv_lora_rank qk_nope_head_dim qk_rope_head_dim v_head_dim "
+    "n_routed_experts num_experts_per_tok n_group topk_group max_position_embeddings"
+).split()
 
 
 @dataclass(frozen=True)
@@ -54,23 +59,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
 
     def __post_init__(self) -> None:
-        for key in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "moe_intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "kv_lora_rank",
-            "qk_nope_head_dim",
-            "qk_rope_head_dim",
-            "v_head_dim",
-            "n_routed_experts",
-            "num_experts_per_tok",
-            "n_group",
-            "topk_group",
-            "max_position_embeddings",
-        ):
+        for key in _POSITIVE_INTS:
             value = getattr(self, key)
             _require(isinstance(value, int) and value >= 1, key, value, "an int >= 1")
         _require(

@@ -1,8 +1,5 @@
-"""The driver side: requests, scheduling, KV block bookkeeping, the expert placement, outputs.
-
-Imports the worker package only through its wire format (moe_runtime.worker.step_input) and
-the executors.
-"""
+"""The driver side: requests, scheduling, KV blocks, the expert placement, outputs. It reaches
+the worker package only through its wire format (worker/step_input.py) and the executors."""
 
 from moe_runtime.engine.engine import LLMEngine
 from moe_runtime.engine.outputs import CompletionOutput, EngineStats, RequestOutput

@@ -107,8 +107,7 @@ class AsyncEngine:
 
     def _put(self, item) -> None:
         with self._cond:
-            if self._error is not None:
-                raise EngineUnavailableError(f"the engine is dead: {self.error}")
+            self._check_alive()
             if not self._is_accepting:
                 raise EngineUnavailableError("the engine is shutting down")
             self._queue.append(item)
@@ -165,29 +164,26 @@ class AsyncEngine:
                 _resolve(future, stopped, None)
             self._engine.shutdown()
 
-    def _run_call(self, fn: Callable, future: Future) -> None:
-        if not future.set_running_or_notify_cancel():
-            return
+    def _check_alive(self) -> None:
         if self._error is not None:
-            future.set_exception(EngineUnavailableError(f"the engine is dead: {self.error}"))
-            return
-        try:
-            future.set_result(fn(self._engine))
-        except Exception as exc:  # the caller gets it; the loop and its requests go on
-            future.set_exception(exc)
+            raise EngineUnavailableError(f"the engine is dead: {self.error}")
+
+    def _run_call(self, fn: Callable, future: Future) -> None:
+        if future.set_running_or_notify_cancel():
+            try:
+                self._check_alive()
+                future.set_result(fn(self._engine))
+            except Exception as exc:  # the caller gets it; the loop and its requests go on
+                future.set_exception(exc)
 
     def _admit(self, submission: _Submission) -> None:
-        if submission.future.cancelled():
-            self._settle(submission, None)
-            return
-        if self._error is not None:
-            self._settle(submission, EngineUnavailableError(f"the engine is dead: {self.error}"))
-            return
         try:
+            if submission.future.cancelled():
+                return self._settle(submission, None)
+            self._check_alive()
             submission.requests = self._engine.add_requests(submission.prompts, submission.params)
         except Exception as exc:  # ValueError: a bad prompt; nothing of it was queued
-            self._settle(submission, exc)
-            return
+            return self._settle(submission, exc)
         for prompt_idx, request in enumerate(submission.requests):
             self._owner[request.request_id] = (submission, prompt_idx)
 

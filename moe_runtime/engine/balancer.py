@@ -1,13 +1,11 @@
-"""ExpertBalancer: the driver side of EPLB — load statistics in, a new placement out, moved live.
+"""ExpertBalancer: the driver side of EPLB, and the one owner of the expert placement.
 
-Every `eplb.interval_steps` steps (when `eplb.enabled`), or on demand, it gathers each rank's
-per-slot row counts over the last `eplb.window_steps` steps (integers: every rank's numbers are
-exact and the plan is the same wherever it is computed), folds them into per-logical-expert load,
-and, unless balancedness (mean / max per-rank load) is already above the threshold, plans a new
-placement with `eplb.policy` and has all ranks move their experts between two steps. The logical
-reduction order never depends on the placement (multiple reduction stays off unless configured),
-so a rebalance changes no output bit. A failed move leaves the old placement serving.
-The balancer is the one owner of the placement: workers get it at start-up and with each move.
+Every `eplb.interval_steps` steps (when enabled), or on demand, it sums each rank's per-slot row
+counts over the window (integers: exact everywhere) into per-logical-expert load and, unless
+balancedness (mean / max per-rank load) is above the threshold, plans a placement with
+`eplb.policy` that all ranks move to between two steps. The reduction order never depends on the
+placement (multiple reduction off), so a rebalance changes no output bit; a failed move leaves
+the old placement serving. Workers get the placement at start-up and with each move.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """IncrementalDetokenizer: one sample's text, grown a token at a time, and its stop strings.
 
-Each new token decodes a short window of recent tokens, never the whole output, so the cost of
-a step does not grow with the sample's length. A window whose text ends in an incomplete UTF-8
-character ("\ufffd") waits for the next token, up to the 4 a character can span. The text is
-searched for stop strings only where a new match can start. `delta()` hands out the text not
-yet sent, holding back any tail that may still grow into a stop string; the text after a stop
-string is never sent.
+Each new token decodes a short window of recent tokens, never the whole output, so a step's
+cost does not grow with the sample's length; an incomplete UTF-8 character ("\ufffd") waits for
+up to 4 tokens. Stop strings are searched only where a new match can start. `delta()` hands out
+unsent text, holding back a tail that may still grow into a stop string.
 """
 
 from __future__ import annotations

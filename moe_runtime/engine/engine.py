@@ -151,11 +151,9 @@ class LLMEngine:
                 if chunk.seq.seq_id in result.samples and not chunk.seq.is_score:
                     changed[id(chunk.seq.request)] = chunk.seq.request
         self.num_steps += 1
-        try:
-            with self._fatal_on_error():
-                self.balancer.maybe_rebalance(self.num_steps)  # between steps
-        except RebalanceError:
-            pass  # logged; the old placement keeps serving and nothing in flight changed
+        # A refused move is logged; the old placement keeps serving, nothing in flight changed.
+        with contextlib.suppress(RebalanceError), self._fatal_on_error():
+            self.balancer.maybe_rebalance(self.num_steps)  # between steps
         return [request_output(r, self.weight_version, True) for r in changed.values()]
 
     def output(self, request: Request) -> RequestOutput:
@@ -169,11 +167,8 @@ class LLMEngine:
             return self.balancer.rebalance(force=force, inject_failure=inject_failure)
 
     def update_weights(self, source: str | dict) -> int:
-        """Swap every rank's weights (HF checkpoint dir or HF-named state dict) between steps.
-
-        Requests in flight go on with the new weights; cached prefixes are dropped, since
-        their KV came from the old ones. Returns the new weight version.
-        """
+        """Swap every rank's weights (HF checkpoint dir or HF-named state dict) between steps;
+        requests in flight go on with them, cached prefixes are dropped. -> the new version."""
         self._check_alive()
         if isinstance(source, str) and not Path(source).is_dir():
             raise ValueError(f"update_weights: {source!r} is not a checkpoint directory")

@@ -1,9 +1,8 @@
 """RequestOutput and CompletionOutput: the one output type of `LLM`, HTTP and rollouts.
 
-A step's delta and a finished result are the same type: a delta's CompletionOutputs hold only
-the samples that changed in the step and only their new tokens and text; a finished result
-holds every sample whole. Values are copies of what the engine recorded, so a delta's floats
-are bitwise those of the final result. Plain frozen values, safe to hand to any thread.
+A step's delta and a whole result are the same type: a delta holds only the samples that
+changed and only their new tokens and text. Values are copies of what the engine recorded (a
+delta's floats are the final result's bits): plain frozen values, safe for any thread.
 """
 
 from __future__ import annotations

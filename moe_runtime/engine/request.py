@@ -108,9 +108,7 @@ class Request:
     def expand_samples(self, first_seq_id: int, tokenizer) -> list[Sequence]:
         """The request's n sequences, with seq ids first_seq_id.. and one seed each."""
         if self.is_score:
-            seq = Sequence(first_seq_id, self, 0, self.seed)
-            seq.output_token_ids = list(self.score_token_ids)
-            self.samples = [seq]
+            self.samples = [Sequence(first_seq_id, self, 0, self.seed, list(self.score_token_ids))]
             return self.samples
         self.samples = [
             Sequence(

@@ -26,11 +26,6 @@ class ScheduledChunk:
     start: int  # first position computed this step
     num_tokens: int
 
-    @property
-    def completes_sequence(self) -> bool:
-        """True when this chunk reaches the last known token, so the step yields logits."""
-        return self.start + self.num_tokens == self.seq.num_tokens
-
 
 class Scheduler:
     def __init__(
@@ -123,7 +118,7 @@ class Scheduler:
                 )
             if seq.is_score:
                 if seq.num_computed_tokens == seq.num_tokens:
-                    self._finish(seq, "scored")
+                    self.finish(seq, "scored")
                     finished.append(seq)
                 continue
             sample = samples.get(seq.seq_id)
@@ -134,7 +129,7 @@ class Scheduler:
             seq.output_top_logprobs.append(sample.top_logprobs)
             reason = self._finish_reason(seq, sample.token_id)
             if reason is not None:
-                self._finish(seq, reason)
+                self.finish(seq, reason)
                 finished.append(seq)
         return finished
 
@@ -151,7 +146,8 @@ class Scheduler:
             return "length"
         return None
 
-    def _finish(self, seq: Sequence, reason: str) -> None:
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End a running sequence now (a stop token or string, the length, an abort)."""
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.running.remove(seq)
@@ -159,10 +155,6 @@ class Scheduler:
         self.blocks.free(seq.block_table)
         seq.block_table = []
         seq.num_committed_blocks, seq.commit_parent = 0, ROOT_KEY_ID
-
-    def finish(self, seq: Sequence, reason: str) -> None:
-        """End a running sequence now (e.g. its text reached a stop string)."""
-        self._finish(seq, reason)
 
     def collect_released(self) -> list[Sequence]:
         released, self.released = self.released, []
@@ -173,7 +165,7 @@ class Scheduler:
         dropped = [s for s in (*self.waiting, *self.running) if s.request.request_id == request_id]
         for seq in dropped:
             if seq in self.running:
-                self._finish(seq, "abort")
+                self.finish(seq, "abort")
             else:
                 self.waiting.remove(seq)
                 if seq.block_table:

@@ -1,16 +1,15 @@
 """Executors: how the driver reaches its workers.
 
-`LocalExecutor` runs the single rank in this process; `RayExecutor` (ray_executor.py, the
-only driver module that imports ray) runs one actor per rank. Both take one `StepInput` per
-rank each step and return one `StepOutput` per rank, or raise WorkerError. The engine reaches
-the worker package only through them and the wire format.
+`LocalExecutor` runs the single rank in this process; `RayExecutor` (the only driver module
+that imports ray) one actor per rank. Both take a `StepInput` per rank each step and return a
+`StepOutput` per rank, or raise WorkerError.
 """
 
 from __future__ import annotations
 
 from moe_runtime.config import RuntimeConfig
-from moe_runtime.executor.base import WorkerError
 from moe_runtime.executor.local import LocalExecutor
+from moe_runtime.worker.step_input import WorkerError
 
 
 def create_executor(config: RuntimeConfig, physical_to_logical: list[list[int]]):

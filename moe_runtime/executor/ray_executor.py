@@ -22,8 +22,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from comm.nccl_env import pinned_nccl_env
 from moe_runtime.config import RuntimeConfig
-from moe_runtime.executor.base import WorkerError
-from moe_runtime.worker.step_input import StepInput, StepOutput
+from moe_runtime.worker.step_input import StepInput, StepOutput, WorkerError
 from moe_runtime.worker.worker import Worker
 
 _MARGIN_S = 30.0

@@ -1,16 +1,12 @@
 """DecodeGraphRunner: pure decode steps replayed as CUDA graphs between the eager MoE layers.
 
-A decode step of B sequences (one token each, no scoring rows) is padded up to the next batch
-size N of `batch_sizes` with dummy rows: token 0, position 0, a block table naming only the
-scratch KV block (reserved by the runner, never handed out by the BlockManager), the latent
-written to that block. Per size the model is cut at every MoE layer into segments, each
-captured once as a graph: [embedding, dense layers, the first MoE layer's attention part],
-[dense layers after it, the next MoE layer's attention part], ..., [final norm, LM head]. The
-MoE layers (router, host-side expert counts, the EP exchange, experts, shared experts) run
-eagerly on the B real rows between replays, so expert loads and routed experts are the eager
-path's. Real rows keep their eager bits because every captured kernel computes a row from that
-row alone (invariant mode) and the block-table width sets only the attention launch, never a
-query's result. Not for TP > 1 (the attention all-reduce is not captured): the config refuses.
+A decode step of B sequences is padded to the next size N of `batch_sizes` with dummy rows
+(token 0, position 0, writing only to the scratch KV block no sequence owns). Per size the model
+is cut at every MoE layer into segments, each captured once: [embedding .. first MoE layer's
+attention part], ..., [final norm, LM head]. The MoE layers run eagerly on the B real rows
+between replays, so expert loads and routed experts are the eager path's. Real rows keep their
+eager bits: every captured kernel computes a row from that row alone (invariant mode) and the
+block-table width sets only the attention launch. Not for TP > 1 (the config refuses).
 """
 
 from __future__ import annotations

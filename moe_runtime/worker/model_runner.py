@@ -12,38 +12,28 @@ BlockManager is given: the scratch block the graphs' padding rows write to.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
 from kernels import OpTable
 from moe_runtime.forward_batch import ForwardBatch
 from moe_runtime.model.deepseek import DeepseekForCausalLM
-from moe_runtime.sampling_params import SamplingParams
 from moe_runtime.worker.cuda_graphs import DecodeGraphRunner
 from moe_runtime.worker.sampler import Sampler
 from moe_runtime.worker.step_input import NewSequence, StepOutput
 
 
 @dataclass(eq=False)
-class SequenceState:
-    """The worker's copy of one sequence: every known token, its block table, progress."""
+class SequenceState(NewSequence):
+    """The worker's copy of one sequence, updated in place from each step's deltas."""
 
-    seq_id: int
-    token_ids: list[int]
-    num_prompt_tokens: int
-    num_computed_tokens: int
-    params: SamplingParams
-    seed: int
-    is_score: bool
-    num_scored: int
-    block_table: list[int]
+    block_table: list[int] = field(default_factory=list)
 
     @classmethod
     def of(cls, new: NewSequence) -> SequenceState:
         state = {f.name: getattr(new, f.name) for f in fields(new)}
-        state["token_ids"] = list(new.token_ids)
-        return cls(**state, block_table=[])
+        return cls(**{**state, "token_ids": list(new.token_ids)})
 
 
 @dataclass(frozen=True)

@@ -1,15 +1,10 @@
 """The driver <-> worker wire format: what one rank receives per step, and what it answers.
 
-Only deltas cross. A sequence's known token ids, sampling settings and seed travel once
-(`NewSequence`; again after a preemption, which dropped the worker's copy); afterwards a step
-carries the token ids the worker has not seen (the last sampled one, in decode) and the
-blocks appended to the sequence's block table. Finished, aborted and preempted ids drop the
-worker's state. The answer holds this step's results only. No field grows with a sequence's
-context, so a decode step's bytes are set by the batch, not by the history.
-
-Plain frozen dataclasses of ints, floats, lists and `SamplingParams`: cheap to pickle, and
-the engine never hands a worker its own bookkeeping objects. The engine imports this module
-and nothing else of the worker package.
+Only deltas cross: a sequence's tokens, sampling settings and seed once (again after a
+preemption), then per step the tokens the worker has not seen and the blocks appended to its
+table; released ids drop the worker's copy; answers hold the step's results only. No field
+grows with context. Plain dataclasses, cheap to pickle; the engine imports this module and
+nothing else of the worker package. A rank that fails becomes a `WorkerError` on the driver.
 """
 
 from __future__ import annotations
@@ -21,9 +16,9 @@ import numpy as np
 from moe_runtime.sampling_params import SamplingParams
 
 
-@dataclass(frozen=True)
+@dataclass
 class NewSequence:
-    """A sequence the worker does not hold yet."""
+    """A sequence the worker does not hold yet (the worker's SequenceState extends it)."""
 
     seq_id: int
     token_ids: list[int]  # every token known now: the prompt, then the outputs so far
@@ -54,9 +49,9 @@ class StepInput:
     new_seqs: list[NewSequence] = field(default_factory=list)
     scheduled: list[ScheduledSeq] = field(default_factory=list)  # batch order
 
-    @property
-    def is_empty(self) -> bool:
-        return not (self.released_seq_ids or self.new_seqs or self.scheduled)
+
+class WorkerError(RuntimeError):
+    """A rank died, timed out or failed a step; the message names the rank and the step."""
 
 
 @dataclass(frozen=True)
