@@ -118,6 +118,7 @@ class RuntimeConfig:
             raise ValueError(
                 f"kernels.cuda_graphs: true needs parallel.tp_size 1, got {self.parallel.tp_size}"
             )
+        self._check_layout()
         if self.kernels.is_invariant and self.parallel.allow_multiple_reduction:
             # A warning, not an error: a legitimate trade of bits for bytes, but it gives up
             # part of the contract the invariant mode stands for.
@@ -127,6 +128,49 @@ class RuntimeConfig:
                 "per rank before they return, so its bits depend on where its experts sit "
                 "(EP degree, redundant replicas, EPLB rebalances)"
             )
+
+    def _check_layout(self) -> None:
+        """Every constraint between the parallel layout and the model, here at load, before
+        any worker starts; each message names the keys and the values that would work."""
+        model, parallel, eplb = self.model, self.parallel, self.eplb
+        world, tp = parallel.world_size, parallel.tp_size
+        num_physical = model.n_routed_experts + eplb.num_redundant_experts
+        if num_physical % world:
+            raise ValueError(
+                f"parallel.world_size={world} must divide model.n_routed_experts + "
+                f"eplb.num_redundant_experts = {num_physical} (each rank holds as many expert "
+                f"slots); valid world sizes: {_divisors(num_physical)}"
+            )
+        splits = {"model.num_attention_heads": model.num_attention_heads}
+        splits["model.vocab_size"] = model.vocab_size
+        if model.first_k_dense_replace:
+            splits["model.intermediate_size"] = model.intermediate_size
+        if model.n_shared_experts:
+            shared = model.moe_intermediate_size * model.n_shared_experts
+            splits["model.moe_intermediate_size * model.n_shared_experts"] = shared
+        for key, total in splits.items():
+            if total % tp:
+                valid = [d for d in _divisors(world) if all(t % d == 0 for t in splits.values())]
+                raise ValueError(
+                    f"parallel.tp_size={tp} must divide {key} = {total}; valid tp sizes for "
+                    f"parallel.world_size={world}: {valid}"
+                )
+        if tp > 1 and model.tie_word_embeddings:
+            raise ValueError("model.tie_word_embeddings needs parallel.tp_size 1 (not supported)")
+        if world % eplb.num_nodes:
+            raise ValueError(
+                f"eplb.num_nodes={eplb.num_nodes} must divide parallel.world_size={world}; "
+                f"valid: {_divisors(world)}"
+            )
+        if eplb.policy == "hierarchical" and model.n_group % eplb.num_nodes:
+            raise ValueError(
+                f"eplb.policy 'hierarchical' needs eplb.num_nodes={eplb.num_nodes} to divide "
+                f"model.n_group={model.n_group}; use eplb.policy 'auto' or 'global'"
+            )
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def load_config(

@@ -164,3 +164,31 @@ def test_multiple_reduction_with_invariant_kernels_warns(caplog, overrides, warn
         assert "expert-placement and rebalance invariance" in messages[0]
     else:
         assert messages == []
+
+
+@pytest.mark.parametrize(
+    "overrides, names",
+    [
+        ({"parallel.world_size": 3}, ["parallel.world_size=3", "valid world sizes: [1, 2, 4, 8"]),
+        (
+            {"parallel.world_size": 4, "eplb.num_redundant_experts": 2},
+            ["eplb.num_redundant_experts = 18", "valid world sizes: [1, 2, 3, 6, 9, 18]"],
+        ),
+        (
+            {"parallel.world_size": 4, "parallel.tp_size": 4, "model.num_attention_heads": 6},
+            ["parallel.tp_size=4", "model.num_attention_heads = 6", "valid tp sizes", "[1, 2]"],
+        ),
+        ({"parallel.world_size": 4, "eplb.num_nodes": 3}, ["eplb.num_nodes=3", "[1, 2, 4]"]),
+        (
+            {"parallel.world_size": 2, "parallel.tp_size": 2, "model.tie_word_embeddings": True},
+            ["model.tie_word_embeddings"],
+        ),
+    ],
+    ids=["experts", "redundant", "tp-heads", "nodes", "tied-embeddings"],
+)
+def test_layout_constraints_fail_at_load_naming_the_keys(overrides, names):
+    """Checked when the config loads, before any worker starts (no Ray here)."""
+    with pytest.raises(ValueError) as failure:
+        load_config(CONFIGS / "tiny_cpu.yaml", overrides)
+    for name in names:
+        assert name in str(failure.value)
