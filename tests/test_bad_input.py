@@ -60,6 +60,9 @@ def test_bad_requests_fail_alone_while_others_finish():
         engine.add_request(list(range(129)), params)
     with pytest.raises(ValueError, match="prompt is empty"):
         engine.add_request([], params)
+    # Fits alone, but not with its max_tokens: refused up front, naming both numbers.
+    with pytest.raises(ValueError, match=r"prompt has 120 tokens and max_tokens is 10 \(130 in"):
+        engine.add_request(list(range(120)), params)
     while engine.has_unfinished():
         engine.step()
     assert [s.finish_reason for s in in_flight] == ["length", "length"]

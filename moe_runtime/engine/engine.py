@@ -76,9 +76,16 @@ class LLMEngine:
         if bad_type is not None:
             raise TypeError(f"params must be SamplingParams, got {type(bad_type).__name__}")
         token_ids = []
-        for i, prompt in enumerate(prompts):
+        max_len = self.config.scheduler.max_model_len
+        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
             try:
                 token_ids.append(self.encode(prompt))
+                if len(token_ids[-1]) + p.max_tokens > max_len:
+                    raise ValueError(
+                        f"prompt has {len(token_ids[-1])} tokens and max_tokens is {p.max_tokens}"
+                        f" ({len(token_ids[-1]) + p.max_tokens} in all), more than "
+                        f"scheduler.max_model_len={max_len}"
+                    )
             except ValueError as exc:
                 raise ValueError(f"prompt {i}: {exc}" if len(prompts) > 1 else str(exc)) from None
         self._check_alive()
