@@ -1,38 +1,50 @@
 """Prometheus metrics of the server, on a registry of its own (one per app).
 
-Request-side series (tokens in and out, time to first token, inter-token latency, requests by
-route and status) are recorded from the engine's per-step output deltas; engine-side series
-(running and waiting sequences, KV cache usage, rebalances, balancedness, weight version,
-steps) are read from the AsyncEngine's last `EngineStats` at scrape time, so a scrape never
-touches the engine itself.
+Request-side series (tokens in and out, time to first token, inter-token latency) are recorded
+from the engine's per-step output deltas, and every HTTP response by route and status;
+engine-side series (running and waiting sequences, KV cache usage, rebalances, balancedness,
+weight version, steps, restarts) are read from the AsyncEngine's last `EngineStats` at scrape
+time. Per-rank expert load comes from `LLMEngine.worker_stats()` (a remote call on every rank),
+which a scrape asks the engine thread for at most every RANK_STATS_MAX_AGE_S and waits for at
+most RANK_STATS_WAIT_S; otherwise it shows the last answer. A scrape never runs engine code.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
+import math
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from moe_runtime.engine.async_engine import AsyncEngine
 from moe_runtime.engine.outputs import EngineStats, RequestOutput
 
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+RANK_STATS_MAX_AGE_S = 5.0
+RANK_STATS_WAIT_S = 2.0
 
 
 class ServerMetrics:
     def __init__(self, stats: Callable[[], EngineStats | None]) -> None:
         self._stats = stats
+        self._rank_stats: list[dict] = []  # the last LLMEngine.worker_stats()
+        self._rank_future: Future | None = None
+        self._rank_asked_at = -math.inf
         self.registry = r = CollectorRegistry()
         self.prompt_tokens = Counter("moe_prompt_tokens", "Prompt tokens admitted", registry=r)
         self.generation_tokens = Counter(
             "moe_generation_tokens", "Output tokens generated", registry=r
         )
         self.requests = Counter(
-            "moe_http_requests", "Generation requests answered", ["route", "status"], registry=r
+            "moe_http_requests", "HTTP responses", ["route", "status"], registry=r
         )
         latency = functools.partial(Histogram, buckets=LATENCY_BUCKETS_S, registry=r)
         self.time_to_first_token = latency(
@@ -48,6 +60,27 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    async def refresh_rank_stats(self, engine: AsyncEngine) -> None:
+        """Ask the engine thread for every rank's counters unless asked in the last
+        RANK_STATS_MAX_AGE_S or still pending; wait for them at most RANK_STATS_WAIT_S."""
+        pending = self._rank_future
+        if (pending is None or pending.done()) and (
+            time.monotonic() - self._rank_asked_at >= RANK_STATS_MAX_AGE_S
+        ):
+            self._rank_asked_at = time.monotonic()
+            with contextlib.suppress(Exception):  # loading, draining or dead: keep the last
+                pending = self._rank_future = engine.call(lambda e: e.worker_stats())
+                pending.add_done_callback(self._keep_rank_stats)
+        if pending is not None and not pending.done():
+            # shielded: a scrape that stops waiting must not cancel the call
+            waiting = asyncio.shield(asyncio.wrap_future(pending))
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(waiting, RANK_STATS_WAIT_S)
+
+    def _keep_rank_stats(self, future: Future) -> None:  # on the engine thread
+        if not future.cancelled() and future.exception() is None:
+            self._rank_stats = future.result()
 
     def collect(self) -> Iterator[Metric]:
         """Series read from the engine's last stats; none while the engine is loading."""
@@ -67,16 +100,43 @@ class ServerMetrics:
             usage.add_metric([str(dp_rank)], value)
         yield usage
         yield CounterMetricFamily("moe_rebalances", "Expert rebalances done", stats.num_rebalances)
-        if stats.last_balancedness is not None:
-            yield GaugeMetricFamily(
-                "moe_last_balancedness",
-                "Mean over max expert load per rank after the last rebalance",
-                stats.last_balancedness,
-            )
+        balancedness = stats.last_balancedness
+        yield GaugeMetricFamily(
+            "moe_last_balancedness",
+            "Mean over max expert load per rank after the last rebalance (NaN before one)",
+            math.nan if balancedness is None else balancedness,
+        )
         yield GaugeMetricFamily(
             "moe_weight_version", "Version of the weights served", stats.weight_version
         )
         yield CounterMetricFamily("moe_engine_steps", "Engine steps run", stats.num_steps)
+        restarts = getattr(stats, "num_restarts", 0)  # an EngineStats field once it rebuilds
+        yield CounterMetricFamily("moe_engine_restarts", "Worker-group rebuilds", restarts)
+        yield from self._collect_ranks()
+
+    def _collect_ranks(self) -> Iterator[Metric]:
+        """Rows each local expert slot served since start, and each rank's share of all rows
+        over the mean share (1.0 everywhere when balanced), from the last worker_stats."""
+        rows = CounterMetricFamily(
+            "moe_expert_rows", "Rows a local expert slot served", labels=["layer", "rank", "slot"]
+        )
+        ratio = GaugeMetricFamily(
+            "moe_rank_load_ratio", "A rank's expert rows over the mean over ranks", labels=["rank"]
+        )
+        ranks = self._rank_stats
+        loads = [  # before the first step: zeros, [MoE layer][local slot]
+            rank["slot_load"] or [[0] * (len(p) // len(ranks)) for p in rank["physical_to_logical"]]
+            for rank in ranks
+        ]
+        totals = [sum(map(sum, load)) for load in loads]
+        mean = sum(totals) / max(1, len(totals))
+        for rank, load, total in zip(ranks, loads, totals, strict=True):
+            for layer, slots in enumerate(load):
+                for slot, num_rows in enumerate(slots):
+                    rows.add_metric([str(layer), str(rank["rank"]), str(slot)], num_rows)
+            ratio.add_metric([str(rank["rank"])], total / mean if mean else 1.0)
+        yield rows
+        yield ratio
 
 
 class RequestTracker:

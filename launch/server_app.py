@@ -7,18 +7,22 @@ AsyncEngine's Futures, so concurrent clients share the engine's batches; the res
 depend on that sharing (the runtime is batch-invariant). The app serves `app.state.backend`
 (launch.generation.Backend), None (503s) until the engine is ready. Errors answer through
 launch.openai.errors. With `server.api_key` set, every route but /health and /metrics needs
-`Authorization: Bearer`.
+`Authorization: Bearer`. Every response, errors and unknown paths included, is counted in
+`moe_http_requests_total{route, status}` (route: the matched route's path, else "unmatched").
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
+from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from launch.completions import chat, complete
 from launch.generation import Backend, ready
@@ -44,10 +48,9 @@ def create_app(config: RuntimeConfig, backend: Backend | None = None) -> FastAPI
     metrics = ServerMetrics(engine_stats)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError) -> Response:
-        response = error_response(exc)
-        metrics.count(request.url.path, response.status_code)
-        return response
+    @app.exception_handler(HTTPException)  # no such route or method, a body that is not UTF-8
+    async def _invalid(_request: Request, exc: Exception) -> Response:
+        return error_response(exc)
 
     if config.server.api_key:
         expected = f"Bearer {config.server.api_key}".encode()
@@ -75,6 +78,8 @@ def create_app(config: RuntimeConfig, backend: Backend | None = None) -> FastAPI
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
+        if app.state.backend is not None:
+            await metrics.refresh_rank_stats(app.state.backend.engine)
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
@@ -89,22 +94,40 @@ def create_app(config: RuntimeConfig, backend: Backend | None = None) -> FastAPI
         return ExactJSONResponse({"object": "list", "data": [card]})
 
     _add_post_routes(app, config, metrics)
+    for route in app.routes:  # a series per route from the first scrape on (at 0)
+        if isinstance(route, APIRoute):
+            metrics.requests.labels(route.path, "200")
+    app.add_middleware(_CountResponses, metrics=metrics)  # the outermost: sees the 401s too
     return app
 
 
-def _add_post_routes(app: FastAPI, config: RuntimeConfig, metrics: ServerMetrics) -> None:
-    async def counted(route: str, response: Awaitable[Response]) -> Response:
-        response = await answer(response)
-        metrics.count(route, response.status_code)
-        return response
+class _CountResponses:
+    """ASGI middleware counting each response's status as it starts (streams included)."""
 
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def counting_send(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                route = scope.get("route")  # set by the router once a path matched
+                self.metrics.count(getattr(route, "path", "unmatched"), message["status"])
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+
+def _add_post_routes(app: FastAPI, config: RuntimeConfig, metrics: ServerMetrics) -> None:
     @app.post(COMPLETIONS)
     async def completions(body: CompletionRequest) -> Response:
-        return await counted(COMPLETIONS, complete(body, app.state.backend, config, metrics))
+        return await answer(complete(body, app.state.backend, config, metrics))
 
     @app.post(CHAT)
     async def chat_completions(body: ChatCompletionRequest) -> Response:
-        return await counted(CHAT, chat(body, app.state.backend, config, metrics))
+        return await answer(chat(body, app.state.backend, config, metrics))
 
     async def on_engine(fn: Callable[[LLMEngine], dict]) -> Response:
         # on the engine thread between two steps: never during one; requests in flight go on

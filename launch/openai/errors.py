@@ -3,7 +3,9 @@
 A bad request is a ValueError: pydantic's validation errors, a `FieldError` raised where the
 field is known (its `param` names it), the engine's prompt checks. Statuses: 400 for those,
 401 `AuthenticationError`, 404 `UnknownModelError`, 503 `EngineUnavailableError` (loading,
-draining, dead), 500 anything else (a worker failure). Never decided by a message's words.
+draining, dead), the framework's own `HTTPException` its status (404 no such route, 405 no such
+method, 400 a body that is not UTF-8), 500 anything else (a worker failure). Never decided by
+a message's words.
 Bodies are OpenAI's {"error": {"message", "type", "param", "code"}}.
 """
 
@@ -13,6 +15,7 @@ from collections.abc import Awaitable
 
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
 
 from launch.openai.render import ExactJSONResponse
 from moe_runtime.engine.async_engine import EngineUnavailableError
@@ -47,7 +50,11 @@ _STATUS_BY_TYPE = (  # the first matching row wins
 
 def error_body(exc: Exception) -> dict:
     status, kind = next((status, kind) for t, status, kind in _STATUS_BY_TYPE if isinstance(exc, t))
-    if isinstance(exc, RequestValidationError):
+    if isinstance(exc, HTTPException):  # raised before any route ran: its status is the answer
+        status = exc.status_code
+        kind = "not_found_error" if status == 404 else "invalid_request_error"
+        message, param = str(exc.detail), None
+    elif isinstance(exc, RequestValidationError):
         message, param = describe_validation(exc.errors())
     elif status == 500:
         message, param = f"{type(exc).__name__}: {exc}", None

@@ -90,17 +90,19 @@ class CompletionRequest(SamplingFields):
     @field_validator("prompt", mode="before")
     @classmethod
     def _prompt_shape(cls, value: Any) -> Any:
-        ok = isinstance(value, str) or (
+        ok = (isinstance(value, str) and value) or (
             isinstance(value, list)
             and value
             and (
                 all(is_token_id(t) for t in value)
-                or all(isinstance(p, str) for p in value)
-                or all(isinstance(p, list) and all(is_token_id(t) for t in p) for p in value)
+                or all(isinstance(p, str) and p for p in value)
+                or all(isinstance(p, list) and p and all(map(is_token_id, p)) for p in value)
             )
         )
         if not ok:
-            raise ValueError("must be a string, a non-empty list of token ids, or a list of either")
+            raise ValueError(
+                "must be a non-empty string, a non-empty list of token ids, or a list of either"
+            )
         return value
 
     def prompts(self) -> list[str | list[int]]:

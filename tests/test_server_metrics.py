@@ -1,0 +1,127 @@
+"""What the server exports and how it refuses: every metric the README lists and every one the
+Grafana dashboard queries exists from the first scrape; every response, 404s and unparsable
+bodies included, is counted; context overflow, empty prompts and non-UTF-8 bodies are
+OpenAI-shaped 400s."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.serving import running_server
+
+ROOT = Path(__file__).resolve().parent.parent
+DASHBOARD = ROOT / "launch" / "grafana" / "moe_runtime.json"
+MAX_MODEL_LEN = 1024  # scheduler.max_model_len of the tiny config
+PROMQL_WORDS = {"rate", "increase", "sum", "avg", "max", "by", "le", "histogram_quantile"}
+
+
+@pytest.fixture(scope="module")
+def server():
+    with running_server() as running:
+        yield running
+
+
+def scrape(server) -> dict[str, float]:
+    """{sample name{labels}: value} of every sample, and {family name: nan} of every family."""
+    text = server.http.get("/metrics").text
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        samples[family.name] = math.nan
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            samples[f"{s.name}{{{labels}}}"] = samples[s.name] = s.value
+    return samples
+
+
+def test_first_scrape_exports_every_listed_and_queried_metric(server):
+    exported = scrape(server)  # the module's first request: nothing ran yet
+    readme = (ROOT / "README.md").read_text()
+    listed = readme[readme.index("`GET /metrics`") : readme.index("`POST /admin/rebalance`")]
+    queries = [t["expr"] for p in json.loads(DASHBOARD.read_text())["panels"] for t in p["targets"]]
+    queried = {w for q in queries for w in re.findall(r"[a-z_]+", q) if w.startswith("moe_")}
+    names = set(re.findall(r"`(moe_[a-z_]+)", listed))
+    assert len(names) >= 15, names  # the README's list was found
+    for name in names | queried:
+        assert name in exported, name
+    assert math.isnan(exported["moe_last_balancedness"])  # no rebalance yet
+    assert exported["moe_engine_restarts_total"] == 0
+    assert exported["moe_rank_load_ratio{rank=0}"] == 1.0
+    assert all(w in PROMQL_WORDS for q in queries for w in re.findall(r"\b[a-z_]+(?=\s*\()", q))
+
+
+def test_expert_rows_count_each_routed_row(server, monkeypatch):
+    monkeypatch.setattr("launch.metrics.RANK_STATS_MAX_AGE_S", 0.0)  # every scrape asks
+    before = scrape(server)
+    prompt = [5, 6, 7, 8]
+    body = {"prompt": prompt, "max_tokens": 3, "temperature": 0}
+    assert server.http.post("/v1/completions", json=body).status_code == 200
+    after = scrape(server)
+    rows = {k: v for k, v in after.items() if k.startswith("moe_expert_rows_total{")}
+    grown = sum(v - before[k] for k, v in rows.items())
+    config = server.engine.config.model
+    num_moe_layers = config.num_hidden_layers - config.first_k_dense_replace
+    # prefill of the prompt, then two decode steps of one token: K rows per token and MoE layer
+    assert grown == (len(prompt) + 2) * num_moe_layers * config.num_experts_per_tok
+    assert after["moe_rank_load_ratio{rank=0}"] == 1.0
+
+
+BAD = [
+    (
+        {"prompt": [7] * 1000, "max_tokens": 100},
+        "max_tokens",
+        "This model's maximum context length is 1024 tokens; the prompt has 1000 tokens and "
+        "max_tokens is 100 (1100 in all)",
+    ),
+    ({"prompt": "x" * 1020}, "max_tokens", "the prompt has 1021 tokens"),  # bos + 1020 bytes
+    ({"prompt": ""}, "prompt", "non-empty"),
+    ({"prompt": [""]}, "prompt", "non-empty"),
+    ({"prompt": []}, "prompt", "non-empty"),
+    ({"prompt": [[]]}, "prompt", "non-empty"),
+]
+
+
+@pytest.mark.parametrize(("body", "param", "message"), BAD)
+def test_bad_prompts_are_400s_naming_the_param(server, body, param, message):
+    error = server.http.post("/v1/completions", json=body).json()["error"]
+    assert (error["code"], error["param"]) == (400, param)
+    assert message in error["message"]
+
+
+def test_chat_budget_over_the_context_is_a_400(server):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": MAX_MODEL_LEN}
+    error = server.http.post("/v1/chat/completions", json=body).json()["error"]
+    assert (error["code"], error["param"]) == (400, "max_completion_tokens")
+    assert f"max_completion_tokens is {MAX_MODEL_LEN}" in error["message"]
+
+
+def test_every_response_is_counted_and_openai_shaped(server):
+    before = scrape(server)
+    json_type = {"content-type": "application/json"}
+    answers = [
+        server.http.post("/v1/completions", content=b'{"prompt": "\xff\xfe"}', headers=json_type),
+        server.http.post("/v1/completions", content=b'{"prompt": ', headers=json_type),
+        server.http.get("/no/such/path"),
+        server.http.get("/v1/completions"),
+        server.http.post("/v1/completions", json={"model": "other", "prompt": "a"}),
+    ]
+    assert [r.status_code for r in answers] == [400, 400, 404, 405, 404]
+    for response in answers:
+        assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+    after = scrape(server)
+
+    def grew(route: str, status: int) -> float:
+        name = f"moe_http_requests_total{{route={route},status={status}}}"
+        return after[name] - before.get(name, 0.0)
+
+    assert grew("/v1/completions", 400) == 2
+    assert grew("/v1/completions", 404) == 1
+    assert grew("/v1/completions", 405) == 1
+    assert grew("unmatched", 404) == 1
+    assert grew("/metrics", 200) == 1  # the first scrape above
+    assert server.http.get("/health").status_code == 200
