@@ -26,6 +26,7 @@ from moe_runtime.worker.step_input import StepInput, StepOutput, WorkerError
 from moe_runtime.worker.worker import Worker
 
 _MARGIN_S = 30.0
+_STALL_GRACE_S = 3.0
 
 
 def connect_ray(num_cpus_needed: int) -> None:
@@ -125,12 +126,28 @@ class RayExecutor:
             except RayTaskError as exc:
                 if isinstance(exc.cause, ValueError):  # bad input, identical on every rank
                     raise ValueError(f"rank {rank_of[done[0]]}: {exc.cause}") from exc
-                raise WorkerError(f"rank {rank_of[done[0]]} failed during {what}: {exc}") from exc
+                failure = f"rank {rank_of[done[0]]} failed during {what}: {exc}"
+                stalled = self._silent_ranks(pending, rank_of)
+                if stalled:
+                    failure = (
+                        f"ranks {stalled} stalled during {what}: no answer {_STALL_GRACE_S:.0f}s "
+                        f"after a peer failed waiting for them ({failure})"
+                    )
+                raise WorkerError(failure) from exc
             except RayActorError as exc:
                 raise WorkerError(f"rank {rank_of[done[0]]} died during {what}: {exc}") from exc
             except RayError as exc:
                 raise WorkerError(f"rank {rank_of[done[0]]} failed during {what}: {exc}") from exc
         return ray.get(refs)
+
+    @staticmethod
+    def _silent_ranks(pending: list, rank_of: dict) -> list[int]:
+        """Ranks still silent a grace period after a peer failed. Why: a stalled rank fails
+        nobody itself; its peers fail first, in a collective that timed out waiting for it."""
+        if not pending:
+            return []
+        _, silent = ray.wait(pending, num_returns=len(pending), timeout=_STALL_GRACE_S)
+        return sorted(rank_of[ref] for ref in silent)
 
 
 def _bundles(device: str, world_size: int) -> list[dict[str, float]]:

@@ -11,6 +11,7 @@ applies the step's deltas to it; it never sees the driver's objects. `rearrange`
 
 from __future__ import annotations
 
+import os
 import socket
 from collections import deque
 from pathlib import Path
@@ -66,6 +67,10 @@ class Worker:
         self.num_steps = 0
         self.load_window: deque[np.ndarray] = deque(maxlen=config.eplb.window_steps)
         self.total_load: np.ndarray | None = None
+
+    def pid(self) -> int:
+        """This worker's process id (fault-injection tests signal it)."""
+        return os.getpid()
 
     def address(self) -> tuple[str, int]:
         """(ip, free port) of this worker's node: rank 0's is the rendezvous point."""
