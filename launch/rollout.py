@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import time
 from pathlib import Path
@@ -52,16 +53,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+# Set by Ray for the entrypoint of `ray job submit`, whose working dir is Ray's temporary copy.
+RAY_JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.batch_size < 1:
         print("error: --batch-size must be >= 1", file=sys.stderr)
         return 2
+    try:
+        output = _output_path(args.output)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"rollout: writing to {output}", file=sys.stderr)
     defaults = {"n": args.n, **cli.sampling_args(args)}
     defaults["return_routed_experts"] = not args.no_routed_experts
     try:
         samples = read_samples(args.input, defaults, args.base_seed, args.score)
-        done = read_done(args.output)
+        done = read_done(output)
         llm = LLM(args.config, **cli.parse_overrides(args.set))
     except (RowError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -85,16 +96,29 @@ def main(argv: list[str] | None = None) -> int:
     run = _score_batch if args.score else _rollout_batch
     for first in range(0, len(todo), args.batch_size):
         batch = todo[first : first + args.batch_size]
-        append_rows(args.output, run(llm, batch, progress))
+        append_rows(output, run(llm, batch, progress))
     progress.close()
     llm.shutdown()
     elapsed = time.perf_counter() - started
     print(
         f"rollout: wrote {len(todo)} rows ({len(samples) - len(todo)} already done) "
-        f"in {elapsed:.2f}s to {args.output}",
+        f"in {elapsed:.2f}s to {output}",
         file=sys.stderr,
     )
     return 0
+
+
+def _output_path(output: Path) -> Path:
+    """The absolute path rows go to; a relative one is refused under `ray job submit`."""
+    if RAY_JOB_ENV in os.environ and not output.is_absolute():
+        # Ray does not expose the submitter's directory, and a relative path would land in the
+        # job's temporary working-dir copy, which Ray deletes.
+        raise ValueError(
+            f"--output {output} is relative: under `ray job submit` it would be written inside "
+            "Ray's temporary copy of the working dir and lost; pass an absolute path "
+            f"(e.g. --output $PWD/{output})"
+        )
+    return output.absolute()
 
 
 def _checked(llm: LLM, samples: list[Sample], args: argparse.Namespace) -> list[Sample]:

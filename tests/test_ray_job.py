@@ -1,48 +1,25 @@
 """The README's main command: `ray job submit ... launch/serve_ep.py` against a local cluster.
 
-Starts a private head node, submits the server as a Ray job with two expert-parallel ranks,
-waits for /health 200, checks one completion against the in-process runtime bit for bit, stops
-the job and checks it drained and stopped cleanly.
+On the session's private head node (tests/ray_head.py: own temp dir and ports, never `ray stop`),
+submits the server as a Ray job with two expert-parallel ranks, waits for /health 200, checks one
+completion against the in-process runtime bit for bit, stops the job and checks it drained and
+stopped cleanly.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
-import socket
-import subprocess
-import sys
-import tempfile
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 
 from moe_runtime import LLM, SamplingParams
 from tests.invariance import TINY_CONFIG
+from tests.ray_head import free_port, ray_cli
 
-ROOT = Path(__file__).resolve().parent.parent
 pytest.importorskip("ray")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _ray(env: dict, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "ray.scripts.scripts", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=ROOT,
-    )
 
 
 def _get_json(url: str, body: dict | None = None) -> tuple[int, dict]:
@@ -57,37 +34,10 @@ def _get_json(url: str, body: dict | None = None) -> tuple[int, dict]:
         return 0, {}
 
 
-@pytest.fixture
-def ray_head():
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
-    env.pop("RAY_ADDRESS", None)
-    gcs_port, dashboard_port = _free_port(), _free_port()
-    temp_dir = tempfile.mkdtemp(prefix="rj", dir="/tmp")  # short: Ray's socket paths are capped
-    started = _ray(
-        env,
-        "start",
-        "--head",
-        "--num-cpus",
-        "4",
-        "--port",
-        str(gcs_port),
-        "--dashboard-port",
-        str(dashboard_port),
-        "--include-dashboard",
-        "true",
-        "--temp-dir",
-        temp_dir,
-    )
-    assert started.returncode == 0, started.stdout + started.stderr
-    yield env, f"http://127.0.0.1:{dashboard_port}"
-    _ray(env, "stop", "--force")
-    shutil.rmtree(temp_dir, ignore_errors=True)
-
-
 def test_ray_job_submit_serves_and_stops(ray_head):
-    env, address = ray_head
-    port = _free_port()
-    submitted = _ray(
+    env, address = ray_head.env, ray_head.dashboard_url
+    port = free_port()
+    submitted = ray_cli(
         env,
         "job",
         "submit",
@@ -110,7 +60,7 @@ def test_ray_job_submit_serves_and_stops(ray_head):
     job_id = re.search(r"raysubmit_[A-Za-z0-9]+", submitted.stdout + submitted.stderr).group(0)
     deadline = time.monotonic() + 180
     while _get_json(f"http://127.0.0.1:{port}/health")[0] != 200:
-        logs = _ray(env, "job", "logs", "--address", address, job_id).stdout
+        logs = ray_cli(env, "job", "logs", "--address", address, job_id).stdout
         assert time.monotonic() < deadline, f"server never became healthy:\n{logs[-3000:]}"
         time.sleep(1)
 
@@ -133,7 +83,7 @@ def test_ray_job_submit_serves_and_stops(ray_head):
         float.hex(x) for x in expected.logprobs
     ]
 
-    stopped = _ray(env, "job", "stop", "--address", address, job_id)
+    stopped = ray_cli(env, "job", "stop", "--address", address, job_id)
     assert stopped.returncode == 0, stopped.stdout + stopped.stderr
-    logs = _ray(env, "job", "logs", "--address", address, job_id).stdout
+    logs = ray_cli(env, "job", "logs", "--address", address, job_id).stdout
     assert "draining" in logs and "serve_ep: stopped" in logs, logs[-3000:]

@@ -172,3 +172,21 @@ def test_bad_row_names_its_line_and_nothing_is_generated(tmp_path, capsys, bad, 
     err = capsys.readouterr().err
     assert f"{source}:3:" in err and problem in err, err
     assert not out.exists()
+
+
+def test_relative_output_refused_under_ray_job_and_written_path_printed(
+    tmp_path, monkeypatch, capsys
+):
+    source = write_jsonl(tmp_path / "in.jsonl", ROWS[2:3])
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(rollout.RAY_JOB_ENV, raising=False)
+    assert run("--input", source, "--output", "here.jsonl", "--max-tokens", "2") == 0
+    assert f"to {tmp_path / 'here.jsonl'}" in capsys.readouterr().err  # relative, made absolute
+    monkeypatch.setenv(rollout.RAY_JOB_ENV, "{}")  # what Ray sets for a job's entrypoint
+    assert run("--input", source, "--output", "job.jsonl", "--max-tokens", "2") == 2
+    err = capsys.readouterr().err
+    assert "--output job.jsonl is relative" in err and "pass an absolute path" in err, err
+    assert not (tmp_path / "job.jsonl").exists()
+    out = tmp_path / "job.jsonl"
+    assert run("--input", source, "--output", out, "--max-tokens", "2") == 0
+    assert f"to {out}" in capsys.readouterr().err and len(read_jsonl(out)) == 1
