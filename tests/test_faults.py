@@ -1,7 +1,8 @@
-"""Faults under the engine on CPU with Ray (world size 2): what the caller is told.
+"""Faults under the engine on CPU (world size 2 on Ray where ranks matter).
 
-A stalled worker (SIGSTOP) fails nothing itself: its peer's collective times out first. The
-error must still name the stalled rank, within the bound the README states (timeout_s + 30 s).
+A stalled worker (SIGSTOP) fails nothing itself: its peer's collective times out first; the
+error must still name it, within the README's bound. A corrupt checkpoint is refused on every
+rank before anything changes. A failure that kills the engine ends every request in flight.
 """
 
 from __future__ import annotations
@@ -13,13 +14,15 @@ import time
 import pytest
 
 from moe_runtime import LLM, SamplingParams
+from moe_runtime.engine.async_engine import AsyncEngine
 from moe_runtime.executor import WorkerError
-from tests.invariance import TINY_CONFIG
+from tests.invariance import TINY_CONFIG, fingerprint
+from tests.serving import write_checkpoint
 
 TIMEOUT_S = 5
 
 
-def test_stalled_worker_is_named():
+def test_stalled_worker_is_named(ray_local):
     llm = LLM(TINY_CONFIG, **{"parallel.world_size": 2, "parallel.timeout_s": TIMEOUT_S})
     engine = llm.engine
     pids = engine.executor.call_all("pid")
@@ -37,3 +40,49 @@ def test_stalled_worker_is_named():
     finally:
         os.kill(pids[1], signal.SIGCONT)
         llm.shutdown()
+
+
+def test_corrupt_checkpoint_is_refused_and_changes_nothing(ray_local, tmp_path):
+    """A directory with a malformed config.json and random bytes as its safetensors file: every
+    rank refuses it before any rank changes anything, and the next answer is bitwise the same."""
+    (tmp_path / "config.json").write_text("{not json")
+    (tmp_path / "model.safetensors").write_bytes(os.urandom(4096))
+    params = SamplingParams(max_tokens=8, temperature=0.8, seed=3, logprobs=2, ignore_eos=True)
+    llm = LLM(TINY_CONFIG, **{"parallel.world_size": 2})
+    try:
+        before = [fingerprint(o) for o in llm.generate([[5, 6, 7], [8, 9]], params)]
+        with pytest.raises(ValueError, match="model.safetensors|weights"):
+            llm.update_weights(str(tmp_path))
+        assert llm.engine.error is None and llm.engine.weight_version == 0
+        after = [fingerprint(o) for o in llm.generate([[5, 6, 7], [8, 9]], params)]
+    finally:
+        llm.shutdown()
+    assert after == before
+
+
+def test_a_failure_that_kills_the_engine_ends_every_stream(tmp_path):
+    """A weight update that fails after the check (mid-copy) kills the engine: the loop turns
+    unhealthy and the request in flight ends with the error at once, not at a timeout."""
+    checkpoint = write_checkpoint(tmp_path, seed=1)
+    llm = LLM({"model": {"path": checkpoint}, "scheduler": {"max_model_len": 512}})
+    worker = llm.engine.executor.worker
+
+    def broken_commit():
+        raise RuntimeError("injected: copy failed")
+
+    worker.commit_weights = broken_commit
+    loop = AsyncEngine(llm.engine)
+    deltas = []
+    in_flight = loop.submit(
+        [[1, 2, 3]],
+        [SamplingParams(max_tokens=500, ignore_eos=True)],
+        lambda i, d: deltas.append(d),
+    )
+    while not deltas:
+        time.sleep(0.01)
+    with pytest.raises(RuntimeError, match="injected"):
+        loop.call(lambda engine: engine.update_weights(checkpoint)).result(timeout=30)
+    with pytest.raises(RuntimeError, match="injected"):
+        in_flight.result(timeout=5)
+    assert not loop.is_healthy and "injected" in loop.error
+    loop.shutdown()

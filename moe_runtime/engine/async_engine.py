@@ -173,8 +173,10 @@ class AsyncEngine:
             try:
                 self._check_alive()
                 future.set_result(fn(self._engine))
-            except Exception as exc:  # the caller gets it; the loop and its requests go on
+            except Exception as exc:  # the caller gets it; a refusal changes nothing else
                 future.set_exception(exc)
+                if self._engine.error is not None:  # but a failure killed the engine
+                    self._die(exc)
 
     def _admit(self, submission: _Submission) -> None:
         try:
@@ -191,10 +193,7 @@ class AsyncEngine:
         try:
             deltas = self._engine.step()
         except Exception as exc:  # a worker failure: every pending request ends with it
-            with self._cond:
-                self._error = exc
-            for submission in self._snapshot():
-                self._settle(submission, exc)
+            self._die(exc)
             return
         failed: dict[int, tuple[_Submission, Exception]] = {}
         for delta in deltas:
@@ -211,6 +210,14 @@ class AsyncEngine:
             owner = self._owner.get(delta.request_id)
             if owner is not None and all(r.is_finished for r in owner[0].requests):
                 self._settle(owner[0], None)
+
+    def _die(self, error: BaseException) -> None:
+        """The engine is dead: unhealthy from now on, and every pending request (streams
+        included) ends with the error at once."""
+        with self._cond:
+            self._error = error
+        for submission in self._snapshot():
+            self._settle(submission, error)
 
     def _abort(self, submission: _Submission) -> None:
         for request in submission.requests:

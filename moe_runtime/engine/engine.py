@@ -179,13 +179,19 @@ class LLMEngine:
         self._check_alive()
         if isinstance(source, str) and not Path(source).is_dir():
             raise ValueError(f"update_weights: {source!r} is not a checkpoint directory")
+        # Two phases: every rank reads and checks its part; only when all have, every rank
+        # copies it in. A refusal in phase 1 changes nothing anywhere.
         try:
-            self.executor.call_all("update_weights", source)
+            self.executor.call_all("prepare_weights", source)
         except ValueError:
-            raise  # refused on every rank before anything changed: nothing to fail
-        except Exception as exc:
+            with self._fatal_on_error():
+                self.executor.call_all("discard_weights")
+            raise
+        except Exception as exc:  # a rank died or stalled: the ranks are out of step
             self._fail_all(f"update_weights: {type(exc).__name__}: {exc}")
             raise
+        with self._fatal_on_error():  # failing mid-copy leaves mixed weights: the engine dies
+            self.executor.call_all("commit_weights")
         for blocks in self.block_managers:
             blocks.clear_cache()
         self.weight_version += 1

@@ -90,7 +90,8 @@ def init_random_weights(
 
 
 def load_hf_weights(model: DeepseekForCausalLM, path: Path, local_experts: list[list[int]]) -> None:
-    assign_weights(model, read_checkpoint(path, model.config), local_experts, str(path))
+    staged = check_weights(model, read_checkpoint(path, model.config), local_experts, str(path))
+    assign_weights(model, staged)
 
 
 def read_checkpoint(path: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -108,14 +109,14 @@ def read_checkpoint(path: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def assign_weights(
+def check_weights(
     model: DeepseekForCausalLM,
     tensors: dict[str, torch.Tensor],
     local_experts: list[list[int]],
     source: str,
-) -> None:
-    """Copy HF-named tensors into the model: all names and shapes are checked before any copy,
-    so a bad source leaves the model untouched."""
+) -> dict[str, torch.Tensor]:
+    """HF-named tensors -> this rank's value of every parameter, every name, shape and dtype
+    checked (ValueError naming the first bad one); the model is not touched."""
     tensors = _stack_experts(tensors, local_experts, model.config.first_k_dense_replace)
     params = dict(model.named_parameters())
     if model.config.tie_word_embeddings:
@@ -130,14 +131,21 @@ def assign_weights(
         )
     values = {name: model.tp.shard(name, tensors[name]) for name in params}
     for name, param in params.items():
-        if values[name].shape != param.shape:
+        value = values[name]
+        if value.shape != param.shape or not value.dtype.is_floating_point:
             raise ValueError(
-                f"weights {source!r}: tensor {name} has shape {tuple(values[name].shape)}, "
-                f"the model expects {tuple(param.shape)}"
+                f"weights {source!r}: tensor {name} is {tuple(value.shape)} {value.dtype}, the "
+                f"model expects {tuple(param.shape)} floating point"
             )
+    return values
+
+
+def assign_weights(model: DeepseekForCausalLM, values: dict[str, torch.Tensor]) -> None:
+    """Copy checked values (check_weights) into the model's parameters."""
+    params = dict(model.named_parameters())
     with torch.no_grad():
-        for name, param in params.items():
-            param.copy_(values[name].to(param.dtype))
+        for name, value in values.items():
+            params[name].copy_(value.to(params[name].dtype))
 
 
 def _stack_experts(

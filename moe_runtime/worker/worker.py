@@ -26,7 +26,12 @@ from eplb.rearrange import rearrange_experts
 from kernels import build_op_table, pin_threads
 from moe_runtime.config import RuntimeConfig
 from moe_runtime.model.deepseek import TORCH_DTYPES
-from moe_runtime.model.loader import assign_weights, build_model, read_checkpoint
+from moe_runtime.model.loader import (
+    assign_weights,
+    build_model,
+    check_weights,
+    read_checkpoint,
+)
 from moe_runtime.model.tensor_parallel import TensorParallel
 from moe_runtime.worker.model_runner import Chunk, ModelRunner, SequenceState
 from moe_runtime.worker.step_input import StepInput, StepOutput
@@ -64,6 +69,7 @@ class Worker:
         self.group = None
         self.placement: ExpertPlacement | None = None  # the driver's, given at init
         self.seqs: dict[int, SequenceState] = {}
+        self.staged_weights: dict[str, torch.Tensor] | None = None
         self.num_steps = 0
         self.load_window: deque[np.ndarray] = deque(maxlen=config.eplb.window_steps)
         self.total_load: np.ndarray | None = None
@@ -200,14 +206,31 @@ class Worker:
             self.load_window.clear()
         return {key: getattr(result, key) for key in ("ok", "experts_moved", "bytes_sent")}
 
-    def update_weights(self, source: str | dict[str, torch.Tensor]) -> None:
-        """Replace every weight (HF names) between steps; validated fully before any change."""
-        model = self.runner.model
-        tensors = read_checkpoint(Path(source), model.config) if isinstance(source, str) else source
-        assign_weights(model, dict(tensors), self._local_experts(), str(source)[:80])
+    def prepare_weights(self, source: str | dict[str, torch.Tensor]) -> None:
+        """Phase 1 of a weight update (HF names): read and check everything this rank needs,
+        in host memory; nothing in use changes. Any problem is a ValueError (a refusal)."""
+        model, self.staged_weights = self.runner.model, None
+        try:
+            tensors = (
+                read_checkpoint(Path(source), model.config) if isinstance(source, str) else source
+            )
+            staged = check_weights(model, dict(tensors), self._local_experts(), str(source)[:80])
+        except ValueError:
+            raise
+        except Exception as exc:  # unreadable files: a refusal too, since nothing changed
+            raise ValueError(f"weights {str(source)[:80]!r}: {type(exc).__name__}: {exc}") from exc
+        self.staged_weights = staged
+
+    def commit_weights(self) -> None:
+        """Phase 2, once every rank prepared: the staged weights replace the old ones."""
+        model, staged, self.staged_weights = self.runner.model, self.staged_weights, None
+        assign_weights(model, staged)
         model.after_weights_loaded()
         if self.runner.graphs is not None:
             self.runner.graphs.reset()  # the absorbed MLA weights are new tensors
+
+    def discard_weights(self) -> None:
+        self.staged_weights = None
 
     def stats(self) -> dict:
         """Counters of this rank; `slot_load[l][s]` = rows served by local slot s of MoE layer l;
