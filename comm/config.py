@@ -19,6 +19,8 @@ class ParallelConfig:
     backend: str = "auto"
     device: str = "cpu"
     timeout_s: float = 120.0
+    # Worker-group rebuilds the engine may make after a rank dies or stalls, before giving up.
+    max_restarts: int = 3
     # Pre-reduce a token's expert outputs per rank before sending them back: fewer bytes, but
     # the sum order then depends on the placement. Off keeps the invariance contract.
     allow_multiple_reduction: bool = False
@@ -37,6 +39,10 @@ class ParallelConfig:
             raise ValueError(f"parallel.backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.device not in DEVICES:
             raise ValueError(f"parallel.device must be one of {DEVICES}, got {self.device!r}")
+        if not isinstance(self.max_restarts, int) or self.max_restarts < 0:
+            raise ValueError(
+                f"parallel.max_restarts must be an int >= 0, got {self.max_restarts!r}"
+            )
         if not self.timeout_s > 0:
             raise ValueError(f"parallel.timeout_s must be > 0, got {self.timeout_s!r}")
 

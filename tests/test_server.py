@@ -235,7 +235,7 @@ def test_stop_string_and_echo(server):
 
 
 def test_async_engine_worker_failure_fails_pending_and_reports_dead():
-    config = load_config(TINY_CONFIG)
+    config = load_config(TINY_CONFIG, {"parallel.max_restarts": 0})  # no rebuild: stays dead
     engine = LLMEngine(config)
 
     def broken(per_rank_chunks):
@@ -249,6 +249,7 @@ def test_async_engine_worker_failure_fails_pending_and_reports_dead():
         with pytest.raises(WorkerError, match="injected"):
             future.result(timeout=10)
     assert not async_engine.is_healthy and "injected" in async_engine.error
+    assert async_engine.has_given_up
     with pytest.raises(EngineUnavailableError, match="dead"):
         async_engine.submit([[1, 2, 3]], [params])
 

@@ -3,9 +3,11 @@
 The loop thread is the engine's only caller. Between steps it runs queued `call`s (a
 rebalance, a weight update), adds queued submissions (all prompts or none), aborts cancelled
 ones, steps, hands the deltas to `on_output` and resolves each Future with whole outputs. A
-bad prompt fails its Future with ValueError; a failing step fails every pending Future and
-leaves the loop dead (`is_healthy` False) but answering. Request semantics are the engine's;
-this module only moves work between threads.
+bad prompt fails its Future with ValueError. A failure that kills the engine (a rank died or
+stalled) fails every pending Future at once, then the engine rebuilds its workers
+(`is_healthy` False meanwhile); after parallel.max_restarts rebuilds it gives up
+(`has_given_up`). Request semantics are the engine's; this module only moves work between
+threads.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class AsyncEngine:
         self._is_stopping = False
         self._has_cancelled = False
         self._error: BaseException | None = None
+        self._given_up = False
         self._stats = engine.stats()
         # Loop thread only: the submission and prompt index of each unfinished request.
         self._owner: dict[str, tuple[_Submission, int]] = {}
@@ -81,6 +84,12 @@ class AsyncEngine:
     def is_healthy(self) -> bool:
         with self._cond:
             return self._thread.is_alive() and self._error is None and self._is_accepting
+
+    @property
+    def has_given_up(self) -> bool:
+        """True once the engine is dead for good (its restarts are spent)."""
+        with self._cond:
+            return self._given_up
 
     @property
     def error(self) -> str | None:
@@ -166,7 +175,8 @@ class AsyncEngine:
 
     def _check_alive(self) -> None:
         if self._error is not None:
-            raise EngineUnavailableError(f"the engine is dead: {self.error}")
+            state = "dead" if self._given_up else "recovering"
+            raise EngineUnavailableError(f"the engine is {state}: {self.error}")
 
     def _run_call(self, fn: Callable, future: Future) -> None:
         if future.set_running_or_notify_cancel():
@@ -212,12 +222,25 @@ class AsyncEngine:
                 self._settle(owner[0], None)
 
     def _die(self, error: BaseException) -> None:
-        """The engine is dead: unhealthy from now on, and every pending request (streams
-        included) ends with the error at once."""
+        """The engine died: every pending request (streams included) ends with the error at
+        once, then the worker group is rebuilt, unhealthy meanwhile, until restarts run out."""
         with self._cond:
             self._error = error
         for submission in self._snapshot():
             self._settle(submission, error)
+        while True:
+            try:
+                self._engine.restart()
+            except Exception as exc:
+                if self._engine.num_restarts < self._engine.config.parallel.max_restarts:
+                    continue  # this rebuild failed; the next one counts too
+                with self._cond:
+                    self._error, self._given_up = exc, True
+                return
+            with self._cond:
+                self._error = None
+                self._stats = self._engine.stats()
+            return
 
     def _abort(self, submission: _Submission) -> None:
         for request in submission.requests:

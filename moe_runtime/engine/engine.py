@@ -32,7 +32,7 @@ from moe_runtime.worker.step_input import NewSequence, ScheduledSeq, StepInput, 
 class LLMEngine:
     def __init__(self, config: RuntimeConfig) -> None:
         self.config = config
-        parallel, cache = config.parallel, config.cache
+        cache = config.cache
         self.tokenizer = load_tokenizer(config.model)
         placement = initial_placement(config)
         self.executor = create_executor(config, placement.physical_to_logical.tolist())
@@ -46,20 +46,45 @@ class LLMEngine:
                 f"a sequence of scheduler.max_model_len={config.scheduler.max_model_len} needs "
                 f"{needed} KV blocks; the cache holds {self.num_kv_blocks} (cache.num_blocks)"
             )
-        self.block_managers = [
-            BlockManager(self.num_kv_blocks, cache.block_size, cache.enable_prefix_caching)
-            for _ in range(parallel.dp_size)
-        ]
-        self.schedulers = [
-            Scheduler(config.scheduler, blocks, config.model.eos_token_id)
-            for blocks in self.block_managers
-        ]
+        self._reset_queues()
         self.balancer = ExpertBalancer(config, self.executor, placement)
+        self._weights_source: str | dict | None = None  # the last update_weights source
+        self.num_restarts = 0
         self.error: str | None = None
         self.num_steps = 0
         self.weight_version = 0
         self._next_seq_id = 0
         self._request_ids = itertools.count()
+
+    def _reset_queues(self) -> None:
+        cache = self.config.cache
+        self.block_managers = [
+            BlockManager(self.num_kv_blocks, cache.block_size, cache.enable_prefix_caching)
+            for _ in range(self.config.parallel.dp_size)
+        ]
+        self.schedulers = [
+            Scheduler(self.config.scheduler, blocks, self.config.model.eos_token_id)
+            for blocks in self.block_managers
+        ]
+
+    def restart(self) -> None:
+        """Rebuild a dead engine's worker group: new workers with the current expert placement
+        and weights (the last update_weights source), fresh KV caches and queues. Requests in
+        flight were failed already. Raises RuntimeError after parallel.max_restarts rebuilds."""
+        if self.num_restarts >= self.config.parallel.max_restarts:
+            raise RuntimeError(
+                f"gave up after parallel.max_restarts={self.num_restarts} restarts: {self.error}"
+            )
+        self.num_restarts += 1
+        with contextlib.suppress(Exception):  # the old group is broken; free what is left
+            self.executor.shutdown()
+        p2l = self.balancer.placement.physical_to_logical.tolist()
+        self.executor = self.balancer.executor = create_executor(self.config, p2l)
+        if self._weights_source is not None:
+            self.executor.call_all("prepare_weights", self._weights_source)
+            self.executor.call_all("commit_weights")
+        self._reset_queues()
+        self.error = None
 
     def add_request(self, prompt: str | list[int], params: SamplingParams) -> Request:
         """Queue one request (n samples); raises ValueError naming the problem if it is bad."""
@@ -192,6 +217,7 @@ class LLMEngine:
             raise
         with self._fatal_on_error():  # failing mid-copy leaves mixed weights: the engine dies
             self.executor.call_all("commit_weights")
+        self._weights_source = source
         for blocks in self.block_managers:
             blocks.clear_cache()
         self.weight_version += 1
@@ -215,6 +241,7 @@ class LLMEngine:
             last_balancedness=self.balancer.last_balancedness,
             num_preemptions=sum(s.num_preemptions for s in self.schedulers),
             num_prefix_hit_blocks=sum(b.num_hit_blocks for b in self.block_managers),
+            num_restarts=self.num_restarts,
         )
 
     def worker_stats(self) -> list[dict]:

@@ -72,3 +72,4 @@ class EngineStats:
     last_balancedness: float | None = None
     num_preemptions: int = 0
     num_prefix_hit_blocks: int = 0
+    num_restarts: int = 0  # worker-group rebuilds after a rank died or stalled
