@@ -3,7 +3,7 @@
 Request-side series (tokens in and out, time to first token, inter-token latency) are recorded
 from the engine's per-step output deltas, and every HTTP response by route and status;
 engine-side series (running and waiting sequences, KV cache usage, rebalances, balancedness,
-weight version, steps) are read from the AsyncEngine's last `EngineStats` at scrape
+weight version, steps, restarts) are read from the AsyncEngine's last `EngineStats` at scrape
 time. Per-rank expert load comes from `LLMEngine.worker_stats()` (a remote call on every rank),
 which a scrape asks the engine thread for at most every RANK_STATS_MAX_AGE_S and waits for at
 most RANK_STATS_WAIT_S; otherwise it shows the last answer. A scrape never runs engine code.
@@ -110,6 +110,9 @@ class ServerMetrics:
             "moe_weight_version", "Version of the weights served", stats.weight_version
         )
         yield CounterMetricFamily("moe_engine_steps", "Engine steps run", stats.num_steps)
+        yield CounterMetricFamily(
+            "moe_engine_restarts", "Worker-group rebuilds after a rank died", stats.num_restarts
+        )
         yield from self._collect_ranks()
 
     def _collect_ranks(self) -> Iterator[Metric]:

@@ -46,10 +46,11 @@ def test_first_scrape_exports_every_listed_and_queried_metric(server):
     queries = [t["expr"] for p in json.loads(DASHBOARD.read_text())["panels"] for t in p["targets"]]
     queried = {w for q in queries for w in re.findall(r"[a-z_]+", q) if w.startswith("moe_")}
     names = set(re.findall(r"`(moe_[a-z_]+)", listed))
-    assert len(names) >= 14, names  # the README's list was found
+    assert len(names) >= 15, names  # the README's list was found
     for name in names | queried:
         assert name in exported, name
     assert math.isnan(exported["moe_last_balancedness"])  # no rebalance yet
+    assert exported["moe_engine_restarts_total"] == 0
     assert exported["moe_rank_load_ratio{rank=0}"] == 1.0
     assert all(w in PROMQL_WORDS for q in queries for w in re.findall(r"\b[a-z_]+(?=\s*\()", q))
 
