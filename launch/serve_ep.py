@@ -7,7 +7,8 @@
 Listens first (/health answers 503 while the engine loads), loads the engine and starts its
 AsyncEngine thread, prints "ready on http://host:port", then serves until SIGTERM or SIGINT: new
 connections are refused, requests in flight are answered (up to the drain timeout), the engine
-shuts down and the process exits 0. An engine that fails to load exits 1.
+shuts down and the process exits 0. An engine that fails to load, or that gives up (its restarts
+exhausted) while serving, exits 1.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ from moe_runtime.config import load_config  # noqa: E402
 from moe_runtime.engine import LLMEngine  # noqa: E402
 from moe_runtime.engine.async_engine import AsyncEngine  # noqa: E402
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+GIVE_UP_POLL_S = 0.5
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -53,6 +57,36 @@ def log(message: str) -> None:
     print(f"serve_ep: {message}", flush=True)
 
 
+def reclaim_stop_signals() -> None:
+    """Hand SIGTERM and SIGINT back to the Python handlers registered for them (main thread).
+
+    Why: ray.init (inside LLMEngine) installs Ray's C++ failure handler for SIGTERM over them.
+    It prints a stack dump, calls the previous handler, and arms a 3 s alarm that aborts the
+    process (exit 134) in the middle of any drain longer than that. Registering the same Python
+    handler again puts Python's own C handler back in front of it.
+    """
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.getsignal(sig))
+
+
+async def load_engine(config) -> LLMEngine:
+    """LLMEngine(config) on a worker thread, so that the server answers meanwhile."""
+    try:
+        return await asyncio.to_thread(LLMEngine, config)
+    finally:
+        reclaim_stop_signals()  # here, on the main thread: signal handlers can only be set there
+
+
+async def exit_when_given_up(server: uvicorn.Server, engine: AsyncEngine) -> None:
+    """Stop the server once the engine is dead for good (its restarts exhausted)."""
+    while not server.should_exit:
+        if engine.has_given_up:
+            log(f"error: the engine gave up: {engine.error}; exiting")
+            server.should_exit = True
+            return
+        await asyncio.sleep(GIVE_UP_POLL_S)
+
+
 async def serve(
     server: uvicorn.Server, sock: socket.socket, url: str, app, config
 ) -> AsyncEngine | None:
@@ -63,7 +97,7 @@ async def serve(
     log(f"listening on {url}; loading the engine (world_size={config.parallel.world_size})")
     started = time.perf_counter()
     try:
-        engine = await asyncio.to_thread(LLMEngine, config)
+        engine = await load_engine(config)
     except Exception as exc:  # a bad checkpoint, no Ray cluster, a worker that died ...
         log(f"error: the engine failed to load: {type(exc).__name__}: {exc}")
         server.should_exit = True
@@ -74,7 +108,9 @@ async def serve(
     log(f"engine loaded in {time.perf_counter() - started:.1f}s")
     if server.started and not server.should_exit:
         log(f"ready on {url}")
+    watcher = asyncio.create_task(exit_when_given_up(server, async_engine))
     await task
+    watcher.cancel()
     return async_engine
 
 
@@ -108,17 +144,18 @@ def main(argv: list[str] | None = None) -> int:
     # uvicorn re-raises a captured signal after its graceful shutdown; with these handlers
     # installed first, that re-raise is a no-op and we go on to drain and stop the engine.
     received: list[int] = []
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in STOP_SIGNALS:
         signal.signal(sig, lambda signum, _frame: received.append(signum))
     shown_host = f"[{host}]" if ":" in host else host
     engine = asyncio.run(serve(server, sock, f"http://{shown_host}:{port}", app, config))
     if engine is None:
         return 1
-    why = signal.Signals(received[0]).name if received else "server exit"
-    log(f"{why}: draining requests in flight (up to {args.drain_timeout_s:g}s)")
+    if not engine.has_given_up:
+        why = signal.Signals(received[0]).name if received else "server exit"
+        log(f"{why}: draining requests in flight (up to {args.drain_timeout_s:g}s)")
     engine.shutdown(drain_timeout_s=args.drain_timeout_s)
     log("stopped")
-    return 0
+    return 1 if engine.has_given_up else 0
 
 
 if __name__ == "__main__":

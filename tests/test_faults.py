@@ -7,19 +7,28 @@ rank before anything changes. A failure that kills the engine ends every request
 
 from __future__ import annotations
 
+import json
 import os
+import queue
 import signal
+import subprocess
+import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
+import httpx
 import pytest
 
 from moe_runtime import LLM, SamplingParams
 from moe_runtime.engine.async_engine import AsyncEngine
 from moe_runtime.executor import WorkerError
 from tests.invariance import TINY_CONFIG, fingerprint
-from tests.serving import write_checkpoint
+from tests.serving import merge_completion_chunks, write_checkpoint
 
 TIMEOUT_S = 5
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_stalled_worker_is_named(ray_local):
@@ -124,3 +133,83 @@ def _wait_healthy(loop: AsyncEngine, timeout_s: float = 90) -> None:
     while not loop.is_healthy:
         assert time.monotonic() < deadline, f"no recovery: {loop.error}"
         time.sleep(0.05)
+
+
+def test_sigterm_with_8_streams_in_flight_drains_them_all_and_exits_0(ray_head):
+    """serve_ep at world size 2 on Ray: SIGTERM once 8 streams have started. Ray's own SIGTERM
+    handler (a stack dump, then an abort 3 s later) must not be the one that answers."""
+    max_tokens, drain_timeout_s = 256, 20
+    command = [sys.executable, "launch/serve_ep.py", "--config", str(TINY_CONFIG), "--port", "0"]
+    command += ["--set", "parallel.world_size=2", "--drain-timeout-s", str(drain_timeout_s)]
+    env = {**ray_head.env, "RAY_ADDRESS": ray_head.gcs_address}  # the private head, no other
+    proc = subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    lines: queue.Queue = queue.Queue()
+    reader = threading.Thread(target=_read_lines, args=(proc.stdout, lines), daemon=True)
+    reader.start()
+    try:
+        url = _wait_ready(lines, timeout_s=60)
+        first_chunks = threading.Semaphore(0)
+        with ThreadPoolExecutor(8) as pool:
+            streams = [
+                pool.submit(_stream, url, [1 + i, 2, 3], max_tokens, first_chunks) for i in range(8)
+            ]
+            for _ in streams:
+                assert first_chunks.acquire(timeout=30), "a stream never started"
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.5)  # a few of uvicorn's 0.1 s ticks: it has seen should_exit
+            assert not all(s.done() for s in streams), "drained before the check could run"
+            assert _new_connection(url) in ("refused", 503)
+            events = [s.result(timeout=drain_timeout_s) for s in streams]
+        assert proc.wait(timeout=drain_timeout_s) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    reader.join(timeout=5)
+    output = "".join(lines.queue)
+    assert "SIGTERM received" not in output and "*** " not in output, output[-3000:]
+    assert "draining" in output and "serve_ep: stopped" in output, output[-3000:]
+    for chunks in events:
+        choice = merge_completion_chunks(chunks)[0]
+        assert choice["finish_reason"] == "length"
+        assert len(choice["token_ids"]) == max_tokens
+
+
+def _read_lines(stream, lines: queue.Queue) -> None:
+    for line in stream:
+        lines.put(line)
+
+
+def _wait_ready(lines: queue.Queue, timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+        if "ready on " in line:
+            return line.split("ready on ", 1)[1].strip()
+
+
+def _stream(url: str, prompt: list[int], max_tokens: int, first_chunk: threading.Semaphore):
+    """One streamed completion: its parsed chunks, asserted to end with data: [DONE]."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    chunks = []
+    with httpx.Client(base_url=url, timeout=30) as http:
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200, response.read()
+            for line in response.iter_lines():
+                if line == "data: [DONE]":
+                    return chunks
+                if line.startswith("data: "):
+                    chunks.append(json.loads(line[len("data: ") :]))
+                    if len(chunks) == 1:
+                        first_chunk.release()
+    raise AssertionError(f"the stream ended without data: [DONE] after {len(chunks)} chunks")
+
+
+def _new_connection(url: str) -> str | int:
+    """A new client's answer while the server drains: its status, or "refused"."""
+    try:
+        return httpx.get(f"{url}/health", timeout=5).status_code
+    except httpx.ConnectError:
+        return "refused"
