@@ -167,11 +167,18 @@ def _small_workload():
     return mixed_prompts(6, 8, 40, seed=2), mixed_params(6, 24)
 
 
-def test_ep_matches_single_rank_on_fingerprints():
+@pytest.mark.parametrize("mode", ["invariant", "fast"])
+def test_ep_matches_single_rank_on_fingerprints(mode):
+    """EP=2 equals one rank bit for bit; the control: with fast kernels (the combine sums a
+    token's rows in arrival order, which follows the placement) the same comparison differs."""
     prompts, params = _small_workload()
-    single = [fingerprint(o) for o in LLM(TINY_CONFIG).generate(prompts, params)]
-    llm = _ep_llm(2)
+    single = LLM(TINY_CONFIG, **{"kernels.mode": mode}).generate(prompts, params)
+    llm = _ep_llm(2, **{"kernels.mode": mode})
     try:
-        assert [fingerprint(o) for o in llm.generate(prompts, params)] == single
+        got = [fingerprint(o) for o in llm.generate(prompts, params)]
     finally:
         llm.shutdown()
+    if mode == "invariant":
+        assert got == [fingerprint(o) for o in single]
+    else:
+        assert got != [fingerprint(o) for o in single], "fast EP=2 matched: no control"
