@@ -1,16 +1,17 @@
 """ModelConfig: the architecture of a DeepSeek-style MoE model, and where its weights come from.
 
 Built from the YAML `model` section (random weights drawn from `seed`) or from an HF
-DeepSeek-V2/V3 `config.json` when `path` names a checkpoint directory. Field names follow the
-HF configs so a `config.json` maps one to one.
+DeepSeek-V2/V3 `config.json` when `path` names a checkpoint directory (read, and its unsupported
+fields refused, by `moe_runtime.model.hf_config`). Field names follow the HF configs.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
+
+from moe_runtime.model.hf_config import read_hf_config
 
 SCORING_FUNCS = ("softmax", "sigmoid")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
@@ -163,7 +164,7 @@ class ModelConfig:
             raise ValueError(f"unknown key model.{unknown[0]} (known: {sorted(known)})")
         raw = dict(raw)
         if raw.get("path"):
-            hf = _read_hf_config(Path(raw["path"]))
+            hf = read_hf_config(Path(raw["path"]))
             clash = sorted(set(raw) & set(hf))
             if clash:
                 raise ValueError(
@@ -171,43 +172,6 @@ class ModelConfig:
                 )
             raw.update(hf)
         return cls(**raw)
-
-
-def _read_hf_config(path: Path) -> dict[str, Any]:
-    """Map an HF DeepSeek-V2/V3 config.json onto ModelConfig fields."""
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise ValueError(f"model.path {str(path)!r} has no config.json")
-    hf = json.loads(config_file.read_text())
-    model_type = hf.get("model_type")
-    if model_type not in ("deepseek_v2", "deepseek_v3"):
-        raise ValueError(f"model.path: model_type {model_type!r} is not deepseek_v2 or deepseek_v3")
-    known = {f.name for f in fields(ModelConfig)}
-    out = {
-        k: v for k, v in hf.items() if k in known and k not in ("path", "dtype", "seed", "init_std")
-    }
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    if "rope_theta" in rope:
-        out["rope_theta"] = rope["rope_theta"]
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    out["rope_scaling"] = (
-        None if kind == "default" else {k: v for k, v in rope.items() if k != "rope_theta"}
-    )
-    if model_type == "deepseek_v2":
-        out["scoring_func"] = "softmax"
-        out["rope_interleave"] = True  # V2 rotates adjacent (even, odd) pairs
-        out.setdefault("norm_topk_prob", False)
-        out.setdefault("topk_method", "greedy")
-    else:
-        out["scoring_func"] = "sigmoid"
-        out["topk_method"] = "noaux_tc"
-    for key in ("n_group", "topk_group"):
-        if out.get(key) is None:
-            out[key] = 1
-    for key in ("bos_token_id", "eos_token_id"):
-        if isinstance(out.get(key), list):
-            out[key] = out[key][0]
-    return out
 
 
 def _require(ok: bool, key: str, value: object, expected: str) -> None:

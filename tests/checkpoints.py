@@ -32,7 +32,8 @@ TINY_HF = dict(
 def write_tiny_checkpoint(path, family: str = "v3", seed: int = 1234, **extra) -> torch.nn.Module:
     """Save a random tiny model to `path`; returns transformers' model (eval, eager attention).
 
-    A non-zero e_score_correction_bias exercises noaux_tc routing.
+    A non-zero e_score_correction_bias exercises noaux_tc routing. A V2 model whose config sets
+    norm_topk_prob gets DeepSeek's released V2 gate, which transformers does not implement.
     """
     import transformers
 
@@ -49,4 +50,26 @@ def write_tiny_checkpoint(path, family: str = "v3", seed: int = 1234, **extra) -
             if name.endswith("e_score_correction_bias"):
                 buf.copy_(torch.rand(buf.shape) * 0.2 - 0.1)
     model.save_pretrained(path)
+    if family == "v2" and config.norm_topk_prob:
+        from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+
+        for module in model.modules():
+            if isinstance(module, DeepseekV2TopkRouter):
+                module.forward = _deepseek_v2_gate(module, module.forward)
     return model
+
+
+def _deepseek_v2_gate(router, forward):
+    """DeepSeek-V2's MoEGate (modeling_deepseek.py): with top_k > 1 and norm_topk_prob the chosen
+    softmax scores are normalised and not scaled; otherwise scaled by routed_scaling_factor."""
+
+    def gate(hidden_states):
+        logits, _, topk_ids = forward(hidden_states)
+        weights = logits.softmax(dim=-1, dtype=torch.float32).gather(1, topk_ids)
+        if router.top_k > 1:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        else:
+            weights = weights * router.routed_scaling_factor
+        return logits, weights, topk_ids
+
+    return gate

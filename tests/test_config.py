@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import torch
 
 from moe_runtime.config import RuntimeConfig, load_config
 from moe_runtime.llm import _flatten_overrides
+from moe_runtime.model_config import ModelConfig
 
 CONFIGS = Path(__file__).resolve().parent.parent / "launch" / "configs"
 
@@ -192,3 +194,102 @@ def test_layout_constraints_fail_at_load_naming_the_keys(overrides, names):
         load_config(CONFIGS / "tiny_cpu.yaml", overrides)
     for name in names:
         assert name in str(failure.value)
+
+
+def _hf_config(tmp_path, family: str, **fields) -> ModelConfig:
+    from tests.checkpoints import TINY_HF
+
+    model_type = {"v2": "deepseek_v2", "v3": "deepseek_v3"}[family]
+    (tmp_path / "config.json").write_text(
+        json.dumps({**TINY_HF, "model_type": model_type, **fields})
+    )
+    return ModelConfig.from_dict({"path": str(tmp_path)})
+
+
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}
+
+
+@pytest.mark.parametrize(
+    "family, key, value, named",
+    [
+        ("v3", "hidden_act", "gelu", None),
+        ("v3", "attention_bias", True, None),
+        ("v2", "mlp_bias", True, None),
+        ("v3", "pretraining_tp", 2, None),
+        ("v2", "moe_layer_freq", 2, None),
+        ("v3", "quantization_config", {"quant_method": "fp8"}, None),
+        ("v3", "num_key_value_heads", 2, None),
+        ("v3", "head_dim", 16, None),
+        ("v2", "qk_head_dim", 32, None),
+        ("v3", "use_mla", False, None),
+        ("v3", "scoring_func", "softmax", None),
+        ("v2", "scoring_func", "sigmoid", None),
+        ("v3", "topk_method", "greedy", None),
+        ("v2", "topk_method", "noaux_tc", None),
+        ("v2", "rope_interleave", False, None),
+        ("v3", "eos_token_id", [1, 2], None),
+        (
+            "v3",
+            "rope_scaling",
+            {"type": "linear", "factor": 2.0},
+            ("rope_scaling.rope_type", "linear"),
+        ),
+        (
+            "v2",
+            "rope_parameters",
+            {**YARN, "partial_rotary_factor": 0.5},
+            ("rope_parameters.partial_rotary_factor", 0.5),
+        ),
+        (
+            "v3",
+            "rope_parameters",
+            {"rope_type": "yarn", "original_max_position_embeddings": 128},
+            ("rope_parameters.factor", None),
+        ),
+    ],
+)
+def test_unimplemented_hf_fields_are_refused_by_name(tmp_path, family, key, value, named):
+    name, shown = named or (key, value)
+    with pytest.raises(ValueError) as err:
+        _hf_config(tmp_path, family, **{key: value})
+    assert f"config.json field {name}={shown!r}" in str(err.value)
+
+
+def test_hf_fields_without_numeric_effect_load(tmp_path):
+    cfg = _hf_config(
+        tmp_path,
+        "v3",
+        architectures=["DeepseekV3ForCausalLM"],
+        auto_map={"AutoConfig": "configuration_deepseek.DeepseekV3Config"},
+        torch_dtype="bfloat16",
+        aux_loss_alpha=0.001,
+        seq_aux=True,
+        ep_size=8,
+        num_nextn_predict_layers=1,
+        attention_dropout=0.1,
+        use_cache=True,
+        pad_token_id=None,
+        hidden_act="silu",
+        moe_layer_freq=1,
+        scoring_func="sigmoid",
+        topk_method="noaux_tc",
+        rope_scaling={**YARN, "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32},
+        eos_token_id=[257],
+    )
+    assert cfg.rope_scaling["factor"] == 4.0 and cfg.eos_token_id == 257
+
+
+@pytest.mark.parametrize(
+    "top_k, norm_in, norm, scale",
+    [(4, True, True, 1.0), (4, False, False, 2.0), (1, True, False, 2.0)],
+)
+def test_v2_norm_topk_prob_follows_deepseek_gate(tmp_path, top_k, norm_in, norm, scale):
+    """DeepSeek's V2 gate normalises (top_k > 1 and norm_topk_prob) or scales, never both."""
+    cfg = _hf_config(
+        tmp_path,
+        "v2",
+        num_experts_per_tok=top_k,
+        norm_topk_prob=norm_in,
+        routed_scaling_factor=2.0,
+    )
+    assert (cfg.norm_topk_prob, cfg.routed_scaling_factor) == (norm, scale)

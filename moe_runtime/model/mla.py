@@ -18,6 +18,10 @@ from moe_runtime.model.rope import RotaryEmbedding, softmax_scale
 from moe_runtime.model.tensor_parallel import TensorParallel
 from moe_runtime.model_config import ModelConfig
 
+# Why: transformers and DeepSeek's inference code build q_a_layernorm and kv_a_layernorm with
+# their RMSNorm default eps, not the config's rms_norm_eps (which only the residual norms use).
+LATENT_NORM_EPS = 1e-6
+
 
 class MLAttention(nn.Module):
     def __init__(
@@ -36,10 +40,10 @@ class MLAttention(nn.Module):
             self.q_proj = Linear(d, h * cfg.qk_head_dim, ops, dtype)
         else:
             self.q_a_proj = Linear(d, cfg.q_lora_rank, ops, dtype)
-            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, ops, dtype)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS, ops, dtype)
             self.q_b_proj = Linear(cfg.q_lora_rank, h * cfg.qk_head_dim, ops, dtype)
         self.kv_a_proj_with_mqa = Linear(d, cfg.latent_dim, ops, dtype)
-        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps, ops, dtype)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, LATENT_NORM_EPS, ops, dtype)
         self.kv_b_proj = Linear(
             cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), ops, dtype
         )

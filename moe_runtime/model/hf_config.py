@@ -1,0 +1,188 @@
+"""Read an HF DeepSeek-V2/V3 `config.json` into ModelConfig fields, refusing what we don't run.
+
+Every key of the file is in exactly one class: mapped onto a ModelConfig field and computed as
+transformers computes it for the model type (DeepSeek's released code where transformers drops a
+field it uses: V2 `norm_topk_prob`); accepted because it cannot change a forward pass at
+inference (the reason is written beside it); or accepted only at the value the reference
+computes with. Anything else, including a key we have never seen, is a ValueError naming the
+key and its value. This module reads the file only; ModelConfig validates the values.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
+
+# Keys copied one to one onto ModelConfig fields of the same name.
+MAPPED = (
+    "vocab_size hidden_size intermediate_size moe_intermediate_size num_hidden_layers "
+    "num_attention_heads q_lora_rank kv_lora_rank qk_nope_head_dim qk_rope_head_dim v_head_dim "
+    "n_routed_experts num_experts_per_tok routed_scaling_factor first_k_dense_replace "
+    "rms_norm_eps rope_theta max_position_embeddings bos_token_id tie_word_embeddings"
+).split()
+
+# Keys that cannot change the logits of a forward pass at inference, and why.
+NO_EFFECT = {
+    "architectures": "names the HF class; model_type picks ours",
+    "auto_map": "names DeepSeek's remote-code classes",
+    "model_type": "checked against MODEL_TYPES",
+    "transformers_version": "provenance",
+    "_name_or_path": "provenance",
+    "torch_dtype": "storage dtype; weights are cast to model.dtype",
+    "dtype": "storage dtype; weights are cast to model.dtype",
+    "use_cache": "HF generation switch; the runtime always caches latents",
+    "initializer_range": "training-time init",
+    "attention_dropout": "dropout is off at inference",
+    "aux_loss_alpha": "training loss",
+    "seq_aux": "training loss",
+    "output_router_logits": "HF output switch for the training loss",
+    "router_aux_loss_coef": "training loss",
+    "pad_token_id": "the runtime never pads a sequence",
+    "ep_size": "expert-parallel layout of DeepSeek's code; ours comes from parallel",
+    # Multi-token-prediction modules sit after the last decoder layer and only draft extra
+    # tokens; the next-token logits never read them (transformers drops their weights too).
+    "num_nextn_predict_layers": "MTP draft modules, outside the next-token forward",
+    "num_mtp_layers": "MTP draft modules, outside the next-token forward",
+}
+
+# Keys accepted only at the value the reference computes with.
+ONLY = {
+    "hidden_act": ("silu",),  # the op table's activation is SiLU only
+    "attention_bias": (False,),
+    "mlp_bias": (False,),
+    "pretraining_tp": (1, None),
+    "moe_layer_freq": (1,),
+    "quantization_config": (None,),  # fp8 block-scaled weights are not loaded
+}
+
+ROPE_KEYS = {
+    "default": {"rope_type", "type", "rope_theta"},
+    "yarn": set(
+        "rope_type type rope_theta factor original_max_position_embeddings beta_fast "
+        "beta_slow mscale mscale_all_dim attention_factor truncate".split()
+    ),
+}
+
+# Keys read by the functions below, each computed (or refused) there.
+_SPECIAL = set(
+    "n_shared_experts num_key_value_heads head_dim qk_head_dim rope_parameters rope_scaling "
+    "rope_interleave scoring_func topk_method norm_topk_prob n_group topk_group "
+    "eos_token_id".split()
+)
+
+ROUTING = {  # model type -> (scoring_func it computes, topk_methods it computes, default method)
+    "deepseek_v2": ("softmax", ("greedy", "group_limited_greedy"), "greedy"),
+    "deepseek_v3": ("sigmoid", ("noaux_tc",), "noaux_tc"),
+}
+
+
+def read_hf_config(path: Path) -> dict[str, Any]:
+    """config.json of the checkpoint directory `path` -> ModelConfig keyword arguments."""
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"model.path {str(path)!r} has no config.json")
+    hf = json.loads(config_file.read_text())
+    model_type = hf.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise ValueError(f"model.path: model_type {model_type!r} is not deepseek_v2 or deepseek_v3")
+    out = {key: hf[key] for key in MAPPED if key in hf}
+    out.update(_shape_keys(hf))
+    out.update(_rope(hf))
+    out.update(_routing(hf, model_type))
+    out["eos_token_id"] = _eos(hf.get("eos_token_id"))
+    handled = set(MAPPED) | set(NO_EFFECT) | set(ONLY) | _SPECIAL
+    for key, value in hf.items():
+        if key in ONLY and value not in ONLY[key]:
+            _refuse(key, value, f"only {ONLY[key][0]!r} is implemented")
+        if key not in handled:
+            _refuse(key, value, "this field is not implemented")
+    return out
+
+
+def _shape_keys(hf: dict[str, Any]) -> dict[str, Any]:
+    """Keys that must agree with MLA's shapes; transformers derives head_dim and qk_head_dim
+    (writing them back to config.json) and expands the latent to one K/V head per query head."""
+    heads, rope_dim = hf.get("num_attention_heads"), hf.get("qk_rope_head_dim")
+    qk_dim = (hf.get("qk_nope_head_dim") or 0) + (rope_dim or 0)
+    for key, allowed in (
+        ("num_key_value_heads", heads),
+        ("head_dim", rope_dim),
+        ("qk_head_dim", qk_dim),
+    ):
+        if hf.get(key) not in (None, allowed):
+            _refuse(key, hf[key], f"only null or {allowed} is consistent with MLA")
+    # DeepSeek's code builds no shared experts when the count is null.
+    return {"n_shared_experts": hf.get("n_shared_experts") or 0}
+
+
+def _rope(hf: dict[str, Any]) -> dict[str, Any]:
+    """rope_parameters (transformers 5) or rope_scaling (DeepSeek's files, transformers 4)."""
+    key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+    rope = hf.get(key) or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ROPE_KEYS:
+        _refuse(f"{key}.rope_type", kind, "only 'default' and 'yarn' are implemented")
+    for sub, value in rope.items():
+        if sub not in ROPE_KEYS[kind]:
+            _refuse(f"{key}.{sub}", value, f"not implemented for rope_type {kind!r}")
+    if kind == "yarn":
+        for sub in ("factor", "original_max_position_embeddings"):
+            if rope.get(sub) is None:
+                _refuse(f"{key}.{sub}", rope.get(sub), "YaRN needs it set")
+    out: dict[str, Any] = {}
+    if "rope_theta" in rope:
+        out["rope_theta"] = rope["rope_theta"]
+    out["rope_scaling"] = (
+        None if kind == "default" else {k: v for k, v in rope.items() if k != "rope_theta"}
+    )
+    return out
+
+
+def _routing(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """Router and rope-layout keys, as the model type computes them.
+
+    transformers fixes the scoring function per type (and V3's method); a file naming another is
+    refused rather than silently run the type's way. V2's `norm_topk_prob` follows DeepSeek's
+    released V2 code, which transformers drops: with top_k > 1 the chosen weights are normalised
+    and then *not* scaled by routed_scaling_factor; otherwise they are scaled, not normalised.
+    """
+    scoring, methods, default_method = ROUTING[model_type]
+    if hf.get("scoring_func", scoring) != scoring:
+        _refuse("scoring_func", hf["scoring_func"], f"{model_type} computes {scoring!r}")
+    method = hf.get("topk_method") or default_method
+    if method not in methods:
+        _refuse("topk_method", method, f"{model_type} computes one of {methods}")
+    out = {
+        "scoring_func": scoring,
+        "topk_method": method,
+        "n_group": hf.get("n_group") or 1,
+        "topk_group": hf.get("topk_group") or 1,
+    }
+    if model_type == "deepseek_v3":
+        out["norm_topk_prob"] = bool(hf.get("norm_topk_prob", True))
+        out["rope_interleave"] = bool(hf.get("rope_interleave", True))
+        return out
+    if hf.get("rope_interleave") is False:
+        _refuse("rope_interleave", False, "deepseek_v2 always rotates interleaved pairs")
+    out["rope_interleave"] = True
+    top_k = hf.get("num_experts_per_tok") or 1
+    out["norm_topk_prob"] = bool(hf.get("norm_topk_prob")) and top_k > 1
+    if out["norm_topk_prob"]:
+        out["routed_scaling_factor"] = 1.0  # DeepSeek-V2: normalise *or* scale, never both
+    return out
+
+
+def _eos(value: Any) -> Any:
+    """One stop id; a list of several would be a stop set the runtime does not keep."""
+    if isinstance(value, list):
+        if len(set(value)) > 1:
+            _refuse("eos_token_id", value, "only one end-of-sequence id is implemented")
+        return value[0] if value else None
+    return value
+
+
+def _refuse(key: str, value: object, why: str) -> None:
+    raise ValueError(f"config.json field {key}={value!r} is refused: {why}")
