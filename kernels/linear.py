@@ -4,6 +4,9 @@
 never depends on the other rows in the call, their count or their order (fp32 `torch.mm` row 0
 differs between M <= 3 and M >= 7 on CPU). The fast versions call BLAS on whatever M the
 batch brings and are the negative control. No bias: DeepSeek projections have none.
+In and out features are zero-padded to multiples of PAD_FEATURES (exact zeros add nothing),
+so BLAS takes the same full-width path for every weight shape: with MKL's narrow-N path a
+row's bits followed its position in the tile (out 2-11, in not a multiple of 4).
 """
 
 from __future__ import annotations
@@ -16,12 +19,27 @@ import torch.nn.functional as F
 
 from kernels.tiling import map_row_tiles
 
+PAD_FEATURES = 16  # 64 bytes of fp32: every padded row of a tile starts cache-line aligned
+
+
+def _pad_features(weight: torch.Tensor) -> torch.Tensor:
+    """[..., OUT, IN] -> zero-padded [..., OUT', IN'], both multiples of PAD_FEATURES."""
+    pad_out, pad_in = (-n % PAD_FEATURES for n in weight.shape[-2:])
+    return F.pad(weight, (0, pad_in, 0, pad_out)) if pad_out or pad_in else weight
+
+
+def _tiled_matmul(x: torch.Tensor, padded_weight: torch.Tensor, out_dim: int, tile_rows: int):
+    weight_t = padded_weight.t()
+    # Why: BLAS sees [tile_rows, IN'] @ [IN', OUT'] every call, one shape and one code path
+    # for every row, in a fresh buffer whose alignment the batch cannot move.
+    return map_row_tiles(
+        lambda tile: (tile @ weight_t)[:, :out_dim], x, tile_rows, num_cols=weight_t.shape[0]
+    )
+
 
 def linear_ref(x: torch.Tensor, weight: torch.Tensor, *, tile_rows: int) -> torch.Tensor:
     """x [T, IN] @ weight [OUT, IN]^T -> [T, OUT]."""
-    weight_t = weight.t()
-    # Why: BLAS sees M == tile_rows every call, so it takes one code path for every row.
-    return map_row_tiles(lambda tile: tile @ weight_t, x, tile_rows)
+    return _tiled_matmul(x, _pad_features(weight), weight.shape[0], tile_rows)
 
 
 def linear_fast(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -47,8 +65,10 @@ def grouped_linear_ref(
     group's weight: how many tokens the expert received never changes a bit.
     """
     slices = _group_slices(group_sizes, x.shape[0], weight.shape[0])
-    # Why: each group is tiled on its own, so a tile never mixes weights and M stays fixed.
-    outs = [linear_ref(x[s], weight[g], tile_rows=tile_rows) for g, s in enumerate(slices)]
+    padded, out_dim = _pad_features(weight), weight.shape[1]
+    # Why: each group is tiled on its own, so a tile never mixes weights and M stays fixed;
+    # its rows are copied out of x[s], so the group's offset never sets their alignment.
+    outs = [_tiled_matmul(x[s], padded[g], out_dim, tile_rows) for g, s in enumerate(slices)]
     # torch.cat places rows; no float index_add_/scatter_add_ whose order could vary.
     return torch.cat(outs) if outs else x.new_zeros((0, weight.shape[1]))
 

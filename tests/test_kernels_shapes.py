@@ -1,0 +1,105 @@
+"""Row invariance of the tiled CPU references on every width, not only multiples of 16.
+
+A row's bits must not depend on its position in a tile, on the batch size, nor on the offset
+at which a grouped GEMM finds an expert's rows. Widths swept: 1..16 and the odd ones to 63,
+plus 64, for both in and out features. MKL picks its GEMM kernels by CPU, so the linear sweep
+also runs in a child process under MKL's SSE4.2 dispatch (the kernels an older CPU gets): on
+the fixed-tile code before the K/N padding, out 2-3 and grouped out 1 (in % 4 != 0) failed
+there while this CPU's AVX-512 path hid it.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kernels.attention import mla_attention_ref
+from kernels.linear import grouped_linear_ref, linear_ref
+from kernels.rmsnorm import rms_norm_ref
+from kernels.softmax import log_softmax_ref, softmax_ref
+
+TILE = 16
+WIDTHS = [*range(1, 17), *range(17, 64, 2), 64]
+
+
+def _placements(row: torch.Tensor, op) -> list[torch.Tensor]:
+    """op's result for `row` [1, ...] at every position of a tile, alone, and in larger batches."""
+    g = torch.Generator().manual_seed(1)
+    tile = op(row.expand(TILE, *row.shape[1:]).contiguous())
+    others = torch.randn(TILE + 7, *row.shape[1:], generator=g).to(row.dtype)
+    return [
+        *tile,
+        op(row)[0],
+        op(torch.cat([others[:5], row, others[5:]]))[5],
+        op(torch.cat([others, row]))[-1],
+    ]
+
+
+def _is_invariant(row: torch.Tensor, op) -> bool:
+    first, *rest = _placements(row, op)
+    return all(torch.equal(first, other) for other in rest)
+
+
+def position_dependent_linear_shapes(widths=WIDTHS) -> list[tuple[str, int, int]]:
+    """(op, out, in) for every shape whose rows are not bitwise invariant."""
+    g = torch.Generator().manual_seed(0)
+    bad = []
+    for out_dim in widths:
+        for in_dim in widths:
+            w = torch.randn(2, out_dim, in_dim, generator=g)
+            row = torch.randn(1, in_dim, generator=g)
+            if not _is_invariant(row, lambda x, w=w: linear_ref(x, w[0], tile_rows=TILE)):
+                bad.append(("linear", out_dim, in_dim))
+            # Expert 1's rows start at a batch-dependent offset behind expert 0's.
+            lead, rows = torch.randn(4, in_dim, generator=g), torch.randn(TILE, in_dim, generator=g)
+            full = grouped_linear_ref(rows, w, [0, TILE], tile_rows=TILE)
+            if not all(
+                torch.equal(grouped_linear_ref(batch, w, [k, TILE], tile_rows=TILE)[k:], full)
+                for k in range(1, 5)
+                for batch in [torch.cat([lead[:k], rows])]
+            ):
+                bad.append(("grouped_linear", out_dim, in_dim))
+    return bad
+
+
+def test_linear_rows_invariant_for_every_width():
+    assert position_dependent_linear_shapes() == []
+
+
+def test_linear_rows_invariant_under_mkl_sse42_dispatch():
+    code = "from tests.test_kernels_shapes import *; print(position_dependent_linear_shapes())"
+    env = {**os.environ, "MKL_ENABLE_INSTRUCTIONS": "SSE4_2", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    assert done.stdout.strip() == "[]", done.stdout[-2000:]
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+@pytest.mark.parametrize("width", [1, 3, 5, 7, 13, 30, 31, 63, 1003])
+def test_row_wise_refs_invariant_at_odd_widths(generator, dtype, width):
+    row = torch.randn(1, width, generator=generator).to(dtype)
+    weight = torch.randn(width, generator=generator).to(dtype)
+    assert _is_invariant(row, lambda x: rms_norm_ref(x, weight, 1e-6, tile_rows=TILE))
+    assert _is_invariant(row, lambda x: softmax_ref(x, tile_rows=TILE))
+    assert _is_invariant(row, lambda x: log_softmax_ref(x, tile_rows=TILE))
+
+
+@pytest.mark.parametrize("cache_dim, v_dim, num_heads", [(7, 5, 1), (13, 9, 3), (31, 17, 2)])
+def test_attention_ref_invariant_at_odd_head_dims(generator, cache_dim, v_dim, num_heads):
+    block_size, seq_len = 4, 11
+    kv_cache = torch.randn(4, block_size, cache_dim, generator=generator)
+    block_tables = torch.tensor([[2, 0, 3]])
+    q = torch.randn(1, num_heads, cache_dim, generator=generator)
+
+    def attend(qs):  # every query is sequence 0 at the last position
+        n = qs.shape[0]
+        positions = torch.full((n,), seq_len - 1, dtype=torch.int64)
+        seq_ids = torch.zeros(n, dtype=torch.int64)
+        return mla_attention_ref(
+            qs, kv_cache, seq_ids, block_tables, positions, scale=0.3, v_dim=v_dim, tile_rows=TILE
+        )
+
+    assert _is_invariant(q, attend)
