@@ -1,7 +1,9 @@
 """Softmax / log-softmax: closeness to fp64 and bitwise row invariance of the references.
 
-No negative control here: plain torch softmax was measured batch-invariant on this CPU
-(fp32 and bf16 inputs, V from 7 to 2**20, 1 and 2 threads), so a control could not fail.
+Plain torch softmax was measured batch-invariant on this CPU (fp32 and bf16 inputs, V from 7
+to 2**20, 1 and 2 threads), so the fast path cannot serve as the control. The control is a
+softmax whose row sum is split at a point that follows the batch size, run through the same
+assertion, which must catch it.
 """
 
 import pytest
@@ -31,9 +33,14 @@ def test_softmax_ref_close_to_fp64_and_fast(generator, ref, fast, fp64_op, dtype
     torch.testing.assert_close(out, fast(x), atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("ref", [op[0] for op in OPS])
-@pytest.mark.parametrize("tile_rows", TILE_SIZES)
-def test_softmax_ref_rows_bitwise_invariant(generator, ref, tile_rows):
+def _split_sum_softmax(x, *, tile_rows):
+    """Negative control: the row sum is split at a batch-dependent column, then added."""
+    e = torch.exp(x - x.amax(-1, keepdim=True))
+    split = 1 + x.shape[0] % (x.shape[1] - 1)
+    return e / (e[:, :split].sum(-1, keepdim=True) + e[:, split:].sum(-1, keepdim=True))
+
+
+def _assert_rows_bitwise_invariant(ref, tile_rows, generator):
     x = torch.randn(40, 1003, generator=generator) * 4
     full = ref(x, tile_rows=tile_rows)
     for m in _prefix_sizes(tile_rows):
@@ -42,3 +49,15 @@ def test_softmax_ref_rows_bitwise_invariant(generator, ref, tile_rows):
     assert torch.equal(ref(x[perm], tile_rows=tile_rows), full[perm])
     mixed = torch.cat([torch.randn(5, 1003, generator=generator), x[11:12]])
     assert torch.equal(ref(mixed, tile_rows=tile_rows)[5], full[11])
+
+
+@pytest.mark.parametrize("ref", [op[0] for op in OPS])
+@pytest.mark.parametrize("tile_rows", TILE_SIZES)
+def test_softmax_ref_rows_bitwise_invariant(generator, ref, tile_rows):
+    _assert_rows_bitwise_invariant(ref, tile_rows, generator)
+
+
+@pytest.mark.parametrize("tile_rows", TILE_SIZES)
+def test_split_sum_control_is_caught(generator, tile_rows):
+    with pytest.raises(AssertionError):
+        _assert_rows_bitwise_invariant(_split_sum_softmax, tile_rows, generator)
