@@ -243,7 +243,7 @@ class Worker:
             "tp_rank": tp.rank,
             "num_tp_all_reduces": tp.num_calls["all_reduce"],
             "num_steps": self.num_steps,
-            "num_rows_sent_remote": getattr(self.dispatcher, "num_rows_sent_remote", 0),
+            "num_rows_sent_remote": self.dispatcher.num_rows_sent_remote,
             "slot_load": total,
             "physical_to_logical": self.placement.physical_to_logical.tolist(),
         }
