@@ -22,6 +22,7 @@ from launch.openai.errors import FieldError
 from launch.openai.render import chat_choice, completion_choice
 from launch.openai.schemas import ChatCompletionRequest, CompletionRequest
 from moe_runtime.config import RuntimeConfig
+from moe_runtime.engine.engine import ContextLengthError
 from moe_runtime.engine.outputs import CompletionOutput, RequestOutput
 
 DEFAULT_MAX_TOKENS = 16
@@ -33,13 +34,11 @@ async def complete(
     backend = ready(backend)
     body.check_model(config.server.model_name)
     prompts, params = body.prompts(), body.sampling_params(DEFAULT_MAX_TOKENS)
-    tokenizer, max_model_len = backend.tokenizer, config.scheduler.max_model_len
-    prompt_ids = [tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
-    for ids in prompt_ids:
-        check_context(len(ids), params.max_tokens, max_model_len, "max_tokens")
-    generation = Generation(backend.engine, prompt_ids, [params] * len(prompts), metrics)
+    generation = Generation(backend.engine, prompts, [params] * len(prompts), metrics)
     try:
         await generation.start(body.stream)
+    except ContextLengthError as exc:
+        raise FieldError("max_tokens", str(exc)) from None
     except ValueError as exc:  # the engine's prompt checks
         raise FieldError("prompt", str(exc)) from None
     head = {
@@ -50,18 +49,6 @@ async def complete(
     }
     choices = _Choices(body, prompts, backend.tokenizer)
     return generation.response(head, choices, body.include_usage)
-
-
-def check_context(num_prompt_tokens: int, max_tokens: int, max_model_len: int, param: str) -> None:
-    """Refuse a prompt that fits but leaves room for fewer than `max_tokens` tokens, as OpenAI
-    and vLLM do (an over-long prompt is the engine's own check)."""
-    total = num_prompt_tokens + max_tokens
-    if num_prompt_tokens <= max_model_len < total:
-        raise FieldError(
-            param,
-            f"This model's maximum context length is {max_model_len} tokens; the prompt has "
-            f"{num_prompt_tokens} tokens and {param} is {max_tokens} ({total} in all)",
-        )
 
 
 class _Choices:
@@ -100,14 +87,17 @@ async def chat(
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     prompt_ids = tokenizer.apply_chat_template(messages)
     max_model_len, budget = config.scheduler.max_model_len, body.token_budget()
-    if budget is not None:
-        param = "max_tokens" if body.max_tokens is not None else "max_completion_tokens"
-        check_context(len(prompt_ids), budget, max_model_len, param)
     room = max(1, max_model_len - len(prompt_ids))  # too long fails below
     params = body.sampling_params(budget or room)
     generation = Generation(backend.engine, [prompt_ids], [params], metrics)
     try:
         await generation.start(body.stream)
+    except ContextLengthError as exc:
+        if budget is not None:  # the client's budget; else the prompt alone fills the context
+            param = "max_tokens" if body.max_tokens is not None else "max_completion_tokens"
+            again = ContextLengthError(exc.num_prompt_tokens, budget, max_model_len, param)
+            raise FieldError(param, str(again)) from None
+        raise FieldError("messages", f"messages: {exc}") from None
     except ValueError as exc:  # the engine's prompt checks
         raise FieldError("messages", f"messages: {exc}") from None
     head = {

@@ -29,6 +29,24 @@ from moe_runtime.tokenizer import load_tokenizer
 from moe_runtime.worker.step_input import NewSequence, ScheduledSeq, StepInput, StepOutput
 
 
+class ContextLengthError(ValueError):
+    """A prompt that fits the context, but not with its max_tokens (as OpenAI and vLLM refuse).
+
+    `field` names the budget in the message, so a front end can speak of its own field."""
+
+    def __init__(
+        self, num_prompt_tokens: int, max_tokens: int, max_model_len: int, field: str = "max_tokens"
+    ) -> None:
+        self.num_prompt_tokens, self.max_tokens = num_prompt_tokens, max_tokens
+        self.max_model_len = max_model_len
+        super().__init__(
+            f"This model's maximum context length is {max_model_len} tokens; the prompt has "
+            f"{num_prompt_tokens} tokens and {field} is {max_tokens} "
+            f"({num_prompt_tokens + max_tokens} in all). The context is "
+            "scheduler.max_model_len."
+        )
+
+
 class LLMEngine:
     def __init__(self, config: RuntimeConfig) -> None:
         self.config = config
@@ -106,13 +124,11 @@ class LLMEngine:
             try:
                 token_ids.append(self.encode(prompt))
                 if len(token_ids[-1]) + p.max_tokens > max_len:
-                    raise ValueError(
-                        f"prompt has {len(token_ids[-1])} tokens and max_tokens is {p.max_tokens}"
-                        f" ({len(token_ids[-1]) + p.max_tokens} in all), more than "
-                        f"scheduler.max_model_len={max_len}"
-                    )
+                    raise ContextLengthError(len(token_ids[-1]), p.max_tokens, max_len)
             except ValueError as exc:
-                raise ValueError(f"prompt {i}: {exc}" if len(prompts) > 1 else str(exc)) from None
+                if len(prompts) > 1:  # the same exception, its type kept, naming the prompt
+                    exc.args = (f"prompt {i}: {exc}",)
+                raise
         self._check_alive()
         return [
             self._enqueue(Request(f"req-{next(self._request_ids)}", ids, p, resolve_seed(p.seed)))
