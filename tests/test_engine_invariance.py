@@ -21,6 +21,7 @@ from tests.invariance import (
 
 NUM = 12
 BUDGETS = [7, 16, 33, 100]
+MODES = ["invariant", "fast"]  # fast: the negative control of each comparison
 
 
 @pytest.fixture(scope="module")
@@ -37,12 +38,24 @@ def _plain_run(workload, mode: str) -> dict[int, tuple]:
 
 @pytest.fixture(scope="module")
 def reference(workload):
-    return _plain_run(workload, "invariant")
+    """kernel mode -> that mode's plain run, computed on first use and kept for the module."""
+    runs: dict[str, dict[int, tuple]] = {}
+
+    def of(mode: str) -> dict[int, tuple]:
+        if mode not in runs:
+            runs[mode] = _plain_run(workload, mode)
+        return runs[mode]
+
+    return of
 
 
-@pytest.fixture(scope="module")
-def fast_reference(workload):
-    return _plain_run(workload, "fast")
+def _check(mode: str, got, expected, what: str) -> None:
+    """Invariant kernels: bitwise equal. Fast kernels, the control: they must differ, or the
+    comparison could not fail."""
+    if mode == "invariant":
+        assert got == expected
+    else:
+        assert got != expected, f"fast kernels gave the same bits {what}: the test could not fail"
 
 
 def _chunked_run(workload, mode: str, budget: int) -> dict[int, tuple]:
@@ -65,16 +78,11 @@ def _chunked_run(workload, mode: str, budget: int) -> dict[int, tuple]:
     return got
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("budget", BUDGETS)
-def test_chunked_prefill_is_bitwise_invariant(workload, reference, budget):
-    assert _chunked_run(workload, "invariant", budget) == reference
-
-
-@pytest.mark.parametrize("budget", BUDGETS)
-def test_chunked_prefill_negative_control(workload, fast_reference, budget):
-    assert _chunked_run(workload, "fast", budget) != fast_reference, (
-        f"fast kernels gave the same bits chunked at budget {budget}: the test could not fail"
-    )
+def test_chunked_prefill_is_bitwise_invariant(workload, reference, budget, mode):
+    got = _chunked_run(workload, mode, budget)
+    _check(mode, got, reference(mode), f"chunked at budget {budget}")
 
 
 def _cache_hit_run(workload, mode: str) -> dict[int, tuple]:
@@ -99,14 +107,9 @@ def _cache_hit_run(workload, mode: str) -> dict[int, tuple]:
     return got
 
 
-def test_prefix_cache_hit_is_bitwise_equal_to_miss(workload, reference):
-    assert _cache_hit_run(workload, "invariant") == reference
-
-
-def test_prefix_cache_negative_control(workload, fast_reference):
-    assert _cache_hit_run(workload, "fast") != fast_reference, (
-        "fast kernels gave the same bits from the prefix cache: the test could not fail"
-    )
+@pytest.mark.parametrize("mode", MODES)
+def test_prefix_cache_hit_is_bitwise_equal_to_miss(workload, reference, mode):
+    _check(mode, _cache_hit_run(workload, mode), reference(mode), "from the prefix cache")
 
 
 def _shared_prefix_run(workload, mode: str) -> tuple[list[tuple], list[tuple]]:
@@ -127,14 +130,10 @@ def _shared_prefix_run(workload, mode: str) -> tuple[list[tuple], list[tuple]]:
     return expected, got
 
 
-def test_shared_prefix_across_requests(workload):
-    expected, got = _shared_prefix_run(workload, "invariant")
-    assert got == expected
-
-
-def test_shared_prefix_negative_control(workload):
-    expected, got = _shared_prefix_run(workload, "fast")
-    assert got != expected, "fast kernels gave the same bits from a shared prefix"
+@pytest.mark.parametrize("mode", MODES)
+def test_shared_prefix_across_requests(workload, mode):
+    expected, got = _shared_prefix_run(workload, mode)
+    _check(mode, got, expected, "from a shared prefix")
 
 
 def _preempted_run(workload, mode: str) -> dict[int, tuple]:
@@ -149,14 +148,9 @@ def _preempted_run(workload, mode: str) -> dict[int, tuple]:
     return got
 
 
-def test_preemption_loses_nothing_and_changes_no_bit(workload, reference):
-    assert _preempted_run(workload, "invariant") == reference
-
-
-def test_preemption_negative_control(workload, fast_reference):
-    assert _preempted_run(workload, "fast") != fast_reference, (
-        "fast kernels gave the same bits across preemption: the test could not fail"
-    )
+@pytest.mark.parametrize("mode", MODES)
+def test_preemption_loses_nothing_and_changes_no_bit(workload, reference, mode):
+    _check(mode, _preempted_run(workload, mode), reference(mode), "across preemption")
 
 
 def _decode_vs_score(mode: str, workload) -> list[tuple[list[float], list[float]]]:
