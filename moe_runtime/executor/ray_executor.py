@@ -127,13 +127,7 @@ class RayExecutor:
                 if isinstance(exc.cause, ValueError):  # bad input, identical on every rank
                     raise ValueError(f"rank {rank_of[done[0]]}: {exc.cause}") from exc
                 failure = f"rank {rank_of[done[0]]} failed during {what}: {exc}"
-                stalled = self._silent_ranks(pending, rank_of)
-                if stalled:
-                    failure = (
-                        f"ranks {stalled} stalled during {what}: no answer {_STALL_GRACE_S:.0f}s "
-                        f"after a peer failed waiting for them ({failure})"
-                    )
-                raise WorkerError(failure) from exc
+                raise WorkerError(self._blame(pending, rank_of, what, failure)) from exc
             except RayActorError as exc:
                 raise WorkerError(f"rank {rank_of[done[0]]} died during {what}: {exc}") from exc
             except RayError as exc:
@@ -141,14 +135,33 @@ class RayExecutor:
         return ray.get(refs)
 
     @staticmethod
-    def _silent_ranks(pending: list, rank_of: dict) -> list[int]:
-        """Ranks still silent a grace period after a peer failed. Why: a stalled rank fails
-        nobody itself; its peers fail first, in a collective that timed out waiting for it."""
-        if not pending:
-            return []
-        _, silent = ray.wait(pending, num_returns=len(pending), timeout=_STALL_GRACE_S)
-        return sorted(rank_of[ref] for ref in silent)
+    def _blame(pending: list, rank_of: dict, what: str, failure: str) -> str:
+        """The message for a rank's failure, naming the rank that caused it when a peer did.
 
+        Why: a rank whose peer died or stalled fails itself in a collective (a reset
+        connection, a timeout), often before the driver hears of the death, and a stalled rank
+        fails nobody itself. So the others get a grace period: the ranks that died in it, else
+        those still silent after it, are named first."""
+        if not pending:
+            return failure
+        answered, silent = ray.wait(pending, num_returns=len(pending), timeout=_STALL_GRACE_S)
+        died = []
+        for ref in answered:
+            try:
+                ray.get(ref)
+            except RayActorError:
+                died.append(rank_of[ref])
+            except RayError:
+                pass  # another peer failing the same way
+        if died:
+            return f"rank {min(died)} died during {what} (all died: {sorted(died)}; {failure})"
+        if silent:
+            stalled = sorted(rank_of[ref] for ref in silent)
+            return (
+                f"ranks {stalled} stalled during {what}: no answer {_STALL_GRACE_S:.0f}s after a "
+                f"peer failed waiting for them ({failure})"
+            )
+        return failure
 
 def _bundles(device: str, world_size: int) -> list[dict[str, float]]:
     gpu = _gpu_share(device, world_size)
