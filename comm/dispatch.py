@@ -65,12 +65,20 @@ class DispatchLayout:
 
 
 def dispatch_layout(topk_phys_ids: torch.Tensor, num_physical: int) -> DispatchLayout:
-    """[T, K] int64 physical ids (all < num_physical) -> DispatchLayout."""
-    rows_per_slot = torch.bincount(topk_phys_ids.reshape(-1), minlength=num_physical)
-    if rows_per_slot.numel() != num_physical:
+    """[T, K] int64 physical ids (all < num_physical) -> DispatchLayout. No host sync on CUDA
+    (a CUDA graph can capture it); on CPU the ids are range-checked."""
+    flat = topk_phys_ids.reshape(-1)
+    if (
+        flat.device.type == "cpu"
+        and flat.numel()
+        and not 0 <= int(flat.min()) <= int(flat.max()) < num_physical
+    ):
         raise ValueError(
-            f"physical expert ids must lie in [0, {num_physical}), got {rows_per_slot.numel() - 1}"
+            f"physical expert ids must lie in [0, {num_physical}), got {flat.min()}..{flat.max()}"
         )
+    # Integer adds: exact in any order (torch.bincount would sync to size its output).
+    rows_per_slot = torch.zeros(num_physical, dtype=torch.int64, device=flat.device)
+    rows_per_slot.index_add_(0, flat, torch.ones_like(flat))
     return DispatchLayout(sort_rows_by_destination(topk_phys_ids), rows_per_slot)
 
 
@@ -96,6 +104,8 @@ class LocalDispatcher:
     every slot of a token, so there is nothing to pre-reduce: no multiple-reduction switch.
     moe_combine: the op table's (rows, slot_ids, weights) -> out."""
 
+    is_capturable = True  # no host sync, no collective: a CUDA graph may hold the MoE layer
+
     def __init__(self, num_local_slots: int, moe_combine: Callable) -> None:
         self.num_local_slots = num_local_slots
         self.moe_combine = moe_combine
@@ -110,18 +120,17 @@ class LocalDispatcher:
         topk_phys_ids: torch.Tensor,
         topk_weights: torch.Tensor,
         layout: DispatchLayout | None = None,
-    ) -> tuple[torch.Tensor, list[int], DispatchHandle]:
-        """x [T, D] -> rows [T*K, D] sorted by (local slot, token, slot), group_sizes [L]."""
+    ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
+        """x [T, D] -> rows [T*K, D] sorted by (local slot, token, slot), group sizes [L]
+        int64 on x's device. No host sync and no collective: a CUDA graph can capture it."""
         _check_routing(x, topk_phys_ids, topk_weights)
         k = topk_phys_ids.shape[1]
         layout = layout or self.layout(topk_phys_ids)
         order = layout.order
-        # Host sync: group sizes drive the per-expert GEMM loop.
-        group_sizes = layout.rows_per_slot.tolist()
         num_rows = order.numel()
         recv_order = torch.arange(num_rows, device=order.device)
         handle = DispatchHandle(order, [num_rows], [num_rows], recv_order, x.shape[0])
-        return x[order // k], group_sizes, handle
+        return x[order // k], layout.rows_per_slot, handle
 
     def combine(
         self, y: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor
@@ -140,6 +149,8 @@ class AllToAllDispatcher:
     invariance contract is on. num_rows_sent_remote counts rows sent to other ranks by
     dispatch and combine together. moe_combine: the op table's, for every sum of combine.
     """
+
+    is_capturable = False  # split sizes are host ints: the MoE layer runs eagerly
 
     def __init__(
         self,
@@ -180,9 +191,9 @@ class AllToAllDispatcher:
         topk_phys_ids: torch.Tensor,
         topk_weights: torch.Tensor,
         layout: DispatchLayout | None = None,
-    ) -> tuple[torch.Tensor, list[int], DispatchHandle]:
+    ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
         """x [T, D] -> recv_x [N, D] sorted by (local slot, source rank, token, slot),
-        group_sizes [L] host ints, handle. topk_phys_ids [T, K] int64, topk_weights fp32.
+        group sizes [L] int64 on x's device, handle. topk_phys_ids [T, K] int64, topk_weights fp32.
         `layout` (from `self.layout`) may be computed ahead, as DeepEP's callers do."""
         _check_routing(x, topk_phys_ids, topk_weights)
         r, slots, k = self.world_size, self.num_local_slots, topk_phys_ids.shape[1]
@@ -198,7 +209,7 @@ class AllToAllDispatcher:
         # Host sync: split sizes and group sizes are host ints for the collective and the GEMM.
         send_splits = send_counts.view(r, slots).sum(1).tolist()
         recv_splits = recv_counts.sum(1).tolist()
-        group_sizes = recv_counts.sum(0).tolist()
+        group_sizes = recv_counts.sum(0)
         # Collective (all ranks, right after the counts): the rows, uneven splits.
         recv_buf = self._all_to_all(x[order // k], send_splits, recv_splits, "dispatch all_to_all")
         self._count_remote(send_splits)

@@ -5,7 +5,9 @@ speed and as the negative control of every invariance test). `num_threads` is th
 thread count of a worker: part of the layout, never of the load. `tile_rows` is the fixed
 row count every CPU BLAS call and row reduction is padded to. `cuda_graphs` replays pure
 decode steps of at most max(`cuda_graph_batch_sizes`) sequences as CUDA graphs, the batch
-padded up to the next size; it needs the invariant kernels, whose rows ignore the padding.
+padded up to the next size; None (the default) lets the runtime config decide (on where the
+device is CUDA and tensor parallelism is off). In invariant mode a row ignores the padding; in
+fast mode graphs are a speed setting like any other and the bits may follow the padded size.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ class KernelConfig:
     mode: str = "invariant"
     num_threads: int = 1
     tile_rows: int = 16
-    cuda_graphs: bool = False
+    cuda_graphs: bool | None = None
     cuda_graph_batch_sizes: tuple[int, ...] = DEFAULT_GRAPH_BATCH_SIZES
 
     def __post_init__(self) -> None:
@@ -31,8 +33,10 @@ class KernelConfig:
             value = getattr(self, key)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"kernels.{key} must be an int >= 1, got {value!r}")
-        if not isinstance(self.cuda_graphs, bool):
-            raise ValueError(f"kernels.cuda_graphs must be a bool, got {self.cuda_graphs!r}")
+        if self.cuda_graphs is not None and not isinstance(self.cuda_graphs, bool):
+            raise ValueError(
+                f"kernels.cuda_graphs must be a bool or null, got {self.cuda_graphs!r}"
+            )
         sizes = self.cuda_graph_batch_sizes
         if (
             not isinstance(sizes, (list, tuple))
@@ -45,12 +49,6 @@ class KernelConfig:
                 f"of ints >= 1, got {sizes!r}"
             )
         object.__setattr__(self, "cuda_graph_batch_sizes", tuple(sizes))  # YAML gives a list
-        if self.cuda_graphs and not self.is_invariant:
-            # Why: padding a batch up to a graph size is invisible to a row only when every
-            # kernel is row-independent; the fast (cuBLAS) kernels are not.
-            raise ValueError(
-                f"kernels.cuda_graphs: true needs kernels.mode 'invariant', got {self.mode!r}"
-            )
 
     @property
     def is_invariant(self) -> bool:

@@ -46,7 +46,21 @@ def linear_fast(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight)
 
 
-def _group_slices(group_sizes: Sequence[int], num_rows: int, num_groups: int) -> list[slice]:
+def batched_linear_ref(x: torch.Tensor, weight: torch.Tensor, *, tile_rows: int) -> torch.Tensor:
+    """x [B, M, IN] @ weight [B, OUT, IN]^T -> [B, M, OUT]: linear_ref of each b."""
+    outs = [linear_ref(x[b], weight[b], tile_rows=tile_rows) for b in range(x.shape[0])]
+    return torch.stack(outs) if outs else x.new_empty((0, x.shape[1], weight.shape[1]))
+
+
+def batched_linear_fast(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return torch.bmm(x, weight.transpose(1, 2))
+
+
+def _group_slices(
+    group_sizes: Sequence[int] | torch.Tensor, num_rows: int, num_groups: int
+) -> list[slice]:
+    if isinstance(group_sizes, torch.Tensor):
+        group_sizes = group_sizes.tolist()  # host sync: these paths loop over the groups
     if len(group_sizes) != num_groups or sum(group_sizes) != num_rows:
         raise ValueError(
             f"group_sizes must have {num_groups} entries summing to {num_rows} rows, "
@@ -57,12 +71,16 @@ def _group_slices(group_sizes: Sequence[int], num_rows: int, num_groups: int) ->
 
 
 def grouped_linear_ref(
-    x: torch.Tensor, weight: torch.Tensor, group_sizes: Sequence[int], *, tile_rows: int
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    group_sizes: Sequence[int] | torch.Tensor,
+    *,
+    tile_rows: int,
 ) -> torch.Tensor:
     """Rows of x [N, IN], sorted by group, times their group's weight [L, OUT, IN] -> [N, OUT].
 
-    group_sizes are host ints summing to N. Each row's result depends only on the row and its
-    group's weight: how many tokens the expert received never changes a bit.
+    group_sizes: ints summing to N (host, or an int tensor [L]). Each row's result depends only
+    on the row and its group's weight: how many tokens the expert received never changes a bit.
     """
     slices = _group_slices(group_sizes, x.shape[0], weight.shape[0])
     padded, out_dim = _pad_features(weight), weight.shape[1]
@@ -74,8 +92,23 @@ def grouped_linear_ref(
 
 
 def grouped_linear_fast(
-    x: torch.Tensor, weight: torch.Tensor, group_sizes: Sequence[int]
+    x: torch.Tensor, weight: torch.Tensor, group_sizes: Sequence[int] | torch.Tensor
 ) -> torch.Tensor:
     slices = _group_slices(group_sizes, x.shape[0], weight.shape[0])
     outs = [F.linear(x[s], weight[g]) for g, s in enumerate(slices)]
     return torch.cat(outs) if outs else x.new_zeros((0, weight.shape[1]))
+
+
+def grouped_linear_cuda_fast(
+    x: torch.Tensor, weight: torch.Tensor, group_sizes: Sequence[int] | torch.Tensor
+) -> torch.Tensor:
+    """grouped_linear_fast's contract on CUDA: torch's grouped GEMM (one launch, CUTLASS on
+    sm90) over offsets computed on the device, so no host sync and CUDA graphs can capture
+    it. Rows past the counts' sum are left unspecified. Shapes it cannot take (not bf16, or
+    feature sizes not multiples of 16) fall back to the per-group loop."""
+    out_dim, in_dim = weight.shape[1:]
+    if x.dtype != torch.bfloat16 or out_dim % 16 or in_dim % 16 or x.shape[0] == 0:
+        return grouped_linear_fast(x, weight, group_sizes)
+    counts = torch.as_tensor(group_sizes, device=x.device)
+    offsets = torch.cumsum(counts, 0).to(torch.int32)
+    return torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets)

@@ -26,7 +26,15 @@ from kernels.combine import (
 )
 from kernels.config import KernelConfig
 from kernels.cumsum import cumsum_fast, cumsum_ref
-from kernels.linear import grouped_linear_fast, grouped_linear_ref, linear_fast, linear_ref
+from kernels.linear import (
+    batched_linear_fast,
+    batched_linear_ref,
+    grouped_linear_cuda_fast,
+    grouped_linear_fast,
+    grouped_linear_ref,
+    linear_fast,
+    linear_ref,
+)
 from kernels.rmsnorm import rms_norm_fast, rms_norm_ref
 from kernels.router import router_topk_fast, router_topk_ref
 from kernels.softmax import log_softmax_fast, log_softmax_ref, softmax_fast, softmax_ref
@@ -37,6 +45,7 @@ class OpTable:
     """Kernel callables with the fast versions' signatures (tile_rows already bound)."""
 
     linear: Callable
+    batched_linear: Callable
     grouped_linear: Callable
     rms_norm: Callable
     softmax: Callable
@@ -53,6 +62,7 @@ class OpTable:
 # Each op: (fast, invariant reference). The tiled references take `tile_rows`.
 _TILED_OPS: dict[str, tuple[Callable, Callable]] = {
     "linear": (linear_fast, linear_ref),
+    "batched_linear": (batched_linear_fast, batched_linear_ref),
     "grouped_linear": (grouped_linear_fast, grouped_linear_ref),
     "rms_norm": (rms_norm_fast, rms_norm_ref),
     "softmax": (softmax_fast, softmax_ref),
@@ -79,6 +89,9 @@ def build_op_table(config: KernelConfig, device: torch.device | str) -> OpTable:
     row_wise = {name: ref for name, (_, ref) in _ROW_WISE_OPS.items()}
     if not config.is_invariant:
         ops = {name: fast for name, (fast, _) in (_TILED_OPS | _ROW_WISE_OPS).items()}
+        if device.type == "cuda":
+            # Why: the per-expert loop needs host counts; a graph-captured step can't have them.
+            ops["grouped_linear"] = grouped_linear_cuda_fast
     elif device.type == "cuda":
         ops = _triton_kernels() | row_wise
     elif device.type == "cpu":
@@ -94,13 +107,14 @@ def build_op_table(config: KernelConfig, device: torch.device | str) -> OpTable:
 def _triton_kernels() -> dict[str, Callable]:
     # Imported here so CPU-only workers never load Triton's compiler front end.
     from kernels.triton_attention import mla_attention_triton
-    from kernels.triton_linear import grouped_linear_triton, linear_triton
+    from kernels.triton_linear import batched_linear_triton, grouped_linear_triton, linear_triton
     from kernels.triton_rmsnorm import rms_norm_triton
     from kernels.triton_router import router_topk_triton
     from kernels.triton_softmax import log_softmax_triton, softmax_triton
 
     return {
         "linear": linear_triton,
+        "batched_linear": batched_linear_triton,
         "grouped_linear": grouped_linear_triton,
         "rms_norm": rms_norm_triton,
         "softmax": softmax_triton,

@@ -51,21 +51,17 @@ WIDE_N_TILES = 264  # out_dim / 64 at least this: enough 64-wide column programs
 TMA_MIN_FLOPS = 30e9  # below this the persistent TMA kernel's fixed cost outweighs its speed
 
 
-def linear_config(
-    out_dim: int, in_dim: int, dtype: torch.dtype, num_rows: int | None = None
-) -> LinearConfig:
+def linear_config(out_dim: int, in_dim: int, dtype: torch.dtype, num_rows: int) -> LinearConfig:
     """Block config for x [num_rows, in_dim] @ weight [out_dim, in_dim]^T.
 
     BLOCK_K is a function of the weight's dtype only (fp32: 32, 16-bit: 64); num_rows and the
-    weight shape choose the tiles. num_rows None is the grouped GEMM's fixed config.
+    weight shape choose the tiles.
     """
     # Why: fp32 (the router, ieee products) keeps one config for every M: it is tiny, and
     # only the 16-bit configs were checked bitwise against each other.
     if dtype == torch.float32:
         return LinearConfig(64, 128 if out_dim >= 8192 else 64, 32, 8, 4, 2)
     bk = BLOCK_K_16BIT
-    if num_rows is None:
-        return LinearConfig(64, 128 if out_dim >= 8192 else 64, bk, 8, 4, 4)
     is_wide = triton.cdiv(out_dim, 64) >= WIDE_N_TILES
     if num_rows <= DECODE_ROWS:
         # Narrow column tiles: more programs stream the weight (no split-K to add them).
@@ -82,7 +78,12 @@ def linear_config(
         return LinearConfig(64, 64, bk, 8, 4, 4)
     if 2 * num_rows * out_dim * in_dim >= TMA_MIN_FLOPS:
         return LinearConfig(128, 256, bk, 8, 8, 3, is_persistent=True)
-    return LinearConfig(128, 128, bk, 8, 8, 3)
+    return POINTER_CONFIG_16BIT
+
+
+# The pointer kernel's large-M config; also stands in for the persistent one where TMA can't
+# run (unaligned tensors, batched or grouped launches).
+POINTER_CONFIG_16BIT = LinearConfig(128, 128, BLOCK_K_16BIT, 8, 8, 3)
 
 
 @triton.jit(do_not_specialize=["num_rows"])
@@ -96,6 +97,10 @@ def _linear_kernel(
     num_rows,
     N,
     K,
+    stride_xb,
+    stride_xm,
+    stride_ob,
+    stride_om,
     IS_GROUPED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -105,8 +110,14 @@ def _linear_kernel(
     UPCAST_DOT: tl.constexpr,
 ):
     """out[r] = x[r] @ w[g]^T. Plain: rows tiled from 0, g = 0. Grouped: tile i covers rows
-    [tile_start[i], tile_end[i]) of group tile_group[i]; num_rows is the tile count."""
+    [tile_start[i], tile_end[i]) of group tile_group[i] (empty tiles do nothing); num_rows is
+    the tile count. Batched (plain only): program axis 1 is the batch b, with x, w and out
+    offset by b's strides (w contiguous [B, N, K])."""
     pid = tl.program_id(0)
+    batch = tl.program_id(1).to(tl.int64)
+    x_ptr += batch * stride_xb
+    w_ptr += batch * N * K
+    out_ptr += batch * stride_ob
     if IS_GROUPED:
         num_pid_m = num_rows
     else:
@@ -133,32 +144,34 @@ def _linear_kernel(
     row_ok = offs_m < row_end
     col_ok = offs_n < N
 
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # Why: one K loop per tile, BLOCK_K fixed, no split-K: each output element sums its
-    # K products in the same order for any row count. Masked lanes load exact zeros.
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + offs_k
-        k_ok = k < K
-        a = tl.load(
-            x_ptr + offs_m[:, None] * K + k[None, :],
-            mask=row_ok[:, None] & k_ok[None, :],
-            other=0.0,
+    # A grouped launch sized for the worst case has empty tiles: they read no weight.
+    if row_start < row_end:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        # Why: one K loop per tile, BLOCK_K fixed, no split-K: each output element sums its
+        # K products in the same order for any row count. Masked lanes load exact zeros.
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + offs_k
+            k_ok = k < K
+            a = tl.load(
+                x_ptr + offs_m[:, None] * stride_xm + k[None, :],
+                mask=row_ok[:, None] & k_ok[None, :],
+                other=0.0,
+            )
+            b = tl.load(
+                w_ptr + offs_n[None, :] * K + k[:, None],
+                mask=col_ok[None, :] & k_ok[:, None],
+                other=0.0,
+            )
+            if UPCAST_DOT:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        out = acc.to(out_ptr.dtype.element_ty)
+        tl.store(
+            out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
+            out,
+            mask=row_ok[:, None] & col_ok[None, :],
         )
-        b = tl.load(
-            w_ptr + offs_n[None, :] * K + k[:, None],
-            mask=col_ok[None, :] & k_ok[:, None],
-            other=0.0,
-        )
-        if UPCAST_DOT:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
-    out = acc.to(out_ptr.dtype.element_ty)
-    tl.store(
-        out_ptr + offs_m[:, None] * N + offs_n[None, :],
-        out,
-        mask=row_ok[:, None] & col_ok[None, :],
-    )
 
 
 @triton.jit(do_not_specialize=["num_rows"])
@@ -265,27 +278,36 @@ def _check_pair(x: torch.Tensor, weight: torch.Tensor, weight_ndim: int) -> None
 
 
 def _launch(x, weight, out, tiles, num_rows, config: LinearConfig) -> torch.Tensor:
-    """Launch over row tiles: `tiles` is None (plain) or (group, start, end) int32 tensors."""
-    if config.is_persistent and tiles is None:
+    """Launch over row tiles: `tiles` is None (plain) or (group, start, end) int32 tensors.
+
+    x [M, K] / out [M, N] (row strides free, unit column stride), or batched x [B, M, K],
+    out [B, M, N] with weight [B, N, K] (plain only)."""
+    if config.is_persistent and tiles is None and x.dim() == 2:
         if not _tma_ok(x, weight, out):
             x, weight = x.clone(), weight.clone()  # fresh allocations are 16-byte aligned
         if _tma_ok(x, weight, out):
             return _launch_persistent(x, weight, out, config)
-        config = linear_config(weight.shape[0], weight.shape[1], x.dtype, None)
+    if config.is_persistent:
+        config = POINTER_CONFIG_16BIT
     out_dim, in_dim = weight.shape[-2:]
+    x3, out3 = (x, out) if x.dim() == 3 else (x[None], out[None])
     num_pid_n = triton.cdiv(out_dim, config.block_n)
     num_pid_m = triton.cdiv(num_rows, config.block_m) if tiles is None else num_rows
     group, start, end = tiles if tiles is not None else (out,) * 3  # unread: IS_GROUPED False
-    _linear_kernel[(num_pid_m * num_pid_n,)](
-        x,
+    _linear_kernel[(num_pid_m * num_pid_n, x3.shape[0])](
+        x3,
         weight,
-        out,
+        out3,
         group,
         start,
         end,
         num_rows,
         out_dim,
         in_dim,
+        x3.stride(0),
+        x3.stride(1),
+        out3.stride(0),
+        out3.stride(1),
         IS_GROUPED=tiles is not None,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
@@ -313,34 +335,92 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return _launch(x, weight, out, None, x.shape[0], config)
 
 
-def _row_tiles(group_sizes: Sequence[int], block_m: int, device: torch.device):
-    """Tiles of at most block_m rows that never cross a group boundary, as int32 tensors."""
-    groups, starts, ends, start = [], [], [], 0
-    for group_id, size in enumerate(group_sizes):
-        for tile_start in range(start, start + size, block_m):
-            groups.append(group_id)
-            starts.append(tile_start)
-            ends.append(min(tile_start + block_m, start + size))
-        start += size
-    table = torch.tensor([groups, starts, ends], dtype=torch.int32)
-    # Host-to-device copy of the tile table: group_sizes are host ints already.
-    return table.to(device).unbind(0)
+def batched_linear_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [B, M, IN] (any batch and row strides) @ weight [B, OUT, IN]^T -> [B, M, OUT].
+
+    One launch for every b; each b gets exactly the bits `linear_triton(x[b], weight[b])`
+    gives (the same BLOCK_K and K order; the row bucket picks only the tile shape).
+    """
+    if x.dim() != 3 or weight.dim() != 3 or x.shape[0] != weight.shape[0]:
+        raise ValueError(
+            f"need x [B, M, IN] and weight [B, OUT, IN], got {tuple(x.shape)}, "
+            f"{tuple(weight.shape)}"
+        )
+    _check_pair(x[0], weight[0], 2)
+    if x.stride(2) != 1:
+        x = x.contiguous()
+    weight = weight.contiguous()
+    batch, num_rows = x.shape[:2]
+    out = x.new_empty((batch, num_rows, weight.shape[1]))
+    if num_rows == 0 or batch == 0:
+        return out
+    config = linear_config(weight.shape[1], weight.shape[2], x.dtype, num_rows)
+    return _launch(x, weight, out, None, num_rows, config)
+
+
+def grouped_config(
+    out_dim: int, in_dim: int, dtype: torch.dtype, num_rows: int, num_groups: int
+) -> LinearConfig:
+    """The grouped GEMM's tile config, bucketed by the mean rows per group (a host shape).
+
+    The linear's buckets, pointer kernel only (tiles come from a device table); every config
+    has BLOCK_K 64 and the ascending K loop, so a row's bits never follow the bucket.
+    """
+    mean_rows = triton.cdiv(num_rows, max(num_groups, 1))
+    return linear_config(out_dim, in_dim, dtype, mean_rows)
+
+
+def device_row_tiles(
+    counts: torch.Tensor, block_m: int, num_rows: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Row tiles of the groups, from device counts [L] (rows sorted by group, N = num_rows).
+
+    -> (group, start, end) int32 [cdiv(N, block_m) + L]: tiles of at most block_m rows that
+    never cross a group boundary, each starting at its group's first row + a multiple of
+    block_m; the rest are empty (start = end = 0). No host sync: the length is a bound
+    (sum of ceil(c / block_m) <= N / block_m + L), so a CUDA graph can capture it.
+    """
+    counts = counts.to(torch.int64)
+    num_groups = counts.numel()
+    tiles_per_group = (counts + block_m - 1) // block_m
+    tile_ends = torch.cumsum(tiles_per_group, 0)  # integer scan: exact in any order
+    row_starts = torch.cumsum(counts, 0) - counts
+    index = torch.arange(triton.cdiv(num_rows, block_m) + num_groups, device=counts.device)
+    group = torch.searchsorted(tile_ends, index, right=True)
+    is_real = group < num_groups
+    g = group.clamp(max=num_groups - 1)
+    start = row_starts[g] + (index - (tile_ends[g] - tiles_per_group[g])) * block_m
+    end = torch.minimum(start + block_m, row_starts[g] + counts[g])
+    zero = torch.zeros_like(start)
+    tiles = (g, torch.where(is_real, start, zero), torch.where(is_real, end, zero))
+    return tuple(t.to(torch.int32) for t in tiles)
 
 
 def grouped_linear_triton(
-    x: torch.Tensor, weight: torch.Tensor, group_sizes: Sequence[int]
+    x: torch.Tensor, weight: torch.Tensor, group_sizes: Sequence[int] | torch.Tensor
 ) -> torch.Tensor:
     """Rows of x [N, IN], sorted by group, times their group's weight [L, OUT, IN] -> [N, OUT].
 
-    Every tile holds rows of one group and starts at the group's first row + a multiple of
-    BLOCK_M; a row's bits never depend on how many rows its group (or any other) received.
+    group_sizes: host ints summing to N, or an int tensor [L] on x's device (no host sync:
+    the launch covers the worst case and empty tiles return at once, so CUDA graphs can
+    capture it; rows past the counts' sum are left unwritten). Every tile holds rows of one
+    group; a row's bits never depend on how many rows its group (or any other) received.
     """
     _check_pair(x, weight, 3)
-    _group_slices(group_sizes, x.shape[0], weight.shape[0])
+    if isinstance(group_sizes, torch.Tensor):
+        if group_sizes.shape != (weight.shape[0],) or group_sizes.device != x.device:
+            raise ValueError(
+                f"group_sizes must be [{weight.shape[0]}] on {x.device}, got "
+                f"{tuple(group_sizes.shape)} on {group_sizes.device}"
+            )
+        counts = group_sizes
+    else:
+        _group_slices(group_sizes, x.shape[0], weight.shape[0])
+        counts = torch.tensor(list(group_sizes), dtype=torch.int64).to(x.device)
     x, weight = x.contiguous(), weight.contiguous()
     out = x.new_empty((x.shape[0], weight.shape[1]))
     if x.shape[0] == 0:
         return out
-    config = linear_config(weight.shape[1], weight.shape[2], x.dtype, None)
-    tiles = _row_tiles(group_sizes, config.block_m, x.device)
+    config = grouped_config(weight.shape[1], weight.shape[2], x.dtype, *x.shape[:1], len(counts))
+    tiles = device_row_tiles(counts, config.block_m, x.shape[0])
     return _launch(x, weight, out, tiles, tiles[0].numel(), config)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +108,9 @@ class RuntimeConfig:
                 f"scheduler.max_model_len ({self.scheduler.max_model_len}) exceeds "
                 f"model.max_position_embeddings ({self.model.max_position_embeddings})"
             )
+        if self.kernels.cuda_graphs is None:  # the default: on wherever graphs can run
+            is_on = self.parallel.device == "cuda" and self.parallel.tp_size == 1
+            object.__setattr__(self, "kernels", replace(self.kernels, cuda_graphs=is_on))
         if self.kernels.cuda_graphs and self.parallel.device != "cuda":
             raise ValueError(
                 "kernels.cuda_graphs: true needs parallel.device 'cuda', "

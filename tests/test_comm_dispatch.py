@@ -180,7 +180,7 @@ def test_local_dispatcher_groups_rows_by_slot(generator):
     ids = torch.tensor([[2, 0], [1, 2], [0, 1], [2, 1]])
     w = torch.rand(4, 2, generator=generator)
     recv_x, group_sizes, handle = LocalDispatcher(4, moe_combine_ref).dispatch(x, ids, w)
-    assert group_sizes == [2, 3, 3, 0]
+    assert group_sizes.tolist() == [2, 3, 3, 0]
     # Rows by slot, then token: slot 0 <- tokens 0, 2; slot 1 <- 1, 2, 3; slot 2 <- 0, 1, 3.
     assert torch.equal(recv_x, x[[0, 2, 1, 2, 3, 0, 1, 3]])
     out = LocalDispatcher(4, moe_combine_ref).combine(recv_x, handle, w)
@@ -206,6 +206,6 @@ def test_precomputed_layout_gives_the_same_dispatch(generator):
     assert layout.rows_per_slot.tolist() == torch.bincount(ids.reshape(-1), minlength=6).tolist()
     rows_a, sizes_a, handle_a = dispatcher.dispatch(x, ids, weights, layout)
     rows_b, sizes_b, handle_b = dispatcher.dispatch(x, ids, weights)
-    assert torch.equal(rows_a, rows_b) and sizes_a == sizes_b
+    assert torch.equal(rows_a, rows_b) and torch.equal(sizes_a, sizes_b)
     out_a = dispatcher.combine(rows_a * 2, handle_a, weights)
     assert torch.equal(out_a, dispatcher.combine(rows_b * 2, handle_b, weights))

@@ -76,8 +76,13 @@ def test_kv_cache_sized_from_memory_needs_cuda():
     assert kv_cache_blocks(load_config(CONFIGS / "tiny_cpu.yaml"), torch.device("cpu")) == 512
 
 
-def test_cuda_graph_keys_default_off_and_parse():
+def test_cuda_graphs_default_on_where_they_run_and_keys_parse():
     assert load_config(CONFIGS / "tiny_cpu.yaml").kernels.cuda_graphs is False
+    assert load_config(CONFIGS / "tiny_gpu.yaml").kernels.cuda_graphs is True
+    tp2 = {"parallel.world_size": 2, "parallel.tp_size": 2}
+    assert load_config(CONFIGS / "tiny_gpu.yaml", tp2).kernels.cuda_graphs is False
+    fast = load_config(CONFIGS / "tiny_gpu.yaml", {"kernels.mode": "fast"})
+    assert fast.kernels.cuda_graphs is True  # fast mode graphs too: the fair baseline
     config = load_config(
         CONFIGS / "tiny_gpu.yaml",
         {"kernels.cuda_graphs": True, "kernels.cuda_graph_batch_sizes": "[1, 4, 16]"},
@@ -108,7 +113,6 @@ def test_cuda_graph_keys_validated(key, value):
     "overrides, needs",
     [
         ({}, "parallel.device 'cuda', got 'cpu'"),  # tiny_cpu runs on the CPU
-        ({"kernels.mode": "fast", "parallel.device": "cuda"}, "kernels.mode 'invariant'"),
         (
             {"parallel.device": "cuda", "parallel.world_size": 2, "parallel.tp_size": 2},
             "parallel.tp_size 1",

@@ -104,7 +104,13 @@ def test_gpu_graph_real_rows_ignore_padding_rows():
     graphs._load = scribble
     noisy = graphs.run(batch)
     graphs._load = load
+    moe_layers = runner.model.moe_layers
+    loads = [int(moe.last_slot_counts.sum()) for moe in moe_layers]
     llm.shutdown()
+    # Engagement: one rank, so the whole step is one graph with every MoE layer inside it.
+    assert len(graphs.segments) == 1 and len(graphs.captured_moe) == len(moe_layers) > 0
+    top_k = runner.model.config.num_experts_per_tok
+    assert loads == [num_real * top_k] * len(moe_layers), "padding rows counted as expert load"
     assert graphs.num_replays == 2
     assert torch.equal(clean, eager), "graph logits differ from the eager model's"
     assert torch.equal(noisy, clean), "padding rows changed a real row's logits"

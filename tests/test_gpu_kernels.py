@@ -87,12 +87,12 @@ def test_linear_other_shapes_invariant(generator, in_dim, out_dim):
 def test_linear_every_bucket_config_gives_the_same_bits(generator, name, in_dim, out_dim):
     """The row-count buckets pick tile shapes only: each config in use, run on the same 600
     rows, gives bit-identical output, and slices across every bucket boundary match."""
-    from kernels.triton_linear import _launch, linear_config, linear_triton
+    from kernels.triton_linear import POINTER_CONFIG_16BIT, _launch, linear_config, linear_triton
 
     x = _randn(generator, 600, in_dim)
     w = _randn(generator, out_dim, in_dim, scale=in_dim**-0.5)
     configs = {linear_config(out_dim, in_dim, x.dtype, m) for m in BUCKET_PROBE_ROWS}
-    configs.add(linear_config(out_dim, in_dim, x.dtype, None))  # the grouped GEMM's
+    configs.add(POINTER_CONFIG_16BIT)  # batched/grouped launches' stand-in for TMA
     assert len({c.block_k for c in configs}) == 1, configs
     outs = {c: _launch(x, w, x.new_empty((600, out_dim)), None, 600, c) for c in configs}
     first = next(iter(outs.values()))
@@ -126,6 +126,72 @@ def test_grouped_linear_rows_independent_of_expert_load(generator):
     assert torch.equal(linear_triton(rows, w[2]), out[5:305])
     # No cuBLAS control at this shape: measured equal row 0 for M in (1, 16, 64) vs 300 at
     # K=2048, N=2816; the K=7168 control in the linear test is the one that fails for cuBLAS.
+
+
+@pytest.mark.parametrize("num_heads", (16, 128))
+def test_batched_linear_gives_each_head_the_linear_bits(generator, num_heads):
+    """MLA's absorbed W_UK / W_UV products, one launch over heads: head h's rows are bitwise
+    linear_triton's for every row bucket, from the strided [H, T, K] view the model passes."""
+    from kernels.triton_linear import batched_linear_triton, linear_triton
+
+    nope, v, lora = 128, 128, 512
+    w_uk_t = _randn(generator, num_heads, lora, nope, scale=nope**-0.5)
+    w_uv = _randn(generator, num_heads, v, lora, scale=lora**-0.5)
+    for rows in (1, 16, 17, 64, 65, 600):
+        q_nope = _randn(generator, rows, num_heads, nope + 64)[:, :, :nope]
+        latent = _randn(generator, rows, num_heads, lora)
+        for x, w in ((q_nope.transpose(0, 1), w_uk_t), (latent.transpose(0, 1), w_uv)):
+            out = batched_linear_triton(x, w)
+            for h in (0, num_heads // 2, num_heads - 1):
+                assert torch.equal(out[h], linear_triton(x[h].contiguous(), w[h])), (rows, h)
+            torch.testing.assert_close(
+                out.float(), torch.bmm(x, w.transpose(1, 2)).float(), **BF16_TOL
+            )
+
+
+def test_grouped_linear_device_counts_same_bits_in_every_bucket_and_in_a_graph(generator):
+    """The capturable grouped GEMM (counts on the device): expert 2's rows keep their bits
+    whether the batch is decode-sized or prefill-sized (different tile buckets), equal the
+    host-count path, and a CUDA graph replayed with new counts gives the eager bits."""
+    from kernels.linear import grouped_linear_cuda_fast
+    from kernels.triton_linear import grouped_config, grouped_linear_triton
+
+    hidden, inter, num_local = 2048, 1408, 64
+    w = _randn(generator, num_local, 2 * inter, hidden, scale=hidden**-0.5)
+    rows = _randn(generator, 12, hidden)  # expert 2's rows
+    configs, outs = set(), []
+    for other_rows in (6, 3000):  # mean rows per expert 1 vs 47: different buckets
+        sizes = [other_rows // 2, 0, 12] + [0] * (num_local - 4) + [other_rows - other_rows // 2]
+        x = torch.cat(
+            [
+                _randn(generator, other_rows // 2, hidden),
+                rows,
+                _randn(generator, other_rows - other_rows // 2, hidden),
+            ]
+        )
+        configs.add(grouped_config(2 * inter, hidden, x.dtype, x.shape[0], num_local))
+        counts = torch.tensor(sizes, device="cuda")
+        out = grouped_linear_triton(x, w, counts)
+        assert torch.equal(out, grouped_linear_triton(x, w, sizes))
+        outs.append(out[other_rows // 2 : other_rows // 2 + 12])
+        fast = grouped_linear_cuda_fast(x, w, counts)
+        torch.testing.assert_close(fast.float(), out.float(), **BF16_TOL)
+    assert len(configs) == 2, configs  # the two batches really took different tile shapes
+    assert torch.equal(outs[0], outs[1])
+    # Captured once, replayed with other counts written into the same tensor.
+    x = _randn(generator, 48, hidden)
+    counts = torch.zeros(num_local, dtype=torch.int64, device="cuda")
+    counts[:3] = torch.tensor([40, 0, 8])
+    grouped_linear_triton(x, w, counts)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = grouped_linear_triton(x, w, counts)
+    for sizes in ([40, 0, 8], [1, 46, 1], [0, 0, 48]):
+        counts.zero_()
+        counts[:3] = torch.tensor(sizes)
+        graph.replay()
+        full = sizes + [0] * (num_local - 3)
+        assert torch.equal(captured, grouped_linear_triton(x, w, full)), sizes
 
 
 @pytest.mark.parametrize("dim", (2048, 7168 + 5))

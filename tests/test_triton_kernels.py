@@ -83,6 +83,45 @@ def check_grouped_linear(generator: torch.Generator) -> None:
         assert torch.equal(moved[3:73], out[9:79]), dtype
 
 
+def check_grouped_linear_device_counts(generator: torch.Generator) -> None:
+    """Counts as a tensor (the capturable path): the host-list bits, empty tiles skipped,
+    rows past the counts' sum never written."""
+    from kernels.triton_linear import device_row_tiles, grouped_linear_triton
+
+    sizes = [9, 0, 70, 1]
+    for dtype in DTYPES:
+        x = torch.randn(80, 96, generator=generator).to(dtype)
+        w = (torch.randn(4, 64, 96, generator=generator) / 96**0.5).to(dtype)
+        assert torch.equal(
+            grouped_linear_triton(x, w, torch.tensor(sizes)), grouped_linear_triton(x, w, sizes)
+        )
+        # 8 rows short of N: the last 8 output rows stay as allocated (never computed).
+        counts = torch.tensor([9, 0, 62, 1])
+        out = grouped_linear_triton(x, w, counts)
+        assert torch.equal(out[:72], grouped_linear_triton(x[:72], w, [9, 0, 62, 1]))
+    group, start, end = device_row_tiles(torch.tensor([9, 0, 70, 1]), 64, 80)
+    assert group.numel() == 2 + 4  # the bound: cdiv(80, 64) + 4 groups
+    real = end > start
+    assert group[real].tolist() == [0, 2, 2, 3]
+    assert start[real].tolist() == [0, 9, 73, 79] and end[real].tolist() == [9, 73, 79, 80]
+
+
+def check_batched_linear(generator: torch.Generator) -> None:
+    """The MLA's absorbed products: one launch over heads, each head linear_triton's bits,
+    from strided [H, T, K] views of [T, H, K] activations."""
+    from kernels.triton_linear import batched_linear_triton, linear_triton
+
+    for dtype in DTYPES:
+        for rows in (1, 5, 70):
+            q = torch.randn(rows, 3, 40, generator=generator).to(dtype)
+            w = (torch.randn(3, 48, 32, generator=generator) / 32**0.5).to(dtype)
+            x = q[:, :, :32].transpose(0, 1)  # [H, T, 32], row stride 120, head stride 40
+            out = batched_linear_triton(x, w)
+            assert out.shape == (3, rows, 48) and out.dtype == dtype
+            for h in range(3):
+                assert torch.equal(out[h], linear_triton(x[h].contiguous(), w[h])), (dtype, h)
+
+
 def check_rms_norm(generator: torch.Generator) -> None:
     from kernels.rmsnorm import rms_norm_ref
     from kernels.triton_rmsnorm import rms_norm_triton
@@ -257,6 +296,8 @@ def check_bad_inputs(generator: torch.Generator) -> None:
 CHECKS = {
     "linear": check_linear,
     "grouped_linear": check_grouped_linear,
+    "grouped_linear_device_counts": check_grouped_linear_device_counts,
+    "batched_linear": check_batched_linear,
     "rms_norm": check_rms_norm,
     "softmax": check_softmax,
     "mla_attention": check_mla_attention,

@@ -56,7 +56,7 @@ class MLAttention(nn.Module):
     def absorb_weights(self) -> None:
         """Split kv_b_proj into per-head W_UK^T [H, kv_lora, nope] and W_UV [H, v, kv_lora].
 
-        Called after every weight load; contiguous copies so each per-head GEMM sees one layout.
+        Called after every weight load; contiguous copies, the batched GEMMs' [B, OUT, IN].
         """
         w = self.kv_b_proj.weight.view(
             self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank
@@ -83,13 +83,8 @@ class MLAttention(nn.Module):
             [latent, k_pe], dim=-1
         )
 
-        q_latent = torch.stack(
-            [
-                self.ops.linear(q_nope[:, h].contiguous(), self.w_uk_t[h])
-                for h in range(self.num_heads)
-            ],
-            dim=1,
-        )
+        # Absorbed W_UK and W_UV: one batched GEMM over the heads each ([H, T, .] views).
+        q_latent = self.ops.batched_linear(q_nope.transpose(0, 1), self.w_uk_t).transpose(0, 1)
         query = torch.cat([q_latent, q_pe], dim=-1)
         out_latent = self.ops.mla_attention(
             query,
@@ -100,12 +95,6 @@ class MLAttention(nn.Module):
             scale=self.scale,
             v_dim=self.kv_lora_rank,
         )
-        out = torch.stack(
-            [
-                self.ops.linear(out_latent[:, h].contiguous(), self.w_uv[h])
-                for h in range(self.num_heads)
-            ],
-            dim=1,
-        )
+        out = self.ops.batched_linear(out_latent.transpose(0, 1), self.w_uv).transpose(0, 1)
         # Row-parallel: each TP rank holds some heads; the pinned all-reduce sums them.
         return self.tp.all_reduce(self.o_proj(out.reshape(t, self.num_heads * self.v_dim)))

@@ -65,8 +65,8 @@ class Experts(nn.Module):
         )
         self.ops = ops
 
-    def forward(self, rows: torch.Tensor, group_sizes: list[int]) -> torch.Tensor:
-        """rows [N, D] sorted by local expert (group_sizes [L] host ints) -> [N, D]."""
+    def forward(self, rows: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+        """rows [N, D] sorted by local expert (group_sizes [L] int64 on rows' device) -> [N, D]."""
         gate, up = self.ops.grouped_linear(rows, self.gate_up_proj, group_sizes).chunk(2, dim=-1)
         return self.ops.grouped_linear(self.ops.silu(gate) * up, self.down_proj, group_sizes)
 
@@ -100,13 +100,22 @@ class MoE(nn.Module):
         self.ops = ops
         self.dispatcher = LocalDispatcher(num_local_slots, ops.moe_combine)
         self.replica_row = torch.arange(cfg.n_routed_experts)
-        self.last_group_sizes = [0] * num_local_slots  # rows per local slot in the last step
+        # Rows per local slot in the last forward ([L] int64 on the weights' device): read back
+        # once per step for the expert load.
+        self.last_slot_counts = torch.zeros(num_local_slots, dtype=torch.int64)
         self.last_topk_ids = torch.zeros(0, cfg.num_experts_per_tok, dtype=torch.int64)
 
     def bind_expert_parallel(self, dispatcher, replica_row: torch.Tensor) -> None:
         """replica_row [E] int64: the physical slot serving each logical expert from this rank."""
         self.dispatcher = dispatcher
         self.replica_row = replica_row.to(self.experts.gate_up_proj.device)
+
+    def recount_slots(self, num_tokens: int) -> None:
+        """Set last_slot_counts to the rows of the last forward's first num_tokens tokens only
+        (a CUDA graph replays padding rows after them). World size 1: local slot = physical."""
+        ids = self.replica_row[self.last_topk_ids[:num_tokens]].reshape(-1)
+        counts = torch.zeros_like(self.last_slot_counts)
+        self.last_slot_counts = counts.index_add_(0, ids, torch.ones_like(ids))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         topk_ids, topk_weights = self.gate(x)
@@ -116,7 +125,7 @@ class MoE(nn.Module):
         recv, group_sizes, handle = self.dispatcher.dispatch(
             x, self.replica_row[topk_ids], topk_weights
         )
-        self.last_group_sizes = group_sizes
+        self.last_slot_counts = group_sizes
         routed = self.dispatcher.combine(self.experts(recv, group_sizes), handle, topk_weights)
         routed = routed.to(x.dtype)
         return routed if self.shared_experts is None else routed + self.shared_experts(x)

@@ -1,12 +1,16 @@
-"""DecodeGraphRunner: pure decode steps replayed as CUDA graphs between the eager MoE layers.
+"""DecodeGraphRunner: pure decode steps replayed as CUDA graphs, MoE layers inside them.
 
 A decode step of B sequences is padded to the next size N of `batch_sizes` with dummy rows
-(token 0, position 0, writing only to the scratch KV block no sequence owns). Per size the model
-is cut at every MoE layer into segments, each captured once: [embedding .. first MoE layer's
-attention part], ..., [final norm, LM head]. The MoE layers run eagerly on the B real rows
-between replays, so expert loads and routed experts are the eager path's. Real rows keep their
-eager bits: every captured kernel computes a row from that row alone (invariant mode) and the
-block-table width sets only the attention launch. Not for TP > 1 (the config refuses).
+(token 0, position 0, writing only to the scratch KV block no sequence owns). With one rank the
+whole step is one graph per size: the local dispatcher's layout, the grouped GEMM over device
+counts and the combine need no host sync. With expert parallelism the dispatcher's splits are
+host ints and its collectives can't be captured, so the model is cut at every MoE layer into
+segments, each captured once ([embedding .. first MoE layer's attention part], ..., [final
+norm, LM head]), and those MoE layers run eagerly on the B real rows between replays.
+In invariant mode real rows keep their eager bits: every kernel computes a row from that row
+alone (padding rows are routed and computed too, and change no real row), and the block-table
+width sets only the attention launch. Expert loads count the real rows only. Not for TP > 1
+(the config refuses).
 """
 
 from __future__ import annotations
@@ -56,7 +60,14 @@ class DecodeGraphRunner:
         self.block_size = kv_caches[0].shape[1]
         self.device = kv_caches[0].device
         layers = model.model.layers
-        moe_ids = [i for i, layer in enumerate(layers) if layer.is_moe]
+        moe_ids = [
+            i
+            for i, layer in enumerate(layers)
+            if layer.is_moe and not layer.mlp.dispatcher.is_capturable
+        ]
+        self.captured_moe = [
+            layer.mlp for i, layer in enumerate(layers) if layer.is_moe and i not in moe_ids
+        ]
         starts = [0] + [i + 1 for i in moe_ids]
         self.segments = [
             _Segment(a, b) for a, b in zip(starts, moe_ids + [len(layers)], strict=True)
@@ -104,6 +115,8 @@ class DecodeGraphRunner:
                 layers[segment.end_layer].mlp(h[:num_real]),
                 out=graphs.inputs[j + 1][:num_real],
             )
+        for moe in self.captured_moe:  # the graph routed the padding rows too
+            moe.recount_slots(num_real)
         self.num_replays += 1
         logits = graphs.outputs[-1][0]
         return logits[batch.logits_indices.to(self.device)]  # a copy: the pool is reused

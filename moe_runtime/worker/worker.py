@@ -151,8 +151,8 @@ class Worker:
         out = self.runner.step(self._apply(step))
         layers = self.runner.model.moe_layers
         if layers:
-            # Host ints already (the dispatcher's counts): recording them costs no device sync.
-            step_load = np.array([moe.last_group_sizes for moe in layers], dtype=np.int64)
+            # One device-to-host copy per step for every layer's counts (after sampling's sync).
+            step_load = torch.stack([moe.last_slot_counts for moe in layers]).cpu().numpy()
             self.load_window.append(step_load)
             self.total_load = step_load if self.total_load is None else self.total_load + step_load
         return out
