@@ -1,0 +1,79 @@
+"""bench/hbm_floor.py's byte model against a hand count, and bench/e2e_decode.py --engine as a
+CPU smoke run on the tiny config."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.hbm_floor import decode_step_bytes, expected_experts_touched, weight_bytes
+from moe_runtime.config import load_config
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT / "launch" / "configs" / "tiny_cpu.yaml"
+
+
+def test_decode_step_bytes_matches_hand_count():
+    # tiny_cpu in bf16: D=64, dense I=128, expert I=32, 3 layers (1 dense, 2 MoE), q_lora 32,
+    # kv_lora 32 + rope 8, 4 heads x (16 nope + 8 rope) queries, v 16, E=16 top-4, 1 shared,
+    # vocab 512; the router (weight + score-correction bias) is fp32.
+    cfg = load_config(TINY, {"model.dtype": "bfloat16"}).model
+    attention = (
+        64  # input norm
+        + 64 * 32  # q_a
+        + 32  # q_a norm
+        + 32 * 4 * 24  # q_b
+        + 64 * 40  # kv_a (latent + rope key)
+        + 32  # kv_a norm
+        + 32 * 4 * (16 + 16)  # kv_b
+        + 4 * 16 * 64  # o_proj
+        + 64  # post-attention norm
+    ) * 2
+    dense_mlp = 3 * 64 * 128 * 2
+    moe_non_expert = (16 * 64 + 16) * 4 + 3 * 64 * 32 * 2  # router + shared expert
+    non_expert = 3 * attention + dense_mlp + 2 * moe_non_expert + 64 * 2 + 512 * 64 * 2
+    expert = 3 * 64 * 32 * 2
+    assert weight_bytes(cfg).non_expert == non_expert == 244096
+    assert weight_bytes(cfg).routed_expert == expert
+    step = decode_step_bytes(cfg, num_seqs=2, context=10)
+    assert step.non_expert == non_expert
+    assert step.embedding == 2 * 64 * 2
+    assert step.routed_experts == pytest.approx(2 * 16 * (1 - (12 / 16) ** 2) * expert)  # 7 each
+    assert step.kv_cache == 2 * 10 * 3 * 40 * 2
+    assert step.total == pytest.approx(non_expert + 256 + 14 * expert + 4800)
+
+
+def test_expected_experts_touched():
+    assert expected_experts_touched(64, 6, 0) == 0
+    assert expected_experts_touched(64, 6, 1) == pytest.approx(6)
+    assert expected_experts_touched(16, 4, 2) == pytest.approx(7)  # 16 - 16 * (3/4)^2
+    assert 63.9 < expected_experts_touched(64, 6, 256) < 64
+
+
+def test_engine_bench_smoke_on_cpu():
+    cmd = [
+        sys.executable,
+        "bench/e2e_decode.py",
+        "--engine",
+        "--config",
+        str(TINY),
+        "--batches",
+        "1",
+        "2",
+        "--context",
+        "16",
+        "--decode-steps",
+        "4",
+        "--repeats",
+        "5",
+    ]
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    out = run.stdout
+    assert "| phase | B | invariant ms/step [min, max] | fast ms/step [min, max] |" in out
+    assert "| decode ctx 16 | 1 |" in out and "| decode ctx 16 | 2 |" in out
+    assert "| prefill 8x16 |" in out
+    assert "cpu copy ceiling" in out and "engine start: invariant" in out
