@@ -2,8 +2,10 @@
 
 It holds every reducing op of the token path, the MoE combine, the TP sum and the sampler's
 cumsum included, so `kernels.mode: fast` turns invariance off everywhere. Invariant mode on
-CPU binds the torch references (tiled ones to `config.tile_rows`); fast mode is plain torch on
-any device. Invariant mode on CUDA binds the Triton kernels; other devices are refused.
+CPU binds the torch references (tiled ones to `config.tile_rows`); fast mode is plain torch,
+except that on CUDA an op a graph could not capture has a capturable fast version (decode
+attention: kernels/fast_attention.py). Invariant mode on CUDA binds the Triton kernels; other
+devices are refused.
 Building a table has no side effects; `pin_threads` is the one call that touches process
 state (torch's intra-op thread count) and each worker makes it once, at start-up.
 """
@@ -92,6 +94,7 @@ def build_op_table(config: KernelConfig, device: torch.device | str) -> OpTable:
         if device.type == "cuda":
             # Why: the per-expert loop needs host counts; a graph-captured step can't have them.
             ops["grouped_linear"] = grouped_linear_cuda_fast
+            ops["mla_attention"] = _fast_decode_attention()
     elif device.type == "cuda":
         ops = _triton_kernels() | row_wise
     elif device.type == "cpu":
@@ -102,6 +105,14 @@ def build_op_table(config: KernelConfig, device: torch.device | str) -> OpTable:
             f"kernels.mode='invariant' supports devices cpu and cuda, got device {device}"
         )
     return OpTable(**ops, mode=config.mode)
+
+
+def _fast_decode_attention() -> Callable:
+    # Why: mla_attention_fast syncs for its padded length; decode batches get FlashMLA or a
+    # split-KV Triton kernel instead. Imported here so CPU-only workers never load either.
+    from kernels.fast_attention import mla_decode_fast
+
+    return mla_decode_fast
 
 
 def _triton_kernels() -> dict[str, Callable]:

@@ -35,7 +35,7 @@ TILED_OPS = (
 UNTILED_OPS = ("moe_combine", "sum_over_ranks", "cumsum")
 REDUCING_OPS = TILED_OPS + UNTILED_OPS
 # Fast mode on CUDA: ops whose plain-torch version needs host sizes, replaced by a capturable one.
-CUDA_FAST_OPS = {"grouped_linear": "grouped_linear_cuda_fast"}
+CUDA_FAST_OPS = {"grouped_linear": "grouped_linear_cuda_fast", "mla_attention": "mla_decode_fast"}
 
 
 def _name(op) -> str:

@@ -1,0 +1,141 @@
+"""Fast-mode paged MLA decode attention on CUDA: capturable in a CUDA graph, not batch-invariant.
+
+The best non-invariant decode attention a user could run, the baseline that prices invariance:
+DeepSeek's FlashMLA (the optional `flash_mla` package, dense bf16 decode on SM90) where it fits,
+else the split-KV Triton kernel of kernels/triton_attention.py with its split length chosen
+from the batch shape to fill the GPU. Neither path syncs with the host: every size comes from
+tensor shapes, so a decode step can be captured and replayed with new positions. Contract of
+`mla_attention_fast` (kernels/attention.py); batches that are not decode-shaped go there.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from kernels.attention import mla_attention_fast
+from kernels.triton_attention import BLOCK_H, _attend, _check
+
+try:
+    import flash_mla
+except (ImportError, OSError, RuntimeError):
+    # Why all three: a missing package, a CUDA runtime its library cannot dlopen (OSError), or
+    # an op registration torch refuses (RuntimeError) must each leave fast mode on Triton.
+    flash_mla = None
+
+# Dense MLA decode lives on FlashMLA's legacy (SM90) side only.
+HAS_FLASH_MLA = flash_mla is not None and flash_mla.has_legacy()
+FLASH_MLA_BLOCK_SIZE = 64  # page block size, head dims and GPU that its dense decode accepts
+FLASH_MLA_HEAD_DIM = 576
+FLASH_MLA_V_DIM = 512
+FLASH_MLA_CAPABILITY = (9, 0)
+WAVES = 2  # split-KV launches aim at this many programs per SM: the tail of a wave is hidden
+NUM_WARPS, NUM_STAGES = 4, 3  # the invariant kernel's measured launch shape (BENCHMARKS.md)
+
+
+def mla_decode_fast(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_seq_ids: torch.Tensor,
+    block_tables: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    scale: float,
+    v_dim: int,
+) -> torch.Tensor:
+    """q [T, H, C], kv_cache [NB, BS, C], query_seq_ids/positions [T] int64, block_tables [B, MB]
+    int64 (-1 padding past a sequence's end) -> [T, H, v_dim] in q.dtype.
+
+    Decode-shaped (T == B: every sequence has one query, so query t is sequence t, the model
+    runner's layout) runs without a host sync; any other batch goes to `mla_attention_fast`,
+    which syncs and is never captured.
+    """
+    num_tokens = q.shape[0]
+    if num_tokens != block_tables.shape[0]:
+        return mla_attention_fast(
+            q, kv_cache, query_seq_ids, block_tables, positions, scale=scale, v_dim=v_dim
+        )
+    if num_tokens == 0:  # a rank with no tokens still runs the step (EP lockstep)
+        return q.new_empty((0, q.shape[1], v_dim))
+    if uses_flash_mla(q, kv_cache, v_dim):
+        return _decode_flash_mla(q, kv_cache, block_tables, positions, scale, v_dim)
+    return mla_decode_split_kv(
+        q, kv_cache, query_seq_ids, block_tables, positions, scale=scale, v_dim=v_dim
+    )
+
+
+def mla_decode_split_kv(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_seq_ids: torch.Tensor,
+    block_tables: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    scale: float,
+    v_dim: int,
+    split_blocks: int | None = None,
+) -> torch.Tensor:
+    """The Triton split-KV path, same contract; split_blocks (cache blocks per KV split) is
+    chosen from the batch shape unless given. Its result depends on that choice."""
+    _check(q, kv_cache, query_seq_ids, block_tables, positions, v_dim)
+    if split_blocks is None:
+        num_tokens, num_heads = q.shape[:2]
+        split_blocks = choose_split_blocks(
+            num_tokens, num_heads, block_tables.shape[1], _num_sms(q.device)
+        )
+    args = (q, kv_cache, query_seq_ids, block_tables, positions, scale, v_dim)
+    return _attend(*args, split_blocks, NUM_WARPS, NUM_STAGES)
+
+
+def choose_split_blocks(num_tokens: int, num_heads: int, table_width: int, num_sms: int) -> int:
+    """Cache blocks per KV split such that the launch's T x head blocks x splits programs reach
+    WAVES per SM; host ints only. The table width (the batch's longest table, or the graph's
+    padded one) bounds a query's blocks: a split past a query's position exits at once."""
+    programs_per_split = num_tokens * triton.cdiv(num_heads, BLOCK_H)
+    num_splits = triton.cdiv(WAVES * num_sms, programs_per_split)
+    # Floor: cdiv(table_width, split_blocks) >= num_splits whenever the table allows it.
+    return max(1, table_width // num_splits)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # the Triton interpreter runs one program at a time
+    return torch.cuda.get_device_properties(device).multi_processor_count  # cached, no sync
+
+
+def uses_flash_mla(q: torch.Tensor, kv_cache: torch.Tensor, v_dim: int) -> bool:
+    """Whether a decode-shaped batch with these inputs runs FlashMLA (host checks only)."""
+    return (
+        HAS_FLASH_MLA
+        and q.is_cuda
+        and q.dtype == kv_cache.dtype == torch.bfloat16
+        and kv_cache.shape[1] == FLASH_MLA_BLOCK_SIZE
+        and q.shape[2] == kv_cache.shape[2] == FLASH_MLA_HEAD_DIM
+        and v_dim == FLASH_MLA_V_DIM
+        and torch.cuda.get_device_capability(q.device) == FLASH_MLA_CAPABILITY
+    )
+
+
+def _decode_flash_mla(q, kv_cache, block_tables, positions, scale, v_dim) -> torch.Tensor:
+    """FlashMLA dense decode: query t is sequence t (one query each), any head count (MQA with
+    one KV head: the query heads need only divide by it)."""
+    cache_seqlens = (positions + 1).to(torch.int32)  # [B]: sequence t's length
+    # -1 padding lies past cache_seqlens and is never attended; block 0 keeps every entry a
+    # valid address anyway. FlashMLA reads int32 tables.
+    tables = block_tables.clamp(min=0).to(torch.int32)
+    # A fresh, empty scheduler metadata per call: the op fills it on the device from
+    # cache_seqlens, so each graph replay re-plans for its own lengths (metadata kept across
+    # steps would be stale) and no host sync is needed.
+    sched_meta, _ = flash_mla.get_mla_metadata()
+    out, _ = flash_mla.flash_mla_with_kvcache(
+        q.unsqueeze(1),  # [B, s_q = 1, H, 576]
+        kv_cache.unsqueeze(2),  # [NB, 64, h_kv = 1, 576]
+        tables,
+        cache_seqlens,
+        v_dim,
+        sched_meta,
+        softmax_scale=scale,
+        causal=False,  # one query per sequence: nothing to mask beyond cache_seqlens
+        use_legacy=True,  # dense (non-sparse) decode exists only in the legacy kernels
+    )
+    return out.squeeze(1)  # [B, H, v_dim] bf16
