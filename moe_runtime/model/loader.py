@@ -1,31 +1,66 @@
 """Model weights: HF DeepSeek-V2/V3 safetensors checkpoints, or random weights from a seed.
 
+Parameters are allocated on the target device and written there (no host copy of the model).
 HF names map one to one except the routed experts, stored per expert in checkpoints
 (`mlp.experts.{e}.gate_proj.weight`, ...) and stacked here by local slot
 (`mlp.experts.gate_up_proj [L, 2I, D]`, `mlp.experts.down_proj [L, D, I]`).
 `local_experts [L_moe][slots]` lists the logical expert each local slot holds per MoE layer, so
-a rank loads only its own.
+a rank reads, or draws, only its own. Random weights are a pure function of (seed, parameter
+name, element index): the same bits on every device, dtype-cast aside, and in every layout.
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
+import math
 import re
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
+from torch import nn
+from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from kernels import OpTable
 from moe_runtime.model.deepseek import DeepseekForCausalLM
 from moe_runtime.model.layers import NO_TP
-from moe_runtime.model.tensor_parallel import TensorParallel
+from moe_runtime.model.tensor_parallel import TensorParallel, shard_dim
 from moe_runtime.model_config import ModelConfig
+
+log = logging.getLogger("moe_runtime.loader")
 
 _EXPERT_KEY = re.compile(
     r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$"
 )
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
+_EXPERT_PARAMS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+_BIAS_BOUND = 0.1  # e_score_correction_bias is uniform in [-0.1, 0.1)
+_CHUNK_NUMEL = 1 << 26  # elements drawn at once: the int64 temporaries stay under ~2 GiB
+_LOG_EVERY_S = 5.0
+
+# splitmix64 (Steele et al.) constants, as the signed int64 values torch stores.
+_GAMMA = 0x9E3779B97F4A7C15 - (1 << 64)
+_MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
+_MIX2 = 0x94D049BB133111EB - (1 << 64)
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
 
 def build_model(
@@ -35,78 +70,242 @@ def build_model(
     local_experts: Sequence[Sequence[int]] | None = None,
     tp: TensorParallel = NO_TP,
 ) -> DeepseekForCausalLM:
+    start, device = time.monotonic(), torch.device(device)
     num_moe = cfg.num_moe_layers
     if local_experts is None:
         local_experts = [range(cfg.n_routed_experts)] * num_moe
     local_experts = [[int(e) for e in row] for row in local_experts]
     if len(local_experts) != num_moe or len({len(row) for row in local_experts}) > 1:
         raise ValueError(f"local_experts must hold one equal-length row per MoE layer ({num_moe})")
-    model = DeepseekForCausalLM(cfg, ops, len(local_experts[0]) if local_experts else None, tp)
+    with _parameters_on(device):
+        num_slots = len(local_experts[0]) if local_experts else None
+        model = DeepseekForCausalLM(cfg, ops, num_slots, tp)
     if cfg.path:
-        load_hf_weights(model, Path(cfg.path), local_experts)
+        load_hf_weights(model, Path(cfg.path), local_experts, device)
     else:
         init_random_weights(model, cfg.seed, cfg.init_std, local_experts)
-    model.to(device)
+    model.to(device)  # the rope tables, tabulated on the host; the parameters are there already
     model.after_weights_loaded()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # host sync: the time logged includes the queued writes
+        torch.cuda.empty_cache()  # the KV cache is sized from the free memory the driver reports
+    num_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    log.info(
+        "weights ready in %.1f s (%.2f GiB on %s)",
+        time.monotonic() - start,
+        num_bytes / 2**30,
+        device,
+    )
     return model
 
 
+@contextmanager
+def _parameters_on(device: torch.device) -> Iterator[None]:
+    """Modules built inside get their parameters allocated on `device`, uninitialised (every
+    loader path writes all of them); other tensors (the rope tables) stay where they are made."""
+
+    def allocate(module: nn.Module, name: str, param: nn.Parameter) -> nn.Parameter | None:
+        if param is None or param.device == device:
+            return None
+        return nn.Parameter(torch.empty_like(param, device=device), param.requires_grad)
+
+    handle = register_module_parameter_registration_hook(allocate)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 def init_random_weights(
-    model: DeepseekForCausalLM, seed: int, std: float, local_experts: list[list[int]]
+    model: DeepseekForCausalLM,
+    seed: int,
+    std: float,
+    local_experts: list[list[int]],
+    chunk_numel: int = _CHUNK_NUMEL,
 ) -> None:
-    """Draw every weight from `seed` in fp32 on the CPU, so any dtype/device gets the same values.
+    """Draw every weight where it lives: uniform with standard deviation `std`, norm weights 1,
+    e_score_correction_bias uniform in [-0.1, 0.1).
 
-    Routed experts are drawn per logical expert, so a rank holding a subset gets the same weights.
+    Each element is a pure function of (seed, name, its index in the full tensor): a TP rank
+    draws exactly its slice of the full weight, and routed experts are keyed by logical expert
+    (`...experts.{e}.gate_up_proj`), so a rank holding a subset gets the world-1 values.
     """
-    gen = torch.Generator().manual_seed(seed)
+    first_moe = model.config.first_k_dense_replace
+    progress = _Progress("random weights", model.config.num_hidden_layers)
+    bound = std * math.sqrt(3)  # a uniform on [-b, b) has standard deviation b / sqrt(3)
     with torch.no_grad():
-        for name, param in sorted(model.named_parameters()):
-            if name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):
-                continue
-            # Drawn at full size and then sliced: every TP degree sees the same weights.
-            shape = model.tp.full_shape(name, param.shape)
+        for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
-                value = torch.ones(shape)
-            elif name.endswith("e_score_correction_bias"):
-                value = torch.rand(shape, generator=gen) * 0.2 - 0.1
+                param.fill_(1.0)
+            elif name.endswith(_EXPERT_PARAMS):
+                prefix, proj = name.rsplit(".", 1)
+                layer_id = int(_LAYER_KEY.match(name).group(1))
+                for slot, logical in enumerate(local_experts[layer_id - first_moe]):
+                    key = weight_key(seed, f"{prefix}.{logical}.{proj}")
+                    fill_uniform(param[slot], key, bound, chunk_numel)
             else:
-                value = torch.randn(shape, generator=gen) * std
-            param.copy_(model.tp.shard(name, value).to(param.dtype))
-        first_moe = model.config.first_k_dense_replace
-        for layer_id, layer in enumerate(model.model.layers):
-            experts = getattr(layer.mlp, "experts", None)
-            if experts is None:
-                continue
-            for slot, logical in enumerate(local_experts[layer_id - first_moe]):
-                expert_gen = torch.Generator().manual_seed(
-                    seed * 1_000_003 + layer_id * 10_007 + logical
+                is_bias = name.endswith("e_score_correction_bias")
+                first, full_cols = _shard_start(model.tp, name, param.shape)
+                key = weight_key(seed, name)
+                fill_uniform(
+                    param, key, _BIAS_BOUND if is_bias else bound, chunk_numel, first, full_cols
                 )
-                experts.gate_up_proj[slot].copy_(
-                    torch.randn(experts.gate_up_proj.shape[1:], generator=expert_gen) * std
-                )
-                experts.down_proj[slot].copy_(
-                    torch.randn(experts.down_proj.shape[1:], generator=expert_gen) * std
-                )
+            progress.update(name)
 
 
-def load_hf_weights(model: DeepseekForCausalLM, path: Path, local_experts: list[list[int]]) -> None:
-    staged = check_weights(model, read_checkpoint(path, model.config), local_experts, str(path))
-    assign_weights(model, staged)
+def weight_key(seed: int, name: str) -> int:
+    """The signed 64-bit stream key of one tensor: a hash of (seed, name), equal in every process
+    (Python's own hash() is salted per process)."""
+    digest = hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True)
 
 
-def read_checkpoint(path: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Every tensor of an HF checkpoint directory that belongs to this model, by HF name."""
+def uniform_from_index(key: int, ids: torch.Tensor) -> torch.Tensor:
+    """ids int64 (overwritten) -> fp32 in [-1, 1), multiples of 2^-23: the top 24 bits of
+    splitmix64(key + (id + 1) * gamma).
+
+    Why: only wrapping int64 add/multiply, xor, masked (logical) right shifts and exact
+    int -> float steps, so CPU and CUDA give the same bits; torch.Generator streams differ.
+    """
+    z = ids.add_(1).mul_(_GAMMA).add_(key)
+    z.bitwise_xor_(_shift_right(z, 30)).mul_(_MIX1)
+    z.bitwise_xor_(_shift_right(z, 27)).mul_(_MIX2)
+    z.bitwise_xor_(_shift_right(z, 31))
+    top = _shift_right(z, 40)  # [0, 2^24)
+    return top.sub_(1 << 23).float().mul_(2.0**-23)
+
+
+def _shift_right(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical shift of int64: torch's >> sign-extends, so the copied sign bits are masked."""
+    return (z >> bits).bitwise_and_((1 << (64 - bits)) - 1)
+
+
+def fill_uniform(
+    out: torch.Tensor,
+    key: int,
+    bound: float,
+    chunk_numel: int = _CHUNK_NUMEL,
+    first: int = 0,
+    full_cols: int | None = None,
+) -> None:
+    """out (contiguous, any dtype) <- bound * uniform_from_index(key, element ids), drawn on
+    out's device in chunks of chunk_numel elements.
+
+    Local element (r, c) has id `first + r * full_cols + c`: the index of the same element in
+    the full tensor when `out` is a TP rank's slice of it (`_shard_start`).
+    """
+    flat, cols = out.view(-1), out.shape[-1] if out.dim() else 1
+    full_cols = full_cols or cols
+    # Rounded to fp32 here: one fp32 multiply, correctly rounded on every device.
+    scale = float(torch.tensor(bound, dtype=torch.float32))
+    for start in range(0, flat.numel(), chunk_numel):
+        stop = min(start + chunk_numel, flat.numel())
+        ids = torch.arange(start, stop, dtype=torch.int64, device=out.device)
+        if full_cols != cols:
+            ids = ids // cols * full_cols + ids % cols
+        flat[start:stop].copy_(uniform_from_index(key, ids.add_(first)).mul_(scale))
+
+
+def _shard_start(tp: TensorParallel, name: str, shape: torch.Size) -> tuple[int, int]:
+    """(id of this rank's first element in the full tensor, full row length): tp.shard takes
+    equal chunks along dim 0 (rows) or the last dim (columns) of 2-D weights."""
+    dim = shard_dim(name)
+    if tp.size == 1 or dim is None:
+        return 0, shape[-1] if shape else 1
+    full = tp.full_shape(name, shape)
+    return tp.rank * shape[dim] * math.prod(full[dim + 1 :]), full[-1]
+
+
+class _Progress:
+    """One log line every few seconds while the layers are written, with the elapsed time."""
+
+    def __init__(self, what: str, num_layers: int) -> None:
+        self.what, self.num_layers = what, num_layers
+        self.start = self.last = time.monotonic()
+
+    def update(self, name: str) -> None:
+        now = time.monotonic()
+        layer = _LAYER_KEY.match(name)
+        if layer is None or now - self.last < _LOG_EVERY_S:
+            return
+        self.last = now
+        done = int(layer.group(1)) + 1
+        log.info("%s: at layer %d/%d, %.1f s", self.what, done, self.num_layers, now - self.start)
+
+
+def load_hf_weights(
+    model: DeepseekForCausalLM,
+    path: Path,
+    local_experts: list[list[int]],
+    device: torch.device | str = "cpu",
+) -> None:
+    """Check every name, shape and dtype from the safetensors headers (nothing read yet), then
+    read this rank's tensors straight onto `device`, one decoder layer at a time, into the
+    parameters; other ranks' experts and multi-token-prediction layers are never read."""
+    cfg = model.config
+    progress = _Progress("checkpoint", cfg.num_hidden_layers)
+    with _open_checkpoint(path, cfg, device) as handles:
+        headers = {key: _header(handle, key, path) for key, handle in handles.items()}
+        check_weights(model, headers, local_experts, str(path))
+        for keys in _read_groups(handles, local_experts, cfg):
+            tensors = {key: handles[key].get_tensor(key) for key in keys}
+            stacked = _stack_experts(tensors, local_experts, cfg.first_k_dense_replace)
+            assign_weights(model, {name: model.tp.shard(name, v) for name, v in stacked.items()})
+            progress.update(keys[0])
+
+
+def read_checkpoint(
+    path: Path, cfg: ModelConfig, device: torch.device | str = "cpu"
+) -> dict[str, torch.Tensor]:
+    """Every tensor of an HF checkpoint directory that belongs to this model, by HF name,
+    read onto `device`."""
+    with _open_checkpoint(path, cfg, device) as handles:
+        return {key: handle.get_tensor(key) for key, handle in handles.items()}
+
+
+@contextmanager
+def _open_checkpoint(path: Path, cfg: ModelConfig, device: torch.device | str) -> Iterator[dict]:
+    """HF name -> the open safetensors file holding it (tensors it reads land on `device`);
+    multi-token-prediction layers are left out, they are not part of this model."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"weights path {str(path)!r} holds no *.safetensors files")
-    tensors: dict[str, torch.Tensor] = {}
-    for file in files:
-        for key, value in load_file(str(file)).items():
-            layer = _LAYER_KEY.match(key)
-            if layer and int(layer.group(1)) >= cfg.num_hidden_layers:
-                continue  # multi-token-prediction layers are not part of this model
-            tensors[key] = value
-    return tensors
+    with ExitStack() as stack:
+        handles = {}
+        for file in files:
+            handle = stack.enter_context(safe_open(str(file), framework="pt", device=str(device)))
+            for key in handle.keys():
+                layer = _LAYER_KEY.match(key)
+                if layer is None or int(layer.group(1)) < cfg.num_hidden_layers:
+                    handles[key] = handle
+        yield handles
+
+
+def _header(handle, key: str, path: Path) -> torch.Tensor:
+    """A meta tensor with the shape and dtype a checkpoint tensor's header declares."""
+    info = handle.get_slice(key)
+    dtype = _SAFETENSORS_DTYPES.get(info.get_dtype())
+    if dtype is None:
+        raise ValueError(f"weights {str(path)!r}: tensor {key} has dtype {info.get_dtype()}")
+    return torch.empty(info.get_shape(), dtype=dtype, device="meta")
+
+
+def _read_groups(
+    keys: Sequence[str], local_experts: list[list[int]], cfg: ModelConfig
+) -> list[list[str]]:
+    """The checked keys this rank reads, grouped by decoder layer (the others first), so one
+    layer's tensors are in device memory at a time; other ranks' experts are left out."""
+    local = [set(row) for row in local_experts]
+    groups: dict[int, list[str]] = {}
+    for key in keys:
+        if cfg.tie_word_embeddings and key == "lm_head.weight":
+            continue
+        layer, expert = _LAYER_KEY.match(key), _EXPERT_KEY.match(key)
+        layer_id = int(layer.group(1)) if layer else -1
+        if expert and int(expert.group(2)) not in local[layer_id - cfg.first_k_dense_replace]:
+            continue
+        groups.setdefault(layer_id, []).append(key)
+    return [groups[layer_id] for layer_id in sorted(groups)]
 
 
 def check_weights(
@@ -115,8 +314,9 @@ def check_weights(
     local_experts: list[list[int]],
     source: str,
 ) -> dict[str, torch.Tensor]:
-    """HF-named tensors -> this rank's value of every parameter, every name, shape and dtype
-    checked (ValueError naming the first bad one); the model is not touched."""
+    """HF-named tensors (or meta tensors of their headers) -> this rank's value of every
+    parameter, every name, shape and dtype checked (ValueError naming the first bad one); the
+    model is not touched."""
     tensors = _stack_experts(tensors, local_experts, model.config.first_k_dense_replace)
     params = dict(model.named_parameters())
     if model.config.tie_word_embeddings:
@@ -141,11 +341,12 @@ def check_weights(
 
 
 def assign_weights(model: DeepseekForCausalLM, values: dict[str, torch.Tensor]) -> None:
-    """Copy checked values (check_weights) into the model's parameters."""
+    """Copy checked values (check_weights) into the model's parameters; copy_ casts the dtype
+    and crosses devices itself, with no intermediate tensor."""
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name, value in values.items():
-            params[name].copy_(value.to(params[name].dtype))
+            params[name].copy_(value)
 
 
 def _stack_experts(
