@@ -1,0 +1,115 @@
+"""Where one engine decode step spends its time: GPU kernels (torch.profiler) and host Python
+(cProfile), at batch B and context L, for one kernel mode.
+
+B random prompts of L tokens are prefilled, a few decode steps warm up (compiles, captures the
+graphs), then `--steps` steps run under cProfile and the same number under torch.profiler.
+Printed: wall ms/step, GPU kernel time per step (sum of kernel durations; kernels inside CUDA
+graph replays are traced one by one), the top kernels by time, and the top host functions.
+
+    PYTHONUNBUFFERED=1 python bench/profile_step.py --batch 64 --context 1024 \
+        [--set kernels.mode=fast] [--config launch/configs/v2_lite_gpu.yaml]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from launch.cli import add_override_argument, parse_overrides  # noqa: E402
+from moe_runtime.config import load_config  # noqa: E402
+from moe_runtime.engine.engine import LLMEngine  # noqa: E402
+from moe_runtime.sampling_params import SamplingParams  # noqa: E402
+
+CONFIG = Path(__file__).resolve().parent.parent / "launch" / "configs" / "v2_lite_gpu.yaml"
+
+
+def start_decoding(engine: LLMEngine, num_seqs: int, context: int, max_tokens: int) -> None:
+    """Add B random prompts and step until every one of them has its first token."""
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(0, engine.config.model.vocab_size, (num_seqs, context)).tolist()
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    pending = {r.request_id for r in engine.add_requests(prompts, [params] * num_seqs)}
+    while pending:
+        for out in engine.step():
+            if out.token_ids:
+                pending.discard(out.request_id)
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def kernel_table(prof, num_steps: int, top: int) -> None:
+    totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            entry = totals[event.name]
+            entry[0] += event.time_range.elapsed_us()  # a kernel event's own duration
+            entry[1] += 1
+    busy = sum(t for t, _ in totals.values()) / num_steps
+    launches = sum(c for _, c in totals.values()) // num_steps
+    print(f"GPU kernel time per step: {busy / 1e3:.2f} ms over {launches} kernels")
+    print("| kernel | calls/step | us/step | us/call |")
+    print("|---|---|---|---|")
+    for name, (total, count) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(
+            f"| {name[:90]} | {count / num_steps:.0f} | {total / num_steps:.0f} | "
+            f"{total / count:.1f} |"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", default=str(CONFIG))
+    add_override_argument(parser)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--top", type=int, default=25)
+    args = parser.parse_args()
+    cfg = load_config(args.config, parse_overrides(args.set))
+    engine = LLMEngine(cfg)
+    try:
+        start_decoding(engine, args.batch, args.context, max_tokens=1000)
+        for _ in range(4):  # warm-up: compiles and captures this size's graphs
+            engine.step()
+        sync()
+        host = cProfile.Profile()
+        start = time.perf_counter()
+        host.enable()
+        for _ in range(args.steps):
+            engine.step()
+        host.disable()
+        wall_ms = (time.perf_counter() - start) * 1e3 / args.steps
+        print(
+            f"mode {cfg.kernels.mode}, graphs {cfg.kernels.cuda_graphs}, B={args.batch}, "
+            f"context {args.context}: {wall_ms:.2f} ms/step wall (under cProfile)"
+        )
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.steps):
+                engine.step()
+            sync()
+        kernel_table(prof, args.steps, args.top)
+        text = io.StringIO()
+        pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(args.top)
+        print("\nhost functions by own time (cProfile, all steps):")
+        print("\n".join(text.getvalue().splitlines()[: args.top + 12]))
+    finally:
+        engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()
