@@ -22,7 +22,6 @@ import triton.testing
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kernels.linear import grouped_linear_fast  # noqa: E402
 from kernels.rmsnorm import rms_norm_fast  # noqa: E402
 from kernels.triton_linear import (  # noqa: E402
     LinearConfig,
@@ -110,17 +109,37 @@ def bench_linear() -> None:
 
 
 def bench_grouped() -> None:
-    print("\n## grouped expert GEMM (8 local experts, 2048 -> 2x1408): Triton vs torch loop")
-    w = torch.randn(8, 2 * 1408, 2048, device="cuda", dtype=torch.bfloat16) * 2048**-0.5
-    for rows_per_expert in (1, 16, 128, 1024):
-        sizes = [rows_per_expert] * 8
-        x = torch.randn(sum(sizes), 2048, device="cuda", dtype=torch.bfloat16)
-        t_fast = _ms(lambda x=x, s=sizes: grouped_linear_fast(x, w, s))
-        t_triton = _ms(lambda x=x, s=sizes: grouped_linear_triton(x, w, s))
-        print(
-            f"rows/expert {rows_per_expert:5}: torch {t_fast * 1e3:8.1f} us  "
-            f"triton {t_triton * 1e3:8.1f} us  ratio {t_triton / t_fast:5.2f}"
-        )
+    """Routed experts of one V2-Lite MoE layer (64 experts, 2048 -> 2x1408 and 1408 -> 2048)
+    at the rows a decode step of B tokens gives (top-6, random routing), and at 8 experts x
+    1024 rows: the invariant Triton grouped GEMM (device counts) vs torch._grouped_mm (fast
+    mode), both replayed in CUDA graphs over enough weight copies to miss L2."""
+    from kernels.linear import grouped_linear_cuda_fast
+
+    print("\n## grouped expert GEMM: invariant Triton vs torch._grouped_mm (graph replay)")
+    print("| weight | tokens | experts | rows | _grouped_mm us | Triton us | ratio |")
+    print("|---|---|---|---|---|---|---|")
+    gen = torch.Generator().manual_seed(0)
+    cases = [(t, 64, 6) for t in (1, 8, 64, 256, 1024)] + [(1024, 8, 8)]
+    for name, out_dim, in_dim in (("gate_up", 2816, 2048), ("down", 2048, 1408)):
+        for tokens, experts, top_k in cases:
+            ids = torch.stack(
+                [torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)]
+            )
+            counts = torch.bincount(ids.reshape(-1), minlength=experts).cuda()
+            rows = tokens * top_k
+            num_bytes = int((counts > 0).sum()) * out_dim * in_dim * 2
+
+            def make(op, rows=rows, counts=counts, experts=experts, out_dim=out_dim, in_dim=in_dim):
+                w = torch.randn(experts, out_dim, in_dim, device="cuda").bfloat16()
+                x = torch.randn(rows, in_dim, device="cuda").bfloat16()
+                return lambda: op(x, w, counts)
+
+            t_fast = _graph_ms(partial(make, grouped_linear_cuda_fast), num_bytes)
+            t_triton = _graph_ms(partial(make, grouped_linear_triton), num_bytes)
+            print(
+                f"| {name} | {tokens} | {experts} | {rows} | {t_fast * 1e3:.1f} | "
+                f"{t_triton * 1e3:.1f} | {t_triton / t_fast:.2f} |"
+            )
 
 
 SWEEP_SMALL = [
@@ -187,57 +206,52 @@ def bench_config_sweep() -> None:
         del w
 
 
-def _bound_attend(make, args):
-    """A fresh set of attention inputs and a call on them (one copy for _graph_ms)."""
-    from kernels.triton_attention import _attend
-
-    inputs = make()
-    return lambda: _attend(*inputs, *args)
+def _copy_ceiling() -> float:
+    """Device copy bandwidth in TB/s (read + write), the HBM ceiling every figure is put against."""
+    src = torch.empty(2**30, device="cuda", dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    ceiling = 2 * src.numel() / (_ms(lambda d=dst, s=src: d.copy_(s)) * 1e-3) / 1e12
+    del src, dst
+    return ceiling
 
 
 def bench_attention() -> None:
-    """Decode attention (16 heads, latent 512 + rope 64, blocks of 64): bytes = KV read once;
-    eager do_bench and CUDA-graph replay over several caches (HBM reads) for launch variants."""
-    from kernels.triton_attention import SPLIT_BLOCKS, _attend, mla_attention_triton
+    """Decode attention (latent 512 + rope 64, blocks of 64) at 16 heads (V2-Lite) and 128
+    (V3): the invariant Triton kernel vs fast mode's decode attention (FlashMLA where it is
+    installed, else the split-KV Triton kernel), each replayed in a CUDA graph over enough
+    caches to miss L2. Bytes = the KV cache read once."""
+    from kernels.fast_attention import HAS_FLASH_MLA, mla_decode_fast
+    from kernels.triton_attention import mla_attention_triton
 
-    src = torch.empty(2**29, device="cuda", dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    ceiling = 2 * src.numel() / (_ms(lambda dst=dst, src=src: dst.copy_(src)) * 1e-3) / 1e12
-    del src, dst
-    print(f"\n## decode attention vs device copy ceiling {ceiling:.2f} TB/s")
-    # (split blocks, warps, stages): the default first, then the old 4/8/2 and others.
-    variants = [(SPLIT_BLOCKS, 4, 3), (4, 8, 2), (2, 4, 3), (8, 4, 3), (8, 8, 3)]
-    for batch, ctx in ((64, 1024), (64, 4096), (256, 1024), (8, 8192), (1, 4096)):
-        blocks = -(-ctx // 64)
-        read = batch * ctx * 576 * 2
+    ceiling = _copy_ceiling()
+    fast_name = "FlashMLA" if HAS_FLASH_MLA else "split-KV Triton (FlashMLA not installed)"
+    print(
+        f"\n## decode attention: invariant Triton vs {fast_name}; copy ceiling {ceiling:.2f} TB/s"
+    )
+    print("| heads | B | ctx | invariant us | % of copy | fast us | % of copy | invariant / fast |")
+    print("|---|---|---|---|---|---|---|---|")
+    for heads in (16, 128):
+        for batch, ctx in ((1, 4096), (64, 1024), (64, 4096), (256, 1024), (8, 8192)):
+            blocks = -(-ctx // 64)
+            read = batch * ctx * 576 * 2
 
-        def make(batch=batch, blocks=blocks, ctx=ctx):
-            kv = torch.randn(batch * blocks, 64, 576, device="cuda").bfloat16()
-            q = torch.randn(batch, 16, 576, device="cuda").bfloat16()
-            tables = torch.randperm(batch * blocks, device="cuda").view(batch, blocks)
-            seq_ids = torch.arange(batch, device="cuda")
-            positions = torch.full((batch,), ctx - 1, device="cuda")
-            return q, kv, seq_ids, tables, positions
+            def make(op, batch=batch, blocks=blocks, ctx=ctx, heads=heads):
+                kv = torch.randn(batch * blocks, 64, 576, device="cuda").bfloat16()
+                q = torch.randn(batch, heads, 576, device="cuda").bfloat16()
+                tables = torch.randperm(batch * blocks, device="cuda").view(batch, blocks)
+                seq_ids = torch.arange(batch, device="cuda")
+                positions = torch.full((batch,), ctx - 1, device="cuda")
+                args = (q, kv, seq_ids, tables, positions)
+                return lambda: op(*args, scale=192**-0.5, v_dim=512)
 
-        inputs = make()
-        t_eager = _ms(lambda i=inputs: mla_attention_triton(*i, scale=192**-0.5, v_dim=512))
-        ref = mla_attention_triton(*inputs, scale=192**-0.5, v_dim=512)
-        cells = []
-        for sb, w, st in variants:
-            args = (192**-0.5, 512, sb, w, st)
-            try:
-                got = _attend(*inputs, *args)
-                t = _graph_ms(partial(_bound_attend, make, args), read)
-            except Exception as err:
-                cells.append(f"{sb}/{w}/{st}=fail:{type(err).__name__}")
-                continue
-            bits = "=" if torch.equal(got, ref) else "x"
-            cells.append(f"{sb}/{w}/{st}={read / t / 1e9 / ceiling:.0%}{bits}")
-        print(
-            f"B={batch:4} ctx={ctx:5}: eager default {t_eager * 1e3:7.1f} us "
-            f"{read / t_eager / 1e9 / ceiling:4.0%} of copy | graph split/warps/stages: "
-            + " ".join(cells)
-        )
+            times = [
+                _graph_ms(partial(make, op), read) for op in (mla_attention_triton, mla_decode_fast)
+            ]
+            pct = [read / t / 1e9 / ceiling for t in times]
+            print(
+                f"| {heads} | {batch} | {ctx} | {times[0] * 1e3:.1f} | {pct[0]:.0%} | "
+                f"{times[1] * 1e3:.1f} | {pct[1]:.0%} | {times[0] / times[1]:.2f} |"
+            )
 
 
 def _print_row(label: str, num_bytes: int, t_triton: float, t_torch: float, ceiling: float):

@@ -5,7 +5,8 @@ DeepSeek's FlashMLA (the optional `flash_mla` package, dense bf16 decode on SM90
 else the split-KV Triton kernel of kernels/triton_attention.py with its split length chosen
 from the batch shape to fill the GPU. Neither path syncs with the host: every size comes from
 tensor shapes, so a decode step can be captured and replayed with new positions. Contract of
-`mla_attention_fast` (kernels/attention.py); batches that are not decode-shaped go there.
+`mla_attention_fast` (kernels/attention.py); batches that are not decode-shaped run the paged
+Triton kernel (kernels/triton_attention.py).
 """
 
 from __future__ import annotations
@@ -13,8 +14,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from kernels.attention import mla_attention_fast
-from kernels.triton_attention import BLOCK_H, _attend, _check
+from kernels.triton_attention import BLOCK_H, _attend, _check, mla_attention_triton
 
 try:
     import flash_mla
@@ -47,12 +47,14 @@ def mla_decode_fast(
     int64 (-1 padding past a sequence's end) -> [T, H, v_dim] in q.dtype.
 
     Decode-shaped (T == B: every sequence has one query, so query t is sequence t, the model
-    runner's layout) runs without a host sync; any other batch goes to `mla_attention_fast`,
-    which syncs and is never captured.
+    runner's layout) runs FlashMLA or the split-KV kernel; any other batch (prefill chunks)
+    runs the paged Triton kernel of invariant mode, the fastest prefill attention here (plain
+    torch attention is several times slower, so a fast mode with it would flatter invariance).
+    No path syncs with the host.
     """
     num_tokens = q.shape[0]
     if num_tokens != block_tables.shape[0]:
-        return mla_attention_fast(
+        return mla_attention_triton(
             q, kv_cache, query_seq_ids, block_tables, positions, scale=scale, v_dim=v_dim
         )
     if num_tokens == 0:  # a rank with no tokens still runs the step (EP lockstep)

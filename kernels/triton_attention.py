@@ -21,6 +21,7 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SPLIT_BLOCKS = 4  # cache blocks per KV split: a constant, never a function of the batch
 BLOCK_H = 16  # heads per program (tl.dot needs 16 rows); extra heads are masked
 PARTIAL_BYTES = 256 << 20  # cap on the fp32 split buffers of one launch (queries grouped)
+MAX_GRID_Y = 65535  # CUDA's limit on grid axis 1, the launch's queries
 
 
 # Why: batch-dependent ints are not specialised (==1, %16), so one compiled kernel serves
@@ -52,8 +53,10 @@ def _mla_split_kernel(
 ):
     """Partial (max, sum, acc) of one query's heads over one split of its cache blocks; with
     WRITE_OUT (the launch has one split) the finished acc / sum into out_ptr (= acc_ptr)."""
-    t = tl.program_id(0).to(tl.int64)
-    head_block = tl.program_id(1)
+    # Why head blocks on the fastest grid axis: the programs of one query's head blocks run
+    # side by side and read the same latent blocks, so HBM serves them once and L2 the rest.
+    head_block = tl.program_id(0)
+    t = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
     position = tl.load(positions_ptr + t)
     first_block = split * SPLIT_BLOCKS
@@ -240,7 +243,7 @@ def _attend(
     # query's result depends on this number.
     num_splits = triton.cdiv(block_tables.shape[1], split_blocks)
     per_token = num_splits * num_heads * (block_v + 2) * 4
-    group = max(1, PARTIAL_BYTES // per_token)
+    group = min(max(1, PARTIAL_BYTES // per_token), MAX_GRID_Y)
     is_fp32 = q.dtype == torch.float32
     is_direct = num_splits == 1
     for start in range(0, num_tokens, group):  # launch boundaries only: rows are independent
@@ -252,7 +255,7 @@ def _attend(
             acc = torch.empty((count, num_splits, num_heads, block_v), device=q.device)
             stats = torch.empty((count, num_splits, num_heads, 2), device=q.device)
         seq_ids, pos = query_seq_ids[rows].contiguous(), positions[rows].contiguous()
-        _mla_split_kernel[(count, triton.cdiv(num_heads, BLOCK_H), num_splits)](
+        _mla_split_kernel[(triton.cdiv(num_heads, BLOCK_H), count, num_splits)](
             q[rows],
             kv_cache,
             seq_ids,

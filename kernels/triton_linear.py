@@ -375,17 +375,19 @@ def device_row_tiles(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Row tiles of the groups, from device counts [L] (rows sorted by group, N = num_rows).
 
-    -> (group, start, end) int32 [cdiv(N, block_m) + L]: tiles of at most block_m rows that
-    never cross a group boundary, each starting at its group's first row + a multiple of
-    block_m; the rest are empty (start = end = 0). No host sync: the length is a bound
-    (sum of ceil(c / block_m) <= N / block_m + L), so a CUDA graph can capture it.
+    -> (group, start, end) int32 [min(cdiv(N, block_m) + L, N)]: tiles of at most block_m rows
+    that never cross a group boundary, each starting at its group's first row + a multiple of
+    block_m; the rest are empty (start = end = 0). No host sync: the length is a bound (sum of
+    ceil(c / block_m) <= N / block_m + L, and every tile holds a row), so a CUDA graph can
+    capture it; at decode sizes (N <= L) it is N, so no program of the launch is idle.
     """
     counts = counts.to(torch.int64)
     num_groups = counts.numel()
     tiles_per_group = (counts + block_m - 1) // block_m
     tile_ends = torch.cumsum(tiles_per_group, 0)  # integer scan: exact in any order
     row_starts = torch.cumsum(counts, 0) - counts
-    index = torch.arange(triton.cdiv(num_rows, block_m) + num_groups, device=counts.device)
+    bound = min(triton.cdiv(num_rows, block_m) + num_groups, num_rows)
+    index = torch.arange(bound, device=counts.device)
     group = torch.searchsorted(tile_ends, index, right=True)
     is_real = group < num_groups
     g = group.clamp(max=num_groups - 1)

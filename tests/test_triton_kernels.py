@@ -101,6 +101,7 @@ def check_grouped_linear_device_counts(generator: torch.Generator) -> None:
         assert torch.equal(out[:72], grouped_linear_triton(x[:72], w, [9, 0, 62, 1]))
     group, start, end = device_row_tiles(torch.tensor([9, 0, 70, 1]), 64, 80)
     assert group.numel() == 2 + 4  # the bound: cdiv(80, 64) + 4 groups
+    assert device_row_tiles(torch.tensor([1, 0, 2, 0]), 64, 3)[0].numel() == 3  # <= N rows
     real = end > start
     assert group[real].tolist() == [0, 2, 2, 3]
     assert start[real].tolist() == [0, 9, 73, 79] and end[real].tolist() == [9, 73, 79, 80]

@@ -15,7 +15,7 @@ width sets only the attention launch. Expert loads count the real rows only. Not
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -40,6 +40,7 @@ class _SizeGraphs:
     inputs: list[torch.Tensor | None]  # per segment: its residual input [N, D] (None: embed)
     outputs: list[tuple[torch.Tensor, ...]]  # per segment: (x, h) [N, D] or (logits [N, V],)
     graphs: list[torch.cuda.CUDAGraph]
+    moe_topk_ids: list[torch.Tensor] = field(default_factory=list)  # per captured MoE layer
 
 
 class DecodeGraphRunner:
@@ -59,19 +60,8 @@ class DecodeGraphRunner:
         self.scratch_block = scratch_block
         self.block_size = kv_caches[0].shape[1]
         self.device = kv_caches[0].device
-        layers = model.model.layers
-        moe_ids = [
-            i
-            for i, layer in enumerate(layers)
-            if layer.is_moe and not layer.mlp.dispatcher.is_capturable
-        ]
-        self.captured_moe = [
-            layer.mlp for i, layer in enumerate(layers) if layer.is_moe and i not in moe_ids
-        ]
-        starts = [0] + [i + 1 for i in moe_ids]
-        self.segments = [
-            _Segment(a, b) for a, b in zip(starts, moe_ids + [len(layers)], strict=True)
-        ]
+        self.segments: list[_Segment] = []  # planned at the first capture (see _plan)
+        self.captured_moe: list = []
         self.pool = torch.cuda.graph_pool_handle()
         self._graphs: dict[int, _SizeGraphs] = {}
         self.num_replays = 0  # steps served by graphs (tests check the path really ran)
@@ -90,6 +80,23 @@ class DecodeGraphRunner:
     def reset(self) -> None:
         """Drop every capture (weights were replaced: the graphs hold the old addresses)."""
         self._graphs.clear()
+        self.segments = []
+
+    def _plan(self) -> None:
+        """Cut the model at the MoE layers whose dispatcher can't be captured. Called at the
+        first capture, not at construction: the worker binds its dispatchers after that."""
+        layers = self.model.model.layers
+        eager_moe = [
+            i
+            for i, layer in enumerate(layers)
+            if layer.is_moe and not layer.mlp.dispatcher.is_capturable
+        ]
+        self.captured_moe = [
+            layer.mlp for i, layer in enumerate(layers) if layer.is_moe and i not in eager_moe
+        ]
+        starts = [0] + [i + 1 for i in eager_moe]
+        ends = eager_moe + [len(layers)]
+        self.segments = [_Segment(a, b) for a, b in zip(starts, ends, strict=True)]
 
     @torch.inference_mode()
     def run(self, batch: ForwardBatch) -> torch.Tensor:
@@ -98,6 +105,8 @@ class DecodeGraphRunner:
         num_real = batch.num_tokens
         size = next(n for n in self.batch_sizes if n >= num_real)
         graphs = self._graphs.get(size)
+        if not self.segments:
+            self._plan()
         if graphs is None:
             graphs = self._capture(size, batch)
         else:
@@ -115,7 +124,11 @@ class DecodeGraphRunner:
                 layers[segment.end_layer].mlp(h[:num_real]),
                 out=graphs.inputs[j + 1][:num_real],
             )
-        for moe in self.captured_moe:  # the graph routed the padding rows too
+        for moe, topk_ids in zip(self.captured_moe, graphs.moe_topk_ids, strict=True):
+            # A replay refills the captured tensors but sets no Python attribute: point the
+            # layer back at this size's routing, and count the real rows only (the graph
+            # routed the padding rows too).
+            moe.last_topk_ids = topk_ids
             moe.recount_slots(num_real)
         self.num_replays += 1
         logits = graphs.outputs[-1][0]
@@ -185,6 +198,7 @@ class DecodeGraphRunner:
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 graphs.outputs.append(self._run_segment(j, graphs))
             graphs.graphs.append(graph)
+        graphs.moe_topk_ids = [moe.last_topk_ids for moe in self.captured_moe]
         self._graphs[num_rows] = graphs
         self.num_captures += 1
         return graphs

@@ -204,6 +204,8 @@ class Worker:
             )
             self._bind_placement()  # the replica table switches with the weights, at once
             self.load_window.clear()
+            if self.runner.graphs is not None:
+                self.runner.graphs.reset()  # captured MoE layers hold the old addresses
         return {key: getattr(result, key) for key in ("ok", "experts_moved", "bytes_sent")}
 
     def prepare_weights(self, source: str | dict[str, torch.Tensor]) -> None:
