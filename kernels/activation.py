@@ -19,3 +19,12 @@ def silu_ref(x: torch.Tensor) -> torch.Tensor:
 
 def silu_fast(x: torch.Tensor) -> torch.Tensor:
     return F.silu(x)
+
+
+def silu_mul_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The gated MLP's silu(gate) * up: silu_ref, then one multiply in the inputs' dtype."""
+    return silu_ref(gate) * up
+
+
+def silu_mul_fast(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up

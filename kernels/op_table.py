@@ -18,7 +18,7 @@ from functools import partial
 
 import torch
 
-from kernels.activation import silu_fast, silu_ref
+from kernels.activation import silu_mul_fast, silu_mul_ref
 from kernels.attention import mla_attention_fast, mla_attention_ref
 from kernels.combine import (
     moe_combine_fast,
@@ -57,7 +57,7 @@ class OpTable:
     moe_combine: Callable
     sum_over_ranks: Callable
     cumsum: Callable
-    silu: Callable
+    silu_mul: Callable
     mode: str
 
 
@@ -72,17 +72,19 @@ _TILED_OPS: dict[str, tuple[Callable, Callable]] = {
     "mla_attention": (mla_attention_fast, mla_attention_ref),
     "router_topk": (router_topk_fast, router_topk_ref),
 }
-# Why these references serve CPU and CUDA alike, untiled: each is row-wise already (a token's
-# slots, ranks or vocab, never a tile of other rows). The combine and TP sum are index copies
+# Why these references serve CPU and CUDA alike (on CUDA the combine is one Triton kernel
+# instead: fewer launches), untiled: each is row-wise already (a token's slots, ranks or
+# vocab, never a tile of other rows). The combine and TP sum are index copies
 # plus elementwise multiplies and adds in a fixed slot / rank order; cumsum is a sequential scan
-# on the host (kernels/cumsum.py); silu_ref is elementwise exp and IEEE division. Elementwise
+# on the host (kernels/cumsum.py); silu_mul_ref is elementwise exp, IEEE division and a multiply
+# (on CUDA one Triton kernel of the same elementwise steps). Elementwise
 # kernels run one scalar formula on every element (CUDA vectorises only loads and stores), so
 # an element's bits never depend on its offset, the tensor size or the batch.
 _ROW_WISE_OPS: dict[str, tuple[Callable, Callable]] = {
     "moe_combine": (moe_combine_fast, moe_combine_ref),
     "sum_over_ranks": (sum_over_ranks_fast, sum_over_ranks_ref),
     "cumsum": (cumsum_fast, cumsum_ref),
-    "silu": (silu_fast, silu_ref),
+    "silu_mul": (silu_mul_fast, silu_mul_ref),
 }
 
 
@@ -96,7 +98,7 @@ def build_op_table(config: KernelConfig, device: torch.device | str) -> OpTable:
             ops["grouped_linear"] = grouped_linear_cuda_fast
             ops["mla_attention"] = _fast_decode_attention()
     elif device.type == "cuda":
-        ops = _triton_kernels() | row_wise
+        ops = row_wise | _triton_kernels()
     elif device.type == "cpu":
         tile = partial(partial, tile_rows=config.tile_rows)
         ops = {name: tile(ref) for name, (_, ref) in _TILED_OPS.items()} | row_wise
@@ -117,7 +119,9 @@ def _fast_decode_attention() -> Callable:
 
 def _triton_kernels() -> dict[str, Callable]:
     # Imported here so CPU-only workers never load Triton's compiler front end.
+    from kernels.triton_activation import silu_mul_triton
     from kernels.triton_attention import mla_attention_triton
+    from kernels.triton_combine import moe_combine_triton
     from kernels.triton_linear import batched_linear_triton, grouped_linear_triton, linear_triton
     from kernels.triton_rmsnorm import rms_norm_triton
     from kernels.triton_router import router_topk_triton
@@ -134,6 +138,9 @@ def _triton_kernels() -> dict[str, Callable]:
         # Why a kernel and not torch: torch.softmax over experts and the weight-normalising
         # sum choose their CUDA launch plans from the tensor shape.
         "router_topk": router_topk_triton,
+        # Why a kernel: the torch combine is ~14 launches per MoE layer on a decode step.
+        "moe_combine": moe_combine_triton,
+        "silu_mul": silu_mul_triton,  # one launch for ~7 torch ones
     }
 
 

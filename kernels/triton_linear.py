@@ -370,6 +370,41 @@ def grouped_config(
     return linear_config(out_dim, in_dim, dtype, mean_rows)
 
 
+@triton.jit
+def _row_tiles_kernel(
+    counts_ptr,
+    group_ptr,
+    start_ptr,
+    end_ptr,
+    num_groups,
+    bound,
+    BLOCK_M: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    """Tiles i of this program: group = how many groups' tiles end at or before i; integer
+    scans and masked sums only, so the table is exact and needs no host."""
+    g = tl.arange(0, BLOCK_G)
+    g_ok = g < num_groups
+    counts = tl.load(counts_ptr + g, mask=g_ok, other=0).to(tl.int64)
+    tiles = (counts + BLOCK_M - 1) // BLOCK_M
+    tile_end = tl.cumsum(tiles, 0)
+    row_end = tl.cumsum(counts, 0)
+    i = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    group = tl.sum(((tile_end[None, :] <= i[:, None]) & g_ok[None, :]).to(tl.int64), 1)
+    is_mine = g[None, :] == group[:, None]
+    first_tile = tl.sum(tl.where(is_mine, (tile_end - tiles)[None, :], 0), 1)
+    first_row = tl.sum(tl.where(is_mine, (row_end - counts)[None, :], 0), 1)
+    last_row = tl.sum(tl.where(is_mine, row_end[None, :], 0), 1)
+    start = first_row + (i - first_tile) * BLOCK_M
+    end = tl.minimum(start + BLOCK_M, last_row)
+    is_real = group < num_groups
+    ok = i < bound
+    tl.store(group_ptr + i, tl.where(is_real, group, 0).to(tl.int32), mask=ok)
+    tl.store(start_ptr + i, tl.where(is_real, start, 0).to(tl.int32), mask=ok)
+    tl.store(end_ptr + i, tl.where(is_real, end, 0).to(tl.int32), mask=ok)
+
+
 def device_row_tiles(
     counts: torch.Tensor, block_m: int, num_rows: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -379,23 +414,27 @@ def device_row_tiles(
     that never cross a group boundary, each starting at its group's first row + a multiple of
     block_m; the rest are empty (start = end = 0). No host sync: the length is a bound (sum of
     ceil(c / block_m) <= N / block_m + L, and every tile holds a row), so a CUDA graph can
-    capture it; at decode sizes (N <= L) it is N, so no program of the launch is idle.
+    capture it; at decode sizes (N <= L) it is N, so no program of the launch is idle. One
+    launch (a table in torch ops took ~25 small kernels per GEMM).
     """
-    counts = counts.to(torch.int64)
     num_groups = counts.numel()
-    tiles_per_group = (counts + block_m - 1) // block_m
-    tile_ends = torch.cumsum(tiles_per_group, 0)  # integer scan: exact in any order
-    row_starts = torch.cumsum(counts, 0) - counts
     bound = min(triton.cdiv(num_rows, block_m) + num_groups, num_rows)
-    index = torch.arange(bound, device=counts.device)
-    group = torch.searchsorted(tile_ends, index, right=True)
-    is_real = group < num_groups
-    g = group.clamp(max=num_groups - 1)
-    start = row_starts[g] + (index - (tile_ends[g] - tiles_per_group[g])) * block_m
-    end = torch.minimum(start + block_m, row_starts[g] + counts[g])
-    zero = torch.zeros_like(start)
-    tiles = (g, torch.where(is_real, start, zero), torch.where(is_real, end, zero))
-    return tuple(t.to(torch.int32) for t in tiles)
+    group, start, end = (
+        torch.empty(bound, dtype=torch.int32, device=counts.device) for _ in range(3)
+    )
+    block_t = 64
+    _row_tiles_kernel[(triton.cdiv(bound, block_t),)](
+        counts,
+        group,
+        start,
+        end,
+        num_groups,
+        bound,
+        BLOCK_M=block_m,
+        BLOCK_G=triton.next_power_of_2(num_groups),
+        BLOCK_T=block_t,
+    )
+    return group, start, end
 
 
 def grouped_linear_triton(

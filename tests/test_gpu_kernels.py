@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.activation import silu_ref
 from kernels.rmsnorm import rms_norm_fast
 from moe_runtime.config import load_config
 
@@ -219,14 +218,41 @@ def test_softmax_invariant_and_close(generator, is_log, dtype):
     _assert_row_invariant(op, x, full, generator)
 
 
-def test_silu_ref_elementwise_invariant_on_gpu(generator):
-    x = _randn(generator, 1000, 2 * 1408 + 3)
-    full = silu_ref(x)
+def test_silu_mul_elementwise_invariant_on_gpu(generator):
+    """The fused kernel the GPU op table binds: an element's bits ignore the row count, the
+    halves being views of one gate_up output, and its neighbours; close to the reference."""
+    from kernels.activation import silu_mul_ref
+    from kernels.triton_activation import silu_mul_triton
+
+    x = _randn(generator, 1000, 2 * 1408)
+    gate, up = x.chunk(2, dim=-1)  # strided views, as the MoE calls it
+    full = silu_mul_triton(gate, up)
+    torch.testing.assert_close(full.float(), silu_mul_ref(gate, up).float(), **BF16_TOL)
     for m in (1, 2, 3, 17, 999):
-        assert torch.equal(silu_ref(x[:m]), full[:m]), m
-    gate = x.chunk(2, dim=-1)[0]  # non-contiguous, as the MoE calls it
-    assert torch.equal(silu_ref(gate), full[:, : gate.shape[1]])
-    assert torch.equal(silu_ref(x.flatten()[7:]), full.flatten()[7:])
+        assert torch.equal(silu_mul_triton(gate[:m], up[:m]), full[:m]), m
+    assert torch.equal(silu_mul_triton(gate.contiguous(), up.contiguous()), full)
+    perm = torch.randperm(1000, generator=generator).cuda()
+    assert torch.equal(silu_mul_triton(gate[perm], up[perm]), full[perm])
+
+
+def test_moe_combine_kernel_rows_ignore_the_batch(generator):
+    """The GPU combine: a token's sum over its slots (k ascending) has the same bits alone,
+    with its rows arriving in another order, and among 4096 other tokens."""
+    from kernels.combine import moe_combine_ref
+    from kernels.triton_combine import moe_combine_triton
+
+    num_tokens, top_k, dim = 4096, 6, 2048
+    rows = _randn(generator, num_tokens * top_k, dim)
+    weights = torch.rand(num_tokens, top_k, generator=generator).cuda()
+    slots = torch.randperm(num_tokens * top_k, generator=generator).cuda()
+    full = moe_combine_triton(rows, slots, weights)
+    torch.testing.assert_close(full, moe_combine_ref(rows, slots, weights), atol=1e-5, rtol=1e-5)
+    for token in (0, 1, 2047, 4095):
+        mine = (slots // top_k == token).nonzero()[:, 0].flip(0)
+        alone = moe_combine_triton(rows[mine], slots[mine] % top_k, weights[token : token + 1])
+        assert torch.equal(alone[0], full[token]), token
+    first = (slots < 17 * top_k).nonzero()[:, 0]
+    assert torch.equal(moe_combine_triton(rows[first], slots[first], weights[:17]), full[:17])
 
 
 def _paged_cache(generator, seq_lens, num_heads, cache_dim, block_size):

@@ -105,6 +105,20 @@ def check_grouped_linear_device_counts(generator: torch.Generator) -> None:
     real = end > start
     assert group[real].tolist() == [0, 2, 2, 3]
     assert start[real].tolist() == [0, 9, 73, 79] and end[real].tolist() == [9, 73, 79, 80]
+    for num_groups, block_m in ((3, 16), (64, 16), (100, 64)):  # several tile programs
+        counts = torch.randint(0, 40, (num_groups,), generator=generator)
+        counts[::3] = 0
+        tiles, first = [], 0
+        for g, count in enumerate(counts.tolist()):
+            tiles += [
+                (g, t, min(t + block_m, first + count))
+                for t in range(first, first + count, block_m)
+            ]
+            first += count
+        group, start, end = device_row_tiles(counts, block_m, first)
+        num_real = int((end > start).sum())
+        got = list(zip(group.tolist(), start.tolist(), end.tolist(), strict=True))
+        assert got[:num_real] == tiles and not any(e > s for _, s, e in got[num_real:])
 
 
 def check_batched_linear(generator: torch.Generator) -> None:
@@ -121,6 +135,43 @@ def check_batched_linear(generator: torch.Generator) -> None:
             assert out.shape == (3, rows, 48) and out.dtype == dtype
             for h in range(3):
                 assert torch.equal(out[h], linear_triton(x[h].contiguous(), w[h])), (dtype, h)
+
+
+def check_moe_combine(generator: torch.Generator) -> None:
+    """One kernel, slot order: here (no FMA in the interpreter) the torch reference's bits;
+    a token's row ignores the other tokens, the arrival order and absent slots."""
+    from kernels.combine import moe_combine_ref
+    from kernels.triton_combine import moe_combine_triton
+
+    num_tokens, top_k, dim = 7, 3, 600  # two column blocks, the second masked
+    rows = torch.randn(num_tokens * top_k, dim, generator=generator).to(torch.bfloat16)
+    weights = torch.rand(num_tokens, top_k, generator=generator)
+    slots = torch.randperm(num_tokens * top_k, generator=generator)
+    out = moe_combine_triton(rows, slots, weights)
+    assert torch.equal(out, moe_combine_ref(rows, slots, weights))
+    keep = slots // top_k != 2  # token 2's rows all absent (e.g. its experts elsewhere)
+    partial = moe_combine_triton(rows[keep], slots[keep], weights)
+    assert torch.equal(partial[2], torch.zeros(dim)) and torch.equal(partial[3:], out[3:])
+    # Token 4 alone, its rows arriving in another order, at another offset.
+    mine = (slots // top_k == 4).nonzero()[:, 0].flip(0)
+    alone = moe_combine_triton(rows[mine], slots[mine] % top_k, weights[4:5])
+    assert torch.equal(alone[0], out[4])
+
+
+def check_silu_mul(generator: torch.Generator) -> None:
+    from kernels.activation import silu_mul_ref
+    from kernels.triton_activation import silu_mul_triton
+
+    for dtype in DTYPES:
+        x = (torch.randn(33, 2 * 1100, generator=generator) * 3).to(dtype)
+        gate, up = x.chunk(2, dim=-1)  # two column blocks, the second masked
+        full = silu_mul_triton(gate, up)
+        assert full.dtype == dtype and full.shape == (33, 1100)
+        # bf16 rounds twice (silu, then the product): up to two ulps apart.
+        tol = FP32_TOL if dtype == torch.float32 else BF16_NORM_TOL
+        torch.testing.assert_close(full, silu_mul_ref(gate, up), **tol)
+        for m in NORM_ROWS:
+            assert torch.equal(silu_mul_triton(gate[:m], up[:m]), full[:m]), (dtype, m)
 
 
 def check_rms_norm(generator: torch.Generator) -> None:
@@ -299,6 +350,8 @@ CHECKS = {
     "grouped_linear": check_grouped_linear,
     "grouped_linear_device_counts": check_grouped_linear_device_counts,
     "batched_linear": check_batched_linear,
+    "moe_combine": check_moe_combine,
+    "silu_mul": check_silu_mul,
     "rms_norm": check_rms_norm,
     "softmax": check_softmax,
     "mla_attention": check_mla_attention,

@@ -66,5 +66,5 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(
-            self.down_proj(self.ops.silu(self.gate_proj(x)) * self.up_proj(x))
+            self.down_proj(self.ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
         )

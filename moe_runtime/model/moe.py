@@ -68,7 +68,7 @@ class Experts(nn.Module):
     def forward(self, rows: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
         """rows [N, D] sorted by local expert (group_sizes [L] int64 on rows' device) -> [N, D]."""
         gate, up = self.ops.grouped_linear(rows, self.gate_up_proj, group_sizes).chunk(2, dim=-1)
-        return self.ops.grouped_linear(self.ops.silu(gate) * up, self.down_proj, group_sizes)
+        return self.ops.grouped_linear(self.ops.silu_mul(gate, up), self.down_proj, group_sizes)
 
 
 class MoE(nn.Module):

@@ -97,6 +97,7 @@ class DecodeGraphRunner:
         starts = [0] + [i + 1 for i in eager_moe]
         ends = eager_moe + [len(layers)]
         self.segments = [_Segment(a, b) for a, b in zip(starts, ends, strict=True)]
+        self._layer_offsets = torch.arange(len(self.captured_moe), device=self.device)
 
     @torch.inference_mode()
     def run(self, batch: ForwardBatch) -> torch.Tensor:
@@ -124,15 +125,27 @@ class DecodeGraphRunner:
                 layers[segment.end_layer].mlp(h[:num_real]),
                 out=graphs.inputs[j + 1][:num_real],
             )
-        for moe, topk_ids in zip(self.captured_moe, graphs.moe_topk_ids, strict=True):
-            # A replay refills the captured tensors but sets no Python attribute: point the
-            # layer back at this size's routing, and count the real rows only (the graph
-            # routed the padding rows too).
-            moe.last_topk_ids = topk_ids
-            moe.recount_slots(num_real)
+        if self.captured_moe:
+            self._count_real_rows(graphs.moe_topk_ids, num_real)
         self.num_replays += 1
         logits = graphs.outputs[-1][0]
         return logits[batch.logits_indices.to(self.device)]  # a copy: the pool is reused
+
+    def _count_real_rows(self, topk_ids: list[torch.Tensor], num_real: int) -> None:
+        """After a replay: point each captured MoE layer at this size's routing (a replay
+        refills the captured tensors but sets no Python attribute) and set its slot counts
+        from the real rows only (the graph routed the padding rows too). With one rank a
+        local slot is a physical slot. A few launches for all layers together."""
+        num_layers, num_slots = len(topk_ids), self.captured_moe[0].last_slot_counts.numel()
+        for moe, ids in zip(self.captured_moe, topk_ids, strict=True):
+            moe.last_topk_ids = ids
+        ids = torch.stack([ids[:num_real] for ids in topk_ids]).view(num_layers, -1)
+        replica_rows = torch.stack([moe.replica_row for moe in self.captured_moe])
+        slots = replica_rows.gather(1, ids) + self._layer_offsets[:, None] * num_slots
+        counts = torch.zeros(num_layers * num_slots, dtype=torch.int64, device=self.device)
+        counts.index_add_(0, slots.view(-1), torch.ones_like(slots.view(-1)))  # integer adds
+        for moe, layer_counts in zip(self.captured_moe, counts.view(num_layers, -1), strict=True):
+            moe.last_slot_counts = layer_counts
 
     def _load(self, static: ForwardBatch, batch: ForwardBatch) -> None:
         """Copy the B real rows into the static buffers; rows B.. become dummy rows."""

@@ -1,10 +1,12 @@
-"""Sampler: turns one step's logits into tokens and logprobs, one request at a time.
+"""Sampler: turns one step's logits into tokens and logprobs, each row on its own.
 
 A request's result is a function of its own logits row, its SamplingParams, its seed and its
-output position only: every row is processed alone, and the Gumbel noise is drawn from a
-generator seeded by (seed, output position), one value per vocab id. The sampler owns no
-state across steps and never looks at other rows; choosing seeds for n > 1 and recording
-fresh ones is the engine's job (moe_runtime.seeds).
+output position only. The ops run on the step's rows together, but each is row-wise (the op
+table's log_softmax, elementwise scaling, argmax and gathers, a sort per row), so no row's
+bits follow the others; only top-k / top-p filtering runs row by row. The Gumbel noise is
+drawn from a generator seeded by (seed, output position), one value per vocab id. Results
+reach the host in one copy. The sampler owns no state across steps and never mixes rows;
+choosing seeds for n > 1 and recording fresh ones is the engine's job (moe_runtime.seeds).
 """
 
 from __future__ import annotations
@@ -45,30 +47,42 @@ class Sampler:
                 f"need one params/seed/output_position per row: {num_rows} rows, "
                 f"{len(params)} params, {len(seeds)} seeds, {len(output_positions)} positions"
             )
-        # Each row alone, as a [1, V] slice: no op below may see another request's logits.
-        return [
-            self._sample_row(logits[i : i + 1], params[i], seeds[i], output_positions[i])
-            for i in range(num_rows)
-        ]
-
-    def _sample_row(
-        self, row: torch.Tensor, params: SamplingParams, seed: int, position: int
-    ) -> SampleResult:
-        raw = self._log_softmax(row)
-        if params.is_greedy:
-            # torch.argmax returns the first maximum: ties go to the lower id.
-            token_id = int(torch.argmax(row[0]))
-            reported = raw
-        else:
-            processed = self._process(row, params)
-            noise = _gumbel_noise(seed, position, row.shape[1]).to(row.device)
-            token_id = int(torch.argmax(processed[0] + noise))
-            reported = raw if params.logprobs_mode == "raw" else self._log_softmax(processed)
-        return SampleResult(
-            token_id=token_id,
-            logprob=reported[0, token_id].item(),
-            top_logprobs=_top_logprobs(reported[0], params.logprobs or 0),
-        )
+        if num_rows == 0:
+            return []
+        raw = self._log_softmax(logits)
+        # Sampled rows: scaled (and filtered) logits plus their own noise; greedy rows: the
+        # logits themselves (argmax returns the first maximum: ties go to the lower id).
+        scores, reported = logits, raw
+        sampled = [i for i, p in enumerate(params) if not p.is_greedy]
+        if sampled:
+            processed = torch.cat([self._process(logits[i : i + 1], params[i]) for i in sampled])
+            noise = torch.stack(
+                [_gumbel_noise(seeds[i], output_positions[i], logits.shape[1]) for i in sampled]
+            ).to(logits.device)
+            rows = torch.tensor(sampled, device=logits.device)
+            scores = logits.index_copy(0, rows, processed + noise)
+            processed_mode = [j for j, i in enumerate(sampled) if params[i].logprobs_mode != "raw"]
+            if processed_mode:
+                picked = torch.tensor(processed_mode, device=logits.device)
+                reported = raw.index_copy(0, rows[picked], self._log_softmax(processed[picked]))
+        token_ids = torch.argmax(scores, dim=-1)
+        chosen = reported.gather(1, token_ids[:, None])
+        columns = [token_ids[:, None], chosen]
+        num_top = max(p.logprobs or 0 for p in params)
+        if num_top:
+            # Stable descending sort of each row: equal logprobs keep id order.
+            top_values, top_ids = torch.sort(reported, dim=-1, descending=True, stable=True)
+            columns += [top_ids[:, :num_top], top_values[:, :num_top]]
+        # One device-to-host copy for the step: [R, 2 + 2 * num_top] fp64 (ids < 2**53 exact,
+        # fp32 logprobs exact): token id, its logprob, top ids, top logprobs.
+        host = torch.cat([c.to(torch.float64) for c in columns], dim=1)
+        results = []
+        for i, row in enumerate(host.cpu().tolist()):
+            num = params[i].logprobs or 0
+            ids, values = row[2 : 2 + num], row[2 + num_top : 2 + num_top + num]
+            top = {int(t): v for t, v in zip(ids, values, strict=True)}
+            results.append(SampleResult(token_id=int(row[0]), logprob=row[1], top_logprobs=top))
+        return results
 
     def _process(self, row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         """[1, V] logits -> [1, V] temperature-scaled logits, -inf outside top-k / top-p."""
@@ -105,11 +119,3 @@ def _gumbel_noise(seed: int, position: int, vocab_size: int) -> torch.Tensor:
     # rand is in [0, 1); clamping away 0 keeps u in (0, 1) and the noise finite.
     u = u.clamp_(min=torch.finfo(torch.float32).tiny)
     return -torch.log(-torch.log(u))
-
-
-def _top_logprobs(logprobs: torch.Tensor, num: int) -> dict[int, float]:
-    """The `num` highest of a [V] row as {token_id: logprob}; ties go to the lower id."""
-    if num <= 0:
-        return {}
-    values, ids = torch.sort(logprobs, descending=True, stable=True)
-    return dict(zip(ids[:num].tolist(), values[:num].tolist(), strict=True))
