@@ -64,8 +64,8 @@ class DispatchLayout:
     rows_per_slot: torch.Tensor
 
 
-# Above this many (row, expert) pairs the layout sorts instead of ranking by a one-hot scan.
-_RANK_SCAN_MAX_PAIRS = 1 << 24
+# Above this many rows (token, slot pairs) the layout sorts instead of ranking by comparison.
+_RANK_MAX_ROWS = 2048
 
 
 def dispatch_layout(topk_phys_ids: torch.Tensor, num_physical: int) -> DispatchLayout:
@@ -80,21 +80,19 @@ def dispatch_layout(topk_phys_ids: torch.Tensor, num_physical: int) -> DispatchL
         raise ValueError(
             f"physical expert ids must lie in [0, {num_physical}), got {flat.min()}..{flat.max()}"
         )
-    if flat.numel() * num_physical > _RANK_SCAN_MAX_PAIRS:
-        # Integer adds: exact in any order (torch.bincount would sync to size its output).
-        rows_per_slot = torch.zeros(num_physical, dtype=torch.int64, device=flat.device)
-        rows_per_slot.index_add_(0, flat, torch.ones_like(flat))
+    # Integer adds: exact in any order (torch.bincount would sync to size its output).
+    rows_per_slot = torch.zeros(num_physical, dtype=torch.int64, device=flat.device)
+    rows_per_slot.index_add_(0, flat, torch.ones_like(flat))
+    if flat.numel() > _RANK_MAX_ROWS:
         return DispatchLayout(sort_rows_by_destination(topk_phys_ids), rows_per_slot)
-    # Decode-sized steps: a row's place is its expert's offset plus how many rows of that
-    # expert come before it, from one integer scan of the one-hot ids: the stable sort's order
-    # exactly, in a few small kernels (a radix sort launch costs ~25 us even for 384 ids).
-    is_expert = flat[:, None] == torch.arange(num_physical, device=flat.device)
-    seen = torch.cumsum(is_expert, 0)  # [N, E] int64: rows of expert e among rows 0..n
-    rows_per_slot = seen[-1] if flat.numel() else seen.new_zeros(num_physical)
-    before = seen.gather(1, flat[:, None])[:, 0] - 1
-    place = torch.cumsum(rows_per_slot, 0) - rows_per_slot  # first row of each expert
+    # Decode-sized steps: a row's place is its expert's first place plus how many earlier rows
+    # went to that expert ([N, N] comparisons, one row sum): the stable sort's order exactly,
+    # in a few small kernels (a radix sort launch costs ~25 us even for 384 ids).
+    index = torch.arange(flat.numel(), device=flat.device)
+    earlier_same = (flat[None, :] == flat[:, None]) & (index[None, :] < index[:, None])
+    first_place = torch.cumsum(rows_per_slot, 0) - rows_per_slot
     order = torch.empty_like(flat)
-    order[place[flat] + before] = torch.arange(flat.numel(), device=flat.device)
+    order[first_place[flat] + earlier_same.sum(1)] = index
     return DispatchLayout(order, rows_per_slot)
 
 

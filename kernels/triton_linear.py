@@ -91,9 +91,8 @@ def _linear_kernel(
     x_ptr,
     w_ptr,
     out_ptr,
-    tile_group_ptr,
-    tile_start_ptr,
-    tile_end_ptr,
+    counts_ptr,
+    num_groups,
     num_rows,
     N,
     K,
@@ -102,6 +101,7 @@ def _linear_kernel(
     stride_ob,
     stride_om,
     IS_GROUPED: tl.constexpr,
+    BLOCK_G: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -109,10 +109,12 @@ def _linear_kernel(
     INPUT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
 ):
-    """out[r] = x[r] @ w[g]^T. Plain: rows tiled from 0, g = 0. Grouped: tile i covers rows
-    [tile_start[i], tile_end[i]) of group tile_group[i] (empty tiles do nothing); num_rows is
-    the tile count. Batched (plain only): program axis 1 is the batch b, with x, w and out
-    offset by b's strides (w contiguous [B, N, K])."""
+    """out[r] = x[r] @ w[g]^T. Plain: rows tiled from 0, g = 0. Grouped: rows sorted by group,
+    counts [num_groups] on the device; tile i is the i-th BLOCK_M-row tile of the groups (no
+    tile crosses a group; each starts at its group's first row + a multiple of BLOCK_M) and
+    tiles past the last do nothing; num_rows is the launch's tile bound. Batched (plain only):
+    program axis 1 is the batch b, with x, w and out offset by b's strides (w contiguous
+    [B, N, K])."""
     pid = tl.program_id(0)
     batch = tl.program_id(1).to(tl.int64)
     x_ptr += batch * stride_xb
@@ -131,9 +133,21 @@ def _linear_kernel(
     pid_n = (pid % pids_per_group) // group_rows
 
     if IS_GROUPED:
-        group_id = tl.load(tile_group_ptr + pid_m).to(tl.int64)
-        row_start = tl.load(tile_start_ptr + pid_m)
-        row_end = tl.load(tile_end_ptr + pid_m)
+        # Tile pid_m of the groups' row tiles, from the device counts alone: the group is the
+        # number of groups whose tiles end at or before it (integer scans, exact).
+        g = tl.arange(0, BLOCK_G)
+        g_ok = g < num_groups
+        counts = tl.load(counts_ptr + g, mask=g_ok, other=0).to(tl.int64)
+        tiles = (counts + BLOCK_M - 1) // BLOCK_M
+        tile_end = tl.cumsum(tiles, 0)
+        group_rows_end = tl.cumsum(counts, 0)
+        group_id = tl.sum(((tile_end <= pid_m) & g_ok).to(tl.int64), 0)
+        is_mine = g == group_id
+        first_tile = tl.sum(tl.where(is_mine, tile_end - tiles, 0), 0)
+        row_start = tl.sum(tl.where(is_mine, group_rows_end - counts, 0), 0)
+        row_start += (pid_m - first_tile) * BLOCK_M
+        row_end = tl.minimum(row_start + BLOCK_M, tl.sum(tl.where(is_mine, group_rows_end, 0), 0))
+        row_end = tl.where(group_id < num_groups, row_end, row_start)  # past the last tile
         w_ptr += group_id * N * K
     else:
         row_start = pid_m * BLOCK_M
@@ -277,12 +291,13 @@ def _check_pair(x: torch.Tensor, weight: torch.Tensor, weight_ndim: int) -> None
         )
 
 
-def _launch(x, weight, out, tiles, num_rows, config: LinearConfig) -> torch.Tensor:
-    """Launch over row tiles: `tiles` is None (plain) or (group, start, end) int32 tensors.
+def _launch(x, weight, out, counts, num_rows, config: LinearConfig) -> torch.Tensor:
+    """Launch over row tiles: `counts` is None (plain) or the grouped GEMM's device counts,
+    num_rows then the tile bound.
 
     x [M, K] / out [M, N] (row strides free, unit column stride), or batched x [B, M, K],
     out [B, M, N] with weight [B, N, K] (plain only)."""
-    if config.is_persistent and tiles is None and x.dim() == 2:
+    if config.is_persistent and counts is None and x.dim() == 2:
         if not _tma_ok(x, weight, out):
             x, weight = x.clone(), weight.clone()  # fresh allocations are 16-byte aligned
         if _tma_ok(x, weight, out):
@@ -292,15 +307,14 @@ def _launch(x, weight, out, tiles, num_rows, config: LinearConfig) -> torch.Tens
     out_dim, in_dim = weight.shape[-2:]
     x3, out3 = (x, out) if x.dim() == 3 else (x[None], out[None])
     num_pid_n = triton.cdiv(out_dim, config.block_n)
-    num_pid_m = triton.cdiv(num_rows, config.block_m) if tiles is None else num_rows
-    group, start, end = tiles if tiles is not None else (out,) * 3  # unread: IS_GROUPED False
+    num_pid_m = triton.cdiv(num_rows, config.block_m) if counts is None else num_rows
+    num_groups = 0 if counts is None else counts.numel()
     _linear_kernel[(num_pid_m * num_pid_n, x3.shape[0])](
         x3,
         weight,
         out3,
-        group,
-        start,
-        end,
+        out if counts is None else counts,  # unread when IS_GROUPED is False
+        num_groups,
         num_rows,
         out_dim,
         in_dim,
@@ -308,7 +322,8 @@ def _launch(x, weight, out, tiles, num_rows, config: LinearConfig) -> torch.Tens
         x3.stride(1),
         out3.stride(0),
         out3.stride(1),
-        IS_GROUPED=tiles is not None,
+        IS_GROUPED=counts is not None,
+        BLOCK_G=max(triton.next_power_of_2(num_groups), 2),
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
@@ -370,71 +385,10 @@ def grouped_config(
     return linear_config(out_dim, in_dim, dtype, mean_rows)
 
 
-@triton.jit
-def _row_tiles_kernel(
-    counts_ptr,
-    group_ptr,
-    start_ptr,
-    end_ptr,
-    num_groups,
-    bound,
-    BLOCK_M: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-):
-    """Tiles i of this program: group = how many groups' tiles end at or before i; integer
-    scans and masked sums only, so the table is exact and needs no host."""
-    g = tl.arange(0, BLOCK_G)
-    g_ok = g < num_groups
-    counts = tl.load(counts_ptr + g, mask=g_ok, other=0).to(tl.int64)
-    tiles = (counts + BLOCK_M - 1) // BLOCK_M
-    tile_end = tl.cumsum(tiles, 0)
-    row_end = tl.cumsum(counts, 0)
-    i = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    group = tl.sum(((tile_end[None, :] <= i[:, None]) & g_ok[None, :]).to(tl.int64), 1)
-    is_mine = g[None, :] == group[:, None]
-    first_tile = tl.sum(tl.where(is_mine, (tile_end - tiles)[None, :], 0), 1)
-    first_row = tl.sum(tl.where(is_mine, (row_end - counts)[None, :], 0), 1)
-    last_row = tl.sum(tl.where(is_mine, row_end[None, :], 0), 1)
-    start = first_row + (i - first_tile) * BLOCK_M
-    end = tl.minimum(start + BLOCK_M, last_row)
-    is_real = group < num_groups
-    ok = i < bound
-    tl.store(group_ptr + i, tl.where(is_real, group, 0).to(tl.int32), mask=ok)
-    tl.store(start_ptr + i, tl.where(is_real, start, 0).to(tl.int32), mask=ok)
-    tl.store(end_ptr + i, tl.where(is_real, end, 0).to(tl.int32), mask=ok)
-
-
-def device_row_tiles(
-    counts: torch.Tensor, block_m: int, num_rows: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Row tiles of the groups, from device counts [L] (rows sorted by group, N = num_rows).
-
-    -> (group, start, end) int32 [min(cdiv(N, block_m) + L, N)]: tiles of at most block_m rows
-    that never cross a group boundary, each starting at its group's first row + a multiple of
-    block_m; the rest are empty (start = end = 0). No host sync: the length is a bound (sum of
-    ceil(c / block_m) <= N / block_m + L, and every tile holds a row), so a CUDA graph can
-    capture it; at decode sizes (N <= L) it is N, so no program of the launch is idle. One
-    launch (a table in torch ops took ~25 small kernels per GEMM).
-    """
-    num_groups = counts.numel()
-    bound = min(triton.cdiv(num_rows, block_m) + num_groups, num_rows)
-    group, start, end = (
-        torch.empty(bound, dtype=torch.int32, device=counts.device) for _ in range(3)
-    )
-    block_t = 64
-    _row_tiles_kernel[(triton.cdiv(bound, block_t),)](
-        counts,
-        group,
-        start,
-        end,
-        num_groups,
-        bound,
-        BLOCK_M=block_m,
-        BLOCK_G=triton.next_power_of_2(num_groups),
-        BLOCK_T=block_t,
-    )
-    return group, start, end
+def grouped_tile_bound(num_rows: int, num_groups: int, block_m: int) -> int:
+    """Most row tiles N rows in L groups can need: sum of ceil(c / block_m) <= N / block_m + L,
+    and every tile holds a row. At decode sizes (N <= L) it is N: no program is idle."""
+    return min(triton.cdiv(num_rows, block_m) + num_groups, num_rows)
 
 
 def grouped_linear_triton(
@@ -463,5 +417,5 @@ def grouped_linear_triton(
     if x.shape[0] == 0:
         return out
     config = grouped_config(weight.shape[1], weight.shape[2], x.dtype, *x.shape[:1], len(counts))
-    tiles = device_row_tiles(counts, config.block_m, x.shape[0])
-    return _launch(x, weight, out, tiles, tiles[0].numel(), config)
+    bound = grouped_tile_bound(x.shape[0], counts.numel(), config.block_m)
+    return _launch(x, weight, out, counts, bound, config)

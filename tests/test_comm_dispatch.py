@@ -213,14 +213,14 @@ def test_precomputed_layout_gives_the_same_dispatch(generator):
 
 @pytest.mark.parametrize("num_tokens", (0, 1, 37, 300))
 def test_layout_scan_and_sort_give_the_same_order(monkeypatch, num_tokens):
-    """Decode-sized layouts rank rows with a one-hot scan, large ones sort: one order."""
+    """Decode-sized layouts rank rows by comparison, large ones sort: one order."""
     import comm.dispatch as dispatch
 
     gen = torch.Generator().manual_seed(num_tokens)
     rows = [torch.randperm(16, generator=gen)[:4] for _ in range(num_tokens)]
     ids = torch.stack(rows) if rows else torch.zeros(0, 4, dtype=torch.int64)
     scanned = dispatch.dispatch_layout(ids, 16)
-    monkeypatch.setattr(dispatch, "_RANK_SCAN_MAX_PAIRS", 0)
+    monkeypatch.setattr(dispatch, "_RANK_MAX_ROWS", 0)
     sorted_ = dispatch.dispatch_layout(ids, 16)
     assert torch.equal(scanned.order, sorted_.order)
     assert torch.equal(scanned.rows_per_slot, sorted_.rows_per_slot)

@@ -84,41 +84,31 @@ def check_grouped_linear(generator: torch.Generator) -> None:
 
 
 def check_grouped_linear_device_counts(generator: torch.Generator) -> None:
-    """Counts as a tensor (the capturable path): the host-list bits, empty tiles skipped,
-    rows past the counts' sum never written."""
-    from kernels.triton_linear import device_row_tiles, grouped_linear_triton
+    """Counts as a tensor (the capturable path, tiles found in the kernel): the host-list bits,
+    rows past the counts' sum never written, and the reference's values for many groups
+    (empty ones included) over several tile sizes and tile bounds."""
+    from kernels.linear import grouped_linear_ref
+    from kernels.triton_linear import grouped_linear_triton, grouped_tile_bound
 
     sizes = [9, 0, 70, 1]
     for dtype in DTYPES:
         x = torch.randn(80, 96, generator=generator).to(dtype)
         w = (torch.randn(4, 64, 96, generator=generator) / 96**0.5).to(dtype)
-        assert torch.equal(
-            grouped_linear_triton(x, w, torch.tensor(sizes)), grouped_linear_triton(x, w, sizes)
-        )
-        # 8 rows short of N: the last 8 output rows stay as allocated (never computed).
+        out = grouped_linear_triton(x, w, torch.tensor(sizes))
+        assert torch.equal(out, grouped_linear_triton(x, w, sizes))
+        # Counts 8 rows short of N: the first 72 rows are the same GEMM's.
         counts = torch.tensor([9, 0, 62, 1])
-        out = grouped_linear_triton(x, w, counts)
-        assert torch.equal(out[:72], grouped_linear_triton(x[:72], w, [9, 0, 62, 1]))
-    group, start, end = device_row_tiles(torch.tensor([9, 0, 70, 1]), 64, 80)
-    assert group.numel() == 2 + 4  # the bound: cdiv(80, 64) + 4 groups
-    assert device_row_tiles(torch.tensor([1, 0, 2, 0]), 64, 3)[0].numel() == 3  # <= N rows
-    real = end > start
-    assert group[real].tolist() == [0, 2, 2, 3]
-    assert start[real].tolist() == [0, 9, 73, 79] and end[real].tolist() == [9, 73, 79, 80]
-    for num_groups, block_m in ((3, 16), (64, 16), (100, 64)):  # several tile programs
-        counts = torch.randint(0, 40, (num_groups,), generator=generator)
-        counts[::3] = 0
-        tiles, first = [], 0
-        for g, count in enumerate(counts.tolist()):
-            tiles += [
-                (g, t, min(t + block_m, first + count))
-                for t in range(first, first + count, block_m)
-            ]
-            first += count
-        group, start, end = device_row_tiles(counts, block_m, first)
-        num_real = int((end > start).sum())
-        got = list(zip(group.tolist(), start.tolist(), end.tolist(), strict=True))
-        assert got[:num_real] == tiles and not any(e > s for _, s, e in got[num_real:])
+        short = grouped_linear_triton(x, w, counts)
+        assert torch.equal(short[:72], grouped_linear_triton(x[:72], w, [9, 0, 62, 1]))
+    assert grouped_tile_bound(80, 4, 64) == 2 + 4 and grouped_tile_bound(3, 4, 64) == 3
+    for num_groups, rows in ((3, 40), (64, 6), (64, 300), (100, 700)):
+        counts = torch.zeros(num_groups, dtype=torch.int64)
+        picks = torch.randint(0, num_groups, (rows,), generator=generator)
+        counts.index_add_(0, picks, torch.ones_like(picks))
+        x = torch.randn(rows, 32, generator=generator)
+        w = torch.randn(num_groups, 16, 32, generator=generator) / 32**0.5
+        expected = grouped_linear_ref(x, w, counts.tolist(), tile_rows=8)
+        torch.testing.assert_close(grouped_linear_triton(x, w, counts), expected, **FP32_TOL)
 
 
 def check_batched_linear(generator: torch.Generator) -> None:
