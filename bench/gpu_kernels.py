@@ -254,6 +254,90 @@ def bench_attention() -> None:
             )
 
 
+def _layer_graph_us(fn, num_layers: int) -> float:
+    """Median µs per layer of fn() (which runs all layers once), replayed in a CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    ms = triton.testing.do_bench(graph.replay, warmup=10, rep=50, return_mode="median")
+    return ms * 1e3 / num_layers
+
+
+def _layer_parts(model, batch_size: int, ctx: int, block: int) -> dict:
+    """Closures running one part of every MoE layer of `model` at a decode step of B tokens."""
+    from moe_runtime.forward_batch import ForwardBatch
+
+    layers = model.model.layers[1:]
+    blocks = -(-(ctx + 1) // block)
+    caches = [
+        torch.randn(batch_size * blocks, block, 576, device="cuda").bfloat16() for _ in layers
+    ]
+    tables = torch.arange(batch_size * blocks, device="cuda").view(batch_size, blocks)
+    batch = ForwardBatch(
+        torch.zeros(batch_size, dtype=torch.int64, device="cuda"),
+        torch.full((batch_size,), ctx, device="cuda"),
+        torch.arange(batch_size, device="cuda"),
+        tables,
+        tables[:, ctx // block] * block + ctx % block,
+        torch.arange(batch_size, device="cuda"),
+    )
+    x = torch.randn(batch_size, 2048, device="cuda").bfloat16()
+    moes = [layer.mlp for layer in layers]
+    routes = [moe.gate(x) for moe in moes]
+    phys = [moe.replica_row[ids] for moe, (ids, _) in zip(moes, routes, strict=True)]
+    sent = [
+        moe.dispatcher.dispatch(x, p, w) for moe, p, (_, w) in zip(moes, phys, routes, strict=True)
+    ]
+    ys = [moe.experts(rows, sizes) for moe, (rows, sizes, _) in zip(moes, sent, strict=True)]
+    with_cache = list(zip(layers, caches, strict=True))
+    return {
+        "attention": lambda: [layer.attention_part(x, batch, c) for layer, c in with_cache],
+        "router": lambda: [moe.gate(x) for moe in moes],
+        "dispatch": lambda: [
+            moe.dispatcher.dispatch(x, p, w)
+            for moe, p, (_, w) in zip(moes, phys, routes, strict=True)
+        ],
+        "experts": lambda: [
+            moe.experts(rows, sizes) for moe, (rows, sizes, _) in zip(moes, sent, strict=True)
+        ],
+        "combine": lambda: [
+            moe.dispatcher.combine(y, handle, w)
+            for moe, y, (_, _, handle), (_, w) in zip(moes, ys, sent, routes, strict=True)
+        ],
+        "shared": lambda: [moe.shared_experts(x) for moe in moes],
+        "layer": lambda: [layer(x, batch, c) for layer, c in with_cache],
+    }
+
+
+def bench_layer() -> None:
+    """One MoE decoder layer of V2-Lite at decode sizes, part by part, each part run over 8
+    layers (8 sets of weights: no L2 reuse, as in a step) in a CUDA graph: µs per layer."""
+    from kernels import KernelConfig, build_op_table
+    from moe_runtime.model.loader import build_model
+
+    cfg = load_config(
+        ROOT / "launch" / "configs" / "v2_lite_gpu.yaml", {"model.num_hidden_layers": 9}
+    )
+    print("\n## one MoE layer at decode (µs per layer, CUDA graph over 8 layers, ctx 1024)")
+    print("| mode | B | attention | router | dispatch | experts | combine | shared | sum | layer |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for mode in ("invariant", "fast"):
+        model = build_model(cfg.model, build_op_table(KernelConfig(mode=mode), "cuda"), "cuda")
+        for batch_size in (1, 64):
+            parts = _layer_parts(model, batch_size, 1024, cfg.cache.block_size)
+            us = {name: _layer_graph_us(fn, 8) for name, fn in parts.items()}
+            total = sum(v for k, v in us.items() if k != "layer")
+            cells = " | ".join(f"{v:.1f}" for k, v in us.items() if k != "layer")
+            print(f"| {mode} | {batch_size} | {cells} | {total:.1f} | {us['layer']:.1f} |")
+        del model
+        torch.cuda.empty_cache()
+
+
 def _print_row(label: str, num_bytes: int, t_triton: float, t_torch: float, ceiling: float):
     tbs_triton, tbs_torch = num_bytes / t_triton / 1e9, num_bytes / t_torch / 1e9
     print(
@@ -298,6 +382,7 @@ def main() -> None:
             "grouped": bench_grouped,
             "sweep": bench_config_sweep,
             "attention": bench_attention,
+            "layer": bench_layer,
         }[section]()
 
 
