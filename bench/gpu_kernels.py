@@ -288,6 +288,8 @@ def _layer_parts(model, batch_size: int, ctx: int, block: int) -> dict:
     )
     x = torch.randn(batch_size, 2048, device="cuda").bfloat16()
     moes = [layer.mlp for layer in layers]
+    for moe in moes:  # the worker binds these at start-up; world size 1 here
+        moe.replica_row = moe.replica_row.cuda()
     routes = [moe.gate(x) for moe in moes]
     phys = [moe.replica_row[ids] for moe, (ids, _) in zip(moes, routes, strict=True)]
     sent = [
