@@ -57,9 +57,14 @@ def linear_config(out_dim: int, in_dim: int, dtype: torch.dtype, num_rows: int) 
     BLOCK_K is a function of the weight's dtype only (fp32: 32, 16-bit: 64); num_rows and the
     weight shape choose the tiles.
     """
-    # Why: fp32 (the router, ieee products) keeps one config for every M: it is tiny, and
-    # only the 16-bit configs were checked bitwise against each other.
     if dtype == torch.float32:
+        # The router (ieee fp32 products, CUDA-core FMAs). One 64x64 program walking K alone
+        # took ~230 us for a decode step's 64 experts; small tiles spread it over programs.
+        # Every fp32 config shares BLOCK_K 32 and the K loop (checked bitwise on the GPU).
+        if num_rows <= DECODE_ROWS:
+            return LinearConfig(16, 16, 32, 8, 4, 4)
+        if num_rows <= SMALL_ROWS:
+            return LinearConfig(32, 16, 32, 8, 4, 4)
         return LinearConfig(64, 128 if out_dim >= 8192 else 64, 32, 8, 4, 2)
     bk = BLOCK_K_16BIT
     is_wide = triton.cdiv(out_dim, 64) >= WIDE_N_TILES

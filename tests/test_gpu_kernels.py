@@ -127,6 +127,23 @@ def test_grouped_linear_rows_independent_of_expert_load(generator):
     # K=2048, N=2816; the K=7168 control in the linear test is the one that fails for cuBLAS.
 
 
+@pytest.mark.parametrize("num_experts, hidden", ((64, 2048), (256, 7168)))
+def test_fp32_router_linear_every_bucket_config_gives_the_same_bits(generator, num_experts, hidden):
+    """The router's fp32 linear (ieee products): its row buckets pick tile shapes only."""
+    from kernels.triton_linear import _launch, linear_config, linear_triton
+
+    x = _randn(generator, 600, hidden, dtype=torch.float32)
+    w = _randn(generator, num_experts, hidden, dtype=torch.float32, scale=hidden**-0.5)
+    configs = {linear_config(num_experts, hidden, x.dtype, m) for m in BUCKET_PROBE_ROWS}
+    assert len(configs) == 3 and len({c.block_k for c in configs}) == 1, configs
+    outs = [_launch(x, w, x.new_empty((600, num_experts)), None, 600, c) for c in configs]
+    for config, out in zip(configs, outs, strict=True):
+        assert torch.equal(out, outs[0]), config
+    torch.testing.assert_close(outs[0], x @ w.t(), atol=1e-4, rtol=1e-4)
+    for m in (1, 16, 17, 64, 65, 599):
+        assert torch.equal(linear_triton(x[:m], w), outs[0][:m]), m
+
+
 @pytest.mark.parametrize("num_heads", (16, 128))
 def test_batched_linear_gives_each_head_the_linear_bits(generator, num_heads):
     """MLA's absorbed W_UK / W_UV products, one launch over heads: head h's rows are bitwise
