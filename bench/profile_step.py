@@ -71,6 +71,33 @@ def kernel_table(prof, num_steps: int, top: int) -> None:
         )
 
 
+def profile_prefill(engine: LLMEngine, args) -> None:
+    """Kernels of `--steps` prefills of B fresh prompts (one warm-up first), one step each
+    when B x context fits the step budget."""
+    rng = np.random.default_rng(1)
+    vocab = engine.config.model.vocab_size
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+    def prefill() -> None:
+        prompts = rng.integers(0, vocab, (args.batch, args.context)).tolist()
+        engine.add_requests(prompts, [params] * args.batch)
+        while engine.has_unfinished():
+            engine.step()
+
+    prefill()
+    sync()
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.steps):
+            prefill()
+        sync()
+    wall_ms = (time.perf_counter() - start) * 1e3 / args.steps
+    print(
+        f"mode {engine.config.kernels.mode}, prefill {args.batch}x{args.context}: {wall_ms:.1f} ms"
+    )
+    kernel_table(prof, args.steps, args.top)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", default=str(CONFIG))
@@ -79,10 +106,16 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument(
+        "--prefill", action="store_true", help="profile prefill steps of B x context instead"
+    )
     args = parser.parse_args()
     cfg = load_config(args.config, parse_overrides(args.set))
     engine = LLMEngine(cfg)
     try:
+        if args.prefill:
+            profile_prefill(engine, args)
+            return
         start_decoding(engine, args.batch, args.context, max_tokens=1000)
         for _ in range(4):  # warm-up: compiles and captures this size's graphs
             engine.step()

@@ -38,6 +38,7 @@ from kernels.linear import (
     linear_ref,
 )
 from kernels.rmsnorm import rms_norm_fast, rms_norm_ref
+from kernels.rope import rope_ref
 from kernels.router import router_topk_fast, router_topk_ref
 from kernels.softmax import log_softmax_fast, log_softmax_ref, softmax_fast, softmax_ref
 
@@ -58,6 +59,7 @@ class OpTable:
     sum_over_ranks: Callable
     cumsum: Callable
     silu_mul: Callable
+    rope: Callable
     mode: str
 
 
@@ -91,6 +93,9 @@ _ROW_WISE_OPS: dict[str, tuple[Callable, Callable]] = {
 def build_op_table(config: KernelConfig, device: torch.device | str) -> OpTable:
     device = torch.device(device)
     row_wise = {name: ref for name, (_, ref) in _ROW_WISE_OPS.items()}
+    # Rope is elementwise with torch's rounding in both kernels: one op for both modes, the
+    # one-launch kernel wherever the device is CUDA.
+    rope = {"rope": _cuda_rope() if device.type == "cuda" else rope_ref}
     if not config.is_invariant:
         ops = {name: fast for name, (fast, _) in (_TILED_OPS | _ROW_WISE_OPS).items()}
         if device.type == "cuda":
@@ -106,7 +111,13 @@ def build_op_table(config: KernelConfig, device: torch.device | str) -> OpTable:
         raise ValueError(
             f"kernels.mode='invariant' supports devices cpu and cuda, got device {device}"
         )
-    return OpTable(**ops, mode=config.mode)
+    return OpTable(**ops, **rope, mode=config.mode)
+
+
+def _cuda_rope() -> Callable:
+    from kernels.triton_rope import rope_triton
+
+    return rope_triton
 
 
 def _fast_decode_attention() -> Callable:

@@ -252,6 +252,22 @@ def test_silu_mul_elementwise_invariant_on_gpu(generator):
     assert torch.equal(silu_mul_triton(gate[perm], up[perm]), full[perm])
 
 
+@pytest.mark.parametrize("is_interleaved", (True, False))
+def test_rope_kernel_gives_the_torch_bits(generator, is_interleaved):
+    """The one-launch rope rounds every product and sum as torch's eager bf16 ops do: bitwise
+    the reference, for the 16-head q_pe view and the one-head k_pe."""
+    from kernels.rope import rope_ref
+    from kernels.triton_rope import rope_triton
+
+    cos = torch.randn(4096, 32, generator=generator).cuda()
+    sin = torch.randn(4096, 32, generator=generator).cuda()
+    positions = torch.randint(0, 4096, (300,), generator=generator).cuda()
+    q = _randn(generator, 300, 16, 192)
+    for x in (q[..., 128:], q[:, :1, 128:]):
+        want = rope_ref(x, positions, cos, sin, is_interleaved)
+        assert torch.equal(rope_triton(x, positions, cos, sin, is_interleaved), want)
+
+
 def test_moe_combine_kernel_rows_ignore_the_batch(generator):
     """The GPU combine: a token's sum over its slots (k ascending) has the same bits alone,
     with its rows arriving in another order, and among 4096 other tokens."""

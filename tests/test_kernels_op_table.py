@@ -44,7 +44,7 @@ def _name(op) -> str:
 def test_every_field_is_a_known_op():
     # A new op must join REDUCING_OPS (and so every check below) or be named here.
     fields = {f.name for f in dataclasses.fields(OpTable)}
-    assert fields == set(REDUCING_OPS) | {"silu_mul", "mode"}
+    assert fields == set(REDUCING_OPS) | {"silu_mul", "rope", "mode"}
 
 
 @pytest.mark.parametrize("mode", ("fast", "invariant"))

@@ -164,6 +164,27 @@ def check_silu_mul(generator: torch.Generator) -> None:
             assert torch.equal(silu_mul_triton(gate[:m], up[:m]), full[:m]), (dtype, m)
 
 
+def check_rope(generator: torch.Generator) -> None:
+    """One launch per call, the reference's bits in fp32 (each product and sum rounded as
+    torch's eager ops round it; bf16 bitwise in tests/test_gpu_kernels.py), on the strided
+    q_pe view the model passes."""
+    from kernels.rope import rope_ref
+    from kernels.triton_rope import rope_triton
+
+    cos, sin = torch.randn(50, 32, generator=generator), torch.randn(50, 32, generator=generator)
+    positions = torch.tensor([0, 7, 49, 3, 3])
+    for dtype in (torch.float32, torch.bfloat16):
+        q = torch.randn(5, 16, 192, generator=generator).to(dtype)
+        for x in (q[..., 128:], q[:, :1, 128:]):  # 16 heads, and one (the k_pe shape)
+            for is_interleaved in (True, False):
+                want = rope_ref(x, positions, cos, sin, is_interleaved)
+                got = rope_triton(x, positions, cos, sin, is_interleaved)
+                if dtype == torch.float32:
+                    assert torch.equal(got, want), (x.shape, is_interleaved)
+                else:  # the interpreter's bf16 casts don't round as the GPU's: bits on the GPU
+                    torch.testing.assert_close(got, want, atol=0.2, rtol=0.05)
+
+
 def check_rms_norm(generator: torch.Generator) -> None:
     from kernels.rmsnorm import rms_norm_ref
     from kernels.triton_rmsnorm import rms_norm_triton
@@ -342,6 +363,7 @@ CHECKS = {
     "batched_linear": check_batched_linear,
     "moe_combine": check_moe_combine,
     "silu_mul": check_silu_mul,
+    "rope": check_rope,
     "rms_norm": check_rms_norm,
     "softmax": check_softmax,
     "mla_attention": check_mla_attention,

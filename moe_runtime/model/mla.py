@@ -73,11 +73,11 @@ class MLAttention(nn.Module):
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(t, self.num_heads, self.nope_dim + self.rope_dim)
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
-        q_pe = self.rope(q_pe, batch.positions)
+        q_pe = self.rope(q_pe, batch.positions, self.ops.rope)
 
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         latent = self.kv_a_layernorm(latent.contiguous())
-        k_pe = self.rope(k_pe[:, None, :], batch.positions)[:, 0]
+        k_pe = self.rope(k_pe[:, None, :], batch.positions, self.ops.rope)[:, 0]
         # Index assignment (no accumulation): the cache row of a token is exactly its latent.
         kv_cache.view(-1, kv_cache.shape[-1])[batch.slot_mapping] = torch.cat(
             [latent, k_pe], dim=-1

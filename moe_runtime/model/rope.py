@@ -11,6 +11,8 @@ import math
 
 import torch
 
+from kernels.rope import rope_ref
+
 
 class RotaryEmbedding:
     def __init__(
@@ -27,15 +29,10 @@ class RotaryEmbedding:
         self.sin = freqs.sin() * attention_factor
         self.is_interleaved = is_interleaved
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [T, H, R], positions [T] int64 -> rotated x [T, H, R] (halves: first, second)."""
-        cos = self.cos[positions].to(x.dtype)[:, None, :]
-        sin = self.sin[positions].to(x.dtype)[:, None, :]
-        if self.is_interleaved:
-            x1, x2 = x[..., 0::2], x[..., 1::2]
-        else:
-            x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, op=rope_ref) -> torch.Tensor:
+        """x [T, H, R], positions [T] int64 -> rotated x [T, H, R] (halves: first, second);
+        op: the op table's `rope` (rope_ref's contract)."""
+        return op(x, positions, self.cos, self.sin, self.is_interleaved)
 
     def to(self, device: torch.device) -> RotaryEmbedding:
         self.cos, self.sin = self.cos.to(device), self.sin.to(device)

@@ -1,0 +1,85 @@
+"""`rope_ref` (kernels/rope.py) as one Triton kernel: one program per token, all its heads.
+
+Every intermediate is rounded to x's dtype as torch's eager ops round it (products, then the
+difference / sum), so no multiply and add can fuse into an FMA and the bits are `rope_ref`'s
+on the GPU. Under TRITON_INTERPRET=1 it runs on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rope_kernel(
+    x_ptr,
+    positions_ptr,
+    cos_ptr,
+    sin_ptr,
+    out_ptr,
+    num_heads,
+    stride_xt,
+    stride_xh,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    IS_INTERLEAVED: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.arange(0, BLOCK_H)
+    pairs = tl.arange(0, BLOCK_R)
+    ok = (heads[:, None] < num_heads) & (pairs[None, :] < HALF)
+    position = tl.load(positions_ptr + t)
+    dtype = out_ptr.dtype.element_ty
+    cos = tl.load(cos_ptr + position * HALF + pairs, mask=pairs < HALF, other=0.0).to(dtype)
+    sin = tl.load(sin_ptr + position * HALF + pairs, mask=pairs < HALF, other=0.0).to(dtype)
+    cos, sin = cos[None, :].to(tl.float32), sin[None, :].to(tl.float32)
+    row = x_ptr + t * stride_xt + heads[:, None] * stride_xh
+    if IS_INTERLEAVED:
+        x1 = tl.load(row + 2 * pairs[None, :], mask=ok, other=0.0).to(tl.float32)
+        x2 = tl.load(row + 2 * pairs[None, :] + 1, mask=ok, other=0.0).to(tl.float32)
+    else:
+        x1 = tl.load(row + pairs[None, :], mask=ok, other=0.0).to(tl.float32)
+        x2 = tl.load(row + HALF + pairs[None, :], mask=ok, other=0.0).to(tl.float32)
+    # Why each .to(dtype): torch rounds every elementwise result to the tensor's dtype.
+    a1 = (x1 * cos).to(dtype).to(tl.float32)
+    b1 = (x2 * sin).to(dtype).to(tl.float32)
+    a2 = (x2 * cos).to(dtype).to(tl.float32)
+    b2 = (x1 * sin).to(dtype).to(tl.float32)
+    out = out_ptr + (t * num_heads + heads[:, None]) * (2 * HALF) + pairs[None, :]
+    tl.store(out, (a1 - b1).to(dtype), mask=ok)
+    tl.store(out + HALF, (a2 + b2).to(dtype), mask=ok)
+
+
+def rope_triton(
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+    is_interleaved: bool,
+) -> torch.Tensor:
+    """rope_ref's contract: x [T, H, R] (token and head strides free), positions [T] int64,
+    cos/sin [S, R/2] fp32 -> contiguous [T, H, R] in x's dtype."""
+    num_tokens, num_heads, rope_dim = x.shape
+    if x.stride(2) != 1:
+        x = x.contiguous()
+    out = torch.empty((num_tokens, num_heads, rope_dim), dtype=x.dtype, device=x.device)
+    if num_tokens:
+        half = rope_dim // 2
+        _rope_kernel[(num_tokens,)](
+            x,
+            positions,
+            cos_table,
+            sin_table,
+            out,
+            num_heads,
+            x.stride(0),
+            x.stride(1),
+            HALF=half,
+            BLOCK_H=triton.next_power_of_2(num_heads),
+            BLOCK_R=triton.next_power_of_2(half),
+            IS_INTERLEAVED=is_interleaved,
+        )
+    return out
