@@ -80,6 +80,11 @@ def dispatch_layout(topk_phys_ids: torch.Tensor, num_physical: int) -> DispatchL
         raise ValueError(
             f"physical expert ids must lie in [0, {num_physical}), got {flat.min()}..{flat.max()}"
         )
+    if flat.device.type == "cuda" and flat.numel() <= _RANK_MAX_ROWS:
+        # Imported here so CPU-only processes never load Triton's compiler front end.
+        from kernels.triton_layout import expert_layout_triton
+
+        return DispatchLayout(*expert_layout_triton(flat, num_physical))  # one launch
     # Integer adds: exact in any order (torch.bincount would sync to size its output).
     rows_per_slot = torch.zeros(num_physical, dtype=torch.int64, device=flat.device)
     rows_per_slot.index_add_(0, flat, torch.ones_like(flat))
@@ -87,7 +92,8 @@ def dispatch_layout(topk_phys_ids: torch.Tensor, num_physical: int) -> DispatchL
         return DispatchLayout(sort_rows_by_destination(topk_phys_ids), rows_per_slot)
     # Decode-sized steps: a row's place is its expert's first place plus how many earlier rows
     # went to that expert ([N, N] comparisons, one row sum): the stable sort's order exactly,
-    # in a few small kernels (a radix sort launch costs ~25 us even for 384 ids).
+    # in a few small kernels (a radix sort launch costs ~25 us even for 384 ids); on CUDA
+    # kernels/triton_layout.py does the same in one launch.
     index = torch.arange(flat.numel(), device=flat.device)
     earlier_same = (flat[None, :] == flat[:, None]) & (index[None, :] < index[:, None])
     first_place = torch.cumsum(rows_per_slot, 0) - rows_per_slot

@@ -268,6 +268,16 @@ def test_rope_kernel_gives_the_torch_bits(generator, is_interleaved):
         assert torch.equal(rope_triton(x, positions, cos, sin, is_interleaved), want)
 
 
+def test_expert_layout_kernel_is_the_stable_sort(generator):
+    from kernels.triton_layout import expert_layout_triton
+
+    for num_rows, num_experts in ((1, 64), (384, 64), (1536, 64), (2048, 256)):
+        ids = torch.randint(0, num_experts, (num_rows,), generator=generator).cuda()
+        order, counts = expert_layout_triton(ids, num_experts)
+        assert torch.equal(order, torch.sort(ids, stable=True).indices)
+        assert torch.equal(counts, torch.bincount(ids, minlength=num_experts))
+
+
 def test_moe_combine_kernel_rows_ignore_the_batch(generator):
     """The GPU combine: a token's sum over its slots (k ascending) has the same bits alone,
     with its rows arriving in another order, and among 4096 other tokens."""

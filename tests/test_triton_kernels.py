@@ -185,6 +185,17 @@ def check_rope(generator: torch.Generator) -> None:
                     torch.testing.assert_close(got, want, atol=0.2, rtol=0.05)
 
 
+def check_expert_layout(generator: torch.Generator) -> None:
+    """The dispatch layout in one program: the stable sort's order and the counts, exactly."""
+    from kernels.triton_layout import expert_layout_triton
+
+    for num_rows, num_experts in ((0, 8), (1, 64), (6, 64), (130, 8), (384, 64), (700, 256)):
+        ids = torch.randint(0, num_experts, (num_rows,), generator=generator)
+        order, counts = expert_layout_triton(ids, num_experts)
+        assert torch.equal(order, torch.sort(ids, stable=True).indices), (num_rows, num_experts)
+        assert torch.equal(counts, torch.bincount(ids, minlength=num_experts))
+
+
 def check_rms_norm(generator: torch.Generator) -> None:
     from kernels.rmsnorm import rms_norm_ref
     from kernels.triton_rmsnorm import rms_norm_triton
@@ -364,6 +375,7 @@ CHECKS = {
     "moe_combine": check_moe_combine,
     "silu_mul": check_silu_mul,
     "rope": check_rope,
+    "expert_layout": check_expert_layout,
     "rms_norm": check_rms_norm,
     "softmax": check_softmax,
     "mla_attention": check_mla_attention,
