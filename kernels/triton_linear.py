@@ -2,9 +2,12 @@
 
 Each output tile is a plain tiled matmul: a program per [BLOCK_M, BLOCK_N] tile (or a
 persistent program walking tiles, with TMA loads) walks K in steps of BLOCK_K, accumulating in
-fp32. BLOCK_K and the K loop order are a function of the weight shape (N, K) and dtype only,
-and there is no split-K: each output element is one fixed sequence of fp32 multiply-adds over
-K whatever the other rows are. The tile shape (BLOCK_M, BLOCK_N, warps, stages, persistent or
+fp32. BLOCK_K, the K loop order and the fixed K split (`k_split_count`: K cut into S chunks,
+each summed from zero, the chunk sums added in chunk order) are functions of the weight shape
+(N, K) and dtype only, never of the row count: each output element is one fixed sequence of
+fp32 multiply-adds whatever the other rows are. Whether the chunks run in parallel programs
+(decode sizes, a second launch adds the partials) or inside one program (the same adds) is a
+launch choice, like the tile shape. The tile shape (BLOCK_M, BLOCK_N, warps, stages, persistent or
 not) is chosen by a bucket of the row count; it moves work between programs, not the order of
 any element's sum, and tests/test_gpu_kernels.py checks every bucket's config bitwise against
 every other on the model's shapes. No autotuning.
@@ -90,12 +93,43 @@ def linear_config(out_dim: int, in_dim: int, dtype: torch.dtype, num_rows: int) 
 # run (unaligned tensors, batched or grouped launches).
 POINTER_CONFIG_16BIT = LinearConfig(128, 128, BLOCK_K_16BIT, 8, 8, 3)
 
+# Fixed K split of the 16-bit linears whose decode launch has too few column programs: K is cut
+# into S chunks (S and the chunks a function of the weight's shape alone), each summed from
+# zero in fp32, and the chunk sums added in chunk order, at EVERY row count, so a row's bits
+# never follow the batch. Decode sizes run the chunks in parallel programs and add the fp32
+# partials in a second launch; larger ones add them inside each program (the same adds).
+MAX_K_SPLITS = 8
+MIN_CHUNK_K = 512
+SPLIT_TARGET_PROGRAMS = 2 * 132  # two column programs per SM of an H200 (a constant, not a query)
+SPLIT_PARALLEL_ROWS = SMALL_ROWS
+
+
+def k_split_count(out_dim: int, in_dim: int, dtype: torch.dtype) -> int:
+    """S for weight [out_dim, in_dim]: doubled while the decode launch (32-column tiles) has
+    fewer than SPLIT_TARGET_PROGRAMS programs and each chunk keeps >= MIN_CHUNK_K columns."""
+    if dtype == torch.float32:
+        return 1
+    num_tiles, splits = triton.cdiv(out_dim, 32), 1
+    while (
+        splits < MAX_K_SPLITS
+        and num_tiles * splits < SPLIT_TARGET_PROGRAMS
+        and in_dim // (2 * splits) >= MIN_CHUNK_K
+    ):
+        splits *= 2
+    return splits
+
+
+def k_split_chunk(in_dim: int, k_splits: int) -> int:
+    """Columns per chunk: whole BLOCK_K steps, the last chunk taking the remainder."""
+    return triton.cdiv(triton.cdiv(in_dim, BLOCK_K_16BIT), k_splits) * BLOCK_K_16BIT
+
 
 @triton.jit(do_not_specialize=["num_rows"])
 def _linear_kernel(
     x_ptr,
     w_ptr,
     out_ptr,
+    partial_ptr,
     counts_ptr,
     num_groups,
     num_rows,
@@ -105,7 +139,10 @@ def _linear_kernel(
     stride_xm,
     stride_ob,
     stride_om,
+    CHUNK_K,
     IS_GROUPED: tl.constexpr,
+    K_SPLITS: tl.constexpr,
+    SPLIT_PARALLEL: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -159,38 +196,88 @@ def _linear_kernel(
         row_end = num_rows
     offs_m = (row_start + tl.arange(0, BLOCK_M)).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
     row_ok = offs_m < row_end
     col_ok = offs_n < N
 
     # A grouped launch sized for the worst case has empty tiles: they read no weight.
     if row_start < row_end:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        # Why: one K loop per tile, BLOCK_K fixed, no split-K: each output element sums its
-        # K products in the same order for any row count. Masked lanes load exact zeros.
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + offs_k
-            k_ok = k < K
-            a = tl.load(
-                x_ptr + offs_m[:, None] * stride_xm + k[None, :],
-                mask=row_ok[:, None] & k_ok[None, :],
-                other=0.0,
-            )
-            b = tl.load(
-                w_ptr + offs_n[None, :] * K + k[:, None],
-                mask=col_ok[None, :] & k_ok[:, None],
-                other=0.0,
-            )
-            if UPCAST_DOT:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
-        out = acc.to(out_ptr.dtype.element_ty)
-        tl.store(
-            out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
-            out,
-            mask=row_ok[:, None] & col_ok[None, :],
+        out_mask = row_ok[:, None] & col_ok[None, :]
+        args = (x_ptr, w_ptr, offs_m, offs_n, row_ok, col_ok, stride_xm, K)
+        consts = (BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION, UPCAST_DOT)
+        if K_SPLITS == 1:
+            acc = _dot_k_range(*args, 0, K, *consts)
+            out = acc.to(out_ptr.dtype.element_ty)
+            tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out, mask=out_mask)
+        elif SPLIT_PARALLEL:
+            # Chunk s of a fixed K split, as an fp32 partial; _sum_splits_kernel adds them.
+            split = tl.program_id(2)
+            k_lo = split * CHUNK_K
+            acc = _dot_k_range(*args, k_lo, tl.minimum(k_lo + CHUNK_K, K), *consts)
+            partial = partial_ptr + split * num_rows * N + offs_m[:, None] * N + offs_n[None, :]
+            tl.store(partial, acc, mask=out_mask)
+        else:
+            # The same chunks in one program, added in the same order: the same bits.
+            total = _dot_k_range(*args, 0, tl.minimum(CHUNK_K, K), *consts)
+            for split in tl.static_range(1, K_SPLITS):
+                k_lo = split * CHUNK_K
+                total += _dot_k_range(*args, k_lo, tl.minimum(k_lo + CHUNK_K, K), *consts)
+            out = total.to(out_ptr.dtype.element_ty)
+            tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out, mask=out_mask)
+
+
+@triton.jit
+def _dot_k_range(
+    x_ptr,
+    w_ptr,
+    offs_m,
+    offs_n,
+    row_ok,
+    col_ok,
+    stride_xm,
+    K,
+    k_lo,
+    k_hi,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):
+    """fp32 sum over k in [k_lo, k_hi) of x[m, k] * w[n, k], from zero, in steps of BLOCK_K
+    ascending. Masked lanes load exact zeros."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    offs_k = tl.arange(0, BLOCK_K)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        k = k0 + offs_k
+        k_ok = k < k_hi
+        a = tl.load(
+            x_ptr + offs_m[:, None] * stride_xm + k[None, :],
+            mask=row_ok[:, None] & k_ok[None, :],
+            other=0.0,
         )
+        b = tl.load(
+            w_ptr + offs_n[None, :] * K + k[:, None],
+            mask=col_ok[None, :] & k_ok[:, None],
+            other=0.0,
+        )
+        if UPCAST_DOT:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+    return acc
+
+
+@triton.jit
+def _sum_splits_kernel(
+    partial_ptr, out_ptr, num_elems, K_SPLITS: tl.constexpr, BLOCK: tl.constexpr
+):
+    """out = ((p0 + p1) + p2) + ... over the K split's fp32 partials [S, M*N], then rounded."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < num_elems
+    total = tl.load(partial_ptr + offs, mask=ok, other=0.0)
+    for split in tl.static_range(1, K_SPLITS):
+        total += tl.load(partial_ptr + split * num_elems + offs, mask=ok, other=0.0)
+    tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit(do_not_specialize=["num_rows"])
@@ -201,7 +288,9 @@ def _linear_persistent_kernel(
     num_rows,
     N,
     K,
+    CHUNK_BLOCKS,
     NUM_PROGRAMS: tl.constexpr,
+    K_SPLITS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -219,16 +308,27 @@ def _linear_persistent_kernel(
         group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
         pid_m = first_m + (tile % pids_per_group) % group_rows
         pid_n = (tile % pids_per_group) // group_rows
+        # Why: the same K chunks, ascending K loop and BLOCK_K as _linear_kernel, chunk sums
+        # added in the same order; TMA fills out-of-range rows and K columns with exact zeros,
+        # as the masked loads there do.
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        # Why: the same ascending K loop with the same BLOCK_K as _linear_kernel; TMA fills
-        # out-of-range rows and K columns with exact zeros, as the masked loads there do.
-        for ki in range(num_k):
+        for ki in range(tl.minimum(CHUNK_BLOCKS, num_k)):
             a = x_desc.load([pid_m * BLOCK_M, ki * BLOCK_K])
             b = w_desc.load([pid_n * BLOCK_N, ki * BLOCK_K])
             if UPCAST_DOT:
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
             acc = tl.dot(a, b.T, acc)
+        for split in tl.static_range(1, K_SPLITS):
+            part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for ki in range(split * CHUNK_BLOCKS, tl.minimum((split + 1) * CHUNK_BLOCKS, num_k)):
+                a = x_desc.load([pid_m * BLOCK_M, ki * BLOCK_K])
+                b = w_desc.load([pid_n * BLOCK_N, ki * BLOCK_K])
+                if UPCAST_DOT:
+                    a = a.to(tl.float32)
+                    b = b.to(tl.float32)
+                part = tl.dot(a, b.T, part)
+            acc += part
         out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(out_desc.dtype))
 
 
@@ -248,7 +348,7 @@ def _tma_ok(*tensors: torch.Tensor) -> bool:
     )
 
 
-def _launch_persistent(x, weight, out, config: LinearConfig) -> torch.Tensor:
+def _launch_persistent(x, weight, out, config: LinearConfig, k_splits: int) -> torch.Tensor:
     num_rows, (out_dim, in_dim) = x.shape[0], weight.shape
     num_tiles = triton.cdiv(num_rows, config.block_m) * triton.cdiv(out_dim, config.block_n)
     sms = 4 if _is_interpreted() else _num_sms(x.device.index or 0)
@@ -261,7 +361,9 @@ def _launch_persistent(x, weight, out, config: LinearConfig) -> torch.Tensor:
         num_rows,
         out_dim,
         in_dim,
+        k_split_chunk(in_dim, k_splits) // bk,
         NUM_PROGRAMS=num_programs,
+        K_SPLITS=k_splits,
         BLOCK_M=bm,
         BLOCK_N=bn,
         BLOCK_K=bk,
@@ -301,23 +403,31 @@ def _launch(x, weight, out, counts, num_rows, config: LinearConfig) -> torch.Ten
     num_rows then the tile bound.
 
     x [M, K] / out [M, N] (row strides free, unit column stride), or batched x [B, M, K],
-    out [B, M, N] with weight [B, N, K] (plain only)."""
-    if config.is_persistent and counts is None and x.dim() == 2:
+    out [B, M, N] with weight [B, N, K] (plain only). Plain 2-D launches use the weight's
+    fixed K split (k_split_count)."""
+    out_dim, in_dim = weight.shape[-2:]
+    is_plain = counts is None and x.dim() == 2
+    k_splits = k_split_count(out_dim, in_dim, x.dtype) if is_plain else 1
+    if config.is_persistent and is_plain:
         if not _tma_ok(x, weight, out):
             x, weight = x.clone(), weight.clone()  # fresh allocations are 16-byte aligned
         if _tma_ok(x, weight, out):
-            return _launch_persistent(x, weight, out, config)
+            return _launch_persistent(x, weight, out, config, k_splits)
     if config.is_persistent:
         config = POINTER_CONFIG_16BIT
-    out_dim, in_dim = weight.shape[-2:]
     x3, out3 = (x, out) if x.dim() == 3 else (x[None], out[None])
     num_pid_n = triton.cdiv(out_dim, config.block_n)
     num_pid_m = triton.cdiv(num_rows, config.block_m) if counts is None else num_rows
     num_groups = 0 if counts is None else counts.numel()
-    _linear_kernel[(num_pid_m * num_pid_n, x3.shape[0])](
+    is_parallel = k_splits > 1 and num_rows <= SPLIT_PARALLEL_ROWS
+    partial = out  # unread unless the split runs in parallel
+    if is_parallel:
+        partial = torch.empty((k_splits, num_rows, out_dim), dtype=torch.float32, device=x.device)
+    _linear_kernel[(num_pid_m * num_pid_n, x3.shape[0], k_splits if is_parallel else 1)](
         x3,
         weight,
         out3,
+        partial,
         out if counts is None else counts,  # unread when IS_GROUPED is False
         num_groups,
         num_rows,
@@ -327,7 +437,10 @@ def _launch(x, weight, out, counts, num_rows, config: LinearConfig) -> torch.Ten
         x3.stride(1),
         out3.stride(0),
         out3.stride(1),
+        k_split_chunk(in_dim, k_splits),
         IS_GROUPED=counts is not None,
+        K_SPLITS=k_splits,
+        SPLIT_PARALLEL=is_parallel,
         BLOCK_G=max(triton.next_power_of_2(num_groups), 2),
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
@@ -341,6 +454,11 @@ def _launch(x, weight, out, counts, num_rows, config: LinearConfig) -> torch.Ten
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
+    if is_parallel:
+        num_elems, block = num_rows * out_dim, 1024
+        _sum_splits_kernel[(triton.cdiv(num_elems, block),)](
+            partial, out, num_elems, K_SPLITS=k_splits, BLOCK=block
+        )
     return out
 
 

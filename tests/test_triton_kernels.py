@@ -62,6 +62,24 @@ def check_linear(generator: torch.Generator) -> None:
         assert torch.equal(linear_triton(mixed, w)[69], full[5]), dtype
 
 
+def check_linear_k_split(generator: torch.Generator) -> None:
+    """The fixed K split (a weight-shape property): chunk partials added in parallel programs
+    (decode sizes) and inside each program (larger) give the same bits; close to fp64."""
+    from kernels.triton_linear import LinearConfig, _launch, k_split_chunk, k_split_count
+
+    x = torch.randn(130, 2048, generator=generator).to(torch.bfloat16)
+    w = (torch.randn(96, 2048, generator=generator) / 2048**0.5).to(torch.bfloat16)
+    assert k_split_count(96, 2048, w.dtype) == 4 and k_split_chunk(2048, 4) == 512
+    assert k_split_count(102400, 2048, w.dtype) == 1 and k_split_count(96, 160, w.dtype) == 1
+    assert k_split_count(2048, 10944, w.dtype) == 8 and k_split_chunk(10944, 8) == 1408
+    config = LinearConfig(16, 32, 64, 8, 4, 4)
+    inside = _launch(x, w, x.new_empty((130, 96)), None, 130, config)
+    parallel = _launch(x[:64], w, x.new_empty((64, 96)), None, 64, config)
+    assert torch.equal(parallel, inside[:64])
+    expected = (x.double() @ w.double().t()).to(torch.bfloat16)
+    torch.testing.assert_close(inside, expected, **BF16_TOL)
+
+
 def check_grouped_linear(generator: torch.Generator) -> None:
     from kernels.linear import grouped_linear_ref
     from kernels.triton_linear import grouped_linear_triton
@@ -369,6 +387,7 @@ def check_bad_inputs(generator: torch.Generator) -> None:
 
 CHECKS = {
     "linear": check_linear,
+    "linear_k_split": check_linear_k_split,
     "grouped_linear": check_grouped_linear,
     "grouped_linear_device_counts": check_grouped_linear_device_counts,
     "batched_linear": check_batched_linear,
