@@ -202,25 +202,87 @@ def _linear_kernel(
     # A grouped launch sized for the worst case has empty tiles: they read no weight.
     if row_start < row_end:
         out_mask = row_ok[:, None] & col_ok[None, :]
-        args = (x_ptr, w_ptr, offs_m, offs_n, row_ok, col_ok, stride_xm, K)
-        consts = (BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION, UPCAST_DOT)
         if K_SPLITS == 1:
-            acc = _dot_k_range(*args, 0, K, *consts)
+            acc = _dot_k_range(
+                x_ptr,
+                w_ptr,
+                offs_m,
+                offs_n,
+                row_ok,
+                col_ok,
+                stride_xm,
+                K,
+                0,
+                K,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_K,
+                INPUT_PRECISION,
+                UPCAST_DOT,
+            )
             out = acc.to(out_ptr.dtype.element_ty)
             tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out, mask=out_mask)
         elif SPLIT_PARALLEL:
             # Chunk s of a fixed K split, as an fp32 partial; _sum_splits_kernel adds them.
             split = tl.program_id(2)
             k_lo = split * CHUNK_K
-            acc = _dot_k_range(*args, k_lo, tl.minimum(k_lo + CHUNK_K, K), *consts)
+            acc = _dot_k_range(
+                x_ptr,
+                w_ptr,
+                offs_m,
+                offs_n,
+                row_ok,
+                col_ok,
+                stride_xm,
+                K,
+                k_lo,
+                tl.minimum(k_lo + CHUNK_K, K),
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_K,
+                INPUT_PRECISION,
+                UPCAST_DOT,
+            )
             partial = partial_ptr + split * num_rows * N + offs_m[:, None] * N + offs_n[None, :]
             tl.store(partial, acc, mask=out_mask)
         else:
             # The same chunks in one program, added in the same order: the same bits.
-            total = _dot_k_range(*args, 0, tl.minimum(CHUNK_K, K), *consts)
+            total = _dot_k_range(
+                x_ptr,
+                w_ptr,
+                offs_m,
+                offs_n,
+                row_ok,
+                col_ok,
+                stride_xm,
+                K,
+                0,
+                tl.minimum(CHUNK_K, K),
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_K,
+                INPUT_PRECISION,
+                UPCAST_DOT,
+            )
             for split in tl.static_range(1, K_SPLITS):
                 k_lo = split * CHUNK_K
-                total += _dot_k_range(*args, k_lo, tl.minimum(k_lo + CHUNK_K, K), *consts)
+                total += _dot_k_range(
+                    x_ptr,
+                    w_ptr,
+                    offs_m,
+                    offs_n,
+                    row_ok,
+                    col_ok,
+                    stride_xm,
+                    K,
+                    k_lo,
+                    tl.minimum(k_lo + CHUNK_K, K),
+                    BLOCK_M,
+                    BLOCK_N,
+                    BLOCK_K,
+                    INPUT_PRECISION,
+                    UPCAST_DOT,
+                )
             out = total.to(out_ptr.dtype.element_ty)
             tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out, mask=out_mask)
 
