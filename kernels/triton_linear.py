@@ -93,7 +93,8 @@ def linear_config(out_dim: int, in_dim: int, dtype: torch.dtype, num_rows: int) 
 # run (unaligned tensors, batched or grouped launches).
 POINTER_CONFIG_16BIT = LinearConfig(128, 128, BLOCK_K_16BIT, 8, 8, 3)
 
-# Fixed K split of the 16-bit linears whose decode launch has too few column programs: K is cut
+# Fixed K split of the linears whose decode launch has too few column programs (the fp32 router
+# too: CUDA-core FMAs, 64 experts = 2 column tiles): K is cut
 # into S chunks (S and the chunks a function of the weight's shape alone), each summed from
 # zero in fp32, and the chunk sums added in chunk order, at EVERY row count, so a row's bits
 # never follow the batch. Decode sizes run the chunks in parallel programs and add the fp32
@@ -107,8 +108,6 @@ SPLIT_PARALLEL_ROWS = SMALL_ROWS
 def k_split_count(out_dim: int, in_dim: int, dtype: torch.dtype) -> int:
     """S for weight [out_dim, in_dim]: doubled while the decode launch (32-column tiles) has
     fewer than SPLIT_TARGET_PROGRAMS programs and each chunk keeps >= MIN_CHUNK_K columns."""
-    if dtype == torch.float32:
-        return 1
     num_tiles, splits = triton.cdiv(out_dim, 32), 1
     while (
         splits < MAX_K_SPLITS

@@ -1,8 +1,9 @@
 """`rope_ref` (kernels/rope.py) as one Triton kernel: one program per token, all its heads.
 
 Every intermediate is rounded to x's dtype as torch's eager ops round it (products, then the
-difference / sum), so no multiply and add can fuse into an FMA and the bits are `rope_ref`'s
-on the GPU. Under TRITON_INTERPRET=1 it runs on CPU tensors.
+difference / sum), so no multiply and add can fuse into an FMA; a token's bits depend on its
+values and position only (tests/test_gpu_kernels.py checks them against torch's within one
+rounding). Under TRITON_INTERPRET=1 it runs on CPU tensors.
 """
 
 from __future__ import annotations
@@ -10,6 +11,14 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def _round(x, dtype: tl.constexpr):
+    """x fp32 rounded to dtype and back; the bitcast keeps the compiler from folding the
+    round trip away."""
+    bits = tl.int16 if dtype.primitive_bitwidth == 16 else tl.int32
+    return x.to(dtype).to(bits, bitcast=True).to(dtype, bitcast=True).to(tl.float32)
 
 
 @triton.jit
@@ -43,11 +52,11 @@ def _rope_kernel(
     else:
         x1 = tl.load(row + pairs[None, :], mask=ok, other=0.0).to(tl.float32)
         x2 = tl.load(row + HALF + pairs[None, :], mask=ok, other=0.0).to(tl.float32)
-    # Why each .to(dtype): torch rounds every elementwise result to the tensor's dtype.
-    a1 = (x1 * cos).to(dtype).to(tl.float32)
-    b1 = (x2 * sin).to(dtype).to(tl.float32)
-    a2 = (x2 * cos).to(dtype).to(tl.float32)
-    b2 = (x1 * sin).to(dtype).to(tl.float32)
+    # Why each rounding: torch rounds every elementwise result to the tensor's dtype.
+    a1 = _round(x1 * cos, dtype)
+    b1 = _round(x2 * sin, dtype)
+    a2 = _round(x2 * cos, dtype)
+    b2 = _round(x1 * sin, dtype)
     out = out_ptr + (t * num_heads + heads[:, None]) * (2 * HALF) + pairs[None, :]
     tl.store(out, (a1 - b1).to(dtype), mask=ok)
     tl.store(out + HALF, (a2 + b2).to(dtype), mask=ok)

@@ -121,8 +121,11 @@ def test_grouped_linear_rows_independent_of_expert_load(generator):
         out[5:305],
         generator,
     )
-    # The grouped GEMM and the plain linear give a row the same bits.
-    assert torch.equal(linear_triton(rows, w[2]), out[5:305])
+    # The grouped GEMM has no K split; a plain linear of this weight shape has (S = 4).
+    from kernels.triton_linear import k_split_count
+
+    assert k_split_count(*w.shape[1:], w.dtype) == 4
+    torch.testing.assert_close(linear_triton(rows, w[2]).float(), out[5:305].float(), **BF16_TOL)
     # No cuBLAS control at this shape: measured equal row 0 for M in (1, 16, 64) vs 300 at
     # K=2048, N=2816; the K=7168 control in the linear test is the one that fails for cuBLAS.
 
@@ -253,9 +256,10 @@ def test_silu_mul_elementwise_invariant_on_gpu(generator):
 
 
 @pytest.mark.parametrize("is_interleaved", (True, False))
-def test_rope_kernel_gives_the_torch_bits(generator, is_interleaved):
-    """The one-launch rope rounds every product and sum as torch's eager bf16 ops do: bitwise
-    the reference, for the 16-head q_pe view and the one-head k_pe."""
+def test_rope_kernel_rows_ignore_the_batch(generator, is_interleaved):
+    """The one-launch rope: a token's bits follow its own values and position only (prefixes,
+    a permutation), for the 16-head q_pe view and the one-head k_pe; within one bf16 rounding
+    of torch's (its intermediate roundings are torch's steps, which the compiler may merge)."""
     from kernels.rope import rope_ref
     from kernels.triton_rope import rope_triton
 
@@ -264,8 +268,16 @@ def test_rope_kernel_gives_the_torch_bits(generator, is_interleaved):
     positions = torch.randint(0, 4096, (300,), generator=generator).cuda()
     q = _randn(generator, 300, 16, 192)
     for x in (q[..., 128:], q[:, :1, 128:]):
+        full = rope_triton(x, positions, cos, sin, is_interleaved)
         want = rope_ref(x, positions, cos, sin, is_interleaved)
-        assert torch.equal(rope_triton(x, positions, cos, sin, is_interleaved), want)
+        torch.testing.assert_close(full.float(), want.float(), atol=4e-2, rtol=1.6e-2)
+        for m in (1, 17, 299):
+            assert torch.equal(
+                rope_triton(x[:m], positions[:m], cos, sin, is_interleaved), full[:m]
+            )
+        perm = torch.randperm(300, generator=generator).cuda()
+        got = rope_triton(x[perm], positions[perm], cos, sin, is_interleaved)
+        assert torch.equal(got, full[perm])
 
 
 def test_expert_layout_kernel_is_the_stable_sort(generator):
