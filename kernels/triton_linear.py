@@ -5,12 +5,11 @@ persistent program walking tiles, with TMA loads) walks K in steps of BLOCK_K, a
 fp32. BLOCK_K, the K loop order and the fixed K split (`k_split_count`: K cut into S chunks,
 each summed from zero, the chunk sums added in chunk order) are functions of the weight shape
 (N, K) and dtype only, never of the row count: each output element is one fixed sequence of
-fp32 multiply-adds whatever the other rows are. Whether the chunks run in parallel programs
-(decode sizes, a second launch adds the partials) or inside one program (the same adds) is a
-launch choice, like the tile shape. The tile shape (BLOCK_M, BLOCK_N, warps, stages, persistent or
-not) is chosen by a bucket of the row count; it moves work between programs, not the order of
-any element's sum, and tests/test_gpu_kernels.py checks every bucket's config bitwise against
-every other on the model's shapes. No autotuning.
+fp32 multiply-adds whatever the other rows are. The chunks run in parallel programs and a
+second launch adds their fp32 partials. The tile shape (BLOCK_M, BLOCK_N, warps, stages,
+persistent or not) is chosen by a bucket of the row count; it moves work between programs,
+not the order of any element's sum, and tests/test_gpu_kernels.py checks every bucket's
+config bitwise against every other on the model's shapes. No autotuning.
 Oracles: `linear_ref` / `grouped_linear_ref` (kernels/linear.py). Under TRITON_INTERPRET=1
 the kernels run on CPU tensors (tests); compiled, they need CUDA tensors.
 """
@@ -102,7 +101,11 @@ POINTER_CONFIG_16BIT = LinearConfig(128, 128, BLOCK_K_16BIT, 8, 8, 3)
 MAX_K_SPLITS = 8
 MIN_CHUNK_K = 512
 SPLIT_TARGET_PROGRAMS = 2 * 132  # two column programs per SM of an H200 (a constant, not a query)
-SPLIT_PARALLEL_ROWS = SMALL_ROWS
+# Only narrow weights split: every row count pays S x M x N fp32 partials written and read, a
+# prefill tax that grows with N (measured: adding the chunks inside each program instead needs
+# a second accumulator and ran 6-9x slower than cuBLAS at M >= 1024).
+SPLIT_MAX_OUT = 2048
+SPLIT_ROW_CHUNK = 4096  # rows per split launch: bounds the partials to S x 4096 x N fp32
 
 
 def k_split_count(out_dim: int, in_dim: int, dtype: torch.dtype) -> int:
@@ -110,7 +113,8 @@ def k_split_count(out_dim: int, in_dim: int, dtype: torch.dtype) -> int:
     fewer than SPLIT_TARGET_PROGRAMS programs and each chunk keeps >= MIN_CHUNK_K columns."""
     num_tiles, splits = triton.cdiv(out_dim, 32), 1
     while (
-        splits < MAX_K_SPLITS
+        out_dim <= SPLIT_MAX_OUT
+        and splits < MAX_K_SPLITS
         and num_tiles * splits < SPLIT_TARGET_PROGRAMS
         and in_dim // (2 * splits) >= MIN_CHUNK_K
     ):
@@ -141,7 +145,6 @@ def _linear_kernel(
     CHUNK_K,
     IS_GROUPED: tl.constexpr,
     K_SPLITS: tl.constexpr,
-    SPLIT_PARALLEL: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -221,69 +224,17 @@ def _linear_kernel(
             )
             out = acc.to(out_ptr.dtype.element_ty)
             tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out, mask=out_mask)
-        elif SPLIT_PARALLEL:
-            # Chunk s of a fixed K split, as an fp32 partial; _sum_splits_kernel adds them.
+        else:
+            # Chunk s of the fixed K split, as an fp32 partial; _sum_splits_kernel adds them.
             split = tl.program_id(2)
             k_lo = split * CHUNK_K
             acc = _dot_k_range(
-                x_ptr,
-                w_ptr,
-                offs_m,
-                offs_n,
-                row_ok,
-                col_ok,
-                stride_xm,
-                K,
-                k_lo,
-                tl.minimum(k_lo + CHUNK_K, K),
-                BLOCK_M,
-                BLOCK_N,
-                BLOCK_K,
-                INPUT_PRECISION,
+                x_ptr, w_ptr, offs_m, offs_n, row_ok, col_ok, stride_xm, K, k_lo,
+                tl.minimum(k_lo + CHUNK_K, K), BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION,
                 UPCAST_DOT,
-            )
+            )  # fmt: skip
             partial = partial_ptr + split * num_rows * N + offs_m[:, None] * N + offs_n[None, :]
             tl.store(partial, acc, mask=out_mask)
-        else:
-            # The same chunks in one program, added in the same order: the same bits.
-            total = _dot_k_range(
-                x_ptr,
-                w_ptr,
-                offs_m,
-                offs_n,
-                row_ok,
-                col_ok,
-                stride_xm,
-                K,
-                0,
-                tl.minimum(CHUNK_K, K),
-                BLOCK_M,
-                BLOCK_N,
-                BLOCK_K,
-                INPUT_PRECISION,
-                UPCAST_DOT,
-            )
-            for split in tl.static_range(1, K_SPLITS):
-                k_lo = split * CHUNK_K
-                total += _dot_k_range(
-                    x_ptr,
-                    w_ptr,
-                    offs_m,
-                    offs_n,
-                    row_ok,
-                    col_ok,
-                    stride_xm,
-                    K,
-                    k_lo,
-                    tl.minimum(k_lo + CHUNK_K, K),
-                    BLOCK_M,
-                    BLOCK_N,
-                    BLOCK_K,
-                    INPUT_PRECISION,
-                    UPCAST_DOT,
-                )
-            out = total.to(out_ptr.dtype.element_ty)
-            tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out, mask=out_mask)
 
 
 @triton.jit
@@ -349,9 +300,7 @@ def _linear_persistent_kernel(
     num_rows,
     N,
     K,
-    CHUNK_BLOCKS,
     NUM_PROGRAMS: tl.constexpr,
-    K_SPLITS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -369,27 +318,16 @@ def _linear_persistent_kernel(
         group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
         pid_m = first_m + (tile % pids_per_group) % group_rows
         pid_n = (tile % pids_per_group) // group_rows
-        # Why: the same K chunks, ascending K loop and BLOCK_K as _linear_kernel, chunk sums
-        # added in the same order; TMA fills out-of-range rows and K columns with exact zeros,
-        # as the masked loads there do.
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for ki in range(tl.minimum(CHUNK_BLOCKS, num_k)):
+        # Why: the same ascending K loop with the same BLOCK_K as _linear_kernel; TMA fills
+        # out-of-range rows and K columns with exact zeros, as the masked loads there do.
+        for ki in range(num_k):
             a = x_desc.load([pid_m * BLOCK_M, ki * BLOCK_K])
             b = w_desc.load([pid_n * BLOCK_N, ki * BLOCK_K])
             if UPCAST_DOT:
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
             acc = tl.dot(a, b.T, acc)
-        for split in tl.static_range(1, K_SPLITS):
-            part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for ki in range(split * CHUNK_BLOCKS, tl.minimum((split + 1) * CHUNK_BLOCKS, num_k)):
-                a = x_desc.load([pid_m * BLOCK_M, ki * BLOCK_K])
-                b = w_desc.load([pid_n * BLOCK_N, ki * BLOCK_K])
-                if UPCAST_DOT:
-                    a = a.to(tl.float32)
-                    b = b.to(tl.float32)
-                part = tl.dot(a, b.T, part)
-            acc += part
         out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(out_desc.dtype))
 
 
@@ -409,7 +347,7 @@ def _tma_ok(*tensors: torch.Tensor) -> bool:
     )
 
 
-def _launch_persistent(x, weight, out, config: LinearConfig, k_splits: int) -> torch.Tensor:
+def _launch_persistent(x, weight, out, config: LinearConfig) -> torch.Tensor:
     num_rows, (out_dim, in_dim) = x.shape[0], weight.shape
     num_tiles = triton.cdiv(num_rows, config.block_m) * triton.cdiv(out_dim, config.block_n)
     sms = 4 if _is_interpreted() else _num_sms(x.device.index or 0)
@@ -422,9 +360,7 @@ def _launch_persistent(x, weight, out, config: LinearConfig, k_splits: int) -> t
         num_rows,
         out_dim,
         in_dim,
-        k_split_chunk(in_dim, k_splits) // bk,
         NUM_PROGRAMS=num_programs,
-        K_SPLITS=k_splits,
         BLOCK_M=bm,
         BLOCK_N=bn,
         BLOCK_K=bk,
@@ -464,31 +400,35 @@ def _launch(x, weight, out, counts, num_rows, config: LinearConfig) -> torch.Ten
     num_rows then the tile bound.
 
     x [M, K] / out [M, N] (row strides free, unit column stride), or batched x [B, M, K],
-    out [B, M, N] with weight [B, N, K] (plain only). Plain 2-D launches use the weight's
-    fixed K split (k_split_count)."""
+    out [B, M, N] with weight [B, N, K] (plain only). Plain 2-D launches of a weight with a
+    fixed K split (k_split_count) run its chunks in parallel programs, SPLIT_ROW_CHUNK rows
+    at a time, and add the fp32 partials in chunk order in a second launch."""
     out_dim, in_dim = weight.shape[-2:]
     is_plain = counts is None and x.dim() == 2
     k_splits = k_split_count(out_dim, in_dim, x.dtype) if is_plain else 1
+    if k_splits > 1:
+        if config.is_persistent:
+            config = POINTER_CONFIG_16BIT
+        for start in range(0, num_rows, SPLIT_ROW_CHUNK):  # launch boundaries only
+            rows = slice(start, min(start + SPLIT_ROW_CHUNK, num_rows))
+            _launch_split(x[rows], weight, out[rows], config, k_splits)
+        return out
     if config.is_persistent and is_plain:
         if not _tma_ok(x, weight, out):
             x, weight = x.clone(), weight.clone()  # fresh allocations are 16-byte aligned
         if _tma_ok(x, weight, out):
-            return _launch_persistent(x, weight, out, config, k_splits)
+            return _launch_persistent(x, weight, out, config)
     if config.is_persistent:
         config = POINTER_CONFIG_16BIT
     x3, out3 = (x, out) if x.dim() == 3 else (x[None], out[None])
     num_pid_n = triton.cdiv(out_dim, config.block_n)
     num_pid_m = triton.cdiv(num_rows, config.block_m) if counts is None else num_rows
     num_groups = 0 if counts is None else counts.numel()
-    is_parallel = k_splits > 1 and num_rows <= SPLIT_PARALLEL_ROWS
-    partial = out  # unread unless the split runs in parallel
-    if is_parallel:
-        partial = torch.empty((k_splits, num_rows, out_dim), dtype=torch.float32, device=x.device)
-    _linear_kernel[(num_pid_m * num_pid_n, x3.shape[0], k_splits if is_parallel else 1)](
+    _linear_kernel[(num_pid_m * num_pid_n, x3.shape[0], 1)](
         x3,
         weight,
         out3,
-        partial,
+        out,  # partials: unread without a K split
         out if counts is None else counts,  # unread when IS_GROUPED is False
         num_groups,
         num_rows,
@@ -498,29 +438,62 @@ def _launch(x, weight, out, counts, num_rows, config: LinearConfig) -> torch.Ten
         x3.stride(1),
         out3.stride(0),
         out3.stride(1),
-        k_split_chunk(in_dim, k_splits),
+        in_dim,
         IS_GROUPED=counts is not None,
-        K_SPLITS=k_splits,
-        SPLIT_PARALLEL=is_parallel,
+        K_SPLITS=1,
         BLOCK_G=max(triton.next_power_of_2(num_groups), 2),
+        **_kernel_consts(config, x.dtype),
+    )
+    return out
+
+
+def _kernel_consts(config: LinearConfig, dtype: torch.dtype) -> dict:
+    return dict(
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         GROUP_M=config.group_m,
         # Why: fp32 inputs (router logits) use exact fp32 products, not tf32.
-        INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        INPUT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
         # The interpreter hands 16-bit floats to numpy's matmul as raw bits: feed it fp32
         # (exact for bf16/fp16 products). Compiled kernels keep the 16-bit MMA.
-        UPCAST_DOT=_is_interpreted() and x.dtype != torch.float32,
+        UPCAST_DOT=_is_interpreted() and dtype != torch.float32,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
-    if is_parallel:
-        num_elems, block = num_rows * out_dim, 1024
-        _sum_splits_kernel[(triton.cdiv(num_elems, block),)](
-            partial, out, num_elems, K_SPLITS=k_splits, BLOCK=block
-        )
-    return out
+
+
+def _launch_split(x, weight, out, config: LinearConfig, k_splits: int) -> None:
+    """x [M, K] @ weight^T into contiguous out [M, N] through the fixed K split's partials."""
+    num_rows, (out_dim, in_dim) = x.shape[0], weight.shape
+    if num_rows == 0:
+        return
+    partial = torch.empty((k_splits, num_rows, out_dim), dtype=torch.float32, device=x.device)
+    num_tiles = triton.cdiv(num_rows, config.block_m) * triton.cdiv(out_dim, config.block_n)
+    _linear_kernel[(num_tiles, 1, k_splits)](
+        x,
+        weight,
+        out,
+        partial,
+        out,  # counts: unread
+        0,
+        num_rows,
+        out_dim,
+        in_dim,
+        0,
+        x.stride(0),
+        0,
+        out.stride(0),
+        k_split_chunk(in_dim, k_splits),
+        IS_GROUPED=False,
+        K_SPLITS=k_splits,
+        BLOCK_G=2,
+        **_kernel_consts(config, x.dtype),
+    )
+    num_elems, block = num_rows * out_dim, 1024
+    _sum_splits_kernel[(triton.cdiv(num_elems, block),)](
+        partial, out, num_elems, K_SPLITS=k_splits, BLOCK=block
+    )
 
 
 def linear_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

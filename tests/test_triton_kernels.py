@@ -63,8 +63,9 @@ def check_linear(generator: torch.Generator) -> None:
 
 
 def check_linear_k_split(generator: torch.Generator) -> None:
-    """The fixed K split (a weight-shape property): chunk partials added in parallel programs
-    (decode sizes) and inside each program (larger) give the same bits; close to fp64."""
+    """The fixed K split (a weight-shape property): a row's bits ignore the row count and the
+    launch's row chunks; close to fp64."""
+    import kernels.triton_linear as triton_linear
     from kernels.triton_linear import LinearConfig, _launch, k_split_chunk, k_split_count
 
     x = torch.randn(130, 2048, generator=generator).to(torch.bfloat16)
@@ -72,12 +73,18 @@ def check_linear_k_split(generator: torch.Generator) -> None:
     assert k_split_count(96, 2048, w.dtype) == 4 and k_split_chunk(2048, 4) == 512
     assert k_split_count(102400, 2048, w.dtype) == 1 and k_split_count(96, 160, w.dtype) == 1
     assert k_split_count(2048, 10944, w.dtype) == 8 and k_split_chunk(10944, 8) == 1408
+    assert k_split_count(3072, 2048, w.dtype) == 1  # wider than SPLIT_MAX_OUT: no split
     config = LinearConfig(16, 32, 64, 8, 4, 4)
-    inside = _launch(x, w, x.new_empty((130, 96)), None, 130, config)
-    parallel = _launch(x[:64], w, x.new_empty((64, 96)), None, 64, config)
-    assert torch.equal(parallel, inside[:64])
+    full = _launch(x, w, x.new_empty((130, 96)), None, 130, config)
+    assert torch.equal(_launch(x[:64], w, x.new_empty((64, 96)), None, 64, config), full[:64])
+    chunk = triton_linear.SPLIT_ROW_CHUNK
+    try:
+        triton_linear.SPLIT_ROW_CHUNK = 48  # three launches of 48, 48 and 34 rows
+        assert torch.equal(_launch(x, w, x.new_empty((130, 96)), None, 130, config), full)
+    finally:
+        triton_linear.SPLIT_ROW_CHUNK = chunk
     expected = (x.double() @ w.double().t()).to(torch.bfloat16)
-    torch.testing.assert_close(inside, expected, **BF16_TOL)
+    torch.testing.assert_close(full, expected, **BF16_TOL)
 
 
 def check_grouped_linear(generator: torch.Generator) -> None:
