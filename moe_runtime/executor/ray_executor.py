@@ -163,6 +163,7 @@ class RayExecutor:
             )
         return failure
 
+
 def _bundles(device: str, world_size: int) -> list[dict[str, float]]:
     gpu = _gpu_share(device, world_size)
     return [{"CPU": 1, "GPU": gpu} if gpu else {"CPU": 1} for _ in range(world_size)]
