@@ -5,22 +5,16 @@ when installed) at 16 and 128 heads, and a CUDA-graph capture replayed with new 
 
 As in tests/test_triton_kernels.py, the Triton kernels run on CPU only under TRITON_INTERPRET=1,
 read at import of the kernel module, so the interpreted checks run in one fresh process
-(`_run_checks`) and each test asserts on its own check's outcome.
+(tests/interpreted.py) and each test asserts on its own check's outcome.
 """
 
 from __future__ import annotations
-
-import json
-import os
-import subprocess
-import sys
-import traceback
-from pathlib import Path
 
 import pytest
 import torch
 
 from kernels.attention import mla_attention_fast, mla_attention_ref
+from tests import interpreted
 
 SEED = 0
 # fp32 with exact (ieee) products vs the oracle on fp64 inputs: a few fp32 ulps.
@@ -94,28 +88,9 @@ def check_split_kv_matches_oracle(generator: torch.Generator) -> None:
 CHECKS = {"split_kv_matches_oracle": check_split_kv_matches_oracle}
 
 
-def _run_checks(seed: int) -> None:
-    """Subprocess entry: run every check, print {name: traceback or ""} as JSON."""
-    results = {}
-    for name, check in CHECKS.items():
-        try:
-            check(torch.Generator().manual_seed(seed))
-            results[name] = ""
-        except Exception:
-            results[name] = traceback.format_exc()
-    print(json.dumps(results))
-
-
 @pytest.fixture(scope="module")
 def interpreted_results() -> dict:
-    root = Path(__file__).resolve().parent.parent
-    code = f"import tests.test_fast_attention as m; m._run_checks({SEED})"
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
-    proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True
-    )
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return interpreted.interpreted_results("tests.test_fast_attention", SEED)
 
 
 @pytest.mark.parametrize("name", list(CHECKS))

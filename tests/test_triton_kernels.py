@@ -3,7 +3,7 @@ row invariance of the kernels themselves, and the wrappers' input checks.
 
 Triton reads TRITON_INTERPRET when a kernel is decorated, i.e. at import of the kernel
 module, and other test modules may import those modules first (through the op table). So
-the interpreted checks run together in one fresh interpreter process (`_run_checks`) and
+the interpreted checks run together in one fresh interpreter process (tests/interpreted.py) and
 each test asserts on its own check's outcome.
 The interpreter's tl.dot is numpy's BLAS, whose rounding depends on a row's position inside
 the [BLOCK_M, BLOCK_K] tile, a property of the CPU emulation and not of the kernel. Here the
@@ -13,16 +13,12 @@ checked bitwise on the GPU (tests/test_gpu_kernels.py).
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
-import sys
-import traceback
-from pathlib import Path
 
 import pytest
 import torch
+
+from tests import interpreted
 
 SEED = 0
 EPS = 1e-6
@@ -410,28 +406,9 @@ CHECKS = {
 }
 
 
-def _run_checks(seed: int) -> None:
-    """Subprocess entry: run every check, print {name: traceback or ""} as JSON."""
-    results = {}
-    for name, check in CHECKS.items():
-        try:
-            check(torch.Generator().manual_seed(seed))
-            results[name] = ""
-        except Exception:
-            results[name] = traceback.format_exc()
-    print(json.dumps(results))
-
-
 @pytest.fixture(scope="module")
 def interpreted_results() -> dict:
-    root = Path(__file__).resolve().parent.parent
-    code = f"import tests.test_triton_kernels as m; m._run_checks({SEED})"
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
-    proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True
-    )
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return interpreted.interpreted_results("tests.test_triton_kernels", SEED)
 
 
 @pytest.mark.parametrize("name", list(CHECKS))
