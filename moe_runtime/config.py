@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from comm.config import ParallelConfig
+from comm.groups import select_backend
 from eplb.config import EplbConfig
 from kernels.config import KernelConfig
 from moe_runtime.model_config import ModelConfig
@@ -108,8 +109,12 @@ class RuntimeConfig:
                 f"scheduler.max_model_len ({self.scheduler.max_model_len}) exceeds "
                 f"model.max_position_embeddings ({self.model.max_position_embeddings})"
             )
-        if self.kernels.cuda_graphs is None:  # the default: on wherever graphs can run
-            is_on = self.parallel.device == "cuda" and self.parallel.tp_size == 1
+        if self.kernels.cuda_graphs is None:  # the default: on where graphs passed the tests
+            parallel = self.parallel
+            # Why not with NCCL between ranks: graphs with the MoE eager between segments passed
+            # the golden tests over gloo only so far; NCCL ranks may still turn them on.
+            is_nccl = parallel.world_size > 1 and select_backend(parallel) == "nccl"
+            is_on = parallel.device == "cuda" and parallel.tp_size == 1 and not is_nccl
             object.__setattr__(self, "kernels", replace(self.kernels, cuda_graphs=is_on))
         if self.kernels.cuda_graphs and self.parallel.device != "cuda":
             raise ValueError(

@@ -81,6 +81,12 @@ def test_cuda_graphs_default_on_where_they_run_and_keys_parse():
     assert load_config(CONFIGS / "tiny_gpu.yaml").kernels.cuda_graphs is True
     tp2 = {"parallel.world_size": 2, "parallel.tp_size": 2}
     assert load_config(CONFIGS / "tiny_gpu.yaml", tp2).kernels.cuda_graphs is False
+    ep2 = {"parallel.world_size": 2}  # NCCL between the ranks: off until tested there
+    assert load_config(CONFIGS / "tiny_gpu.yaml", ep2).kernels.cuda_graphs is False
+    gloo = {**ep2, "parallel.backend": "gloo"}
+    assert load_config(CONFIGS / "tiny_gpu.yaml", gloo).kernels.cuda_graphs is True
+    nccl_on = {**ep2, "kernels.cuda_graphs": True}
+    assert load_config(CONFIGS / "tiny_gpu.yaml", nccl_on).kernels.cuda_graphs is True
     fast = load_config(CONFIGS / "tiny_gpu.yaml", {"kernels.mode": "fast"})
     assert fast.kernels.cuda_graphs is True  # fast mode graphs too: the fair baseline
     config = load_config(
