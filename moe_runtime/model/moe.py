@@ -110,13 +110,6 @@ class MoE(nn.Module):
         self.dispatcher = dispatcher
         self.replica_row = replica_row.to(self.experts.gate_up_proj.device)
 
-    def recount_slots(self, num_tokens: int) -> None:
-        """Set last_slot_counts to the rows of the last forward's first num_tokens tokens only
-        (a CUDA graph replays padding rows after them). World size 1: local slot = physical."""
-        ids = self.replica_row[self.last_topk_ids[:num_tokens]].reshape(-1)
-        counts = torch.zeros_like(self.last_slot_counts)
-        self.last_slot_counts = counts.index_add_(0, ids, torch.ones_like(ids))
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         topk_ids, topk_weights = self.gate(x)
         self.last_topk_ids = topk_ids  # read back for routed-expert reporting
