@@ -64,7 +64,7 @@ class DispatchLayout:
     rows_per_slot: torch.Tensor
 
 
-# Above this many rows (token, slot pairs) the layout sorts instead of ranking by comparison.
+# Up to this many rows (token, slot pairs), a CUDA layout is one Triton program; above, a sort.
 _RANK_MAX_ROWS = 2048
 
 
@@ -81,25 +81,16 @@ def dispatch_layout(topk_phys_ids: torch.Tensor, num_physical: int) -> DispatchL
             f"physical expert ids must lie in [0, {num_physical}), got {flat.min()}..{flat.max()}"
         )
     if flat.device.type == "cuda" and flat.numel() <= _RANK_MAX_ROWS:
-        # Imported here so CPU-only processes never load Triton's compiler front end.
+        # Decode-sized steps: the stable sort's order exactly, in one launch (a radix sort
+        # launch costs ~25 us even for 384 ids). Imported here so CPU-only processes never
+        # load Triton's compiler front end.
         from kernels.triton_layout import expert_layout_triton
 
-        return DispatchLayout(*expert_layout_triton(flat, num_physical))  # one launch
+        return DispatchLayout(*expert_layout_triton(flat, num_physical))
     # Integer adds: exact in any order (torch.bincount would sync to size its output).
     rows_per_slot = torch.zeros(num_physical, dtype=torch.int64, device=flat.device)
     rows_per_slot.index_add_(0, flat, torch.ones_like(flat))
-    if flat.numel() > _RANK_MAX_ROWS:
-        return DispatchLayout(sort_rows_by_destination(topk_phys_ids), rows_per_slot)
-    # Decode-sized steps: a row's place is its expert's first place plus how many earlier rows
-    # went to that expert ([N, N] comparisons, one row sum): the stable sort's order exactly,
-    # in a few small kernels (a radix sort launch costs ~25 us even for 384 ids); on CUDA
-    # kernels/triton_layout.py does the same in one launch.
-    index = torch.arange(flat.numel(), device=flat.device)
-    earlier_same = (flat[None, :] == flat[:, None]) & (index[None, :] < index[:, None])
-    first_place = torch.cumsum(rows_per_slot, 0) - rows_per_slot
-    order = torch.empty_like(flat)
-    order[first_place[flat] + earlier_same.sum(1)] = index
-    return DispatchLayout(order, rows_per_slot)
+    return DispatchLayout(sort_rows_by_destination(topk_phys_ids), rows_per_slot)
 
 
 def sort_rows_by_destination(topk_phys_ids: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from comm import AllToAllDispatcher, LocalDispatcher, destroy_process_groups, init_process_groups
+from comm.dispatch import dispatch_layout
 from kernels.combine import moe_combine_fast, moe_combine_ref
 from kernels.linear import grouped_linear_ref
 from tests.test_comm_groups import BACKENDS, MASTER_ADDR, backend_config, run_ranks
@@ -212,16 +213,13 @@ def test_precomputed_layout_gives_the_same_dispatch(generator):
 
 
 @pytest.mark.parametrize("num_tokens", (0, 1, 37, 300))
-def test_layout_scan_and_sort_give_the_same_order(monkeypatch, num_tokens):
-    """Decode-sized layouts rank rows by comparison, large ones sort: one order."""
-    import comm.dispatch as dispatch
-
+def test_layout_is_the_stable_sort_order_with_counts(num_tokens):
+    """The layout lists rows by expert, then by row (the stable sort's order), with the rows
+    per expert; the CUDA one-program layout is checked against the same sort in
+    tests/test_triton_kernels.py and tests/test_gpu_kernels.py."""
     gen = torch.Generator().manual_seed(num_tokens)
     rows = [torch.randperm(16, generator=gen)[:4] for _ in range(num_tokens)]
     ids = torch.stack(rows) if rows else torch.zeros(0, 4, dtype=torch.int64)
-    scanned = dispatch.dispatch_layout(ids, 16)
-    monkeypatch.setattr(dispatch, "_RANK_MAX_ROWS", 0)
-    sorted_ = dispatch.dispatch_layout(ids, 16)
-    assert torch.equal(scanned.order, sorted_.order)
-    assert torch.equal(scanned.rows_per_slot, sorted_.rows_per_slot)
-    assert scanned.rows_per_slot.tolist() == torch.bincount(ids.reshape(-1), minlength=16).tolist()
+    layout = dispatch_layout(ids, 16)
+    assert torch.equal(layout.order, torch.sort(ids.reshape(-1), stable=True).indices)
+    assert layout.rows_per_slot.tolist() == torch.bincount(ids.reshape(-1), minlength=16).tolist()
