@@ -47,15 +47,10 @@ from kernels import KernelConfig, build_op_table  # noqa: E402
 from launch.cli import add_override_argument, parse_overrides  # noqa: E402
 from moe_runtime.config import load_config  # noqa: E402
 from moe_runtime.forward_batch import ForwardBatch  # noqa: E402
-from moe_runtime.model.deepseek import DeepseekForCausalLM  # noqa: E402
 from moe_runtime.model.loader import build_model  # noqa: E402
 from moe_runtime.worker.cuda_graphs import DecodeGraphRunner  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parent.parent / "launch" / "configs" / "v2_lite_gpu.yaml"
-
-
-def build_random_model(cfg, ops) -> DeepseekForCausalLM:
-    return build_model(cfg.model, ops, "cuda")
 
 
 def set_ops(model: torch.nn.Module, ops) -> None:
@@ -112,7 +107,7 @@ def bench_model(cfg, args) -> dict:
         for _ in range(cfg.model.num_hidden_layers)
     ]
     ops = {mode: build_op_table(KernelConfig(mode=mode), "cuda") for mode in ("invariant", "fast")}
-    model = build_random_model(cfg, ops["invariant"])
+    model = build_model(cfg.model, ops["invariant"], "cuda")
     print(f"weights: {torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated with KV cache")
     prefill = make_batch(
         args.prefill_prompts,
@@ -162,7 +157,7 @@ def bench_graphs(cfg, args, batch_sizes: list[int]) -> None:
         torch.randn(num_blocks + 1, block_size, cfg.model.latent_dim, device="cuda").bfloat16()
         for _ in range(cfg.model.num_hidden_layers)
     ]
-    model = build_random_model(cfg, build_op_table(KernelConfig(), "cuda"))
+    model = build_model(cfg.model, build_op_table(KernelConfig(), "cuda"), "cuda")
     sizes = cfg.kernels.cuda_graph_batch_sizes
     graphs = DecodeGraphRunner(model, kv_caches, sizes, max_blocks, num_blocks)
     for num_seqs in batch_sizes:

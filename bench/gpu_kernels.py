@@ -22,6 +22,7 @@ import triton.testing
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.hbm_floor import copy_bandwidth  # noqa: E402
 from kernels.rmsnorm import rms_norm_fast  # noqa: E402
 from kernels.triton_linear import (  # noqa: E402
     LinearConfig,
@@ -206,15 +207,6 @@ def bench_config_sweep() -> None:
         del w
 
 
-def _copy_ceiling() -> float:
-    """Device copy bandwidth in TB/s (read + write), the HBM ceiling every figure is put against."""
-    src = torch.empty(2**30, device="cuda", dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    ceiling = 2 * src.numel() / (_ms(lambda d=dst, s=src: d.copy_(s)) * 1e-3) / 1e12
-    del src, dst
-    return ceiling
-
-
 def bench_attention() -> None:
     """Decode attention (latent 512 + rope 64, blocks of 64) at 16 heads (V2-Lite) and 128
     (V3): the invariant Triton kernel vs fast mode's decode attention (FlashMLA where it is
@@ -223,7 +215,7 @@ def bench_attention() -> None:
     from kernels.fast_attention import HAS_FLASH_MLA, mla_decode_fast
     from kernels.triton_attention import mla_attention_triton
 
-    ceiling = _copy_ceiling()
+    ceiling = copy_bandwidth(torch.device("cuda")) / 1e12  # TB/s, read + write of 1 GiB
     fast_name = "FlashMLA" if HAS_FLASH_MLA else "split-KV Triton (FlashMLA not installed)"
     print(
         f"\n## decode attention: invariant Triton vs {fast_name}; copy ceiling {ceiling:.2f} TB/s"

@@ -27,6 +27,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.engine_bench import random_prompts, step_until_started  # noqa: E402
 from launch.cli import add_override_argument, parse_overrides  # noqa: E402
 from moe_runtime.config import load_config  # noqa: E402
 from moe_runtime.engine.engine import LLMEngine  # noqa: E402
@@ -37,14 +38,12 @@ CONFIG = Path(__file__).resolve().parent.parent / "launch" / "configs" / "v2_lit
 
 def start_decoding(engine: LLMEngine, num_seqs: int, context: int, max_tokens: int) -> None:
     """Add B random prompts and step until every one of them has its first token."""
-    rng = np.random.default_rng(0)
-    prompts = rng.integers(0, engine.config.model.vocab_size, (num_seqs, context)).tolist()
+    prompts = random_prompts(
+        np.random.default_rng(0), num_seqs, context, engine.config.model.vocab_size
+    )
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    pending = {r.request_id for r in engine.add_requests(prompts, [params] * num_seqs)}
-    while pending:
-        for out in engine.step():
-            if out.token_ids:
-                pending.discard(out.request_id)
+    requests = engine.add_requests(prompts, [params] * num_seqs)
+    step_until_started(engine, {r.request_id for r in requests})
 
 
 def sync() -> None:
@@ -79,7 +78,7 @@ def profile_prefill(engine: LLMEngine, args) -> None:
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
     def prefill() -> None:
-        prompts = rng.integers(0, vocab, (args.batch, args.context)).tolist()
+        prompts = random_prompts(rng, args.batch, args.context, vocab)
         engine.add_requests(prompts, [params] * args.batch)
         while engine.has_unfinished():
             engine.step()
