@@ -6,8 +6,9 @@ thread count of a worker: part of the layout, never of the load. `tile_rows` is 
 row count every CPU BLAS call and row reduction is padded to. `cuda_graphs` replays pure
 decode steps of at most max(`cuda_graph_batch_sizes`) sequences as CUDA graphs, the batch
 padded up to the next size; None (the default) lets the runtime config decide (on where the
-device is CUDA and tensor parallelism is off). In invariant mode a row ignores the padding; in
-fast mode graphs are a speed setting like any other and the bits may follow the padded size.
+device is CUDA, tensor parallelism is off and ranks, if several, talk over gloo). In
+invariant mode a row ignores the padding; in fast mode graphs are a speed setting like any
+other and the bits may follow the padded size.
 """
 
 from __future__ import annotations

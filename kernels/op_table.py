@@ -93,8 +93,8 @@ _ROW_WISE_OPS: dict[str, tuple[Callable, Callable]] = {
 def build_op_table(config: KernelConfig, device: torch.device | str) -> OpTable:
     device = torch.device(device)
     row_wise = {name: ref for name, (_, ref) in _ROW_WISE_OPS.items()}
-    # Rope is elementwise with torch's rounding in both kernels: one op for both modes, the
-    # one-launch kernel wherever the device is CUDA.
+    # Rope is elementwise and row-wise in both kernels: one op for both modes, the one-launch
+    # kernel wherever the device is CUDA.
     rope = {"rope": _cuda_rope() if device.type == "cuda" else rope_ref}
     if not config.is_invariant:
         ops = {name: fast for name, (fast, _) in (_TILED_OPS | _ROW_WISE_OPS).items()}

@@ -3,8 +3,10 @@
 out = (x1 cos - x2 sin, x2 cos + x1 sin) with cos/sin looked up by each token's absolute
 position and cast to x's dtype; pairs are interleaved (x0, x1), (x2, x3), ... or rotate-half
 (x_i, x_{i+R/2}). Each product, difference and sum is rounded to x's dtype, as torch's
-elementwise ops do, so `rope_triton` (one launch instead of ~11) gives these bits exactly.
-A token's rotation depends on its position only: batch-invariant by construction.
+elementwise ops do. `rope_triton` (one launch instead of ~11, CUDA) takes the same steps but
+was measured one bf16 rounding off these bits on some elements, so CPU and CUDA runs differ
+here as they do elsewhere. A token's rotation depends on its position only: batch-invariant
+by construction, in both.
 """
 
 from __future__ import annotations
