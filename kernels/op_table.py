@@ -3,9 +3,10 @@
 It holds every reducing op of the token path, the MoE combine, the TP sum and the sampler's
 cumsum included, so `kernels.mode: fast` turns invariance off everywhere. Invariant mode on
 CPU binds the torch references (tiled ones to `config.tile_rows`); fast mode is plain torch,
-except that on CUDA an op a graph could not capture has a capturable fast version (decode
-attention: kernels/fast_attention.py). Invariant mode on CUDA binds the Triton kernels; other
-devices are refused.
+except on CUDA, where it is the fastest version of each op: cuBLAS linears, torch's grouped
+GEMM, FlashMLA (or split-KV) decode attention (kernels/fast_attention.py), and the one-launch
+Triton kernels of the norm, silu*up and combine. Invariant mode on CUDA binds the Triton
+kernels; other devices are refused.
 Building a table has no side effects; `pin_threads` is the one call that touches process
 state (torch's intra-op thread count) and each worker makes it once, at start-up.
 """
@@ -90,6 +91,11 @@ _ROW_WISE_OPS: dict[str, tuple[Callable, Callable]] = {
 }
 
 
+# Ops whose Triton kernel is also the fastest CUDA version measured (bench/profile_step.py):
+# fused elementwise or row-wise kernels replacing 3-14 torch launches each.
+_FASTEST_ON_CUDA = ("rms_norm", "silu_mul", "moe_combine")
+
+
 def build_op_table(config: KernelConfig, device: torch.device | str) -> OpTable:
     device = torch.device(device)
     row_wise = {name: ref for name, (_, ref) in _ROW_WISE_OPS.items()}
@@ -102,6 +108,10 @@ def build_op_table(config: KernelConfig, device: torch.device | str) -> OpTable:
             # Why: the per-expert loop needs host counts; a graph-captured step can't have them.
             ops["grouped_linear"] = grouped_linear_cuda_fast
             ops["mla_attention"] = _fast_decode_attention()
+            # Why: fast mode is the best path a user could run, so each op whose one-launch
+            # Triton kernel beats torch's several launches takes it (invariance costs nothing
+            # there; the price of invariance is measured on the reducing GEMMs and attention).
+            ops |= {name: _triton_kernels()[name] for name in _FASTEST_ON_CUDA}
     elif device.type == "cuda":
         ops = row_wise | _triton_kernels()
     elif device.type == "cpu":
