@@ -11,6 +11,9 @@ Triton kernel (kernels/triton_attention.py).
 
 from __future__ import annotations
 
+import weakref
+from dataclasses import dataclass
+
 import torch
 import triton
 
@@ -118,17 +121,60 @@ def uses_flash_mla(q: torch.Tensor, kv_cache: torch.Tensor, v_dim: int) -> bool:
     )
 
 
+@dataclass
+class _StepPlan:
+    """What every layer of one decode step shares: FlashMLA's int32 lengths and tables and its
+    scheduler metadata (filled on the device by the step's first call, reused by the rest)."""
+
+    positions_version: int
+    tables: torch.Tensor  # the step's block_tables (identity and version checked)
+    tables_version: int
+    is_capturing: bool
+    cache_seqlens: torch.Tensor
+    int_tables: torch.Tensor
+    sched_meta: object
+
+
+# Keyed by the step's positions tensor (weakly: an entry dies with its step's batch).
+_STEP_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _step_plan(block_tables: torch.Tensor, positions: torch.Tensor) -> _StepPlan:
+    """The plan of the step these tensors belong to: the same tensor objects, unmodified, seen
+    in the same capture state (a CUDA graph's warm-up and its capture share the static batch
+    but not the plan: the captured step must compute its own metadata, on its own replays)."""
+    is_capturing = torch.cuda.is_current_stream_capturing()
+    plan = _STEP_PLANS.get(positions)
+    if (
+        plan is None
+        or plan.positions_version != positions._version
+        or plan.tables is not block_tables
+        or plan.tables_version != block_tables._version
+        or plan.is_capturing != is_capturing
+    ):
+        # -1 padding lies past cache_seqlens and is never attended; block 0 keeps every entry
+        # a valid address anyway. FlashMLA reads int32 tables.
+        plan = _StepPlan(
+            positions._version,
+            block_tables,
+            block_tables._version,
+            is_capturing,
+            cache_seqlens=(positions + 1).to(torch.int32),  # [B]: sequence t's length
+            int_tables=block_tables.clamp(min=0).to(torch.int32),
+            # Empty: the step's first call fills it on the device from cache_seqlens, so a
+            # graph replay re-plans for its own lengths with no host sync.
+            sched_meta=flash_mla.get_mla_metadata()[0],
+        )
+        _STEP_PLANS[positions] = plan
+    return plan
+
+
 def _decode_flash_mla(q, kv_cache, block_tables, positions, scale, v_dim) -> torch.Tensor:
     """FlashMLA dense decode: query t is sequence t (one query each), any head count (MQA with
-    one KV head: the query heads need only divide by it)."""
-    cache_seqlens = (positions + 1).to(torch.int32)  # [B]: sequence t's length
-    # -1 padding lies past cache_seqlens and is never attended; block 0 keeps every entry a
-    # valid address anyway. FlashMLA reads int32 tables.
-    tables = block_tables.clamp(min=0).to(torch.int32)
-    # A fresh, empty scheduler metadata per call: the op fills it on the device from
-    # cache_seqlens, so each graph replay re-plans for its own lengths (metadata kept across
-    # steps would be stale) and no host sync is needed.
-    sched_meta, _ = flash_mla.get_mla_metadata()
+    one KV head: the query heads need only divide by it). The layers of a step share one plan:
+    one metadata kernel a step instead of one a layer."""
+    plan = _step_plan(block_tables, positions)
+    cache_seqlens, tables, sched_meta = plan.cache_seqlens, plan.int_tables, plan.sched_meta
     out, _ = flash_mla.flash_mla_with_kvcache(
         q.unsqueeze(1),  # [B, s_q = 1, H, 576]
         kv_cache.unsqueeze(2),  # [NB, 64, h_kv = 1, 576]

@@ -215,3 +215,45 @@ def test_gpu_decode_is_capturable_and_replays_new_positions(generator, monkeypat
         if previous is not None:
             assert not torch.equal(out, previous), "the replay did not see the new positions"
         previous = out.clone()
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_flash_mla_layers_of_a_step_share_one_plan(generator, monkeypatch):
+    """The layers of a step (same positions and tables objects) share FlashMLA's metadata; a
+    step whose positions changed in place, or a capture after its warm-up, plans afresh, and
+    every layer's output stays the oracle's under replays with new positions."""
+    from kernels import fast_attention
+
+    _use_path(monkeypatch, "flash_mla")
+    q, kv_cache, seq_ids, tables, positions = _gpu_decode_batch(generator, 16)
+    layer_qs = [q, torch.randn_like(q)]  # two "layers": same step, different queries
+    lengths = positions + 1
+
+    def step():
+        return [fast_attention.mla_decode_fast(lq, kv_cache, seq_ids, tables, positions, **GPU_ARGS)
+                for lq in layer_qs]  # fmt: skip
+
+    def check(outs):
+        for lq, out in zip(layer_qs, outs, strict=True):
+            expected = mla_attention_ref(
+                lq, kv_cache, seq_ids, tables, positions, **GPU_ARGS, tile_rows=64
+            )
+            torch.testing.assert_close(out.float(), expected.float(), **BF16_TOL)
+
+    check(step())
+    plan = fast_attention._STEP_PLANS[positions]
+    check(step())  # the same step again: the same plan, filled once
+    assert fast_attention._STEP_PLANS[positions] is plan
+    positions.copy_((lengths - 1) // 2)  # in place: a new step in the same tensor
+    check(step())
+    assert fast_attention._STEP_PLANS[positions] is not plan, "a stale plan was reused"
+    eager_plan = fast_attention._STEP_PLANS[positions]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    assert fast_attention._STEP_PLANS[positions] is not eager_plan, "capture reused the warm-up's"
+    for new_positions in (lengths - 1, lengths.clamp(max=65) - 1, 0 * lengths):
+        positions.copy_(new_positions)
+        graph.replay()
+        check(outs)
