@@ -1,9 +1,12 @@
-"""All-reduce (sum) for TP groups: the collectives here, the arithmetic from the op table.
+"""TP reductions: the collectives here, the arithmetic from the op table.
 
 `all_reduce(x, group, sum_over_ranks)` offers the op two collectives, an all-gather and the
 backend's own all_reduce; the op table's `sum_over_ranks` picks which does the arithmetic. The
 invariant op sums the gathered parts in rank order (bits independent of message size, the
 same on every rank); the fast one is the backend's ring/tree, chosen by message size.
+`row_parallel_linear(x, weight, group, op)` offers the op table's row-parallel linear the same
+two collectives: its invariant version all-gathers every rank's fp32 subtree sum and finishes
+one fixed binary tree (kernels/tp_linear.py), the same bits at every TP degree.
 """
 
 from __future__ import annotations
@@ -25,16 +28,39 @@ def all_gather(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> list[
     return parts
 
 
+def backend_all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The backend's own sum (algorithm chosen by message size) into a copy of x. Collective."""
+    out = x.clone()
+    with collective_guard(dist.get_rank(), "all_reduce"):
+        dist.all_reduce(out, group=group)
+    return out
+
+
 def all_reduce(
     x: torch.Tensor, group: dist.ProcessGroup | None, sum_over_ranks: Callable
 ) -> torch.Tensor:
     """Sum of x over the group's ranks; same shape and dtype as x, on every rank. Collective:
     every rank calls it with the same op (the ops use different collectives)."""
+    return sum_over_ranks(x, lambda t: all_gather(t, group), lambda t: backend_all_reduce(t, group))
 
-    def backend_all_reduce(t: torch.Tensor) -> torch.Tensor:
-        out = t.clone()
-        with collective_guard(dist.get_rank(), "all_reduce"):
-            dist.all_reduce(out, group=group)
-        return out
 
-    return sum_over_ranks(x, lambda t: all_gather(t, group), backend_all_reduce)
+def row_parallel_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    op: Callable,
+    on_gather: Callable[[torch.Tensor], None] | None = None,
+) -> torch.Tensor:
+    """Sum over the group of x [T, K_local] @ weight [N, K_local]^T -> [T, N] in x's dtype, by
+    the op table's `row_parallel_linear`. group None: one rank holds all of K and no collective
+    runs. on_gather(t) is told of every tensor the op all-gathers (stats). Collective otherwise:
+    every rank of the group calls it with the same op, in layer order."""
+    if group is None:
+        return op(x, weight, 1, lambda t: [t], lambda t: t)
+
+    def gather(t: torch.Tensor) -> list[torch.Tensor]:
+        if on_gather is not None:
+            on_gather(t)
+        return all_gather(t, group)
+
+    return op(x, weight, dist.get_world_size(group), gather, lambda t: backend_all_reduce(t, group))

@@ -8,7 +8,10 @@ decode steps of at most max(`cuda_graph_batch_sizes`) sequences as CUDA graphs, 
 padded up to the next size; None (the default) lets the runtime config decide (on where the
 device is CUDA, tensor parallelism is off and ranks, if several, talk over gloo). In
 invariant mode a row ignores the padding; in fast mode graphs are a speed setting like any
-other and the bits may follow the padded size.
+other and the bits may follow the padded size. `tp_max` is the fixed K split of the
+row-parallel linears (kernels/tp_linear.py): K is always cut into tp_max chunks summed in one
+binary tree, so every TP degree dividing tp_max gives the same bits; a power of two, so that
+each degree's ranks hold whole subtrees.
 """
 
 from __future__ import annotations
@@ -24,16 +27,22 @@ class KernelConfig:
     mode: str = "invariant"
     num_threads: int = 1
     tile_rows: int = 16
+    tp_max: int = 8
     cuda_graphs: bool | None = None
     cuda_graph_batch_sizes: tuple[int, ...] = DEFAULT_GRAPH_BATCH_SIZES
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"kernels.mode must be one of {MODES}, got {self.mode!r}")
-        for key in ("num_threads", "tile_rows"):
+        for key in ("num_threads", "tile_rows", "tp_max"):
             value = getattr(self, key)
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"kernels.{key} must be an int >= 1, got {value!r}")
+        if self.tp_max & (self.tp_max - 1):
+            raise ValueError(
+                "kernels.tp_max must be a power of two (the ranks of every TP degree then hold "
+                f"whole subtrees of its fixed binary tree), got {self.tp_max}"
+            )
         if self.cuda_graphs is not None and not isinstance(self.cuda_graphs, bool):
             raise ValueError(
                 f"kernels.cuda_graphs must be a bool or null, got {self.cuda_graphs!r}"

@@ -42,6 +42,7 @@ from kernels.rmsnorm import rms_norm_fast, rms_norm_ref
 from kernels.rope import rope_ref
 from kernels.router import router_topk_fast, router_topk_ref
 from kernels.softmax import log_softmax_fast, log_softmax_ref, softmax_fast, softmax_ref
+from kernels.tp_linear import row_parallel_linear_fast, row_parallel_linear_ref
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,7 @@ class OpTable:
     cumsum: Callable
     silu_mul: Callable
     rope: Callable
+    row_parallel_linear: Callable
     mode: str
 
 
@@ -121,7 +123,21 @@ def build_op_table(config: KernelConfig, device: torch.device | str) -> OpTable:
         raise ValueError(
             f"kernels.mode='invariant' supports devices cpu and cuda, got device {device}"
         )
+    ops["row_parallel_linear"] = _row_parallel_linear(config, device)
     return OpTable(**ops, **rope, mode=config.mode)
+
+
+def _row_parallel_linear(config: KernelConfig, device: torch.device) -> Callable:
+    """The TP row-parallel linear (kernels/tp_linear.py): invariant mode cuts K into
+    config.tp_max fixed chunks summed in one binary tree, the same bits at every TP degree;
+    fast mode is one GEMM and the backend's all_reduce."""
+    if not config.is_invariant:
+        return row_parallel_linear_fast
+    if device.type == "cuda":
+        from kernels.triton_tp_linear import row_parallel_linear_triton
+
+        return partial(row_parallel_linear_triton, tp_max=config.tp_max)
+    return partial(row_parallel_linear_ref, tp_max=config.tp_max, tile_rows=config.tile_rows)
 
 
 def _cuda_rope() -> Callable:

@@ -163,6 +163,8 @@ class RuntimeConfig:
                     f"parallel.tp_size={tp} must divide {key} = {total}; valid tp sizes for "
                     f"parallel.world_size={world}: {valid}"
                 )
+        if self.kernels.is_invariant:
+            self._check_tp_max()
         if tp > 1 and model.tie_word_embeddings:
             raise ValueError("model.tie_word_embeddings needs parallel.tp_size 1 (not supported)")
         if world % eplb.num_nodes:
@@ -175,6 +177,34 @@ class RuntimeConfig:
                 f"eplb.policy 'hierarchical' needs eplb.num_nodes={eplb.num_nodes} to divide "
                 f"model.n_group={model.n_group}; use eplb.policy 'auto' or 'global'"
             )
+
+    def _check_tp_max(self) -> None:
+        """The fixed K split of the row-parallel linears (kernels/tp_linear.py): every TP degree
+        must hold whole chunks, and every row-parallel K must cut into tp_max equal chunks."""
+        model, tp, tp_max = self.model, self.parallel.tp_size, self.kernels.tp_max
+        if tp_max % tp:
+            raise ValueError(
+                f"kernels.tp_max={tp_max} must be a multiple of parallel.tp_size={tp} (each TP "
+                f"rank holds tp_max / tp_size chunks of every row-parallel K); valid tp sizes: "
+                f"{_divisors(tp_max)}"
+            )
+        heads_out = model.num_attention_heads * model.v_head_dim  # o_proj's K
+        row_parallel = {"model.num_attention_heads * model.v_head_dim": heads_out}
+        if model.first_k_dense_replace:
+            row_parallel["model.intermediate_size"] = model.intermediate_size
+        if model.n_shared_experts:
+            row_parallel["model.moe_intermediate_size * model.n_shared_experts"] = (
+                model.moe_intermediate_size * model.n_shared_experts
+            )
+        for key, k_full in row_parallel.items():
+            if k_full % tp_max:
+                valid = [
+                    d for d in _divisors(tp_max) if all(k % d == 0 for k in row_parallel.values())
+                ]
+                raise ValueError(
+                    f"kernels.tp_max={tp_max} must divide {key} = {k_full} (a row-parallel "
+                    f"linear's K is cut into tp_max chunks); valid tp_max: {valid}"
+                )
 
 
 def _divisors(n: int) -> list[int]:

@@ -32,7 +32,8 @@ TILED_OPS = (
 # Row-wise by construction (a token's slots, the ranks of one element, one vocab row): the
 # torch references need no tile, and serve the CUDA table too (elementwise or host-ordered).
 UNTILED_OPS = ("moe_combine", "sum_over_ranks", "cumsum")
-REDUCING_OPS = TILED_OPS + UNTILED_OPS
+# The TP row-parallel linear, bound to tile_rows and kernels.tp_max (kernels/tp_linear.py).
+REDUCING_OPS = TILED_OPS + UNTILED_OPS + ("row_parallel_linear",)
 # Fast mode on CUDA: ops whose plain-torch version needs host sizes, replaced by a capturable one.
 CUDA_FAST_OPS = {"grouped_linear": "grouped_linear_cuda_fast", "mla_attention": "mla_decode_fast"}
 

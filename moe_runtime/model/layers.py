@@ -2,6 +2,8 @@
 
 Parameter names follow HF DeepSeek checkpoints (`.weight`), so a state dict maps directly.
 Every reducing op goes through `ops`, which is the batch-invariant table or the fast one.
+`RowParallelLinear` is the one place a TP-split K is summed over the TP ranks (o_proj, and
+down_proj of the dense MLP and shared experts), by the table's `row_parallel_linear`.
 """
 
 from __future__ import annotations
@@ -31,6 +33,29 @@ class Linear(nn.Module):
         return self.ops.linear(x, self.weight)
 
 
+class RowParallelLinear(nn.Module):
+    """y = sum over the TP ranks of x W^T: weight [OUT, IN_local], this rank's adjacent slice of
+    the full IN. The same bits at every TP degree in invariant mode (kernels/tp_linear.py).
+    Collective with tp.size > 1: every TP rank calls forward in layer order."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        ops: OpTable,
+        dtype: torch.dtype,
+        tp: TensorParallel,
+    ) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features, dtype=dtype), requires_grad=False
+        )
+        self.ops, self.tp = ops, tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.row_parallel_linear(x, self.weight, self.ops.row_parallel_linear)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, ops: OpTable, dtype: torch.dtype) -> None:
         super().__init__()
@@ -45,8 +70,7 @@ class RMSNorm(nn.Module):
 class GatedMLP(nn.Module):
     """down(silu(gate(x)) * up(x)): the dense MLP and the shared experts.
 
-    With TP the intermediate dim is split; the partial down projections are summed by the
-    pinned all-reduce.
+    With TP the intermediate dim is split; down_proj is row-parallel (summed over the TP ranks).
     """
 
     def __init__(
@@ -61,10 +85,8 @@ class GatedMLP(nn.Module):
         local = tp.split(intermediate, "the MLP intermediate size")
         self.gate_proj = Linear(hidden, local, ops, dtype)
         self.up_proj = Linear(hidden, local, ops, dtype)
-        self.down_proj = Linear(local, hidden, ops, dtype)
-        self.ops, self.tp = ops, tp
+        self.down_proj = RowParallelLinear(local, hidden, ops, dtype, tp)
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(
-            self.down_proj(self.ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
-        )
+        return self.down_proj(self.ops.silu_mul(self.gate_proj(x), self.up_proj(x)))

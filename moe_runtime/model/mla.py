@@ -3,7 +3,8 @@
 One formulation for prefill and decode: the latent (kv_lora) and rope key of every new token are
 written to the cache first, then every query attends over the cache with W_UK absorbed into the
 query and W_UV applied after, so a token's output has the same bits whether its prompt was
-prefilled whole, in chunks, from the prefix cache, or decoded one token at a time.
+prefilled whole, in chunks, from the prefix cache, or decoded one token at a time. With TP each
+rank holds whole heads; o_proj is row-parallel, its sum the same bits at every TP degree.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from torch import nn
 
 from kernels import OpTable
 from moe_runtime.forward_batch import ForwardBatch
-from moe_runtime.model.layers import Linear, RMSNorm
+from moe_runtime.model.layers import Linear, RMSNorm, RowParallelLinear
 from moe_runtime.model.rope import RotaryEmbedding, softmax_scale
 from moe_runtime.model.tensor_parallel import TensorParallel
 from moe_runtime.model_config import ModelConfig
@@ -47,9 +48,9 @@ class MLAttention(nn.Module):
         self.kv_b_proj = Linear(
             cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), ops, dtype
         )
-        self.o_proj = Linear(h * cfg.v_head_dim, d, ops, dtype)
+        self.o_proj = RowParallelLinear(h * cfg.v_head_dim, d, ops, dtype, tp)
         self.scale = softmax_scale(cfg.qk_head_dim, cfg.rope_scaling)
-        self.rope, self.ops, self.tp = rope, ops, tp
+        self.rope, self.ops = rope, ops
         self.w_uk_t: torch.Tensor | None = None
         self.w_uv: torch.Tensor | None = None
 
@@ -96,5 +97,5 @@ class MLAttention(nn.Module):
             v_dim=self.kv_lora_rank,
         )
         out = self.ops.batched_linear(out_latent.transpose(0, 1), self.w_uv).transpose(0, 1)
-        # Row-parallel: each TP rank holds some heads; the pinned all-reduce sums them.
-        return self.tp.all_reduce(self.o_proj(out.reshape(t, self.num_heads * self.v_dim)))
+        # Row-parallel: each TP rank holds some heads; o_proj sums them over the TP ranks.
+        return self.o_proj(out.reshape(t, self.num_heads * self.v_dim))

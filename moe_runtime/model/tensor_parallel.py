@@ -1,9 +1,12 @@
 """Tensor parallelism inside one data-parallel group: which weights are split, and the reductions.
 
 Attention heads, the dense MLP and shared-expert intermediate dims, and the LM head's vocabulary
-are split over the TP ranks; everything else is replicated. Row-parallel outputs (o_proj,
-down_proj) are summed by comm's all_reduce with the op table's `sum_over_ranks`: in invariant
-mode an all-gather and a sum in rank order, whose bits ignore the message size and the batch.
+are split over the TP ranks; everything else is replicated. Column-parallel linears keep every
+output element's K order, so they need no reduction. Row-parallel linears (o_proj, down_proj)
+run the op table's `row_parallel_linear` through comm: in invariant mode K is cut into
+kernels.tp_max fixed chunks, each rank sums its subtree of one fixed binary tree in fp32, and
+the fp32 subtree sums are all-gathered and the tree finished in rank order, rounded once: the
+same bits at every TP degree (tp 1 included) and every batch.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Any
 
 import torch
 
-from comm.allreduce import all_gather, all_reduce
+from comm.allreduce import all_gather, row_parallel_linear
 
 # Parameter-name suffix -> the dim split across TP ranks (0: output rows, 1: input columns).
 _SHARD_DIMS = (
@@ -35,10 +38,10 @@ class TensorParallel:
     size: int = 1
     rank: int = 0
     group: Any = None
-    sum_over_ranks: Callable | None = None  # the op table's; needed when size > 1
-    # Collectives this rank ran in its TP group, by name ("all_reduce", "all_gather"): the
-    # record is frozen, the counts are not; Worker.stats reports them, so a test can see the
-    # split path ran without relying on TP changing any bits.
+    # Collectives this rank ran in its TP group, by name ("all_reduce": row-parallel sums,
+    # "fp32_subtree_gather": the all-gathers of fp32 subtree sums among them, "all_gather": the
+    # LM head's slices): the record is frozen, the counts are not; Worker.stats reports them,
+    # so a test can see the split path ran without relying on TP changing any bits.
     num_calls: Counter = field(default_factory=Counter, compare=False, repr=False)
 
     def split(self, total: int, what: str) -> int:
@@ -46,12 +49,19 @@ class TensorParallel:
             raise ValueError(f"{what} ({total}) is not divisible by parallel.tp_size ({self.size})")
         return total // self.size
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum of the TP ranks' partial results. Collective: every TP rank calls it in order."""
+    def row_parallel_linear(
+        self, x: torch.Tensor, weight: torch.Tensor, op: Callable
+    ) -> torch.Tensor:
+        """Sum over the TP ranks of x [T, K_local] @ weight [N, K_local]^T, by the op table's
+        `row_parallel_linear` op. Collective: every TP rank calls it in layer order."""
         if self.size == 1:
-            return x
+            return row_parallel_linear(x, weight, None, op)
         self.num_calls["all_reduce"] += 1
-        return all_reduce(x, self.group, self.sum_over_ranks)
+        return row_parallel_linear(x, weight, self.group, op, self._count_gather)
+
+    def _count_gather(self, t: torch.Tensor) -> None:
+        if t.dtype == torch.float32:
+            self.num_calls["fp32_subtree_gather"] += 1
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """Concatenate the ranks' slices of the last dim in rank order. Collective."""

@@ -104,7 +104,7 @@ class Worker:
         tp = TensorParallel()
         if self.world_size > 1:
             groups = init_process_groups(parallel, self.rank, master_addr, master_port)
-            tp = TensorParallel(groups.tp_size, groups.tp_rank, groups.tp_group, ops.sum_over_ranks)
+            tp = TensorParallel(groups.tp_size, groups.tp_rank, groups.tp_group)
             self.group = groups.ep_group
             # Experts are parallel over the whole world; the TP ranks of one DP group hold the
             # same tokens after every all-reduce and each dispatches its own copy.
@@ -236,7 +236,9 @@ class Worker:
 
     def stats(self) -> dict:
         """Counters of this rank; `slot_load[l][s]` = rows served by local slot s of MoE layer l;
-        `num_tp_all_reduces` = TP all-reduces this rank ran (0 at tp_size 1)."""
+        `num_tp_all_reduces` = row-parallel sums over the TP group this rank ran (0 at tp_size
+        1), `num_tp_fp32_gathers` = the all-gathers of fp32 subtree sums among them (invariant
+        mode; fast mode sums with the backend's all_reduce instead)."""
         total = self.total_load.tolist() if self.total_load is not None else []
         tp = self.runner.model.tp
         return {
@@ -244,6 +246,7 @@ class Worker:
             "tp_size": tp.size,
             "tp_rank": tp.rank,
             "num_tp_all_reduces": tp.num_calls["all_reduce"],
+            "num_tp_fp32_gathers": tp.num_calls["fp32_subtree_gather"],
             "num_steps": self.num_steps,
             "num_rows_sent_remote": self.dispatcher.num_rows_sent_remote,
             "slot_load": total,

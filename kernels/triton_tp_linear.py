@@ -1,0 +1,155 @@
+"""Row-parallel linear with the fixed tp_max K split as Triton kernels (GPU path).
+
+The chunk partials are `_linear_kernel` (kernels/triton_linear.py) launched with one program
+axis per chunk: each chunk's fp32 sum starts from zero and walks its K / tp_max columns in
+BLOCK_K steps ascending, the same sequence whichever rank or TP degree holds the chunk (a
+chunk's K loop is relative to its first column). `_tree_sum_kernel` then adds the fp32 parts in
+kernels/tp_linear.py's fixed binary tree (adjacent pairs, level by level) and rounds once.
+Oracle: `row_parallel_linear_ref`; the tree adds match it bitwise given the same partials.
+Under TRITON_INTERPRET=1 the kernels run on CPU tensors (tests); compiled, they need CUDA.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.tp_linear import Collective, Gather, is_power_of_two, local_num_chunks
+from kernels.triton_linear import (
+    POINTER_CONFIG_16BIT,
+    SPLIT_ROW_CHUNK,
+    _check_pair,
+    _kernel_consts,
+    _linear_kernel,
+    linear_config,
+)
+
+TREE_BLOCK = 1024  # elements per tree-sum program: a launch shape, not a sum order
+
+
+@triton.jit
+def _tree_sum_kernel(
+    parts_ptr,
+    out_ptr,
+    num_elems,
+    NUM_PARTS: tl.constexpr,
+    NUM_LEVELS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """out = tree sum of the fp32 parts [NUM_PARTS = 2**NUM_LEVELS, num_elems], rounded to
+    out's dtype once: level by level, part 2i + part 2i+1."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < num_elems
+    parts = tl.arange(0, NUM_PARTS).to(tl.int64)
+    level = tl.load(
+        parts_ptr + parts[:, None] * num_elems + offs[None, :], mask=ok[None, :], other=0.0
+    )
+    for depth in tl.static_range(NUM_LEVELS):
+        # [n, BLOCK] -> [n/2, 2, BLOCK] -> pairs split into two [n/2, BLOCK]: one add each.
+        width: tl.constexpr = NUM_PARTS >> (depth + 1)
+        pairs = tl.permute(tl.reshape(level, (width, 2, BLOCK)), (0, 2, 1))
+        left, right = tl.split(pairs)
+        level = left + right
+    total = tl.reshape(level, (BLOCK,))
+    tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def tree_sum_triton(parts: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """parts [C, T, N] fp32, C a power of two -> [T, N] in out_dtype: the fixed tree of
+    kernels/tp_linear.tree_sum, rounded once."""
+    num_parts = parts.shape[0]
+    if parts.dtype != torch.float32 or parts.dim() != 3 or not is_power_of_two(num_parts):
+        raise ValueError(
+            f"parts must be fp32 [C, T, N] with C a power of two, got {parts.dtype} "
+            f"{tuple(parts.shape)}"
+        )
+    parts = parts.contiguous()
+    out = torch.empty(parts.shape[1:], dtype=out_dtype, device=parts.device)
+    num_elems = out.numel()
+    if num_elems:
+        _tree_sum_kernel[(triton.cdiv(num_elems, TREE_BLOCK),)](
+            parts,
+            out,
+            num_elems,
+            NUM_PARTS=num_parts,
+            NUM_LEVELS=num_parts.bit_length() - 1,
+            BLOCK=TREE_BLOCK,
+        )
+    return out
+
+
+def _launch_chunks(x: torch.Tensor, weight: torch.Tensor, partial: torch.Tensor) -> None:
+    """Chunk partials [C, M, N] fp32 of x [M, K] @ weight [N, K]^T, chunk c over columns
+    c*K/C .. (c+1)*K/C - 1, one program axis per chunk."""
+    num_chunks, num_rows, out_dim = partial.shape
+    in_dim = weight.shape[1]
+    config = linear_config(out_dim, in_dim, x.dtype, num_rows)
+    if config.is_persistent:
+        config = POINTER_CONFIG_16BIT  # the pointer kernel has the chunk axis; same K loop
+    num_tiles = triton.cdiv(num_rows, config.block_m) * triton.cdiv(out_dim, config.block_n)
+    _linear_kernel[(num_tiles, 1, num_chunks)](
+        x,
+        weight,
+        partial[0],  # out: written only when there is one chunk (fp32, exact)
+        partial,
+        partial,  # counts: unread
+        0,
+        num_rows,
+        out_dim,
+        in_dim,
+        0,
+        x.stride(0),
+        0,
+        out_dim,
+        in_dim // num_chunks,
+        IS_GROUPED=False,
+        K_SPLITS=num_chunks,
+        BLOCK_G=2,
+        **_kernel_consts(config, x.dtype),
+    )
+
+
+def tp_linear_triton(x: torch.Tensor, weight: torch.Tensor, num_chunks: int) -> torch.Tensor:
+    """This rank's fp32 subtree sum [T, N] of x [T, K_local] @ weight [N, K_local]^T, K_local
+    holding num_chunks (a power of two) adjacent chunks of the full K split."""
+    return _tp_linear(x, weight, num_chunks, torch.float32)
+
+
+def _tp_linear(
+    x: torch.Tensor, weight: torch.Tensor, num_chunks: int, out_dtype: torch.dtype
+) -> torch.Tensor:
+    _check_pair(x, weight, 2)
+    if x.shape[1] % num_chunks or not is_power_of_two(num_chunks):
+        raise ValueError(
+            f"{x.shape[1]} input features need a power-of-two chunk count dividing them, "
+            f"got {num_chunks}"
+        )
+    x, weight = x.contiguous(), weight.contiguous()
+    out = torch.empty((x.shape[0], weight.shape[0]), dtype=out_dtype, device=x.device)
+    for start in range(0, x.shape[0], SPLIT_ROW_CHUNK):  # launch boundaries only
+        rows = slice(start, min(start + SPLIT_ROW_CHUNK, x.shape[0]))
+        partial = torch.empty(
+            (num_chunks, rows.stop - start, weight.shape[0]), dtype=torch.float32, device=x.device
+        )
+        _launch_chunks(x[rows], weight, partial)
+        out[rows] = tree_sum_triton(partial, out_dtype)
+    return out
+
+
+def row_parallel_linear_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    tp_size: int,
+    all_gather: Gather,
+    all_reduce: Collective,
+    *,
+    tp_max: int,
+) -> torch.Tensor:
+    """row_parallel_linear_ref's contract on the GPU: the same tree at every tp_size dividing
+    tp_max, rounded to x's dtype once. Collective (all_gather) when tp_size > 1."""
+    num_chunks = local_num_chunks(tp_max, tp_size, x.shape[1])
+    if tp_size == 1:  # the whole tree on this rank: round inside the tree launch
+        return _tp_linear(x, weight, num_chunks, x.dtype)
+    subtree = _tp_linear(x, weight, num_chunks, torch.float32)
+    return tree_sum_triton(torch.stack(all_gather(subtree)), x.dtype)
