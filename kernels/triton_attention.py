@@ -227,7 +227,7 @@ def mla_attention_triton(
 
 def _attend(
     q, kv_cache, query_seq_ids, block_tables, positions, scale, v_dim,
-    split_blocks, num_warps, num_stages,
+    split_blocks, num_warps, num_stages, block_h=BLOCK_H,
 ) -> torch.Tensor:  # fmt: skip
     """The launches; the launch parameters are arguments so bench/ can sweep them."""
     num_tokens, num_heads, cache_dim = q.shape
@@ -255,7 +255,7 @@ def _attend(
             acc = torch.empty((count, num_splits, num_heads, block_v), device=q.device)
             stats = torch.empty((count, num_splits, num_heads, 2), device=q.device)
         seq_ids, pos = query_seq_ids[rows].contiguous(), positions[rows].contiguous()
-        _mla_split_kernel[(triton.cdiv(num_heads, BLOCK_H), count, num_splits)](
+        _mla_split_kernel[(triton.cdiv(num_heads, block_h), count, num_splits)](
             q[rows],
             kv_cache,
             seq_ids,
@@ -271,7 +271,7 @@ def _attend(
             V=v_dim,
             BS=block_size,
             BLOCK_S=max(16, triton.next_power_of_2(block_size)),  # tl.dot needs 16 columns
-            BLOCK_H=BLOCK_H,
+            BLOCK_H=block_h,
             BLOCK_V=block_v,
             BLOCK_R=block_r,
             SPLIT_BLOCKS=split_blocks,
