@@ -126,6 +126,7 @@ class _StepPlan:
     """What every layer of one decode step shares: FlashMLA's int32 lengths and tables and its
     scheduler metadata (filled on the device by the step's first call, reused by the rest)."""
 
+    positions: weakref.ref
     positions_version: int
     tables: torch.Tensor  # the step's block_tables (identity and version checked)
     tables_version: int
@@ -135,8 +136,9 @@ class _StepPlan:
     sched_meta: object
 
 
-# Keyed by the step's positions tensor (weakly: an entry dies with its step's batch).
-_STEP_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Keyed by id() of the step's positions tensor; an entry holds the tensor weakly and is dropped
+# when it dies (tensors compare elementwise, so they cannot key a WeakKeyDictionary).
+_STEP_PLANS: dict[int, _StepPlan] = {}
 
 
 def _step_plan(block_tables: torch.Tensor, positions: torch.Tensor) -> _StepPlan:
@@ -144,9 +146,11 @@ def _step_plan(block_tables: torch.Tensor, positions: torch.Tensor) -> _StepPlan
     in the same capture state (a CUDA graph's warm-up and its capture share the static batch
     but not the plan: the captured step must compute its own metadata, on its own replays)."""
     is_capturing = torch.cuda.is_current_stream_capturing()
-    plan = _STEP_PLANS.get(positions)
+    key = id(positions)
+    plan = _STEP_PLANS.get(key)
     if (
         plan is None
+        or plan.positions() is not positions
         or plan.positions_version != positions._version
         or plan.tables is not block_tables
         or plan.tables_version != block_tables._version
@@ -155,6 +159,7 @@ def _step_plan(block_tables: torch.Tensor, positions: torch.Tensor) -> _StepPlan
         # -1 padding lies past cache_seqlens and is never attended; block 0 keeps every entry
         # a valid address anyway. FlashMLA reads int32 tables.
         plan = _StepPlan(
+            weakref.ref(positions, lambda _, key=key: _STEP_PLANS.pop(key, None)),
             positions._version,
             block_tables,
             block_tables._version,
@@ -165,7 +170,7 @@ def _step_plan(block_tables: torch.Tensor, positions: torch.Tensor) -> _StepPlan
             # graph replay re-plans for its own lengths with no host sync.
             sched_meta=flash_mla.get_mla_metadata()[0],
         )
-        _STEP_PLANS[positions] = plan
+        _STEP_PLANS[key] = plan
     return plan
 
 

@@ -242,17 +242,17 @@ def test_gpu_flash_mla_layers_of_a_step_share_one_plan(generator, monkeypatch):
             torch.testing.assert_close(out.float(), expected.float(), **BF16_TOL)
 
     check(step())
-    plan = fast_attention._STEP_PLANS[positions]
+    plan = fast_attention._STEP_PLANS[id(positions)]
     check(step())  # the same step again: the same plan, filled once
-    assert fast_attention._STEP_PLANS[positions] is plan
+    assert fast_attention._STEP_PLANS[id(positions)] is plan
     positions.copy_((lengths - 1) // 2)  # in place: a new step in the same tensor
     check(step())
-    assert fast_attention._STEP_PLANS[positions] is not plan, "a stale plan was reused"
-    eager_plan = fast_attention._STEP_PLANS[positions]
+    assert fast_attention._STEP_PLANS[id(positions)] is not plan, "a stale plan was reused"
+    eager_plan = fast_attention._STEP_PLANS[id(positions)]
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         outs = step()
-    assert fast_attention._STEP_PLANS[positions] is not eager_plan, "capture reused the warm-up's"
+    assert fast_attention._STEP_PLANS[id(positions)] is not eager_plan, "capture reused warm-up's"
     for new_positions in (lengths - 1, lengths.clamp(max=65) - 1, 0 * lengths):
         positions.copy_(new_positions)
         graph.replay()
