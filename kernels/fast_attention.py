@@ -127,9 +127,9 @@ class _StepPlan:
     scheduler metadata (filled on the device by the step's first call, reused by the rest)."""
 
     positions: weakref.ref
-    positions_version: int
+    positions_version: int | None
     tables: torch.Tensor  # the step's block_tables (identity and version checked)
-    tables_version: int
+    tables_version: int | None
     is_capturing: bool
     cache_seqlens: torch.Tensor
     int_tables: torch.Tensor
@@ -139,6 +139,12 @@ class _StepPlan:
 # Keyed by id() of the step's positions tensor; an entry holds the tensor weakly and is dropped
 # when it dies (tensors compare elementwise, so they cannot key a WeakKeyDictionary).
 _STEP_PLANS: dict[int, _StepPlan] = {}
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """t's in-place write counter; None for inference tensors, which keep none (the runtime
+    builds every step's batch tensors afresh, so identity alone tells its steps apart)."""
+    return None if t.is_inference() else t._version
 
 
 def _step_plan(block_tables: torch.Tensor, positions: torch.Tensor) -> _StepPlan:
@@ -151,18 +157,18 @@ def _step_plan(block_tables: torch.Tensor, positions: torch.Tensor) -> _StepPlan
     if (
         plan is None
         or plan.positions() is not positions
-        or plan.positions_version != positions._version
+        or plan.positions_version != _version(positions)
         or plan.tables is not block_tables
-        or plan.tables_version != block_tables._version
+        or plan.tables_version != _version(block_tables)
         or plan.is_capturing != is_capturing
     ):
         # -1 padding lies past cache_seqlens and is never attended; block 0 keeps every entry
         # a valid address anyway. FlashMLA reads int32 tables.
         plan = _StepPlan(
             weakref.ref(positions, lambda _, key=key: _STEP_PLANS.pop(key, None)),
-            positions._version,
+            _version(positions),
             block_tables,
-            block_tables._version,
+            _version(block_tables),
             is_capturing,
             cache_seqlens=(positions + 1).to(torch.int32),  # [B]: sequence t's length
             int_tables=block_tables.clamp(min=0).to(torch.int32),
