@@ -76,7 +76,10 @@ def linear_config(out_dim: int, in_dim: int, dtype: torch.dtype, num_rows: int) 
     if num_rows <= SMALL_ROWS:
         if is_wide:
             return LinearConfig(64, 64, bk, 8, 4, 4)
-        if out_dim <= 2048:
+        # Why: 16-row tiles read a narrow weight once per 16 rows; they pay only where 64-row
+        # ones would leave SMs idle (a narrow weight without enough K chunks to fill them).
+        column_programs = triton.cdiv(out_dim, 32) * k_split_count(out_dim, in_dim, dtype)
+        if out_dim <= 2048 and column_programs < SPLIT_TARGET_PROGRAMS // 2:
             return LinearConfig(16, 32, bk, 8, 4, 6)
         return LinearConfig(64, 32, bk, 8, 4, 4)
     if num_rows <= MEDIUM_ROWS:
