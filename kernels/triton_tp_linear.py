@@ -47,8 +47,8 @@ def _tree_sum_kernel(
     )
     for depth in tl.static_range(NUM_LEVELS):
         # [n, BLOCK] -> [n/2, 2, BLOCK] -> pairs split into two [n/2, BLOCK]: one add each.
-        width: tl.constexpr = NUM_PARTS >> (depth + 1)
-        pairs = tl.permute(tl.reshape(level, (width, 2, BLOCK)), (0, 2, 1))
+        # (the width is written inline: a constexpr cannot be reassigned across iterations)
+        pairs = tl.permute(tl.reshape(level, (NUM_PARTS >> (depth + 1), 2, BLOCK)), (0, 2, 1))
         left, right = tl.split(pairs)
         level = left + right
     total = tl.reshape(level, (BLOCK,))
