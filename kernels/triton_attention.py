@@ -50,12 +50,21 @@ def _mla_split_kernel(
     INPUT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     WRITE_OUT: tl.constexpr,
+    V_PARTS: tl.constexpr,
+    LAT_CHUNK: tl.constexpr,
 ):
     """Partial (max, sum, acc) of one query's heads over one split of its cache blocks; with
-    WRITE_OUT (the launch has one split) the finished acc / sum into out_ptr (= acc_ptr)."""
+    WRITE_OUT (the launch has one split) the finished acc / sum into out_ptr (= acc_ptr).
+
+    Many heads (V_PARTS > 1): a program keeps only its 1 / V_PARTS of the value columns (the
+    scores are recomputed by each part) and walks the latent in LAT_CHUNK-column dots, so a
+    wide head block fits in registers."""
     # Why head blocks on the fastest grid axis: the programs of one query's head blocks run
     # side by side and read the same latent blocks, so HBM serves them once and L2 the rest.
-    head_block = tl.program_id(0)
+    head_block = tl.program_id(0) // V_PARTS
+    v_part = tl.program_id(0) % V_PARTS
+    BLOCK_PV: tl.constexpr = BLOCK_V // V_PARTS
+    IS_WHOLE: tl.constexpr = V_PARTS == 1 and LAT_CHUNK == BLOCK_V
     t = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
     position = tl.load(positions_ptr + t)
@@ -66,21 +75,28 @@ def _mla_split_kernel(
         heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
         head_ok = heads < num_heads
         offs_v = tl.arange(0, BLOCK_V)
+        offs_pv = v_part * BLOCK_PV + tl.arange(0, BLOCK_PV)  # this program's value columns
+        offs_c = tl.arange(0, LAT_CHUNK)
         offs_r = tl.arange(0, BLOCK_R)
         offs_s = tl.arange(0, BLOCK_S)
         v_ok = offs_v < V
+        pv_ok = offs_pv < V
         r_ok = V + offs_r < C
         q_rows = q_ptr + (t * num_heads + heads)[:, None] * C
-        q_lat = tl.load(q_rows + offs_v[None, :], mask=head_ok[:, None] & v_ok[None, :], other=0.0)
+        if IS_WHOLE:
+            q_lat = tl.load(
+                q_rows + offs_v[None, :], mask=head_ok[:, None] & v_ok[None, :], other=0.0
+            )
+            if UPCAST_DOT:
+                q_lat = q_lat.to(tl.float32)
         q_pe = tl.load(
             q_rows + V + offs_r[None, :], mask=head_ok[:, None] & r_ok[None, :], other=0.0
         )
         if UPCAST_DOT:
-            q_lat = q_lat.to(tl.float32)
             q_pe = q_pe.to(tl.float32)
         row_max = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
         row_sum = tl.zeros((BLOCK_H,), dtype=tl.float32)
-        acc = tl.zeros((BLOCK_H, BLOCK_V), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_H, BLOCK_PV), dtype=tl.float32)
         last_block = tl.minimum(first_block + SPLIT_BLOCKS, num_blocks)
         # Why: chunk j is cache block j of the sequence, whole (BS positions, aligned to
         # absolute positions), merged in order j ascending; positions past the query read
@@ -89,16 +105,42 @@ def _mla_split_kernel(
             block_id = tl.load(tables_ptr + seq * table_width + j).to(tl.int64)
             kv_ok = (offs_s < BS) & (j * BS + offs_s <= position)
             kv_rows = kv_ptr + (block_id * BS + offs_s)[:, None] * C
-            k_lat = tl.load(
-                kv_rows + offs_v[None, :], mask=kv_ok[:, None] & v_ok[None, :], other=0.0
-            )
             k_pe = tl.load(
                 kv_rows + V + offs_r[None, :], mask=kv_ok[:, None] & r_ok[None, :], other=0.0
             )
             if UPCAST_DOT:
-                k_lat = k_lat.to(tl.float32)
                 k_pe = k_pe.to(tl.float32)
-            scores = tl.dot(q_lat, tl.trans(k_lat), input_precision=INPUT_PRECISION)
+            if IS_WHOLE:
+                k_lat = tl.load(
+                    kv_rows + offs_v[None, :], mask=kv_ok[:, None] & v_ok[None, :], other=0.0
+                )
+                if UPCAST_DOT:
+                    k_lat = k_lat.to(tl.float32)
+                scores = tl.dot(q_lat, tl.trans(k_lat), input_precision=INPUT_PRECISION)
+                v_rows = k_lat
+            else:
+                # The latent's dot in LAT_CHUNK-column pieces, ascending (chained accumulator);
+                # the query piece is re-read each block (L1), not held in registers.
+                scores = tl.zeros((BLOCK_H, BLOCK_S), dtype=tl.float32)
+                for c in tl.static_range(BLOCK_V // LAT_CHUNK):
+                    cols = c * LAT_CHUNK + offs_c
+                    c_ok = cols < V
+                    q_c = tl.load(
+                        q_rows + cols[None, :], mask=head_ok[:, None] & c_ok[None, :], other=0.0
+                    )
+                    k_c = tl.load(
+                        kv_rows + cols[None, :], mask=kv_ok[:, None] & c_ok[None, :], other=0.0
+                    )
+                    if UPCAST_DOT:
+                        q_c = q_c.to(tl.float32)
+                        k_c = k_c.to(tl.float32)
+                    scores = tl.dot(q_c, tl.trans(k_c), scores, input_precision=INPUT_PRECISION)
+                # This program's value columns, read again (L1/L2: just loaded above).
+                v_rows = tl.load(
+                    kv_rows + offs_pv[None, :], mask=kv_ok[:, None] & pv_ok[None, :], other=0.0
+                )
+                if UPCAST_DOT:
+                    v_rows = v_rows.to(tl.float32)
             scores = tl.dot(q_pe, tl.trans(k_pe), scores, input_precision=INPUT_PRECISION)
             scores = tl.where(kv_ok[None, :], scores * scale, float("-inf"))
             max_new = tl.maximum(row_max, tl.max(scores, axis=1))
@@ -106,26 +148,27 @@ def _mla_split_kernel(
             p = tl.exp(scores - max_new[:, None])
             row_sum = row_sum * alpha + tl.sum(p, axis=1)
             acc = acc * alpha[:, None] + tl.dot(
-                p.to(k_lat.dtype), k_lat, input_precision=INPUT_PRECISION
+                p.to(v_rows.dtype), v_rows, input_precision=INPUT_PRECISION
             )
             row_max = max_new
         if WRITE_OUT:
             # The merge kernel's one-split case, the same fp32 division: the same bits.
             out = acc / row_sum[:, None]
             tl.store(
-                acc_ptr + (t * num_heads + heads)[:, None] * V + offs_v[None, :],
+                acc_ptr + (t * num_heads + heads)[:, None] * V + offs_pv[None, :],
                 out,
-                mask=head_ok[:, None] & v_ok[None, :],
+                mask=head_ok[:, None] & pv_ok[None, :],
             )
             return
         slot = (t * num_splits + split) * num_heads + heads
         tl.store(
-            acc_ptr + slot[:, None] * BLOCK_V + offs_v[None, :],
+            acc_ptr + slot[:, None] * BLOCK_V + offs_pv[None, :],
             acc,
-            mask=head_ok[:, None] & v_ok[None, :],
+            mask=head_ok[:, None] & pv_ok[None, :],
         )
-        tl.store(stats_ptr + slot * 2, row_max, mask=head_ok)
-        tl.store(stats_ptr + slot * 2 + 1, row_sum, mask=head_ok)
+        stats_ok = head_ok & (v_part == 0)  # every part has the same stats: part 0 writes them
+        tl.store(stats_ptr + slot * 2, row_max, mask=stats_ok)
+        tl.store(stats_ptr + slot * 2 + 1, row_sum, mask=stats_ok)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -227,7 +270,7 @@ def mla_attention_triton(
 
 def _attend(
     q, kv_cache, query_seq_ids, block_tables, positions, scale, v_dim,
-    split_blocks, num_warps, num_stages, block_h=BLOCK_H,
+    split_blocks, num_warps, num_stages, block_h=BLOCK_H, v_parts=1, lat_chunk=None,
 ) -> torch.Tensor:  # fmt: skip
     """The launches; the launch parameters are arguments so bench/ can sweep them."""
     num_tokens, num_heads, cache_dim = q.shape
@@ -255,7 +298,7 @@ def _attend(
             acc = torch.empty((count, num_splits, num_heads, block_v), device=q.device)
             stats = torch.empty((count, num_splits, num_heads, 2), device=q.device)
         seq_ids, pos = query_seq_ids[rows].contiguous(), positions[rows].contiguous()
-        _mla_split_kernel[(triton.cdiv(num_heads, block_h), count, num_splits)](
+        _mla_split_kernel[(triton.cdiv(num_heads, block_h) * v_parts, count, num_splits)](
             q[rows],
             kv_cache,
             seq_ids,
@@ -280,6 +323,8 @@ def _attend(
             # The interpreter hands 16-bit floats to numpy as raw bits: feed it fp32.
             UPCAST_DOT=_is_interpreted() and not is_fp32,
             WRITE_OUT=is_direct,
+            V_PARTS=v_parts,
+            LAT_CHUNK=lat_chunk or block_v,
             num_warps=num_warps if block_v >= 256 else 4,
             num_stages=num_stages,
         )
