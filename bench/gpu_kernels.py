@@ -5,7 +5,8 @@ shapes and a sweep of token counts M; Triton RMSNorm and log-softmax bandwidth a
 device copy measured in the same run (the ceiling), with the torch versions beside them.
 Times are medians of triton.testing.do_bench (CUDA events, warm-up, L2 flushed per call).
 
-    PYTHONUNBUFFERED=1 python bench/gpu_kernels.py [rows linear grouped attention sweep]
+    PYTHONUNBUFFERED=1 python bench/gpu_kernels.py [rows linear grouped attention sweep layer
+        row_parallel]
 """
 
 from __future__ import annotations
@@ -246,6 +247,56 @@ def bench_attention() -> None:
             )
 
 
+# Row-parallel weights of V2-Lite (name, K, N): their K is what TP splits.
+ROW_PARALLEL_SHAPES = (
+    ("o_proj", 2048, 2048),
+    ("shared_down", 2816, 2048),
+    ("mlp_down", 10944, 2048),
+)
+
+
+def bench_row_parallel() -> None:
+    """The row-parallel linear with the fixed tp_max K split (kernels/triton_tp_linear.py, at
+    tp 1: the whole tree on one GPU) vs the invariant linear without it (its own shape-based K
+    split) vs cuBLAS, on the row-parallel V2-Lite weights: graph replay (weights missing L2)
+    at decode sizes, do_bench (L2 flushed) at prefill sizes."""
+    from kernels.config import KernelConfig
+    from kernels.triton_tp_linear import row_parallel_linear_triton
+
+    tp_max = KernelConfig().tp_max
+
+    def tp1(x, w):
+        return row_parallel_linear_triton(x, w, 1, None, None, tp_max=tp_max)
+
+    ops = {"cuBLAS": lambda a, b: torch.matmul(a, b.t()), "linear": linear_triton, "tp": tp1}
+    print(f"\n## row-parallel linear: tp_max={tp_max} K chunks + tree (tp 1) vs linear vs cuBLAS")
+    columns = ("cuBLAS µs", "linear µs", "tp_max µs", "tp / linear", "tp / cuBLAS")
+    print("| weight | K | N | M | timing | " + " | ".join(columns) + " |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name, in_dim, out_dim in ROW_PARALLEL_SHAPES:
+        for m in ROW_COUNTS:
+            if m <= 256:
+                timing = "graph"
+
+                def make(op, m=m, in_dim=in_dim, out_dim=out_dim):
+                    wc = torch.randn(out_dim, in_dim, device="cuda").bfloat16() * in_dim**-0.5
+                    xc = torch.randn(m, in_dim, device="cuda").bfloat16()
+                    return lambda: op(xc, wc)
+
+                num_bytes = 2 * (out_dim * in_dim + m * (in_dim + out_dim))
+                us = {k: _graph_ms(partial(make, op), num_bytes) * 1e3 for k, op in ops.items()}
+            else:
+                timing = "eager"
+                w = torch.randn(out_dim, in_dim, device="cuda").bfloat16() * in_dim**-0.5
+                x = torch.randn(m, in_dim, device="cuda").bfloat16()
+                us = {k: _ms(partial(op, x, w)) * 1e3 for k, op in ops.items()}
+            print(
+                f"| {name} | {in_dim} | {out_dim} | {m} | {timing} | {us['cuBLAS']:.1f} | "
+                f"{us['linear']:.1f} | {us['tp']:.1f} | {us['tp'] / us['linear']:.2f} | "
+                f"{us['tp'] / us['cuBLAS']:.2f} |"
+            )
+
+
 def _layer_graph_us(fn, num_layers: int) -> float:
     """Median µs per layer of fn() (which runs all layers once), replayed in a CUDA graph."""
     stream = torch.cuda.Stream()
@@ -377,6 +428,7 @@ def main() -> None:
             "sweep": bench_config_sweep,
             "attention": bench_attention,
             "layer": bench_layer,
+            "row_parallel": bench_row_parallel,
         }[section]()
 
 
