@@ -282,6 +282,118 @@ def _dot_k_range(
     return acc
 
 
+@triton.jit(do_not_specialize=["num_rows"])
+def _chunk_tree_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    num_rows,
+    N,
+    K,
+    stride_xm,
+    CHUNK_K,
+    NUM_CHUNKS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):
+    """out tile = the binary tree (adjacent pairs, level by level) of the NUM_CHUNKS chunk
+    sums of x @ w^T, chunk c over columns [c * CHUNK_K, (c + 1) * CHUNK_K), each an fp32 sum
+    from zero in BLOCK_K steps ascending (`_dot_k_range`, as the split launch's programs),
+    rounded to out's dtype once. The tree runs as a binary counter: after chunk c the finished
+    subtrees wait in s0..s2 (sizes 1, 2, 4), so at most four fp32 tiles are live; every add is
+    one of the tree's adds (left + right), so the bits equal the partials-then-tree path's."""
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(num_rows, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    pids_per_group = GROUP_M * num_pid_n
+    first_m = (pid // pids_per_group) * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % pids_per_group) % group_rows
+    pid_n = (pid % pids_per_group) // group_rows
+    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = offs_m < num_rows
+    col_ok = offs_n < N
+    # The waiting subtrees; each is written before it is read (the zeros are never added).
+    s0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    s1 = s0
+    s2 = s0
+    for c in tl.static_range(NUM_CHUNKS):
+        acc = _dot_k_range(
+            x_ptr, w_ptr, offs_m, offs_n, row_ok, col_ok, stride_xm, K, c * CHUNK_K,
+            (c + 1) * CHUNK_K, BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION, UPCAST_DOT,
+        )  # fmt: skip
+        # Merge the finished left siblings (bit l of c set: a subtree of 2**l chunks waits).
+        if c % 2 == 1:
+            acc = s0 + acc
+        if c % 4 == 3:
+            acc = s1 + acc
+        if c % 8 == 7:
+            acc = s2 + acc
+        # Park the subtree acc now holds (2**l chunks, l = trailing zeros of c + 1).
+        if (c + 1) % 2 == 1:
+            s0 = acc
+        elif (c + 1) % 4 == 2:
+            s1 = acc
+        elif (c + 1) % 8 == 4:
+            s2 = acc
+    out = acc.to(out_ptr.dtype.element_ty)
+    tl.store(
+        out_ptr + offs_m[:, None] * N + offs_n[None, :],
+        out,
+        mask=row_ok[:, None] & col_ok[None, :],
+    )
+
+
+MAX_TREE_CHUNKS = 8  # the in-program tree keeps subtrees of 1, 2 and 4 chunks
+# Large-M launch of the in-program tree: 64 x 128 tiles keep four fp32 tiles in 8 warps'
+# registers (128 x 128 would need 256 per thread).
+TREE_CONFIG_16BIT = LinearConfig(64, 128, BLOCK_K_16BIT, 8, 8, 3)
+
+
+def linear_chunk_tree(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    num_chunks: int,
+    out_dtype: torch.dtype,
+    config: LinearConfig = TREE_CONFIG_16BIT,
+) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T summed as num_chunks (a power of two <= 8, dividing K) chunk
+    sums added in the fixed binary tree, in one launch with no fp32 partials in memory ->
+    [M, N] in out_dtype. The same bits as computing the chunk partials and tree-summing them
+    (kernels/triton_tp_linear.py), for any M: the prefill path of that sum."""
+    _check_pair(x, weight, 2)
+    num_rows, in_dim = x.shape
+    out_dim = weight.shape[0]
+    if num_chunks > MAX_TREE_CHUNKS or num_chunks & (num_chunks - 1) or in_dim % num_chunks:
+        raise ValueError(
+            f"num_chunks must be a power of two <= {MAX_TREE_CHUNKS} dividing K = {in_dim}, "
+            f"got {num_chunks}"
+        )
+    x, weight = x.contiguous(), weight.contiguous()
+    out = torch.empty((num_rows, out_dim), dtype=out_dtype, device=x.device)
+    if num_rows == 0:
+        return out
+    num_tiles = triton.cdiv(num_rows, config.block_m) * triton.cdiv(out_dim, config.block_n)
+    _chunk_tree_kernel[(num_tiles,)](
+        x,
+        weight,
+        out,
+        num_rows,
+        out_dim,
+        in_dim,
+        x.stride(0),
+        in_dim // num_chunks,
+        NUM_CHUNKS=num_chunks,
+        **_kernel_consts(config, x.dtype),
+    )
+    return out
+
+
 @triton.jit
 def _sum_splits_kernel(
     partial_ptr, out_ptr, num_elems, K_SPLITS: tl.constexpr, BLOCK: tl.constexpr
