@@ -125,6 +125,12 @@ def k_split_count(out_dim: int, in_dim: int, dtype: torch.dtype) -> int:
     return splits
 
 
+def k_align(chunk_k: int) -> int:
+    """The K_ALIGN a kernel may assume of chunk starts c * chunk_k: the largest power of two
+    up to 16 dividing chunk_k (16 bf16 values: two 16-byte vectors)."""
+    return min(16, chunk_k & -chunk_k) if chunk_k else 16
+
+
 def k_split_chunk(in_dim: int, k_splits: int) -> int:
     """Columns per chunk: whole BLOCK_K steps, the last chunk taking the remainder."""
     return triton.cdiv(triton.cdiv(in_dim, BLOCK_K_16BIT), k_splits) * BLOCK_K_16BIT
@@ -155,6 +161,7 @@ def _linear_kernel(
     GROUP_M: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    K_ALIGN: tl.constexpr = 1,
 ):
     """out[r] = x[r] @ w[g]^T. Plain: rows tiled from 0, g = 0. Grouped: rows sorted by group,
     counts [num_groups] on the device; tile i is the i-th BLOCK_M-row tile of the groups (no
@@ -234,7 +241,7 @@ def _linear_kernel(
             acc = _dot_k_range(
                 x_ptr, w_ptr, offs_m, offs_n, row_ok, col_ok, stride_xm, K, k_lo,
                 tl.minimum(k_lo + CHUNK_K, K), BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION,
-                UPCAST_DOT,
+                UPCAST_DOT, K_ALIGN,
             )  # fmt: skip
             partial = partial_ptr + split * num_rows * N + offs_m[:, None] * N + offs_n[None, :]
             tl.store(partial, acc, mask=out_mask)
@@ -257,12 +264,32 @@ def _dot_k_range(
     BLOCK_K: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    K_ALIGN: tl.constexpr = 1,
 ):
     """fp32 sum over k in [k_lo, k_hi) of x[m, k] * w[n, k], from zero, in steps of BLOCK_K
-    ascending. Masked lanes load exact zeros."""
+    ascending. Masked lanes load exact zeros. K_ALIGN: a power of two dividing k_lo (the
+    caller's promise; a chunk's first column), so whole steps load with full-width vectors."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     offs_k = tl.arange(0, BLOCK_K)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
+    num_whole = (k_hi - k_lo) // BLOCK_K
+    # Why two loops: a mask along k that the compiler cannot prove aligned (k_hi of a chunk)
+    # turns every load into scalar loads; whole steps need none, the tail step keeps it. The
+    # steps and their dots are the same as one masked loop's: the same bits.
+    for i in range(num_whole):
+        k0 = k_lo + i * BLOCK_K
+        if K_ALIGN > 1:
+            k0 = tl.multiple_of(k0, K_ALIGN)
+        k = k0 + offs_k
+        a = tl.load(
+            x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=row_ok[:, None], other=0.0
+        )
+        b = tl.load(w_ptr + offs_n[None, :] * K + k[:, None], mask=col_ok[None, :], other=0.0)
+        if UPCAST_DOT:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+    k0 = k_lo + num_whole * BLOCK_K
+    if k0 < k_hi:
         k = k0 + offs_k
         k_ok = k < k_hi
         a = tl.load(
@@ -299,6 +326,7 @@ def _chunk_tree_kernel(
     GROUP_M: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    K_ALIGN: tl.constexpr,
 ):
     """out tile = the binary tree (adjacent pairs, level by level) of the NUM_CHUNKS chunk
     sums of x @ w^T, chunk c over columns [c * CHUNK_K, (c + 1) * CHUNK_K), each an fp32 sum
@@ -325,7 +353,7 @@ def _chunk_tree_kernel(
     for c in tl.static_range(NUM_CHUNKS):
         acc = _dot_k_range(
             x_ptr, w_ptr, offs_m, offs_n, row_ok, col_ok, stride_xm, K, c * CHUNK_K,
-            (c + 1) * CHUNK_K, BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION, UPCAST_DOT,
+            (c + 1) * CHUNK_K, BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION, UPCAST_DOT, K_ALIGN,
         )  # fmt: skip
         # Merge the finished left siblings (bit l of c set: a subtree of 2**l chunks waits).
         if c % 2 == 1:
@@ -389,6 +417,7 @@ def linear_chunk_tree(
         x.stride(0),
         in_dim // num_chunks,
         NUM_CHUNKS=num_chunks,
+        K_ALIGN=k_align(in_dim // num_chunks),
         **_kernel_consts(config, x.dtype),
     )
     return out
@@ -602,6 +631,7 @@ def _launch_split(x, weight, out, config: LinearConfig, k_splits: int) -> None:
         k_split_chunk(in_dim, k_splits),
         IS_GROUPED=False,
         K_SPLITS=k_splits,
+        K_ALIGN=k_align(k_split_chunk(in_dim, k_splits)),
         BLOCK_G=2,
         **_kernel_consts(config, x.dtype),
     )

@@ -22,6 +22,7 @@ from kernels.triton_linear import (
     _check_pair,
     _kernel_consts,
     _linear_kernel,
+    k_align,
     linear_config,
 )
 
@@ -105,6 +106,7 @@ def _launch_chunks(x: torch.Tensor, weight: torch.Tensor, partial: torch.Tensor)
         in_dim // num_chunks,
         IS_GROUPED=False,
         K_SPLITS=num_chunks,
+        K_ALIGN=k_align(in_dim // num_chunks),
         BLOCK_G=2,
         **_kernel_consts(config, x.dtype),
     )
