@@ -35,7 +35,14 @@ UNTILED_OPS = ("moe_combine", "sum_over_ranks", "cumsum")
 # The TP row-parallel linear, bound to tile_rows and kernels.tp_max (kernels/tp_linear.py).
 REDUCING_OPS = TILED_OPS + UNTILED_OPS + ("row_parallel_linear",)
 # Fast mode on CUDA: ops whose plain-torch version needs host sizes, replaced by a capturable one.
-CUDA_FAST_OPS = {"grouped_linear": "grouped_linear_cuda_fast", "mla_attention": "mla_decode_fast"}
+# Fast mode on CUDA: the capturable grouped GEMM and decode attention, and the one-launch Triton
+# kernels where they are the fastest version (kernels/op_table._FASTEST_ON_CUDA).
+CUDA_FAST_OPS = {
+    "grouped_linear": "grouped_linear_cuda_fast",
+    "mla_attention": "mla_decode_fast",
+    "rms_norm": "rms_norm_triton",
+    "moe_combine": "moe_combine_triton",
+}
 
 
 def _name(op) -> str:
