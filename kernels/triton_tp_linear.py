@@ -11,22 +11,36 @@ Under TRITON_INTERPRET=1 the kernels run on CPU tensors (tests); compiled, they 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
 
 from kernels.tp_linear import Collective, Gather, is_power_of_two, local_num_chunks
 from kernels.triton_linear import (
+    BLOCK_K_16BIT,
+    MAX_TREE_CHUNKS,
     POINTER_CONFIG_16BIT,
     SPLIT_ROW_CHUNK,
+    LinearConfig,
     _check_pair,
     _kernel_consts,
     _linear_kernel,
     k_align,
+    linear_chunk_tree,
     linear_config,
 )
 
 TREE_BLOCK = 1024  # elements per tree-sum program: a launch shape, not a sum order
+# Where the in-program tree (kernels/triton_linear.linear_chunk_tree) replaces chunk partials
+# + tree-sum launch: prefill-sized row counts and short chunks (o_proj 256, shared experts'
+# down 352 columns at tp_max 8), measured on the H200 (BENCHMARKS.md, row-parallel table): there
+# the partials' traffic outweighs the chunks' parallelism; long chunks (the dense mlp_down,
+# 1368) keep the chunk-parallel launch. Both paths make the same adds: the same bits.
+TREE_MIN_ROWS = 512
+TREE_MAX_CHUNK_K = 512
+TREE_CONFIG = LinearConfig(64, 64, BLOCK_K_16BIT, 8, 4, 3)  # BLOCK_K: the dtype's, at launch
 
 
 @triton.jit
@@ -56,9 +70,11 @@ def _tree_sum_kernel(
     tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def tree_sum_triton(parts: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def tree_sum_triton(
+    parts: torch.Tensor, out_dtype: torch.dtype, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """parts [C, T, N] fp32, C a power of two -> [T, N] in out_dtype: the fixed tree of
-    kernels/tp_linear.tree_sum, rounded once."""
+    kernels/tp_linear.tree_sum, rounded once; written into `out` (contiguous) when given."""
     num_parts = parts.shape[0]
     if parts.dtype != torch.float32 or parts.dim() != 3 or not is_power_of_two(num_parts):
         raise ValueError(
@@ -66,7 +82,10 @@ def tree_sum_triton(parts: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor
             f"{tuple(parts.shape)}"
         )
     parts = parts.contiguous()
-    out = torch.empty(parts.shape[1:], dtype=out_dtype, device=parts.device)
+    if out is None:
+        out = torch.empty(parts.shape[1:], dtype=out_dtype, device=parts.device)
+    elif out.shape != parts.shape[1:] or out.dtype != out_dtype or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous {tuple(parts.shape[1:])} {out_dtype}")
     num_elems = out.numel()
     if num_elems:
         _tree_sum_kernel[(triton.cdiv(num_elems, TREE_BLOCK),)](
@@ -128,14 +147,21 @@ def _tp_linear(
             f"got {num_chunks}"
         )
     x, weight = x.contiguous(), weight.contiguous()
-    out = torch.empty((x.shape[0], weight.shape[0]), dtype=out_dtype, device=x.device)
-    for start in range(0, x.shape[0], SPLIT_ROW_CHUNK):  # launch boundaries only
-        rows = slice(start, min(start + SPLIT_ROW_CHUNK, x.shape[0]))
+    num_rows, chunk_k = x.shape[0], x.shape[1] // num_chunks
+    if num_rows > TREE_MIN_ROWS and chunk_k <= TREE_MAX_CHUNK_K and num_chunks <= MAX_TREE_CHUNKS:
+        # The same adds in one launch: prefill-sized calls skip the fp32 partials' traffic.
+        # BLOCK_K is the dtype's, as in every other launch: it fixes each chunk's sum order.
+        block_k = linear_config(weight.shape[0], x.shape[1], x.dtype, num_rows).block_k
+        config = dataclasses.replace(TREE_CONFIG, block_k=block_k)
+        return linear_chunk_tree(x, weight, num_chunks, out_dtype, config)
+    out = torch.empty((num_rows, weight.shape[0]), dtype=out_dtype, device=x.device)
+    for start in range(0, num_rows, SPLIT_ROW_CHUNK):  # launch boundaries only
+        rows = slice(start, min(start + SPLIT_ROW_CHUNK, num_rows))
         partial = torch.empty(
             (num_chunks, rows.stop - start, weight.shape[0]), dtype=torch.float32, device=x.device
         )
         _launch_chunks(x[rows], weight, partial)
-        out[rows] = tree_sum_triton(partial, out_dtype)
+        tree_sum_triton(partial, out_dtype, out[rows])  # rows of a contiguous out: contiguous
     return out
 
 

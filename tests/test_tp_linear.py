@@ -299,8 +299,24 @@ def check_close_to_reference(generator: torch.Generator) -> None:
     torch.testing.assert_close(_triton_at_tp(xb, wb, 2), _ref(xb, wb), **BF16_TOL)
 
 
+def check_in_program_tree_same_bits(generator: torch.Generator) -> None:
+    """The prefill path (the whole tree in one program, no partials in memory) makes the chunk
+    path's adds: bitwise equal on the same tile shape (the interpreter's dot may round by tile
+    shape; compiled, every tile shape is checked in tests/test_gpu_tp_linear.py)."""
+    from kernels.triton_linear import linear_chunk_tree, linear_config
+    from kernels.triton_tp_linear import tp_linear_triton
+
+    for dtype in DTYPES:
+        for num_chunks in (1, 2, 4, 8):
+            x, w = _inputs(generator, dtype, num_rows=37)
+            config = linear_config(w.shape[0], w.shape[1], dtype, x.shape[0])
+            tree = linear_chunk_tree(x, w, num_chunks, torch.float32, config)
+            assert torch.equal(tree, tp_linear_triton(x, w, num_chunks)), (dtype, num_chunks)
+
+
 CHECKS = {
     "tree_sum_kernel": check_tree_sum_kernel,
+    "in_program_tree_same_bits": check_in_program_tree_same_bits,
     "every_tp_degree_same_bits": check_every_tp_degree_same_bits,
     "rows_invariant": check_rows_invariant,
     "close_to_reference": check_close_to_reference,
