@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 MODES = ("invariant", "fast")
 DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+MAX_TP_MAX = 16  # the GPU tree-sum kernel adds up to 16 chunk partials
 
 
 @dataclass(frozen=True)
@@ -38,10 +39,10 @@ class KernelConfig:
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"kernels.{key} must be an int >= 1, got {value!r}")
-        if self.tp_max & (self.tp_max - 1):
+        if self.tp_max & (self.tp_max - 1) or self.tp_max > MAX_TP_MAX:
             raise ValueError(
-                "kernels.tp_max must be a power of two (the ranks of every TP degree then hold "
-                f"whole subtrees of its fixed binary tree), got {self.tp_max}"
+                f"kernels.tp_max must be a power of two <= {MAX_TP_MAX} (the ranks of every TP "
+                f"degree then hold whole subtrees of its fixed binary tree), got {self.tp_max}"
             )
         if self.cuda_graphs is not None and not isinstance(self.cuda_graphs, bool):
             raise ValueError(

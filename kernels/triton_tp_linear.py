@@ -49,25 +49,40 @@ def _tree_sum_kernel(
     out_ptr,
     num_elems,
     NUM_PARTS: tl.constexpr,
-    NUM_LEVELS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """out = tree sum of the fp32 parts [NUM_PARTS = 2**NUM_LEVELS, num_elems], rounded to
-    out's dtype once: level by level, part 2i + part 2i+1."""
+    """out = tree sum of the fp32 parts [NUM_PARTS (a power of two), num_elems], rounded to
+    out's dtype once: adjacent pairs, level by level, evaluated as a binary counter (part c is
+    added to the finished subtrees of its left siblings as it arrives: the same adds)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < num_elems
-    parts = tl.arange(0, NUM_PARTS).to(tl.int64)
-    level = tl.load(
-        parts_ptr + parts[:, None] * num_elems + offs[None, :], mask=ok[None, :], other=0.0
-    )
-    for depth in tl.static_range(NUM_LEVELS):
-        # [n, BLOCK] -> [n/2, 2, BLOCK] -> pairs split into two [n/2, BLOCK]: one add each.
-        # (the width is written inline: a constexpr cannot be reassigned across iterations)
-        pairs = tl.permute(tl.reshape(level, (NUM_PARTS >> (depth + 1), 2, BLOCK)), (0, 2, 1))
-        left, right = tl.split(pairs)
-        level = left + right
-    total = tl.reshape(level, (BLOCK,))
-    tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=ok)
+    # Waiting subtrees of 1, 2, 4, ... parts; each is written before it is read.
+    s0 = tl.zeros((BLOCK,), dtype=tl.float32)
+    s1 = s0
+    s2 = s0
+    s3 = s0
+    for c in tl.static_range(NUM_PARTS):
+        acc = tl.load(parts_ptr + c * num_elems + offs, mask=ok, other=0.0)
+        if c % 2 == 1:
+            acc = s0 + acc
+        if c % 4 == 3:
+            acc = s1 + acc
+        if c % 8 == 7:
+            acc = s2 + acc
+        if c % 16 == 15:
+            acc = s3 + acc
+        if (c + 1) % 2 == 1:
+            s0 = acc
+        elif (c + 1) % 4 == 2:
+            s1 = acc
+        elif (c + 1) % 8 == 4:
+            s2 = acc
+        elif (c + 1) % 16 == 8:
+            s3 = acc
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+MAX_TREE_SUM_PARTS = 16  # the kernel's waiting subtrees hold up to 8 parts
 
 
 def tree_sum_triton(
@@ -76,10 +91,15 @@ def tree_sum_triton(
     """parts [C, T, N] fp32, C a power of two -> [T, N] in out_dtype: the fixed tree of
     kernels/tp_linear.tree_sum, rounded once; written into `out` (contiguous) when given."""
     num_parts = parts.shape[0]
-    if parts.dtype != torch.float32 or parts.dim() != 3 or not is_power_of_two(num_parts):
+    if (
+        parts.dtype != torch.float32
+        or parts.dim() != 3
+        or not is_power_of_two(num_parts)
+        or num_parts > MAX_TREE_SUM_PARTS
+    ):
         raise ValueError(
-            f"parts must be fp32 [C, T, N] with C a power of two, got {parts.dtype} "
-            f"{tuple(parts.shape)}"
+            f"parts must be fp32 [C, T, N] with C a power of two <= {MAX_TREE_SUM_PARTS}, got "
+            f"{parts.dtype} {tuple(parts.shape)}"
         )
     parts = parts.contiguous()
     if out is None:
@@ -93,7 +113,6 @@ def tree_sum_triton(
             out,
             num_elems,
             NUM_PARTS=num_parts,
-            NUM_LEVELS=num_parts.bit_length() - 1,
             BLOCK=TREE_BLOCK,
         )
     return out

@@ -163,7 +163,7 @@ def test_local_num_chunks_checks():
         local_num_chunks(8, 1, 60)
 
 
-@pytest.mark.parametrize("bad", [0, -8, 3, 12, True, 8.0, "8"])
+@pytest.mark.parametrize("bad", [0, -8, 3, 12, 32, True, 8.0, "8"])
 def test_kernel_config_refuses_bad_tp_max(bad):
     with pytest.raises(ValueError, match="kernels.tp_max"):
         KernelConfig(tp_max=bad)
