@@ -175,11 +175,12 @@ def test_runtime_config_checks_tp_max_against_the_layout_and_the_model():
     layout = {"parallel.world_size": 4, "parallel.tp_size": 4}
     with pytest.raises(ValueError, match=r"kernels.tp_max=2 must be a multiple of parallel."):
         load_config(TINY_CONFIG, {**layout, "kernels.tp_max": 2})
-    message = r"kernels.tp_max=64 must divide model.moe_intermediate_size \* model.n_shared_"
+    message = r"kernels.tp_max=16 must divide model.moe_intermediate_size \* model.n_shared_"
+    shared_40 = {"kernels.tp_max": 16, "model.moe_intermediate_size": 40}  # 40 % 16 != 0
     with pytest.raises(ValueError, match=message):
-        load_config(TINY_CONFIG, {"kernels.tp_max": 64})
+        load_config(TINY_CONFIG, shared_40)
     # Fast mode has no K split: tp_max does not constrain it.
-    assert load_config(TINY_CONFIG, {"kernels.tp_max": 64, "kernels.mode": "fast"})
+    assert load_config(TINY_CONFIG, {**shared_40, "kernels.mode": "fast"})
 
 
 def test_op_table_binds_tp_max_and_tile_rows():
