@@ -59,14 +59,16 @@ def _attend_tile(q, kv_cache, seq_ids, block_tables, positions, scale, v_dim):
         valid = j * block_size + offsets <= positions[:, None]  # [R, BS]
         block_ids = block_tables[seq_ids, j].clamp(min=0)  # -1 padding is masked below
         kv = torch.where(valid[:, :, None], kv_cache[block_ids].float(), 0.0)  # [R, BS, C]
-        # Why: fixed-shape bmm [R, H, C] x [R, C, BS]; no shape here depends on the batch.
-        scores = torch.bmm(q, kv.transpose(1, 2)) * scale
+        # Why: one head per matmul ([R*H] x [1, C] x [C, BS]): no shape here depends on the
+        # batch, and none on the heads per rank either (BLAS rounds an [H, C] x [C, BS]
+        # product by H: a head's bits would follow the TP degree).
+        scores = _per_head_bmm(q, kv.transpose(1, 2)) * scale
         scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
         max_new = torch.maximum(row_max, scores.amax(-1))
         alpha = torch.exp(row_max - max_new)
         p = torch.exp(scores - max_new[..., None])
         sum_new = row_sum * alpha + p.sum(-1)
-        acc_new = acc * alpha[..., None] + torch.bmm(p, kv[:, :, :v_dim])
+        acc_new = acc * alpha[..., None] + _per_head_bmm(p, kv[:, :, :v_dim])
         # Why: a chunk wholly past a query's position must leave its state bit-for-bit as it
         # was (adding +0.0 would still flip a -0.0), so the tile's chunk count never shows.
         is_live = valid[:, 0, None]
@@ -74,6 +76,17 @@ def _attend_tile(q, kv_cache, seq_ids, block_tables, positions, scale, v_dim):
         row_sum = torch.where(is_live, sum_new, row_sum)
         acc = torch.where(is_live[..., None], acc_new, acc)
     return acc / row_sum[..., None]
+
+
+def _per_head_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [R, H, K] x b [R, K, N] (shared by a row's heads) -> [R, H, N], one [1, K] x [K, N]
+    product per (row, head)."""
+    num_rows, num_heads, k = a.shape
+    # Why contiguous: at one head the reshape is a view with b's own (transposed) strides, and
+    # BLAS would take another path than for the copies made at several heads.
+    b = b[:, None].expand(num_rows, num_heads, *b.shape[1:]).reshape(-1, *b.shape[1:])
+    a = a.reshape(-1, 1, k).contiguous()
+    return torch.bmm(a, b.contiguous()).view(num_rows, num_heads, -1)
 
 
 def mla_attention_fast(

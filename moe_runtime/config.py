@@ -165,16 +165,6 @@ class RuntimeConfig:
                 )
         if self.kernels.is_invariant:
             self._check_tp_max()
-            if tp > 1 and parallel.device == "cpu":
-                # A warning, not an error: the bits do agree where the head counts share a BLAS
-                # path (the tests' layouts), but that is MKL's choice, not the runtime's.
-                log.warning(
-                    "parallel.tp_size=%d on device cpu: the reference attention's bits follow "
-                    "the heads per rank (its fp32 bmm over heads takes another BLAS path, e.g. "
-                    "for one head), so TP degrees may differ in attention; the row-parallel "
-                    "sums are the same at every degree",
-                    tp,
-                )
         if tp > 1 and model.tie_word_embeddings:
             raise ValueError("model.tie_word_embeddings needs parallel.tp_size 1 (not supported)")
         if world % eplb.num_nodes:

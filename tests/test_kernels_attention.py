@@ -123,3 +123,33 @@ def test_zero_queries_give_an_empty_result():
     for fn in (partial(mla_attention_ref, tile_rows=4), mla_attention_fast):
         out = fn(q, cache, empty, torch.zeros(0, 1, dtype=torch.int64), empty, scale=0.5, v_dim=4)
         assert out.shape == (0, 2, 4)
+
+
+def test_a_heads_bits_ignore_the_heads_per_call(generator):
+    """Tensor parallelism hands each rank H / tp heads: the reference computes each head alone,
+    so at DeepSeek-V2-Lite's latent width (576 = 512 + 64, blocks of 64, 16 heads) any split
+    of the heads gives the same bits. Control: the fast path's one bmm over all heads rounds a
+    head by the head count (MKL), so some split of it differs."""
+    heads, cache_dim, v_dim, block = 16, 576, 512, 64
+    kv_cache = torch.randn(8, block, cache_dim, generator=generator)
+    q = torch.randn(5, heads, cache_dim, generator=generator)
+    tables = torch.arange(8).view(2, 4)
+    seq_ids, positions = torch.tensor([0, 0, 1, 1, 1]), torch.tensor([3, 70, 100, 200, 255])
+
+    def by_parts(op, num_parts):
+        return torch.cat(
+            [
+                op(part.contiguous(), kv_cache, seq_ids, tables, positions, scale=0.05, v_dim=v_dim)
+                for part in q.chunk(num_parts, dim=1)
+            ],
+            dim=1,
+        )
+
+    ref = partial(mla_attention_ref, tile_rows=4)
+    whole = by_parts(ref, 1)
+    for num_parts in (2, 4, 16):
+        assert torch.equal(by_parts(ref, num_parts), whole), num_parts
+    fast_whole = by_parts(mla_attention_fast, 1)
+    assert any(not torch.equal(by_parts(mla_attention_fast, n), fast_whole) for n in (2, 4, 16)), (
+        "the fast path's bits ignored the head count too: the control cannot fail"
+    )
