@@ -5,6 +5,7 @@ environment variables: every value arrives as an argument.
 """
 
 from comm.allreduce import all_gather, all_reduce
+from comm.capacity_dispatch import FixedCapacityDispatcher
 from comm.config import ParallelConfig
 from comm.dispatch import (
     AllToAllDispatcher,
@@ -25,6 +26,7 @@ __all__ = [
     "AllToAllDispatcher",
     "CollectiveError",
     "DispatchHandle",
+    "FixedCapacityDispatcher",
     "LocalDispatcher",
     "ParallelConfig",
     "ProcessGroups",
