@@ -7,7 +7,8 @@
   the TP reduction finishes that tree from the ranks' fp32 subtree sums (kernels/tp_linear.py).
 - Engagement, read from the workers, not from the outputs: every rank reports its TP size and
   rank, ran as many row-parallel reductions as its TP partners, and each of them all-gathered
-  fp32 subtree sums; with EP the ranks sent rows to each other.
+  fp32 subtree sums; each MoE layer dispatched the rank's share of the group's tokens and
+  gathered the routed rows back; with EP the ranks sent rows to each other.
 - Controls: fast kernels (one GEMM over the local K, the backend's all_reduce of the partials)
   give TP=2 bits that differ from TP=1, and are not batch-invariant at TP=2. The previous
   invariant TP sum (linear over the local K, partials summed in rank order) is shown to differ
@@ -98,6 +99,11 @@ def _assert_tp_ran(stats: list[dict], tp_size: int, is_invariant: bool = True) -
         assert len(set(counts[group : group + tp_size])) == 1, f"TP partners differ: {counts}"
     gathers = [s["num_tp_fp32_gathers"] for s in stats]
     assert gathers == (counts if is_invariant else [0] * world_size), (counts, gathers)
+    # Each rank dispatched only its share of the group's tokens and gathered the routed rows.
+    shares = [s["num_tp_share_gathers"] for s in stats]
+    assert all(n > 0 for n in shares), f"some rank never gathered token shares: {shares}"
+    for group in range(0, world_size, tp_size):
+        assert len(set(shares[group : group + tp_size])) == 1, f"TP partners differ: {shares}"
 
 
 @pytest.mark.parametrize(("world_size", "tp_size"), LAYOUTS)

@@ -97,7 +97,7 @@ class MoE(nn.Module):
             )
         else:
             self.shared_experts = None
-        self.ops = ops
+        self.ops, self.tp = ops, tp
         self.dispatcher = LocalDispatcher(num_local_slots, ops.moe_combine)
         self.replica_row = torch.arange(cfg.n_routed_experts)
         # Rows per local slot in the last forward ([L] int64 on the weights' device): read back
@@ -113,12 +113,19 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         topk_ids, topk_weights = self.gate(x)
         self.last_topk_ids = topk_ids  # read back for routed-expert reporting
+        # Why shares: the TP ranks of a group hold the same tokens; each dispatches its own
+        # share and the routed rows are gathered back, so no expert runs a token twice. A
+        # token's result does not depend on which rank sent it (rows are independent in the
+        # grouped GEMM, the combine sums its own slots), so the bits do not change.
+        mine = self.tp.token_share(x.shape[0])
         # Collective: every rank calls dispatch and combine once per MoE layer per step, in
         # layer order, even with zero tokens.
         recv, group_sizes, handle = self.dispatcher.dispatch(
-            x, self.replica_row[topk_ids], topk_weights
+            x[mine], self.replica_row[topk_ids[mine]], topk_weights[mine]
         )
         self.last_slot_counts = group_sizes
-        routed = self.dispatcher.combine(self.experts(recv, group_sizes), handle, topk_weights)
-        routed = routed.to(x.dtype)
+        routed = self.dispatcher.combine(
+            self.experts(recv, group_sizes), handle, topk_weights[mine]
+        )
+        routed = self.tp.gather_shares(routed.to(x.dtype), x.shape[0])
         return routed if self.shared_experts is None else routed + self.shared_experts(x)

@@ -40,7 +40,8 @@ class TensorParallel:
     group: Any = None
     # Collectives this rank ran in its TP group, by name ("all_reduce": row-parallel sums,
     # "fp32_subtree_gather": the all-gathers of fp32 subtree sums among them, "all_gather": the
-    # LM head's slices): the record is frozen, the counts are not; Worker.stats reports them,
+    # LM head's slices, "share_gather": the MoE's routed rows of each rank's token share): the
+    # record is frozen, the counts are not; Worker.stats reports them,
     # so a test can see the split path ran without relying on TP changing any bits.
     num_calls: Counter = field(default_factory=Counter, compare=False, repr=False)
 
@@ -69,6 +70,24 @@ class TensorParallel:
             return x
         self.num_calls["all_gather"] += 1
         return torch.cat(all_gather(x, self.group), dim=-1)
+
+    def token_share(self, num_tokens: int) -> slice:
+        """This rank's contiguous share of the group's num_tokens rows: ceil(T / size) each in
+        rank order, the last ones shorter (or empty)."""
+        per_rank = -(-num_tokens // self.size)
+        start = min(self.rank * per_rank, num_tokens)
+        return slice(start, min(start + per_rank, num_tokens))
+
+    def gather_shares(self, share: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """The group's rows [num_tokens, ...] from every rank's `token_share` rows. Collective
+        (every TP rank calls it with the same num_tokens); padded to equal sizes on the wire."""
+        if self.size == 1:
+            return share
+        self.num_calls["share_gather"] += 1
+        per_rank = -(-num_tokens // self.size)
+        padded = share.new_zeros((per_rank, *share.shape[1:]))
+        padded[: share.shape[0]] = share
+        return torch.cat(all_gather(padded, self.group))[:num_tokens]
 
     def shard(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a full-size parameter (replicated ones are returned whole)."""
