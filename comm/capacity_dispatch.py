@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from comm.dispatch import DispatchLayout, _check_routing, dispatch_layout
+from comm.dispatch import DispatchLayout, _check_routing, count_rows_per_slot, dispatch_layout
 from comm.errors import collective_guard
 
 
@@ -83,8 +83,9 @@ class FixedCapacityDispatcher:
         return dispatch_layout(topk_phys_ids, self.world_size * self.num_local_slots)
 
     def agree_num_tokens(self, num_tokens: int, is_ready: bool) -> int:
-        """Collective (all ranks, once per step, before its first MoE layer; a host sync):
-        -> the most tokens any rank holds when every rank is ready to replay a graph, else -1."""
+        """Collective (all ranks, the same calls in the same order; a host sync, never inside a
+        capture): -> the most tokens any rank holds when every rank is ready, else -1. The graph
+        runner calls it once per step, before the model, to pick one bucket for all ranks."""
         both = torch.tensor([num_tokens, int(not is_ready)], device=self.device)
         with collective_guard(self.rank, "graph step all_reduce"):
             dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
@@ -94,11 +95,7 @@ class FixedCapacityDispatcher:
     def count_served_rows(self, topk_phys_ids: torch.Tensor) -> torch.Tensor:
         """Collective (all ranks together, once per graph replay): [M, n] physical ids of this
         rank's real rows, M layers -> [M, L] int64 rows every rank sent to this rank's slots."""
-        num_physical = self.world_size * self.num_local_slots
-        offsets = torch.arange(topk_phys_ids.shape[0], device=topk_phys_ids.device)
-        flat = (topk_phys_ids + offsets[:, None] * num_physical).reshape(-1)
-        counts = torch.zeros(offsets.numel() * num_physical, dtype=torch.int64, device=flat.device)
-        counts.index_add_(0, flat, torch.ones_like(flat))  # integer adds: exact in any order
+        counts = count_rows_per_slot(topk_phys_ids, self.world_size * self.num_local_slots)
         with collective_guard(self.rank, "slot counts all_reduce"):
             dist.all_reduce(counts, group=self.group)
         return counts.view(-1, self.world_size, self.num_local_slots)[:, self.rank]

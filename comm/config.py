@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 BACKENDS = ("auto", "gloo", "nccl")
 DEVICES = ("cpu", "cuda")
+CAPACITY_DISPATCH = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,10 @@ class ParallelConfig:
     # Pre-reduce a token's expert outputs per rank before sending them back: fewer bytes, but
     # the sum order then depends on the placement. Off keeps the invariance contract.
     allow_multiple_reduction: bool = False
+    # The EP exchange: "on" = FixedCapacityDispatcher (equal-split blocks, capturable in a CUDA
+    # graph), "off" = AllToAllDispatcher (host split sizes, eager), "auto" = on exactly when
+    # CUDA graphs are on over NCCL without multiple reduction. The same bits either way.
+    ep_capacity_dispatch: str = "auto"
 
     def __post_init__(self) -> None:
         for key in ("world_size", "tp_size"):
@@ -37,6 +42,20 @@ class ParallelConfig:
             )
         if self.backend not in BACKENDS:
             raise ValueError(f"parallel.backend must be one of {BACKENDS}, got {self.backend!r}")
+        # YAML reads a bare on/off as a bool: true/false mean "on"/"off".
+        if isinstance(self.ep_capacity_dispatch, bool):
+            dispatch = "on" if self.ep_capacity_dispatch else "off"
+            object.__setattr__(self, "ep_capacity_dispatch", dispatch)
+        if self.ep_capacity_dispatch not in CAPACITY_DISPATCH:
+            raise ValueError(
+                f"parallel.ep_capacity_dispatch must be one of {CAPACITY_DISPATCH} (or true / "
+                f"false), got {self.ep_capacity_dispatch!r}"
+            )
+        if self.ep_capacity_dispatch == "on" and self.allow_multiple_reduction:
+            raise ValueError(
+                "parallel.ep_capacity_dispatch: 'on' sends every (token, slot) row home alone; "
+                "it can't be combined with parallel.allow_multiple_reduction: true"
+            )
         if self.device not in DEVICES:
             raise ValueError(f"parallel.device must be one of {DEVICES}, got {self.device!r}")
         if not isinstance(self.max_restarts, int) or self.max_restarts < 0:

@@ -100,6 +100,16 @@ def sort_rows_by_destination(topk_phys_ids: torch.Tensor) -> torch.Tensor:
     return torch.sort(topk_phys_ids.reshape(-1), stable=True).indices
 
 
+def count_rows_per_slot(topk_phys_ids: torch.Tensor, num_slots: int) -> torch.Tensor:
+    """[M, n] slot ids (< num_slots) of M MoE layers -> [M, num_slots] int64 row counts, on
+    the device without a host sync."""
+    offsets = torch.arange(topk_phys_ids.shape[0], device=topk_phys_ids.device)
+    flat = (topk_phys_ids + offsets[:, None] * num_slots).reshape(-1)
+    counts = torch.zeros(offsets.numel() * num_slots, dtype=torch.int64, device=flat.device)
+    counts.index_add_(0, flat, torch.ones_like(flat))  # integer adds: exact in any order
+    return counts.view(-1, num_slots)
+
+
 def _check_routing(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> None:
     if x.dim() != 2 or ids.dim() != 2 or ids.shape[0] != x.shape[0]:
         raise ValueError(f"need x [T, D] and topk_phys_ids [T, K], got {x.shape}, {ids.shape}")
@@ -124,6 +134,14 @@ class LocalDispatcher:
 
     def layout(self, topk_phys_ids: torch.Tensor) -> DispatchLayout:
         return dispatch_layout(topk_phys_ids, self.num_local_slots)
+
+    def agree_num_tokens(self, num_tokens: int, is_ready: bool) -> int:
+        """One rank decides alone: num_tokens when ready, else -1 (see FixedCapacityDispatcher)."""
+        return num_tokens if is_ready else -1
+
+    def count_served_rows(self, topk_phys_ids: torch.Tensor) -> torch.Tensor:
+        """[M, n] physical ids of M layers -> [M, L] int64 rows per slot (no communication)."""
+        return count_rows_per_slot(topk_phys_ids, self.num_local_slots)
 
     def dispatch(
         self,

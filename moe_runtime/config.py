@@ -111,8 +111,10 @@ class RuntimeConfig:
             )
         if self.kernels.cuda_graphs is None:  # the default: on where graphs passed the tests
             parallel = self.parallel
-            # Why not with NCCL between ranks: graphs with the MoE eager between segments passed
-            # the golden tests over gloo only so far; NCCL ranks may still turn them on.
+            # Why not with NCCL between ranks: graphs passed the golden tests over gloo only (MoE
+            # eager between segments). NCCL ranks may turn them on: the MoE layers are then
+            # captured too, with FixedCapacityDispatcher (untested on GPUs until
+            # tests/test_gpu_ep_graphs.py runs there).
             is_nccl = parallel.world_size > 1 and select_backend(parallel) == "nccl"
             is_on = parallel.device == "cuda" and parallel.tp_size == 1 and not is_nccl
             object.__setattr__(self, "kernels", replace(self.kernels, cuda_graphs=is_on))
@@ -126,6 +128,14 @@ class RuntimeConfig:
             raise ValueError(
                 f"kernels.cuda_graphs: true needs parallel.tp_size 1, got {self.parallel.tp_size}"
             )
+        parallel = self.parallel
+        is_gloo_ep = parallel.world_size > 1 and select_backend(parallel) == "gloo"
+        if parallel.ep_capacity_dispatch == "on" and self.kernels.cuda_graphs and is_gloo_ep:
+            # A gloo collective can't be captured in a CUDA graph.
+            raise ValueError(
+                "parallel.ep_capacity_dispatch: 'on' with kernels.cuda_graphs: true needs the "
+                f"nccl backend, got parallel.backend {parallel.backend!r} (gloo)"
+            )
         self._check_layout()
         if self.kernels.is_invariant and self.parallel.allow_multiple_reduction:
             # A warning, not an error: a legitimate trade of bits for bytes, but it gives up
@@ -136,6 +146,18 @@ class RuntimeConfig:
                 "per rank before they return, so its bits depend on where its experts sit "
                 "(EP degree, redundant replicas, EPLB rebalances)"
             )
+
+    @property
+    def uses_capacity_dispatch(self) -> bool:
+        """Whether the EP ranks exchange rows with FixedCapacityDispatcher (capturable):
+        parallel.ep_capacity_dispatch, its 'auto' resolved; never with one rank."""
+        parallel = self.parallel
+        if parallel.world_size == 1 or parallel.ep_capacity_dispatch == "off":
+            return False
+        if parallel.ep_capacity_dispatch == "on":
+            return True
+        is_nccl = select_backend(parallel) == "nccl"
+        return bool(self.kernels.cuda_graphs) and is_nccl and not parallel.allow_multiple_reduction
 
     def _check_layout(self) -> None:
         """Every constraint between the parallel layout and the model, here at load, before

@@ -3,9 +3,10 @@
 Both dispatchers run the same calls in one process group: random routing with a rank holding
 no tokens (tests/test_comm_dispatch.py's case, at three placements), every row to one expert
 on the last rank, every row to another rank's experts, every rank sending, no rank sending.
-Received rows, group sizes, combine output and the remote-row count must be equal. Controls:
-the capacity path with the fast combine (index_add_ in arrival order) moves bits with the
-placement, and rows left in receive-buffer order (not regrouped by expert) change the output.
+Received rows, group sizes, combine output and the remote-row count must be equal, and the
+graph runner's slot counts summed over ranks equal the group sizes. Controls: the capacity
+path with the fast combine (index_add_ in arrival order) moves bits with the placement, and
+rows left in receive-buffer order (not regrouped by expert) change the output.
 """
 
 from __future__ import annotations
@@ -98,6 +99,10 @@ def _fixed_capacity_worker(rank: int, world_size: int, port: int, backend: str) 
     for name, (x, ids, weights, expert_weight) in routings(case, rank, world_size).items():
         for kind, dispatcher in dispatchers.items():
             result[kind, name] = _exchange(dispatcher, x, ids, weights, expert_weight, rank)
+    # The graph runner's slot counts: every rank's rows per local slot, two layers at once.
+    cases = routings(case, rank, world_size)
+    ids = torch.stack([cases["random", shift][1].reshape(-1) for shift in SHIFTS[:2]])
+    result["served"] = dispatchers["capacity"].count_served_rows(ids)
     # Control: the rows of each source rank left together instead of regrouped by expert.
     unsorted = SourceOrderDispatcher(*args, moe_combine_ref)
     x, ids, weights, expert_weight = routings(case, rank, world_size)["every_rank_sends"]
@@ -130,6 +135,8 @@ def test_fixed_capacity_equals_all_to_all_bitwise(tmp_path, world_size, backend)
         for shift in SHIFTS[1:]:
             a, b = res["capacity_fast", ("random", 0)], res["capacity_fast", ("random", shift)]
             num_fast_differ += int((a["out"] != b["out"]).any(dim=1).sum())
+        served = [res["all_to_all", ("random", shift)]["group_sizes"] for shift in SHIFTS[:2]]
+        assert torch.equal(res["served"], torch.stack(served))
         unsorted, ref = res["unsorted"]["out"], res["all_to_all", "every_rank_sends"]["out"]
         num_unsorted_differ += int((unsorted != ref).any(dim=1).sum())
     for name in ("one_expert", "all_remote", ("random", 0)):

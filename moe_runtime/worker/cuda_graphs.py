@@ -1,16 +1,18 @@
 """DecodeGraphRunner: pure decode steps replayed as CUDA graphs, MoE layers inside them.
 
 A decode step of B sequences is padded to the next size N of `batch_sizes` with dummy rows
-(token 0, position 0, writing only to the scratch KV block no sequence owns). With one rank the
-whole step is one graph per size: the local dispatcher's layout, the grouped GEMM over device
-counts and the combine need no host sync. With expert parallelism the dispatcher's splits are
-host ints and its collectives can't be captured, so the model is cut at every MoE layer into
-segments, each captured once ([embedding .. first MoE layer's attention part], ..., [final
-norm, LM head]), and those MoE layers run eagerly on the B real rows between replays.
-In invariant mode real rows keep their eager bits: every kernel computes a row from that row
-alone (padding rows are routed and computed too, and change no real row), and the block-table
-width sets only the attention launch. Expert loads count the real rows only. Not for TP > 1
-(the config refuses).
+(token 0, position 0, writing only to the scratch KV block no sequence owns). When the MoE
+layers' dispatcher is capturable (one rank; or FixedCapacityDispatcher, whose collectives have
+fixed shapes) the whole step is one graph per size. With FixedCapacityDispatcher every rank must
+replay the same N in the same step, so the ranks agree on it first (one small collective per
+step; a rank with no sequences then replays N dummy rows) or all run the step eagerly. With
+AllToAllDispatcher (host split sizes: its collectives can't be captured) the model is cut at
+every MoE layer into segments, each captured once ([embedding .. first MoE layer's attention
+part], ..., [final norm, LM head]), and those MoE layers run eagerly on the B real rows between
+replays, each rank choosing its N alone. In invariant mode real rows keep their eager bits:
+every kernel computes a row from that row alone (padding rows are routed and computed too, and
+change no real row), and the block-table width sets only the attention launch. Expert loads
+count the real rows only. Not for TP > 1 (the config refuses).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from comm.capacity_dispatch import FixedCapacityDispatcher
 from moe_runtime.forward_batch import ForwardBatch
 from moe_runtime.model.deepseek import DeepseekForCausalLM
 
@@ -66,16 +69,32 @@ class DecodeGraphRunner:
         self._graphs: dict[int, _SizeGraphs] = {}
         self.num_replays = 0  # steps served by graphs (tests check the path really ran)
         self.num_captures = 0
+        self._step_size: int | None = None  # the padded size can_run chose for this step
 
     def can_run(self, is_pure_decode: bool, batch: ForwardBatch) -> bool:
-        """batch on the host; is_pure_decode: one token per sequence and no scoring rows."""
+        """batch on the host; is_pure_decode: one token per sequence and no scoring rows.
+        Called once per step on every rank (with FixedCapacityDispatcher, a collective); it
+        also picks the padded size `run` replays."""
         num_seqs = batch.block_tables.shape[0]
-        return (
+        is_ready = (
             is_pure_decode
-            and 1 <= num_seqs <= self.batch_sizes[-1]
+            and num_seqs <= self.batch_sizes[-1]
             and batch.num_tokens == num_seqs
             and batch.block_tables.shape[1] <= self.max_blocks_per_seq
         )
+        num_rows = self._agree_num_rows(num_seqs, is_ready)
+        sizes = [n for n in self.batch_sizes if n >= num_rows] if num_rows >= 1 else []
+        self._step_size = sizes[0] if sizes else None
+        return self._step_size is not None
+
+    def _agree_num_rows(self, num_seqs: int, is_ready: bool) -> int:
+        """-> the rows this step's graph must hold, -1 for an eager step."""
+        layers = self.model.moe_layers
+        if layers and isinstance(layers[0].dispatcher, FixedCapacityDispatcher):
+            # Collective (all ranks, once per step, before the model): the captured MoE layers'
+            # collectives have the bucket's shape, so every rank replays the same one or none.
+            return layers[0].dispatcher.agree_num_tokens(num_seqs, is_ready)
+        return num_seqs if is_ready else -1
 
     def reset(self) -> None:
         """Drop every capture (weights were replaced: the graphs hold the old addresses)."""
@@ -97,14 +116,12 @@ class DecodeGraphRunner:
         starts = [0] + [i + 1 for i in eager_moe]
         ends = eager_moe + [len(layers)]
         self.segments = [_Segment(a, b) for a, b in zip(starts, ends, strict=True)]
-        self._layer_offsets = torch.arange(len(self.captured_moe), device=self.device)
 
     @torch.inference_mode()
     def run(self, batch: ForwardBatch) -> torch.Tensor:
         """batch (host tensors, B rows, can_run true) -> fp32 logits [R, V] for
         batch.logits_indices, bitwise the eager model's."""
-        num_real = batch.num_tokens
-        size = next(n for n in self.batch_sizes if n >= num_real)
+        num_real, size = batch.num_tokens, self._step_size
         graphs = self._graphs.get(size)
         if not self.segments:
             self._plan()
@@ -134,17 +151,14 @@ class DecodeGraphRunner:
     def _count_real_rows(self, topk_ids: list[torch.Tensor], num_real: int) -> None:
         """After a replay: point each captured MoE layer at this size's routing (a replay
         refills the captured tensors but sets no Python attribute) and set its slot counts
-        from the real rows only (the graph routed the padding rows too). With one rank a
-        local slot is a physical slot. A few launches for all layers together."""
-        num_layers, num_slots = len(topk_ids), self.captured_moe[0].last_slot_counts.numel()
+        from the real rows only (the graph routed the padding rows too). With
+        FixedCapacityDispatcher a collective: every rank's real rows, summed per local slot."""
         for moe, ids in zip(self.captured_moe, topk_ids, strict=True):
             moe.last_topk_ids = ids
-        ids = torch.stack([ids[:num_real] for ids in topk_ids]).view(num_layers, -1)
+        ids = torch.stack([ids[:num_real] for ids in topk_ids]).flatten(1)  # [M, B*K] logical
         replica_rows = torch.stack([moe.replica_row for moe in self.captured_moe])
-        slots = replica_rows.gather(1, ids) + self._layer_offsets[:, None] * num_slots
-        counts = torch.zeros(num_layers * num_slots, dtype=torch.int64, device=self.device)
-        counts.index_add_(0, slots.view(-1), torch.ones_like(slots.view(-1)))  # integer adds
-        for moe, layer_counts in zip(self.captured_moe, counts.view(num_layers, -1), strict=True):
+        counts = self.captured_moe[0].dispatcher.count_served_rows(replica_rows.gather(1, ids))
+        for moe, layer_counts in zip(self.captured_moe, counts, strict=True):
             moe.last_slot_counts = layer_counts
 
     def _load(self, static: ForwardBatch, batch: ForwardBatch) -> None:

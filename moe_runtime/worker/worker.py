@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from comm.capacity_dispatch import FixedCapacityDispatcher
 from comm.dispatch import AllToAllDispatcher, LocalDispatcher
 from comm.groups import destroy_process_groups, init_process_groups
 from eplb.placement import ExpertPlacement
@@ -107,8 +108,13 @@ class Worker:
             tp = TensorParallel(groups.tp_size, groups.tp_rank, groups.tp_group)
             self.group = groups.ep_group
             # Experts are parallel over the whole world; the TP ranks of one DP group hold the
-            # same tokens after every all-reduce and each dispatches its own copy.
-            self.dispatcher = AllToAllDispatcher(
+            # same tokens after every all-reduce and each dispatches its own copy. With CUDA
+            # graphs over NCCL the exchange has fixed shapes so the MoE layers are captured too;
+            # both dispatchers give the same bits.
+            dispatcher_cls = (
+                FixedCapacityDispatcher if cfg.uses_capacity_dispatch else AllToAllDispatcher
+            )
+            self.dispatcher = dispatcher_cls(
                 groups.ep_group,
                 self.rank,
                 self.world_size,
@@ -236,13 +242,19 @@ class Worker:
 
     def stats(self) -> dict:
         """Counters of this rank; `slot_load[l][s]` = rows served by local slot s of MoE layer l;
+        `ep_dispatcher` = the dispatcher's class name; `num_graph_segments` = captured pieces of
+        a decode step (0 before the first capture or without graphs);
         `num_tp_all_reduces` = row-parallel sums over the TP group this rank ran (0 at tp_size
         1), `num_tp_fp32_gathers` = the all-gathers of fp32 subtree sums among them (invariant
         mode; fast mode sums with the backend's all_reduce instead)."""
         total = self.total_load.tolist() if self.total_load is not None else []
-        tp = self.runner.model.tp
+        tp, graphs = self.runner.model.tp, self.runner.graphs
         return {
             "rank": self.rank,
+            "ep_dispatcher": type(self.dispatcher).__name__,
+            "num_graph_replays": graphs.num_replays if graphs is not None else 0,
+            # Captured pieces of a decode step: 1 when the MoE layers are inside the graph.
+            "num_graph_segments": len(graphs.segments) if graphs is not None else 0,
             "tp_size": tp.size,
             "tp_rank": tp.rank,
             "num_tp_all_reduces": tp.num_calls["all_reduce"],
