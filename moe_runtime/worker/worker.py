@@ -108,7 +108,7 @@ class Worker:
             tp = TensorParallel(groups.tp_size, groups.tp_rank, groups.tp_group)
             self.group = groups.ep_group
             # Experts are parallel over the whole world; the TP ranks of one DP group hold the
-            # same tokens after every all-reduce and each dispatches its own copy. With CUDA
+            # same tokens after every all-reduce and each dispatches its own share. With CUDA
             # graphs over NCCL the exchange has fixed shapes so the MoE layers are captured too;
             # both dispatchers give the same bits.
             dispatcher_cls = (
@@ -246,7 +246,8 @@ class Worker:
         a decode step (0 before the first capture or without graphs);
         `num_tp_all_reduces` = row-parallel sums over the TP group this rank ran (0 at tp_size
         1), `num_tp_fp32_gathers` = the all-gathers of fp32 subtree sums among them (invariant
-        mode; fast mode sums with the backend's all_reduce instead)."""
+        mode; fast mode sums with the backend's all_reduce instead), `num_tp_share_gathers` =
+        MoE layers whose routed rows came from each TP rank's token share."""
         total = self.total_load.tolist() if self.total_load is not None else []
         tp, graphs = self.runner.model.tp, self.runner.graphs
         return {
@@ -259,6 +260,7 @@ class Worker:
             "tp_rank": tp.rank,
             "num_tp_all_reduces": tp.num_calls["all_reduce"],
             "num_tp_fp32_gathers": tp.num_calls["fp32_subtree_gather"],
+            "num_tp_share_gathers": tp.num_calls["share_gather"],
             "num_steps": self.num_steps,
             "num_rows_sent_remote": self.dispatcher.num_rows_sent_remote,
             "slot_load": total,
