@@ -89,6 +89,7 @@ def test_gpu_graph_real_rows_ignore_padding_rows():
     batch = _decode_batch(num_real, runner.block_size)
     with torch.inference_mode():
         eager = runner.model(batch.to(runner.device), runner.kv_caches)
+    assert graphs.can_run(True, batch)  # as the runner does: it also picks the bucket (4)
     clean = graphs.run(batch)
     size = graphs._graphs[4]
     clean_states = [tuple(t.clone() for t in out) for out in size.outputs]
@@ -102,6 +103,7 @@ def test_gpu_graph_real_rows_ignore_padding_rows():
             x[num_real:] = torch.randn(x[num_real:].shape, generator=gen, device="cuda") * 100
 
     graphs._load = scribble
+    assert graphs.can_run(True, batch)
     noisy = graphs.run(batch)
     graphs._load = load
     moe_layers = runner.model.moe_layers
