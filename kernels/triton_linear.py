@@ -178,13 +178,7 @@ def _linear_kernel(
         num_pid_m = num_rows
     else:
         num_pid_m = tl.cdiv(num_rows, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    # Program order grouped along M for L2 reuse; it moves tiles between programs only.
-    pids_per_group = GROUP_M * num_pid_n
-    first_m = (pid // pids_per_group) * GROUP_M
-    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % pids_per_group) % group_rows
-    pid_n = (pid % pids_per_group) // group_rows
+    pid_m, pid_n = _tile_of(pid, num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
 
     if IS_GROUPED:
         # Tile pid_m of the groups' row tiles, from the device counts alone: the group is the
@@ -309,6 +303,43 @@ def _dot_k_range(
     return acc
 
 
+@triton.jit
+def _tile_of(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Program pid's (row tile, column tile), in an order grouped along M for L2 reuse: it moves
+    tiles between programs only."""
+    pids_per_group = GROUP_M * num_pid_n
+    first_m = (pid // pids_per_group) * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    return first_m + (pid % pids_per_group) % group_rows, (pid % pids_per_group) // group_rows
+
+
+@triton.jit
+def tree_push(acc, s0, s1, s2, s3, C: tl.constexpr):
+    """Part C (counting from 0) of a fixed binary tree over up to 16 parts, evaluated as a
+    binary counter: acc (part C) is added to the finished left siblings waiting in s0..s3
+    (subtrees of 1, 2, 4, 8 parts; bit l of C set: one of 2**l waits), then the subtree it
+    now holds is parked at its level. Every add is one of the tree's (left + right, adjacent
+    pairs level by level), so the sum's bits are the level-by-level tree's. After the last
+    part, acc holds the whole tree. Returns (acc, s0, s1, s2, s3)."""
+    if C % 2 == 1:
+        acc = s0 + acc
+    if C % 4 == 3:
+        acc = s1 + acc
+    if C % 8 == 7:
+        acc = s2 + acc
+    if C % 16 == 15:
+        acc = s3 + acc
+    if (C + 1) % 2 == 1:
+        s0 = acc
+    elif (C + 1) % 4 == 2:
+        s1 = acc
+    elif (C + 1) % 8 == 4:
+        s2 = acc
+    elif (C + 1) % 16 == 8:
+        s3 = acc
+    return acc, s0, s1, s2, s3
+
+
 @triton.jit(do_not_specialize=["num_rows"])
 def _chunk_tree_kernel(
     x_ptr,
@@ -334,14 +365,9 @@ def _chunk_tree_kernel(
     rounded to out's dtype once. The tree runs as a binary counter: after chunk c the finished
     subtrees wait in s0..s2 (sizes 1, 2, 4), so at most four fp32 tiles are live; every add is
     one of the tree's adds (left + right), so the bits equal the partials-then-tree path's."""
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(num_rows, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    pids_per_group = GROUP_M * num_pid_n
-    first_m = (pid // pids_per_group) * GROUP_M
-    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % pids_per_group) % group_rows
-    pid_n = (pid % pids_per_group) // group_rows
+    pid_m, pid_n = _tile_of(
+        tl.program_id(0), tl.cdiv(num_rows, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M
+    )
     offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = offs_m < num_rows
@@ -350,25 +376,13 @@ def _chunk_tree_kernel(
     s0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     s1 = s0
     s2 = s0
+    s3 = s0  # never written below 16 chunks: compiled away
     for c in tl.static_range(NUM_CHUNKS):
         acc = _dot_k_range(
             x_ptr, w_ptr, offs_m, offs_n, row_ok, col_ok, stride_xm, K, c * CHUNK_K,
             (c + 1) * CHUNK_K, BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION, UPCAST_DOT, K_ALIGN,
         )  # fmt: skip
-        # Merge the finished left siblings (bit l of c set: a subtree of 2**l chunks waits).
-        if c % 2 == 1:
-            acc = s0 + acc
-        if c % 4 == 3:
-            acc = s1 + acc
-        if c % 8 == 7:
-            acc = s2 + acc
-        # Park the subtree acc now holds (2**l chunks, l = trailing zeros of c + 1).
-        if (c + 1) % 2 == 1:
-            s0 = acc
-        elif (c + 1) % 4 == 2:
-            s1 = acc
-        elif (c + 1) % 8 == 4:
-            s2 = acc
+        acc, s0, s1, s2, s3 = tree_push(acc, s0, s1, s2, s3, c)
     out = acc.to(out_ptr.dtype.element_ty)
     tl.store(
         out_ptr + offs_m[:, None] * N + offs_n[None, :],

@@ -30,6 +30,7 @@ from kernels.triton_linear import (
     k_align,
     linear_chunk_tree,
     linear_config,
+    tree_push,
 )
 
 TREE_BLOCK = 1024  # elements per tree-sum program: a launch shape, not a sum order
@@ -63,22 +64,7 @@ def _tree_sum_kernel(
     s3 = s0
     for c in tl.static_range(NUM_PARTS):
         acc = tl.load(parts_ptr + c * num_elems + offs, mask=ok, other=0.0)
-        if c % 2 == 1:
-            acc = s0 + acc
-        if c % 4 == 3:
-            acc = s1 + acc
-        if c % 8 == 7:
-            acc = s2 + acc
-        if c % 16 == 15:
-            acc = s3 + acc
-        if (c + 1) % 2 == 1:
-            s0 = acc
-        elif (c + 1) % 4 == 2:
-            s1 = acc
-        elif (c + 1) % 8 == 4:
-            s2 = acc
-        elif (c + 1) % 16 == 8:
-            s3 = acc
+        acc, s0, s1, s2, s3 = tree_push(acc, s0, s1, s2, s3, c)
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
