@@ -64,7 +64,7 @@ class DispatchLayout:
     rows_per_slot: torch.Tensor
 
 
-# Up to this many rows (token, slot pairs), a CUDA layout is one Triton program; above, a sort.
+# Up to this many rows (token, slot pairs), a CUDA layout is one Triton launch; above, a sort.
 _RANK_MAX_ROWS = 2048
 
 
