@@ -4,8 +4,9 @@
   shuffled sub-batches, bitwise, at world size 1; negative control with kernels.mode fast.
 - EP=8 as 8 Ray actors sharing the one GPU, gloo between them: batched and shuffled runs
   bitwise equal to the world-size-1 run alone (batch and layout invariance together).
-- With two GPUs, one Ray actor per GPU over NCCL: EP=2 equal to world size 1, TP=2 batch
-  invariant by itself (the step wire format across real processes and NCCL).
+- With two GPUs, one Ray actor per GPU over NCCL: EP=2 and TP=2 each equal to world size 1
+  (the step wire format across real processes and NCCL; TP through kernels.tp_max's fixed K
+  split, tests/test_gpu_tp_linear.py).
 - Chunked prefill, prefix-cache hits and decode vs score() bitwise on the GPU.
 - The KV cache sized from free GPU memory (cache.num_blocks: 0).
 Skipped without CUDA; independent of launch/ (the GPU machine has no HTTP stack).
@@ -209,7 +210,8 @@ def test_gpu_two_ranks_nccl(ray_on_gpu, workload, alone_invariant, tp_size):
     else:
         assert [(s["tp_size"], s["tp_rank"]) for s in stats] == [(2, 0), (2, 1)]
         assert all(s["num_tp_all_reduces"] > 0 for s in stats), "no TP reduction ran"
-        reference = alone  # TP=2 is batch-invariant by itself, not equal to TP=1
+        assert all(s["num_tp_fp32_gathers"] > 0 for s in stats), "no fp32 subtree sums gathered"
+        reference = alone_invariant  # the tp_max split: TP=2 is bitwise the TP=1 run
     for i in range(8):
         assert alone[i] == reference[i], f"prompt {i}: alone differs"
     for i in range(NUM_PROMPTS):
