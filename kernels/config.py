@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 MODES = ("invariant", "fast")
 DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
-MAX_TP_MAX = 16  # the GPU tree-sum kernel adds up to 16 chunk partials
+MAX_TP_MAX = 16  # what the GPU tree-sum kernel adds (kernels/triton_tp_linear.py)
 
 
 @dataclass(frozen=True)

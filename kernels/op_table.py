@@ -113,7 +113,8 @@ def build_op_table(config: KernelConfig, device: torch.device | str) -> OpTable:
             # Why: fast mode is the best path a user could run, so each op whose one-launch
             # Triton kernel beats torch's several launches takes it (invariance costs nothing
             # there; the price of invariance is measured on the reducing GEMMs and attention).
-            ops |= {name: _triton_kernels()[name] for name in _FASTEST_ON_CUDA}
+            triton_ops = _triton_kernels()
+            ops |= {name: triton_ops[name] for name in _FASTEST_ON_CUDA}
     elif device.type == "cuda":
         ops = row_wise | _triton_kernels()
     elif device.type == "cpu":

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.config import MAX_TP_MAX
 from kernels.tp_linear import Collective, Gather, is_power_of_two, local_num_chunks
 from kernels.triton_linear import (
     BLOCK_K_16BIT,
@@ -68,7 +69,9 @@ def _tree_sum_kernel(
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-MAX_TREE_SUM_PARTS = 16  # the kernel's waiting subtrees hold up to 8 parts
+# The kernel's waiting subtrees (tree_push) hold up to 8 parts: 16 in all, the largest
+# kernels.tp_max (one bound, kept in the config the user sets).
+MAX_TREE_SUM_PARTS = MAX_TP_MAX
 
 
 def tree_sum_triton(

@@ -118,14 +118,13 @@ class MoE(nn.Module):
         # token's result does not depend on which rank sent it (rows are independent in the
         # grouped GEMM, the combine sums its own slots), so the bits do not change.
         mine = self.tp.token_share(x.shape[0])
+        weights = topk_weights[mine]
         # Collective: every rank calls dispatch and combine once per MoE layer per step, in
         # layer order, even with zero tokens.
         recv, group_sizes, handle = self.dispatcher.dispatch(
-            x[mine], self.replica_row[topk_ids[mine]], topk_weights[mine]
+            x[mine], self.replica_row[topk_ids[mine]], weights
         )
         self.last_slot_counts = group_sizes
-        routed = self.dispatcher.combine(
-            self.experts(recv, group_sizes), handle, topk_weights[mine]
-        )
+        routed = self.dispatcher.combine(self.experts(recv, group_sizes), handle, weights)
         routed = self.tp.gather_shares(routed.to(x.dtype), x.shape[0])
         return routed if self.shared_experts is None else routed + self.shared_experts(x)
