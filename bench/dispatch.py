@@ -169,16 +169,18 @@ def _table(per_rank: list[list[dict]]) -> str:
         "combine GB/s/rank | raw / path time |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    raw_time = {}
+
+    def total_us(row: dict) -> float:
+        return row["dispatch_us"] + row["combine_us"]
+
+    raw_us = {
+        (row["shape"], row["tokens"]): total_us(row)
+        for row in per_rank[0]
+        if row["path"].startswith("raw")
+    }
     for i, row in enumerate(per_rank[0]):
         mean_bytes = statistics.mean(rank_rows[i]["bytes"] for rank_rows in per_rank)
-        total = row["dispatch_us"] + row["combine_us"]
-        if row["path"].startswith("raw"):
-            raw_time[(row["shape"], row["tokens"])] = total
-        row["_cells"] = (mean_bytes, total)
-    for row in per_rank[0]:
-        mean_bytes, total = row.pop("_cells")
-        ratio = raw_time[(row["shape"], row["tokens"])] / total
+        ratio = raw_us[(row["shape"], row["tokens"])] / total_us(row)
         lines.append(
             f"| {row['shape']} | {row['tokens']} | {row['path']} | {row['dispatch_us']:.0f} | "
             f"{row['combine_us']:.0f} | {mean_bytes / row['dispatch_us'] / 1e3:.1f} | "
