@@ -37,12 +37,19 @@ def _tiled_matmul(x: torch.Tensor, padded_weight: torch.Tensor, out_dim: int, ti
     )
 
 
-def linear_ref(x: torch.Tensor, weight: torch.Tensor, *, tile_rows: int) -> torch.Tensor:
-    """x [T, IN] @ weight [OUT, IN]^T -> [T, OUT]."""
+def linear_ref(
+    x: torch.Tensor, weight: torch.Tensor, *, tile_rows: int, whole_out_dim: int | None = None
+) -> torch.Tensor:
+    """x [T, IN] @ weight [OUT, IN]^T -> [T, OUT]. whole_out_dim (the OUT of the whole weight a
+    TP column slice belongs to) is accepted for the op's contract and unused: the padded
+    full-width BLAS call gives a column the same sum whatever OUT is (no K split here)."""
     return _tiled_matmul(x, _pad_features(weight), weight.shape[0], tile_rows)
 
 
-def linear_fast(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def linear_fast(
+    x: torch.Tensor, weight: torch.Tensor, *, whole_out_dim: int | None = None
+) -> torch.Tensor:
+    """F.linear; whole_out_dim is ignored (fast mode promises no TP invariance)."""
     return F.linear(x, weight)
 
 

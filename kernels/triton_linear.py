@@ -553,9 +553,11 @@ def _check_pair(x: torch.Tensor, weight: torch.Tensor, weight_ndim: int) -> None
         )
 
 
-def _launch(x, weight, out, counts, num_rows, config: LinearConfig) -> torch.Tensor:
+def _launch(
+    x, weight, out, counts, num_rows, config: LinearConfig, whole_out_dim: int | None = None
+) -> torch.Tensor:
     """Launch over row tiles: `counts` is None (plain) or the grouped GEMM's device counts,
-    num_rows then the tile bound.
+    num_rows then the tile bound. whole_out_dim: see linear_triton.
 
     x [M, K] / out [M, N] (row strides free, unit column stride), or batched x [B, M, K],
     out [B, M, N] with weight [B, N, K] (plain only). Plain 2-D launches of a weight with a
@@ -563,7 +565,7 @@ def _launch(x, weight, out, counts, num_rows, config: LinearConfig) -> torch.Ten
     at a time, and add the fp32 partials in chunk order in a second launch."""
     out_dim, in_dim = weight.shape[-2:]
     is_plain = counts is None and x.dim() == 2
-    k_splits = k_split_count(out_dim, in_dim, x.dtype) if is_plain else 1
+    k_splits = k_split_count(whole_out_dim or out_dim, in_dim, x.dtype) if is_plain else 1
     if k_splits > 1:
         if config.is_persistent:
             config = POINTER_CONFIG_16BIT
@@ -655,15 +657,26 @@ def _launch_split(x, weight, out, config: LinearConfig, k_splits: int) -> None:
     )
 
 
-def linear_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [T, IN] @ weight [OUT, IN]^T -> [T, OUT] in x's dtype; fp32 accumulation."""
+def linear_triton(
+    x: torch.Tensor, weight: torch.Tensor, *, whole_out_dim: int | None = None
+) -> torch.Tensor:
+    """x [T, IN] @ weight [OUT, IN]^T -> [T, OUT] in x's dtype; fp32 accumulation.
+
+    whole_out_dim: the OUT of the whole weight when `weight` is one TP rank's column slice of
+    it (None: weight is whole). The fixed K split follows the whole weight's shape, so each
+    output column gets the same sum at every TP degree.
+    """
     _check_pair(x, weight, 2)
+    if whole_out_dim is not None and whole_out_dim < weight.shape[0]:
+        raise ValueError(
+            f"whole_out_dim {whole_out_dim} is smaller than the slice's {weight.shape[0]} rows"
+        )
     x, weight = x.contiguous(), weight.contiguous()
     out = x.new_empty((x.shape[0], weight.shape[0]))
     if x.shape[0] == 0:
         return out
     config = linear_config(weight.shape[0], weight.shape[1], x.dtype, x.shape[0])
-    return _launch(x, weight, out, None, x.shape[0], config)
+    return _launch(x, weight, out, None, x.shape[0], config, whole_out_dim)
 
 
 def batched_linear_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

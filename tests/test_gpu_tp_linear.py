@@ -4,6 +4,8 @@
   shared experts' down_proj), every tp in {1, 2, 4, 8} gives the tp=1 bits; a row's bits ignore
   the row count and permutations; the tree-sum kernel rounds to bf16 exactly as torch does;
   close to fp64 (tolerance stated).
+- One GPU: every column-parallel slice (q, gate/up, LM head) gives the whole linear's columns.
+- One GPU, TP 2 and 4 as Ray actors over gloo at V2-Lite's widths: the TP=1 bits.
 - Two GPUs, one Ray actor each over NCCL: the tiny model at TP=2 gives the world-size-1 bits
   (token ids, chosen and top-k logprobs, score()); engagement: both ranks all-gathered fp32
   subtree sums; control: fast mode at TP=2 differs from fast mode at TP=1.
@@ -63,6 +65,42 @@ def test_gpu_every_tp_degree_same_bits_and_rows_invariant(out_dim, in_dim):
     assert torch.equal(_at_tp(x[perm], w, 2), full[perm])
 
 
+# (out, in) of the column-parallel weights: V2-Lite q_proj, shared and dense gate/up, LM head;
+# V3 q_b_proj, shared and dense gate/up.
+COLUMN_PARALLEL = [
+    (3072, 2048),
+    (2816, 2048),
+    (10944, 2048),
+    (102400, 2048),
+    (24576, 1536),
+    (2048, 7168),
+    (18432, 7168),
+]
+
+
+def test_gpu_column_parallel_slices_same_bits():
+    """Every TP rank's column slice, with the whole weight's out dim, gives the whole linear's
+    columns bitwise at 1-300 rows; control: slices on their own shape change the K split of
+    some weights (the TP=2 divergence this fixed)."""
+    from kernels.triton_linear import linear_triton
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    diverged = []
+    for out_dim, in_dim in COLUMN_PARALLEL:
+        x = torch.randn(300, in_dim, generator=gen, device="cuda").bfloat16()
+        w = (torch.randn(out_dim, in_dim, generator=gen, device="cuda") / in_dim**0.5).bfloat16()
+        for m in (1, 16, 64, 300):
+            whole = linear_triton(x[:m], w)
+            for tp_size in (2, 4, 8):
+                for rank, rows in enumerate(w.chunk(tp_size)):
+                    cols = slice(rank * rows.shape[0], (rank + 1) * rows.shape[0])
+                    part = linear_triton(x[:m], rows, whole_out_dim=out_dim)
+                    assert torch.equal(part, whole[:, cols]), (out_dim, in_dim, m, tp_size)
+                    if not torch.equal(linear_triton(x[:m], rows), whole[:, cols]):
+                        diverged.append((out_dim, in_dim, m, tp_size))
+    assert diverged, "no slice changed its K split on its own shape: the check could not fail"
+
+
 def test_gpu_tree_sum_kernel_bitwise():
     from kernels.triton_tp_linear import tree_sum_triton
 
@@ -104,6 +142,20 @@ def _run(mode: str, workload, **overrides) -> tuple[dict, dict, list, list[dict]
 
 
 TP2_NCCL = {"parallel.world_size": 2, "parallel.tp_size": 2, "parallel.backend": "nccl"}
+# The tiny model at V2-Lite's attention widths (16 heads of 128 + 64, latent 512, hidden 2048,
+# q_lora 1536): q_b_proj's TP slices are narrow enough to take a K split of their own, as
+# V2-Lite's q_proj does, and the dense gate/up's at TP 4 (the tiny widths never split K).
+WIDE = {
+    "model.hidden_size": 2048,
+    "model.intermediate_size": 5632,
+    "model.moe_intermediate_size": 1408,
+    "model.num_attention_heads": 16,
+    "model.q_lora_rank": 1536,
+    "model.kv_lora_rank": 512,
+    "model.qk_nope_head_dim": 128,
+    "model.qk_rope_head_dim": 64,
+    "model.v_head_dim": 128,
+}
 
 
 @pytest.fixture(scope="module")
@@ -130,3 +182,26 @@ def test_gpu_tp2_nccl_gives_tp1_bits(workload, mode):
     for i in range(NUM):
         assert together[i] == together1[i], f"prompt {i}: TP=2 batched differs from TP=1"
         assert shuffled[i] == together1[i], f"prompt {i}: TP=2 shuffled differs from TP=1"
+
+
+@pytest.mark.parametrize("mode", ["invariant", "fast"])
+@pytest.mark.parametrize("tp_size", [2, 4])
+@pytest.mark.usefixtures("ray_on_gpu")
+def test_gpu_tp_gloo_one_gpu_gives_tp1_bits(workload, mode, tp_size):
+    """TP 2 and 4 as Ray actors sharing one GPU, gloo between them, at V2-Lite's widths: the
+    compiled kernels (column slices, the fixed tp_max split, token shares) give the TP=1
+    bits; engagement: every rank gathered fp32 subtree sums; control: fast mode differs."""
+    tp = {"parallel.world_size": tp_size, "parallel.tp_size": tp_size, "parallel.backend": "gloo"}
+    together1, _, score1, _ = _run(mode, workload, **WIDE)
+    together, shuffled, score, stats = _run(mode, workload, **WIDE, **tp)
+    assert [s["tp_rank"] for s in stats] == list(range(tp_size))
+    counts = [s["num_tp_all_reduces"] for s in stats]
+    assert len(set(counts)) == 1 and counts[0] > 0, counts
+    if mode == "fast":
+        assert score != score1 or together != together1, f"fast TP={tp_size} gave TP=1 bits"
+        return
+    assert [s["num_tp_fp32_gathers"] for s in stats] == counts
+    assert score == score1, f"TP={tp_size} score() logprobs differ from TP=1"
+    for i in range(NUM):
+        assert together[i] == together1[i], f"prompt {i}: TP={tp_size} batched differs"
+        assert shuffled[i] == together1[i], f"prompt {i}: TP={tp_size} shuffled differs"

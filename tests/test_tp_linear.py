@@ -10,7 +10,8 @@
   previous sum does not, and the rank counted one all-gather of fp32 subtree sums.
 - kernels.tp_max validation (KernelConfig, RuntimeConfig) and the op table binding.
 - Triton kernels under TRITON_INTERPRET=1 (tests/interpreted.py): the tree-sum kernel bitwise
-  equal to tree_sum, the same bits at every tp, rows invariant, close to the reference.
+  equal to tree_sum, the same bits at every tp, rows invariant, close to the reference; a
+  column-parallel slice (whole weight's K split) gives the whole linear's columns.
 """
 
 from __future__ import annotations
@@ -315,7 +316,32 @@ def check_in_program_tree_same_bits(generator: torch.Generator) -> None:
             assert torch.equal(tree, tp_linear_triton(x, w, num_chunks)), (dtype, num_chunks)
 
 
+def check_column_slices_same_bits(generator: torch.Generator) -> None:
+    """A column-parallel rank's slice (q_proj, gate/up, the LM head) with the whole weight's
+    out dim gives the whole linear's columns bitwise; control: a slice narrow enough to take
+    the fixed K split on its own shape (3072 -> 1536 columns over K 2048) differs."""
+    from kernels.triton_linear import k_split_count, linear_triton
+
+    x = torch.randn(5, 2048, generator=generator).to(torch.bfloat16)
+    w = (torch.randn(3072, 2048, generator=generator) / 2048**0.5).to(torch.bfloat16)
+    assert k_split_count(3072, 2048, w.dtype) == 1 < k_split_count(1536, 2048, w.dtype)
+    whole = linear_triton(x, w)
+    for tp_size in (2, 4):
+        for rank, rows in enumerate(w.chunk(tp_size)):
+            part = linear_triton(x, rows, whole_out_dim=w.shape[0])
+            cols = slice(rank * rows.shape[0], (rank + 1) * rows.shape[0])
+            assert torch.equal(part, whole[:, cols]), (tp_size, rank)
+    assert not torch.equal(linear_triton(x, w[:1536]), whole[:, :1536]), "the control agreed"
+    try:
+        linear_triton(x, w, whole_out_dim=1536)
+    except ValueError as exc:
+        assert "whole_out_dim 1536" in str(exc)
+    else:
+        raise AssertionError("a whole_out_dim below the slice's rows was accepted")
+
+
 CHECKS = {
+    "column_slices_same_bits": check_column_slices_same_bits,
     "tree_sum_kernel": check_tree_sum_kernel,
     "in_program_tree_same_bits": check_in_program_tree_same_bits,
     "every_tp_degree_same_bits": check_every_tp_degree_same_bits,

@@ -114,7 +114,7 @@ class DeepseekForCausalLM(nn.Module):
         self.config, self.ops, self.tp = cfg, ops, tp
         self.model = DeepseekModel(cfg, ops, num_local_slots or cfg.n_routed_experts, tp)
         vocab = tp.split(cfg.vocab_size, "model.vocab_size")
-        self.lm_head = Linear(cfg.hidden_size, vocab, ops, TORCH_DTYPES[cfg.dtype])
+        self.lm_head = Linear(cfg.hidden_size, vocab, ops, TORCH_DTYPES[cfg.dtype], cfg.vocab_size)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -149,5 +149,5 @@ class DeepseekForCausalLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: residual stream [R, D] -> fp32 logits [R, V]."""
-        logits = self.ops.linear(self.model.norm(hidden), self.lm_head.weight).float()
+        logits = self.lm_head(self.model.norm(hidden)).float()
         return self.tp.all_gather_last(logits)  # vocab-parallel head: slices in rank order

@@ -18,19 +18,27 @@ NO_TP = TensorParallel()
 
 
 class Linear(nn.Module):
-    """y = x W^T, no bias. weight [OUT, IN]."""
+    """y = x W^T, no bias. weight [OUT, IN]; with TP a column-parallel linear holds this rank's
+    OUT rows of a whole weight of `whole_out_features` rows (the K split of the invariant
+    kernel follows the whole weight: the same bits at every TP degree)."""
 
     def __init__(
-        self, in_features: int, out_features: int, ops: OpTable, dtype: torch.dtype
+        self,
+        in_features: int,
+        out_features: int,
+        ops: OpTable,
+        dtype: torch.dtype,
+        whole_out_features: int | None = None,
     ) -> None:
         super().__init__()
         self.weight = nn.Parameter(
             torch.empty(out_features, in_features, dtype=dtype), requires_grad=False
         )
         self.ops = ops
+        self.whole_out_features = whole_out_features or out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.linear(x, self.weight)
+        return self.ops.linear(x, self.weight, whole_out_dim=self.whole_out_features)
 
 
 class RowParallelLinear(nn.Module):
@@ -83,8 +91,8 @@ class GatedMLP(nn.Module):
     ) -> None:
         super().__init__()
         local = tp.split(intermediate, "the MLP intermediate size")
-        self.gate_proj = Linear(hidden, local, ops, dtype)
-        self.up_proj = Linear(hidden, local, ops, dtype)
+        self.gate_proj = Linear(hidden, local, ops, dtype, intermediate)
+        self.up_proj = Linear(hidden, local, ops, dtype, intermediate)
         self.down_proj = RowParallelLinear(local, hidden, ops, dtype, tp)
         self.ops = ops
 

@@ -37,12 +37,13 @@ class MLAttention(nn.Module):
         d, h = cfg.hidden_size, tp.split(cfg.num_attention_heads, "model.num_attention_heads")
         self.num_heads, self.nope_dim, self.rope_dim = h, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
         self.kv_lora_rank, self.v_dim = cfg.kv_lora_rank, cfg.v_head_dim
+        whole_q = cfg.num_attention_heads * cfg.qk_head_dim  # q's rows at TP 1
         if cfg.q_lora_rank is None:
-            self.q_proj = Linear(d, h * cfg.qk_head_dim, ops, dtype)
+            self.q_proj = Linear(d, h * cfg.qk_head_dim, ops, dtype, whole_q)
         else:
             self.q_a_proj = Linear(d, cfg.q_lora_rank, ops, dtype)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS, ops, dtype)
-            self.q_b_proj = Linear(cfg.q_lora_rank, h * cfg.qk_head_dim, ops, dtype)
+            self.q_b_proj = Linear(cfg.q_lora_rank, h * cfg.qk_head_dim, ops, dtype, whole_q)
         self.kv_a_proj_with_mqa = Linear(d, cfg.latent_dim, ops, dtype)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, LATENT_NORM_EPS, ops, dtype)
         self.kv_b_proj = Linear(
