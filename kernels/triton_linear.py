@@ -16,6 +16,7 @@ the kernels run on CPU tensors (tests); compiled, they need CUDA tensors.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -314,13 +315,15 @@ def _tile_of(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def tree_push(acc, s0, s1, s2, s3, C: tl.constexpr):
-    """Part C (counting from 0) of a fixed binary tree over up to 16 parts, evaluated as a
-    binary counter: acc (part C) is added to the finished left siblings waiting in s0..s3
-    (subtrees of 1, 2, 4, 8 parts; bit l of C set: one of 2**l waits), then the subtree it
-    now holds is parked at its level. Every add is one of the tree's (left + right, adjacent
-    pairs level by level), so the sum's bits are the level-by-level tree's. After the last
-    part, acc holds the whole tree. Returns (acc, s0, s1, s2, s3)."""
+def tree_push(acc, s0, s1, s2, s3, C, NUM_PARTS: tl.constexpr):
+    """Part C (counting from 0, a constexpr or a runtime int) of a fixed binary tree over
+    NUM_PARTS (a power of two, <= 16) parts, evaluated as a binary counter: acc (part C) is
+    added to the finished left siblings waiting in s0..s3 (subtrees of 1, 2, 4, 8 parts; bit l
+    of C set: one of 2**l waits), then the subtree it now holds is parked at its level. Every
+    add is one of the tree's (left + right, adjacent pairs level by level), so the sum's bits
+    are the level-by-level tree's. After the last part, acc holds the whole tree (it parks
+    nowhere; levels the tree does not have are never written, so they are no loop state).
+    Returns (acc, s0, s1, s2, s3)."""
     if C % 2 == 1:
         acc = s0 + acc
     if C % 4 == 3:
@@ -329,13 +332,13 @@ def tree_push(acc, s0, s1, s2, s3, C: tl.constexpr):
         acc = s2 + acc
     if C % 16 == 15:
         acc = s3 + acc
-    if (C + 1) % 2 == 1:
+    if NUM_PARTS > 1 and (C + 1) % 2 == 1:
         s0 = acc
-    elif (C + 1) % 4 == 2:
+    elif NUM_PARTS > 2 and (C + 1) % 4 == 2:
         s1 = acc
-    elif (C + 1) % 8 == 4:
+    elif NUM_PARTS > 4 and (C + 1) % 8 == 4:
         s2 = acc
-    elif (C + 1) % 16 == 8:
+    elif NUM_PARTS > 8 and (C + 1) % 16 == 8:
         s3 = acc
     return acc, s0, s1, s2, s3
 
@@ -349,7 +352,7 @@ def _chunk_tree_kernel(
     N,
     K,
     stride_xm,
-    CHUNK_K,
+    STEPS_PER_CHUNK: tl.constexpr,
     NUM_CHUNKS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -357,32 +360,43 @@ def _chunk_tree_kernel(
     GROUP_M: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
-    K_ALIGN: tl.constexpr,
 ):
     """out tile = the binary tree (adjacent pairs, level by level) of the NUM_CHUNKS chunk
-    sums of x @ w^T, chunk c over columns [c * CHUNK_K, (c + 1) * CHUNK_K), each an fp32 sum
-    from zero in BLOCK_K steps ascending (`_dot_k_range`, as the split launch's programs),
-    rounded to out's dtype once. The tree runs as a binary counter: after chunk c the finished
-    subtrees wait in s0..s2 (sizes 1, 2, 4), so at most four fp32 tiles are live; every add is
-    one of the tree's adds (left + right), so the bits equal the partials-then-tree path's."""
+    sums of x @ w^T, chunk c over columns [c * C, (c + 1) * C) with C = STEPS_PER_CHUNK *
+    BLOCK_K, each an fp32 sum from zero in BLOCK_K steps ascending, rounded to out's dtype
+    once. One K loop over all chunks (no pipeline drain at each chunk's end); at a chunk's
+    last step its sum joins the tree as a binary counter (tree_push: the finished subtrees
+    wait in s0..s2, so at most four fp32 tiles are live) and the accumulator restarts from
+    zero. Every add is one of the tree's: the bits of the partials-then-tree path."""
     pid_m, pid_n = _tile_of(
         tl.program_id(0), tl.cdiv(num_rows, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M
     )
     offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
     row_ok = offs_m < num_rows
     col_ok = offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # The waiting subtrees; each is written before it is read (the zeros are never added).
     s0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     s1 = s0
     s2 = s0
     s3 = s0  # never written below 16 chunks: compiled away
-    for c in tl.static_range(NUM_CHUNKS):
-        acc = _dot_k_range(
-            x_ptr, w_ptr, offs_m, offs_n, row_ok, col_ok, stride_xm, K, c * CHUNK_K,
-            (c + 1) * CHUNK_K, BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION, UPCAST_DOT, K_ALIGN,
-        )  # fmt: skip
-        acc, s0, s1, s2, s3 = tree_push(acc, s0, s1, s2, s3, c)
+    for step in range(NUM_CHUNKS * STEPS_PER_CHUNK):
+        k = step * BLOCK_K + offs_k
+        a = tl.load(
+            x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=row_ok[:, None], other=0.0
+        )
+        b = tl.load(w_ptr + offs_n[None, :] * K + k[:, None], mask=col_ok[None, :], other=0.0)
+        if UPCAST_DOT:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        if step % STEPS_PER_CHUNK == STEPS_PER_CHUNK - 1:
+            chunk = step // STEPS_PER_CHUNK
+            acc, s0, s1, s2, s3 = tree_push(acc, s0, s1, s2, s3, chunk, NUM_CHUNKS)
+            if chunk < NUM_CHUNKS - 1:
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     out = acc.to(out_ptr.dtype.element_ty)
     tl.store(
         out_ptr + offs_m[:, None] * N + offs_n[None, :],
@@ -391,10 +405,22 @@ def _chunk_tree_kernel(
     )
 
 
+def tree_block_k(chunk_k: int, dtype: torch.dtype) -> int:
+    """The in-program tree's K step: the largest power of two from the dtype's BLOCK_K down to
+    16 dividing the chunk (0: none), so steps never cross a chunk's end and need no k mask. A
+    chunk's sum is the same chain of 16-column MMAs onto one fp32 accumulator at any of them:
+    the full-step path's bits (tests/test_gpu_tp_linear.py checks it on the GPU)."""
+    block_k = linear_config(1, 1, dtype, 1).block_k
+    while block_k >= 16 and chunk_k % block_k:
+        block_k //= 2
+    return block_k if block_k >= 16 else 0
+
+
 MAX_TREE_CHUNKS = 8  # the in-program tree keeps subtrees of 1, 2 and 4 chunks
-# Large-M launch of the in-program tree: 64 x 128 tiles keep four fp32 tiles in 8 warps'
-# registers (128 x 128 would need 256 per thread).
-TREE_CONFIG_16BIT = LinearConfig(64, 128, BLOCK_K_16BIT, 8, 8, 3)
+# Its launch: 64 x 64 tiles keep the four fp32 tiles in 4 warps' registers; 4 stages. The
+# fastest of the shapes tried on the H200 (128 x 64 and 64 x 128 on 8 warps, 256 x 64;
+# BENCHMARKS.md, row-parallel section). The K step is the tree's own (tree_block_k).
+TREE_CONFIG = LinearConfig(64, 64, BLOCK_K_16BIT, 8, 4, 4)
 
 
 def linear_chunk_tree(
@@ -402,7 +428,7 @@ def linear_chunk_tree(
     weight: torch.Tensor,
     num_chunks: int,
     out_dtype: torch.dtype,
-    config: LinearConfig = TREE_CONFIG_16BIT,
+    config: LinearConfig = TREE_CONFIG,
 ) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T summed as num_chunks (a power of two <= 8, dividing K) chunk
     sums added in the fixed binary tree, in one launch with no fp32 partials in memory ->
@@ -416,6 +442,9 @@ def linear_chunk_tree(
             f"num_chunks must be a power of two <= {MAX_TREE_CHUNKS} dividing K = {in_dim}, "
             f"got {num_chunks}"
         )
+    block_k = tree_block_k(in_dim // num_chunks, x.dtype)
+    if not block_k:
+        raise ValueError(f"chunks of {in_dim // num_chunks} columns need a multiple of 16")
     x, weight = x.contiguous(), weight.contiguous()
     out = torch.empty((num_rows, out_dim), dtype=out_dtype, device=x.device)
     if num_rows == 0:
@@ -429,10 +458,9 @@ def linear_chunk_tree(
         out_dim,
         in_dim,
         x.stride(0),
-        in_dim // num_chunks,
+        STEPS_PER_CHUNK=in_dim // num_chunks // block_k,
         NUM_CHUNKS=num_chunks,
-        K_ALIGN=k_align(in_dim // num_chunks),
-        **_kernel_consts(config, x.dtype),
+        **_kernel_consts(dataclasses.replace(config, block_k=block_k), x.dtype),
     )
     return out
 

@@ -11,8 +11,6 @@ Under TRITON_INTERPRET=1 the kernels run on CPU tensors (tests); compiled, they 
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import triton
 import triton.language as tl
@@ -20,17 +18,16 @@ import triton.language as tl
 from kernels.config import MAX_TP_MAX
 from kernels.tp_linear import Collective, Gather, is_power_of_two, local_num_chunks
 from kernels.triton_linear import (
-    BLOCK_K_16BIT,
     MAX_TREE_CHUNKS,
     POINTER_CONFIG_16BIT,
     SPLIT_ROW_CHUNK,
-    LinearConfig,
     _check_pair,
     _kernel_consts,
     _linear_kernel,
     k_align,
     linear_chunk_tree,
     linear_config,
+    tree_block_k,
     tree_push,
 )
 
@@ -42,7 +39,6 @@ TREE_BLOCK = 1024  # elements per tree-sum program: a launch shape, not a sum or
 # 1368) keep the chunk-parallel launch. Both paths make the same adds: the same bits.
 TREE_MIN_ROWS = 512
 TREE_MAX_CHUNK_K = 512
-TREE_CONFIG = LinearConfig(64, 64, BLOCK_K_16BIT, 8, 4, 3)  # BLOCK_K: the dtype's, at launch
 
 
 @triton.jit
@@ -65,7 +61,7 @@ def _tree_sum_kernel(
     s3 = s0
     for c in tl.static_range(NUM_PARTS):
         acc = tl.load(parts_ptr + c * num_elems + offs, mask=ok, other=0.0)
-        acc, s0, s1, s2, s3 = tree_push(acc, s0, s1, s2, s3, c)
+        acc, s0, s1, s2, s3 = tree_push(acc, s0, s1, s2, s3, c, NUM_PARTS)
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -156,12 +152,14 @@ def _tp_linear(
         )
     x, weight = x.contiguous(), weight.contiguous()
     num_rows, chunk_k = x.shape[0], x.shape[1] // num_chunks
-    if num_rows > TREE_MIN_ROWS and chunk_k <= TREE_MAX_CHUNK_K and num_chunks <= MAX_TREE_CHUNKS:
+    if (
+        num_rows > TREE_MIN_ROWS
+        and chunk_k <= TREE_MAX_CHUNK_K
+        and num_chunks <= MAX_TREE_CHUNKS
+        and tree_block_k(chunk_k, x.dtype)
+    ):
         # The same adds in one launch: prefill-sized calls skip the fp32 partials' traffic.
-        # BLOCK_K is the dtype's, as in every other launch: it fixes each chunk's sum order.
-        block_k = linear_config(weight.shape[0], x.shape[1], x.dtype, num_rows).block_k
-        config = dataclasses.replace(TREE_CONFIG, block_k=block_k)
-        return linear_chunk_tree(x, weight, num_chunks, out_dtype, config)
+        return linear_chunk_tree(x, weight, num_chunks, out_dtype)
     out = torch.empty((num_rows, weight.shape[0]), dtype=out_dtype, device=x.device)
     for start in range(0, num_rows, SPLIT_ROW_CHUNK):  # launch boundaries only
         rows = slice(start, min(start + SPLIT_ROW_CHUNK, num_rows))
