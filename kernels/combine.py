@@ -17,11 +17,16 @@ Gather = Callable[[torch.Tensor], list[torch.Tensor]]
 
 
 def moe_combine_ref(
-    rows: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor
+    rows: torch.Tensor,
+    slot_ids: torch.Tensor,
+    weights: torch.Tensor,
+    row_of_slot: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """rows [N, D] in arrival order, slot_ids [N] int64: each row's flat slot m * K + k (each at
     most once), weights [M, K] fp32 -> out [M, D] fp32, out[m] = sum_k weights[m, k] * row(m, k),
-    k ascending; an absent slot adds 0."""
+    k ascending; an absent slot adds 0. row_of_slot [M*K] int64, optional: slot_ids' inverse
+    (each slot's row, -1 if absent) where the caller has it already (the dispatch layout); the
+    Triton kernel then skips deriving it, the torch versions index by slot_ids alone."""
     m, k = weights.shape
     y = rows.new_zeros(m * k, rows.shape[1])
     y[slot_ids] = rows  # index assignment back to (m, k) order: a permutation, no arithmetic
@@ -33,7 +38,10 @@ def moe_combine_ref(
 
 
 def moe_combine_fast(
-    rows: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor
+    rows: torch.Tensor,
+    slot_ids: torch.Tensor,
+    weights: torch.Tensor,
+    row_of_slot: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """moe_combine_ref's signature; index_add_ accumulates in arrival order (atomics on CUDA),
     so the bits follow the placement that decided the arrival order."""

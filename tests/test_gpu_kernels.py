@@ -282,13 +282,20 @@ def test_rope_kernel_rows_ignore_the_batch(generator, is_interleaved):
 
 
 def test_expert_layout_kernel_is_the_stable_sort(generator):
+    """The one-launch layout == the torch composition it replaces: the stable sort, bincount,
+    order // K (the dispatch gather's tokens) and order's inverse (the combine's rows)."""
     from kernels.triton_layout import expert_layout_triton
 
-    for num_rows, num_experts in ((1, 64), (384, 64), (1536, 64), (2048, 256)):
-        ids = torch.randint(0, num_experts, (num_rows,), generator=generator).cuda()
-        order, counts = expert_layout_triton(ids, num_experts)
-        assert torch.equal(order, torch.sort(ids, stable=True).indices)
-        assert torch.equal(counts, torch.bincount(ids, minlength=num_experts))
+    for num_tokens, top_k, num_experts in ((1, 6, 64), (64, 6, 64), (256, 6, 64), (256, 8, 256)):
+        ids = torch.randint(0, num_experts, (num_tokens, top_k), generator=generator).cuda()
+        order, counts, token_of_row, row_of_slot = expert_layout_triton(ids, num_experts)
+        want = torch.sort(ids.reshape(-1), stable=True).indices
+        assert torch.equal(order, want)
+        assert torch.equal(counts, torch.bincount(ids.reshape(-1), minlength=num_experts))
+        assert torch.equal(token_of_row, want // top_k)
+        inverse = torch.full_like(want, -1)
+        inverse[want] = torch.arange(want.numel(), device="cuda")
+        assert torch.equal(row_of_slot, inverse)
 
 
 def test_moe_combine_kernel_rows_ignore_the_batch(generator):

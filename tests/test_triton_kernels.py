@@ -167,6 +167,11 @@ def check_moe_combine(generator: torch.Generator) -> None:
     mine = (slots // top_k == 4).nonzero()[:, 0].flip(0)
     alone = moe_combine_triton(rows[mine], slots[mine] % top_k, weights[4:5])
     assert torch.equal(alone[0], out[4])
+    # The inverse handed in (as the dispatch layout does): the same bits, absent slots too.
+    inverse = torch.full((num_tokens * top_k,), -1, dtype=torch.int64)
+    inverse[slots[keep]] = torch.arange(int(keep.sum()))
+    given = moe_combine_triton(rows[keep], slots[keep], weights, row_of_slot=inverse)
+    assert torch.equal(given, partial)
 
 
 def check_silu_mul(generator: torch.Generator) -> None:
@@ -207,14 +212,22 @@ def check_rope(generator: torch.Generator) -> None:
 
 
 def check_expert_layout(generator: torch.Generator) -> None:
-    """The dispatch layout in one program: the stable sort's order and the counts, exactly."""
+    """The dispatch layout in one launch: the stable sort's order, the counts, order // K and
+    order's inverse, exactly (the torch composition the dispatchers ran before)."""
     from kernels.triton_layout import expert_layout_triton
 
-    for num_rows, num_experts in ((0, 8), (1, 64), (6, 64), (130, 8), (384, 64), (700, 256)):
-        ids = torch.randint(0, num_experts, (num_rows,), generator=generator)
-        order, counts = expert_layout_triton(ids, num_experts)
-        assert torch.equal(order, torch.sort(ids, stable=True).indices), (num_rows, num_experts)
-        assert torch.equal(counts, torch.bincount(ids, minlength=num_experts))
+    cases = ((0, 6, 8), (1, 6, 64), (6, 1, 64), (13, 10, 8), (64, 6, 64), (70, 10, 256))
+    for num_tokens, top_k, num_experts in cases:
+        ids = torch.randint(0, num_experts, (num_tokens, top_k), generator=generator)
+        order, counts, token_of_row, row_of_slot = expert_layout_triton(ids, num_experts)
+        want = torch.sort(ids.reshape(-1), stable=True).indices
+        inverse = torch.empty_like(want)
+        inverse[want] = torch.arange(want.numel())
+        case = (num_tokens, top_k, num_experts)
+        assert torch.equal(order, want), case
+        assert torch.equal(counts, torch.bincount(ids.reshape(-1), minlength=num_experts)), case
+        assert torch.equal(token_of_row, want // top_k), case
+        assert torch.equal(row_of_slot, inverse), case
 
 
 def check_rms_norm(generator: torch.Generator) -> None:
@@ -348,6 +361,8 @@ def check_router_topk(generator: torch.Generator) -> None:
 
 def check_bad_inputs(generator: torch.Generator) -> None:
     from kernels.triton_attention import mla_attention_triton
+    from kernels.triton_combine import moe_combine_triton
+    from kernels.triton_layout import expert_layout_triton
     from kernels.triton_linear import grouped_linear_triton, linear_triton
     from kernels.triton_rmsnorm import rms_norm_triton
     from kernels.triton_router import router_topk_triton
@@ -378,6 +393,8 @@ def check_bad_inputs(generator: torch.Generator) -> None:
         (lambda: mla_attention_triton(q, kv, ids, ids[None], ids, scale=1.0, v_dim=25), "v_dim"),
         (lambda: router_topk_triton(x.half(), None, **route), "fp32"),
         (lambda: router_topk_triton(x, torch.zeros(7), **route), "bias"),
+        (lambda: expert_layout_triton(ids, 8), r"\[T, K\] int64"),
+        (lambda: moe_combine_triton(x, ids, w[:2, :3], ids), r"row_of_slot must be \[6\]"),
     ]
     for call, pattern in cases:
         try:
