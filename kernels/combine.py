@@ -51,6 +51,18 @@ def moe_combine_fast(
     return out.index_add_(0, slot_ids // k, weighted)
 
 
+def moe_output_ref(
+    routed: torch.Tensor, shared: torch.Tensor | None, residual: torch.Tensor
+) -> torch.Tensor:
+    """The MoE layer's output on the residual stream: residual [T, D] + (routed [T, D] (the
+    fp32 combine, or already in residual's dtype) rounded to residual's dtype + shared [T, D]
+    or None). Elementwise, each step rounded to residual's dtype in this order."""
+    moe = routed.to(residual.dtype)
+    if shared is not None:
+        moe = moe + shared
+    return residual + moe
+
+
 def sum_over_ranks_ref(x: torch.Tensor, all_gather: Gather, all_reduce: Collective) -> torch.Tensor:
     """Sum of every rank's x (same shape and dtype): all_gather(x) -> [R] parts in rank order,
     added one elementwise add at a time with at least fp32 accumulation, so element i depends

@@ -174,6 +174,30 @@ def check_moe_combine(generator: torch.Generator) -> None:
     assert torch.equal(given, partial)
 
 
+def check_moe_output(generator: torch.Generator) -> None:
+    """The MoE epilogue in one launch == the cast and two adds it replaces (fp32 bitwise here;
+    bf16 roundings bitwise on the GPU: the interpreter's bf16 casts are not the GPU's), with
+    and without shared experts, routed in fp32 or already rounded (TP's gathered rows)."""
+    from kernels.combine import moe_output_ref
+    from kernels.triton_moe_output import moe_output_triton
+
+    for dtype in DTYPES:
+        routed = torch.randn(5, 1500, generator=generator)  # two blocks of 1024, one masked
+        shared = torch.randn(5, 1500, generator=generator).to(dtype)
+        residual = (torch.randn(5, 1500, generator=generator) * 4).to(dtype)
+        for routed_in in (routed, routed.to(dtype)):
+            for shared_in in (shared, None):
+                got = moe_output_triton(routed_in, shared_in, residual)
+                want = moe_output_ref(routed_in, shared_in, residual)
+                assert got.dtype == dtype and got.shape == (5, 1500)
+                if dtype == torch.float32:
+                    assert torch.equal(got, want)
+                else:  # three bf16 roundings, each up to an ulp off here (2**-8 relative)
+                    torch.testing.assert_close(got, want, atol=0.05, rtol=0.02)
+        full = moe_output_triton(routed, shared, residual)
+        assert torch.equal(moe_output_triton(routed[:2], shared[:2], residual[:2]), full[:2])
+
+
 def check_silu_mul(generator: torch.Generator) -> None:
     from kernels.activation import silu_mul_ref
     from kernels.triton_activation import silu_mul_triton
@@ -364,6 +388,7 @@ def check_bad_inputs(generator: torch.Generator) -> None:
     from kernels.triton_combine import moe_combine_triton
     from kernels.triton_layout import expert_layout_triton
     from kernels.triton_linear import grouped_linear_triton, linear_triton
+    from kernels.triton_moe_output import moe_output_triton
     from kernels.triton_rmsnorm import rms_norm_triton
     from kernels.triton_router import router_topk_triton
     from kernels.triton_softmax import log_softmax_triton
@@ -394,6 +419,9 @@ def check_bad_inputs(generator: torch.Generator) -> None:
         (lambda: router_topk_triton(x.half(), None, **route), "fp32"),
         (lambda: router_topk_triton(x, torch.zeros(7), **route), "bias"),
         (lambda: expert_layout_triton(ids, 8), r"\[T, K\] int64"),
+        (lambda: moe_output_triton(x[:3], None, x), r"routed must be \(4, 8\)"),
+        (lambda: moe_output_triton(x, x.half(), x), "shared must be torch.float32"),
+        (lambda: moe_output_triton(x.half(), None, x.bfloat16()), "torch.float16"),
         (lambda: moe_combine_triton(x, ids, w[:2, :3], ids), r"row_of_slot must be \[6\]"),
     ]
     for call, pattern in cases:
@@ -412,6 +440,7 @@ CHECKS = {
     "grouped_linear_device_counts": check_grouped_linear_device_counts,
     "batched_linear": check_batched_linear,
     "moe_combine": check_moe_combine,
+    "moe_output": check_moe_output,
     "silu_mul": check_silu_mul,
     "rope": check_rope,
     "expert_layout": check_expert_layout,
@@ -436,6 +465,7 @@ def test_triton_kernel_interpreted(interpreted_results, name):
 def test_compiled_wrappers_refuse_cpu_and_bad_inputs(generator):
     # In this process the kernels are compiled (no interpreter), so CPU tensors are refused.
     from kernels.triton_linear import grouped_linear_triton, linear_triton
+    from kernels.triton_moe_output import moe_output_triton
     from kernels.triton_rmsnorm import rms_norm_triton
     from kernels.triton_softmax import softmax_triton
 
@@ -446,6 +476,8 @@ def test_compiled_wrappers_refuse_cpu_and_bad_inputs(generator):
         rms_norm_triton(x, torch.ones(8), EPS)
     with pytest.raises(ValueError, match="cpu"):
         softmax_triton(x)
+    with pytest.raises(ValueError, match="cpu"):
+        moe_output_triton(x, None, x)
     meta_x, meta_w = x.to("meta"), w.to("meta")
     with pytest.raises(ValueError, match="meta"):
         grouped_linear_triton(meta_x, meta_w[None], [4])
