@@ -42,7 +42,12 @@ from kernels.linear import (
 )
 from kernels.rmsnorm import rms_norm_fast, rms_norm_ref
 from kernels.rope import rope_ref
-from kernels.router import router_topk_fast, router_topk_ref
+from kernels.router import (
+    router_logits_fast,
+    router_logits_ref,
+    router_topk_fast,
+    router_topk_ref,
+)
 from kernels.softmax import log_softmax_fast, log_softmax_ref, softmax_fast, softmax_ref
 from kernels.tp_linear import row_parallel_linear_fast, row_parallel_linear_ref
 
@@ -58,6 +63,7 @@ class OpTable:
     softmax: Callable
     log_softmax: Callable
     mla_attention: Callable
+    router_logits: Callable
     router_topk: Callable
     moe_combine: Callable
     moe_output: Callable
@@ -78,6 +84,7 @@ _TILED_OPS: dict[str, tuple[Callable, Callable]] = {
     "softmax": (softmax_fast, softmax_ref),
     "log_softmax": (log_softmax_fast, log_softmax_ref),
     "mla_attention": (mla_attention_fast, mla_attention_ref),
+    "router_logits": (router_logits_fast, router_logits_ref),
     "router_topk": (router_topk_fast, router_topk_ref),
 }
 # Why these references serve CPU and CUDA alike (on CUDA the combine is one Triton kernel
@@ -169,7 +176,7 @@ def _triton_kernels() -> dict[str, Callable]:
     from kernels.triton_linear import batched_linear_triton, grouped_linear_triton, linear_triton
     from kernels.triton_moe_output import moe_output_triton
     from kernels.triton_rmsnorm import rms_norm_triton
-    from kernels.triton_router import router_topk_triton
+    from kernels.triton_router import router_logits_triton, router_topk_triton
     from kernels.triton_softmax import log_softmax_triton, softmax_triton
 
     return {
@@ -180,6 +187,7 @@ def _triton_kernels() -> dict[str, Callable]:
         "softmax": softmax_triton,
         "log_softmax": log_softmax_triton,
         "mla_attention": mla_attention_triton,
+        "router_logits": router_logits_triton,  # no x.float() launch: upcast in registers
         # Why a kernel and not torch: torch.softmax over experts and the weight-normalising
         # sum choose their CUDA launch plans from the tensor shape.
         "router_topk": router_topk_triton,

@@ -415,6 +415,19 @@ def test_router_topk_bitwise_invariant_and_matches_ref(generator, method):
     # the invariance is by construction, not by a library's launch heuristics.
 
 
+def test_router_logits_upcast_in_registers_gives_the_copy_bits(generator):
+    """bf16 x against the fp32 router weight == the fp32 linear of x.float(), bit for bit, in
+    every row bucket (V2-Lite: 64 experts x 2048; V3: 256 x 7168)."""
+    from kernels.triton_linear import linear_triton
+    from kernels.triton_router import router_logits_triton
+
+    for num_experts, hidden in ((64, 2048), (256, 7168)):
+        x = _randn(generator, 4096, hidden)
+        w = _randn(generator, num_experts, hidden, dtype=torch.float32, scale=hidden**-0.5)
+        for m in (1, 8, 16, 17, 64, 65, 256, 4096):
+            assert torch.equal(router_logits_triton(x[:m], w), linear_triton(x[:m].float(), w))
+
+
 def test_moe_output_kernel_is_the_cast_and_two_adds(generator):
     """The fused epilogue == routed.to(bf16) + shared, then residual + that, bit for bit."""
     from kernels.combine import moe_output_ref

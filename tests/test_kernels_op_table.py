@@ -27,6 +27,7 @@ TILED_OPS = (
     "softmax",
     "log_softmax",
     "mla_attention",
+    "router_logits",
     "router_topk",
 )
 # Row-wise by construction (a token's slots, the ranks of one element, one vocab row): the

@@ -355,6 +355,23 @@ def check_mla_attention(generator: torch.Generator) -> None:
         ).shape == (0, 4, 32)
 
 
+def check_router_logits(generator: torch.Generator) -> None:
+    """bf16 x against the fp32 router weight, upcast in registers: the bits of the fp32 linear
+    of x.float() (the copy launch it replaces), on both sides of the row buckets and the K
+    split (K 2048: four chunks of 512)."""
+    from kernels.router import router_logits_ref
+    from kernels.triton_linear import linear_triton
+    from kernels.triton_router import router_logits_triton
+
+    x = torch.randn(70, 2048, generator=generator).to(torch.bfloat16)
+    w = torch.randn(64, 2048, generator=generator) / 2048**0.5
+    for m in (1, 16, 17, 64, 65, 70):
+        got = router_logits_triton(x[:m], w)
+        assert got.dtype == torch.float32
+        assert torch.equal(got, linear_triton(x[:m].float(), w)), m
+    torch.testing.assert_close(got, router_logits_ref(x, w, tile_rows=8), **FP32_TOL)
+
+
 def check_router_topk(generator: torch.Generator) -> None:
     from kernels.router import router_topk_ref
     from kernels.triton_router import router_topk_triton
@@ -447,6 +464,7 @@ CHECKS = {
     "rms_norm": check_rms_norm,
     "softmax": check_softmax,
     "mla_attention": check_mla_attention,
+    "router_logits": check_router_logits,
     "router_topk": check_router_topk,
     "bad_inputs": check_bad_inputs,
 }

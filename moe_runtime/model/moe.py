@@ -35,7 +35,7 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D] -> topk_ids [T, K] int64, topk_weights [T, K] fp32 (router math in fp32)."""
-        logits = self.ops.linear(x.float(), self.weight.float())
+        logits = self.ops.router_logits(x, self.weight)
         cfg = self.cfg
         return self.ops.router_topk(
             logits,
