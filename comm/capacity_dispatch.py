@@ -132,7 +132,8 @@ class FixedCapacityDispatcher:
         recv_counts = self._all_to_all(send_counts, "dispatch counts all_to_all").view(r, slots)
         send_pos = self._send_positions(topk_phys_ids.reshape(-1)[order], send_counts, capacity)
         send_buf = x.new_zeros(r * capacity, x.shape[1])
-        send_buf[send_pos] = x[order // k]  # index assignment: each row once, no arithmetic
+        # Index assignment: each row once, no arithmetic.
+        send_buf[send_pos] = x[layout.token_of_row]
         # Collective (all ranks, right after the counts): one block of C rows per rank.
         recv_buf = self._all_to_all(send_buf, "dispatch all_to_all")
         recv_per_rank = recv_counts.sum(1)

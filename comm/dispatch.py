@@ -33,7 +33,10 @@ class DispatchHandle:
     """What combine needs to send results home. N rows received, T tokens sent, U partials.
 
     order [T*K]: flat (token * K + slot) index of each sent row, in send order.
-    recv_order [N]: for each expert-sorted row, its index in the received buffer.
+    recv_order [N]: for each expert-sorted row, its index in the received buffer; None at world
+    size 1, where the buffer is already expert-sorted.
+    row_of_slot [T*K] or None: each flat (token * K + slot)'s row in send order (order's
+    inverse), when the layout made it (the combine then needs no launches to invert order).
     The reduce_* fields are set only with multiple reduction: reduce_slot_ids [N] is each
     received row's flat (partial * K + slot) (buffer order), reduce_weights [U, K] fp32 the
     partials' top-k weights (0 where absent), reduce_back_ids [U'] the flat
@@ -43,8 +46,9 @@ class DispatchHandle:
     order: torch.Tensor
     send_splits: list[int]
     recv_splits: list[int]
-    recv_order: torch.Tensor
+    recv_order: torch.Tensor | None
     num_tokens: int
+    row_of_slot: torch.Tensor | None = None
     reduce_slot_ids: torch.Tensor | None = None
     reduce_weights: torch.Tensor | None = None
     reduce_send_splits: list[int] | None = None
@@ -57,11 +61,15 @@ class DispatchLayout:
     """The first of DeepEP's three calls: where every (token, slot) row goes, before any data.
 
     order [T*K]: flat (token * K + slot) indices in send order; rows_per_slot [R*L] int64:
-    rows bound for each (destination rank, local slot).
+    rows bound for each (destination rank, local slot); token_of_row [T*K]: each sent row's
+    source token (order // K); row_of_slot [T*K] or None: order's inverse, made only by the
+    one-launch path (the sort path would spend launches on it that only world size 1 uses).
     """
 
     order: torch.Tensor
     rows_per_slot: torch.Tensor
+    token_of_row: torch.Tensor
+    row_of_slot: torch.Tensor | None = None
 
 
 # Up to this many rows (token, slot pairs), a CUDA layout is one Triton launch; above, a sort.
@@ -86,11 +94,12 @@ def dispatch_layout(topk_phys_ids: torch.Tensor, num_physical: int) -> DispatchL
         # load Triton's compiler front end.
         from kernels.triton_layout import expert_layout_triton
 
-        return DispatchLayout(*expert_layout_triton(flat, num_physical))
+        return DispatchLayout(*expert_layout_triton(topk_phys_ids, num_physical))
     # Integer adds: exact in any order (torch.bincount would sync to size its output).
     rows_per_slot = torch.zeros(num_physical, dtype=torch.int64, device=flat.device)
     rows_per_slot.index_add_(0, flat, torch.ones_like(flat))
-    return DispatchLayout(sort_rows_by_destination(topk_phys_ids), rows_per_slot)
+    order = sort_rows_by_destination(topk_phys_ids)
+    return DispatchLayout(order, rows_per_slot, order // topk_phys_ids.shape[1])
 
 
 def sort_rows_by_destination(topk_phys_ids: torch.Tensor) -> torch.Tensor:
@@ -123,7 +132,7 @@ def _check_routing(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) ->
 class LocalDispatcher:
     """World size 1: the same dispatch/combine results with no communication. One rank holds
     every slot of a token, so there is nothing to pre-reduce: no multiple-reduction switch.
-    moe_combine: the op table's (rows, slot_ids, weights) -> out."""
+    moe_combine: the op table's (rows, slot_ids, weights, row_of_slot=None) -> out."""
 
     is_capturable = True  # no host sync, no collective: a CUDA graph may hold the MoE layer
 
@@ -153,19 +162,18 @@ class LocalDispatcher:
         """x [T, D] -> rows [T*K, D] sorted by (local slot, token, slot), group sizes [L]
         int64 on x's device. No host sync and no collective: a CUDA graph can capture it."""
         _check_routing(x, topk_phys_ids, topk_weights)
-        k = topk_phys_ids.shape[1]
         layout = layout or self.layout(topk_phys_ids)
-        order = layout.order
-        num_rows = order.numel()
-        recv_order = torch.arange(num_rows, device=order.device)
-        handle = DispatchHandle(order, [num_rows], [num_rows], recv_order, x.shape[0])
-        return x[order // k], layout.rows_per_slot, handle
+        num_rows = layout.order.numel()
+        handle = DispatchHandle(
+            layout.order, [num_rows], [num_rows], None, x.shape[0], layout.row_of_slot
+        )
+        return x[layout.token_of_row], layout.rows_per_slot, handle
 
     def combine(
         self, y: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor
     ) -> torch.Tensor:
         """y [T*K, D] in dispatch order -> out [T, D] fp32."""
-        return self.moe_combine(y, handle.order, topk_weights)
+        return self.moe_combine(y, handle.order, topk_weights, row_of_slot=handle.row_of_slot)
 
 
 class AllToAllDispatcher:
@@ -240,7 +248,9 @@ class AllToAllDispatcher:
         recv_splits = recv_counts.sum(1).tolist()
         group_sizes = recv_counts.sum(0)
         # Collective (all ranks, right after the counts): the rows, uneven splits.
-        recv_buf = self._all_to_all(x[order // k], send_splits, recv_splits, "dispatch all_to_all")
+        recv_buf = self._all_to_all(
+            x[layout.token_of_row], send_splits, recv_splits, "dispatch all_to_all"
+        )
         self._count_remote(send_splits)
         # The buffer is (source rank, local slot, token, slot); a stable sort on the local slot
         # makes it (local slot, source rank, token, slot): each expert's rows are contiguous.

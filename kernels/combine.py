@@ -17,11 +17,16 @@ Gather = Callable[[torch.Tensor], list[torch.Tensor]]
 
 
 def moe_combine_ref(
-    rows: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor
+    rows: torch.Tensor,
+    slot_ids: torch.Tensor,
+    weights: torch.Tensor,
+    row_of_slot: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """rows [N, D] in arrival order, slot_ids [N] int64: each row's flat slot m * K + k (each at
     most once), weights [M, K] fp32 -> out [M, D] fp32, out[m] = sum_k weights[m, k] * row(m, k),
-    k ascending; an absent slot adds 0."""
+    k ascending; an absent slot adds 0. row_of_slot [M*K] int64, optional: slot_ids' inverse
+    (each slot's row, -1 if absent) where the caller has it already (the dispatch layout); the
+    Triton kernel then skips deriving it, the torch versions index by slot_ids alone."""
     m, k = weights.shape
     y = rows.new_zeros(m * k, rows.shape[1])
     y[slot_ids] = rows  # index assignment back to (m, k) order: a permutation, no arithmetic
@@ -33,7 +38,10 @@ def moe_combine_ref(
 
 
 def moe_combine_fast(
-    rows: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor
+    rows: torch.Tensor,
+    slot_ids: torch.Tensor,
+    weights: torch.Tensor,
+    row_of_slot: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """moe_combine_ref's signature; index_add_ accumulates in arrival order (atomics on CUDA),
     so the bits follow the placement that decided the arrival order."""
@@ -41,6 +49,18 @@ def moe_combine_fast(
     weighted = rows.float() * weights.reshape(-1)[slot_ids, None]
     out = torch.zeros(m, rows.shape[1], dtype=torch.float32, device=rows.device)
     return out.index_add_(0, slot_ids // k, weighted)
+
+
+def moe_output_ref(
+    routed: torch.Tensor, shared: torch.Tensor | None, residual: torch.Tensor
+) -> torch.Tensor:
+    """The MoE layer's output on the residual stream: residual [T, D] + (routed [T, D] (the
+    fp32 combine, or already in residual's dtype) rounded to residual's dtype + shared [T, D]
+    or None). Elementwise, each step rounded to residual's dtype in this order."""
+    moe = routed.to(residual.dtype)
+    if shared is not None:
+        moe = moe + shared
+    return residual + moe
 
 
 def sum_over_ranks_ref(x: torch.Tensor, all_gather: Gather, all_reduce: Collective) -> torch.Tensor:

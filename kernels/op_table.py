@@ -5,7 +5,8 @@ cumsum included, so `kernels.mode: fast` turns invariance off everywhere. Invari
 CPU binds the torch references (tiled ones to `config.tile_rows`); fast mode is plain torch,
 except on CUDA, where it is the fastest version of each op: cuBLAS linears, torch's grouped
 GEMM, FlashMLA (or split-KV) decode attention (kernels/fast_attention.py), and the one-launch
-Triton kernels of the norm, silu*up and combine. Invariant mode on CUDA binds the Triton
+Triton kernels of the norm, silu*up, combine
+and MoE output. Invariant mode on CUDA binds the Triton
 kernels; other devices are refused.
 Building a table has no side effects; `pin_threads` is the one call that touches process
 state (torch's intra-op thread count) and each worker makes it once, at start-up.
@@ -24,6 +25,7 @@ from kernels.attention import mla_attention_fast, mla_attention_ref
 from kernels.combine import (
     moe_combine_fast,
     moe_combine_ref,
+    moe_output_ref,
     sum_over_ranks_fast,
     sum_over_ranks_ref,
 )
@@ -40,7 +42,12 @@ from kernels.linear import (
 )
 from kernels.rmsnorm import rms_norm_fast, rms_norm_ref
 from kernels.rope import rope_ref
-from kernels.router import router_topk_fast, router_topk_ref
+from kernels.router import (
+    router_logits_fast,
+    router_logits_ref,
+    router_topk_fast,
+    router_topk_ref,
+)
 from kernels.softmax import log_softmax_fast, log_softmax_ref, softmax_fast, softmax_ref
 from kernels.tp_linear import row_parallel_linear_fast, row_parallel_linear_ref
 
@@ -56,8 +63,10 @@ class OpTable:
     softmax: Callable
     log_softmax: Callable
     mla_attention: Callable
+    router_logits: Callable
     router_topk: Callable
     moe_combine: Callable
+    moe_output: Callable
     sum_over_ranks: Callable
     cumsum: Callable
     silu_mul: Callable
@@ -75,6 +84,7 @@ _TILED_OPS: dict[str, tuple[Callable, Callable]] = {
     "softmax": (softmax_fast, softmax_ref),
     "log_softmax": (log_softmax_fast, log_softmax_ref),
     "mla_attention": (mla_attention_fast, mla_attention_ref),
+    "router_logits": (router_logits_fast, router_logits_ref),
     "router_topk": (router_topk_fast, router_topk_ref),
 }
 # Why these references serve CPU and CUDA alike (on CUDA the combine is one Triton kernel
@@ -90,12 +100,15 @@ _ROW_WISE_OPS: dict[str, tuple[Callable, Callable]] = {
     "sum_over_ranks": (sum_over_ranks_fast, sum_over_ranks_ref),
     "cumsum": (cumsum_fast, cumsum_ref),
     "silu_mul": (silu_mul_fast, silu_mul_ref),
+    # Elementwise, not reducing: one op for both modes (on CUDA one Triton launch of the same
+    # roundings instead of three torch ones).
+    "moe_output": (moe_output_ref, moe_output_ref),
 }
 
 
 # Ops whose Triton kernel is also the fastest CUDA version measured (bench/profile_step.py):
 # fused elementwise or row-wise kernels replacing 3-14 torch launches each.
-_FASTEST_ON_CUDA = ("rms_norm", "silu_mul", "moe_combine")
+_FASTEST_ON_CUDA = ("rms_norm", "silu_mul", "moe_combine", "moe_output")
 
 
 def build_op_table(config: KernelConfig, device: torch.device | str) -> OpTable:
@@ -161,8 +174,9 @@ def _triton_kernels() -> dict[str, Callable]:
     from kernels.triton_attention import mla_attention_triton
     from kernels.triton_combine import moe_combine_triton
     from kernels.triton_linear import batched_linear_triton, grouped_linear_triton, linear_triton
+    from kernels.triton_moe_output import moe_output_triton
     from kernels.triton_rmsnorm import rms_norm_triton
-    from kernels.triton_router import router_topk_triton
+    from kernels.triton_router import router_logits_triton, router_topk_triton
     from kernels.triton_softmax import log_softmax_triton, softmax_triton
 
     return {
@@ -173,12 +187,14 @@ def _triton_kernels() -> dict[str, Callable]:
         "softmax": softmax_triton,
         "log_softmax": log_softmax_triton,
         "mla_attention": mla_attention_triton,
+        "router_logits": router_logits_triton,  # no x.float() launch: upcast in registers
         # Why a kernel and not torch: torch.softmax over experts and the weight-normalising
         # sum choose their CUDA launch plans from the tensor shape.
         "router_topk": router_topk_triton,
         # Why a kernel: the torch combine is ~14 launches per MoE layer on a decode step.
         "moe_combine": moe_combine_triton,
         "silu_mul": silu_mul_triton,  # one launch for ~7 torch ones
+        "moe_output": moe_output_triton,  # one launch for the cast and two adds
     }
 
 

@@ -14,11 +14,22 @@ from collections.abc import Callable
 
 import torch
 
+from kernels.linear import linear_fast, linear_ref
 from kernels.tiling import pad_rows
 
 SCORING_FUNCS = ("softmax", "sigmoid")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 TopK = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+
+
+def router_logits_ref(x: torch.Tensor, weight: torch.Tensor, *, tile_rows: int) -> torch.Tensor:
+    """x [T, D] (any float dtype), weight [E, D] -> fp32 logits [T, E]: the router's linear in
+    fp32 (x.float() @ weight.float()^T), by the tiled reference linear."""
+    return linear_ref(x.float(), weight.float(), tile_rows=tile_rows)
+
+
+def router_logits_fast(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return linear_fast(x.float(), weight.float())
 
 
 def _stable_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

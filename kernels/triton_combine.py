@@ -36,21 +36,32 @@ def _combine_kernel(
 
 
 def moe_combine_triton(
-    rows: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor
+    rows: torch.Tensor,
+    slot_ids: torch.Tensor,
+    weights: torch.Tensor,
+    row_of_slot: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """moe_combine_ref's contract: rows [N, D] in arrival order, slot_ids [N] int64 (each row's
-    flat slot m * K + k, each at most once), weights [M, K] fp32 -> out [M, D] fp32."""
+    flat slot m * K + k, each at most once), weights [M, K] fp32 -> out [M, D] fp32.
+    row_of_slot [M*K] int64 (slot_ids' inverse, -1 where absent), when given, is trusted and
+    read instead of slot_ids: the kernel alone, no launches to derive it."""
     num_tokens, top_k = weights.shape
     dim = rows.shape[1]
     out = torch.empty((num_tokens, dim), dtype=torch.float32, device=rows.device)
     if num_tokens == 0:
         return out
-    # Index assignment (a permutation, no arithmetic): the row holding each slot, -1 if none.
-    row_of_slot = torch.full((num_tokens * top_k,), -1, dtype=torch.int64, device=rows.device)
-    row_of_slot[slot_ids] = torch.arange(slot_ids.numel(), device=rows.device)
+    if row_of_slot is None:
+        # Index assignment (a permutation, no arithmetic): the row holding each slot, -1 if none.
+        row_of_slot = torch.full((num_tokens * top_k,), -1, dtype=torch.int64, device=rows.device)
+        row_of_slot[slot_ids] = torch.arange(slot_ids.numel(), device=rows.device)
+    elif row_of_slot.shape != (num_tokens * top_k,) or row_of_slot.dtype != torch.int64:
+        raise ValueError(
+            f"row_of_slot must be [{num_tokens * top_k}] int64, got "
+            f"{tuple(row_of_slot.shape)} {row_of_slot.dtype}"
+        )
     _combine_kernel[(num_tokens, triton.cdiv(dim, BLOCK_D))](
         rows.contiguous(),
-        row_of_slot,
+        row_of_slot.contiguous(),
         weights.contiguous().float(),
         out,
         dim,

@@ -1,11 +1,13 @@
 """The MoE dispatch layout of a decode-sized step as one Triton launch (GPU path).
 
-From the flat physical expert ids [N] of a step's (token, slot) rows: the rows per expert, and
-the order that lists rows by expert, then by row index (a stable sort's order exactly). A row's
-place is its expert's first place plus how many earlier rows chose that expert: integer counts
-and comparisons only, exact. One launch instead of ~14 small torch ones, one program per 64
-rows; for large N (prefill) `comm.dispatch` sorts instead. Under TRITON_INTERPRET=1 it runs on
-CPU tensors.
+From the physical expert ids [T, K] of a step's (token, slot) rows, flat row r = token * K +
+slot: the rows per expert, the order that lists rows by expert, then by row index (a stable
+sort's order exactly), each ordered row's source token (order // K) and each row's place in the
+order (the order's inverse), so neither the dispatch gather nor the combine needs launches of
+its own to derive them. A row's place is its expert's first place plus how many earlier rows
+chose that expert: integer counts and comparisons only, exact. One launch instead of ~14 small
+torch ones, one program per 64 rows; for large N (prefill) `comm.dispatch` sorts instead.
+Under TRITON_INTERPRET=1 it runs on CPU tensors.
 """
 
 from __future__ import annotations
@@ -22,8 +24,11 @@ def _layout_kernel(
     ids_ptr,
     order_ptr,
     counts_ptr,
+    token_ptr,
+    place_ptr,
     num_rows,
     num_experts,
+    TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_E: tl.constexpr,
 ):
@@ -50,24 +55,39 @@ def _layout_kernel(
     base = tl.sum(tl.where(is_mine, (first + seen)[None, :], 0), 1)
     earlier_same = (ids[:, None] == ids[None, :]) & (rows[None, :] < rows[:, None])
     place = base + tl.sum(earlier_same.to(tl.int32), 1)
-    tl.store(order_ptr + place, (start + rows).to(tl.int64), mask=is_row)
+    row_ids = (start + rows).to(tl.int64)
+    tl.store(order_ptr + place, row_ids, mask=is_row)
+    tl.store(token_ptr + place, row_ids // TOP_K, mask=is_row)
+    tl.store(place_ptr + row_ids, place.to(tl.int64), mask=is_row)
 
 
 def expert_layout_triton(
-    flat_ids: torch.Tensor, num_experts: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """flat_ids [N] int64 (all in [0, num_experts)) -> (order [N] int64: row indices by expert
-    then row, rows_per_expert [num_experts] int64). No host sync; one program per BLOCK_N rows
-    (integer counts: exact whichever program does them)."""
+    topk_ids: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """topk_ids [T, K] int64 (all in [0, num_experts)), flat row r = token * K + slot ->
+    order [T*K] int64 (flat rows by expert, then row), rows_per_expert [num_experts] int64,
+    token_of_row [T*K] int64 (order // K), row_of_slot [T*K] int64 (each flat row's place in
+    order: order's inverse). No host sync; one program per BLOCK_N rows (integer counts:
+    exact whichever program does them)."""
+    if topk_ids.dim() != 2 or topk_ids.dtype != torch.int64:
+        raise ValueError(
+            f"topk_ids must be [T, K] int64, got {tuple(topk_ids.shape)} {topk_ids.dtype}"
+        )
+    flat_ids = topk_ids.reshape(-1).contiguous()
     order = torch.empty_like(flat_ids)
+    token_of_row = torch.empty_like(flat_ids)
+    row_of_slot = torch.empty_like(flat_ids)
     counts = torch.empty(num_experts, dtype=torch.int64, device=flat_ids.device)
     _layout_kernel[(max(1, triton.cdiv(flat_ids.numel(), BLOCK_N)),)](
-        flat_ids.contiguous(),
+        flat_ids,
         order,
         counts,
+        token_of_row,
+        row_of_slot,
         flat_ids.numel(),
         num_experts,
+        TOP_K=topk_ids.shape[1],
         BLOCK_N=BLOCK_N,
         BLOCK_E=max(triton.next_power_of_2(num_experts), 16),
     )
-    return order, counts
+    return order, counts, token_of_row, row_of_slot

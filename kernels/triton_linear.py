@@ -460,7 +460,7 @@ def linear_chunk_tree(
         x.stride(0),
         STEPS_PER_CHUNK=in_dim // num_chunks // block_k,
         NUM_CHUNKS=num_chunks,
-        **_kernel_consts(dataclasses.replace(config, block_k=block_k), x.dtype),
+        **_kernel_consts(dataclasses.replace(config, block_k=block_k), x.dtype, weight.dtype),
     )
     return out
 
@@ -569,9 +569,13 @@ def _check_tensor(name: str, t: torch.Tensor, ndim: int, dtype: torch.dtype | No
         raise ValueError(f"{name} dtype must be {want}, got {t.dtype}")
 
 
-def _check_pair(x: torch.Tensor, weight: torch.Tensor, weight_ndim: int) -> None:
+def _check_pair(
+    x: torch.Tensor, weight: torch.Tensor, weight_ndim: int, is_upcast_ok: bool = False
+) -> None:
+    """is_upcast_ok: an fp32 weight may meet a 16-bit x (upcast in registers, exact)."""
     _check_tensor("x", x, 2, None)
-    _check_tensor("weight", weight, weight_ndim, x.dtype)
+    is_upcast = is_upcast_ok and weight.dtype == torch.float32
+    _check_tensor("weight", weight, weight_ndim, None if is_upcast else x.dtype)
     if weight.device != x.device:
         raise ValueError(f"weight is on {weight.device} but x is on {x.device}")
     if weight.shape[-1] != x.shape[1]:
@@ -593,7 +597,7 @@ def _launch(
     at a time, and add the fp32 partials in chunk order in a second launch."""
     out_dim, in_dim = weight.shape[-2:]
     is_plain = counts is None and x.dim() == 2
-    k_splits = k_split_count(whole_out_dim or out_dim, in_dim, x.dtype) if is_plain else 1
+    k_splits = k_split_count(whole_out_dim or out_dim, in_dim, weight.dtype) if is_plain else 1
     if k_splits > 1:
         if config.is_persistent:
             config = POINTER_CONFIG_16BIT
@@ -630,22 +634,23 @@ def _launch(
         IS_GROUPED=counts is not None,
         K_SPLITS=1,
         BLOCK_G=max(triton.next_power_of_2(num_groups), 2),
-        **_kernel_consts(config, x.dtype),
+        **_kernel_consts(config, x.dtype, weight.dtype),
     )
     return out
 
 
-def _kernel_consts(config: LinearConfig, dtype: torch.dtype) -> dict:
+def _kernel_consts(config: LinearConfig, x_dtype: torch.dtype, w_dtype: torch.dtype) -> dict:
     return dict(
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         GROUP_M=config.group_m,
-        # Why: fp32 inputs (router logits) use exact fp32 products, not tf32.
-        INPUT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
+        # Why: fp32 weights (the router) use exact fp32 products, not tf32.
+        INPUT_PRECISION="ieee" if w_dtype == torch.float32 else "tf32",
         # The interpreter hands 16-bit floats to numpy's matmul as raw bits: feed it fp32
-        # (exact for bf16/fp16 products). Compiled kernels keep the 16-bit MMA.
-        UPCAST_DOT=_is_interpreted() and dtype != torch.float32,
+        # (exact for bf16/fp16 products). Compiled kernels keep the 16-bit MMA. A 16-bit x
+        # against an fp32 weight is upcast in registers: the values x.float() would load.
+        UPCAST_DOT=(_is_interpreted() and w_dtype != torch.float32) or x_dtype != w_dtype,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
@@ -677,7 +682,7 @@ def _launch_split(x, weight, out, config: LinearConfig, k_splits: int) -> None:
         K_SPLITS=k_splits,
         K_ALIGN=k_align(k_split_chunk(in_dim, k_splits)),
         BLOCK_G=2,
-        **_kernel_consts(config, x.dtype),
+        **_kernel_consts(config, x.dtype, weight.dtype),
     )
     num_elems, block = num_rows * out_dim, 1024
     _sum_splits_kernel[(triton.cdiv(num_elems, block),)](
@@ -688,22 +693,25 @@ def _launch_split(x, weight, out, config: LinearConfig, k_splits: int) -> None:
 def linear_triton(
     x: torch.Tensor, weight: torch.Tensor, *, whole_out_dim: int | None = None
 ) -> torch.Tensor:
-    """x [T, IN] @ weight [OUT, IN]^T -> [T, OUT] in x's dtype; fp32 accumulation.
+    """x [T, IN] @ weight [OUT, IN]^T -> [T, OUT] in weight's dtype; fp32 accumulation. x has
+    weight's dtype, or is 16-bit against an fp32 weight (the router): then it is upcast in
+    registers, exactly, and the result has linear_triton(x.float(), weight)'s bits without
+    the copy launch.
 
     whole_out_dim: the OUT of the whole weight when `weight` is one TP rank's column slice of
     it (None: weight is whole). The fixed K split follows the whole weight's shape, so each
     output column gets the same sum at every TP degree.
     """
-    _check_pair(x, weight, 2)
+    _check_pair(x, weight, 2, is_upcast_ok=True)
     if whole_out_dim is not None and whole_out_dim < weight.shape[0]:
         raise ValueError(
             f"whole_out_dim {whole_out_dim} is smaller than the slice's {weight.shape[0]} rows"
         )
     x, weight = x.contiguous(), weight.contiguous()
-    out = x.new_empty((x.shape[0], weight.shape[0]))
+    out = x.new_empty((x.shape[0], weight.shape[0]), dtype=weight.dtype)
     if x.shape[0] == 0:
         return out
-    config = linear_config(weight.shape[0], weight.shape[1], x.dtype, x.shape[0])
+    config = linear_config(weight.shape[0], weight.shape[1], weight.dtype, x.shape[0])
     return _launch(x, weight, out, None, x.shape[0], config, whole_out_dim)
 
 

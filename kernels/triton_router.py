@@ -18,6 +18,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from kernels.router import _check
+from kernels.triton_linear import linear_triton
 
 MAX_EXPERTS = 4096
 
@@ -101,6 +102,13 @@ def _router_topk_kernel(
     slot_ok = slots < TOP_K
     tl.store(ids_ptr + row * TOP_K + slots, topk_ids.to(tl.int64), mask=slot_ok)
     tl.store(weights_ptr + row * TOP_K + slots, topk_weights * scaling, mask=slot_ok)
+
+
+def router_logits_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """router_logits_ref's contract: x [T, D] (bf16, fp16 or fp32), weight [E, D] -> fp32 logits
+    [T, E]. linear_triton's fp32 GEMM (ieee products), a 16-bit x upcast in registers rather
+    than by x.float()'s copy launch: the same values reach the same products, the same bits."""
+    return linear_triton(x, weight.float())
 
 
 _METHODS = {"greedy": 0, "group_limited_greedy": 1, "noaux_tc": 2}

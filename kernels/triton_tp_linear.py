@@ -131,7 +131,7 @@ def _launch_chunks(x: torch.Tensor, weight: torch.Tensor, partial: torch.Tensor)
         K_SPLITS=num_chunks,
         K_ALIGN=k_align(in_dim // num_chunks),
         BLOCK_G=2,
-        **_kernel_consts(config, x.dtype),
+        **_kernel_consts(config, x.dtype, weight.dtype),
     )
 
 

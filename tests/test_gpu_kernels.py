@@ -282,13 +282,20 @@ def test_rope_kernel_rows_ignore_the_batch(generator, is_interleaved):
 
 
 def test_expert_layout_kernel_is_the_stable_sort(generator):
+    """The one-launch layout == the torch composition it replaces: the stable sort, bincount,
+    order // K (the dispatch gather's tokens) and order's inverse (the combine's rows)."""
     from kernels.triton_layout import expert_layout_triton
 
-    for num_rows, num_experts in ((1, 64), (384, 64), (1536, 64), (2048, 256)):
-        ids = torch.randint(0, num_experts, (num_rows,), generator=generator).cuda()
-        order, counts = expert_layout_triton(ids, num_experts)
-        assert torch.equal(order, torch.sort(ids, stable=True).indices)
-        assert torch.equal(counts, torch.bincount(ids, minlength=num_experts))
+    for num_tokens, top_k, num_experts in ((1, 6, 64), (64, 6, 64), (256, 6, 64), (256, 8, 256)):
+        ids = torch.randint(0, num_experts, (num_tokens, top_k), generator=generator).cuda()
+        order, counts, token_of_row, row_of_slot = expert_layout_triton(ids, num_experts)
+        want = torch.sort(ids.reshape(-1), stable=True).indices
+        assert torch.equal(order, want)
+        assert torch.equal(counts, torch.bincount(ids.reshape(-1), minlength=num_experts))
+        assert torch.equal(token_of_row, want // top_k)
+        inverse = torch.full_like(want, -1)
+        inverse[want] = torch.arange(want.numel(), device="cuda")
+        assert torch.equal(row_of_slot, inverse)
 
 
 def test_moe_combine_kernel_rows_ignore_the_batch(generator):
@@ -406,3 +413,94 @@ def test_router_topk_bitwise_invariant_and_matches_ref(generator, method):
     # No torch control here: torch.topk/softmax over a 64- or 256-wide row run one row per
     # warp or block on CUDA, so they may well be invariant too; the kernel exists so that
     # the invariance is by construction, not by a library's launch heuristics.
+
+
+def test_router_logits_upcast_in_registers_gives_the_copy_bits(generator):
+    """bf16 x against the fp32 router weight == the fp32 linear of x.float(), bit for bit, in
+    every row bucket (V2-Lite: 64 experts x 2048; V3: 256 x 7168)."""
+    from kernels.triton_linear import linear_triton
+    from kernels.triton_router import router_logits_triton
+
+    for num_experts, hidden in ((64, 2048), (256, 7168)):
+        x = _randn(generator, 4096, hidden)
+        w = _randn(generator, num_experts, hidden, dtype=torch.float32, scale=hidden**-0.5)
+        for m in (1, 8, 16, 17, 64, 65, 256, 4096):
+            assert torch.equal(router_logits_triton(x[:m], w), linear_triton(x[:m].float(), w))
+
+
+def test_moe_output_kernel_is_the_cast_and_two_adds(generator):
+    """The fused epilogue == routed.to(bf16) + shared, then residual + that, bit for bit."""
+    from kernels.combine import moe_output_ref
+    from kernels.triton_moe_output import moe_output_triton
+
+    routed = _randn(generator, 256, 2048, dtype=torch.float32, scale=3.0)
+    shared = _randn(generator, 256, 2048)
+    residual = _randn(generator, 256, 2048, scale=30.0)
+    for routed_in in (routed, routed.bfloat16()):  # fp32 combine; TP's gathered bf16 rows
+        for shared_in in (shared, None):
+            got = moe_output_triton(routed_in, shared_in, residual)
+            assert torch.equal(got, moe_output_ref(routed_in, shared_in, residual))
+
+
+def _v2_lite_moe_layer():
+    """One DeepSeek-V2-Lite MoE layer (hidden 2048, 64 experts top-6 greedy softmax, 1408 per
+    expert, 2 shared experts) on the GPU with random weights, and its invariant op table."""
+    from kernels import KernelConfig, build_op_table
+    from moe_runtime.model.layers import NO_TP
+    from moe_runtime.model.moe import MoE
+
+    cfg = load_config(
+        Path(__file__).resolve().parent.parent / "launch" / "configs" / "v2_lite_gpu.yaml"
+    ).model
+    ops = build_op_table(KernelConfig(), "cuda")
+    with torch.device("cuda"):
+        moe = MoE(cfg, ops, torch.bfloat16, cfg.n_routed_experts, NO_TP)
+    cuda_generator = torch.Generator("cuda").manual_seed(0)
+    for name, param in moe.named_parameters():
+        scale = param.shape[-1] ** -0.5 * (4.0 if name.startswith("gate.") else 1.0)
+        param.copy_(torch.randn(param.shape, generator=cuda_generator, device="cuda") * scale)
+    return cfg, ops, moe
+
+
+def _moe_layer_before_fusion(cfg, ops, moe, h, x):
+    """The MoE layer as it ran before its launches were fused, op by op: x.float() for the
+    router, the replica map, the sort's order, order // K, the combine deriving order's
+    inverse, then routed.to(bf16) + shared and the residual add as three launches."""
+    from kernels.triton_combine import moe_combine_triton
+
+    logits = ops.linear(h.float(), moe.gate.weight.float())
+    topk_ids, topk_weights = ops.router_topk(
+        logits,
+        None,
+        top_k=cfg.num_experts_per_tok,
+        num_groups=cfg.n_group,
+        topk_group=cfg.topk_group,
+        scoring_func=cfg.scoring_func,
+        topk_method=cfg.topk_method,
+        norm_topk_prob=cfg.norm_topk_prob,
+        routed_scaling_factor=cfg.routed_scaling_factor,
+    )
+    flat = moe.replica_row[topk_ids].reshape(-1)
+    order = torch.sort(flat, stable=True).indices
+    counts = torch.bincount(flat, minlength=cfg.n_routed_experts)
+    rows = moe.experts(h[order // cfg.num_experts_per_tok], counts)
+    routed = moe_combine_triton(rows, order, topk_weights)
+    return x + (routed.to(h.dtype) + moe.shared_experts(h)), topk_ids
+
+
+@pytest.mark.parametrize("num_tokens", (1, 8, 64, 256))
+def test_moe_layer_fused_launches_give_the_unfused_bits(generator, num_tokens):
+    """The MoE layer (fused layout outputs, combine, epilogue) == the unfused composition it
+    replaced, bit for bit, eagerly and replayed from a CUDA graph."""
+    cfg, ops, moe = _v2_lite_moe_layer()
+    h = _randn(generator, num_tokens, cfg.hidden_size)
+    x = _randn(generator, num_tokens, cfg.hidden_size, scale=10.0)
+    want, want_ids = _moe_layer_before_fusion(cfg, ops, moe, h, x)
+    got = moe(h, residual=x)
+    assert torch.equal(moe.last_topk_ids, want_ids)
+    assert torch.equal(got, want)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = moe(h, residual=x)
+    graph.replay()
+    assert torch.equal(captured, want)

@@ -27,6 +27,7 @@ TILED_OPS = (
     "softmax",
     "log_softmax",
     "mla_attention",
+    "router_logits",
     "router_topk",
 )
 # Row-wise by construction (a token's slots, the ranks of one element, one vocab row): the
@@ -52,7 +53,7 @@ def _name(op) -> str:
 def test_every_field_is_a_known_op():
     # A new op must join REDUCING_OPS (and so every check below) or be named here.
     fields = {f.name for f in dataclasses.fields(OpTable)}
-    assert fields == set(REDUCING_OPS) | {"silu_mul", "rope", "mode"}
+    assert fields == set(REDUCING_OPS) | {"silu_mul", "rope", "moe_output", "mode"}
 
 
 @pytest.mark.parametrize("mode", ("fast", "invariant"))
@@ -85,6 +86,8 @@ def test_invariant_cuda_binds_a_fixed_order_op_for_every_reducing_op():
     # One-launch kernels of the references' row-wise arithmetic (fewer launches per layer).
     assert table.moe_combine.__name__ == "moe_combine_triton"
     assert table.silu_mul.__name__ == "silu_mul_triton"
+    assert table.moe_output.__name__ == "moe_output_triton"
+    assert build_op_table(KernelConfig(), "cpu").moe_output is combine.moe_output_ref
     assert table.sum_over_ranks is combine.sum_over_ranks_ref
     assert table.cumsum is cumsum.cumsum_ref
 

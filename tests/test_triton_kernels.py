@@ -167,6 +167,35 @@ def check_moe_combine(generator: torch.Generator) -> None:
     mine = (slots // top_k == 4).nonzero()[:, 0].flip(0)
     alone = moe_combine_triton(rows[mine], slots[mine] % top_k, weights[4:5])
     assert torch.equal(alone[0], out[4])
+    # The inverse handed in (as the dispatch layout does): the same bits, absent slots too.
+    inverse = torch.full((num_tokens * top_k,), -1, dtype=torch.int64)
+    inverse[slots[keep]] = torch.arange(int(keep.sum()))
+    given = moe_combine_triton(rows[keep], slots[keep], weights, row_of_slot=inverse)
+    assert torch.equal(given, partial)
+
+
+def check_moe_output(generator: torch.Generator) -> None:
+    """The MoE epilogue in one launch == the cast and two adds it replaces (fp32 bitwise here;
+    bf16 roundings bitwise on the GPU: the interpreter's bf16 casts are not the GPU's), with
+    and without shared experts, routed in fp32 or already rounded (TP's gathered rows)."""
+    from kernels.combine import moe_output_ref
+    from kernels.triton_moe_output import moe_output_triton
+
+    for dtype in DTYPES:
+        routed = torch.randn(5, 1500, generator=generator)  # two blocks of 1024, one masked
+        shared = torch.randn(5, 1500, generator=generator).to(dtype)
+        residual = (torch.randn(5, 1500, generator=generator) * 4).to(dtype)
+        for routed_in in (routed, routed.to(dtype)):
+            for shared_in in (shared, None):
+                got = moe_output_triton(routed_in, shared_in, residual)
+                want = moe_output_ref(routed_in, shared_in, residual)
+                assert got.dtype == dtype and got.shape == (5, 1500)
+                if dtype == torch.float32:
+                    assert torch.equal(got, want)
+                else:  # three bf16 roundings, each up to an ulp off here (2**-8 relative)
+                    torch.testing.assert_close(got, want, atol=0.05, rtol=0.02)
+        full = moe_output_triton(routed, shared, residual)
+        assert torch.equal(moe_output_triton(routed[:2], shared[:2], residual[:2]), full[:2])
 
 
 def check_silu_mul(generator: torch.Generator) -> None:
@@ -207,14 +236,22 @@ def check_rope(generator: torch.Generator) -> None:
 
 
 def check_expert_layout(generator: torch.Generator) -> None:
-    """The dispatch layout in one program: the stable sort's order and the counts, exactly."""
+    """The dispatch layout in one launch: the stable sort's order, the counts, order // K and
+    order's inverse, exactly (the torch composition the dispatchers ran before)."""
     from kernels.triton_layout import expert_layout_triton
 
-    for num_rows, num_experts in ((0, 8), (1, 64), (6, 64), (130, 8), (384, 64), (700, 256)):
-        ids = torch.randint(0, num_experts, (num_rows,), generator=generator)
-        order, counts = expert_layout_triton(ids, num_experts)
-        assert torch.equal(order, torch.sort(ids, stable=True).indices), (num_rows, num_experts)
-        assert torch.equal(counts, torch.bincount(ids, minlength=num_experts))
+    cases = ((0, 6, 8), (1, 6, 64), (6, 1, 64), (13, 10, 8), (64, 6, 64), (70, 10, 256))
+    for num_tokens, top_k, num_experts in cases:
+        ids = torch.randint(0, num_experts, (num_tokens, top_k), generator=generator)
+        order, counts, token_of_row, row_of_slot = expert_layout_triton(ids, num_experts)
+        want = torch.sort(ids.reshape(-1), stable=True).indices
+        inverse = torch.empty_like(want)
+        inverse[want] = torch.arange(want.numel())
+        case = (num_tokens, top_k, num_experts)
+        assert torch.equal(order, want), case
+        assert torch.equal(counts, torch.bincount(ids.reshape(-1), minlength=num_experts)), case
+        assert torch.equal(token_of_row, want // top_k), case
+        assert torch.equal(row_of_slot, inverse), case
 
 
 def check_rms_norm(generator: torch.Generator) -> None:
@@ -318,6 +355,23 @@ def check_mla_attention(generator: torch.Generator) -> None:
         ).shape == (0, 4, 32)
 
 
+def check_router_logits(generator: torch.Generator) -> None:
+    """bf16 x against the fp32 router weight, upcast in registers: the bits of the fp32 linear
+    of x.float() (the copy launch it replaces), on both sides of the row buckets and the K
+    split (K 2048: four chunks of 512)."""
+    from kernels.router import router_logits_ref
+    from kernels.triton_linear import linear_triton
+    from kernels.triton_router import router_logits_triton
+
+    x = torch.randn(70, 2048, generator=generator).to(torch.bfloat16)
+    w = torch.randn(64, 2048, generator=generator) / 2048**0.5
+    for m in (1, 16, 17, 64, 65, 70):
+        got = router_logits_triton(x[:m], w)
+        assert got.dtype == torch.float32
+        assert torch.equal(got, linear_triton(x[:m].float(), w)), m
+    torch.testing.assert_close(got, router_logits_ref(x, w, tile_rows=8), **FP32_TOL)
+
+
 def check_router_topk(generator: torch.Generator) -> None:
     from kernels.router import router_topk_ref
     from kernels.triton_router import router_topk_triton
@@ -348,7 +402,10 @@ def check_router_topk(generator: torch.Generator) -> None:
 
 def check_bad_inputs(generator: torch.Generator) -> None:
     from kernels.triton_attention import mla_attention_triton
+    from kernels.triton_combine import moe_combine_triton
+    from kernels.triton_layout import expert_layout_triton
     from kernels.triton_linear import grouped_linear_triton, linear_triton
+    from kernels.triton_moe_output import moe_output_triton
     from kernels.triton_rmsnorm import rms_norm_triton
     from kernels.triton_router import router_topk_triton
     from kernels.triton_softmax import log_softmax_triton
@@ -378,6 +435,11 @@ def check_bad_inputs(generator: torch.Generator) -> None:
         (lambda: mla_attention_triton(q, kv, ids, ids[None], ids, scale=1.0, v_dim=25), "v_dim"),
         (lambda: router_topk_triton(x.half(), None, **route), "fp32"),
         (lambda: router_topk_triton(x, torch.zeros(7), **route), "bias"),
+        (lambda: expert_layout_triton(ids, 8), r"\[T, K\] int64"),
+        (lambda: moe_output_triton(x[:3], None, x), r"routed must be \(4, 8\)"),
+        (lambda: moe_output_triton(x, x.half(), x), "shared must be torch.float32"),
+        (lambda: moe_output_triton(x.half(), None, x.bfloat16()), "torch.float16"),
+        (lambda: moe_combine_triton(x, ids, w[:2, :3], ids), r"row_of_slot must be \[6\]"),
     ]
     for call, pattern in cases:
         try:
@@ -395,12 +457,14 @@ CHECKS = {
     "grouped_linear_device_counts": check_grouped_linear_device_counts,
     "batched_linear": check_batched_linear,
     "moe_combine": check_moe_combine,
+    "moe_output": check_moe_output,
     "silu_mul": check_silu_mul,
     "rope": check_rope,
     "expert_layout": check_expert_layout,
     "rms_norm": check_rms_norm,
     "softmax": check_softmax,
     "mla_attention": check_mla_attention,
+    "router_logits": check_router_logits,
     "router_topk": check_router_topk,
     "bad_inputs": check_bad_inputs,
 }
@@ -419,6 +483,7 @@ def test_triton_kernel_interpreted(interpreted_results, name):
 def test_compiled_wrappers_refuse_cpu_and_bad_inputs(generator):
     # In this process the kernels are compiled (no interpreter), so CPU tensors are refused.
     from kernels.triton_linear import grouped_linear_triton, linear_triton
+    from kernels.triton_moe_output import moe_output_triton
     from kernels.triton_rmsnorm import rms_norm_triton
     from kernels.triton_softmax import softmax_triton
 
@@ -429,6 +494,8 @@ def test_compiled_wrappers_refuse_cpu_and_bad_inputs(generator):
         rms_norm_triton(x, torch.ones(8), EPS)
     with pytest.raises(ValueError, match="cpu"):
         softmax_triton(x)
+    with pytest.raises(ValueError, match="cpu"):
+        moe_output_triton(x, None, x)
     meta_x, meta_w = x.to("meta"), w.to("meta")
     with pytest.raises(ValueError, match="meta"):
         grouped_linear_triton(meta_x, meta_w[None], [4])

@@ -58,6 +58,8 @@ class DecoderLayer(nn.Module):
 
     def mlp_part(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """Residual x [T, D] + MLP or MoE of the normed h [T, D]."""
+        if self.is_moe:
+            return self.mlp(h, residual=x)  # the residual add is fused into the MoE's output
         return x + self.mlp(h)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:

@@ -35,7 +35,7 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D] -> topk_ids [T, K] int64, topk_weights [T, K] fp32 (router math in fp32)."""
-        logits = self.ops.linear(x.float(), self.weight.float())
+        logits = self.ops.router_logits(x, self.weight)
         cfg = self.cfg
         return self.ops.router_topk(
             logits,
@@ -110,7 +110,8 @@ class MoE(nn.Module):
         self.dispatcher = dispatcher
         self.replica_row = replica_row.to(self.experts.gate_up_proj.device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """Normed input x [T, D], the layer's residual [T, D] -> residual + MoE(x) [T, D]."""
         topk_ids, topk_weights = self.gate(x)
         self.last_topk_ids = topk_ids  # read back for routed-expert reporting
         # Why shares: the TP ranks of a group hold the same tokens; each dispatches its own
@@ -126,5 +127,10 @@ class MoE(nn.Module):
         )
         self.last_slot_counts = group_sizes
         routed = self.dispatcher.combine(self.experts(recv, group_sizes), handle, weights)
-        routed = self.tp.gather_shares(routed.to(x.dtype), x.shape[0])
-        return routed if self.shared_experts is None else routed + self.shared_experts(x)
+        if self.tp.size > 1:
+            # Why round before the gather: half the bytes on the wire; moe_output's rounding
+            # of rows already in x's dtype is then exact, so the bits are tp 1's.
+            routed = self.tp.gather_shares(routed.to(x.dtype), x.shape[0])
+        shared = None if self.shared_experts is None else self.shared_experts(x)
+        # One op (one launch on CUDA): the fp32 routed sum rounded, + shared, + residual.
+        return self.ops.moe_output(routed, shared, residual)

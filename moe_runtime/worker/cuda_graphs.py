@@ -137,11 +137,8 @@ class DecodeGraphRunner:
             x, h = graphs.outputs[j]
             # Eager MoE on the real rows only: the pad rows never reach the router or the
             # dispatcher (a collective every rank joins once per layer, in layer order).
-            torch.add(
-                x[:num_real],
-                layers[segment.end_layer].mlp(h[:num_real]),
-                out=graphs.inputs[j + 1][:num_real],
-            )
+            layer = layers[segment.end_layer]
+            graphs.inputs[j + 1][:num_real] = layer.mlp_part(x[:num_real], h[:num_real])
         if self.captured_moe:
             self._count_real_rows(graphs.moe_topk_ids, num_real)
         self.num_replays += 1
