@@ -19,10 +19,10 @@ MAX_BLOCK_D = 4096
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, eps, BLOCK_D: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * D
-    out_row = out_ptr + row * D
+def rms_norm_row(x_row, w_ptr, out_row, D, eps, BLOCK_D: tl.constexpr):
+    """One row: out_row[:D] = w * rms_normed(x_row[:D]) (pointers to the row's first element,
+    unit column stride). Shared by every kernel that normalises a row, so they cannot drift:
+    with the same D, BLOCK_D and num_warps (`norm_launch_config`) they give the same bits."""
     offs = tl.arange(0, BLOCK_D)
     # Why: lane i accumulates elements i, i + BLOCK_D, ... in order; one tree sum at the end.
     # Both depend on D and BLOCK_D only: one program per row, nothing split across programs.
@@ -34,10 +34,23 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, eps, BLOCK_D: tl.constexpr):
     for d0 in range(0, D, BLOCK_D):
         mask = d0 + offs < D
         x = tl.load(x_row + d0 + offs, mask=mask, other=0.0)
-        normed = (x.to(tl.float32) * rstd).to(x_ptr.dtype.element_ty)
+        normed = (x.to(tl.float32) * rstd).to(x_row.dtype.element_ty)
         w = tl.load(w_ptr + d0 + offs, mask=mask, other=0.0)
         y = w.to(tl.float32) * normed.to(tl.float32)
-        tl.store(out_row + d0 + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_row + d0 + offs, y.to(out_row.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, eps, BLOCK_D: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    rms_norm_row(x_ptr + row * D, w_ptr, out_ptr + row * D, D, eps, BLOCK_D)
+
+
+def norm_launch_config(dim: int) -> dict:
+    """BLOCK_D and num_warps of a row norm over `dim` channels: functions of dim only (the
+    reduction tree of `rms_norm_row` follows them, so every kernel calling it takes these)."""
+    block_d = min(triton.next_power_of_2(dim), MAX_BLOCK_D)
+    return {"BLOCK_D": block_d, "num_warps": 8 if block_d >= 2048 else 4}
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -62,8 +75,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     if x.shape[0] == 0:
         return out
-    block_d = min(triton.next_power_of_2(x.shape[1]), MAX_BLOCK_D)  # a function of D only
     _rms_norm_kernel[(x.shape[0],)](
-        x, weight, out, x.shape[1], eps, BLOCK_D=block_d, num_warps=8 if block_d >= 2048 else 4
+        x, weight, out, x.shape[1], eps, **norm_launch_config(x.shape[1])
     )
     return out

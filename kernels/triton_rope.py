@@ -22,6 +22,48 @@ def _round(x, dtype: tl.constexpr):
 
 
 @triton.jit
+def rope_row(
+    x_row,
+    stride_xh,
+    position,
+    cos_ptr,
+    sin_ptr,
+    out_row,
+    stride_oh,
+    num_heads,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    IS_INTERLEAVED: tl.constexpr,
+):
+    """One token's heads: out_row[h] = rotated x_row[h] (halves: first, second) at `position`,
+    in out_row's dtype; pointers to head 0's first channel, unit channel stride. Shared by
+    every kernel that rotates rope channels, so they cannot drift."""
+    heads = tl.arange(0, BLOCK_H)
+    pairs = tl.arange(0, BLOCK_R)
+    ok = (heads[:, None] < num_heads) & (pairs[None, :] < HALF)
+    dtype = out_row.dtype.element_ty
+    cos = tl.load(cos_ptr + position * HALF + pairs, mask=pairs < HALF, other=0.0).to(dtype)
+    sin = tl.load(sin_ptr + position * HALF + pairs, mask=pairs < HALF, other=0.0).to(dtype)
+    cos, sin = cos[None, :].to(tl.float32), sin[None, :].to(tl.float32)
+    row = x_row + heads[:, None] * stride_xh
+    if IS_INTERLEAVED:
+        x1 = tl.load(row + 2 * pairs[None, :], mask=ok, other=0.0).to(tl.float32)
+        x2 = tl.load(row + 2 * pairs[None, :] + 1, mask=ok, other=0.0).to(tl.float32)
+    else:
+        x1 = tl.load(row + pairs[None, :], mask=ok, other=0.0).to(tl.float32)
+        x2 = tl.load(row + HALF + pairs[None, :], mask=ok, other=0.0).to(tl.float32)
+    # Why each rounding: torch rounds every elementwise result to the tensor's dtype.
+    a1 = _round(x1 * cos, dtype)
+    b1 = _round(x2 * sin, dtype)
+    a2 = _round(x2 * cos, dtype)
+    b2 = _round(x1 * sin, dtype)
+    out = out_row + heads[:, None] * stride_oh + pairs[None, :]
+    tl.store(out, (a1 - b1).to(dtype), mask=ok)
+    tl.store(out + HALF, (a2 + b2).to(dtype), mask=ok)
+
+
+@triton.jit
 def _rope_kernel(
     x_ptr,
     positions_ptr,
@@ -37,29 +79,22 @@ def _rope_kernel(
     IS_INTERLEAVED: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
-    heads = tl.arange(0, BLOCK_H)
-    pairs = tl.arange(0, BLOCK_R)
-    ok = (heads[:, None] < num_heads) & (pairs[None, :] < HALF)
     position = tl.load(positions_ptr + t)
-    dtype = out_ptr.dtype.element_ty
-    cos = tl.load(cos_ptr + position * HALF + pairs, mask=pairs < HALF, other=0.0).to(dtype)
-    sin = tl.load(sin_ptr + position * HALF + pairs, mask=pairs < HALF, other=0.0).to(dtype)
-    cos, sin = cos[None, :].to(tl.float32), sin[None, :].to(tl.float32)
-    row = x_ptr + t * stride_xt + heads[:, None] * stride_xh
-    if IS_INTERLEAVED:
-        x1 = tl.load(row + 2 * pairs[None, :], mask=ok, other=0.0).to(tl.float32)
-        x2 = tl.load(row + 2 * pairs[None, :] + 1, mask=ok, other=0.0).to(tl.float32)
-    else:
-        x1 = tl.load(row + pairs[None, :], mask=ok, other=0.0).to(tl.float32)
-        x2 = tl.load(row + HALF + pairs[None, :], mask=ok, other=0.0).to(tl.float32)
-    # Why each rounding: torch rounds every elementwise result to the tensor's dtype.
-    a1 = _round(x1 * cos, dtype)
-    b1 = _round(x2 * sin, dtype)
-    a2 = _round(x2 * cos, dtype)
-    b2 = _round(x1 * sin, dtype)
-    out = out_ptr + (t * num_heads + heads[:, None]) * (2 * HALF) + pairs[None, :]
-    tl.store(out, (a1 - b1).to(dtype), mask=ok)
-    tl.store(out + HALF, (a2 + b2).to(dtype), mask=ok)
+    out_row = out_ptr + t * num_heads * (2 * HALF)
+    rope_row(
+        x_ptr + t * stride_xt,
+        stride_xh,
+        position,
+        cos_ptr,
+        sin_ptr,
+        out_row,
+        2 * HALF,
+        num_heads,
+        HALF,
+        BLOCK_H,
+        BLOCK_R,
+        IS_INTERLEAVED,
+    )
 
 
 def rope_triton(
