@@ -28,6 +28,7 @@ TILED_OPS = (
     "log_softmax",
     "mla_attention",
     "router_topk",
+    "write_latent_cache",  # the latent norm, fused with the rope and the cache write
 )
 # Row-wise by construction (a token's slots, the ranks of one element, one vocab row): the
 # torch references need no tile, and serve the CUDA table too (elementwise or host-ordered).
@@ -42,6 +43,7 @@ CUDA_FAST_OPS = {
     "mla_attention": "mla_decode_fast",
     "rms_norm": "rms_norm_triton",
     "moe_combine": "moe_combine_triton",
+    "write_latent_cache": "write_latent_cache_triton",
 }
 
 

@@ -76,12 +76,17 @@ class MLAttention(nn.Module):
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         q_pe = self.rope(q_pe, batch.positions, self.ops.rope)
 
-        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        latent = self.kv_a_layernorm(latent.contiguous())
-        k_pe = self.rope(k_pe[:, None, :], batch.positions, self.ops.rope)[:, 0]
-        # Index assignment (no accumulation): the cache row of a token is exactly its latent.
-        kv_cache.view(-1, kv_cache.shape[-1])[batch.slot_mapping] = torch.cat(
-            [latent, k_pe], dim=-1
+        # The latent norm and the k_pe rope, stored straight into each token's cache row.
+        self.ops.write_latent_cache(
+            self.kv_a_proj_with_mqa(x),
+            self.kv_a_layernorm.weight,
+            self.kv_a_layernorm.eps,
+            batch.positions,
+            self.rope.cos,
+            self.rope.sin,
+            self.rope.is_interleaved,
+            kv_cache,
+            batch.slot_mapping,
         )
 
         # Absorbed W_UK and W_UV: one batched GEMM over the heads each ([H, T, .] views).
