@@ -5,7 +5,7 @@ cumsum included, so `kernels.mode: fast` turns invariance off everywhere. Invari
 CPU binds the torch references (tiled ones to `config.tile_rows`); fast mode is plain torch,
 except on CUDA, where it is the fastest version of each op: cuBLAS linears, torch's grouped
 GEMM, FlashMLA (or split-KV) decode attention (kernels/fast_attention.py), and the one-launch
-Triton kernels of the norm, silu*up, combine and latent cache write. Invariant mode on CUDA
+Triton kernels of the norms, silu*up, combine and latent cache write. Invariant mode on CUDA
 binds the Triton kernels; other devices are refused.
 Building a table has no side effects; `pin_threads` is the one call that touches process
 state (torch's intra-op thread count) and each worker makes it once, at start-up.
@@ -39,7 +39,7 @@ from kernels.linear import (
     linear_fast,
     linear_ref,
 )
-from kernels.rmsnorm import rms_norm_fast, rms_norm_ref
+from kernels.rmsnorm import add_rms_norm_fast, add_rms_norm_ref, rms_norm_fast, rms_norm_ref
 from kernels.rope import rope_ref
 from kernels.router import router_topk_fast, router_topk_ref
 from kernels.softmax import log_softmax_fast, log_softmax_ref, softmax_fast, softmax_ref
@@ -54,6 +54,7 @@ class OpTable:
     batched_linear: Callable
     grouped_linear: Callable
     rms_norm: Callable
+    add_rms_norm: Callable
     softmax: Callable
     log_softmax: Callable
     mla_attention: Callable
@@ -74,6 +75,7 @@ _TILED_OPS: dict[str, tuple[Callable, Callable]] = {
     "batched_linear": (batched_linear_fast, batched_linear_ref),
     "grouped_linear": (grouped_linear_fast, grouped_linear_ref),
     "rms_norm": (rms_norm_fast, rms_norm_ref),
+    "add_rms_norm": (add_rms_norm_fast, add_rms_norm_ref),  # residual add, then the norm
     "softmax": (softmax_fast, softmax_ref),
     "log_softmax": (log_softmax_fast, log_softmax_ref),
     "mla_attention": (mla_attention_fast, mla_attention_ref),
@@ -99,7 +101,7 @@ _ROW_WISE_OPS: dict[str, tuple[Callable, Callable]] = {
 
 # Ops whose Triton kernel is also the fastest CUDA version measured (bench/profile_step.py):
 # fused elementwise or row-wise kernels replacing 3-14 torch launches each.
-_FASTEST_ON_CUDA = ("rms_norm", "silu_mul", "moe_combine", "write_latent_cache")
+_FASTEST_ON_CUDA = ("rms_norm", "add_rms_norm", "silu_mul", "moe_combine", "write_latent_cache")
 
 
 def build_op_table(config: KernelConfig, device: torch.device | str) -> OpTable:
@@ -166,7 +168,7 @@ def _triton_kernels() -> dict[str, Callable]:
     from kernels.triton_combine import moe_combine_triton
     from kernels.triton_latent_cache import write_latent_cache_triton
     from kernels.triton_linear import batched_linear_triton, grouped_linear_triton, linear_triton
-    from kernels.triton_rmsnorm import rms_norm_triton
+    from kernels.triton_rmsnorm import add_rms_norm_triton, rms_norm_triton
     from kernels.triton_router import router_topk_triton
     from kernels.triton_softmax import log_softmax_triton, softmax_triton
 
@@ -175,6 +177,7 @@ def _triton_kernels() -> dict[str, Callable]:
         "batched_linear": batched_linear_triton,
         "grouped_linear": grouped_linear_triton,
         "rms_norm": rms_norm_triton,
+        "add_rms_norm": add_rms_norm_triton,  # one launch for the add and the norm
         "softmax": softmax_triton,
         "log_softmax": log_softmax_triton,
         "mla_attention": mla_attention_triton,

@@ -439,3 +439,11 @@ def test_write_latent_cache_replays_in_a_graph(generator):
         want = torch.full_like(cache, float("nan"))
         write_latent_cache_triton(kv_a, weight, eps, positions, cos, sin, True, want, slots)
         assert torch.equal(cache.view(-1, 576)[slots], want.view(-1, 576)[slots])
+
+
+def test_add_rms_norm_fused_equals_unfused_bitwise(generator):
+    """The residual add + post-attention norm in one launch: torch's bf16 add and the Triton
+    norm's bits, both outputs, at the V2-Lite and tiny hidden sizes."""
+    from tests.test_triton_fused import assert_add_rms_norm_fused_equals_unfused
+
+    assert_add_rms_norm_fused_equals_unfused(generator, "cuda", FUSED_ROW_COUNTS)

@@ -24,6 +24,7 @@ TILED_OPS = (
     "batched_linear",
     "grouped_linear",
     "rms_norm",
+    "add_rms_norm",
     "softmax",
     "log_softmax",
     "mla_attention",
@@ -42,6 +43,7 @@ CUDA_FAST_OPS = {
     "grouped_linear": "grouped_linear_cuda_fast",
     "mla_attention": "mla_decode_fast",
     "rms_norm": "rms_norm_triton",
+    "add_rms_norm": "add_rms_norm_triton",
     "moe_combine": "moe_combine_triton",
     "write_latent_cache": "write_latent_cache_triton",
 }

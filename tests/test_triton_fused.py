@@ -145,10 +145,82 @@ def check_latent_cache_bad_inputs(generator: torch.Generator) -> None:
             raise AssertionError(f"no ValueError for {pattern}")
 
 
+# Residual add + norm widths: DeepSeek-V2-Lite's hidden size, and the tiny model's.
+HIDDEN_SIZES = (2048, 64)
+
+
+def assert_add_rms_norm_fused_equals_unfused(
+    generator, device="cpu", row_counts=ROW_COUNTS, dtypes=(torch.float32, torch.bfloat16)
+) -> None:
+    """add_rms_norm_triton == torch's add then rms_norm_triton, both outputs bitwise (also run
+    on CUDA by tests/test_gpu_kernels.py)."""
+    from kernels.rmsnorm import add_rms_norm_composed
+    from kernels.triton_rmsnorm import add_rms_norm_triton, rms_norm_triton
+
+    for dim in HIDDEN_SIZES:
+        for dtype in dtypes:
+            for num_rows in row_counts:
+                x = (torch.randn(num_rows, dim, generator=generator) * 3).to(device, dtype)
+                delta = torch.randn(num_rows, dim, generator=generator).to(device, dtype)
+                weight = (torch.rand(dim, generator=generator) + 0.5).to(device, dtype)
+                total, normed = add_rms_norm_triton(x, delta, weight, EPS)
+                want_total, want_normed = add_rms_norm_composed(
+                    x, delta, weight, EPS, rms_norm=rms_norm_triton
+                )
+                case = (dim, dtype, num_rows)
+                assert total.dtype == dtype and normed.dtype == dtype, case
+                assert torch.equal(total, want_total), case
+                assert torch.equal(normed, want_normed), case
+
+
+def check_add_rms_norm_fused_equals_unfused(generator: torch.Generator) -> None:
+    # Why fp32 only: the interpreter casts fp32 to bf16 by truncation, torch's add rounds to
+    # nearest even (as the compiled kernel does); bf16 is checked bitwise on the GPU.
+    assert_add_rms_norm_fused_equals_unfused(generator, dtypes=(torch.float32,))
+
+
+def check_add_rms_norm_bf16_norms_its_own_sums(generator: torch.Generator) -> None:
+    """bf16 under the interpreter: the norm is rms_norm_triton's bits on the kernel's sums, and
+    the sums are torch's within the truncation (one bf16 ulp)."""
+    from kernels.triton_rmsnorm import add_rms_norm_triton, rms_norm_triton
+
+    for dim in HIDDEN_SIZES:
+        x = (torch.randn(7, dim, generator=generator) * 3).bfloat16()
+        delta = torch.randn(7, dim, generator=generator).bfloat16()
+        weight = (torch.rand(dim, generator=generator) + 0.5).bfloat16()
+        total, normed = add_rms_norm_triton(x, delta, weight, EPS)
+        assert torch.equal(normed, rms_norm_triton(total, weight, EPS)), dim
+        torch.testing.assert_close(total, x + delta, atol=0, rtol=2**-7)
+
+
+def check_add_rms_norm_bad_inputs(generator: torch.Generator) -> None:
+    from kernels.triton_rmsnorm import add_rms_norm_triton
+
+    x, weight = torch.randn(3, 64, generator=generator), torch.ones(64)
+    cases = [
+        (lambda: add_rms_norm_triton(x, x[:2], weight, EPS), r"delta must match .*\(2, 64\)"),
+        (lambda: add_rms_norm_triton(x, x.bfloat16(), weight, EPS), "torch.bfloat16"),
+        (lambda: add_rms_norm_triton(x, x.to("meta"), weight, EPS), "meta"),
+        (lambda: add_rms_norm_triton(x, x, weight[:9], EPS), r"\(9,\)"),
+        (lambda: add_rms_norm_triton(x[0], x[0], weight, EPS), r"\[T, D\]"),
+        (lambda: add_rms_norm_triton(x.long(), x.long(), weight, EPS), "torch.int64"),
+    ]
+    for fn, pattern in cases:
+        try:
+            fn()
+        except ValueError as err:
+            assert re.search(pattern, str(err)), (pattern, str(err))
+        else:
+            raise AssertionError(f"no ValueError for {pattern}")
+
+
 CHECKS = {
     "latent_cache_fused_equals_unfused": check_latent_cache_fused_equals_unfused,
     "latent_cache_close_to_reference": check_latent_cache_close_to_reference,
     "latent_cache_bad_inputs": check_latent_cache_bad_inputs,
+    "add_rms_norm_fused_equals_unfused": check_add_rms_norm_fused_equals_unfused,
+    "add_rms_norm_bf16_norms_its_own_sums": check_add_rms_norm_bf16_norms_its_own_sums,
+    "add_rms_norm_bad_inputs": check_add_rms_norm_bad_inputs,
 }
 
 
@@ -171,3 +243,7 @@ def test_compiled_fused_wrappers_refuse_cpu(generator):
     )
     with pytest.raises(ValueError, match="cpu"):
         write_latent_cache_triton(kv_a, weight, eps, positions, cos, sin, True, cache, slots)
+    from kernels.triton_rmsnorm import add_rms_norm_triton
+
+    with pytest.raises(ValueError, match="cpu"):
+        add_rms_norm_triton(kv_a, kv_a, torch.ones(kv_a.shape[1]), EPS)
