@@ -73,6 +73,8 @@ def _rope_kernel(
     num_heads,
     stride_xt,
     stride_xh,
+    stride_ot,
+    stride_oh,
     HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -80,15 +82,14 @@ def _rope_kernel(
 ):
     t = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + t)
-    out_row = out_ptr + t * num_heads * (2 * HALF)
     rope_row(
         x_ptr + t * stride_xt,
         stride_xh,
         position,
         cos_ptr,
         sin_ptr,
-        out_row,
-        2 * HALF,
+        out_ptr + t * stride_ot,
+        stride_oh,
         num_heads,
         HALF,
         BLOCK_H,
@@ -103,13 +104,24 @@ def rope_triton(
     cos_table: torch.Tensor,
     sin_table: torch.Tensor,
     is_interleaved: bool,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """rope_ref's contract: x [T, H, R] (token and head strides free), positions [T] int64,
-    cos/sin [S, R/2] fp32 -> contiguous [T, H, R] in x's dtype."""
+    cos/sin [S, R/2] fp32 -> [T, H, R] in x's dtype, contiguous, or written into `out`
+    (token and head strides free, unit channel stride) and returned."""
     num_tokens, num_heads, rope_dim = x.shape
     if x.stride(2) != 1:
         x = x.contiguous()
-    out = torch.empty((num_tokens, num_heads, rope_dim), dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty((num_tokens, num_heads, rope_dim), dtype=x.dtype, device=x.device)
+    elif (
+        out.shape != x.shape or out.dtype != x.dtype or out.device != x.device or out.stride(2) != 1
+    ):
+        raise ValueError(
+            f"out must be {tuple(x.shape)} {x.dtype} on {x.device} with a unit channel stride, "
+            f"got {tuple(out.shape)} {out.dtype} on {out.device}, strides {out.stride()}"
+        )
     if num_tokens:
         half = rope_dim // 2
         _rope_kernel[(num_tokens,)](
@@ -121,6 +133,8 @@ def rope_triton(
             num_heads,
             x.stride(0),
             x.stride(1),
+            out.stride(0),
+            out.stride(1),
             HALF=half,
             BLOCK_H=triton.next_power_of_2(num_heads),
             BLOCK_R=triton.next_power_of_2(half),

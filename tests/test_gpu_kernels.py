@@ -447,3 +447,11 @@ def test_add_rms_norm_fused_equals_unfused_bitwise(generator):
     from tests.test_triton_fused import assert_add_rms_norm_fused_equals_unfused
 
     assert_add_rms_norm_fused_equals_unfused(generator, "cuda", FUSED_ROW_COUNTS)
+
+
+def test_query_built_in_place_equals_cat_bitwise(generator):
+    """W_UK's batched GEMM and the q_pe rope writing into slices of one query buffer: the bits
+    of the cat of their own outputs (strided stores only)."""
+    from tests.test_triton_fused import assert_query_in_place_equals_cat
+
+    assert_query_in_place_equals_cat(generator, "cuda", FUSED_ROW_COUNTS)

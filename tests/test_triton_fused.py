@@ -214,6 +214,68 @@ def check_add_rms_norm_bad_inputs(generator: torch.Generator) -> None:
             raise AssertionError(f"no ValueError for {pattern}")
 
 
+# MLA query shapes (heads, qk_nope, kv_lora_rank, rope_dim): DeepSeek-V2-Lite, tiny.
+QUERY_SHAPES = ((16, 128, 512, 64), (4, 16, 32, 8))
+
+
+def assert_query_in_place_equals_cat(generator, device="cpu", row_counts=ROW_COUNTS) -> None:
+    """The MLA query written in place (W_UK's product and the rotated q_pe into slices of one
+    buffer) == the old cat of the two ops' own outputs, bitwise (also run on CUDA)."""
+    from kernels.triton_linear import batched_linear_triton
+    from kernels.triton_rope import rope_triton
+
+    for num_heads, nope, lora, rope_dim in QUERY_SHAPES:
+        for dtype in (torch.float32, torch.bfloat16):
+            w_uk_t = (torch.randn(num_heads, lora, nope, generator=generator) / nope**0.5).to(
+                device, dtype
+            )
+            cos = torch.randn(4096, rope_dim // 2, generator=generator).to(device)
+            sin = torch.randn(4096, rope_dim // 2, generator=generator).to(device)
+            for num_rows in row_counts:
+                q = torch.randn(num_rows, num_heads, nope + rope_dim, generator=generator)
+                q_nope, q_pe = q.to(device, dtype).split([nope, rope_dim], dim=-1)
+                positions = torch.randint(0, 4096, (num_rows,), generator=generator).to(device)
+                q_latent = batched_linear_triton(q_nope.transpose(0, 1), w_uk_t).transpose(0, 1)
+                q_rot = rope_triton(q_pe, positions, cos, sin, True)
+                want = torch.cat([q_latent, q_rot], dim=-1)
+                query = torch.full_like(want, float("nan"))
+                latent_out, rot_out = query.split([lora, rope_dim], dim=-1)
+                batched_linear_triton(
+                    q_nope.transpose(0, 1), w_uk_t, out=latent_out.transpose(0, 1)
+                )
+                rope_triton(q_pe, positions, cos, sin, True, out=rot_out)
+                assert torch.equal(query, want), (num_heads, dtype, num_rows)
+
+
+def check_query_in_place_equals_cat(generator: torch.Generator) -> None:
+    # Why fewer rows: the interpreted 16-head GEMM is slow; 64 and 300 rows run on the GPU.
+    assert_query_in_place_equals_cat(generator, row_counts=(1, 7))
+
+
+def check_out_views_bad_inputs(generator: torch.Generator) -> None:
+    from kernels.triton_linear import batched_linear_triton
+    from kernels.triton_rope import rope_triton
+
+    x, w = torch.randn(2, 3, 8, generator=generator), torch.randn(2, 6, 8, generator=generator)
+    cos = sin = torch.randn(10, 4, generator=generator)
+    q, positions = torch.randn(3, 2, 8, generator=generator), torch.zeros(3, dtype=torch.int64)
+    cases = [
+        (lambda: batched_linear_triton(x, w, out=x.new_empty(2, 3, 5)), r"\(2, 3, 5\)"),
+        (lambda: batched_linear_triton(x, w, out=x.new_empty(2, 3, 6).double()), "float64"),
+        (lambda: batched_linear_triton(x, w, out=x.new_empty(2, 6, 3).mT), "unit column"),
+        (lambda: rope_triton(q, positions, cos, sin, True, out=q[:2]), r"\(2, 2, 8\)"),
+        (lambda: rope_triton(q, positions, cos, sin, True, out=q.bfloat16()), "bfloat16"),
+        (lambda: rope_triton(q, positions, cos, sin, True, out=q.mT.contiguous().mT), "unit"),
+    ]
+    for fn, pattern in cases:
+        try:
+            fn()
+        except ValueError as err:
+            assert re.search(pattern, str(err)), (pattern, str(err))
+        else:
+            raise AssertionError(f"no ValueError for {pattern}")
+
+
 CHECKS = {
     "latent_cache_fused_equals_unfused": check_latent_cache_fused_equals_unfused,
     "latent_cache_close_to_reference": check_latent_cache_close_to_reference,
@@ -221,6 +283,8 @@ CHECKS = {
     "add_rms_norm_fused_equals_unfused": check_add_rms_norm_fused_equals_unfused,
     "add_rms_norm_bf16_norms_its_own_sums": check_add_rms_norm_bf16_norms_its_own_sums,
     "add_rms_norm_bad_inputs": check_add_rms_norm_bad_inputs,
+    "query_in_place_equals_cat": check_query_in_place_equals_cat,
+    "out_views_bad_inputs": check_out_views_bad_inputs,
 }
 
 
