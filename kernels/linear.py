@@ -53,14 +53,21 @@ def linear_fast(
     return F.linear(x, weight)
 
 
-def batched_linear_ref(x: torch.Tensor, weight: torch.Tensor, *, tile_rows: int) -> torch.Tensor:
-    """x [B, M, IN] @ weight [B, OUT, IN]^T -> [B, M, OUT]: linear_ref of each b."""
+def batched_linear_ref(
+    x: torch.Tensor, weight: torch.Tensor, *, tile_rows: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [B, M, IN] @ weight [B, OUT, IN]^T -> [B, M, OUT]: linear_ref of each b; written into
+    `out` (any strides, e.g. a slice of a wider buffer) and returned when given."""
     outs = [linear_ref(x[b], weight[b], tile_rows=tile_rows) for b in range(x.shape[0])]
-    return torch.stack(outs) if outs else x.new_empty((0, x.shape[1], weight.shape[1]))
+    result = torch.stack(outs) if outs else x.new_empty((0, x.shape[1], weight.shape[1]))
+    return result if out is None else out.copy_(result)
 
 
-def batched_linear_fast(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return torch.bmm(x, weight.transpose(1, 2))
+def batched_linear_fast(
+    x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    result = torch.bmm(x, weight.transpose(1, 2))
+    return result if out is None else out.copy_(result)
 
 
 def _group_slices(

@@ -5,9 +5,8 @@ cumsum included, so `kernels.mode: fast` turns invariance off everywhere. Invari
 CPU binds the torch references (tiled ones to `config.tile_rows`); fast mode is plain torch,
 except on CUDA, where it is the fastest version of each op: cuBLAS linears, torch's grouped
 GEMM, FlashMLA (or split-KV) decode attention (kernels/fast_attention.py), and the one-launch
-Triton kernels of the norm, silu*up, combine
-and MoE output. Invariant mode on CUDA binds the Triton
-kernels; other devices are refused.
+Triton kernels of the norms, silu*up, combine, MoE output and latent cache write. Invariant
+mode on CUDA binds the Triton kernels; other devices are refused.
 Building a table has no side effects; `pin_threads` is the one call that touches process
 state (torch's intra-op thread count) and each worker makes it once, at start-up.
 """
@@ -31,6 +30,7 @@ from kernels.combine import (
 )
 from kernels.config import KernelConfig
 from kernels.cumsum import cumsum_fast, cumsum_ref
+from kernels.latent_cache import write_latent_cache_fast, write_latent_cache_ref
 from kernels.linear import (
     batched_linear_fast,
     batched_linear_ref,
@@ -40,7 +40,7 @@ from kernels.linear import (
     linear_fast,
     linear_ref,
 )
-from kernels.rmsnorm import rms_norm_fast, rms_norm_ref
+from kernels.rmsnorm import add_rms_norm_fast, add_rms_norm_ref, rms_norm_fast, rms_norm_ref
 from kernels.rope import rope_ref
 from kernels.router import (
     router_logits_fast,
@@ -60,6 +60,7 @@ class OpTable:
     batched_linear: Callable
     grouped_linear: Callable
     rms_norm: Callable
+    add_rms_norm: Callable
     softmax: Callable
     log_softmax: Callable
     mla_attention: Callable
@@ -71,6 +72,7 @@ class OpTable:
     cumsum: Callable
     silu_mul: Callable
     rope: Callable
+    write_latent_cache: Callable
     row_parallel_linear: Callable
     mode: str
 
@@ -81,11 +83,14 @@ _TILED_OPS: dict[str, tuple[Callable, Callable]] = {
     "batched_linear": (batched_linear_fast, batched_linear_ref),
     "grouped_linear": (grouped_linear_fast, grouped_linear_ref),
     "rms_norm": (rms_norm_fast, rms_norm_ref),
+    "add_rms_norm": (add_rms_norm_fast, add_rms_norm_ref),  # residual add, then the norm
     "softmax": (softmax_fast, softmax_ref),
     "log_softmax": (log_softmax_fast, log_softmax_ref),
     "mla_attention": (mla_attention_fast, mla_attention_ref),
     "router_logits": (router_logits_fast, router_logits_ref),
     "router_topk": (router_topk_fast, router_topk_ref),
+    # The norm, rope and cache write of the MLA latents; on CUDA one fused launch in both modes.
+    "write_latent_cache": (write_latent_cache_fast, write_latent_cache_ref),
 }
 # Why these references serve CPU and CUDA alike (on CUDA the combine is one Triton kernel
 # instead: fewer launches), untiled: each is row-wise already (a token's slots, ranks or
@@ -108,7 +113,14 @@ _ROW_WISE_OPS: dict[str, tuple[Callable, Callable]] = {
 
 # Ops whose Triton kernel is also the fastest CUDA version measured (bench/profile_step.py):
 # fused elementwise or row-wise kernels replacing 3-14 torch launches each.
-_FASTEST_ON_CUDA = ("rms_norm", "silu_mul", "moe_combine", "moe_output")
+_FASTEST_ON_CUDA = (
+    "rms_norm",
+    "add_rms_norm",
+    "silu_mul",
+    "moe_combine",
+    "moe_output",
+    "write_latent_cache",
+)
 
 
 def build_op_table(config: KernelConfig, device: torch.device | str) -> OpTable:
@@ -173,9 +185,10 @@ def _triton_kernels() -> dict[str, Callable]:
     from kernels.triton_activation import silu_mul_triton
     from kernels.triton_attention import mla_attention_triton
     from kernels.triton_combine import moe_combine_triton
+    from kernels.triton_latent_cache import write_latent_cache_triton
     from kernels.triton_linear import batched_linear_triton, grouped_linear_triton, linear_triton
     from kernels.triton_moe_output import moe_output_triton
-    from kernels.triton_rmsnorm import rms_norm_triton
+    from kernels.triton_rmsnorm import add_rms_norm_triton, rms_norm_triton
     from kernels.triton_router import router_logits_triton, router_topk_triton
     from kernels.triton_softmax import log_softmax_triton, softmax_triton
 
@@ -184,6 +197,7 @@ def _triton_kernels() -> dict[str, Callable]:
         "batched_linear": batched_linear_triton,
         "grouped_linear": grouped_linear_triton,
         "rms_norm": rms_norm_triton,
+        "add_rms_norm": add_rms_norm_triton,  # one launch for the add and the norm
         "softmax": softmax_triton,
         "log_softmax": log_softmax_triton,
         "mla_attention": mla_attention_triton,
@@ -195,6 +209,9 @@ def _triton_kernels() -> dict[str, Callable]:
         "moe_combine": moe_combine_triton,
         "silu_mul": silu_mul_triton,  # one launch for ~7 torch ones
         "moe_output": moe_output_triton,  # one launch for the cast and two adds
+        # Why fused: the unfused norm, rope, cat and index copy are five launches a layer; the
+        # kernel calls the same jit helpers as the norm and rope kernels, so the same bits.
+        "write_latent_cache": write_latent_cache_triton,
     }
 
 

@@ -4,9 +4,14 @@
 (vectorisation, thread split) is chosen by `tile_rows`, never by the batch. `rms_norm_fast`
 is the same math on the whole batch: with several threads torch splits a long single-row
 reduction across threads but not a many-row one, which the negative control shows.
+`add_rms_norm_*`: the residual add before a norm and the norm as one op of the table (on CUDA
+one launch, kernels/triton_rmsnorm.py).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -25,3 +30,25 @@ def rms_norm_ref(
 ) -> torch.Tensor:
     # Why: the row mean runs on a [tile_rows, D] tensor, so its reduction plan is fixed.
     return map_row_tiles(lambda tile: rms_norm_fast(tile, weight, eps), x, tile_rows)
+
+
+def add_rms_norm_composed(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, *, rms_norm: Callable
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add and the norm after it: x, delta [T, D] (one dtype), weight [D] ->
+    (x + delta, rms_norm(x + delta)); rms_norm: the table's op (rms_norm_ref's contract)."""
+    total = x + delta
+    return total, rms_norm(total, weight, eps)
+
+
+def add_rms_norm_ref(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, *, tile_rows: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    norm = partial(rms_norm_ref, tile_rows=tile_rows)
+    return add_rms_norm_composed(x, delta, weight, eps, rms_norm=norm)
+
+
+def add_rms_norm_fast(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return add_rms_norm_composed(x, delta, weight, eps, rms_norm=rms_norm_fast)

@@ -20,13 +20,17 @@ def rope_ref(
     cos_table: torch.Tensor,
     sin_table: torch.Tensor,
     is_interleaved: bool,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [T, H, R], positions [T] int64, cos/sin tables [S, R/2] fp32 -> [T, H, R]
-    (rotated first halves, then second halves)."""
+    (rotated first halves, then second halves); written into `out` (any strides, e.g. a
+    slice of a wider buffer) and returned when given."""
     cos = cos_table[positions].to(x.dtype)[:, None, :]
     sin = sin_table[positions].to(x.dtype)[:, None, :]
     if is_interleaved:
         x1, x2 = x[..., 0::2], x[..., 1::2]
     else:
         x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    result = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return result if out is None else out.copy_(result)

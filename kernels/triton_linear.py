@@ -715,11 +715,15 @@ def linear_triton(
     return _launch(x, weight, out, None, x.shape[0], config, whole_out_dim)
 
 
-def batched_linear_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def batched_linear_triton(
+    x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """x [B, M, IN] (any batch and row strides) @ weight [B, OUT, IN]^T -> [B, M, OUT].
 
     One launch for every b; each b gets exactly the bits `linear_triton(x[b], weight[b])`
-    gives (the same BLOCK_K and K order; the row bucket picks only the tile shape).
+    gives (the same BLOCK_K and K order; the row bucket picks only the tile shape). `out`:
+    where to write them, e.g. a slice of a wider buffer (batch and row strides free, unit
+    column stride, x's dtype); the strides move only the stores, never the arithmetic.
     """
     if x.dim() != 3 or weight.dim() != 3 or x.shape[0] != weight.shape[0]:
         raise ValueError(
@@ -731,7 +735,19 @@ def batched_linear_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
         x = x.contiguous()
     weight = weight.contiguous()
     batch, num_rows = x.shape[:2]
-    out = x.new_empty((batch, num_rows, weight.shape[1]))
+    if out is None:
+        out = x.new_empty((batch, num_rows, weight.shape[1]))
+    elif (
+        out.shape != (batch, num_rows, weight.shape[1])
+        or out.dtype != x.dtype
+        or out.device != x.device
+        or out.stride(2) != 1
+    ):
+        raise ValueError(
+            f"out must be [{batch}, {num_rows}, {weight.shape[1]}] {x.dtype} on {x.device} with "
+            f"a unit column stride, got {tuple(out.shape)} {out.dtype} on {out.device}, "
+            f"strides {out.stride()}"
+        )
     if num_rows == 0 or batch == 0:
         return out
     config = linear_config(weight.shape[1], weight.shape[2], x.dtype, num_rows)

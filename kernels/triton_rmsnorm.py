@@ -4,7 +4,9 @@ One program per row walks the row in blocks of a fixed width chosen from D alone
 per-lane fp32 sum of squares that is reduced once at the end: the order of every addition is
 fixed by D, never by how many rows share the launch. Oracle: `rms_norm_ref`
 (kernels/rmsnorm.py): fp32 statistics, the normalised row rounded to x's dtype, then times
-the weight in the promoted dtype. Under TRITON_INTERPRET=1 it runs on CPU tensors (tests).
+the weight in the promoted dtype. `add_rms_norm_triton` is the residual add before a norm and
+that norm in one launch, the row math shared (`rms_norm_row`). Under TRITON_INTERPRET=1 it
+runs on CPU tensors (tests).
 """
 
 from __future__ import annotations
@@ -19,10 +21,10 @@ MAX_BLOCK_D = 4096
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, eps, BLOCK_D: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * D
-    out_row = out_ptr + row * D
+def rms_norm_row(x_row, w_ptr, out_row, D, eps, BLOCK_D: tl.constexpr):
+    """One row: out_row[:D] = w * rms_normed(x_row[:D]) (pointers to the row's first element,
+    unit column stride). Shared by every kernel that normalises a row, so they cannot drift:
+    with the same D, BLOCK_D and num_warps (`norm_launch_config`) they give the same bits."""
     offs = tl.arange(0, BLOCK_D)
     # Why: lane i accumulates elements i, i + BLOCK_D, ... in order; one tree sum at the end.
     # Both depend on D and BLOCK_D only: one program per row, nothing split across programs.
@@ -34,13 +36,44 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, eps, BLOCK_D: tl.constexpr):
     for d0 in range(0, D, BLOCK_D):
         mask = d0 + offs < D
         x = tl.load(x_row + d0 + offs, mask=mask, other=0.0)
-        normed = (x.to(tl.float32) * rstd).to(x_ptr.dtype.element_ty)
+        normed = (x.to(tl.float32) * rstd).to(x_row.dtype.element_ty)
         w = tl.load(w_ptr + d0 + offs, mask=mask, other=0.0)
         y = w.to(tl.float32) * normed.to(tl.float32)
-        tl.store(out_row + d0 + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_row + d0 + offs, y.to(out_row.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, eps, BLOCK_D: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    rms_norm_row(x_ptr + row * D, w_ptr, out_ptr + row * D, D, eps, BLOCK_D)
+
+
+@triton.jit
+def _add_rms_norm_kernel(x_ptr, delta_ptr, w_ptr, sum_ptr, out_ptr, D, eps, BLOCK_D: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_D)
+    for d0 in range(0, D, BLOCK_D):
+        mask = d0 + offs < D
+        x = tl.load(x_ptr + row * D + d0 + offs, mask=mask, other=0.0).to(tl.float32)
+        delta = tl.load(delta_ptr + row * D + d0 + offs, mask=mask, other=0.0).to(tl.float32)
+        # Why: torch's add of two bf16 tensors is this: an fp32 sum rounded once.
+        tl.store(sum_ptr + row * D + d0 + offs, (x + delta).to(sum_ptr.dtype.element_ty), mask=mask)
+    # Why: the norm reads the rounded sums back, some written by other threads of the program;
+    # the barrier makes them visible (and the norm reads exactly what the unfused one would).
+    tl.debug_barrier()
+    rms_norm_row(sum_ptr + row * D, w_ptr, out_ptr + row * D, D, eps, BLOCK_D)
+
+
+def norm_launch_config(dim: int) -> dict:
+    """BLOCK_D and num_warps of a row norm over `dim` channels: functions of dim only (the
+    reduction tree of `rms_norm_row` follows them, so every kernel calling it takes these)."""
+    block_d = min(triton.next_power_of_2(dim), MAX_BLOCK_D)
+    return {"BLOCK_D": block_d, "num_warps": 8 if block_d >= 2048 else 4}
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
+    """Raise ValueError unless x [T, D] and weight [D] share a device (CUDA, or CPU when
+    interpreted) and have float dtypes."""
     allowed = ("cpu", "cuda") if isinstance(_rms_norm_kernel, InterpretedFunction) else ("cuda",)
     if x.device.type not in allowed:
         raise ValueError(f"x must be on a device of type {allowed}, got {x.device}")
@@ -62,8 +95,29 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     if x.shape[0] == 0:
         return out
-    block_d = min(triton.next_power_of_2(x.shape[1]), MAX_BLOCK_D)  # a function of D only
     _rms_norm_kernel[(x.shape[0],)](
-        x, weight, out, x.shape[1], eps, BLOCK_D=block_d, num_warps=8 if block_d >= 2048 else 4
+        x, weight, out, x.shape[1], eps, **norm_launch_config(x.shape[1])
     )
     return out
+
+
+def add_rms_norm_triton(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """add_rms_norm_composed's contract (kernels/rmsnorm.py) with rms_norm_triton's bits, one
+    launch: x, delta [T, D] of one dtype, weight [D] -> (x + delta [T, D] in x's dtype, its
+    norm [T, D] in the promoted dtype of weight and x)."""
+    _check(x, weight)
+    if delta.shape != x.shape or delta.dtype != x.dtype or delta.device != x.device:
+        raise ValueError(
+            f"delta must match x's shape, dtype and device, got {tuple(delta.shape)} "
+            f"{delta.dtype} {delta.device} for x {tuple(x.shape)} {x.dtype} {x.device}"
+        )
+    x, delta, weight = x.contiguous(), delta.contiguous(), weight.contiguous()
+    total = torch.empty_like(x)
+    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    if x.shape[0]:
+        _add_rms_norm_kernel[(x.shape[0],)](
+            x, delta, weight, total, out, x.shape[1], eps, **norm_launch_config(x.shape[1])
+        )
+    return total, out

@@ -22,30 +22,31 @@ def _round(x, dtype: tl.constexpr):
 
 
 @triton.jit
-def _rope_kernel(
-    x_ptr,
-    positions_ptr,
+def rope_row(
+    x_row,
+    stride_xh,
+    position,
     cos_ptr,
     sin_ptr,
-    out_ptr,
+    out_row,
+    stride_oh,
     num_heads,
-    stride_xt,
-    stride_xh,
     HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_R: tl.constexpr,
     IS_INTERLEAVED: tl.constexpr,
 ):
-    t = tl.program_id(0).to(tl.int64)
+    """One token's heads: out_row[h] = rotated x_row[h] (halves: first, second) at `position`,
+    in out_row's dtype; pointers to head 0's first channel, unit channel stride. Shared by
+    every kernel that rotates rope channels, so they cannot drift."""
     heads = tl.arange(0, BLOCK_H)
     pairs = tl.arange(0, BLOCK_R)
     ok = (heads[:, None] < num_heads) & (pairs[None, :] < HALF)
-    position = tl.load(positions_ptr + t)
-    dtype = out_ptr.dtype.element_ty
+    dtype = out_row.dtype.element_ty
     cos = tl.load(cos_ptr + position * HALF + pairs, mask=pairs < HALF, other=0.0).to(dtype)
     sin = tl.load(sin_ptr + position * HALF + pairs, mask=pairs < HALF, other=0.0).to(dtype)
     cos, sin = cos[None, :].to(tl.float32), sin[None, :].to(tl.float32)
-    row = x_ptr + t * stride_xt + heads[:, None] * stride_xh
+    row = x_row + heads[:, None] * stride_xh
     if IS_INTERLEAVED:
         x1 = tl.load(row + 2 * pairs[None, :], mask=ok, other=0.0).to(tl.float32)
         x2 = tl.load(row + 2 * pairs[None, :] + 1, mask=ok, other=0.0).to(tl.float32)
@@ -57,9 +58,44 @@ def _rope_kernel(
     b1 = _round(x2 * sin, dtype)
     a2 = _round(x2 * cos, dtype)
     b2 = _round(x1 * sin, dtype)
-    out = out_ptr + (t * num_heads + heads[:, None]) * (2 * HALF) + pairs[None, :]
+    out = out_row + heads[:, None] * stride_oh + pairs[None, :]
     tl.store(out, (a1 - b1).to(dtype), mask=ok)
     tl.store(out + HALF, (a2 + b2).to(dtype), mask=ok)
+
+
+@triton.jit
+def _rope_kernel(
+    x_ptr,
+    positions_ptr,
+    cos_ptr,
+    sin_ptr,
+    out_ptr,
+    num_heads,
+    stride_xt,
+    stride_xh,
+    stride_ot,
+    stride_oh,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    IS_INTERLEAVED: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    position = tl.load(positions_ptr + t)
+    rope_row(
+        x_ptr + t * stride_xt,
+        stride_xh,
+        position,
+        cos_ptr,
+        sin_ptr,
+        out_ptr + t * stride_ot,
+        stride_oh,
+        num_heads,
+        HALF,
+        BLOCK_H,
+        BLOCK_R,
+        IS_INTERLEAVED,
+    )
 
 
 def rope_triton(
@@ -68,13 +104,24 @@ def rope_triton(
     cos_table: torch.Tensor,
     sin_table: torch.Tensor,
     is_interleaved: bool,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """rope_ref's contract: x [T, H, R] (token and head strides free), positions [T] int64,
-    cos/sin [S, R/2] fp32 -> contiguous [T, H, R] in x's dtype."""
+    cos/sin [S, R/2] fp32 -> [T, H, R] in x's dtype, contiguous, or written into `out`
+    (token and head strides free, unit channel stride) and returned."""
     num_tokens, num_heads, rope_dim = x.shape
     if x.stride(2) != 1:
         x = x.contiguous()
-    out = torch.empty((num_tokens, num_heads, rope_dim), dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty((num_tokens, num_heads, rope_dim), dtype=x.dtype, device=x.device)
+    elif (
+        out.shape != x.shape or out.dtype != x.dtype or out.device != x.device or out.stride(2) != 1
+    ):
+        raise ValueError(
+            f"out must be {tuple(x.shape)} {x.dtype} on {x.device} with a unit channel stride, "
+            f"got {tuple(out.shape)} {out.dtype} on {out.device}, strides {out.stride()}"
+        )
     if num_tokens:
         half = rope_dim // 2
         _rope_kernel[(num_tokens,)](
@@ -86,6 +133,8 @@ def rope_triton(
             num_heads,
             x.stride(0),
             x.stride(1),
+            out.stride(0),
+            out.stride(1),
             HALF=half,
             BLOCK_H=triton.next_power_of_2(num_heads),
             BLOCK_R=triton.next_power_of_2(half),

@@ -504,3 +504,52 @@ def test_moe_layer_fused_launches_give_the_unfused_bits(generator, num_tokens):
         captured = moe(h, residual=x)
     graph.replay()
     assert torch.equal(captured, want)
+
+
+# Row counts of the fused-kernel checks: decode sizes, one prefill tile and past it.
+FUSED_ROW_COUNTS = (1, 7, 64, 300)
+
+
+def test_write_latent_cache_fused_equals_unfused_bitwise(generator):
+    """The one-launch latent norm + rope + cache write: the unfused Triton norm, rope, cat and
+    index copy's bits, V2-Lite and tiny shapes, bf16 and fp32, shuffled mid-block slots."""
+    from tests.test_triton_fused import assert_latent_cache_fused_equals_unfused
+
+    assert_latent_cache_fused_equals_unfused(generator, "cuda", FUSED_ROW_COUNTS)
+
+
+def test_write_latent_cache_replays_in_a_graph(generator):
+    """Captured once, replayed with new rows, positions and slots written into its inputs."""
+    from kernels.triton_latent_cache import write_latent_cache_triton
+    from tests.test_triton_fused import latent_inputs
+
+    args = latent_inputs(generator, 64, 512, 64, 64, torch.bfloat16, "cuda")
+    kv_a, weight, eps, positions, cos, sin, cache, slots = args
+    write_latent_cache_triton(kv_a, weight, eps, positions, cos, sin, True, cache, slots)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        write_latent_cache_triton(kv_a, weight, eps, positions, cos, sin, True, cache, slots)
+    for _ in range(2):
+        fresh = latent_inputs(generator, 64, 512, 64, 64, torch.bfloat16, "cuda")
+        kv_a.copy_(fresh[0]), positions.copy_(fresh[3]), slots.copy_(fresh[7])
+        cache.fill_(float("nan"))
+        graph.replay()
+        want = torch.full_like(cache, float("nan"))
+        write_latent_cache_triton(kv_a, weight, eps, positions, cos, sin, True, want, slots)
+        assert torch.equal(cache.view(-1, 576)[slots], want.view(-1, 576)[slots])
+
+
+def test_add_rms_norm_fused_equals_unfused_bitwise(generator):
+    """The residual add + post-attention norm in one launch: torch's bf16 add and the Triton
+    norm's bits, both outputs, at the V2-Lite and tiny hidden sizes."""
+    from tests.test_triton_fused import assert_add_rms_norm_fused_equals_unfused
+
+    assert_add_rms_norm_fused_equals_unfused(generator, "cuda", FUSED_ROW_COUNTS)
+
+
+def test_query_built_in_place_equals_cat_bitwise(generator):
+    """W_UK's batched GEMM and the q_pe rope writing into slices of one query buffer: the bits
+    of the cat of their own outputs (strided stores only)."""
+    from tests.test_triton_fused import assert_query_in_place_equals_cat
+
+    assert_query_in_place_equals_cat(generator, "cuda", FUSED_ROW_COUNTS)

@@ -24,11 +24,13 @@ TILED_OPS = (
     "batched_linear",
     "grouped_linear",
     "rms_norm",
+    "add_rms_norm",
     "softmax",
     "log_softmax",
     "mla_attention",
     "router_logits",
     "router_topk",
+    "write_latent_cache",  # the latent norm, fused with the rope and the cache write
 )
 # Row-wise by construction (a token's slots, the ranks of one element, one vocab row): the
 # torch references need no tile, and serve the CUDA table too (elementwise or host-ordered).
@@ -42,7 +44,9 @@ CUDA_FAST_OPS = {
     "grouped_linear": "grouped_linear_cuda_fast",
     "mla_attention": "mla_decode_fast",
     "rms_norm": "rms_norm_triton",
+    "add_rms_norm": "add_rms_norm_triton",
     "moe_combine": "moe_combine_triton",
+    "write_latent_cache": "write_latent_cache_triton",
 }
 
 

@@ -53,8 +53,8 @@ class DecoderLayer(nn.Module):
 
         Free of host syncs and collectives (with tp.size 1), so a CUDA graph can capture it.
         """
-        x = x + self.self_attn(self.input_layernorm(x), batch, kv_cache)
-        return x, self.post_attention_layernorm(x)
+        attn = self.self_attn(self.input_layernorm(x), batch, kv_cache)
+        return self.post_attention_layernorm.add_and_norm(x, attn)
 
     def mlp_part(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """Residual x [T, D] + MLP or MoE of the normed h [T, D]."""

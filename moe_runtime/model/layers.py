@@ -74,6 +74,12 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.rms_norm(x, self.weight, self.eps)
 
+    def add_and_norm(
+        self, x: torch.Tensor, delta: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Residual x, delta [T, D] -> (x + delta, its norm): one op (one launch on CUDA)."""
+        return self.ops.add_rms_norm(x, delta, self.weight, self.eps)
+
 
 class GatedMLP(nn.Module):
     """down(silu(gate(x)) * up(x)): the dense MLP and the shared experts.

@@ -75,19 +75,27 @@ class MLAttention(nn.Module):
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(t, self.num_heads, self.nope_dim + self.rope_dim)
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
-        q_pe = self.rope(q_pe, batch.positions, self.ops.rope)
 
-        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        latent = self.kv_a_layernorm(latent.contiguous())
-        k_pe = self.rope(k_pe[:, None, :], batch.positions, self.ops.rope)[:, 0]
-        # Index assignment (no accumulation): the cache row of a token is exactly its latent.
-        kv_cache.view(-1, kv_cache.shape[-1])[batch.slot_mapping] = torch.cat(
-            [latent, k_pe], dim=-1
+        # The latent norm and the k_pe rope, stored straight into each token's cache row.
+        self.ops.write_latent_cache(
+            self.kv_a_proj_with_mqa(x),
+            self.kv_a_layernorm.weight,
+            self.kv_a_layernorm.eps,
+            batch.positions,
+            self.rope.cos,
+            self.rope.sin,
+            self.rope.is_interleaved,
+            kv_cache,
+            batch.slot_mapping,
         )
 
-        # Absorbed W_UK and W_UV: one batched GEMM over the heads each ([H, T, .] views).
-        q_latent = self.ops.batched_linear(q_nope.transpose(0, 1), self.w_uk_t).transpose(0, 1)
-        query = torch.cat([q_latent, q_pe], dim=-1)
+        # Absorbed W_UK and W_UV: one batched GEMM over the heads each ([H, T, .] views). The
+        # query [T, H, kv_lora + R] is built in place: W_UK's product into its first channels,
+        # the rotated q_pe into the rest (no cat; only stores move, so the same bits).
+        query = q.new_empty((t, self.num_heads, self.kv_lora_rank + self.rope_dim))
+        q_latent, q_rot = query.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        self.ops.batched_linear(q_nope.transpose(0, 1), self.w_uk_t, out=q_latent.transpose(0, 1))
+        self.rope(q_pe, batch.positions, self.ops.rope, out=q_rot)
         out_latent = self.ops.mla_attention(
             query,
             kv_cache,

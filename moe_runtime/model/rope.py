@@ -29,10 +29,12 @@ class RotaryEmbedding:
         self.sin = freqs.sin() * attention_factor
         self.is_interleaved = is_interleaved
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor, op=rope_ref) -> torch.Tensor:
-        """x [T, H, R], positions [T] int64 -> rotated x [T, H, R] (halves: first, second);
-        op: the op table's `rope` (rope_ref's contract)."""
-        return op(x, positions, self.cos, self.sin, self.is_interleaved)
+    def __call__(
+        self, x: torch.Tensor, positions: torch.Tensor, op=rope_ref, *, out=None
+    ) -> torch.Tensor:
+        """x [T, H, R], positions [T] int64 -> rotated x [T, H, R] (halves: first, second),
+        written into `out` when given; op: the op table's `rope` (rope_ref's contract)."""
+        return op(x, positions, self.cos, self.sin, self.is_interleaved, out=out)
 
     def to(self, device: torch.device) -> RotaryEmbedding:
         self.cos, self.sin = self.cos.to(device), self.sin.to(device)
