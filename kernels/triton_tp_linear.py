@@ -33,11 +33,13 @@ from kernels.triton_linear import (
 
 TREE_BLOCK = 1024  # elements per tree-sum program: a launch shape, not a sum order
 # Where the in-program tree (kernels/triton_linear.linear_chunk_tree) replaces chunk partials
-# + tree-sum launch: prefill-sized row counts and short chunks (o_proj 256, shared experts'
-# down 352 columns at tp_max 8), measured on the H200 (BENCHMARKS.md, row-parallel table): there
-# the partials' traffic outweighs the chunks' parallelism; long chunks (the dense mlp_down,
-# 1368) keep the chunk-parallel launch. Both paths make the same adds: the same bits.
-TREE_MIN_ROWS = 512
+# + tree-sum launch: short chunks (o_proj 256, shared experts' down 352 columns at tp_max 8)
+# from TREE_MIN_ROWS rows, measured on the H200 under graph replay (BENCHMARKS.md, row-parallel
+# section): there the partials' traffic outweighs the chunks' parallelism. Chunks of whole
+# 64-column steps cross over at 256 rows (o_proj 13.1 vs 18.1 us), others at 512 (32-column
+# steps: twice the loop; shared down 28.4 vs 45.4 us at 512, 25.7 vs 23.3 at 256). Long chunks
+# (the dense mlp_down, 1368) keep the chunk-parallel launch. Both paths make the same adds.
+TREE_MIN_ROWS = {64: 256, 32: 512, 16: 512}  # by the tree's K step (tree_block_k)
 TREE_MAX_CHUNK_K = 512
 
 
@@ -152,11 +154,12 @@ def _tp_linear(
         )
     x, weight = x.contiguous(), weight.contiguous()
     num_rows, chunk_k = x.shape[0], x.shape[1] // num_chunks
+    block_k = tree_block_k(chunk_k, x.dtype)
     if (
-        num_rows > TREE_MIN_ROWS
+        block_k
+        and num_rows >= TREE_MIN_ROWS[block_k]
         and chunk_k <= TREE_MAX_CHUNK_K
         and num_chunks <= MAX_TREE_CHUNKS
-        and tree_block_k(chunk_k, x.dtype)
     ):
         # The same adds in one launch: prefill-sized calls skip the fp32 partials' traffic.
         return linear_chunk_tree(x, weight, num_chunks, out_dtype)

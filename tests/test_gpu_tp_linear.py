@@ -32,9 +32,10 @@ TINY_GPU = Path(__file__).resolve().parent.parent / "launch" / "configs" / "tiny
 TP_MAX = 8
 # (out, in) of V2-Lite's row-parallel weights: o_proj, dense mlp_down, shared experts' down_proj.
 V2_LITE_ROW_PARALLEL = [(2048, 2048), (2048, 10944), (2048, 2816)]
-# 513 and 4100 take the in-program tree on short chunks (kernels/triton_tp_linear.py
-# TREE_MIN_ROWS), 4100 two row launches on long ones; the prefixes below them the chunk path.
-ROWS = (1, 2, 16, 17, 64, 65, 513, 4100)
+# 300 takes the in-program tree on 64-column-step chunks (kernels/triton_tp_linear.py
+# TREE_MIN_ROWS), 513 and 4100 on the others too, 4100 two row launches on long ones; the
+# smaller prefixes the chunk path.
+ROWS = (1, 2, 16, 17, 64, 65, 300, 513, 4100)
 BF16_TOL = {"atol": 2e-2, "rtol": 2e-2}  # one bf16 rounding of outputs of magnitude ~1
 NUM, MAX_TOKENS = 16, 16
 
