@@ -243,6 +243,21 @@ def _linear_kernel(
 
 
 @triton.jit
+def _dot_whole_step(
+    x_ptr, w_ptr, offs_m, offs_n, row_ok, col_ok, stride_xm, K, k, acc,
+    INPUT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):  # fmt: skip
+    """acc + x[m, k] @ w[n, k]^T for one K step k (BLOCK_K columns all inside K: no k mask, so
+    the loads stay full-width vectors); masked rows and columns load exact zeros."""
+    a = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=row_ok[:, None], other=0.0)
+    b = tl.load(w_ptr + offs_n[None, :] * K + k[:, None], mask=col_ok[None, :], other=0.0)
+    if UPCAST_DOT:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+
+
+@triton.jit
 def _dot_k_range(
     x_ptr,
     w_ptr,
@@ -274,15 +289,10 @@ def _dot_k_range(
         k0 = k_lo + i * BLOCK_K
         if K_ALIGN > 1:
             k0 = tl.multiple_of(k0, K_ALIGN)
-        k = k0 + offs_k
-        a = tl.load(
-            x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=row_ok[:, None], other=0.0
-        )
-        b = tl.load(w_ptr + offs_n[None, :] * K + k[:, None], mask=col_ok[None, :], other=0.0)
-        if UPCAST_DOT:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        acc = _dot_whole_step(
+            x_ptr, w_ptr, offs_m, offs_n, row_ok, col_ok, stride_xm, K, k0 + offs_k, acc,
+            INPUT_PRECISION, UPCAST_DOT,
+        )  # fmt: skip
     k0 = k_lo + num_whole * BLOCK_K
     if k0 < k_hi:
         k = k0 + offs_k
@@ -383,15 +393,10 @@ def _chunk_tree_kernel(
     s2 = s0
     s3 = s0  # never written below 16 chunks: compiled away
     for step in range(NUM_CHUNKS * STEPS_PER_CHUNK):
-        k = step * BLOCK_K + offs_k
-        a = tl.load(
-            x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=row_ok[:, None], other=0.0
-        )
-        b = tl.load(w_ptr + offs_n[None, :] * K + k[:, None], mask=col_ok[None, :], other=0.0)
-        if UPCAST_DOT:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        acc = _dot_whole_step(
+            x_ptr, w_ptr, offs_m, offs_n, row_ok, col_ok, stride_xm, K, step * BLOCK_K + offs_k,
+            acc, INPUT_PRECISION, UPCAST_DOT,
+        )  # fmt: skip
         if step % STEPS_PER_CHUNK == STEPS_PER_CHUNK - 1:
             chunk = step // STEPS_PER_CHUNK
             acc, s0, s1, s2, s3 = tree_push(acc, s0, s1, s2, s3, chunk, NUM_CHUNKS)
