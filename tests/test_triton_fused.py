@@ -22,6 +22,17 @@ LATENT_SHAPES = ((512, 64, 64), (32, 8, 16))
 ROW_COUNTS = (1, 7, 64)
 
 
+def assert_each_refused(cases) -> None:
+    """cases: (call, regex) pairs; each call must raise a ValueError whose text matches."""
+    for fn, pattern in cases:
+        try:
+            fn()
+        except ValueError as err:
+            assert re.search(pattern, str(err)), (pattern, str(err))
+        else:
+            raise AssertionError(f"no ValueError for {pattern}")
+
+
 def latent_inputs(generator, num_rows, lora, rope_dim, block_size, dtype, device="cpu"):
     """kv_a [T, C] as a strided view (the kv_a projection's column split), weight, eps,
     positions, tables, a NaN-filled cache, and T distinct slots in a shuffled order (most of
@@ -136,13 +147,7 @@ def check_latent_cache_bad_inputs(generator: torch.Generator) -> None:
         (call(slot_mapping=slots.to("meta")), "slot_mapping is on meta"),
         (call(kv_a=kv_a.to("meta")), "device of type"),
     ]
-    for fn, pattern in cases:
-        try:
-            fn()
-        except ValueError as err:
-            assert re.search(pattern, str(err)), (pattern, str(err))
-        else:
-            raise AssertionError(f"no ValueError for {pattern}")
+    assert_each_refused(cases)
 
 
 # Residual add + norm widths: DeepSeek-V2-Lite's hidden size, and the tiny model's.
@@ -205,13 +210,7 @@ def check_add_rms_norm_bad_inputs(generator: torch.Generator) -> None:
         (lambda: add_rms_norm_triton(x[0], x[0], weight, EPS), r"\[T, D\]"),
         (lambda: add_rms_norm_triton(x.long(), x.long(), weight, EPS), "torch.int64"),
     ]
-    for fn, pattern in cases:
-        try:
-            fn()
-        except ValueError as err:
-            assert re.search(pattern, str(err)), (pattern, str(err))
-        else:
-            raise AssertionError(f"no ValueError for {pattern}")
+    assert_each_refused(cases)
 
 
 # MLA query shapes (heads, qk_nope, kv_lora_rank, rope_dim): DeepSeek-V2-Lite, tiny.
@@ -267,13 +266,7 @@ def check_out_views_bad_inputs(generator: torch.Generator) -> None:
         (lambda: rope_triton(q, positions, cos, sin, True, out=q.bfloat16()), "bfloat16"),
         (lambda: rope_triton(q, positions, cos, sin, True, out=q.mT.contiguous().mT), "unit"),
     ]
-    for fn, pattern in cases:
-        try:
-            fn()
-        except ValueError as err:
-            assert re.search(pattern, str(err)), (pattern, str(err))
-        else:
-            raise AssertionError(f"no ValueError for {pattern}")
+    assert_each_refused(cases)
 
 
 CHECKS = {
