@@ -66,8 +66,12 @@ def batched_linear_ref(
 def batched_linear_fast(
     x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    result = torch.bmm(x, weight.transpose(1, 2))
-    return result if out is None else out.copy_(result)
+    """torch.bmm; with `out` (a strided view, e.g. a slice of the MLA query buffer) cuBLAS
+    writes into it through its row and batch strides (no temporary and copy when one of the
+    last two strides is 1, as torch's bmm allows)."""
+    if out is None:
+        return torch.bmm(x, weight.transpose(1, 2))
+    return torch.bmm(x, weight.transpose(1, 2), out=out)
 
 
 def _group_slices(
