@@ -213,6 +213,9 @@ def main() -> None:
     parser.add_argument("--warmup-steps", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0, help="--engine prompt ids")
     parser.add_argument(
+        "--temperature", type=float, default=0.0, help="--engine decode sampling (0: greedy)"
+    )
+    parser.add_argument(
         "--cuda-graphs", action="store_true", help="decode eager vs CUDA graphs, then exit"
     )
     parser.add_argument(

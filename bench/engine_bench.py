@@ -115,7 +115,9 @@ def bench_engine_decode(
     bound = fill_bound(num_seqs, args.context, cfg.scheduler.max_num_batched_tokens)
     timed = args.repeats * args.decode_steps
     params = SamplingParams(
-        max_tokens=bound + args.warmup_steps + timed, temperature=0.0, ignore_eos=True
+        max_tokens=bound + args.warmup_steps + timed,
+        temperature=args.temperature,  # 0: greedy; > 0: every row draws its Gumbel noise
+        ignore_eos=True,
     )
     prompts = random_prompts(rng, num_seqs, args.context, cfg.model.vocab_size)
     requests = engine.add_requests(prompts, [params] * num_seqs)

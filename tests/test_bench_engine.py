@@ -69,6 +69,8 @@ def test_engine_bench_smoke_on_cpu():
         "4",
         "--repeats",
         "5",
+        "--temperature",
+        "1.0",  # sampled decode: every row draws its Gumbel noise
     ]
     run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr

@@ -192,3 +192,29 @@ def test_rejects_mismatched_inputs(sampler, logits):
         sampler.sample(logits, [SamplingParams()], [0], [0])
     with pytest.raises(ValueError, match="fp32"):
         sampler.sample(logits.double(), [SamplingParams()] * 6, [0] * 6, [0] * 6)
+
+
+def test_gumbel_noise_is_splitmix64_of_seed_position_and_id():
+    """Known answers from an arbitrary-precision splitmix64 (the int64 tensor ops must wrap),
+    u strictly inside (0, 1), and each row a function of its own (seed, position) only."""
+    from moe_runtime.worker.sampler import gumbel_noise
+
+    mask = (1 << 64) - 1
+
+    def mix(z: int) -> int:
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9 & mask
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EB & mask
+        return z ^ (z >> 31)
+
+    seeds, positions, vocab = [0, 123456789, (1 << 63) - 1], [0, 5, 1000], 70
+    noise = gumbel_noise(seeds, positions, vocab, torch.device("cpu"))
+    for r, (seed, position) in enumerate(zip(seeds, positions, strict=True)):
+        key = mix((seed + 0x9E3779B97F4A7C15 * (position + 1)) & mask)
+        for v in (0, 1, 69):
+            bits = mix((key + 0x9E3779B97F4A7C15 * (v + 1)) & mask) >> 41
+            u = torch.tensor((bits + 0.5) * 2.0**-23, dtype=torch.float32)
+            assert noise[r, v] == -torch.log(-torch.log(u)), (r, v)
+    assert torch.isfinite(noise).all()
+    alone = gumbel_noise(seeds[1:2], positions[1:2], vocab, torch.device("cpu"))
+    assert torch.equal(alone[0], noise[1])
+    assert not torch.equal(noise[0], noise[1])

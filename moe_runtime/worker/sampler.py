@@ -3,8 +3,9 @@
 A request's result is a function of its own logits row, its SamplingParams, its seed and its
 output position only. The ops run on the step's rows together, but each is row-wise (the op
 table's log_softmax, elementwise scaling, argmax and gathers, a sort per row), so no row's
-bits follow the others; only top-k / top-p filtering runs row by row. The Gumbel noise is
-drawn from a generator seeded by (seed, output position), one value per vocab id. Results
+bits follow the others; only top-k / top-p filtering runs row by row. The Gumbel noise is a
+counter-based hash of (seed, output position, vocab id) computed where the logits are (one
+batch of integer ops on CUDA, no host draw or copy), so it needs no generator state. Results
 reach the host in one copy. The sampler owns no state across steps and never mixes rows;
 choosing seeds for n > 1 and recording fresh ones is the engine's job (moe_runtime.seeds).
 """
@@ -16,7 +17,6 @@ from collections.abc import Callable
 import torch
 
 from moe_runtime.sampling_params import SamplingParams
-from moe_runtime.seeds import derive_seed
 from moe_runtime.worker.step_input import SampleResult
 
 RowOp = Callable[[torch.Tensor], torch.Tensor]
@@ -55,11 +55,18 @@ class Sampler:
         scores, reported = logits, raw
         sampled = [i for i, p in enumerate(params) if not p.is_greedy]
         if sampled:
-            processed = torch.cat([self._process(logits[i : i + 1], params[i]) for i in sampled])
-            noise = torch.stack(
-                [_gumbel_noise(seeds[i], output_positions[i], logits.shape[1]) for i in sampled]
-            ).to(logits.device)
             rows = torch.tensor(sampled, device=logits.device)
+            temperatures = [params[i].temperature for i in sampled]
+            processed = logits[rows] / torch.tensor(temperatures, device=logits.device)[:, None]
+            for j, i in enumerate(sampled):
+                if params[i].top_k != -1 or params[i].top_p < 1.0:  # row-wise filters
+                    processed[j : j + 1] = self._filter(processed[j : j + 1], params[i])
+            noise = gumbel_noise(
+                [seeds[i] for i in sampled],
+                [output_positions[i] for i in sampled],
+                logits.shape[1],
+                logits.device,
+            )
             scores = logits.index_copy(0, rows, processed + noise)
             processed_mode = [j for j, i in enumerate(sampled) if params[i].logprobs_mode != "raw"]
             if processed_mode:
@@ -84,16 +91,15 @@ class Sampler:
             results.append(SampleResult(token_id=int(row[0]), logprob=row[1], top_logprobs=top))
         return results
 
-    def _process(self, row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-        """[1, V] logits -> [1, V] temperature-scaled logits, -inf outside top-k / top-p."""
-        scaled = row / params.temperature
-        vocab_size = row.shape[1]
+    def _filter(self, scaled: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        """[1, V] temperature-scaled logits -> the same, -inf outside top-k / top-p."""
+        vocab_size = scaled.shape[1]
         top_k = vocab_size if params.top_k == -1 else min(params.top_k, vocab_size)
         if top_k == vocab_size and params.top_p >= 1.0:
             return scaled
         # Stable descending sort: equal logits keep id order, so boundary ties go to the lower id.
         sorted_logits, sorted_ids = torch.sort(scaled[0], descending=True, stable=True)
-        keep = torch.zeros(vocab_size, dtype=torch.bool, device=row.device)
+        keep = torch.zeros(vocab_size, dtype=torch.bool, device=scaled.device)
         keep[:top_k] = True
         if params.top_p < 1.0:
             masked = sorted_logits.masked_fill(~keep, float("-inf"))
@@ -108,14 +114,44 @@ class Sampler:
         return scaled.masked_fill(~keep_by_id[None], float("-inf"))
 
 
-def _gumbel_noise(seed: int, position: int, vocab_size: int) -> torch.Tensor:
-    """[V] fp32 Gumbel noise, a function of (seed, position, vocab id) only.
+# splitmix64 (Steele, Lea, Flood 2014): a Weyl sequence through a 64-bit finaliser. Constants as
+# int64 (two's complement): torch's int64 adds and multiplies wrap, as the hash wants.
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
+_MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
+_MIX2 = 0x94D049BB133111EB - (1 << 64)
+_NOISE_ROWS = 32  # rows hashed at a time on CUDA: bounds the int64 temporaries
 
-    Drawn on the CPU generator, whose value i does not depend on how many are drawn, so the
-    noise is the same whatever the device and the batch.
+
+def _shift_right(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 bits (torch's >> is arithmetic on signed ints)."""
+    return (z >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _mix(z: torch.Tensor) -> torch.Tensor:
+    z = (z ^ _shift_right(z, 30)) * _MIX1
+    z = (z ^ _shift_right(z, 27)) * _MIX2
+    return z ^ _shift_right(z, 31)
+
+
+def gumbel_noise(
+    seeds: list[int], positions: list[int], vocab_size: int, device: torch.device
+) -> torch.Tensor:
+    """[R, V] fp32 Gumbel noise; row r a function of (seeds[r], positions[r], vocab id) only.
+
+    The key of a row is the splitmix64 output number position + 1 of the generator seeded with
+    the seed; vocab id v draws output number v + 1 of the generator seeded with the key. The
+    top 23 bits give u = (k + 0.5) / 2**23 in (0, 1), exact in fp32, and the noise is
+    -log(-log(u)). The integers are the same on every device; the logs are one formula per
+    element on CUDA. On CPU each row is hashed in its own tensor, so a row's elements meet the
+    same vectorised and scalar code paths whatever the batch.
     """
-    generator = torch.Generator(device="cpu").manual_seed(derive_seed(seed, position))
-    u = torch.rand(vocab_size, generator=generator, dtype=torch.float32)
-    # rand is in [0, 1); clamping away 0 keeps u in (0, 1) and the noise finite.
-    u = u.clamp_(min=torch.finfo(torch.float32).tiny)
-    return -torch.log(-torch.log(u))
+    counters = torch.tensor(positions, device=device) + 1
+    keys = _mix(torch.tensor(seeds, device=device) + _GOLDEN * counters)
+    vocab_steps = _GOLDEN * torch.arange(1, vocab_size + 1, device=device)
+    step = 1 if device.type == "cpu" else _NOISE_ROWS
+    parts = []
+    for start in range(0, len(seeds), step):
+        bits = _shift_right(_mix(keys[start : start + step, None] + vocab_steps), 41)
+        u = (bits.float() + 0.5) * 2.0**-23
+        parts.append(-torch.log(-torch.log(u)))
+    return torch.cat(parts)
