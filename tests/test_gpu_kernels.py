@@ -595,3 +595,23 @@ def test_joint_gate_up_linear_same_bits_for_every_batch_and_tp_slice(
         if splits(2 * local) != splits(whole):
             # Control: without whole_out_dim the slice takes its own split and other bits.
             assert not torch.equal(linear_triton(x, weight), want), tp_size
+
+
+@pytest.mark.parametrize("num_experts, top_k", ((64, 6), (256, 8)))
+def test_router_topk_id_map_is_the_gather_exactly(generator, num_experts, top_k):
+    """The MoE's logical -> physical map folded into the top-k launch: the mapped ids equal
+    replica_row[topk_ids] exactly, at every row count, and ids and weights keep their bits."""
+    from kernels.triton_router import router_topk_triton
+
+    params = dict(top_k=top_k, num_groups=1, topk_group=1, scoring_func="softmax")
+    params.update(topk_method="greedy", norm_topk_prob=False, routed_scaling_factor=1.0)
+    logits = _randn(generator, 300, num_experts, dtype=torch.float32, scale=2.0)
+    # A replica row: every logical expert's slot among 2E physical ones, replicas included.
+    replica_row = torch.randperm(2 * num_experts, generator=generator)[:num_experts].cuda()
+    ids, weights = router_topk_triton(logits, None, **params)
+    for m in (0, 1, 7, 64, 300):
+        got_ids, got_weights, slot_ids = router_topk_triton(
+            logits[:m], None, **params, id_map=replica_row
+        )
+        assert torch.equal(got_ids, ids[:m]) and torch.equal(got_weights, weights[:m]), m
+        assert torch.equal(slot_ids, replica_row[ids[:m]]), m
