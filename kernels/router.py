@@ -107,11 +107,24 @@ def router_topk_fast(
     topk_method: str,
     norm_topk_prob: bool,
     routed_scaling_factor: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [T, E] fp32, bias [E] or None -> topk_ids [T, K] int64, topk_weights [T, K] fp32."""
+    id_map: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """logits [T, E] fp32, bias [E] or None -> topk_ids [T, K] int64, topk_weights [T, K] fp32;
+    with id_map [M] int64 (e.g. a logical -> physical expert table) also mapped_ids [T, K] =
+    id_map[topk_ids], appended as a third output."""
     routing = (top_k, num_groups, topk_group, scoring_func, topk_method, norm_topk_prob)
     _check(logits, top_k, num_groups, topk_group, scoring_func, topk_method)
-    return _route(logits, bias, routing, routed_scaling_factor, _torch_topk, torch.sigmoid)
+    routed = _route(logits, bias, routing, routed_scaling_factor, _torch_topk, torch.sigmoid)
+    return with_mapped_ids(*routed, id_map)
+
+
+def with_mapped_ids(
+    topk_ids: torch.Tensor, topk_weights: torch.Tensor, id_map: torch.Tensor | None
+) -> tuple[torch.Tensor, ...]:
+    """(topk_ids, topk_weights), plus id_map[topk_ids] when an id map is given."""
+    if id_map is None:
+        return topk_ids, topk_weights
+    return topk_ids, topk_weights, id_map[topk_ids]
 
 
 def router_topk_ref(
@@ -126,7 +139,9 @@ def router_topk_ref(
     norm_topk_prob: bool,
     routed_scaling_factor: float,
     tile_rows: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    id_map: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """router_topk_fast's contract (and id_map), invariant: stable top-k, ties to the lower id."""
     routing = (top_k, num_groups, topk_group, scoring_func, topk_method, norm_topk_prob)
     _check(logits, top_k, num_groups, topk_group, scoring_func, topk_method)
     # Why: fixed [tile_rows, E] tiles fix the softmax/sum reduction plans for every row.
@@ -136,4 +151,4 @@ def router_topk_ref(
     num_tokens = logits.shape[0]
     topk_ids = torch.cat([ids for ids, _ in routed])[:num_tokens]
     topk_weights = torch.cat([weights for _, weights in routed])[:num_tokens]
-    return topk_ids, topk_weights
+    return with_mapped_ids(topk_ids, topk_weights, id_map)

@@ -34,8 +34,10 @@ def _argmax_lowest(values, ids, is_free, NONE: tl.constexpr):
 def _router_topk_kernel(
     logits_ptr,
     bias_ptr,
+    id_map_ptr,
     ids_ptr,
     weights_ptr,
+    mapped_ptr,
     num_experts,
     group_size,
     num_groups,
@@ -43,6 +45,7 @@ def _router_topk_kernel(
     TOP_K: tl.constexpr,
     TOPK_GROUP: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    HAS_MAP: tl.constexpr,
     IS_SIGMOID: tl.constexpr,
     METHOD: tl.constexpr,  # 0 greedy, 1 group_limited_greedy, 2 noaux_tc
     NORMALIZE: tl.constexpr,
@@ -102,6 +105,9 @@ def _router_topk_kernel(
     slot_ok = slots < TOP_K
     tl.store(ids_ptr + row * TOP_K + slots, topk_ids.to(tl.int64), mask=slot_ok)
     tl.store(weights_ptr + row * TOP_K + slots, topk_weights * scaling, mask=slot_ok)
+    if HAS_MAP:  # the id map's gather, here rather than in a launch of its own
+        mapped = tl.load(id_map_ptr + topk_ids, mask=slot_ok, other=0)
+        tl.store(mapped_ptr + row * TOP_K + slots, mapped.to(tl.int64), mask=slot_ok)
 
 
 def router_logits_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -125,9 +131,11 @@ def router_topk_triton(
     topk_method: str,
     norm_topk_prob: bool,
     routed_scaling_factor: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    id_map: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:
     """logits [T, E] fp32, bias [E] fp32 or None -> topk_ids [T, K] int64, topk_weights [T, K]
-    fp32."""
+    fp32; with id_map [M >= E] int64 on logits' device, also mapped_ids [T, K] int64 =
+    id_map[topk_ids] (the MoE's logical -> physical slot table), written by the same launch."""
     allowed = ("cpu", "cuda") if isinstance(_router_topk_kernel, InterpretedFunction) else ("cuda",)
     if logits.device.type not in allowed:
         raise ValueError(f"logits must be on a device of type {allowed}, got {logits.device}")
@@ -140,19 +148,33 @@ def router_topk_triton(
         )
     _check(logits, top_k, num_groups, topk_group, scoring_func, topk_method)
     num_tokens, num_experts = logits.shape
+    if id_map is not None and (
+        id_map.dim() != 1
+        or id_map.shape[0] < num_experts
+        or id_map.dtype != torch.int64
+        or id_map.device != logits.device
+    ):
+        raise ValueError(
+            f"id_map must be [>= {num_experts}] int64 on {logits.device}, got "
+            f"{tuple(id_map.shape)} {id_map.dtype} on {id_map.device}"
+        )
     if num_experts > MAX_EXPERTS:
         raise ValueError(f"at most {MAX_EXPERTS} experts per router row, got {num_experts}")
     topk_ids = torch.empty((num_tokens, top_k), dtype=torch.int64, device=logits.device)
     topk_weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=logits.device)
+    mapped_ids = torch.empty_like(topk_ids) if id_map is not None else None
+    outputs = (topk_ids, topk_weights) if id_map is None else (topk_ids, topk_weights, mapped_ids)
     if num_tokens == 0:
-        return topk_ids, topk_weights
+        return outputs
     is_grouped = topk_method != "greedy"
     logits = logits.contiguous()
     _router_topk_kernel[(num_tokens,)](
         logits,
         bias.float().contiguous() if bias is not None else logits,  # never read without bias
+        id_map.contiguous() if id_map is not None else topk_ids,  # never read without a map
         topk_ids,
         topk_weights,
+        mapped_ids if id_map is not None else topk_ids,  # never written without a map
         num_experts,
         num_experts // num_groups if is_grouped else num_experts,
         num_groups if is_grouped else 1,
@@ -160,6 +182,7 @@ def router_topk_triton(
         TOP_K=top_k,
         TOPK_GROUP=topk_group if is_grouped else 1,
         HAS_BIAS=bias is not None,
+        HAS_MAP=id_map is not None,
         IS_SIGMOID=scoring_func == "sigmoid",
         METHOD=_METHODS[topk_method],
         NORMALIZE=norm_topk_prob,
@@ -168,4 +191,4 @@ def router_topk_triton(
         BLOCK_K=triton.next_power_of_2(top_k),
         num_warps=4,
     )
-    return topk_ids, topk_weights
+    return outputs

@@ -553,3 +553,65 @@ def test_query_built_in_place_equals_cat_bitwise(generator):
     from tests.test_triton_fused import assert_query_in_place_equals_cat
 
     assert_query_in_place_equals_cat(generator, "cuda", FUSED_ROW_COUNTS)
+
+
+# (hidden D, whole intermediate I) of the gated MLPs: V2-Lite's shared experts and dense MLP,
+# V3's shared experts (their separate [I, D] halves split K in 8, the joint [2I, D] does not).
+GATED_MLP_SHAPES = ((2048, 2816), (2048, 10944), (7168, 2048))
+
+
+@pytest.mark.parametrize("hidden, intermediate", GATED_MLP_SHAPES)
+def test_joint_gate_up_linear_same_bits_for_every_batch_and_tp_slice(
+    generator, hidden, intermediate
+):
+    """GatedMLP's one gate/up launch: the two separate linears' bits side by side wherever
+    their fixed K split agrees with the joint weight's, and at every row count and every TP
+    rank's slice (its gate rows + its up rows, with whole_out_dim = 2I) the TP-1 bits."""
+    from kernels.triton_linear import k_split_count, linear_triton
+
+    whole = 2 * intermediate
+    x = _randn(generator, 300, hidden)
+    gate = _randn(generator, intermediate, hidden, scale=hidden**-0.5)
+    up = _randn(generator, intermediate, hidden, scale=hidden**-0.5)
+    joint_weight = torch.cat([gate, up])
+    joint = linear_triton(x, joint_weight, whole_out_dim=whole)
+    torch.testing.assert_close(joint.float(), x.float() @ joint_weight.float().t(), **BF16_TOL)
+    apart = torch.cat([linear_triton(x, gate), linear_triton(x, up)], dim=-1)
+
+    def splits(out_dim: int) -> int:
+        return k_split_count(out_dim, hidden, x.dtype)
+
+    # A changed K split changes bits (the control): V3's shared experts, 8 splits -> 1.
+    assert torch.equal(joint, apart) == (splits(intermediate) == splits(whole))
+    for tp_size in (1, 2, 4, 8):
+        local = intermediate // tp_size
+        for tp_rank in range(tp_size):
+            rows = slice(tp_rank * local, (tp_rank + 1) * local)
+            weight = torch.cat([gate[rows], up[rows]])
+            want = torch.cat([joint[:, rows], joint[:, intermediate:][:, rows]], dim=-1)
+            for m in (1, 7, 64, 300):
+                got = linear_triton(x[:m], weight, whole_out_dim=whole)
+                assert torch.equal(got, want[:m]), (tp_size, tp_rank, m)
+        if splits(2 * local) != splits(whole):
+            # Control: without whole_out_dim the slice takes its own split and other bits.
+            assert not torch.equal(linear_triton(x, weight), want), tp_size
+
+
+@pytest.mark.parametrize("num_experts, top_k", ((64, 6), (256, 8)))
+def test_router_topk_id_map_is_the_gather_exactly(generator, num_experts, top_k):
+    """The MoE's logical -> physical map folded into the top-k launch: the mapped ids equal
+    replica_row[topk_ids] exactly, at every row count, and ids and weights keep their bits."""
+    from kernels.triton_router import router_topk_triton
+
+    params = dict(top_k=top_k, num_groups=1, topk_group=1, scoring_func="softmax")
+    params.update(topk_method="greedy", norm_topk_prob=False, routed_scaling_factor=1.0)
+    logits = _randn(generator, 300, num_experts, dtype=torch.float32, scale=2.0)
+    # A replica row: every logical expert's slot among 2E physical ones, replicas included.
+    replica_row = torch.randperm(2 * num_experts, generator=generator)[:num_experts].cuda()
+    ids, weights = router_topk_triton(logits, None, **params)
+    for m in (0, 1, 7, 64, 300):
+        got_ids, got_weights, slot_ids = router_topk_triton(
+            logits[:m], None, **params, id_map=replica_row
+        )
+        assert torch.equal(got_ids, ids[:m]) and torch.equal(got_weights, weights[:m]), m
+        assert torch.equal(slot_ids, replica_row[ids[:m]]), m

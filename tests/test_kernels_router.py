@@ -1,5 +1,7 @@
 """Router top-k: transformers parity, exact tie-breaks, bitwise row invariance, fast control."""
 
+from functools import partial
+
 import pytest
 import torch
 
@@ -169,3 +171,18 @@ def test_router_sigmoid_fast_not_invariant_ref_is(generator):
 def test_router_rejects_bad_groups():
     with pytest.raises(ValueError, match="num_groups"):
         router_topk_ref(torch.zeros(2, 10), None, **dict(V2_GROUPED, num_groups=4), tile_rows=4)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_id_map_appends_the_mapped_ids_and_changes_nothing_else(generator, method):
+    """With an id map (the MoE's logical -> physical slot row, with replicas) both versions add
+    id_map[topk_ids] as a third output; ids and weights keep their bits."""
+    params = METHODS[method]
+    logits = torch.randn(50, NUM_EXPERTS, generator=generator)
+    bias = _bias(params, generator)
+    id_map = torch.randperm(NUM_EXPERTS + 8, generator=generator)[:NUM_EXPERTS]
+    for route in (partial(router_topk_ref, tile_rows=4), router_topk_fast):
+        ids, weights = route(logits, bias, **params)
+        mapped_ids, mapped_weights, slot_ids = route(logits, bias, **params, id_map=id_map)
+        assert torch.equal(mapped_ids, ids) and torch.equal(mapped_weights, weights)
+        assert slot_ids.dtype == torch.int64 and torch.equal(slot_ids, id_map[ids])

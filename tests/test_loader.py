@@ -20,7 +20,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kernels import KernelConfig, build_op_table
+from moe_runtime.model.layers import GatedMLP
 from moe_runtime.model.loader import (
+    assign_weights,
     build_model,
     fill_uniform,
     init_random_weights,
@@ -270,3 +272,67 @@ def test_gpu_hf_load_equals_cpu(checkpoint):
     assert all(p.is_cuda for p in on_gpu.parameters())
     for name, value in _params(on_gpu).items():
         assert torch.equal(value, on_cpu[name]), name
+
+
+# The gated MLPs' joint gate/up weight -----------------------------------------------------------
+
+
+def _gated_mlps(model) -> list[GatedMLP]:
+    return [m for m in model.modules() if isinstance(m, GatedMLP)]
+
+
+def _assert_gate_up_share_the_joint_storage(mlp: GatedMLP) -> None:
+    joint, gate, up = mlp.gate_up_weight, mlp.gate_proj.weight, mlp.up_proj.weight
+    assert gate.untyped_storage().data_ptr() == joint.untyped_storage().data_ptr()
+    assert up.untyped_storage().data_ptr() == joint.untyped_storage().data_ptr()
+    assert gate.data_ptr() == joint.data_ptr()
+    assert up.data_ptr() == joint.data_ptr() + gate.numel() * gate.element_size()
+    assert torch.equal(joint, torch.cat([gate, up]))
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_gate_up_weights_are_views_of_one_joint_tensor(tp_size):
+    """After a load, gate_proj.weight / up_proj.weight live inside gate_up_weight (no second
+    copy), and the joint linear's output is the two separate linears' side by side, bitwise."""
+    model = build_model(TINY, _ops(), tp=TensorParallel(size=tp_size, rank=tp_size - 1))
+    mlps = _gated_mlps(model)
+    assert len(mlps) == TINY.num_hidden_layers  # the dense MLP and each MoE's shared experts
+    x = torch.randn(5, TINY.hidden_size, generator=torch.Generator().manual_seed(0))
+    for mlp in mlps:
+        _assert_gate_up_share_the_joint_storage(mlp)
+        joint = mlp.ops.linear(x, mlp.gate_up_weight, whole_out_dim=mlp.whole_gate_up_rows)
+        apart = torch.cat([mlp.gate_proj(x), mlp.up_proj(x)], dim=-1)
+        assert torch.equal(joint, apart)
+    num_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    joint_bytes = sum(m.gate_up_weight.numel() * m.gate_up_weight.element_size() for m in mlps)
+    assert num_bytes > joint_bytes  # counted once, as the parameters
+
+
+def test_in_place_weight_update_reaches_the_joint_linear(checkpoint):
+    """A weight update copies into the parameters in place (the worker's commit path), so the
+    joint tensor the forward reads has the new values, and stays the same storage."""
+    model = build_model(_hf_config(checkpoint), _ops())
+    mlp = _gated_mlps(model)[0]
+    before = mlp.gate_up_weight.data_ptr()
+    gate_name = next(n for n, p in model.named_parameters() if p is mlp.gate_proj.weight)
+    up_name = gate_name.replace("gate_proj", "up_proj")
+    params = _params(model)
+    new_gate, new_up = params[gate_name] * 2 + 1, -params[up_name]
+    assign_weights(model, {gate_name: new_gate, up_name: new_up})
+    model.after_weights_loaded()
+    assert mlp.gate_up_weight.data_ptr() == before
+    assert torch.equal(mlp.gate_up_weight, torch.cat([new_gate, new_up]))
+    _assert_gate_up_share_the_joint_storage(mlp)
+
+
+def test_replaced_storage_is_joined_again():
+    """Something that swaps a parameter's storage (`.data =`, `.to()`) breaks the views;
+    after_weights_loaded joins them again with the new values."""
+    model = build_model(TINY, _ops())
+    mlp = _gated_mlps(model)[0]
+    mlp.up_proj.weight.data = torch.ones_like(mlp.up_proj.weight)
+    assert not mlp.is_gate_up_joined()
+    model.after_weights_loaded()
+    _assert_gate_up_share_the_joint_storage(mlp)
+    assert torch.equal(mlp.gate_up_weight[mlp.gate_proj.weight.shape[0] :], mlp.up_proj.weight)
+    assert bool((mlp.up_proj.weight == 1).all())

@@ -398,6 +398,15 @@ def check_router_topk(generator: torch.Generator) -> None:
         zero_bias = None if bias is None else torch.zeros(NUM_EXPERTS)
         tied_ids, _ = router_topk_triton(tied, zero_bias, **params)
         assert torch.equal(tied_ids, router_topk_ref(tied, zero_bias, **params, tile_rows=4)[0])
+        # The id map (logical -> physical slot, replicas included) is gathered in the launch.
+        id_map = torch.randperm(NUM_EXPERTS + 8, generator=generator)[:NUM_EXPERTS]
+        map_ids, map_weights, slot_ids = router_topk_triton(logits, bias, **params, id_map=id_map)
+        assert torch.equal(map_ids, ids) and torch.equal(map_weights, weights), method
+        assert torch.equal(slot_ids, id_map[ids]), method
+        for m in (0, 1, 7):
+            assert torch.equal(
+                router_topk_triton(logits[:m], bias, **params, id_map=id_map)[2], slot_ids[:m]
+            )
 
 
 def check_bad_inputs(generator: torch.Generator) -> None:
@@ -435,6 +444,7 @@ def check_bad_inputs(generator: torch.Generator) -> None:
         (lambda: mla_attention_triton(q, kv, ids, ids[None], ids, scale=1.0, v_dim=25), "v_dim"),
         (lambda: router_topk_triton(x.half(), None, **route), "fp32"),
         (lambda: router_topk_triton(x, torch.zeros(7), **route), "bias"),
+        (lambda: router_topk_triton(x, None, **route, id_map=torch.arange(3)), "id_map"),
         (lambda: expert_layout_triton(ids, 8), r"\[T, K\] int64"),
         (lambda: moe_output_triton(x[:3], None, x), r"routed must be \(4, 8\)"),
         (lambda: moe_output_triton(x, x.half(), x), "shared must be torch.float32"),

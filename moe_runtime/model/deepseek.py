@@ -123,11 +123,15 @@ class DeepseekForCausalLM(nn.Module):
         return TORCH_DTYPES[self.config.dtype]
 
     def after_weights_loaded(self) -> None:
-        """Derive the absorbed MLA weights; call after any change to the parameters."""
+        """Derive the absorbed MLA weights and re-join any gate/up pair whose storage was
+        replaced; call after any change to the parameters."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         for layer in self.model.layers:
             layer.self_attn.absorb_weights()
+        for module in self.modules():
+            if isinstance(module, GatedMLP):
+                module.join_gate_up()
 
     @property
     def moe_layers(self) -> list[nn.Module]:

@@ -84,7 +84,10 @@ class RMSNorm(nn.Module):
 class GatedMLP(nn.Module):
     """down(silu(gate(x)) * up(x)): the dense MLP and the shared experts.
 
-    With TP the intermediate dim is split; down_proj is row-parallel (summed over the TP ranks).
+    gate_proj.weight and up_proj.weight (the HF names loading, updates and TP sharding use)
+    are the two halves of one [2 * I_local, D] tensor, `gate_up_weight`, so gate and up run as
+    one linear launch with no second copy of the weights. With TP the intermediate dim is split
+    (each rank joins its own slices); down_proj is row-parallel (summed over the TP ranks).
     """
 
     def __init__(
@@ -100,7 +103,37 @@ class GatedMLP(nn.Module):
         self.gate_proj = Linear(hidden, local, ops, dtype, intermediate)
         self.up_proj = Linear(hidden, local, ops, dtype, intermediate)
         self.down_proj = RowParallelLinear(local, hidden, ops, dtype, tp)
+        # Why the whole size: the joint weight's fixed K split must follow the TP-1 joint
+        # weight [2 * I, D], so every TP degree gives each column the same bits.
+        self.whole_gate_up_rows = 2 * intermediate
         self.ops = ops
+        self.gate_up_weight = torch.empty(0)
+        self.join_gate_up()
+
+    def is_gate_up_joined(self) -> bool:
+        """Whether gate_proj.weight and up_proj.weight are still the halves of gate_up_weight."""
+        gate, up, joint = self.gate_proj.weight, self.up_proj.weight, self.gate_up_weight
+        return (
+            joint.shape[0] == gate.shape[0] + up.shape[0]
+            and joint.device == gate.device == up.device
+            and joint.dtype == gate.dtype == up.dtype
+            and gate.data_ptr() == joint.data_ptr()
+            and up.data_ptr() == joint[gate.shape[0] :].data_ptr()
+        )
+
+    def join_gate_up(self) -> None:
+        """Point gate_proj.weight and up_proj.weight at the halves of one fresh joint tensor,
+        values kept; a no-op while they still are. Loading and weight updates copy into the
+        parameters in place, so they write the joint tensor; call this after anything that
+        replaces a parameter's storage (`.to()`, assignment)."""
+        if self.is_gate_up_joined():
+            return
+        gate, up = self.gate_proj.weight, self.up_proj.weight
+        joint = torch.cat([gate.data, up.data])
+        gate.data, up.data = joint[: gate.shape[0]], joint[gate.shape[0] :]
+        self.gate_up_weight = joint
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
+        gate_up = self.ops.linear(x, self.gate_up_weight, whole_out_dim=self.whole_gate_up_rows)
+        gate, up = gate_up.chunk(2, dim=-1)  # strided views: silu_mul takes row strides
+        return self.down_proj(self.ops.silu_mul(gate, up))

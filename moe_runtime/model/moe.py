@@ -33,8 +33,12 @@ class Router(nn.Module):
             self.e_score_correction_bias = None
         self.cfg, self.ops = cfg, ops
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, D] -> topk_ids [T, K] int64, topk_weights [T, K] fp32 (router math in fp32)."""
+    def forward(
+        self, x: torch.Tensor, replica_row: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, ...]:
+        """x [T, D] -> logical topk_ids [T, K] int64, topk_weights [T, K] fp32 (router math in
+        fp32); with replica_row [E] int64 also the physical slots replica_row[topk_ids] [T, K],
+        mapped inside the top-k op (no launch of its own on CUDA)."""
         logits = self.ops.router_logits(x, self.weight)
         cfg = self.cfg
         return self.ops.router_topk(
@@ -47,6 +51,7 @@ class Router(nn.Module):
             topk_method=cfg.topk_method,
             norm_topk_prob=cfg.norm_topk_prob,
             routed_scaling_factor=cfg.routed_scaling_factor,
+            id_map=replica_row,
         )
 
 
@@ -99,7 +104,7 @@ class MoE(nn.Module):
             self.shared_experts = None
         self.ops, self.tp = ops, tp
         self.dispatcher = LocalDispatcher(num_local_slots, ops.moe_combine)
-        self.replica_row = torch.arange(cfg.n_routed_experts)
+        self.replica_row = torch.arange(cfg.n_routed_experts, device=self.gate.weight.device)
         # Rows per local slot in the last forward ([L] int64 on the weights' device): read back
         # once per step for the expert load.
         self.last_slot_counts = torch.zeros(num_local_slots, dtype=torch.int64)
@@ -112,8 +117,8 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """Normed input x [T, D], the layer's residual [T, D] -> residual + MoE(x) [T, D]."""
-        topk_ids, topk_weights = self.gate(x)
-        self.last_topk_ids = topk_ids  # read back for routed-expert reporting
+        topk_ids, topk_weights, slot_ids = self.gate(x, self.replica_row)
+        self.last_topk_ids = topk_ids  # logical ids, read back for routed-expert reporting
         # Why shares: the TP ranks of a group hold the same tokens; each dispatches its own
         # share and the routed rows are gathered back, so no expert runs a token twice. A
         # token's result does not depend on which rank sent it (rows are independent in the
@@ -122,9 +127,7 @@ class MoE(nn.Module):
         weights = topk_weights[mine]
         # Collective: every rank calls dispatch and combine once per MoE layer per step, in
         # layer order, even with zero tokens.
-        recv, group_sizes, handle = self.dispatcher.dispatch(
-            x[mine], self.replica_row[topk_ids[mine]], weights
-        )
+        recv, group_sizes, handle = self.dispatcher.dispatch(x[mine], slot_ids[mine], weights)
         self.last_slot_counts = group_sizes
         routed = self.dispatcher.combine(self.experts(recv, group_sizes), handle, weights)
         if self.tp.size > 1:
