@@ -68,8 +68,10 @@ def _timed(fn, device: torch.device, repeats: int, warmup: int) -> tuple[float, 
         start = time.perf_counter()
         result = fn()
         _sync(device)
-        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # on the host: gloo and NCCL alike
+        # On the ranks' device: an NCCL group has no CPU backend (the max is taken after the
+        # clock stopped, so its cost is not timed).
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         times.append(float(elapsed))
     return statistics.median(times), result
 
