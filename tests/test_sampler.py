@@ -218,3 +218,25 @@ def test_gumbel_noise_is_splitmix64_of_seed_position_and_id():
     alone = gumbel_noise(seeds[1:2], positions[1:2], vocab, torch.device("cpu"))
     assert torch.equal(alone[0], noise[1])
     assert not torch.equal(noise[0], noise[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_gumbel_noise_rows_ignore_the_batch():
+    """On CUDA (rows hashed 32 at a time): a row's noise alone equals its noise among 70 rows,
+    at any place; the uniforms' integer bits equal the CPU's (the logs may differ by an ulp:
+    libdevice vs libm)."""
+    from moe_runtime.worker.sampler import gumbel_noise
+
+    cuda, cpu, vocab = torch.device("cuda"), torch.device("cpu"), 102400
+    seeds, positions = list(range(1000, 1070)), list(range(70))
+    batch = gumbel_noise(seeds, positions, vocab, cuda)
+    for r in (0, 31, 32, 69):
+        alone = gumbel_noise(seeds[r : r + 1], positions[r : r + 1], vocab, cuda)
+        assert torch.equal(alone[0], batch[r]), r
+    # u = exp(-exp(-noise)) recovers the uniform; compare the 23-bit integers on both devices.
+    host = gumbel_noise(seeds[:3], positions[:3], vocab, cpu)
+    ints = [
+        ((-(-n.double()).exp()).exp() * 2**23 - 0.5).round().long() for n in (batch[:3].cpu(), host)
+    ]
+    assert torch.equal(ints[0], ints[1])
