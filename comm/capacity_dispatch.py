@@ -18,7 +18,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from comm.dispatch import DispatchLayout, _check_routing, count_rows_per_slot, dispatch_layout
+from comm.dispatch import (
+    AllToAllDispatcher,
+    DispatchHandle,
+    DispatchLayout,
+    _check_routing,
+    count_rows_per_slot,
+    dispatch_layout,
+)
 from comm.errors import collective_guard
 
 
@@ -50,6 +57,11 @@ class FixedCapacityDispatcher:
     counts, and the invariant mode never uses it. num_rows_sent_remote counts rows sent to
     other ranks by dispatch and combine together, padding tokens of a graph bucket included
     (the padding blocks are not); it is kept on the device and read only by this property.
+
+    A graph-running worker says before each step whether the step replays a graph
+    (`begin_step`, agreed by all ranks); the steps that do not (prefill, mixed, scoring) take
+    AllToAllDispatcher's uneven exchange: the same rows in the same order, so the same bits,
+    without R padded blocks of T*K rows per layer (GBs for a large prefill at EP 8).
     """
 
     is_capturable = True  # no host ints in captured calls: a CUDA graph may hold the MoE layer
@@ -74,10 +86,21 @@ class FixedCapacityDispatcher:
         self.moe_combine = moe_combine
         self.device = torch.device(device)
         self._num_remote = torch.zeros((), dtype=torch.int64, device=self.device)
+        self._uneven = AllToAllDispatcher(
+            group, rank, world_size, num_local_slots, False, device, moe_combine
+        )
+        self._is_graph_step = True  # without a graph runner every call takes the fixed blocks
 
     @property
     def num_rows_sent_remote(self) -> int:
-        return int(self._num_remote)  # host sync: stats only, never inside a step
+        # Host sync: stats only, never inside a step.
+        return int(self._num_remote) + self._uneven.num_rows_sent_remote
+
+    def begin_step(self, is_graph_step: bool) -> None:
+        """Whether this step replays (or warms up and captures) a CUDA graph: every rank must
+        pass the same value (the graph runner's agreed bucket, or none). False: this step's
+        dispatch and combine take the uneven exchange."""
+        self._is_graph_step = is_graph_step
 
     def layout(self, topk_phys_ids: torch.Tensor) -> DispatchLayout:
         return dispatch_layout(topk_phys_ids, self.world_size * self.num_local_slots)
@@ -119,10 +142,13 @@ class FixedCapacityDispatcher:
         topk_phys_ids: torch.Tensor,
         topk_weights: torch.Tensor,
         layout: DispatchLayout | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, CapacityHandle]:
+    ) -> tuple[torch.Tensor, torch.Tensor, CapacityHandle | DispatchHandle]:
         """x [T, D] -> recv_x [R*C, D] (C = T'*K, T' the agreed token count; on CPU only the
         real rows): real rows sorted by (local slot, source rank, token, slot), then padding
-        rows; group sizes [L] int64 on x's device (their sum is the real row count); handle."""
+        rows; group sizes [L] int64 on x's device (their sum is the real row count); handle.
+        In a step begun as eager: AllToAllDispatcher.dispatch's results."""
+        if not self._is_graph_step:
+            return self._uneven.dispatch(x, topk_phys_ids, topk_weights, layout)
         _check_routing(x, topk_phys_ids, topk_weights)
         r, slots, k = self.world_size, self.num_local_slots, topk_phys_ids.shape[1]
         capacity = self._capacity_tokens(x) * k
@@ -178,10 +204,13 @@ class FixedCapacityDispatcher:
         self._num_remote += per_rank.sum() - per_rank[self.rank]  # in place: graphs replay it
 
     def combine(
-        self, y: torch.Tensor, handle: CapacityHandle, topk_weights: torch.Tensor
+        self, y: torch.Tensor, handle: CapacityHandle | DispatchHandle, topk_weights: torch.Tensor
     ) -> torch.Tensor:
         """y [N, D] in recv_x's order (N = R*C, or the real rows only on CPU) -> out [T, D]
-        fp32 on the source rank. Rows past the group sizes' sum are never read."""
+        fp32 on the source rank. Rows past the group sizes' sum are never read. A handle of the
+        uneven exchange goes home through it."""
+        if isinstance(handle, DispatchHandle):
+            return self._uneven.combine(y, handle, topk_weights)
         y_buf = y.new_empty(handle.recv_order.numel(), y.shape[1])
         # Index assignment back to the received buffer order (no arithmetic); padding rows go
         # home unread.

@@ -66,6 +66,7 @@ def _exchange(dispatcher, x, ids, weights, expert_weight, rank) -> dict:
         "group_sizes": group_sizes,
         "out": out,
         "sent_remote": dispatcher.num_rows_sent_remote - before,
+        "handle": type(handle).__name__,
     }
 
 
@@ -89,10 +90,14 @@ def _fixed_capacity_worker(rank: int, world_size: int, port: int, backend: str) 
     groups = init_process_groups(config, rank, MASTER_ADDR, port)
     case = to_device(make_case(world_size), groups.device)
     args = (groups.ep_group, rank, world_size, NUM_LOCAL_SLOTS, False, groups.device)
+    # A graph-running worker's eager step: the uneven exchange inside the capacity dispatcher.
+    eager = FixedCapacityDispatcher(*args, moe_combine_ref)
+    eager.begin_step(is_graph_step=False)
     dispatchers = {
         "all_to_all": AllToAllDispatcher(*args, moe_combine_ref),
         "capacity": FixedCapacityDispatcher(*args, moe_combine_ref),
         "capacity_fast": FixedCapacityDispatcher(*args, moe_combine_fast),
+        "capacity_eager_step": eager,
     }
     result = {}
     # Collectives: every rank runs the same calls in the same order, rank 1 with 0 tokens.
@@ -132,6 +137,13 @@ def test_fixed_capacity_equals_all_to_all_bitwise(tmp_path, world_size, backend)
             assert got["sent_remote"] == ref["sent_remote"], (rank, name)
             fast = res["capacity_fast", name]["out"]
             torch.testing.assert_close(fast, ref["out"])
+            # An eager step of a graph-running worker: AllToAllDispatcher's exchange ran (its
+            # handle, no padding rows), the same rows and sums, the same remote count.
+            eager = res["capacity_eager_step", name]
+            assert (got["handle"], eager["handle"]) == ("CapacityHandle", "DispatchHandle")
+            for key in ("recv_x", "group_sizes", "out"):
+                assert torch.equal(eager[key], ref[key]), (rank, name, key)
+            assert eager["sent_remote"] == ref["sent_remote"], (rank, name)
         for shift in SHIFTS[1:]:
             a, b = res["capacity_fast", ("random", 0)], res["capacity_fast", ("random", shift)]
             num_fast_differ += int((a["out"] != b["out"]).any(dim=1).sum())

@@ -85,15 +85,25 @@ class DecodeGraphRunner:
         num_rows = self._agree_num_rows(num_seqs, is_ready)
         sizes = [n for n in self.batch_sizes if n >= num_rows] if num_rows >= 1 else []
         self._step_size = sizes[0] if sizes else None
+        if (dispatcher := self._capacity_dispatcher()) is not None:
+            # Eager steps (prefill, mixed, scoring) take the uneven exchange: the same bits
+            # without padded blocks. Every rank agreed on the bucket, so every rank agrees here.
+            dispatcher.begin_step(is_graph_step=self._step_size is not None)
         return self._step_size is not None
+
+    def _capacity_dispatcher(self) -> FixedCapacityDispatcher | None:
+        """The MoE layers' shared dispatcher when it is the fixed-capacity one."""
+        layers = self.model.moe_layers
+        if layers and isinstance(layers[0].dispatcher, FixedCapacityDispatcher):
+            return layers[0].dispatcher
+        return None
 
     def _agree_num_rows(self, num_seqs: int, is_ready: bool) -> int:
         """-> the rows this step's graph must hold, -1 for an eager step."""
-        layers = self.model.moe_layers
-        if layers and isinstance(layers[0].dispatcher, FixedCapacityDispatcher):
+        if (dispatcher := self._capacity_dispatcher()) is not None:
             # Collective (all ranks, once per step, before the model): the captured MoE layers'
             # collectives have the bucket's shape, so every rank replays the same one or none.
-            return layers[0].dispatcher.agree_num_tokens(num_seqs, is_ready)
+            return dispatcher.agree_num_tokens(num_seqs, is_ready)
         return num_seqs if is_ready else -1
 
     def reset(self) -> None:
