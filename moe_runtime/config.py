@@ -111,11 +111,10 @@ class RuntimeConfig:
             )
         if self.kernels.cuda_graphs is None:  # the default: on where graphs passed the tests
             parallel = self.parallel
-            # Why not with NCCL between ranks: NCCL ranks may turn them on (the MoE layers are
-            # then captured with FixedCapacityDispatcher; tests/test_gpu_ep_graphs.py passed at
-            # EP=2 on two H200s), but that dispatcher also serves the eager prefill steps, where
-            # each rank sends R x T x K padded rows per layer: too much memory at large prefills
-            # until eager steps take the uneven exchange.
+            # Why not with NCCL between ranks yet: NCCL ranks may turn them on (the MoE layers
+            # are then captured with FixedCapacityDispatcher; tests/test_gpu_ep_graphs.py passed
+            # at EP=2 on two H200s), but the eager steps' switch to the uneven exchange came
+            # after that run: on by default once that test passes again.
             is_nccl = parallel.world_size > 1 and select_backend(parallel) == "nccl"
             is_on = parallel.device == "cuda" and parallel.tp_size == 1 and not is_nccl
             object.__setattr__(self, "kernels", replace(self.kernels, cuda_graphs=is_on))
