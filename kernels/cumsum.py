@@ -12,10 +12,11 @@ import torch
 
 
 def cumsum_ref(x: torch.Tensor) -> torch.Tensor:
-    """[V] -> [V], out[i] = x[0] + ... + x[i] added in index order in fp64; x's dtype and device."""
-    # Host sync on CUDA: one [V] row each way, next to the sampler's other per-row syncs.
-    return torch.cumsum(x.cpu().double(), 0).to(device=x.device, dtype=x.dtype)
+    """[..., V] -> [..., V] along the last dim: out[i] = x[0] + ... + x[i] added in index order
+    in fp64, each row on its own; x's dtype and device."""
+    # Host sync on CUDA: the rows go to the host and back once, however many there are.
+    return torch.cumsum(x.cpu().double(), -1).to(device=x.device, dtype=x.dtype)
 
 
 def cumsum_fast(x: torch.Tensor) -> torch.Tensor:
-    return torch.cumsum(x, 0)
+    return torch.cumsum(x, -1)

@@ -164,9 +164,18 @@ def test_top_p_mass_comes_from_the_table_cumsum():
     sampler = Sampler(lambda x: torch.log_softmax(x, -1), cumsum)
     row = torch.tensor([[0.15, 0.5, 0.05, 0.3]]).log()
     sampler.sample(row, [SamplingParams(temperature=1.0, top_p=0.75)], [0], [0])
-    assert rows_seen == [torch.Size([4])]
+    assert rows_seen == [torch.Size([1, 4])]
     sampler.sample(row, [SamplingParams(temperature=1.0, top_k=2)], [0], [0])
     assert len(rows_seen) == 1  # top-k alone needs no prefix sum
+    # A step's top-p rows share one prefix-sum call (one host round trip in invariant mode).
+    params = [
+        SamplingParams(temperature=1.0, top_p=0.75),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=2.0, top_k=3),
+        SamplingParams(temperature=0.5, top_p=0.9, top_k=3),
+    ]
+    sampler.sample(row.expand(4, 4).contiguous(), params, [0, 1, 2, 3], [0, 0, 0, 0])
+    assert rows_seen[1:] == [torch.Size([2, 4])]
 
 
 def test_raw_and_processed_logprobs(sampler, logits):

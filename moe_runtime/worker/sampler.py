@@ -24,7 +24,8 @@ RowOp = Callable[[torch.Tensor], torch.Tensor]
 
 class Sampler:
     """Samples one token per row with two ops of the kernel table: `log_softmax(x [R, V]
-    fp32) -> [R, V] fp32` and `cumsum(x [V]) -> [V]` (a fixed-order scan when invariant)."""
+    fp32) -> [R, V] fp32` and `cumsum(x [R, V]) -> [R, V]` along each row (a fixed-order scan
+    when invariant)."""
 
     def __init__(self, log_softmax: RowOp, cumsum: RowOp) -> None:
         self._log_softmax, self._cumsum = log_softmax, cumsum
@@ -58,9 +59,11 @@ class Sampler:
             rows = torch.tensor(sampled, device=logits.device)
             temperatures = [params[i].temperature for i in sampled]
             processed = logits[rows] / torch.tensor(temperatures, device=logits.device)[:, None]
-            for j, i in enumerate(sampled):
-                if params[i].top_k != -1 or params[i].top_p < 1.0:  # row-wise filters
-                    processed[j : j + 1] = self._filter(processed[j : j + 1], params[i])
+            filtered = [j for j, i in enumerate(sampled) if _is_filtered(params[i])]
+            if filtered:
+                picked = torch.tensor(filtered, device=logits.device)
+                kept = self._filter(processed[picked], [params[sampled[j]] for j in filtered])
+                processed[picked] = kept
             noise = gumbel_noise(
                 [seeds[i] for i in sampled],
                 [output_positions[i] for i in sampled],
@@ -91,27 +94,35 @@ class Sampler:
             results.append(SampleResult(token_id=int(row[0]), logprob=row[1], top_logprobs=top))
         return results
 
-    def _filter(self, scaled: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-        """[1, V] temperature-scaled logits -> the same, -inf outside top-k / top-p."""
+    def _filter(self, scaled: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """[R, V] temperature-scaled logits -> the same, -inf outside each row's top-k / top-p.
+        Every step is row-wise (a stable sort per row, the table's log_softmax and cumsum along
+        each row), so a row's result ignores the others; the rows share one sort launch and one
+        cumsum (in invariant mode on CUDA: one host round trip for all of them)."""
         vocab_size = scaled.shape[1]
-        top_k = vocab_size if params.top_k == -1 else min(params.top_k, vocab_size)
-        if top_k == vocab_size and params.top_p >= 1.0:
-            return scaled
+        device = scaled.device
+        top_k = [vocab_size if p.top_k == -1 else min(p.top_k, vocab_size) for p in params]
         # Stable descending sort: equal logits keep id order, so boundary ties go to the lower id.
-        sorted_logits, sorted_ids = torch.sort(scaled[0], descending=True, stable=True)
-        keep = torch.zeros(vocab_size, dtype=torch.bool, device=scaled.device)
-        keep[:top_k] = True
-        if params.top_p < 1.0:
-            masked = sorted_logits.masked_fill(~keep, float("-inf"))
-            probs = self._log_softmax(masked[None])[0].exp()
+        sorted_logits, sorted_ids = torch.sort(scaled, dim=1, descending=True, stable=True)
+        ranks = torch.arange(vocab_size, device=device)
+        keep = ranks[None, :] < torch.tensor(top_k, device=device)[:, None]
+        nucleus = [r for r, p in enumerate(params) if p.top_p < 1.0]
+        if nucleus:
+            rows = torch.tensor(nucleus, device=device)
+            masked = sorted_logits[rows].masked_fill(~keep[rows], float("-inf"))
+            probs = self._log_softmax(masked).exp()
             # Keep a token while the mass before it is short of top_p: the smallest prefix
             # reaching top_p. The table's cumsum: a fixed-order scan in invariant mode.
             mass_before = self._cumsum(probs) - probs
-            keep &= mass_before < params.top_p
-            keep[0] = True
-        keep_by_id = torch.zeros_like(keep)
-        keep_by_id[sorted_ids[keep]] = True
-        return scaled.masked_fill(~keep_by_id[None], float("-inf"))
+            top_p = torch.tensor([params[r].top_p for r in nucleus], device=device)
+            keep[rows] &= mass_before < top_p[:, None]
+            keep[:, 0] = True
+        keep_by_id = torch.zeros_like(keep).scatter_(1, sorted_ids, keep)
+        return scaled.masked_fill(~keep_by_id, float("-inf"))
+
+
+def _is_filtered(params: SamplingParams) -> bool:
+    return params.top_k != -1 or params.top_p < 1.0
 
 
 # splitmix64 (Steele, Lea, Flood 2014): a Weyl sequence through a 64-bit finaliser. Constants as
