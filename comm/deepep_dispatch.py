@@ -137,6 +137,8 @@ class DeepEPDispatcher:
         # pointer (deep_ep/utils/comm.py:61-64); one collective makes sure it exists.
         with collective_guard(rank, "DeepEP warm-up all_reduce"):
             dist.all_reduce(torch.zeros(1, device=self.device), group=group)
+        # A torch dtype, int64 unless built with EP_NUM_TOPK_IDX_BITS=32 (csrc/python_api.cpp:29).
+        self._topk_idx_dtype = deep_ep.topk_idx_t
         timeout = max(1, math.ceil(timeout_s))  # DeepEP takes whole seconds
         # Collective: the constructor registers an NCCL window and ends in a barrier
         # (deep_ep/buffers/elastic.py:301, 365-367). Sizes: one expert per virtual token.
@@ -206,7 +208,7 @@ class DeepEPDispatcher:
         with collective_guard(self.rank, "DeepEP dispatch"):
             recv_x, _, _, handle, _ = self._buffer.dispatch(
                 xv,
-                topk_idx=idv,
+                topk_idx=idv.to(self._topk_idx_dtype),
                 num_experts=self.world_size * self.num_local_slots,
                 expert_alignment=1,
                 do_cpu_sync=True,

@@ -29,9 +29,12 @@ from comm.deepep_dispatch import (
 )
 from comm.groups import destroy_process_groups, init_process_groups
 from kernels.combine import moe_combine_ref
+from moe_runtime import LLM
 from moe_runtime.config import load_config
+from tests.invariance import mixed_params, mixed_prompts, random_sub_batches, run_in_batches
 from tests.test_comm_dispatch import to_device
 from tests.test_comm_groups import MASTER_ADDR, backend_config, run_ranks
+from tests.test_gpu_golden import ray_on_gpu  # noqa: F401  (a fixture, used by name)
 
 TINY_GPU = Path(__file__).resolve().parent.parent / "launch" / "configs" / "tiny_gpu.yaml"
 # tiny_gpu.yaml at EP=2 over NCCL with DeepEP; hidden 256 because DeepEP's combine needs it.
@@ -178,75 +181,129 @@ class TokenMajorBuffer(StandInBuffer):
     is_token_major = True
 
 
-HIDDEN, NUM_LOCAL_SLOTS, TOP_K = 256, 3, 4
+# (hidden, local slots per rank, top-k): the CPU case, then DeepSeek-V2-Lite and V3 at EP=2.
+SMALL = (256, 3, 4)
+GPU_SHAPES = {"v2_lite": (2048, 32, 6), "v3": (7168, 128, 8)}
+MAX_TOKENS = 64  # the buffer's tokens per rank (the scheduler's budget in the engine)
 
 
-def _routing(rank: int, world_size: int, device) -> tuple:
-    """Rank 1 holds no tokens; the others uneven counts, distinct slots per token."""
-    gen = torch.Generator().manual_seed(10 + rank)
-    num_tokens = 0 if rank == 1 else 2 + 3 * rank
-    num_physical = world_size * NUM_LOCAL_SLOTS
-    x = torch.randn(num_tokens, HIDDEN, generator=gen).bfloat16()
-    rows = [torch.randperm(num_physical, generator=gen)[:TOP_K] for _ in range(num_tokens)]
-    ids = torch.stack(rows) if rows else torch.zeros(0, TOP_K, dtype=torch.int64)
-    weights = torch.rand(num_tokens, TOP_K, generator=gen)
+def _routing(rank: int, world_size: int, shape: tuple, is_rank1_idle: bool, device) -> tuple:
+    """Uneven token counts (rank 1 none when is_rank1_idle), distinct slots per token."""
+    hidden, num_local_slots, top_k = shape
+    gen = torch.Generator().manual_seed(10 + rank + 100 * is_rank1_idle)
+    num_tokens = 0 if rank == 1 and is_rank1_idle else 2 + 3 * rank
+    num_physical = world_size * num_local_slots
+    x = torch.randn(num_tokens, hidden, generator=gen).bfloat16()
+    rows = [torch.randperm(num_physical, generator=gen)[:top_k] for _ in range(num_tokens)]
+    ids = torch.stack(rows) if rows else torch.zeros(0, top_k, dtype=torch.int64)
+    weights = torch.rand(num_tokens, top_k, generator=gen)
     return to_device([x, ids, weights], device)
 
 
 def _expert(recv_x: torch.Tensor, group_sizes: torch.Tensor, rank: int) -> torch.Tensor:
     """A per-row stand-in for the grouped GEMM: each row scaled by its physical slot's id + 1."""
-    local = torch.arange(NUM_LOCAL_SLOTS, device=recv_x.device)
-    slot = local.repeat_interleave(group_sizes) + rank * NUM_LOCAL_SLOTS
+    num_local_slots = group_sizes.numel()
+    local = torch.arange(num_local_slots, device=recv_x.device)
+    slot = local.repeat_interleave(group_sizes) + rank * num_local_slots
     return (recv_x.float() * (slot[:, None] + 1)).bfloat16()
 
 
-def _compare_worker(rank: int, world_size: int, port: int, backend: str) -> dict:
+def _compare_worker(rank: int, world_size: int, port: int, backend: str, shape: tuple) -> dict:
     config = backend_config(world_size, backend)
     if config.device == "cuda":
         torch.cuda.set_device(rank)
     else:
-        sys.modules["deep_ep"] = types.SimpleNamespace(ElasticBuffer=StandInBuffer)
+        sys.modules["deep_ep"] = types.SimpleNamespace(
+            ElasticBuffer=StandInBuffer, topk_idx_t=torch.int64
+        )
     groups = init_process_groups(config, rank, MASTER_ADDR, port)
     group, device = groups.ep_group, groups.device
-    x, ids, weights = _routing(rank, world_size, device)
+    hidden, num_local_slots, top_k = shape
     all_to_all = AllToAllDispatcher(
-        group, rank, world_size, NUM_LOCAL_SLOTS, False, device, moe_combine_ref
+        group, rank, world_size, num_local_slots, False, device, moe_combine_ref
     )
-    args = (group, rank, world_size, NUM_LOCAL_SLOTS, HIDDEN, 16, TOP_K, device)
-    deepep = DeepEPDispatcher(*args, moe_combine_ref, 30)
+    args = (group, rank, world_size, num_local_slots, hidden, MAX_TOKENS, top_k, device)
+    # Collective: every rank builds DeepEP's buffer together.
+    deepep = DeepEPDispatcher(*args, moe_combine_ref, 60)
     dispatchers = [("all_to_all", all_to_all), ("deepep", deepep)]
     if config.device == "cpu":
-        sys.modules["deep_ep"] = types.SimpleNamespace(ElasticBuffer=TokenMajorBuffer)
-        dispatchers.append(("token_major", DeepEPDispatcher(*args, moe_combine_ref, 30)))
+        sys.modules["deep_ep"] = types.SimpleNamespace(
+            ElasticBuffer=TokenMajorBuffer, topk_idx_t=torch.int64
+        )
+        dispatchers.append(("token_major", DeepEPDispatcher(*args, moe_combine_ref, 60)))
     result = {}
-    # Collectives: every rank runs the dispatchers in the same order, rank 1 with no tokens.
-    for name, dispatcher in dispatchers:
-        recv_x, group_sizes, handle = dispatcher.dispatch(x, ids, weights)
-        out = dispatcher.combine(_expert(recv_x, group_sizes, rank), handle, weights)
-        result[name] = {
-            "recv_x": recv_x,
-            "group_sizes": group_sizes,
-            "out": out,
-            "sent_remote": dispatcher.num_rows_sent_remote,
-        }
-    deepep.close()
+    # Collectives: every rank runs the dispatchers in the same order, first with rank 1 idle.
+    for is_rank1_idle in (True, False):
+        x, ids, weights = _routing(rank, world_size, shape, is_rank1_idle, device)
+        for name, dispatcher in dispatchers:
+            before = dispatcher.num_rows_sent_remote
+            recv_x, group_sizes, handle = dispatcher.dispatch(x, ids, weights)
+            out = dispatcher.combine(_expert(recv_x, group_sizes, rank), handle, weights)
+            result[name, is_rank1_idle] = {
+                "recv_x": recv_x,
+                "group_sizes": group_sizes,
+                "out": out,
+                "sent_remote": dispatcher.num_rows_sent_remote - before,
+            }
+    for _, dispatcher in dispatchers[1:]:
+        dispatcher.close()  # collective: DeepEP's destroy starts with a barrier
     destroy_process_groups()
     return to_device(result, torch.device("cpu"))
 
 
+def _check_equal(results: list[dict], hidden: int) -> None:
+    for rank, res in enumerate(results):
+        for is_rank1_idle in (True, False):
+            ref, got = res["all_to_all", is_rank1_idle], res["deepep", is_rank1_idle]
+            for key in ("recv_x", "group_sizes", "out"):
+                assert torch.equal(got[key], ref[key]), (rank, is_rank1_idle, key)
+            assert got["sent_remote"] == ref["sent_remote"], (rank, is_rank1_idle)
+    assert results[1]["deepep", True]["out"].shape == (0, hidden)  # the idle rank joined
+    assert all(res["deepep", False]["sent_remote"] > 0 for res in results)
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_deepep_dispatcher_equals_all_to_all_with_stand_in(tmp_path, world_size):
-    results = run_ranks(_compare_worker, world_size, tmp_path, "gloo")
-    for rank, res in enumerate(results):
-        ref, got = res["all_to_all"], res["deepep"]
-        for key in ("recv_x", "group_sizes", "out"):
-            assert torch.equal(got[key], ref[key]), (rank, key)
-        assert got["sent_remote"] == ref["sent_remote"], rank
-    assert sum(res["deepep"]["sent_remote"] for res in results) > 0
-    # Control: a receive order other than (local slot, source rank, token) is seen (at world
-    # size 2 only rank 0 sends, so one source leaves no other order).
-    assert world_size == 2 or any(
-        not torch.equal(res["token_major"]["recv_x"], res["all_to_all"]["recv_x"])
+    results = run_ranks(_compare_worker, world_size, tmp_path, "gloo", SMALL)
+    _check_equal(results, SMALL[0])
+    # Control: a receive order other than (local slot, source rank, token) is seen.
+    assert any(
+        not torch.equal(res["token_major", False]["recv_x"], res["all_to_all", False]["recv_x"])
         for res in results
     )
-    assert results[1]["deepep"]["out"].shape == (0, HIDDEN)
+
+
+@pytest.mark.multi_gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+@pytest.mark.parametrize("shape", list(GPU_SHAPES))
+def test_deepep_equals_all_to_all_nccl(tmp_path, shape):
+    pytest.importorskip("deep_ep")
+    # DeepEP compiles its kernels on first use (nvcc): a generous bound.
+    results = run_ranks(_compare_worker, 2, tmp_path, "nccl", GPU_SHAPES[shape], timeout_s=600.0)
+    _check_equal(results, GPU_SHAPES[shape][0])
+
+
+@pytest.mark.multi_gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+@pytest.mark.usefixtures("ray_on_gpu")
+def test_deepep_engine_ep2_equals_world_size_1():
+    pytest.importorskip("deep_ep")
+    prompts, params = mixed_prompts(16, 8, 300, seed=11), mixed_params(16, 16)
+    shared = {"model.hidden_size": 256, "cache.enable_prefix_caching": False}
+    alone = LLM(TINY_GPU, **shared)
+    try:
+        reference = run_in_batches(alone, prompts, params, [[i] for i in range(16)])
+    finally:
+        alone.shutdown()
+    llm = LLM(TINY_GPU, **{**shared, **DEEPEP, "parallel.timeout_s": 300})
+    try:
+        together = run_in_batches(llm, prompts, params, [list(range(16))])
+        shuffled = run_in_batches(llm, prompts, params, random_sub_batches(16, seed=5))
+        stats = llm.engine.worker_stats()
+    finally:
+        llm.shutdown()
+    assert [s["ep_dispatcher"] for s in stats] == ["DeepEPDispatcher"] * 2
+    assert all(s["num_rows_sent_remote"] > 0 for s in stats), "no rows crossed the GPUs"
+    for i in range(16):
+        assert together[i] == reference[i], f"prompt {i}: EP=2 DeepEP batched differs"
+        assert shuffled[i] == reference[i], f"prompt {i}: EP=2 DeepEP shuffled differs"
