@@ -7,6 +7,7 @@ environment variables: every value arrives as an argument.
 from comm.allreduce import all_gather, all_reduce
 from comm.capacity_dispatch import FixedCapacityDispatcher
 from comm.config import ParallelConfig
+from comm.deepep_dispatch import DeepEPDispatcher
 from comm.dispatch import (
     AllToAllDispatcher,
     DispatchHandle,
@@ -25,6 +26,7 @@ from comm.nccl_env import pinned_nccl_env
 __all__ = [
     "AllToAllDispatcher",
     "CollectiveError",
+    "DeepEPDispatcher",
     "DispatchHandle",
     "FixedCapacityDispatcher",
     "LocalDispatcher",

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 BACKENDS = ("auto", "gloo", "nccl")
 DEVICES = ("cpu", "cuda")
 CAPACITY_DISPATCH = ("auto", "on", "off")
+EP_BACKENDS = ("auto", "all_to_all", "deepep")
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,10 @@ class ParallelConfig:
     # graph), "off" = AllToAllDispatcher (host split sizes, eager), "auto" = on exactly when
     # CUDA graphs are on over NCCL without multiple reduction. The same bits either way.
     ep_capacity_dispatch: str = "auto"
+    # Who moves the EP rows: "all_to_all" = torch.distributed (AllToAllDispatcher or, per
+    # ep_capacity_dispatch, FixedCapacityDispatcher); "deepep" = DeepEP's ElasticBuffer as
+    # transport only (DeepEPDispatcher; NCCL, one GPU per rank); "auto" = all_to_all for now.
+    ep_backend: str = "auto"
 
     def __post_init__(self) -> None:
         for key in ("world_size", "tp_size"):
@@ -55,6 +60,10 @@ class ParallelConfig:
             raise ValueError(
                 "parallel.ep_capacity_dispatch: 'on' sends every (token, slot) row home alone; "
                 "it can't be combined with parallel.allow_multiple_reduction: true"
+            )
+        if self.ep_backend not in EP_BACKENDS:
+            raise ValueError(
+                f"parallel.ep_backend must be one of {EP_BACKENDS}, got {self.ep_backend!r}"
             )
         if self.device not in DEVICES:
             raise ValueError(f"parallel.device must be one of {DEVICES}, got {self.device!r}")

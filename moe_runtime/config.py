@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from comm.config import ParallelConfig
+from comm.deepep_dispatch import check_deepep_shapes, is_deepep_installed
 from comm.groups import select_backend
 from eplb.config import EplbConfig
 from kernels.config import KernelConfig
@@ -137,6 +138,8 @@ class RuntimeConfig:
                 f"nccl backend, got parallel.backend {parallel.backend!r} (gloo)"
             )
         self._check_layout()
+        if parallel.ep_backend == "deepep":
+            self._check_deepep()
         if self.kernels.is_invariant and self.parallel.allow_multiple_reduction:
             # A warning, not an error: a legitimate trade of bits for bytes, but it gives up
             # part of the contract the invariant mode stands for.
@@ -152,12 +155,52 @@ class RuntimeConfig:
         """Whether the EP ranks exchange rows with FixedCapacityDispatcher (capturable):
         parallel.ep_capacity_dispatch, its 'auto' resolved; never with one rank."""
         parallel = self.parallel
-        if parallel.world_size == 1 or parallel.ep_capacity_dispatch == "off":
+        if parallel.world_size == 1 or parallel.ep_capacity_dispatch == "off" or self.uses_deepep:
             return False
         if parallel.ep_capacity_dispatch == "on":
             return True
         is_nccl = select_backend(parallel) == "nccl"
         return bool(self.kernels.cuda_graphs) and is_nccl and not parallel.allow_multiple_reduction
+
+    @property
+    def uses_deepep(self) -> bool:
+        """Whether the EP ranks exchange rows with DeepEPDispatcher: parallel.ep_backend, its
+        'auto' resolved. 'auto' keeps all_to_all while the DeepEP backend has not run on GPUs;
+        once tests/test_deepep_backend.py's GPU tests pass, 'auto' should pick DeepEP when
+        deep_ep imports, the device is cuda, the backend nccl, world_size > 1, without multiple
+        reduction and without ep_capacity_dispatch 'on'."""
+        return self.parallel.world_size > 1 and self.parallel.ep_backend == "deepep"
+
+    def _check_deepep(self) -> None:
+        """parallel.ep_backend 'deepep': every condition DeepEP needs, each failure naming it."""
+        parallel, model = self.parallel, self.model
+        bad = "parallel.ep_backend 'deepep' needs"
+        if parallel.device != "cuda":
+            raise ValueError(f"{bad} parallel.device 'cuda', got {parallel.device!r}")
+        if select_backend(parallel) != "nccl":
+            raise ValueError(f"{bad} the nccl backend, got parallel.backend {parallel.backend!r}")
+        if parallel.world_size < 2:
+            raise ValueError(f"{bad} parallel.world_size >= 2, got {parallel.world_size}")
+        if parallel.allow_multiple_reduction:
+            # The backend sends every (token, slot) row home alone (DeepEP as transport only).
+            raise ValueError(f"{bad} parallel.allow_multiple_reduction: false")
+        if parallel.ep_capacity_dispatch == "on":
+            # DeepEP's dispatch syncs with the host: it can't be the capturable exchange.
+            raise ValueError(f"{bad} parallel.ep_capacity_dispatch 'auto' or 'off', got 'on'")
+        if model.dtype != "bfloat16":
+            raise ValueError(
+                f"{bad} model.dtype 'bfloat16' (DeepEP moves bf16), got {model.dtype!r}"
+            )
+        check_deepep_shapes(
+            model.hidden_size,
+            self.scheduler.max_num_batched_tokens,
+            model.num_experts_per_tok,
+            parallel.world_size,
+        )
+        if not is_deepep_installed():
+            raise ValueError(
+                f"{bad} the deep_ep package, which is not installed (README: DeepEP backend)"
+            )
 
     def _check_layout(self) -> None:
         """Every constraint between the parallel layout and the model, here at load, before

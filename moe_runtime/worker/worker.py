@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from comm.capacity_dispatch import FixedCapacityDispatcher
+from comm.deepep_dispatch import DeepEPDispatcher
 from comm.dispatch import AllToAllDispatcher, LocalDispatcher
 from comm.groups import destroy_process_groups, init_process_groups
 from eplb.placement import ExpertPlacement
@@ -110,19 +111,8 @@ class Worker:
             # Experts are parallel over the whole world; the TP ranks of one DP group hold the
             # same tokens after every all-reduce and each dispatches its own share. With CUDA
             # graphs over NCCL the exchange has fixed shapes so the MoE layers are captured too;
-            # both dispatchers give the same bits.
-            dispatcher_cls = (
-                FixedCapacityDispatcher if cfg.uses_capacity_dispatch else AllToAllDispatcher
-            )
-            self.dispatcher = dispatcher_cls(
-                groups.ep_group,
-                self.rank,
-                self.world_size,
-                slots,
-                parallel.allow_multiple_reduction,
-                device,
-                ops.moe_combine,
-            )
+            # every dispatcher gives the same bits.
+            self.dispatcher = self._ep_dispatcher(groups.ep_group, slots, device, ops.moe_combine)
         else:
             self.dispatcher = LocalDispatcher(slots, ops.moe_combine)
         model = build_model(cfg.model, ops, device, self._local_experts(), tp)
@@ -137,6 +127,35 @@ class Worker:
             max_blocks_per_seq=-(-cfg.scheduler.max_model_len // cfg.cache.block_size),
         )
         self._bind_placement()
+
+    def _ep_dispatcher(self, group, slots: int, device: torch.device, moe_combine):
+        """Collective (DeepEP's buffer is built by all ranks together): this rank's dispatcher."""
+        cfg, parallel = self.config, self.config.parallel
+        if cfg.uses_deepep:
+            return DeepEPDispatcher(
+                group,
+                self.rank,
+                self.world_size,
+                slots,
+                cfg.model.hidden_size,
+                cfg.scheduler.max_num_batched_tokens,  # the most tokens a rank holds in a step
+                cfg.model.num_experts_per_tok,
+                device,
+                moe_combine,
+                parallel.timeout_s,
+            )
+        dispatcher_cls = (
+            FixedCapacityDispatcher if cfg.uses_capacity_dispatch else AllToAllDispatcher
+        )
+        return dispatcher_cls(
+            group,
+            self.rank,
+            self.world_size,
+            slots,
+            parallel.allow_multiple_reduction,
+            device,
+            moe_combine,
+        )
 
     def num_kv_blocks(self) -> int:
         """KV blocks this rank's cache holds (found at start-up when cache.num_blocks is 0)."""
