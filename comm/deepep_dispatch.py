@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from comm.dispatch import DispatchLayout, _check_routing, count_rows_per_slot, dispatch_layout
+from comm.dispatch import DispatchLayout, _check_routing, dispatch_layout
 from comm.errors import collective_guard
 
 # Combine's hidden size must be a multiple of 256 (deep_ep/include/deep_ep/impls/combine.cuh:109);
@@ -90,7 +90,9 @@ class DeepEPHandle:
 
 class DeepEPDispatcher:
     """Dispatch/combine over deep_ep.ElasticBuffer on `group` (NCCL, one GPU per rank, all
-    ranks in one NVLink domain; the NCCL loaded into torch must be >= 2.30.4).
+    ranks in one NVLink domain; the NCCL loaded into torch must be >= 2.30.4). Not capturable,
+    so the graph runner keeps its MoE layers eager and never asks it to agree a bucket or count
+    served rows (AllToAllDispatcher's surface).
 
     Construction is a collective (every rank, together). Every rank must call dispatch and
     combine the same number of times, in the same order, a rank with no tokens too: DeepEP's
@@ -164,23 +166,6 @@ class DeepEPDispatcher:
         """The seam's first call. DeepEP v2 counts inside its dispatch kernel
         (impls/dispatch.cuh:79-258), so dispatch never reads this layout."""
         return dispatch_layout(topk_phys_ids, self.world_size * self.num_local_slots)
-
-    def agree_num_tokens(self, num_tokens: int, is_ready: bool) -> int:
-        """Collective (all ranks, same calls, same order; a host sync): the most tokens any
-        rank holds when every rank is ready, else -1 (FixedCapacityDispatcher's contract)."""
-        both = torch.tensor([num_tokens, int(not is_ready)], device=self.device)
-        with collective_guard(self.rank, "agree tokens all_reduce"):
-            dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
-        most, any_not_ready = both.tolist()
-        return -1 if any_not_ready else most
-
-    def count_served_rows(self, topk_phys_ids: torch.Tensor) -> torch.Tensor:
-        """Collective (all ranks together): [M, n] physical ids of this rank's rows, M layers ->
-        [M, L] int64 rows every rank sent to this rank's slots."""
-        counts = count_rows_per_slot(topk_phys_ids, self.world_size * self.num_local_slots)
-        with collective_guard(self.rank, "slot counts all_reduce"):
-            dist.all_reduce(counts, group=self.group)
-        return counts.view(-1, self.world_size, self.num_local_slots)[:, self.rank]
 
     def dispatch(
         self,
