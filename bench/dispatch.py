@@ -10,6 +10,8 @@ repeats):
 - `FixedCapacityDispatcher` (equal blocks of T*K rows, counts on the device; eager here, so
   each call first agrees the token count with one small all_reduce, which a CUDA graph step
   does once per step instead);
+- `DeepEPDispatcher` (DeepEP v2 as transport, comm/deepep_dispatch.py) when the backend is
+  NCCL and `deep_ep` is installed (hidden sizes that are multiples of 256);
 - a raw `all_to_all_single` of exactly the bytes AllToAllDispatcher moves (its split sizes),
   each way: the ceiling the backends are held to.
 GB/s per rank = bf16 bytes of the rows this rank's experts receive (dispatch) or send back
@@ -37,12 +39,29 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from comm.capacity_dispatch import FixedCapacityDispatcher  # noqa: E402
+from comm.deepep_dispatch import HIDDEN_MULTIPLE, DeepEPDispatcher, is_deepep_installed  # noqa: E402
 from comm.dispatch import AllToAllDispatcher  # noqa: E402
 from kernels import KernelConfig, build_op_table  # noqa: E402
 
 # name -> (hidden size, top-k, routed experts)
 SHAPES = {"v2_lite": (2048, 6, 64), "v3": (7168, 8, 256), "tiny": (64, 2, 8)}
-DISPATCHERS = {"all_to_all": AllToAllDispatcher, "fixed_capacity": FixedCapacityDispatcher}
+DEEPEP_TIMEOUT_S = 60.0
+
+
+def _dispatchers(rank, world, device, name, tokens, moe_combine) -> dict:
+    """label -> dispatcher for this shape (DeepEP's: only over NCCL with deep_ep installed)."""
+    hidden, top_k, num_experts = SHAPES[name]
+    args = (dist.group.WORLD, rank, world, num_experts // world)
+    out = {
+        "all_to_all": AllToAllDispatcher(*args, False, device, moe_combine),
+        "fixed_capacity": FixedCapacityDispatcher(*args, False, device, moe_combine),
+    }
+    if device.type == "cuda" and is_deepep_installed() and hidden % HIDDEN_MULTIPLE == 0:
+        # Collective: every rank builds DeepEP's buffer together.
+        out["deepep"] = DeepEPDispatcher(
+            *args, hidden, tokens, top_k, device, moe_combine, DEEPEP_TIMEOUT_S
+        )
+    return out
 
 
 def _free_port() -> int:
@@ -93,8 +112,8 @@ def _bench_shape(rank, world, device, name, tokens, args, moe_combine) -> list[d
     x, ids, weights = _routing(rank, tokens, name, device)
     rows = []
     splits = None
-    for label, cls in DISPATCHERS.items():
-        d = cls(dist.group.WORLD, rank, world, num_experts // world, False, device, moe_combine)
+    dispatchers = _dispatchers(rank, world, device, name, tokens, moe_combine)
+    for label, d in dispatchers.items():
         t_dispatch, (recv, group_sizes, handle) = _timed(
             lambda d=d: d.dispatch(x, ids, weights), device, args.repeats, args.warmup
         )
@@ -108,6 +127,8 @@ def _bench_shape(rank, world, device, name, tokens, args, moe_combine) -> list[d
         if label == "all_to_all":
             splits = (handle.send_splits, handle.recv_splits)
         rows.append(_row(name, tokens, label, num_rows * hidden * 2, t_dispatch, t_combine))
+    if "deepep" in dispatchers:
+        dispatchers["deepep"].close()  # collective: DeepEP's destroy barriers every rank
     send_splits, recv_splits = splits
     send = torch.randn(sum(send_splits), hidden).to(torch.bfloat16).to(device)
     recv = send.new_empty((sum(recv_splits), hidden))
