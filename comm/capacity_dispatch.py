@@ -96,6 +96,12 @@ class FixedCapacityDispatcher:
         # Host sync: stats only, never inside a step.
         return int(self._num_remote) + self._uneven.num_rows_sent_remote
 
+    @property
+    def num_eager_rows_sent_remote(self) -> int:
+        """The part of num_rows_sent_remote that went through the uneven exchange (steps
+        begun as eager)."""
+        return self._uneven.num_rows_sent_remote
+
     def begin_step(self, is_graph_step: bool) -> None:
         """Whether this step replays (or warms up and captures) a CUDA graph: every rank must
         pass the same value (the graph runner's agreed bucket, or none). False: this step's

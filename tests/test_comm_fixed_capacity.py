@@ -58,6 +58,7 @@ def routings(case: dict, rank: int, world_size: int) -> dict:
 def _exchange(dispatcher, x, ids, weights, expert_weight, rank) -> dict:
     local = expert_weight[rank * NUM_LOCAL_SLOTS : (rank + 1) * NUM_LOCAL_SLOTS]
     before = dispatcher.num_rows_sent_remote
+    before_eager = getattr(dispatcher, "num_eager_rows_sent_remote", 0)
     recv_x, group_sizes, handle = dispatcher.dispatch(x, ids, weights)
     y = grouped_linear_ref(recv_x, local, group_sizes, tile_rows=TILE_ROWS)
     out = dispatcher.combine(y, handle, weights)
@@ -67,6 +68,7 @@ def _exchange(dispatcher, x, ids, weights, expert_weight, rank) -> dict:
         "out": out,
         "sent_remote": dispatcher.num_rows_sent_remote - before,
         "handle": type(handle).__name__,
+        "sent_eager": getattr(dispatcher, "num_eager_rows_sent_remote", 0) - before_eager,
     }
 
 
@@ -144,6 +146,7 @@ def test_fixed_capacity_equals_all_to_all_bitwise(tmp_path, world_size, backend)
             for key in ("recv_x", "group_sizes", "out"):
                 assert torch.equal(eager[key], ref[key]), (rank, name, key)
             assert eager["sent_remote"] == ref["sent_remote"], (rank, name)
+            assert eager["sent_eager"] == eager["sent_remote"] and got["sent_eager"] == 0
         for shift in SHIFTS[1:]:
             a, b = res["capacity_fast", ("random", 0)], res["capacity_fast", ("random", shift)]
             num_fast_differ += int((a["out"] != b["out"]).any(dim=1).sum())

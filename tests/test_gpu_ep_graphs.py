@@ -80,6 +80,9 @@ def test_gpu_ep2_nccl_graphs_golden(ray_on_gpu, workload, alone_world1):
     assert all(s["num_graph_segments"] == 1 for s in stats), stats
     assert all(s["num_graph_replays"] >= MAX_TOKENS for s in stats), stats
     assert all(s["num_rows_sent_remote"] > 0 for s in stats), "no rows crossed the GPUs"
+    # Prefills (no graph) took the uneven exchange; the replays the fixed blocks.
+    eager = [s["num_eager_rows_sent_remote"] for s in stats]
+    assert all(0 < e < s["num_rows_sent_remote"] for e, s in zip(eager, stats, strict=True)), eager
     for i in range(8):
         assert alone[i] == alone_world1[i], f"prompt {i}: EP=2 alone differs from world size 1"
     for i in range(NUM_PROMPTS):

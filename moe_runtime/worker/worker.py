@@ -266,9 +266,12 @@ class Worker:
         `num_tp_all_reduces` = row-parallel sums over the TP group this rank ran (0 at tp_size
         1), `num_tp_fp32_gathers` = the all-gathers of fp32 subtree sums among them (invariant
         mode; fast mode sums with the backend's all_reduce instead), `num_tp_share_gathers` =
-        MoE layers whose routed rows came from each TP rank's token share."""
+        MoE layers whose routed rows came from each TP rank's token share;
+        `num_eager_rows_sent_remote` = the remote rows FixedCapacityDispatcher sent through
+        the uneven exchange on steps that replayed no graph (0 with any other dispatcher)."""
         total = self.total_load.tolist() if self.total_load is not None else []
         tp, graphs = self.runner.model.tp, self.runner.graphs
+        is_capacity = isinstance(self.dispatcher, FixedCapacityDispatcher)
         return {
             "rank": self.rank,
             "ep_dispatcher": type(self.dispatcher).__name__,
@@ -282,6 +285,9 @@ class Worker:
             "num_tp_share_gathers": tp.num_calls["share_gather"],
             "num_steps": self.num_steps,
             "num_rows_sent_remote": self.dispatcher.num_rows_sent_remote,
+            "num_eager_rows_sent_remote": (
+                self.dispatcher.num_eager_rows_sent_remote if is_capacity else 0
+            ),
             "slot_load": total,
             "physical_to_logical": self.placement.physical_to_logical.tolist(),
         }
