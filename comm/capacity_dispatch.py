@@ -22,9 +22,9 @@ from comm.dispatch import (
     AllToAllDispatcher,
     DispatchHandle,
     DispatchLayout,
+    RankExchange,
     _check_routing,
     count_rows_per_slot,
-    dispatch_layout,
 )
 from comm.errors import collective_guard
 
@@ -45,7 +45,7 @@ class CapacityHandle:
     num_remote_back: torch.Tensor
 
 
-class FixedCapacityDispatcher:
+class FixedCapacityDispatcher(RankExchange):
     """Dispatch/combine over equal-split all_to_all_single on `group`; capturable.
 
     Every rank of the group must call dispatch and combine the same number of times, in the
@@ -81,10 +81,7 @@ class FixedCapacityDispatcher:
                 "FixedCapacityDispatcher sends every (token, slot) row home alone: "
                 "allow_multiple_reduction=True is not supported (use AllToAllDispatcher)"
             )
-        self.group, self.rank, self.world_size = group, rank, world_size
-        self.num_local_slots = num_local_slots
-        self.moe_combine = moe_combine
-        self.device = torch.device(device)
+        super().__init__(group, rank, world_size, num_local_slots, device, moe_combine)
         self._num_remote = torch.zeros((), dtype=torch.int64, device=self.device)
         self._uneven = AllToAllDispatcher(
             group, rank, world_size, num_local_slots, False, device, moe_combine
@@ -107,9 +104,6 @@ class FixedCapacityDispatcher:
         pass the same value (the graph runner's agreed bucket, or none). False: this step's
         dispatch and combine take the uneven exchange."""
         self._is_graph_step = is_graph_step
-
-    def layout(self, topk_phys_ids: torch.Tensor) -> DispatchLayout:
-        return dispatch_layout(topk_phys_ids, self.world_size * self.num_local_slots)
 
     def agree_num_tokens(self, num_tokens: int, is_ready: bool) -> int:
         """Collective (all ranks, the same calls in the same order; a host sync, never inside a

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from comm.dispatch import DispatchLayout, _check_routing, dispatch_layout
+from comm.dispatch import DispatchLayout, RankExchange, _check_routing
 from comm.errors import collective_guard
 
 # Combine's hidden size must be a multiple of 256 (deep_ep/include/deep_ep/impls/combine.cuh:109);
@@ -88,7 +88,7 @@ class DeepEPHandle:
     deepep_handle: Any
 
 
-class DeepEPDispatcher:
+class DeepEPDispatcher(RankExchange):
     """Dispatch/combine over deep_ep.ElasticBuffer on `group` (NCCL, one GPU per rank, all
     ranks in one NVLink domain; the NCCL loaded into torch must be >= 2.30.4). Not capturable,
     so the graph runner keeps its MoE layers eager and never asks it to agree a bucket or count
@@ -122,11 +122,8 @@ class DeepEPDispatcher:
         timeout_s: float,
     ) -> None:
         max_virtual = check_deepep_shapes(hidden, max_tokens_per_rank, num_topk, world_size)
-        self.group, self.rank, self.world_size = group, rank, world_size
-        self.num_local_slots = num_local_slots
+        super().__init__(group, rank, world_size, num_local_slots, device, moe_combine)
         self.max_tokens_per_rank = max_tokens_per_rank
-        self.moe_combine = moe_combine
-        self.device = torch.device(device)
         self._num_remote = torch.zeros((), dtype=torch.int64, device=self.device)
         try:
             import deep_ep  # lazily: CI and CPU runs never need it
@@ -161,11 +158,6 @@ class DeepEPDispatcher:
     @property
     def num_rows_sent_remote(self) -> int:
         return int(self._num_remote)  # host sync: stats only, never inside a step
-
-    def layout(self, topk_phys_ids: torch.Tensor) -> DispatchLayout:
-        """The seam's first call. DeepEP v2 counts inside its dispatch kernel
-        (impls/dispatch.cuh:79-258), so dispatch never reads this layout."""
-        return dispatch_layout(topk_phys_ids, self.world_size * self.num_local_slots)
 
     def dispatch(
         self,

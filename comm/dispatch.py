@@ -176,7 +176,30 @@ class LocalDispatcher:
         return self.moe_combine(y, handle.order, topk_weights, row_of_slot=handle.row_of_slot)
 
 
-class AllToAllDispatcher:
+class RankExchange:
+    """What every multi-rank dispatcher holds: its group and place in it, this rank's slots of
+    the physical experts, the device and the op table's moe_combine; and the layout over every
+    rank's slots (destination rank = physical slot // num_local_slots)."""
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        rank: int,
+        world_size: int,
+        num_local_slots: int,
+        device: torch.device | str,
+        moe_combine: Callable,
+    ) -> None:
+        self.group, self.rank, self.world_size = group, rank, world_size
+        self.num_local_slots = num_local_slots
+        self.moe_combine = moe_combine
+        self.device = torch.device(device)
+
+    def layout(self, topk_phys_ids: torch.Tensor) -> DispatchLayout:
+        return dispatch_layout(topk_phys_ids, self.world_size * self.num_local_slots)
+
+
+class AllToAllDispatcher(RankExchange):
     """Dispatch/combine over all_to_all_single on `group` (gloo on CPU, NCCL on CUDA).
 
     Every rank of the group must call dispatch and combine the same number of times, in the
@@ -199,11 +222,8 @@ class AllToAllDispatcher:
         device: torch.device | str,
         moe_combine: Callable,
     ) -> None:
-        self.group, self.rank, self.world_size = group, rank, world_size
-        self.num_local_slots = num_local_slots
+        super().__init__(group, rank, world_size, num_local_slots, device, moe_combine)
         self.allow_multiple_reduction = allow_multiple_reduction
-        self.moe_combine = moe_combine
-        self.device = torch.device(device)
         self.num_rows_sent_remote = 0
 
     def _all_to_all(
@@ -218,9 +238,6 @@ class AllToAllDispatcher:
 
     def _count_remote(self, send_splits: list[int]) -> None:
         self.num_rows_sent_remote += sum(send_splits) - send_splits[self.rank]
-
-    def layout(self, topk_phys_ids: torch.Tensor) -> DispatchLayout:
-        return dispatch_layout(topk_phys_ids, self.world_size * self.num_local_slots)
 
     def dispatch(
         self,
