@@ -2,8 +2,9 @@
 
 A request's result is a function of its own logits row, its SamplingParams, its seed and its
 output position only. The ops run on the step's rows together, but each is row-wise (the op
-table's log_softmax, elementwise scaling, argmax and gathers, a sort per row), so no row's
-bits follow the others; only top-k / top-p filtering runs row by row. The Gumbel noise is a
+table's log_softmax and cumsum, elementwise scaling, argmax and gathers, a stable sort along
+each row), so no row's bits follow the others; the top-k / top-p rows of a step are filtered
+together (one sort, one prefix sum). The Gumbel noise is a
 counter-based hash of (seed, output position, vocab id) computed where the logits are (one
 batch of integer ops on CUDA, no host draw or copy), so it needs no generator state. Results
 reach the host in one copy. The sampler owns no state across steps and never mixes rows;
