@@ -5,11 +5,12 @@ persistent program walking tiles, with TMA loads) walks K in steps of BLOCK_K, a
 fp32. BLOCK_K, the K loop order and the fixed K split (`k_split_count`: K cut into S chunks,
 each summed from zero, the chunk sums added in chunk order) are functions of the weight shape
 (N, K) and dtype only, never of the row count: each output element is one fixed sequence of
-fp32 multiply-adds whatever the other rows are. The chunks run in parallel programs and a
-second launch adds their fp32 partials. The tile shape (BLOCK_M, BLOCK_N, warps, stages,
-persistent or not) is chosen by a bucket of the row count; it moves work between programs,
-not the order of any element's sum, and tests/test_gpu_kernels.py checks every bucket's
-config bitwise against every other on the model's shapes. No autotuning.
+fp32 multiply-adds whatever the other rows are. The chunks run in parallel programs and the
+last of a tile's programs to finish adds their fp32 partials. The tile shape (BLOCK_M,
+BLOCK_N, warps, stages, persistent or not) is chosen by a bucket of the row count; it moves
+work between programs, not the order of any element's sum, and tests/test_gpu_kernels.py
+checks every bucket's config bitwise against every other on the model's shapes. No
+autotuning.
 Oracles: `linear_ref` / `grouped_linear_ref` (kernels/linear.py). Under TRITON_INTERPRET=1
 the kernels run on CPU tensors (tests); compiled, they need CUDA tensors.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -100,8 +102,8 @@ POINTER_CONFIG_16BIT = LinearConfig(128, 128, BLOCK_K_16BIT, 8, 8, 3)
 # too: CUDA-core FMAs, 64 experts = 2 column tiles): K is cut
 # into S chunks (S and the chunks a function of the weight's shape alone), each summed from
 # zero in fp32, and the chunk sums added in chunk order, at EVERY row count, so a row's bits
-# never follow the batch. Decode sizes run the chunks in parallel programs and add the fp32
-# partials in a second launch; larger ones add them inside each program (the same adds).
+# never follow the batch. The chunks run in parallel programs; the last of a tile's programs to
+# finish adds the fp32 partials in chunk order (launch_split_k: the same adds whoever it is).
 MAX_K_SPLITS = 8
 MIN_CHUNK_K = 512
 SPLIT_TARGET_PROGRAMS = 2 * 132  # two column programs per SM of an H200 (a constant, not a query)
@@ -127,8 +129,9 @@ def k_split_count(out_dim: int, in_dim: int, dtype: torch.dtype) -> int:
 
 
 def k_align(chunk_k: int) -> int:
-    """The K_ALIGN a kernel may assume of chunk starts c * chunk_k: the largest power of two
-    up to 16 dividing chunk_k (16 bf16 values: two 16-byte vectors)."""
+    """The K_ALIGN a kernel may assume of chunk bounds (multiples of chunk_k, or of a gcd of
+    it and K): the largest power of two up to 16 dividing chunk_k (16 bf16 values: two 16-byte
+    vectors)."""
     return min(16, chunk_k & -chunk_k) if chunk_k else 16
 
 
@@ -152,9 +155,7 @@ def _linear_kernel(
     stride_xm,
     stride_ob,
     stride_om,
-    CHUNK_K,
     IS_GROUPED: tl.constexpr,
-    K_SPLITS: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -162,7 +163,6 @@ def _linear_kernel(
     GROUP_M: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
-    K_ALIGN: tl.constexpr = 1,
 ):
     """out[r] = x[r] @ w[g]^T. Plain: rows tiled from 0, g = 0. Grouped: rows sorted by group,
     counts [num_groups] on the device; tile i is the i-th BLOCK_M-row tile of the groups (no
@@ -208,38 +208,100 @@ def _linear_kernel(
 
     # A grouped launch sized for the worst case has empty tiles: they read no weight.
     if row_start < row_end:
-        out_mask = row_ok[:, None] & col_ok[None, :]
-        if K_SPLITS == 1:
-            acc = _dot_k_range(
-                x_ptr,
-                w_ptr,
-                offs_m,
-                offs_n,
-                row_ok,
-                col_ok,
-                stride_xm,
-                K,
-                0,
-                K,
-                BLOCK_M,
-                BLOCK_N,
-                BLOCK_K,
-                INPUT_PRECISION,
-                UPCAST_DOT,
-            )
-            out = acc.to(out_ptr.dtype.element_ty)
-            tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out, mask=out_mask)
+        acc = _dot_k_range(
+            x_ptr, w_ptr, offs_m, offs_n, row_ok, col_ok, stride_xm, K, 0, K, BLOCK_M, BLOCK_N,
+            BLOCK_K, INPUT_PRECISION, UPCAST_DOT,
+        )  # fmt: skip
+        out = acc.to(out_ptr.dtype.element_ty)
+        tl.store(
+            out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
+            out,
+            mask=row_ok[:, None] & col_ok[None, :],
+        )
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _split_k_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    parts_ptr,
+    arrivals_ptr,
+    num_rows,
+    N,
+    K,
+    stride_xm,
+    stride_om,
+    CHUNK_K: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr,
+    IS_TREE: tl.constexpr,
+    K_ALIGN: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):
+    """Chunk c = program_id(1) of a fixed K split for out's tile program_id(0): the fp32 sum
+    from zero over columns [c * CHUNK_K, min((c + 1) * CHUNK_K, K)) in BLOCK_K steps, stored
+    to parts[c]. The tile's last program to arrive (a count per tile, `arrivals`) adds the
+    NUM_CHUNKS parts in the fixed order -- chunk order, or the binary tree (IS_TREE) -- rounds
+    once to out's dtype, and zeroes the count for the next launch. Which program finishes
+    depends on timing; which adds it makes, and their order, do not."""
+    tile = tl.program_id(0)
+    chunk = tl.program_id(1)
+    pid_m, pid_n = _tile_of(tile, tl.cdiv(num_rows, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = offs_m < num_rows
+    col_ok = offs_n < N
+    mask = row_ok[:, None] & col_ok[None, :]
+    k_lo = chunk * CHUNK_K
+    acc = _dot_k_range(
+        x_ptr, w_ptr, offs_m, offs_n, row_ok, col_ok, stride_xm, K, k_lo,
+        tl.minimum(k_lo + CHUNK_K, K), BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION, UPCAST_DOT,
+        K_ALIGN,
+    )  # fmt: skip
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    if NUM_CHUNKS == 1:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        part_elems = num_rows.to(tl.int64) * N
+        tile_offs = offs_m[:, None] * N + offs_n[None, :]
+        tl.store(parts_ptr + chunk * part_elems + tile_offs, acc, mask=mask)
+        # Every thread's part is in memory before the count says so (release); the finisher
+        # reads the others' parts after its count (acquire), past the SM's L1 (.cg).
+        tl.debug_barrier()
+        arrived = tl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == NUM_CHUNKS - 1:
+            total = sum_parts(parts_ptr, tile_offs, part_elems, mask, NUM_CHUNKS, IS_TREE)
+            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(arrivals_ptr + tile, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def sum_parts(parts_ptr, offs, part_elems, mask, NUM_PARTS: tl.constexpr, IS_TREE: tl.constexpr):
+    """The fp32 parts at parts_ptr + c * part_elems + offs, c < NUM_PARTS, added in chunk order
+    (((p0 + p1) + p2) + ...) or in the fixed binary tree (IS_TREE; NUM_PARTS a power of two);
+    masked lanes give zeros."""
+    total = tl.load(parts_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
+    # The tree's waiting subtrees (tree_push); each is written before it is read.
+    s0 = total
+    s1 = total
+    s2 = total
+    s3 = total
+    if IS_TREE:
+        total, s0, s1, s2, s3 = tree_push(total, s0, s1, s2, s3, 0, NUM_PARTS)
+    for c in tl.static_range(1, NUM_PARTS):
+        part = tl.load(
+            parts_ptr + c * part_elems + offs, mask=mask, other=0.0, cache_modifier=".cg"
+        )
+        if IS_TREE:
+            total, s0, s1, s2, s3 = tree_push(part, s0, s1, s2, s3, c, NUM_PARTS)
         else:
-            # Chunk s of the fixed K split, as an fp32 partial; _sum_splits_kernel adds them.
-            split = tl.program_id(2)
-            k_lo = split * CHUNK_K
-            acc = _dot_k_range(
-                x_ptr, w_ptr, offs_m, offs_n, row_ok, col_ok, stride_xm, K, k_lo,
-                tl.minimum(k_lo + CHUNK_K, K), BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION,
-                UPCAST_DOT, K_ALIGN,
-            )  # fmt: skip
-            partial = partial_ptr + split * num_rows * N + offs_m[:, None] * N + offs_n[None, :]
-            tl.store(partial, acc, mask=out_mask)
+            total = total + part
+    return total
 
 
 @triton.jit
@@ -277,8 +339,9 @@ def _dot_k_range(
     K_ALIGN: tl.constexpr = 1,
 ):
     """fp32 sum over k in [k_lo, k_hi) of x[m, k] * w[n, k], from zero, in steps of BLOCK_K
-    ascending. Masked lanes load exact zeros. K_ALIGN: a power of two dividing k_lo (the
-    caller's promise; a chunk's first column), so whole steps load with full-width vectors."""
+    ascending. Masked lanes load exact zeros. K_ALIGN: a power of two dividing k_lo and k_hi
+    (the caller's promise: a chunk's first and end columns), so every step, the masked tail
+    too, loads full-width vectors."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     offs_k = tl.arange(0, BLOCK_K)
     num_whole = (k_hi - k_lo) // BLOCK_K
@@ -294,6 +357,10 @@ def _dot_k_range(
             INPUT_PRECISION, UPCAST_DOT,
         )  # fmt: skip
     k0 = k_lo + num_whole * BLOCK_K
+    if K_ALIGN > 1:
+        # The tail's mask changes at k_hi only, a multiple of K_ALIGN too: vector loads.
+        k0 = tl.multiple_of(k0, K_ALIGN)
+        k_hi = tl.multiple_of(k_hi, K_ALIGN)
     if k0 < k_hi:
         k = k0 + offs_k
         k_ok = k < k_hi
@@ -470,19 +537,6 @@ def linear_chunk_tree(
     return out
 
 
-@triton.jit
-def _sum_splits_kernel(
-    partial_ptr, out_ptr, num_elems, K_SPLITS: tl.constexpr, BLOCK: tl.constexpr
-):
-    """out = ((p0 + p1) + p2) + ... over the K split's fp32 partials [S, M*N], then rounded."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < num_elems
-    total = tl.load(partial_ptr + offs, mask=ok, other=0.0)
-    for split in tl.static_range(1, K_SPLITS):
-        total += tl.load(partial_ptr + split * num_elems + offs, mask=ok, other=0.0)
-    tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=ok)
-
-
 @triton.jit(do_not_specialize=["num_rows"])
 def _linear_persistent_kernel(
     x_desc,
@@ -598,17 +652,12 @@ def _launch(
 
     x [M, K] / out [M, N] (row strides free, unit column stride), or batched x [B, M, K],
     out [B, M, N] with weight [B, N, K] (plain only). Plain 2-D launches of a weight with a
-    fixed K split (k_split_count) run its chunks in parallel programs, SPLIT_ROW_CHUNK rows
-    at a time, and add the fp32 partials in chunk order in a second launch."""
+    fixed K split (k_split_count) go through launch_split_k (chunk order)."""
     out_dim, in_dim = weight.shape[-2:]
     is_plain = counts is None and x.dim() == 2
     k_splits = k_split_count(whole_out_dim or out_dim, in_dim, weight.dtype) if is_plain else 1
     if k_splits > 1:
-        if config.is_persistent:
-            config = POINTER_CONFIG_16BIT
-        for start in range(0, num_rows, SPLIT_ROW_CHUNK):  # launch boundaries only
-            rows = slice(start, min(start + SPLIT_ROW_CHUNK, num_rows))
-            _launch_split(x[rows], weight, out[rows], config, k_splits)
+        launch_split_k(x, weight, out, k_split_chunk(in_dim, k_splits), config, is_tree=False)
         return out
     if config.is_persistent and is_plain:
         if not _tma_ok(x, weight, out):
@@ -635,9 +684,7 @@ def _launch(
         x3.stride(1),
         out3.stride(0),
         out3.stride(1),
-        in_dim,
         IS_GROUPED=counts is not None,
-        K_SPLITS=1,
         BLOCK_G=max(triton.next_power_of_2(num_groups), 2),
         **_kernel_consts(config, x.dtype, weight.dtype),
     )
@@ -661,38 +708,66 @@ def _kernel_consts(config: LinearConfig, x_dtype: torch.dtype, w_dtype: torch.dt
     )
 
 
-def _launch_split(x, weight, out, config: LinearConfig, k_splits: int) -> None:
-    """x [M, K] @ weight^T into contiguous out [M, N] through the fixed K split's partials."""
+# Per-tile arrival counts of the split-K launches, by device. The kernels leave every count at
+# zero; a buffer is never freed (a captured CUDA graph keeps its address), only outgrown.
+_ARRIVALS: dict[torch.device, list[torch.Tensor]] = {}
+MIN_ARRIVALS = 1 << 16  # counts of the first buffer: 256 KB, more tiles than the model's launches
+
+
+def _arrivals(device: torch.device, num_tiles: int) -> torch.Tensor:
+    buffers = _ARRIVALS.setdefault(device, [])
+    if not buffers or buffers[-1].numel() < num_tiles:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"a split-K launch of {num_tiles} tiles needs a larger arrivals buffer than "
+                "exists; run the step once before capturing it in a CUDA graph"
+            )
+        size = max(num_tiles, MIN_ARRIVALS)
+        buffers.append(torch.zeros(size, dtype=torch.int32, device=device))
+    return buffers[-1]
+
+
+def launch_split_k(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    out: torch.Tensor,
+    chunk_k: int,
+    config: LinearConfig,
+    *,
+    is_tree: bool,
+) -> torch.Tensor:
+    """out [M, N] (unit column stride) = x [M, K] @ weight [N, K]^T through a fixed K split:
+    chunks of chunk_k columns (the last may be shorter), each an fp32 sum from zero, added in
+    chunk order or in the binary tree (is_tree; the chunk count a power of two) and rounded
+    once to out's dtype. One launch per SPLIT_ROW_CHUNK rows (launch boundaries only): chunk
+    programs in parallel, the last one of each tile adding the fp32 parts. Launches that share
+    a device run on one stream at a time (they share the arrival counts)."""
     num_rows, (out_dim, in_dim) = x.shape[0], weight.shape
-    if num_rows == 0:
-        return
-    partial = torch.empty((k_splits, num_rows, out_dim), dtype=torch.float32, device=x.device)
-    num_tiles = triton.cdiv(num_rows, config.block_m) * triton.cdiv(out_dim, config.block_n)
-    _linear_kernel[(num_tiles, 1, k_splits)](
-        x,
-        weight,
-        out,
-        partial,
-        out,  # counts: unread
-        0,
-        num_rows,
-        out_dim,
-        in_dim,
-        0,
-        x.stride(0),
-        0,
-        out.stride(0),
-        k_split_chunk(in_dim, k_splits),
-        IS_GROUPED=False,
-        K_SPLITS=k_splits,
-        K_ALIGN=k_align(k_split_chunk(in_dim, k_splits)),
-        BLOCK_G=2,
-        **_kernel_consts(config, x.dtype, weight.dtype),
-    )
-    num_elems, block = num_rows * out_dim, 1024
-    _sum_splits_kernel[(triton.cdiv(num_elems, block),)](
-        partial, out, num_elems, K_SPLITS=k_splits, BLOCK=block
-    )
+    num_chunks = triton.cdiv(in_dim, chunk_k)
+    if config.is_persistent:
+        config = POINTER_CONFIG_16BIT  # the pointer kernel's K loop, with the chunk axis
+    for start in range(0, num_rows, SPLIT_ROW_CHUNK):
+        rows = min(SPLIT_ROW_CHUNK, num_rows - start)
+        parts = torch.empty((num_chunks, rows, out_dim), dtype=torch.float32, device=x.device)
+        num_tiles = triton.cdiv(rows, config.block_m) * triton.cdiv(out_dim, config.block_n)
+        _split_k_kernel[(num_tiles, num_chunks)](
+            x[start:],
+            weight,
+            out[start:],
+            parts,
+            _arrivals(x.device, num_tiles),
+            rows,
+            out_dim,
+            in_dim,
+            x.stride(0),
+            out.stride(0),
+            CHUNK_K=chunk_k,
+            NUM_CHUNKS=num_chunks,
+            IS_TREE=is_tree,
+            K_ALIGN=k_align(math.gcd(chunk_k, in_dim)),
+            **_kernel_consts(config, x.dtype, weight.dtype),
+        )
+    return out
 
 
 def linear_triton(

@@ -1,10 +1,11 @@
 """Row-parallel linear with the fixed tp_max K split as Triton kernels (GPU path).
 
-The chunk partials are `_linear_kernel` (kernels/triton_linear.py) launched with one program
-axis per chunk: each chunk's fp32 sum starts from zero and walks its K / tp_max columns in
-BLOCK_K steps ascending, the same sequence whichever rank or TP degree holds the chunk (a
-chunk's K loop is relative to its first column). `_tree_sum_kernel` then adds the fp32 parts in
+The chunk partials come from kernels/triton_linear.launch_split_k, one program axis per chunk:
+each chunk's fp32 sum starts from zero and walks its K / tp_max columns in BLOCK_K steps
+ascending, the same sequence whichever rank or TP degree holds the chunk (a chunk's K loop is
+relative to its first column); the last program of a tile adds the fp32 parts in
 kernels/tp_linear.py's fixed binary tree (adjacent pairs, level by level) and rounds once.
+`_tree_sum_kernel` makes the same adds over the ranks' gathered subtree sums.
 Oracle: `row_parallel_linear_ref`; the tree adds match it bitwise given the same partials.
 Under TRITON_INTERPRET=1 the kernels run on CPU tensors (tests); compiled, they need CUDA.
 """
@@ -19,16 +20,12 @@ from kernels.config import MAX_TP_MAX
 from kernels.tp_linear import Collective, Gather, is_power_of_two, local_num_chunks
 from kernels.triton_linear import (
     MAX_TREE_CHUNKS,
-    POINTER_CONFIG_16BIT,
-    SPLIT_ROW_CHUNK,
     _check_pair,
-    _kernel_consts,
-    _linear_kernel,
-    k_align,
+    launch_split_k,
     linear_chunk_tree,
     linear_config,
+    sum_parts,
     tree_block_k,
-    tree_push,
 )
 
 TREE_BLOCK = 1024  # elements per tree-sum program: a launch shape, not a sum order
@@ -56,14 +53,7 @@ def _tree_sum_kernel(
     added to the finished subtrees of its left siblings as it arrives: the same adds)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < num_elems
-    # Waiting subtrees of 1, 2, 4, ... parts; each is written before it is read.
-    s0 = tl.zeros((BLOCK,), dtype=tl.float32)
-    s1 = s0
-    s2 = s0
-    s3 = s0
-    for c in tl.static_range(NUM_PARTS):
-        acc = tl.load(parts_ptr + c * num_elems + offs, mask=ok, other=0.0)
-        acc, s0, s1, s2, s3 = tree_push(acc, s0, s1, s2, s3, c, NUM_PARTS)
+    acc = sum_parts(parts_ptr, offs, num_elems, ok, NUM_PARTS, True)
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -105,38 +95,6 @@ def tree_sum_triton(
     return out
 
 
-def _launch_chunks(x: torch.Tensor, weight: torch.Tensor, partial: torch.Tensor) -> None:
-    """Chunk partials [C, M, N] fp32 of x [M, K] @ weight [N, K]^T, chunk c over columns
-    c*K/C .. (c+1)*K/C - 1, one program axis per chunk."""
-    num_chunks, num_rows, out_dim = partial.shape
-    in_dim = weight.shape[1]
-    config = linear_config(out_dim, in_dim, x.dtype, num_rows)
-    if config.is_persistent:
-        config = POINTER_CONFIG_16BIT  # the pointer kernel has the chunk axis; same K loop
-    num_tiles = triton.cdiv(num_rows, config.block_m) * triton.cdiv(out_dim, config.block_n)
-    _linear_kernel[(num_tiles, 1, num_chunks)](
-        x,
-        weight,
-        partial[0],  # out: written only when there is one chunk (fp32, exact)
-        partial,
-        partial,  # counts: unread
-        0,
-        num_rows,
-        out_dim,
-        in_dim,
-        0,
-        x.stride(0),
-        0,
-        out_dim,
-        in_dim // num_chunks,
-        IS_GROUPED=False,
-        K_SPLITS=num_chunks,
-        K_ALIGN=k_align(in_dim // num_chunks),
-        BLOCK_G=2,
-        **_kernel_consts(config, x.dtype, weight.dtype),
-    )
-
-
 def tp_linear_triton(x: torch.Tensor, weight: torch.Tensor, num_chunks: int) -> torch.Tensor:
     """This rank's fp32 subtree sum [T, N] of x [T, K_local] @ weight [N, K_local]^T, K_local
     holding num_chunks (a power of two) adjacent chunks of the full K split."""
@@ -164,13 +122,9 @@ def _tp_linear(
         # The same adds in one launch: prefill-sized calls skip the fp32 partials' traffic.
         return linear_chunk_tree(x, weight, num_chunks, out_dtype)
     out = torch.empty((num_rows, weight.shape[0]), dtype=out_dtype, device=x.device)
-    for start in range(0, num_rows, SPLIT_ROW_CHUNK):  # launch boundaries only
-        rows = slice(start, min(start + SPLIT_ROW_CHUNK, num_rows))
-        partial = torch.empty(
-            (num_chunks, rows.stop - start, weight.shape[0]), dtype=torch.float32, device=x.device
-        )
-        _launch_chunks(x[rows], weight, partial)
-        tree_sum_triton(partial, out_dtype, out[rows])  # rows of a contiguous out: contiguous
+    if num_rows:
+        config = linear_config(weight.shape[0], x.shape[1], x.dtype, num_rows)
+        launch_split_k(x, weight, out, chunk_k, config, is_tree=True)
     return out
 
 

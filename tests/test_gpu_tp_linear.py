@@ -114,6 +114,43 @@ def test_gpu_tree_sum_kernel_bitwise():
         assert torch.equal(tree_sum_triton(parts, torch.bfloat16), expected.bfloat16())
 
 
+def test_gpu_split_k_launches_replay_in_a_graph():
+    """The split-K launches' last-arriving program adds the parts and zeroes its tile's count:
+    one CUDA graph of the fixed-split linear (kv_a, chunk order), the tp_max tree (mlp_down,
+    1368-column chunks with a masked tail) and a 4100-row tree call (two row launches),
+    replayed 20 times, gives the eager bits every time and leaves every count at zero."""
+    import kernels.triton_linear as triton_linear
+    from kernels.triton_linear import k_split_count, linear_triton
+
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    kv_a = torch.randn(576, 2048, generator=gen, device="cuda").bfloat16() / 2048**0.5
+    down = torch.randn(2048, 10944, generator=gen, device="cuda").bfloat16() / 10944**0.5
+    assert k_split_count(576, 2048, torch.bfloat16) > 1  # the chunk-order path runs
+    x_a = torch.randn(64, 2048, generator=gen, device="cuda").bfloat16()
+    x_d = torch.randn(4100, 10944, generator=gen, device="cuda").bfloat16()
+
+    def step():
+        return linear_triton(x_a, kv_a), _at_tp(x_d[:64], down, 1), _at_tp(x_d, down, 1)
+
+    eager = step()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    for _ in range(20):
+        for out in outs:
+            out.fill_(float("nan"))  # a replay that skipped a tile's finish leaves NaN
+        graph.replay()
+        torch.cuda.synchronize()
+        for out, want in zip(outs, eager, strict=True):
+            assert torch.equal(out, want)
+    assert all(not counts.any() for counts in triton_linear._ARRIVALS[x_a.device])
+
+
 @pytest.fixture(scope="module")
 def ray_on_gpu():
     ray = pytest.importorskip("ray")

@@ -62,7 +62,13 @@ def check_linear_k_split(generator: torch.Generator) -> None:
     """The fixed K split (a weight-shape property): a row's bits ignore the row count and the
     launch's row chunks; close to fp64."""
     import kernels.triton_linear as triton_linear
-    from kernels.triton_linear import LinearConfig, _launch, k_split_chunk, k_split_count
+    from kernels.triton_linear import (
+        LinearConfig,
+        _launch,
+        k_split_chunk,
+        k_split_count,
+        launch_split_k,
+    )
 
     x = torch.randn(130, 2048, generator=generator).to(torch.bfloat16)
     w = (torch.randn(96, 2048, generator=generator) / 2048**0.5).to(torch.bfloat16)
@@ -81,6 +87,20 @@ def check_linear_k_split(generator: torch.Generator) -> None:
         triton_linear.SPLIT_ROW_CHUNK = chunk
     expected = (x.double() @ w.double().t()).to(torch.bfloat16)
     torch.testing.assert_close(full, expected, **BF16_TOL)
+    # The finishing program's adds (an fp32 out: the interpreter's own bf16 rounding is not
+    # torch's): each chunk's fp32 sum alone (a one-chunk launch), added in chunk order; the
+    # launches left every arrival count at zero.
+    sums = []
+    for c in range(4):
+        cols = slice(c * 512, (c + 1) * 512)
+        part = torch.empty((130, 96), dtype=torch.float32)
+        sums.append(
+            launch_split_k(x[:, cols], w[:, cols].contiguous(), part, 512, config, is_tree=False)
+        )
+    total = launch_split_k(x, w, torch.empty((130, 96)), 512, config, is_tree=False)
+    assert torch.equal(total, ((sums[0] + sums[1]) + sums[2]) + sums[3])
+    assert not torch.equal(total, ((sums[3] + sums[2]) + sums[1]) + sums[0])  # order matters
+    assert all(not counts.any() for counts in triton_linear._ARRIVALS[x.device])
 
 
 def check_grouped_linear(generator: torch.Generator) -> None:
