@@ -63,4 +63,11 @@ def row_parallel_linear(
             on_gather(t)
         return all_gather(t, group)
 
-    return op(x, weight, dist.get_world_size(group), gather, lambda t: backend_all_reduce(t, group))
+    return op(
+        x,
+        weight,
+        dist.get_world_size(group),
+        gather,
+        lambda t: backend_all_reduce(t, group),
+        tp_rank=dist.get_rank(group),
+    )

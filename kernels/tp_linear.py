@@ -102,10 +102,13 @@ def row_parallel_linear_ref(
     *,
     tp_max: int,
     tile_rows: int,
+    tp_rank: int = 0,
 ) -> torch.Tensor:
     """sum over the TP group of x [T, K_local] @ weight [N, K_local]^T -> [T, N] in x's dtype,
     the same bits at every tp_size dividing tp_max. Collective (all_gather) when tp_size > 1:
-    every TP rank calls it in the same order."""
+    every TP rank calls it in the same order. tp_rank (the rank's place in the group) is part
+    of the op's signature for the GPU kernel's K grid; each chunk here is a fresh copy whose
+    sum ignores where it sits."""
     num_chunks = local_num_chunks(tp_max, tp_size, x.shape[1])
     return finish_tree(
         tp_linear_ref(x, weight, num_chunks, tile_rows=tile_rows), all_gather, x.dtype
@@ -118,7 +121,8 @@ def row_parallel_linear_fast(
     tp_size: int,
     all_gather: Gather,
     all_reduce: Collective,
+    tp_rank: int = 0,
 ) -> torch.Tensor:
     """The plain engine: one GEMM over the local K, then the backend's all_reduce of the
-    partials in the activation dtype (its ring/tree chosen by message size)."""
+    partials in the activation dtype (its ring/tree chosen by message size); tp_rank unused."""
     return all_reduce(F.linear(x, weight))

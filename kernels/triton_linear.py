@@ -209,8 +209,8 @@ def _linear_kernel(
     # A grouped launch sized for the worst case has empty tiles: they read no weight.
     if row_start < row_end:
         acc = _dot_k_range(
-            x_ptr, w_ptr, offs_m, offs_n, row_ok, col_ok, stride_xm, K, 0, K, BLOCK_M, BLOCK_N,
-            BLOCK_K, INPUT_PRECISION, UPCAST_DOT,
+            x_ptr, w_ptr, offs_m, offs_n, row_ok, col_ok, stride_xm, K, 0, 0, K, BLOCK_M,
+            BLOCK_N, BLOCK_K, INPUT_PRECISION, UPCAST_DOT,
         )  # fmt: skip
         out = acc.to(out_ptr.dtype.element_ty)
         tl.store(
@@ -232,6 +232,7 @@ def _split_k_kernel(
     K,
     stride_xm,
     stride_om,
+    k_phase,
     CHUNK_K: tl.constexpr,
     NUM_CHUNKS: tl.constexpr,
     IS_TREE: tl.constexpr,
@@ -242,13 +243,18 @@ def _split_k_kernel(
     GROUP_M: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    FINISH: tl.constexpr,
 ):
     """Chunk c = program_id(1) of a fixed K split for out's tile program_id(0): the fp32 sum
     from zero over columns [c * CHUNK_K, min((c + 1) * CHUNK_K, K)) in BLOCK_K steps, stored
     to parts[c]. The tile's last program to arrive (a count per tile, `arrivals`) adds the
     NUM_CHUNKS parts in the fixed order -- chunk order, or the binary tree (IS_TREE) -- rounds
-    once to out's dtype, and zeroes the count for the next launch. Which program finishes
-    depends on timing; which adds it makes, and their order, do not."""
+    once to out's dtype, and zeroes the count for the next launch (FINISH; otherwise a second
+    launch adds them). Which program finishes depends on timing; which adds it makes, and their
+    order, do not. The K steps lie on a grid of BLOCK_K columns fixed in the whole weight's
+    columns: local column k is whole column k + k_phase (mod BLOCK_K), so a chunk's sum is the
+    same chain of steps whichever TP rank holds it, and at k_phase 0 every step but a chunk's
+    first and last is aligned."""
     tile = tl.program_id(0)
     chunk = tl.program_id(1)
     pid_m, pid_n = _tile_of(tile, tl.cdiv(num_rows, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
@@ -259,9 +265,9 @@ def _split_k_kernel(
     mask = row_ok[:, None] & col_ok[None, :]
     k_lo = chunk * CHUNK_K
     acc = _dot_k_range(
-        x_ptr, w_ptr, offs_m, offs_n, row_ok, col_ok, stride_xm, K, k_lo,
-        tl.minimum(k_lo + CHUNK_K, K), BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION, UPCAST_DOT,
-        K_ALIGN,
+        x_ptr, w_ptr, offs_m, offs_n, row_ok, col_ok, stride_xm, K,
+        k_lo - (k_lo + k_phase) % BLOCK_K, k_lo, tl.minimum(k_lo + CHUNK_K, K), BLOCK_M, BLOCK_N,
+        BLOCK_K, INPUT_PRECISION, UPCAST_DOT, K_ALIGN,
     )  # fmt: skip
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     if NUM_CHUNKS == 1:
@@ -270,14 +276,15 @@ def _split_k_kernel(
         part_elems = num_rows.to(tl.int64) * N
         tile_offs = offs_m[:, None] * N + offs_n[None, :]
         tl.store(parts_ptr + chunk * part_elems + tile_offs, acc, mask=mask)
-        # Every thread's part is in memory before the count says so (release); the finisher
-        # reads the others' parts after its count (acquire), past the SM's L1 (.cg).
-        tl.debug_barrier()
-        arrived = tl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == NUM_CHUNKS - 1:
-            total = sum_parts(parts_ptr, tile_offs, part_elems, mask, NUM_CHUNKS, IS_TREE)
-            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
-            tl.atomic_xchg(arrivals_ptr + tile, 0, sem="relaxed", scope="gpu")
+        if FINISH:
+            # Every thread's part is in memory before the count says so (release); the
+            # finisher reads the others' parts after its count (acquire), past the SM's L1.
+            tl.debug_barrier()
+            arrived = tl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if arrived == NUM_CHUNKS - 1:
+                total = sum_parts(parts_ptr, tile_offs, part_elems, mask, NUM_CHUNKS, IS_TREE)
+                tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
+                tl.atomic_xchg(arrivals_ptr + tile, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -305,6 +312,32 @@ def sum_parts(parts_ptr, offs, part_elems, mask, NUM_PARTS: tl.constexpr, IS_TRE
 
 
 @triton.jit
+def _sum_parts_kernel(
+    parts_ptr, out_ptr, num_elems, NUM_PARTS: tl.constexpr, IS_TREE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    """out = sum_parts of the fp32 parts [NUM_PARTS, num_elems], rounded to out's dtype once."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < num_elems
+    total = sum_parts(parts_ptr, offs, num_elems, ok, NUM_PARTS, IS_TREE)
+    tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+SUM_PARTS_BLOCK = 1024  # elements per _sum_parts_kernel program: a launch shape, not an order
+
+
+def sum_parts_triton(parts: torch.Tensor, out: torch.Tensor, *, is_tree: bool) -> torch.Tensor:
+    """out (contiguous, [T, N]) = the fp32 parts [C, T, N] (contiguous) added by sum_parts."""
+    num_elems = out.numel()
+    if num_elems:
+        _sum_parts_kernel[(triton.cdiv(num_elems, SUM_PARTS_BLOCK),)](
+            parts, out, num_elems, NUM_PARTS=parts.shape[0], IS_TREE=is_tree,
+            BLOCK=SUM_PARTS_BLOCK,
+        )  # fmt: skip
+    return out
+
+
+@triton.jit
 def _dot_whole_step(
     x_ptr, w_ptr, offs_m, offs_n, row_ok, col_ok, stride_xm, K, k, acc,
     INPUT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
@@ -313,6 +346,27 @@ def _dot_whole_step(
     the loads stay full-width vectors); masked rows and columns load exact zeros."""
     a = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=row_ok[:, None], other=0.0)
     b = tl.load(w_ptr + offs_n[None, :] * K + k[:, None], mask=col_ok[None, :], other=0.0)
+    if UPCAST_DOT:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+
+
+@triton.jit
+def _dot_masked_step(
+    x_ptr, w_ptr, offs_m, offs_n, row_ok, col_ok, stride_xm, K, k, k_ok, acc,
+    INPUT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):  # fmt: skip
+    """_dot_whole_step for a step partly outside [k_lo, k_hi): lanes where k_ok is false load
+    exact zeros (their products add nothing)."""
+    a = tl.load(
+        x_ptr + offs_m[:, None] * stride_xm + k[None, :],
+        mask=row_ok[:, None] & k_ok[None, :],
+        other=0.0,
+    )
+    b = tl.load(
+        w_ptr + offs_n[None, :] * K + k[:, None], mask=col_ok[None, :] & k_ok[:, None], other=0.0
+    )
     if UPCAST_DOT:
         a = a.to(tl.float32)
         b = b.to(tl.float32)
@@ -329,6 +383,7 @@ def _dot_k_range(
     col_ok,
     stride_xm,
     K,
+    k_start,
     k_lo,
     k_hi,
     BLOCK_M: tl.constexpr,
@@ -339,45 +394,44 @@ def _dot_k_range(
     K_ALIGN: tl.constexpr = 1,
 ):
     """fp32 sum over k in [k_lo, k_hi) of x[m, k] * w[n, k], from zero, in steps of BLOCK_K
-    ascending. Masked lanes load exact zeros. K_ALIGN: a power of two dividing k_lo and k_hi
-    (the caller's promise: a chunk's first and end columns), so every step, the masked tail
-    too, loads full-width vectors."""
+    ascending from k_start (<= k_lo, > k_lo - BLOCK_K: the step grid; a head step below k_lo
+    is masked). Masked lanes load exact zeros. K_ALIGN: a power of two dividing k_start, k_lo
+    and k_hi (the caller's promise), so every step, masked ones too, loads full-width
+    vectors."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     offs_k = tl.arange(0, BLOCK_K)
-    num_whole = (k_hi - k_lo) // BLOCK_K
+    if K_ALIGN > 1:
+        k_start = tl.multiple_of(k_start, K_ALIGN)
+        k_lo = tl.multiple_of(k_lo, K_ALIGN)
+        k_hi = tl.multiple_of(k_hi, K_ALIGN)
+    if k_start < k_lo:
+        k = k_start + offs_k
+        acc = _dot_masked_step(
+            x_ptr, w_ptr, offs_m, offs_n, row_ok, col_ok, stride_xm, K, k,
+            (k >= k_lo) & (k < k_hi), acc, INPUT_PRECISION, UPCAST_DOT,
+        )  # fmt: skip
+        k_start += BLOCK_K
+    num_whole = tl.maximum(k_hi - k_start, 0) // BLOCK_K
     # Why two loops: a mask along k that the compiler cannot prove aligned (k_hi of a chunk)
     # turns every load into scalar loads; whole steps need none, the tail step keeps it. The
     # steps and their dots are the same as one masked loop's: the same bits.
     for i in range(num_whole):
-        k0 = k_lo + i * BLOCK_K
+        k0 = k_start + i * BLOCK_K
         if K_ALIGN > 1:
             k0 = tl.multiple_of(k0, K_ALIGN)
         acc = _dot_whole_step(
             x_ptr, w_ptr, offs_m, offs_n, row_ok, col_ok, stride_xm, K, k0 + offs_k, acc,
             INPUT_PRECISION, UPCAST_DOT,
         )  # fmt: skip
-    k0 = k_lo + num_whole * BLOCK_K
+    k0 = k_start + num_whole * BLOCK_K
     if K_ALIGN > 1:
-        # The tail's mask changes at k_hi only, a multiple of K_ALIGN too: vector loads.
         k0 = tl.multiple_of(k0, K_ALIGN)
-        k_hi = tl.multiple_of(k_hi, K_ALIGN)
     if k0 < k_hi:
         k = k0 + offs_k
-        k_ok = k < k_hi
-        a = tl.load(
-            x_ptr + offs_m[:, None] * stride_xm + k[None, :],
-            mask=row_ok[:, None] & k_ok[None, :],
-            other=0.0,
-        )
-        b = tl.load(
-            w_ptr + offs_n[None, :] * K + k[:, None],
-            mask=col_ok[None, :] & k_ok[:, None],
-            other=0.0,
-        )
-        if UPCAST_DOT:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        acc = _dot_masked_step(
+            x_ptr, w_ptr, offs_m, offs_n, row_ok, col_ok, stride_xm, K, k, k < k_hi, acc,
+            INPUT_PRECISION, UPCAST_DOT,
+        )  # fmt: skip
     return acc
 
 
@@ -711,6 +765,11 @@ def _kernel_consts(config: LinearConfig, x_dtype: torch.dtype, w_dtype: torch.dt
 # Per-tile arrival counts of the split-K launches, by device. The kernels leave every count at
 # zero; a buffer is never freed (a captured CUDA graph keeps its address), only outgrown.
 _ARRIVALS: dict[torch.device, list[torch.Tensor]] = {}
+# Up to this many rows a split-K launch's last program per tile adds the parts (one launch
+# fewer); above, the tiles' finishing programs serialise at the kernel's end and a separate
+# elementwise launch is faster (H200, graph replay: o_proj 6.5 vs 7.1 us at 1 row, 9.8 vs
+# 8.5 at 64; BENCHMARKS.md, row-parallel section).
+FOLD_MAX_ROWS = 16
 MIN_ARRIVALS = 1 << 16  # counts of the first buffer: 256 KB, more tiles than the model's launches
 
 
@@ -735,25 +794,34 @@ def launch_split_k(
     config: LinearConfig,
     *,
     is_tree: bool,
+    k_origin: int = 0,
 ) -> torch.Tensor:
     """out [M, N] (unit column stride) = x [M, K] @ weight [N, K]^T through a fixed K split:
     chunks of chunk_k columns (the last may be shorter), each an fp32 sum from zero, added in
     chunk order or in the binary tree (is_tree; the chunk count a power of two) and rounded
-    once to out's dtype. One launch per SPLIT_ROW_CHUNK rows (launch boundaries only): chunk
-    programs in parallel, the last one of each tile adding the fp32 parts. Launches that share
-    a device run on one stream at a time (they share the arrival counts)."""
+    once to out's dtype. k_origin: the whole weight's column of weight's first one (a TP
+    rank's offset): the K steps' grid is fixed in whole-weight columns. One launch per
+    SPLIT_ROW_CHUNK rows (launch boundaries only): chunk programs in parallel; up to
+    FOLD_MAX_ROWS rows the last one of each tile adds the fp32 parts, above a second launch
+    does (the same adds). Launches that share a device run on one stream at a time (they
+    share the arrival counts)."""
     num_rows, (out_dim, in_dim) = x.shape[0], weight.shape
     num_chunks = triton.cdiv(in_dim, chunk_k)
     if config.is_persistent:
         config = POINTER_CONFIG_16BIT  # the pointer kernel's K loop, with the chunk axis
+    k_phase = k_origin % config.block_k
+    # Chunk bounds and step starts (congruent to -k_phase) are multiples of this.
+    align = k_align(math.gcd(chunk_k, in_dim, k_phase or config.block_k))
     for start in range(0, num_rows, SPLIT_ROW_CHUNK):
         rows = min(SPLIT_ROW_CHUNK, num_rows - start)
         parts = torch.empty((num_chunks, rows, out_dim), dtype=torch.float32, device=x.device)
         num_tiles = triton.cdiv(rows, config.block_m) * triton.cdiv(out_dim, config.block_n)
+        is_folded = rows <= FOLD_MAX_ROWS or num_chunks == 1
+        part_out = out[start : start + rows]
         _split_k_kernel[(num_tiles, num_chunks)](
             x[start:],
             weight,
-            out[start:],
+            part_out,
             parts,
             _arrivals(x.device, num_tiles),
             rows,
@@ -761,12 +829,19 @@ def launch_split_k(
             in_dim,
             x.stride(0),
             out.stride(0),
+            k_phase,
             CHUNK_K=chunk_k,
             NUM_CHUNKS=num_chunks,
             IS_TREE=is_tree,
-            K_ALIGN=k_align(math.gcd(chunk_k, in_dim)),
+            K_ALIGN=align,
+            FINISH=is_folded,
             **_kernel_consts(config, x.dtype, weight.dtype),
         )
+        if not is_folded:
+            if part_out.is_contiguous():
+                sum_parts_triton(parts, part_out, is_tree=is_tree)
+            else:
+                part_out.copy_(sum_parts_triton(parts, torch.empty_like(part_out), is_tree=is_tree))
     return out
 
 

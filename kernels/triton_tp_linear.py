@@ -2,10 +2,12 @@
 
 The chunk partials come from kernels/triton_linear.launch_split_k, one program axis per chunk:
 each chunk's fp32 sum starts from zero and walks its K / tp_max columns in BLOCK_K steps
-ascending, the same sequence whichever rank or TP degree holds the chunk (a chunk's K loop is
-relative to its first column); the last program of a tile adds the fp32 parts in
-kernels/tp_linear.py's fixed binary tree (adjacent pairs, level by level) and rounds once.
-`_tree_sum_kernel` makes the same adds over the ranks' gathered subtree sums.
+ascending on a grid fixed in the whole weight's columns (a rank passes its K offset), the same
+sequence whichever rank or TP degree holds the chunk; at tp 1 every step but a chunk's first
+and last loads aligned columns (chunk bounds need not be: the dense mlp_down's 1368). The
+fp32 parts are added in kernels/tp_linear.py's fixed
+binary tree (adjacent pairs, level by level) and rounded once. `tree_sum_triton` makes the
+same adds over the ranks' gathered subtree sums.
 Oracle: `row_parallel_linear_ref`; the tree adds match it bitwise given the same partials.
 Under TRITON_INTERPRET=1 the kernels run on CPU tensors (tests); compiled, they need CUDA.
 """
@@ -13,22 +15,22 @@ Under TRITON_INTERPRET=1 the kernels run on CPU tensors (tests); compiled, they 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from kernels.config import MAX_TP_MAX
 from kernels.tp_linear import Collective, Gather, is_power_of_two, local_num_chunks
 from kernels.triton_linear import (
+    BLOCK_K_16BIT,
     MAX_TREE_CHUNKS,
+    POINTER_CONFIG_16BIT,
+    LinearConfig,
     _check_pair,
     launch_split_k,
     linear_chunk_tree,
     linear_config,
-    sum_parts,
+    sum_parts_triton,
     tree_block_k,
 )
 
-TREE_BLOCK = 1024  # elements per tree-sum program: a launch shape, not a sum order
 # Where the in-program tree (kernels/triton_linear.linear_chunk_tree) replaces chunk partials
 # + tree-sum launch: short chunks (o_proj 256, shared experts' down 352 columns at tp_max 8)
 # from TREE_MIN_ROWS rows, measured on the H200 under graph replay (BENCHMARKS.md, row-parallel
@@ -38,23 +40,6 @@ TREE_BLOCK = 1024  # elements per tree-sum program: a launch shape, not a sum or
 # (the dense mlp_down, 1368) keep the chunk-parallel launch. Both paths make the same adds.
 TREE_MIN_ROWS = {64: 256, 32: 512, 16: 512}  # by the tree's K step (tree_block_k)
 TREE_MAX_CHUNK_K = 512
-
-
-@triton.jit
-def _tree_sum_kernel(
-    parts_ptr,
-    out_ptr,
-    num_elems,
-    NUM_PARTS: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """out = tree sum of the fp32 parts [NUM_PARTS (a power of two), num_elems], rounded to
-    out's dtype once: adjacent pairs, level by level, evaluated as a binary counter (part c is
-    added to the finished subtrees of its left siblings as it arrives: the same adds)."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < num_elems
-    acc = sum_parts(parts_ptr, offs, num_elems, ok, NUM_PARTS, True)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 # The kernel's waiting subtrees (tree_push) hold up to 8 parts: 16 in all, the largest
@@ -83,26 +68,40 @@ def tree_sum_triton(
         out = torch.empty(parts.shape[1:], dtype=out_dtype, device=parts.device)
     elif out.shape != parts.shape[1:] or out.dtype != out_dtype or not out.is_contiguous():
         raise ValueError(f"out must be contiguous {tuple(parts.shape[1:])} {out_dtype}")
-    num_elems = out.numel()
-    if num_elems:
-        _tree_sum_kernel[(triton.cdiv(num_elems, TREE_BLOCK),)](
-            parts,
-            out,
-            num_elems,
-            NUM_PARTS=num_parts,
-            BLOCK=TREE_BLOCK,
-        )
-    return out
+    return sum_parts_triton(parts, out, is_tree=True)
 
 
-def tp_linear_triton(x: torch.Tensor, weight: torch.Tensor, num_chunks: int) -> torch.Tensor:
+def tp_linear_triton(
+    x: torch.Tensor, weight: torch.Tensor, num_chunks: int, *, k_origin: int = 0
+) -> torch.Tensor:
     """This rank's fp32 subtree sum [T, N] of x [T, K_local] @ weight [N, K_local]^T, K_local
-    holding num_chunks (a power of two) adjacent chunks of the full K split."""
-    return _tp_linear(x, weight, num_chunks, torch.float32)
+    holding num_chunks (a power of two) adjacent chunks of the full K split, the first at the
+    whole weight's column k_origin (rank * K_local)."""
+    return _tp_linear(x, weight, num_chunks, torch.float32, k_origin)
+
+
+def chunk_config(out_dim: int, in_dim: int, dtype: torch.dtype, num_rows: int) -> LinearConfig:
+    """Tiles of the chunk-parallel launch, by row count (the chunks already give every weight
+    tp_max times the column programs): measured on the row-parallel V2-Lite weights under graph
+    replay (BENCHMARKS.md, row-parallel section). Tiles move work, never a sum's order. fp32
+    keeps the linear's configs (its own K step)."""
+    if dtype == torch.float32:
+        return linear_config(out_dim, in_dim, dtype, num_rows)
+    if num_rows <= 16:
+        return LinearConfig(16, 64, BLOCK_K_16BIT, 8, 4, 4)
+    if num_rows <= 64:
+        return LinearConfig(64, 32, BLOCK_K_16BIT, 8, 4, 4)
+    if num_rows <= 512:
+        return LinearConfig(64, 64, BLOCK_K_16BIT, 8, 4, 3)
+    return POINTER_CONFIG_16BIT
 
 
 def _tp_linear(
-    x: torch.Tensor, weight: torch.Tensor, num_chunks: int, out_dtype: torch.dtype
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    num_chunks: int,
+    out_dtype: torch.dtype,
+    k_origin: int,
 ) -> torch.Tensor:
     _check_pair(x, weight, 2)
     if x.shape[1] % num_chunks or not is_power_of_two(num_chunks):
@@ -123,8 +122,8 @@ def _tp_linear(
         return linear_chunk_tree(x, weight, num_chunks, out_dtype)
     out = torch.empty((num_rows, weight.shape[0]), dtype=out_dtype, device=x.device)
     if num_rows:
-        config = linear_config(weight.shape[0], x.shape[1], x.dtype, num_rows)
-        launch_split_k(x, weight, out, chunk_k, config, is_tree=True)
+        config = chunk_config(weight.shape[0], x.shape[1], x.dtype, num_rows)
+        launch_split_k(x, weight, out, chunk_k, config, is_tree=True, k_origin=k_origin)
     return out
 
 
@@ -136,11 +135,13 @@ def row_parallel_linear_triton(
     all_reduce: Collective,
     *,
     tp_max: int,
+    tp_rank: int = 0,
 ) -> torch.Tensor:
     """row_parallel_linear_ref's contract on the GPU: the same tree at every tp_size dividing
-    tp_max, rounded to x's dtype once. Collective (all_gather) when tp_size > 1."""
+    tp_max, rounded to x's dtype once. tp_rank: this rank's place in the group (its K slice
+    starts at tp_rank * K_local). Collective (all_gather) when tp_size > 1."""
     num_chunks = local_num_chunks(tp_max, tp_size, x.shape[1])
     if tp_size == 1:  # the whole tree on this rank: round inside the tree launch
-        return _tp_linear(x, weight, num_chunks, x.dtype)
-    subtree = _tp_linear(x, weight, num_chunks, torch.float32)
+        return _tp_linear(x, weight, num_chunks, x.dtype, 0)
+    subtree = _tp_linear(x, weight, num_chunks, torch.float32, tp_rank * x.shape[1])
     return tree_sum_triton(torch.stack(all_gather(subtree)), x.dtype)

@@ -44,7 +44,10 @@ def _at_tp(x, w, tp_size):
     from kernels.triton_tp_linear import row_parallel_linear_triton, tp_linear_triton
 
     xs, ws = x.chunk(tp_size, dim=1), w.chunk(tp_size, dim=1)
-    subtrees = [tp_linear_triton(xs[r], ws[r], TP_MAX // tp_size) for r in range(tp_size)]
+    subtrees = [
+        tp_linear_triton(xs[r], ws[r], TP_MAX // tp_size, k_origin=r * xs[0].shape[1])
+        for r in range(tp_size)
+    ]
     return row_parallel_linear_triton(
         xs[0], ws[0], tp_size, lambda t: subtrees, None, tp_max=TP_MAX
     )

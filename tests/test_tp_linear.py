@@ -246,11 +246,16 @@ def test_row_parallel_over_collectives_gives_tp1_bits(tmp_path, backend, world_s
 # Triton kernels under the interpreter (one fresh process for all checks: tests/interpreted.py).
 
 
-def _triton_at_tp(x, w, tp_size):
+def _triton_at_tp(x, w, tp_size, *, with_origins=True):
+    """with_origins False: every rank claims its K slice starts at column 0 (the control)."""
     from kernels.triton_tp_linear import row_parallel_linear_triton, tp_linear_triton
 
     xs, ws = x.chunk(tp_size, dim=1), w.chunk(tp_size, dim=1)
-    subtrees = [tp_linear_triton(xs[r], ws[r], TP_MAX // tp_size) for r in range(tp_size)]
+    origins = [r * xs[0].shape[1] if with_origins else 0 for r in range(tp_size)]
+    subtrees = [
+        tp_linear_triton(xs[r], ws[r], TP_MAX // tp_size, k_origin=origins[r])
+        for r in range(tp_size)
+    ]
     return row_parallel_linear_triton(
         xs[0], ws[0], tp_size, lambda t: subtrees, None, tp_max=TP_MAX
     )
@@ -272,12 +277,21 @@ def check_tree_sum_kernel(generator: torch.Generator) -> None:
 
 
 def check_every_tp_degree_same_bits(generator: torch.Generator) -> None:
+    """K 512 (chunks of 64 columns: on the K step grid) and 576 (chunks of 72: off it, as the
+    dense mlp_down's 1368 are; each rank passes its K offset so the steps stay on the whole
+    weight's grid). Control: ranks that all claim offset 0 step differently at some degree."""
     for dtype in DTYPES:
-        x, w = _inputs(generator, dtype, num_rows=70)
-        full = _triton_at_tp(x, w, 1)
-        assert full.dtype == dtype and full.shape == (70, 64)
-        for tp_size in TP_SIZES[1:]:
-            assert torch.equal(_triton_at_tp(x, w, tp_size), full), (dtype, tp_size)
+        for in_dim in (512, 576):
+            x, w = _inputs(generator, dtype, num_rows=70, in_dim=in_dim)
+            full = _triton_at_tp(x, w, 1)
+            assert full.dtype == dtype and full.shape == (70, 64)
+            for tp_size in TP_SIZES[1:]:
+                assert torch.equal(_triton_at_tp(x, w, tp_size), full), (dtype, in_dim, tp_size)
+            if in_dim == 576:
+                assert any(
+                    not torch.equal(_triton_at_tp(x, w, tp, with_origins=False), full)
+                    for tp in TP_SIZES[1:]
+                ), dtype
 
 
 def check_rows_invariant(generator: torch.Generator) -> None:
