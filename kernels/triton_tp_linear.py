@@ -88,9 +88,9 @@ def chunk_config(out_dim: int, in_dim: int, dtype: torch.dtype, num_rows: int) -
     if dtype == torch.float32:
         return linear_config(out_dim, in_dim, dtype, num_rows)
     if num_rows <= 16:
-        return LinearConfig(16, 64, BLOCK_K_16BIT, 8, 4, 4)
+        return LinearConfig(16, 32, BLOCK_K_16BIT, 8, 4, 6)
     if num_rows <= 64:
-        return LinearConfig(64, 32, BLOCK_K_16BIT, 8, 4, 4)
+        return LinearConfig(64, 64, BLOCK_K_16BIT, 8, 4, 4)
     if num_rows <= 512:
         return LinearConfig(64, 64, BLOCK_K_16BIT, 8, 4, 3)
     return POINTER_CONFIG_16BIT
