@@ -330,6 +330,31 @@ def check_in_program_tree_same_bits(generator: torch.Generator) -> None:
             assert torch.equal(tree, tp_linear_triton(x, w, num_chunks)), (dtype, num_chunks)
 
 
+def check_chunks_per_program_same_bits(generator: torch.Generator) -> None:
+    """A program summing 2 or 4 adjacent chunks as their subtree (fewer parts in memory) makes
+    the one-chunk-a-program launch's adds, folded (few rows) or with a second launch."""
+    from kernels.triton_linear import launch_split_k, linear_config
+
+    for num_rows in (5, 37):
+        x, w = _inputs(generator, torch.float32, num_rows=num_rows, in_dim=576)
+        config = linear_config(w.shape[0], w.shape[1], x.dtype, num_rows)
+        outs = [
+            launch_split_k(
+                x,
+                w,
+                torch.empty(num_rows, 64),
+                72,
+                config,
+                is_tree=True,
+                k_origin=0,
+                chunks_per_program=g,
+            )  # fmt: skip
+            for g in (1, 2, 4, 8)
+        ]
+        for g, out in zip((2, 4, 8), outs[1:], strict=True):
+            assert torch.equal(out, outs[0]), (num_rows, g)
+
+
 def check_column_slices_same_bits(generator: torch.Generator) -> None:
     """A column-parallel rank's slice (q_proj, gate/up, the LM head) with the whole weight's
     out dim gives the whole linear's columns bitwise; control: a slice narrow enough to take
@@ -356,6 +381,7 @@ def check_column_slices_same_bits(generator: torch.Generator) -> None:
 
 CHECKS = {
     "column_slices_same_bits": check_column_slices_same_bits,
+    "chunks_per_program_same_bits": check_chunks_per_program_same_bits,
     "tree_sum_kernel": check_tree_sum_kernel,
     "in_program_tree_same_bits": check_in_program_tree_same_bits,
     "every_tp_degree_same_bits": check_every_tp_degree_same_bits,
