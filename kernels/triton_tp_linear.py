@@ -21,7 +21,6 @@ from kernels.tp_linear import Collective, Gather, is_power_of_two, local_num_chu
 from kernels.triton_linear import (
     BLOCK_K_16BIT,
     MAX_TREE_CHUNKS,
-    POINTER_CONFIG_16BIT,
     LinearConfig,
     _check_pair,
     launch_split_k,
@@ -80,20 +79,22 @@ def tp_linear_triton(
     return _tp_linear(x, weight, num_chunks, torch.float32, k_origin)
 
 
-def chunk_config(out_dim: int, in_dim: int, dtype: torch.dtype, num_rows: int) -> LinearConfig:
-    """Tiles of the chunk-parallel launch, by row count (the chunks already give every weight
-    tp_max times the column programs): measured on the row-parallel V2-Lite weights under graph
-    replay (BENCHMARKS.md, row-parallel section). Tiles move work, never a sum's order. fp32
-    keeps the linear's configs (its own K step)."""
+def chunk_launch(
+    out_dim: int, in_dim: int, dtype: torch.dtype, num_rows: int
+) -> tuple[LinearConfig, int]:
+    """(tiles, chunks a program sums) of the chunk-parallel launch, by row count: the chunks
+    already give every weight tp_max times the column programs, and from 129 rows a program
+    sums two adjacent chunks (half the fp32 parts in memory). The fastest of a sweep on the
+    row-parallel V2-Lite weights under graph replay (BENCHMARKS.md, row-parallel section).
+    Neither moves a sum's order. fp32 keeps the linear's tiles (its own K step)."""
     if dtype == torch.float32:
-        return linear_config(out_dim, in_dim, dtype, num_rows)
+        return linear_config(out_dim, in_dim, dtype, num_rows), 1
     if num_rows <= 16:
-        return LinearConfig(16, 32, BLOCK_K_16BIT, 8, 4, 6)
+        return LinearConfig(16, 32, BLOCK_K_16BIT, 8, 4, 6), 1
     if num_rows <= 64:
-        return LinearConfig(64, 64, BLOCK_K_16BIT, 8, 4, 4)
-    if num_rows <= 512:
-        return LinearConfig(64, 64, BLOCK_K_16BIT, 8, 4, 3)
-    return POINTER_CONFIG_16BIT
+        return LinearConfig(64, 64, BLOCK_K_16BIT, 8, 4, 4), 1
+    wide = LinearConfig(128, 64, BLOCK_K_16BIT, 8, 8, 3)
+    return wide, 1 if num_rows <= 128 else 2
 
 
 def _tp_linear(
@@ -122,8 +123,17 @@ def _tp_linear(
         return linear_chunk_tree(x, weight, num_chunks, out_dtype)
     out = torch.empty((num_rows, weight.shape[0]), dtype=out_dtype, device=x.device)
     if num_rows:
-        config = chunk_config(weight.shape[0], x.shape[1], x.dtype, num_rows)
-        launch_split_k(x, weight, out, chunk_k, config, is_tree=True, k_origin=k_origin)
+        config, per_program = chunk_launch(weight.shape[0], x.shape[1], x.dtype, num_rows)
+        launch_split_k(
+            x,
+            weight,
+            out,
+            chunk_k,
+            config,
+            is_tree=True,
+            k_origin=k_origin,
+            chunks_per_program=min(per_program, num_chunks),
+        )
     return out
 
 
