@@ -21,6 +21,7 @@ from kernels.tp_linear import Collective, Gather, is_power_of_two, local_num_chu
 from kernels.triton_linear import (
     BLOCK_K_16BIT,
     MAX_TREE_CHUNKS,
+    POINTER_CONFIG_16BIT,
     LinearConfig,
     _check_pair,
     launch_split_k,
@@ -83,8 +84,8 @@ def chunk_launch(
     out_dim: int, in_dim: int, dtype: torch.dtype, num_rows: int
 ) -> tuple[LinearConfig, int]:
     """(tiles, chunks a program sums) of the chunk-parallel launch, by row count: the chunks
-    already give every weight tp_max times the column programs, and from 129 rows a program
-    sums two adjacent chunks (half the fp32 parts in memory). The fastest of a sweep on the
+    already give every weight tp_max times the column programs, and from 129 to 512 rows a
+    program sums two adjacent chunks (half the fp32 parts in memory). The fastest of a sweep on the
     row-parallel V2-Lite weights under graph replay (BENCHMARKS.md, row-parallel section).
     Neither moves a sum's order. fp32 keeps the linear's tiles (its own K step)."""
     if dtype == torch.float32:
@@ -93,8 +94,9 @@ def chunk_launch(
         return LinearConfig(16, 32, BLOCK_K_16BIT, 8, 4, 6), 1
     if num_rows <= 64:
         return LinearConfig(64, 64, BLOCK_K_16BIT, 8, 4, 4), 1
-    wide = LinearConfig(128, 64, BLOCK_K_16BIT, 8, 8, 3)
-    return wide, 1 if num_rows <= 128 else 2
+    if num_rows <= 512:
+        return LinearConfig(128, 64, BLOCK_K_16BIT, 8, 8, 3), 1 if num_rows <= 128 else 2
+    return POINTER_CONFIG_16BIT, 1  # the dense mlp_down at prefill (2 a program: 1.1-1.3x)
 
 
 def _tp_linear(
