@@ -31,13 +31,13 @@ from kernels.triton_linear import (
     tree_block_k,
 )
 
-# Where the in-program tree (kernels/triton_linear.linear_chunk_tree) replaces chunk partials
-# + tree-sum launch: short chunks (o_proj 256, shared experts' down 352 columns at tp_max 8)
-# from TREE_MIN_ROWS rows, measured on the H200 under graph replay (BENCHMARKS.md, row-parallel
-# section): there the partials' traffic outweighs the chunks' parallelism. Chunks of whole
-# 64-column steps cross over at 256 rows (o_proj 13.1 vs 18.1 us), others at 512 (32-column
-# steps: twice the loop; shared down 28.4 vs 45.4 us at 512, 25.7 vs 23.3 at 256). Long chunks
-# (the dense mlp_down, 1368) keep the chunk-parallel launch. Both paths make the same adds.
+# Where the in-program tree (kernels/triton_linear.linear_chunk_tree) replaces the chunk launch:
+# short chunks (o_proj 256, shared experts' down 352 columns at tp_max 8) from TREE_MIN_ROWS
+# rows, measured on the H200 under graph replay (BENCHMARKS.md, row-parallel section): there
+# the fp32 parts' traffic outweighs the chunks' parallelism. Chunks of whole 64-column steps
+# cross over at 256 rows (o_proj 13.2 vs 14.1 us), others at 512 (32-column steps: twice the
+# loop; shared down 28.7 vs 33.7 us at 512, 26.8 vs 18.9 at 256). Long chunks (the dense
+# mlp_down, 1368) keep the chunk launch. Both paths make the same adds.
 TREE_MIN_ROWS = {64: 256, 32: 512, 16: 512}  # by the tree's K step (tree_block_k)
 TREE_MAX_CHUNK_K = 512
 
