@@ -277,7 +277,7 @@ def _split_k_kernel(
         chunk_sum = _dot_k_range(
             x_ptr, w_ptr, offs_m, offs_n, row_ok, col_ok, stride_xm, K,
             k_lo - (k_lo + k_phase) % BLOCK_K, k_lo, tl.minimum(k_lo + CHUNK_K, K), BLOCK_M,
-            BLOCK_N, BLOCK_K, INPUT_PRECISION, UPCAST_DOT, K_ALIGN,
+            BLOCK_N, BLOCK_K, INPUT_PRECISION, UPCAST_DOT, K_ALIGN, True,
         )  # fmt: skip
         acc, s0, s1, s2, s3 = tree_push(chunk_sum, s0, s1, s2, s3, g, CHUNKS_PER_PROGRAM)
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
@@ -403,18 +403,34 @@ def _dot_k_range(
     INPUT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     K_ALIGN: tl.constexpr = 1,
+    ONE_LOOP: tl.constexpr = False,
 ):
     """fp32 sum over k in [k_lo, k_hi) of x[m, k] * w[n, k], from zero, in steps of BLOCK_K
     ascending from k_start (<= k_lo, > k_lo - BLOCK_K: the step grid; a head step below k_lo
     is masked). Masked lanes load exact zeros. K_ALIGN: a power of two dividing k_start, k_lo
     and k_hi (the caller's promise), so every step, masked ones too, loads full-width
-    vectors."""
+    vectors. ONE_LOOP: every step masked, in one loop the compiler pipelines whole (async
+    copies for the first and last steps too); the chunks of a split, whose first and last
+    steps are partial, run it (on the H200 the separate head step compiled to 16-bit scalar
+    loads outside the pipeline: the shared experts' down at 64 rows 10.9 -> 9.4 us). The same
+    steps and masks either way: the same bits."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     offs_k = tl.arange(0, BLOCK_K)
     if K_ALIGN > 1:
         k_start = tl.multiple_of(k_start, K_ALIGN)
         k_lo = tl.multiple_of(k_lo, K_ALIGN)
         k_hi = tl.multiple_of(k_hi, K_ALIGN)
+    if ONE_LOOP:
+        for i in range(tl.cdiv(k_hi - k_start, BLOCK_K)):
+            k0 = k_start + i * BLOCK_K
+            if K_ALIGN > 1:
+                k0 = tl.multiple_of(k0, K_ALIGN)
+            k = k0 + offs_k
+            acc = _dot_masked_step(
+                x_ptr, w_ptr, offs_m, offs_n, row_ok, col_ok, stride_xm, K, k,
+                (k >= k_lo) & (k < k_hi), acc, INPUT_PRECISION, UPCAST_DOT,
+            )  # fmt: skip
+        return acc
     if k_start < k_lo:
         k = k_start + offs_k
         acc = _dot_masked_step(
