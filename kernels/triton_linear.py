@@ -209,8 +209,8 @@ def _linear_kernel(
     # A grouped launch sized for the worst case has empty tiles: they read no weight.
     if row_start < row_end:
         acc = _dot_k_range(
-            x_ptr, w_ptr, offs_m, offs_n, row_ok, col_ok, stride_xm, K, 0, 0, K, BLOCK_M,
-            BLOCK_N, BLOCK_K, INPUT_PRECISION, UPCAST_DOT,
+            x_ptr, w_ptr, offs_m, offs_n, row_ok, col_ok, stride_xm, K, 0, K, BLOCK_M, BLOCK_N,
+            BLOCK_K, INPUT_PRECISION, UPCAST_DOT,
         )  # fmt: skip
         out = acc.to(out_ptr.dtype.element_ty)
         tl.store(
@@ -274,10 +274,10 @@ def _split_k_kernel(
     s3 = s0
     for g in tl.static_range(CHUNKS_PER_PROGRAM):
         k_lo = (program * CHUNKS_PER_PROGRAM + g) * CHUNK_K
-        chunk_sum = _dot_k_range(
+        chunk_sum = _dot_k_grid(
             x_ptr, w_ptr, offs_m, offs_n, row_ok, col_ok, stride_xm, K,
             k_lo - (k_lo + k_phase) % BLOCK_K, k_lo, tl.minimum(k_lo + CHUNK_K, K), BLOCK_M,
-            BLOCK_N, BLOCK_K, INPUT_PRECISION, UPCAST_DOT, K_ALIGN, True,
+            BLOCK_N, BLOCK_K, INPUT_PRECISION, UPCAST_DOT, K_ALIGN,
         )  # fmt: skip
         acc, s0, s1, s2, s3 = tree_push(chunk_sum, s0, s1, s2, s3, g, CHUNKS_PER_PROGRAM)
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
@@ -394,6 +394,47 @@ def _dot_k_range(
     col_ok,
     stride_xm,
     K,
+    k_lo,
+    k_hi,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):
+    """fp32 sum over k in [k_lo, k_hi) of x[m, k] * w[n, k], from zero, in steps of BLOCK_K
+    ascending from k_lo. Masked lanes load exact zeros."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    offs_k = tl.arange(0, BLOCK_K)
+    num_whole = (k_hi - k_lo) // BLOCK_K
+    # Why two loops: a mask along k that the compiler cannot prove aligned (k_hi of a chunk)
+    # turns every load into scalar loads; whole steps need none, the tail step keeps it. The
+    # steps and their dots are the same as one masked loop's: the same bits.
+    for i in range(num_whole):
+        acc = _dot_whole_step(
+            x_ptr, w_ptr, offs_m, offs_n, row_ok, col_ok, stride_xm, K,
+            k_lo + i * BLOCK_K + offs_k, acc, INPUT_PRECISION, UPCAST_DOT,
+        )  # fmt: skip
+    k0 = k_lo + num_whole * BLOCK_K
+    if k0 < k_hi:
+        k = k0 + offs_k
+        acc = _dot_masked_step(
+            x_ptr, w_ptr, offs_m, offs_n, row_ok, col_ok, stride_xm, K, k, k < k_hi, acc,
+            INPUT_PRECISION, UPCAST_DOT,
+        )  # fmt: skip
+    return acc
+
+
+@triton.jit
+def _dot_k_grid(
+    x_ptr,
+    w_ptr,
+    offs_m,
+    offs_n,
+    row_ok,
+    col_ok,
+    stride_xm,
+    K,
     k_start,
     k_lo,
     k_hi,
@@ -402,62 +443,24 @@ def _dot_k_range(
     BLOCK_K: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
-    K_ALIGN: tl.constexpr = 1,
-    ONE_LOOP: tl.constexpr = False,
+    K_ALIGN: tl.constexpr,
 ):
     """fp32 sum over k in [k_lo, k_hi) of x[m, k] * w[n, k], from zero, in steps of BLOCK_K
-    ascending from k_start (<= k_lo, > k_lo - BLOCK_K: the step grid; a head step below k_lo
-    is masked). Masked lanes load exact zeros. K_ALIGN: a power of two dividing k_start, k_lo
-    and k_hi (the caller's promise), so every step, masked ones too, loads full-width
-    vectors. ONE_LOOP: every step masked, in one loop the compiler pipelines whole (async
-    copies for the first and last steps too); the chunks of a split, whose first and last
-    steps are partial, run it (on the H200 the separate head step compiled to 16-bit scalar
-    loads outside the pipeline: the shared experts' down at 64 rows 10.9 -> 9.4 us). The same
-    steps and masks either way: the same bits."""
+    ascending from k_start (<= k_lo, > k_lo - BLOCK_K: a step grid the chunk need not start
+    on), every step masked to [k_lo, k_hi) in one loop, which the compiler pipelines whole: a
+    partial first step written apart compiled to 16-bit scalar loads outside the pipeline on
+    the H200 (the shared experts' down at 64 rows 10.9 -> 9.4 us in one loop). K_ALIGN: a power
+    of two dividing k_start, k_lo and k_hi (the caller's promise), so the masked loads stay
+    full-width vectors."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     offs_k = tl.arange(0, BLOCK_K)
-    if K_ALIGN > 1:
-        k_start = tl.multiple_of(k_start, K_ALIGN)
-        k_lo = tl.multiple_of(k_lo, K_ALIGN)
-        k_hi = tl.multiple_of(k_hi, K_ALIGN)
-    if ONE_LOOP:
-        for i in range(tl.cdiv(k_hi - k_start, BLOCK_K)):
-            k0 = k_start + i * BLOCK_K
-            if K_ALIGN > 1:
-                k0 = tl.multiple_of(k0, K_ALIGN)
-            k = k0 + offs_k
-            acc = _dot_masked_step(
-                x_ptr, w_ptr, offs_m, offs_n, row_ok, col_ok, stride_xm, K, k,
-                (k >= k_lo) & (k < k_hi), acc, INPUT_PRECISION, UPCAST_DOT,
-            )  # fmt: skip
-        return acc
-    if k_start < k_lo:
-        k = k_start + offs_k
+    k_lo = tl.multiple_of(k_lo, K_ALIGN)
+    k_hi = tl.multiple_of(k_hi, K_ALIGN)
+    for i in range(tl.cdiv(k_hi - k_start, BLOCK_K)):
+        k = tl.multiple_of(k_start + i * BLOCK_K, K_ALIGN) + offs_k
         acc = _dot_masked_step(
             x_ptr, w_ptr, offs_m, offs_n, row_ok, col_ok, stride_xm, K, k,
             (k >= k_lo) & (k < k_hi), acc, INPUT_PRECISION, UPCAST_DOT,
-        )  # fmt: skip
-        k_start += BLOCK_K
-    num_whole = tl.maximum(k_hi - k_start, 0) // BLOCK_K
-    # Why two loops: a mask along k that the compiler cannot prove aligned (k_hi of a chunk)
-    # turns every load into scalar loads; whole steps need none, the tail step keeps it. The
-    # steps and their dots are the same as one masked loop's: the same bits.
-    for i in range(num_whole):
-        k0 = k_start + i * BLOCK_K
-        if K_ALIGN > 1:
-            k0 = tl.multiple_of(k0, K_ALIGN)
-        acc = _dot_whole_step(
-            x_ptr, w_ptr, offs_m, offs_n, row_ok, col_ok, stride_xm, K, k0 + offs_k, acc,
-            INPUT_PRECISION, UPCAST_DOT,
-        )  # fmt: skip
-    k0 = k_start + num_whole * BLOCK_K
-    if K_ALIGN > 1:
-        k0 = tl.multiple_of(k0, K_ALIGN)
-    if k0 < k_hi:
-        k = k0 + offs_k
-        acc = _dot_masked_step(
-            x_ptr, w_ptr, offs_m, offs_n, row_ok, col_ok, stride_xm, K, k, k < k_hi, acc,
-            INPUT_PRECISION, UPCAST_DOT,
         )  # fmt: skip
     return acc
 
