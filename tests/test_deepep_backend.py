@@ -6,8 +6,9 @@ DeepEPDispatcher over gloo with a stand-in for deep_ep that follows what DeepEP'
 (deterministic expand order by (local expert, source rank * max tokens + token), combine adding
 each row's single valid slot to +0 in bf16): this checks the dispatcher's own index logic, not
 DeepEP. GPU (marked multi_gpu, skipped without 2 GPUs or without deep_ep): the real ElasticBuffer
-against AllToAllDispatcher over NCCL at V2-Lite and V3 shapes, and the engine at EP=2 with
-ep_backend deepep against world size 1. The GPU tests have not run yet.
+against AllToAllDispatcher over NCCL at V2-Lite and V3 shapes, the engine at EP=2 with
+ep_backend deepep against world size 1, and the engine generating across EPLB rebalances over
+DeepEP against EPLB off. The GPU tests have not run yet.
 """
 
 from __future__ import annotations
@@ -87,6 +88,9 @@ def test_deepep_resolution(deepep_installed):
     for backend in ("auto", "all_to_all"):
         config = load_config(TINY_GPU, {**DEEPEP, "parallel.ep_backend": backend})
         assert not config.uses_deepep  # 'auto' keeps all_to_all until the GPU tests pass
+    # The rebalance test's layout: redundant slots and EPLB on are accepted with deepep.
+    eplb = load_config(TINY_GPU, {**DEEPEP, "eplb.num_redundant_experts": 2, **EPLB_ON})
+    assert eplb.uses_deepep and eplb.eplb.enabled
 
 
 def test_check_deepep_shapes():
@@ -315,3 +319,48 @@ def test_deepep_engine_ep2_equals_world_size_1(mode):
     for i in range(16):
         assert together[i] == reference[i], f"prompt {i}: EP=2 DeepEP batched differs"
         assert shuffled[i] == reference[i], f"prompt {i}: EP=2 DeepEP shuffled differs"
+
+
+# A rebalance every 4 steps, never skipped (as tests/test_eplb_live.py).
+EPLB_ON = {
+    "eplb.enabled": True,
+    "eplb.interval_steps": 4,
+    "eplb.window_steps": 4,
+    "eplb.balancedness_threshold": 1.0,
+}
+
+
+@pytest.mark.multi_gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+@pytest.mark.usefixtures("ray_on_gpu")
+def test_deepep_engine_rebalance_mid_generation_changes_nothing():
+    """EP=2 over DeepEP with two redundant expert slots, generating across several rebalances,
+    gives EPLB off's bits; engagement: rebalances ran and experts moved between the GPUs. The
+    control (multiple reduction plus a rebalance changes bits) cannot run on this backend:
+    deepep is refused with multiple reduction (it moves rows only; the runtime's combine sums
+    them), so it is the all_to_all backend's, tests/test_eplb_live.py."""
+    pytest.importorskip("deep_ep")
+    prompts, params = mixed_prompts(16, 8, 120, seed=31), mixed_params(16, 24)
+    base = {
+        **DEEPEP,
+        "cache.enable_prefix_caching": False,
+        "eplb.num_redundant_experts": 2,
+        "parallel.timeout_s": 300,
+    }
+
+    def run(**overrides) -> tuple[dict, list[dict], list[dict]]:
+        llm = LLM(TINY_GPU, **base, **overrides)
+        try:
+            got = run_in_batches(llm, prompts, params, [list(range(16))])
+            return got, list(llm.engine.balancer.history), llm.engine.worker_stats()
+        finally:
+            llm.shutdown()
+
+    reference, _, _ = run()
+    got, history, stats = run(**EPLB_ON)
+    assert [s["ep_dispatcher"] for s in stats] == ["DeepEPDispatcher"] * 2
+    moves = [r for r in history if not r["skipped"]]
+    assert len(moves) >= 2, f"only {len(moves)} rebalances ran"
+    assert sum(r["experts_moved"] for r in moves) > 0, "no expert moved"
+    assert sum(r["bytes_moved"] for r in moves) > 0, "no expert weights crossed the GPUs"
+    assert got == reference
