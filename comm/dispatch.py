@@ -260,9 +260,9 @@ class AllToAllDispatcher(RankExchange):
         with collective_guard(self.rank, "dispatch counts all_to_all"):
             dist.all_to_all_single(recv_counts, send_counts, group=self.group)
         recv_counts = recv_counts.view(r, slots)  # [source rank, local slot]
-        # Host sync: split sizes and group sizes are host ints for the collective and the GEMM.
-        send_splits = send_counts.view(r, slots).sum(1).tolist()
-        recv_splits = recv_counts.sum(1).tolist()
+        # Host sync (the step's one): the split sizes are host ints for the collectives.
+        splits = torch.cat([send_counts.view(r, slots).sum(1), recv_counts.sum(1)]).tolist()
+        send_splits, recv_splits = splits[:r], splits[r:]
         group_sizes = recv_counts.sum(0)
         # Collective (all ranks, right after the counts): the rows, uneven splits.
         recv_buf = self._all_to_all(
@@ -272,7 +272,9 @@ class AllToAllDispatcher(RankExchange):
         # The buffer is (source rank, local slot, token, slot); a stable sort on the local slot
         # makes it (local slot, source rank, token, slot): each expert's rows are contiguous.
         slot_of_row = torch.arange(slots, device=recv_counts.device).repeat(r)
-        slot_of_row = slot_of_row.repeat_interleave(recv_counts.reshape(-1))
+        slot_of_row = slot_of_row.repeat_interleave(
+            recv_counts.reshape(-1), output_size=sum(recv_splits)
+        )
         recv_order = torch.sort(slot_of_row, stable=True).indices
         handle = DispatchHandle(order, send_splits, recv_splits, recv_order, x.shape[0])
         if self.allow_multiple_reduction:
