@@ -28,6 +28,7 @@ from kernels.rmsnorm import rms_norm_fast  # noqa: E402
 from kernels.triton_linear import (  # noqa: E402
     LinearConfig,
     _launch,
+    arrival_counts,
     grouped_linear_triton,
     linear_config,
     linear_triton,
@@ -72,12 +73,13 @@ def bench_linear() -> None:
         f"{'g_ratio':>7}  config"
     )
     ratios = {"large": [], "decode": [], "g_large": [], "g_decode": []}
+    arrivals = arrival_counts("cuda")  # as the engine's op table binds them
     for name, in_dim, out_dim in LINEAR_SHAPES:
         w = torch.randn(out_dim, in_dim, device="cuda", dtype=torch.bfloat16) * in_dim**-0.5
         for m in ROW_COUNTS:
             x = torch.randn(m, in_dim, device="cuda", dtype=torch.bfloat16)
             t_cublas = _ms(lambda x=x, w=w: torch.matmul(x, w.t()))
-            t_triton = _ms(lambda x=x, w=w: linear_triton(x, w))
+            t_triton = _ms(lambda x=x, w=w: linear_triton(x, w, arrivals=arrivals))
             g_cublas = g_triton = float("nan")
             if m <= 256:  # graph replay: the kernels alone, as a decode step under a graph
 
@@ -88,7 +90,8 @@ def bench_linear() -> None:
 
                 num_bytes = 2 * (out_dim * in_dim + m * (in_dim + out_dim))
                 g_cublas = _graph_ms(lambda: make(lambda a, b: torch.matmul(a, b.t())), num_bytes)
-                g_triton = _graph_ms(lambda: make(linear_triton), num_bytes)
+                triton_op = partial(linear_triton, arrivals=arrivals)
+                g_triton = _graph_ms(lambda op=triton_op: make(op), num_bytes)
             flops = 2 * m * in_dim * out_dim
             c = linear_config(out_dim, in_dim, torch.bfloat16, m)
             tag = f"{c.block_m}x{c.block_n}x{c.block_k}/w{c.num_warps}/s{c.num_stages}"
@@ -264,11 +267,16 @@ def bench_row_parallel() -> None:
     from kernels.triton_tp_linear import row_parallel_linear_triton
 
     tp_max = KernelConfig().tp_max
+    arrivals = arrival_counts("cuda")  # as the engine's op table binds them
 
     def tp1(x, w):
-        return row_parallel_linear_triton(x, w, 1, None, None, tp_max=tp_max)
+        return row_parallel_linear_triton(x, w, 1, None, None, tp_max=tp_max, arrivals=arrivals)
 
-    ops = {"cuBLAS": lambda a, b: torch.matmul(a, b.t()), "linear": linear_triton, "tp": tp1}
+    ops = {
+        "cuBLAS": lambda a, b: torch.matmul(a, b.t()),
+        "linear": partial(linear_triton, arrivals=arrivals),
+        "tp": tp1,
+    }
     print(f"\n## row-parallel linear: tp_max={tp_max} K chunks + tree (tp 1) vs linear vs cuBLAS")
     columns = ("cuBLAS µs", "linear µs", "tp_max µs", "tp / linear", "tp / cuBLAS")
     print("| weight | K | N | M | timing | " + " | ".join(columns) + " |")

@@ -125,6 +125,7 @@ _FASTEST_ON_CUDA = (
 
 def build_op_table(config: KernelConfig, device: torch.device | str) -> OpTable:
     device = torch.device(device)
+    arrivals = None  # split-K arrival counts: CUDA invariant mode only
     row_wise = {name: ref for name, (_, ref) in _ROW_WISE_OPS.items()}
     # Rope is elementwise and row-wise in both kernels: one op for both modes, the one-launch
     # kernel wherever the device is CUDA.
@@ -141,7 +142,14 @@ def build_op_table(config: KernelConfig, device: torch.device | str) -> OpTable:
             triton_ops = _triton_kernels()
             ops |= {name: triton_ops[name] for name in _FASTEST_ON_CUDA}
     elif device.type == "cuda":
+        from kernels.triton_linear import arrival_counts
+
         ops = row_wise | _triton_kernels()
+        # Why one buffer: a folded split-K launch leaves its arrival counts at zero, so the
+        # launches of this table's stream share them; made here, outside any graph capture.
+        arrivals = arrival_counts(device) if torch.cuda.is_available() else None
+        for name in ("linear", "router_logits"):
+            ops[name] = partial(ops[name], arrivals=arrivals)
     elif device.type == "cpu":
         tile = partial(partial, tile_rows=config.tile_rows)
         ops = {name: tile(ref) for name, (_, ref) in _TILED_OPS.items()} | row_wise
@@ -149,20 +157,22 @@ def build_op_table(config: KernelConfig, device: torch.device | str) -> OpTable:
         raise ValueError(
             f"kernels.mode='invariant' supports devices cpu and cuda, got device {device}"
         )
-    ops["row_parallel_linear"] = _row_parallel_linear(config, device)
+    ops["row_parallel_linear"] = _row_parallel_linear(config, device, arrivals)
     return OpTable(**ops, **rope, mode=config.mode)
 
 
-def _row_parallel_linear(config: KernelConfig, device: torch.device) -> Callable:
+def _row_parallel_linear(
+    config: KernelConfig, device: torch.device, arrivals: torch.Tensor | None
+) -> Callable:
     """The TP row-parallel linear (kernels/tp_linear.py): invariant mode cuts K into
     config.tp_max fixed chunks summed in one binary tree, the same bits at every TP degree;
-    fast mode is one GEMM and the backend's all_reduce."""
+    fast mode is one GEMM and the backend's all_reduce. arrivals: the table's split-K counts."""
     if not config.is_invariant:
         return row_parallel_linear_fast
     if device.type == "cuda":
         from kernels.triton_tp_linear import row_parallel_linear_triton
 
-        return partial(row_parallel_linear_triton, tp_max=config.tp_max)
+        return partial(row_parallel_linear_triton, tp_max=config.tp_max, arrivals=arrivals)
     return partial(row_parallel_linear_ref, tp_max=config.tp_max, tile_rows=config.tile_rows)
 
 

@@ -729,10 +729,17 @@ def _check_pair(
 
 
 def _launch(
-    x, weight, out, counts, num_rows, config: LinearConfig, whole_out_dim: int | None = None
+    x,
+    weight,
+    out,
+    counts,
+    num_rows,
+    config: LinearConfig,
+    whole_out_dim: int | None = None,
+    arrivals: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch over row tiles: `counts` is None (plain) or the grouped GEMM's device counts,
-    num_rows then the tile bound. whole_out_dim: see linear_triton.
+    num_rows then the tile bound. whole_out_dim, arrivals: see linear_triton.
 
     x [M, K] / out [M, N] (row strides free, unit column stride), or batched x [B, M, K],
     out [B, M, N] with weight [B, N, K] (plain only). Plain 2-D launches of a weight with a
@@ -741,7 +748,8 @@ def _launch(
     is_plain = counts is None and x.dim() == 2
     k_splits = k_split_count(whole_out_dim or out_dim, in_dim, weight.dtype) if is_plain else 1
     if k_splits > 1:
-        launch_split_k(x, weight, out, k_split_chunk(in_dim, k_splits), config, is_tree=False)
+        chunk_k = k_split_chunk(in_dim, k_splits)
+        launch_split_k(x, weight, out, chunk_k, config, is_tree=False, arrivals=arrivals)
         return out
     if config.is_persistent and is_plain:
         if not _tma_ok(x, weight, out):
@@ -792,28 +800,20 @@ def _kernel_consts(config: LinearConfig, x_dtype: torch.dtype, w_dtype: torch.dt
     )
 
 
-# Per-tile arrival counts of the split-K launches, by device. The kernels leave every count at
-# zero; a buffer is never freed (a captured CUDA graph keeps its address), only outgrown.
-_ARRIVALS: dict[torch.device, list[torch.Tensor]] = {}
 # Up to this many rows a split-K launch's last program per tile adds the parts (one launch
 # fewer); above, the tiles' finishing programs serialise at the kernel's end and a separate
 # elementwise launch is faster (H200, graph replay: o_proj 6.5 vs 7.1 us at 1 row, 9.8 vs
 # 8.5 at 64; BENCHMARKS.md, row-parallel section).
 FOLD_MAX_ROWS = 16
-MIN_ARRIVALS = 1 << 16  # counts of the first buffer: 256 KB, more tiles than the model's launches
+NUM_ARRIVAL_COUNTS = 4096  # tiles of a folded launch: <= 16 rows x N / 32 columns, N <= 131072
 
 
-def _arrivals(device: torch.device, num_tiles: int) -> torch.Tensor:
-    buffers = _ARRIVALS.setdefault(device, [])
-    if not buffers or buffers[-1].numel() < num_tiles:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                f"a split-K launch of {num_tiles} tiles needs a larger arrivals buffer than "
-                "exists; run the step once before capturing it in a CUDA graph"
-            )
-        size = max(num_tiles, MIN_ARRIVALS)
-        buffers.append(torch.zeros(size, dtype=torch.int32, device=device))
-    return buffers[-1]
+def arrival_counts(device: torch.device | str) -> torch.Tensor:
+    """Zeroed per-tile arrival counts for folded split-K launches (launch_split_k's
+    `arrivals`). Each launch leaves them at zero, so one buffer serves every launch of one
+    stream (the op table holds one); made outside any CUDA graph capture, it is the address
+    every captured step reuses."""
+    return torch.zeros(NUM_ARRIVAL_COUNTS, dtype=torch.int32, device=device)
 
 
 def launch_split_k(
@@ -826,6 +826,7 @@ def launch_split_k(
     is_tree: bool,
     k_origin: int = 0,
     chunks_per_program: int = 1,
+    arrivals: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """out [M, N] (unit column stride) = x [M, K] @ weight [N, K]^T through a fixed K split:
     chunks of chunk_k columns (the last may be shorter), each an fp32 sum from zero, added in
@@ -836,8 +837,9 @@ def launch_split_k(
     program sums as their subtree, fewer parts in memory. One launch per
     SPLIT_ROW_CHUNK rows (launch boundaries only): chunk programs in parallel; up to
     FOLD_MAX_ROWS rows the last one of each tile adds the fp32 parts, above a second launch
-    does (the same adds). Launches that share a device run on one stream at a time (they
-    share the arrival counts)."""
+    does (the same adds). arrivals: zeroed counts (arrival_counts) the folded launch uses and
+    leaves at zero, shared only by launches of one stream; None or too few: fresh zeros for
+    this call (a memset; inside a CUDA graph capture, a memset node)."""
     num_rows, (out_dim, in_dim) = x.shape[0], weight.shape
     num_chunks = triton.cdiv(in_dim, chunk_k)
     num_parts = num_chunks // chunks_per_program
@@ -855,13 +857,18 @@ def launch_split_k(
         parts = torch.empty((num_parts, rows, out_dim), dtype=torch.float32, device=x.device)
         num_tiles = triton.cdiv(rows, config.block_m) * triton.cdiv(out_dim, config.block_n)
         is_folded = rows <= FOLD_MAX_ROWS or num_parts == 1
+        counts = parts  # unread unless folded
+        if is_folded and num_parts > 1:
+            counts = arrivals
+            if counts is None or counts.numel() < num_tiles or counts.device != x.device:
+                counts = torch.zeros(num_tiles, dtype=torch.int32, device=x.device)
         part_out = out[start : start + rows]
         _split_k_kernel[(num_tiles, num_parts)](
             x[start:],
             weight,
             part_out,
             parts,
-            _arrivals(x.device, num_tiles),
+            counts,
             rows,
             out_dim,
             in_dim,
@@ -885,7 +892,11 @@ def launch_split_k(
 
 
 def linear_triton(
-    x: torch.Tensor, weight: torch.Tensor, *, whole_out_dim: int | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    whole_out_dim: int | None = None,
+    arrivals: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [T, IN] @ weight [OUT, IN]^T -> [T, OUT] in weight's dtype; fp32 accumulation. x has
     weight's dtype, or is 16-bit against an fp32 weight (the router): then it is upcast in
@@ -894,7 +905,8 @@ def linear_triton(
 
     whole_out_dim: the OUT of the whole weight when `weight` is one TP rank's column slice of
     it (None: weight is whole). The fixed K split follows the whole weight's shape, so each
-    output column gets the same sum at every TP degree.
+    output column gets the same sum at every TP degree. arrivals: the fixed K split's arrival
+    counts (arrival_counts; None: fresh zeros when a launch needs them).
     """
     _check_pair(x, weight, 2, is_upcast_ok=True)
     if whole_out_dim is not None and whole_out_dim < weight.shape[0]:
@@ -906,7 +918,7 @@ def linear_triton(
     if x.shape[0] == 0:
         return out
     config = linear_config(weight.shape[0], weight.shape[1], weight.dtype, x.shape[0])
-    return _launch(x, weight, out, None, x.shape[0], config, whole_out_dim)
+    return _launch(x, weight, out, None, x.shape[0], config, whole_out_dim, arrivals)
 
 
 def batched_linear_triton(

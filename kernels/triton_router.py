@@ -110,11 +110,14 @@ def _router_topk_kernel(
         tl.store(mapped_ptr + row * TOP_K + slots, mapped.to(tl.int64), mask=slot_ok)
 
 
-def router_logits_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def router_logits_triton(
+    x: torch.Tensor, weight: torch.Tensor, *, arrivals: torch.Tensor | None = None
+) -> torch.Tensor:
     """router_logits_ref's contract: x [T, D] (bf16, fp16 or fp32), weight [E, D] -> fp32 logits
     [T, E]. linear_triton's fp32 GEMM (ieee products), a 16-bit x upcast in registers rather
-    than by x.float()'s copy launch: the same values reach the same products, the same bits."""
-    return linear_triton(x, weight.float())
+    than by x.float()'s copy launch: the same values reach the same products, the same bits.
+    arrivals: linear_triton's."""
+    return linear_triton(x, weight.float(), arrivals=arrivals)
 
 
 _METHODS = {"greedy": 0, "group_limited_greedy": 1, "noaux_tc": 2}

@@ -105,6 +105,7 @@ def _tp_linear(
     num_chunks: int,
     out_dtype: torch.dtype,
     k_origin: int,
+    arrivals: torch.Tensor | None = None,
 ) -> torch.Tensor:
     _check_pair(x, weight, 2)
     if x.shape[1] % num_chunks or not is_power_of_two(num_chunks):
@@ -135,6 +136,7 @@ def _tp_linear(
             is_tree=True,
             k_origin=k_origin,
             chunks_per_program=min(per_program, num_chunks),
+            arrivals=arrivals,
         )
     return out
 
@@ -148,12 +150,14 @@ def row_parallel_linear_triton(
     *,
     tp_max: int,
     tp_rank: int = 0,
+    arrivals: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """row_parallel_linear_ref's contract on the GPU: the same tree at every tp_size dividing
     tp_max, rounded to x's dtype once. tp_rank: this rank's place in the group (its K slice
-    starts at tp_rank * K_local). Collective (all_gather) when tp_size > 1."""
+    starts at tp_rank * K_local); arrivals: see launch_split_k. Collective (all_gather) when
+    tp_size > 1."""
     num_chunks = local_num_chunks(tp_max, tp_size, x.shape[1])
     if tp_size == 1:  # the whole tree on this rank: round inside the tree launch
-        return _tp_linear(x, weight, num_chunks, x.dtype, 0)
-    subtree = _tp_linear(x, weight, num_chunks, torch.float32, tp_rank * x.shape[1])
+        return _tp_linear(x, weight, num_chunks, x.dtype, 0, arrivals)
+    subtree = _tp_linear(x, weight, num_chunks, torch.float32, tp_rank * x.shape[1], arrivals)
     return tree_sum_triton(torch.stack(all_gather(subtree)), x.dtype)

@@ -119,11 +119,12 @@ def test_gpu_tree_sum_kernel_bitwise():
 
 def test_gpu_split_k_launches_replay_in_a_graph():
     """The split-K launches' last-arriving program adds the parts and zeroes its tile's count:
-    one CUDA graph of the fixed-split linear (kv_a, chunk order), the tp_max tree (mlp_down,
-    1368-column chunks with a masked tail) and a 4100-row tree call (two row launches),
-    replayed 20 times, gives the eager bits every time and leaves every count at zero."""
-    import kernels.triton_linear as triton_linear
-    from kernels.triton_linear import k_split_count, linear_triton
+    one CUDA graph of the fixed-split linear (kv_a, chunk order, folded at 8 rows), the tp_max
+    tree (mlp_down's 1368-column chunks, folded at 16 rows) sharing one arrival buffer, and
+    unfolded calls (64 rows, and 4100 rows: two row launches), replayed 20 times, gives the
+    eager bits every time and leaves every count at zero."""
+    from kernels.triton_linear import arrival_counts, k_split_count, linear_triton
+    from kernels.triton_tp_linear import row_parallel_linear_triton
 
     gen = torch.Generator(device="cuda").manual_seed(7)
     kv_a = torch.randn(576, 2048, generator=gen, device="cuda").bfloat16() / 2048**0.5
@@ -132,8 +133,16 @@ def test_gpu_split_k_launches_replay_in_a_graph():
     x_a = torch.randn(64, 2048, generator=gen, device="cuda").bfloat16()
     x_d = torch.randn(4100, 10944, generator=gen, device="cuda").bfloat16()
 
+    arrivals = arrival_counts("cuda")
+
     def step():
-        return linear_triton(x_a, kv_a), _at_tp(x_d[:64], down, 1), _at_tp(x_d, down, 1)
+        return (
+            linear_triton(x_a[:8], kv_a, arrivals=arrivals),  # folded: <= 16 rows
+            linear_triton(x_a, kv_a, arrivals=arrivals),
+            row_parallel_linear_triton(x_d[:16], down, 1, None, None, tp_max=8, arrivals=arrivals),
+            _at_tp(x_d[:64], down, 1),
+            _at_tp(x_d, down, 1),
+        )
 
     eager = step()  # compiles, and makes the arrival counts before the capture
     graph = torch.cuda.CUDAGraph()
@@ -146,7 +155,7 @@ def test_gpu_split_k_launches_replay_in_a_graph():
         torch.cuda.synchronize()
         for out, want in zip(outs, eager, strict=True):
             assert torch.equal(out, want)
-    assert all(not counts.any() for counts in triton_linear._ARRIVALS[x_a.device])
+    assert not arrivals.any()
 
 
 @pytest.fixture(scope="module")

@@ -86,7 +86,10 @@ def test_invariant_cuda_binds_a_fixed_order_op_for_every_reducing_op():
     table = build_op_table(KernelConfig(), "cuda:1")
     assert table.mode == "invariant"
     for name in TILED_OPS:
-        assert getattr(table, name).__name__ == f"{name}_triton", name
+        assert _name(getattr(table, name)) == f"{name}_triton", name
+    # The split-K linears share the table's arrival counts (none without a CUDA device here).
+    assert table.linear.keywords == table.router_logits.keywords
+    assert table.linear.keywords["arrivals"] is table.row_parallel_linear.keywords["arrivals"]
     # One-launch kernels of the references' row-wise arithmetic (fewer launches per layer).
     assert table.moe_combine.__name__ == "moe_combine_triton"
     assert table.silu_mul.__name__ == "silu_mul_triton"
