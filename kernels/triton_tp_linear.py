@@ -4,10 +4,9 @@ The chunk partials come from kernels/triton_linear.launch_split_k, one program a
 each chunk's fp32 sum starts from zero and walks its K / tp_max columns in BLOCK_K steps
 ascending on a grid fixed in the whole weight's columns (a rank passes its K offset), the same
 sequence whichever rank or TP degree holds the chunk; at tp 1 every step but a chunk's first
-and last loads aligned columns (chunk bounds need not be: the dense mlp_down's 1368). The
-fp32 parts are added in kernels/tp_linear.py's fixed
-binary tree (adjacent pairs, level by level) and rounded once. `tree_sum_triton` makes the
-same adds over the ranks' gathered subtree sums.
+and last loads aligned columns (chunk bounds need not be: the dense mlp_down's 1368). The fp32
+parts are added in kernels/tp_linear.py's fixed binary tree (adjacent pairs, level by level)
+and rounded once. `tree_sum_triton` makes the same adds over the ranks' gathered subtree sums.
 Oracle: `row_parallel_linear_ref`; the tree adds match it bitwise given the same partials.
 Under TRITON_INTERPRET=1 the kernels run on CPU tensors (tests); compiled, they need CUDA.
 """
