@@ -6,7 +6,7 @@ device copy measured in the same run (the ceiling), with the torch versions besi
 Times are medians of triton.testing.do_bench (CUDA events, warm-up, L2 flushed per call).
 
     PYTHONUNBUFFERED=1 python bench/gpu_kernels.py [rows linear grouped attention sweep layer
-        row_parallel]
+        row_parallel tree_crossover]
 """
 
 from __future__ import annotations
@@ -305,6 +305,56 @@ def bench_row_parallel() -> None:
             )
 
 
+def bench_tree_crossover() -> None:
+    """Where the in-program tree should take over from the chunk launch (TREE_MIN_ROWS in
+    kernels/triton_tp_linear.py): the two paths of the tp_max split side by side at tp 1 on
+    the short-chunk weights (o_proj, the shared experts' down), bits checked equal; graph
+    replay up to 512 rows, do_bench (L2 flushed) above."""
+    from kernels.config import KernelConfig
+    from kernels.triton_linear import launch_split_k, linear_chunk_tree
+    from kernels.triton_tp_linear import chunk_launch
+
+    tp_max = KernelConfig().tp_max
+    arrivals = arrival_counts("cuda")
+
+    def chunks(x, w):
+        out = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
+        config, per_program = chunk_launch(w.shape[0], w.shape[1], x.dtype, x.shape[0])
+        return launch_split_k(
+            x, w, out, w.shape[1] // tp_max, config, is_tree=True,
+            chunks_per_program=per_program, arrivals=arrivals,
+        )  # fmt: skip
+
+    def tree(x, w):
+        return linear_chunk_tree(x, w, tp_max, x.dtype)
+
+    print(f"\n## tp_max={tp_max} split: chunk launch vs in-program tree (tp 1)")
+    print("| weight | K | N | M | timing | chunk launch µs | tree µs | tree / chunks | same bits |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, in_dim, out_dim in ROW_PARALLEL_SHAPES[:2]:
+        for m in (128, 256, 512, 1024, 2048, 4096, 8192, 16384):
+            w = torch.randn(out_dim, in_dim, device="cuda").bfloat16() * in_dim**-0.5
+            x = torch.randn(m, in_dim, device="cuda").bfloat16()
+            same = torch.equal(chunks(x, w), tree(x, w))
+            if m <= 512:
+                timing = "graph"
+                num_bytes = 2 * (out_dim * in_dim + m * (in_dim + out_dim))
+
+                def make(op, m=m, in_dim=in_dim, out_dim=out_dim):
+                    wc = torch.randn(out_dim, in_dim, device="cuda").bfloat16() * in_dim**-0.5
+                    xc = torch.randn(m, in_dim, device="cuda").bfloat16()
+                    return lambda: op(xc, wc)
+
+                us = [_graph_ms(partial(make, op), num_bytes) * 1e3 for op in (chunks, tree)]
+            else:
+                timing = "eager"
+                us = [_ms(partial(op, x, w)) * 1e3 for op in (chunks, tree)]
+            print(
+                f"| {name} | {in_dim} | {out_dim} | {m} | {timing} | {us[0]:.1f} | {us[1]:.1f} | "
+                f"{us[1] / us[0]:.2f} | {same} |"
+            )
+
+
 def _layer_graph_us(fn, num_layers: int) -> float:
     """Median µs per layer of fn() (which runs all layers once), replayed in a CUDA graph."""
     stream = torch.cuda.Stream()
@@ -437,6 +487,7 @@ def main() -> None:
             "attention": bench_attention,
             "layer": bench_layer,
             "row_parallel": bench_row_parallel,
+            "tree_crossover": bench_tree_crossover,
         }[section]()
 
 
