@@ -349,35 +349,21 @@ def sum_parts_triton(parts: torch.Tensor, out: torch.Tensor, *, is_tree: bool) -
 
 
 @triton.jit
-def _dot_whole_step(
-    x_ptr, w_ptr, offs_m, offs_n, row_ok, col_ok, stride_xm, K, k, acc,
-    INPUT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-):  # fmt: skip
-    """acc + x[m, k] @ w[n, k]^T for one K step k (BLOCK_K columns all inside K: no k mask, so
-    the loads stay full-width vectors); masked rows and columns load exact zeros."""
-    a = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=row_ok[:, None], other=0.0)
-    b = tl.load(w_ptr + offs_n[None, :] * K + k[:, None], mask=col_ok[None, :], other=0.0)
-    if UPCAST_DOT:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-    return tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
-
-
-@triton.jit
-def _dot_masked_step(
+def _dot_step(
     x_ptr, w_ptr, offs_m, offs_n, row_ok, col_ok, stride_xm, K, k, k_ok, acc,
-    INPUT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, IS_K_MASKED: tl.constexpr,
 ):  # fmt: skip
-    """_dot_whole_step for a step partly outside [k_lo, k_hi): lanes where k_ok is false load
-    exact zeros (their products add nothing)."""
-    a = tl.load(
-        x_ptr + offs_m[:, None] * stride_xm + k[None, :],
-        mask=row_ok[:, None] & k_ok[None, :],
-        other=0.0,
-    )
-    b = tl.load(
-        w_ptr + offs_n[None, :] * K + k[:, None], mask=col_ok[None, :] & k_ok[:, None], other=0.0
-    )
+    """acc + x[m, k] @ w[n, k]^T for one K step k; masked rows and columns load exact zeros.
+    IS_K_MASKED: lanes where k_ok is false load zeros too (their products add nothing), for a
+    step partly outside [k_lo, k_hi); otherwise k_ok is unread and the step's BLOCK_K columns
+    all lie inside K: no k mask, so the loads stay full-width vectors."""
+    x_mask = row_ok[:, None]
+    w_mask = col_ok[None, :]
+    if IS_K_MASKED:
+        x_mask = x_mask & k_ok[None, :]
+        w_mask = w_mask & k_ok[:, None]
+    a = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=x_mask, other=0.0)
+    b = tl.load(w_ptr + offs_n[None, :] * K + k[:, None], mask=w_mask, other=0.0)
     if UPCAST_DOT:
         a = a.to(tl.float32)
         b = b.to(tl.float32)
@@ -411,16 +397,16 @@ def _dot_k_range(
     # turns every load into scalar loads; whole steps need none, the tail step keeps it. The
     # steps and their dots are the same as one masked loop's: the same bits.
     for i in range(num_whole):
-        acc = _dot_whole_step(
+        acc = _dot_step(
             x_ptr, w_ptr, offs_m, offs_n, row_ok, col_ok, stride_xm, K,
-            k_lo + i * BLOCK_K + offs_k, acc, INPUT_PRECISION, UPCAST_DOT,
+            k_lo + i * BLOCK_K + offs_k, None, acc, INPUT_PRECISION, UPCAST_DOT, False,
         )  # fmt: skip
     k0 = k_lo + num_whole * BLOCK_K
     if k0 < k_hi:
         k = k0 + offs_k
-        acc = _dot_masked_step(
+        acc = _dot_step(
             x_ptr, w_ptr, offs_m, offs_n, row_ok, col_ok, stride_xm, K, k, k < k_hi, acc,
-            INPUT_PRECISION, UPCAST_DOT,
+            INPUT_PRECISION, UPCAST_DOT, True,
         )  # fmt: skip
     return acc
 
@@ -458,9 +444,9 @@ def _dot_k_grid(
     k_hi = tl.multiple_of(k_hi, K_ALIGN)
     for i in range(tl.cdiv(k_hi - k_start, BLOCK_K)):
         k = tl.multiple_of(k_start + i * BLOCK_K, K_ALIGN) + offs_k
-        acc = _dot_masked_step(
+        acc = _dot_step(
             x_ptr, w_ptr, offs_m, offs_n, row_ok, col_ok, stride_xm, K, k,
-            (k >= k_lo) & (k < k_hi), acc, INPUT_PRECISION, UPCAST_DOT,
+            (k >= k_lo) & (k < k_hi), acc, INPUT_PRECISION, UPCAST_DOT, True,
         )  # fmt: skip
     return acc
 
@@ -544,9 +530,9 @@ def _chunk_tree_kernel(
     s2 = s0
     s3 = s0  # never written below 16 chunks: compiled away
     for step in range(NUM_CHUNKS * STEPS_PER_CHUNK):
-        acc = _dot_whole_step(
+        acc = _dot_step(
             x_ptr, w_ptr, offs_m, offs_n, row_ok, col_ok, stride_xm, K, step * BLOCK_K + offs_k,
-            acc, INPUT_PRECISION, UPCAST_DOT,
+            None, acc, INPUT_PRECISION, UPCAST_DOT, False,
         )  # fmt: skip
         if step % STEPS_PER_CHUNK == STEPS_PER_CHUNK - 1:
             chunk = step // STEPS_PER_CHUNK
