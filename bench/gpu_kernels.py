@@ -250,6 +250,18 @@ def bench_attention() -> None:
             )
 
 
+def _linear_graph_us(op, num_rows: int, in_dim: int, out_dim: int) -> float:
+    """µs of op(x [num_rows, in_dim], w [out_dim, in_dim]) in bf16 under graph replay, each
+    copy on its own random x and w (~1/sqrt(K) weights): _graph_ms's L2-missing copies."""
+
+    def make():
+        w = torch.randn(out_dim, in_dim, device="cuda").bfloat16() * in_dim**-0.5
+        x = torch.randn(num_rows, in_dim, device="cuda").bfloat16()
+        return lambda: op(x, w)
+
+    return _graph_ms(make, 2 * (out_dim * in_dim + num_rows * (in_dim + out_dim))) * 1e3
+
+
 # Row-parallel weights of V2-Lite (name, K, N): their K is what TP splits.
 ROW_PARALLEL_SHAPES = (
     ("o_proj", 2048, 2048),
@@ -285,14 +297,7 @@ def bench_row_parallel() -> None:
         for m in ROW_COUNTS:
             if m <= 256:
                 timing = "graph"
-
-                def make(op, m=m, in_dim=in_dim, out_dim=out_dim):
-                    wc = torch.randn(out_dim, in_dim, device="cuda").bfloat16() * in_dim**-0.5
-                    xc = torch.randn(m, in_dim, device="cuda").bfloat16()
-                    return lambda: op(xc, wc)
-
-                num_bytes = 2 * (out_dim * in_dim + m * (in_dim + out_dim))
-                us = {k: _graph_ms(partial(make, op), num_bytes) * 1e3 for k, op in ops.items()}
+                us = {k: _linear_graph_us(op, m, in_dim, out_dim) for k, op in ops.items()}
             else:
                 timing = "eager"
                 w = torch.randn(out_dim, in_dim, device="cuda").bfloat16() * in_dim**-0.5
@@ -338,14 +343,7 @@ def bench_tree_crossover() -> None:
             same = torch.equal(chunks(x, w), tree(x, w))
             if m <= 512:
                 timing = "graph"
-                num_bytes = 2 * (out_dim * in_dim + m * (in_dim + out_dim))
-
-                def make(op, m=m, in_dim=in_dim, out_dim=out_dim):
-                    wc = torch.randn(out_dim, in_dim, device="cuda").bfloat16() * in_dim**-0.5
-                    xc = torch.randn(m, in_dim, device="cuda").bfloat16()
-                    return lambda: op(xc, wc)
-
-                us = [_graph_ms(partial(make, op), num_bytes) * 1e3 for op in (chunks, tree)]
+                us = [_linear_graph_us(op, m, in_dim, out_dim) for op in (chunks, tree)]
             else:
                 timing = "eager"
                 us = [_ms(partial(op, x, w)) * 1e3 for op in (chunks, tree)]
