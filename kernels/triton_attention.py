@@ -22,6 +22,13 @@ SPLIT_BLOCKS = 4  # cache blocks per KV split: a constant, never a function of t
 BLOCK_H = 16  # heads per program (tl.dot needs 16 rows); extra heads are masked
 PARTIAL_BYTES = 256 << 20  # cap on the fp32 split buffers of one launch (queries grouped)
 MAX_GRID_Y = 65535  # CUDA's limit on grid axis 1, the launch's queries
+# Launches of at most this many queries split each head block's value columns over programs
+# (v_parts, lat_chunk by count; H200, graph replay, 16 heads, context 1024: 17.3 -> 14.5 us at
+# one query, 21.2 -> 17.2 at eight, worse from 16; BENCHMARKS.md). A program still computes
+# every score of its heads in the same dots and keeps only some value columns, whose sums do
+# not depend on which others a program holds: the same bits at every launch (checked on the
+# GPU), so the choice may follow the query count.
+SMALL_LAUNCHES = ((1, 4, 128), (8, 2, None))  # (at most this many queries, v_parts, lat_chunk)
 
 
 # Why: batch-dependent ints are not specialised (==1, %16), so one compiled kernel serves
@@ -263,9 +270,20 @@ def mla_attention_triton(
     _check(q, kv_cache, query_seq_ids, block_tables, positions, v_dim)
     # Launch shape (4 warps, 3 stages) measured best on the H200 (BENCHMARKS.md); it is a
     # constant, so prefill and decode compile the same kernel and round the same way.
+    # The interpreter's dots are numpy's, not checked across widths: it keeps whole head blocks.
+    v_parts, lat_chunk = value_split(q.shape[0]) if not _is_interpreted() else (1, None)
     return _attend(
-        q, kv_cache, query_seq_ids, block_tables, positions, scale, v_dim, SPLIT_BLOCKS, 4, 3
-    )
+        q, kv_cache, query_seq_ids, block_tables, positions, scale, v_dim, SPLIT_BLOCKS, 4, 3,
+        v_parts=v_parts, lat_chunk=lat_chunk,
+    )  # fmt: skip
+
+
+def value_split(num_tokens: int) -> tuple[int, int | None]:
+    """(v_parts, lat_chunk) of a GPU launch of num_tokens queries (SMALL_LAUNCHES)."""
+    for max_tokens, v_parts, lat_chunk in SMALL_LAUNCHES:
+        if num_tokens <= max_tokens:
+            return v_parts, lat_chunk
+    return 1, None
 
 
 def _attend(

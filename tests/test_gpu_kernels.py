@@ -341,7 +341,7 @@ def _paged_cache(generator, seq_lens, num_heads, cache_dim, block_size):
 def test_mla_attention_prefill_decode_and_batch_bitwise(generator):
     """DeepSeek-V2-Lite MLA: 16 heads, latent 512 + rope 64, cache blocks of 64 positions."""
     from kernels.attention import mla_attention_fast, mla_attention_ref
-    from kernels.triton_attention import SPLIT_BLOCKS, mla_attention_triton
+    from kernels.triton_attention import SPLIT_BLOCKS, mla_attention_triton, value_split
 
     seq_lens = (1000, 70, 300, 5, 257)
     q, kv_cache, seq_ids, tables, positions = _paged_cache(generator, seq_lens, 16, 576, 64)
@@ -373,12 +373,35 @@ def test_mla_attention_prefill_decode_and_batch_bitwise(generator):
     narrow = tables[:, :SPLIT_BLOCKS].contiguous()
     got = mla_attention_triton(q[short], kv_cache, seq_ids[short], narrow, positions[short], **args)
     assert torch.equal(got, full[short])
+    # Engagement: the single-token, five-query and whole launches above took three different
+    # value splits (the launch shape follows the query count; the bits must not).
+    assert len({value_split(n) for n in (1, len(seq_lens), q.shape[0])}) == 3
     # Negative control: the fast path's per-sequence matmuls see M = the query count.
     fast_full = mla_attention_fast(q, kv_cache, seq_ids, tables, positions, **args)
     fast_decode = mla_attention_fast(
         q[last], kv_cache, seq_ids[last], tables, positions[last], **args
     )
     assert not torch.equal(fast_decode, fast_full[last]), "fast attention matched: no control"
+
+
+@pytest.mark.parametrize("num_tokens", (1, 8, 32))
+def test_mla_value_split_launches_give_the_same_bits(generator, num_tokens):
+    """Every (v_parts, lat_chunk) the op may pick, at decode shapes (engine-wide tables, -1
+    padding), gives the whole-head-block launch's bits; a different KV split (part of the
+    merge order) is the control that the comparison can fail."""
+    from kernels.triton_attention import SMALL_LAUNCHES, SPLIT_BLOCKS, _attend
+
+    seq_lens = [1024] + [300 + 23 * i for i in range(num_tokens - 1)]  # 1 to 16 blocks
+    q, kv_cache, seq_ids, tables, positions = _paged_cache(generator, seq_lens, 16, 576, 64)
+    last = torch.tensor([sum(seq_lens[: i + 1]) - 1 for i in range(num_tokens)]).cuda()
+    wide = torch.full((tables.shape[0], 128), -1, dtype=tables.dtype, device="cuda")
+    wide[:, : tables.shape[1]] = tables
+    args = (q[last], kv_cache, seq_ids[last], wide, positions[last], 192**-0.5, 512)
+    whole = _attend(*args, SPLIT_BLOCKS, 4, 3)
+    for _, v_parts, lat_chunk in SMALL_LAUNCHES:
+        got = _attend(*args, SPLIT_BLOCKS, 4, 3, v_parts=v_parts, lat_chunk=lat_chunk)
+        assert torch.equal(got, whole), (v_parts, lat_chunk)
+    assert not torch.equal(_attend(*args, SPLIT_BLOCKS // 2, 4, 3), whole), "no control"
 
 
 @pytest.mark.parametrize("method", ("v2_lite", "v3"))
