@@ -29,6 +29,7 @@ MAX_GRID_Y = 65535  # CUDA's limit on grid axis 1, the launch's queries
 # not depend on which others a program holds: the same bits at every launch (checked on the
 # GPU), so the choice may follow the query count.
 SMALL_LAUNCHES = ((1, 4, 128), (8, 2, None))  # (at most this many queries, v_parts, lat_chunk)
+MIN_PART_COLUMNS = 128  # value columns a program keeps at least (the measured 512 / 4)
 
 
 # Why: batch-dependent ints are not specialised (==1, %16), so one compiled kernel serves
@@ -271,17 +272,19 @@ def mla_attention_triton(
     # Launch shape (4 warps, 3 stages) measured best on the H200 (BENCHMARKS.md); it is a
     # constant, so prefill and decode compile the same kernel and round the same way.
     # The interpreter's dots are numpy's, not checked across widths: it keeps whole head blocks.
-    v_parts, lat_chunk = value_split(q.shape[0]) if not _is_interpreted() else (1, None)
+    block_v = triton.next_power_of_2(v_dim)
+    v_parts, lat_chunk = (1, None) if _is_interpreted() else value_split(q.shape[0], block_v)
     return _attend(
         q, kv_cache, query_seq_ids, block_tables, positions, scale, v_dim, SPLIT_BLOCKS, 4, 3,
         v_parts=v_parts, lat_chunk=lat_chunk,
     )  # fmt: skip
 
 
-def value_split(num_tokens: int) -> tuple[int, int | None]:
-    """(v_parts, lat_chunk) of a GPU launch of num_tokens queries (SMALL_LAUNCHES)."""
+def value_split(num_tokens: int, block_v: int) -> tuple[int, int | None]:
+    """(v_parts, lat_chunk) of a GPU launch of num_tokens queries whose value block is block_v
+    columns (SMALL_LAUNCHES; parts of at least MIN_PART_COLUMNS, so lat_chunk divides it)."""
     for max_tokens, v_parts, lat_chunk in SMALL_LAUNCHES:
-        if num_tokens <= max_tokens:
+        if num_tokens <= max_tokens and block_v // v_parts >= MIN_PART_COLUMNS:
             return v_parts, lat_chunk
     return 1, None
 

@@ -375,7 +375,7 @@ def test_mla_attention_prefill_decode_and_batch_bitwise(generator):
     assert torch.equal(got, full[short])
     # Engagement: the single-token, five-query and whole launches above took three different
     # value splits (the launch shape follows the query count; the bits must not).
-    assert len({value_split(n) for n in (1, len(seq_lens), q.shape[0])}) == 3
+    assert len({value_split(n, 512) for n in (1, len(seq_lens), q.shape[0])}) == 3
     # Negative control: the fast path's per-sequence matmuls see M = the query count.
     fast_full = mla_attention_fast(q, kv_cache, seq_ids, tables, positions, **args)
     fast_decode = mla_attention_fast(
