@@ -501,6 +501,7 @@ def _chunk_tree_kernel(
     stride_xm,
     STEPS_PER_CHUNK: tl.constexpr,
     NUM_CHUNKS: tl.constexpr,
+    IS_TREE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -508,13 +509,14 @@ def _chunk_tree_kernel(
     INPUT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
 ):
-    """out tile = the binary tree (adjacent pairs, level by level) of the NUM_CHUNKS chunk
-    sums of x @ w^T, chunk c over columns [c * C, (c + 1) * C) with C = STEPS_PER_CHUNK *
-    BLOCK_K, each an fp32 sum from zero in BLOCK_K steps ascending, rounded to out's dtype
-    once. One K loop over all chunks (no pipeline drain at each chunk's end); at a chunk's
-    last step its sum joins the tree as a binary counter (tree_push: the finished subtrees
-    wait in s0..s2, so at most four fp32 tiles are live) and the accumulator restarts from
-    zero. Every add is one of the tree's: the bits of the partials-then-tree path."""
+    """out tile = the binary tree (adjacent pairs, level by level; IS_TREE) or the chunk-order
+    chain (((c0 + c1) + c2) + ...) of the NUM_CHUNKS chunk sums of x @ w^T, chunk c over
+    columns [c * C, (c + 1) * C) with C = STEPS_PER_CHUNK * BLOCK_K, each an fp32 sum from
+    zero in BLOCK_K steps ascending, rounded to out's dtype once. One K loop over all chunks
+    (no pipeline drain at each chunk's end); at a chunk's last step its sum joins the tree as
+    a binary counter (tree_push: the finished subtrees wait in s0..s2, so at most four fp32
+    tiles are live) or the chain's running total in s0 (two live tiles), and the accumulator
+    restarts from zero. Every add is one of sum_parts': the bits of the partials path."""
     pid_m, pid_n = _tile_of(
         tl.program_id(0), tl.cdiv(num_rows, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M
     )
@@ -536,9 +538,16 @@ def _chunk_tree_kernel(
         )  # fmt: skip
         if step % STEPS_PER_CHUNK == STEPS_PER_CHUNK - 1:
             chunk = step // STEPS_PER_CHUNK
-            acc, s0, s1, s2, s3 = tree_push(acc, s0, s1, s2, s3, chunk, NUM_CHUNKS)
+            if IS_TREE:
+                acc, s0, s1, s2, s3 = tree_push(acc, s0, s1, s2, s3, chunk, NUM_CHUNKS)
+            elif chunk == 0:
+                s0 = acc
+            else:
+                s0 = s0 + acc
             if chunk < NUM_CHUNKS - 1:
                 acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if not IS_TREE:
+        acc = s0
     out = acc.to(out_ptr.dtype.element_ty)
     tl.store(
         out_ptr + offs_m[:, None] * N + offs_n[None, :],
@@ -565,18 +574,45 @@ MAX_TREE_CHUNKS = 8  # the in-program tree keeps subtrees of 1, 2 and 4 chunks
 TREE_CONFIG = LinearConfig(64, 64, BLOCK_K_16BIT, 8, 4, 4)
 
 
+# From this many rows a linear with a fixed K split sums its chunks in one program per tile
+# (the in-program chain) instead of the chunk launch and its fp32 parts; the tiles by dtype.
+CHAIN_MIN_ROWS = 1024
+CHAIN_CONFIG_16BIT = LinearConfig(128, 64, BLOCK_K_16BIT, 8, 8, 3)
+
+
+def chain_config(
+    out_dim: int, in_dim: int, k_splits: int, dtype: torch.dtype, num_rows: int
+) -> LinearConfig | None:
+    """The in-program chain's tiles for the linear's fixed K split of weight [out_dim, in_dim]
+    at num_rows, or None where it does not run: fewer rows than CHAIN_MIN_ROWS, or chunks that
+    are not whole K steps (k_split_chunk's last chunk short of the others). Its chunk sums
+    take the chunk launch's K steps (the dtype's BLOCK_K from each chunk's first column)."""
+    chunk_k = k_split_chunk(in_dim, k_splits)
+    block_k = linear_config(1, 1, dtype, 1).block_k
+    if num_rows < CHAIN_MIN_ROWS or chunk_k * k_splits != in_dim or chunk_k % block_k:
+        return None
+    if dtype == torch.float32:
+        return linear_config(out_dim, in_dim, dtype, num_rows)
+    return CHAIN_CONFIG_16BIT
+
+
 def linear_chunk_tree(
     x: torch.Tensor,
     weight: torch.Tensor,
     num_chunks: int,
     out_dtype: torch.dtype,
     config: LinearConfig = TREE_CONFIG,
+    *,
+    is_tree: bool = True,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T summed as num_chunks (a power of two <= 8, dividing K) chunk
-    sums added in the fixed binary tree, in one launch with no fp32 partials in memory ->
-    [M, N] in out_dtype. The same bits as computing the chunk partials and tree-summing them
-    (kernels/triton_tp_linear.py), for any M: the prefill path of that sum."""
-    _check_pair(x, weight, 2)
+    sums added in the fixed binary tree (is_tree) or in chunk order, in one launch with no
+    fp32 partials in memory -> [M, N] in out_dtype, into `out` (contiguous) when given. The
+    same bits as computing the chunk partials and adding them with sum_parts
+    (kernels/triton_tp_linear.py; the linear's fixed K split), for any M: the prefill path of
+    that sum. x may be 16-bit against an fp32 weight (upcast in registers, as the linear)."""
+    _check_pair(x, weight, 2, is_upcast_ok=True)
     num_rows, in_dim = x.shape
     out_dim = weight.shape[0]
     if num_chunks > MAX_TREE_CHUNKS or num_chunks & (num_chunks - 1) or in_dim % num_chunks:
@@ -584,11 +620,14 @@ def linear_chunk_tree(
             f"num_chunks must be a power of two <= {MAX_TREE_CHUNKS} dividing K = {in_dim}, "
             f"got {num_chunks}"
         )
-    block_k = tree_block_k(in_dim // num_chunks, x.dtype)
+    block_k = tree_block_k(in_dim // num_chunks, weight.dtype)
     if not block_k:
         raise ValueError(f"chunks of {in_dim // num_chunks} columns need a multiple of 16")
     x, weight = x.contiguous(), weight.contiguous()
-    out = torch.empty((num_rows, out_dim), dtype=out_dtype, device=x.device)
+    if out is None:
+        out = torch.empty((num_rows, out_dim), dtype=out_dtype, device=x.device)
+    elif out.shape != (num_rows, out_dim) or out.dtype != out_dtype or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous {(num_rows, out_dim)} {out_dtype}")
     if num_rows == 0:
         return out
     num_tiles = triton.cdiv(num_rows, config.block_m) * triton.cdiv(out_dim, config.block_n)
@@ -602,6 +641,7 @@ def linear_chunk_tree(
         x.stride(0),
         STEPS_PER_CHUNK=in_dim // num_chunks // block_k,
         NUM_CHUNKS=num_chunks,
+        IS_TREE=is_tree,
         **_kernel_consts(dataclasses.replace(config, block_k=block_k), x.dtype, weight.dtype),
     )
     return out
@@ -735,6 +775,10 @@ def _launch(
     k_splits = k_split_count(whole_out_dim or out_dim, in_dim, weight.dtype) if is_plain else 1
     if k_splits > 1:
         chunk_k = k_split_chunk(in_dim, k_splits)
+        chain = chain_config(out_dim, in_dim, k_splits, weight.dtype, num_rows)
+        if chain is not None and x.is_contiguous() and out.is_contiguous():
+            # Prefill sizes: the same chunk sums and adds in one launch, no fp32 parts.
+            return linear_chunk_tree(x, weight, k_splits, out.dtype, chain, is_tree=False, out=out)
         launch_split_k(x, weight, out, chunk_k, config, is_tree=False, arrivals=arrivals)
         return out
     if config.is_persistent and is_plain:

@@ -104,6 +104,43 @@ def test_linear_every_bucket_config_gives_the_same_bits(generator, name, in_dim,
     assert torch.equal(linear_triton(x[1:], w), first[1:])  # an odd base address (TMA)
 
 
+@pytest.mark.parametrize(
+    "out_dim, in_dim, w_dtype",
+    ((576, 2048, torch.bfloat16), (64, 2048, torch.float32), (256, 7168, torch.float32)),
+)
+def test_linear_prefill_chain_gives_the_chunk_launch_bits(generator, out_dim, in_dim, w_dtype):
+    """From CHAIN_MIN_ROWS rows a linear with a fixed K split (kv_a; the routers, fp32 weight
+    against bf16 x) adds its chunk sums in one program: the chunk launch's bits at the same
+    rows, and every row's bits at decode sizes; the tree over the same chunks differs."""
+    from kernels.triton_linear import (
+        CHAIN_MIN_ROWS,
+        chain_config,
+        k_split_chunk,
+        k_split_count,
+        launch_split_k,
+        linear_chunk_tree,
+        linear_config,
+        linear_triton,
+    )
+
+    x = _randn(generator, 2 * CHAIN_MIN_ROWS + 37, in_dim)
+    w = _randn(generator, out_dim, in_dim, dtype=w_dtype, scale=in_dim**-0.5)
+    num_chunks = k_split_count(out_dim, in_dim, w_dtype)
+    chain = chain_config(out_dim, in_dim, num_chunks, w_dtype, x.shape[0])
+    assert num_chunks > 1 and chain is not None  # engagement: the chain runs at these rows
+    assert chain_config(out_dim, in_dim, num_chunks, w_dtype, CHAIN_MIN_ROWS - 1) is None
+    full = linear_triton(x, w)
+    launch = x.new_empty(full.shape, dtype=full.dtype)
+    config = linear_config(out_dim, in_dim, w_dtype, x.shape[0])
+    launch_split_k(x, w, launch, k_split_chunk(in_dim, num_chunks), config, is_tree=False)
+    assert torch.equal(full, launch)
+    torch.testing.assert_close(full.float(), x.float() @ w.float().t(), **BF16_TOL)
+    for m in (1, 16, 64, 600, CHAIN_MIN_ROWS - 1, CHAIN_MIN_ROWS, CHAIN_MIN_ROWS + 1):
+        assert torch.equal(linear_triton(x[:m], w), full[:m]), m
+    tree = linear_chunk_tree(x, w, num_chunks, full.dtype, chain)
+    assert not torch.equal(tree, full), "the tree gave the chain's bits: no control"
+
+
 def test_grouped_linear_rows_independent_of_expert_load(generator):
     from kernels.linear import grouped_linear_fast
     from kernels.triton_linear import grouped_linear_triton, linear_triton

@@ -329,6 +329,26 @@ def check_in_program_tree_same_bits(generator: torch.Generator) -> None:
             assert torch.equal(tree, tp_linear_triton(x, w, num_chunks)), (dtype, num_chunks)
 
 
+def check_in_program_chain_same_bits(generator: torch.Generator) -> None:
+    """The linear's prefill path for a fixed K split (chunk sums added in chunk order in one
+    program, no partials in memory) makes the chunk launch's adds, also for a 16-bit x against
+    an fp32 weight (the router); the tree over the same chunks is the control that differs."""
+    from kernels.triton_linear import launch_split_k, linear_chunk_tree, linear_config
+
+    for x_dtype, w_dtype in ((torch.float32, torch.float32), (torch.bfloat16, torch.float32)):
+        x, w = _inputs(generator, w_dtype, num_rows=37)
+        x = x.to(x_dtype)
+        config = linear_config(w.shape[0], w.shape[1], w_dtype, x.shape[0])
+        for num_chunks in (2, 4, 8):
+            chunk_k = w.shape[1] // num_chunks
+            parts = torch.empty(x.shape[0], w.shape[0])
+            launch_split_k(x, w, parts, chunk_k, config, is_tree=False)
+            chain = linear_chunk_tree(x, w, num_chunks, torch.float32, config, is_tree=False)
+            assert torch.equal(chain, parts), (x_dtype, num_chunks)
+        tree = linear_chunk_tree(x, w, 8, torch.float32, config)
+        assert not torch.equal(tree, chain), "chain and tree agreed: no control"
+
+
 def check_chunks_per_program_same_bits(generator: torch.Generator) -> None:
     """A program summing 2 or 4 adjacent chunks as their subtree (fewer parts in memory) makes
     the one-chunk-a-program launch's adds, folded (few rows) or with a second launch."""
@@ -383,6 +403,7 @@ CHECKS = {
     "chunks_per_program_same_bits": check_chunks_per_program_same_bits,
     "tree_sum_kernel": check_tree_sum_kernel,
     "in_program_tree_same_bits": check_in_program_tree_same_bits,
+    "in_program_chain_same_bits": check_in_program_chain_same_bits,
     "every_tp_degree_same_bits": check_every_tp_degree_same_bits,
     "rows_invariant": check_rows_invariant,
     "close_to_reference": check_close_to_reference,
