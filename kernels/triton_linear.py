@@ -574,25 +574,32 @@ MAX_TREE_CHUNKS = 8  # the in-program tree keeps subtrees of 1, 2 and 4 chunks
 TREE_CONFIG = LinearConfig(64, 64, BLOCK_K_16BIT, 8, 4, 4)
 
 
-# From this many rows a linear with a fixed K split sums its chunks in one program per tile
-# (the in-program chain) instead of the chunk launch and its fp32 parts; the tiles by dtype.
+# From this many rows a 16-bit linear with a fixed K split sums its chunks in one program per
+# tile (the in-program chain) instead of the chunk launch and its fp32 parts. H200, graph
+# replay, kv_a (576 x 2048, 4 chunks): 12.4 vs 16.5 us at 1024 rows, 51.7 vs 91.4 at 8192,
+# 11.7 vs 10.2 at 512; 64 x 64 tiles, 4 warps, 4 stages the fastest of six shapes. fp32
+# weights (the routers' CUDA-core products) keep the chunk launch: the chain was 1.1-3.6x
+# slower on every tile shape tried (BENCHMARKS.md, linear section).
 CHAIN_MIN_ROWS = 1024
-CHAIN_CONFIG_16BIT = LinearConfig(128, 64, BLOCK_K_16BIT, 8, 8, 3)
+CHAIN_CONFIG_16BIT = LinearConfig(64, 64, BLOCK_K_16BIT, 8, 4, 4)
 
 
 def chain_config(
-    out_dim: int, in_dim: int, k_splits: int, dtype: torch.dtype, num_rows: int
+    in_dim: int, k_splits: int, dtype: torch.dtype, num_rows: int
 ) -> LinearConfig | None:
-    """The in-program chain's tiles for the linear's fixed K split of weight [out_dim, in_dim]
-    at num_rows, or None where it does not run: fewer rows than CHAIN_MIN_ROWS, or chunks that
-    are not whole K steps (k_split_chunk's last chunk short of the others). Its chunk sums
-    take the chunk launch's K steps (the dtype's BLOCK_K from each chunk's first column)."""
+    """The in-program chain's tiles for the linear's fixed K split (k_splits chunks of a
+    weight of in_dim columns, dtype) at num_rows, or None where it does not run: fp32, fewer
+    rows than CHAIN_MIN_ROWS, or chunks that are not whole K steps (k_split_chunk's last
+    chunk short of the others). Its chunk sums take the chunk launch's K steps (BLOCK_K from
+    each chunk's first column)."""
     chunk_k = k_split_chunk(in_dim, k_splits)
-    block_k = linear_config(1, 1, dtype, 1).block_k
-    if num_rows < CHAIN_MIN_ROWS or chunk_k * k_splits != in_dim or chunk_k % block_k:
+    if (
+        dtype == torch.float32
+        or num_rows < CHAIN_MIN_ROWS
+        or chunk_k * k_splits != in_dim
+        or chunk_k % BLOCK_K_16BIT
+    ):
         return None
-    if dtype == torch.float32:
-        return linear_config(out_dim, in_dim, dtype, num_rows)
     return CHAIN_CONFIG_16BIT
 
 
@@ -775,7 +782,7 @@ def _launch(
     k_splits = k_split_count(whole_out_dim or out_dim, in_dim, weight.dtype) if is_plain else 1
     if k_splits > 1:
         chunk_k = k_split_chunk(in_dim, k_splits)
-        chain = chain_config(out_dim, in_dim, k_splits, weight.dtype, num_rows)
+        chain = chain_config(in_dim, k_splits, weight.dtype, num_rows)
         if chain is not None and x.is_contiguous() and out.is_contiguous():
             # Prefill sizes: the same chunk sums and adds in one launch, no fp32 parts.
             return linear_chunk_tree(x, weight, k_splits, out.dtype, chain, is_tree=False, out=out)

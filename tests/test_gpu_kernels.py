@@ -104,14 +104,12 @@ def test_linear_every_bucket_config_gives_the_same_bits(generator, name, in_dim,
     assert torch.equal(linear_triton(x[1:], w), first[1:])  # an odd base address (TMA)
 
 
-@pytest.mark.parametrize(
-    "out_dim, in_dim, w_dtype",
-    ((576, 2048, torch.bfloat16), (64, 2048, torch.float32), (256, 7168, torch.float32)),
-)
-def test_linear_prefill_chain_gives_the_chunk_launch_bits(generator, out_dim, in_dim, w_dtype):
-    """From CHAIN_MIN_ROWS rows a linear with a fixed K split (kv_a; the routers, fp32 weight
-    against bf16 x) adds its chunk sums in one program: the chunk launch's bits at the same
-    rows, and every row's bits at decode sizes; the tree over the same chunks differs."""
+@pytest.mark.parametrize("out_dim, in_dim", ((576, 2048), (2048, 1408)))
+def test_linear_prefill_chain_gives_the_chunk_launch_bits(generator, out_dim, in_dim):
+    """From CHAIN_MIN_ROWS rows a bf16 linear with a fixed K split (kv_a; an expert's down as a
+    plain linear) adds its chunk sums in one program: the chunk launch's bits at the same rows,
+    and every row's bits at decode sizes; the tree over the same chunks differs. fp32 weights
+    (the routers) keep the chunk launch at every row count."""
     from kernels.triton_linear import (
         CHAIN_MIN_ROWS,
         chain_config,
@@ -124,14 +122,15 @@ def test_linear_prefill_chain_gives_the_chunk_launch_bits(generator, out_dim, in
     )
 
     x = _randn(generator, 2 * CHAIN_MIN_ROWS + 37, in_dim)
-    w = _randn(generator, out_dim, in_dim, dtype=w_dtype, scale=in_dim**-0.5)
-    num_chunks = k_split_count(out_dim, in_dim, w_dtype)
-    chain = chain_config(out_dim, in_dim, num_chunks, w_dtype, x.shape[0])
+    w = _randn(generator, out_dim, in_dim, scale=in_dim**-0.5)
+    num_chunks = k_split_count(out_dim, in_dim, w.dtype)
+    chain = chain_config(in_dim, num_chunks, w.dtype, x.shape[0])
     assert num_chunks > 1 and chain is not None  # engagement: the chain runs at these rows
-    assert chain_config(out_dim, in_dim, num_chunks, w_dtype, CHAIN_MIN_ROWS - 1) is None
+    assert chain_config(in_dim, num_chunks, w.dtype, CHAIN_MIN_ROWS - 1) is None
+    assert chain_config(2048, 4, torch.float32, x.shape[0]) is None
     full = linear_triton(x, w)
-    launch = x.new_empty(full.shape, dtype=full.dtype)
-    config = linear_config(out_dim, in_dim, w_dtype, x.shape[0])
+    launch = torch.empty_like(full)
+    config = linear_config(out_dim, in_dim, w.dtype, x.shape[0])
     launch_split_k(x, w, launch, k_split_chunk(in_dim, num_chunks), config, is_tree=False)
     assert torch.equal(full, launch)
     torch.testing.assert_close(full.float(), x.float() @ w.float().t(), **BF16_TOL)
