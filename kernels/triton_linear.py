@@ -56,6 +56,9 @@ WIDE_N_TILES = 264  # out_dim / 64 at least this: enough 64-wide column programs
 TMA_MIN_FLOPS = 30e9  # below this the persistent TMA kernel's fixed cost outweighs its speed
 
 
+FP32_PREFILL_ROWS = 1024  # fp32 weights' prefill tiles from here (measured at 1024 and 4096)
+
+
 def linear_config(out_dim: int, in_dim: int, dtype: torch.dtype, num_rows: int) -> LinearConfig:
     """Block config for x [num_rows, in_dim] @ weight [out_dim, in_dim]^T.
 
@@ -70,6 +73,10 @@ def linear_config(out_dim: int, in_dim: int, dtype: torch.dtype, num_rows: int) 
             return LinearConfig(16, 16, 32, 8, 4, 4)
         if num_rows <= SMALL_ROWS:
             return LinearConfig(32, 16, 32, 8, 4, 4)
+        if num_rows >= FP32_PREFILL_ROWS and out_dim < 8192:
+            # H200, graph replay, the V2-Lite router's chunk launch: 33.4 vs 61.8 us at 1024
+            # rows, 91.3 vs 98.2 at 4096 (the fastest of nine tiles; BENCHMARKS.md).
+            return LinearConfig(32, 64, 32, 8, 2, 3)
         return LinearConfig(64, 128 if out_dim >= 8192 else 64, 32, 8, 4, 2)
     bk = BLOCK_K_16BIT
     is_wide = triton.cdiv(out_dim, 64) >= WIDE_N_TILES

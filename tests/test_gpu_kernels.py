@@ -104,12 +104,13 @@ def test_linear_every_bucket_config_gives_the_same_bits(generator, name, in_dim,
     assert torch.equal(linear_triton(x[1:], w), first[1:])  # an odd base address (TMA)
 
 
-@pytest.mark.parametrize("out_dim, in_dim", ((576, 2048), (2048, 1408)))
+@pytest.mark.parametrize("out_dim, in_dim", ((576, 2048), (2048, 2048), (2048, 1408)))
 def test_linear_prefill_chain_gives_the_chunk_launch_bits(generator, out_dim, in_dim):
-    """From CHAIN_MIN_ROWS rows a bf16 linear with a fixed K split (kv_a; an expert's down as a
-    plain linear) adds its chunk sums in one program: the chunk launch's bits at the same rows,
-    and every row's bits at decode sizes; the tree over the same chunks differs. fp32 weights
-    (the routers) keep the chunk launch at every row count."""
+    """From CHAIN_MIN_ROWS rows a bf16 linear with a fixed K split (kv_a; o_proj's and an
+    expert's down shapes as plain linears) adds its chunk sums in one program: the chunk
+    launch's bits at the same rows, and every row's bits at decode sizes; the tree over the
+    same chunks differs where there are more than two (two chunks: one add, the same). fp32
+    weights (the routers) keep the chunk launch at every row count."""
     from kernels.triton_linear import (
         CHAIN_MIN_ROWS,
         chain_config,
@@ -137,7 +138,7 @@ def test_linear_prefill_chain_gives_the_chunk_launch_bits(generator, out_dim, in
     for m in (1, 16, 64, 600, CHAIN_MIN_ROWS - 1, CHAIN_MIN_ROWS, CHAIN_MIN_ROWS + 1):
         assert torch.equal(linear_triton(x[:m], w), full[:m]), m
     tree = linear_chunk_tree(x, w, num_chunks, full.dtype, chain)
-    assert not torch.equal(tree, full), "the tree gave the chain's bits: no control"
+    assert torch.equal(tree, full) == (num_chunks == 2), "tree vs chain: no control"
 
 
 def test_grouped_linear_rows_independent_of_expert_load(generator):
@@ -175,7 +176,7 @@ def test_fp32_router_linear_every_bucket_config_gives_the_same_bits(generator, n
     x = _randn(generator, 600, hidden, dtype=torch.float32)
     w = _randn(generator, num_experts, hidden, dtype=torch.float32, scale=hidden**-0.5)
     configs = {linear_config(num_experts, hidden, x.dtype, m) for m in BUCKET_PROBE_ROWS}
-    assert len(configs) == 3 and len({c.block_k for c in configs}) == 1, configs
+    assert len(configs) == 4 and len({c.block_k for c in configs}) == 1, configs
     outs = [_launch(x, w, x.new_empty((600, num_experts)), None, 600, c) for c in configs]
     for config, out in zip(configs, outs, strict=True):
         assert torch.equal(out, outs[0]), config
