@@ -6,7 +6,7 @@ device copy measured in the same run (the ceiling), with the torch versions besi
 Times are medians of triton.testing.do_bench (CUDA events, warm-up, L2 flushed per call).
 
     PYTHONUNBUFFERED=1 python bench/gpu_kernels.py [rows linear grouped attention sweep layer
-        row_parallel tree_crossover]
+        row_parallel tree_crossover split_prefill value_split]
 """
 
 from __future__ import annotations
@@ -250,6 +250,38 @@ def bench_attention() -> None:
             )
 
 
+def bench_value_split() -> None:
+    """The invariant decode attention's value split (SMALL_LAUNCHES in
+    kernels/triton_attention.py) at 16 heads, context 1024, engine-wide block tables (128
+    entries, -1 padding): each (v_parts, lat_chunk) it may take against whole head blocks,
+    graph replay over L2-missing caches, bits compared with whole head blocks."""
+    from kernels.triton_attention import SMALL_LAUNCHES, SPLIT_BLOCKS, _attend
+
+    shapes = [(1, None)] + [(v, c) for _, v, c in SMALL_LAUNCHES]
+    print("\n## decode attention's value split, 16 heads, context 1024 (graph replay)")
+    print("| B | " + " | ".join(f"v_parts {v} / lat_chunk {c or 'all'} µs" for v, c in shapes))
+    print("|---|" + "---|" * len(shapes) + " same bits |")
+    for batch in (1, 2, 4, 8, 16, 64):
+
+        def make(v_parts, lat_chunk, batch=batch, seed=0):
+            gen = torch.Generator(device="cuda").manual_seed(seed)
+            blocks = 1024 // 64
+            kv = torch.randn(batch * blocks, 64, 576, device="cuda", generator=gen).bfloat16()
+            q = torch.randn(batch, 16, 576, device="cuda", generator=gen).bfloat16()
+            tables = torch.full((batch, 128), -1, device="cuda")
+            order = torch.randperm(batch * blocks, device="cuda", generator=gen)
+            tables[:, :blocks] = order.view(batch, blocks)
+            seq_ids = torch.arange(batch, device="cuda")
+            positions = torch.full((batch,), 1023, device="cuda")
+            args = (q, kv, seq_ids, tables, positions, 192**-0.5, 512, SPLIT_BLOCKS, 4, 3)
+            return lambda: _attend(*args, v_parts=v_parts, lat_chunk=lat_chunk)
+
+        whole = make(1, None)()
+        same = all(torch.equal(make(v, c)(), whole) for v, c in shapes[1:])
+        us = [_graph_ms(partial(make, v, c), batch * 1024 * 576 * 2) * 1e3 for v, c in shapes]
+        print(f"| {batch} | " + " | ".join(f"{u:.1f}" for u in us) + f" | {same} |")
+
+
 def _linear_graph_us(op, num_rows: int, in_dim: int, out_dim: int) -> float:
     """µs of op(x [num_rows, in_dim], w [out_dim, in_dim]) in bf16 under graph replay, each
     copy on its own random x and w (~1/sqrt(K) weights): _graph_ms's L2-missing copies."""
@@ -350,6 +382,70 @@ def bench_tree_crossover() -> None:
             print(
                 f"| {name} | {in_dim} | {out_dim} | {m} | {timing} | {us[0]:.1f} | {us[1]:.1f} | "
                 f"{us[1] / us[0]:.2f} | {same} |"
+            )
+
+
+def _chain(x, w, out, *, num_chunks: int, config: LinearConfig):
+    from kernels.triton_linear import linear_chunk_tree
+
+    return linear_chunk_tree(x, w, num_chunks, out.dtype, config, is_tree=False, out=out)
+
+
+def bench_split_prefill() -> None:
+    """The linear's fixed K split at prefill rows, two paths of the same adds side by side:
+    kv_a's chunk launch (fp32 parts, then their sum) vs the in-program chain that replaces it
+    from CHAIN_MIN_ROWS; the fp32 router's chunk launch on its earlier large-M tiles vs the
+    tiles it takes from FP32_PREFILL_ROWS. cuBLAS beside (x.float() for the router); graph
+    replay over L2-missing copies; bits of each pair compared."""
+    from kernels.triton_linear import (
+        CHAIN_CONFIG_16BIT,
+        k_split_chunk,
+        k_split_count,
+        launch_split_k,
+    )
+
+    earlier_fp32 = LinearConfig(64, 64, 32, 8, 4, 2)
+    print("\n## the linear's fixed K split at prefill rows (graph replay)")
+    print("| weight | K | N | chunks | M | cuBLAS µs | A µs | B µs | B / A | same bits |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name, out_dim, in_dim, w_dtype in (
+        ("kv_a", 576, 2048, torch.bfloat16),
+        ("router fp32", 64, 2048, torch.float32),
+    ):
+        num_chunks = k_split_count(out_dim, in_dim, w_dtype)
+        chunk_k = k_split_chunk(in_dim, num_chunks)
+        for m in (512, 1024, 2048, 4096, 8192):
+            op_config = linear_config(out_dim, in_dim, w_dtype, m)
+            if w_dtype == torch.float32:  # A: earlier tiles, B: the op's
+                paths = [
+                    partial(launch_split_k, chunk_k=chunk_k, config=c, is_tree=False)
+                    for c in (earlier_fp32, op_config)
+                ]
+            else:  # A: the chunk launch, B: the in-program chain
+                paths = [
+                    partial(launch_split_k, chunk_k=chunk_k, config=op_config, is_tree=False),
+                    partial(_chain, num_chunks=num_chunks, config=CHAIN_CONFIG_16BIT),
+                ]
+
+            def make(path, m=m, out_dim=out_dim, in_dim=in_dim, w_dtype=w_dtype):
+                w = (torch.randn(out_dim, in_dim, device="cuda") * in_dim**-0.5).to(w_dtype)
+                x = torch.randn(m, in_dim, device="cuda").bfloat16()
+                out = torch.empty((m, out_dim), dtype=w_dtype, device="cuda")
+                if path is None:
+                    return lambda: x.to(w_dtype) @ w.t()
+                return lambda: path(x, w, out)
+
+            x_bytes = 2 * m * in_dim + out_dim * in_dim * w_dtype.itemsize
+            us = [_graph_ms(partial(make, p), x_bytes) * 1e3 for p in (None, *paths)]
+            w = (torch.randn(out_dim, in_dim, device="cuda") * in_dim**-0.5).to(w_dtype)
+            x = torch.randn(m, in_dim, device="cuda").bfloat16()
+            outs = [torch.empty((m, out_dim), dtype=w_dtype, device="cuda") for _ in paths]
+            for path, out in zip(paths, outs, strict=True):
+                path(x, w, out)
+            same = torch.equal(*outs)
+            print(
+                f"| {name} | {in_dim} | {out_dim} | {num_chunks} | {m} | {us[0]:.1f} | "
+                f"{us[1]:.1f} | {us[2]:.1f} | {us[2] / us[1]:.2f} | {same} |"
             )
 
 
@@ -486,6 +582,8 @@ def main() -> None:
             "layer": bench_layer,
             "row_parallel": bench_row_parallel,
             "tree_crossover": bench_tree_crossover,
+            "split_prefill": bench_split_prefill,
+            "value_split": bench_value_split,
         }[section]()
 
 
