@@ -259,8 +259,9 @@ def bench_value_split() -> None:
 
     shapes = [(1, None)] + [(v, c) for _, v, c in SMALL_LAUNCHES]
     print("\n## decode attention's value split, 16 heads, context 1024 (graph replay)")
-    print("| B | " + " | ".join(f"v_parts {v} / lat_chunk {c or 'all'} µs" for v, c in shapes))
-    print("|---|" + "---|" * len(shapes) + " same bits |")
+    cols = " | ".join(f"v_parts {v} / lat_chunk {c or 'all'} µs" for v, c in shapes)
+    print(f"| B | {cols} | same bits |")
+    print("|---|" + "---|" * (len(shapes) + 1))
     for batch in (1, 2, 4, 8, 16, 64):
 
         def make(v_parts, lat_chunk, batch=batch, seed=0):
