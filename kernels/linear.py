@@ -11,7 +11,7 @@ row's bits followed its position in the tile (out 2-11, in not a multiple of 4).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import accumulate
 
 import torch
@@ -115,6 +115,34 @@ def grouped_linear_fast(
     slices = _group_slices(group_sizes, x.shape[0], weight.shape[0])
     outs = [F.linear(x[s], weight[g]) for g, s in enumerate(slices)]
     return torch.cat(outs) if outs else x.new_zeros((0, weight.shape[1]))
+
+
+# Fast mode's grouped GEMM on CUDA takes the Triton kernel (fast mode may run any kernel)
+# where it beats torch's: at most this many rows an expert on average, on weights of at least
+# FAST_TRITON_GROUPED_MIN_IN input features. H200, graph replay, V2-Lite's experts (BENCHMARKS.md,
+# grouped GEMM table): Triton 0.45-0.71 of `_grouped_mm`'s time at <= 6 rows an expert, 0.82
+# (gate_up) and 1.03 (down) at 24, 1.15-1.23 at >= 96. Narrower weights were not measured.
+FAST_TRITON_GROUPED_MAX_MEAN_ROWS = 32
+FAST_TRITON_GROUPED_MIN_IN = 1024
+
+
+def grouped_linear_by_rows(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    group_sizes: Sequence[int] | torch.Tensor,
+    *,
+    few_rows: Callable,
+    many_rows: Callable,
+) -> torch.Tensor:
+    """grouped_linear_fast's contract through few_rows(x, weight, group_sizes) where the mean
+    rows per group (x's rows, a host shape: no sync) is at most
+    FAST_TRITON_GROUPED_MAX_MEAN_ROWS and the weight has at least FAST_TRITON_GROUPED_MIN_IN
+    input features, else through many_rows."""
+    num_groups, _, in_dim = weight.shape
+    is_few = x.shape[0] <= FAST_TRITON_GROUPED_MAX_MEAN_ROWS * num_groups
+    if is_few and in_dim >= FAST_TRITON_GROUPED_MIN_IN:
+        return few_rows(x, weight, group_sizes)
+    return many_rows(x, weight, group_sizes)
 
 
 def grouped_linear_cuda_fast(

@@ -34,6 +34,7 @@ from kernels.latent_cache import write_latent_cache_fast, write_latent_cache_ref
 from kernels.linear import (
     batched_linear_fast,
     batched_linear_ref,
+    grouped_linear_by_rows,
     grouped_linear_cuda_fast,
     grouped_linear_fast,
     grouped_linear_ref,
@@ -133,14 +134,20 @@ def build_op_table(config: KernelConfig, device: torch.device | str) -> OpTable:
     if not config.is_invariant:
         ops = {name: fast for name, (fast, _) in (_TILED_OPS | _ROW_WISE_OPS).items()}
         if device.type == "cuda":
-            # Why: the per-expert loop needs host counts; a graph-captured step can't have them.
-            ops["grouped_linear"] = grouped_linear_cuda_fast
-            ops["mla_attention"] = _fast_decode_attention()
             # Why: fast mode is the best path a user could run, so each op whose one-launch
             # Triton kernel beats torch's several launches takes it (invariance costs nothing
             # there; the price of invariance is measured on the reducing GEMMs and attention).
             triton_ops = _triton_kernels()
             ops |= {name: triton_ops[name] for name in _FASTEST_ON_CUDA}
+            # Why: the per-expert loop needs host counts; a graph-captured step can't have
+            # them. Torch's grouped GEMM, or the Triton one where it is the faster (few rows
+            # an expert: decode).
+            ops["grouped_linear"] = partial(
+                grouped_linear_by_rows,
+                few_rows=triton_ops["grouped_linear"],
+                many_rows=grouped_linear_cuda_fast,
+            )
+            ops["mla_attention"] = _fast_decode_attention()
     elif device.type == "cuda":
         from kernels.triton_linear import arrival_counts
 

@@ -41,7 +41,7 @@ REDUCING_OPS = TILED_OPS + UNTILED_OPS + ("row_parallel_linear",)
 # Fast mode on CUDA: the capturable grouped GEMM and decode attention, and the one-launch Triton
 # kernels where they are the fastest version (kernels/op_table._FASTEST_ON_CUDA).
 CUDA_FAST_OPS = {
-    "grouped_linear": "grouped_linear_cuda_fast",
+    "grouped_linear": "grouped_linear_by_rows",  # the faster of torch's and the Triton one
     "mla_attention": "mla_decode_fast",
     "rms_norm": "rms_norm_triton",
     "add_rms_norm": "add_rms_norm_triton",
@@ -140,3 +140,30 @@ def test_build_has_no_side_effects_and_pin_threads_sets_count(restore_num_thread
 
 def test_package_exports():
     assert set(kernels.__all__) == {"KernelConfig", "OpTable", "build_op_table", "pin_threads"}
+
+
+def test_fast_cuda_grouped_gemm_takes_the_triton_kernel_only_where_it_is_faster():
+    """Fast mode's grouped GEMM on CUDA: the Triton kernel at few rows an expert on wide
+    weights (measured faster there), torch's grouped GEMM otherwise."""
+    from kernels.linear import FAST_TRITON_GROUPED_MAX_MEAN_ROWS as MAX_MEAN
+    from kernels.linear import FAST_TRITON_GROUPED_MIN_IN as MIN_IN
+    from kernels.linear import grouped_linear_cuda_fast
+    from kernels.triton_linear import grouped_linear_triton
+
+    op = build_op_table(KernelConfig(mode="fast"), "cuda").grouped_linear
+    assert op.keywords == {"few_rows": grouped_linear_triton, "many_rows": grouped_linear_cuda_fast}
+    calls = []
+    picked = partial(
+        op.func,
+        few_rows=lambda *args: calls.append("triton"),
+        many_rows=lambda *args: calls.append("torch"),
+    )
+    experts = 64
+    for rows, in_dim in (
+        (6, 2048),  # one decode token, top-6
+        (MAX_MEAN * experts, 1408),
+        (MAX_MEAN * experts + 1, 2048),  # prefill-sized
+        (6, MIN_IN - 16),  # a narrow weight: not measured, torch's
+    ):
+        picked(torch.empty(rows, in_dim), torch.empty(experts, 32, in_dim), [rows] + [0] * 63)
+    assert calls == ["triton", "triton", "torch", "torch"]
