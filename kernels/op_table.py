@@ -95,10 +95,11 @@ _TILED_OPS: dict[str, tuple[Callable, Callable]] = {
 }
 # Why these references serve CPU and CUDA alike (on CUDA the combine is one Triton kernel
 # instead: fewer launches), untiled: each is row-wise already (a token's slots, ranks or
-# vocab, never a tile of other rows). The combine and TP sum are index copies
-# plus elementwise multiplies and adds in a fixed slot / rank order; cumsum is a sequential scan
-# on the host (kernels/cumsum.py); silu_mul_ref is elementwise exp, IEEE division and a multiply
-# (on CUDA one Triton kernel of the same elementwise steps). Elementwise
+# vocab, never a tile of other rows). The combine and TP sum are index copies plus
+# elementwise multiplies and adds in a fixed slot / rank order; cumsum is an exact integer scan
+# (kernels/cumsum.py: any association order gives its bits, so torch's scan on the device);
+# silu_mul_ref is elementwise exp, IEEE division and a multiply (on CUDA one Triton kernel of
+# the same elementwise steps). Elementwise
 # kernels run one scalar formula on every element (CUDA vectorises only loads and stores), so
 # an element's bits never depend on its offset, the tensor size or the batch.
 _ROW_WISE_OPS: dict[str, tuple[Callable, Callable]] = {

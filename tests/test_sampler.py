@@ -167,7 +167,7 @@ def test_top_p_mass_comes_from_the_table_cumsum():
     assert rows_seen == [torch.Size([1, 4])]
     sampler.sample(row, [SamplingParams(temperature=1.0, top_k=2)], [0], [0])
     assert len(rows_seen) == 1  # top-k alone needs no prefix sum
-    # A step's top-p rows share one prefix-sum call (one host round trip in invariant mode).
+    # A step's top-p rows share one prefix-sum call (one launch on the rows' device).
     params = [
         SamplingParams(temperature=1.0, top_p=0.75),
         SamplingParams(temperature=0.0),

@@ -25,7 +25,7 @@ RowOp = Callable[[torch.Tensor], torch.Tensor]
 
 class Sampler:
     """Samples one token per row with two ops of the kernel table: `log_softmax(x [R, V]
-    fp32) -> [R, V] fp32` and `cumsum(x [R, V]) -> [R, V]` along each row (a fixed-order scan
+    fp32) -> [R, V] fp32` and `cumsum(x [R, V]) -> [R, V]` along each row (exact, in integers,
     when invariant)."""
 
     def __init__(self, log_softmax: RowOp, cumsum: RowOp) -> None:
@@ -99,7 +99,7 @@ class Sampler:
         """[R, V] temperature-scaled logits -> the same, -inf outside each row's top-k / top-p.
         Every step is row-wise (a stable sort per row, the table's log_softmax and cumsum along
         each row), so a row's result ignores the others; the rows share one sort launch and one
-        cumsum (in invariant mode on CUDA: one host round trip for all of them)."""
+        cumsum (in invariant mode an exact integer scan on the rows' device)."""
         vocab_size = scaled.shape[1]
         device = scaled.device
         top_k = [vocab_size if p.top_k == -1 else min(p.top_k, vocab_size) for p in params]
@@ -113,7 +113,7 @@ class Sampler:
             masked = sorted_logits[rows].masked_fill(~keep[rows], float("-inf"))
             probs = self._log_softmax(masked).exp()
             # Keep a token while the mass before it is short of top_p: the smallest prefix
-            # reaching top_p. The table's cumsum: a fixed-order scan in invariant mode.
+            # reaching top_p. The table's cumsum: an exact scan in invariant mode.
             mass_before = self._cumsum(probs) - probs
             top_p = torch.tensor([params[r].top_p for r in nucleus], device=device)
             keep[rows] &= mass_before < top_p[:, None]
