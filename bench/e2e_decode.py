@@ -216,6 +216,9 @@ def main() -> None:
         "--temperature", type=float, default=0.0, help="--engine decode sampling (0: greedy)"
     )
     parser.add_argument(
+        "--top-p", type=float, default=1.0, help="--engine decode nucleus (with --temperature)"
+    )
+    parser.add_argument(
         "--cuda-graphs", action="store_true", help="decode eager vs CUDA graphs, then exit"
     )
     parser.add_argument(

@@ -117,6 +117,7 @@ def bench_engine_decode(
     params = SamplingParams(
         max_tokens=bound + args.warmup_steps + timed,
         temperature=args.temperature,  # 0: greedy; > 0: every row draws its Gumbel noise
+        top_p=args.top_p,  # < 1 (with a temperature): every row's sort and top-p mass scan
         ignore_eos=True,
     )
     prompts = random_prompts(rng, num_seqs, args.context, cfg.model.vocab_size)

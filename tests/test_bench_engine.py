@@ -71,6 +71,8 @@ def test_engine_bench_smoke_on_cpu():
         "5",
         "--temperature",
         "1.0",  # sampled decode: every row draws its Gumbel noise
+        "--top-p",
+        "0.9",  # and sorts its row for the top-p mass
     ]
     run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
