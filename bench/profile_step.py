@@ -7,7 +7,7 @@ Printed: wall ms/step, GPU kernel time per step (sum of kernel durations; kernel
 graph replays are traced one by one), the top kernels by time, and the top host functions.
 
     PYTHONUNBUFFERED=1 python bench/profile_step.py --batch 64 --context 1024 \
-        [--set kernels.mode=fast] [--config launch/configs/v2_lite_gpu.yaml]
+        [--set kernels.mode=fast] [--config launch/configs/v2_lite_gpu.yaml] [--by-grid]
 """
 
 from __future__ import annotations
@@ -15,8 +15,10 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import json
 import pstats
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -70,6 +72,40 @@ def kernel_table(prof, num_steps: int, top: int) -> None:
         )
 
 
+def grid_table(trace: dict, num_steps: int, top: int) -> list[str]:
+    """The kernel events of an exported torch.profiler trace grouped by (name, grid, block):
+    one launch shape per row, most time first (e.g. each linear's weight at B = 1, which the
+    name alone lumps together). Markdown lines."""
+    totals: dict[tuple, list[float]] = defaultdict(lambda: [0.0, 0])
+    for event in trace.get("traceEvents", []):
+        if event.get("cat") != "kernel":
+            continue
+        args = event.get("args", {})
+        key = (event["name"], tuple(args.get("grid", ())), tuple(args.get("block", ())))
+        totals[key][0] += event.get("dur", 0.0)
+        totals[key][1] += 1
+    lines = [
+        "| kernel | grid | block | calls/step | us/step | us/call |",
+        "|---|---|---|---|---|---|",
+    ]
+    by_time = sorted(totals.items(), key=lambda kv: -kv[1][0])
+    for (name, grid, block), (total, count) in by_time[:top]:
+        lines.append(
+            f"| {name[:60]} | {list(grid)} | {list(block)} | {count / num_steps:.0f} | "
+            f"{total / num_steps:.0f} | {total / count:.1f} |"
+        )
+    return lines
+
+
+def print_grid_table(prof, num_steps: int, top: int) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        trace = json.loads(path.read_text())
+    print("\nkernels by launch shape:")
+    print("\n".join(grid_table(trace, num_steps, top)))
+
+
 def profile_prefill(engine: LLMEngine, args) -> None:
     """Kernels of `--steps` prefills of B fresh prompts (one warm-up first), one step each
     when B x context fits the step budget."""
@@ -95,6 +131,8 @@ def profile_prefill(engine: LLMEngine, args) -> None:
         f"mode {engine.config.kernels.mode}, prefill {args.batch}x{args.context}: {wall_ms:.1f} ms"
     )
     kernel_table(prof, args.steps, args.top)
+    if args.by_grid:
+        print_grid_table(prof, args.steps, args.top)
 
 
 def main() -> None:
@@ -107,6 +145,9 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument(
         "--prefill", action="store_true", help="profile prefill steps of B x context instead"
+    )
+    parser.add_argument(
+        "--by-grid", action="store_true", help="also group kernels by launch grid and block"
     )
     args = parser.parse_args()
     cfg = load_config(args.config, parse_overrides(args.set))
@@ -135,6 +176,8 @@ def main() -> None:
                 engine.step()
             sync()
         kernel_table(prof, args.steps, args.top)
+        if args.by_grid:
+            print_grid_table(prof, args.steps, args.top)
         text = io.StringIO()
         pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(args.top)
         print("\nhost functions by own time (cProfile, all steps):")

@@ -81,3 +81,26 @@ def test_engine_bench_smoke_on_cpu():
     assert "| decode ctx 16 | 1 |" in out and "| decode ctx 16 | 2 |" in out
     assert "| prefill 8x16 |" in out
     assert "cpu copy ceiling" in out and "engine start: invariant" in out
+
+
+def test_profile_grid_table_groups_kernels_by_launch_shape():
+    """bench/profile_step.py --by-grid: kernels of one name with two launch shapes get two rows,
+    most time first; events that are not kernels are left out."""
+    from bench.profile_step import grid_table
+
+    def kernel(name, grid, dur):
+        return {"cat": "kernel", "name": name, "dur": dur, "args": {"grid": grid, "block": [128]}}
+
+    trace = {
+        "traceEvents": [
+            kernel("_linear_kernel", [32, 1, 1], 6.0),
+            kernel("_linear_kernel", [32, 1, 1], 8.0),
+            kernel("_linear_kernel", [64, 1, 1], 30.0),
+            kernel("_linear_kernel", [64, 1, 1], 30.0),
+            {"cat": "cpu_op", "name": "aten::mm", "dur": 99.0},
+        ]
+    }
+    lines = grid_table(trace, num_steps=2, top=10)
+    assert lines[2] == "| _linear_kernel | [64, 1, 1] | [128] | 1 | 30 | 30.0 |"
+    assert lines[3] == "| _linear_kernel | [32, 1, 1] | [128] | 1 | 7 | 7.0 |"
+    assert len(lines) == 4
