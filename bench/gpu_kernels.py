@@ -25,16 +25,11 @@ sys.path.insert(0, str(ROOT))
 
 from bench.hbm_floor import copy_bandwidth  # noqa: E402
 from kernels.rmsnorm import rms_norm_fast  # noqa: E402
-from kernels.triton_linear import (  # noqa: E402
-    LinearConfig,
-    _launch,
-    arrival_counts,
-    grouped_linear_triton,
-    linear_config,
-    linear_triton,
-)
+from kernels.triton_linear import _launch, grouped_linear_triton, linear_triton  # noqa: E402
+from kernels.triton_linear_config import LinearConfig, linear_config  # noqa: E402
 from kernels.triton_rmsnorm import rms_norm_triton  # noqa: E402
 from kernels.triton_softmax import log_softmax_triton  # noqa: E402
+from kernels.triton_split_k import arrival_counts  # noqa: E402
 from moe_runtime.config import load_config  # noqa: E402
 
 # (name, in_dim K, out_dim N) of DeepSeek-V2-Lite (hidden 2048), from the shipped config.
@@ -363,7 +358,8 @@ def bench_tree_crossover() -> None:
     the short-chunk weights (o_proj, the shared experts' down), bits checked equal; graph
     replay up to 512 rows, do_bench (L2 flushed) above."""
     from kernels.config import KernelConfig
-    from kernels.triton_linear import launch_split_k, linear_chunk_tree
+    from kernels.triton_chunk_tree import linear_chunk_tree
+    from kernels.triton_split_k import launch_split_k
     from kernels.triton_tp_linear import chunk_launch
 
     tp_max = KernelConfig().tp_max
@@ -401,7 +397,7 @@ def bench_tree_crossover() -> None:
 
 
 def _chain(x, w, out, *, num_chunks: int, config: LinearConfig):
-    from kernels.triton_linear import linear_chunk_tree
+    from kernels.triton_chunk_tree import linear_chunk_tree
 
     return linear_chunk_tree(x, w, num_chunks, out.dtype, config, is_tree=False, out=out)
 
@@ -412,12 +408,9 @@ def bench_split_prefill() -> None:
     from CHAIN_MIN_ROWS; the fp32 router's chunk launch on its earlier large-M tiles vs the
     tiles it takes from FP32_PREFILL_ROWS. cuBLAS beside (x.float() for the router); graph
     replay over L2-missing copies; bits of each pair compared."""
-    from kernels.triton_linear import (
-        CHAIN_CONFIG_16BIT,
-        k_split_chunk,
-        k_split_count,
-        launch_split_k,
-    )
+    from kernels.triton_chunk_tree import CHAIN_CONFIG_16BIT
+    from kernels.triton_linear_config import k_split_chunk, k_split_count
+    from kernels.triton_split_k import launch_split_k
 
     earlier_fp32 = LinearConfig(64, 64, 32, 8, 4, 2)
     print("\n## the linear's fixed K split at prefill rows (graph replay)")

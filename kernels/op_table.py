@@ -150,7 +150,7 @@ def build_op_table(config: KernelConfig, device: torch.device | str) -> OpTable:
             )
             ops["mla_attention"] = _fast_decode_attention()
     elif device.type == "cuda":
-        from kernels.triton_linear import arrival_counts
+        from kernels.triton_split_k import arrival_counts
 
         ops = row_wise | _triton_kernels()
         # Why one buffer: a folded split-K launch leaves its arrival counts at zero, so the

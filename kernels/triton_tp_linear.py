@@ -1,6 +1,6 @@
 """Row-parallel linear with the fixed tp_max K split as Triton kernels (GPU path).
 
-The chunk partials come from kernels/triton_linear.launch_split_k, one program axis per chunk:
+The chunk partials come from kernels/triton_split_k.launch_split_k, one program axis per chunk:
 each chunk's fp32 sum starts from zero and walks its K / tp_max columns in BLOCK_K steps
 ascending on a grid fixed in the whole weight's columns (a rank passes its K offset), the same
 sequence whichever rank or TP degree holds the chunk; at tp 1 every step but a chunk's first
@@ -17,20 +17,17 @@ import torch
 
 from kernels.config import MAX_TP_MAX
 from kernels.tp_linear import Collective, Gather, is_power_of_two, local_num_chunks
-from kernels.triton_linear import (
+from kernels.triton_chunk_tree import MAX_TREE_CHUNKS, linear_chunk_tree, tree_block_k
+from kernels.triton_dot import check_pair
+from kernels.triton_linear_config import (
     BLOCK_K_16BIT,
-    MAX_TREE_CHUNKS,
     POINTER_CONFIG_16BIT,
     LinearConfig,
-    _check_pair,
-    launch_split_k,
-    linear_chunk_tree,
     linear_config,
-    sum_parts_triton,
-    tree_block_k,
 )
+from kernels.triton_split_k import launch_split_k, sum_parts_triton
 
-# Where the in-program tree (kernels/triton_linear.linear_chunk_tree) replaces the chunk launch:
+# Where the in-program tree (kernels/triton_chunk_tree.linear_chunk_tree) replaces the chunk launch:
 # short chunks (o_proj 256, shared experts' down 352 columns at tp_max 8) from TREE_MIN_ROWS
 # rows, measured on the H200 under graph replay (BENCHMARKS.md, row-parallel section): there
 # the fp32 parts' traffic outweighs the chunks' parallelism. Chunks of whole 64-column steps
@@ -106,7 +103,7 @@ def _tp_linear(
     k_origin: int,
     arrivals: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    _check_pair(x, weight, 2)
+    check_pair(x, weight, 2)
     if x.shape[1] % num_chunks or not is_power_of_two(num_chunks):
         raise ValueError(
             f"{x.shape[1]} input features need a power-of-two chunk count dividing them, "

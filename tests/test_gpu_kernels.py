@@ -86,7 +86,8 @@ def test_linear_other_shapes_invariant(generator, in_dim, out_dim):
 def test_linear_every_bucket_config_gives_the_same_bits(generator, name, in_dim, out_dim):
     """The row-count buckets pick tile shapes only: each config in use, run on the same 600
     rows, gives bit-identical output, and slices across every bucket boundary match."""
-    from kernels.triton_linear import POINTER_CONFIG_16BIT, _launch, linear_config, linear_triton
+    from kernels.triton_linear import _launch, linear_triton
+    from kernels.triton_linear_config import POINTER_CONFIG_16BIT, linear_config
 
     x = _randn(generator, 600, in_dim)
     w = _randn(generator, out_dim, in_dim, scale=in_dim**-0.5)
@@ -111,16 +112,10 @@ def test_linear_prefill_chain_gives_the_chunk_launch_bits(generator, out_dim, in
     launch's bits at the same rows, and every row's bits at decode sizes; the tree over the
     same chunks differs where there are more than two (two chunks: one add, the same). fp32
     weights (the routers) keep the chunk launch at every row count."""
-    from kernels.triton_linear import (
-        CHAIN_MIN_ROWS,
-        chain_config,
-        k_split_chunk,
-        k_split_count,
-        launch_split_k,
-        linear_chunk_tree,
-        linear_config,
-        linear_triton,
-    )
+    from kernels.triton_chunk_tree import CHAIN_MIN_ROWS, chain_config, linear_chunk_tree
+    from kernels.triton_linear import linear_triton
+    from kernels.triton_linear_config import k_split_chunk, k_split_count, linear_config
+    from kernels.triton_split_k import launch_split_k
 
     x = _randn(generator, 2 * CHAIN_MIN_ROWS + 37, in_dim)
     w = _randn(generator, out_dim, in_dim, scale=in_dim**-0.5)
@@ -160,7 +155,7 @@ def test_grouped_linear_rows_independent_of_expert_load(generator):
     )
     # The grouped GEMM and the plain linear give a row the same bits (this weight shape has no
     # K split: wider than SPLIT_MAX_OUT).
-    from kernels.triton_linear import k_split_count
+    from kernels.triton_linear_config import k_split_count
 
     assert k_split_count(*w.shape[1:], w.dtype) == 1
     assert torch.equal(linear_triton(rows, w[2]), out[5:305])
@@ -171,7 +166,8 @@ def test_grouped_linear_rows_independent_of_expert_load(generator):
 @pytest.mark.parametrize("num_experts, hidden", ((64, 2048), (256, 7168)))
 def test_fp32_router_linear_every_bucket_config_gives_the_same_bits(generator, num_experts, hidden):
     """The router's fp32 linear (ieee products): its row buckets pick tile shapes only."""
-    from kernels.triton_linear import _launch, linear_config, linear_triton
+    from kernels.triton_linear import _launch, linear_triton
+    from kernels.triton_linear_config import linear_config
 
     x = _randn(generator, 600, hidden, dtype=torch.float32)
     w = _randn(generator, num_experts, hidden, dtype=torch.float32, scale=hidden**-0.5)
@@ -627,7 +623,8 @@ def test_joint_gate_up_linear_same_bits_for_every_batch_and_tp_slice(
     """GatedMLP's one gate/up launch: the two separate linears' bits side by side wherever
     their fixed K split agrees with the joint weight's, and at every row count and every TP
     rank's slice (its gate rows + its up rows, with whole_out_dim = 2I) the TP-1 bits."""
-    from kernels.triton_linear import k_split_count, linear_triton
+    from kernels.triton_linear import linear_triton
+    from kernels.triton_linear_config import k_split_count
 
     whole = 2 * intermediate
     x = _randn(generator, 300, hidden)

@@ -123,7 +123,9 @@ def test_gpu_split_k_launches_replay_in_a_graph():
     tree (mlp_down's 1368-column chunks, folded at 16 rows) sharing one arrival buffer, and
     unfolded calls (64 rows, and 4100 rows: two row launches), replayed 20 times, gives the
     eager bits every time and leaves every count at zero."""
-    from kernels.triton_linear import arrival_counts, k_split_count, linear_triton
+    from kernels.triton_linear import linear_triton
+    from kernels.triton_linear_config import k_split_count
+    from kernels.triton_split_k import arrival_counts
     from kernels.triton_tp_linear import row_parallel_linear_triton
 
     gen = torch.Generator(device="cuda").manual_seed(7)

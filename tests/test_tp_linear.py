@@ -318,7 +318,8 @@ def check_in_program_tree_same_bits(generator: torch.Generator) -> None:
     """The prefill path (the whole tree in one program, no partials in memory) makes the chunk
     path's adds: bitwise equal on the same tile shape (the interpreter's dot may round by tile
     shape; compiled, every tile shape is checked in tests/test_gpu_tp_linear.py)."""
-    from kernels.triton_linear import linear_chunk_tree, linear_config
+    from kernels.triton_chunk_tree import linear_chunk_tree
+    from kernels.triton_linear_config import linear_config
     from kernels.triton_tp_linear import tp_linear_triton
 
     for dtype in DTYPES:
@@ -333,7 +334,9 @@ def check_in_program_chain_same_bits(generator: torch.Generator) -> None:
     """The linear's prefill path for a fixed K split (chunk sums added in chunk order in one
     program, no partials in memory) makes the chunk launch's adds, also for a 16-bit x against
     an fp32 weight (the router); the tree over the same chunks is the control that differs."""
-    from kernels.triton_linear import launch_split_k, linear_chunk_tree, linear_config
+    from kernels.triton_chunk_tree import linear_chunk_tree
+    from kernels.triton_linear_config import linear_config
+    from kernels.triton_split_k import launch_split_k
 
     for x_dtype, w_dtype in ((torch.float32, torch.float32), (torch.bfloat16, torch.float32)):
         x, w = _inputs(generator, w_dtype, num_rows=37)
@@ -352,7 +355,8 @@ def check_in_program_chain_same_bits(generator: torch.Generator) -> None:
 def check_chunks_per_program_same_bits(generator: torch.Generator) -> None:
     """A program summing 2 or 4 adjacent chunks as their subtree (fewer parts in memory) makes
     the one-chunk-a-program launch's adds, folded (few rows) or with a second launch."""
-    from kernels.triton_linear import launch_split_k, linear_config
+    from kernels.triton_linear_config import linear_config
+    from kernels.triton_split_k import launch_split_k
 
     for num_rows in (5, 37):
         x, w = _inputs(generator, torch.float32, num_rows=num_rows, in_dim=576)
@@ -378,7 +382,8 @@ def check_column_slices_same_bits(generator: torch.Generator) -> None:
     """A column-parallel rank's slice (q_proj, gate/up, the LM head) with the whole weight's
     out dim gives the whole linear's columns bitwise; control: a slice narrow enough to take
     the fixed K split on its own shape (3072 -> 1536 columns over K 2048) differs."""
-    from kernels.triton_linear import k_split_count, linear_triton
+    from kernels.triton_linear import linear_triton
+    from kernels.triton_linear_config import k_split_count
 
     x = torch.randn(5, 2048, generator=generator).to(torch.bfloat16)
     w = (torch.randn(3072, 2048, generator=generator) / 2048**0.5).to(torch.bfloat16)

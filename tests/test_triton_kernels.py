@@ -61,15 +61,10 @@ def check_linear(generator: torch.Generator) -> None:
 def check_linear_k_split(generator: torch.Generator) -> None:
     """The fixed K split (a weight-shape property): a row's bits ignore the row count and the
     launch's row chunks; close to fp64."""
-    import kernels.triton_linear as triton_linear
-    from kernels.triton_linear import (
-        LinearConfig,
-        _launch,
-        arrival_counts,
-        k_split_chunk,
-        k_split_count,
-        launch_split_k,
-    )
+    import kernels.triton_split_k as triton_split_k
+    from kernels.triton_linear import _launch
+    from kernels.triton_linear_config import LinearConfig, k_split_chunk, k_split_count
+    from kernels.triton_split_k import arrival_counts, launch_split_k
 
     x = torch.randn(130, 2048, generator=generator).to(torch.bfloat16)
     w = (torch.randn(96, 2048, generator=generator) / 2048**0.5).to(torch.bfloat16)
@@ -80,12 +75,12 @@ def check_linear_k_split(generator: torch.Generator) -> None:
     config = LinearConfig(16, 32, 64, 8, 4, 4)
     full = _launch(x, w, x.new_empty((130, 96)), None, 130, config)
     assert torch.equal(_launch(x[:64], w, x.new_empty((64, 96)), None, 64, config), full[:64])
-    chunk = triton_linear.SPLIT_ROW_CHUNK
+    chunk = triton_split_k.SPLIT_ROW_CHUNK
     try:
-        triton_linear.SPLIT_ROW_CHUNK = 48  # three launches of 48, 48 and 34 rows
+        triton_split_k.SPLIT_ROW_CHUNK = 48  # three launches of 48, 48 and 34 rows
         assert torch.equal(_launch(x, w, x.new_empty((130, 96)), None, 130, config), full)
     finally:
-        triton_linear.SPLIT_ROW_CHUNK = chunk
+        triton_split_k.SPLIT_ROW_CHUNK = chunk
     expected = (x.double() @ w.double().t()).to(torch.bfloat16)
     torch.testing.assert_close(full, expected, **BF16_TOL)
     # The finishing program's adds (an fp32 out: the interpreter's own bf16 rounding is not

@@ -1,0 +1,183 @@
+"""The fixed K split in one program per tile (GPU path): the chunk sums added in the fixed
+binary tree (the TP row-parallel linear at prefill sizes) or in chunk order (the linear's split
+from CHAIN_MIN_ROWS rows) as the one K loop reaches each chunk's end, with no fp32 parts in
+memory. The same chunk sums and adds as the chunk launch (kernels/triton_split_k.py), so the
+same bits at any row count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton_dot import check_pair, dot_step, kernel_consts, tile_of, tree_push
+from kernels.triton_linear_config import BLOCK_K_16BIT, LinearConfig, k_split_chunk, linear_config
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _chunk_tree_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    num_rows,
+    N,
+    K,
+    stride_xm,
+    STEPS_PER_CHUNK: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr,
+    IS_TREE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):
+    """out tile = the binary tree (adjacent pairs, level by level; IS_TREE) or the chunk-order
+    chain (((c0 + c1) + c2) + ...) of the NUM_CHUNKS chunk sums of x @ w^T, chunk c over
+    columns [c * C, (c + 1) * C) with C = STEPS_PER_CHUNK * BLOCK_K, each an fp32 sum from
+    zero in BLOCK_K steps ascending, rounded to out's dtype once. One K loop over all chunks
+    (no pipeline drain at each chunk's end); at a chunk's last step its sum joins the tree as
+    a binary counter (tree_push: the finished subtrees wait in s0..s2, so at most four fp32
+    tiles are live) or the chain's running total in s0 (two live tiles), and the accumulator
+    restarts from zero. Every add is one of sum_parts': the bits of the partials path."""
+    pid_m, pid_n = tile_of(
+        tl.program_id(0), tl.cdiv(num_rows, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M
+    )
+    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    row_ok = offs_m < num_rows
+    col_ok = offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # The waiting subtrees; each is written before it is read (the zeros are never added).
+    s0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    s1 = s0
+    s2 = s0
+    s3 = s0  # never written below 16 chunks: compiled away
+    for step in range(NUM_CHUNKS * STEPS_PER_CHUNK):
+        acc = dot_step(
+            x_ptr, w_ptr, offs_m, offs_n, row_ok, col_ok, stride_xm, K, step * BLOCK_K + offs_k,
+            None, acc, INPUT_PRECISION, UPCAST_DOT, False,
+        )  # fmt: skip
+        if step % STEPS_PER_CHUNK == STEPS_PER_CHUNK - 1:
+            chunk = step // STEPS_PER_CHUNK
+            if IS_TREE:
+                acc, s0, s1, s2, s3 = tree_push(acc, s0, s1, s2, s3, chunk, NUM_CHUNKS)
+            elif chunk == 0:
+                s0 = acc
+            else:
+                s0 = s0 + acc
+            if chunk < NUM_CHUNKS - 1:
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if not IS_TREE:
+        acc = s0
+    out = acc.to(out_ptr.dtype.element_ty)
+    tl.store(
+        out_ptr + offs_m[:, None] * N + offs_n[None, :],
+        out,
+        mask=row_ok[:, None] & col_ok[None, :],
+    )
+
+
+def tree_block_k(chunk_k: int, dtype: torch.dtype) -> int:
+    """The in-program tree's K step: the largest power of two from the dtype's BLOCK_K down to
+    16 dividing the chunk (0: none), so steps never cross a chunk's end and need no k mask. A
+    chunk's sum is the same chain of 16-column MMAs onto one fp32 accumulator at any of them:
+    the full-step path's bits (tests/test_gpu_tp_linear.py checks it on the GPU)."""
+    block_k = linear_config(1, 1, dtype, 1).block_k
+    while block_k >= 16 and chunk_k % block_k:
+        block_k //= 2
+    return block_k if block_k >= 16 else 0
+
+
+MAX_TREE_CHUNKS = 8  # the in-program tree keeps subtrees of 1, 2 and 4 chunks
+
+
+# Its launch: 64 x 64 tiles keep the four fp32 tiles in 4 warps' registers; 4 stages. The
+# fastest of the shapes tried on the H200 (128 x 64 and 64 x 128 on 8 warps, 256 x 64;
+# BENCHMARKS.md, row-parallel section). The K step is the tree's own (tree_block_k).
+TREE_CONFIG = LinearConfig(64, 64, BLOCK_K_16BIT, 8, 4, 4)
+
+
+# From this many rows a 16-bit linear with a fixed K split sums its chunks in one program per
+# tile (the in-program chain) instead of the chunk launch and its fp32 parts. H200, graph
+# replay, kv_a (576 x 2048, 4 chunks): 12.4 vs 16.5 us at 1024 rows, 51.7 vs 91.4 at 8192,
+# 11.7 vs 10.2 at 512; 64 x 64 tiles, 4 warps, 4 stages the fastest of six shapes. fp32
+# weights (the routers' CUDA-core products) keep the chunk launch: the chain was 1.1-3.6x
+# slower on every tile shape tried (BENCHMARKS.md, linear section).
+CHAIN_MIN_ROWS = 1024
+CHAIN_CONFIG_16BIT = LinearConfig(64, 64, BLOCK_K_16BIT, 8, 4, 4)
+
+
+def chain_config(
+    in_dim: int, k_splits: int, dtype: torch.dtype, num_rows: int
+) -> LinearConfig | None:
+    """The in-program chain's tiles for the linear's fixed K split (k_splits chunks of a
+    weight of in_dim columns, dtype) at num_rows, or None where it does not run: fp32, fewer
+    rows than CHAIN_MIN_ROWS, or chunks that are not whole K steps (k_split_chunk's last
+    chunk short of the others). Its chunk sums take the chunk launch's K steps (BLOCK_K from
+    each chunk's first column)."""
+    chunk_k = k_split_chunk(in_dim, k_splits)
+    if (
+        dtype == torch.float32
+        or num_rows < CHAIN_MIN_ROWS
+        or chunk_k * k_splits != in_dim
+        or chunk_k % BLOCK_K_16BIT
+    ):
+        return None
+    return CHAIN_CONFIG_16BIT
+
+
+def linear_chunk_tree(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    num_chunks: int,
+    out_dtype: torch.dtype,
+    config: LinearConfig = TREE_CONFIG,
+    *,
+    is_tree: bool = True,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T summed as num_chunks (a power of two <= 8, dividing K) chunk
+    sums added in the fixed binary tree (is_tree) or in chunk order, in one launch with no
+    fp32 partials in memory -> [M, N] in out_dtype, into `out` (contiguous) when given. The
+    same bits as computing the chunk partials and adding them with sum_parts
+    (kernels/triton_tp_linear.py; the linear's fixed K split), for any M: the prefill path of
+    that sum. x may be 16-bit against an fp32 weight (upcast in registers, as the linear)."""
+    check_pair(x, weight, 2, is_upcast_ok=True)
+    num_rows, in_dim = x.shape
+    out_dim = weight.shape[0]
+    if num_chunks > MAX_TREE_CHUNKS or num_chunks & (num_chunks - 1) or in_dim % num_chunks:
+        raise ValueError(
+            f"num_chunks must be a power of two <= {MAX_TREE_CHUNKS} dividing K = {in_dim}, "
+            f"got {num_chunks}"
+        )
+    block_k = tree_block_k(in_dim // num_chunks, weight.dtype)
+    if not block_k:
+        raise ValueError(f"chunks of {in_dim // num_chunks} columns need a multiple of 16")
+    x, weight = x.contiguous(), weight.contiguous()
+    if out is None:
+        out = torch.empty((num_rows, out_dim), dtype=out_dtype, device=x.device)
+    elif out.shape != (num_rows, out_dim) or out.dtype != out_dtype or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous {(num_rows, out_dim)} {out_dtype}")
+    if num_rows == 0:
+        return out
+    num_tiles = triton.cdiv(num_rows, config.block_m) * triton.cdiv(out_dim, config.block_n)
+    _chunk_tree_kernel[(num_tiles,)](
+        x,
+        weight,
+        out,
+        num_rows,
+        out_dim,
+        in_dim,
+        x.stride(0),
+        STEPS_PER_CHUNK=in_dim // num_chunks // block_k,
+        NUM_CHUNKS=num_chunks,
+        IS_TREE=is_tree,
+        **kernel_consts(dataclasses.replace(config, block_k=block_k), x.dtype, weight.dtype),
+    )
+    return out

@@ -1,0 +1,130 @@
+"""Tile configs of the invariant linear kernels and the fixed K split of narrow weights.
+
+BLOCK_K and the K split (`k_split_count`: S chunks of whole BLOCK_K steps, each summed from
+zero, the sums added in chunk order) are functions of the weight's shape and dtype only. A
+bucket of the row count picks only the tile shape (`linear_config`): it moves work between
+programs, never the order of any element's sum, and tests/test_gpu_kernels.py checks every
+bucket's config bitwise against every other on the model's shapes. No autotuning; host code only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+
+@dataclass(frozen=True)
+class LinearConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+    is_persistent: bool = False  # TMA loads, one program per SM walking tiles
+
+
+BLOCK_K_16BIT = 64  # the one K step of every bf16/fp16 weight: fixes each element's sum order
+
+
+# Row-count buckets (measured on the H200 against cuBLAS, BENCHMARKS.md). A bucket picks only
+# the tile shape; every config shares BLOCK_K = 64 and the ascending K loop, and all of them
+# gave bit-identical outputs on every DeepSeek-V2-Lite weight.
+DECODE_ROWS = 16
+SMALL_ROWS = 64
+MEDIUM_ROWS = 512
+WIDE_N_TILES = 264  # out_dim / 64 at least this: enough 64-wide column programs for 132 SMs
+TMA_MIN_FLOPS = 30e9  # below this the persistent TMA kernel's fixed cost outweighs its speed
+FP32_PREFILL_ROWS = 1024  # fp32 weights' prefill tiles from here (measured at 1024 and 4096)
+
+
+def linear_config(out_dim: int, in_dim: int, dtype: torch.dtype, num_rows: int) -> LinearConfig:
+    """Block config for x [num_rows, in_dim] @ weight [out_dim, in_dim]^T.
+
+    BLOCK_K is a function of the weight's dtype only (fp32: 32, 16-bit: 64); num_rows and the
+    weight shape choose the tiles.
+    """
+    if dtype == torch.float32:
+        # The router (ieee fp32 products, CUDA-core FMAs). One 64x64 program walking K alone
+        # took ~230 us for a decode step's 64 experts; small tiles spread it over programs.
+        # Every fp32 config shares BLOCK_K 32 and the K loop (checked bitwise on the GPU).
+        if num_rows <= DECODE_ROWS:
+            return LinearConfig(16, 16, 32, 8, 4, 4)
+        if num_rows <= SMALL_ROWS:
+            return LinearConfig(32, 16, 32, 8, 4, 4)
+        if num_rows >= FP32_PREFILL_ROWS and out_dim < 8192:
+            # H200, graph replay, the V2-Lite router's chunk launch: 33.4 vs 61.8 us at 1024
+            # rows, 91.3 vs 98.2 at 4096 (the fastest of nine tiles; BENCHMARKS.md).
+            return LinearConfig(32, 64, 32, 8, 2, 3)
+        return LinearConfig(64, 128 if out_dim >= 8192 else 64, 32, 8, 4, 2)
+    bk = BLOCK_K_16BIT
+    is_wide = triton.cdiv(out_dim, 64) >= WIDE_N_TILES
+    if num_rows <= DECODE_ROWS:
+        # Narrow column tiles: more programs stream the weight (no split-K to add them).
+        return LinearConfig(16, 64, bk, 8, 4, 4) if is_wide else LinearConfig(16, 32, bk, 8, 4, 6)
+    if num_rows <= SMALL_ROWS:
+        if is_wide:
+            return LinearConfig(64, 64, bk, 8, 4, 4)
+        # Why: 16-row tiles read a narrow weight once per 16 rows; they pay only where 64-row
+        # ones would leave SMs idle (a narrow weight without enough K chunks to fill them).
+        column_programs = triton.cdiv(out_dim, 32) * k_split_count(out_dim, in_dim, dtype)
+        if out_dim <= 2048 and column_programs < SPLIT_TARGET_PROGRAMS // 2:
+            return LinearConfig(16, 32, bk, 8, 4, 6)
+        return LinearConfig(64, 32, bk, 8, 4, 4)
+    if num_rows <= MEDIUM_ROWS:
+        if is_wide:
+            return LinearConfig(128, 128, bk, 8, 8, 4, is_persistent=True)
+        return LinearConfig(64, 64, bk, 8, 4, 4)
+    if 2 * num_rows * out_dim * in_dim >= TMA_MIN_FLOPS:
+        return LinearConfig(128, 256, bk, 8, 8, 3, is_persistent=True)
+    return POINTER_CONFIG_16BIT
+
+
+# The pointer kernel's large-M config; also stands in for the persistent one where TMA can't
+# run (unaligned tensors, batched or grouped launches).
+POINTER_CONFIG_16BIT = LinearConfig(128, 128, BLOCK_K_16BIT, 8, 8, 3)
+
+
+# Fixed K split of the linears whose decode launch has too few column programs (the fp32 router
+# too: CUDA-core FMAs, 64 experts = 2 column tiles): K is cut
+# into S chunks (S and the chunks a function of the weight's shape alone), each summed from
+# zero in fp32, and the chunk sums added in chunk order, at EVERY row count, so a row's bits
+# never follow the batch. The chunks run in parallel programs; the last of a tile's programs to
+# finish adds the fp32 partials in chunk order (launch_split_k: the same adds whoever it is).
+MAX_K_SPLITS = 8
+MIN_CHUNK_K = 512
+SPLIT_TARGET_PROGRAMS = 2 * 132  # two column programs per SM of an H200 (a constant, not a query)
+
+
+# Only narrow weights split: every row count pays S x M x N fp32 partials written and read, a
+# prefill tax that grows with N (measured: adding the chunks inside each program instead needs
+# a second accumulator and ran 6-9x slower than cuBLAS at M >= 1024).
+SPLIT_MAX_OUT = 2048
+
+
+def k_split_count(out_dim: int, in_dim: int, dtype: torch.dtype) -> int:
+    """S for weight [out_dim, in_dim]: doubled while the decode launch (32-column tiles) has
+    fewer than SPLIT_TARGET_PROGRAMS programs and each chunk keeps >= MIN_CHUNK_K columns."""
+    num_tiles, splits = triton.cdiv(out_dim, 32), 1
+    while (
+        out_dim <= SPLIT_MAX_OUT
+        and splits < MAX_K_SPLITS
+        and num_tiles * splits < SPLIT_TARGET_PROGRAMS
+        and in_dim // (2 * splits) >= MIN_CHUNK_K
+    ):
+        splits *= 2
+    return splits
+
+
+def k_align(chunk_k: int) -> int:
+    """The K_ALIGN a kernel may assume of chunk bounds (multiples of chunk_k, or of a gcd of
+    it and K): the largest power of two up to 16 dividing chunk_k (16 bf16 values: two 16-byte
+    vectors)."""
+    return min(16, chunk_k & -chunk_k) if chunk_k else 16
+
+
+def k_split_chunk(in_dim: int, k_splits: int) -> int:
+    """Columns per chunk: whole BLOCK_K steps, the last chunk taking the remainder."""
+    return triton.cdiv(triton.cdiv(in_dim, BLOCK_K_16BIT), k_splits) * BLOCK_K_16BIT
