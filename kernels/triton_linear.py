@@ -2,12 +2,12 @@
 
 Each output tile is a plain tiled matmul: a program per [BLOCK_M, BLOCK_N] tile (or a
 persistent program walking tiles, with TMA loads) walks K in steps of BLOCK_K, accumulating in
-fp32. BLOCK_K, the K loop order and the fixed K split of narrow weights (kernels/
-triton_linear_config.py; the split runs as kernels/triton_split_k.py's chunk launch, or from
-CHAIN_MIN_ROWS rows kernels/triton_chunk_tree.py's in-program chain) are functions of the
-weight shape and dtype only, never of the row count: each output element is one fixed sequence
-of fp32 multiply-adds whatever the other rows are. Oracles: `linear_ref` / `grouped_linear_ref`
-(kernels/linear.py). Under TRITON_INTERPRET=1 the kernels run on CPU tensors (tests).
+fp32. BLOCK_K, the K loop order and the fixed K split of narrow weights (chosen in
+triton_linear_config.py; run by triton_split_k.py's chunk launch, or from CHAIN_MIN_ROWS rows
+by triton_chunk_tree.py's in-program chain) are functions of the weight shape and dtype only,
+never of the row count: each output element is one fixed sequence of fp32 multiply-adds
+whatever the other rows are. Oracles: `linear_ref` / `grouped_linear_ref` (kernels/linear.py).
+Under TRITON_INTERPRET=1 the kernels run on CPU tensors (tests).
 """
 
 from __future__ import annotations
