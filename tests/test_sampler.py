@@ -154,7 +154,7 @@ def test_top_p_keeps_the_nucleus(sampler):
 
 
 def test_top_p_mass_comes_from_the_table_cumsum():
-    # The prefix sum is the op table's (a fixed-order scan in invariant mode), never torch's.
+    # The prefix sum is the op table's (an exact integer scan in invariant mode), never torch's.
     rows_seen = []
 
     def cumsum(x):
