@@ -31,9 +31,21 @@ class RayHead:
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """count distinct free ports. Every socket stays bound until all are picked: a port closed
+    before the next pick can be handed out again (a CI run once gave the dashboard and the
+    object manager the same port, and `ray start` refused)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 def ray_env() -> dict[str, str]:
@@ -58,23 +70,24 @@ def start_ray_head(num_cpus: int, num_gpus: int = 0, use_default_ports: bool = F
     """`ray start --head` in a new session; use_default_ports stands in for a user's cluster."""
     env = ray_env()
     temp_dir = Path(tempfile.mkdtemp(prefix="rh", dir="/tmp"))  # short: socket paths are capped
-    dashboard_port = 8265 if use_default_ports else free_port()
+    listeners = (
+        "--dashboard-port",
+        "--port",
+        "--ray-client-server-port",
+        "--node-manager-port",
+        "--object-manager-port",
+        "--dashboard-agent-listen-port",
+        "--dashboard-agent-grpc-port",
+        "--runtime-env-agent-port",
+        "--metrics-export-port",
+    )
+    picked = [] if use_default_ports else free_ports(len(listeners))
+    ports = dict(zip(listeners, picked, strict=False))  # empty with the default ports
+    dashboard_port = ports.get("--dashboard-port", 8265)
     args = ["--num-cpus", str(num_cpus), "--num-gpus", str(num_gpus), "--temp-dir", str(temp_dir)]
     args += ["--include-dashboard", "true", "--disable-usage-stats"]
     if not use_default_ports:
-        ports = {
-            "--port": free_port(),
-            "--dashboard-port": dashboard_port,
-            "--ray-client-server-port": free_port(),
-            "--node-manager-port": free_port(),
-            "--object-manager-port": free_port(),
-            "--dashboard-agent-listen-port": free_port(),
-            "--dashboard-agent-grpc-port": free_port(),
-            "--runtime-env-agent-port": free_port(),
-            "--metrics-export-port": free_port(),
-            "--min-worker-port": 0,  # 0 and 0: each worker binds a port the OS picks
-            "--max-worker-port": 0,
-        }
+        ports |= {"--min-worker-port": 0, "--max-worker-port": 0}  # each worker: an OS-picked port
         args += [str(x) for item in ports.items() for x in item]
     started = subprocess.Popen(
         [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", *args],
