@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton_dot import check_pair, dot_step, kernel_consts, tile_of, tree_push
-from kernels.triton_linear_config import BLOCK_K_16BIT, LinearConfig, k_split_chunk, linear_config
+from kernels.triton_linear_config import BLOCK_K_16BIT, LinearConfig, block_k_of, k_split_chunk
 
 
 @triton.jit(do_not_specialize=["num_rows"])
@@ -88,7 +88,7 @@ def tree_block_k(chunk_k: int, dtype: torch.dtype) -> int:
     16 dividing the chunk (0: none), so steps never cross a chunk's end and need no k mask. A
     chunk's sum is the same chain of 16-column MMAs onto one fp32 accumulator at any of them:
     the full-step path's bits (tests/test_gpu_tp_linear.py checks it on the GPU)."""
-    block_k = linear_config(1, 1, dtype, 1).block_k
+    block_k = block_k_of(dtype)
     while block_k >= 16 and chunk_k % block_k:
         block_k //= 2
     return block_k if block_k >= 16 else 0

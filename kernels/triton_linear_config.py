@@ -27,6 +27,7 @@ class LinearConfig:
 
 
 BLOCK_K_16BIT = 64  # the one K step of every bf16/fp16 weight: fixes each element's sum order
+BLOCK_K_FP32 = 32  # the one K step of every fp32 weight (the routers' CUDA-core products)
 
 
 # Row-count buckets (measured on the H200 against cuBLAS, BENCHMARKS.md). A bucket picks only
@@ -40,6 +41,11 @@ TMA_MIN_FLOPS = 30e9  # below this the persistent TMA kernel's fixed cost outwei
 FP32_PREFILL_ROWS = 1024  # fp32 weights' prefill tiles from here (measured at 1024 and 4096)
 
 
+def block_k_of(dtype: torch.dtype) -> int:
+    """The one K step of every weight of this dtype (every config and path uses it)."""
+    return BLOCK_K_FP32 if dtype == torch.float32 else BLOCK_K_16BIT
+
+
 def linear_config(out_dim: int, in_dim: int, dtype: torch.dtype, num_rows: int) -> LinearConfig:
     """Block config for x [num_rows, in_dim] @ weight [out_dim, in_dim]^T.
 
@@ -51,14 +57,14 @@ def linear_config(out_dim: int, in_dim: int, dtype: torch.dtype, num_rows: int) 
         # took ~230 us for a decode step's 64 experts; small tiles spread it over programs.
         # Every fp32 config shares BLOCK_K 32 and the K loop (checked bitwise on the GPU).
         if num_rows <= DECODE_ROWS:
-            return LinearConfig(16, 16, 32, 8, 4, 4)
+            return LinearConfig(16, 16, BLOCK_K_FP32, 8, 4, 4)
         if num_rows <= SMALL_ROWS:
-            return LinearConfig(32, 16, 32, 8, 4, 4)
+            return LinearConfig(32, 16, BLOCK_K_FP32, 8, 4, 4)
         if num_rows >= FP32_PREFILL_ROWS and out_dim < 8192:
             # H200, graph replay, the V2-Lite router's chunk launch: 33.4 vs 61.8 us at 1024
             # rows, 91.3 vs 98.2 at 4096 (the fastest of nine tiles; BENCHMARKS.md).
-            return LinearConfig(32, 64, 32, 8, 2, 3)
-        return LinearConfig(64, 128 if out_dim >= 8192 else 64, 32, 8, 4, 2)
+            return LinearConfig(32, 64, BLOCK_K_FP32, 8, 2, 3)
+        return LinearConfig(64, 128 if out_dim >= 8192 else 64, BLOCK_K_FP32, 8, 4, 2)
     bk = BLOCK_K_16BIT
     is_wide = triton.cdiv(out_dim, 64) >= WIDE_N_TILES
     if num_rows <= DECODE_ROWS:

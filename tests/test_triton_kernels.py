@@ -537,3 +537,22 @@ def test_compiled_wrappers_refuse_cpu_and_bad_inputs(generator):
     meta_x, meta_w = x.to("meta"), w.to("meta")
     with pytest.raises(ValueError, match="meta"):
         grouped_linear_triton(meta_x, meta_w[None], [4])
+
+
+def test_every_linear_config_keeps_its_dtypes_one_k_step():
+    """The tile configs move work between programs only: every row bucket of every weight
+    shape, the chunk launches and the in-program tree take the dtype's one BLOCK_K, so each
+    output element is the same chain of K steps at any row count (bits: the GPU tests)."""
+    from kernels.triton_chunk_tree import CHAIN_CONFIG_16BIT, TREE_CONFIG
+    from kernels.triton_linear_config import POINTER_CONFIG_16BIT, block_k_of, linear_config
+    from kernels.triton_tp_linear import chunk_launch
+
+    rows = (1, 16, 17, 64, 65, 128, 129, 512, 513, 1023, 1024, 4096, 16384)
+    shapes = ((64, 2048), (256, 7168), (576, 2048), (2048, 2048), (2048, 10944), (102400, 2048))
+    for dtype in (torch.float32, torch.bfloat16):
+        for out_dim, in_dim in shapes:
+            for m in rows:
+                assert linear_config(out_dim, in_dim, dtype, m).block_k == block_k_of(dtype)
+                assert chunk_launch(out_dim, in_dim, dtype, m)[0].block_k == block_k_of(dtype)
+    configs = (CHAIN_CONFIG_16BIT, TREE_CONFIG, POINTER_CONFIG_16BIT)
+    assert {c.block_k for c in configs} == {block_k_of(torch.bfloat16)}
