@@ -359,19 +359,13 @@ def bench_tree_crossover() -> None:
     replay up to 512 rows, do_bench (L2 flushed) above."""
     from kernels.config import KernelConfig
     from kernels.triton_chunk_tree import linear_chunk_tree
-    from kernels.triton_split_k import launch_split_k
-    from kernels.triton_tp_linear import chunk_launch
+    from kernels.triton_tp_linear import launch_tp_chunks
 
     tp_max = KernelConfig().tp_max
     arrivals = arrival_counts("cuda")
 
     def chunks(x, w):
-        out = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
-        config, per_program = chunk_launch(w.shape[0], w.shape[1], x.dtype, x.shape[0])
-        return launch_split_k(
-            x, w, out, w.shape[1] // tp_max, config, is_tree=True,
-            chunks_per_program=per_program, arrivals=arrivals,
-        )  # fmt: skip
+        return launch_tp_chunks(x, w, tp_max, x.dtype, arrivals=arrivals)
 
     def tree(x, w):
         return linear_chunk_tree(x, w, tp_max, x.dtype)

@@ -120,6 +120,22 @@ def _tp_linear(
     ):
         # The same adds in one launch: prefill-sized calls skip the fp32 partials' traffic.
         return linear_chunk_tree(x, weight, num_chunks, out_dtype)
+    return launch_tp_chunks(x, weight, num_chunks, out_dtype, k_origin=k_origin, arrivals=arrivals)
+
+
+def launch_tp_chunks(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    num_chunks: int,
+    out_dtype: torch.dtype,
+    *,
+    k_origin: int = 0,
+    arrivals: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The chunk-launch path of the tp_max split (x, weight contiguous; num_chunks a power of
+    two dividing K): the chunk programs and their tree, on chunk_launch's tiles -> [T, N] in
+    out_dtype. The in-program tree (linear_chunk_tree) makes the same adds."""
+    num_rows, chunk_k = x.shape[0], x.shape[1] // num_chunks
     out = torch.empty((num_rows, weight.shape[0]), dtype=out_dtype, device=x.device)
     if num_rows:
         config, per_program = chunk_launch(weight.shape[0], x.shape[1], x.dtype, num_rows)
