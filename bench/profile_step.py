@@ -53,23 +53,31 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+def time_table(
+    totals: dict[tuple, list[float]], columns: tuple[str, ...], num_steps: int, top: int
+) -> list[str]:
+    """Markdown lines of totals {key: [µs, calls]} over num_steps, most time first; the key's
+    items fill `columns` (strings cut at 90 characters, tuples shown as lists)."""
+    head = [*columns, "calls/step", "us/step", "us/call"]
+    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    for key, (total, count) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]:
+        cells = [str(list(k)) if isinstance(k, tuple) else str(k)[:90] for k in key]
+        cells += [f"{count / num_steps:.0f}", f"{total / num_steps:.0f}", f"{total / count:.1f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 def kernel_table(prof, num_steps: int, top: int) -> None:
-    totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    totals: dict[tuple, list[float]] = defaultdict(lambda: [0.0, 0])
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
-            entry = totals[event.name]
+            entry = totals[(event.name,)]
             entry[0] += event.time_range.elapsed_us()  # a kernel event's own duration
             entry[1] += 1
     busy = sum(t for t, _ in totals.values()) / num_steps
     launches = sum(c for _, c in totals.values()) // num_steps
     print(f"GPU kernel time per step: {busy / 1e3:.2f} ms over {launches} kernels")
-    print("| kernel | calls/step | us/step | us/call |")
-    print("|---|---|---|---|")
-    for name, (total, count) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]:
-        print(
-            f"| {name[:90]} | {count / num_steps:.0f} | {total / num_steps:.0f} | "
-            f"{total / count:.1f} |"
-        )
+    print("\n".join(time_table(totals, ("kernel",), num_steps, top)))
 
 
 def grid_table(trace: dict, num_steps: int, top: int) -> list[str]:
@@ -84,17 +92,7 @@ def grid_table(trace: dict, num_steps: int, top: int) -> list[str]:
         key = (event["name"], tuple(args.get("grid", ())), tuple(args.get("block", ())))
         totals[key][0] += event.get("dur", 0.0)
         totals[key][1] += 1
-    lines = [
-        "| kernel | grid | block | calls/step | us/step | us/call |",
-        "|---|---|---|---|---|---|",
-    ]
-    by_time = sorted(totals.items(), key=lambda kv: -kv[1][0])
-    for (name, grid, block), (total, count) in by_time[:top]:
-        lines.append(
-            f"| {name[:60]} | {list(grid)} | {list(block)} | {count / num_steps:.0f} | "
-            f"{total / num_steps:.0f} | {total / count:.1f} |"
-        )
-    return lines
+    return time_table(totals, ("kernel", "grid", "block"), num_steps, top)
 
 
 def print_grid_table(prof, num_steps: int, top: int) -> None:
