@@ -403,10 +403,10 @@ def bench_split_prefill() -> None:
     tiles it takes from FP32_PREFILL_ROWS. cuBLAS beside (x.float() for the router); graph
     replay over L2-missing copies; bits of each pair compared."""
     from kernels.triton_chunk_tree import CHAIN_CONFIG_16BIT
-    from kernels.triton_linear_config import k_split_chunk, k_split_count
+    from kernels.triton_linear_config import BLOCK_K_FP32, k_split_chunk, k_split_count
     from kernels.triton_split_k import launch_split_k
 
-    earlier_fp32 = LinearConfig(64, 64, 32, 8, 4, 2)
+    earlier_fp32 = LinearConfig(64, 64, BLOCK_K_FP32, 8, 4, 2)
     print("\n## the linear's fixed K split at prefill rows (graph replay)")
     print("| weight | K | N | chunks | M | cuBLAS µs | A µs | B µs | B / A | same bits |")
     print("|---|---|---|---|---|---|---|---|---|---|")
