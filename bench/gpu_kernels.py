@@ -403,7 +403,12 @@ def bench_split_prefill() -> None:
     tiles it takes from FP32_PREFILL_ROWS. cuBLAS beside (x.float() for the router); graph
     replay over L2-missing copies; bits of each pair compared."""
     from kernels.triton_chunk_tree import CHAIN_CONFIG_16BIT
-    from kernels.triton_linear_config import BLOCK_K_FP32, k_split_chunk, k_split_count
+    from kernels.triton_linear_config import (
+        BLOCK_K_FP32,
+        k_split_chunk,
+        k_split_chunks_per_program,
+        k_split_count,
+    )
     from kernels.triton_split_k import launch_split_k
 
     earlier_fp32 = LinearConfig(64, 64, BLOCK_K_FP32, 8, 4, 2)
@@ -420,7 +425,13 @@ def bench_split_prefill() -> None:
             op_config = linear_config(out_dim, in_dim, w_dtype, m)
             if w_dtype == torch.float32:  # A: earlier tiles, B: the op's
                 paths = [
-                    partial(launch_split_k, chunk_k=chunk_k, config=c, is_tree=False)
+                    partial(
+                        launch_split_k,
+                        chunk_k=chunk_k,
+                        config=c,
+                        is_tree=True,
+                        chunks_per_program=k_split_chunks_per_program(w_dtype, num_chunks, m),
+                    )
                     for c in (earlier_fp32, op_config)
                 ]
             else:  # A: the chunk launch, B: the in-program chain

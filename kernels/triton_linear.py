@@ -27,7 +27,9 @@ from kernels.triton_linear_config import (
     POINTER_CONFIG_16BIT,
     LinearConfig,
     k_split_chunk,
+    k_split_chunks_per_program,
     k_split_count,
+    k_split_is_tree,
     linear_config,
 )
 from kernels.triton_split_k import launch_split_k
@@ -204,7 +206,7 @@ def _launch(
 
     x [M, K] / out [M, N] (row strides free, unit column stride), or batched x [B, M, K],
     out [B, M, N] with weight [B, N, K] (plain only). Plain 2-D launches of a weight with a
-    fixed K split (k_split_count) go through launch_split_k (chunk order)."""
+    fixed K split (k_split_count) go through launch_split_k (chunk order; fp32: the tree)."""
     out_dim, in_dim = weight.shape[-2:]
     is_plain = counts is None and x.dim() == 2
     k_splits = k_split_count(whole_out_dim or out_dim, in_dim, weight.dtype) if is_plain else 1
@@ -214,7 +216,11 @@ def _launch(
         if chain is not None and x.is_contiguous() and out.is_contiguous():
             # Prefill sizes: the same chunk sums and adds in one launch, no fp32 parts.
             return linear_chunk_tree(x, weight, k_splits, out.dtype, chain, is_tree=False, out=out)
-        launch_split_k(x, weight, out, chunk_k, config, is_tree=False, arrivals=arrivals)
+        launch_split_k(
+            x, weight, out, chunk_k, config, is_tree=k_split_is_tree(weight.dtype),
+            chunks_per_program=k_split_chunks_per_program(weight.dtype, k_splits, num_rows),
+            arrivals=arrivals,
+        )  # fmt: skip
         return out
     if config.is_persistent and is_plain:
         if not _tma_ok(x, weight, out):

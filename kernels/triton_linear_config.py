@@ -93,12 +93,12 @@ def linear_config(out_dim: int, in_dim: int, dtype: torch.dtype, num_rows: int) 
 POINTER_CONFIG_16BIT = LinearConfig(128, 128, BLOCK_K_16BIT, 8, 8, 3)
 
 
-# Fixed K split of the linears whose decode launch has too few column programs (the fp32 router
-# too: CUDA-core FMAs, 64 experts = 2 column tiles): K is cut
-# into S chunks (S and the chunks a function of the weight's shape alone), each summed from
-# zero in fp32, and the chunk sums added in chunk order, at EVERY row count, so a row's bits
-# never follow the batch. The chunks run in parallel programs; the last of a tile's programs to
-# finish adds the fp32 partials in chunk order (launch_split_k: the same adds whoever it is).
+# Fixed K split of the linears whose decode launch has too few column programs (the fp32
+# router too: CUDA-core FMAs, 64 experts = 4 column tiles): K is cut into S chunks (S and the
+# chunks a function of the weight's shape alone), each summed from zero in fp32, and the chunk
+# sums added in chunk order (fp32: in the binary tree), at EVERY row count, so a row's bits
+# never follow the batch. The chunks run in parallel programs; the last of a tile's programs
+# to finish adds the fp32 partials (launch_split_k: the same adds whoever it is).
 MAX_K_SPLITS = 8
 MIN_CHUNK_K = 512
 SPLIT_TARGET_PROGRAMS = 2 * 132  # two column programs per SM of an H200 (a constant, not a query)
@@ -110,9 +110,44 @@ SPLIT_TARGET_PROGRAMS = 2 * 132  # two column programs per SM of an H200 (a cons
 SPLIT_MAX_OUT = 2048
 
 
+# fp32 weights (the routers: CUDA-core FMAs, one dependent chain per output along its chunk)
+# split K into up to FP32_K_SPLITS chunks added in the fixed binary tree: at decode each chunk
+# is a program of a few K steps. H200, graph replay, the V2-Lite router (64 x 2048; 16 chunks
+# of 128 vs the earlier 4 of 512 in chunk order): 6.2 vs 14.1 us at 1 row, 9.9 vs 24.6 at 64,
+# 27.4 vs 33.5 at 1024, 95.1 vs 91.2 at 4096 (BENCHMARKS.md). From FP32_PREFILL_ROWS rows a
+# program sums FP32_PREFILL_CHUNKS adjacent chunks as their subtree (a quarter of the fp32
+# parts in memory; the tree's adds, so the same bits).
+FP32_K_SPLITS = 16
+FP32_PREFILL_CHUNKS = 4
+
+
+def k_split_is_tree(dtype: torch.dtype) -> bool:
+    """Whether a weight of this dtype adds its fixed K split's chunk sums in the binary tree
+    (fp32) rather than in chunk order (16-bit)."""
+    return dtype == torch.float32
+
+
+def k_split_chunks_per_program(dtype: torch.dtype, num_chunks: int, num_rows: int) -> int:
+    """Adjacent chunks one program of the chunk launch sums as their subtree: a launch shape
+    of the tree (fp32 only, from FP32_PREFILL_ROWS rows), never an order."""
+    if k_split_is_tree(dtype) and num_rows >= FP32_PREFILL_ROWS:
+        return min(FP32_PREFILL_CHUNKS, num_chunks)
+    return 1
+
+
 def k_split_count(out_dim: int, in_dim: int, dtype: torch.dtype) -> int:
-    """S for weight [out_dim, in_dim]: doubled while the decode launch (32-column tiles) has
-    fewer than SPLIT_TARGET_PROGRAMS programs and each chunk keeps >= MIN_CHUNK_K columns."""
+    """S for weight [out_dim, in_dim] (1: no split above SPLIT_MAX_OUT outputs). fp32: the
+    largest power of two <= FP32_K_SPLITS whose chunks (k_split_chunk) number exactly S, the
+    binary tree's leaves. 16-bit: doubled while
+    the decode launch (32-column tiles) has fewer than SPLIT_TARGET_PROGRAMS programs and
+    each chunk keeps >= MIN_CHUNK_K columns."""
+    if k_split_is_tree(dtype):
+        if out_dim > SPLIT_MAX_OUT:
+            return 1
+        splits = FP32_K_SPLITS
+        while splits > 1 and triton.cdiv(in_dim, k_split_chunk(in_dim, splits)) != splits:
+            splits //= 2
+        return splits
     num_tiles, splits = triton.cdiv(out_dim, 32), 1
     while (
         out_dim <= SPLIT_MAX_OUT

@@ -165,20 +165,39 @@ def test_grouped_linear_rows_independent_of_expert_load(generator):
 
 @pytest.mark.parametrize("num_experts, hidden", ((64, 2048), (256, 7168)))
 def test_fp32_router_linear_every_bucket_config_gives_the_same_bits(generator, num_experts, hidden):
-    """The router's fp32 linear (ieee products): its row buckets pick tile shapes only."""
+    """The router's fp32 linear (ieee products): its row buckets pick tile shapes only, and
+    the chunks a program sums as a subtree from FP32_PREFILL_ROWS rows give the decode
+    launch's bits (engagement: sixteen tree chunks; control: chunk order differs)."""
     from kernels.triton_linear import _launch, linear_triton
-    from kernels.triton_linear_config import linear_config
+    from kernels.triton_linear_config import (
+        FP32_PREFILL_ROWS,
+        k_split_chunk,
+        k_split_chunks_per_program,
+        k_split_count,
+        linear_config,
+    )
+    from kernels.triton_split_k import launch_split_k
 
-    x = _randn(generator, 600, hidden, dtype=torch.float32)
+    rows = FP32_PREFILL_ROWS + 77
+    x = _randn(generator, rows, hidden, dtype=torch.float32)
     w = _randn(generator, num_experts, hidden, dtype=torch.float32, scale=hidden**-0.5)
+    num_chunks = k_split_count(num_experts, hidden, w.dtype)
+    assert num_chunks == 16
+    assert k_split_chunks_per_program(w.dtype, num_chunks, rows) > 1
+    assert k_split_chunks_per_program(w.dtype, num_chunks, FP32_PREFILL_ROWS - 1) == 1
     configs = {linear_config(num_experts, hidden, x.dtype, m) for m in BUCKET_PROBE_ROWS}
     assert len(configs) == 4 and len({c.block_k for c in configs}) == 1, configs
-    outs = [_launch(x, w, x.new_empty((600, num_experts)), None, 600, c) for c in configs]
+    outs = [_launch(x, w, x.new_empty((rows, num_experts)), None, rows, c) for c in configs]
     for config, out in zip(configs, outs, strict=True):
         assert torch.equal(out, outs[0]), config
     torch.testing.assert_close(outs[0], x @ w.t(), atol=1e-4, rtol=1e-4)
-    for m in (1, 16, 17, 64, 65, 599):
+    for m in (1, 16, 17, 64, 65, 599, FP32_PREFILL_ROWS - 1, FP32_PREFILL_ROWS, rows):
         assert torch.equal(linear_triton(x[:m], w), outs[0][:m]), m
+    chunk_k = k_split_chunk(hidden, num_chunks)
+    in_order = launch_split_k(
+        x, w, torch.empty_like(outs[0]), chunk_k, next(iter(configs)), is_tree=False
+    )
+    assert not torch.equal(in_order, outs[0])
 
 
 @pytest.mark.parametrize("num_heads", (16, 128))
@@ -498,9 +517,10 @@ def test_moe_output_kernel_is_the_cast_and_two_adds(generator):
             assert torch.equal(got, moe_output_ref(routed_in, shared_in, residual))
 
 
-def _v2_lite_moe_layer():
+def _v2_lite_moe_layer(shared_experts_stream: bool = False):
     """One DeepSeek-V2-Lite MoE layer (hidden 2048, 64 experts top-6 greedy softmax, 1408 per
-    expert, 2 shared experts) on the GPU with random weights, and its invariant op table."""
+    expert, 2 shared experts) on the GPU with random weights (the same at every call), and its
+    invariant op table."""
     from kernels import KernelConfig, build_op_table
     from moe_runtime.model.layers import NO_TP
     from moe_runtime.model.moe import MoE
@@ -508,7 +528,7 @@ def _v2_lite_moe_layer():
     cfg = load_config(
         Path(__file__).resolve().parent.parent / "launch" / "configs" / "v2_lite_gpu.yaml"
     ).model
-    ops = build_op_table(KernelConfig(), "cuda")
+    ops = build_op_table(KernelConfig(shared_experts_stream=shared_experts_stream), "cuda")
     with torch.device("cuda"):
         moe = MoE(cfg, ops, torch.bfloat16, cfg.n_routed_experts, NO_TP)
     cuda_generator = torch.Generator("cuda").manual_seed(0)
@@ -560,6 +580,31 @@ def test_moe_layer_fused_launches_give_the_unfused_bits(generator, num_tokens):
         captured = moe(h, residual=x)
     graph.replay()
     assert torch.equal(captured, want)
+
+
+@pytest.mark.parametrize("num_tokens", (1, 8, 64, 256, 2048))
+def test_moe_shared_experts_on_their_stream_give_one_streams_bits(generator, num_tokens):
+    """kernels.shared_experts_stream: the shared experts beside the routed path on a second
+    stream (their split-K launches with counts of their own) == the one-stream layer, bit for
+    bit, eagerly and over repeated replays of a CUDA graph (a race would show as a changed
+    replay). Engagement: the shared experts' ops are the side table, on another stream."""
+    cfg, _, one = _v2_lite_moe_layer()
+    _, ops, two = _v2_lite_moe_layer(shared_experts_stream=True)
+    assert one.side is None and ops.side is not None and two.side is ops.side
+    assert two.shared_experts.ops is ops.side and ops.side.stream != torch.cuda.current_stream()
+    assert ops.side.linear.keywords["arrivals"] is not ops.linear.keywords["arrivals"]
+    h = _randn(generator, num_tokens, cfg.hidden_size)
+    x = _randn(generator, num_tokens, cfg.hidden_size, scale=10.0)
+    want = one(h, residual=x)
+    for _ in range(3):
+        assert torch.equal(two(h, residual=x), want)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = two(h, residual=x)
+    for _ in range(20):
+        captured.zero_()
+        graph.replay()
+        assert torch.equal(captured, want)
 
 
 # Row counts of the fused-kernel checks: decode sizes, one prefill tile and past it.

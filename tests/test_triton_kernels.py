@@ -385,11 +385,14 @@ def check_mla_attention(generator: torch.Generator) -> None:
 
 def check_router_logits(generator: torch.Generator) -> None:
     """bf16 x against the fp32 router weight, upcast in registers: the bits of the fp32 linear
-    of x.float() (the copy launch it replaces), on both sides of the row buckets and the K
-    split (K 2048: four chunks of 512)."""
+    of x.float() (the copy launch it replaces), on both sides of the row buckets and of the
+    folded launch (K 2048: sixteen chunks of 128 in the binary tree); the subtrees a program
+    sums at prefill sizes give the same bits, and chunk order does not (the control)."""
     from kernels.router import router_logits_ref
     from kernels.triton_linear import linear_triton
+    from kernels.triton_linear_config import k_split_chunk, k_split_count, linear_config
     from kernels.triton_router import router_logits_triton
+    from kernels.triton_split_k import launch_split_k
 
     x = torch.randn(70, 2048, generator=generator).to(torch.bfloat16)
     w = torch.randn(64, 2048, generator=generator) / 2048**0.5
@@ -398,6 +401,15 @@ def check_router_logits(generator: torch.Generator) -> None:
         assert got.dtype == torch.float32
         assert torch.equal(got, linear_triton(x[:m].float(), w)), m
     torch.testing.assert_close(got, router_logits_ref(x, w, tile_rows=8), **FP32_TOL)
+    assert k_split_count(64, 2048, w.dtype) == 16 and k_split_chunk(2048, 16) == 128
+    config = linear_config(64, 2048, w.dtype, 70)
+    for per_program in (2, 4, 16):
+        subtrees = launch_split_k(
+            x, w, torch.empty(70, 64), 128, config, is_tree=True, chunks_per_program=per_program
+        )
+        assert torch.equal(subtrees, got), per_program
+    in_order = launch_split_k(x, w, torch.empty(70, 64), 128, config, is_tree=False)
+    assert not torch.equal(in_order, got)  # the adds' order reaches the bits
 
 
 def check_router_topk(generator: torch.Generator) -> None:
