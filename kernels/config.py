@@ -11,10 +11,7 @@ invariant mode a row ignores the padding; in fast mode graphs are a speed settin
 other and the bits may follow the padded size. `tp_max` is the fixed K split of the
 row-parallel linears (kernels/tp_linear.py): K is always cut into tp_max chunks summed in one
 binary tree, so every TP degree dividing tp_max gives the same bits; a power of two, so that
-each degree's ranks hold whole subtrees. `shared_experts_stream` runs each MoE layer's shared
-experts on a second CUDA stream, beside the router, dispatch and routed experts (their own
-split-K counts; the same kernels, so the same bits); None lets the runtime config decide (on
-where the device is CUDA and tensor parallelism is off).
+each degree's ranks hold whole subtrees.
 """
 
 from __future__ import annotations
@@ -34,7 +31,6 @@ class KernelConfig:
     tp_max: int = 8
     cuda_graphs: bool | None = None
     cuda_graph_batch_sizes: tuple[int, ...] = DEFAULT_GRAPH_BATCH_SIZES
-    shared_experts_stream: bool | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -48,10 +44,10 @@ class KernelConfig:
                 f"kernels.tp_max must be a power of two <= {MAX_TP_MAX} (the ranks of every TP "
                 f"degree then hold whole subtrees of its fixed binary tree), got {self.tp_max}"
             )
-        for key in ("cuda_graphs", "shared_experts_stream"):
-            value = getattr(self, key)
-            if value is not None and not isinstance(value, bool):
-                raise ValueError(f"kernels.{key} must be a bool or null, got {value!r}")
+        if self.cuda_graphs is not None and not isinstance(self.cuda_graphs, bool):
+            raise ValueError(
+                f"kernels.cuda_graphs must be a bool or null, got {self.cuda_graphs!r}"
+            )
         sizes = self.cuda_graph_batch_sizes
         if (
             not isinstance(sizes, (list, tuple))

@@ -7,16 +7,14 @@ except on CUDA, where it is the fastest version of each op: cuBLAS linears, torc
 GEMM, FlashMLA (or split-KV) decode attention (kernels/fast_attention.py), and the one-launch
 Triton kernels of the norms, silu*up, combine, MoE output and latent cache write. Invariant
 mode on CUDA binds the Triton kernels; other devices are refused.
-Building a table has no side effects but device memory (split-K counts) and, with
-`kernels.shared_experts_stream`, a second CUDA stream; `pin_threads` is the one call that
-touches process state (torch's intra-op thread count) and each worker makes it once, at
-start-up.
+Building a table has no side effects; `pin_threads` is the one call that touches process
+state (torch's intra-op thread count) and each worker makes it once, at start-up.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -78,10 +76,6 @@ class OpTable:
     write_latent_cache: Callable
     row_parallel_linear: Callable
     mode: str
-    # The second stream's table (kernels.shared_experts_stream on CUDA): the same ops with split-K
-    # counts of their own, launched on `stream`; None on the table of one stream.
-    side: OpTable | None = None
-    stream: torch.cuda.Stream | None = None  # set on a side table only
 
 
 # Each op: (fast, invariant reference). The tiled references take `tile_rows`.
@@ -133,18 +127,6 @@ _FASTEST_ON_CUDA = (
 
 def build_op_table(config: KernelConfig, device: torch.device | str) -> OpTable:
     device = torch.device(device)
-    table = _build_op_table(config, device)
-    if config.shared_experts_stream:
-        if device.type != "cuda":
-            raise ValueError(f"kernels.shared_experts_stream needs a cuda device, got {device}")
-        # Why a table of its own: a folded split-K launch's arrival counts are shared only by
-        # launches of one stream; two streams' launches at once would mix their counts.
-        side = replace(_build_op_table(config, device), stream=torch.cuda.Stream(device))
-        table = replace(table, side=side)
-    return table
-
-
-def _build_op_table(config: KernelConfig, device: torch.device) -> OpTable:
     arrivals = None  # split-K arrival counts: CUDA invariant mode only
     row_wise = {name: ref for name, (_, ref) in _ROW_WISE_OPS.items()}
     # Rope is elementwise and row-wise in both kernels: one op for both modes, the one-launch

@@ -119,17 +119,6 @@ class RuntimeConfig:
             is_nccl = parallel.world_size > 1 and select_backend(parallel) == "nccl"
             is_on = parallel.device == "cuda" and parallel.tp_size == 1 and not is_nccl
             object.__setattr__(self, "kernels", replace(self.kernels, cuda_graphs=is_on))
-        if self.kernels.shared_experts_stream is None:
-            # On where it can run: CUDA, and no TP collective in the shared experts' down.
-            is_on = self.parallel.device == "cuda" and self.parallel.tp_size == 1
-            object.__setattr__(self, "kernels", replace(self.kernels, shared_experts_stream=is_on))
-        if self.kernels.shared_experts_stream and (
-            self.parallel.device != "cuda" or self.parallel.tp_size > 1
-        ):
-            raise ValueError(
-                "kernels.shared_experts_stream: true needs parallel.device 'cuda' and "
-                f"parallel.tp_size 1, got {self.parallel.device!r} and {self.parallel.tp_size}"
-            )
         if self.kernels.cuda_graphs and self.parallel.device != "cuda":
             raise ValueError(
                 "kernels.cuda_graphs: true needs parallel.device 'cuda', "

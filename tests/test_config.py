@@ -130,29 +130,6 @@ def test_cuda_graphs_refused_where_they_cannot_run(overrides, needs):
         load_config(CONFIGS / "tiny_cpu.yaml", {"kernels.cuda_graphs": True, **overrides})
 
 
-def test_shared_experts_stream_default_and_refusals():
-    """kernels.shared_experts_stream: on by default where it can run (CUDA, tp_size 1), off
-    on the CPU and with TP; true where it cannot run and non-bools are refused by name."""
-    assert load_config(CONFIGS / "tiny_gpu.yaml").kernels.shared_experts_stream is True
-    assert load_config(CONFIGS / "tiny_cpu.yaml").kernels.shared_experts_stream is False
-    tp2 = {"parallel.world_size": 2, "parallel.tp_size": 2}
-    assert load_config(CONFIGS / "tiny_gpu.yaml", tp2).kernels.shared_experts_stream is False
-    off = {"kernels.shared_experts_stream": False}
-    assert load_config(CONFIGS / "tiny_gpu.yaml", off).kernels.shared_experts_stream is False
-    on = {"kernels.shared_experts_stream": True}
-    with pytest.raises(ValueError, match="shared_experts_stream.*'cuda'.*got 'cpu'"):
-        load_config(CONFIGS / "tiny_cpu.yaml", on)
-    with pytest.raises(ValueError, match="shared_experts_stream.*tp_size 1.*and 2"):
-        load_config(CONFIGS / "tiny_gpu.yaml", {**tp2, **on})
-    with pytest.raises(ValueError, match="kernels.shared_experts_stream must be a bool"):
-        load_config(CONFIGS / "tiny_gpu.yaml", {"kernels.shared_experts_stream": "yes please"})
-    from kernels import KernelConfig, build_op_table
-
-    with pytest.raises(ValueError, match="shared_experts_stream needs a cuda device, got cpu"):
-        build_op_table(KernelConfig(shared_experts_stream=True), "cpu")
-    assert build_op_table(KernelConfig(), "cpu").side is None
-
-
 def test_cpu_runner_stays_eager_with_its_cache_unchanged():
     from moe_runtime import LLM
 

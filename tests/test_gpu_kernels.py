@@ -517,10 +517,9 @@ def test_moe_output_kernel_is_the_cast_and_two_adds(generator):
             assert torch.equal(got, moe_output_ref(routed_in, shared_in, residual))
 
 
-def _v2_lite_moe_layer(shared_experts_stream: bool = False):
+def _v2_lite_moe_layer():
     """One DeepSeek-V2-Lite MoE layer (hidden 2048, 64 experts top-6 greedy softmax, 1408 per
-    expert, 2 shared experts) on the GPU with random weights (the same at every call), and its
-    invariant op table."""
+    expert, 2 shared experts) on the GPU with random weights, and its invariant op table."""
     from kernels import KernelConfig, build_op_table
     from moe_runtime.model.layers import NO_TP
     from moe_runtime.model.moe import MoE
@@ -528,7 +527,7 @@ def _v2_lite_moe_layer(shared_experts_stream: bool = False):
     cfg = load_config(
         Path(__file__).resolve().parent.parent / "launch" / "configs" / "v2_lite_gpu.yaml"
     ).model
-    ops = build_op_table(KernelConfig(shared_experts_stream=shared_experts_stream), "cuda")
+    ops = build_op_table(KernelConfig(), "cuda")
     with torch.device("cuda"):
         moe = MoE(cfg, ops, torch.bfloat16, cfg.n_routed_experts, NO_TP)
     cuda_generator = torch.Generator("cuda").manual_seed(0)
@@ -580,31 +579,6 @@ def test_moe_layer_fused_launches_give_the_unfused_bits(generator, num_tokens):
         captured = moe(h, residual=x)
     graph.replay()
     assert torch.equal(captured, want)
-
-
-@pytest.mark.parametrize("num_tokens", (1, 8, 64, 256, 2048))
-def test_moe_shared_experts_on_their_stream_give_one_streams_bits(generator, num_tokens):
-    """kernels.shared_experts_stream: the shared experts beside the routed path on a second
-    stream (their split-K launches with counts of their own) == the one-stream layer, bit for
-    bit, eagerly and over repeated replays of a CUDA graph (a race would show as a changed
-    replay). Engagement: the shared experts' ops are the side table, on another stream."""
-    cfg, _, one = _v2_lite_moe_layer()
-    _, ops, two = _v2_lite_moe_layer(shared_experts_stream=True)
-    assert one.side is None and ops.side is not None and two.side is ops.side
-    assert two.shared_experts.ops is ops.side and ops.side.stream != torch.cuda.current_stream()
-    assert ops.side.linear.keywords["arrivals"] is not ops.linear.keywords["arrivals"]
-    h = _randn(generator, num_tokens, cfg.hidden_size)
-    x = _randn(generator, num_tokens, cfg.hidden_size, scale=10.0)
-    want = one(h, residual=x)
-    for _ in range(3):
-        assert torch.equal(two(h, residual=x), want)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = two(h, residual=x)
-    for _ in range(20):
-        captured.zero_()
-        graph.replay()
-        assert torch.equal(captured, want)
 
 
 # Row counts of the fused-kernel checks: decode sizes, one prefill tile and past it.

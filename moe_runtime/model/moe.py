@@ -96,16 +96,9 @@ class MoE(nn.Module):
         self.experts = Experts(
             num_local_slots, cfg.hidden_size, cfg.moe_intermediate_size, ops, dtype
         )
-        # The second stream's table (kernels.shared_experts_stream): with one TP rank only, as
-        # the shared experts' row-parallel down then has no collective to order across ranks.
-        self.side = ops.side if cfg.n_shared_experts and tp.size == 1 else None
         if cfg.n_shared_experts:
             self.shared_experts = GatedMLP(
-                cfg.hidden_size,
-                cfg.moe_intermediate_size * cfg.n_shared_experts,
-                self.side or ops,
-                dtype,
-                tp,
+                cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, ops, dtype, tp
             )
         else:
             self.shared_experts = None
@@ -124,17 +117,6 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """Normed input x [T, D], the layer's residual [T, D] -> residual + MoE(x) [T, D]."""
-        side = self.side.stream if self.side is not None and x.is_cuda else None
-        if side is not None:
-            # Why: the shared experts need only x, so they run beside the router, dispatch,
-            # routed experts and combine (at decode sizes a chain of small launches that
-            # leaves most SMs idle). Enqueued first so the GPU sees them first. No tensor needs
-            # record_stream: x outlives the join below, and what the side stream allocates is
-            # reused on it only after the next layer's wait on this stream's later work.
-            main = torch.cuda.current_stream(x.device)
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
-                shared = self.shared_experts(x)
         topk_ids, topk_weights, slot_ids = self.gate(x, self.replica_row)
         self.last_topk_ids = topk_ids  # logical ids, read back for routed-expert reporting
         # Why shares: the TP ranks of a group hold the same tokens; each dispatches its own
@@ -152,9 +134,6 @@ class MoE(nn.Module):
             # Why round before the gather: half the bytes on the wire; moe_output's rounding
             # of rows already in x's dtype is then exact, so the bits are tp 1's.
             routed = self.tp.gather_shares(routed.to(x.dtype), x.shape[0])
-        if side is not None:
-            main.wait_stream(side)
-        else:
-            shared = None if self.shared_experts is None else self.shared_experts(x)
+        shared = None if self.shared_experts is None else self.shared_experts(x)
         # One op (one launch on CUDA): the fp32 routed sum rounded, + shared, + residual.
         return self.ops.moe_output(routed, shared, residual)
