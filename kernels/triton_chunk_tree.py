@@ -29,6 +29,9 @@ def _chunk_tree_kernel(
     STEPS_PER_CHUNK: tl.constexpr,
     NUM_CHUNKS: tl.constexpr,
     IS_TREE: tl.constexpr,
+    CHUNK_K: tl.constexpr,
+    IS_GRID: tl.constexpr,
+    K_ALIGN: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -38,8 +41,12 @@ def _chunk_tree_kernel(
 ):
     """out tile = the binary tree (adjacent pairs, level by level; IS_TREE) or the chunk-order
     chain (((c0 + c1) + c2) + ...) of the NUM_CHUNKS chunk sums of x @ w^T, chunk c over
-    columns [c * C, (c + 1) * C) with C = STEPS_PER_CHUNK * BLOCK_K, each an fp32 sum from
-    zero in BLOCK_K steps ascending, rounded to out's dtype once. One K loop over all chunks
+    columns [c * CHUNK_K, (c + 1) * CHUNK_K), each an fp32 sum from zero in BLOCK_K steps
+    ascending, rounded to out's dtype once: CHUNK_K = STEPS_PER_CHUNK * BLOCK_K, or (IS_GRID)
+    STEPS_PER_CHUNK steps on the grid of BLOCK_K columns from column 0, each masked to its
+    chunk (every chunk spans the same number of grid steps; K_ALIGN, a power of two dividing
+    CHUNK_K, keeps the masked loads full-width vectors): the chunk launch's steps
+    (dot_k_grid), so chunks off the grid need no shorter step. One K loop over all chunks
     (no pipeline drain at each chunk's end); at a chunk's last step its sum joins the tree as
     a binary counter (tree_push: the finished subtrees wait in s0..s2, so at most four fp32
     tiles are live) or the chain's running total in s0 (two live tiles), and the accumulator
@@ -59,9 +66,17 @@ def _chunk_tree_kernel(
     s2 = s0
     s3 = s0  # never written below 16 chunks: compiled away
     for step in range(NUM_CHUNKS * STEPS_PER_CHUNK):
+        if IS_GRID:
+            k_lo = tl.multiple_of((step // STEPS_PER_CHUNK) * CHUNK_K, K_ALIGN)
+            k_start = tl.multiple_of(k_lo - k_lo % BLOCK_K, BLOCK_K)
+            k = k_start + (step % STEPS_PER_CHUNK) * BLOCK_K + offs_k
+            k_ok = (k >= k_lo) & (k < k_lo + CHUNK_K)
+        else:
+            k = step * BLOCK_K + offs_k
+            k_ok = None
         acc = dot_step(
-            x_ptr, w_ptr, offs_m, offs_n, row_ok, col_ok, stride_xm, K, step * BLOCK_K + offs_k,
-            None, acc, INPUT_PRECISION, UPCAST_DOT, False,
+            x_ptr, w_ptr, offs_m, offs_n, row_ok, col_ok, stride_xm, K, k, k_ok, acc,
+            INPUT_PRECISION, UPCAST_DOT, IS_GRID,
         )  # fmt: skip
         if step % STEPS_PER_CHUNK == STEPS_PER_CHUNK - 1:
             chunk = step // STEPS_PER_CHUNK
@@ -92,6 +107,15 @@ def tree_block_k(chunk_k: int, dtype: torch.dtype) -> int:
     while block_k >= 16 and chunk_k % block_k:
         block_k //= 2
     return block_k if block_k >= 16 else 0
+
+
+def grid_steps(chunk_k: int, num_chunks: int, block_k: int) -> int:
+    """Steps of block_k columns on the grid from column 0 that each of num_chunks chunks of
+    chunk_k columns spans, where that count is the same for every chunk (0 otherwise): the
+    in-program tree's masked full-width steps (chunk_k a multiple of 16, so each 16-column
+    MMA of a masked step is all the chunk's columns or all zeros)."""
+    counts = {triton.cdiv(c * chunk_k % block_k + chunk_k, block_k) for c in range(num_chunks)}
+    return counts.pop() if len(counts) == 1 and chunk_k % 16 == 0 else 0
 
 
 MAX_TREE_CHUNKS = 8  # the in-program tree keeps subtrees of 1, 2 and 4 chunks
@@ -141,13 +165,17 @@ def linear_chunk_tree(
     *,
     is_tree: bool = True,
     out: torch.Tensor | None = None,
+    is_grid: bool | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T summed as num_chunks (a power of two <= 8, dividing K) chunk
     sums added in the fixed binary tree (is_tree) or in chunk order, in one launch with no
     fp32 partials in memory -> [M, N] in out_dtype, into `out` (contiguous) when given. The
     same bits as computing the chunk partials and adding them with sum_parts
     (kernels/triton_tp_linear.py; the linear's fixed K split), for any M: the prefill path of
-    that sum. x may be 16-bit against an fp32 weight (upcast in registers, as the linear)."""
+    that sum. x may be 16-bit against an fp32 weight (upcast in registers, as the linear).
+    Chunks off the dtype's K step grid walk it in masked full steps (grid_steps) where they
+    can, else in the largest step dividing them (tree_block_k); is_grid forces either
+    (a comparison for the benchmarks; the same bits)."""
     check_pair(x, weight, 2, is_upcast_ok=True)
     num_rows, in_dim = x.shape
     out_dim = weight.shape[0]
@@ -156,9 +184,21 @@ def linear_chunk_tree(
             f"num_chunks must be a power of two <= {MAX_TREE_CHUNKS} dividing K = {in_dim}, "
             f"got {num_chunks}"
         )
-    block_k = tree_block_k(in_dim // num_chunks, weight.dtype)
+    chunk_k = in_dim // num_chunks
+    block_k = tree_block_k(chunk_k, weight.dtype)
     if not block_k:
-        raise ValueError(f"chunks of {in_dim // num_chunks} columns need a multiple of 16")
+        raise ValueError(f"chunks of {chunk_k} columns need a multiple of 16")
+    steps_per_chunk = chunk_k // block_k
+    full_k = block_k_of(weight.dtype)
+    on_grid = grid_steps(chunk_k, num_chunks, full_k) if block_k < full_k else 0
+    if is_grid is None:
+        # Why: half-width steps ran the shared experts' down (352-column chunks) at 1.1-1.15x
+        # the linear at prefill; full steps with a masked edge are the chunk launch's own.
+        is_grid = bool(on_grid)
+    elif is_grid and not on_grid:
+        raise ValueError(f"{num_chunks} chunks of {chunk_k} columns span unequal grid steps")
+    if is_grid:
+        block_k, steps_per_chunk = full_k, on_grid
     x, weight = x.contiguous(), weight.contiguous()
     if out is None:
         out = torch.empty((num_rows, out_dim), dtype=out_dtype, device=x.device)
@@ -175,9 +215,12 @@ def linear_chunk_tree(
         out_dim,
         in_dim,
         x.stride(0),
-        STEPS_PER_CHUNK=in_dim // num_chunks // block_k,
+        STEPS_PER_CHUNK=steps_per_chunk,
         NUM_CHUNKS=num_chunks,
         IS_TREE=is_tree,
+        CHUNK_K=chunk_k,
+        IS_GRID=is_grid,
+        K_ALIGN=chunk_k & -chunk_k if is_grid else block_k,
         **kernel_consts(dataclasses.replace(config, block_k=block_k), x.dtype, weight.dtype),
     )
     return out

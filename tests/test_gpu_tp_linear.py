@@ -53,6 +53,25 @@ def _at_tp(x, w, tp_size):
     )
 
 
+def test_gpu_tree_off_grid_chunks_full_or_half_steps_same_bits():
+    """The shared experts' down (352-column chunks, off the 64-column grid): the in-program
+    tree in masked 64-column steps (the default) == in 32-column steps == the chunk launch,
+    bitwise, on every tile shape the tree may run."""
+    from kernels.triton_chunk_tree import TREE_CONFIG, grid_steps, linear_chunk_tree
+    from kernels.triton_linear_config import LinearConfig
+    from kernels.triton_tp_linear import launch_tp_chunks
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(1100, 2816, generator=gen).bfloat16().cuda()
+    w = (torch.randn(2048, 2816, generator=gen) / 2816**0.5).bfloat16().cuda()
+    assert grid_steps(352, 8, 64) == 6
+    want = launch_tp_chunks(x, w, 8, torch.bfloat16)
+    for config in (TREE_CONFIG, LinearConfig(128, 64, 64, 8, 8, 3)):
+        for is_grid in (True, False):
+            got = linear_chunk_tree(x, w, 8, torch.bfloat16, config, is_grid=is_grid)
+            assert torch.equal(got, want), (config, is_grid)
+
+
 @pytest.mark.parametrize(("out_dim", "in_dim"), V2_LITE_ROW_PARALLEL)
 def test_gpu_every_tp_degree_same_bits_and_rows_invariant(out_dim, in_dim):
     gen = torch.Generator().manual_seed(0)

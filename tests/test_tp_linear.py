@@ -328,6 +328,15 @@ def check_in_program_tree_same_bits(generator: torch.Generator) -> None:
             config = linear_config(w.shape[0], w.shape[1], dtype, x.shape[0])
             tree = linear_chunk_tree(x, w, num_chunks, torch.float32, config)
             assert torch.equal(tree, tp_linear_triton(x, w, num_chunks)), (dtype, num_chunks)
+    # Chunks off the 64-column grid (96 columns, as the shared experts' down's 352): masked
+    # full steps, the chunk launch's own steps (engagement: grid_steps finds two a chunk).
+    from kernels.triton_chunk_tree import grid_steps
+
+    x, w = _inputs(generator, torch.bfloat16, num_rows=37, in_dim=768)
+    assert grid_steps(96, 8, 64) == 2
+    config = linear_config(w.shape[0], w.shape[1], torch.bfloat16, x.shape[0])
+    tree = linear_chunk_tree(x, w, 8, torch.float32, config)
+    assert torch.equal(tree, tp_linear_triton(x, w, 8))
 
 
 def check_in_program_chain_same_bits(generator: torch.Generator) -> None:
