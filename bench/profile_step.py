@@ -95,11 +95,45 @@ def grid_table(trace: dict, num_steps: int, top: int) -> list[str]:
     return time_table(totals, ("kernel", "grid", "block"), num_steps, top)
 
 
+# A GPU idle gap at least this long is the host's (scheduling, batch build, copies, output
+# bookkeeping between steps, or an eager launch); shorter ones are launch latency inside a
+# graph replay or a burst of queued launches.
+HOST_GAP_US = 20.0
+
+
+def idle_lines(trace: dict, num_steps: int) -> list[str]:
+    """Where the GPU was idle between the first and last kernel of the profiled steps: gaps
+    between consecutive kernels (by start time, overlaps counted as no gap) split at
+    HOST_GAP_US. Lines of text."""
+    spans = sorted(
+        (event["ts"], event["ts"] + event.get("dur", 0.0))
+        for event in trace.get("traceEvents", [])
+        if event.get("cat") == "kernel"
+    )
+    if len(spans) < 2:
+        return ["idle: fewer than two kernels traced"]
+    short, long, num_long, end = 0.0, 0.0, 0, spans[0][1]
+    for start, stop in spans[1:]:
+        gap = start - end
+        if gap >= HOST_GAP_US:
+            long, num_long = long + gap, num_long + 1
+        elif gap > 0:
+            short += gap
+        end = max(end, stop)
+    span = spans[-1][1] - spans[0][0]
+    return [
+        f"GPU timeline per step: {span / num_steps:.1f} us from first kernel to last; idle "
+        f"{short / num_steps:.1f} us in gaps < {HOST_GAP_US:.0f} us (launch latency) and "
+        f"{long / num_steps:.1f} us in {num_long / num_steps:.1f} longer gaps a step (the host)"
+    ]
+
+
 def print_grid_table(prof, num_steps: int, top: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))
         trace = json.loads(path.read_text())
+    print("\n".join(idle_lines(trace, num_steps)))
     print("\nkernels by launch shape:")
     print("\n".join(grid_table(trace, num_steps, top)))
 
@@ -145,7 +179,9 @@ def main() -> None:
         "--prefill", action="store_true", help="profile prefill steps of B x context instead"
     )
     parser.add_argument(
-        "--by-grid", action="store_true", help="also group kernels by launch grid and block"
+        "--by-grid",
+        action="store_true",
+        help="also group kernels by launch grid and block, and split the GPU's idle time",
     )
     args = parser.parse_args()
     cfg = load_config(args.config, parse_overrides(args.set))

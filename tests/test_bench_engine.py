@@ -104,3 +104,23 @@ def test_profile_grid_table_groups_kernels_by_launch_shape():
     assert lines[2] == "| _linear_kernel | [64, 1, 1] | [128] | 1 | 30 | 30.0 |"
     assert lines[3] == "| _linear_kernel | [32, 1, 1] | [128] | 1 | 7 | 7.0 |"
     assert len(lines) == 4
+
+
+def test_profile_idle_lines_split_launch_gaps_from_host_gaps():
+    """bench/profile_step.py's idle split: gaps between consecutive kernels under HOST_GAP_US
+    count as launch latency, longer ones as the host's; overlapping kernels leave no gap."""
+    from bench.profile_step import HOST_GAP_US, idle_lines
+
+    def kernel(ts, dur):
+        return {"cat": "kernel", "name": "k", "ts": ts, "dur": dur}
+
+    long_gap = 2 * HOST_GAP_US
+    events = [kernel(0.0, 10.0), kernel(12.0, 10.0), kernel(15.0, 2.0), kernel(25.0, 5.0)]
+    events.append(kernel(30.0 + long_gap, 10.0))  # after a host gap
+    events.append({"cat": "cpu_op", "name": "aten::mm", "ts": 500.0, "dur": 1.0})
+    (line,) = idle_lines({"traceEvents": events}, num_steps=1)
+    span = 40.0 + long_gap
+    # Launch gaps: 2 (10 -> 12) + 3 (22 -> 25; the kernel at 15 overlaps); host: long_gap.
+    assert f"{span:.1f} us from first kernel to last" in line
+    assert "idle 5.0 us in gaps" in line
+    assert f"and {long_gap:.1f} us in 1.0 longer gaps" in line
