@@ -25,4 +25,17 @@ class ForwardBatch:
         return int(self.token_ids.shape[0])
 
     def to(self, device: torch.device) -> ForwardBatch:
-        return ForwardBatch(*(getattr(self, f.name).to(device) for f in fields(self)))
+        return ForwardBatch(*(host_to_device(getattr(self, f.name), device) for f in fields(self)))
+
+
+def host_to_device(values: torch.Tensor | list, device: torch.device | str) -> torch.Tensor:
+    """A CPU tensor or a list (torch.tensor's dtype) on `device`, without waiting for the work
+    already queued there. Why: a copy from pageable host memory to a CUDA device waits for its
+    stream, so one issued behind a decode step's graph replay held the host until the replay
+    ended and the sampler's launches then ran one by one on an idle GPU; from page-locked
+    memory the copy is queued like a kernel (the pinned block is not reused before it ends)."""
+    tensor = values if isinstance(values, torch.Tensor) else torch.tensor(values)
+    device = torch.device(device)
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from comm.capacity_dispatch import FixedCapacityDispatcher
-from moe_runtime.forward_batch import ForwardBatch
+from moe_runtime.forward_batch import ForwardBatch, host_to_device
 from moe_runtime.model.deepseek import DeepseekForCausalLM
 
 
@@ -132,6 +132,8 @@ class DecodeGraphRunner:
         """batch (host tensors, B rows, can_run true) -> fp32 logits [R, V] for
         batch.logits_indices, bitwise the eager model's."""
         num_real, size = batch.num_tokens, self._step_size
+        # Before the replay: queued behind it, the copy would hold the host until it ends.
+        logits_indices = host_to_device(batch.logits_indices, self.device)
         graphs = self._graphs.get(size)
         if not self.segments:
             self._plan()
@@ -153,7 +155,7 @@ class DecodeGraphRunner:
             self._count_real_rows(graphs.moe_topk_ids, num_real)
         self.num_replays += 1
         logits = graphs.outputs[-1][0]
-        return logits[batch.logits_indices.to(self.device)]  # a copy: the pool is reused
+        return logits[logits_indices]  # a copy: the pool is reused
 
     def _count_real_rows(self, topk_ids: list[torch.Tensor], num_real: int) -> None:
         """After a replay: point each captured MoE layer at this size's routing (a replay

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from kernels import OpTable
-from moe_runtime.forward_batch import ForwardBatch
+from moe_runtime.forward_batch import ForwardBatch, host_to_device
 from moe_runtime.model.deepseek import DeepseekForCausalLM
 from moe_runtime.worker.cuda_graphs import DecodeGraphRunner
 from moe_runtime.worker.sampler import Sampler
@@ -122,7 +122,8 @@ class ModelRunner:
         asking = [i for i, s in enumerate(seqs) if s.params.return_routed_experts]
         if not moe_layers or not asking:
             return {}
-        token_rows = batch.logits_indices[[gen_rows[i] for i in asking]].to(self.device)
+        rows = batch.logits_indices[[gen_rows[i] for i in asking]]
+        token_rows = host_to_device(rows, self.device)
         ids = torch.stack([moe.last_topk_ids[token_rows] for moe in moe_layers], dim=1)
         ids = ids.to(torch.int32).cpu().numpy()  # [R, L_moe, K]: one host copy, compact
         return {seqs[i].seq_id: ids[j] for j, i in enumerate(asking)}

@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import torch
 
+from moe_runtime.forward_batch import host_to_device
 from moe_runtime.sampling_params import SamplingParams
 from moe_runtime.worker.step_input import SampleResult
 
@@ -57,12 +58,12 @@ class Sampler:
         scores, reported = logits, raw
         sampled = [i for i, p in enumerate(params) if not p.is_greedy]
         if sampled:
-            rows = torch.tensor(sampled, device=logits.device)
+            rows = host_to_device(sampled, logits.device)
             temperatures = [params[i].temperature for i in sampled]
-            processed = logits[rows] / torch.tensor(temperatures, device=logits.device)[:, None]
+            processed = logits[rows] / host_to_device(temperatures, logits.device)[:, None]
             filtered = [j for j, i in enumerate(sampled) if _is_filtered(params[i])]
             if filtered:
-                picked = torch.tensor(filtered, device=logits.device)
+                picked = host_to_device(filtered, logits.device)
                 kept = self._filter(processed[picked], [params[sampled[j]] for j in filtered])
                 processed[picked] = kept
             noise = gumbel_noise(
@@ -74,7 +75,7 @@ class Sampler:
             scores = logits.index_copy(0, rows, processed + noise)
             processed_mode = [j for j, i in enumerate(sampled) if params[i].logprobs_mode != "raw"]
             if processed_mode:
-                picked = torch.tensor(processed_mode, device=logits.device)
+                picked = host_to_device(processed_mode, logits.device)
                 reported = raw.index_copy(0, rows[picked], self._log_softmax(processed[picked]))
         token_ids = torch.argmax(scores, dim=-1)
         chosen = reported.gather(1, token_ids[:, None])
@@ -106,16 +107,16 @@ class Sampler:
         # Stable descending sort: equal logits keep id order, so boundary ties go to the lower id.
         sorted_logits, sorted_ids = torch.sort(scaled, dim=1, descending=True, stable=True)
         ranks = torch.arange(vocab_size, device=device)
-        keep = ranks[None, :] < torch.tensor(top_k, device=device)[:, None]
+        keep = ranks[None, :] < host_to_device(top_k, device)[:, None]
         nucleus = [r for r, p in enumerate(params) if p.top_p < 1.0]
         if nucleus:
-            rows = torch.tensor(nucleus, device=device)
+            rows = host_to_device(nucleus, device)
             masked = sorted_logits[rows].masked_fill(~keep[rows], float("-inf"))
             probs = self._log_softmax(masked).exp()
             # Keep a token while the mass before it is short of top_p: the smallest prefix
             # reaching top_p. The table's cumsum: an exact scan in invariant mode.
             mass_before = self._cumsum(probs) - probs
-            top_p = torch.tensor([params[r].top_p for r in nucleus], device=device)
+            top_p = host_to_device([params[r].top_p for r in nucleus], device)
             keep[rows] &= mass_before < top_p[:, None]
             keep[:, 0] = True
         keep_by_id = torch.zeros_like(keep).scatter_(1, sorted_ids, keep)
@@ -157,8 +158,8 @@ def gumbel_noise(
     element on CUDA. On CPU each row is hashed in its own tensor, so a row's elements meet the
     same vectorised and scalar code paths whatever the batch.
     """
-    counters = torch.tensor(positions, device=device) + 1
-    keys = _mix(torch.tensor(seeds, device=device) + _GOLDEN * counters)
+    counters = host_to_device(positions, device) + 1
+    keys = _mix(host_to_device(seeds, device) + _GOLDEN * counters)
     vocab_steps = _GOLDEN * torch.arange(1, vocab_size + 1, device=device)
     step = 1 if device.type == "cpu" else _NOISE_ROWS
     parts = []
