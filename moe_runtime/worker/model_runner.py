@@ -97,8 +97,12 @@ class ModelRunner:
         gen_rows = [i for i, (chunk, _) in enumerate(row_owners) if not chunk.seq.is_score]
         if gen_rows:
             seqs = [row_owners[i][0].seq for i in gen_rows]
+            gen_logits = logits
+            if len(gen_rows) < logits.shape[0]:
+                # A list index is a pageable copy that would wait for the step's GPU work.
+                gen_logits = logits[host_to_device(gen_rows, logits.device)]
             results = self.sampler.sample(
-                logits[gen_rows],
+                gen_logits,
                 [s.params for s in seqs],
                 [s.seed for s in seqs],
                 [len(s.token_ids) - s.num_prompt_tokens for s in seqs],
