@@ -61,8 +61,9 @@ def linear_config(out_dim: int, in_dim: int, dtype: torch.dtype, num_rows: int) 
         if num_rows <= SMALL_ROWS:
             return LinearConfig(32, 16, BLOCK_K_FP32, 8, 4, 4)
         if num_rows >= FP32_PREFILL_ROWS and out_dim < 8192:
-            # H200, graph replay, the V2-Lite router's chunk launch: 33.4 vs 61.8 us at 1024
-            # rows, 91.3 vs 98.2 at 4096 (the fastest of nine tiles; BENCHMARKS.md).
+            # H200, graph replay, the V2-Lite router's chunk launch vs 64 x 64 tiles: 33.4 vs
+            # 61.8 us at 1024 rows, 91.3 vs 98.2 at 4096 (four chunks in order; the fastest of
+            # nine tiles); on the tree split 35.6 vs 59.6 and 95.1 vs 96.4 (BENCHMARKS.md).
             return LinearConfig(32, 64, BLOCK_K_FP32, 8, 2, 3)
         return LinearConfig(64, 128 if out_dim >= 8192 else 64, BLOCK_K_FP32, 8, 4, 2)
     bk = BLOCK_K_16BIT
