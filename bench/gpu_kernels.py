@@ -334,14 +334,13 @@ def bench_row_parallel() -> None:
     }
     print(f"\n## row-parallel linear: tp_max={tp_max} K chunks + tree (tp 1) vs linear vs cuBLAS")
     columns = ("cuBLAS µs", "linear µs", "tp_max µs", "tp / linear", "tp / cuBLAS")
-    print("| weight | K | N | M | timing | " + " | ".join(columns) + " |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| weight | K | N | M | " + " | ".join(columns) + " |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, in_dim, out_dim in ROW_PARALLEL_SHAPES:
         for m in ROW_COUNTS:
-            timing = "graph"
             us = {k: _linear_graph_us(op, m, in_dim, out_dim) for k, op in ops.items()}
             print(
-                f"| {name} | {in_dim} | {out_dim} | {m} | {timing} | {us['cuBLAS']:.1f} | "
+                f"| {name} | {in_dim} | {out_dim} | {m} | {us['cuBLAS']:.1f} | "
                 f"{us['linear']:.1f} | {us['tp']:.1f} | {us['tp'] / us['linear']:.2f} | "
                 f"{us['tp'] / us['cuBLAS']:.2f} |"
             )
