@@ -139,9 +139,8 @@ def k_split_chunks_per_program(dtype: torch.dtype, num_chunks: int, num_rows: in
 def k_split_count(out_dim: int, in_dim: int, dtype: torch.dtype) -> int:
     """S for weight [out_dim, in_dim] (1: no split above SPLIT_MAX_OUT outputs). fp32: the
     largest power of two <= FP32_K_SPLITS whose chunks (k_split_chunk) number exactly S, the
-    binary tree's leaves. 16-bit: doubled while
-    the decode launch (32-column tiles) has fewer than SPLIT_TARGET_PROGRAMS programs and
-    each chunk keeps >= MIN_CHUNK_K columns."""
+    binary tree's leaves. 16-bit: doubled while the decode launch (32-column tiles) has fewer
+    than SPLIT_TARGET_PROGRAMS programs and each chunk keeps >= MIN_CHUNK_K columns."""
     if k_split_is_tree(dtype):
         if out_dim > SPLIT_MAX_OUT:
             return 1
