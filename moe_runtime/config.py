@@ -58,8 +58,16 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512
     max_model_len: int = 1024
     enable_chunked_prefill: bool = True
+    # Each rank launches the next decode step of the sequences it just sampled before the
+    # engine asks for it, and uses it only if the engine's step is exactly that one (see
+    # ModelRunner.launch_lookahead). null: on with CUDA graphs on one rank; needs world_size 1.
+    overlap_decode: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.overlap_decode is not None and not isinstance(self.overlap_decode, bool):
+            raise ValueError(
+                f"scheduler.overlap_decode must be true, false or null, got {self.overlap_decode!r}"
+            )
         _int_at_least("scheduler", "max_num_seqs", self.max_num_seqs)
         _int_at_least("scheduler", "max_num_batched_tokens", self.max_num_batched_tokens)
         _int_at_least("scheduler", "max_model_len", self.max_model_len)
@@ -119,6 +127,16 @@ class RuntimeConfig:
             is_nccl = parallel.world_size > 1 and select_backend(parallel) == "nccl"
             is_on = parallel.device == "cuda" and parallel.tp_size == 1 and not is_nccl
             object.__setattr__(self, "kernels", replace(self.kernels, cuda_graphs=is_on))
+        if self.scheduler.overlap_decode is None:
+            is_on = bool(self.kernels.cuda_graphs) and self.parallel.world_size == 1
+            object.__setattr__(self, "scheduler", replace(self.scheduler, overlap_decode=is_on))
+        if self.scheduler.overlap_decode and self.parallel.world_size > 1:
+            # Every MoE layer is a collective: a step launched ahead on one rank alone would
+            # leave the ranks out of step when the engine asks for another.
+            raise ValueError(
+                "scheduler.overlap_decode: true needs parallel.world_size 1, "
+                f"got {self.parallel.world_size}"
+            )
         if self.kernels.cuda_graphs and self.parallel.device != "cuda":
             raise ValueError(
                 "kernels.cuda_graphs: true needs parallel.device 'cuda', "

@@ -67,6 +67,27 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+def finish_reason(
+    params: SamplingParams,
+    token_id: int,
+    num_output_tokens: int,
+    num_tokens: int,
+    eos_token_id: int | None,
+    max_model_len: int,
+) -> str | None:
+    """Why a sample ends once token_id is its newest token (num_output_tokens and num_tokens
+    count it), or None: a stop token or EOS ("stop"), max_tokens or the context ("length").
+    Stop strings are the detokenizer's. The scheduler ends samples by it; a worker's decode
+    lookahead leaves out the samples it ends."""
+    if token_id in params.stop_token_ids:
+        return "stop"
+    if not params.ignore_eos and token_id == eos_token_id:
+        return "stop"
+    if num_output_tokens >= params.max_tokens or num_tokens >= max_model_len:
+        return "length"
+    return None
+
+
 def _check(ok: bool, name: str, value: object, expected: str) -> None:
     if not ok:
         raise ValueError(f"SamplingParams.{name} must be {expected}, got {value!r}")

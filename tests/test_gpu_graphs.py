@@ -3,6 +3,8 @@
 - Generation with graphs on equals graphs off bitwise (token ids, logprobs, top-5) for 40
   prompts x 16 tokens in batches whose decode sizes cross the batch-size buckets.
 - The graph path really ran: replays and captures counted on the DecodeGraphRunner.
+- With scheduler.overlap_decode (the default here) the decode steps replayed ahead give the
+  same bits as with it off; the lookaheads really served steps.
 - A real row's hidden states and logits are bitwise the same whatever the padding rows hold,
   and equal to the eager model's.
 Skipped without CUDA.
@@ -37,20 +39,22 @@ def workload():
     return mixed_prompts(NUM_PROMPTS, 8, 120, seed=23), mixed_params(NUM_PROMPTS, MAX_TOKENS)
 
 
-def _generate(workload, use_graphs: bool) -> tuple[list[dict], object]:
+def _generate(workload, use_graphs: bool, overlap: bool | None = None):
+    """-> (per batch {prompt: fingerprint}, the graph runner, the model runner)."""
     prompts, params = workload
-    llm = LLM(TINY_GPU, **{"kernels.cuda_graphs": use_graphs, **BASE})
-    graphs = llm.engine.executor.worker.runner.graphs  # shutdown drops the engine
+    overrides = {"kernels.cuda_graphs": use_graphs, "scheduler.overlap_decode": overlap}
+    llm = LLM(TINY_GPU, **overrides, **BASE)
+    runner = llm.engine.executor.worker.runner  # shutdown drops the engine
     try:
         results = [run_in_batches(llm, prompts, params, [batch]) for batch in BATCHES]
     finally:
         llm.shutdown()
-    return results, graphs
+    return results, runner.graphs, runner
 
 
 def test_gpu_graph_decode_bitwise_equals_eager(workload):
-    eager, no_graphs = _generate(workload, use_graphs=False)
-    graphed, graphs = _generate(workload, use_graphs=True)
+    eager, no_graphs, _ = _generate(workload, use_graphs=False)
+    graphed, graphs, _ = _generate(workload, use_graphs=True, overlap=False)
     assert no_graphs is None
     for got, want in zip(graphed, eager, strict=True):
         for i, fingerprint in want.items():
@@ -59,6 +63,22 @@ def test_gpu_graph_decode_bitwise_equals_eager(workload):
     # Engagement: every pure decode step of every batch went through a replay.
     assert graphs.num_replays >= len(BATCHES) * (MAX_TOKENS - 1) // 2, graphs.num_replays
     assert graphs.num_captures >= 5, f"only {graphs.num_captures} bucket sizes were captured"
+
+
+def test_gpu_overlap_decode_bitwise_equals_off(workload):
+    """scheduler.overlap_decode (on by default with graphs on one rank): decode steps replayed
+    ahead of the engine give the bits of the steps replayed when asked for."""
+    plain, _, _ = _generate(workload, use_graphs=True, overlap=False)
+    overlapped, graphs, runner = _generate(workload, use_graphs=True)
+    assert runner.overlap, "overlap_decode is not on by default with CUDA graphs"
+    for got, want in zip(overlapped, plain, strict=True):
+        for i, fingerprint in want.items():
+            assert got[i] == fingerprint, f"prompt {i}: the lookahead changed the output"
+    # Engagement: most decode steps were served by a lookahead (a replay each).
+    assert runner.num_lookahead_hits >= len(BATCHES) * (MAX_TOKENS - 2) // 2, (
+        runner.num_lookahead_hits
+    )
+    assert graphs.num_replays >= runner.num_lookahead_hits
 
 
 def _decode_batch(num_seqs: int, block_size: int) -> ForwardBatch:

@@ -183,8 +183,11 @@ class LLMEngine:
         tokens or finished in it (scoring requests are read whole with `output`)."""
         self._check_alive()
         per_dp_rank = [scheduler.schedule() for scheduler in self.schedulers]
+        overlap = self.config.scheduler.overlap_decode
         inputs = [
-            build_step_input(scheduler.collect_released(), chunks)
+            build_step_input(
+                scheduler.collect_released(), chunks, overlap and not scheduler.waiting
+            )
             for scheduler, chunks in zip(self.schedulers, per_dp_rank, strict=True)
         ]
         tp_size = self.config.parallel.tp_size
@@ -345,9 +348,11 @@ def request_output(request: Request, weight_version: int, is_delta: bool) -> Req
     )
 
 
-def build_step_input(released: list[Sequence], chunks: list[ScheduledChunk]) -> StepInput:
+def build_step_input(
+    released: list[Sequence], chunks: list[ScheduledChunk], lookahead: bool = False
+) -> StepInput:
     """One DP rank's wire message: drop released sequences, send new ones whole and running
-    ones only the tokens and blocks their worker has not seen."""
+    ones only the tokens and blocks their worker has not seen; lookahead: nothing waits."""
     released_ids = []
     for seq in released:
         if seq.is_on_worker:
@@ -378,4 +383,4 @@ def build_step_input(released: list[Sequence], chunks: list[ScheduledChunk]) -> 
         scheduled.append(
             ScheduledSeq(seq.seq_id, chunk.start, chunk.num_tokens, new_token_ids, new_block_ids)
         )
-    return StepInput(released_ids, new_seqs, scheduled)
+    return StepInput(released_ids, new_seqs, scheduled, lookahead)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from moe_runtime.config import SchedulerConfig
 from moe_runtime.engine.block_manager import ROOT_KEY_ID, BlockManager
 from moe_runtime.engine.request import Sequence, SequenceStatus
+from moe_runtime.sampling_params import finish_reason
 from moe_runtime.worker.step_input import SampleResult
 
 
@@ -54,7 +55,7 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
             chunk = self._chunk_for(seq, budget)
-            while not self.blocks.allocate(seq.block_table, seq.num_computed_tokens + chunk):
+            while not self._allocate(seq, seq.num_computed_tokens + chunk):
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is seq:
@@ -70,9 +71,7 @@ class Scheduler:
                 seq.block_table = self.blocks.match_prefix(known)
                 seq.num_computed_tokens = len(seq.block_table) * self.blocks.block_size
             chunk = self._chunk_for(seq, budget)
-            if chunk == 0 or not self.blocks.allocate(
-                seq.block_table, seq.num_computed_tokens + chunk
-            ):
+            if chunk == 0 or not self._allocate(seq, seq.num_computed_tokens + chunk):
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
@@ -80,6 +79,21 @@ class Scheduler:
             chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, chunk))
             budget -= chunk
         return chunks
+
+    def _allocate(self, seq: Sequence, num_slots: int) -> bool:
+        """Blocks for num_slots of seq, all or nothing. With overlap_decode, a chunk that ends
+        a generating sequence's known tokens also gets the slot of its next decode position
+        when a block is free (never a preemption for it): the worker's lookahead writes there
+        before this scheduler sees the step's token."""
+        config = self.config
+        if (
+            config.overlap_decode
+            and not seq.is_score
+            and num_slots == seq.num_tokens < config.max_model_len
+            and self.blocks.allocate(seq.block_table, num_slots + 1)
+        ):
+            return True
+        return self.blocks.allocate(seq.block_table, num_slots)
 
     def _chunk_for(self, seq: Sequence, budget: int) -> int:
         remaining = seq.num_tokens - seq.num_computed_tokens
@@ -127,24 +141,18 @@ class Scheduler:
             seq.output_token_ids.append(sample.token_id)
             seq.output_logprobs.append(sample.logprob)
             seq.output_top_logprobs.append(sample.top_logprobs)
-            reason = self._finish_reason(seq, sample.token_id)
+            reason = finish_reason(
+                seq.params,
+                sample.token_id,
+                len(seq.output_token_ids),
+                seq.num_tokens,
+                self.eos_token_id,
+                self.config.max_model_len,
+            )
             if reason is not None:
                 self.finish(seq, reason)
                 finished.append(seq)
         return finished
-
-    def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
-        params = seq.params
-        if token_id in params.stop_token_ids:
-            return "stop"
-        if not params.ignore_eos and token_id == self.eos_token_id:
-            return "stop"
-        if (
-            len(seq.output_token_ids) >= params.max_tokens
-            or seq.num_tokens >= self.config.max_model_len
-        ):
-            return "length"
-        return None
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """End a running sequence now (a stop token or string, the length, an abort)."""

@@ -8,6 +8,15 @@ last token of a chunk that completes its sequence (a new token is sampled) and, 
 sequences, every position whose next token is a scored one. With graph batch sizes (cuda only)
 pure decode steps go through a DecodeGraphRunner, and the cache holds one more block than the
 BlockManager is given: the scratch block the graphs' padding rows write to.
+
+With `overlap` (one rank), a step whose every sequence sampled may launch the next one ahead
+(`launch_lookahead`): the decode of the samples that go on, fed the tokens just sampled, with
+its sampling, while the host returns the results and the engine schedules. The next `step`
+uses it only when its batch and sampling inputs equal the launched ones element for element,
+so its bits are those of the same computation; otherwise it is dropped and the step runs as
+usual. A dropped lookahead wrote only the KV slot of each sample's next position, in a block
+the sample holds and that is not full (never a cached prefix); whoever writes that slot next
+runs after it on the same stream.
 """
 
 from __future__ import annotations
@@ -19,9 +28,12 @@ import torch
 from kernels import OpTable
 from moe_runtime.forward_batch import ForwardBatch, host_to_device
 from moe_runtime.model.deepseek import DeepseekForCausalLM
+from moe_runtime.sampling_params import SamplingParams, finish_reason
 from moe_runtime.worker.cuda_graphs import DecodeGraphRunner
-from moe_runtime.worker.sampler import Sampler
-from moe_runtime.worker.step_input import NewSequence, StepOutput
+from moe_runtime.worker.sampler import SampleLaunch, Sampler
+from moe_runtime.worker.step_input import NewSequence, SampleResult, StepOutput
+
+SampleArgs = tuple[list[SamplingParams], list[int], list[int]]  # params, seeds, output positions
 
 
 @dataclass(eq=False)
@@ -45,6 +57,20 @@ class Chunk:
     num_tokens: int
 
 
+@dataclass(frozen=True)
+class _Lookahead:
+    """A decode step launched ahead: its host inputs and its queued sampling."""
+
+    batch: ForwardBatch
+    sample_args: SampleArgs
+    launched: SampleLaunch
+
+
+def same_batch(a: ForwardBatch, b: ForwardBatch) -> bool:
+    """Every tensor of the two batches equal in shape and elements."""
+    return all(torch.equal(getattr(a, f.name), getattr(b, f.name)) for f in fields(a))
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -56,9 +82,15 @@ class ModelRunner:
         must_join: bool = False,
         graph_batch_sizes: tuple[int, ...] = (),
         max_blocks_per_seq: int = 0,
+        overlap: bool = False,
+        max_model_len: int | None = None,
     ) -> None:
         """graph_batch_sizes: CUDA-graph decode batch sizes (empty: always eager); block
-        tables of graphed steps are padded to max_blocks_per_seq columns."""
+        tables of graphed steps are padded to max_blocks_per_seq columns. overlap: decode
+        steps may be launched ahead (one rank only); max_model_len ends samples as the
+        scheduler does, so a lookahead leaves out those that end."""
+        if overlap and must_join:
+            raise ValueError("a decode lookahead needs one rank: every MoE layer is a collective")
         cfg = model.config
         self.model, self.ops, self.device = model, ops, device
         self.block_size, self.must_join = block_size, must_join
@@ -75,6 +107,11 @@ class ModelRunner:
             for _ in range(cfg.num_hidden_layers)
         ]
         self.sampler = Sampler(ops.log_softmax, ops.cumsum)
+        self.overlap, self.max_model_len = overlap, max_model_len
+        self.eos_token_id = cfg.eos_token_id
+        self._lookahead: _Lookahead | None = None
+        self.num_lookahead_hits = 0  # steps served by a lookahead (tests check the path ran)
+        self.num_lookahead_misses = 0  # lookaheads dropped: the step was another one
         self.graphs: DecodeGraphRunner | None = None
         if graph_batch_sizes:
             if device.type != "cuda":
@@ -86,38 +123,100 @@ class ModelRunner:
     def step(self, chunks: list[Chunk]) -> StepOutput:
         out = StepOutput()
         if not chunks and not self.must_join:
+            self.drop_lookahead()
             return out
         batch, row_owners = self._build_batch(chunks)
-        is_pure_decode = all(c.num_tokens == 1 and not c.seq.is_score for c in chunks)
-        if self.graphs is not None and self.graphs.can_run(is_pure_decode, batch):
-            logits = self.graphs.run(batch)
-        else:
-            logits = self.model(batch.to(self.device), self.kv_caches)
-        samples, scored = out.samples, out.scored
         gen_rows = [i for i, (chunk, _) in enumerate(row_owners) if not chunk.seq.is_score]
+        seqs = [row_owners[i][0].seq for i in gen_rows]
+        sample_args = self._sample_args(seqs)
+        launched = self._take_lookahead(batch, sample_args)
+        if launched is None:
+            logits = self._forward(batch, chunks)
+            if gen_rows:
+                gen_logits = logits
+                if len(gen_rows) < logits.shape[0]:
+                    # A list index is a pageable copy that would wait for the step's GPU work.
+                    gen_logits = logits[host_to_device(gen_rows, logits.device)]
+                launched = self.sampler.launch(gen_logits, *sample_args)
         if gen_rows:
-            seqs = [row_owners[i][0].seq for i in gen_rows]
-            gen_logits = logits
-            if len(gen_rows) < logits.shape[0]:
-                # A list index is a pageable copy that would wait for the step's GPU work.
-                gen_logits = logits[host_to_device(gen_rows, logits.device)]
-            results = self.sampler.sample(
-                gen_logits,
-                [s.params for s in seqs],
-                [s.seed for s in seqs],
-                [len(s.token_ids) - s.num_prompt_tokens for s in seqs],
-            )
-            samples.update({s.seq_id: r for s, r in zip(seqs, results, strict=True)})
+            results = self.sampler.collect(launched)
+            out.samples.update({s.seq_id: r for s, r in zip(seqs, results, strict=True)})
             out.routed = self._routed_experts(batch, gen_rows, seqs)
         score_rows = [i for i, (chunk, _) in enumerate(row_owners) if chunk.seq.is_score]
-        if score_rows:
+        if score_rows:  # never a lookahead's step: it has no scoring rows
             logprobs = self.ops.log_softmax(logits[score_rows]).cpu()
             for row, i in enumerate(score_rows):
                 chunk, position = row_owners[i]
                 next_token = chunk.seq.token_ids[position + 1]
-                scored.setdefault(chunk.seq.seq_id, []).append(logprobs[row, next_token].item())
+                out.scored.setdefault(chunk.seq.seq_id, []).append(logprobs[row, next_token].item())
                 chunk.seq.num_scored += 1
         return out
+
+    def _forward(self, batch: ForwardBatch, chunks: list[Chunk]) -> torch.Tensor:
+        """The model on a host batch: a graph replay for a pure decode step it fits, else
+        eager. -> fp32 logits of batch.logits_indices."""
+        is_pure_decode = all(c.num_tokens == 1 and not c.seq.is_score for c in chunks)
+        if self.graphs is not None and self.graphs.can_run(is_pure_decode, batch):
+            return self.graphs.run(batch)
+        return self.model(batch.to(self.device), self.kv_caches)
+
+    @staticmethod
+    def _sample_args(seqs: list[SequenceState]) -> SampleArgs:
+        positions = [len(s.token_ids) - s.num_prompt_tokens for s in seqs]
+        return [s.params for s in seqs], [s.seed for s in seqs], positions
+
+    def launch_lookahead(self, chunks: list[Chunk], samples: dict[int, SampleResult]) -> None:
+        """After a step of `chunks` whose every sequence sampled: launch the next decode step
+        of the samples that go on (their new token each) and its sampling, without waiting.
+        Nothing is launched when a sequence scores or is mid-prefill (the next step is not a
+        pure decode) or when a new position needs a block the table lacks (the engine
+        appends it first, so the next batch would differ anyway)."""
+        self._lookahead = None
+        if not self.overlap or not chunks:
+            return
+        going_on = []
+        for chunk in chunks:
+            seq, sample = chunk.seq, samples.get(chunk.seq.seq_id)
+            if seq.is_score or sample is None:
+                return
+            num_tokens = len(seq.token_ids) + 1
+            num_outputs = num_tokens - seq.num_prompt_tokens
+            eos, max_len = self.eos_token_id, self.max_model_len
+            if finish_reason(seq.params, sample.token_id, num_outputs, num_tokens, eos, max_len):
+                continue
+            if (num_tokens - 1) // self.block_size >= len(seq.block_table):
+                return
+            going_on.append((seq, sample.token_id))
+        if not going_on:
+            return
+        for seq, token_id in going_on:  # as the engine's next step will append them
+            seq.token_ids.append(token_id)
+        try:
+            ahead = [Chunk(seq, len(seq.token_ids) - 1, 1) for seq, _ in going_on]
+            batch, _ = self._build_batch(ahead)
+            sample_args = self._sample_args([seq for seq, _ in going_on])
+        finally:
+            for seq, _ in going_on:
+                seq.token_ids.pop()
+        launched = self.sampler.launch(self._forward(batch, ahead), *sample_args)
+        self._lookahead = _Lookahead(batch, sample_args, launched)
+
+    def _take_lookahead(self, batch: ForwardBatch, sample_args: SampleArgs) -> SampleLaunch | None:
+        """The lookahead's sampling if it computed exactly this step, else None (dropped)."""
+        ahead, self._lookahead = self._lookahead, None
+        if ahead is None:
+            return None
+        if ahead.sample_args == sample_args and same_batch(ahead.batch, batch):
+            self.num_lookahead_hits += 1
+            return ahead.launched
+        self.num_lookahead_misses += 1
+        return None
+
+    def drop_lookahead(self) -> None:
+        """Forget a launched lookahead (weights or experts are about to change)."""
+        if self._lookahead is not None:
+            self._lookahead = None
+            self.num_lookahead_misses += 1
 
     def _routed_experts(self, batch: ForwardBatch, gen_rows: list[int], seqs) -> dict:
         """seq_id -> [L_moe, K] int32 logical experts of the position whose logits were
@@ -155,8 +254,14 @@ class ModelRunner:
                 seq_rows.append(seq_row)
                 block = seq.block_table[position // self.block_size]
                 slots.append(block * self.block_size + position % self.block_size)
-        width = max((len(c.seq.block_table) for c in chunks), default=1)
-        tables = [c.seq.block_table + [-1] * (width - len(c.seq.block_table)) for c in chunks]
+        # Only the blocks the step's positions reach: with overlap_decode the scheduler may
+        # have appended the block of the next position already, which this step never reads
+        # and which would make its batch differ from the lookahead launched without it.
+        used = [
+            c.seq.block_table[: (c.start + c.num_tokens - 1) // self.block_size + 1] for c in chunks
+        ]
+        width = max((len(table) for table in used), default=1)
+        tables = [table + [-1] * (width - len(table)) for table in used]
         batch = ForwardBatch(
             token_ids=torch.tensor(token_ids, dtype=torch.int64),
             positions=torch.tensor(positions, dtype=torch.int64),

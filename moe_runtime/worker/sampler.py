@@ -14,6 +14,7 @@ choosing seeds for n > 1 and recording fresh ones is the engine's job (moe_runti
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -22,6 +23,16 @@ from moe_runtime.sampling_params import SamplingParams
 from moe_runtime.worker.step_input import SampleResult
 
 RowOp = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class SampleLaunch:
+    """A step's sampling queued on the device: `table` [R, 2 + 2 * num_top] fp64 (token id,
+    its logprob, top ids, top logprobs; None for no rows), read back by `Sampler.collect`."""
+
+    table: torch.Tensor | None
+    params: list[SamplingParams]
+    num_top: int
 
 
 class Sampler:
@@ -40,6 +51,17 @@ class Sampler:
         output_positions: list[int],
     ) -> list[SampleResult]:
         """logits [R, V] fp32; params, seeds, output_positions: one per row."""
+        return self.collect(self.launch(logits, params, seeds, output_positions))
+
+    def launch(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        seeds: list[int],
+        output_positions: list[int],
+    ) -> SampleLaunch:
+        """`sample`'s device work, queued and not waited for: `collect` reads it back. A decode
+        step launched ahead (ModelRunner's lookahead) samples this way behind its replay."""
         if logits.dim() != 2 or logits.dtype != torch.float32:
             raise ValueError(
                 f"logits must be [R, V] fp32, got {tuple(logits.shape)} {logits.dtype}"
@@ -51,7 +73,7 @@ class Sampler:
                 f"{len(params)} params, {len(seeds)} seeds, {len(output_positions)} positions"
             )
         if num_rows == 0:
-            return []
+            return SampleLaunch(None, params, 0)
         raw = self._log_softmax(logits)
         # Sampled rows: scaled (and filtered) logits plus their own noise; greedy rows: the
         # logits themselves (argmax returns the first maximum: ties go to the lower id).
@@ -85,11 +107,16 @@ class Sampler:
             # Stable descending sort of each row: equal logprobs keep id order.
             top_values, top_ids = torch.sort(reported, dim=-1, descending=True, stable=True)
             columns += [top_ids[:, :num_top], top_values[:, :num_top]]
-        # One device-to-host copy for the step: [R, 2 + 2 * num_top] fp64 (ids < 2**53 exact,
-        # fp32 logprobs exact): token id, its logprob, top ids, top logprobs.
-        host = torch.cat([c.to(torch.float64) for c in columns], dim=1)
-        results = []
-        for i, row in enumerate(host.cpu().tolist()):
+        # Read back in one device-to-host copy: fp64 holds ids < 2**53 and fp32 logprobs exactly.
+        table = torch.cat([c.to(torch.float64) for c in columns], dim=1)
+        return SampleLaunch(table, params, num_top)
+
+    def collect(self, launched: SampleLaunch) -> list[SampleResult]:
+        """Waits for a launch's device work (its one host copy) -> one result per row."""
+        if launched.table is None:
+            return []
+        params, num_top, results = launched.params, launched.num_top, []
+        for i, row in enumerate(launched.table.cpu().tolist()):
             num = params[i].logprobs or 0
             ids, values = row[2 : 2 + num], row[2 + num_top : 2 + num_top + num]
             top = {int(t): v for t, v in zip(ids, values, strict=True)}

@@ -125,6 +125,8 @@ class Worker:
             must_join=self.world_size > 1,
             graph_batch_sizes=cfg.kernels.cuda_graph_batch_sizes if cfg.kernels.cuda_graphs else (),
             max_blocks_per_seq=-(-cfg.scheduler.max_model_len // cfg.cache.block_size),
+            overlap=bool(cfg.scheduler.overlap_decode),
+            max_model_len=cfg.scheduler.max_model_len,
         )
         self._bind_placement()
 
@@ -173,13 +175,17 @@ class Worker:
 
     def execute(self, step: StepInput) -> StepOutput:
         self.num_steps += 1
-        out = self.runner.step(self._apply(step))
+        chunks = self._apply(step)
+        out = self.runner.step(chunks)
         layers = self.runner.model.moe_layers
         if layers:
-            # One device-to-host copy per step for every layer's counts (after sampling's sync).
+            # One device-to-host copy per step for every layer's counts (after sampling's sync;
+            # before a lookahead, which it would wait for).
             step_load = torch.stack([moe.last_slot_counts for moe in layers]).cpu().numpy()
             self.load_window.append(step_load)
             self.total_load = step_load if self.total_load is None else self.total_load + step_load
+        if step.lookahead:
+            self.runner.launch_lookahead(chunks, out.samples)
         return out
 
     def _apply(self, step: StepInput) -> list[Chunk]:
@@ -214,6 +220,7 @@ class Worker:
         self, new_physical_to_logical: list[list[int]], fail_at_layer: int | None = None
     ) -> dict:
         """Collective: move experts to the new placement, committed on all ranks or on none."""
+        self.runner.drop_lookahead()  # launched with the old placement
         layers = self.runner.model.moe_layers
         new_p2l = torch.tensor(new_physical_to_logical, dtype=torch.int64)
         old_p2l = self.placement.physical_to_logical[: len(layers)]
@@ -251,6 +258,7 @@ class Worker:
     def commit_weights(self) -> None:
         """Phase 2, once every rank prepared: the staged weights replace the old ones."""
         model, staged, self.staged_weights = self.runner.model, self.staged_weights, None
+        self.runner.drop_lookahead()  # launched with the old weights
         assign_weights(model, staged)
         model.after_weights_loaded()
         if self.runner.graphs is not None:
@@ -268,7 +276,9 @@ class Worker:
         mode; fast mode sums with the backend's all_reduce instead), `num_tp_share_gathers` =
         MoE layers whose routed rows came from each TP rank's token share;
         `num_eager_rows_sent_remote` = the remote rows FixedCapacityDispatcher sent through
-        the uneven exchange on steps that replayed no graph (0 with any other dispatcher)."""
+        the uneven exchange on steps that replayed no graph (0 with any other dispatcher);
+        `num_lookahead_hits` / `num_lookahead_misses` = decode steps launched ahead that served
+        the step the engine asked for / that were dropped (scheduler.overlap_decode)."""
         total = self.total_load.tolist() if self.total_load is not None else []
         tp, graphs = self.runner.model.tp, self.runner.graphs
         is_capacity = isinstance(self.dispatcher, FixedCapacityDispatcher)
@@ -288,6 +298,8 @@ class Worker:
             "num_eager_rows_sent_remote": (
                 self.dispatcher.num_eager_rows_sent_remote if is_capacity else 0
             ),
+            "num_lookahead_hits": self.runner.num_lookahead_hits,
+            "num_lookahead_misses": self.runner.num_lookahead_misses,
             "slot_load": total,
             "physical_to_logical": self.placement.physical_to_logical.tolist(),
         }

@@ -1,0 +1,171 @@
+"""scheduler.overlap_decode: a decode step launched ahead of the engine changes no bit.
+
+After a step whose every sequence sampled, the worker launches the next decode step of the
+samples that go on (fed the tokens just sampled) before the engine asks for it; the engine's
+step uses it only when its batch and sampling inputs equal the launched ones element for
+element. On the CPU the lookahead runs eagerly (no time is won), which exercises the same
+bookkeeping as the CUDA-graph path (tests/test_gpu_graphs.py runs that one on the GPU).
+
+- Generation with the lookahead on equals it off bit for bit (token ids, logprobs, top-3,
+  routed experts, finish reasons) over greedy and seeded top-k / top-p sampling, n = 2,
+  finishes by length, stop token and stop string, requests arriving mid-generation and
+  block boundaries. Engagement: lookaheads served steps, and some were dropped.
+- Controls: a lookahead fed a wrong token is always dropped by the comparison (no hit, same
+  bits), and the same lookahead compared by shape only changes the output; a lookahead kept
+  across a weight update changes the output, dropped (as the worker does) it does not.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from moe_runtime import LLM, SamplingParams
+from moe_runtime.config import load_config
+from moe_runtime.worker import model_runner
+from moe_runtime.worker.model_runner import ModelRunner
+from tests.invariance import TINY_CONFIG, fingerprint, mixed_prompts
+
+# Requests arrive in three groups, at these steps (each group waits a step or more, so the
+# lookahead launched before it is dropped).
+ARRIVALS = {0: range(0, 5), 5: range(5, 8), 12: range(8, 10)}
+
+
+def _params(stop_token: int, stop_text: str) -> list[SamplingParams]:
+    sampled = {"temperature": 0.9, "top_k": 40, "top_p": 0.9, "logprobs": 3}
+    return [
+        SamplingParams(max_tokens=20, temperature=0.0, logprobs=3, stop=(stop_text,)),
+        SamplingParams(max_tokens=20, temperature=0.0, stop_token_ids=(stop_token,)),
+        SamplingParams(max_tokens=17, seed=7, n=2, return_routed_experts=True, **sampled),
+        SamplingParams(max_tokens=9, temperature=0.0, logprobs=3, ignore_eos=True),
+        SamplingParams(max_tokens=24, seed=3, ignore_eos=True, **sampled),
+        SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=15, seed=11, ignore_eos=True, **sampled),
+        SamplingParams(max_tokens=6, temperature=0.0, logprobs=3),
+        SamplingParams(max_tokens=14, seed=5, ignore_eos=True, **sampled),
+        SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
+    ]
+
+
+@pytest.fixture(scope="module")
+def workload():
+    """Prompts and params; request 0 stops at a string and request 1 at a token, both taken
+    from their greedy output without stops (so the stops really end them early)."""
+    prompts = mixed_prompts(10, 5, 40, seed=11)
+    llm = LLM(TINY_CONFIG)
+    plain = llm.generate(prompts[:2], SamplingParams(max_tokens=20, temperature=0.0))
+    stop_text = plain[0].outputs[0].text[2]
+    stop_token = plain[1].outputs[0].token_ids[3]
+    return prompts, _params(stop_token, stop_text)
+
+
+def _run(workload, overlap: bool, llm: LLM | None = None) -> tuple[dict, dict]:
+    """Step the engine with the arrivals above; -> ({request: samples' results}, rank stats)."""
+    prompts, params = workload
+    llm = llm or LLM(TINY_CONFIG, **{"scheduler.overlap_decode": overlap})
+    engine, requests, step = llm.engine, {}, 0
+    while step == 0 or engine.has_unfinished():
+        for i in ARRIVALS.get(step, ()):
+            requests[i] = engine.add_request(prompts[i], params[i])
+        engine.step()
+        step += 1
+    results = {}
+    for i, request in requests.items():
+        outputs = engine.output(request).outputs
+        results[i] = [
+            (*fingerprint(o), o.finish_reason, o.routed_experts.tobytes() if i == 2 else None)
+            for o in outputs
+        ]
+    return results, engine.worker_stats()[0]
+
+
+def test_overlap_decode_bitwise_equals_off(workload):
+    off, off_stats = _run(workload, overlap=False)
+    on, stats = _run(workload, overlap=True)
+    assert on == off
+    assert off_stats["num_lookahead_hits"] == off_stats["num_lookahead_misses"] == 0
+    # Engagement: most decode steps came from a lookahead; arrivals and the stop string
+    # dropped some.
+    assert stats["num_lookahead_hits"] >= 10, stats
+    assert stats["num_lookahead_misses"] >= 2, stats
+    reasons = {r[3] for samples in off.values() for r in samples}
+    assert reasons == {"stop", "length"}, reasons
+    assert off[0][0][3] == off[1][0][3] == "stop"
+    assert len(off[0][0][0]) < 20 and len(off[1][0][0]) < 20
+
+
+def _wrong_token_lookahead(monkeypatch) -> None:
+    """Lookaheads fed token + 1 instead of the sampled token."""
+    launch = ModelRunner.launch_lookahead
+
+    def wrong(self, chunks, samples):
+        vocab = self.model.config.vocab_size
+        shifted = {
+            k: type(s)((s.token_id + 1) % vocab, s.logprob, s.top_logprobs)
+            for k, s in samples.items()
+        }
+        return launch(self, chunks, shifted)
+
+    monkeypatch.setattr(ModelRunner, "launch_lookahead", wrong)
+
+
+def test_wrong_lookahead_is_dropped_and_would_change_bits(workload, monkeypatch):
+    off, _ = _run(workload, overlap=False)
+    _wrong_token_lookahead(monkeypatch)
+    checked, stats = _run(workload, overlap=True)
+    assert checked == off
+    assert stats["num_lookahead_hits"] == 0 and stats["num_lookahead_misses"] >= 10, stats
+
+    # Control: compared by shape only, the same lookaheads are used and change the output.
+    def same_shapes(a, b) -> bool:
+        return all(getattr(a, k).shape == getattr(b, k).shape for k in vars(a))
+
+    monkeypatch.setattr(model_runner, "same_batch", same_shapes)
+    unchecked, stats = _run(workload, overlap=True)
+    assert stats["num_lookahead_hits"] >= 10, stats
+    assert unchecked != off, "a lookahead with wrong tokens left the output unchanged"
+
+
+def test_weight_update_drops_the_lookahead(monkeypatch):
+    pytest.importorskip("transformers")
+    import tempfile
+
+    from tests.serving import write_checkpoint
+
+    with tempfile.TemporaryDirectory() as first, tempfile.TemporaryDirectory() as second:
+        write_checkpoint(first, seed=1)
+        write_checkpoint(second, seed=2)
+        prompts = mixed_prompts(3, 5, 30, seed=4)
+        params = SamplingParams(max_tokens=10, temperature=0.0, logprobs=2, ignore_eos=True)
+
+        def run(overlap: bool) -> tuple[list, dict]:
+            llm = LLM(
+                {"model": {"path": first}, "scheduler": {"max_model_len": 256}},
+                **{"scheduler.overlap_decode": overlap},
+            )
+            requests = llm.engine.add_requests(prompts, [params] * len(prompts))
+            for _ in range(4):
+                llm.engine.step()
+            llm.update_weights(second)
+            while llm.engine.has_unfinished():
+                llm.engine.step()
+            got = [fingerprint(llm.engine.output(r).outputs[0]) for r in requests]
+            return got, llm.engine.worker_stats()[0]
+
+        off, _ = run(overlap=False)
+        on, stats = run(overlap=True)
+        assert on == off
+        assert stats["num_lookahead_hits"] >= 3 and stats["num_lookahead_misses"] >= 1, stats
+        # Control: a lookahead kept across the update serves a step with the old weights.
+        monkeypatch.setattr(ModelRunner, "drop_lookahead", lambda self: None)
+        kept, _ = run(overlap=True)
+        assert kept != off, "a lookahead of the old weights left the output unchanged"
+
+
+def test_overlap_decode_config():
+    assert load_config(TINY_CONFIG).scheduler.overlap_decode is False  # no graphs on the CPU
+    on = load_config(TINY_CONFIG, {"scheduler.overlap_decode": True})
+    assert on.scheduler.overlap_decode is True
+    with pytest.raises(ValueError, match="overlap_decode: true needs parallel.world_size 1"):
+        load_config(TINY_CONFIG, {"scheduler.overlap_decode": True, "parallel.world_size": 2})
+    with pytest.raises(ValueError, match="overlap_decode must be true, false or null"):
+        load_config(TINY_CONFIG, {"scheduler.overlap_decode": "sometimes"})
