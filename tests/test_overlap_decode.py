@@ -129,11 +129,11 @@ def test_weight_update_drops_the_lookahead(monkeypatch):
     pytest.importorskip("transformers")
     import tempfile
 
-    from tests.serving import write_checkpoint
+    from tests.checkpoints import write_tiny_checkpoint
 
     with tempfile.TemporaryDirectory() as first, tempfile.TemporaryDirectory() as second:
-        write_checkpoint(first, seed=1)
-        write_checkpoint(second, seed=2)
+        write_tiny_checkpoint(first, "v3", seed=1, q_lora_rank=None)
+        write_tiny_checkpoint(second, "v3", seed=2, q_lora_rank=None)
         prompts = mixed_prompts(3, 5, 30, seed=4)
         params = SamplingParams(max_tokens=10, temperature=0.0, logprobs=2, ignore_eos=True)
 

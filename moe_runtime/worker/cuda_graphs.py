@@ -40,6 +40,9 @@ class _SizeGraphs:
     """Static buffers and captured segments of one padded batch size N."""
 
     batch: ForwardBatch  # device tensors, [N] / [N, MB]; logits_indices = arange(N)
+    # token_ids, positions, slot_mapping and block_tables: views of this one buffer, loaded
+    # in one host-to-device copy a step
+    loaded: torch.Tensor
     inputs: list[torch.Tensor | None]  # per segment: its residual input [N, D] (None: embed)
     outputs: list[tuple[torch.Tensor, ...]]  # per segment: (x, h) [N, D] or (logits [N, V],)
     graphs: list[torch.cuda.CUDAGraph]
@@ -132,15 +135,18 @@ class DecodeGraphRunner:
         """batch (host tensors, B rows, can_run true) -> fp32 logits [R, V] for
         batch.logits_indices, bitwise the eager model's."""
         num_real, size = batch.num_tokens, self._step_size
-        # Before the replay: queued behind it, the copy would hold the host until it ends.
-        logits_indices = host_to_device(batch.logits_indices, self.device)
+        # A pure decode step's rows each need logits: a slice, no gather, in the usual case.
+        rows = batch.logits_indices
+        is_every_row = torch.equal(rows, torch.arange(num_real))
+        if not is_every_row:  # before the replay, which would hold the host until it ends
+            rows = host_to_device(rows, self.device)
         graphs = self._graphs.get(size)
         if not self.segments:
             self._plan()
         if graphs is None:
             graphs = self._capture(size, batch)
         else:
-            self._load(graphs.batch, batch)
+            self._load(graphs, batch)
         layers = self.model.model.layers
         for j, segment in enumerate(self.segments):
             graphs.graphs[j].replay()
@@ -155,7 +161,8 @@ class DecodeGraphRunner:
             self._count_real_rows(graphs.moe_topk_ids, num_real)
         self.num_replays += 1
         logits = graphs.outputs[-1][0]
-        return logits[logits_indices]  # a copy: the pool is reused
+        # A copy either way: the next replay reuses the pool.
+        return logits[:num_real].clone() if is_every_row else logits[rows]
 
     def _count_real_rows(self, topk_ids: list[torch.Tensor], num_real: int) -> None:
         """After a replay: point each captured MoE layer at this size's routing (a replay
@@ -170,21 +177,27 @@ class DecodeGraphRunner:
         for moe, layer_counts in zip(self.captured_moe, counts, strict=True):
             moe.last_slot_counts = layer_counts
 
-    def _load(self, static: ForwardBatch, batch: ForwardBatch) -> None:
-        """Copy the B real rows into the static buffers; rows B.. become dummy rows."""
+    def _load(self, graphs: _SizeGraphs, batch: ForwardBatch) -> None:
+        """Copy the B real rows into the static buffers (one page-locked copy, queued: the
+        host does not wait); rows B.. become dummy rows."""
         num_real, width = batch.num_tokens, batch.block_tables.shape[1]
-        num_rows = static.token_ids.shape[0]
-        pad = num_rows - num_real
-        tables = torch.full((num_rows, self.max_blocks_per_seq), -1, dtype=torch.int64)
+        host = torch.empty(graphs.loaded.shape, dtype=torch.int64, pin_memory=True)
+        token_ids, positions, slot_mapping, tables = self._input_views(host)
+        token_ids[:num_real], positions[:num_real] = batch.token_ids, batch.positions
+        slot_mapping[:num_real] = batch.slot_mapping
+        token_ids[num_real:], positions[num_real:] = 0, 0
+        slot_mapping[num_real:] = self.scratch_block * self.block_size
+        tables.fill_(-1)
         tables[:num_real, :width] = batch.block_tables
         tables[num_real:, 0] = self.scratch_block
-        static.token_ids.copy_(torch.cat([batch.token_ids, batch.token_ids.new_zeros(pad)]))
-        static.positions.copy_(torch.cat([batch.positions, batch.positions.new_zeros(pad)]))
-        scratch_slot = self.scratch_block * self.block_size
-        static.slot_mapping.copy_(
-            torch.cat([batch.slot_mapping, batch.slot_mapping.new_full((pad,), scratch_slot)])
-        )
-        static.block_tables.copy_(tables)
+        graphs.loaded.copy_(host, non_blocking=True)
+
+    def _input_views(self, buffer: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """token_ids [N], positions [N], slot_mapping [N], block_tables [N, MB] in a buffer of
+        N * (3 + MB) int64 (N from its size)."""
+        num_rows = buffer.shape[0] // (3 + self.max_blocks_per_seq)
+        flat = [buffer[i * num_rows : (i + 1) * num_rows] for i in range(3)]
+        return (*flat, buffer[3 * num_rows :].view(num_rows, self.max_blocks_per_seq))
 
     def _run_segment(self, j: int, graphs: _SizeGraphs) -> tuple[torch.Tensor, ...]:
         """The eager code of segment j over all N rows (captured as is)."""
@@ -204,22 +217,24 @@ class DecodeGraphRunner:
     def _capture(self, num_rows: int, batch: ForwardBatch) -> _SizeGraphs:
         """Warm up (compiles this size's kernels), then capture every segment of size N."""
         cfg, dev = self.model.config, self.device
+        loaded = torch.zeros(
+            num_rows * (3 + self.max_blocks_per_seq), dtype=torch.int64, device=dev
+        )
+        token_ids, positions, slot_mapping, block_tables = self._input_views(loaded)
         static = ForwardBatch(
-            token_ids=torch.zeros(num_rows, dtype=torch.int64, device=dev),
-            positions=torch.zeros(num_rows, dtype=torch.int64, device=dev),
+            token_ids=token_ids,
+            positions=positions,
             query_seq_ids=torch.arange(num_rows, device=dev),
-            block_tables=torch.full(
-                (num_rows, self.max_blocks_per_seq), -1, dtype=torch.int64, device=dev
-            ),
-            slot_mapping=torch.zeros(num_rows, dtype=torch.int64, device=dev),
+            block_tables=block_tables,
+            slot_mapping=slot_mapping,
             logits_indices=torch.arange(num_rows, device=dev),
         )
         inputs = [None] + [
             torch.zeros(num_rows, cfg.hidden_size, dtype=self.model.dtype, device=dev)
             for _ in self.segments[1:]
         ]
-        graphs = _SizeGraphs(static, inputs, [], [])
-        self._load(static, batch)
+        graphs = _SizeGraphs(static, loaded, inputs, [], [])
+        self._load(graphs, batch)
         # The warm-up writes this step's latents from zero inputs into this step's own slots
         # (and the scratch block); the replays below overwrite each of them before any
         # attention reads it, since every layer writes its cache rows before attending.

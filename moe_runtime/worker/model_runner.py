@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+import numpy as np
 import torch
 
 from kernels import OpTable
@@ -110,6 +111,7 @@ class ModelRunner:
         self.overlap, self.max_model_len = overlap, max_model_len
         self.eos_token_id = cfg.eos_token_id
         self._lookahead: _Lookahead | None = None
+        self._slot_counts: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
         self.num_lookahead_hits = 0  # steps served by a lookahead (tests check the path ran)
         self.num_lookahead_misses = 0  # lookaheads dropped: the step was another one
         self.graphs: DecodeGraphRunner | None = None
@@ -124,6 +126,7 @@ class ModelRunner:
         out = StepOutput()
         if not chunks and not self.must_join:
             self.drop_lookahead()
+            self._slot_counts = None
             return out
         batch, row_owners = self._build_batch(chunks)
         gen_rows = [i for i, (chunk, _) in enumerate(row_owners) if not chunk.seq.is_score]
@@ -138,6 +141,7 @@ class ModelRunner:
                     # A list index is a pageable copy that would wait for the step's GPU work.
                     gen_logits = logits[host_to_device(gen_rows, logits.device)]
                 launched = self.sampler.launch(gen_logits, *sample_args)
+        self._queue_slot_counts()  # before the wait below, which it then shares
         if gen_rows:
             results = self.sampler.collect(launched)
             out.samples.update({s.seq_id: r for s, r in zip(seqs, results, strict=True)})
@@ -151,6 +155,33 @@ class ModelRunner:
                 out.scored.setdefault(chunk.seq.seq_id, []).append(logprobs[row, next_token].item())
                 chunk.seq.num_scored += 1
         return out
+
+    def _queue_slot_counts(self) -> None:
+        """Queue the copy of every MoE layer's slot counts of this step to the host (page-
+        locked on CUDA, not waited for): the sampler's read-back waits for it too."""
+        layers = self.model.moe_layers
+        if not layers:
+            self._slot_counts = None
+            return
+        counts = torch.stack([moe.last_slot_counts for moe in layers])
+        if counts.device.type != "cuda":
+            self._slot_counts = (counts, None)
+            return
+        host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+        host.copy_(counts, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._slot_counts = (host, event)
+
+    def slot_counts(self) -> np.ndarray | None:
+        """[MoE layer][local slot] rows the last step served (its real rows), or None when it
+        ran no model. Waits for the copy (already done once the step sampled)."""
+        if self._slot_counts is None:
+            return None
+        host, event = self._slot_counts
+        if event is not None:
+            event.synchronize()
+        return host.numpy()
 
     def _forward(self, batch: ForwardBatch, chunks: list[Chunk]) -> torch.Tensor:
         """The model on a host batch: a graph replay for a pure decode step it fits, else

@@ -177,11 +177,8 @@ class Worker:
         self.num_steps += 1
         chunks = self._apply(step)
         out = self.runner.step(chunks)
-        layers = self.runner.model.moe_layers
-        if layers:
-            # One device-to-host copy per step for every layer's counts (after sampling's sync;
-            # before a lookahead, which it would wait for).
-            step_load = torch.stack([moe.last_slot_counts for moe in layers]).cpu().numpy()
+        step_load = self.runner.slot_counts()  # read back with the step's samples
+        if step_load is not None:
             self.load_window.append(step_load)
             self.total_load = step_load if self.total_load is None else self.total_load + step_load
         if step.lookahead:
