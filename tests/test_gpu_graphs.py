@@ -116,9 +116,9 @@ def test_gpu_graph_real_rows_ignore_padding_rows():
 
     load = graphs._load
 
-    def scribble(static, host_batch):
-        load(static, host_batch)
-        static.token_ids[num_real:] = 255
+    def scribble(size_graphs, host_batch):
+        load(size_graphs, host_batch)
+        size_graphs.batch.token_ids[num_real:] = 255
         for x in size.inputs[1:]:
             x[num_real:] = torch.randn(x[num_real:].shape, generator=gen, device="cuda") * 100
 
