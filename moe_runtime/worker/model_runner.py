@@ -21,6 +21,7 @@ runs after it on the same stream.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field, fields
 
 import numpy as np
@@ -263,42 +264,56 @@ class ModelRunner:
         return {seqs[i].seq_id: ids[j] for j, i in enumerate(asking)}
 
     def _build_batch(self, chunks: list[Chunk]) -> tuple[ForwardBatch, list[tuple[Chunk, int]]]:
-        token_ids, positions, seq_rows, slots, logit_rows = [], [], [], [], []
-        row_owners: list[tuple[Chunk, int]] = []
-        for seq_row, chunk in enumerate(chunks):
-            seq = chunk.seq
-            span = range(chunk.start, chunk.start + chunk.num_tokens)
-            all_ids = seq.token_ids
-            num_tokens = len(all_ids)
-            for position in span:
-                if seq.is_score:
-                    # Positions scored before a preemption are not scored twice.
-                    first = seq.num_prompt_tokens - 1 + seq.num_scored
-                    needs_logits = first <= position < num_tokens - 1
-                else:
-                    needs_logits = position == num_tokens - 1
-                if needs_logits:
-                    logit_rows.append(len(token_ids))
-                    row_owners.append((chunk, position))
-                token_ids.append(all_ids[position])
-                positions.append(position)
-                seq_rows.append(seq_row)
-                block = seq.block_table[position // self.block_size]
-                slots.append(block * self.block_size + position % self.block_size)
+        """The step's host batch (per-chunk work and array ops, no loop over positions: a
+        decode step's lookahead builds it on the critical path) and, per row needing logits,
+        its (chunk, position): the last token of a chunk that completes its sequence and, for
+        scoring sequences, every position whose next token is a scored one."""
+        bs = self.block_size
+        counts = np.fromiter((c.num_tokens for c in chunks), np.int64, len(chunks))
+        starts = np.fromiter((c.start for c in chunks), np.int64, len(chunks))
+        first_rows = np.cumsum(counts) - counts
+        total = int(counts.sum())
+        seq_rows = np.repeat(np.arange(len(chunks)), counts)
+        positions = np.arange(total) + np.repeat(starts - first_rows, counts)
+        token_ids = np.fromiter(
+            itertools.chain.from_iterable(
+                c.seq.token_ids[c.start : c.start + c.num_tokens] for c in chunks
+            ),
+            np.int64,
+            total,
+        )
         # Only the blocks the step's positions reach: with overlap_decode the scheduler may
         # have appended the block of the next position already, which this step never reads
         # and which would make its batch differ from the lookahead launched without it.
-        used = [
-            c.seq.block_table[: (c.start + c.num_tokens - 1) // self.block_size + 1] for c in chunks
-        ]
-        width = max((len(table) for table in used), default=1)
-        tables = [table + [-1] * (width - len(table)) for table in used]
+        used = [c.seq.block_table[: (c.start + c.num_tokens - 1) // bs + 1] for c in chunks]
+        lengths = np.fromiter(map(len, used), np.int64, len(used))
+        width = int(lengths.max()) if len(used) else 1
+        tables = np.full((len(chunks), width), -1, dtype=np.int64)
+        tables[np.arange(width)[None, :] < lengths[:, None]] = np.fromiter(
+            itertools.chain.from_iterable(used), np.int64, int(lengths.sum())
+        )
+        slots = tables[seq_rows, positions // bs] * bs + positions % bs
+        logit_rows: list[int] = []
+        row_owners: list[tuple[Chunk, int]] = []
+        for chunk, first_row in zip(chunks, first_rows.tolist(), strict=True):
+            seq, end = chunk.seq, chunk.start + chunk.num_tokens
+            num_tokens = len(seq.token_ids)
+            if not seq.is_score:
+                if end == num_tokens:
+                    logit_rows.append(first_row + chunk.num_tokens - 1)
+                    row_owners.append((chunk, end - 1))
+                continue
+            # Positions scored before a preemption are not scored twice.
+            first = max(chunk.start, seq.num_prompt_tokens - 1 + seq.num_scored)
+            for position in range(first, min(end, num_tokens - 1)):
+                logit_rows.append(first_row + position - chunk.start)
+                row_owners.append((chunk, position))
         batch = ForwardBatch(
-            token_ids=torch.tensor(token_ids, dtype=torch.int64),
-            positions=torch.tensor(positions, dtype=torch.int64),
-            query_seq_ids=torch.tensor(seq_rows, dtype=torch.int64),
-            block_tables=torch.tensor(tables, dtype=torch.int64).view(len(chunks), width),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            token_ids=torch.from_numpy(token_ids),
+            positions=torch.from_numpy(positions),
+            query_seq_ids=torch.from_numpy(seq_rows),
+            block_tables=torch.from_numpy(tables),
+            slot_mapping=torch.from_numpy(slots),
             logits_indices=torch.tensor(logit_rows, dtype=torch.int64),
         )
         return batch, row_owners
