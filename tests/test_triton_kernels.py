@@ -306,7 +306,7 @@ def check_rms_norm(generator: torch.Generator) -> None:
 
 
 def check_softmax(generator: torch.Generator) -> None:
-    from kernels.triton_softmax import log_softmax_triton, softmax_triton
+    from kernels.triton_softmax import PART_V, SPLIT_MIN_V, log_softmax_triton, softmax_triton
 
     for op, fp64_op in ((softmax_triton, torch.softmax), (log_softmax_triton, torch.log_softmax)):
         for dtype in DTYPES:
@@ -321,10 +321,19 @@ def check_softmax(generator: torch.Generator) -> None:
                     assert torch.equal(op(x[:m]), full[:m]), (op.__name__, dim, m)
                 perm = torch.randperm(33, generator=generator)
                 assert torch.equal(op(x[perm]), full[perm])
-        # -inf logits (masked vocab) give probability 0 / log-probability -inf, no NaN.
+        # -inf logits (masked vocab) give probability 0 / log-probability -inf, no NaN; in
+        # the split launch whole parts are -inf.
         x = torch.randn(2, 300, generator=generator)
         x[:, 7:250] = float("-inf")
         torch.testing.assert_close(op(x), fp64_op(x.double(), dim=-1).float())
+        wide = torch.randn(5, SPLIT_MIN_V + 3000, generator=generator) * 4
+        full = op(wide)
+        torch.testing.assert_close(
+            full, fp64_op(wide.double(), dim=-1).float(), atol=1e-5, rtol=1e-5
+        )
+        assert torch.equal(op(wide[2:3]), full[2:3]) and torch.equal(op(wide[[4, 0]]), full[[4, 0]])
+        wide[:, 9 : PART_V * 3 + 5] = float("-inf")
+        torch.testing.assert_close(op(wide), fp64_op(wide.double(), dim=-1).float())
 
 
 def _paged_cache(generator, seq_lens, num_heads, v_dim, rope_dim, block_size):
