@@ -97,13 +97,9 @@ def _wrong_token_lookahead(monkeypatch) -> None:
     """Lookaheads fed token + 1 instead of the sampled token."""
     launch = ModelRunner.launch_lookahead
 
-    def wrong(self, chunks, samples):
+    def wrong(self, chunks, token_ids):
         vocab = self.model.config.vocab_size
-        shifted = {
-            k: type(s)((s.token_id + 1) % vocab, s.logprob, s.top_logprobs)
-            for k, s in samples.items()
-        }
-        return launch(self, chunks, shifted)
+        return launch(self, chunks, {k: (t + 1) % vocab for k, t in token_ids.items()})
 
     monkeypatch.setattr(ModelRunner, "launch_lookahead", wrong)
 

@@ -249,3 +249,44 @@ def test_cuda_gumbel_noise_rows_ignore_the_batch():
         ((-(-n.double()).exp()).exp() * 2**23 - 0.5).round().long() for n in (batch[:3].cpu(), host)
     ]
     assert torch.equal(ints[0], ints[1])
+
+
+def _argmax_cases(device: torch.device) -> list[torch.Tensor]:
+    """Wide rows (split and not) with ties inside a part, across parts and at the last
+    column, -inf runs and a width off the part grid."""
+    from moe_runtime.worker.sampler import ARGMAX_PART, ARGMAX_SPLIT_MIN
+
+    gen = torch.Generator().manual_seed(3)
+    cases = []
+    for width in (ARGMAX_SPLIT_MIN - 1, ARGMAX_SPLIT_MIN, 40000, 102400):
+        x = torch.randn(6, width, generator=gen).round(decimals=1)  # many exact ties
+        x[1, :] = 0.0
+        x[2, ARGMAX_PART - 1] = x[2, ARGMAX_PART] = x[2, width - 1] = 99.0
+        x[3, width - 1] = 99.0
+        x[4, : width // 2] = float("-inf")
+        x[5, ARGMAX_PART * 3 + 7] = x[5, ARGMAX_PART * 5] = 50.0
+        cases.append(x.to(device))
+    return cases
+
+
+def test_row_argmax_equals_torch_argmax():
+    """The parts' argmax is torch.argmax's index exactly, ties to the lower id, on the CPU."""
+    from moe_runtime.worker.sampler import row_argmax
+
+    for x in _argmax_cases(torch.device("cpu")):
+        assert torch.equal(row_argmax(x), torch.argmax(x, dim=-1)), x.shape
+        assert torch.equal(row_argmax(x[2:3]), torch.argmax(x[2:3], dim=-1))
+    # Control: the last part's maximum alone (a wrong combination) differs on these rows.
+    x = _argmax_cases(torch.device("cpu"))[2]
+    assert not torch.equal(x[:, -2048:].argmax(dim=-1), torch.argmax(x, dim=-1))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_row_argmax_equals_torch_argmax():
+    from moe_runtime.worker.sampler import row_argmax
+
+    for x in _argmax_cases(torch.device("cuda")):
+        assert torch.equal(row_argmax(x), torch.argmax(x, dim=-1)), x.shape
+        for r in range(x.shape[0]):
+            assert torch.equal(row_argmax(x[r : r + 1]), torch.argmax(x[r : r + 1], dim=-1)), r

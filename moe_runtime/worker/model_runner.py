@@ -33,7 +33,7 @@ from moe_runtime.model.deepseek import DeepseekForCausalLM
 from moe_runtime.sampling_params import SamplingParams, finish_reason
 from moe_runtime.worker.cuda_graphs import DecodeGraphRunner
 from moe_runtime.worker.sampler import SampleLaunch, Sampler
-from moe_runtime.worker.step_input import NewSequence, SampleResult, StepOutput
+from moe_runtime.worker.step_input import NewSequence, StepOutput
 
 SampleArgs = tuple[list[SamplingParams], list[int], list[int]]  # params, seeds, output positions
 
@@ -123,7 +123,10 @@ class ModelRunner:
                 model, self.kv_caches, graph_batch_sizes, max_blocks_per_seq, num_blocks
             )
 
-    def step(self, chunks: list[Chunk]) -> StepOutput:
+    def step(self, chunks: list[Chunk], lookahead: bool = False) -> StepOutput:
+        """Run the step; lookahead: nothing waits on the engine's side, so once the samples
+        are on the host the next decode step may be launched (`launch_lookahead`) before
+        their results are built."""
         out = StepOutput()
         if not chunks and not self.must_join:
             self.drop_lookahead()
@@ -144,9 +147,14 @@ class ModelRunner:
                 launched = self.sampler.launch(gen_logits, *sample_args)
         self._queue_slot_counts()  # before the wait below, which it then shares
         if gen_rows:
-            results = self.sampler.collect(launched)
-            out.samples.update({s.seq_id: r for s, r in zip(seqs, results, strict=True)})
+            rows = self.sampler.read(launched)
+            # Before a lookahead, whose replay refills the captured routing it reads.
             out.routed = self._routed_experts(batch, gen_rows, seqs)
+            if lookahead:
+                tokens = {s.seq_id: int(row[0]) for s, row in zip(seqs, rows, strict=True)}
+                self.launch_lookahead(chunks, tokens)
+            results = self.sampler.results(launched, rows)
+            out.samples.update({s.seq_id: r for s, r in zip(seqs, results, strict=True)})
         score_rows = [i for i, (chunk, _) in enumerate(row_owners) if chunk.seq.is_score]
         if score_rows:  # never a lookahead's step: it has no scoring rows
             logprobs = self.ops.log_softmax(logits[score_rows]).cpu()
@@ -197,9 +205,10 @@ class ModelRunner:
         positions = [len(s.token_ids) - s.num_prompt_tokens for s in seqs]
         return [s.params for s in seqs], [s.seed for s in seqs], positions
 
-    def launch_lookahead(self, chunks: list[Chunk], samples: dict[int, SampleResult]) -> None:
-        """After a step of `chunks` whose every sequence sampled: launch the next decode step
-        of the samples that go on (their new token each) and its sampling, without waiting.
+    def launch_lookahead(self, chunks: list[Chunk], token_ids: dict[int, int]) -> None:
+        """After a step of `chunks` whose every sequence sampled (token_ids: seq_id -> the
+        token it sampled): launch the next decode step of the samples that go on (their new
+        token each) and its sampling, without waiting.
         Nothing is launched when a sequence scores or is mid-prefill (the next step is not a
         pure decode) or when a new position needs a block the table lacks (the engine
         appends it first, so the next batch would differ anyway)."""
@@ -208,17 +217,17 @@ class ModelRunner:
             return
         going_on = []
         for chunk in chunks:
-            seq, sample = chunk.seq, samples.get(chunk.seq.seq_id)
-            if seq.is_score or sample is None:
+            seq, token_id = chunk.seq, token_ids.get(chunk.seq.seq_id)
+            if seq.is_score or token_id is None:
                 return
             num_tokens = len(seq.token_ids) + 1
             num_outputs = num_tokens - seq.num_prompt_tokens
             eos, max_len = self.eos_token_id, self.max_model_len
-            if finish_reason(seq.params, sample.token_id, num_outputs, num_tokens, eos, max_len):
+            if finish_reason(seq.params, token_id, num_outputs, num_tokens, eos, max_len):
                 continue
             if (num_tokens - 1) // self.block_size >= len(seq.block_table):
                 return
-            going_on.append((seq, sample.token_id))
+            going_on.append((seq, token_id))
         if not going_on:
             return
         for seq, token_id in going_on:  # as the engine's next step will append them

@@ -176,13 +176,11 @@ class Worker:
     def execute(self, step: StepInput) -> StepOutput:
         self.num_steps += 1
         chunks = self._apply(step)
-        out = self.runner.step(chunks)
+        out = self.runner.step(chunks, lookahead=step.lookahead)
         step_load = self.runner.slot_counts()  # read back with the step's samples
         if step_load is not None:
             self.load_window.append(step_load)
             self.total_load = step_load if self.total_load is None else self.total_load + step_load
-        if step.lookahead:
-            self.runner.launch_lookahead(chunks, out.samples)
         return out
 
     def _apply(self, step: StepInput) -> list[Chunk]:
