@@ -292,6 +292,38 @@ def bench_value_split() -> None:
         print(f"| {batch} | " + " | ".join(f"{u:.1f}" for u in us) + f" | {same} |")
 
 
+def bench_split_size() -> None:
+    """The invariant decode attention's KV split size (SPLIT_BLOCKS cache blocks of 64) at 16
+    heads, engine-wide block tables (128 entries), each batch's value split, graph replay: the
+    constant against 2 and 1 blocks. A query's bits follow the split size, so it is one
+    constant for every batch; this shows what each would cost where."""
+    from kernels.triton_attention import SPLIT_BLOCKS, _attend, value_split
+
+    sizes = (SPLIT_BLOCKS, 2, 1)
+    print("\n## decode attention's KV split size, 16 heads (graph replay)")
+    print("| B | ctx | " + " | ".join(f"{b} blocks µs" for b in sizes) + " |")
+    print("|---|---|" + "---|" * len(sizes))
+    for batch in (1, 8, 64, 256):
+        for ctx in (1024, 4096):
+            v_parts, lat_chunk = value_split(batch, 512)
+
+            def make(split_blocks, batch=batch, ctx=ctx, v_parts=v_parts, lat_chunk=lat_chunk):
+                blocks = -(-ctx // 64)
+                kv = torch.randn(batch * blocks, 64, 576, device="cuda").bfloat16()
+                q = torch.randn(batch, 16, 576, device="cuda").bfloat16()
+                tables = torch.full((batch, 128), -1, device="cuda", dtype=torch.int64)
+                order = torch.randperm(batch * blocks, device="cuda")
+                tables[:, :blocks] = order.view(batch, blocks)
+                seq_ids = torch.arange(batch, device="cuda")
+                positions = torch.full((batch,), ctx - 1, device="cuda")
+                args = (q, kv, seq_ids, tables, positions, 192**-0.5, 512, split_blocks, 4, 3)
+                return lambda: _attend(*args, 16, v_parts, lat_chunk)
+
+            read = batch * ctx * 576 * 2
+            us = [_graph_ms(partial(make, b), read) * 1e3 for b in sizes]
+            print(f"| {batch} | {ctx} | " + " | ".join(f"{u:.1f}" for u in us) + " |")
+
+
 def _linear_graph_us(op, num_rows: int, in_dim: int, out_dim: int) -> float:
     """µs of op(x [num_rows, in_dim], w [out_dim, in_dim]) in bf16 under graph replay, each
     copy on its own random x and w (~1/sqrt(K) weights): _graph_ms's L2-missing copies."""
@@ -591,6 +623,7 @@ def main() -> None:
             "tree_crossover": bench_tree_crossover,
             "split_prefill": bench_split_prefill,
             "value_split": bench_value_split,
+            "split_size": bench_split_size,
         }[section]()
 
 
