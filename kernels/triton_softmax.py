@@ -25,36 +25,6 @@ PART_V = 8192  # columns of a part: a multiple of MAX_BLOCK_V
 
 
 @triton.jit
-def _softmax_kernel(x_ptr, out_ptr, V, IS_LOG: tl.constexpr, BLOCK_V: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * V
-    out_row = out_ptr + row * V
-    offs = tl.arange(0, BLOCK_V)
-    # Why: lane i folds elements i, i + BLOCK_V, ... in order, then one tree reduction;
-    # all of it is fixed by V and BLOCK_V, and a row is never split across programs.
-    lane_max = tl.full((BLOCK_V,), float("-inf"), dtype=tl.float32)
-    lane_sum = tl.zeros((BLOCK_V,), dtype=tl.float32)
-    for v0 in range(0, V, BLOCK_V):
-        x = tl.load(x_row + v0 + offs, mask=v0 + offs < V, other=float("-inf")).to(tl.float32)
-        new_max = tl.maximum(lane_max, x)
-        # A lane that has seen only -inf keeps sum 0 (exp(-inf - 0) == 0, no NaN).
-        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-        lane_sum = lane_sum * tl.exp(lane_max - shift) + tl.exp(x - shift)
-        lane_max = new_max
-    row_max = tl.max(lane_max, axis=0)
-    row_sum = tl.sum(lane_sum * tl.exp(lane_max - row_max), axis=0)
-    log_sum = tl.log(row_sum)
-    for v0 in range(0, V, BLOCK_V):
-        mask = v0 + offs < V
-        x = tl.load(x_row + v0 + offs, mask=mask, other=0.0).to(tl.float32)
-        if IS_LOG:
-            y = x - row_max - log_sum
-        else:
-            y = tl.exp(x - row_max) / row_sum
-        tl.store(out_row + v0 + offs, y, mask=mask)
-
-
-@triton.jit
 def _lane_stats(x_row, start, end, BLOCK_V: tl.constexpr):
     """(max, sum of exp(x - max)) of x_row[start:end]: lane i folds elements start + i,
     start + i + BLOCK_V, ... in order, then one tree reduction. An all -inf range: (-inf, 0)."""
@@ -64,6 +34,7 @@ def _lane_stats(x_row, start, end, BLOCK_V: tl.constexpr):
     for v0 in range(start, end, BLOCK_V):
         x = tl.load(x_row + v0 + offs, mask=v0 + offs < end, other=float("-inf")).to(tl.float32)
         new_max = tl.maximum(lane_max, x)
+        # A lane that has seen only -inf keeps sum 0 (exp(-inf - 0) == 0, no NaN).
         shift = tl.where(new_max == float("-inf"), 0.0, new_max)
         lane_sum = lane_sum * tl.exp(lane_max - shift) + tl.exp(x - shift)
         lane_max = new_max
@@ -71,6 +42,33 @@ def _lane_stats(x_row, start, end, BLOCK_V: tl.constexpr):
     shift = tl.where(part_max == float("-inf"), 0.0, part_max)
     part_sum = tl.sum(lane_sum * tl.exp(lane_max - shift), axis=0)
     return part_max, part_sum
+
+
+@triton.jit
+def _write_range(
+    x_row, out_row, start, end, row_max, row_sum, IS_LOG: tl.constexpr, BLOCK_V: tl.constexpr
+):
+    """out_row[start:end]: log-softmax (x - max - log(sum)) or softmax (exp(x - max) / sum)."""
+    log_sum = tl.log(row_sum)
+    offs = tl.arange(0, BLOCK_V)
+    for v0 in range(start, end, BLOCK_V):
+        mask = v0 + offs < end
+        x = tl.load(x_row + v0 + offs, mask=mask, other=0.0).to(tl.float32)
+        if IS_LOG:
+            y = x - row_max - log_sum
+        else:
+            y = tl.exp(x - row_max) / row_sum
+        tl.store(out_row + v0 + offs, y, mask=mask)
+
+
+@triton.jit
+def _softmax_kernel(x_ptr, out_ptr, V, IS_LOG: tl.constexpr, BLOCK_V: tl.constexpr):
+    # Why: lane i folds elements i, i + BLOCK_V, ... in order, then one tree reduction;
+    # all of it is fixed by V and BLOCK_V, and a row is never split across programs.
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * V
+    row_max, row_sum = _lane_stats(x_row, 0, V, BLOCK_V)
+    _write_range(x_row, out_ptr + row * V, 0, V, row_max, row_sum, IS_LOG, BLOCK_V)
 
 
 @triton.jit
@@ -109,20 +107,9 @@ def _part_write_kernel(
     row_max = tl.max(part_max, axis=0)
     scale = tl.where(part_max == float("-inf"), 0.0, tl.exp(part_max - row_max))
     row_sum = tl.sum(part_sum * scale, axis=0)
-    log_sum = tl.log(row_sum)
-    x_row = x_ptr + row * V
-    out_row = out_ptr + row * V
-    offs = tl.arange(0, BLOCK_V)
     start = part * PART_V
     end = tl.minimum(start + PART_V, V)
-    for v0 in range(start, end, BLOCK_V):
-        mask = v0 + offs < end
-        x = tl.load(x_row + v0 + offs, mask=mask, other=0.0).to(tl.float32)
-        if IS_LOG:
-            y = x - row_max - log_sum
-        else:
-            y = tl.exp(x - row_max) / row_sum
-        tl.store(out_row + v0 + offs, y, mask=mask)
+    _write_range(x_ptr + row * V, out_ptr + row * V, start, end, row_max, row_sum, IS_LOG, BLOCK_V)
 
 
 def _run(x: torch.Tensor, is_log: bool) -> torch.Tensor:
