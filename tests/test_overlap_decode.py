@@ -10,6 +10,7 @@ bookkeeping as the CUDA-graph path (tests/test_gpu_graphs.py runs that one on th
   routed experts, finish reasons) over greedy and seeded top-k / top-p sampling, n = 2,
   finishes by length, stop token and stop string, requests arriving mid-generation and
   block boundaries. Engagement: lookaheads served steps, and some were dropped.
+- The same with preemptions (a cache too small), chunked prompts and a scoring request.
 - Controls: a lookahead fed a wrong token is always dropped by the comparison (no hit, same
   bits), and the same lookahead compared by shape only changes the output; a lookahead kept
   across a weight update changes the output, dropped (as the worker does) it does not.
@@ -165,3 +166,36 @@ def test_overlap_decode_config():
         load_config(TINY_CONFIG, {"scheduler.overlap_decode": True, "parallel.world_size": 2})
     with pytest.raises(ValueError, match="overlap_decode must be true, false or null"):
         load_config(TINY_CONFIG, {"scheduler.overlap_decode": "sometimes"})
+
+
+def test_overlap_decode_with_preemption_chunked_prefill_and_scoring():
+    """A KV cache too small for every request (preemptions), a token budget that chunks the
+    prompts, and a scoring request among the generations: equal bits on and off."""
+    prompts = mixed_prompts(6, 20, 60, seed=8)
+    params = [
+        SamplingParams(max_tokens=30, temperature=0.0, logprobs=2, ignore_eos=True),
+        SamplingParams(max_tokens=25, seed=4, temperature=0.8, top_p=0.9, ignore_eos=True),
+    ] * 3
+    overrides = {
+        "cache.num_blocks": 14,
+        "scheduler.max_model_len": 200,
+        "scheduler.max_num_batched_tokens": 40,
+    }
+
+    def run(overlap: bool) -> tuple[list, list, dict]:
+        llm = LLM(TINY_CONFIG, **overrides, **{"scheduler.overlap_decode": overlap})
+        engine = llm.engine
+        requests = engine.add_requests(prompts, params)
+        scored = engine.add_score_request(prompts[0] + prompts[1][:20], len(prompts[0]))
+        while engine.has_unfinished():
+            engine.step()
+        got = [fingerprint(engine.output(r).outputs[0]) for r in requests]
+        logprobs = [float.hex(x) for x in scored.samples[0].output_logprobs]
+        stats = {**engine.worker_stats()[0], "preemptions": engine.stats().num_preemptions}
+        return got, logprobs, stats
+
+    off, off_scored, _ = run(overlap=False)
+    on, on_scored, stats = run(overlap=True)
+    assert on == off and on_scored == off_scored
+    assert stats["preemptions"] > 0, stats["preemptions"]
+    assert stats["num_lookahead_hits"] >= 5, stats
