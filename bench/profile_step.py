@@ -67,7 +67,8 @@ def time_table(
     return lines
 
 
-def kernel_table(prof, num_steps: int, top: int) -> None:
+def kernel_table(prof, num_steps: int, top: int) -> float:
+    """Prints the kernels' time per step by name; -> kernel µs a step."""
     totals: dict[tuple, list[float]] = defaultdict(lambda: [0.0, 0])
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
@@ -78,6 +79,7 @@ def kernel_table(prof, num_steps: int, top: int) -> None:
     launches = sum(c for _, c in totals.values()) // num_steps
     print(f"GPU kernel time per step: {busy / 1e3:.2f} ms over {launches} kernels")
     print("\n".join(time_table(totals, ("kernel",), num_steps, top)))
+    return busy
 
 
 def grid_table(trace: dict, num_steps: int, top: int) -> list[str]:
@@ -101,17 +103,18 @@ def grid_table(trace: dict, num_steps: int, top: int) -> list[str]:
 HOST_GAP_US = 20.0
 
 
-def idle_lines(trace: dict, num_steps: int) -> list[str]:
-    """Where the GPU was idle between the first and last kernel of the profiled steps: gaps
-    between consecutive kernels (by start time, overlaps counted as no gap) split at
-    HOST_GAP_US. Lines of text."""
+def idle_split(trace: dict) -> tuple[float, float, float, int] | None:
+    """(span, short, long, number of long gaps) in µs over the traced kernels: the time from
+    the first kernel's start to the last one's end, and the gaps between consecutive kernels
+    (by start time, overlaps counted as no gap) split at HOST_GAP_US; None for fewer than
+    two kernels."""
     spans = sorted(
         (event["ts"], event["ts"] + event.get("dur", 0.0))
         for event in trace.get("traceEvents", [])
         if event.get("cat") == "kernel"
     )
     if len(spans) < 2:
-        return ["idle: fewer than two kernels traced"]
+        return None
     short, long, num_long, end = 0.0, 0.0, 0, spans[0][1]
     for start, stop in spans[1:]:
         gap = start - end
@@ -120,7 +123,16 @@ def idle_lines(trace: dict, num_steps: int) -> list[str]:
         elif gap > 0:
             short += gap
         end = max(end, stop)
-    span = spans[-1][1] - spans[0][0]
+    return spans[-1][1] - spans[0][0], short, long, num_long
+
+
+def idle_lines(trace: dict, num_steps: int) -> list[str]:
+    """Where the GPU was idle between the first and last kernel of the profiled steps
+    (idle_split per step). Lines of text."""
+    split = idle_split(trace)
+    if split is None:
+        return ["idle: fewer than two kernels traced"]
+    span, short, long, num_long = split
     return [
         f"GPU timeline per step: {span / num_steps:.1f} us from first kernel to last; idle "
         f"{short / num_steps:.1f} us in gaps < {HOST_GAP_US:.0f} us (launch latency) and "
@@ -128,7 +140,8 @@ def idle_lines(trace: dict, num_steps: int) -> list[str]:
     ]
 
 
-def print_grid_table(prof, num_steps: int, top: int) -> None:
+def print_grid_table(prof, num_steps: int, top: int) -> float | None:
+    """Prints the idle split and the kernels by launch shape; -> launch-gap µs a step."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))
@@ -136,6 +149,8 @@ def print_grid_table(prof, num_steps: int, top: int) -> None:
     print("\n".join(idle_lines(trace, num_steps)))
     print("\nkernels by launch shape:")
     print("\n".join(grid_table(trace, num_steps, top)))
+    split = idle_split(trace)
+    return None if split is None else split[1] / num_steps
 
 
 def profile_prefill(engine: LLMEngine, args) -> None:
@@ -194,6 +209,14 @@ def main() -> None:
         for _ in range(4):  # warm-up: compiles and captures this size's graphs
             engine.step()
         sync()
+        # Why a plain timing first: the profilers' own host work inflates the host's gaps
+        # (the --by-grid split's "longer gaps"); the plain wall minus kernel and launch-gap
+        # time is what the host costs the step.
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            engine.step()
+        sync()
+        plain_us = (time.perf_counter() - start) * 1e6 / args.steps
         host = cProfile.Profile()
         start = time.perf_counter()
         host.enable()
@@ -209,9 +232,15 @@ def main() -> None:
             for _ in range(args.steps):
                 engine.step()
             sync()
-        kernel_table(prof, args.steps, args.top)
+        kernel_us = kernel_table(prof, args.steps, args.top)
         if args.by_grid:
-            print_grid_table(prof, args.steps, args.top)
+            gaps_us = print_grid_table(prof, args.steps, args.top)
+            if gaps_us is not None:
+                print(
+                    f"unprofiled: {plain_us / 1e3:.2f} ms a step; kernels {kernel_us / 1e3:.2f} "
+                    f"+ launch gaps {gaps_us / 1e3:.2f} ms leave "
+                    f"{(plain_us - kernel_us - gaps_us) / 1e3:.2f} ms a step to the host"
+                )
         text = io.StringIO()
         pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(args.top)
         print("\nhost functions by own time (cProfile, all steps):")
