@@ -28,7 +28,7 @@ RowOp = Callable[[torch.Tensor], torch.Tensor]
 @dataclass(frozen=True)
 class SampleLaunch:
     """A step's sampling queued on the device: `table` [R, 2 + 2 * num_top] fp64 (token id,
-    its logprob, top ids, top logprobs; None for no rows), read back by `Sampler.collect`."""
+    its logprob, top ids, top logprobs; None for no rows), read back by `Sampler.read`."""
 
     table: torch.Tensor | None
     params: list[SamplingParams]
@@ -51,7 +51,8 @@ class Sampler:
         output_positions: list[int],
     ) -> list[SampleResult]:
         """logits [R, V] fp32; params, seeds, output_positions: one per row."""
-        return self.collect(self.launch(logits, params, seeds, output_positions))
+        launched = self.launch(logits, params, seeds, output_positions)
+        return self.results(launched, self.read(launched))
 
     def launch(
         self,
@@ -60,7 +61,7 @@ class Sampler:
         seeds: list[int],
         output_positions: list[int],
     ) -> SampleLaunch:
-        """`sample`'s device work, queued and not waited for: `collect` reads it back. A decode
+        """`sample`'s device work, queued and not waited for: `read` waits for it. A decode
         step launched ahead (ModelRunner's lookahead) samples this way behind its replay."""
         if logits.dim() != 2 or logits.dtype != torch.float32:
             raise ValueError(
@@ -110,10 +111,6 @@ class Sampler:
         # Read back in one device-to-host copy: fp64 holds ids < 2**53 and fp32 logprobs exactly.
         table = torch.cat([c.to(torch.float64) for c in columns], dim=1)
         return SampleLaunch(table, params, num_top)
-
-    def collect(self, launched: SampleLaunch) -> list[SampleResult]:
-        """Waits for a launch's device work (its one host copy) -> one result per row."""
-        return self.results(launched, self.read(launched))
 
     @staticmethod
     def read(launched: SampleLaunch) -> list[list[float]]:
