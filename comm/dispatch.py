@@ -161,13 +161,26 @@ class LocalDispatcher:
     ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
         """x [T, D] -> rows [T*K, D] sorted by (local slot, token, slot), group sizes [L]
         int64 on x's device. No host sync and no collective: a CUDA graph can capture it."""
+        token_of_row, group_sizes, handle = self.route(x, topk_phys_ids, topk_weights, layout)
+        return x[token_of_row], group_sizes, handle
+
+    def route(
+        self,
+        x: torch.Tensor,
+        topk_phys_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        layout: DispatchLayout | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
+        """dispatch without moving a row: (token_of_row [T*K] int64, group sizes, handle),
+        where dispatch's rows are x[token_of_row]; a caller that reads x through the index
+        (the grouped GEMM's loads) saves the copy."""
         _check_routing(x, topk_phys_ids, topk_weights)
         layout = layout or self.layout(topk_phys_ids)
         num_rows = layout.order.numel()
         handle = DispatchHandle(
             layout.order, [num_rows], [num_rows], None, x.shape[0], layout.row_of_slot
         )
-        return x[layout.token_of_row], layout.rows_per_slot, handle
+        return layout.token_of_row, layout.rows_per_slot, handle
 
     def combine(
         self, y: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor

@@ -63,6 +63,23 @@ def moe_output_ref(
     return residual + moe
 
 
+def moe_combine_output_composed(
+    rows: torch.Tensor,
+    slot_ids: torch.Tensor,
+    weights: torch.Tensor,
+    shared: torch.Tensor | None,
+    residual: torch.Tensor,
+    row_of_slot: torch.Tensor | None = None,
+    *,
+    moe_combine: Callable,
+    moe_output: Callable,
+) -> torch.Tensor:
+    """moe_output(moe_combine(rows, slot_ids, weights, row_of_slot), shared, residual): the
+    combine and the MoE output as one op of the table (one launch on CUDA, where the Triton
+    kernel does both). moe_combine, moe_output: the table's ops."""
+    return moe_output(moe_combine(rows, slot_ids, weights, row_of_slot), shared, residual)
+
+
 def sum_over_ranks_ref(x: torch.Tensor, all_gather: Gather, all_reduce: Collective) -> torch.Tensor:
     """Sum of every rank's x (same shape and dtype): all_gather(x) -> [R] parts in rank order,
     added one elementwise add at a time with at least fp32 accumulation, so element i depends

@@ -94,12 +94,15 @@ def grouped_linear_ref(
     group_sizes: Sequence[int] | torch.Tensor,
     *,
     tile_rows: int,
+    row_index: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rows of x [N, IN], sorted by group, times their group's weight [L, OUT, IN] -> [N, OUT].
 
     group_sizes: ints summing to N (host, or an int tensor [L]). Each row's result depends only
     on the row and its group's weight: how many tokens the expert received never changes a bit.
+    row_index [N] int64, when given: the rows are x[row_index] (x [T, IN]), read in place.
     """
+    x = gathered_rows(x, row_index)
     slices = _group_slices(group_sizes, x.shape[0], weight.shape[0])
     padded, out_dim = _pad_features(weight), weight.shape[1]
     # Why: each group is tiled on its own, so a tile never mixes weights and M stays fixed;
@@ -109,9 +112,33 @@ def grouped_linear_ref(
     return torch.cat(outs) if outs else x.new_zeros((0, weight.shape[1]))
 
 
+def check_row_index(x: torch.Tensor, row_index: torch.Tensor | None) -> int:
+    """The grouped GEMM's row count: x's, or row_index's (which must be [N] int64 on x's
+    device; its values are not range-checked here, that would be a host sync on CUDA)."""
+    if row_index is None:
+        return x.shape[0]
+    if row_index.dim() != 1 or row_index.dtype != torch.int64 or row_index.device != x.device:
+        raise ValueError(
+            f"row_index must be [N] int64 on {x.device}, got {tuple(row_index.shape)} "
+            f"{row_index.dtype} on {row_index.device}"
+        )
+    return row_index.shape[0]
+
+
+def gathered_rows(x: torch.Tensor, row_index: torch.Tensor | None) -> torch.Tensor:
+    """The grouped GEMM's rows: x itself, or x[row_index] (row_index [N] int64 on x's device)."""
+    check_row_index(x, row_index)
+    return x if row_index is None else x[row_index]
+
+
 def grouped_linear_fast(
-    x: torch.Tensor, weight: torch.Tensor, group_sizes: Sequence[int] | torch.Tensor
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    group_sizes: Sequence[int] | torch.Tensor,
+    *,
+    row_index: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    x = gathered_rows(x, row_index)
     slices = _group_slices(group_sizes, x.shape[0], weight.shape[0])
     outs = [F.linear(x[s], weight[g]) for g, s in enumerate(slices)]
     return torch.cat(outs) if outs else x.new_zeros((0, weight.shape[1]))
@@ -133,25 +160,33 @@ def grouped_linear_by_rows(
     *,
     few_rows: Callable,
     many_rows: Callable,
+    row_index: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """grouped_linear_fast's contract through few_rows(x, weight, group_sizes) where the mean
-    rows per group (x's rows, a host shape: no sync) is at most
+    """grouped_linear_fast's contract through few_rows(x, weight, group_sizes, row_index=...)
+    where the mean rows per group (the GEMM's rows, a host shape: no sync) is at most
     FAST_TRITON_GROUPED_MAX_MEAN_ROWS and the weight has at least FAST_TRITON_GROUPED_MIN_IN
     input features, else through many_rows."""
     num_groups, _, in_dim = weight.shape
-    is_few = x.shape[0] <= FAST_TRITON_GROUPED_MAX_MEAN_ROWS * num_groups
+    num_rows = x.shape[0] if row_index is None else row_index.shape[0]
+    is_few = num_rows <= FAST_TRITON_GROUPED_MAX_MEAN_ROWS * num_groups
     if is_few and in_dim >= FAST_TRITON_GROUPED_MIN_IN:
-        return few_rows(x, weight, group_sizes)
-    return many_rows(x, weight, group_sizes)
+        return few_rows(x, weight, group_sizes, row_index=row_index)
+    return many_rows(x, weight, group_sizes, row_index=row_index)
 
 
 def grouped_linear_cuda_fast(
-    x: torch.Tensor, weight: torch.Tensor, group_sizes: Sequence[int] | torch.Tensor
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    group_sizes: Sequence[int] | torch.Tensor,
+    *,
+    row_index: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """grouped_linear_fast's contract on CUDA: torch's grouped GEMM (one launch, CUTLASS on
     sm90) over offsets computed on the device, so no host sync and CUDA graphs can capture
     it. Rows past the counts' sum are left unspecified. Shapes it cannot take (not bf16, or
-    feature sizes not multiples of 16) fall back to the per-group loop."""
+    feature sizes not multiples of 16) fall back to the per-group loop. row_index: gathered
+    first (torch's grouped GEMM reads contiguous rows only)."""
+    x = gathered_rows(x, row_index)
     out_dim, in_dim = weight.shape[1:]
     if x.dtype != torch.bfloat16 or out_dim % 16 or in_dim % 16 or x.shape[0] == 0:
         return grouped_linear_fast(x, weight, group_sizes)

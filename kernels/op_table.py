@@ -23,6 +23,7 @@ from kernels.activation import silu_mul_fast, silu_mul_ref
 from kernels.attention import mla_attention_fast, mla_attention_ref
 from kernels.combine import (
     moe_combine_fast,
+    moe_combine_output_composed,
     moe_combine_ref,
     moe_output_ref,
     sum_over_ranks_fast,
@@ -69,6 +70,7 @@ class OpTable:
     router_topk: Callable
     moe_combine: Callable
     moe_output: Callable
+    moe_combine_output: Callable
     sum_over_ranks: Callable
     cumsum: Callable
     silu_mul: Callable
@@ -166,6 +168,7 @@ def build_op_table(config: KernelConfig, device: torch.device | str) -> OpTable:
             f"kernels.mode='invariant' supports devices cpu and cuda, got device {device}"
         )
     ops["row_parallel_linear"] = _row_parallel_linear(config, device, arrivals)
+    ops["moe_combine_output"] = _moe_combine_output(ops, device)
     return OpTable(**ops, **rope, mode=config.mode)
 
 
@@ -182,6 +185,19 @@ def _row_parallel_linear(
 
         return partial(row_parallel_linear_triton, tp_max=config.tp_max, arrivals=arrivals)
     return partial(row_parallel_linear_ref, tp_max=config.tp_max, tile_rows=config.tile_rows)
+
+
+def _moe_combine_output(ops: dict[str, Callable], device: torch.device) -> Callable:
+    """The combine and the MoE output as one op: on CUDA one Triton launch (both modes take
+    the Triton combine and output kernels there, and it has their bits), else the table's two
+    ops composed."""
+    if device.type == "cuda":
+        from kernels.triton_combine import moe_combine_output_triton
+
+        return moe_combine_output_triton
+    return partial(
+        moe_combine_output_composed, moe_combine=ops["moe_combine"], moe_output=ops["moe_output"]
+    )
 
 
 def _cuda_rope() -> Callable:

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kernels.linear import _group_slices
+from kernels.linear import _group_slices, check_row_index
 from kernels.triton_chunk_tree import chain_config, linear_chunk_tree
 from kernels.triton_dot import check_pair, dot_k_range, is_interpreted, kernel_consts, tile_of
 from kernels.triton_linear_config import (
@@ -40,7 +40,7 @@ def _linear_kernel(
     x_ptr,
     w_ptr,
     out_ptr,
-    partial_ptr,
+    rows_ptr,
     counts_ptr,
     num_groups,
     num_rows,
@@ -51,6 +51,7 @@ def _linear_kernel(
     stride_ob,
     stride_om,
     IS_GROUPED: tl.constexpr,
+    IS_GATHER: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -62,7 +63,8 @@ def _linear_kernel(
     """out[r] = x[r] @ w[g]^T. Plain: rows tiled from 0, g = 0. Grouped: rows sorted by group,
     counts [num_groups] on the device; tile i is the i-th BLOCK_M-row tile of the groups (no
     tile crosses a group; each starts at its group's first row + a multiple of BLOCK_M) and
-    tiles past the last do nothing; num_rows is the launch's tile bound. Batched (plain only):
+    tiles past the last do nothing; num_rows is the launch's tile bound. Gathered (grouped
+    only): row r's operand is x[rows[r]] (rows [N] int64), read in place. Batched (plain only):
     program axis 1 is the batch b, with x, w and out offset by b's strides (w contiguous
     [B, N, K])."""
     pid = tl.program_id(0)
@@ -103,8 +105,14 @@ def _linear_kernel(
 
     # A grouped launch sized for the worst case has empty tiles: they read no weight.
     if row_start < row_end:
+        if IS_GATHER:
+            # Why: the same loads of the same values as from a gathered copy, so the same dots
+            # and bits, without the copy's launch and its [N, K] write and re-read.
+            x_rows = tl.load(rows_ptr + offs_m, mask=row_ok, other=0)
+        else:
+            x_rows = offs_m
         acc = dot_k_range(
-            x_ptr, w_ptr, offs_m, offs_n, row_ok, col_ok, stride_xm, K, 0, K, BLOCK_M, BLOCK_N,
+            x_ptr, w_ptr, x_rows, offs_n, row_ok, col_ok, stride_xm, K, 0, K, BLOCK_M, BLOCK_N,
             BLOCK_K, INPUT_PRECISION, UPCAST_DOT,
         )  # fmt: skip
         out = acc.to(out_ptr.dtype.element_ty)
@@ -200,9 +208,11 @@ def _launch(
     config: LinearConfig,
     whole_out_dim: int | None = None,
     arrivals: torch.Tensor | None = None,
+    row_index: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch over row tiles: `counts` is None (plain) or the grouped GEMM's device counts,
-    num_rows then the tile bound. whole_out_dim, arrivals: see linear_triton.
+    num_rows then the tile bound. whole_out_dim, arrivals: see linear_triton. row_index
+    (grouped only): out's row r reads x's row row_index[r].
 
     x [M, K] / out [M, N] (row strides free, unit column stride), or batched x [B, M, K],
     out [B, M, N] with weight [B, N, K] (plain only). Plain 2-D launches of a weight with a
@@ -237,7 +247,7 @@ def _launch(
         x3,
         weight,
         out3,
-        out,  # partials: unread without a K split
+        out if row_index is None else row_index,  # unread when IS_GATHER is False
         out if counts is None else counts,  # unread when IS_GROUPED is False
         num_groups,
         num_rows,
@@ -248,6 +258,7 @@ def _launch(
         out3.stride(0),
         out3.stride(1),
         IS_GROUPED=counts is not None,
+        IS_GATHER=row_index is not None,
         BLOCK_G=max(triton.next_power_of_2(num_groups), 2),
         **kernel_consts(config, x.dtype, weight.dtype),
     )
@@ -342,9 +353,15 @@ def grouped_tile_bound(num_rows: int, num_groups: int, block_m: int) -> int:
 
 
 def grouped_linear_triton(
-    x: torch.Tensor, weight: torch.Tensor, group_sizes: Sequence[int] | torch.Tensor
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    group_sizes: Sequence[int] | torch.Tensor,
+    *,
+    row_index: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rows of x [N, IN], sorted by group, times their group's weight [L, OUT, IN] -> [N, OUT].
+    With row_index [N] int64 on x's device, the rows are x[row_index] (x [T, IN]), read in
+    place by the kernel (indices are not range-checked: that would be a host sync).
 
     group_sizes: host ints summing to N, or an int tensor [L] on x's device (no host sync:
     the launch covers the worst case and empty tiles return at once, so CUDA graphs can
@@ -359,13 +376,16 @@ def grouped_linear_triton(
                 f"{tuple(group_sizes.shape)} on {group_sizes.device}"
             )
         counts = group_sizes
-    else:
-        _group_slices(group_sizes, x.shape[0], weight.shape[0])
+    num_rows = check_row_index(x, row_index)
+    if row_index is not None:
+        row_index = row_index.contiguous()
+    if not isinstance(group_sizes, torch.Tensor):
+        _group_slices(group_sizes, num_rows, weight.shape[0])
         counts = torch.tensor(list(group_sizes), dtype=torch.int64).to(x.device)
     x, weight = x.contiguous(), weight.contiguous()
-    out = x.new_empty((x.shape[0], weight.shape[1]))
-    if x.shape[0] == 0:
+    out = x.new_empty((num_rows, weight.shape[1]))
+    if num_rows == 0:
         return out
-    config = grouped_config(weight.shape[1], weight.shape[2], x.dtype, *x.shape[:1], len(counts))
-    bound = grouped_tile_bound(x.shape[0], counts.numel(), config.block_m)
-    return _launch(x, weight, out, counts, bound, config)
+    config = grouped_config(weight.shape[1], weight.shape[2], x.dtype, num_rows, len(counts))
+    bound = grouped_tile_bound(num_rows, counts.numel(), config.block_m)
+    return _launch(x, weight, out, counts, bound, config, row_index=row_index)

@@ -57,7 +57,26 @@ def _name(op) -> str:
 def test_every_field_is_a_known_op():
     # A new op must join REDUCING_OPS (and so every check below) or be named here.
     fields = {f.name for f in dataclasses.fields(OpTable)}
-    assert fields == set(REDUCING_OPS) | {"silu_mul", "rope", "moe_output", "mode"}
+    named = {"silu_mul", "rope", "moe_output", "moe_combine_output", "mode"}
+    assert fields == set(REDUCING_OPS) | named
+
+
+@pytest.mark.parametrize("mode", ("fast", "invariant"))
+def test_combine_output_follows_the_tables_combine(mode, generator):
+    """The fused combine + MoE output reduces like the table's own combine: composed from it
+    off CUDA (so fast mode's control reaches it), one Triton launch on CUDA in both modes
+    (where both modes' combine is the Triton kernel)."""
+    table = build_op_table(KernelConfig(mode=mode), "cpu")
+    fused = table.moe_combine_output
+    assert fused.keywords == {"moe_combine": table.moe_combine, "moe_output": table.moe_output}
+    rows = torch.randn(6, 8, generator=generator).bfloat16()
+    slots = torch.randperm(6, generator=generator)
+    weights = torch.rand(3, 2, generator=generator)
+    shared, residual = torch.randn(2, 3, 8, generator=generator).bfloat16()
+    want = table.moe_output(table.moe_combine(rows, slots, weights), shared, residual)
+    assert torch.equal(fused(rows, slots, weights, shared, residual), want)
+    cuda = build_op_table(KernelConfig(mode=mode), "cuda")
+    assert cuda.moe_combine_output.__name__ == "moe_combine_output_triton"
 
 
 @pytest.mark.parametrize("mode", ("fast", "invariant"))
@@ -155,8 +174,8 @@ def test_fast_cuda_grouped_gemm_takes_the_triton_kernel_only_where_it_is_faster(
     calls = []
     picked = partial(
         op.func,
-        few_rows=lambda *args: calls.append("triton"),
-        many_rows=lambda *args: calls.append("torch"),
+        few_rows=lambda *args, row_index: calls.append(("triton", row_index is not None)),
+        many_rows=lambda *args, row_index: calls.append(("torch", row_index is not None)),
     )
     experts = 64
     for rows, in_dim in (
@@ -166,4 +185,10 @@ def test_fast_cuda_grouped_gemm_takes_the_triton_kernel_only_where_it_is_faster(
         (6, MIN_IN - 16),  # a narrow weight: not measured, torch's
     ):
         picked(torch.empty(rows, in_dim), torch.empty(experts, 32, in_dim), [rows] + [0] * 63)
-    assert calls == ["triton", "triton", "torch", "torch"]
+    # Rows read through an index count as the index's rows, and the index is passed on.
+    for rows in (6, MAX_MEAN * experts + 1):
+        index = torch.zeros(rows, dtype=torch.int64)
+        picked(torch.empty(1, 2048), torch.empty(experts, 32, 2048), [rows] + [0] * 63,
+               row_index=index)  # fmt: skip
+    assert [name for name, _ in calls] == ["triton", "triton", "torch", "torch", "triton", "torch"]
+    assert [gathered for _, gathered in calls] == [False] * 4 + [True] * 2

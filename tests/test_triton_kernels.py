@@ -152,6 +152,28 @@ def check_grouped_linear_device_counts(generator: torch.Generator) -> None:
         torch.testing.assert_close(grouped_linear_triton(x, w, counts), expected, **FP32_TOL)
 
 
+def check_grouped_linear_gather(generator: torch.Generator) -> None:
+    """Rows read through an index (the MoE layer's token_of_row): the bits of the gathered
+    copy's GEMM, host and device counts, repeated and unsorted tokens, the reference too."""
+    from kernels.linear import grouped_linear_ref
+    from kernels.triton_linear import grouped_linear_triton
+
+    sizes = [9, 0, 70, 1]
+    for dtype in DTYPES:
+        x = torch.randn(30, 96, generator=generator).to(dtype)
+        w = (torch.randn(4, 64, 96, generator=generator) / 96**0.5).to(dtype)
+        index = torch.randint(0, 30, (80,), generator=generator)
+        copied = grouped_linear_triton(x[index], w, sizes)
+        for counts in (sizes, torch.tensor(sizes)):
+            got = grouped_linear_triton(x, w, counts, row_index=index)
+            assert got.shape == (80, 64) and torch.equal(got, copied), dtype
+        # Another index over the same rows reads other rows: the index is really used.
+        other = grouped_linear_triton(x, w, sizes, row_index=index.flip(0))
+        assert not torch.equal(other, copied), dtype
+        ref = grouped_linear_ref(x, w, sizes, tile_rows=8, row_index=index)
+        assert torch.equal(ref, grouped_linear_ref(x[index], w, sizes, tile_rows=8)), dtype
+
+
 def check_batched_linear(generator: torch.Generator) -> None:
     """The MLA's absorbed products: one launch over heads, each head linear_triton's bits,
     from strided [H, T, K] views of [T, H, K] activations."""
@@ -192,6 +214,34 @@ def check_moe_combine(generator: torch.Generator) -> None:
     inverse[slots[keep]] = torch.arange(int(keep.sum()))
     given = moe_combine_triton(rows[keep], slots[keep], weights, row_of_slot=inverse)
     assert torch.equal(given, partial)
+
+
+def check_moe_combine_output(generator: torch.Generator) -> None:
+    """The combine and the MoE output in one launch == the two kernels it replaces (here and,
+    where FMAs and bf16 casts are the GPU's, in tests/test_gpu_kernels.py), with and without
+    shared experts and the layout's inverse, absent slots too."""
+    from kernels.triton_combine import moe_combine_output_triton, moe_combine_triton
+    from kernels.triton_moe_output import moe_output_triton
+
+    num_tokens, top_k, dim = 7, 3, 600
+    for dtype in DTYPES:
+        rows = torch.randn(num_tokens * top_k, dim, generator=generator).to(dtype)
+        weights = torch.rand(num_tokens, top_k, generator=generator)
+        slots = torch.randperm(num_tokens * top_k, generator=generator)
+        keep = slots // top_k != 2
+        shared = torch.randn(num_tokens, dim, generator=generator).to(dtype)
+        residual = (torch.randn(num_tokens, dim, generator=generator) * 4).to(dtype)
+        inverse = torch.full((num_tokens * top_k,), -1, dtype=torch.int64)
+        inverse[slots[keep]] = torch.arange(int(keep.sum()))
+        for shared_in in (shared, None):
+            for row_of_slot in (None, inverse):
+                routed = moe_combine_triton(rows[keep], slots[keep], weights, row_of_slot)
+                want = moe_output_triton(routed, shared_in, residual)
+                got = moe_combine_output_triton(
+                    rows[keep], slots[keep], weights, shared_in, residual, row_of_slot
+                )
+                assert got.dtype == dtype and torch.equal(got, want), (dtype, shared_in is None)
+        assert not torch.equal(got, residual)  # the routed rows were really added
 
 
 def check_moe_output(generator: torch.Generator) -> None:
@@ -460,7 +510,7 @@ def check_router_topk(generator: torch.Generator) -> None:
 
 def check_bad_inputs(generator: torch.Generator) -> None:
     from kernels.triton_attention import mla_attention_triton
-    from kernels.triton_combine import moe_combine_triton
+    from kernels.triton_combine import moe_combine_output_triton, moe_combine_triton
     from kernels.triton_layout import expert_layout_triton
     from kernels.triton_linear import grouped_linear_triton, linear_triton
     from kernels.triton_moe_output import moe_output_triton
@@ -499,6 +549,12 @@ def check_bad_inputs(generator: torch.Generator) -> None:
         (lambda: moe_output_triton(x, x.half(), x), "shared must be torch.float32"),
         (lambda: moe_output_triton(x.half(), None, x.bfloat16()), "torch.float16"),
         (lambda: moe_combine_triton(x, ids, w[:2, :3], ids), r"row_of_slot must be \[6\]"),
+        (
+            lambda: moe_combine_output_triton(x, ids, w[:3, :2], None, x),
+            r"residual must be \[3, 8\]",
+        ),
+        (lambda: moe_combine_output_triton(x, ids, w[:4, :2], x.half(), x), "shared must be"),
+        (lambda: grouped_linear_triton(x, w[None, :, :8], [2], row_index=ids.int()), "row_index"),
     ]
     for call, pattern in cases:
         try:
@@ -514,8 +570,10 @@ CHECKS = {
     "linear_k_split": check_linear_k_split,
     "grouped_linear": check_grouped_linear,
     "grouped_linear_device_counts": check_grouped_linear_device_counts,
+    "grouped_linear_gather": check_grouped_linear_gather,
     "batched_linear": check_batched_linear,
     "moe_combine": check_moe_combine,
+    "moe_combine_output": check_moe_combine_output,
     "moe_output": check_moe_output,
     "silu_mul": check_silu_mul,
     "rope": check_rope,

@@ -70,9 +70,14 @@ class Experts(nn.Module):
         )
         self.ops = ops
 
-    def forward(self, rows: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
-        """rows [N, D] sorted by local expert (group_sizes [L] int64 on rows' device) -> [N, D]."""
-        gate, up = self.ops.grouped_linear(rows, self.gate_up_proj, group_sizes).chunk(2, dim=-1)
+    def forward(
+        self, rows: torch.Tensor, group_sizes: torch.Tensor, row_index: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """rows [N, D] sorted by local expert (group_sizes [L] int64 on rows' device) -> [N, D];
+        with row_index [N] int64 the sorted rows are rows[row_index], read in place."""
+        gate, up = self.ops.grouped_linear(
+            rows, self.gate_up_proj, group_sizes, row_index=row_index
+        ).chunk(2, dim=-1)
         return self.ops.grouped_linear(self.ops.silu_mul(gate, up), self.down_proj, group_sizes)
 
 
@@ -119,6 +124,8 @@ class MoE(nn.Module):
         """Normed input x [T, D], the layer's residual [T, D] -> residual + MoE(x) [T, D]."""
         topk_ids, topk_weights, slot_ids = self.gate(x, self.replica_row)
         self.last_topk_ids = topk_ids  # logical ids, read back for routed-expert reporting
+        if self.tp.size == 1 and isinstance(self.dispatcher, LocalDispatcher):
+            return self._forward_local(x, residual, slot_ids, topk_weights)
         # Why shares: the TP ranks of a group hold the same tokens; each dispatches its own
         # share and the routed rows are gathered back, so no expert runs a token twice. A
         # token's result does not depend on which rank sent it (rows are independent in the
@@ -137,3 +144,22 @@ class MoE(nn.Module):
         shared = None if self.shared_experts is None else self.shared_experts(x)
         # One op (one launch on CUDA): the fp32 routed sum rounded, + shared, + residual.
         return self.ops.moe_output(routed, shared, residual)
+
+    def _forward_local(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        slot_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+    ) -> torch.Tensor:
+        """forward's result when this rank holds every slot and every token (no exchange)."""
+        # Why: no row moves, so the experts read x through the layout's token index and the
+        # combine writes the layer's output: two launches and a [T*K, D] copy fewer a layer,
+        # with the same loads and the same adds in the same order, so the same bits.
+        token_of_row, group_sizes, handle = self.dispatcher.route(x, slot_ids, topk_weights)
+        self.last_slot_counts = group_sizes
+        routed_rows = self.experts(x, group_sizes, row_index=token_of_row)
+        shared = None if self.shared_experts is None else self.shared_experts(x)
+        return self.ops.moe_combine_output(
+            routed_rows, handle.order, topk_weights, shared, residual, handle.row_of_slot
+        )
