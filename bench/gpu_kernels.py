@@ -142,6 +142,69 @@ def bench_grouped() -> None:
             )
 
 
+# Pointer-kernel tiles for the grouped GEMM at prefill sizes (every one BLOCK_K 64).
+GROUPED_SWEEP = [
+    LinearConfig(64, 64, 64, 8, 4, 4),
+    LinearConfig(64, 128, 64, 8, 4, 4),
+    LinearConfig(128, 64, 64, 8, 4, 4),
+    LinearConfig(128, 128, 64, 8, 8, 3),
+    LinearConfig(128, 128, 64, 8, 8, 4),
+    LinearConfig(128, 128, 64, 8, 4, 3),
+    LinearConfig(128, 256, 64, 8, 8, 3),
+    LinearConfig(64, 256, 64, 8, 8, 3),
+    LinearConfig(256, 128, 64, 8, 8, 3),
+]
+
+
+def bench_grouped_sweep() -> None:
+    """The grouped expert GEMM at prefill sizes (V2-Lite, 64 experts, top-6, random routing,
+    1024 and 8192 tokens): each pointer tile's graph-replay time with the rows read through
+    the token index (the MoE layer's path) / pre-gathered, and its ratio to fast mode's
+    gather + torch._grouped_mm; '=' where the tile's output has the default tile's bits."""
+    print("\n## grouped GEMM tiles at prefill sizes (graph replay, us; = same bits as default)")
+    gen = torch.Generator().manual_seed(0)
+    for name, out_dim, in_dim in (("gate_up", 2816, 2048), ("down", 2048, 1408)):
+        for tokens in (1024, 8192):
+            print(_grouped_sweep_row(name, out_dim, in_dim, tokens, gen))
+
+
+def _grouped_sweep_row(name: str, out_dim: int, in_dim: int, tokens: int, gen) -> str:
+    from kernels.linear import grouped_linear_cuda_fast
+    from kernels.triton_linear import grouped_config, grouped_tile_bound
+
+    ids = torch.stack([torch.randperm(64, generator=gen)[:6] for _ in range(tokens)])
+    flat = ids.reshape(-1)
+    counts = torch.bincount(flat, minlength=64).cuda()
+    index = (torch.sort(flat, stable=True).indices // 6).cuda()
+    rows = flat.numel()
+    w = torch.randn(64, out_dim, in_dim, device="cuda").bfloat16() * in_dim**-0.5
+    x = torch.randn(tokens, in_dim, device="cuda").bfloat16()
+    gathered = x[index]
+    num_bytes = w.numel() * 2  # far past L2: one copy of the inputs
+
+    def timed(fn) -> float:
+        return _graph_ms(lambda: fn, num_bytes) * 1e3
+
+    default = grouped_config(out_dim, in_dim, x.dtype, rows, 64)
+    want = grouped_linear_triton(x, w, counts, row_index=index)
+    t_fast = timed(lambda: grouped_linear_cuda_fast(x, w, counts, row_index=index))
+    cells = []
+    for c in dict.fromkeys([default, *GROUPED_SWEEP]):
+        bound = grouped_tile_bound(rows, 64, c.block_m)
+        out = x.new_empty((rows, out_dim))
+        try:
+            _launch(x, w, out, counts, bound, c, row_index=index)
+        except Exception as err:  # out of shared memory etc.: report, keep sweeping
+            cells.append(f"{_tag(c)}:fail:{type(err).__name__}")
+            continue
+        same = "=" if torch.equal(out, want) else "x"
+        t_in = timed(partial(_launch, x, w, out, counts, bound, c, row_index=index))
+        t_pre = timed(partial(_launch, gathered, w, out, counts, bound, c))
+        mark = "*" if c == default else ""
+        cells.append(f"{mark}{_tag(c)}{same} {t_in:.0f}/{t_pre:.0f} ({t_in / t_fast:.2f})")
+    return f"{name} tokens={tokens} rows={rows} fast {t_fast:.0f}us | " + " | ".join(cells)
+
+
 SWEEP_SMALL = [
     LinearConfig(16, 16, 64, 8, 4, 4),
     LinearConfig(16, 32, 64, 8, 4, 4),
@@ -616,6 +679,7 @@ def main() -> None:
             "rows": bench_rows,
             "linear": bench_linear,
             "grouped": bench_grouped,
+            "grouped_sweep": bench_grouped_sweep,
             "sweep": bench_config_sweep,
             "attention": bench_attention,
             "layer": bench_layer,

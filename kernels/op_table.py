@@ -19,7 +19,7 @@ from functools import partial
 
 import torch
 
-from kernels.activation import silu_mul_fast, silu_mul_ref
+from kernels.activation import grouped_gated_linear_composed, silu_mul_fast, silu_mul_ref
 from kernels.attention import mla_attention_fast, mla_attention_ref
 from kernels.combine import (
     moe_combine_fast,
@@ -61,6 +61,7 @@ class OpTable:
     linear: Callable
     batched_linear: Callable
     grouped_linear: Callable
+    grouped_gated_linear: Callable
     rms_norm: Callable
     add_rms_norm: Callable
     softmax: Callable
@@ -169,6 +170,7 @@ def build_op_table(config: KernelConfig, device: torch.device | str) -> OpTable:
         )
     ops["row_parallel_linear"] = _row_parallel_linear(config, device, arrivals)
     ops["moe_combine_output"] = _moe_combine_output(ops, device)
+    ops["grouped_gated_linear"] = _grouped_gated_linear(ops, device, config.is_invariant)
     return OpTable(**ops, **rope, mode=config.mode)
 
 
@@ -197,6 +199,34 @@ def _moe_combine_output(ops: dict[str, Callable], device: torch.device) -> Calla
         return moe_combine_output_triton
     return partial(
         moe_combine_output_composed, moe_combine=ops["moe_combine"], moe_output=ops["moe_output"]
+    )
+
+
+def _grouped_gated_linear(
+    ops: dict[str, Callable], device: torch.device, is_invariant: bool
+) -> Callable:
+    """The experts' gate_up GEMM and silu * up as one op: the table's grouped_linear and
+    silu_mul composed, except where the Triton grouped GEMM runs on CUDA (invariant mode;
+    fast mode at few rows an expert), which takes the one-launch kernel of the same bits."""
+    composed = partial(
+        grouped_gated_linear_composed,
+        grouped_linear=ops["grouped_linear"],
+        silu_mul=ops["silu_mul"],
+    )
+    if device.type != "cuda":
+        return composed
+    from kernels.linear import grouped_linear_cuda_fast
+    from kernels.triton_linear import grouped_gated_linear_triton
+
+    if is_invariant:
+        return grouped_gated_linear_triton
+    many_rows = partial(
+        grouped_gated_linear_composed,
+        grouped_linear=grouped_linear_cuda_fast,
+        silu_mul=ops["silu_mul"],
+    )
+    return partial(
+        grouped_linear_by_rows, few_rows=grouped_gated_linear_triton, many_rows=many_rows
     )
 
 

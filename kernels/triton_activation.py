@@ -16,15 +16,23 @@ BLOCK = 1024
 
 
 @triton.jit
+def silu_mul_value(gate, up):
+    """silu(gate) * up of values in up's dtype (gate: that dtype, or fp32 values exactly
+    representable in it): silu in fp32 rounded to up's dtype, the product rounded again.
+    Shared by every kernel that applies the gated MLP's activation, so they cannot drift."""
+    gate = gate.to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)
+    return (silu.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
+
+
+@triton.jit
 def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, cols, gate_stride, up_stride, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < cols
-    gate = tl.load(gate_ptr + row * gate_stride + offs, mask=ok, other=0.0).to(tl.float32)
+    gate = tl.load(gate_ptr + row * gate_stride + offs, mask=ok, other=0.0)
     up = tl.load(up_ptr + row * up_stride + offs, mask=ok, other=0.0)
-    silu = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)
-    out = (silu.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
-    tl.store(out_ptr + row * cols + offs, out, mask=ok)
+    tl.store(out_ptr + row * cols + offs, silu_mul_value(gate, up), mask=ok)
 
 
 def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

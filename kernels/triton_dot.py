@@ -67,6 +67,14 @@ def kernel_consts(config: LinearConfig, x_dtype: torch.dtype, w_dtype: torch.dty
 
 
 @triton.jit
+def stored_value(acc, dtype: tl.constexpr):
+    """acc rounded to dtype as a store to memory and a reload would give it; the bitcast keeps
+    the compiler from folding the round trip into the next fp32 op."""
+    bits = tl.int16 if dtype.primitive_bitwidth == 16 else tl.int32
+    return acc.to(dtype).to(bits, bitcast=True).to(dtype, bitcast=True)
+
+
+@triton.jit
 def dot_step(
     x_ptr, w_ptr, offs_m, offs_n, row_ok, col_ok, stride_xm, K, k, k_ok, acc,
     INPUT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, IS_K_MASKED: tl.constexpr,

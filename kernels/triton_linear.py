@@ -21,8 +21,16 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.linear import _group_slices, check_row_index
+from kernels.triton_activation import silu_mul_value
 from kernels.triton_chunk_tree import chain_config, linear_chunk_tree
-from kernels.triton_dot import check_pair, dot_k_range, is_interpreted, kernel_consts, tile_of
+from kernels.triton_dot import (
+    check_pair,
+    dot_k_range,
+    is_interpreted,
+    kernel_consts,
+    stored_value,
+    tile_of,
+)
 from kernels.triton_linear_config import (
     POINTER_CONFIG_16BIT,
     LinearConfig,
@@ -52,6 +60,7 @@ def _linear_kernel(
     stride_om,
     IS_GROUPED: tl.constexpr,
     IS_GATHER: tl.constexpr,
+    IS_GATED: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -64,7 +73,9 @@ def _linear_kernel(
     counts [num_groups] on the device; tile i is the i-th BLOCK_M-row tile of the groups (no
     tile crosses a group; each starts at its group's first row + a multiple of BLOCK_M) and
     tiles past the last do nothing; num_rows is the launch's tile bound. Gathered (grouped
-    only): row r's operand is x[rows[r]] (rows [N] int64), read in place. Batched (plain only):
+    only): row r's operand is x[rows[r]] (rows [N] int64), read in place. Gated (grouped
+    only): w[g] is [2N, K], gate rows then up rows, and out = silu(x @ gate^T) * (x @ up^T)
+    (each product rounded to out's dtype first, then silu_mul_value). Batched (plain only):
     program axis 1 is the batch b, with x, w and out offset by b's strides (w contiguous
     [B, N, K])."""
     pid = tl.program_id(0)
@@ -94,7 +105,7 @@ def _linear_kernel(
         row_start += (pid_m - first_tile) * BLOCK_M
         row_end = tl.minimum(row_start + BLOCK_M, tl.sum(tl.where(is_mine, group_rows_end, 0), 0))
         row_end = tl.where(group_id < num_groups, row_end, row_start)  # past the last tile
-        w_ptr += group_id * N * K
+        w_ptr += group_id * N * K * (2 if IS_GATED else 1)
     else:
         row_start = pid_m * BLOCK_M
         row_end = num_rows
@@ -115,7 +126,18 @@ def _linear_kernel(
             x_ptr, w_ptr, x_rows, offs_n, row_ok, col_ok, stride_xm, K, 0, K, BLOCK_M, BLOCK_N,
             BLOCK_K, INPUT_PRECISION, UPCAST_DOT,
         )  # fmt: skip
-        out = acc.to(out_ptr.dtype.element_ty)
+        dtype = out_ptr.dtype.element_ty
+        if IS_GATED:
+            # Why: the same dots as the plain launch's gate and up columns, rounded to the
+            # output dtype as its stores would, then the activation kernel's helper: the bits
+            # of the two launches, without the [N, 2I] write and re-read between them.
+            up = dot_k_range(
+                x_ptr, w_ptr + N * K, x_rows, offs_n, row_ok, col_ok, stride_xm, K, 0, K,
+                BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION, UPCAST_DOT,
+            )  # fmt: skip
+            out = silu_mul_value(stored_value(acc, dtype), stored_value(up, dtype))
+        else:
+            out = acc.to(dtype)
         tl.store(
             out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
             out,
@@ -209,15 +231,18 @@ def _launch(
     whole_out_dim: int | None = None,
     arrivals: torch.Tensor | None = None,
     row_index: torch.Tensor | None = None,
+    is_gated: bool = False,
 ) -> torch.Tensor:
     """Launch over row tiles: `counts` is None (plain) or the grouped GEMM's device counts,
     num_rows then the tile bound. whole_out_dim, arrivals: see linear_triton. row_index
-    (grouped only): out's row r reads x's row row_index[r].
+    (grouped only): out's row r reads x's row row_index[r]. is_gated (grouped only): weight
+    [L, 2I, K] (gate rows, up rows), out [N, I] = silu(gate) * up.
 
     x [M, K] / out [M, N] (row strides free, unit column stride), or batched x [B, M, K],
     out [B, M, N] with weight [B, N, K] (plain only). Plain 2-D launches of a weight with a
     fixed K split (k_split_count) go through launch_split_k (chunk order; fp32: the tree)."""
     out_dim, in_dim = weight.shape[-2:]
+    out_dim //= 2 if is_gated else 1
     is_plain = counts is None and x.dim() == 2
     k_splits = k_split_count(whole_out_dim or out_dim, in_dim, weight.dtype) if is_plain else 1
     if k_splits > 1:
@@ -259,6 +284,7 @@ def _launch(
         out3.stride(1),
         IS_GROUPED=counts is not None,
         IS_GATHER=row_index is not None,
+        IS_GATED=is_gated,
         BLOCK_G=max(triton.next_power_of_2(num_groups), 2),
         **kernel_consts(config, x.dtype, weight.dtype),
     )
@@ -368,6 +394,25 @@ def grouped_linear_triton(
     capture it; rows past the counts' sum are left unwritten). Every tile holds rows of one
     group; a row's bits never depend on how many rows its group (or any other) received.
     """
+    return _grouped(x, weight, group_sizes, row_index, is_gated=False)
+
+
+def grouped_gated_linear_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    group_sizes: Sequence[int] | torch.Tensor,
+    *,
+    row_index: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """grouped_gated_linear_composed's contract (kernels/activation.py) in one launch: weight
+    [L, 2I, IN] (each group's gate rows, then its up rows) -> silu(gate) * up [N, I], with the
+    bits of grouped_linear_triton's gate and up columns through silu_mul_triton."""
+    if weight.dim() == 3 and weight.shape[1] % 2:
+        raise ValueError(f"weight must be [L, 2I, IN] (gate, up), got {tuple(weight.shape)}")
+    return _grouped(x, weight, group_sizes, row_index, is_gated=True)
+
+
+def _grouped(x, weight, group_sizes, row_index, *, is_gated: bool) -> torch.Tensor:
     check_pair(x, weight, 3)
     if isinstance(group_sizes, torch.Tensor):
         if group_sizes.shape != (weight.shape[0],) or group_sizes.device != x.device:
@@ -383,9 +428,10 @@ def grouped_linear_triton(
         _group_slices(group_sizes, num_rows, weight.shape[0])
         counts = torch.tensor(list(group_sizes), dtype=torch.int64).to(x.device)
     x, weight = x.contiguous(), weight.contiguous()
-    out = x.new_empty((num_rows, weight.shape[1]))
+    out = x.new_empty((num_rows, weight.shape[1] // (2 if is_gated else 1)))
     if num_rows == 0:
         return out
+    # Why the whole weight's rows: the tiles the two-launch path had (any tile gives the bits).
     config = grouped_config(weight.shape[1], weight.shape[2], x.dtype, num_rows, len(counts))
     bound = grouped_tile_bound(num_rows, counts.numel(), config.block_m)
-    return _launch(x, weight, out, counts, bound, config, row_index=row_index)
+    return _launch(x, weight, out, counts, bound, config, row_index=row_index, is_gated=is_gated)

@@ -57,7 +57,8 @@ def _name(op) -> str:
 def test_every_field_is_a_known_op():
     # A new op must join REDUCING_OPS (and so every check below) or be named here.
     fields = {f.name for f in dataclasses.fields(OpTable)}
-    named = {"silu_mul", "rope", "moe_output", "moe_combine_output", "mode"}
+    named = {"silu_mul", "rope", "moe_output", "moe_combine_output", "grouped_gated_linear"}
+    named.add("mode")
     assert fields == set(REDUCING_OPS) | named
 
 
@@ -77,6 +78,28 @@ def test_combine_output_follows_the_tables_combine(mode, generator):
     assert torch.equal(fused(rows, slots, weights, shared, residual), want)
     cuda = build_op_table(KernelConfig(mode=mode), "cuda")
     assert cuda.moe_combine_output.__name__ == "moe_combine_output_triton"
+
+
+@pytest.mark.parametrize("mode", ("fast", "invariant"))
+def test_gated_expert_gemm_follows_the_tables_grouped_gemm(mode, generator):
+    """gate_up + silu * up as one op: composed from the table's grouped GEMM and silu off
+    CUDA (fast mode's control reaches it); on CUDA the one-launch Triton kernel where the
+    table runs the Triton grouped GEMM (invariant; fast at few rows an expert)."""
+    table = build_op_table(KernelConfig(mode=mode), "cpu")
+    fused = table.grouped_gated_linear
+    assert fused.keywords == {"grouped_linear": table.grouped_linear, "silu_mul": table.silu_mul}
+    x = torch.randn(5, 16, generator=generator)
+    w = torch.randn(2, 2 * 8, 16, generator=generator)
+    index = torch.tensor([4, 0, 0, 3, 1, 2])
+    gate, up = table.grouped_linear(x[index], w, [2, 4]).chunk(2, dim=-1)
+    assert torch.equal(fused(x, w, [2, 4], row_index=index), table.silu_mul(gate, up))
+    cuda = build_op_table(KernelConfig(mode=mode), "cuda").grouped_gated_linear
+    if mode == "invariant":
+        assert cuda.__name__ == "grouped_gated_linear_triton"
+    else:
+        assert cuda.keywords["few_rows"].__name__ == "grouped_gated_linear_triton"
+        many = cuda.keywords["many_rows"].keywords
+        assert many["grouped_linear"].__name__ == "grouped_linear_cuda_fast"
 
 
 @pytest.mark.parametrize("mode", ("fast", "invariant"))

@@ -174,6 +174,28 @@ def check_grouped_linear_gather(generator: torch.Generator) -> None:
         assert torch.equal(ref, grouped_linear_ref(x[index], w, sizes, tile_rows=8)), dtype
 
 
+def check_grouped_gated_linear(generator: torch.Generator) -> None:
+    """gate_up and silu * up in one launch: the bits of the grouped GEMM's gate and up columns
+    through the silu kernel (here; on the GPU in tests/test_gpu_kernels.py), host and device
+    counts, rows through an index; a swapped gate / up half gives other values."""
+    from kernels.triton_activation import silu_mul_triton
+    from kernels.triton_linear import grouped_gated_linear_triton, grouped_linear_triton
+
+    sizes = [9, 0, 70, 1]
+    for dtype in DTYPES:
+        x = torch.randn(30, 96, generator=generator).to(dtype)
+        w = (torch.randn(4, 2 * 40, 96, generator=generator) / 96**0.5).to(dtype)
+        index = torch.randint(0, 30, (80,), generator=generator)
+        gate, up = grouped_linear_triton(x, w, sizes, row_index=index).chunk(2, dim=-1)
+        want = silu_mul_triton(gate, up)
+        for counts in (sizes, torch.tensor(sizes)):
+            got = grouped_gated_linear_triton(x, w, counts, row_index=index)
+            assert got.shape == (80, 40) and torch.equal(got, want), dtype
+        assert torch.equal(grouped_gated_linear_triton(x[index], w, sizes), want), dtype
+        swapped = torch.cat([w[:, 40:], w[:, :40]], dim=1)
+        assert not torch.equal(grouped_gated_linear_triton(x[index], swapped, sizes), want)
+
+
 def check_batched_linear(generator: torch.Generator) -> None:
     """The MLA's absorbed products: one launch over heads, each head linear_triton's bits,
     from strided [H, T, K] views of [T, H, K] activations."""
@@ -512,7 +534,11 @@ def check_bad_inputs(generator: torch.Generator) -> None:
     from kernels.triton_attention import mla_attention_triton
     from kernels.triton_combine import moe_combine_output_triton, moe_combine_triton
     from kernels.triton_layout import expert_layout_triton
-    from kernels.triton_linear import grouped_linear_triton, linear_triton
+    from kernels.triton_linear import (
+        grouped_gated_linear_triton,
+        grouped_linear_triton,
+        linear_triton,
+    )
     from kernels.triton_moe_output import moe_output_triton
     from kernels.triton_rmsnorm import rms_norm_triton
     from kernels.triton_router import router_topk_triton
@@ -555,6 +581,7 @@ def check_bad_inputs(generator: torch.Generator) -> None:
         ),
         (lambda: moe_combine_output_triton(x, ids, w[:4, :2], x.half(), x), "shared must be"),
         (lambda: grouped_linear_triton(x, w[None, :, :8], [2], row_index=ids.int()), "row_index"),
+        (lambda: grouped_gated_linear_triton(x, w[None, :5], [4]), r"\[L, 2I, IN\]"),
     ]
     for call, pattern in cases:
         try:
@@ -571,6 +598,7 @@ CHECKS = {
     "grouped_linear": check_grouped_linear,
     "grouped_linear_device_counts": check_grouped_linear_device_counts,
     "grouped_linear_gather": check_grouped_linear_gather,
+    "grouped_gated_linear": check_grouped_gated_linear,
     "batched_linear": check_batched_linear,
     "moe_combine": check_moe_combine,
     "moe_combine_output": check_moe_combine_output,

@@ -75,10 +75,10 @@ class Experts(nn.Module):
     ) -> torch.Tensor:
         """rows [N, D] sorted by local expert (group_sizes [L] int64 on rows' device) -> [N, D];
         with row_index [N] int64 the sorted rows are rows[row_index], read in place."""
-        gate, up = self.ops.grouped_linear(
+        hidden = self.ops.grouped_gated_linear(
             rows, self.gate_up_proj, group_sizes, row_index=row_index
-        ).chunk(2, dim=-1)
-        return self.ops.grouped_linear(self.ops.silu_mul(gate, up), self.down_proj, group_sizes)
+        )
+        return self.ops.grouped_linear(hidden, self.down_proj, group_sizes)
 
 
 class MoE(nn.Module):
