@@ -1,12 +1,13 @@
 """`write_latent_cache_composed` (kernels/latent_cache.py) with the Triton norm and rope as
 one Triton kernel: one program per token normalises its latent, rotates its rope channels and
 stores both straight into its cache row, instead of a copy, the norm, the rope, a cat and an
-index copy (five launches).
+index copy (five launches); given the query's rope channels, the same program rotates those
+too (rope_triton's launch, folded in).
 
 Why the bits are the unfused kernels': the program calls the same jit helpers,
 `rms_norm_row` (with `norm_launch_config`'s BLOCK_D and num_warps, so one reduction tree) and
-`rope_row`, on the same values; the cat and index copy are moves. Under TRITON_INTERPRET=1 it
-runs on CPU tensors (tests).
+`rope_row` (with rope_triton's BLOCK_H and BLOCK_R for the query), on the same values; the cat
+and index copy are moves. Under TRITON_INTERPRET=1 it runs on CPU tensors (tests).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from kernels.latent_cache import check_query_rope
 from kernels.triton_rmsnorm import norm_launch_config, rms_norm_row
 from kernels.triton_rope import rope_row
 
@@ -31,13 +33,22 @@ def _write_latent_cache_kernel(
     sin_ptr,
     slots_ptr,
     cache_ptr,
+    q_pe_ptr,
+    q_rot_ptr,
     stride_kv_a,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    num_heads,
     LORA,
     eps,
     BLOCK_D: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK_R: tl.constexpr,
     IS_INTERLEAVED: tl.constexpr,
+    HAS_QUERY: tl.constexpr,
+    BLOCK_H: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     kv_a_row = kv_a_ptr + t * stride_kv_a
@@ -58,6 +69,21 @@ def _write_latent_cache_kernel(
         BLOCK_R,
         IS_INTERLEAVED,
     )
+    if HAS_QUERY:
+        rope_row(
+            q_pe_ptr + t * stride_qt,
+            stride_qh,
+            position,
+            cos_ptr,
+            sin_ptr,
+            q_rot_ptr + t * stride_ot,
+            stride_oh,
+            num_heads,
+            HALF,
+            BLOCK_H,
+            BLOCK_R,
+            IS_INTERLEAVED,
+        )
 
 
 def _check(kv_a, norm_weight, positions, cos_table, sin_table, kv_cache, slot_mapping) -> None:
@@ -123,15 +149,23 @@ def write_latent_cache_triton(
     is_interleaved: bool,
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    q_pe: torch.Tensor | None = None,
+    q_rot: torch.Tensor | None = None,
 ) -> None:
     """write_latent_cache_composed's contract, all floats but the tables of one dtype, in one
     launch. Slots are not range-checked (that would be a host sync): no sync, so a CUDA graph
-    can capture it."""
+    can capture it. q_pe, q_rot: check_query_rope's contract; q_rot gets rope_triton(q_pe, ...)'s
+    bits (the same rope_row call)."""
     _check(kv_a, norm_weight, positions, cos_table, sin_table, kv_cache, slot_mapping)
     lora, num_tokens = norm_weight.shape[0], kv_a.shape[0]
+    has_query = check_query_rope(kv_a, kv_a.shape[1] - lora, q_pe, q_rot)
     if num_tokens == 0:
         return
     half = (kv_a.shape[1] - lora) // 2
+    # Without a query: None pointers and zero strides, whose branch HAS_QUERY compiles away.
+    num_heads = q_pe.shape[1] if has_query else 0
+    q_strides = (*q_pe.stride()[:2], *q_rot.stride()[:2]) if has_query else (0, 0, 0, 0)
     _write_latent_cache_kernel[(num_tokens,)](
         kv_a,
         norm_weight,
@@ -140,11 +174,17 @@ def write_latent_cache_triton(
         sin_table.contiguous(),
         slot_mapping.contiguous(),
         kv_cache,
+        q_pe,
+        q_rot,
         kv_a.stride(0),
+        *q_strides,
+        num_heads,
         lora,
         eps,
         HALF=half,
         BLOCK_R=triton.next_power_of_2(half),
         IS_INTERLEAVED=is_interleaved,
+        HAS_QUERY=has_query,
+        BLOCK_H=triton.next_power_of_2(max(num_heads, 1)),
         **norm_launch_config(lora),
     )

@@ -614,6 +614,24 @@ def test_write_latent_cache_replays_in_a_graph(generator):
         assert torch.equal(cache.view(-1, 576)[slots], want.view(-1, 576)[slots])
 
 
+def test_write_latent_cache_rotates_the_query_bitwise(generator):
+    """The query's rope folded into the cache write's launch: rope_triton's bits in q_rot (a
+    slice of the query buffer, the rest untouched), bf16 and fp32, positions up to 4095, 16 and
+    3 heads; the cache rows the unfused launch's."""
+    from kernels.triton_latent_cache import write_latent_cache_triton
+    from kernels.triton_rope import rope_triton
+    from tests.test_triton_fused import assert_query_rope_rides_along
+
+    assert_query_rope_rides_along(
+        generator,
+        write_latent_cache_triton,
+        rope_triton,
+        "cuda",
+        FUSED_ROW_COUNTS,
+        (torch.bfloat16, torch.float32),
+    )
+
+
 def test_add_rms_norm_fused_equals_unfused_bitwise(generator):
     """The residual add + post-attention norm in one launch: torch's bf16 add and the Triton
     norm's bits, both outputs, at the V2-Lite and tiny hidden sizes."""

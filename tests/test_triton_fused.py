@@ -8,7 +8,9 @@ tests/test_triton_kernels.py, and each test asserts on its own check's outcome.
 
 from __future__ import annotations
 
+import itertools
 import re
+from functools import partial
 
 import pytest
 import torch
@@ -150,6 +152,101 @@ def check_latent_cache_bad_inputs(generator: torch.Generator) -> None:
     assert_each_refused(cases)
 
 
+# Query heads riding along with the cache write: V2-Lite's 16, and an odd count (BLOCK_H 4
+# masks one head). NOPE_DIM precedes q_pe in each head's q row, so q_pe is a strided view.
+QUERY_HEAD_COUNTS = (16, 3)
+NOPE_DIM = 16
+
+
+def query_rope_inputs(generator, num_rows, num_heads, lora, rope_dim, dtype, device="cpu"):
+    """q_pe as MLA views it (q [T, H, nope + R] split) and the NaN-filled query buffer
+    [T, H, lora + R] whose last R channels are q_rot."""
+    q = torch.randn(num_rows, num_heads, NOPE_DIM + rope_dim, generator=generator)
+    q_pe = q.to(device, dtype).split([NOPE_DIM, rope_dim], dim=-1)[1]
+    query = torch.full((num_rows, num_heads, lora + rope_dim), float("nan"))
+    return q_pe, query.to(device, dtype)
+
+
+def assert_query_rope_rides_along(
+    generator, write, rope, device="cpu", row_counts=ROW_COUNTS, dtypes=(torch.float32,)
+) -> None:
+    """write(..., q_pe=, q_rot=) == write(...) then rope(q_pe, ...) on its own: the cache and
+    q_rot bitwise, q_rot a slice of the query buffer whose other channels stay untouched (also
+    run on CUDA by tests/test_gpu_kernels.py)."""
+    for lora, rope_dim, block_size in LATENT_SHAPES:
+        for dtype in dtypes:
+            for num_rows in row_counts:
+                kv_a, weight, eps, positions, cos, sin, cache, slots = latent_inputs(
+                    generator, num_rows, lora, rope_dim, block_size, dtype, device
+                )
+                for num_heads, is_interleaved in itertools.product(
+                    QUERY_HEAD_COUNTS, (True, False)
+                ):
+                    q_pe, query = query_rope_inputs(
+                        generator, num_rows, num_heads, lora, rope_dim, dtype, device
+                    )
+                    q_rot = query[..., lora:]
+                    args = (kv_a, weight, eps, positions, cos, sin, is_interleaved)
+                    fused, unfused = cache.clone(), cache.clone()
+                    write(*args, fused, slots, q_pe=q_pe, q_rot=q_rot)
+                    write(*args, unfused, slots)
+                    want = rope(q_pe, positions, cos, sin, is_interleaved)
+                    case = (lora, dtype, num_rows, num_heads, is_interleaved)
+                    assert not q_rot.isnan().any(), case
+                    assert torch.equal(q_rot, want), case
+                    assert query[..., :lora].isnan().all(), case
+                    assert torch.equal(fused.isnan(), unfused.isnan()), case
+                    rows = fused.view(-1, lora + rope_dim)[slots]
+                    assert torch.equal(rows, unfused.view(-1, lora + rope_dim)[slots]), case
+
+
+def check_latent_cache_rotates_the_query(generator: torch.Generator) -> None:
+    """The query's rope in the write's launch: rope_triton's bits. Why bf16 passes here too:
+    both sides cast through the same interpreted helper, so they truncate alike."""
+    from kernels.triton_latent_cache import write_latent_cache_triton
+    from kernels.triton_rope import rope_triton
+
+    assert_query_rope_rides_along(
+        generator,
+        write_latent_cache_triton,
+        rope_triton,
+        row_counts=(1, 7),
+        dtypes=(torch.float32, torch.bfloat16),
+    )
+
+
+def query_rope_refusals(call, q_pe, q_rot) -> list:
+    """(call, regex) cases for bad q_pe / q_rot of kv_a [3, 32 + 8] fp32, q_pe [3, 3, 8];
+    call(**changes) -> the write with those keyword arguments."""
+    return [
+        (call(q_pe=q_pe), "q_pe was given without q_rot"),
+        (call(q_rot=q_rot), "q_rot was given without q_pe"),
+        (call(q_pe=q_pe[:2], q_rot=q_rot[:2]), r"q_pe must be \[T=3, H, R=8\], got \(2, 3, 8\)"),
+        (call(q_pe=q_pe[..., :6], q_rot=q_rot), r"q_pe must be .*, got \(3, 3, 6\)"),
+        (call(q_pe=q_pe[:, 0], q_rot=q_rot), r"q_pe must be .*, got \(3, 8\)"),
+        (call(q_pe=q_pe[:, :0], q_rot=q_rot[:, :0]), r"q_pe must be .*, got \(3, 0, 8\)"),
+        (call(q_pe=q_pe, q_rot=q_rot[:, :2]), r"q_rot must have q_pe's shape \(3, 3, 8\)"),
+        (call(q_pe=q_pe, q_rot=q_rot.bfloat16()), "q_rot must have .*float32, got torch.bfloat16"),
+        (call(q_pe=q_pe.double(), q_rot=q_rot), "q_pe must have kv_a's dtype"),
+        (call(q_pe=q_pe, q_rot=q_rot.to("meta")), "q_rot is on meta"),
+        (call(q_pe=q_pe.mT.contiguous().mT, q_rot=q_rot), "q_pe needs a unit channel stride"),
+        (call(q_pe=q_pe, q_rot=q_rot.mT.contiguous().mT), "q_rot needs a unit channel stride"),
+    ]
+
+
+def check_latent_cache_refuses_bad_query(generator: torch.Generator) -> None:
+    from kernels.triton_latent_cache import write_latent_cache_triton
+
+    kv_a, weight, eps, positions, cos, sin, cache, slots = latent_inputs(
+        generator, 3, 32, 8, 16, torch.float32
+    )
+    q_pe, query = query_rope_inputs(generator, 3, 3, 32, 8, torch.float32)
+    args = (kv_a, weight, eps, positions, cos, sin, True, cache, slots)
+    call = partial(partial, write_latent_cache_triton, *args)
+    assert_each_refused(query_rope_refusals(call, q_pe, query[..., 32:]))
+    assert cache.isnan().all() and query.isnan().all()
+
+
 # Residual add + norm widths: DeepSeek-V2-Lite's hidden size, and the tiny model's.
 HIDDEN_SIZES = (2048, 64)
 
@@ -273,6 +370,8 @@ CHECKS = {
     "latent_cache_fused_equals_unfused": check_latent_cache_fused_equals_unfused,
     "latent_cache_close_to_reference": check_latent_cache_close_to_reference,
     "latent_cache_bad_inputs": check_latent_cache_bad_inputs,
+    "latent_cache_rotates_the_query": check_latent_cache_rotates_the_query,
+    "latent_cache_refuses_bad_query": check_latent_cache_refuses_bad_query,
     "add_rms_norm_fused_equals_unfused": check_add_rms_norm_fused_equals_unfused,
     "add_rms_norm_bf16_norms_its_own_sums": check_add_rms_norm_bf16_norms_its_own_sums,
     "add_rms_norm_bad_inputs": check_add_rms_norm_bad_inputs,
@@ -304,3 +403,28 @@ def test_compiled_fused_wrappers_refuse_cpu(generator):
 
     with pytest.raises(ValueError, match="cpu"):
         add_rms_norm_triton(kv_a, kv_a, torch.ones(kv_a.shape[1]), EPS)
+
+
+def test_write_latent_cache_ref_rotates_the_query(generator):
+    """The composed op's query rope (the CPU table's): rope_ref's bits into q_rot, same cache."""
+    from kernels.latent_cache import write_latent_cache_ref
+    from kernels.rope import rope_ref
+
+    write = partial(write_latent_cache_ref, tile_rows=4)
+    assert_query_rope_rides_along(
+        generator, write, rope_ref, dtypes=(torch.float32, torch.bfloat16)
+    )
+
+
+def test_write_latent_cache_ref_refuses_bad_query(generator):
+    from kernels.latent_cache import write_latent_cache_ref
+
+    kv_a, weight, eps, positions, cos, sin, cache, slots = latent_inputs(
+        generator, 3, 32, 8, 16, torch.float32
+    )
+    q_pe, query = query_rope_inputs(generator, 3, 3, 32, 8, torch.float32)
+    args = (kv_a, weight, eps, positions, cos, sin, True, cache, slots)
+    call = partial(partial, write_latent_cache_ref, *args, tile_rows=4)
+    assert_each_refused(query_rope_refusals(call, q_pe, query[..., 32:]))
+    # Checked before any store: a refused call leaves the cache and the query as they were.
+    assert cache.isnan().all() and query.isnan().all()

@@ -76,7 +76,12 @@ class MLAttention(nn.Module):
         q = q.view(t, self.num_heads, self.nope_dim + self.rope_dim)
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
 
-        # The latent norm and the k_pe rope, stored straight into each token's cache row.
+        # The query [T, H, kv_lora + R] is built in place (no cat; only stores move, so the same
+        # bits): the rotated q_pe into its last channels, W_UK's product into the rest.
+        query = q.new_empty((t, self.num_heads, self.kv_lora_rank + self.rope_dim))
+        q_latent, q_rot = query.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        # The latent norm and the k_pe rope, stored straight into each token's cache row. Why q
+        # rides along: the same positions and tables, so one launch fewer a layer (same bits).
         self.ops.write_latent_cache(
             self.kv_a_proj_with_mqa(x),
             self.kv_a_layernorm.weight,
@@ -87,15 +92,11 @@ class MLAttention(nn.Module):
             self.rope.is_interleaved,
             kv_cache,
             batch.slot_mapping,
+            q_pe=q_pe,
+            q_rot=q_rot,
         )
-
-        # Absorbed W_UK and W_UV: one batched GEMM over the heads each ([H, T, .] views). The
-        # query [T, H, kv_lora + R] is built in place: W_UK's product into its first channels,
-        # the rotated q_pe into the rest (no cat; only stores move, so the same bits).
-        query = q.new_empty((t, self.num_heads, self.kv_lora_rank + self.rope_dim))
-        q_latent, q_rot = query.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        # Absorbed W_UK and W_UV: one batched GEMM over the heads each ([H, T, .] views).
         self.ops.batched_linear(q_nope.transpose(0, 1), self.w_uk_t, out=q_latent.transpose(0, 1))
-        self.rope(q_pe, batch.positions, self.ops.rope, out=q_rot)
         out_latent = self.ops.mla_attention(
             query,
             kv_cache,

@@ -2,7 +2,9 @@
 
 cos/sin are tabulated once per absolute position, so a token's rotation depends on its
 position only (elementwise, batch-invariant). Layouts: interleaved pairs (x0, x1), (x2, x3)...
-as DeepSeek checkpoints store them, or rotate-half pairs (x_i, x_{i+R/2}).
+as DeepSeek checkpoints store them, or rotate-half pairs (x_i, x_{i+R/2}). This module owns
+the tables and the layout; the rotation is the op table's (write_latent_cache rotates k_pe and
+q_pe, kernels/latent_cache.py).
 """
 
 from __future__ import annotations
@@ -10,8 +12,6 @@ from __future__ import annotations
 import math
 
 import torch
-
-from kernels.rope import rope_ref
 
 
 class RotaryEmbedding:
@@ -28,13 +28,6 @@ class RotaryEmbedding:
         self.cos = freqs.cos() * attention_factor  # [S, R/2]
         self.sin = freqs.sin() * attention_factor
         self.is_interleaved = is_interleaved
-
-    def __call__(
-        self, x: torch.Tensor, positions: torch.Tensor, op=rope_ref, *, out=None
-    ) -> torch.Tensor:
-        """x [T, H, R], positions [T] int64 -> rotated x [T, H, R] (halves: first, second),
-        written into `out` when given; op: the op table's `rope` (rope_ref's contract)."""
-        return op(x, positions, self.cos, self.sin, self.is_interleaved, out=out)
 
     def to(self, device: torch.device) -> RotaryEmbedding:
         self.cos, self.sin = self.cos.to(device), self.sin.to(device)
