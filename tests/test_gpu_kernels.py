@@ -539,8 +539,9 @@ def _v2_lite_moe_layer():
 
 def _moe_layer_before_fusion(cfg, ops, moe, h, x):
     """The MoE layer as it ran before its launches were fused, op by op: x.float() for the
-    router, the replica map, the sort's order, order // K, the combine deriving order's
-    inverse, then routed.to(bf16) + shared and the residual add as three launches."""
+    router, the replica map, the sort's order, the gather x[order // K], gate_up, silu * up
+    and down as three launches, the combine deriving order's inverse, then routed.to(bf16) +
+    shared and the residual add as three launches."""
     from kernels.triton_combine import moe_combine_triton
 
     logits = ops.linear(h.float(), moe.gate.weight.float())
@@ -558,15 +559,19 @@ def _moe_layer_before_fusion(cfg, ops, moe, h, x):
     flat = moe.replica_row[topk_ids].reshape(-1)
     order = torch.sort(flat, stable=True).indices
     counts = torch.bincount(flat, minlength=cfg.n_routed_experts)
-    rows = moe.experts(h[order // cfg.num_experts_per_tok], counts)
+    experts = moe.experts
+    gate_up = ops.grouped_linear(h[order // cfg.num_experts_per_tok], experts.gate_up_proj, counts)
+    hidden = ops.silu_mul(*gate_up.chunk(2, dim=-1))
+    rows = ops.grouped_linear(hidden, experts.down_proj, counts)
     routed = moe_combine_triton(rows, order, topk_weights)
     return x + (routed.to(h.dtype) + moe.shared_experts(h)), topk_ids
 
 
-@pytest.mark.parametrize("num_tokens", (1, 8, 64, 256))
+@pytest.mark.parametrize("num_tokens", (1, 8, 64, 256, 1024))
 def test_moe_layer_fused_launches_give_the_unfused_bits(generator, num_tokens):
-    """The MoE layer (fused layout outputs, combine, epilogue) == the unfused composition it
-    replaced, bit for bit, eagerly and replayed from a CUDA graph."""
+    """The MoE layer (fused layout outputs, rows read through the token index, gate_up with
+    silu * up, the combine with the epilogue) == the unfused composition it replaced, bit for
+    bit, eagerly and replayed from a CUDA graph; 1024 tokens take the sort's layout."""
     cfg, ops, moe = _v2_lite_moe_layer()
     h = _randn(generator, num_tokens, cfg.hidden_size)
     x = _randn(generator, num_tokens, cfg.hidden_size, scale=10.0)
