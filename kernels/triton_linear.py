@@ -21,7 +21,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.linear import _group_slices, check_row_index
-from kernels.triton_activation import silu_mul_value
+from kernels.triton_activation import silu_mul_triton, silu_mul_value
 from kernels.triton_chunk_tree import chain_config, linear_chunk_tree
 from kernels.triton_dot import (
     check_pair,
@@ -33,6 +33,7 @@ from kernels.triton_dot import (
 )
 from kernels.triton_linear_config import (
     POINTER_CONFIG_16BIT,
+    SMALL_ROWS,
     LinearConfig,
     k_split_chunk,
     k_split_chunks_per_program,
@@ -365,10 +366,16 @@ def grouped_config(
 ) -> LinearConfig:
     """The grouped GEMM's tile config, bucketed by the mean rows per group (a host shape).
 
-    The linear's buckets, pointer kernel only (tiles come from a device table); every config
-    has BLOCK_K 64 and the ascending K loop, so a row's bits never follow the bucket.
+    The linear's buckets up to SMALL_ROWS rows a group, the pointer kernel's large tiles above
+    (tiles come from a device table: no TMA); every config has BLOCK_K 64 and the ascending K
+    loop, so a row's bits never follow the bucket.
     """
     mean_rows = triton.cdiv(num_rows, max(num_groups, 1))
+    if dtype != torch.float32 and mean_rows > SMALL_ROWS:
+        # H200, graph replay, V2-Lite's experts at 96 rows a group (1024 tokens, top-6 of
+        # 64): 128 x 128 tiles 236 / 128 us (gate_up / down) where 64 x 64 took 295 / 162,
+        # torch._grouped_mm 254 / 149 (bench/gpu_kernels.py grouped_sweep).
+        return POINTER_CONFIG_16BIT
     return linear_config(out_dim, in_dim, dtype, mean_rows)
 
 
@@ -397,6 +404,13 @@ def grouped_linear_triton(
     return _grouped(x, weight, group_sizes, row_index, is_gated=False)
 
 
+# The gated launch's reach: mean rows a group (a host shape) up to this. H200, graph replay,
+# V2-Lite's routed gate_up, 64 experts, top-6: one launch 24.1 / 116.5 / 191.8 us vs the two
+# 25.1 / 116.1 / 194.7 at 1 / 8 / 64 tokens; 1441 vs 1224 at 8192 tokens (768 rows a group;
+# the best of seven tiles), 274-302 vs 309 at 1024 (96).
+GATED_MAX_MEAN_ROWS = 64
+
+
 def grouped_gated_linear_triton(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -409,6 +423,12 @@ def grouped_gated_linear_triton(
     bits of grouped_linear_triton's gate and up columns through silu_mul_triton."""
     if weight.dim() == 3 and weight.shape[1] % 2:
         raise ValueError(f"weight must be [L, 2I, IN] (gate, up), got {tuple(weight.shape)}")
+    num_rows = check_row_index(x, row_index)
+    if num_rows > GATED_MAX_MEAN_ROWS * weight.shape[0]:
+        # Why two launches here: at prefill sizes the two live accumulators cost more than
+        # the [N, 2I] round trip they save (BENCHMARKS.md); the same bits either way.
+        gate_up = _grouped(x, weight, group_sizes, row_index, is_gated=False)
+        return silu_mul_triton(*gate_up.chunk(2, dim=-1))
     return _grouped(x, weight, group_sizes, row_index, is_gated=True)
 
 

@@ -179,7 +179,11 @@ def check_grouped_gated_linear(generator: torch.Generator) -> None:
     through the silu kernel (here; on the GPU in tests/test_gpu_kernels.py), host and device
     counts, rows through an index; a swapped gate / up half gives other values."""
     from kernels.triton_activation import silu_mul_triton
-    from kernels.triton_linear import grouped_gated_linear_triton, grouped_linear_triton
+    from kernels.triton_linear import (
+        GATED_MAX_MEAN_ROWS,
+        grouped_gated_linear_triton,
+        grouped_linear_triton,
+    )
 
     sizes = [9, 0, 70, 1]
     for dtype in DTYPES:
@@ -194,6 +198,12 @@ def check_grouped_gated_linear(generator: torch.Generator) -> None:
         assert torch.equal(grouped_gated_linear_triton(x[index], w, sizes), want), dtype
         swapped = torch.cat([w[:, 40:], w[:, :40]], dim=1)
         assert not torch.equal(grouped_gated_linear_triton(x[index], swapped, sizes), want)
+    # Past GATED_MAX_MEAN_ROWS a group the op takes the two launches: the same values.
+    many = GATED_MAX_MEAN_ROWS * 2 + 1
+    x = torch.randn(many, 32, generator=generator)
+    w = torch.randn(2, 2 * 16, 32, generator=generator) / 32**0.5
+    gate, up = grouped_linear_triton(x, w, [many, 0]).chunk(2, dim=-1)
+    assert torch.equal(grouped_gated_linear_triton(x, w, [many, 0]), silu_mul_triton(gate, up))
 
 
 def check_batched_linear(generator: torch.Generator) -> None:
