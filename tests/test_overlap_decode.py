@@ -98,9 +98,10 @@ def _wrong_token_lookahead(monkeypatch) -> None:
     """Lookaheads fed token + 1 instead of the sampled token."""
     launch = ModelRunner.launch_lookahead
 
-    def wrong(self, chunks, token_ids):
+    def wrong(self, chunks, token_ids, prepared=None):
         vocab = self.model.config.vocab_size
-        return launch(self, chunks, {k: (t + 1) % vocab for k, t in token_ids.items()})
+        wrong_ids = {k: (t + 1) % vocab for k, t in token_ids.items()}
+        return launch(self, chunks, wrong_ids, prepared)
 
     monkeypatch.setattr(ModelRunner, "launch_lookahead", wrong)
 
@@ -199,3 +200,31 @@ def test_overlap_decode_with_preemption_chunked_prefill_and_scoring():
     assert on == off and on_scored == off_scored
     assert stats["preemptions"] > 0, stats["preemptions"]
     assert stats["num_lookahead_hits"] >= 5, stats
+
+
+def test_most_lookaheads_launch_from_the_batch_built_before_the_read(workload, monkeypatch):
+    """Engagement of _prepare_lookahead: the lookahead batches built after the read (a
+    sequence ended, or none was prepared) are a minority of the lookaheads the engine used,
+    and the bits are those with the lookahead off."""
+    prepare, build = ModelRunner._prepare_lookahead, ModelRunner._lookahead_batch
+    calls = {"prepare": 0, "after_read": 0, "preparing": False}
+
+    def counting_prepare(self, chunks):
+        calls["preparing"] = True
+        try:
+            return prepare(self, chunks)
+        finally:
+            calls["preparing"] = False
+
+    def counting_build(self, seqs, token_ids):
+        calls["prepare" if calls["preparing"] else "after_read"] += 1
+        return build(self, seqs, token_ids)
+
+    monkeypatch.setattr(ModelRunner, "_prepare_lookahead", counting_prepare)
+    monkeypatch.setattr(ModelRunner, "_lookahead_batch", counting_build)
+    off, _ = _run(workload, overlap=False)
+    assert calls["prepare"] == calls["after_read"] == 0
+    on, stats = _run(workload, overlap=True)
+    assert on == off
+    assert calls["prepare"] >= stats["num_lookahead_hits"] >= 10, (calls, stats)
+    assert calls["after_read"] < stats["num_lookahead_hits"] / 2, (calls, stats)

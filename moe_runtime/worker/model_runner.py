@@ -68,6 +68,15 @@ class _Lookahead:
     launched: SampleLaunch
 
 
+@dataclass(frozen=True)
+class _Prepared:
+    """A lookahead's host inputs built before its tokens are known (placeholders in
+    batch.token_ids, filled in place once they are)."""
+
+    batch: ForwardBatch
+    sample_args: SampleArgs
+
+
 def same_batch(a: ForwardBatch, b: ForwardBatch) -> bool:
     """Every tensor of the two batches equal in shape and elements."""
     return all(torch.equal(getattr(a, f.name), getattr(b, f.name)) for f in fields(a))
@@ -147,12 +156,15 @@ class ModelRunner:
                 launched = self.sampler.launch(gen_logits, *sample_args)
         self._queue_slot_counts()  # before the wait below, which it then shares
         if gen_rows:
+            # Why before the wait: all of the next step's batch but its tokens is known now,
+            # so the host builds it while the GPU runs, not between the read and the launch.
+            prepared = self._prepare_lookahead(chunks) if lookahead else None
             rows = self.sampler.read(launched)
             # Before a lookahead, whose replay refills the captured routing it reads.
             out.routed = self._routed_experts(batch, gen_rows, seqs)
             if lookahead:
                 tokens = {s.seq_id: int(row[0]) for s, row in zip(seqs, rows, strict=True)}
-                self.launch_lookahead(chunks, tokens)
+                self.launch_lookahead(chunks, tokens, prepared)
             results = self.sampler.results(launched, rows)
             out.samples.update({s.seq_id: r for s, r in zip(seqs, results, strict=True)})
         score_rows = [i for i, (chunk, _) in enumerate(row_owners) if chunk.seq.is_score]
@@ -205,10 +217,39 @@ class ModelRunner:
         positions = [len(s.token_ids) - s.num_prompt_tokens for s in seqs]
         return [s.params for s in seqs], [s.seed for s in seqs], positions
 
-    def launch_lookahead(self, chunks: list[Chunk], token_ids: dict[int, int]) -> None:
+    def _prepare_lookahead(self, chunks: list[Chunk]) -> _Prepared | None:
+        """The next decode step of every sequence of `chunks` but its tokens (placeholders
+        in batch.token_ids, chunk order), or None where launch_lookahead would not take it
+        whole: a sequence scores, or its next position needs a block the table lacks."""
+        if not self.overlap or not chunks:
+            return None
+        seqs = [chunk.seq for chunk in chunks]
+        if any(seq.is_score or len(seq.token_ids) // self.block_size >= len(seq.block_table)
+               for seq in seqs):  # fmt: skip
+            return None
+        return _Prepared(*self._lookahead_batch(seqs, [0] * len(seqs)))
+
+    def _lookahead_batch(
+        self, seqs: list[SequenceState], token_ids: list[int]
+    ) -> tuple[ForwardBatch, SampleArgs]:
+        """The decode step of seqs fed token_ids (one each), as the engine's next step will
+        build it once it appends them; the sequences are left as they were."""
+        for seq, token_id in zip(seqs, token_ids, strict=True):
+            seq.token_ids.append(token_id)
+        try:
+            batch, _ = self._build_batch([Chunk(seq, len(seq.token_ids) - 1, 1) for seq in seqs])
+            return batch, self._sample_args(seqs)
+        finally:
+            for seq in seqs:
+                seq.token_ids.pop()
+
+    def launch_lookahead(
+        self, chunks: list[Chunk], token_ids: dict[int, int], prepared: _Prepared | None = None
+    ) -> None:
         """After a step of `chunks` whose every sequence sampled (token_ids: seq_id -> the
         token it sampled): launch the next decode step of the samples that go on (their new
-        token each) and its sampling, without waiting.
+        token each) and its sampling, without waiting. prepared: _prepare_lookahead(chunks),
+        taken when every sequence goes on (its tokens filled in).
         Nothing is launched when a sequence scores or is mid-prefill (the next step is not a
         pure decode) or when a new position needs a block the table lacks (the engine
         appends it first, so the next batch would differ anyway)."""
@@ -230,15 +271,13 @@ class ModelRunner:
             going_on.append((seq, token_id))
         if not going_on:
             return
-        for seq, token_id in going_on:  # as the engine's next step will append them
-            seq.token_ids.append(token_id)
-        try:
-            ahead = [Chunk(seq, len(seq.token_ids) - 1, 1) for seq, _ in going_on]
-            batch, _ = self._build_batch(ahead)
-            sample_args = self._sample_args([seq for seq, _ in going_on])
-        finally:
-            for seq, _ in going_on:
-                seq.token_ids.pop()
+        seqs, tokens = [seq for seq, _ in going_on], [token_id for _, token_id in going_on]
+        if prepared is not None and len(going_on) == len(chunks):
+            batch, sample_args = prepared.batch, prepared.sample_args
+            batch.token_ids.copy_(torch.tensor(tokens, dtype=torch.int64))
+        else:
+            batch, sample_args = self._lookahead_batch(seqs, tokens)
+        ahead = [Chunk(seq, len(seq.token_ids), 1) for seq in seqs]  # pure decode chunks
         launched = self.sampler.launch(self._forward(batch, ahead), *sample_args)
         self._lookahead = _Lookahead(batch, sample_args, launched)
 
