@@ -153,6 +153,10 @@ GROUPED_SWEEP = [
     LinearConfig(128, 256, 64, 8, 8, 3),
     LinearConfig(64, 256, 64, 8, 8, 3),
     LinearConfig(256, 128, 64, 8, 8, 3),
+    LinearConfig(128, 128, 64, 8, 8, 3, True),
+    LinearConfig(128, 128, 64, 8, 8, 4, True),
+    LinearConfig(128, 256, 64, 8, 8, 3, True),
+    LinearConfig(128, 64, 64, 8, 4, 4, True),
 ]
 
 
@@ -170,7 +174,7 @@ def bench_grouped_sweep() -> None:
 
 def _grouped_sweep_row(name: str, out_dim: int, in_dim: int, tokens: int, gen) -> str:
     from kernels.linear import grouped_linear_cuda_fast
-    from kernels.triton_linear import grouped_config, grouped_tile_bound
+    from kernels.triton_linear import _grouped, grouped_config
 
     ids = torch.stack([torch.randperm(64, generator=gen)[:6] for _ in range(tokens)])
     flat = ids.reshape(-1)
@@ -190,16 +194,15 @@ def _grouped_sweep_row(name: str, out_dim: int, in_dim: int, tokens: int, gen) -
     t_fast = timed(lambda: grouped_linear_cuda_fast(x, w, counts, row_index=index))
     cells = []
     for c in dict.fromkeys([default, *GROUPED_SWEEP]):
-        bound = grouped_tile_bound(rows, 64, c.block_m)
-        out = x.new_empty((rows, out_dim))
         try:
-            _launch(x, w, out, counts, bound, c, row_index=index)
+            out = _grouped(x, w, counts, index, is_gated=False, config=c)
         except Exception as err:  # out of shared memory etc.: report, keep sweeping
             cells.append(f"{_tag(c)}:fail:{type(err).__name__}")
             continue
         same = "=" if torch.equal(out, want) else "x"
-        t_in = timed(partial(_launch, x, w, out, counts, bound, c, row_index=index))
-        t_pre = timed(partial(_launch, gathered, w, out, counts, bound, c))
+        # TMA tiles gather first (timed in "index"); pointer tiles read through the index.
+        t_in = timed(partial(_grouped, x, w, counts, index, is_gated=False, config=c))
+        t_pre = timed(partial(_grouped, gathered, w, counts, None, is_gated=False, config=c))
         mark = "*" if c == default else ""
         cells.append(f"{mark}{_tag(c)}{same} {t_in:.0f}/{t_pre:.0f} ({t_in / t_fast:.2f})")
     return f"{name} tokens={tokens} rows={rows} fast {t_fast:.0f}us | " + " | ".join(cells)

@@ -32,6 +32,8 @@ from kernels.triton_dot import (
     tile_of,
 )
 from kernels.triton_linear_config import (
+    BLOCK_K_16BIT,
+    MEDIUM_ROWS,
     POINTER_CONFIG_16BIT,
     SMALL_ROWS,
     LinearConfig,
@@ -183,6 +185,88 @@ def _linear_persistent_kernel(
                 b = b.to(tl.float32)
             acc = tl.dot(a, b.T, acc)
         out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(out_desc.dtype))
+
+
+@triton.jit
+def _grouped_persistent_kernel(
+    x_desc,
+    w_desc,
+    out_ptr,
+    counts_ptr,
+    num_groups,
+    N,
+    K,
+    stride_om,
+    NUM_PROGRAMS: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):
+    """The grouped GEMM (rows of x sorted by group, counts [num_groups] on the device) with
+    TMA tiles; program p walks tiles p, p + NUM_PROGRAMS, ... of the groups' row tiles times
+    the column tiles. w_desc views the weight as [L * N, K]; a tile's rows past its group's
+    end (the next group's rows, or TMA's zeros past x) are computed and never stored."""
+    g = tl.arange(0, BLOCK_G)
+    g_ok = g < num_groups
+    counts = tl.load(counts_ptr + g, mask=g_ok, other=0).to(tl.int64)
+    tiles = (counts + BLOCK_M - 1) // BLOCK_M
+    tile_end = tl.cumsum(tiles, 0)
+    rows_end = tl.cumsum(counts, 0)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_k = tl.cdiv(K, BLOCK_K)
+    for tile in tl.range(tl.program_id(0), tl.sum(tiles, 0) * num_pid_n, NUM_PROGRAMS):
+        # Why n fastest: the programs running together share a row tile's x in L2.
+        pid_m = tile // num_pid_n
+        pid_n = tile % num_pid_n
+        group_id = tl.sum(((tile_end <= pid_m) & g_ok).to(tl.int64), 0)
+        is_mine = g == group_id
+        row_start = tl.sum(tl.where(is_mine, rows_end - counts, 0), 0)
+        row_start += (pid_m - tl.sum(tl.where(is_mine, tile_end - tiles, 0), 0)) * BLOCK_M
+        row_end = tl.minimum(row_start + BLOCK_M, tl.sum(tl.where(is_mine, rows_end, 0), 0))
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        # Why: the pointer kernel's ascending K loop with its BLOCK_K, so its bits; TMA fills
+        # K columns past the end with exact zeros, as its masked loads do.
+        for ki in range(num_k):
+            a = x_desc.load([row_start.to(tl.int32), ki * BLOCK_K])
+            b = w_desc.load([(group_id * N + pid_n * BLOCK_N).to(tl.int32), ki * BLOCK_K])
+            if UPCAST_DOT:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b.T, acc, input_precision=INPUT_PRECISION)
+        offs_m = row_start + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = (offs_m < row_end)[:, None] & (offs_n < N)[None, :]
+        out = acc.to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out, mask=mask)
+
+
+def _launch_grouped_persistent(x, weight, out, counts, config: LinearConfig) -> torch.Tensor:
+    """The grouped GEMM of contiguous, 16-byte aligned x [N, K] and weight [L, OUT, K]."""
+    num_groups, out_dim, in_dim = weight.shape
+    sms = 4 if is_interpreted() else _num_sms(x.device.index or 0)
+    bound = grouped_tile_bound(x.shape[0], num_groups, config.block_m)
+    num_programs = min(bound * triton.cdiv(out_dim, config.block_n), sms)
+    consts = kernel_consts(config, x.dtype, weight.dtype)
+    del consts["GROUP_M"]
+    _grouped_persistent_kernel[(num_programs,)](
+        TensorDescriptor.from_tensor(x, [config.block_m, config.block_k]),
+        TensorDescriptor.from_tensor(
+            weight.view(num_groups * out_dim, in_dim), [config.block_n, config.block_k]
+        ),
+        out,
+        counts,
+        num_groups,
+        out_dim,
+        in_dim,
+        out.stride(0),
+        NUM_PROGRAMS=num_programs,
+        BLOCK_G=max(triton.next_power_of_2(num_groups), 2),
+        **consts,
+    )
+    return out
 
 
 @functools.lru_cache(maxsize=8)
@@ -361,16 +445,24 @@ def batched_linear_triton(
     return _launch(x, weight, out, None, num_rows, config)
 
 
+GROUPED_TMA_CONFIG = LinearConfig(128, 256, BLOCK_K_16BIT, 8, 8, 3, is_persistent=True)
+
+
 def grouped_config(
     out_dim: int, in_dim: int, dtype: torch.dtype, num_rows: int, num_groups: int
 ) -> LinearConfig:
     """The grouped GEMM's tile config, bucketed by the mean rows per group (a host shape).
 
-    The linear's buckets up to SMALL_ROWS rows a group, the pointer kernel's large tiles above
-    (tiles come from a device table: no TMA); every config has BLOCK_K 64 and the ascending K
-    loop, so a row's bits never follow the bucket.
+    The linear's buckets up to SMALL_ROWS rows a group, the pointer kernel's large tiles to
+    MEDIUM_ROWS, the persistent TMA kernel's above (`_grouped_persistent_kernel`); every
+    config has BLOCK_K 64 and the ascending K loop, so a row's bits never follow the bucket.
     """
     mean_rows = triton.cdiv(num_rows, max(num_groups, 1))
+    if dtype != torch.float32 and mean_rows > MEDIUM_ROWS:
+        # Same sweep at 768 rows a group (8192 tokens): TMA 128 x 256 tiles 1037 / 493 us
+        # (gate_up gathering its rows first / down) where the 128 x 128 pointer tiles took
+        # 1102 / 621, torch._grouped_mm 981 (with its gather) / 523 (with one it lacks here).
+        return GROUPED_TMA_CONFIG
     if dtype != torch.float32 and mean_rows > SMALL_ROWS:
         # H200, graph replay, V2-Lite's experts at 96 rows a group (1024 tokens, top-6 of
         # 64): 128 x 128 tiles 236 / 128 us (gate_up / down) where 64 x 64 took 295 / 162,
@@ -432,7 +524,10 @@ def grouped_gated_linear_triton(
     return _grouped(x, weight, group_sizes, row_index, is_gated=True)
 
 
-def _grouped(x, weight, group_sizes, row_index, *, is_gated: bool) -> torch.Tensor:
+def _grouped(
+    x, weight, group_sizes, row_index, *, is_gated: bool, config: LinearConfig | None = None
+) -> torch.Tensor:
+    """The grouped launches' shared body; config: the tiles (default grouped_config's)."""
     check_pair(x, weight, 3)
     if isinstance(group_sizes, torch.Tensor):
         if group_sizes.shape != (weight.shape[0],) or group_sizes.device != x.device:
@@ -451,7 +546,14 @@ def _grouped(x, weight, group_sizes, row_index, *, is_gated: bool) -> torch.Tens
     out = x.new_empty((num_rows, weight.shape[1] // (2 if is_gated else 1)))
     if num_rows == 0:
         return out
-    # Why the whole weight's rows: the tiles the two-launch path had (any tile gives the bits).
-    config = grouped_config(weight.shape[1], weight.shape[2], x.dtype, num_rows, len(counts))
+    if config is None:
+        # Why the whole weight's rows: the tiles the two-launch path had (any tile: same bits).
+        config = grouped_config(weight.shape[1], weight.shape[2], x.dtype, num_rows, len(counts))
+    if config.is_persistent and not is_gated:
+        # Why the copy: TMA reads contiguous row tiles (no gather on this GPU's TMA); at these
+        # sizes the faster GEMM pays for it (BENCHMARKS.md, grouped GEMM tiles).
+        rows = x if row_index is None else x[row_index]
+        if _tma_ok(rows, weight, out):
+            return _launch_grouped_persistent(rows, weight, out, counts, config)
     bound = grouped_tile_bound(num_rows, counts.numel(), config.block_m)
     return _launch(x, weight, out, counts, bound, config, row_index=row_index, is_gated=is_gated)

@@ -232,7 +232,8 @@ def test_grouped_linear_device_counts_same_bits_in_every_bucket_and_in_a_graph(g
     w = _randn(generator, num_local, 2 * inter, hidden, scale=hidden**-0.5)
     rows = _randn(generator, 12, hidden)  # expert 2's rows
     configs, outs = set(), []
-    for other_rows in (6, 3000):  # mean rows per expert 1 vs 47: different buckets
+    # Mean rows per expert 1, 47, 94 and 625: the small, pointer and TMA buckets.
+    for other_rows in (6, 3000, 6000, 40000):
         sizes = [other_rows // 2, 0, 12] + [0] * (num_local - 4) + [other_rows - other_rows // 2]
         x = torch.cat(
             [
@@ -248,8 +249,9 @@ def test_grouped_linear_device_counts_same_bits_in_every_bucket_and_in_a_graph(g
         outs.append(out[other_rows // 2 : other_rows // 2 + 12])
         fast = grouped_linear_cuda_fast(x, w, counts)
         torch.testing.assert_close(fast.float(), out.float(), **BF16_TOL)
-    assert len(configs) == 2, configs  # the two batches really took different tile shapes
-    assert torch.equal(outs[0], outs[1])
+    assert len(configs) == 4, configs  # the batches really took different tile shapes
+    assert any(c.is_persistent for c in configs), configs
+    assert all(torch.equal(outs[0], out) for out in outs[1:])
     # Captured once, replayed with other counts written into the same tensor.
     x = _randn(generator, 48, hidden)
     counts = torch.zeros(num_local, dtype=torch.int64, device="cuda")
@@ -264,6 +266,20 @@ def test_grouped_linear_device_counts_same_bits_in_every_bucket_and_in_a_graph(g
         graph.replay()
         full = sizes + [0] * (num_local - 3)
         assert torch.equal(captured, grouped_linear_triton(x, w, full)), sizes
+    # The TMA bucket captured too (rows read through an index: gathered in the graph).
+    x = _randn(generator, 5000, hidden)
+    index = torch.randint(0, 5000, (40000,), device="cuda")
+    counts = torch.zeros(num_local, dtype=torch.int64, device="cuda")
+    counts[:3] = torch.tensor([20000, 0, 20000])
+    grouped_linear_triton(x, w, counts, row_index=index)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = grouped_linear_triton(x, w, counts, row_index=index)
+    for sizes in ([20000, 0, 20000], [1, 39998, 1]):
+        counts[:3] = torch.tensor(sizes)
+        graph.replay()
+        full = sizes + [0] * (num_local - 3)
+        assert torch.equal(captured, grouped_linear_triton(x[index], w, full)), sizes
 
 
 @pytest.mark.parametrize("dim", (2048, 7168 + 5))
@@ -567,11 +583,12 @@ def _moe_layer_before_fusion(cfg, ops, moe, h, x):
     return x + (routed.to(h.dtype) + moe.shared_experts(h)), topk_ids
 
 
-@pytest.mark.parametrize("num_tokens", (1, 8, 64, 256, 1024))
+@pytest.mark.parametrize("num_tokens", (1, 8, 64, 256, 1024, 8192))
 def test_moe_layer_fused_launches_give_the_unfused_bits(generator, num_tokens):
     """The MoE layer (fused layout outputs, rows read through the token index, gate_up with
     silu * up, the combine with the epilogue) == the unfused composition it replaced, bit for
-    bit, eagerly and replayed from a CUDA graph; 1024 tokens take the sort's layout."""
+    bit, eagerly and replayed from a CUDA graph; from 1024 tokens the sort's layout, at 8192
+    the grouped GEMM's TMA tiles."""
     cfg, ops, moe = _v2_lite_moe_layer()
     h = _randn(generator, num_tokens, cfg.hidden_size)
     x = _randn(generator, num_tokens, cfg.hidden_size, scale=10.0)

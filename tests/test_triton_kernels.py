@@ -174,6 +174,36 @@ def check_grouped_linear_gather(generator: torch.Generator) -> None:
         assert torch.equal(ref, grouped_linear_ref(x[index], w, sizes, tile_rows=8)), dtype
 
 
+def check_grouped_linear_tma(generator: torch.Generator) -> None:
+    """The persistent TMA grouped GEMM (prefill sizes; small tiles here): close to fp64, a
+    group's rows keep their bits whatever the other groups hold (the bits against the
+    pointer kernel are the GPU's to check: tests/test_gpu_kernels.py), rows read through an
+    index, counts short of x's rows."""
+    from kernels.linear import grouped_linear_ref
+    from kernels.triton_linear import _grouped
+    from kernels.triton_linear_config import LinearConfig
+
+    config = LinearConfig(16, 32, 64, 8, 4, 3, is_persistent=True)
+    for dtype in DTYPES:
+        x = torch.randn(80, 96, generator=generator).to(dtype)
+        w = (torch.randn(4, 64, 96, generator=generator) / 96**0.5).to(dtype)
+        out = _grouped(x, w, torch.tensor([9, 0, 70, 1]), None, is_gated=False, config=config)
+        want = grouped_linear_ref(x.double(), w.double(), [9, 0, 70, 1], tile_rows=8)
+        torch.testing.assert_close(out, want.to(dtype), **_tol(dtype))
+        moved = torch.cat([x[:3], x[9:79], x[:5]])
+        other = _grouped(moved, w, torch.tensor([3, 0, 70, 5]), None, is_gated=False, config=config)
+        assert torch.equal(other[3:73], out[9:79]), dtype
+        index = torch.randperm(80, generator=generator)
+        gathered = _grouped(x, w, torch.tensor([9, 0, 70, 1]), index, is_gated=False, config=config)
+        plain = _grouped(
+            x[index], w, torch.tensor([9, 0, 70, 1]), None, is_gated=False, config=config
+        )
+        assert torch.equal(gathered, plain), dtype
+        # Counts short of x's rows: the rows they cover are the same GEMM's.
+        short = _grouped(x, w, torch.tensor([9, 0, 60, 1]), None, is_gated=False, config=config)
+        assert torch.equal(short[:69], out[:69]), dtype
+
+
 def check_grouped_gated_linear(generator: torch.Generator) -> None:
     """gate_up and silu * up in one launch: the bits of the grouped GEMM's gate and up columns
     through the silu kernel (here; on the GPU in tests/test_gpu_kernels.py), host and device
@@ -609,6 +639,7 @@ CHECKS = {
     "grouped_linear_device_counts": check_grouped_linear_device_counts,
     "grouped_linear_gather": check_grouped_linear_gather,
     "grouped_gated_linear": check_grouped_gated_linear,
+    "grouped_linear_tma": check_grouped_linear_tma,
     "batched_linear": check_batched_linear,
     "moe_combine": check_moe_combine,
     "moe_combine_output": check_moe_combine_output,
