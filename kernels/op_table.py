@@ -43,7 +43,6 @@ from kernels.linear import (
     linear_ref,
 )
 from kernels.rmsnorm import add_rms_norm_fast, add_rms_norm_ref, rms_norm_fast, rms_norm_ref
-from kernels.rope import rope_ref
 from kernels.router import (
     router_logits_fast,
     router_logits_ref,
@@ -75,7 +74,6 @@ class OpTable:
     sum_over_ranks: Callable
     cumsum: Callable
     silu_mul: Callable
-    rope: Callable
     write_latent_cache: Callable
     row_parallel_linear: Callable
     mode: str
@@ -93,7 +91,8 @@ _TILED_OPS: dict[str, tuple[Callable, Callable]] = {
     "mla_attention": (mla_attention_fast, mla_attention_ref),
     "router_logits": (router_logits_fast, router_logits_ref),
     "router_topk": (router_topk_fast, router_topk_ref),
-    # The norm, rope and cache write of the MLA latents; on CUDA one fused launch in both modes.
+    # The norm, ropes (the latent's and the query's) and cache write of the MLA latents; on
+    # CUDA one fused launch in both modes.
     "write_latent_cache": (write_latent_cache_fast, write_latent_cache_ref),
 }
 # Why these references serve CPU and CUDA alike (on CUDA the combine is one Triton kernel
@@ -132,9 +131,6 @@ def build_op_table(config: KernelConfig, device: torch.device | str) -> OpTable:
     device = torch.device(device)
     arrivals = None  # split-K arrival counts: CUDA invariant mode only
     row_wise = {name: ref for name, (_, ref) in _ROW_WISE_OPS.items()}
-    # Rope is elementwise and row-wise in both kernels: one op for both modes, the one-launch
-    # kernel wherever the device is CUDA.
-    rope = {"rope": _cuda_rope() if device.type == "cuda" else rope_ref}
     if not config.is_invariant:
         ops = {name: fast for name, (fast, _) in (_TILED_OPS | _ROW_WISE_OPS).items()}
         if device.type == "cuda":
@@ -171,7 +167,7 @@ def build_op_table(config: KernelConfig, device: torch.device | str) -> OpTable:
     ops["row_parallel_linear"] = _row_parallel_linear(config, device, arrivals)
     ops["moe_combine_output"] = _moe_combine_output(ops, device)
     ops["grouped_gated_linear"] = _grouped_gated_linear(ops, device, config.is_invariant)
-    return OpTable(**ops, **rope, mode=config.mode)
+    return OpTable(**ops, mode=config.mode)
 
 
 def _row_parallel_linear(
@@ -230,12 +226,6 @@ def _grouped_gated_linear(
     )
 
 
-def _cuda_rope() -> Callable:
-    from kernels.triton_rope import rope_triton
-
-    return rope_triton
-
-
 def _fast_decode_attention() -> Callable:
     # Why: mla_attention_fast syncs for its padded length; decode batches get FlashMLA or a
     # split-KV Triton kernel instead. Imported here so CPU-only workers never load either.
@@ -273,8 +263,8 @@ def _triton_kernels() -> dict[str, Callable]:
         "moe_combine": moe_combine_triton,
         "silu_mul": silu_mul_triton,  # one launch for ~7 torch ones
         "moe_output": moe_output_triton,  # one launch for the cast and two adds
-        # Why fused: the unfused norm, rope, cat and index copy are five launches a layer; the
-        # kernel calls the same jit helpers as the norm and rope kernels, so the same bits.
+        # Why fused: the unfused norm, two ropes, cat and index copy are six launches a layer;
+        # the kernel calls the same jit helpers as the norm and rope kernels: the same bits.
         "write_latent_cache": write_latent_cache_triton,
     }
 
