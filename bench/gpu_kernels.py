@@ -444,6 +444,53 @@ def bench_row_parallel() -> None:
             )
 
 
+SPILL_CONFIGS = (
+    LinearConfig(64, 64, 64, 8, 4, 4),
+    LinearConfig(128, 64, 64, 8, 4, 3),
+    LinearConfig(128, 64, 64, 8, 8, 3),
+    LinearConfig(128, 128, 64, 8, 8, 3),
+)
+
+
+def bench_tree_spill() -> None:
+    """The in-program tree at prefill sizes with its waiting subtrees in registers (the
+    kernel's default, TREE_CONFIG) vs parked in an fp32 scratch (`is_spill`, two live tiles
+    as in the chain, so wider tiles fit), against the invariant linear without the tp_max
+    split; graph replay, µs; '=' where the spilled tree gave the register tree's bits."""
+    from kernels.config import KernelConfig
+    from kernels.triton_chunk_tree import TREE_CONFIG, linear_chunk_tree
+
+    tp_max = KernelConfig().tp_max
+    arrivals = arrival_counts("cuda")
+    print(f"\n## in-program tree (tp_max={tp_max}): subtrees in registers vs in a scratch")
+    for name, in_dim, out_dim in ROW_PARALLEL_SHAPES[:2]:
+        for m in (1024, 4096, 16384):
+            x = torch.randn(m, in_dim, device="cuda").bfloat16()
+            w = torch.randn(out_dim, in_dim, device="cuda").bfloat16() * in_dim**-0.5
+            want = linear_chunk_tree(x, w, tp_max, torch.bfloat16, TREE_CONFIG)
+            linear = _linear_graph_us(partial(linear_triton, arrivals=arrivals), m, in_dim, out_dim)
+            tree = _linear_graph_us(
+                lambda a, b: linear_chunk_tree(a, b, tp_max, torch.bfloat16, TREE_CONFIG),
+                m, in_dim, out_dim,
+            )  # fmt: skip
+            cells = [f"linear {linear:.1f}", f"registers {tree:.1f} ({tree / linear:.2f})"]
+            for c in SPILL_CONFIGS:
+                try:
+                    got = linear_chunk_tree(x, w, tp_max, torch.bfloat16, c, is_spill=True)
+                except Exception as err:  # out of shared memory etc.: report, keep going
+                    cells.append(f"{_tag(c)}:fail:{type(err).__name__}")
+                    continue
+                same = "=" if torch.equal(got, want) else "x"
+                us = _linear_graph_us(
+                    lambda a, b, c=c: linear_chunk_tree(
+                        a, b, tp_max, torch.bfloat16, c, is_spill=True
+                    ),
+                    m, in_dim, out_dim,
+                )  # fmt: skip
+                cells.append(f"spill {_tag(c)}{same} {us:.1f} ({us / linear:.2f})")
+            print(f"{name} M={m}: " + " | ".join(cells))
+
+
 def bench_tree_crossover() -> None:
     """Where the in-program tree should take over from the chunk launch (TREE_MIN_ROWS in
     kernels/triton_tp_linear.py): the two paths of the tp_max split side by side at tp 1 on
@@ -688,6 +735,7 @@ def main() -> None:
             "layer": bench_layer,
             "row_parallel": bench_row_parallel,
             "tree_crossover": bench_tree_crossover,
+            "tree_spill": bench_tree_spill,
             "split_prefill": bench_split_prefill,
             "value_split": bench_value_split,
             "split_size": bench_split_size,

@@ -22,6 +22,7 @@ def _chunk_tree_kernel(
     x_ptr,
     w_ptr,
     out_ptr,
+    scratch_ptr,
     num_rows,
     N,
     K,
@@ -31,6 +32,7 @@ def _chunk_tree_kernel(
     IS_TREE: tl.constexpr,
     CHUNK_K: tl.constexpr,
     IS_GRID: tl.constexpr,
+    IS_SPILL: tl.constexpr,
     K_ALIGN: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -50,10 +52,12 @@ def _chunk_tree_kernel(
     (no pipeline drain at each chunk's end); at a chunk's last step its sum joins the tree as
     a binary counter (tree_push: the finished subtrees wait in s0..s2, so at most four fp32
     tiles are live) or the chain's running total in s0 (two live tiles), and the accumulator
-    restarts from zero. Every add is one of sum_parts': the bits of the partials path."""
-    pid_m, pid_n = tile_of(
-        tl.program_id(0), tl.cdiv(num_rows, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M
-    )
+    restarts from zero. Every add is one of sum_parts': the bits of the partials path.
+    IS_SPILL (the tree only): the subtrees of two and four chunks wait in this tile's fp32
+    scratch (two tiles in global memory, read back while still in L2) instead of registers,
+    so two fp32 tiles are live as in the chain; the same adds in the same order."""
+    tile = tl.program_id(0)
+    pid_m, pid_n = tile_of(tile, tl.cdiv(num_rows, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -80,7 +84,9 @@ def _chunk_tree_kernel(
         )  # fmt: skip
         if step % STEPS_PER_CHUNK == STEPS_PER_CHUNK - 1:
             chunk = step // STEPS_PER_CHUNK
-            if IS_TREE:
+            if IS_TREE and IS_SPILL:
+                acc, s0 = tree_push_spilled(acc, s0, scratch_ptr, tile, chunk, BLOCK_M, BLOCK_N)
+            elif IS_TREE:
                 acc, s0, s1, s2, s3 = tree_push(acc, s0, s1, s2, s3, chunk, NUM_CHUNKS)
             elif chunk == 0:
                 s0 = acc
@@ -96,6 +102,35 @@ def _chunk_tree_kernel(
         out,
         mask=row_ok[:, None] & col_ok[None, :],
     )
+
+
+@triton.jit
+def tree_push_spilled(acc, s0, scratch_ptr, tile, C, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """tree_push over at most 8 chunks with the waiting subtrees of 2 and 4 chunks parked in
+    tile's two fp32 scratch tiles (scratch [tiles, 2, BLOCK_M, BLOCK_N]) rather than in
+    registers: the same adds, left + right, in the same order. Returns (acc, s0)."""
+    offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    level1 = scratch_ptr + tile.to(tl.int64) * (2 * BLOCK_M * BLOCK_N) + offs
+    level2 = level1 + BLOCK_M * BLOCK_N
+    if C % 2 == 1:
+        acc = s0 + acc
+    # Why the barriers: a parked tile's elements may be stored and loaded by different
+    # threads of the program, and a slot is stored again after it is read.
+    if C % 4 == 3:
+        tl.debug_barrier()
+        acc = tl.load(level1) + acc
+    if C % 8 == 7:
+        tl.debug_barrier()
+        acc = tl.load(level2) + acc
+    if (C + 1) % 2 == 1:
+        s0 = acc
+    elif (C + 1) % 4 == 2:
+        tl.debug_barrier()
+        tl.store(level1, acc)
+    elif (C + 1) % 8 == 4:
+        tl.debug_barrier()
+        tl.store(level2, acc)
+    return acc, s0
 
 
 def tree_block_k(chunk_k: int, dtype: torch.dtype) -> int:
@@ -166,6 +201,7 @@ def linear_chunk_tree(
     is_tree: bool = True,
     out: torch.Tensor | None = None,
     is_grid: bool | None = None,
+    is_spill: bool = False,
 ) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T summed as num_chunks (a power of two <= 8, dividing K) chunk
     sums added in the fixed binary tree (is_tree) or in chunk order, in one launch with no
@@ -175,7 +211,9 @@ def linear_chunk_tree(
     that sum. x may be 16-bit against an fp32 weight (upcast in registers, as the linear).
     Chunks off the dtype's K step grid walk it in masked full steps (grid_steps) where they
     can, else in the largest step dividing them (tree_block_k); is_grid forces either
-    (a comparison for the benchmarks; the same bits)."""
+    (a comparison for the benchmarks; the same bits). is_spill (the tree only): the waiting
+    subtrees of two and four chunks in an fp32 scratch in memory (tree_push_spilled; the same
+    bits), for `bench/gpu_kernels.py row_parallel` to weigh against registers."""
     check_pair(x, weight, 2, is_upcast_ok=True)
     num_rows, in_dim = x.shape
     out_dim = weight.shape[0]
@@ -207,10 +245,18 @@ def linear_chunk_tree(
     if num_rows == 0:
         return out
     num_tiles = triton.cdiv(num_rows, config.block_m) * triton.cdiv(out_dim, config.block_n)
+    if is_spill and not is_tree:
+        raise ValueError("is_spill parks the tree's subtrees: it needs is_tree")
+    scratch = out  # unread without IS_SPILL
+    if is_spill:
+        scratch = torch.empty(
+            (num_tiles, 2, config.block_m, config.block_n), dtype=torch.float32, device=x.device
+        )
     _chunk_tree_kernel[(num_tiles,)](
         x,
         weight,
         out,
+        scratch,
         num_rows,
         out_dim,
         in_dim,
@@ -220,6 +266,7 @@ def linear_chunk_tree(
         IS_TREE=is_tree,
         CHUNK_K=chunk_k,
         IS_GRID=is_grid,
+        IS_SPILL=is_spill,
         K_ALIGN=chunk_k & -chunk_k if is_grid else block_k,
         **kernel_consts(dataclasses.replace(config, block_k=block_k), x.dtype, weight.dtype),
     )

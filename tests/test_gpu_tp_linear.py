@@ -70,6 +70,14 @@ def test_gpu_tree_off_grid_chunks_full_or_half_steps_same_bits():
         for is_grid in (True, False):
             got = linear_chunk_tree(x, w, 8, torch.bfloat16, config, is_grid=is_grid)
             assert torch.equal(got, want), (config, is_grid)
+    # The waiting subtrees parked in memory (tree_push_spilled), wider tiles too.
+    for config in (
+        TREE_CONFIG,
+        LinearConfig(128, 64, 64, 8, 4, 3),
+        LinearConfig(128, 128, 64, 8, 8, 3),
+    ):
+        got = linear_chunk_tree(x, w, 8, torch.bfloat16, config, is_spill=True)
+        assert torch.equal(got, want), config
 
 
 @pytest.mark.parametrize(("out_dim", "in_dim"), V2_LITE_ROW_PARALLEL)
