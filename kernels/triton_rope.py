@@ -12,13 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _round(x, dtype: tl.constexpr):
-    """x fp32 rounded to dtype and back; the bitcast keeps the compiler from folding the
-    round trip away."""
-    bits = tl.int16 if dtype.primitive_bitwidth == 16 else tl.int32
-    return x.to(dtype).to(bits, bitcast=True).to(dtype, bitcast=True).to(tl.float32)
+from kernels.triton_dot import stored_value
 
 
 @triton.jit
@@ -54,10 +48,10 @@ def rope_row(
         x1 = tl.load(row + pairs[None, :], mask=ok, other=0.0).to(tl.float32)
         x2 = tl.load(row + HALF + pairs[None, :], mask=ok, other=0.0).to(tl.float32)
     # Why each rounding: torch rounds every elementwise result to the tensor's dtype.
-    a1 = _round(x1 * cos, dtype)
-    b1 = _round(x2 * sin, dtype)
-    a2 = _round(x2 * cos, dtype)
-    b2 = _round(x1 * sin, dtype)
+    a1 = stored_value(x1 * cos, dtype).to(tl.float32)
+    b1 = stored_value(x2 * sin, dtype).to(tl.float32)
+    a2 = stored_value(x2 * cos, dtype).to(tl.float32)
+    b2 = stored_value(x1 * sin, dtype).to(tl.float32)
     out = out_row + heads[:, None] * stride_oh + pairs[None, :]
     tl.store(out, (a1 - b1).to(dtype), mask=ok)
     tl.store(out + HALF, (a2 + b2).to(dtype), mask=ok)
