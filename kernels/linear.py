@@ -167,8 +167,7 @@ def grouped_linear_by_rows(
     FAST_TRITON_GROUPED_MAX_MEAN_ROWS and the weight has at least FAST_TRITON_GROUPED_MIN_IN
     input features, else through many_rows."""
     num_groups, _, in_dim = weight.shape
-    num_rows = x.shape[0] if row_index is None else row_index.shape[0]
-    is_few = num_rows <= FAST_TRITON_GROUPED_MAX_MEAN_ROWS * num_groups
+    is_few = check_row_index(x, row_index) <= FAST_TRITON_GROUPED_MAX_MEAN_ROWS * num_groups
     if is_few and in_dim >= FAST_TRITON_GROUPED_MIN_IN:
         return few_rows(x, weight, group_sizes, row_index=row_index)
     return many_rows(x, weight, group_sizes, row_index=row_index)

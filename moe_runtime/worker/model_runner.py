@@ -224,10 +224,14 @@ class ModelRunner:
         if not self.overlap or not chunks:
             return None
         seqs = [chunk.seq for chunk in chunks]
-        if any(seq.is_score or len(seq.token_ids) // self.block_size >= len(seq.block_table)
-               for seq in seqs):  # fmt: skip
+        if any(seq.is_score or not self._holds_next_block(seq) for seq in seqs):
             return None
         return _Prepared(*self._lookahead_batch(seqs, [0] * len(seqs)))
+
+    def _holds_next_block(self, seq: SequenceState) -> bool:
+        """Whether seq's table has the block of the position after its last token (the one
+        a lookahead writes)."""
+        return len(seq.token_ids) // self.block_size < len(seq.block_table)
 
     def _lookahead_batch(
         self, seqs: list[SequenceState], token_ids: list[int]
@@ -266,7 +270,7 @@ class ModelRunner:
             eos, max_len = self.eos_token_id, self.max_model_len
             if finish_reason(seq.params, token_id, num_outputs, num_tokens, eos, max_len):
                 continue
-            if (num_tokens - 1) // self.block_size >= len(seq.block_table):
+            if not self._holds_next_block(seq):
                 return
             going_on.append((seq, token_id))
         if not going_on:
