@@ -491,6 +491,55 @@ def bench_tree_spill() -> None:
             print(f"{name} M={m}: " + " | ".join(cells))
 
 
+def bench_router() -> None:
+    """The router's fp32 logits (V2-Lite 64 x 2048, V3 256 x 7168; bf16 x and weight) four
+    ways, graph replay, µs: the invariant linear on the bf16 weight with fp32 output (tensor
+    cores, the op), the invariant ieee fp32 GEMM of the upcast weight (CUDA-core FMAs, the op
+    before), cuBLAS bf16 with fp32 output (fast mode) and cuBLAS fp32 (F.linear of the upcast
+    operands); the max |error| of each against the float64 product, and whether the op gave
+    a row the same bits alone as in the 8192-row batch."""
+    from kernels.triton_router import router_logits_triton
+
+    arrivals = arrival_counts("cuda")
+    print("\n## router logits (fp32 out): µs, graph replay; max |err| vs float64 at 8192 rows")
+    print(
+        "| experts x hidden | M | op: bf16 tensor cores | ieee fp32 FMAs | cuBLAS bf16->fp32 "
+        "| cuBLAS fp32 |"
+    )
+    print("|---|---|---|---|---|---|")
+    for experts, hidden in ((64, 2048), (256, 7168)):
+        x_all = torch.randn(8192, hidden, device="cuda").bfloat16()
+        w_all = (torch.randn(experts, hidden, device="cuda") * hidden**-0.5).bfloat16()
+        exact = (x_all.double() @ w_all.double().t()).float()
+        full = router_logits_triton(x_all, w_all, arrivals=arrivals)
+        ways = (
+            lambda x, w, wf: router_logits_triton(x, w, arrivals=arrivals),
+            lambda x, w, wf: linear_triton(x, wf, arrivals=arrivals),
+            lambda x, w, wf: torch.mm(x, w.t(), out_dtype=torch.float32),
+            lambda x, w, wf: torch.nn.functional.linear(x.float(), wf),
+        )
+        errs = [(way(x_all, w_all, w_all.float()) - exact).abs().max().item() for way in ways]
+        print(f"| {experts} x {hidden} | errors | " + " | ".join(f"{e:.2e}" for e in errs) + " |")
+        for m in (1, 8, 64, 256, 1024, 8192):
+            same = torch.equal(router_logits_triton(x_all[:m], w_all, arrivals=arrivals), full[:m])
+            cells = []
+            for way in ways:
+
+                def make(way=way, m=m, e=experts, k=hidden):
+                    x = torch.randn(m, k, device="cuda").bfloat16()
+                    w = (torch.randn(e, k, device="cuda") * k**-0.5).bfloat16()
+                    wf = w.float()
+                    return lambda: way(x, w, wf)
+
+                cells.append(_graph_ms(make, 2 * (m + experts) * hidden) * 1e3)
+            print(
+                f"| {experts} x {hidden} | {m} | {cells[0]:.1f}{'' if same else ' DIFF'} | "
+                + " | ".join(f"{c:.1f}" for c in cells[1:])
+                + " |",
+                flush=True,
+            )
+
+
 def bench_tree_crossover() -> None:
     """Where the in-program tree should take over from the chunk launch (TREE_MIN_ROWS in
     kernels/triton_tp_linear.py): the two paths of the tp_max split side by side at tp 1 on
@@ -736,6 +785,7 @@ def main() -> None:
             "row_parallel": bench_row_parallel,
             "tree_crossover": bench_tree_crossover,
             "tree_spill": bench_tree_spill,
+            "router": bench_router,
             "split_prefill": bench_split_prefill,
             "value_split": bench_value_split,
             "split_size": bench_split_size,

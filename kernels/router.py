@@ -29,6 +29,10 @@ def router_logits_ref(x: torch.Tensor, weight: torch.Tensor, *, tile_rows: int) 
 
 
 def router_logits_fast(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """fp32 logits; on CUDA a 16-bit x and weight of one dtype take cuBLAS's 16-bit GEMM with
+    fp32 output (exact products, fp32 sums on tensor cores: what the invariant kernel does)."""
+    if x.is_cuda and weight.dtype != torch.float32 and x.dtype == weight.dtype:
+        return torch.mm(x, weight.t(), out_dtype=torch.float32)
     return linear_fast(x.float(), weight.float())
 
 

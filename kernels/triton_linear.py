@@ -342,7 +342,8 @@ def _launch(
             arrivals=arrivals,
         )  # fmt: skip
         return out
-    if config.is_persistent and is_plain:
+    if config.is_persistent and is_plain and out.dtype == weight.dtype:
+        # (an fp32 out's [BLOCK_M, BLOCK_N] store tile would not fit the TMA kernel's smem)
         if not _tma_ok(x, weight, out):
             x, weight = x.clone(), weight.clone()  # fresh allocations are 16-byte aligned
         if _tma_ok(x, weight, out):
@@ -382,8 +383,10 @@ def linear_triton(
     *,
     whole_out_dim: int | None = None,
     arrivals: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """x [T, IN] @ weight [OUT, IN]^T -> [T, OUT] in weight's dtype; fp32 accumulation. x has
+    """x [T, IN] @ weight [OUT, IN]^T -> [T, OUT] in out_dtype (None: weight's dtype); fp32
+    accumulation, rounded to out_dtype once at the store (fp32: the sums themselves). x has
     weight's dtype, or is 16-bit against an fp32 weight (the router): then it is upcast in
     registers, exactly, and the result has linear_triton(x.float(), weight)'s bits without
     the copy launch.
@@ -399,7 +402,9 @@ def linear_triton(
             f"whole_out_dim {whole_out_dim} is smaller than the slice's {weight.shape[0]} rows"
         )
     x, weight = x.contiguous(), weight.contiguous()
-    out = x.new_empty((x.shape[0], weight.shape[0]), dtype=weight.dtype)
+    if out_dtype not in (None, weight.dtype, torch.float32):
+        raise ValueError(f"out_dtype must be the weight's {weight.dtype} or fp32, got {out_dtype}")
+    out = x.new_empty((x.shape[0], weight.shape[0]), dtype=out_dtype or weight.dtype)
     if x.shape[0] == 0:
         return out
     config = linear_config(weight.shape[0], weight.shape[1], weight.dtype, x.shape[0])

@@ -71,6 +71,26 @@ def test_linear_fp32_router_shape_invariant(generator):
     _assert_row_invariant(lambda rows: linear_triton(rows, w), x, full, generator)
 
 
+@pytest.mark.parametrize("num_experts, hidden", [(64, 2048), (256, 7168)])
+def test_router_logits_16bit_weight_invariant_and_fp32_close(generator, num_experts, hidden):
+    """The model's bf16 router weight: fp32 logits from the tensor-core linear, the same bits
+    for a row in every batch (row buckets 1 to 8192: the decode K split and the prefill chain),
+    within fp32 sum error of the float64 product (every bf16 x bf16 product is exact)."""
+    from kernels.triton_router import router_logits_triton
+
+    x = _randn(generator, 8192, hidden)
+    w = _randn(generator, num_experts, hidden, scale=hidden**-0.5)
+    full = router_logits_triton(x, w)
+    assert full.dtype == torch.float32
+    expected = (x.double() @ w.double().t()).float()
+    torch.testing.assert_close(full, expected, atol=2e-5, rtol=1e-5)
+    # Engagement: not the bf16-rounded output of the plain 16-bit linear.
+    assert not torch.equal(full, full.bfloat16().float())
+    _assert_row_invariant(lambda rows: router_logits_triton(rows, w), x, full, generator)
+    for m in BUCKET_PROBE_ROWS:
+        assert torch.equal(router_logits_triton(x[:m], w), full[:m]), m
+
+
 @pytest.mark.parametrize("in_dim, out_dim", [(2048, 102400), (512, 4096), (2048, 576)])
 def test_linear_other_shapes_invariant(generator, in_dim, out_dim):
     from kernels.triton_linear import linear_triton
@@ -554,13 +574,13 @@ def _v2_lite_moe_layer():
 
 
 def _moe_layer_before_fusion(cfg, ops, moe, h, x):
-    """The MoE layer as it ran before its launches were fused, op by op: x.float() for the
-    router, the replica map, the sort's order, the gather x[order // K], gate_up, silu * up
+    """The MoE layer as it ran before its launches were fused, op by op: the router's logits
+    (its own launch), the replica map, the sort's order, the gather x[order // K], gate_up, silu * up
     and down as three launches, the combine deriving order's inverse, then routed.to(bf16) +
     shared and the residual add as three launches."""
     from kernels.triton_combine import moe_combine_triton
 
-    logits = ops.linear(h.float(), moe.gate.weight.float())
+    logits = ops.router_logits(h, moe.gate.weight)
     topk_ids, topk_weights = ops.router_topk(
         logits,
         None,

@@ -20,10 +20,15 @@ from moe_runtime.model_config import ModelConfig
 
 
 class Router(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: OpTable) -> None:
+    """The gate: weight [E, D] in the model's dtype (as DeepSeek's checkpoints store it and its
+    reference code keeps it), fp32 logits. Products of two 16-bit floats are exact in fp32, so
+    16-bit logits differ from the fp32 GEMM of the upcast operands only in how the fp32 adds
+    round; the op table's kernel sums them on tensor cores (kernels/triton_router.py)."""
+
+    def __init__(self, cfg: ModelConfig, ops: OpTable, dtype: torch.dtype) -> None:
         super().__init__()
         self.weight = nn.Parameter(
-            torch.empty(cfg.n_routed_experts, cfg.hidden_size), requires_grad=False
+            torch.empty(cfg.n_routed_experts, cfg.hidden_size, dtype=dtype), requires_grad=False
         )
         if cfg.topk_method == "noaux_tc":
             self.e_score_correction_bias = nn.Parameter(
@@ -97,7 +102,7 @@ class MoE(nn.Module):
         tp: TensorParallel,
     ) -> None:
         super().__init__()
-        self.gate = Router(cfg, ops)
+        self.gate = Router(cfg, ops, dtype)
         self.experts = Experts(
             num_local_slots, cfg.hidden_size, cfg.moe_intermediate_size, ops, dtype
         )
