@@ -11,7 +11,9 @@ invariant mode a row ignores the padding; in fast mode graphs are a speed settin
 other and the bits may follow the padded size. `tp_max` is the fixed K split of the
 row-parallel linears (kernels/tp_linear.py): K is always cut into tp_max chunks summed in one
 binary tree, so every TP degree dividing tp_max gives the same bits; a power of two, so that
-each degree's ranks hold whole subtrees.
+each degree's ranks hold whole subtrees. tp_max 1 gives up TP invariance (TP degree 1 only):
+the row-parallel linears are then the plain invariant linear, batch-invariant and faster at
+prefill (BENCHMARKS.md).
 """
 
 from __future__ import annotations

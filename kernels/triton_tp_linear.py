@@ -19,6 +19,7 @@ from kernels.config import MAX_TP_MAX
 from kernels.tp_linear import Collective, Gather, is_power_of_two, local_num_chunks
 from kernels.triton_chunk_tree import MAX_TREE_CHUNKS, linear_chunk_tree, tree_block_k
 from kernels.triton_dot import check_pair
+from kernels.triton_linear import linear_triton
 from kernels.triton_linear_config import (
     BLOCK_K_16BIT,
     POINTER_CONFIG_16BIT,
@@ -168,6 +169,10 @@ def row_parallel_linear_triton(
     tp_max, rounded to x's dtype once. tp_rank: this rank's place in the group (its K slice
     starts at tp_rank * K_local); arrivals: see launch_split_k. Collective (all_gather) when
     tp_size > 1."""
+    if tp_max == 1:
+        # No K split promised (TP degree 1 only: batch invariance without TP invariance): the
+        # plain invariant linear, its own shape-fixed tiles and K split.
+        return linear_triton(x, weight, arrivals=arrivals)
     num_chunks = local_num_chunks(tp_max, tp_size, x.shape[1])
     if tp_size == 1:  # the whole tree on this rank: round inside the tree launch
         return _tp_linear(x, weight, num_chunks, x.dtype, 0, arrivals)

@@ -575,9 +575,9 @@ def _v2_lite_moe_layer():
 
 def _moe_layer_before_fusion(cfg, ops, moe, h, x):
     """The MoE layer as it ran before its launches were fused, op by op: the router's logits
-    (its own launch), the replica map, the sort's order, the gather x[order // K], gate_up, silu * up
-    and down as three launches, the combine deriving order's inverse, then routed.to(bf16) +
-    shared and the residual add as three launches."""
+    (its own launch), the replica map, the sort's order, the gather x[order // K], gate_up,
+    silu * up and down as three launches, the combine deriving order's inverse, then
+    routed.to(bf16) + shared and the residual add as three launches."""
     from kernels.triton_combine import moe_combine_triton
 
     logits = ops.router_logits(h, moe.gate.weight)

@@ -263,6 +263,31 @@ def _triton_at_tp(x, w, tp_size, *, with_origins=True):
     )
 
 
+def check_tp_max_one_is_the_plain_linear(generator: torch.Generator) -> None:
+    """kernels.tp_max 1 (no TP invariance) runs the plain invariant linear and gives its bits
+    (engagement: the call reached linear_triton)."""
+    import kernels.triton_tp_linear as tp_module
+    from kernels.triton_linear import linear_triton
+
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape)
+        return linear_triton(*args, **kwargs)
+
+    x, w = _inputs(generator, torch.bfloat16, num_rows=40, in_dim=576)
+    tp_module.linear_triton = counted
+    try:
+        got = tp_module.row_parallel_linear_triton(x, w, 1, None, None, tp_max=1)
+    finally:
+        tp_module.linear_triton = linear_triton
+    assert calls == [x.shape], calls
+    assert torch.equal(got, linear_triton(x, w))
+    torch.testing.assert_close(
+        got.float(), linear_ref(x.float(), w.float(), tile_rows=TILE), **BF16_TOL
+    )
+
+
 def check_tree_sum_kernel(generator: torch.Generator) -> None:
     from kernels.triton_tp_linear import tree_sum_triton
 
@@ -460,6 +485,7 @@ CHECKS = {
     "column_slices_same_bits": check_column_slices_same_bits,
     "chunks_per_program_same_bits": check_chunks_per_program_same_bits,
     "tree_sum_kernel": check_tree_sum_kernel,
+    "tp_max_one_is_the_plain_linear": check_tp_max_one_is_the_plain_linear,
     "in_program_tree_same_bits": check_in_program_tree_same_bits,
     "in_program_chain_same_bits": check_in_program_chain_same_bits,
     "every_tp_degree_same_bits": check_every_tp_degree_same_bits,
