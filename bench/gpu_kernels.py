@@ -272,6 +272,48 @@ def bench_config_sweep() -> None:
         del w
 
 
+# The linears of one V2-Lite prefill layer outside the experts (name, K, N); the router and
+# kv_a take the fixed K split's chain, the rest the plain kernel (o_proj and the shared
+# experts' down at kernels.tp_max 1; at 8 the tree).
+PREFILL_LINEARS = (
+    ("q_proj", 2048, 3072),
+    ("kv_a", 2048, 576),
+    ("kv_b", 512, 4096),
+    ("o_proj", 2048, 2048),
+    ("shared_gate_up", 2048, 5632),
+    ("shared_down", 2816, 2048),
+)
+
+
+def bench_prefill_linears() -> None:
+    """The plain invariant linear at prefill rows (8 x 1024 and 2 x 1024 tokens) against cuBLAS,
+    the default config and each large-M candidate (do_bench, L2 flushed: a prefill call reads
+    more than L2), with '=' where a candidate gave the default's bits."""
+    print("\n## prefill linears: µs, invariant default / cuBLAS, candidates (= same bits)")
+    for name, in_dim, out_dim in PREFILL_LINEARS:
+        w = torch.randn(out_dim, in_dim, device="cuda", dtype=torch.bfloat16) * in_dim**-0.5
+        for m in (2048, 8192):
+            x = torch.randn(m, in_dim, device="cuda", dtype=torch.bfloat16)
+            want = linear_triton(x, w)
+            t_cublas = _ms(lambda x=x, w=w: torch.matmul(x, w.t()))
+            t_default = _ms(lambda x=x, w=w: linear_triton(x, w))
+            cells = []
+            for c in SWEEP_LARGE[1:] + [LinearConfig(256, 128, 64, 8, 8, 3, True)]:
+                out = x.new_empty((m, out_dim))
+                try:
+                    same = torch.equal(_launch(x, w, out, None, m, c), want)
+                except Exception as err:  # out of shared memory etc.: report, keep sweeping
+                    cells.append(f"{_tag(c)}:fail:{type(err).__name__}")
+                    continue
+                t = _ms(lambda x=x, w=w, out=out, c=c, m=m: _launch(x, w, out, None, m, c))
+                cells.append(f"{_tag(c)}{'=' if same else 'x'}{t * 1e3:.1f}")
+            print(
+                f"{name:15} M={m:5} cublas {t_cublas * 1e3:6.1f} default {t_default * 1e3:6.1f} "
+                f"({t_default / t_cublas:.2f}) | " + " ".join(cells),
+                flush=True,
+            )
+
+
 def bench_attention() -> None:
     """Decode attention (latent 512 + rope 64, blocks of 64) at 16 heads (V2-Lite) and 128
     (V3): the invariant Triton kernel vs fast mode's decode attention (FlashMLA where it is
@@ -444,7 +486,7 @@ def bench_row_parallel() -> None:
             )
 
 
-SPILL_CONFIGS = (
+LOOP_CONFIGS = (
     LinearConfig(64, 64, 64, 8, 4, 4),
     LinearConfig(128, 64, 64, 8, 4, 3),
     LinearConfig(128, 64, 64, 8, 8, 3),
@@ -452,43 +494,47 @@ SPILL_CONFIGS = (
 )
 
 
-def bench_tree_spill() -> None:
-    """The in-program tree at prefill sizes with its waiting subtrees in registers (the
-    kernel's default, TREE_CONFIG) vs parked in an fp32 scratch (`is_spill`, two live tiles
-    as in the chain, so wider tiles fit), against the invariant linear without the tp_max
-    split; graph replay, µs; '=' where the spilled tree gave the register tree's bits."""
+def bench_tree_loops() -> None:
+    """The in-program tree (o_proj, the shared experts' down: tp_max chunks) and chain (kv_a,
+    o_proj at tp_max 1: the linear's own K split) at prefill rows, the kernel's two loop
+    forms (`is_chunk_loop` False / True: /0, /1) on a few tiles, graph replay, µs, with
+    cuBLAS; '=' where a form gave the default launch's bits."""
     from kernels.config import KernelConfig
-    from kernels.triton_chunk_tree import TREE_CONFIG, linear_chunk_tree
+    from kernels.triton_chunk_tree import chain_config, linear_chunk_tree
+    from kernels.triton_linear_config import k_split_count
 
     tp_max = KernelConfig().tp_max
-    arrivals = arrival_counts("cuda")
-    print(f"\n## in-program tree (tp_max={tp_max}): subtrees in registers vs in a scratch")
-    for name, in_dim, out_dim in ROW_PARALLEL_SHAPES[:2]:
-        for m in (1024, 4096, 16384):
+    cases = [(name, k, n, tp_max, True) for name, k, n in ROW_PARALLEL_SHAPES[:2]]
+    for name, k, n in (("kv_a", 2048, 576), ("o_proj", 2048, 2048), ("shared_down", 2816, 2048)):
+        cases.append((name, k, n, k_split_count(n, k, torch.bfloat16), False))
+    print("\n## in-program tree / chain: loop forms x tiles, µs (graph replay)")
+    for name, in_dim, out_dim, chunks, is_tree in cases:
+        kind = "tree" if is_tree else "chain"
+        for m in (1024, 8192):
             x = torch.randn(m, in_dim, device="cuda").bfloat16()
             w = torch.randn(out_dim, in_dim, device="cuda").bfloat16() * in_dim**-0.5
-            want = linear_chunk_tree(x, w, tp_max, torch.bfloat16, TREE_CONFIG)
-            linear = _linear_graph_us(partial(linear_triton, arrivals=arrivals), m, in_dim, out_dim)
-            tree = _linear_graph_us(
-                lambda a, b: linear_chunk_tree(a, b, tp_max, torch.bfloat16, TREE_CONFIG),
-                m, in_dim, out_dim,
-            )  # fmt: skip
-            cells = [f"linear {linear:.1f}", f"registers {tree:.1f} ({tree / linear:.2f})"]
-            for c in SPILL_CONFIGS:
-                try:
-                    got = linear_chunk_tree(x, w, tp_max, torch.bfloat16, c, is_spill=True)
-                except Exception as err:  # out of shared memory etc.: report, keep going
-                    cells.append(f"{_tag(c)}:fail:{type(err).__name__}")
-                    continue
-                same = "=" if torch.equal(got, want) else "x"
-                us = _linear_graph_us(
-                    lambda a, b, c=c: linear_chunk_tree(
-                        a, b, tp_max, torch.bfloat16, c, is_spill=True
-                    ),
-                    m, in_dim, out_dim,
-                )  # fmt: skip
-                cells.append(f"spill {_tag(c)}{same} {us:.1f} ({us / linear:.2f})")
-            print(f"{name} M={m}: " + " | ".join(cells))
+            base_cfg = None if is_tree else chain_config(out_dim, in_dim, chunks, torch.bfloat16, m)
+            kw = {} if base_cfg is None else {"config": base_cfg}
+            want = linear_chunk_tree(x, w, chunks, torch.bfloat16, is_tree=is_tree, **kw)
+            cublas = _linear_graph_us(lambda a, b: a @ b.t(), m, in_dim, out_dim)
+            cells = [f"cuBLAS {cublas:.1f}"]
+            for c in LOOP_CONFIGS:
+                for form in (False, True):
+
+                    def op(a, b, c=c, form=form, chunks=chunks, is_tree=is_tree):
+                        return linear_chunk_tree(
+                            a, b, chunks, torch.bfloat16, c, is_tree=is_tree, is_chunk_loop=form
+                        )
+
+                    try:
+                        same = "=" if torch.equal(op(x, w), want) else "x"
+                    except Exception as err:  # out of shared memory etc.: report, keep going
+                        cells.append(f"{_tag(c)}/{form:d}:fail:{type(err).__name__}")
+                        continue
+                    cells.append(
+                        f"{_tag(c)}/{form:d}{same} {_linear_graph_us(op, m, in_dim, out_dim):.1f}"
+                    )
+            print(f"{name} {kind} x{chunks} M={m}: " + " | ".join(cells), flush=True)
 
 
 def bench_router() -> None:
@@ -784,8 +830,9 @@ def main() -> None:
             "layer": bench_layer,
             "row_parallel": bench_row_parallel,
             "tree_crossover": bench_tree_crossover,
-            "tree_spill": bench_tree_spill,
+            "tree_loops": bench_tree_loops,
             "router": bench_router,
+            "prefill_linears": bench_prefill_linears,
             "split_prefill": bench_split_prefill,
             "value_split": bench_value_split,
             "split_size": bench_split_size,

@@ -22,7 +22,6 @@ def _chunk_tree_kernel(
     x_ptr,
     w_ptr,
     out_ptr,
-    scratch_ptr,
     num_rows,
     N,
     K,
@@ -32,7 +31,7 @@ def _chunk_tree_kernel(
     IS_TREE: tl.constexpr,
     CHUNK_K: tl.constexpr,
     IS_GRID: tl.constexpr,
-    IS_SPILL: tl.constexpr,
+    IS_CHUNK_LOOP: tl.constexpr,
     K_ALIGN: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -53,9 +52,10 @@ def _chunk_tree_kernel(
     a binary counter (tree_push: the finished subtrees wait in s0..s2, so at most four fp32
     tiles are live) or the chain's running total in s0 (two live tiles), and the accumulator
     restarts from zero. Every add is one of sum_parts': the bits of the partials path.
-    IS_SPILL (the tree only): the subtrees of two and four chunks wait in this tile's fp32
-    scratch (two tiles in global memory, read back while still in L2) instead of registers,
-    so two fp32 tiles are live as in the chain; the same adds in the same order."""
+    IS_CHUNK_LOOP: a loop over chunks around a loop over each chunk's steps instead, so the
+    accumulator's only use inside the inner loop is the next dot (the same dots and adds):
+    wide tiles' MMAs then overlap across steps (pipeline drained at each chunk's end).
+    """
     tile = tl.program_id(0)
     pid_m, pid_n = tile_of(tile, tl.cdiv(num_rows, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -69,31 +69,38 @@ def _chunk_tree_kernel(
     s1 = s0
     s2 = s0
     s3 = s0  # never written below 16 chunks: compiled away
-    for step in range(NUM_CHUNKS * STEPS_PER_CHUNK):
-        if IS_GRID:
-            k_lo = tl.multiple_of((step // STEPS_PER_CHUNK) * CHUNK_K, K_ALIGN)
-            k_start = tl.multiple_of(k_lo - k_lo % BLOCK_K, BLOCK_K)
-            k = k_start + (step % STEPS_PER_CHUNK) * BLOCK_K + offs_k
-            k_ok = (k >= k_lo) & (k < k_lo + CHUNK_K)
-        else:
-            k = step * BLOCK_K + offs_k
-            k_ok = None
-        acc = dot_step(
-            x_ptr, w_ptr, offs_m, offs_n, row_ok, col_ok, stride_xm, K, k, k_ok, acc,
-            INPUT_PRECISION, UPCAST_DOT, IS_GRID,
-        )  # fmt: skip
-        if step % STEPS_PER_CHUNK == STEPS_PER_CHUNK - 1:
-            chunk = step // STEPS_PER_CHUNK
-            if IS_TREE and IS_SPILL:
-                acc, s0 = tree_push_spilled(acc, s0, scratch_ptr, tile, chunk, BLOCK_M, BLOCK_N)
-            elif IS_TREE:
+    if IS_CHUNK_LOOP:
+        for chunk in range(NUM_CHUNKS):
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for i in range(STEPS_PER_CHUNK):
+                acc = _chunk_step(
+                    x_ptr, w_ptr, offs_m, offs_n, offs_k, row_ok, col_ok, stride_xm, K, acc,
+                    chunk * STEPS_PER_CHUNK + i, STEPS_PER_CHUNK, CHUNK_K, IS_GRID, K_ALIGN,
+                    BLOCK_K, INPUT_PRECISION, UPCAST_DOT,
+                )  # fmt: skip
+            if IS_TREE:
                 acc, s0, s1, s2, s3 = tree_push(acc, s0, s1, s2, s3, chunk, NUM_CHUNKS)
             elif chunk == 0:
                 s0 = acc
             else:
                 s0 = s0 + acc
-            if chunk < NUM_CHUNKS - 1:
-                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:
+        for step in range(NUM_CHUNKS * STEPS_PER_CHUNK):
+            acc = _chunk_step(
+                x_ptr, w_ptr, offs_m, offs_n, offs_k, row_ok, col_ok, stride_xm, K, acc,
+                step, STEPS_PER_CHUNK, CHUNK_K, IS_GRID, K_ALIGN, BLOCK_K, INPUT_PRECISION,
+                UPCAST_DOT,
+            )  # fmt: skip
+            if step % STEPS_PER_CHUNK == STEPS_PER_CHUNK - 1:
+                chunk = step // STEPS_PER_CHUNK
+                if IS_TREE:
+                    acc, s0, s1, s2, s3 = tree_push(acc, s0, s1, s2, s3, chunk, NUM_CHUNKS)
+                elif chunk == 0:
+                    s0 = acc
+                else:
+                    s0 = s0 + acc
+                if chunk < NUM_CHUNKS - 1:
+                    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if not IS_TREE:
         acc = s0
     out = acc.to(out_ptr.dtype.element_ty)
@@ -105,32 +112,27 @@ def _chunk_tree_kernel(
 
 
 @triton.jit
-def tree_push_spilled(acc, s0, scratch_ptr, tile, C, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """tree_push over at most 8 chunks with the waiting subtrees of 2 and 4 chunks parked in
-    tile's two fp32 scratch tiles (scratch [tiles, 2, BLOCK_M, BLOCK_N]) rather than in
-    registers: the same adds, left + right, in the same order. Returns (acc, s0)."""
-    offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-    level1 = scratch_ptr + tile.to(tl.int64) * (2 * BLOCK_M * BLOCK_N) + offs
-    level2 = level1 + BLOCK_M * BLOCK_N
-    if C % 2 == 1:
-        acc = s0 + acc
-    # Why the barriers: a parked tile's elements may be stored and loaded by different
-    # threads of the program, and a slot is stored again after it is read.
-    if C % 4 == 3:
-        tl.debug_barrier()
-        acc = tl.load(level1) + acc
-    if C % 8 == 7:
-        tl.debug_barrier()
-        acc = tl.load(level2) + acc
-    if (C + 1) % 2 == 1:
-        s0 = acc
-    elif (C + 1) % 4 == 2:
-        tl.debug_barrier()
-        tl.store(level1, acc)
-    elif (C + 1) % 8 == 4:
-        tl.debug_barrier()
-        tl.store(level2, acc)
-    return acc, s0
+def _chunk_step(
+    x_ptr, w_ptr, offs_m, offs_n, offs_k, row_ok, col_ok, stride_xm, K, acc, step,
+    STEPS_PER_CHUNK: tl.constexpr, CHUNK_K: tl.constexpr, IS_GRID: tl.constexpr,
+    K_ALIGN: tl.constexpr, BLOCK_K: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):  # fmt: skip
+    """acc + the dot of global K step `step` (chunk step // STEPS_PER_CHUNK): on the grid of
+    BLOCK_K columns from column 0 masked to the chunk (IS_GRID), else BLOCK_K columns from
+    step * BLOCK_K."""
+    if IS_GRID:
+        k_lo = tl.multiple_of((step // STEPS_PER_CHUNK) * CHUNK_K, K_ALIGN)
+        k_start = tl.multiple_of(k_lo - k_lo % BLOCK_K, BLOCK_K)
+        k = k_start + (step % STEPS_PER_CHUNK) * BLOCK_K + offs_k
+        k_ok = (k >= k_lo) & (k < k_lo + CHUNK_K)
+    else:
+        k = step * BLOCK_K + offs_k
+        k_ok = None
+    return dot_step(
+        x_ptr, w_ptr, offs_m, offs_n, row_ok, col_ok, stride_xm, K, k, k_ok, acc,
+        INPUT_PRECISION, UPCAST_DOT, IS_GRID,
+    )  # fmt: skip
 
 
 def tree_block_k(chunk_k: int, dtype: torch.dtype) -> int:
@@ -170,13 +172,19 @@ TREE_CONFIG = LinearConfig(64, 64, BLOCK_K_16BIT, 8, 4, 4)
 # slower on every tile shape tried (BENCHMARKS.md, linear section).
 CHAIN_MIN_ROWS = 1024
 CHAIN_CONFIG_16BIT = LinearConfig(64, 64, BLOCK_K_16BIT, 8, 4, 4)
+# Weights of CHAIN_WIDE_OUT outputs and more (o_proj and the shared experts' down at
+# kernels.tp_max 1): 128 x 128 tiles, 8 warps, in the chunk loop. H200, graph replay, o_proj
+# (2048 x 2048, 4 chunks): 138.0 vs 192.9 us at 8192 rows, 20.9 vs 25.6 at 1024 (cuBLAS 101.3,
+# 14.0); kv_a's 576 outputs stay fastest on 64 x 64 in one loop (BENCHMARKS.md, tree_loops).
+CHAIN_WIDE_OUT = 2048
+CHAIN_WIDE_CONFIG = LinearConfig(128, 128, BLOCK_K_16BIT, 8, 8, 3)
 
 
 def chain_config(
-    in_dim: int, k_splits: int, dtype: torch.dtype, num_rows: int
+    out_dim: int, in_dim: int, k_splits: int, dtype: torch.dtype, num_rows: int
 ) -> LinearConfig | None:
     """The in-program chain's tiles for the linear's fixed K split (k_splits chunks of a
-    weight of in_dim columns, dtype) at num_rows, or None where it does not run: fp32, fewer
+    weight [out_dim, in_dim] of dtype) at num_rows, or None where it does not run: fp32, fewer
     rows than CHAIN_MIN_ROWS, or chunks that are not whole K steps (k_split_chunk's last
     chunk short of the others). Its chunk sums take the chunk launch's K steps (BLOCK_K from
     each chunk's first column)."""
@@ -188,7 +196,7 @@ def chain_config(
         or chunk_k % BLOCK_K_16BIT
     ):
         return None
-    return CHAIN_CONFIG_16BIT
+    return CHAIN_WIDE_CONFIG if out_dim >= CHAIN_WIDE_OUT else CHAIN_CONFIG_16BIT
 
 
 def linear_chunk_tree(
@@ -201,7 +209,7 @@ def linear_chunk_tree(
     is_tree: bool = True,
     out: torch.Tensor | None = None,
     is_grid: bool | None = None,
-    is_spill: bool = False,
+    is_chunk_loop: bool | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T summed as num_chunks (a power of two <= 8, dividing K) chunk
     sums added in the fixed binary tree (is_tree) or in chunk order, in one launch with no
@@ -211,9 +219,9 @@ def linear_chunk_tree(
     that sum. x may be 16-bit against an fp32 weight (upcast in registers, as the linear).
     Chunks off the dtype's K step grid walk it in masked full steps (grid_steps) where they
     can, else in the largest step dividing them (tree_block_k); is_grid forces either
-    (a comparison for the benchmarks; the same bits). is_spill (the tree only): the waiting
-    subtrees of two and four chunks in an fp32 scratch in memory (tree_push_spilled; the same
-    bits), for `bench/gpu_kernels.py row_parallel` to weigh against registers."""
+    (a comparison for the benchmarks; the same bits). is_chunk_loop: the kernel's loop over
+    chunks around each chunk's steps (IS_CHUNK_LOOP; the same bits); None: on the chain with
+    tiles of 128 x 128 and more, where it measured faster (BENCHMARKS.md)."""
     check_pair(x, weight, 2, is_upcast_ok=True)
     num_rows, in_dim = x.shape
     out_dim = weight.shape[0]
@@ -237,6 +245,8 @@ def linear_chunk_tree(
         raise ValueError(f"{num_chunks} chunks of {chunk_k} columns span unequal grid steps")
     if is_grid:
         block_k, steps_per_chunk = full_k, on_grid
+    if is_chunk_loop is None:
+        is_chunk_loop = not is_tree and config.block_m * config.block_n >= 128 * 128
     x, weight = x.contiguous(), weight.contiguous()
     if out is None:
         out = torch.empty((num_rows, out_dim), dtype=out_dtype, device=x.device)
@@ -245,18 +255,10 @@ def linear_chunk_tree(
     if num_rows == 0:
         return out
     num_tiles = triton.cdiv(num_rows, config.block_m) * triton.cdiv(out_dim, config.block_n)
-    if is_spill and not is_tree:
-        raise ValueError("is_spill parks the tree's subtrees: it needs is_tree")
-    scratch = out  # unread without IS_SPILL
-    if is_spill:
-        scratch = torch.empty(
-            (num_tiles, 2, config.block_m, config.block_n), dtype=torch.float32, device=x.device
-        )
     _chunk_tree_kernel[(num_tiles,)](
         x,
         weight,
         out,
-        scratch,
         num_rows,
         out_dim,
         in_dim,
@@ -266,7 +268,7 @@ def linear_chunk_tree(
         IS_TREE=is_tree,
         CHUNK_K=chunk_k,
         IS_GRID=is_grid,
-        IS_SPILL=is_spill,
+        IS_CHUNK_LOOP=is_chunk_loop,
         K_ALIGN=chunk_k & -chunk_k if is_grid else block_k,
         **kernel_consts(dataclasses.replace(config, block_k=block_k), x.dtype, weight.dtype),
     )

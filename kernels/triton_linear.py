@@ -332,7 +332,7 @@ def _launch(
     k_splits = k_split_count(whole_out_dim or out_dim, in_dim, weight.dtype) if is_plain else 1
     if k_splits > 1:
         chunk_k = k_split_chunk(in_dim, k_splits)
-        chain = chain_config(in_dim, k_splits, weight.dtype, num_rows)
+        chain = chain_config(out_dim, in_dim, k_splits, weight.dtype, num_rows)
         if chain is not None and x.is_contiguous() and out.is_contiguous():
             # Prefill sizes: the same chunk sums and adds in one launch, no fp32 parts.
             return linear_chunk_tree(x, weight, k_splits, out.dtype, chain, is_tree=False, out=out)

@@ -140,10 +140,10 @@ def test_linear_prefill_chain_gives_the_chunk_launch_bits(generator, out_dim, in
     x = _randn(generator, 2 * CHAIN_MIN_ROWS + 37, in_dim)
     w = _randn(generator, out_dim, in_dim, scale=in_dim**-0.5)
     num_chunks = k_split_count(out_dim, in_dim, w.dtype)
-    chain = chain_config(in_dim, num_chunks, w.dtype, x.shape[0])
+    chain = chain_config(out_dim, in_dim, num_chunks, w.dtype, x.shape[0])
     assert num_chunks > 1 and chain is not None  # engagement: the chain runs at these rows
-    assert chain_config(in_dim, num_chunks, w.dtype, CHAIN_MIN_ROWS - 1) is None
-    assert chain_config(2048, 4, torch.float32, x.shape[0]) is None
+    assert chain_config(out_dim, in_dim, num_chunks, w.dtype, CHAIN_MIN_ROWS - 1) is None
+    assert chain_config(out_dim, 2048, 4, torch.float32, x.shape[0]) is None
     full = linear_triton(x, w)
     launch = torch.empty_like(full)
     config = linear_config(out_dim, in_dim, w.dtype, x.shape[0])
@@ -154,6 +154,11 @@ def test_linear_prefill_chain_gives_the_chunk_launch_bits(generator, out_dim, in
         assert torch.equal(linear_triton(x[:m], w), full[:m]), m
     tree = linear_chunk_tree(x, w, num_chunks, full.dtype, chain)
     assert torch.equal(tree, full) == (num_chunks == 2), "tree vs chain: no control"
+    for is_chunk_loop in (False, True):  # both loop forms of the kernel: the same adds
+        got = linear_chunk_tree(
+            x, w, num_chunks, full.dtype, chain, is_tree=False, is_chunk_loop=is_chunk_loop
+        )
+        assert torch.equal(got, full), is_chunk_loop
 
 
 def test_grouped_linear_rows_independent_of_expert_load(generator):

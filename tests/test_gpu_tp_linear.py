@@ -70,14 +70,23 @@ def test_gpu_tree_off_grid_chunks_full_or_half_steps_same_bits():
         for is_grid in (True, False):
             got = linear_chunk_tree(x, w, 8, torch.bfloat16, config, is_grid=is_grid)
             assert torch.equal(got, want), (config, is_grid)
-    # The waiting subtrees parked in memory (tree_push_spilled), wider tiles too.
+    # Both loop forms of the kernel (one loop; a chunk loop around each chunk's steps).
     for config in (
         TREE_CONFIG,
         LinearConfig(128, 64, 64, 8, 4, 3),
         LinearConfig(128, 128, 64, 8, 8, 3),
     ):
-        got = linear_chunk_tree(x, w, 8, torch.bfloat16, config, is_spill=True)
-        assert torch.equal(got, want), config
+        for form in (False, True):
+            for is_tree in (True, False):
+                got = linear_chunk_tree(
+                    x, w, 8, torch.bfloat16, config, is_tree=is_tree, is_chunk_loop=form
+                )
+                base = (
+                    want
+                    if is_tree
+                    else linear_chunk_tree(x, w, 8, torch.bfloat16, config, is_tree=False)
+                )
+                assert torch.equal(got, base), (config, form, is_tree)
 
 
 @pytest.mark.parametrize(("out_dim", "in_dim"), V2_LITE_ROW_PARALLEL)

@@ -20,8 +20,6 @@ import os
 
 import pytest
 import torch
-import triton
-import triton.language as tl
 
 from comm import (
     ParallelConfig,
@@ -40,7 +38,6 @@ from kernels.tp_linear import (
     tp_linear_ref,
     tree_sum,
 )
-from kernels.triton_chunk_tree import tree_push_spilled
 from moe_runtime.config import load_config
 from moe_runtime.model.tensor_parallel import TensorParallel
 from tests import interpreted
@@ -365,15 +362,22 @@ def check_in_program_tree_same_bits(generator: torch.Generator) -> None:
     config = linear_config(w.shape[0], w.shape[1], torch.bfloat16, x.shape[0])
     tree = linear_chunk_tree(x, w, 8, torch.float32, config)
     assert torch.equal(tree, tp_linear_triton(x, w, 8))
-    # The waiting subtrees parked in memory: the same adds, on and off the grid.
-    assert torch.equal(linear_chunk_tree(x, w, 8, torch.float32, config, is_spill=True), tree)
+    # Both loop forms of the kernel (one loop; a chunk loop around each chunk's steps): the
+    # same dots and adds, on and off the grid, tree and chain.
+    for form in (False, True):
+        got = linear_chunk_tree(x, w, 8, torch.float32, config, is_chunk_loop=form)
+        assert torch.equal(got, tree), form
     for dtype in DTYPES:
         x, w = _inputs(generator, dtype, num_rows=37)
         config = linear_config(w.shape[0], w.shape[1], dtype, x.shape[0])
         for num_chunks in (2, 4, 8):
-            want = linear_chunk_tree(x, w, num_chunks, torch.float32, config)
-            got = linear_chunk_tree(x, w, num_chunks, torch.float32, config, is_spill=True)
-            assert torch.equal(got, want), (dtype, num_chunks)
+            for is_tree in (True, False):
+                want = linear_chunk_tree(x, w, num_chunks, torch.float32, config, is_tree=is_tree)
+                for form in (False, True):
+                    got = linear_chunk_tree(
+                        x, w, num_chunks, torch.float32, config, is_tree=is_tree, is_chunk_loop=form
+                    )
+                    assert torch.equal(got, want), (dtype, num_chunks, is_tree, form)
 
 
 def check_in_program_chain_same_bits(generator: torch.Generator) -> None:
@@ -449,39 +453,7 @@ def check_column_slices_same_bits(generator: torch.Generator) -> None:
         raise AssertionError("a whole_out_dim below the slice's rows was accepted")
 
 
-@triton.jit
-def _push_spilled_kernel(parts_ptr, scratch_ptr, out_ptr, NUM: tl.constexpr, BLOCK: tl.constexpr):
-    """Pushes NUM [BLOCK, BLOCK] parts through tree_push_spilled; the last acc to out."""
-    offs = tl.arange(0, BLOCK)[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
-    s0 = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
-    acc = s0
-    for c in tl.static_range(NUM):
-        acc = tl.load(parts_ptr + c * BLOCK * BLOCK + offs)
-        acc, s0 = tree_push_spilled(acc, s0, scratch_ptr, tl.program_id(0), c, BLOCK, BLOCK)
-    tl.store(out_ptr + offs, acc)
-
-
-def check_tree_push_spilled(generator: torch.Generator) -> None:
-    """The spilled tree's adds and its parked subtrees (engagement: the scratch holds them):
-    8 parts give ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7)) in fp32, 4 parts the
-    left half; the 4-part subtree and the last 2-part one wait in the scratch."""
-    parts = torch.randn(8, 16, 16, generator=generator) * torch.logspace(0, 6, 8)[:, None, None]
-    for num in (4, 8):
-        scratch = torch.zeros(1, 2, 16, 16)
-        out = torch.empty(16, 16)
-        _push_spilled_kernel[(1,)](parts, scratch, out, NUM=num, BLOCK=16)
-        p = parts
-        left = (p[0] + p[1]) + (p[2] + p[3])
-        want = left if num == 4 else left + ((p[4] + p[5]) + (p[6] + p[7]))
-        assert torch.equal(out, want), num
-        assert torch.equal(scratch[0, 0], p[0] + p[1] if num == 4 else p[4] + p[5]), num
-        assert torch.equal(scratch[0, 1], left), num  # parked after part 3 either way
-    chain = ((((((p[0] + p[1]) + p[2]) + p[3]) + p[4]) + p[5]) + p[6]) + p[7]
-    assert not torch.equal(out, chain), "the tree and the chain agreed: no control"
-
-
 CHECKS = {
-    "tree_push_spilled": check_tree_push_spilled,
     "column_slices_same_bits": check_column_slices_same_bits,
     "chunks_per_program_same_bits": check_chunks_per_program_same_bits,
     "tree_sum_kernel": check_tree_sum_kernel,
