@@ -78,12 +78,7 @@ def _chunk_tree_kernel(
                     chunk * STEPS_PER_CHUNK + i, STEPS_PER_CHUNK, CHUNK_K, IS_GRID, K_ALIGN,
                     BLOCK_K, INPUT_PRECISION, UPCAST_DOT,
                 )  # fmt: skip
-            if IS_TREE:
-                acc, s0, s1, s2, s3 = tree_push(acc, s0, s1, s2, s3, chunk, NUM_CHUNKS)
-            elif chunk == 0:
-                s0 = acc
-            else:
-                s0 = s0 + acc
+            acc, s0, s1, s2, s3 = _join_chunk(acc, s0, s1, s2, s3, chunk, NUM_CHUNKS, IS_TREE)
     else:
         for step in range(NUM_CHUNKS * STEPS_PER_CHUNK):
             acc = _chunk_step(
@@ -93,12 +88,7 @@ def _chunk_tree_kernel(
             )  # fmt: skip
             if step % STEPS_PER_CHUNK == STEPS_PER_CHUNK - 1:
                 chunk = step // STEPS_PER_CHUNK
-                if IS_TREE:
-                    acc, s0, s1, s2, s3 = tree_push(acc, s0, s1, s2, s3, chunk, NUM_CHUNKS)
-                elif chunk == 0:
-                    s0 = acc
-                else:
-                    s0 = s0 + acc
+                acc, s0, s1, s2, s3 = _join_chunk(acc, s0, s1, s2, s3, chunk, NUM_CHUNKS, IS_TREE)
                 if chunk < NUM_CHUNKS - 1:
                     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if not IS_TREE:
@@ -109,6 +99,19 @@ def _chunk_tree_kernel(
         out,
         mask=row_ok[:, None] & col_ok[None, :],
     )
+
+
+@triton.jit
+def _join_chunk(acc, s0, s1, s2, s3, chunk, NUM_CHUNKS: tl.constexpr, IS_TREE: tl.constexpr):
+    """Chunk `chunk`'s finished sum (acc) joins the tree (tree_push) or the chain's running
+    total in s0. Returns (acc, s0, s1, s2, s3)."""
+    if IS_TREE:
+        acc, s0, s1, s2, s3 = tree_push(acc, s0, s1, s2, s3, chunk, NUM_CHUNKS)
+    elif chunk == 0:
+        s0 = acc
+    else:
+        s0 = s0 + acc
+    return acc, s0, s1, s2, s3
 
 
 @triton.jit
