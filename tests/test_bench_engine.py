@@ -19,7 +19,7 @@ TINY = ROOT / "launch" / "configs" / "tiny_cpu.yaml"
 def test_decode_step_bytes_matches_hand_count():
     # tiny_cpu in bf16: D=64, dense I=128, expert I=32, 3 layers (1 dense, 2 MoE), q_lora 32,
     # kv_lora 32 + rope 8, 4 heads x (16 nope + 8 rope) queries, v 16, E=16 top-4, 1 shared,
-    # vocab 512; the router (weight + score-correction bias) is fp32.
+    # vocab 512; the router's weight is in the model's dtype, its score-correction bias fp32.
     cfg = load_config(TINY, {"model.dtype": "bfloat16"}).model
     attention = (
         64  # input norm
@@ -33,10 +33,10 @@ def test_decode_step_bytes_matches_hand_count():
         + 64  # post-attention norm
     ) * 2
     dense_mlp = 3 * 64 * 128 * 2
-    moe_non_expert = (16 * 64 + 16) * 4 + 3 * 64 * 32 * 2  # router + shared expert
+    moe_non_expert = 16 * 64 * 2 + 16 * 4 + 3 * 64 * 32 * 2  # router + shared expert
     non_expert = 3 * attention + dense_mlp + 2 * moe_non_expert + 64 * 2 + 512 * 64 * 2
     expert = 3 * 64 * 32 * 2
-    assert weight_bytes(cfg).non_expert == non_expert == 244096
+    assert weight_bytes(cfg).non_expert == non_expert == 240000
     assert weight_bytes(cfg).routed_expert == expert
     step = decode_step_bytes(cfg, num_seqs=2, context=10)
     assert step.non_expert == non_expert
