@@ -29,7 +29,7 @@ from kernels.triton_linear import _launch, grouped_linear_triton, linear_triton 
 from kernels.triton_linear_config import LinearConfig, linear_config  # noqa: E402
 from kernels.triton_rmsnorm import rms_norm_triton  # noqa: E402
 from kernels.triton_softmax import log_softmax_triton  # noqa: E402
-from kernels.triton_split_k import arrival_counts  # noqa: E402
+from kernels.triton_split_k import arrival_counts, launch_split_k  # noqa: E402
 from moe_runtime.config import load_config  # noqa: E402
 
 # (name, in_dim K, out_dim N) of DeepSeek-V2-Lite (hidden 2048), from the shipped config.
@@ -537,6 +537,53 @@ def bench_tree_loops() -> None:
             print(f"{name} {kind} x{chunks} M={m}: " + " | ".join(cells), flush=True)
 
 
+def bench_tree_split() -> None:
+    """The row-parallel tree at prefill rows split over programs: each sums a subtree of G
+    adjacent chunks (`launch_split_k`'s chunks_per_program, its fp32 parts then added in the
+    tree's top levels), against the in-program tree (all tp_max chunks in one program, four
+    live fp32 tiles) and cuBLAS; graph replay, µs; '=' where a split gave the tree's bits."""
+    from kernels.config import KernelConfig
+    from kernels.triton_chunk_tree import linear_chunk_tree
+
+    tp_max = KernelConfig().tp_max
+    arrivals = arrival_counts("cuda")
+    configs = (
+        LinearConfig(64, 64, 64, 8, 4, 4),
+        LinearConfig(128, 64, 64, 8, 8, 3),
+        LinearConfig(128, 128, 64, 8, 8, 3),
+    )
+    print(f"\n## tp_max={tp_max} tree at prefill rows: one program vs G chunks a program")
+    for name, in_dim, out_dim in ROW_PARALLEL_SHAPES[:2]:
+        chunk_k = in_dim // tp_max
+        for m in (1024, 8192):
+            x = torch.randn(m, in_dim, device="cuda").bfloat16()
+            w = torch.randn(out_dim, in_dim, device="cuda").bfloat16() * in_dim**-0.5
+            want = linear_chunk_tree(x, w, tp_max, torch.bfloat16)
+            cublas = _linear_graph_us(lambda a, b: a @ b.t(), m, in_dim, out_dim)
+            tree = _linear_graph_us(
+                lambda a, b: linear_chunk_tree(a, b, tp_max, torch.bfloat16), m, in_dim, out_dim
+            )
+            cells = [f"cuBLAS {cublas:.1f}", f"tree {tree:.1f}"]
+            for c in configs:
+                for per_program in (2, 4):
+
+                    def op(a, b, c=c, g=per_program, k=chunk_k):
+                        out = torch.empty(a.shape[0], b.shape[0], device="cuda").bfloat16()
+                        return launch_split_k(
+                            a, b, out, k, c, is_tree=True, chunks_per_program=g,
+                            arrivals=arrivals,
+                        )  # fmt: skip
+
+                    try:
+                        same = "=" if torch.equal(op(x, w), want) else "x"
+                    except Exception as err:  # out of shared memory etc.: report, keep going
+                        cells.append(f"{_tag(c)} G{per_program}:fail:{type(err).__name__}")
+                        continue
+                    us = _linear_graph_us(op, m, in_dim, out_dim)
+                    cells.append(f"{_tag(c)} G{per_program}{same} {us:.1f}")
+            print(f"{name} M={m}: " + " | ".join(cells), flush=True)
+
+
 def bench_router() -> None:
     """The router's fp32 logits (V2-Lite 64 x 2048, V3 256 x 7168; bf16 x and weight) four
     ways, graph replay, µs: the invariant linear on the bf16 weight with fp32 output (tensor
@@ -643,7 +690,6 @@ def bench_split_prefill() -> None:
         k_split_chunks_per_program,
         k_split_count,
     )
-    from kernels.triton_split_k import launch_split_k
 
     earlier_fp32 = LinearConfig(64, 64, BLOCK_K_FP32, 8, 4, 2)
     print("\n## the linear's fixed K split at prefill rows (graph replay)")
@@ -831,6 +877,7 @@ def main() -> None:
             "row_parallel": bench_row_parallel,
             "tree_crossover": bench_tree_crossover,
             "tree_loops": bench_tree_loops,
+            "tree_split": bench_tree_split,
             "router": bench_router,
             "prefill_linears": bench_prefill_linears,
             "split_prefill": bench_split_prefill,
