@@ -28,10 +28,16 @@ def router_logits_ref(x: torch.Tensor, weight: torch.Tensor, *, tile_rows: int) 
     return linear_ref(x.float(), weight.float(), tile_rows=tile_rows)
 
 
+def is_16bit_router(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the logits come from the 16-bit GEMM with fp32 output (x and weight of one 16-bit
+    dtype: every product exact in fp32), in both kernel modes on CUDA."""
+    return weight.dtype != torch.float32 and x.dtype == weight.dtype
+
+
 def router_logits_fast(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """fp32 logits; on CUDA a 16-bit x and weight of one dtype take cuBLAS's 16-bit GEMM with
     fp32 output (exact products, fp32 sums on tensor cores: what the invariant kernel does)."""
-    if x.is_cuda and weight.dtype != torch.float32 and x.dtype == weight.dtype:
+    if x.is_cuda and is_16bit_router(x, weight):
         return torch.mm(x, weight.t(), out_dtype=torch.float32)
     return linear_fast(x.float(), weight.float())
 

@@ -56,8 +56,9 @@ def _chunk_tree_kernel(
     accumulator's only use inside the inner loop is the next dot (the same dots and adds):
     wide tiles' MMAs then overlap across steps (pipeline drained at each chunk's end).
     """
-    tile = tl.program_id(0)
-    pid_m, pid_n = tile_of(tile, tl.cdiv(num_rows, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    pid_m, pid_n = tile_of(
+        tl.program_id(0), tl.cdiv(num_rows, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M
+    )
     offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -224,7 +225,7 @@ def linear_chunk_tree(
     can, else in the largest step dividing them (tree_block_k); is_grid forces either
     (a comparison for the benchmarks; the same bits). is_chunk_loop: the kernel's loop over
     chunks around each chunk's steps (IS_CHUNK_LOOP; the same bits); None: on the chain with
-    tiles of 128 x 128 and more, where it measured faster (BENCHMARKS.md)."""
+    CHAIN_WIDE_CONFIG's tiles, where it measured faster (BENCHMARKS.md)."""
     check_pair(x, weight, 2, is_upcast_ok=True)
     num_rows, in_dim = x.shape
     out_dim = weight.shape[0]
@@ -249,7 +250,7 @@ def linear_chunk_tree(
     if is_grid:
         block_k, steps_per_chunk = full_k, on_grid
     if is_chunk_loop is None:
-        is_chunk_loop = not is_tree and config.block_m * config.block_n >= 128 * 128
+        is_chunk_loop = not is_tree and config == CHAIN_WIDE_CONFIG
     x, weight = x.contiguous(), weight.contiguous()
     if out is None:
         out = torch.empty((num_rows, out_dim), dtype=out_dtype, device=x.device)

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from kernels.router import _check
+from kernels.router import _check, is_16bit_router
 from kernels.triton_linear import linear_triton
 
 MAX_EXPERTS = 4096
@@ -121,7 +121,7 @@ def router_logits_triton(
     linear); ~10x faster than CUDA-core fp32 FMAs at prefill rows. An fp32 weight: linear_triton's
     fp32 GEMM (ieee products), a 16-bit x upcast in registers rather than by x.float()'s copy
     launch. arrivals: linear_triton's."""
-    if weight.dtype != torch.float32 and x.dtype == weight.dtype:
+    if is_16bit_router(x, weight):
         return linear_triton(x, weight, arrivals=arrivals, out_dtype=torch.float32)
     return linear_triton(x, weight.float(), arrivals=arrivals)
 
