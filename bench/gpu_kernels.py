@@ -538,10 +538,11 @@ def bench_tree_loops() -> None:
 
 
 def bench_tree_split() -> None:
-    """The row-parallel tree at prefill rows split over programs: each sums a subtree of G
-    adjacent chunks (`launch_split_k`'s chunks_per_program, its fp32 parts then added in the
-    tree's top levels), against the in-program tree (all tp_max chunks in one program, four
-    live fp32 tiles) and cuBLAS; graph replay, µs; '=' where a split gave the tree's bits."""
+    """The row-parallel tree at prefill rows split over programs: each sums a subtree of
+    adjacent chunks (`launch_split_k`'s chunks_per_program; G2/G4: its fp32 parts added in the
+    tree's top levels by a second launch, H1/H2/H4: handed up the tree as the programs
+    finish), against the in-program tree (all tp_max chunks in one program, four live fp32
+    tiles) and cuBLAS; graph replay, µs; '=' where a split gave the tree's bits."""
     from kernels.config import KernelConfig
     from kernels.triton_chunk_tree import linear_chunk_tree
 
@@ -564,23 +565,25 @@ def bench_tree_split() -> None:
                 lambda a, b: linear_chunk_tree(a, b, tp_max, torch.bfloat16), m, in_dim, out_dim
             )
             cells = [f"cuBLAS {cublas:.1f}", f"tree {tree:.1f}"]
+            ways = [(g, False) for g in (2, 4)] + [(g, True) for g in (1, 2, 4)]
             for c in configs:
-                for per_program in (2, 4):
+                for per_program, is_handoff in ways:
 
-                    def op(a, b, c=c, g=per_program, k=chunk_k):
+                    def op(a, b, c=c, g=per_program, k=chunk_k, h=is_handoff):
                         out = torch.empty(a.shape[0], b.shape[0], device="cuda").bfloat16()
                         return launch_split_k(
                             a, b, out, k, c, is_tree=True, chunks_per_program=g,
-                            arrivals=arrivals,
+                            arrivals=arrivals, is_handoff=h,
                         )  # fmt: skip
 
+                    tag = f"{_tag(c)} {'H' if is_handoff else 'G'}{per_program}"
                     try:
                         same = "=" if torch.equal(op(x, w), want) else "x"
                     except Exception as err:  # out of shared memory etc.: report, keep going
-                        cells.append(f"{_tag(c)} G{per_program}:fail:{type(err).__name__}")
+                        cells.append(f"{tag}:fail:{type(err).__name__}")
                         continue
                     us = _linear_graph_us(op, m, in_dim, out_dim)
-                    cells.append(f"{_tag(c)} G{per_program}{same} {us:.1f}")
+                    cells.append(f"{tag}{same} {us:.1f}")
             print(f"{name} M={m}: " + " | ".join(cells), flush=True)
 
 

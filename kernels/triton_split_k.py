@@ -1,7 +1,8 @@
 """The fixed K split as parallel programs (GPU path): each chunk sums from zero in its own
 program (`_split_k_kernel`), and the fp32 chunk sums are added in chunk order or in the fixed
 binary tree, by the last program of each tile to finish (up to FOLD_MAX_ROWS rows, a per-tile
-arrival count) or by an elementwise launch (`sum_parts_triton`); either way the same adds.
+arrival count) or by an elementwise launch (`sum_parts_triton`), or (the tree, any row count)
+handed up the tree by the programs as they finish (`_hand_off`); every way the same adds.
 Serves the linear's split of narrow weights (kernels/triton_linear.py) and the TP row-parallel
 linear (kernels/triton_tp_linear.py).
 """
@@ -43,6 +44,8 @@ def _split_k_kernel(
     INPUT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     FINISH: tl.constexpr,
+    HANDOFF: tl.constexpr,
+    NUM_LEVELS: tl.constexpr,
 ):
     """Chunks p * G .. p * G + G - 1 (G = CHUNKS_PER_PROGRAM, p = program_id(1)) of a fixed K
     split for out's tile program_id(0): chunk c's fp32 sum from zero over columns
@@ -55,10 +58,16 @@ def _split_k_kernel(
     The K steps lie on a grid of BLOCK_K columns fixed in the whole weight's
     columns: local column k is whole column k + k_phase (mod BLOCK_K), so a chunk's sum is the
     same chain of steps whichever TP rank holds it, and at k_phase 0 every step but a chunk's
-    first and last is aligned."""
+    first and last is aligned. HANDOFF (the tree): a tile's programs are adjacent in launch
+    order (program_id(0) is the program) and add their subtrees level by level as they finish
+    (_hand_off), each fp32 part written once and read once, no second launch."""
     NUM_PARTS: tl.constexpr = NUM_CHUNKS // CHUNKS_PER_PROGRAM
-    tile = tl.program_id(0)
-    program = tl.program_id(1)
+    if HANDOFF:
+        tile = tl.program_id(1)
+        program = tl.program_id(0)
+    else:
+        tile = tl.program_id(0)
+        program = tl.program_id(1)
     pid_m, pid_n = tile_of(tile, tl.cdiv(num_rows, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -81,6 +90,14 @@ def _split_k_kernel(
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     if NUM_PARTS == 1:
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    elif HANDOFF:
+        tile_offs = offs_m[:, None] * N + offs_n[None, :]
+        acc, holds = _hand_off(
+            acc, parts_ptr, arrivals_ptr, tile, program, tile_offs,
+            num_rows.to(tl.int64) * N, mask, NUM_PARTS, NUM_LEVELS,
+        )  # fmt: skip
+        if holds:
+            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         part_elems = num_rows.to(tl.int64) * N
         tile_offs = offs_m[:, None] * N + offs_n[None, :]
@@ -94,6 +111,54 @@ def _split_k_kernel(
                 total = sum_parts(parts_ptr, tile_offs, part_elems, mask, NUM_PARTS, IS_TREE)
                 tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
                 tl.atomic_xchg(arrivals_ptr + tile, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _hand_off(
+    acc, parts_ptr, nodes_ptr, tile, program, tile_offs, part_elems, mask,
+    NUM_PARTS: tl.constexpr, NUM_LEVELS: tl.constexpr,
+):  # fmt: skip
+    """The top NUM_LEVELS levels of the binary tree over a tile's NUM_PARTS programs, each
+    holding its subtree's fp32 sum in acc. At each level the two holders of sibling subtrees
+    meet at their node (an arrival count and a flag a node, tile-major in nodes_ptr): the
+    first to arrive stores its sum to parts[program], publishes its program id in the flag
+    and drops out; the second waits for the flag, loads that sum and adds the pair left +
+    right (by program id, not by arrival), then climbs. Returns (acc, holds): holds is 1 in
+    the program left holding the whole tree, which zeroes the tile's nodes for the next
+    launch. Why no deadlock: a program only waits for one that has already arrived, so is
+    resident and stores without waiting. Which program climbs depends on timing; the adds
+    and their order do not."""
+    NUM_NODES: tl.constexpr = NUM_PARTS - 1
+    tile_nodes = nodes_ptr + tile.to(tl.int64) * (2 * NUM_NODES)
+    holds = 1
+    for level in tl.static_range(NUM_LEVELS):
+        if holds == 1:
+            node = NUM_PARTS - (NUM_PARTS >> level) + (program >> (level + 1))
+            arrived = tl.atomic_add(tile_nodes + 2 * node, 1, sem="acq_rel", scope="gpu")
+            if arrived == 0:
+                tl.store(parts_ptr + program * part_elems + tile_offs, acc, mask=mask)
+                # Every thread's store is in memory before the flag says so (release).
+                tl.debug_barrier()
+                tl.atomic_xchg(tile_nodes + 2 * node + 1, program + 1, sem="release", scope="gpu")
+                holds = 0
+            else:
+                sibling = tl.atomic_add(tile_nodes + 2 * node + 1, 0, sem="acquire", scope="gpu")
+                while sibling == 0:
+                    sibling = tl.atomic_add(
+                        tile_nodes + 2 * node + 1, 0, sem="acquire", scope="gpu"
+                    )
+                other = tl.load(
+                    parts_ptr + (sibling - 1) * part_elems + tile_offs, mask=mask, other=0.0,
+                    cache_modifier=".cg",
+                )  # fmt: skip
+                if sibling - 1 < program:
+                    acc = other + acc
+                else:
+                    acc = acc + other
+    if holds == 1:
+        for i in tl.static_range(2 * NUM_NODES):
+            tl.atomic_xchg(tile_nodes + i, 0, sem="relaxed", scope="gpu")
+    return acc, holds
 
 
 @triton.jit
@@ -130,7 +195,10 @@ SPLIT_ROW_CHUNK = 4096  # rows per split launch: bounds the partials to S x 4096
 # elementwise launch is faster (H200, graph replay: o_proj 6.5 vs 7.1 us at 1 row, 9.8 vs
 # 8.5 at 64; BENCHMARKS.md, row-parallel section).
 FOLD_MAX_ROWS = 16
-NUM_ARRIVAL_COUNTS = 4096  # tiles of a folded launch: <= 16 rows x N / 32 columns, N <= 131072
+# Counts for a folded launch's tiles (<= 16 rows x N / 32 columns, N <= 131072) or a
+# hand-off launch's tree nodes (2 x (parts - 1) a tile: 2 parts on 128 x 128 tiles of 4096
+# rows cover N <= 32768); a launch that needs more gets fresh zeros.
+NUM_ARRIVAL_COUNTS = 16384
 
 
 def arrival_counts(device: torch.device | str) -> torch.Tensor:
@@ -152,6 +220,7 @@ def launch_split_k(
     k_origin: int = 0,
     chunks_per_program: int = 1,
     arrivals: torch.Tensor | None = None,
+    is_handoff: bool = False,
 ) -> torch.Tensor:
     """out [M, N] (unit column stride) = x [M, K] @ weight [N, K]^T through a fixed K split:
     chunks of chunk_k columns (the last may be shorter), each an fp32 sum from zero, added in
@@ -164,7 +233,10 @@ def launch_split_k(
     FOLD_MAX_ROWS rows the last one of each tile adds the fp32 parts, above a second launch
     does (the same adds). arrivals: zeroed counts (arrival_counts) the folded launch uses and
     leaves at zero, shared only by launches of one stream; None or too few: fresh zeros for
-    this call (a memset; inside a CUDA graph capture, a memset node)."""
+    this call (a memset; inside a CUDA graph capture, a memset node). is_handoff (the tree
+    only): at any row count a tile's programs add their subtrees as they finish (_hand_off:
+    one fp32 part stored and loaded per program but the last, no second launch), with two
+    counts per tree node and tile from `arrivals`."""
     num_rows, (out_dim, in_dim) = x.shape[0], weight.shape
     num_chunks = triton.cdiv(in_dim, chunk_k)
     num_parts = num_chunks // chunks_per_program
@@ -172,6 +244,8 @@ def launch_split_k(
         raise ValueError(
             f"{chunks_per_program} chunks a program need the tree and must divide {num_chunks}"
         )
+    if is_handoff and not is_tree:
+        raise ValueError("the hand-off adds subtrees in arrival pairs: it needs the tree")
     if config.is_persistent:
         config = POINTER_CONFIG_16BIT  # the pointer kernel's K loop, with the chunk axis
     k_phase = k_origin % config.block_k
@@ -181,14 +255,16 @@ def launch_split_k(
         rows = min(SPLIT_ROW_CHUNK, num_rows - start)
         parts = torch.empty((num_parts, rows, out_dim), dtype=torch.float32, device=x.device)
         num_tiles = triton.cdiv(rows, config.block_m) * triton.cdiv(out_dim, config.block_n)
-        is_folded = rows <= FOLD_MAX_ROWS or num_parts == 1
+        is_folded = rows <= FOLD_MAX_ROWS or num_parts == 1 or is_handoff
         counts = parts  # unread unless folded
         if is_folded and num_parts > 1:
+            num_counts = num_tiles * (2 * (num_parts - 1) if is_handoff else 1)
             counts = arrivals
-            if counts is None or counts.numel() < num_tiles or counts.device != x.device:
-                counts = torch.zeros(num_tiles, dtype=torch.int32, device=x.device)
+            if counts is None or counts.numel() < num_counts or counts.device != x.device:
+                counts = torch.zeros(num_counts, dtype=torch.int32, device=x.device)
         part_out = out[start : start + rows]
-        _split_k_kernel[(num_tiles, num_parts)](
+        grid = (num_parts, num_tiles) if is_handoff else (num_tiles, num_parts)
+        _split_k_kernel[grid](
             x[start:],
             weight,
             part_out,
@@ -206,6 +282,8 @@ def launch_split_k(
             IS_TREE=is_tree,
             K_ALIGN=align,
             FINISH=is_folded,
+            HANDOFF=is_handoff and num_parts > 1,
+            NUM_LEVELS=num_parts.bit_length() - 1,
             **kernel_consts(config, x.dtype, weight.dtype),
         )
         if not is_folded:

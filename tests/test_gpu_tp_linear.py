@@ -89,6 +89,53 @@ def test_gpu_tree_off_grid_chunks_full_or_half_steps_same_bits():
                 assert torch.equal(got, base), (config, form, is_tree)
 
 
+@pytest.mark.parametrize("in_dim", [2048, 2816])
+def test_gpu_tree_hand_off_same_bits_under_graph_replay(in_dim):
+    """The hand-off launch (a tile's programs add their subtrees as they finish; the second of
+    a pair spins on the first's flag) gives the in-program tree's bits for 1, 2 and 4 chunks
+    a program on every tile shape, at 1100 rows and at 4100 (two row launches), eager and
+    in 20 replays of one graph (a race that read a part before its store would show as a
+    changed bit or a left NaN), and leaves every node's counts at zero."""
+    from kernels.triton_chunk_tree import linear_chunk_tree
+    from kernels.triton_linear_config import LinearConfig
+    from kernels.triton_split_k import arrival_counts, launch_split_k
+
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(4100, in_dim, generator=gen).bfloat16().cuda()
+    w = (torch.randn(2048, in_dim, generator=gen) / in_dim**0.5).bfloat16().cuda()
+    arrivals = arrival_counts("cuda")
+    configs = (
+        LinearConfig(64, 64, 64, 8, 4, 4),
+        LinearConfig(128, 64, 64, 8, 8, 3),
+        LinearConfig(128, 128, 64, 8, 8, 3),
+    )
+
+    def hand_off(rows, config, per_program):
+        out = torch.empty(rows, w.shape[0], dtype=x.dtype, device="cuda")
+        return launch_split_k(
+            x[:rows], w, out, in_dim // TP_MAX, config, is_tree=True,
+            chunks_per_program=per_program, arrivals=arrivals, is_handoff=True,
+        )  # fmt: skip
+
+    cases = [(r, c, g) for r in (1100, 4100) for c in configs for g in (1, 2, 4)]
+    wants = {r: linear_chunk_tree(x[:r], w, TP_MAX, torch.bfloat16) for r in (1100, 4100)}
+    eager = [hand_off(*case) for case in cases]
+    for case, got in zip(cases, eager, strict=True):
+        assert torch.equal(got, wants[case[0]]), case
+    assert not arrivals.any()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [hand_off(*case) for case in cases]
+    for _ in range(20):
+        for out in outs:
+            out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for case, out in zip(cases, outs, strict=True):
+            assert torch.equal(out, wants[case[0]]), case
+    assert not arrivals.any()
+
+
 @pytest.mark.parametrize(("out_dim", "in_dim"), V2_LITE_ROW_PARALLEL)
 def test_gpu_every_tp_degree_same_bits_and_rows_invariant(out_dim, in_dim):
     gen = torch.Generator().manual_seed(0)

@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -402,11 +403,34 @@ def check_in_program_chain_same_bits(generator: torch.Generator) -> None:
         assert not torch.equal(tree, chain), "chain and tree agreed: no control"
 
 
+@contextlib.contextmanager
+def _kernel_launches():
+    """Records each _split_k_kernel launch's HANDOFF flag while the block runs."""
+    import kernels.triton_split_k as split_k
+
+    kernel, launches = split_k._split_k_kernel, []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append(kwargs["HANDOFF"])
+                return kernel[grid](*args, **kwargs)
+
+            return launch
+
+    split_k._split_k_kernel = Recorder()
+    try:
+        yield launches
+    finally:
+        split_k._split_k_kernel = kernel
+
+
 def check_chunks_per_program_same_bits(generator: torch.Generator) -> None:
     """A program summing 2 or 4 adjacent chunks as their subtree (fewer parts in memory) makes
-    the one-chunk-a-program launch's adds, folded (few rows) or with a second launch."""
+    the one-chunk-a-program launch's adds, folded (few rows), with a second launch, or handed
+    up the tree as the programs finish."""
     from kernels.triton_linear_config import linear_config
-    from kernels.triton_split_k import launch_split_k
+    from kernels.triton_split_k import arrival_counts, launch_split_k
 
     for num_rows in (5, 37):
         x, w = _inputs(generator, torch.float32, num_rows=num_rows, in_dim=576)
@@ -426,6 +450,25 @@ def check_chunks_per_program_same_bits(generator: torch.Generator) -> None:
         ]
         for g, out in zip((2, 4, 8), outs[1:], strict=True):
             assert torch.equal(out, outs[0]), (num_rows, g)
+        # The hand-off (a tile's programs add their subtrees as they finish): the same adds,
+        # and every tree node's counts back at zero for the next launch on the same buffer.
+        arrivals = arrival_counts("cpu")
+        for g in (1, 2, 4):
+            for _ in range(2):
+                with _kernel_launches() as launches:
+                    out = launch_split_k(
+                        x, w, torch.empty(num_rows, 64), 72, config, is_tree=True,
+                        chunks_per_program=g, arrivals=arrivals, is_handoff=True,
+                    )  # fmt: skip
+                assert launches == [True], launches  # engagement: the hand-off kernel ran
+                assert torch.equal(out, outs[0]), (num_rows, g)
+                assert not arrivals.any(), (num_rows, g)
+    try:
+        launch_split_k(x, w, torch.empty(num_rows, 64), 72, config, is_tree=False, is_handoff=True)
+    except ValueError as exc:
+        assert "needs the tree" in str(exc)
+    else:
+        raise AssertionError("a hand-off of the chunk-order sum was accepted")
 
 
 def check_column_slices_same_bits(generator: torch.Generator) -> None:
