@@ -27,9 +27,12 @@ def mla_attention_ref(
     scale: float,
     v_dim: int,
     tile_rows: int,
+    whole_heads: int | None = None,
 ) -> torch.Tensor:
     """q [T, H, C], kv_cache [NB, BS, C], query_seq_ids/positions [T] int64,
     block_tables [B, MB] int64 (-1 padding allowed past a sequence's end) -> [T, H, v_dim].
+    whole_heads (the model's heads at TP 1) is the Triton kernel's launch key; heads are
+    independent here, so it changes nothing.
     """
     num_tokens = q.shape[0]
     if num_tokens == 0:  # a rank with no tokens still runs the step (EP lockstep)
@@ -98,6 +101,7 @@ def mla_attention_fast(
     *,
     scale: float,
     v_dim: int,
+    whole_heads: int | None = None,
 ) -> torch.Tensor:
     """Same contract as mla_attention_ref; plain torch in the input dtype, shapes set by the batch.
 

@@ -45,9 +45,11 @@ def mla_decode_fast(
     *,
     scale: float,
     v_dim: int,
+    whole_heads: int | None = None,
 ) -> torch.Tensor:
     """q [T, H, C], kv_cache [NB, BS, C], query_seq_ids/positions [T] int64, block_tables [B, MB]
-    int64 (-1 padding past a sequence's end) -> [T, H, v_dim] in q.dtype.
+    int64 (-1 padding past a sequence's end) -> [T, H, v_dim] in q.dtype. whole_heads: the
+    model's heads at TP 1, for the paged kernel's launch (mla_attention_triton).
 
     Decode-shaped (T == B: every sequence has one query, so query t is sequence t, the model
     runner's layout) runs FlashMLA or the split-KV kernel; any other batch (prefill chunks)
@@ -58,8 +60,9 @@ def mla_decode_fast(
     num_tokens = q.shape[0]
     if num_tokens != block_tables.shape[0]:
         return mla_attention_triton(
-            q, kv_cache, query_seq_ids, block_tables, positions, scale=scale, v_dim=v_dim
-        )
+            q, kv_cache, query_seq_ids, block_tables, positions, scale=scale, v_dim=v_dim,
+            whole_heads=whole_heads,
+        )  # fmt: skip
     if num_tokens == 0:  # a rank with no tokens still runs the step (EP lockstep)
         return q.new_empty((0, q.shape[1], v_dim))
     if uses_flash_mla(q, kv_cache, v_dim):

@@ -12,6 +12,8 @@ chunking of a prompt give the same bits. Under TRITON_INTERPRET=1 it runs on CPU
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -20,6 +22,35 @@ from triton.runtime.interpreter import InterpretedFunction
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SPLIT_BLOCKS = 4  # cache blocks per KV split: a constant, never a function of the batch
 BLOCK_H = 16  # heads per program (tl.dot needs 16 rows); extra heads are masked
+
+
+@dataclass(frozen=True)
+class HeadLaunch:
+    """A model's attention launch: heads a program, cache blocks a KV split, warps, stages."""
+
+    block_h: int
+    split_blocks: int
+    num_warps: int
+    num_stages: int
+
+
+# Why the launch follows the model's head count (at TP 1), never the heads a rank holds or the
+# batch: the head block's width picks the MMA (16 rows: mma.sync; 64: wgmma, whose fp32 sums
+# round differently) and the split is part of the merge order, so both are fixed per model.
+# From WIDE_HEADS heads a program takes 64 heads: each latent block is read once for 64 heads
+# instead of once for 16, and larger splits (each split's fp32 partial is 64 x 512 a head
+# block) halve the partials' traffic. H200, 128 heads, graph replay (BENCHMARKS.md):
+# 2.5-4.4x FlashMLA's time with 16-head blocks, 1.4-2.6x with these, one query 0.54 -> 1.14x.
+WIDE_HEADS = 64
+NARROW_LAUNCH = HeadLaunch(BLOCK_H, SPLIT_BLOCKS, 4, 3)
+WIDE_LAUNCH = HeadLaunch(64, 8, 8, 2)
+
+
+def head_launch(whole_heads: int) -> HeadLaunch:
+    """The launch of a model with whole_heads attention heads (all TP ranks together)."""
+    return WIDE_LAUNCH if whole_heads >= WIDE_HEADS else NARROW_LAUNCH
+
+
 PARTIAL_BYTES = 256 << 20  # cap on the fp32 split buffers of one launch (queries grouped)
 MAX_GRID_Y = 65535  # CUDA's limit on grid axis 1, the launch's queries
 # Launches of at most this many queries split each head block's value columns over programs
@@ -28,6 +59,7 @@ MAX_GRID_Y = 65535  # CUDA's limit on grid axis 1, the launch's queries
 # every score of its heads in the same dots and keeps only some value columns, whose sums do
 # not depend on which others a program holds: the same bits at every launch (checked on the
 # GPU), so the choice may follow the query count.
+# NARROW_LAUNCH only: with 64-head blocks the parts ran out of shared memory or lost (H200).
 SMALL_LAUNCHES = ((1, 4, 128), (8, 2, None))  # (at most this many queries, v_parts, lat_chunk)
 MIN_PART_COLUMNS = 128  # value columns a program keeps at least (the measured 512 / 4)
 
@@ -264,19 +296,26 @@ def mla_attention_triton(
     *,
     scale: float,
     v_dim: int,
+    whole_heads: int | None = None,
 ) -> torch.Tensor:
     """q [T, H, C], kv_cache [NB, BS, C] (q's dtype), query_seq_ids/positions [T] int64,
     block_tables [B, MB] int64 (-1 padding past a sequence's end) -> [T, H, v_dim] q.dtype.
+    whole_heads: the model's head count at TP 1 (None: H), whose launch (head_launch) a TP
+    rank holding H of them keeps, so every TP degree gives the same bits.
     """
     _check(q, kv_cache, query_seq_ids, block_tables, positions, v_dim)
-    # Launch shape (4 warps, 3 stages) measured best on the H200 (BENCHMARKS.md); it is a
-    # constant, so prefill and decode compile the same kernel and round the same way.
+    if whole_heads is not None and whole_heads < q.shape[1]:
+        raise ValueError(f"whole_heads {whole_heads} is below the {q.shape[1]} heads of q")
+    # The launch (measured on the H200, BENCHMARKS.md) is fixed per model, so prefill and
+    # decode compile the same kernel and round the same way.
+    launch = head_launch(q.shape[1] if whole_heads is None else whole_heads)
     # The interpreter's dots are numpy's, not checked across widths: it keeps whole head blocks.
     block_v = triton.next_power_of_2(v_dim)
-    v_parts, lat_chunk = (1, None) if _is_interpreted() else value_split(q.shape[0], block_v)
+    is_narrow = launch == NARROW_LAUNCH and not _is_interpreted()
+    v_parts, lat_chunk = value_split(q.shape[0], block_v) if is_narrow else (1, None)
     return _attend(
-        q, kv_cache, query_seq_ids, block_tables, positions, scale, v_dim, SPLIT_BLOCKS, 4, 3,
-        v_parts=v_parts, lat_chunk=lat_chunk,
+        q, kv_cache, query_seq_ids, block_tables, positions, scale, v_dim, launch.split_blocks,
+        launch.num_warps, launch.num_stages, launch.block_h, v_parts=v_parts, lat_chunk=lat_chunk,
     )  # fmt: skip
 
 

@@ -477,6 +477,61 @@ def test_mla_attention_prefill_decode_and_batch_bitwise(generator):
     assert not torch.equal(fast_decode, fast_full[last]), "fast attention matched: no control"
 
 
+def test_mla_attention_wide_launch_batch_and_tp_bitwise(generator):
+    """DeepSeek-V3 MLA: 128 heads take the wide launch (64 heads a program). Prefill, decode
+    alone and batched, chunks and permutations give the same bits; a TP rank's heads (64, 32
+    or 16 of them, whole_heads=128) give the whole model's bits for those heads; the launch
+    differs from the 16-head one (engagement), and fast mode's batch shapes move its bits."""
+    from kernels.attention import mla_attention_fast, mla_attention_ref
+    from kernels.triton_attention import (
+        NARROW_LAUNCH,
+        WIDE_LAUNCH,
+        _attend,
+        head_launch,
+        mla_attention_triton,
+    )
+
+    seq_lens = (1000, 70, 600, 5, 257)
+    q, kv_cache, seq_ids, tables, positions = _paged_cache(generator, seq_lens, 128, 576, 64)
+    args = dict(scale=192**-0.5, v_dim=512)
+
+    def attend(rows, heads=slice(None)):
+        return mla_attention_triton(
+            q[rows][:, heads].contiguous(), kv_cache, seq_ids[rows], tables, positions[rows],
+            **args, whole_heads=128,
+        )  # fmt: skip
+
+    assert head_launch(128) == WIDE_LAUNCH
+    every = torch.arange(q.shape[0], device="cuda")
+    full = attend(every)
+    expected = mla_attention_ref(q, kv_cache, seq_ids, tables, positions, **args, tile_rows=64)
+    torch.testing.assert_close(full.float(), expected.float(), atol=2e-2, rtol=2e-2)
+    last = torch.tensor([sum(seq_lens[: i + 1]) - 1 for i in range(len(seq_lens))]).cuda()
+    for row in last.tolist():
+        assert torch.equal(attend(torch.tensor([row]).cuda()), full[row : row + 1]), row
+    assert torch.equal(attend(last), full[last])
+    for start, stop in ((0, 63), (63, 64), (64, 600), (600, 1000)):
+        rows = torch.arange(start, stop, device="cuda")
+        assert torch.equal(attend(rows), full[rows]), (start, stop)
+    perm = torch.randperm(q.shape[0], generator=generator).cuda()
+    assert torch.equal(attend(perm), full[perm])
+    for heads in (slice(0, 64), slice(64, 128), slice(32, 64), slice(112, 128)):
+        assert torch.equal(attend(every, heads), full[:, heads]), heads
+        assert torch.equal(attend(last, heads), full[last][:, heads]), heads
+    # Engagement: the 16-head launch of the same call makes other adds (wgmma vs mma.sync,
+    # another split); checked, not assumed, so the comparisons above compare wide launches.
+    narrow = _attend(
+        q, kv_cache, seq_ids, tables, positions, 192**-0.5, 512, NARROW_LAUNCH.split_blocks,
+        NARROW_LAUNCH.num_warps, NARROW_LAUNCH.num_stages, NARROW_LAUNCH.block_h,
+    )  # fmt: skip
+    assert not torch.equal(narrow, full), "the wide and narrow launches agreed"
+    fast_full = mla_attention_fast(q, kv_cache, seq_ids, tables, positions, **args)
+    fast_decode = mla_attention_fast(
+        q[last], kv_cache, seq_ids[last], tables, positions[last], **args
+    )
+    assert not torch.equal(fast_decode, fast_full[last]), "fast attention matched: no control"
+
+
 @pytest.mark.parametrize("num_tokens", (1, 8, 32))
 def test_mla_value_split_launches_give_the_same_bits(generator, num_tokens):
     """Every (v_parts, lat_chunk) the op may pick, at decode shapes (engine-wide tables, -1

@@ -504,6 +504,53 @@ def check_mla_attention(generator: torch.Generator) -> None:
         ).shape == (0, 4, 32)
 
 
+def check_mla_attention_wide_launch(generator: torch.Generator) -> None:
+    """A model of 64 heads takes the wide launch (64 heads a program, WIDE_LAUNCH's split);
+    a TP rank holding 16 or 32 of them keeps it (whole_heads) and gives the heads' bits of
+    the whole model's call; the launches differ (engagement: the wide one ran)."""
+    import kernels.triton_attention as attention
+    from kernels.attention import mla_attention_ref
+
+    assert attention.head_launch(64) == attention.WIDE_LAUNCH
+    assert attention.head_launch(16) == attention.NARROW_LAUNCH
+    q, kv_cache, seq_ids, tables, positions = _paged_cache(generator, (40, 140), 64, 48, 8, 16)
+    args = dict(scale=56**-0.5, v_dim=48)
+    launches = []
+    attend = attention._attend
+
+    def recorded(*call, **kwargs):
+        launches.append(call[7:10])  # split_blocks, num_warps, num_stages
+        return attend(*call, **kwargs)
+
+    attention._attend = recorded
+    try:
+        full = attention.mla_attention_triton(q, kv_cache, seq_ids, tables, positions, **args)
+        for heads in (slice(0, 16), slice(16, 48), slice(48, 64)):
+            got = attention.mla_attention_triton(
+                q[:, heads], kv_cache, seq_ids, tables, positions, **args, whole_heads=64
+            )
+            assert torch.equal(got, full[:, heads]), heads
+        narrow = attention.mla_attention_triton(
+            q[:, :16], kv_cache, seq_ids, tables, positions, **args
+        )
+    finally:
+        attention._attend = attend
+    wide = attention.WIDE_LAUNCH
+    assert launches[0] == (wide.split_blocks, wide.num_warps, wide.num_stages), launches
+    assert launches[-1][0] == attention.SPLIT_BLOCKS != wide.split_blocks, launches
+    expected = mla_attention_ref(q, kv_cache, seq_ids, tables, positions, **args, tile_rows=8)
+    torch.testing.assert_close(full, expected, **FP32_TOL)
+    torch.testing.assert_close(narrow, full[:, :16], **FP32_TOL)
+    try:
+        attention.mla_attention_triton(
+            q, kv_cache, seq_ids, tables, positions, **args, whole_heads=16
+        )
+    except ValueError as exc:
+        assert "whole_heads 16" in str(exc)
+    else:
+        raise AssertionError("whole_heads below q's heads was accepted")
+
+
 def check_router_logits(generator: torch.Generator) -> None:
     """bf16 x against the fp32 router weight, upcast in registers: the bits of the fp32 linear
     of x.float() (the copy launch it replaces), on both sides of the row buckets and of the
@@ -650,6 +697,7 @@ CHECKS = {
     "rms_norm": check_rms_norm,
     "softmax": check_softmax,
     "mla_attention": check_mla_attention,
+    "mla_attention_wide_launch": check_mla_attention_wide_launch,
     "router_logits": check_router_logits,
     "router_topk": check_router_topk,
     "bad_inputs": check_bad_inputs,

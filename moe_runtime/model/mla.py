@@ -36,6 +36,7 @@ class MLAttention(nn.Module):
         super().__init__()
         d, h = cfg.hidden_size, tp.split(cfg.num_attention_heads, "model.num_attention_heads")
         self.num_heads, self.nope_dim, self.rope_dim = h, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+        self.whole_heads = cfg.num_attention_heads
         self.kv_lora_rank, self.v_dim = cfg.kv_lora_rank, cfg.v_head_dim
         whole_q = cfg.num_attention_heads * cfg.qk_head_dim  # q's rows at TP 1
         if cfg.q_lora_rank is None:
@@ -105,6 +106,7 @@ class MLAttention(nn.Module):
             batch.positions,
             scale=self.scale,
             v_dim=self.kv_lora_rank,
+            whole_heads=self.whole_heads,  # the launch every TP degree keeps
         )
         out = self.ops.batched_linear(out_latent.transpose(0, 1), self.w_uv).transpose(0, 1)
         # Row-parallel: each TP rank holds some heads; o_proj sums them over the TP ranks.
