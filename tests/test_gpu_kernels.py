@@ -431,13 +431,40 @@ def _paged_cache(generator, seq_lens, num_heads, cache_dim, block_size):
     return cuda
 
 
+def _check_attention_rows(attend, cache, seq_lens, chunk_ends, generator):
+    """attend(rows) -> [rows, H, 512] over the paged cache of seq_lens: every query close to
+    the reference; each sequence's last token alone and the last tokens as one decode batch,
+    sequence 0 in chunks ending at chunk_ends (across block and split boundaries) and a
+    permutation give the whole call's bits. Returns (whole call, last tokens' rows)."""
+    from kernels.attention import mla_attention_ref
+
+    q, kv_cache, seq_ids, tables, positions = cache
+    full = attend(torch.arange(q.shape[0], device="cuda"))
+    expected = mla_attention_ref(
+        q, kv_cache, seq_ids, tables, positions, scale=192**-0.5, v_dim=512, tile_rows=64
+    )
+    # bf16 probabilities times bf16 values, fp32 accumulation, bf16 output.
+    torch.testing.assert_close(full.float(), expected.float(), atol=2e-2, rtol=2e-2)
+    last = torch.tensor([sum(seq_lens[: i + 1]) - 1 for i in range(len(seq_lens))]).cuda()
+    for row in last.tolist():
+        assert torch.equal(attend(torch.tensor([row]).cuda()), full[row : row + 1]), row
+    assert torch.equal(attend(last), full[last])
+    for start, stop in zip((0, *chunk_ends), chunk_ends, strict=False):
+        rows = torch.arange(start, stop, device="cuda")
+        assert torch.equal(attend(rows), full[rows]), (start, stop)
+    perm = torch.randperm(q.shape[0], generator=generator).cuda()
+    assert torch.equal(attend(perm), full[perm])
+    return full, last
+
+
 def test_mla_attention_prefill_decode_and_batch_bitwise(generator):
     """DeepSeek-V2-Lite MLA: 16 heads, latent 512 + rope 64, cache blocks of 64 positions."""
-    from kernels.attention import mla_attention_fast, mla_attention_ref
+    from kernels.attention import mla_attention_fast
     from kernels.triton_attention import SPLIT_BLOCKS, mla_attention_triton, value_split
 
     seq_lens = (1000, 70, 300, 5, 257)
-    q, kv_cache, seq_ids, tables, positions = _paged_cache(generator, seq_lens, 16, 576, 64)
+    cache = _paged_cache(generator, seq_lens, 16, 576, 64)
+    q, kv_cache, seq_ids, tables, positions = cache
     args = dict(scale=192**-0.5, v_dim=512)
 
     def attend(rows):
@@ -445,22 +472,7 @@ def test_mla_attention_prefill_decode_and_batch_bitwise(generator):
             q[rows], kv_cache, seq_ids[rows], tables, positions[rows], **args
         )
 
-    every = torch.arange(q.shape[0], device="cuda")
-    full = attend(every)
-    expected = mla_attention_ref(q, kv_cache, seq_ids, tables, positions, **args, tile_rows=64)
-    # bf16 probabilities times bf16 values, fp32 accumulation, bf16 output.
-    torch.testing.assert_close(full.float(), expected.float(), atol=2e-2, rtol=2e-2)
-    # Decode: each sequence's last token alone, and all last tokens as one decode batch.
-    last = torch.tensor([sum(seq_lens[: i + 1]) - 1 for i in range(len(seq_lens))]).cuda()
-    for row in last.tolist():
-        assert torch.equal(attend(torch.tensor([row]).cuda()), full[row : row + 1]), row
-    assert torch.equal(attend(last), full[last])
-    # Chunked prefill: sequence 0 in chunks that cross block and split boundaries.
-    for start, stop in ((0, 63), (63, 64), (64, 300), (300, 1000)):
-        rows = torch.arange(start, stop, device="cuda")
-        assert torch.equal(attend(rows), full[rows]), (start, stop)
-    perm = torch.randperm(q.shape[0], generator=generator).cuda()
-    assert torch.equal(attend(perm), full[perm])
+    full, last = _check_attention_rows(attend, cache, seq_lens, (63, 64, 300, 1000), generator)
     # A narrow table (one KV split per launch: no merge launch) for sequences 1 and 3.
     short = torch.cat([torch.arange(1000, 1070), torch.arange(1370, 1375)]).cuda()
     narrow = tables[:, :SPLIT_BLOCKS].contiguous()
@@ -482,7 +494,7 @@ def test_mla_attention_wide_launch_batch_and_tp_bitwise(generator):
     alone and batched, chunks and permutations give the same bits; a TP rank's heads (64, 32
     or 16 of them, whole_heads=128) give the whole model's bits for those heads; the launch
     differs from the 16-head one (engagement), and fast mode's batch shapes move its bits."""
-    from kernels.attention import mla_attention_fast, mla_attention_ref
+    from kernels.attention import mla_attention_fast
     from kernels.triton_attention import (
         NARROW_LAUNCH,
         WIDE_LAUNCH,
@@ -492,7 +504,8 @@ def test_mla_attention_wide_launch_batch_and_tp_bitwise(generator):
     )
 
     seq_lens = (1000, 70, 600, 5, 257)
-    q, kv_cache, seq_ids, tables, positions = _paged_cache(generator, seq_lens, 128, 576, 64)
+    cache = _paged_cache(generator, seq_lens, 128, 576, 64)
+    q, kv_cache, seq_ids, tables, positions = cache
     args = dict(scale=192**-0.5, v_dim=512)
 
     def attend(rows, heads=slice(None)):
@@ -502,19 +515,8 @@ def test_mla_attention_wide_launch_batch_and_tp_bitwise(generator):
         )  # fmt: skip
 
     assert head_launch(128) == WIDE_LAUNCH
+    full, last = _check_attention_rows(attend, cache, seq_lens, (63, 64, 600, 1000), generator)
     every = torch.arange(q.shape[0], device="cuda")
-    full = attend(every)
-    expected = mla_attention_ref(q, kv_cache, seq_ids, tables, positions, **args, tile_rows=64)
-    torch.testing.assert_close(full.float(), expected.float(), atol=2e-2, rtol=2e-2)
-    last = torch.tensor([sum(seq_lens[: i + 1]) - 1 for i in range(len(seq_lens))]).cuda()
-    for row in last.tolist():
-        assert torch.equal(attend(torch.tensor([row]).cuda()), full[row : row + 1]), row
-    assert torch.equal(attend(last), full[last])
-    for start, stop in ((0, 63), (63, 64), (64, 600), (600, 1000)):
-        rows = torch.arange(start, stop, device="cuda")
-        assert torch.equal(attend(rows), full[rows]), (start, stop)
-    perm = torch.randperm(q.shape[0], generator=generator).cuda()
-    assert torch.equal(attend(perm), full[perm])
     for heads in (slice(0, 64), slice(64, 128), slice(32, 64), slice(112, 128)):
         assert torch.equal(attend(every, heads), full[:, heads]), heads
         assert torch.equal(attend(last, heads), full[last][:, heads]), heads
