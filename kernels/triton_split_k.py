@@ -142,7 +142,7 @@ def _hand_off(
                 tl.atomic_xchg(tile_nodes + 2 * node + 1, program + 1, sem="release", scope="gpu")
                 holds = 0
             else:
-                sibling = tl.atomic_add(tile_nodes + 2 * node + 1, 0, sem="acquire", scope="gpu")
+                sibling = 0  # the flag: the first's program id + 1 once its sum is stored
                 while sibling == 0:
                     sibling = tl.atomic_add(
                         tile_nodes + 2 * node + 1, 0, sem="acquire", scope="gpu"
