@@ -587,6 +587,42 @@ def bench_tree_split() -> None:
             print(f"{name} M={m}: " + " | ".join(cells), flush=True)
 
 
+def bench_tree_pairs() -> None:
+    """The row-parallel tree's paired form (two chunks side by side, PAIRED_TREE_CONFIG, the
+    default for chunks of whole K steps) against the one-loop tree (TREE_CONFIG), the chunk
+    launch (fp32 parts) and the invariant linear without the tp_max split, with cuBLAS, at
+    o_proj's shape (8 chunks of 256 columns), graph replay, µs; '=' where the paired form gave
+    the chunk launch's bits."""
+    from kernels.config import KernelConfig
+    from kernels.triton_chunk_tree import TREE_CONFIG, linear_chunk_tree
+    from kernels.triton_tp_linear import launch_tp_chunks
+
+    tp_max = KernelConfig().tp_max
+    arrivals = arrival_counts("cuda")
+    ops = {
+        "cuBLAS": lambda a, b: a @ b.t(),
+        "linear": partial(linear_triton, arrivals=arrivals),
+        "chunk launch": lambda a, b: launch_tp_chunks(a, b, tp_max, torch.bfloat16),
+        "tree": lambda a, b: linear_chunk_tree(a, b, tp_max, torch.bfloat16, TREE_CONFIG),
+        "paired": lambda a, b: linear_chunk_tree(a, b, tp_max, torch.bfloat16),
+    }
+    print(f"\n## tp_max={tp_max} tree at prefill rows: paired form vs one loop, µs (graph replay)")
+    print("| weight | M | " + " | ".join(ops) + " | paired / tree | paired / linear |")
+    print("|---|---|" + "---|" * (len(ops) + 2))
+    for name, in_dim, out_dim in ROW_PARALLEL_SHAPES[:1]:
+        for m in (256, 512, 1024, 2048, 8192, 16384):
+            x = torch.randn(m, in_dim, device="cuda").bfloat16()
+            w = torch.randn(out_dim, in_dim, device="cuda").bfloat16() * in_dim**-0.5
+            same = "=" if torch.equal(ops["paired"](x, w), ops["chunk launch"](x, w)) else "x"
+            us = {k: _linear_graph_us(op, m, in_dim, out_dim) for k, op in ops.items()}
+            cells = " | ".join(f"{v:.1f}" for v in us.values())
+            print(
+                f"| {name} | {m} | {cells}{same} | {us['paired'] / us['tree']:.2f} | "
+                f"{us['paired'] / us['linear']:.2f} |",
+                flush=True,
+            )
+
+
 def bench_router() -> None:
     """The router's fp32 logits (V2-Lite 64 x 2048, V3 256 x 7168; bf16 x and weight) four
     ways, graph replay, µs: the invariant linear on the bf16 weight with fp32 output (tensor
@@ -881,6 +917,7 @@ def main() -> None:
             "tree_crossover": bench_tree_crossover,
             "tree_loops": bench_tree_loops,
             "tree_split": bench_tree_split,
+            "tree_pairs": bench_tree_pairs,
             "router": bench_router,
             "prefill_linears": bench_prefill_linears,
             "split_prefill": bench_split_prefill,

@@ -32,6 +32,7 @@ def _chunk_tree_kernel(
     CHUNK_K: tl.constexpr,
     IS_GRID: tl.constexpr,
     IS_CHUNK_LOOP: tl.constexpr,
+    IS_PAIRED: tl.constexpr,
     K_ALIGN: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -55,6 +56,11 @@ def _chunk_tree_kernel(
     IS_CHUNK_LOOP: a loop over chunks around a loop over each chunk's steps instead, so the
     accumulator's only use inside the inner loop is the next dot (the same dots and adds):
     wide tiles' MMAs then overlap across steps (pipeline drained at each chunk's end).
+    IS_PAIRED (the tree): chunks 2p and 2p + 1 summed side by side in one inner loop (two
+    accumulators, two independent chains of MMAs in flight), the loop over pairs unrolled so
+    every tree_push is known at compile time (no branches over the waiting tiles); the same
+    dots and adds. At most four fp32 tiles live still: while the last pair runs, its two
+    accumulators and the subtrees of 4 and 2 chunks.
     """
     pid_m, pid_n = tile_of(
         tl.program_id(0), tl.cdiv(num_rows, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M
@@ -70,7 +76,24 @@ def _chunk_tree_kernel(
     s1 = s0
     s2 = s0
     s3 = s0  # never written below 16 chunks: compiled away
-    if IS_CHUNK_LOOP:
+    if IS_PAIRED:
+        for pair in tl.static_range(NUM_CHUNKS // 2):
+            left = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            right = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for i in range(STEPS_PER_CHUNK):
+                left = _chunk_step(
+                    x_ptr, w_ptr, offs_m, offs_n, offs_k, row_ok, col_ok, stride_xm, K, left,
+                    2 * pair * STEPS_PER_CHUNK + i, STEPS_PER_CHUNK, CHUNK_K, IS_GRID, K_ALIGN,
+                    BLOCK_K, INPUT_PRECISION, UPCAST_DOT,
+                )  # fmt: skip
+                right = _chunk_step(
+                    x_ptr, w_ptr, offs_m, offs_n, offs_k, row_ok, col_ok, stride_xm, K, right,
+                    (2 * pair + 1) * STEPS_PER_CHUNK + i, STEPS_PER_CHUNK, CHUNK_K, IS_GRID,
+                    K_ALIGN, BLOCK_K, INPUT_PRECISION, UPCAST_DOT,
+                )  # fmt: skip
+            acc, s0, s1, s2, s3 = tree_push(left, s0, s1, s2, s3, 2 * pair, NUM_CHUNKS)
+            acc, s0, s1, s2, s3 = tree_push(right, s0, s1, s2, s3, 2 * pair + 1, NUM_CHUNKS)
+    elif IS_CHUNK_LOOP:
         for chunk in range(NUM_CHUNKS):
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for i in range(STEPS_PER_CHUNK):
@@ -164,8 +187,13 @@ MAX_TREE_CHUNKS = 8  # the in-program tree keeps subtrees of 1, 2 and 4 chunks
 
 # Its launch: 64 x 64 tiles keep the four fp32 tiles in 4 warps' registers; 4 stages. The
 # fastest of the shapes tried on the H200 (128 x 64 and 64 x 128 on 8 warps, 256 x 64;
-# BENCHMARKS.md, row-parallel section). The K step is the tree's own (tree_block_k).
+# BENCHMARKS.md, row-parallel section) for chunks off the K step grid (masked steps). The K
+# step is the tree's own (tree_block_k).
 TREE_CONFIG = LinearConfig(64, 64, BLOCK_K_16BIT, 8, 4, 4)
+# The paired form's (IS_PAIRED), for 16-bit chunks of whole K steps: 128 x 64 tiles on 8
+# warps, 3 stages. H200, graph replay, o_proj (2048 x 2048, 8 chunks): 194.6 vs 232.6 us at
+# 8192 rows, 29.4 vs 29.0 at 1024 against TREE_CONFIG's one loop (BENCHMARKS.md, tree_pairs).
+PAIRED_TREE_CONFIG = LinearConfig(128, 64, BLOCK_K_16BIT, 8, 8, 3)
 
 
 # From this many rows a 16-bit linear with a fixed K split sums its chunks in one program per
@@ -208,12 +236,13 @@ def linear_chunk_tree(
     weight: torch.Tensor,
     num_chunks: int,
     out_dtype: torch.dtype,
-    config: LinearConfig = TREE_CONFIG,
+    config: LinearConfig | None = None,
     *,
     is_tree: bool = True,
     out: torch.Tensor | None = None,
     is_grid: bool | None = None,
     is_chunk_loop: bool | None = None,
+    is_paired: bool | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T summed as num_chunks (a power of two <= 8, dividing K) chunk
     sums added in the fixed binary tree (is_tree) or in chunk order, in one launch with no
@@ -225,7 +254,10 @@ def linear_chunk_tree(
     can, else in the largest step dividing them (tree_block_k); is_grid forces either
     (a comparison for the benchmarks; the same bits). is_chunk_loop: the kernel's loop over
     chunks around each chunk's steps (IS_CHUNK_LOOP; the same bits); None: on the chain with
-    CHAIN_WIDE_CONFIG's tiles, where it measured faster (BENCHMARKS.md)."""
+    CHAIN_WIDE_CONFIG's tiles, where it measured faster (BENCHMARKS.md). is_paired: the tree
+    two chunks at a time (IS_PAIRED; the same bits; not on masked grid steps); None: on
+    PAIRED_TREE_CONFIG's tiles. config None: the tree's default, PAIRED_TREE_CONFIG for 16-bit
+    chunks of whole K steps, else TREE_CONFIG."""
     check_pair(x, weight, 2, is_upcast_ok=True)
     num_rows, in_dim = x.shape
     out_dim = weight.shape[0]
@@ -249,6 +281,14 @@ def linear_chunk_tree(
         raise ValueError(f"{num_chunks} chunks of {chunk_k} columns span unequal grid steps")
     if is_grid:
         block_k, steps_per_chunk = full_k, on_grid
+    can_pair = is_tree and not is_grid and num_chunks > 1
+    if config is None:
+        is_16bit = weight.dtype != torch.float32
+        config = PAIRED_TREE_CONFIG if can_pair and is_16bit else TREE_CONFIG
+    if is_paired is None:
+        is_paired = can_pair and config == PAIRED_TREE_CONFIG
+    if is_paired and not can_pair:
+        raise ValueError("the paired form runs the tree of 2 or more chunks of whole K steps")
     if is_chunk_loop is None:
         is_chunk_loop = not is_tree and config == CHAIN_WIDE_CONFIG
     x, weight = x.contiguous(), weight.contiguous()
@@ -273,6 +313,7 @@ def linear_chunk_tree(
         CHUNK_K=chunk_k,
         IS_GRID=is_grid,
         IS_CHUNK_LOOP=is_chunk_loop,
+        IS_PAIRED=is_paired,
         K_ALIGN=chunk_k & -chunk_k if is_grid else block_k,
         **kernel_consts(dataclasses.replace(config, block_k=block_k), x.dtype, weight.dtype),
     )

@@ -236,9 +236,6 @@ class RuntimeConfig:
         splits["model.vocab_size"] = model.vocab_size
         if model.first_k_dense_replace:
             splits["model.intermediate_size"] = model.intermediate_size
-        if model.n_shared_experts:
-            shared = model.moe_intermediate_size * model.n_shared_experts
-            splits["model.moe_intermediate_size * model.n_shared_experts"] = shared
         for key, total in splits.items():
             if total % tp:
                 valid = [d for d in _divisors(world) if all(t % d == 0 for t in splits.values())]
@@ -275,10 +272,6 @@ class RuntimeConfig:
         row_parallel = {"model.num_attention_heads * model.v_head_dim": heads_out}
         if model.first_k_dense_replace:
             row_parallel["model.intermediate_size"] = model.intermediate_size
-        if model.n_shared_experts:
-            row_parallel["model.moe_intermediate_size * model.n_shared_experts"] = (
-                model.moe_intermediate_size * model.n_shared_experts
-            )
         for key, k_full in row_parallel.items():
             if k_full % tp_max:
                 valid = [

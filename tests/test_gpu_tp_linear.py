@@ -89,6 +89,51 @@ def test_gpu_tree_off_grid_chunks_full_or_half_steps_same_bits():
                 assert torch.equal(got, base), (config, form, is_tree)
 
 
+@pytest.mark.parametrize("num_rows", [1100, 8192])
+def test_gpu_tree_paired_form_same_bits(num_rows):
+    """o_proj's shape (2048 x 2048, 8 chunks of 256 columns: whole K steps): the paired form
+    (PAIRED_TREE_CONFIG, the default there) == the one-loop tree on TREE_CONFIG == the chunk
+    launch, bitwise, and on other tiles; engagement: the default takes the paired form."""
+    from kernels.triton_chunk_tree import (
+        PAIRED_TREE_CONFIG,
+        TREE_CONFIG,
+        _chunk_tree_kernel,
+        linear_chunk_tree,
+    )
+    from kernels.triton_linear_config import LinearConfig
+    from kernels.triton_tp_linear import launch_tp_chunks
+
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(num_rows, 2048, generator=gen).bfloat16().cuda()
+    w = (torch.randn(2048, 2048, generator=gen) / 2048**0.5).bfloat16().cuda()
+    want = launch_tp_chunks(x, w, 8, torch.bfloat16)
+    assert torch.equal(linear_chunk_tree(x, w, 8, torch.bfloat16, TREE_CONFIG), want)
+    import kernels.triton_chunk_tree as chunk_tree
+
+    launches = []
+
+    class Recorder:  # the launch's constexprs, then the real launch
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append(kwargs)
+                return _chunk_tree_kernel[grid](*args, **kwargs)
+
+            return launch
+
+    chunk_tree._chunk_tree_kernel = Recorder()
+    try:
+        got = linear_chunk_tree(x, w, 8, torch.bfloat16)
+    finally:
+        chunk_tree._chunk_tree_kernel = _chunk_tree_kernel
+    assert torch.equal(got, want)
+    assert [(k["IS_PAIRED"], k["BLOCK_M"], k["BLOCK_N"]) for k in launches] == [(True, 128, 64)]
+    for config in (PAIRED_TREE_CONFIG, TREE_CONFIG, LinearConfig(128, 64, 64, 8, 8, 4)):
+        got = linear_chunk_tree(x, w, 8, torch.bfloat16, config, is_paired=True)
+        assert torch.equal(got, want), config
+    # Control: the chain over the same chunks differs.
+    assert not torch.equal(linear_chunk_tree(x, w, 8, torch.bfloat16, is_tree=False), want)
+
+
 @pytest.mark.parametrize("in_dim", [2048, 2816])
 def test_gpu_tree_hand_off_same_bits_under_graph_replay(in_dim):
     """The hand-off launch (a tile's programs add their subtrees as they finish; the second of

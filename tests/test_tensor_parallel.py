@@ -144,8 +144,11 @@ def test_tp2_negative_control_fast_kernels(workload, scored):
 def test_shard_rules():
     assert shard_dim("model.layers.0.self_attn.q_b_proj.weight") == 0
     assert shard_dim("model.layers.0.self_attn.o_proj.weight") == 1
-    assert shard_dim("model.layers.1.mlp.shared_experts.down_proj.weight") == 1
-    assert shard_dim("model.layers.1.mlp.shared_experts.gate_proj.weight") == 0
+    assert shard_dim("model.layers.0.mlp.down_proj.weight") == 1  # the dense MLP
+    assert shard_dim("model.layers.0.mlp.gate_proj.weight") == 0
+    # The shared experts run whole on each TP rank's share of the tokens.
+    assert shard_dim("model.layers.1.mlp.shared_experts.down_proj.weight") is None
+    assert shard_dim("model.layers.1.mlp.shared_experts.gate_proj.weight") is None
     assert shard_dim("model.layers.1.mlp.experts.down_proj") is None
     assert shard_dim("model.layers.1.mlp.experts.gate_up_proj") is None
     assert shard_dim("model.layers.0.self_attn.kv_a_proj_with_mqa.weight") is None

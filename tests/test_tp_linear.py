@@ -177,12 +177,16 @@ def test_runtime_config_checks_tp_max_against_the_layout_and_the_model():
     layout = {"parallel.world_size": 4, "parallel.tp_size": 4}
     with pytest.raises(ValueError, match=r"kernels.tp_max=2 must be a multiple of parallel."):
         load_config(TINY_CONFIG, {**layout, "kernels.tp_max": 2})
-    message = r"kernels.tp_max=16 must divide model.moe_intermediate_size \* model.n_shared_"
-    shared_40 = {"kernels.tp_max": 16, "model.moe_intermediate_size": 40}  # 40 % 16 != 0
+    message = r"kernels.tp_max=16 must divide model.intermediate_size = 40"
+    dense_40 = {"kernels.tp_max": 16, "model.intermediate_size": 40}  # 40 % 16 != 0
     with pytest.raises(ValueError, match=message):
-        load_config(TINY_CONFIG, shared_40)
+        load_config(TINY_CONFIG, dense_40)
     # Fast mode has no K split: tp_max does not constrain it.
-    assert load_config(TINY_CONFIG, {**shared_40, "kernels.mode": "fast"})
+    assert load_config(TINY_CONFIG, {**dense_40, "kernels.mode": "fast"})
+    # The shared experts run whole on each TP rank's token share: no K split to constrain,
+    # and their intermediate size need not divide by the TP degree.
+    shared_40 = {**layout, "kernels.tp_max": 16, "model.moe_intermediate_size": 40}
+    assert load_config(TINY_CONFIG, {**shared_40, "model.n_shared_experts": 1})
 
 
 def test_op_table_binds_tp_max_and_tile_rows():
@@ -379,6 +383,12 @@ def check_in_program_tree_same_bits(generator: torch.Generator) -> None:
                         x, w, num_chunks, torch.float32, config, is_tree=is_tree, is_chunk_loop=form
                     )
                     assert torch.equal(got, want), (dtype, num_chunks, is_tree, form)
+            # The paired form (two chunks side by side, the pair loop unrolled): the tree's adds.
+            want = linear_chunk_tree(x, w, num_chunks, torch.float32, config)
+            got = linear_chunk_tree(x, w, num_chunks, torch.float32, config, is_paired=True)
+            assert torch.equal(got, want), (dtype, num_chunks)
+    with pytest.raises(ValueError, match="paired form"):
+        linear_chunk_tree(x, w, 8, torch.float32, config, is_tree=False, is_paired=True)
 
 
 def check_in_program_chain_same_bits(generator: torch.Generator) -> None:

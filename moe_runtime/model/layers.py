@@ -3,7 +3,7 @@
 Parameter names follow HF DeepSeek checkpoints (`.weight`), so a state dict maps directly.
 Every reducing op goes through `ops`, which is the batch-invariant table or the fast one.
 `RowParallelLinear` is the one place a TP-split K is summed over the TP ranks (o_proj, and
-down_proj of the dense MLP and shared experts), by the table's `row_parallel_linear`.
+down_proj of the dense MLP), by the table's `row_parallel_linear`.
 """
 
 from __future__ import annotations
@@ -88,6 +88,8 @@ class GatedMLP(nn.Module):
     are the two halves of one [2 * I_local, D] tensor, `gate_up_weight`, so gate and up run as
     one linear launch with no second copy of the weights. With TP the intermediate dim is split
     (each rank joins its own slices); down_proj is row-parallel (summed over the TP ranks).
+    tp None: whole weights on this rank and a plain down_proj (the shared experts, which run
+    on this rank's share of the tokens: moe.py).
     """
 
     def __init__(
@@ -96,13 +98,16 @@ class GatedMLP(nn.Module):
         intermediate: int,
         ops: OpTable,
         dtype: torch.dtype,
-        tp: TensorParallel = NO_TP,
+        tp: TensorParallel | None = NO_TP,
     ) -> None:
         super().__init__()
-        local = tp.split(intermediate, "the MLP intermediate size")
+        local = intermediate if tp is None else tp.split(intermediate, "the MLP intermediate size")
         self.gate_proj = Linear(hidden, local, ops, dtype, intermediate)
         self.up_proj = Linear(hidden, local, ops, dtype, intermediate)
-        self.down_proj = RowParallelLinear(local, hidden, ops, dtype, tp)
+        if tp is None:
+            self.down_proj = Linear(local, hidden, ops, dtype)
+        else:
+            self.down_proj = RowParallelLinear(local, hidden, ops, dtype, tp)
         # Why the whole size: the joint weight's fixed K split must follow the TP-1 joint
         # weight [2 * I, D], so every TP degree gives each column the same bits.
         self.whole_gate_up_rows = 2 * intermediate

@@ -107,8 +107,13 @@ class MoE(nn.Module):
             num_local_slots, cfg.hidden_size, cfg.moe_intermediate_size, ops, dtype
         )
         if cfg.n_shared_experts:
+            # Why whole (tp None): each TP rank runs the shared experts on its own share of the
+            # tokens, as the routed ones, so a token's shared output is one rank's plain linears
+            # at every TP degree (the same bits, no fixed K tree: the plain linear's prefill
+            # tiles) and the layer's one gather carries the finished rows. The price: their
+            # weights are whole on every TP rank.
             self.shared_experts = GatedMLP(
-                cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, ops, dtype, tp
+                cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, ops, dtype, None
             )
         else:
             self.shared_experts = None
@@ -132,9 +137,10 @@ class MoE(nn.Module):
         if self.tp.size == 1 and isinstance(self.dispatcher, LocalDispatcher):
             return self._forward_local(x, residual, slot_ids, topk_weights)
         # Why shares: the TP ranks of a group hold the same tokens; each dispatches its own
-        # share and the routed rows are gathered back, so no expert runs a token twice. A
-        # token's result does not depend on which rank sent it (rows are independent in the
-        # grouped GEMM, the combine sums its own slots), so the bits do not change.
+        # share, runs the shared experts on it and finishes its rows, and the rows are
+        # gathered back, so no expert runs a token twice. A token's result does not depend on
+        # which rank ran it (rows are independent in the grouped GEMM and the linears, the
+        # combine sums its own slots), so the bits do not change.
         mine = self.tp.token_share(x.shape[0])
         weights = topk_weights[mine]
         # Collective: every rank calls dispatch and combine once per MoE layer per step, in
@@ -142,13 +148,10 @@ class MoE(nn.Module):
         recv, group_sizes, handle = self.dispatcher.dispatch(x[mine], slot_ids[mine], weights)
         self.last_slot_counts = group_sizes
         routed = self.dispatcher.combine(self.experts(recv, group_sizes), handle, weights)
-        if self.tp.size > 1:
-            # Why round before the gather: half the bytes on the wire; moe_output's rounding
-            # of rows already in x's dtype is then exact, so the bits are tp 1's.
-            routed = self.tp.gather_shares(routed.to(x.dtype), x.shape[0])
-        shared = None if self.shared_experts is None else self.shared_experts(x)
+        shared = None if self.shared_experts is None else self.shared_experts(x[mine])
         # One op (one launch on CUDA): the fp32 routed sum rounded, + shared, + residual.
-        return self.ops.moe_output(routed, shared, residual)
+        out = self.ops.moe_output(routed, shared, residual[mine])
+        return self.tp.gather_shares(out, x.shape[0])
 
     def _forward_local(
         self,

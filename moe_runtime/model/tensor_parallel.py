@@ -1,7 +1,9 @@
 """Tensor parallelism inside one data-parallel group: which weights are split, and the reductions.
 
-Attention heads, the dense MLP and shared-expert intermediate dims, and the LM head's vocabulary
-are split over the TP ranks; everything else is replicated. Column-parallel linears keep every
+Attention heads, the dense MLP's intermediate dim and the LM head's vocabulary are split over
+the TP ranks; everything else is replicated. The MoE layers split tokens instead: each TP rank
+runs the routed and shared experts on its own share of the group's tokens (`token_share`) and
+the finished rows are gathered (`gather_shares`). Column-parallel linears keep every
 output element's K order, so they need no reduction. Row-parallel linears (o_proj, down_proj)
 run the op table's `row_parallel_linear` through comm: in invariant mode K is cut into
 kernels.tp_max fixed chunks, each rank sums its subtree of one fixed binary tree in fp32, and
@@ -107,4 +109,6 @@ class TensorParallel:
 def shard_dim(name: str) -> int | None:
     if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
         return None  # routed experts are expert-parallel, never split
+    if ".mlp.shared_experts." in name:
+        return None  # whole on every TP rank, run on its token share (moe.py)
     return next((dim for suffix, dim in _SHARD_DIMS if name.endswith(suffix)), None)
