@@ -190,10 +190,13 @@ MAX_TREE_CHUNKS = 8  # the in-program tree keeps subtrees of 1, 2 and 4 chunks
 # BENCHMARKS.md, row-parallel section) for chunks off the K step grid (masked steps). The K
 # step is the tree's own (tree_block_k).
 TREE_CONFIG = LinearConfig(64, 64, BLOCK_K_16BIT, 8, 4, 4)
-# The paired form's (IS_PAIRED), for 16-bit chunks of whole K steps: 128 x 64 tiles on 8
-# warps, 3 stages. H200, graph replay, o_proj (2048 x 2048, 8 chunks): 194.6 vs 232.6 us at
-# 8192 rows, 29.4 vs 29.0 at 1024 against TREE_CONFIG's one loop (BENCHMARKS.md, tree_pairs).
+# The paired form's (IS_PAIRED), for 16-bit chunks of whole K steps from PAIRED_MIN_ROWS
+# rows: 128 x 64 tiles on 8 warps, 3 stages. H200, graph replay, o_proj (2048 x 2048, 8
+# chunks), against TREE_CONFIG's one loop: 200.5 vs 221.5 us at 8192 rows, 402.3 vs 442.4 at
+# 16384, 29.5 vs 29.3 at 1024, 15.6 vs 15.6 at 512, 15.2 vs 13.3 at 256 (BENCHMARKS.md,
+# tree_pairs).
 PAIRED_TREE_CONFIG = LinearConfig(128, 64, BLOCK_K_16BIT, 8, 8, 3)
+PAIRED_MIN_ROWS = 512
 
 
 # From this many rows a 16-bit linear with a fixed K split sums its chunks in one program per
@@ -257,7 +260,7 @@ def linear_chunk_tree(
     CHAIN_WIDE_CONFIG's tiles, where it measured faster (BENCHMARKS.md). is_paired: the tree
     two chunks at a time (IS_PAIRED; the same bits; not on masked grid steps); None: on
     PAIRED_TREE_CONFIG's tiles. config None: the tree's default, PAIRED_TREE_CONFIG for 16-bit
-    chunks of whole K steps, else TREE_CONFIG."""
+    chunks of whole K steps from PAIRED_MIN_ROWS rows, else TREE_CONFIG."""
     check_pair(x, weight, 2, is_upcast_ok=True)
     num_rows, in_dim = x.shape
     out_dim = weight.shape[0]
@@ -284,7 +287,8 @@ def linear_chunk_tree(
     can_pair = is_tree and not is_grid and num_chunks > 1
     if config is None:
         is_16bit = weight.dtype != torch.float32
-        config = PAIRED_TREE_CONFIG if can_pair and is_16bit else TREE_CONFIG
+        is_paired_size = can_pair and is_16bit and num_rows >= PAIRED_MIN_ROWS
+        config = PAIRED_TREE_CONFIG if is_paired_size else TREE_CONFIG
     if is_paired is None:
         is_paired = can_pair and config == PAIRED_TREE_CONFIG
     if is_paired and not can_pair:
