@@ -154,3 +154,28 @@ def test_shard_rules():
     assert shard_dim("model.layers.0.self_attn.kv_a_proj_with_mqa.weight") is None
     assert shard_dim("model.layers.1.mlp.gate.weight") is None
     assert shard_dim("lm_head.weight") == 0
+
+
+def test_shared_experts_whole_on_every_tp_rank():
+    """At TP 2 a rank holds the shared experts' whole weights with a plain down projection (no
+    TP reduction: they run on the rank's token share), while the dense MLP keeps its split
+    intermediate dim and row-parallel down."""
+    import torch
+
+    from kernels import KernelConfig, build_op_table
+    from moe_runtime.config import load_config
+    from moe_runtime.model.layers import GatedMLP, Linear, RowParallelLinear
+    from moe_runtime.model.moe import MoE
+    from moe_runtime.model.tensor_parallel import TensorParallel
+
+    cfg = load_config(TINY_CONFIG).model
+    ops = build_op_table(KernelConfig(), "cpu")
+    tp = TensorParallel(size=2, rank=1)
+    moe = MoE(cfg, ops, torch.float32, cfg.n_routed_experts, tp)
+    shared = cfg.moe_intermediate_size * cfg.n_shared_experts
+    down = moe.shared_experts.down_proj
+    assert type(down) is Linear and tuple(down.weight.shape) == (cfg.hidden_size, shared)
+    assert tuple(moe.shared_experts.gate_up_weight.shape) == (2 * shared, cfg.hidden_size)
+    dense = GatedMLP(cfg.hidden_size, cfg.intermediate_size, ops, torch.float32, tp)
+    assert type(dense.down_proj) is RowParallelLinear
+    assert tuple(dense.down_proj.weight.shape) == (cfg.hidden_size, cfg.intermediate_size // 2)
