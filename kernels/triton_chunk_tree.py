@@ -207,7 +207,7 @@ PAIRED_MIN_ROWS = 512
 # slower on every tile shape tried (BENCHMARKS.md, linear section).
 CHAIN_MIN_ROWS = 1024
 CHAIN_CONFIG_16BIT = LinearConfig(64, 64, BLOCK_K_16BIT, 8, 4, 4)
-# Weights of CHAIN_WIDE_OUT outputs and more (o_proj and the shared experts' down at
+# Weights of CHAIN_WIDE_OUT outputs and more (the shared experts' down, o_proj at
 # kernels.tp_max 1): 128 x 128 tiles, 8 warps, in the chunk loop. H200, graph replay, o_proj
 # (2048 x 2048, 4 chunks): 138.0 vs 192.9 us at 8192 rows, 20.9 vs 25.6 at 1024 (cuBLAS 101.3,
 # 14.0); kv_a's 576 outputs stay fastest on 64 x 64 in one loop (BENCHMARKS.md, tree_loops).
