@@ -19,6 +19,8 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from kernels.gluon_attention import fits_gluon, launch_wide_split
+
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SPLIT_BLOCKS = 4  # cache blocks per KV split: a constant, never a function of the batch
 BLOCK_H = 16  # heads per program (tl.dot needs 16 rows); extra heads are masked
@@ -39,11 +41,13 @@ class HeadLaunch:
 # round differently) and the split is part of the merge order, so both are fixed per model.
 # From WIDE_HEADS heads a program takes 64 heads: each latent block is read once for 64 heads
 # instead of once for 16, and larger splits (each split's fp32 partial is 64 x 512 a head
-# block) halve the partials' traffic. H200, 128 heads, graph replay (BENCHMARKS.md):
-# 2.5-4.4x FlashMLA's time with 16-head blocks, 1.4-2.6x with these, one query 0.54 -> 1.14x.
+# block) cut the partials' traffic. On the GPU the wide launch's split kernel is the Gluon one
+# (kernels/gluon_attention.py) where the shape fits. H200, 128 heads, graph replay
+# (BENCHMARKS.md): 2.5-4.4x FlashMLA's time with 16-head blocks, 1.4-2.6x with the Triton
+# wide kernel, 0.88-1.59x with the Gluon one on splits of 16 blocks (1.38x at one query).
 WIDE_HEADS = 64
 NARROW_LAUNCH = HeadLaunch(BLOCK_H, SPLIT_BLOCKS, 4, 3)
-WIDE_LAUNCH = HeadLaunch(64, 8, 8, 2)
+WIDE_LAUNCH = HeadLaunch(64, 16, 8, 2)
 
 
 def head_launch(whole_heads: int) -> HeadLaunch:
@@ -313,9 +317,11 @@ def mla_attention_triton(
     block_v = triton.next_power_of_2(v_dim)
     is_narrow = launch == NARROW_LAUNCH and not _is_interpreted()
     v_parts, lat_chunk = value_split(q.shape[0], block_v) if is_narrow else (1, None)
+    is_wide = launch == WIDE_LAUNCH and not _is_interpreted()
     return _attend(
         q, kv_cache, query_seq_ids, block_tables, positions, scale, v_dim, launch.split_blocks,
         launch.num_warps, launch.num_stages, launch.block_h, v_parts=v_parts, lat_chunk=lat_chunk,
+        is_gluon=is_wide and fits_gluon(q, kv_cache, v_dim, launch.block_h),
     )  # fmt: skip
 
 
@@ -331,8 +337,10 @@ def value_split(num_tokens: int, block_v: int) -> tuple[int, int | None]:
 def _attend(
     q, kv_cache, query_seq_ids, block_tables, positions, scale, v_dim,
     split_blocks, num_warps, num_stages, block_h=BLOCK_H, v_parts=1, lat_chunk=None,
+    is_gluon=False,
 ) -> torch.Tensor:  # fmt: skip
-    """The launches; the launch parameters are arguments so bench/ can sweep them."""
+    """The launches; the launch parameters are arguments so bench/ can sweep them. is_gluon:
+    the Gluon split kernel (its own fixed warps and stages; fits_gluon's shapes)."""
     num_tokens, num_heads, cache_dim = q.shape
     out = q.new_empty((num_tokens, num_heads, v_dim))
     if num_tokens == 0:  # a rank with no tokens still runs the step (EP lockstep)
@@ -358,36 +366,43 @@ def _attend(
             acc = torch.empty((count, num_splits, num_heads, block_v), device=q.device)
             stats = torch.empty((count, num_splits, num_heads, 2), device=q.device)
         seq_ids, pos = query_seq_ids[rows].contiguous(), positions[rows].contiguous()
-        _mla_split_kernel[(triton.cdiv(num_heads, block_h) * v_parts, count, num_splits)](
-            q[rows],
-            kv_cache,
-            seq_ids,
-            block_tables,
-            pos,
-            acc,
-            stats,
-            scale,
-            num_heads,
-            num_splits,
-            block_tables.shape[1],
-            C=cache_dim,
-            V=v_dim,
-            BS=block_size,
-            BLOCK_S=max(16, triton.next_power_of_2(block_size)),  # tl.dot needs 16 columns
-            BLOCK_H=block_h,
-            BLOCK_V=block_v,
-            BLOCK_R=block_r,
-            SPLIT_BLOCKS=split_blocks,
-            # fp32 inputs use exact fp32 products; 16-bit ones the MMA with fp32 accumulation.
-            INPUT_PRECISION="ieee" if is_fp32 else "tf32",
-            # The interpreter hands 16-bit floats to numpy as raw bits: feed it fp32.
-            UPCAST_DOT=_is_interpreted() and not is_fp32,
-            WRITE_OUT=is_direct,
-            V_PARTS=v_parts,
-            LAT_CHUNK=lat_chunk or block_v,
-            num_warps=num_warps if block_v >= 256 else 4,
-            num_stages=num_stages,
-        )
+        grid = (triton.cdiv(num_heads, block_h) * v_parts, count, num_splits)
+        if is_gluon:
+            launch_wide_split(
+                grid, q[rows], kv_cache, seq_ids, block_tables, pos, acc, stats, scale,
+                num_splits, split_blocks, is_direct,
+            )  # fmt: skip
+        else:
+            _mla_split_kernel[grid](
+                q[rows],
+                kv_cache,
+                seq_ids,
+                block_tables,
+                pos,
+                acc,
+                stats,
+                scale,
+                num_heads,
+                num_splits,
+                block_tables.shape[1],
+                C=cache_dim,
+                V=v_dim,
+                BS=block_size,
+                BLOCK_S=max(16, triton.next_power_of_2(block_size)),  # tl.dot needs 16 columns
+                BLOCK_H=block_h,
+                BLOCK_V=block_v,
+                BLOCK_R=block_r,
+                SPLIT_BLOCKS=split_blocks,
+                # fp32 inputs use exact fp32 products; 16-bit ones the MMA with fp32 accumulation.
+                INPUT_PRECISION="ieee" if is_fp32 else "tf32",
+                # The interpreter hands 16-bit floats to numpy as raw bits: feed it fp32.
+                UPCAST_DOT=_is_interpreted() and not is_fp32,
+                WRITE_OUT=is_direct,
+                V_PARTS=v_parts,
+                LAT_CHUNK=lat_chunk or block_v,
+                num_warps=num_warps if block_v >= 256 else 4,
+                num_stages=num_stages,
+            )
         if is_direct:
             continue
         _mla_merge_kernel[(count, num_heads)](

@@ -490,10 +490,13 @@ def test_mla_attention_prefill_decode_and_batch_bitwise(generator):
 
 
 def test_mla_attention_wide_launch_batch_and_tp_bitwise(generator):
-    """DeepSeek-V3 MLA: 128 heads take the wide launch (64 heads a program). Prefill, decode
-    alone and batched, chunks and permutations give the same bits; a TP rank's heads (64, 32
-    or 16 of them, whole_heads=128) give the whole model's bits for those heads; the launch
-    differs from the 16-head one (engagement), and fast mode's batch shapes move its bits."""
+    """DeepSeek-V3 MLA: 128 heads take the wide launch (64 heads a program, the Gluon split
+    kernel). Prefill, decode alone and batched, chunks and permutations give the same bits
+    (sequence 0 spans three KV splits, so the merge runs); a TP rank's heads (64, 32 or 16 of
+    them, whole_heads=128) give the whole model's bits for those heads; engagement: the Gluon
+    kernel ran, and the Triton wide kernel and the 16-head launch make other adds; fast
+    mode's batch shapes move its bits."""
+    import kernels.gluon_attention as gluon_attention
     from kernels.attention import mla_attention_fast
     from kernels.triton_attention import (
         NARROW_LAUNCH,
@@ -503,7 +506,7 @@ def test_mla_attention_wide_launch_batch_and_tp_bitwise(generator):
         mla_attention_triton,
     )
 
-    seq_lens = (1000, 70, 600, 5, 257)
+    seq_lens = (2100, 70, 600, 5, 257)
     cache = _paged_cache(generator, seq_lens, 128, 576, 64)
     q, kv_cache, seq_ids, tables, positions = cache
     args = dict(scale=192**-0.5, v_dim=512)
@@ -515,7 +518,26 @@ def test_mla_attention_wide_launch_batch_and_tp_bitwise(generator):
         )  # fmt: skip
 
     assert head_launch(128) == WIDE_LAUNCH
-    full, last = _check_attention_rows(attend, cache, seq_lens, (63, 64, 600, 1000), generator)
+    kernel, grids = gluon_attention._mla_wide_split_kernel, []
+
+    class Recorder:  # the Gluon launches' grids, then the real launch
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return kernel[grid]
+
+    gluon_attention._mla_wide_split_kernel = Recorder()
+    try:
+        full, last = _check_attention_rows(
+            attend, cache, seq_lens, (63, 64, 600, 1024, 1100, 2100), generator
+        )
+    finally:
+        gluon_attention._mla_wide_split_kernel = kernel
+    assert grids and (grids[0][0], grids[0][2]) == (2, 3), grids[:1]  # head blocks, splits
+    wide_triton = _attend(
+        q, kv_cache, seq_ids, tables, positions, 192**-0.5, 512, WIDE_LAUNCH.split_blocks,
+        WIDE_LAUNCH.num_warps, WIDE_LAUNCH.num_stages, WIDE_LAUNCH.block_h,
+    )  # fmt: skip
+    assert not torch.equal(wide_triton, full), "the Gluon and Triton wide kernels agreed"
     every = torch.arange(q.shape[0], device="cuda")
     for heads in (slice(0, 64), slice(64, 128), slice(32, 64), slice(112, 128)):
         assert torch.equal(attend(every, heads), full[:, heads]), heads

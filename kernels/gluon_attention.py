@@ -1,0 +1,195 @@
+"""The wide attention launch's split kernel in Gluon (GPU only, sm90): 64 heads of one query
+against one KV split of its latent cache, written with explicit Hopper layouts.
+
+Why Gluon: in `tl.dot` a score product whose result feeds another dot gets every warp along
+M, so with 8 warps both warpgroups computed the whole 64 x 64 score tile (BENCHMARKS.md,
+tenth and eleventh sessions). Here the score tile is split over the two warpgroups by key
+columns and the 64 x 512 value accumulator by value columns, the cache blocks are copied into
+shared memory one block ahead (cp.async, two stages), and the probabilities reach the value
+MMA through shared memory. Its partials feed the Triton merge kernel
+(kernels/triton_attention.py). Nothing a program computes depends on other queries or on the
+heads next to its own, so the bits hold across batches, chunkings and TP head subsets.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+# The one shape it serves: DeepSeek's MLA latent (512 + 64 rope), cache blocks of 64, 64
+# heads a program on two warpgroups; other shapes take the Triton kernel.
+GLUON_SHAPE = dict(cache_dim=576, v_dim=512, block_size=64, block_h=64, num_warps=8)
+
+
+def fits_gluon(q: torch.Tensor, kv_cache: torch.Tensor, v_dim: int, block_h: int) -> bool:
+    """Whether the Gluon split kernel serves this call (CUDA, 16-bit, the MLA shape)."""
+    return (
+        q.is_cuda
+        and q.dtype in (torch.bfloat16, torch.float16)
+        and q.shape[2] == GLUON_SHAPE["cache_dim"]
+        and v_dim == GLUON_SHAPE["v_dim"]
+        and kv_cache.shape[1] == GLUON_SHAPE["block_size"]
+        and block_h == GLUON_SHAPE["block_h"]
+    )
+
+
+@gluon.jit
+def _copy_block(kv_ptr, tables_ptr, seq, table_width, j, position, lat_smem, pe_smem,
+                BS: gl.constexpr, C: gl.constexpr, V: gl.constexpr, R: gl.constexpr,
+                LAT_LOAD: gl.constexpr, PE_LOAD: gl.constexpr):  # fmt: skip
+    """Issue the async copies of cache block j of the sequence (latent and rope parts) into
+    one pipeline stage, as one commit group. Positions past the query's copy zeros (unwritten
+    slots may hold garbage, and a zero probability times a NaN is a NaN)."""
+    block_id = gl.load(tables_ptr + seq * table_width + j).to(gl.int64)
+    rows = gl.arange(0, BS, layout=gl.SliceLayout(1, LAT_LOAD))
+    cols = gl.arange(0, V, layout=gl.SliceLayout(0, LAT_LOAD))
+    ok = (j * BS + rows) <= position
+    lat = kv_ptr + (block_id * BS + rows.to(gl.int64))[:, None] * C + cols[None, :]
+    async_copy.async_copy_global_to_shared(lat_smem, lat, mask=ok[:, None])
+    rows_r = gl.arange(0, BS, layout=gl.SliceLayout(1, PE_LOAD))
+    cols_r = gl.arange(0, R, layout=gl.SliceLayout(0, PE_LOAD))
+    ok_r = (j * BS + rows_r) <= position
+    pe = kv_ptr + (block_id * BS + rows_r.to(gl.int64))[:, None] * C + V + cols_r[None, :]
+    async_copy.async_copy_global_to_shared(pe_smem, pe, mask=ok_r[:, None])
+    async_copy.commit_group()
+
+
+@gluon.jit(do_not_specialize=["num_splits", "table_width"])
+def _mla_wide_split_kernel(
+    q_ptr, kv_ptr, seq_ids_ptr, tables_ptr, positions_ptr, acc_ptr, stats_ptr,
+    scale, num_heads, num_splits, table_width,
+    C: gl.constexpr, V: gl.constexpr, R: gl.constexpr, BS: gl.constexpr,
+    BLOCK_H: gl.constexpr, SPLIT_BLOCKS: gl.constexpr, WRITE_OUT: gl.constexpr,
+    num_warps: gl.constexpr,
+):  # fmt: skip
+    """_mla_split_kernel's contract (kernels/triton_attention.py) for one (head block of 64,
+    query, KV split): partial (max, sum, acc) of the split's cache blocks in order, an online
+    softmax in fp32 per block of BS positions; WRITE_OUT: acc / sum into acc_ptr (the
+    launch's one split)."""
+    DTYPE: gl.constexpr = q_ptr.dtype.element_ty
+    LAT_LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
+    PE_LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    # Why [4, 2] for both products: each warpgroup takes half of the keys of the scores and
+    # half of the value columns of the accumulator, so no product is computed twice.
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16]
+    )
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 256, 16]
+    )
+    LAT_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, V], DTYPE)
+    PE_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, R], DTYPE)
+    P_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BS], DTYPE)
+
+    head_block = gl.program_id(0)
+    t = gl.program_id(1).to(gl.int64)
+    split = gl.program_id(2)
+    position = gl.load(positions_ptr + t)
+    first_block = split * SPLIT_BLOCKS
+    num_blocks = position // BS + 1
+    if first_block < num_blocks:
+        seq = gl.load(seq_ids_ptr + t)
+        last_block = gl.minimum(first_block + SPLIT_BLOCKS, num_blocks)
+        h_l = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, LAT_LOAD))
+        c_l = gl.arange(0, V, layout=gl.SliceLayout(0, LAT_LOAD))
+        q_lat = gl.load(
+            q_ptr + (t * num_heads + h_l)[:, None] * C + c_l[None, :],
+            mask=(h_l < num_heads)[:, None], other=0.0,
+        )  # fmt: skip
+        h_r = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, PE_LOAD))
+        c_r = gl.arange(0, R, layout=gl.SliceLayout(0, PE_LOAD))
+        q_pe = gl.load(
+            q_ptr + (t * num_heads + h_r)[:, None] * C + V + c_r[None, :],
+            mask=(h_r < num_heads)[:, None], other=0.0,
+        )  # fmt: skip
+        q_lat_s = gl.allocate_shared_memory(DTYPE, [BLOCK_H, V], LAT_S, q_lat)
+        q_pe_s = gl.allocate_shared_memory(DTYPE, [BLOCK_H, R], PE_S, q_pe)
+        k_lat_s = gl.allocate_shared_memory(DTYPE, [2, BS, V], LAT_S)
+        k_pe_s = gl.allocate_shared_memory(DTYPE, [2, BS, R], PE_S)
+        p_s = gl.allocate_shared_memory(DTYPE, [BLOCK_H, BS], P_S)
+
+        row_max = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
+        row_sum = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(1, S_L))
+        acc = gl.zeros([BLOCK_H, V], gl.float32, layout=O_L)
+        no_scores = gl.zeros([BLOCK_H, BS], gl.float32, layout=S_L)
+        offs_s = gl.arange(0, BS, layout=gl.SliceLayout(0, S_L))
+        _copy_block(
+            kv_ptr, tables_ptr, seq, table_width, first_block, position, k_lat_s.index(0),
+            k_pe_s.index(0), BS, C, V, R, LAT_LOAD, PE_LOAD,
+        )  # fmt: skip
+        # Why one order: block j of the sequence, whole, merged in order j ascending.
+        for j in range(first_block, last_block):
+            stage = ((j - first_block) % 2).to(gl.int32)
+            if j + 1 < last_block:
+                gl.thread_barrier()  # every warp is past the MMAs that read the other stage
+                _copy_block(
+                    kv_ptr, tables_ptr, seq, table_width, j + 1, position,
+                    k_lat_s.index(1 - stage), k_pe_s.index(1 - stage), BS, C, V, R, LAT_LOAD,
+                    PE_LOAD,
+                )  # fmt: skip
+                async_copy.wait_group(1)
+            else:
+                async_copy.wait_group(0)
+            gl.thread_barrier()  # every warp's copies of block j have landed
+            fence_async_shared()
+            k_lat = k_lat_s.index(stage)
+            scores = warpgroup_mma(
+                q_pe_s, k_pe_s.index(stage).permute((1, 0)), no_scores, use_acc=False,
+                is_async=True,
+            )  # fmt: skip
+            scores = warpgroup_mma(q_lat_s, k_lat.permute((1, 0)), scores, is_async=True)
+            scores = warpgroup_mma_wait(num_outstanding=0, deps=(scores,))
+            kv_ok = (j * BS + offs_s) <= position
+            scores = gl.where(kv_ok[None, :], scores * scale, float("-inf"))
+            max_new = gl.maximum(row_max, gl.max(scores, axis=1))
+            alpha = gl.exp(row_max - max_new)
+            p = gl.exp(scores - max_new[:, None])
+            row_sum = row_sum * alpha + gl.sum(p, axis=1)
+            row_max = max_new
+            p_s.store(p.to(DTYPE))
+            fence_async_shared()
+            gl.thread_barrier()  # both warpgroups' probabilities are in p_s
+            alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, O_L))
+            acc = warpgroup_mma(p_s, k_lat, acc * alpha_o[:, None], is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        heads = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, O_L))
+        cols = gl.arange(0, V, layout=gl.SliceLayout(0, O_L))
+        head_ok = (heads < num_heads)[:, None]
+        if WRITE_OUT:
+            # The merge kernel's one-split case, the same fp32 division: the same bits.
+            out = acc / gl.convert_layout(row_sum, gl.SliceLayout(1, O_L))[:, None]
+            gl.store(
+                acc_ptr + (t * num_heads + heads)[:, None] * V + cols[None, :],
+                out.to(acc_ptr.dtype.element_ty), mask=head_ok,
+            )  # fmt: skip
+        else:
+            slot = (t * num_splits + split) * num_heads + heads
+            gl.store(acc_ptr + slot[:, None] * V + cols[None, :], acc, mask=head_ok)
+            heads_s = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, S_L))
+            slot_s = (t * num_splits + split) * num_heads + heads_s
+            stats_ok = heads_s < num_heads
+            gl.store(stats_ptr + slot_s * 2, row_max, mask=stats_ok)
+            gl.store(stats_ptr + slot_s * 2 + 1, row_sum, mask=stats_ok)
+
+
+def launch_wide_split(
+    grid, q, kv_cache, seq_ids, block_tables, positions, acc, stats, scale, num_splits,
+    split_blocks, is_direct,
+) -> None:  # fmt: skip
+    """One launch of the Gluon split kernel over `grid` (head blocks, queries, splits) into
+    the split buffers acc / stats (or the output, is_direct), as _attend launches the Triton
+    one."""
+    _mla_wide_split_kernel[grid](
+        q, kv_cache, seq_ids, block_tables, positions, acc, stats,
+        scale, q.shape[1], num_splits, block_tables.shape[1],
+        C=q.shape[2], V=GLUON_SHAPE["v_dim"], R=q.shape[2] - GLUON_SHAPE["v_dim"],
+        BS=GLUON_SHAPE["block_size"], BLOCK_H=GLUON_SHAPE["block_h"],
+        SPLIT_BLOCKS=split_blocks, WRITE_OUT=is_direct, num_warps=GLUON_SHAPE["num_warps"],
+    )  # fmt: skip
