@@ -30,7 +30,8 @@ GLUON_SHAPE = dict(cache_dim=576, v_dim=512, block_size=64, block_h=64, num_warp
 
 def fits_gluon(q: torch.Tensor, kv_cache: torch.Tensor, v_dim: int, block_h: int) -> bool:
     """Whether the Gluon split kernel serves this call: a Hopper GPU (its warpgroup MMAs are
-    sm_90's), bf16 (the model's 16-bit dtype; the one run on the GPU), the MLA shape. Elsewhere the Triton kernel of the same launch runs."""
+    sm_90's), bf16 (the model's 16-bit dtype, the one run on the GPU), the MLA shape.
+    Elsewhere the Triton kernel of the same launch runs."""
     return (
         q.is_cuda
         and torch.cuda.get_device_capability(q.device)[0] == 9
