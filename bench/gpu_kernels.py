@@ -316,20 +316,18 @@ def bench_prefill_linears() -> None:
 
 def bench_attention() -> None:
     """Decode attention (latent 512 + rope 64, blocks of 64) at 16 heads (V2-Lite) and 128
-    (V3): the invariant Triton kernel vs fast mode's decode attention (FlashMLA where it is
-    installed, else the split-KV Triton kernel), each replayed in a CUDA graph over enough
-    caches to miss L2. Bytes = the KV cache read once. Fast mode is timed twice: each call
-    with its own step (FlashMLA plans its schedule every call) and all of the graph's calls
-    sharing one step's positions and tables (one plan for all of them, as the engine's layers
-    share it)."""
+    (V3): the invariant op (Triton; its Gluon split kernel from 64 heads) vs fast mode's
+    decode attention (FlashMLA where it is installed, else the split-KV Triton kernel), each
+    replayed in a CUDA graph over enough caches to miss L2. Bytes = the KV cache read once.
+    Fast mode is timed twice: each call with its own step (FlashMLA plans its schedule every
+    call) and all of the graph's calls sharing one step's positions and tables (one plan for
+    all of them, as the engine's layers share it)."""
     from kernels.fast_attention import HAS_FLASH_MLA, mla_decode_fast
     from kernels.triton_attention import mla_attention_triton
 
     ceiling = copy_bandwidth(torch.device("cuda")) / 1e12  # TB/s, read + write of 1 GiB
     fast_name = "FlashMLA" if HAS_FLASH_MLA else "split-KV Triton (FlashMLA not installed)"
-    print(
-        f"\n## decode attention: invariant Triton vs {fast_name}; copy ceiling {ceiling:.2f} TB/s"
-    )
+    print(f"\n## decode attention: invariant vs {fast_name}; copy ceiling {ceiling:.2f} TB/s")
     print(
         "| heads | B | ctx | invariant us | % of copy | fast us | % of copy | invariant / fast "
         "| fast, one plan a step, us | invariant / that |"
