@@ -42,9 +42,9 @@ class TensorParallel:
     group: Any = None
     # Collectives this rank ran in its TP group, by name ("all_reduce": row-parallel sums,
     # "fp32_subtree_gather": the all-gathers of fp32 subtree sums among them, "all_gather": the
-    # LM head's slices, "share_gather": the MoE's routed rows of each rank's token share): the
-    # record is frozen, the counts are not; Worker.stats reports them,
-    # so a test can see the split path ran without relying on TP changing any bits.
+    # LM head's slices, "share_gather": the MoE layers' finished rows of each rank's token
+    # share): the record is frozen, the counts are not; Worker.stats reports them, so a test can
+    # see the split path ran without relying on TP changing any bits.
     num_calls: Counter = field(default_factory=Counter, compare=False, repr=False)
 
     def split(self, total: int, what: str) -> int:

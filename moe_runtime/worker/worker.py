@@ -269,7 +269,7 @@ class Worker:
         `num_tp_all_reduces` = row-parallel sums over the TP group this rank ran (0 at tp_size
         1), `num_tp_fp32_gathers` = the all-gathers of fp32 subtree sums among them (invariant
         mode; fast mode sums with the backend's all_reduce instead), `num_tp_share_gathers` =
-        MoE layers whose routed rows came from each TP rank's token share;
+        MoE layers whose finished rows came from each TP rank's token share;
         `num_eager_rows_sent_remote` = the remote rows FixedCapacityDispatcher sent through
         the uneven exchange on steps that replayed no graph (0 with any other dispatcher);
         `num_lookahead_hits` / `num_lookahead_misses` = decode steps launched ahead that served
