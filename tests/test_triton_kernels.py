@@ -505,15 +505,16 @@ def check_mla_attention(generator: torch.Generator) -> None:
 
 
 def check_mla_attention_wide_launch(generator: torch.Generator) -> None:
-    """A model of 64 heads takes the wide launch (64 heads a program, WIDE_LAUNCH's split);
-    a TP rank holding 16 or 32 of them keeps it (whole_heads) and gives the heads' bits of
-    the whole model's call; the launches differ (engagement: the wide one ran)."""
+    """A model of 64 heads takes the wide launch (64 heads a program, WIDE_LAUNCH's split;
+    the second sequence's 17 blocks of 16 span two splits, so the merge runs); a TP rank
+    holding 16 or 32 of them keeps it (whole_heads) and gives the heads' bits of the whole
+    model's call; the launches differ (engagement: the wide one ran)."""
     import kernels.triton_attention as attention
     from kernels.attention import mla_attention_ref
 
     assert attention.head_launch(64) == attention.WIDE_LAUNCH
     assert attention.head_launch(16) == attention.NARROW_LAUNCH
-    q, kv_cache, seq_ids, tables, positions = _paged_cache(generator, (40, 140), 64, 48, 8, 16)
+    q, kv_cache, seq_ids, tables, positions = _paged_cache(generator, (40, 260), 64, 48, 8, 16)
     args = dict(scale=56**-0.5, v_dim=48)
     launches = []
     attend = attention._attend
