@@ -27,7 +27,8 @@ def test_gluon_split_kernel_compiles_for_sm90_without_spilling(tmp_path):
         "num_heads": "i32", "num_splits": "i32", "table_width": "i32",
     }  # fmt: skip
     consts = dict(
-        C=GLUON_SHAPE["cache_dim"], V=GLUON_SHAPE["v_dim"], R=64, BS=GLUON_SHAPE["block_size"],
+        C=GLUON_SHAPE["cache_dim"], V=GLUON_SHAPE["v_dim"],
+        R=GLUON_SHAPE["cache_dim"] - GLUON_SHAPE["v_dim"], BS=GLUON_SHAPE["block_size"],
         BLOCK_H=GLUON_SHAPE["block_h"], SPLIT_BLOCKS=16, WRITE_OUT=False,
         num_warps=GLUON_SHAPE["num_warps"],
     )  # fmt: skip
