@@ -5,8 +5,11 @@ Why Gluon: in `tl.dot` a score product whose result feeds another dot gets every
 M, so with 8 warps both warpgroups computed the whole 64 x 64 score tile (BENCHMARKS.md,
 tenth and eleventh sessions). Here the score tile is split over the two warpgroups by key
 columns and the 64 x 512 value accumulator by value columns, the cache blocks are copied into
-shared memory one block ahead (cp.async, two stages), and the probabilities reach the value
-MMA through shared memory. Its partials feed the Triton merge kernel
+shared memory one block ahead (cp.async, two stages; the next block's copies are issued while
+this block's score MMAs run, its table entry read a block earlier), and the probabilities
+reach the value MMA through shared memory. The warpgroups exchange their row maxima once a
+block through a [64, 2] tile and keep the row sums of their own keys (added at the end), so a
+block costs four barriers (nine in the first form, BENCHMARKS.md). Its partials feed the Triton merge kernel
 (kernels/triton_attention.py). Nothing a program computes depends on other queries or on the
 heads next to its own, so the bits hold across batches, chunkings and TP head subsets.
 """
@@ -44,13 +47,12 @@ def fits_gluon(q: torch.Tensor, kv_cache: torch.Tensor, v_dim: int, block_h: int
 
 
 @gluon.jit
-def _copy_block(kv_ptr, tables_ptr, seq, table_width, j, position, lat_smem, pe_smem,
+def _copy_block(kv_ptr, block_id, j, position, lat_smem, pe_smem,
                 BS: gl.constexpr, C: gl.constexpr, V: gl.constexpr, R: gl.constexpr,
                 LAT_LOAD: gl.constexpr, PE_LOAD: gl.constexpr):  # fmt: skip
-    """Issue the async copies of cache block j of the sequence (latent and rope parts) into
-    one pipeline stage, as one commit group. Positions past the query's copy zeros (unwritten
-    slots may hold garbage, and a zero probability times a NaN is a NaN)."""
-    block_id = gl.load(tables_ptr + seq * table_width + j).to(gl.int64)
+    """Issue the async copies of cache block j of the sequence (block_id in the cache; latent
+    and rope parts) into one pipeline stage, as one commit group. Positions past the query's
+    copy zeros (unwritten slots may hold garbage, and a zero probability times a NaN is a NaN)."""
     rows = gl.arange(0, BS, layout=gl.SliceLayout(1, LAT_LOAD))
     cols = gl.arange(0, V, layout=gl.SliceLayout(0, LAT_LOAD))
     ok = (j * BS + rows) <= position
@@ -75,7 +77,8 @@ def _mla_wide_split_kernel(
     """_mla_split_kernel's contract (kernels/triton_attention.py) for one (head block of 64,
     query, KV split): partial (max, sum, acc) of the split's cache blocks in order, an online
     softmax in fp32 per block of BS positions; WRITE_OUT: acc / sum into acc_ptr (the
-    launch's one split)."""
+    launch's one split). Each warpgroup sums the probabilities of its own keys; the two
+    sums are added once, at the end."""
     DTYPE: gl.constexpr = q_ptr.dtype.element_ty
     LAT_LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
     PE_LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
@@ -87,9 +90,20 @@ def _mla_wide_split_kernel(
     O_L: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 256, 16]
     )
+    # A [BLOCK_H, 2] tile of per-warpgroup row values (column w: warpgroup w's keys) in which
+    # every thread holds both columns of the rows it holds in S_L: one exchange of the row
+    # maxima through shared memory, one barrier.
+    BOTH_L: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [8, 0]],
+        lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16, 0], [32, 0], [0, 0]],
+        block_bases=[],
+        shape=[BLOCK_H, 2],
+    )
     LAT_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, V], DTYPE)
     PE_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, R], DTYPE)
     P_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BS], DTYPE)
+    HALF: gl.constexpr = BS // 2  # one warpgroup's keys of a block
 
     head_block = gl.program_id(0)
     t = gl.program_id(1).to(gl.int64)
@@ -100,46 +114,46 @@ def _mla_wide_split_kernel(
     if first_block < num_blocks:
         seq = gl.load(seq_ids_ptr + t)
         last_block = gl.minimum(first_block + SPLIT_BLOCKS, num_blocks)
-        h_l = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, LAT_LOAD))
-        c_l = gl.arange(0, V, layout=gl.SliceLayout(0, LAT_LOAD))
-        q_lat = gl.load(
-            q_ptr + (t * num_heads + h_l)[:, None] * C + c_l[None, :],
-            mask=(h_l < num_heads)[:, None], other=0.0,
-        )  # fmt: skip
-        h_r = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, PE_LOAD))
-        c_r = gl.arange(0, R, layout=gl.SliceLayout(0, PE_LOAD))
-        q_pe = gl.load(
-            q_ptr + (t * num_heads + h_r)[:, None] * C + V + c_r[None, :],
-            mask=(h_r < num_heads)[:, None], other=0.0,
-        )  # fmt: skip
-        q_lat_s = gl.allocate_shared_memory(DTYPE, [BLOCK_H, V], LAT_S, q_lat)
-        q_pe_s = gl.allocate_shared_memory(DTYPE, [BLOCK_H, R], PE_S, q_pe)
+        table = tables_ptr + seq * table_width
+        q_lat_s = gl.allocate_shared_memory(DTYPE, [BLOCK_H, V], LAT_S)
+        q_pe_s = gl.allocate_shared_memory(DTYPE, [BLOCK_H, R], PE_S)
         k_lat_s = gl.allocate_shared_memory(DTYPE, [2, BS, V], LAT_S)
         k_pe_s = gl.allocate_shared_memory(DTYPE, [2, BS, R], PE_S)
         p_s = gl.allocate_shared_memory(DTYPE, [BLOCK_H, BS], P_S)
+        max_s = gl.allocate_shared_memory(
+            gl.float32, [BLOCK_H, 2], gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        )
+        # The query's copies join the first block's commit group (one wait for both).
+        h_l = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, LAT_LOAD))
+        c_l = gl.arange(0, V, layout=gl.SliceLayout(0, LAT_LOAD))
+        async_copy.async_copy_global_to_shared(
+            q_lat_s, q_ptr + (t * num_heads + h_l)[:, None] * C + c_l[None, :],
+            mask=(h_l < num_heads)[:, None],
+        )  # fmt: skip
+        h_r = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, PE_LOAD))
+        c_r = gl.arange(0, R, layout=gl.SliceLayout(0, PE_LOAD))
+        async_copy.async_copy_global_to_shared(
+            q_pe_s, q_ptr + (t * num_heads + h_r)[:, None] * C + V + c_r[None, :],
+            mask=(h_r < num_heads)[:, None],
+        )  # fmt: skip
+        _copy_block(
+            kv_ptr, gl.load(table + first_block).to(gl.int64), first_block, position,
+            k_lat_s.index(0), k_pe_s.index(0), BS, C, V, R, LAT_LOAD, PE_LOAD,
+        )  # fmt: skip
+        # Why one block ahead: the table read's latency is spent while a block is computed.
+        next_id = gl.load(table + gl.minimum(first_block + 1, last_block - 1)).to(gl.int64)
 
         row_max = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
-        row_sum = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(1, S_L))
-        acc = gl.zeros([BLOCK_H, V], gl.float32, layout=O_L)
         no_scores = gl.zeros([BLOCK_H, BS], gl.float32, layout=S_L)
+        # [BLOCK_H, 2]: each warpgroup's running sum of its keys' probabilities (the layout
+        # of a block's per-warpgroup sums).
+        row_sums = gl.sum(gl.reshape(no_scores, [BLOCK_H, 2, HALF]), axis=2)
+        acc = gl.zeros([BLOCK_H, V], gl.float32, layout=O_L)
         offs_s = gl.arange(0, BS, layout=gl.SliceLayout(0, S_L))
-        _copy_block(
-            kv_ptr, tables_ptr, seq, table_width, first_block, position, k_lat_s.index(0),
-            k_pe_s.index(0), BS, C, V, R, LAT_LOAD, PE_LOAD,
-        )  # fmt: skip
         # Why one order: block j of the sequence, whole, merged in order j ascending.
         for j in range(first_block, last_block):
             stage = ((j - first_block) % 2).to(gl.int32)
-            if j + 1 < last_block:
-                gl.thread_barrier()  # every warp is past the MMAs that read the other stage
-                _copy_block(
-                    kv_ptr, tables_ptr, seq, table_width, j + 1, position,
-                    k_lat_s.index(1 - stage), k_pe_s.index(1 - stage), BS, C, V, R, LAT_LOAD,
-                    PE_LOAD,
-                )  # fmt: skip
-                async_copy.wait_group(1)
-            else:
-                async_copy.wait_group(0)
+            async_copy.wait_group(0)
             gl.thread_barrier()  # every warp's copies of block j have landed
             fence_async_shared()
             k_lat = k_lat_s.index(stage)
@@ -148,13 +162,28 @@ def _mla_wide_split_kernel(
                 is_async=True,
             )  # fmt: skip
             scores = warpgroup_mma(q_lat_s, k_lat.permute((1, 0)), scores, is_async=True)
+            # While the score MMAs run: the next block's copies into the other stage, whose
+            # last reader (block j - 1's value MMA) every warp has waited for.
+            gl.thread_barrier()
+            if j + 1 < last_block:
+                _copy_block(
+                    kv_ptr, next_id, j + 1, position, k_lat_s.index(1 - stage),
+                    k_pe_s.index(1 - stage), BS, C, V, R, LAT_LOAD, PE_LOAD,
+                )  # fmt: skip
+                next_id = gl.load(table + gl.minimum(j + 2, last_block - 1)).to(gl.int64)
             scores = warpgroup_mma_wait(num_outstanding=0, deps=(scores,))
             kv_ok = (j * BS + offs_s) <= position
             scores = gl.where(kv_ok[None, :], scores * scale, float("-inf"))
-            max_new = gl.maximum(row_max, gl.max(scores, axis=1))
+            max_s.store(gl.max(gl.reshape(scores, [BLOCK_H, 2, HALF]), axis=2))
+            gl.thread_barrier()  # both warpgroups' maxima are in max_s
+            block_max = gl.max(max_s.load(BOTH_L), axis=1)
+            max_new = gl.maximum(row_max, gl.convert_layout(block_max, gl.SliceLayout(1, S_L)))
             alpha = gl.exp(row_max - max_new)
             p = gl.exp(scores - max_new[:, None])
-            row_sum = row_sum * alpha + gl.sum(p, axis=1)
+            alpha_2 = gl.convert_layout(alpha, gl.SliceLayout(1, row_sums.type.layout))
+            row_sums = row_sums * alpha_2[:, None] + gl.sum(
+                gl.reshape(p, [BLOCK_H, 2, HALF]), axis=2
+            )  # fmt: skip
             row_max = max_new
             p_s.store(p.to(DTYPE))
             fence_async_shared()
@@ -162,6 +191,7 @@ def _mla_wide_split_kernel(
             alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, O_L))
             acc = warpgroup_mma(p_s, k_lat, acc * alpha_o[:, None], is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        row_sum = gl.convert_layout(gl.sum(row_sums, axis=1), gl.SliceLayout(1, S_L))
         heads = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, O_L))
         cols = gl.arange(0, V, layout=gl.SliceLayout(0, O_L))
         head_ok = (heads < num_heads)[:, None]
