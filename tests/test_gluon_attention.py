@@ -53,6 +53,11 @@ def test_gluon_split_kernel_compiles_for_sm90_without_spilling(tmp_path):
         [tool, "--dump-resource-usage", str(cubin)], capture_output=True, text=True, check=True
     ).stdout
     assert "STACK:0 " in usage, usage  # no register spills
+    # ptxas waits after every wgmma when it cannot prove an accumulator is not read in flight
+    # (advisory C7514): the kernel keeps one wait per MMA chain (scores, values), not forty.
+    sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True)
+    assert sass.stdout.count("HGMMA") >= 40, "the MMAs are missing from the SASS"
+    assert sass.stdout.count("WARPGROUP.DEPBAR") <= 2, "ptxas serialised the wgmmas"
 
 
 def test_only_the_mla_shape_on_cuda_takes_the_gluon_kernel():
