@@ -274,7 +274,7 @@ def bench_config_sweep() -> None:
 
 # The linears of one V2-Lite prefill layer outside the experts (name, K, N); the router and
 # kv_a take the fixed K split's chain, the rest the plain kernel (o_proj and the shared
-# experts' down at kernels.tp_max 1; at 8 the tree).
+# experts' down run whole on TP token shares: the plain kernel at every kernels.tp_max).
 PREFILL_LINEARS = (
     ("q_proj", 2048, 3072),
     ("kv_a", 2048, 576),
@@ -442,7 +442,8 @@ def _linear_graph_us(op, num_rows: int, in_dim: int, out_dim: int) -> float:
     return _graph_ms(make, 2 * (out_dim * in_dim + num_rows * (in_dim + out_dim))) * 1e3
 
 
-# Row-parallel weights of V2-Lite (name, K, N): their K is what TP splits.
+# V2-Lite weights the tree is measured on (name, K, N): mlp_down, the row-parallel one (its K
+# is what TP splits); o_proj and shared_down, row-parallel until they moved to token shares.
 ROW_PARALLEL_SHAPES = (
     ("o_proj", 2048, 2048),
     ("shared_down", 2816, 2048),

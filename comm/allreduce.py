@@ -1,4 +1,4 @@
-"""TP reductions: the collectives here, the arithmetic from the op table.
+"""TP collectives: the reductions (their arithmetic from the op table) and the equal exchange.
 
 `all_reduce(x, group, sum_over_ranks)` offers the op two collectives, an all-gather and the
 backend's own all_reduce; the op table's `sum_over_ranks` picks which does the arithmetic. The
@@ -7,6 +7,8 @@ same on every rank); the fast one is the backend's ring/tree, chosen by message 
 `row_parallel_linear(x, weight, group, op)` offers the op table's row-parallel linear the same
 two collectives: its invariant version all-gathers every rank's fp32 subtree sum and finishes
 one fixed binary tree (kernels/tp_linear.py), the same bits at every TP degree.
+`all_to_all_equal(x, group)` swaps equal row blocks between the ranks (attention's heads for
+token shares; no arithmetic).
 """
 
 from __future__ import annotations
@@ -26,6 +28,17 @@ def all_gather(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> list[
     with collective_guard(dist.get_rank(), "all_gather"):
         dist.all_gather(parts, x.contiguous(), group=group)
     return parts
+
+
+def all_to_all_equal(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """x [R * n, ...], block j (rows j * n .. (j + 1) * n) for rank j -> [R * n, ...], block j
+    from rank j. n may be 0."""
+    out = torch.empty_like(x)
+    # Collective: every rank of the group calls this with the same shape, even with n 0, in the
+    # same order as its other collectives.
+    with collective_guard(dist.get_rank(), "all_to_all"):
+        dist.all_to_all_single(out, x.contiguous(), group=group)
+    return out
 
 
 def backend_all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:

@@ -259,28 +259,24 @@ class RuntimeConfig:
             )
 
     def _check_tp_max(self) -> None:
-        """The fixed K split of the row-parallel linears (kernels/tp_linear.py): every TP degree
-        must hold whole chunks, and every row-parallel K must cut into tp_max equal chunks."""
+        """The fixed K split of the row-parallel linear (kernels/tp_linear.py), the dense MLP's
+        down_proj: every TP degree must hold whole chunks, and its K (the dense intermediate
+        size, when there are dense layers) must cut into tp_max equal chunks. o_proj and the
+        shared experts run whole on token shares: no K split to constrain."""
         model, tp, tp_max = self.model, self.parallel.tp_size, self.kernels.tp_max
         if tp_max % tp:
             raise ValueError(
                 f"kernels.tp_max={tp_max} must be a multiple of parallel.tp_size={tp} (each TP "
-                f"rank holds tp_max / tp_size chunks of every row-parallel K); valid tp sizes: "
+                f"rank holds tp_max / tp_size chunks of the row-parallel K); valid tp sizes: "
                 f"{_divisors(tp_max)}"
             )
-        heads_out = model.num_attention_heads * model.v_head_dim  # o_proj's K
-        row_parallel = {"model.num_attention_heads * model.v_head_dim": heads_out}
-        if model.first_k_dense_replace:
-            row_parallel["model.intermediate_size"] = model.intermediate_size
-        for key, k_full in row_parallel.items():
-            if k_full % tp_max:
-                valid = [
-                    d for d in _divisors(tp_max) if all(k % d == 0 for k in row_parallel.values())
-                ]
-                raise ValueError(
-                    f"kernels.tp_max={tp_max} must divide {key} = {k_full} (a row-parallel "
-                    f"linear's K is cut into tp_max chunks); valid tp_max: {valid}"
-                )
+        if model.first_k_dense_replace and model.intermediate_size % tp_max:
+            valid = [d for d in _divisors(tp_max) if model.intermediate_size % d == 0]
+            raise ValueError(
+                f"kernels.tp_max={tp_max} must divide model.intermediate_size = "
+                f"{model.intermediate_size} (the dense MLP's row-parallel down_proj cuts its K "
+                f"into tp_max chunks); valid tp_max: {valid}"
+            )
 
 
 def _divisors(n: int) -> list[int]:

@@ -5,8 +5,8 @@
 - EP=8 as 8 Ray actors sharing the one GPU, gloo between them: batched and shuffled runs
   bitwise equal to the world-size-1 run alone (batch and layout invariance together).
 - With two GPUs, one Ray actor per GPU over NCCL: EP=2 and TP=2 each equal to world size 1
-  (the step wire format across real processes and NCCL; TP through kernels.tp_max's fixed K
-  split, tests/test_gpu_tp_linear.py).
+  (the step wire format across real processes and NCCL; TP through o_proj and the MoE on
+  token shares and the dense down's kernels.tp_max fixed K split, tests/test_gpu_tp_linear.py).
 - Chunked prefill, prefix-cache hits and decode vs score() bitwise on the GPU.
 - The KV cache sized from free GPU memory (cache.num_blocks: 0).
 Skipped without CUDA; independent of launch/ (the GPU machine has no HTTP stack).
@@ -211,7 +211,10 @@ def test_gpu_two_ranks_nccl(ray_on_gpu, workload, alone_invariant, tp_size):
         assert [(s["tp_size"], s["tp_rank"]) for s in stats] == [(2, 0), (2, 1)]
         assert all(s["num_tp_all_reduces"] > 0 for s in stats), "no TP reduction ran"
         assert all(s["num_tp_fp32_gathers"] > 0 for s in stats), "no fp32 subtree sums gathered"
-        reference = alone_invariant  # the tp_max split: TP=2 is bitwise the TP=1 run
+        assert all(s["num_tp_head_exchanges"] > 0 for s in stats), "o_proj ran on no share"
+        # The dense down's tp_max split, o_proj and the MoE on token shares: TP=2 is bitwise
+        # the TP=1 run.
+        reference = alone_invariant
     for i in range(8):
         assert alone[i] == reference[i], f"prompt {i}: alone differs"
     for i in range(NUM_PROMPTS):

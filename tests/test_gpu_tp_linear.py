@@ -1,14 +1,16 @@
 """TP invariance on the GPU: the compiled row-parallel Triton kernels, and TP=2 == TP=1 over NCCL.
 
-- One GPU: on DeepSeek-V2-Lite's row-parallel shapes in bf16 (o_proj, dense mlp_down, the two
-  shared experts' down_proj), every tp in {1, 2, 4, 8} gives the tp=1 bits; a row's bits ignore
+- One GPU: on DeepSeek-V2-Lite's shapes in bf16 (dense mlp_down, the runtime's row-parallel
+  weight; o_proj and the two shared experts' down_proj, which run whole on token shares now but
+  keep their chunk widths here), every tp in {1, 2, 4, 8} gives the tp=1 bits; a row's bits ignore
   the row count and permutations; the tree-sum kernel rounds to bf16 exactly as torch does;
   close to fp64 (tolerance stated).
 - One GPU: every column-parallel slice (q, gate/up, LM head) gives the whole linear's columns.
 - One GPU, TP 2 and 4 as Ray actors over gloo at V2-Lite's widths: the TP=1 bits.
 - Two GPUs, one Ray actor each over NCCL: the tiny model at TP=2 gives the world-size-1 bits
   (token ids, chosen and top-k logprobs, score()); engagement: both ranks all-gathered fp32
-  subtree sums; control: fast mode at TP=2 differs from fast mode at TP=1.
+  subtree sums (the dense down_proj) and swapped attention heads for token shares (o_proj);
+  control: fast mode at TP=2 differs from fast mode at TP=1.
 Skipped without CUDA (and the second part without two GPUs).
 """
 
@@ -30,7 +32,8 @@ pytestmark = [
 
 TINY_GPU = Path(__file__).resolve().parent.parent / "launch" / "configs" / "tiny_gpu.yaml"
 TP_MAX = 8
-# (out, in) of V2-Lite's row-parallel weights: o_proj, dense mlp_down, shared experts' down_proj.
+# (out, in) the tree kernels are checked on: V2-Lite's o_proj (chunks on the 64-column grid),
+# dense mlp_down (the row-parallel weight) and shared experts' down_proj (chunks off the grid).
 V2_LITE_ROW_PARALLEL = [(2048, 2048), (2048, 10944), (2048, 2816)]
 # 300 takes the in-program tree on 64-column-step chunks (kernels/triton_tp_linear.py
 # TREE_MIN_ROWS), 513 and 4100 on the others too, 4100 two row launches on long ones; the
@@ -302,6 +305,13 @@ def ray_on_gpu():
     ray.shutdown()
 
 
+def _assert_heads_exchanged(stats: list[dict]) -> None:
+    """Every rank swapped its heads for its token share and gathered o_proj's rows, in step."""
+    exchanges = [s["num_tp_head_exchanges"] for s in stats]
+    assert len(set(exchanges)) == 1 and exchanges[0] > 0, exchanges
+    assert [s["num_tp_attention_gathers"] for s in stats] == exchanges
+
+
 def _run(mode: str, workload, **overrides) -> tuple[dict, dict, list, list[dict]]:
     """(together, shuffled sub-batches, score() logprobs, worker stats) of one engine."""
     prompts, params = workload
@@ -348,6 +358,7 @@ def test_gpu_tp2_nccl_gives_tp1_bits(workload, mode):
     assert [(s["tp_size"], s["tp_rank"]) for s in stats] == [(2, 0), (2, 1)]
     counts = [s["num_tp_all_reduces"] for s in stats]
     assert counts[0] == counts[1] > 0, counts
+    _assert_heads_exchanged(stats)
     if mode == "fast":  # control: the backend's all_reduce of bf16 partials
         assert [s["num_tp_fp32_gathers"] for s in stats] == [0, 0]
         assert score != score1 or together != together1, "fast TP=2 gave the TP=1 bits"
@@ -364,14 +375,16 @@ def test_gpu_tp2_nccl_gives_tp1_bits(workload, mode):
 @pytest.mark.usefixtures("ray_on_gpu")
 def test_gpu_tp_gloo_one_gpu_gives_tp1_bits(workload, mode, tp_size):
     """TP 2 and 4 as Ray actors sharing one GPU, gloo between them, at V2-Lite's widths: the
-    compiled kernels (column slices, the fixed tp_max split, token shares) give the TP=1
-    bits; engagement: every rank gathered fp32 subtree sums; control: fast mode differs."""
+    compiled kernels (column slices, the dense down's fixed tp_max split, o_proj and the MoE
+    on token shares) give the TP=1 bits; engagement: every rank gathered fp32 subtree sums and
+    exchanged heads; control: fast mode differs."""
     tp = {"parallel.world_size": tp_size, "parallel.tp_size": tp_size, "parallel.backend": "gloo"}
     together1, _, score1, _ = _run(mode, workload, **WIDE)
     together, shuffled, score, stats = _run(mode, workload, **WIDE, **tp)
     assert [s["tp_rank"] for s in stats] == list(range(tp_size))
     counts = [s["num_tp_all_reduces"] for s in stats]
     assert len(set(counts)) == 1 and counts[0] > 0, counts
+    _assert_heads_exchanged(stats)
     if mode == "fast":
         assert score != score1 or together != together1, f"fast TP={tp_size} gave TP=1 bits"
         return

@@ -17,7 +17,7 @@ from tests.invariance import TINY_CONFIG, fingerprint, mixed_prompts
 ODD_SHAPES = [
     {"model.hidden_size": 30, "model.n_routed_experts": 8, "model.num_experts_per_tok": 2,
      "model.n_group": 2, "model.topk_group": 1},
-    # tp_max 1: row-parallel K of 34 and 7 split into no power-of-two chunks (the config says so)
+    # tp_max 1: the dense down_proj's K of 34 cuts into no power-of-two chunks (config says so)
     {"model.hidden_size": 30, "model.moe_intermediate_size": 7, "model.intermediate_size": 34,
      "model.n_routed_experts": 3, "model.num_experts_per_tok": 2, "model.n_group": 1,
      "model.topk_group": 1, "kernels.tp_max": 1},

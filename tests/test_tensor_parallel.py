@@ -2,17 +2,21 @@
 
 - TP 2 and 4 (one DP group), and TP 2 in two DP groups of two (EP over all four ranks): batched
   and shuffled generations and score() logprobs equal the world-size-1 run's bit for bit (token
-  ids, chosen and top-k logprobs): batch, layout and TP-degree invariance together. The
-  row-parallel linears cut K into kernels.tp_max fixed chunks summed in one binary tree, and
-  the TP reduction finishes that tree from the ranks' fp32 subtree sums (kernels/tp_linear.py).
+  ids, chosen and top-k logprobs): batch, layout and TP-degree invariance together. The dense
+  MLP's row-parallel down_proj cuts K into kernels.tp_max fixed chunks summed in one binary
+  tree, finished from the ranks' fp32 subtree sums (kernels/tp_linear.py); o_proj and the MoE
+  layers run whole on each rank's token share.
 - Engagement, read from the workers, not from the outputs: every rank reports its TP size and
-  rank, ran as many row-parallel reductions as its TP partners, and each of them all-gathered
-  fp32 subtree sums; each MoE layer dispatched the rank's share of the group's tokens and
-  gathered the routed rows back; with EP the ranks sent rows to each other.
-- Controls: fast kernels (one GEMM over the local K, the backend's all_reduce of the partials)
-  give TP=2 bits that differ from TP=1, and are not batch-invariant at TP=2. The previous
-  invariant TP sum (linear over the local K, partials summed in rank order) is shown to differ
-  from TP=1 in tests/test_tp_linear.py.
+  rank; the row-parallel reductions (each an all-gather of fp32 subtree sums) ran once per
+  dense layer and forward, in step with the TP partners; every attention layer swapped its
+  heads for token shares and gathered o_proj's rows, every MoE layer dispatched the rank's
+  share and gathered the finished rows (the counts in the model's layer ratios); with EP the
+  ranks sent rows to each other.
+- Controls: fast kernels (the dense down_proj as one GEMM over the local K and the backend's
+  all_reduce of the partials; o_proj and the experts as M-dependent GEMMs on the shares) give
+  TP=2 bits that differ from TP=1, and are not batch-invariant at TP=2. The previous invariant
+  TP sum (linear over the local K, partials summed in rank order) is shown to differ from TP=1
+  in tests/test_tp_linear.py; o_proj's exchange alone in tests/test_tp_attention.py.
 
 The model is the shipped tiny config: 4 attention heads, so a rank at TP 4 holds one (the CPU
 reference attention computes each head alone, kernels/attention.py, so its bits ignore the heads
@@ -24,6 +28,7 @@ from __future__ import annotations
 import pytest
 
 from moe_runtime import LLM
+from moe_runtime.config import load_config
 from moe_runtime.model.tensor_parallel import shard_dim
 from tests.invariance import (
     TINY_CONFIG,
@@ -88,8 +93,13 @@ def _tp_llm(world_size: int, tp_size: int, **overrides) -> LLM:
 
 
 def _assert_tp_ran(stats: list[dict], tp_size: int, is_invariant: bool = True) -> None:
-    """Every rank held a TP shard and ran the row-parallel reductions in step with its TP
-    partners; in invariant mode each one all-gathered fp32 subtree sums, in fast mode none."""
+    """Every rank held a TP shard and ran each layer's TP collectives in step with its TP
+    partners: per forward one row-parallel reduction a dense layer (in invariant mode each an
+    all-gather of fp32 subtree sums, in fast mode none), one head exchange and one gather of
+    o_proj's rows an attention layer, one gather of finished rows a MoE layer."""
+    cfg = load_config(TINY_CONFIG).model
+    num_dense, num_layers = cfg.first_k_dense_replace, cfg.num_hidden_layers
+    assert 0 < num_dense < num_layers, "the tiny model needs dense and MoE layers for this check"
     world_size = len(stats)
     assert [s["tp_size"] for s in stats] == [tp_size] * world_size
     assert [s["tp_rank"] for s in stats] == [rank % tp_size for rank in range(world_size)]
@@ -97,13 +107,17 @@ def _assert_tp_ran(stats: list[dict], tp_size: int, is_invariant: bool = True) -
     assert all(n > 0 for n in counts), f"some rank never ran a TP reduction: {counts}"
     for group in range(0, world_size, tp_size):
         assert len(set(counts[group : group + tp_size])) == 1, f"TP partners differ: {counts}"
+    # The fp32 subtree sums come from the dense MLP alone: no more reductions than its forwards.
+    assert all(n % num_dense == 0 for n in counts), counts
+    forwards = [n // num_dense for n in counts]
     gathers = [s["num_tp_fp32_gathers"] for s in stats]
     assert gathers == (counts if is_invariant else [0] * world_size), (counts, gathers)
+    exchanges = [s["num_tp_head_exchanges"] for s in stats]
+    assert exchanges == [n * num_layers for n in forwards], (forwards, exchanges)
+    assert [s["num_tp_attention_gathers"] for s in stats] == exchanges
     # Each rank dispatched only its share of the group's tokens and gathered the routed rows.
     shares = [s["num_tp_share_gathers"] for s in stats]
-    assert all(n > 0 for n in shares), f"some rank never gathered token shares: {shares}"
-    for group in range(0, world_size, tp_size):
-        assert len(set(shares[group : group + tp_size])) == 1, f"TP partners differ: {shares}"
+    assert shares == [n * (num_layers - num_dense) for n in forwards], (forwards, shares)
 
 
 @pytest.mark.parametrize(("world_size", "tp_size"), LAYOUTS)
@@ -143,7 +157,8 @@ def test_tp2_negative_control_fast_kernels(workload, scored):
 
 def test_shard_rules():
     assert shard_dim("model.layers.0.self_attn.q_b_proj.weight") == 0
-    assert shard_dim("model.layers.0.self_attn.o_proj.weight") == 1
+    # o_proj runs whole on each TP rank's share of the tokens (mla.py).
+    assert shard_dim("model.layers.0.self_attn.o_proj.weight") is None
     assert shard_dim("model.layers.0.mlp.down_proj.weight") == 1  # the dense MLP
     assert shard_dim("model.layers.0.mlp.gate_proj.weight") == 0
     # The shared experts run whole on each TP rank's share of the tokens.

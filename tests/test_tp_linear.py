@@ -177,12 +177,17 @@ def test_runtime_config_checks_tp_max_against_the_layout_and_the_model():
     layout = {"parallel.world_size": 4, "parallel.tp_size": 4}
     with pytest.raises(ValueError, match=r"kernels.tp_max=2 must be a multiple of parallel."):
         load_config(TINY_CONFIG, {**layout, "kernels.tp_max": 2})
-    message = r"kernels.tp_max=16 must divide model.intermediate_size = 40"
+    message = r"kernels.tp_max=16 must divide model.intermediate_size = 40 \(the dense MLP"
     dense_40 = {"kernels.tp_max": 16, "model.intermediate_size": 40}  # 40 % 16 != 0
     with pytest.raises(ValueError, match=message):
         load_config(TINY_CONFIG, dense_40)
     # Fast mode has no K split: tp_max does not constrain it.
     assert load_config(TINY_CONFIG, {**dense_40, "kernels.mode": "fast"})
+    # Without dense layers no linear is row-parallel: nothing for tp_max to divide.
+    assert load_config(TINY_CONFIG, {**dense_40, "model.first_k_dense_replace": 0})
+    # o_proj runs whole on each TP rank's token share: its K (4 heads * 10 = 40) is free.
+    heads_40 = {**layout, "kernels.tp_max": 16, "model.v_head_dim": 10}
+    assert load_config(TINY_CONFIG, heads_40).kernels.tp_max == 16
     # The shared experts run whole on each TP rank's token share: no K split to constrain,
     # and their intermediate size need not divide by the TP degree.
     shared_40 = {**layout, "kernels.tp_max": 16, "model.moe_intermediate_size": 40}

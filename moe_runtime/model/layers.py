@@ -2,8 +2,9 @@
 
 Parameter names follow HF DeepSeek checkpoints (`.weight`), so a state dict maps directly.
 Every reducing op goes through `ops`, which is the batch-invariant table or the fast one.
-`RowParallelLinear` is the one place a TP-split K is summed over the TP ranks (o_proj, and
-down_proj of the dense MLP), by the table's `row_parallel_linear`.
+`RowParallelLinear` is the one place a TP-split K is summed over the TP ranks (down_proj of
+the dense MLP; o_proj runs whole on token shares instead, mla.py), by the table's
+`row_parallel_linear`.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ One formulation for prefill and decode: the latent (kv_lora) and rope key of eve
 written to the cache first, then every query attends over the cache with W_UK absorbed into the
 query and W_UV applied after, so a token's output has the same bits whether its prompt was
 prefilled whole, in chunks, from the prefix cache, or decoded one token at a time. With TP each
-rank holds whole heads; o_proj is row-parallel, its sum the same bits at every TP degree.
+rank holds whole heads for every token, then swaps them for every head of its token share and
+runs o_proj whole on that share: a token's output is one plain linear at every TP degree.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from torch import nn
 
 from kernels import OpTable
 from moe_runtime.forward_batch import ForwardBatch
-from moe_runtime.model.layers import Linear, RMSNorm, RowParallelLinear
+from moe_runtime.model.layers import Linear, RMSNorm
 from moe_runtime.model.rope import RotaryEmbedding, softmax_scale
 from moe_runtime.model.tensor_parallel import TensorParallel
 from moe_runtime.model_config import ModelConfig
@@ -50,9 +51,15 @@ class MLAttention(nn.Module):
         self.kv_b_proj = Linear(
             cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), ops, dtype
         )
-        self.o_proj = RowParallelLinear(h * cfg.v_head_dim, d, ops, dtype, tp)
+        # Why whole: each TP rank runs o_proj on its share of the tokens with all of K, so a
+        # token's row is one plain invariant linear (batch-invariant, K in the kernel's fixed
+        # order) whatever the TP degree: no fixed K tree (its prefill launch cost ~1.4x the
+        # plain linear's on the GPU). On the wire: the heads' outputs and the finished rows in
+        # the model dtype instead of fp32 [T, D] subtree sums. The price: the weight is whole
+        # on every TP rank (README.md, TP invariance, gives the sizes).
+        self.o_proj = Linear(self.whole_heads * cfg.v_head_dim, d, ops, dtype)
         self.scale = softmax_scale(cfg.qk_head_dim, cfg.rope_scaling)
-        self.rope, self.ops = rope, ops
+        self.rope, self.ops, self.tp = rope, ops, tp
         self.w_uk_t: torch.Tensor | None = None
         self.w_uv: torch.Tensor | None = None
 
@@ -109,5 +116,8 @@ class MLAttention(nn.Module):
             whole_heads=self.whole_heads,  # the launch every TP degree keeps
         )
         out = self.ops.batched_linear(out_latent.transpose(0, 1), self.w_uv).transpose(0, 1)
-        # Row-parallel: each TP rank holds some heads; o_proj sums them over the TP ranks.
-        return self.o_proj(out.reshape(t, self.num_heads * self.v_dim))
+        # Collectives (every TP rank, in layer order, even with an empty share; none at tp 1,
+        # where this is o_proj(out)): this rank's heads of every token for every head of its
+        # token share, o_proj on the share, the finished rows of all shares back to every rank.
+        heads = self.tp.heads_to_share(out.reshape(t, self.num_heads * self.v_dim))
+        return self.tp.gather_shares(self.o_proj(heads), t, "attention_share_gather")

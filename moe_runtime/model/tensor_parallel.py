@@ -1,14 +1,15 @@
-"""Tensor parallelism inside one data-parallel group: which weights are split, and the reductions.
+"""Tensor parallelism inside one data-parallel group: which weights are split, and the collectives.
 
 Attention heads, the dense MLP's intermediate dim and the LM head's vocabulary are split over
-the TP ranks; everything else is replicated. The MoE layers split tokens instead: each TP rank
-runs the routed and shared experts on its own share of the group's tokens (`token_share`) and
-the finished rows are gathered (`gather_shares`). Column-parallel linears keep every
-output element's K order, so they need no reduction. Row-parallel linears (o_proj, down_proj)
-run the op table's `row_parallel_linear` through comm: in invariant mode K is cut into
-kernels.tp_max fixed chunks, each rank sums its subtree of one fixed binary tree in fp32, and
-the fp32 subtree sums are all-gathered and the tree finished in rank order, rounded once: the
-same bits at every TP degree (tp 1 included) and every batch.
+the TP ranks; everything else is replicated. o_proj and the MoE layers split tokens instead:
+each TP rank runs them whole on its own share of the group's tokens (`token_share`; attention
+first swaps its heads of every token for every head of its share, `heads_to_share`) and the
+finished rows are gathered (`gather_shares`). Column-parallel linears keep every output
+element's K order, so they need no reduction. The one row-parallel linear left, the dense MLP's
+down_proj, runs the op table's `row_parallel_linear` through comm: in invariant mode K is cut
+into kernels.tp_max fixed chunks, each rank sums its subtree of one fixed binary tree in fp32,
+and the fp32 subtree sums are all-gathered and the tree finished in rank order, rounded once:
+the same bits at every TP degree (tp 1 included) and every batch.
 """
 
 from __future__ import annotations
@@ -20,14 +21,13 @@ from typing import Any
 
 import torch
 
-from comm.allreduce import all_gather, row_parallel_linear
+from comm.allreduce import all_gather, all_to_all_equal, row_parallel_linear
 
 # Parameter-name suffix -> the dim split across TP ranks (0: output rows, 1: input columns).
 _SHARD_DIMS = (
     ("self_attn.q_proj.weight", 0),
     ("self_attn.q_b_proj.weight", 0),
     ("self_attn.kv_b_proj.weight", 0),
-    ("self_attn.o_proj.weight", 1),
     (".gate_proj.weight", 0),
     (".up_proj.weight", 0),
     (".down_proj.weight", 1),
@@ -42,9 +42,11 @@ class TensorParallel:
     group: Any = None
     # Collectives this rank ran in its TP group, by name ("all_reduce": row-parallel sums,
     # "fp32_subtree_gather": the all-gathers of fp32 subtree sums among them, "all_gather": the
-    # LM head's slices, "share_gather": the MoE layers' finished rows of each rank's token
-    # share): the record is frozen, the counts are not; Worker.stats reports them, so a test can
-    # see the split path ran without relying on TP changing any bits.
+    # LM head's slices, "head_exchange": attention's heads swapped for token shares,
+    # "attention_share_gather": o_proj's finished rows of each rank's token share,
+    # "share_gather": the MoE layers' finished rows of each rank's token share): the record is
+    # frozen, the counts are not; Worker.stats reports them, so a test can see the split path
+    # ran without relying on TP changing any bits.
     num_calls: Counter = field(default_factory=Counter, compare=False, repr=False)
 
     def split(self, total: int, what: str) -> int:
@@ -80,12 +82,34 @@ class TensorParallel:
         start = min(self.rank * per_rank, num_tokens)
         return slice(start, min(start + per_rank, num_tokens))
 
-    def gather_shares(self, share: torch.Tensor, num_tokens: int) -> torch.Tensor:
-        """The group's rows [num_tokens, ...] from every rank's `token_share` rows. Collective
-        (every TP rank calls it with the same num_tokens); padded to equal sizes on the wire."""
+    def heads_to_share(self, heads: torch.Tensor) -> torch.Tensor:
+        """This rank's heads of every token [T, H_local * v] -> every head of this rank's
+        `token_share` tokens [T_share, H * v], heads in global order (rank r holds heads
+        r * H_local .. (r + 1) * H_local - 1, as q_b_proj and kv_b_proj are chunked). Collective
+        (every TP rank calls it with the same T, even with an empty share); padded to
+        ceil(T / size) rows per rank on the wire, so each rank receives only its own rows."""
+        if self.size == 1:
+            return heads
+        self.num_calls["head_exchange"] += 1
+        num_tokens, width = heads.shape
+        per_rank = -(-num_tokens // self.size)
+        padded = heads.new_zeros((self.size * per_rank, width))
+        padded[:num_tokens] = heads
+        # Block r of what arrives: rank r's heads of this rank's rows; side by side in rank order.
+        blocks = all_to_all_equal(padded, self.group).view(self.size, per_rank, width)
+        rows = blocks.transpose(0, 1).reshape(per_rank, self.size * width)
+        share = self.token_share(num_tokens)
+        return rows[: share.stop - share.start]
+
+    def gather_shares(
+        self, share: torch.Tensor, num_tokens: int, name: str = "share_gather"
+    ) -> torch.Tensor:
+        """The group's rows [num_tokens, ...] from every rank's `token_share` rows; counted in
+        num_calls under `name`. Collective (every TP rank calls it with the same num_tokens);
+        padded to equal sizes on the wire."""
         if self.size == 1:
             return share
-        self.num_calls["share_gather"] += 1
+        self.num_calls[name] += 1
         per_rank = -(-num_tokens // self.size)
         padded = share.new_zeros((per_rank, *share.shape[1:]))
         padded[: share.shape[0]] = share

@@ -269,7 +269,9 @@ class Worker:
         `num_tp_all_reduces` = row-parallel sums over the TP group this rank ran (0 at tp_size
         1), `num_tp_fp32_gathers` = the all-gathers of fp32 subtree sums among them (invariant
         mode; fast mode sums with the backend's all_reduce instead), `num_tp_share_gathers` =
-        MoE layers whose finished rows came from each TP rank's token share;
+        MoE layers whose finished rows came from each TP rank's token share,
+        `num_tp_head_exchanges` / `num_tp_attention_gathers` = attention layers that swapped
+        their heads for token shares / gathered o_proj's finished rows of the shares;
         `num_eager_rows_sent_remote` = the remote rows FixedCapacityDispatcher sent through
         the uneven exchange on steps that replayed no graph (0 with any other dispatcher);
         `num_lookahead_hits` / `num_lookahead_misses` = decode steps launched ahead that served
@@ -288,6 +290,8 @@ class Worker:
             "num_tp_all_reduces": tp.num_calls["all_reduce"],
             "num_tp_fp32_gathers": tp.num_calls["fp32_subtree_gather"],
             "num_tp_share_gathers": tp.num_calls["share_gather"],
+            "num_tp_head_exchanges": tp.num_calls["head_exchange"],
+            "num_tp_attention_gathers": tp.num_calls["attention_share_gather"],
             "num_steps": self.num_steps,
             "num_rows_sent_remote": self.dispatcher.num_rows_sent_remote,
             "num_eager_rows_sent_remote": (
