@@ -9,9 +9,10 @@ shared memory one block ahead (cp.async, two stages; the next block's copies are
 this block's score MMAs run, its table entry read a block earlier), and the probabilities
 reach the value MMA through shared memory. The warpgroups exchange their row maxima once a
 block through a [64, 2] tile and keep the row sums of their own keys (added at the end), so a
-block costs four barriers (nine in the first form, BENCHMARKS.md). Its partials feed the Triton merge kernel
-(kernels/triton_attention.py). Nothing a program computes depends on other queries or on the
-heads next to its own, so the bits hold across batches, chunkings and TP head subsets.
+block costs four barriers (nine in the first form, BENCHMARKS.md). Its partials feed the
+Triton merge kernel (kernels/triton_attention.py). Nothing a program computes depends on other
+queries or on the heads next to its own, so the bits hold across batches, chunkings and TP head
+subsets.
 """
 
 from __future__ import annotations
