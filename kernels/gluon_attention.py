@@ -48,22 +48,26 @@ def fits_gluon(q: torch.Tensor, kv_cache: torch.Tensor, v_dim: int, block_h: int
 
 
 @gluon.jit
+def _copy_rows(smem, base, first_row, num_ok, row_stride, col0,
+               ROWS: gl.constexpr, WIDTH: gl.constexpr, LOAD: gl.constexpr):  # fmt: skip
+    """Issue the async copy of rows first_row .. first_row + ROWS - 1, columns col0 .. col0 +
+    WIDTH - 1, of the row-major matrix at base into smem; rows from num_ok on copy zeros."""
+    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, LOAD))
+    cols = gl.arange(0, WIDTH, layout=gl.SliceLayout(0, LOAD))
+    src = base + (first_row + rows.to(gl.int64))[:, None] * row_stride + col0 + cols[None, :]
+    async_copy.async_copy_global_to_shared(smem, src, mask=(rows < num_ok)[:, None])
+
+
+@gluon.jit
 def _copy_block(kv_ptr, block_id, j, position, lat_smem, pe_smem,
                 BS: gl.constexpr, C: gl.constexpr, V: gl.constexpr, R: gl.constexpr,
                 LAT_LOAD: gl.constexpr, PE_LOAD: gl.constexpr):  # fmt: skip
     """Issue the async copies of cache block j of the sequence (block_id in the cache; latent
     and rope parts) into one pipeline stage, as one commit group. Positions past the query's
     copy zeros (unwritten slots may hold garbage, and a zero probability times a NaN is a NaN)."""
-    rows = gl.arange(0, BS, layout=gl.SliceLayout(1, LAT_LOAD))
-    cols = gl.arange(0, V, layout=gl.SliceLayout(0, LAT_LOAD))
-    ok = (j * BS + rows) <= position
-    lat = kv_ptr + (block_id * BS + rows.to(gl.int64))[:, None] * C + cols[None, :]
-    async_copy.async_copy_global_to_shared(lat_smem, lat, mask=ok[:, None])
-    rows_r = gl.arange(0, BS, layout=gl.SliceLayout(1, PE_LOAD))
-    cols_r = gl.arange(0, R, layout=gl.SliceLayout(0, PE_LOAD))
-    ok_r = (j * BS + rows_r) <= position
-    pe = kv_ptr + (block_id * BS + rows_r.to(gl.int64))[:, None] * C + V + cols_r[None, :]
-    async_copy.async_copy_global_to_shared(pe_smem, pe, mask=ok_r[:, None])
+    num_ok = position - j * BS + 1
+    _copy_rows(lat_smem, kv_ptr, block_id * BS, num_ok, C, 0, BS, V, LAT_LOAD)
+    _copy_rows(pe_smem, kv_ptr, block_id * BS, num_ok, C, V, BS, R, PE_LOAD)
     async_copy.commit_group()
 
 
@@ -125,18 +129,10 @@ def _mla_wide_split_kernel(
             gl.float32, [BLOCK_H, 2], gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
         )
         # The query's copies join the first block's commit group (one wait for both).
-        h_l = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, LAT_LOAD))
-        c_l = gl.arange(0, V, layout=gl.SliceLayout(0, LAT_LOAD))
-        async_copy.async_copy_global_to_shared(
-            q_lat_s, q_ptr + (t * num_heads + h_l)[:, None] * C + c_l[None, :],
-            mask=(h_l < num_heads)[:, None],
-        )  # fmt: skip
-        h_r = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, PE_LOAD))
-        c_r = gl.arange(0, R, layout=gl.SliceLayout(0, PE_LOAD))
-        async_copy.async_copy_global_to_shared(
-            q_pe_s, q_ptr + (t * num_heads + h_r)[:, None] * C + V + c_r[None, :],
-            mask=(h_r < num_heads)[:, None],
-        )  # fmt: skip
+        first_head = t * num_heads + head_block * BLOCK_H
+        heads_ok = num_heads - head_block * BLOCK_H
+        _copy_rows(q_lat_s, q_ptr, first_head, heads_ok, C, 0, BLOCK_H, V, LAT_LOAD)
+        _copy_rows(q_pe_s, q_ptr, first_head, heads_ok, C, V, BLOCK_H, R, PE_LOAD)
         _copy_block(
             kv_ptr, gl.load(table + first_block).to(gl.int64), first_block, position,
             k_lat_s.index(0), k_pe_s.index(0), BS, C, V, R, LAT_LOAD, PE_LOAD,
