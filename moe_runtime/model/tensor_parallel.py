@@ -78,9 +78,13 @@ class TensorParallel:
     def token_share(self, num_tokens: int) -> slice:
         """This rank's contiguous share of the group's num_tokens rows: ceil(T / size) each in
         rank order, the last ones shorter (or empty)."""
-        per_rank = -(-num_tokens // self.size)
+        per_rank = self.rows_per_share(num_tokens)
         start = min(self.rank * per_rank, num_tokens)
         return slice(start, min(start + per_rank, num_tokens))
+
+    def rows_per_share(self, num_tokens: int) -> int:
+        """Rows of the longest token share, ceil(T / size): every share's size on the wire."""
+        return -(-num_tokens // self.size)
 
     def heads_to_share(self, heads: torch.Tensor) -> torch.Tensor:
         """This rank's heads of every token [T, H_local * v] -> every head of this rank's
@@ -92,9 +96,8 @@ class TensorParallel:
             return heads
         self.num_calls["head_exchange"] += 1
         num_tokens, width = heads.shape
-        per_rank = -(-num_tokens // self.size)
-        padded = heads.new_zeros((self.size * per_rank, width))
-        padded[:num_tokens] = heads
+        per_rank = self.rows_per_share(num_tokens)
+        padded = _pad_rows(heads, self.size * per_rank)
         # Block r of what arrives: rank r's heads of this rank's rows; side by side in rank order.
         blocks = all_to_all_equal(padded, self.group).view(self.size, per_rank, width)
         rows = blocks.transpose(0, 1).reshape(per_rank, self.size * width)
@@ -110,9 +113,7 @@ class TensorParallel:
         if self.size == 1:
             return share
         self.num_calls[name] += 1
-        per_rank = -(-num_tokens // self.size)
-        padded = share.new_zeros((per_rank, *share.shape[1:]))
-        padded[: share.shape[0]] = share
+        padded = _pad_rows(share, self.rows_per_share(num_tokens))
         return torch.cat(all_gather(padded, self.group))[:num_tokens]
 
     def shard(self, name: str, full: torch.Tensor) -> torch.Tensor:
@@ -128,6 +129,13 @@ class TensorParallel:
         if dim is not None:
             shape[dim] *= self.size
         return tuple(shape)
+
+
+def _pad_rows(x: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """x [n, ...] followed by zero rows up to [num_rows, ...] (n <= num_rows)."""
+    padded = x.new_zeros((num_rows, *x.shape[1:]))
+    padded[: x.shape[0]] = x
+    return padded
 
 
 def shard_dim(name: str) -> int | None:
