@@ -6,7 +6,7 @@ device copy measured in the same run (the ceiling), with the torch versions besi
 Times are medians of triton.testing.do_bench (CUDA events, warm-up, L2 flushed per call).
 
     PYTHONUNBUFFERED=1 python bench/gpu_kernels.py [rows linear grouped attention sweep layer
-        row_parallel tree_crossover split_prefill value_split]
+        row_parallel tree_crossover split_prefill value_split whole_query]
 """
 
 from __future__ import annotations
@@ -396,6 +396,47 @@ def bench_value_split() -> None:
         same = all(torch.equal(make(v, c)(), whole) for v, c in shapes[1:])
         us = [_graph_ms(partial(make, v, c), batch * 1024 * 576 * 2) * 1e3 for v, c in shapes]
         print(f"| {batch} | " + " | ".join(f"{u:.1f}" for u in us) + f" | {same} |")
+
+
+def bench_whole_query() -> None:
+    """The invariant decode attention at 16 heads with each query's splits in one program
+    (WHOLE_QUERY) against the split launch and its merge, engine-wide block tables (128
+    entries), each batch's value split, graph replay over L2-missing caches, bits compared.
+    The op takes the whole-query launch from WHOLE_QUERY_PROGRAMS programs."""
+    from kernels.triton_attention import SPLIT_BLOCKS, WHOLE_QUERY_PROGRAMS, _attend, value_split
+
+    ceiling = copy_bandwidth(torch.device("cuda")) / 1e12
+    print(f"\n## decode attention, whole-query programs, 16 heads (graph replay; the op: from "
+          f"{WHOLE_QUERY_PROGRAMS} programs); copy ceiling {ceiling:.2f} TB/s")  # fmt: skip
+    print("| B | ctx | split + merge µs | % of copy | whole query µs | % of copy | same bits |")
+    print("|---|---|---|---|---|---|---|")
+    for batch in (32, 64, 128, 256):
+        for ctx in (1024, 4096):
+            v_parts, lat_chunk = value_split(batch, 512)
+
+            def make(is_whole, batch=batch, ctx=ctx, v_parts=v_parts, lat_chunk=lat_chunk):
+                gen = torch.Generator(device="cuda").manual_seed(0)
+                blocks = -(-ctx // 64)
+                kv = torch.randn(batch * blocks, 64, 576, device="cuda", generator=gen)
+                q = torch.randn(batch, 16, 576, device="cuda", generator=gen).bfloat16()
+                tables = torch.full((batch, 128), -1, device="cuda", dtype=torch.int64)
+                order = torch.randperm(batch * blocks, device="cuda", generator=gen)
+                tables[:, :blocks] = order.view(batch, blocks)
+                seq_ids = torch.arange(batch, device="cuda")
+                positions = torch.full((batch,), ctx - 1, device="cuda")
+                args = (q, kv.bfloat16(), seq_ids, tables, positions, 192**-0.5, 512)
+                return lambda: _attend(
+                    *args, SPLIT_BLOCKS, 4, 3, 16, v_parts, lat_chunk, is_whole_query=is_whole
+                )
+
+            same = torch.equal(make(False)(), make(True)())
+            read = batch * ctx * 576 * 2
+            us = [_graph_ms(partial(make, w), read) * 1e3 for w in (False, True)]
+            pct = [read / u / 1e6 / ceiling for u in us]
+            print(
+                f"| {batch} | {ctx} | {us[0]:.1f} | {pct[0]:.0%} | {us[1]:.1f} | {pct[1]:.0%} "
+                f"| {same} |"
+            )
 
 
 def bench_split_size() -> None:
@@ -911,6 +952,7 @@ def main() -> None:
             "grouped_sweep": bench_grouped_sweep,
             "sweep": bench_config_sweep,
             "attention": bench_attention,
+            "whole_query": bench_whole_query,
             "layer": bench_layer,
             "row_parallel": bench_row_parallel,
             "tree_crossover": bench_tree_crossover,

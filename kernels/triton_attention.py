@@ -66,6 +66,11 @@ MAX_GRID_Y = 65535  # CUDA's limit on grid axis 1, the launch's queries
 # NARROW_LAUNCH only: with 64-head blocks the parts ran out of shared memory or lost (H200).
 SMALL_LAUNCHES = ((1, 4, 128), (8, 2, None))  # (at most this many queries, v_parts, lat_chunk)
 MIN_PART_COLUMNS = 128  # value columns a program keeps at least (the measured 512 / 4)
+# Launches with at least this many (query, head block) programs give each one a whole query
+# (WHOLE_QUERY): its splits folded in the program, so no fp32 partials cross HBM and no merge
+# launch runs. The same bits as the split launch (checked on the GPU), so the choice may
+# follow the query count. Measured on the H200 (BENCHMARKS.md, 16 heads).
+WHOLE_QUERY_PROGRAMS = 256
 
 
 # Why: batch-dependent ints are not specialised (==1, %16), so one compiled kernel serves
@@ -96,9 +101,15 @@ def _mla_split_kernel(
     WRITE_OUT: tl.constexpr,
     V_PARTS: tl.constexpr,
     LAT_CHUNK: tl.constexpr,
+    WHOLE_QUERY: tl.constexpr,
 ):
     """Partial (max, sum, acc) of one query's heads over one split of its cache blocks; with
     WRITE_OUT (the launch has one split) the finished acc / sum into out_ptr (= acc_ptr).
+
+    WHOLE_QUERY (grid axis 2 of size 1, WRITE_OUT): the program walks every split of its
+    query, each from a fresh state as above, and folds them in split order with the merge
+    kernel's arithmetic (_fold_weights, the same fused adds), so it writes the bits of the
+    split launch and its merge without their fp32 partials in HBM or the second launch.
 
     Many heads (V_PARTS > 1): a program keeps only its 1 / V_PARTS of the value columns (the
     scores are recomputed by each part) and walks the latent in LAT_CHUNK-column dots, so a
@@ -114,6 +125,7 @@ def _mla_split_kernel(
     position = tl.load(positions_ptr + t)
     first_block = split * SPLIT_BLOCKS
     num_blocks = position // BS + 1
+    walk_blocks = num_blocks if WHOLE_QUERY else SPLIT_BLOCKS
     if first_block < num_blocks:
         seq = tl.load(seq_ids_ptr + t)
         heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -141,11 +153,24 @@ def _mla_split_kernel(
         row_max = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
         row_sum = tl.zeros((BLOCK_H,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_H, BLOCK_PV), dtype=tl.float32)
-        last_block = tl.minimum(first_block + SPLIT_BLOCKS, num_blocks)
+        if WHOLE_QUERY:  # the splits folded so far (valid from the second split on)
+            done_max, done_sum, done_acc = row_max, row_sum, acc
+        last_block = tl.minimum(first_block + walk_blocks, num_blocks)
         # Why: chunk j is cache block j of the sequence, whole (BS positions, aligned to
         # absolute positions), merged in order j ascending; positions past the query read
         # exact zeros (unwritten slots may hold garbage) and score -inf.
         for j in range(first_block, last_block):
+            if WHOLE_QUERY and (j % SPLIT_BLOCKS == 0) & (j > 0):
+                # Why one loop, not a loop over splits: the pipeliner keeps its copies in
+                # flight across split boundaries. At a boundary the finished split is
+                # folded in (the first one taken as it is) and a fresh state starts.
+                max_new, alpha, beta = _fold_weights(done_max, row_max, j == SPLIT_BLOCKS)
+                done_sum = tl.fma(done_sum, alpha, row_sum * beta)
+                done_acc = tl.fma(done_acc, alpha[:, None], acc * beta[:, None])
+                done_max = max_new
+                row_max = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
+                row_sum = tl.zeros((BLOCK_H,), dtype=tl.float32)
+                acc = tl.zeros((BLOCK_H, BLOCK_PV), dtype=tl.float32)
             block_id = tl.load(tables_ptr + seq * table_width + j).to(tl.int64)
             kv_ok = (offs_s < BS) & (j * BS + offs_s <= position)
             kv_rows = kv_ptr + (block_id * BS + offs_s)[:, None] * C
@@ -195,6 +220,10 @@ def _mla_split_kernel(
                 p.to(v_rows.dtype), v_rows, input_precision=INPUT_PRECISION
             )
             row_max = max_new
+        if WHOLE_QUERY:  # the last split folded in (taken as it is if it is the only one)
+            max_new, alpha, beta = _fold_weights(done_max, row_max, num_blocks <= SPLIT_BLOCKS)
+            row_sum = tl.fma(done_sum, alpha, row_sum * beta)
+            acc = tl.fma(done_acc, alpha[:, None], acc * beta[:, None])
         if WRITE_OUT:
             # The merge kernel's one-split case, the same fp32 division: the same bits.
             out = acc / row_sum[:, None]
@@ -213,6 +242,17 @@ def _mla_split_kernel(
         stats_ok = head_ok & (v_part == 0)  # every part has the same stats: part 0 writes them
         tl.store(stats_ptr + slot * 2, row_max, mask=stats_ok)
         tl.store(stats_ptr + slot * 2 + 1, row_sum, mask=stats_ok)
+
+
+@triton.jit
+def _fold_weights(row_max, part_max, is_first):
+    """(max, alpha, beta) of folding a split's (max, sum, acc) into the running one: the new
+    sum is fma(sum, alpha, part_sum * beta), the new acc likewise. Why explicit fmas: the
+    merge kernel and WHOLE_QUERY programs must round alike, not as each compile contracts.
+    is_first: nothing folded yet; (0, 1) take the split exactly as it is."""
+    max_new = tl.maximum(row_max, part_max)
+    alpha = tl.where(is_first, 0.0, tl.exp(row_max - max_new))
+    return max_new, alpha, tl.where(is_first, 1.0, tl.exp(part_max - max_new))
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -245,12 +285,9 @@ def _mla_merge_kernel(
         part_max = tl.load(stats_ptr + slot * 2)
         part_sum = tl.load(stats_ptr + slot * 2 + 1)
         part_acc = tl.load(acc_ptr + slot * BLOCK_V + offs_v, mask=v_ok, other=0.0)
-        max_new = tl.maximum(row_max, part_max)
-        alpha = tl.exp(row_max - max_new)
-        beta = tl.exp(part_max - max_new)
-        row_sum = row_sum * alpha + part_sum * beta
-        acc = acc * alpha + part_acc * beta
-        row_max = max_new
+        row_max, alpha, beta = _fold_weights(row_max, part_max, False)
+        row_sum = tl.fma(row_sum, alpha, part_sum * beta)
+        acc = tl.fma(acc, alpha, part_acc * beta)
     out = acc / row_sum
     tl.store(out_ptr + (t * num_heads + head) * V + offs_v, out, mask=v_ok)
 
@@ -318,10 +355,12 @@ def mla_attention_triton(
     is_narrow = launch == NARROW_LAUNCH and not _is_interpreted()
     v_parts, lat_chunk = value_split(q.shape[0], block_v) if is_narrow else (1, None)
     is_wide = launch == WIDE_LAUNCH and not _is_interpreted()
+    is_gluon = is_wide and fits_gluon(q, kv_cache, v_dim, launch.block_h)
+    num_programs = q.shape[0] * triton.cdiv(q.shape[1], launch.block_h) * v_parts
     return _attend(
         q, kv_cache, query_seq_ids, block_tables, positions, scale, v_dim, launch.split_blocks,
         launch.num_warps, launch.num_stages, launch.block_h, v_parts=v_parts, lat_chunk=lat_chunk,
-        is_gluon=is_wide and fits_gluon(q, kv_cache, v_dim, launch.block_h),
+        is_gluon=is_gluon, is_whole_query=is_narrow and num_programs >= WHOLE_QUERY_PROGRAMS,
     )  # fmt: skip
 
 
@@ -337,10 +376,13 @@ def value_split(num_tokens: int, block_v: int) -> tuple[int, int | None]:
 def _attend(
     q, kv_cache, query_seq_ids, block_tables, positions, scale, v_dim,
     split_blocks, num_warps, num_stages, block_h=BLOCK_H, v_parts=1, lat_chunk=None,
-    is_gluon=False,
+    is_gluon=False, is_whole_query=False,
 ) -> torch.Tensor:  # fmt: skip
     """The launches; the launch parameters are arguments so bench/ can sweep them. is_gluon:
-    the Gluon split kernel (its own fixed warps and stages; fits_gluon's shapes)."""
+    the Gluon split kernel (its own fixed warps and stages; fits_gluon's shapes);
+    is_whole_query: a program a query's head block walks all its splits (Triton only)."""
+    if is_gluon and is_whole_query:
+        raise ValueError("the Gluon split kernel has no whole-query launch")
     num_tokens, num_heads, cache_dim = q.shape
     out = q.new_empty((num_tokens, num_heads, v_dim))
     if num_tokens == 0:  # a rank with no tokens still runs the step (EP lockstep)
@@ -352,7 +394,7 @@ def _attend(
     # No host sync: the launch's split count comes from the table width (a host shape, the
     # batch's longest block table). Queries with fewer splits skip the extra programs; no
     # query's result depends on this number.
-    num_splits = triton.cdiv(block_tables.shape[1], split_blocks)
+    num_splits = 1 if is_whole_query else triton.cdiv(block_tables.shape[1], split_blocks)
     per_token = num_splits * num_heads * (block_v + 2) * 4
     group = min(max(1, PARTIAL_BYTES // per_token), MAX_GRID_Y)
     is_fp32 = q.dtype == torch.float32
@@ -400,6 +442,7 @@ def _attend(
                 WRITE_OUT=is_direct,
                 V_PARTS=v_parts,
                 LAT_CHUNK=lat_chunk or block_v,
+                WHOLE_QUERY=is_whole_query,
                 num_warps=num_warps if block_v >= 256 else 4,
                 num_stages=num_stages,
             )

@@ -576,6 +576,49 @@ def test_mla_value_split_launches_give_the_same_bits(generator, num_tokens):
     assert not torch.equal(_attend(*args, SPLIT_BLOCKS // 2, 4, 3), whole), "no control"
 
 
+def test_mla_whole_query_launch_gives_the_split_bits(generator):
+    """16 heads (V2-Lite) at decode, engine-wide tables (128 columns, -1 padding), NaN in
+    every unwritten slot: 256 queries at positions on both sides of every split boundary up to
+    5900 give the same bits when each program walks its whole query (the launch the op picks
+    at this size) as when the splits and the merge kernel run, and as each query alone (the
+    split launch); control: one split over the whole table (no restarts) moves the bits."""
+    from kernels.triton_attention import (
+        SPLIT_BLOCKS,
+        WHOLE_QUERY_PROGRAMS,
+        _attend,
+        mla_attention_triton,
+    )
+
+    boundary = 64 * SPLIT_BLOCKS
+    seq_lens = torch.tensor([max(1, boundary * (i % 24) + i % 3 - 1) for i in range(1, 257)])
+    blocks = (seq_lens + 63) // 64
+    seed = int(torch.randint(1 << 30, (1,), generator=generator))
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    kv_cache = torch.randn(int(blocks.sum()), 64, 576, device="cuda", generator=gen).bfloat16()
+    order = torch.randperm(kv_cache.shape[0], device="cuda", generator=gen)
+    tables = torch.full((256, 128), -1, dtype=torch.int64, device="cuda")
+    starts = torch.cumsum(blocks, 0) - blocks
+    for i in range(256):
+        tables[i, : blocks[i]] = order[starts[i] : starts[i] + blocks[i]]
+        kv_cache[tables[i, blocks[i] - 1], (seq_lens[i] - 1) % 64 + 1 :] = float("nan")
+    q = torch.randn(256, 16, 576, device="cuda", generator=gen).bfloat16()
+    seq_ids, positions = torch.arange(256, device="cuda"), (seq_lens - 1).cuda()
+    args = (q, kv_cache, seq_ids, tables, positions, 192**-0.5, 512)
+    split = _attend(*args, SPLIT_BLOCKS, 4, 3)
+    whole = _attend(*args, SPLIT_BLOCKS, 4, 3, is_whole_query=True)
+    assert torch.equal(whole, split)
+    assert not whole.isnan().any()
+    assert q.shape[0] >= WHOLE_QUERY_PROGRAMS  # engagement: the op's launch at this size
+    assert torch.equal(mla_attention_triton(*args[:5], scale=args[5], v_dim=512), whole)
+    for i in (0, 22, 23, 47, 255):
+        rows = slice(i, i + 1)
+        alone = mla_attention_triton(
+            q[rows], kv_cache, seq_ids[rows], tables, positions[rows], scale=args[5], v_dim=512
+        )
+        assert torch.equal(alone, whole[rows]), i
+    assert not torch.equal(_attend(*args, tables.shape[1], 4, 3), whole), "no control"
+
+
 @pytest.mark.parametrize("method", ("v2_lite", "v3"))
 def test_router_topk_bitwise_invariant_and_matches_ref(generator, method):
     from kernels.router import router_topk_ref

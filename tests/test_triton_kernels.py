@@ -504,6 +504,38 @@ def check_mla_attention(generator: torch.Generator) -> None:
         ).shape == (0, 4, 32)
 
 
+def check_mla_attention_whole_query(generator: torch.Generator) -> None:
+    """A program a query (its splits folded in the program) gives the bits of the split
+    launch and its merge kernel: queries at the first and last positions of one to three
+    splits (blocks of 16, splits of 4), fp32 and bf16, a wide table with -1 padding.
+    Control: one split spanning the whole table (an online softmax that never restarts)
+    makes other bits, so the comparison sees the split boundaries."""
+    from kernels.attention import mla_attention_ref
+    from kernels.triton_attention import SPLIT_BLOCKS, _attend
+
+    q, kv_cache, seq_ids, tables, positions = _paged_cache(generator, (140, 30), 4, 40, 8, 16)
+    rows = torch.tensor([0, 15, 16, 63, 64, 65, 127, 128, 139, 150, 169])  # 0-139; 10, 29
+    q, seq_ids, positions = q[rows], seq_ids[rows], positions[rows]
+    wide = torch.full((tables.shape[0], 12), -1, dtype=tables.dtype)
+    wide[:, : tables.shape[1]] = tables
+    results = {}
+    for dtype in DTYPES:
+        args = (q.to(dtype), kv_cache.to(dtype), seq_ids, wide, positions, 40**-0.5, 32)
+        split = _attend(*args, SPLIT_BLOCKS, 4, 3)
+        whole = _attend(*args, SPLIT_BLOCKS, 4, 3, is_whole_query=True)
+        assert torch.equal(whole, split), dtype
+        results[dtype] = split
+    # The control in fp32 (bf16 outputs of these widths may round the difference away).
+    args = (q, kv_cache, seq_ids, wide, positions, 40**-0.5, 32)
+    unsplit = _attend(*args, wide.shape[1], 4, 3)
+    assert not torch.equal(unsplit, results[torch.float32]), "no control"
+    expected = mla_attention_ref(
+        q.double(), kv_cache.double(), seq_ids, tables, positions, scale=40**-0.5, v_dim=32,
+        tile_rows=8,
+    )  # fmt: skip
+    torch.testing.assert_close(results[torch.float32].double(), expected, **FP32_TOL)
+
+
 def check_mla_attention_wide_launch(generator: torch.Generator) -> None:
     """A model of 64 heads takes the wide launch (64 heads a program, WIDE_LAUNCH's split;
     the second sequence's 17 blocks of 16 span two splits, so the merge runs); a TP rank
@@ -699,6 +731,7 @@ CHECKS = {
     "softmax": check_softmax,
     "mla_attention": check_mla_attention,
     "mla_attention_wide_launch": check_mla_attention_wide_launch,
+    "mla_attention_whole_query": check_mla_attention_whole_query,
     "router_logits": check_router_logits,
     "router_topk": check_router_topk,
     "bad_inputs": check_bad_inputs,
