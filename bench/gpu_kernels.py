@@ -400,21 +400,22 @@ def bench_value_split() -> None:
 
 def bench_whole_query() -> None:
     """The invariant decode attention at 16 heads with each query's splits in one program
-    (WHOLE_QUERY) against the split launch and its merge, engine-wide block tables (128
-    entries), each batch's value split, graph replay over L2-missing caches, bits compared.
-    The op takes the whole-query launch from WHOLE_QUERY_PROGRAMS programs."""
-    from kernels.triton_attention import SPLIT_BLOCKS, WHOLE_QUERY_PROGRAMS, _attend, value_split
+    (WHOLE_QUERY, two and three stages) against the split launch and its merge, engine-wide
+    block tables (128 entries), each batch's value split, graph replay over L2-missing
+    caches, bits compared; the last column is the launch the op takes (WHOLE_QUERY_STAGES)."""
+    from kernels.triton_attention import SPLIT_BLOCKS, _attend, value_split, whole_query_stages
 
     ceiling = copy_bandwidth(torch.device("cuda")) / 1e12
-    print(f"\n## decode attention, whole-query programs, 16 heads (graph replay; the op: from "
-          f"{WHOLE_QUERY_PROGRAMS} programs); copy ceiling {ceiling:.2f} TB/s")  # fmt: skip
-    print("| B | ctx | split + merge µs | % of copy | whole query µs | % of copy | same bits |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"\n## decode attention, whole-query programs, 16 heads (graph replay); copy ceiling "
+          f"{ceiling:.2f} TB/s")  # fmt: skip
+    print("| B | ctx | split + merge µs | whole, 2 stages µs | whole, 3 stages µs | same bits "
+          "| the op's launch | % of copy |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
     for batch in (32, 64, 128, 256):
         for ctx in (1024, 4096):
             v_parts, lat_chunk = value_split(batch, 512)
 
-            def make(is_whole, batch=batch, ctx=ctx, v_parts=v_parts, lat_chunk=lat_chunk):
+            def make(launch, batch=batch, ctx=ctx, v_parts=v_parts, lat_chunk=lat_chunk):
                 gen = torch.Generator(device="cuda").manual_seed(0)
                 blocks = -(-ctx // 64)
                 kv = torch.randn(batch * blocks, 64, 576, device="cuda", generator=gen)
@@ -425,17 +426,22 @@ def bench_whole_query() -> None:
                 seq_ids = torch.arange(batch, device="cuda")
                 positions = torch.full((batch,), ctx - 1, device="cuda")
                 args = (q, kv.bfloat16(), seq_ids, tables, positions, 192**-0.5, 512)
+                stages, is_whole = launch
                 return lambda: _attend(
-                    *args, SPLIT_BLOCKS, 4, 3, 16, v_parts, lat_chunk, is_whole_query=is_whole
+                    *args, SPLIT_BLOCKS, 4, stages, 16, v_parts, lat_chunk, is_whole_query=is_whole
                 )
 
-            same = torch.equal(make(False)(), make(True)())
+            launches = ((3, False), (2, True), (3, True))
+            split = make(launches[0])()
+            same = all(torch.equal(make(w)(), split) for w in launches[1:])
             read = batch * ctx * 576 * 2
-            us = [_graph_ms(partial(make, w), read) * 1e3 for w in (False, True)]
-            pct = [read / u / 1e6 / ceiling for u in us]
+            us = [_graph_ms(partial(make, w), read) * 1e3 for w in launches]
+            stages = whole_query_stages(batch * v_parts)
+            taken = launches.index((stages, True) if stages else (3, False))
             print(
-                f"| {batch} | {ctx} | {us[0]:.1f} | {pct[0]:.0%} | {us[1]:.1f} | {pct[1]:.0%} "
-                f"| {same} |"
+                f"| {batch} | {ctx} | {us[0]:.1f} | {us[1]:.1f} | {us[2]:.1f} | {same} | "
+                f"{('split', 'whole, 2', 'whole, 3')[taken]} | "
+                f"{read / us[taken] / 1e6 / ceiling:.0%} |"
             )
 
 

@@ -69,8 +69,11 @@ MIN_PART_COLUMNS = 128  # value columns a program keeps at least (the measured 5
 # Launches with at least this many (query, head block) programs give each one a whole query
 # (WHOLE_QUERY): its splits folded in the program, so no fp32 partials cross HBM and no merge
 # launch runs. The same bits as the split launch (checked on the GPU), so the choice may
-# follow the query count. Measured on the H200 (BENCHMARKS.md, 16 heads).
-WHOLE_QUERY_PROGRAMS = 256
+# follow the query count. (from this many programs, num_stages), H200, 16 heads, engine-wide
+# tables (BENCHMARKS.md): from 256, two stages (one cache-block buffer, two programs an SM;
+# B = 256 ctx 1024: 137 -> 92 us); from 128, three (two buffers, one program an SM; B = 128
+# ctx 1024 62 -> 51 us, ctx 4096 213 -> 168); below, the split launch (B = 64: 35 vs 45 us).
+WHOLE_QUERY_STAGES = ((256, 2), (128, 3))
 
 
 # Why: batch-dependent ints are not specialised (==1, %16), so one compiled kernel serves
@@ -159,6 +162,8 @@ def _mla_split_kernel(
         # Why: chunk j is cache block j of the sequence, whole (BS positions, aligned to
         # absolute positions), merged in order j ascending; positions past the query read
         # exact zeros (unwritten slots may hold garbage) and score -inf.
+        table_row = tables_ptr + seq * table_width
+        next_id = tl.load(table_row + first_block).to(tl.int64)
         for j in range(first_block, last_block):
             if WHOLE_QUERY and (j % SPLIT_BLOCKS == 0) & (j > 0):
                 # Why one loop, not a loop over splits: the pipeliner keeps its copies in
@@ -171,7 +176,14 @@ def _mla_split_kernel(
                 row_max = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
                 row_sum = tl.zeros((BLOCK_H,), dtype=tl.float32)
                 acc = tl.zeros((BLOCK_H, BLOCK_PV), dtype=tl.float32)
-            block_id = tl.load(tables_ptr + seq * table_width + j).to(tl.int64)
+            if WHOLE_QUERY:
+                # Why the next entry read a block ahead: a copy whose address comes from a
+                # load of the same iteration gets one buffer from the pipeliner; from the
+                # loop-carried id it gets num_stages - 1 (BENCHMARKS.md).
+                block_id = next_id
+                next_id = tl.load(table_row + tl.minimum(j + 1, last_block - 1)).to(tl.int64)
+            else:
+                block_id = tl.load(table_row + j).to(tl.int64)
             kv_ok = (offs_s < BS) & (j * BS + offs_s <= position)
             kv_rows = kv_ptr + (block_id * BS + offs_s)[:, None] * C
             k_pe = tl.load(
@@ -357,11 +369,21 @@ def mla_attention_triton(
     is_wide = launch == WIDE_LAUNCH and not _is_interpreted()
     is_gluon = is_wide and fits_gluon(q, kv_cache, v_dim, launch.block_h)
     num_programs = q.shape[0] * triton.cdiv(q.shape[1], launch.block_h) * v_parts
+    whole_stages = whole_query_stages(num_programs) if launch == NARROW_LAUNCH else None
     return _attend(
         q, kv_cache, query_seq_ids, block_tables, positions, scale, v_dim, launch.split_blocks,
-        launch.num_warps, launch.num_stages, launch.block_h, v_parts=v_parts, lat_chunk=lat_chunk,
-        is_gluon=is_gluon, is_whole_query=is_narrow and num_programs >= WHOLE_QUERY_PROGRAMS,
+        launch.num_warps, whole_stages or launch.num_stages, launch.block_h, v_parts=v_parts,
+        lat_chunk=lat_chunk, is_gluon=is_gluon, is_whole_query=whole_stages is not None,
     )  # fmt: skip
+
+
+def whole_query_stages(num_programs: int) -> int | None:
+    """The whole-query launch's num_stages for a launch of num_programs (query, head block)
+    programs (WHOLE_QUERY_STAGES), None below them: the split launch."""
+    for min_programs, num_stages in WHOLE_QUERY_STAGES:
+        if num_programs >= min_programs:
+            return num_stages
+    return None
 
 
 def value_split(num_tokens: int, block_v: int) -> tuple[int, int | None]:

@@ -579,14 +579,15 @@ def test_mla_value_split_launches_give_the_same_bits(generator, num_tokens):
 def test_mla_whole_query_launch_gives_the_split_bits(generator):
     """16 heads (V2-Lite) at decode, engine-wide tables (128 columns, -1 padding), NaN in
     every unwritten slot: 256 queries at positions on both sides of every split boundary up to
-    5900 give the same bits when each program walks its whole query (the launch the op picks
-    at this size) as when the splits and the merge kernel run, and as each query alone (the
-    split launch); control: one split over the whole table (no restarts) moves the bits."""
+    5900 give the same bits when each program walks its whole query (two and three stages,
+    the launches the op picks at 256 and 128 queries) as when the splits and the merge kernel
+    run, and as each query alone; control: one split over the whole table (no restarts)
+    moves the bits."""
     from kernels.triton_attention import (
         SPLIT_BLOCKS,
-        WHOLE_QUERY_PROGRAMS,
         _attend,
         mla_attention_triton,
+        whole_query_stages,
     )
 
     boundary = 64 * SPLIT_BLOCKS
@@ -605,11 +606,19 @@ def test_mla_whole_query_launch_gives_the_split_bits(generator):
     seq_ids, positions = torch.arange(256, device="cuda"), (seq_lens - 1).cuda()
     args = (q, kv_cache, seq_ids, tables, positions, 192**-0.5, 512)
     split = _attend(*args, SPLIT_BLOCKS, 4, 3)
-    whole = _attend(*args, SPLIT_BLOCKS, 4, 3, is_whole_query=True)
+    whole = _attend(*args, SPLIT_BLOCKS, 4, 2, is_whole_query=True)
     assert torch.equal(whole, split)
+    assert torch.equal(_attend(*args, SPLIT_BLOCKS, 4, 3, is_whole_query=True), split)
     assert not whole.isnan().any()
-    assert q.shape[0] >= WHOLE_QUERY_PROGRAMS  # engagement: the op's launch at this size
+    # Engagement: the op takes the two launches above at 256 and 128 queries, the split
+    # launch below (the single queries further down).
+    assert [whole_query_stages(n) for n in (256, 128, 127)] == [2, 3, None]
     assert torch.equal(mla_attention_triton(*args[:5], scale=args[5], v_dim=512), whole)
+    half = slice(64, 192)
+    got = mla_attention_triton(
+        q[half], kv_cache, seq_ids[half], tables, positions[half], scale=args[5], v_dim=512
+    )
+    assert torch.equal(got, whole[half])
     for i in (0, 22, 23, 47, 255):
         rows = slice(i, i + 1)
         alone = mla_attention_triton(
