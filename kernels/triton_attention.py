@@ -74,6 +74,11 @@ MIN_PART_COLUMNS = 128  # value columns a program keeps at least (the measured 5
 # B = 256 ctx 1024: 137 -> 92 us); from 128, three (two buffers, one program an SM; B = 128
 # ctx 1024 62 -> 51 us, ctx 4096 213 -> 168); below, the split launch (B = 64: 35 vs 45 us).
 WHOLE_QUERY_STAGES = ((256, 2), (128, 3))
+# Launches of at most this many queries (the split launch) also read the table a block ahead
+# at three stages: H200, 16 heads, engine-wide tables, one query 15.1 -> 12.9 us at context
+# 1024, 17.2 -> 14.9 at 4096; at 2 to 8 queries (v_parts 2) three stages do not fit and two
+# gain under 1 us; at 16 and 32 it gains at context 1024 and loses at 4096 (BENCHMARKS.md).
+TABLE_AHEAD_MAX_QUERIES = 1
 
 
 # Why: batch-dependent ints are not specialised (==1, %16), so one compiled kernel serves
@@ -105,6 +110,7 @@ def _mla_split_kernel(
     V_PARTS: tl.constexpr,
     LAT_CHUNK: tl.constexpr,
     WHOLE_QUERY: tl.constexpr,
+    TABLE_AHEAD: tl.constexpr,
 ):
     """Partial (max, sum, acc) of one query's heads over one split of its cache blocks; with
     WRITE_OUT (the launch has one split) the finished acc / sum into out_ptr (= acc_ptr).
@@ -176,7 +182,7 @@ def _mla_split_kernel(
                 row_max = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
                 row_sum = tl.zeros((BLOCK_H,), dtype=tl.float32)
                 acc = tl.zeros((BLOCK_H, BLOCK_PV), dtype=tl.float32)
-            if WHOLE_QUERY:
+            if TABLE_AHEAD:
                 # Why the next entry read a block ahead: a copy whose address comes from a
                 # load of the same iteration gets one buffer from the pipeliner; from the
                 # loop-carried id it gets num_stages - 1 (BENCHMARKS.md).
@@ -370,10 +376,12 @@ def mla_attention_triton(
     is_gluon = is_wide and fits_gluon(q, kv_cache, v_dim, launch.block_h)
     num_programs = q.shape[0] * triton.cdiv(q.shape[1], launch.block_h) * v_parts
     whole_stages = whole_query_stages(num_programs) if launch == NARROW_LAUNCH else None
+    is_ahead = launch == NARROW_LAUNCH and q.shape[0] <= TABLE_AHEAD_MAX_QUERIES
     return _attend(
         q, kv_cache, query_seq_ids, block_tables, positions, scale, v_dim, launch.split_blocks,
         launch.num_warps, whole_stages or launch.num_stages, launch.block_h, v_parts=v_parts,
         lat_chunk=lat_chunk, is_gluon=is_gluon, is_whole_query=whole_stages is not None,
+        is_table_ahead=is_ahead or whole_stages is not None,
     )  # fmt: skip
 
 
@@ -398,11 +406,12 @@ def value_split(num_tokens: int, block_v: int) -> tuple[int, int | None]:
 def _attend(
     q, kv_cache, query_seq_ids, block_tables, positions, scale, v_dim,
     split_blocks, num_warps, num_stages, block_h=BLOCK_H, v_parts=1, lat_chunk=None,
-    is_gluon=False, is_whole_query=False,
+    is_gluon=False, is_whole_query=False, is_table_ahead=None,
 ) -> torch.Tensor:  # fmt: skip
     """The launches; the launch parameters are arguments so bench/ can sweep them. is_gluon:
     the Gluon split kernel (its own fixed warps and stages; fits_gluon's shapes);
-    is_whole_query: a program a query's head block walks all its splits (Triton only)."""
+    is_whole_query: a program a query's head block walks all its splits (Triton only);
+    is_table_ahead (default: is_whole_query): each block's table entry read a block earlier."""
     if is_gluon and is_whole_query:
         raise ValueError("the Gluon split kernel has no whole-query launch")
     num_tokens, num_heads, cache_dim = q.shape
@@ -465,6 +474,7 @@ def _attend(
                 V_PARTS=v_parts,
                 LAT_CHUNK=lat_chunk or block_v,
                 WHOLE_QUERY=is_whole_query,
+                TABLE_AHEAD=is_whole_query if is_table_ahead is None else is_table_ahead,
                 num_warps=num_warps if block_v >= 256 else 4,
                 num_stages=num_stages,
             )

@@ -573,6 +573,12 @@ def test_mla_value_split_launches_give_the_same_bits(generator, num_tokens):
     for _, v_parts, lat_chunk in SMALL_LAUNCHES:
         got = _attend(*args, SPLIT_BLOCKS, 4, 3, v_parts=v_parts, lat_chunk=lat_chunk)
         assert torch.equal(got, whole), (v_parts, lat_chunk)
+        # The table read a block ahead (one query's launch: TABLE_AHEAD_MAX_QUERIES).
+        got = _attend(
+            *args, SPLIT_BLOCKS, 4, 2 if lat_chunk is None else 3, v_parts=v_parts,
+            lat_chunk=lat_chunk, is_table_ahead=True,
+        )  # fmt: skip
+        assert torch.equal(got, whole), (v_parts, lat_chunk, "ahead")
     assert not torch.equal(_attend(*args, SPLIT_BLOCKS // 2, 4, 3), whole), "no control"
 
 
