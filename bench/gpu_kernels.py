@@ -367,10 +367,11 @@ def bench_attention() -> None:
 
 def bench_value_split() -> None:
     """The invariant decode attention's value split (SMALL_LAUNCHES in
-    kernels/triton_attention.py) at 16 heads, context 1024, engine-wide block tables (128
+    kernels/attention_launch.py) at 16 heads, context 1024, engine-wide block tables (128
     entries, -1 padding): each (v_parts, lat_chunk) it may take against whole head blocks,
     graph replay over L2-missing caches, bits compared with whole head blocks."""
-    from kernels.triton_attention import SMALL_LAUNCHES, SPLIT_BLOCKS, _attend
+    from kernels.attention_launch import SMALL_LAUNCHES, SPLIT_BLOCKS
+    from kernels.triton_attention import _attend
 
     shapes = [(1, None)] + [(v, c) for _, v, c in SMALL_LAUNCHES]
     print("\n## decode attention's value split, 16 heads, context 1024 (graph replay)")
@@ -403,7 +404,8 @@ def bench_whole_query() -> None:
     (WHOLE_QUERY, two and three stages) against the split launch and its merge, engine-wide
     block tables (128 entries), each batch's value split, graph replay over L2-missing
     caches, bits compared; the last column is the launch the op takes (WHOLE_QUERY_STAGES)."""
-    from kernels.triton_attention import SPLIT_BLOCKS, _attend, value_split, whole_query_stages
+    from kernels.attention_launch import SPLIT_BLOCKS, value_split, whole_query_stages
+    from kernels.triton_attention import _attend
 
     ceiling = copy_bandwidth(torch.device("cuda")) / 1e12
     print(f"\n## decode attention, whole-query programs, 16 heads (graph replay); copy ceiling "
@@ -450,7 +452,8 @@ def bench_split_size() -> None:
     heads, engine-wide block tables (128 entries), each batch's value split, graph replay: the
     constant against 2 and 1 blocks. A query's bits follow the split size, so it is one
     constant for every batch; this shows what each would cost where."""
-    from kernels.triton_attention import SPLIT_BLOCKS, _attend, value_split
+    from kernels.attention_launch import SPLIT_BLOCKS, value_split
+    from kernels.triton_attention import _attend
 
     sizes = (SPLIT_BLOCKS, 2, 1)
     print("\n## decode attention's KV split size, 16 heads (graph replay)")

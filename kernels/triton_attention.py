@@ -12,73 +12,25 @@ chunking of a prompt give the same bits. Under TRITON_INTERPRET=1 it runs on CPU
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from kernels.attention_launch import (
+    BLOCK_H,
+    NARROW_LAUNCH,
+    TABLE_AHEAD_MAX_QUERIES,
+    WIDE_LAUNCH,
+    head_launch,
+    value_split,
+    whole_query_stages,
+)
 from kernels.gluon_attention import fits_gluon, launch_wide_split
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-SPLIT_BLOCKS = 4  # cache blocks per KV split: a constant, never a function of the batch
-BLOCK_H = 16  # heads per program (tl.dot needs 16 rows); extra heads are masked
-
-
-@dataclass(frozen=True)
-class HeadLaunch:
-    """A model's attention launch: heads a program, cache blocks a KV split, warps, stages."""
-
-    block_h: int
-    split_blocks: int
-    num_warps: int
-    num_stages: int
-
-
-# Why the launch follows the model's head count (at TP 1), never the heads a rank holds or the
-# batch: the head block's width picks the MMA (16 rows: mma.sync; 64: wgmma, whose fp32 sums
-# round differently) and the split is part of the merge order, so both are fixed per model.
-# From WIDE_HEADS heads a program takes 64 heads: each latent block is read once for 64 heads
-# instead of once for 16, and larger splits (each split's fp32 partial is 64 x 512 a head
-# block) cut the partials' traffic. On the GPU the wide launch's split kernel is the Gluon one
-# (kernels/gluon_attention.py) where the shape fits. H200, 128 heads, graph replay
-# (BENCHMARKS.md): 2.5-4.4x FlashMLA's time with 16-head blocks, 1.4-2.6x with the Triton
-# wide kernel, 0.84-1.48x with the Gluon one on splits of 16 blocks (1.34x at one query).
-WIDE_HEADS = 64
-NARROW_LAUNCH = HeadLaunch(BLOCK_H, SPLIT_BLOCKS, 4, 3)
-WIDE_LAUNCH = HeadLaunch(64, 16, 8, 2)
-
-
-def head_launch(whole_heads: int) -> HeadLaunch:
-    """The launch of a model with whole_heads attention heads (all TP ranks together)."""
-    return WIDE_LAUNCH if whole_heads >= WIDE_HEADS else NARROW_LAUNCH
-
-
 PARTIAL_BYTES = 256 << 20  # cap on the fp32 split buffers of one launch (queries grouped)
 MAX_GRID_Y = 65535  # CUDA's limit on grid axis 1, the launch's queries
-# Launches of at most this many queries split each head block's value columns over programs
-# (v_parts, lat_chunk by count; H200, graph replay, 16 heads, context 1024: 17.3 -> 14.5 us at
-# one query, 21.2 -> 17.2 at eight, worse from 16; BENCHMARKS.md). A program still computes
-# every score of its heads in the same dots and keeps only some value columns, whose sums do
-# not depend on which others a program holds: the same bits at every launch (checked on the
-# GPU), so the choice may follow the query count.
-# NARROW_LAUNCH only: with 64-head blocks the parts ran out of shared memory or lost (H200).
-SMALL_LAUNCHES = ((1, 4, 128), (8, 2, None))  # (at most this many queries, v_parts, lat_chunk)
-MIN_PART_COLUMNS = 128  # value columns a program keeps at least (the measured 512 / 4)
-# Launches with at least this many (query, head block) programs give each one a whole query
-# (WHOLE_QUERY): its splits folded in the program, so no fp32 partials cross HBM and no merge
-# launch runs. The same bits as the split launch (checked on the GPU), so the choice may
-# follow the query count. (from this many programs, num_stages), H200, 16 heads, engine-wide
-# tables (BENCHMARKS.md): from 256, two stages (one cache-block buffer, two programs an SM;
-# B = 256 ctx 1024: 137 -> 92 us); from 128, three (two buffers, one program an SM; B = 128
-# ctx 1024 62 -> 51 us, ctx 4096 213 -> 168); below, the split launch (B = 64: 35 vs 45 us).
-WHOLE_QUERY_STAGES = ((256, 2), (128, 3))
-# Launches of at most this many queries (the split launch) also read the table a block ahead
-# at three stages: H200, 16 heads, engine-wide tables, one query 15.1 -> 12.9 us at context
-# 1024, 17.2 -> 14.9 at 4096; at 2 to 8 queries (v_parts 2) three stages do not fit and two
-# gain under 1 us; at 16 and 32 it gains at context 1024 and loses at 4096 (BENCHMARKS.md).
-TABLE_AHEAD_MAX_QUERIES = 1
 
 
 # Why: batch-dependent ints are not specialised (==1, %16), so one compiled kernel serves
@@ -383,24 +335,6 @@ def mla_attention_triton(
         lat_chunk=lat_chunk, is_gluon=is_gluon, is_whole_query=whole_stages is not None,
         is_table_ahead=is_ahead or whole_stages is not None,
     )  # fmt: skip
-
-
-def whole_query_stages(num_programs: int) -> int | None:
-    """The whole-query launch's num_stages for a launch of num_programs (query, head block)
-    programs (WHOLE_QUERY_STAGES), None below them: the split launch."""
-    for min_programs, num_stages in WHOLE_QUERY_STAGES:
-        if num_programs >= min_programs:
-            return num_stages
-    return None
-
-
-def value_split(num_tokens: int, block_v: int) -> tuple[int, int | None]:
-    """(v_parts, lat_chunk) of a GPU launch of num_tokens queries whose value block is block_v
-    columns (SMALL_LAUNCHES; parts of at least MIN_PART_COLUMNS, so lat_chunk divides it)."""
-    for max_tokens, v_parts, lat_chunk in SMALL_LAUNCHES:
-        if num_tokens <= max_tokens and block_v // v_parts >= MIN_PART_COLUMNS:
-            return v_parts, lat_chunk
-    return 1, None
 
 
 def _attend(

@@ -460,7 +460,8 @@ def _check_attention_rows(attend, cache, seq_lens, chunk_ends, generator):
 def test_mla_attention_prefill_decode_and_batch_bitwise(generator):
     """DeepSeek-V2-Lite MLA: 16 heads, latent 512 + rope 64, cache blocks of 64 positions."""
     from kernels.attention import mla_attention_fast
-    from kernels.triton_attention import SPLIT_BLOCKS, mla_attention_triton, value_split
+    from kernels.attention_launch import SPLIT_BLOCKS, value_split
+    from kernels.triton_attention import mla_attention_triton
 
     seq_lens = (1000, 70, 300, 5, 257)
     cache = _paged_cache(generator, seq_lens, 16, 576, 64)
@@ -561,7 +562,8 @@ def test_mla_value_split_launches_give_the_same_bits(generator, num_tokens):
     """Every (v_parts, lat_chunk) the op may pick, at decode shapes (engine-wide tables, -1
     padding), gives the whole-head-block launch's bits; a different KV split (part of the
     merge order) is the control that the comparison can fail."""
-    from kernels.triton_attention import SMALL_LAUNCHES, SPLIT_BLOCKS, _attend
+    from kernels.attention_launch import SMALL_LAUNCHES, SPLIT_BLOCKS
+    from kernels.triton_attention import _attend
 
     seq_lens = [1024] + [300 + 23 * i for i in range(num_tokens - 1)]  # 1 to 16 blocks
     q, kv_cache, seq_ids, tables, positions = _paged_cache(generator, seq_lens, 16, 576, 64)
@@ -589,12 +591,8 @@ def test_mla_whole_query_launch_gives_the_split_bits(generator):
     the launches the op picks at 256 and 128 queries) as when the splits and the merge kernel
     run, and as each query alone; control: one split over the whole table (no restarts)
     moves the bits."""
-    from kernels.triton_attention import (
-        SPLIT_BLOCKS,
-        _attend,
-        mla_attention_triton,
-        whole_query_stages,
-    )
+    from kernels.attention_launch import SPLIT_BLOCKS, whole_query_stages
+    from kernels.triton_attention import _attend, mla_attention_triton
 
     boundary = 64 * SPLIT_BLOCKS
     seq_lens = torch.tensor([max(1, boundary * (i % 24) + i % 3 - 1) for i in range(1, 257)])

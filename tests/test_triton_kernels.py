@@ -469,7 +469,8 @@ def _paged_cache(generator, seq_lens, num_heads, v_dim, rope_dim, block_size):
 
 def check_mla_attention(generator: torch.Generator) -> None:
     from kernels.attention import mla_attention_ref
-    from kernels.triton_attention import SPLIT_BLOCKS, mla_attention_triton
+    from kernels.attention_launch import SPLIT_BLOCKS
+    from kernels.triton_attention import mla_attention_triton
 
     # 70 positions at block size 16 = 5 blocks: two KV splits of SPLIT_BLOCKS (4) blocks.
     assert SPLIT_BLOCKS == 4
@@ -511,7 +512,8 @@ def check_mla_attention_whole_query(generator: torch.Generator) -> None:
     Control: one split spanning the whole table (an online softmax that never restarts)
     makes other bits, so the comparison sees the split boundaries."""
     from kernels.attention import mla_attention_ref
-    from kernels.triton_attention import SPLIT_BLOCKS, _attend
+    from kernels.attention_launch import SPLIT_BLOCKS
+    from kernels.triton_attention import _attend
 
     q, kv_cache, seq_ids, tables, positions = _paged_cache(generator, (140, 30), 4, 40, 8, 16)
     rows = torch.tensor([0, 15, 16, 63, 64, 65, 127, 128, 139, 150, 169])  # 0-139; 10, 29
@@ -570,7 +572,7 @@ def check_mla_attention_wide_launch(generator: torch.Generator) -> None:
         attention._attend = attend
     wide = attention.WIDE_LAUNCH
     assert launches[0] == (wide.split_blocks, wide.num_warps, wide.num_stages), launches
-    assert launches[-1][0] == attention.SPLIT_BLOCKS != wide.split_blocks, launches
+    assert launches[-1][0] == attention.NARROW_LAUNCH.split_blocks != wide.split_blocks, launches
     expected = mla_attention_ref(q, kv_cache, seq_ids, tables, positions, **args, tile_rows=8)
     torch.testing.assert_close(full, expected, **FP32_TOL)
     torch.testing.assert_close(narrow, full[:, :16], **FP32_TOL)
