@@ -261,16 +261,19 @@ class RuntimeConfig:
     def _check_tp_max(self) -> None:
         """The fixed K split of the row-parallel linear (kernels/tp_linear.py), the dense MLP's
         down_proj: every TP degree must hold whole chunks, and its K (the dense intermediate
-        size, when there are dense layers) must cut into tp_max equal chunks. o_proj and the
-        shared experts run whole on token shares: no K split to constrain."""
+        size) must cut into tp_max equal chunks. Without dense layers no linear is
+        row-parallel (o_proj and the shared experts run whole on token shares): nothing to
+        check."""
         model, tp, tp_max = self.model, self.parallel.tp_size, self.kernels.tp_max
+        if not model.first_k_dense_replace:
+            return
         if tp_max % tp:
             raise ValueError(
                 f"kernels.tp_max={tp_max} must be a multiple of parallel.tp_size={tp} (each TP "
                 f"rank holds tp_max / tp_size chunks of the row-parallel K); valid tp sizes: "
                 f"{_divisors(tp_max)}"
             )
-        if model.first_k_dense_replace and model.intermediate_size % tp_max:
+        if model.intermediate_size % tp_max:
             valid = [d for d in _divisors(tp_max) if model.intermediate_size % d == 0]
             raise ValueError(
                 f"kernels.tp_max={tp_max} must divide model.intermediate_size = "

@@ -183,8 +183,11 @@ def test_runtime_config_checks_tp_max_against_the_layout_and_the_model():
         load_config(TINY_CONFIG, dense_40)
     # Fast mode has no K split: tp_max does not constrain it.
     assert load_config(TINY_CONFIG, {**dense_40, "kernels.mode": "fast"})
-    # Without dense layers no linear is row-parallel: nothing for tp_max to divide.
+    # Without dense layers no linear is row-parallel: nothing for tp_max to divide, and any
+    # TP degree the heads allow (tp_max 2 at tp 4 is refused above, with a dense layer).
     assert load_config(TINY_CONFIG, {**dense_40, "model.first_k_dense_replace": 0})
+    no_dense = {**layout, "kernels.tp_max": 2, "model.first_k_dense_replace": 0}
+    assert load_config(TINY_CONFIG, no_dense).parallel.tp_size == 4
     # o_proj runs whole on each TP rank's token share: its K (4 heads * 10 = 40) is free.
     heads_40 = {**layout, "kernels.tp_max": 16, "model.v_head_dim": 10}
     assert load_config(TINY_CONFIG, heads_40).kernels.tp_max == 16
