@@ -365,6 +365,21 @@ def bench_attention() -> None:
             )
 
 
+def _decode_cache(batch: int, ctx: int, seed: int = 0) -> tuple:
+    """(q, kv_cache, seq_ids, block_tables, positions) of a 16-head decode step: batch queries
+    at position ctx - 1, each over its own shuffled cache blocks of 64, bf16, block tables
+    padded with -1 to 128 entries as the engine's CUDA graphs pass them."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    blocks = -(-ctx // 64)
+    kv = torch.randn(batch * blocks, 64, 576, device="cuda", generator=gen).bfloat16()
+    q = torch.randn(batch, 16, 576, device="cuda", generator=gen).bfloat16()
+    tables = torch.full((batch, 128), -1, device="cuda", dtype=torch.int64)
+    order = torch.randperm(batch * blocks, device="cuda", generator=gen)
+    tables[:, :blocks] = order.view(batch, blocks)
+    positions = torch.full((batch,), ctx - 1, device="cuda")
+    return q, kv, torch.arange(batch, device="cuda"), tables, positions
+
+
 def bench_value_split() -> None:
     """The invariant decode attention's value split (SMALL_LAUNCHES in
     kernels/attention_launch.py) at 16 heads, context 1024, engine-wide block tables (128
@@ -380,17 +395,8 @@ def bench_value_split() -> None:
     print("|---|" + "---|" * (len(shapes) + 1))
     for batch in (1, 2, 4, 8, 16, 64):
 
-        def make(v_parts, lat_chunk, batch=batch, seed=0):
-            gen = torch.Generator(device="cuda").manual_seed(seed)
-            blocks = 1024 // 64
-            kv = torch.randn(batch * blocks, 64, 576, device="cuda", generator=gen).bfloat16()
-            q = torch.randn(batch, 16, 576, device="cuda", generator=gen).bfloat16()
-            tables = torch.full((batch, 128), -1, device="cuda")
-            order = torch.randperm(batch * blocks, device="cuda", generator=gen)
-            tables[:, :blocks] = order.view(batch, blocks)
-            seq_ids = torch.arange(batch, device="cuda")
-            positions = torch.full((batch,), 1023, device="cuda")
-            args = (q, kv, seq_ids, tables, positions, 192**-0.5, 512, SPLIT_BLOCKS, 4, 3)
+        def make(v_parts, lat_chunk, batch=batch):
+            args = (*_decode_cache(batch, 1024), 192**-0.5, 512, SPLIT_BLOCKS, 4, 3)
             return lambda: _attend(*args, v_parts=v_parts, lat_chunk=lat_chunk)
 
         whole = make(1, None)()
@@ -418,16 +424,7 @@ def bench_whole_query() -> None:
             v_parts, lat_chunk = value_split(batch, 512)
 
             def make(launch, batch=batch, ctx=ctx, v_parts=v_parts, lat_chunk=lat_chunk):
-                gen = torch.Generator(device="cuda").manual_seed(0)
-                blocks = -(-ctx // 64)
-                kv = torch.randn(batch * blocks, 64, 576, device="cuda", generator=gen)
-                q = torch.randn(batch, 16, 576, device="cuda", generator=gen).bfloat16()
-                tables = torch.full((batch, 128), -1, device="cuda", dtype=torch.int64)
-                order = torch.randperm(batch * blocks, device="cuda", generator=gen)
-                tables[:, :blocks] = order.view(batch, blocks)
-                seq_ids = torch.arange(batch, device="cuda")
-                positions = torch.full((batch,), ctx - 1, device="cuda")
-                args = (q, kv.bfloat16(), seq_ids, tables, positions, 192**-0.5, 512)
+                args = (*_decode_cache(batch, ctx), 192**-0.5, 512)
                 stages, is_whole = launch
                 return lambda: _attend(
                     *args, SPLIT_BLOCKS, 4, stages, 16, v_parts, lat_chunk, is_whole_query=is_whole
@@ -464,15 +461,7 @@ def bench_split_size() -> None:
             v_parts, lat_chunk = value_split(batch, 512)
 
             def make(split_blocks, batch=batch, ctx=ctx, v_parts=v_parts, lat_chunk=lat_chunk):
-                blocks = -(-ctx // 64)
-                kv = torch.randn(batch * blocks, 64, 576, device="cuda").bfloat16()
-                q = torch.randn(batch, 16, 576, device="cuda").bfloat16()
-                tables = torch.full((batch, 128), -1, device="cuda", dtype=torch.int64)
-                order = torch.randperm(batch * blocks, device="cuda")
-                tables[:, :blocks] = order.view(batch, blocks)
-                seq_ids = torch.arange(batch, device="cuda")
-                positions = torch.full((batch,), ctx - 1, device="cuda")
-                args = (q, kv, seq_ids, tables, positions, 192**-0.5, 512, split_blocks, 4, 3)
+                args = (*_decode_cache(batch, ctx), 192**-0.5, 512, split_blocks, 4, 3)
                 return lambda: _attend(*args, 16, v_parts, lat_chunk)
 
             read = batch * ctx * 576 * 2
