@@ -25,7 +25,12 @@ sys.path.insert(0, str(ROOT))
 
 from bench.hbm_floor import copy_bandwidth  # noqa: E402
 from kernels.rmsnorm import rms_norm_fast  # noqa: E402
-from kernels.triton_linear import _launch, grouped_linear_triton, linear_triton  # noqa: E402
+from kernels.triton_linear import (  # noqa: E402
+    _launch,
+    grouped_config,
+    grouped_linear_triton,
+    linear_triton,
+)
 from kernels.triton_linear_config import LinearConfig, linear_config  # noqa: E402
 from kernels.triton_rmsnorm import rms_norm_triton  # noqa: E402
 from kernels.triton_softmax import log_softmax_triton  # noqa: E402
@@ -235,7 +240,7 @@ SWEEP_LARGE = [
 
 def _tag(c: LinearConfig) -> str:
     kind = "/T" if c.is_persistent else ""
-    return f"{c.block_m}x{c.block_n}/w{c.num_warps}/s{c.num_stages}{kind}"
+    return f"{c.block_m}x{c.block_n}x{c.block_k}/w{c.num_warps}/s{c.num_stages}{kind}"
 
 
 def bench_config_sweep() -> None:
@@ -936,6 +941,80 @@ def bench_rows() -> None:
         _print_row(f"log_softmax T={m:6} V=102400 fp32", num_bytes, t_triton, t_torch, copy_tbs)
 
 
+# One decode row's linears (V2-Lite, B = 1): (name, out_dim, in_dim, routed experts; 0: plain).
+DECODE_ROW_LINEARS = (
+    ("q_proj", 3072, 2048, 0),
+    ("kv_a", 576, 2048, 0),
+    ("o_proj", 2048, 2048, 0),
+    ("shared_gate_up", 5632, 2048, 0),
+    ("shared_down", 2048, 2816, 0),
+    ("routed_gate_up", 2816, 2048, 6),
+    ("routed_down", 2048, 1408, 6),
+)
+DECODE_TILE_SWEEP = [
+    LinearConfig(16, n, k, 8, w, s)
+    for k in (64, 128, 256)
+    for n in (16, 32, 64)
+    for w in (2, 4)
+    for s in (3, 4, 6, 8)
+    if k * s <= 1024
+]
+
+
+def bench_decode_tiles() -> None:
+    """Tile configs of the linears of a one-row decode step (the B = 1 engine's), graph replay
+    over weight copies that miss L2, µs; each config's bits against the bucket's own config
+    ('x': they differ, never used). Routed: 6 rows, one token's top-6 of 64 experts, the
+    gated launch for gate_up; the plain ones with a fixed K split take it (launch_split_k)."""
+    print("\n## one-row decode linears: tile configs, graph replay us (x: other bits)")
+    arrivals = arrival_counts("cuda")
+    for name, out_dim, in_dim, top_k in DECODE_ROW_LINEARS:
+        _sweep_decode_linear(name, out_dim, in_dim, top_k, arrivals)
+
+
+def _sweep_decode_linear(name, out_dim, in_dim, top_k, arrivals) -> None:
+    from kernels.triton_linear import _grouped
+
+    rows = max(top_k, 1)
+    counts = torch.zeros(64, dtype=torch.int64)
+    counts[torch.randperm(64, generator=torch.Generator().manual_seed(0))[:top_k]] = 1
+    counts = counts.cuda()
+    shape = (64, out_dim, in_dim) if top_k else (out_dim, in_dim)
+
+    def run(c, x, w):
+        if top_k:
+            return _grouped(x, w, counts, None, is_gated=out_dim > 2048, config=c)
+        out = x.new_empty((x.shape[0], out_dim))
+        return _launch(x, w, out, None, x.shape[0], c, arrivals=arrivals)
+
+    def make(c, gen=None):
+        w = torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+        x = torch.randn(rows, in_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+        return lambda: run(c, x, w)
+
+    if top_k:
+        default = grouped_config(out_dim, in_dim, torch.bfloat16, rows, 64)
+    else:
+        default = linear_config(out_dim, in_dim, torch.bfloat16, rows)
+    num_bytes = 2 * out_dim * in_dim * rows
+    ref = make(default, torch.Generator(device="cuda").manual_seed(1))()
+    cells = []
+    for c in [default] + [c for c in DECODE_TILE_SWEEP if c != default]:
+        try:
+            same = torch.equal(make(c, torch.Generator(device="cuda").manual_seed(1))(), ref)
+            cells.append((_graph_ms(partial(make, c), num_bytes), c, "" if same else "x"))
+        except Exception as err:  # out of shared memory etc.: report, keep sweeping
+            print(f"  {name} {_tag(c)}: {type(err).__name__}")
+    floor_us = num_bytes / 4.2e6
+    experts = f", {top_k} experts" if top_k else ""
+    print(
+        f"{name} ({out_dim} x {in_dim}{experts}; floor at 4.2 TB/s {floor_us:.1f} us): "
+        f"default {_tag(default)} {cells[0][0] * 1e3:.1f}"
+    )
+    cells.sort(key=lambda item: item[0])
+    print("  " + " ".join(f"{_tag(c)}{mark}={t * 1e3:.1f}" for t, c, mark in cells[:16]))
+
+
 def main() -> None:
     print(
         f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  "
@@ -962,6 +1041,7 @@ def main() -> None:
             "split_prefill": bench_split_prefill,
             "value_split": bench_value_split,
             "split_size": bench_split_size,
+            "decode_tiles": bench_decode_tiles,
         }[section]()
 
 

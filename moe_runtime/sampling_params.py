@@ -83,9 +83,17 @@ def finish_reason(
         return "stop"
     if not params.ignore_eos and token_id == eos_token_id:
         return "stop"
-    if num_output_tokens >= params.max_tokens or num_tokens >= max_model_len:
+    if ends_by_length(params, num_output_tokens, num_tokens, max_model_len):
         return "length"
     return None
+
+
+def ends_by_length(
+    params: SamplingParams, num_output_tokens: int, num_tokens: int, max_model_len: int
+) -> bool:
+    """Whether a sample of these counts ends whatever its newest token is (max_tokens or the
+    context): known before the token is."""
+    return num_output_tokens >= params.max_tokens or num_tokens >= max_model_len
 
 
 def _check(ok: bool, name: str, value: object, expected: str) -> None:

@@ -4,7 +4,8 @@
   prompts x 16 tokens in batches whose decode sizes cross the batch-size buckets.
 - The graph path really ran: replays and captures counted on the DecodeGraphRunner.
 - With scheduler.overlap_decode (the default here) the decode steps replayed ahead give the
-  same bits as with it off; the lookaheads really served steps.
+  same bits as with it off; the lookaheads really served steps, most of them queued before
+  the read with the sampled ids fed on the device.
 - A real row's hidden states and logits are bitwise the same whatever the padding rows hold,
   and equal to the eager model's.
 Skipped without CUDA.
@@ -79,6 +80,11 @@ def test_gpu_overlap_decode_bitwise_equals_off(workload):
         runner.num_lookahead_hits
     )
     assert graphs.num_replays >= runner.num_lookahead_hits
+    # ... and most of those were queued before the read, fed the sampled ids on the device.
+    assert runner.num_unread_launches >= runner.num_lookahead_hits // 2, (
+        runner.num_unread_launches,
+        runner.num_lookahead_hits,
+    )
 
 
 def _decode_batch(num_seqs: int, block_size: int) -> ForwardBatch:

@@ -14,9 +14,14 @@ bookkeeping as the CUDA-graph path (tests/test_gpu_graphs.py runs that one on th
 - Controls: a lookahead fed a wrong token is always dropped by the comparison (no hit, same
   bits), and the same lookahead compared by shape only changes the output; a lookahead kept
   across a weight update changes the output, dropped (as the worker does) it does not.
+- Most lookaheads are queued before the read, fed the sampled ids on the device; where a
+  sample ended with its token, the lookahead's other rows served the next step (the bits of a
+  step without the ended sample). Control: fed the wrong ids on the device, the output moves.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 
@@ -24,6 +29,7 @@ from moe_runtime import LLM, SamplingParams
 from moe_runtime.config import load_config
 from moe_runtime.worker import model_runner
 from moe_runtime.worker.model_runner import ModelRunner
+from moe_runtime.worker.sampler import Sampler
 from tests.invariance import TINY_CONFIG, fingerprint, mixed_prompts
 
 # Requests arrive in three groups, at these steps (each group waits a step or more, so the
@@ -72,11 +78,12 @@ def _run(workload, overlap: bool, llm: LLM | None = None) -> tuple[dict, dict]:
     results = {}
     for i, request in requests.items():
         outputs = engine.output(request).outputs
-        results[i] = [
-            (*fingerprint(o), o.finish_reason, o.routed_experts.tobytes() if i == 2 else None)
-            for o in outputs
-        ]
+        results[i] = [(*fingerprint(o), o.finish_reason, _bytes(o.routed_experts)) for o in outputs]
     return results, engine.worker_stats()[0]
+
+
+def _bytes(array) -> bytes | None:
+    return None if array is None else array.tobytes()
 
 
 def test_overlap_decode_bitwise_equals_off(workload):
@@ -109,6 +116,9 @@ def _wrong_token_lookahead(monkeypatch) -> None:
 def test_wrong_lookahead_is_dropped_and_would_change_bits(workload, monkeypatch):
     off, _ = _run(workload, overlap=False)
     _wrong_token_lookahead(monkeypatch)
+    # The host-side launch only: one queued before the read is compared with the tokens it
+    # was fed by construction (test_unread_lookaheads_feed_the_sampled_ids_on_the_device).
+    monkeypatch.setattr(ModelRunner, "_launch_unread", lambda *args: False)
     checked, stats = _run(workload, overlap=True)
     assert checked == off
     assert stats["num_lookahead_hits"] == 0 and stats["num_lookahead_misses"] >= 10, stats
@@ -228,3 +238,36 @@ def test_most_lookaheads_launch_from_the_batch_built_before_the_read(workload, m
     assert on == off
     assert calls["prepare"] >= stats["num_lookahead_hits"] >= 10, (calls, stats)
     assert calls["after_read"] < stats["num_lookahead_hits"] / 2, (calls, stats)
+
+
+def test_unread_lookaheads_feed_the_sampled_ids_on_the_device(workload, monkeypatch):
+    """Engagement: most lookaheads were queued before the read, and some kept the rows of the
+    samples that went on after one ended; the bits are those with the lookahead off. Control:
+    the same lookaheads fed token + 1 on the device change the output."""
+    rows_of = Sampler.rows_of
+    narrowed = []
+
+    def counting_rows_of(launched, rows):
+        narrowed.append(len(rows))
+        return rows_of(launched, rows)
+
+    monkeypatch.setattr(Sampler, "rows_of", staticmethod(counting_rows_of))
+    # Why: a sample asking for its routed experts keeps its steps' lookaheads after the read.
+    prompts, params = workload
+    workload = prompts, [replace(p, return_routed_experts=False) for p in params]
+    off, _ = _run(workload, overlap=False)
+    on, stats = _run(workload, overlap=True)
+    assert on == off
+    assert stats["num_unread_launches"] >= 10, stats
+    assert stats["num_unread_launches"] >= stats["num_lookahead_hits"] / 2, stats
+    assert narrowed, "no lookahead kept the rows of the samples that went on"
+
+    token_ids, vocab = Sampler.token_ids, load_config(TINY_CONFIG).model.vocab_size
+
+    def wrong_ids(launched):
+        return (token_ids(launched) + 1) % vocab
+
+    monkeypatch.setattr(Sampler, "token_ids", staticmethod(wrong_ids))
+    fed_wrong, stats = _run(workload, overlap=True)
+    assert stats["num_unread_launches"] >= 10, stats
+    assert fed_wrong != off, "lookaheads fed the wrong ids on the device left the output unchanged"

@@ -131,9 +131,11 @@ class DecodeGraphRunner:
         self.segments = [_Segment(a, b) for a, b in zip(starts, ends, strict=True)]
 
     @torch.inference_mode()
-    def run(self, batch: ForwardBatch) -> torch.Tensor:
+    def run(self, batch: ForwardBatch, token_ids: torch.Tensor | None = None) -> torch.Tensor:
         """batch (host tensors, B rows, can_run true) -> fp32 logits [R, V] for
-        batch.logits_indices, bitwise the eager model's."""
+        batch.logits_indices, bitwise the eager model's. token_ids: the B rows' ids on the
+        device, read there in place of batch.token_ids (a step fed the last step's samples
+        before the host has them)."""
         num_real, size = batch.num_tokens, self._step_size
         # A pure decode step's rows each need logits: a slice, no gather, in the usual case.
         rows = batch.logits_indices
@@ -147,6 +149,8 @@ class DecodeGraphRunner:
             graphs = self._capture(size, batch)
         else:
             self._load(graphs, batch)
+        if token_ids is not None:  # queued after the load's copy: it wins
+            graphs.batch.token_ids[:num_real].copy_(token_ids)
         layers = self.model.model.layers
         for j, segment in enumerate(self.segments):
             graphs.graphs[j].replay()

@@ -9,20 +9,22 @@ sequences, every position whose next token is a scored one. With graph batch siz
 pure decode steps go through a DecodeGraphRunner, and the cache holds one more block than the
 BlockManager is given: the scratch block the graphs' padding rows write to.
 
-With `overlap` (one rank), a step whose every sequence sampled may launch the next one ahead
-(`launch_lookahead`): the decode of the samples that go on, fed the tokens just sampled, with
-its sampling, while the host returns the results and the engine schedules. The next `step`
-uses it only when its batch and sampling inputs equal the launched ones element for element,
-so its bits are those of the same computation; otherwise it is dropped and the step runs as
-usual. A dropped lookahead wrote only the KV slot of each sample's next position, in a block
-the sample holds and that is not full (never a cached prefix); whoever writes that slot next
-runs after it on the same stream.
+With `overlap` (one rank), a step whose every sequence sampled may launch the next one ahead:
+the decode of the samples that go on, fed the tokens just sampled, with its sampling, while
+the host returns the results and the engine schedules. Where nothing it needs waits on the
+read (`_launch_unread`) it is queued before the read, fed the sampled ids on the device, so
+the GPU goes from one step's sampling into the next; otherwise after it (`launch_lookahead`).
+The next `step` uses it only when its batch and sampling inputs equal the launched ones
+element for element, so its bits are those of the same computation; otherwise it is dropped
+and the step runs as usual. A dropped lookahead wrote only the KV slot of each sample's next
+position, in a block the sample holds and that is not full (never a cached prefix); whoever
+writes that slot next runs after it on the same stream.
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 import torch
@@ -30,7 +32,7 @@ import torch
 from kernels import OpTable
 from moe_runtime.forward_batch import ForwardBatch, host_to_device
 from moe_runtime.model.deepseek import DeepseekForCausalLM
-from moe_runtime.sampling_params import SamplingParams, finish_reason
+from moe_runtime.sampling_params import SamplingParams, ends_by_length, finish_reason
 from moe_runtime.worker.cuda_graphs import DecodeGraphRunner
 from moe_runtime.worker.sampler import SampleLaunch, Sampler
 from moe_runtime.worker.step_input import NewSequence, StepOutput
@@ -124,6 +126,7 @@ class ModelRunner:
         self._slot_counts: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
         self.num_lookahead_hits = 0  # steps served by a lookahead (tests check the path ran)
         self.num_lookahead_misses = 0  # lookaheads dropped: the step was another one
+        self.num_unread_launches = 0  # lookaheads queued before the read (tests check it ran)
         self.graphs: DecodeGraphRunner | None = None
         if graph_batch_sizes:
             if device.type != "cuda":
@@ -159,12 +162,18 @@ class ModelRunner:
             # Why before the wait: all of the next step's batch but its tokens is known now,
             # so the host builds it while the GPU runs, not between the read and the launch.
             prepared = self._prepare_lookahead(chunks) if lookahead else None
+            is_unread = prepared is not None and self._launch_unread(
+                chunks, seqs, prepared, launched
+            )
             rows = self.sampler.read(launched)
             # Before a lookahead, whose replay refills the captured routing it reads.
             out.routed = self._routed_experts(batch, gen_rows, seqs)
-            if lookahead:
-                tokens = {s.seq_id: int(row[0]) for s, row in zip(seqs, rows, strict=True)}
-                self.launch_lookahead(chunks, tokens, prepared)
+            tokens = [int(row[0]) for row in rows]
+            if is_unread:
+                self._settle_unread(seqs, tokens)
+            elif lookahead:
+                by_seq = {s.seq_id: t for s, t in zip(seqs, tokens, strict=True)}
+                self.launch_lookahead(chunks, by_seq, prepared)
             results = self.sampler.results(launched, rows)
             out.samples.update({s.seq_id: r for s, r in zip(seqs, results, strict=True)})
         score_rows = [i for i, (chunk, _) in enumerate(row_owners) if chunk.seq.is_score]
@@ -204,13 +213,19 @@ class ModelRunner:
             event.synchronize()
         return host.numpy()
 
-    def _forward(self, batch: ForwardBatch, chunks: list[Chunk]) -> torch.Tensor:
+    def _forward(
+        self, batch: ForwardBatch, chunks: list[Chunk], token_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The model on a host batch: a graph replay for a pure decode step it fits, else
-        eager. -> fp32 logits of batch.logits_indices."""
+        eager. token_ids: the rows' ids on the device, read in place of batch.token_ids.
+        -> fp32 logits of batch.logits_indices."""
         is_pure_decode = all(c.num_tokens == 1 and not c.seq.is_score for c in chunks)
         if self.graphs is not None and self.graphs.can_run(is_pure_decode, batch):
-            return self.graphs.run(batch)
-        return self.model(batch.to(self.device), self.kv_caches)
+            return self.graphs.run(batch, token_ids)
+        device_batch = batch.to(self.device)
+        if token_ids is not None:
+            device_batch = replace(device_batch, token_ids=token_ids)
+        return self.model(device_batch, self.kv_caches)
 
     @staticmethod
     def _sample_args(seqs: list[SequenceState]) -> SampleArgs:
@@ -247,6 +262,67 @@ class ModelRunner:
             for seq in seqs:
                 seq.token_ids.pop()
 
+    def _launch_unread(
+        self,
+        chunks: list[Chunk],
+        seqs: list[SequenceState],
+        prepared: _Prepared,
+        launched: SampleLaunch,
+    ) -> bool:
+        """Before this step's samples are read: launch the next decode step of every sequence
+        of `chunks` (prepared: its host batch, placeholder tokens), fed the sampled ids where
+        they are, so the GPU needs no host between the steps. -> whether it was launched; not
+        when a sample asks for its routed experts (the replay would refill the routing before
+        the read) or ends by length with the token it just sampled (whatever that is).
+        seqs: the sampled rows' sequences, which must be the chunks' in order (a chunk that
+        leaves its prompt unfinished samples nothing)."""
+        if [s.seq_id for s in seqs] != [c.seq.seq_id for c in chunks]:
+            return False
+        for chunk in chunks:
+            seq = chunk.seq
+            num_tokens = len(seq.token_ids) + 1
+            num_outputs = num_tokens - seq.num_prompt_tokens
+            if seq.params.return_routed_experts or ends_by_length(
+                seq.params, num_outputs, num_tokens, self.max_model_len
+            ):
+                return False
+        ahead = [Chunk(c.seq, len(c.seq.token_ids), 1) for c in chunks]  # pure decode chunks
+        logits = self._forward(prepared.batch, ahead, self.sampler.token_ids(launched))
+        launched_ahead = self.sampler.launch(logits, *prepared.sample_args)
+        self._lookahead = _Lookahead(prepared.batch, prepared.sample_args, launched_ahead)
+        self.num_unread_launches += 1
+        return True
+
+    def _settle_unread(self, seqs: list[SequenceState], tokens: list[int]) -> None:
+        """After the read, for a lookahead `_launch_unread` queued: its host batch gets the
+        tokens it was fed (what the next step's batch is compared with). Where a sample ended
+        with its token (a stop token, EOS), invariant mode keeps the others' rows: the
+        batch-invariant kernels gave each row the bits it gets in a step without the ended
+        ones. Fast mode drops it (a row's bits there follow the batch)."""
+        ahead = self._lookahead
+        going_on = [
+            i for i, (s, t) in enumerate(zip(seqs, tokens, strict=True)) if not self._ends(s, t)
+        ]
+        if len(going_on) == len(seqs):
+            ahead.batch.token_ids.copy_(torch.tensor(tokens, dtype=torch.int64))
+            return
+        if not going_on or self.ops.mode != "invariant":
+            self.drop_lookahead()
+            return
+        batch, sample_args = self._lookahead_batch(
+            [seqs[i] for i in going_on], [tokens[i] for i in going_on]
+        )
+        self._lookahead = _Lookahead(batch, sample_args, Sampler.rows_of(ahead.launched, going_on))
+
+    def _ends(self, seq: SequenceState, token_id: int) -> bool:
+        """Whether seq ends once token_id (just sampled, not yet in seq) is its newest."""
+        num_tokens = len(seq.token_ids) + 1
+        num_outputs = num_tokens - seq.num_prompt_tokens
+        eos, max_len = self.eos_token_id, self.max_model_len
+        return (
+            finish_reason(seq.params, token_id, num_outputs, num_tokens, eos, max_len) is not None
+        )
+
     def launch_lookahead(
         self, chunks: list[Chunk], token_ids: dict[int, int], prepared: _Prepared | None = None
     ) -> None:
@@ -265,10 +341,7 @@ class ModelRunner:
             seq, token_id = chunk.seq, token_ids.get(chunk.seq.seq_id)
             if seq.is_score or token_id is None:
                 return
-            num_tokens = len(seq.token_ids) + 1
-            num_outputs = num_tokens - seq.num_prompt_tokens
-            eos, max_len = self.eos_token_id, self.max_model_len
-            if finish_reason(seq.params, token_id, num_outputs, num_tokens, eos, max_len):
+            if self._ends(seq, token_id):
                 continue
             if not self._holds_next_block(seq):
                 return

@@ -14,7 +14,7 @@ choosing seeds for n > 1 and recording fresh ones is the engine's job (moe_runti
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -28,11 +28,16 @@ RowOp = Callable[[torch.Tensor], torch.Tensor]
 @dataclass(frozen=True)
 class SampleLaunch:
     """A step's sampling queued on the device: `table` [R, 2 + 2 * num_top] fp64 (token id,
-    its logprob, top ids, top logprobs; None for no rows), read back by `Sampler.read`."""
+    its logprob, top ids, top logprobs; None for no rows) and its copy to `host` (page-locked
+    on CUDA, queued behind the sampling: `copied` marks its end), read back by `Sampler.read`.
+    `rows`: the table's rows the launch stands for (None: all), one per params entry."""
 
     table: torch.Tensor | None
     params: list[SamplingParams]
     num_top: int
+    host: torch.Tensor | None = None
+    copied: torch.cuda.Event | None = None
+    rows: list[int] | None = None
 
 
 class Sampler:
@@ -110,12 +115,42 @@ class Sampler:
             columns += [top_ids[:, :num_top], top_values[:, :num_top]]
         # Read back in one device-to-host copy: fp64 holds ids < 2**53 and fp32 logprobs exactly.
         table = torch.cat([c.to(torch.float64) for c in columns], dim=1)
-        return SampleLaunch(table, params, num_top)
+        if table.device.type != "cuda":
+            return SampleLaunch(table, params, num_top, host=table)
+        # Why queued now: a step launched before the read (ModelRunner's lookahead) would
+        # otherwise sit between this sampling and a copy issued at the read, which would then
+        # wait for that whole step.
+        host = torch.empty(table.shape, dtype=table.dtype, pin_memory=True)
+        host.copy_(table, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return SampleLaunch(table, params, num_top, host=host, copied=copied)
 
     @staticmethod
     def read(launched: SampleLaunch) -> list[list[float]]:
-        """Waits for a launch's device work: its table's rows on the host (token id first)."""
-        return [] if launched.table is None else launched.table.cpu().tolist()
+        """Waits for a launch's copy to the host: its rows (token id first)."""
+        if launched.table is None:
+            return []
+        if launched.copied is not None:
+            launched.copied.synchronize()
+        rows = launched.host.tolist()
+        return rows if launched.rows is None else [rows[i] for i in launched.rows]
+
+    @staticmethod
+    def token_ids(launched: SampleLaunch) -> torch.Tensor:
+        """The sampled ids [R] int64 where they were sampled, not waited for: a decode step
+        launched before `read` feeds on them."""
+        ids = launched.table[:, 0]
+        if launched.rows is not None:
+            ids = ids[host_to_device(launched.rows, ids.device)]
+        return ids.to(torch.int64)
+
+    @staticmethod
+    def rows_of(launched: SampleLaunch, rows: list[int]) -> SampleLaunch:
+        """The launch standing for its rows `rows` (indices into its own rows) only."""
+        table_rows = rows if launched.rows is None else [launched.rows[i] for i in rows]
+        params = [launched.params[i] for i in rows]
+        return replace(launched, params=params, rows=table_rows)
 
     @staticmethod
     def results(launched: SampleLaunch, rows: list[list[float]]) -> list[SampleResult]:

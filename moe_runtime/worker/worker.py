@@ -275,7 +275,9 @@ class Worker:
         `num_eager_rows_sent_remote` = the remote rows FixedCapacityDispatcher sent through
         the uneven exchange on steps that replayed no graph (0 with any other dispatcher);
         `num_lookahead_hits` / `num_lookahead_misses` = decode steps launched ahead that served
-        the step the engine asked for / that were dropped (scheduler.overlap_decode)."""
+        the step the engine asked for / that were dropped (scheduler.overlap_decode), and
+        `num_unread_launches` those of them queued before the read, fed the sampled ids on the
+        device."""
         total = self.total_load.tolist() if self.total_load is not None else []
         tp, graphs = self.runner.model.tp, self.runner.graphs
         is_capacity = isinstance(self.dispatcher, FixedCapacityDispatcher)
@@ -299,6 +301,7 @@ class Worker:
             ),
             "num_lookahead_hits": self.runner.num_lookahead_hits,
             "num_lookahead_misses": self.runner.num_lookahead_misses,
+            "num_unread_launches": self.runner.num_unread_launches,
             "slot_load": total,
             "physical_to_logical": self.placement.physical_to_logical.tolist(),
         }
