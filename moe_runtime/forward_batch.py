@@ -39,3 +39,30 @@ def host_to_device(values: torch.Tensor | list, device: torch.device | str) -> t
     if device.type != "cuda":
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)
+
+
+@dataclass(frozen=True)
+class HostCopy:
+    """A device tensor's copy to the host, queued on its stream (`device_to_host`)."""
+
+    host: torch.Tensor  # page-locked on CUDA; the tensor itself on the CPU
+    copied: torch.cuda.Event | None  # marks the copy's end on CUDA
+
+    def wait(self) -> torch.Tensor:
+        """The host tensor, once the copy has landed."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.host
+
+
+def device_to_host(tensor: torch.Tensor) -> HostCopy:
+    """Queue tensor's copy to the host without waiting. Why queued, not read: a step launched
+    after it (a decode lookahead) would otherwise sit between the tensor's producer and a copy
+    issued later, which would then wait for that whole step."""
+    if tensor.device.type != "cuda":
+        return HostCopy(tensor, None)
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+    return HostCopy(host, copied)

@@ -21,8 +21,6 @@ bookkeeping as the CUDA-graph path (tests/test_gpu_graphs.py runs that one on th
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 
 from moe_runtime import LLM, SamplingParams
@@ -252,9 +250,6 @@ def test_unread_lookaheads_feed_the_sampled_ids_on_the_device(workload, monkeypa
         return rows_of(launched, rows)
 
     monkeypatch.setattr(Sampler, "rows_of", staticmethod(counting_rows_of))
-    # Why: a sample asking for its routed experts keeps its steps' lookaheads after the read.
-    prompts, params = workload
-    workload = prompts, [replace(p, return_routed_experts=False) for p in params]
     off, _ = _run(workload, overlap=False)
     on, stats = _run(workload, overlap=True)
     assert on == off

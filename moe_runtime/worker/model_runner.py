@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from kernels import OpTable
-from moe_runtime.forward_batch import ForwardBatch, host_to_device
+from moe_runtime.forward_batch import ForwardBatch, HostCopy, device_to_host, host_to_device
 from moe_runtime.model.deepseek import DeepseekForCausalLM
 from moe_runtime.sampling_params import SamplingParams, ends_by_length, finish_reason
 from moe_runtime.worker.cuda_graphs import DecodeGraphRunner
@@ -79,6 +79,19 @@ class _Prepared:
     sample_args: SampleArgs
 
 
+@dataclass(frozen=True)
+class _Routed:
+    """Sampled positions' routed experts on their way to the host."""
+
+    seq_ids: list[int]
+    ids: HostCopy  # [R, L_moe, K] int32
+
+    def wait(self) -> dict[int, np.ndarray]:
+        """seq_id -> [L_moe, K] int32 logical experts of its sampled position."""
+        ids = self.ids.wait().numpy()
+        return {seq_id: ids[j] for j, seq_id in enumerate(self.seq_ids)}
+
+
 def same_batch(a: ForwardBatch, b: ForwardBatch) -> bool:
     """Every tensor of the two batches equal in shape and elements."""
     return all(torch.equal(getattr(a, f.name), getattr(b, f.name)) for f in fields(a))
@@ -123,7 +136,7 @@ class ModelRunner:
         self.overlap, self.max_model_len = overlap, max_model_len
         self.eos_token_id = cfg.eos_token_id
         self._lookahead: _Lookahead | None = None
-        self._slot_counts: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
+        self._slot_counts: HostCopy | None = None
         self.num_lookahead_hits = 0  # steps served by a lookahead (tests check the path ran)
         self.num_lookahead_misses = 0  # lookaheads dropped: the step was another one
         self.num_unread_launches = 0  # lookaheads queued before the read (tests check it ran)
@@ -162,12 +175,13 @@ class ModelRunner:
             # Why before the wait: all of the next step's batch but its tokens is known now,
             # so the host builds it while the GPU runs, not between the read and the launch.
             prepared = self._prepare_lookahead(chunks) if lookahead else None
+            # Before any lookahead, whose replay refills the captured routing it reads.
+            routed = self._queue_routed_experts(batch, gen_rows, seqs, launched)
             is_unread = prepared is not None and self._launch_unread(
                 chunks, seqs, prepared, launched
             )
             rows = self.sampler.read(launched)
-            # Before a lookahead, whose replay refills the captured routing it reads.
-            out.routed = self._routed_experts(batch, gen_rows, seqs)
+            out.routed = routed.wait() if routed is not None else {}
             tokens = [int(row[0]) for row in rows]
             if is_unread:
                 self._settle_unread(seqs, tokens)
@@ -188,30 +202,19 @@ class ModelRunner:
 
     def _queue_slot_counts(self) -> None:
         """Queue the copy of every MoE layer's slot counts of this step to the host (page-
-        locked on CUDA, not waited for): the sampler's read-back waits for it too."""
+        locked on CUDA, not waited for: `slot_counts` waits for it)."""
         layers = self.model.moe_layers
         if not layers:
             self._slot_counts = None
             return
-        counts = torch.stack([moe.last_slot_counts for moe in layers])
-        if counts.device.type != "cuda":
-            self._slot_counts = (counts, None)
-            return
-        host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
-        host.copy_(counts, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self._slot_counts = (host, event)
+        self._slot_counts = device_to_host(torch.stack([moe.last_slot_counts for moe in layers]))
 
     def slot_counts(self) -> np.ndarray | None:
         """[MoE layer][local slot] rows the last step served (its real rows), or None when it
         ran no model. Waits for the copy (already done once the step sampled)."""
         if self._slot_counts is None:
             return None
-        host, event = self._slot_counts
-        if event is not None:
-            event.synchronize()
-        return host.numpy()
+        return self._slot_counts.wait().numpy()
 
     def _forward(
         self, batch: ForwardBatch, chunks: list[Chunk], token_ids: torch.Tensor | None = None
@@ -272,19 +275,16 @@ class ModelRunner:
         """Before this step's samples are read: launch the next decode step of every sequence
         of `chunks` (prepared: its host batch, placeholder tokens), fed the sampled ids where
         they are, so the GPU needs no host between the steps. -> whether it was launched; not
-        when a sample asks for its routed experts (the replay would refill the routing before
-        the read) or ends by length with the token it just sampled (whatever that is).
-        seqs: the sampled rows' sequences, which must be the chunks' in order (a chunk that
-        leaves its prompt unfinished samples nothing)."""
+        when a sample ends by length with the token it just sampled (whatever that is: the
+        next batch lacks it). seqs: the sampled rows' sequences, which must be the chunks' in
+        order (a chunk that leaves its prompt unfinished samples nothing)."""
         if [s.seq_id for s in seqs] != [c.seq.seq_id for c in chunks]:
             return False
         for chunk in chunks:
             seq = chunk.seq
             num_tokens = len(seq.token_ids) + 1
             num_outputs = num_tokens - seq.num_prompt_tokens
-            if seq.params.return_routed_experts or ends_by_length(
-                seq.params, num_outputs, num_tokens, self.max_model_len
-            ):
+            if ends_by_length(seq.params, num_outputs, num_tokens, self.max_model_len):
                 return False
         ahead = [Chunk(c.seq, len(c.seq.token_ids), 1) for c in chunks]  # pure decode chunks
         logits = self._forward(prepared.batch, ahead, self.sampler.token_ids(launched))
@@ -375,18 +375,29 @@ class ModelRunner:
             self._lookahead = None
             self.num_lookahead_misses += 1
 
-    def _routed_experts(self, batch: ForwardBatch, gen_rows: list[int], seqs) -> dict:
-        """seq_id -> [L_moe, K] int32 logical experts of the position whose logits were
-        sampled, for the sequences that asked for them."""
+    def _queue_routed_experts(
+        self,
+        batch: ForwardBatch,
+        gen_rows: list[int],
+        seqs: list[SequenceState],
+        launched: SampleLaunch,
+    ) -> _Routed | None:
+        """Queue the copy of the logical experts [L_moe, K] of each sampled position whose
+        sequence asked for them (None: none asked); `_Routed.wait` reads them. launched: the
+        step's sampling; a lookahead's that kept some of its rows ran a pure decode step of
+        more sequences, its rows' tokens then `launched.rows`."""
         moe_layers = self.model.moe_layers
         asking = [i for i, s in enumerate(seqs) if s.params.return_routed_experts]
         if not moe_layers or not asking:
-            return {}
-        rows = batch.logits_indices[[gen_rows[i] for i in asking]]
+            return None
+        if launched.rows is not None:
+            rows = [launched.rows[i] for i in asking]
+        else:
+            rows = batch.logits_indices[[gen_rows[i] for i in asking]]
         token_rows = host_to_device(rows, self.device)
         ids = torch.stack([moe.last_topk_ids[token_rows] for moe in moe_layers], dim=1)
-        ids = ids.to(torch.int32).cpu().numpy()  # [R, L_moe, K]: one host copy, compact
-        return {seqs[i].seq_id: ids[j] for j, i in enumerate(asking)}
+        # [R, L_moe, K] int32: one compact copy
+        return _Routed([seqs[i].seq_id for i in asking], device_to_host(ids.to(torch.int32)))
 
     def _build_batch(self, chunks: list[Chunk]) -> tuple[ForwardBatch, list[tuple[Chunk, int]]]:
         """The step's host batch (per-chunk work and array ops, no loop over positions: a

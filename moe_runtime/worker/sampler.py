@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from moe_runtime.forward_batch import host_to_device
+from moe_runtime.forward_batch import HostCopy, device_to_host, host_to_device
 from moe_runtime.sampling_params import SamplingParams
 from moe_runtime.worker.step_input import SampleResult
 
@@ -28,15 +28,14 @@ RowOp = Callable[[torch.Tensor], torch.Tensor]
 @dataclass(frozen=True)
 class SampleLaunch:
     """A step's sampling queued on the device: `table` [R, 2 + 2 * num_top] fp64 (token id,
-    its logprob, top ids, top logprobs; None for no rows) and its copy to `host` (page-locked
-    on CUDA, queued behind the sampling: `copied` marks its end), read back by `Sampler.read`.
+    its logprob, top ids, top logprobs; None for no rows) and its copy to the host, queued
+    behind the sampling, read back by `Sampler.read`.
     `rows`: the table's rows the launch stands for (None: all), one per params entry."""
 
     table: torch.Tensor | None
     params: list[SamplingParams]
     num_top: int
-    host: torch.Tensor | None = None
-    copied: torch.cuda.Event | None = None
+    host: HostCopy | None = None
     rows: list[int] | None = None
 
 
@@ -115,25 +114,14 @@ class Sampler:
             columns += [top_ids[:, :num_top], top_values[:, :num_top]]
         # Read back in one device-to-host copy: fp64 holds ids < 2**53 and fp32 logprobs exactly.
         table = torch.cat([c.to(torch.float64) for c in columns], dim=1)
-        if table.device.type != "cuda":
-            return SampleLaunch(table, params, num_top, host=table)
-        # Why queued now: a step launched before the read (ModelRunner's lookahead) would
-        # otherwise sit between this sampling and a copy issued at the read, which would then
-        # wait for that whole step.
-        host = torch.empty(table.shape, dtype=table.dtype, pin_memory=True)
-        host.copy_(table, non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record()
-        return SampleLaunch(table, params, num_top, host=host, copied=copied)
+        return SampleLaunch(table, params, num_top, host=device_to_host(table))
 
     @staticmethod
     def read(launched: SampleLaunch) -> list[list[float]]:
         """Waits for a launch's copy to the host: its rows (token id first)."""
         if launched.table is None:
             return []
-        if launched.copied is not None:
-            launched.copied.synchronize()
-        rows = launched.host.tolist()
+        rows = launched.host.wait().tolist()
         return rows if launched.rows is None else [rows[i] for i in launched.rows]
 
     @staticmethod
