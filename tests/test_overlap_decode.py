@@ -266,3 +266,29 @@ def test_unread_lookaheads_feed_the_sampled_ids_on_the_device(workload, monkeypa
     fed_wrong, stats = _run(workload, overlap=True)
     assert stats["num_unread_launches"] >= 10, stats
     assert fed_wrong != off, "lookaheads fed the wrong ids on the device left the output unchanged"
+
+
+def test_fast_mode_drops_a_lookahead_whose_sample_ended(workload, monkeypatch):
+    """Fast mode (a row's bits follow the batch) never keeps part of a lookahead: rows_of is
+    not called, and the bits are those with the lookahead off, where lookaheads still served
+    steps."""
+
+    def no_rows_of(launched, rows):
+        raise AssertionError("fast mode kept part of a lookahead")
+
+    settle, endings = ModelRunner._settle_unread, []
+
+    def counting_settle(self, seqs, tokens):
+        ended = sum(self._ends(s, t) for s, t in zip(seqs, tokens, strict=True))
+        endings.append((ended, len(seqs)))
+        return settle(self, seqs, tokens)
+
+    monkeypatch.setattr(Sampler, "rows_of", staticmethod(no_rows_of))
+    monkeypatch.setattr(ModelRunner, "_settle_unread", counting_settle)
+    fast = {"kernels.mode": "fast"}
+    off, _ = _run(workload, False, LLM(TINY_CONFIG, **fast, **{"scheduler.overlap_decode": False}))
+    on, stats = _run(workload, True, LLM(TINY_CONFIG, **fast, **{"scheduler.overlap_decode": True}))
+    assert on == off
+    assert stats["num_unread_launches"] >= 10, stats
+    # Engagement: a sample ended with its token while others went on (then dropped).
+    assert any(0 < ended < num_seqs for ended, num_seqs in endings), endings
