@@ -292,3 +292,35 @@ def test_fast_mode_drops_a_lookahead_whose_sample_ended(workload, monkeypatch):
     assert stats["num_unread_launches"] >= 10, stats
     # Engagement: a sample ended with its token while others went on (then dropped).
     assert any(0 < ended < num_seqs for ended, num_seqs in endings), endings
+
+
+def _queued_run(workload, overlap: bool, **overrides) -> tuple[dict, dict, LLM]:
+    """_run with at most 3 sequences running: the later requests wait most steps."""
+    settings = {"scheduler.overlap_decode": overlap, "scheduler.max_num_seqs": 3, **overrides}
+    llm = LLM(TINY_CONFIG, **settings)
+    results, stats = _run(workload, overlap, llm)
+    return results, stats, llm
+
+
+def test_lookaheads_serve_while_requests_wait(workload):
+    """With more requests than scheduler.max_num_seqs the queue waits most steps. Invariant
+    mode still launches lookaheads then, and holds a waiting request's admission one step
+    where a sequence left (so the launched step is used); the bits equal overlap off (which
+    admits at once) and the rule without lookaheads while requests wait. Control: that rule
+    served fewer steps from lookaheads. Fast mode keeps it (no hold)."""
+    off, _, _ = _queued_run(workload, False)
+    on, stats, llm = _queued_run(workload, True)
+    assert on == off
+    held = llm.engine.schedulers[0].num_held_admissions
+    assert held >= 2, held
+
+    without = LLM(TINY_CONFIG, **{"scheduler.overlap_decode": True, "scheduler.max_num_seqs": 3})
+    without.engine.schedulers[0].can_hold_admission = False  # the rule before the hold
+    old_rule, old_stats = _run(workload, True, without)
+    assert old_rule == off
+    assert without.engine.schedulers[0].num_held_admissions == 0
+    assert stats["num_lookahead_hits"] > old_stats["num_lookahead_hits"] + 5, (stats, old_stats)
+
+    _, _, fast = _queued_run(workload, True, **{"kernels.mode": "fast"})
+    assert not fast.engine.schedulers[0].can_hold_admission
+    assert fast.engine.schedulers[0].num_held_admissions == 0

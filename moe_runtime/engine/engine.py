@@ -80,8 +80,11 @@ class LLMEngine:
             BlockManager(self.num_kv_blocks, cache.block_size, cache.enable_prefix_caching)
             for _ in range(self.config.parallel.dp_size)
         ]
+        # Why invariant mode only: holding the waiting sequences a step moves them to another
+        # batch, which changes no bit of theirs only there (Scheduler.schedule).
+        can_hold = self.config.kernels.is_invariant and bool(self.config.scheduler.overlap_decode)
         self.schedulers = [
-            Scheduler(self.config.scheduler, blocks, self.config.model.eos_token_id)
+            Scheduler(self.config.scheduler, blocks, self.config.model.eos_token_id, can_hold)
             for blocks in self.block_managers
         ]
 
@@ -183,11 +186,8 @@ class LLMEngine:
         tokens or finished in it (scoring requests are read whole with `output`)."""
         self._check_alive()
         per_dp_rank = [scheduler.schedule() for scheduler in self.schedulers]
-        overlap = self.config.scheduler.overlap_decode
         inputs = [
-            build_step_input(
-                scheduler.collect_released(), chunks, overlap and not scheduler.waiting
-            )
+            build_step_input(scheduler.collect_released(), chunks, scheduler.is_lookahead)
             for scheduler, chunks in zip(self.schedulers, per_dp_rank, strict=True)
         ]
         tp_size = self.config.parallel.tp_size
@@ -352,7 +352,8 @@ def build_step_input(
     released: list[Sequence], chunks: list[ScheduledChunk], lookahead: bool = False
 ) -> StepInput:
     """One DP rank's wire message: drop released sequences, send new ones whole and running
-    ones only the tokens and blocks their worker has not seen; lookahead: nothing waits."""
+    ones only the tokens and blocks their worker has not seen; lookahead: the next step is
+    likely the decode of these sequences (Scheduler.is_lookahead)."""
     released_ids = []
     for seq in released:
         if seq.is_on_worker:

@@ -6,7 +6,10 @@ in arrival order. When KV blocks run out, the newest running sequence is preempt
 are freed and it goes back to the front of the queue with every token it has, to be recomputed
 later (which gives the same bits, since every kernel is batch-invariant). Nothing is dropped.
 Every sequence that leaves the running set (finished, aborted, preempted) is listed in
-`released` until the engine collects it, so the worker can drop its copy.
+`released` until the engine collects it, so the worker can drop its copy. `is_lookahead` tells
+the worker the next step is likely the decode of this one's sequences (overlap_decode); with
+`can_hold_admission` a waiting sequence is then held back one step where admitting it would
+waste the step launched ahead.
 """
 
 from __future__ import annotations
@@ -30,15 +33,27 @@ class ScheduledChunk:
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, block_manager: BlockManager, eos_token_id: int | None
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        eos_token_id: int | None,
+        can_hold_admission: bool = False,
     ) -> None:
+        """can_hold_admission: with overlap_decode, a decode lookahead may be asked for while
+        sequences wait, and their admission then held a step where it would waste it (only
+        where a request's bits ignore its batch: invariant mode)."""
         self.config = config
         self.blocks = block_manager
         self.eos_token_id = eos_token_id
+        self.can_hold_admission = can_hold_admission
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.released: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_held_admissions = 0  # steps that held the waiting sequences back
+        # Whether the last step's worker may launch the next decode step ahead (its input's
+        # `lookahead`): nothing waits, or what waits cannot be admitted before a sequence ends.
+        self.is_lookahead = False
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -47,6 +62,14 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> list[ScheduledChunk]:
+        # Why hold: the last step's worker launched the next decode of its sequences ahead,
+        # used only if this step is exactly that one, and the sequences released since then
+        # freed room a waiting one would take. Held one step (the launched step is used and
+        # none is launched from it), the waiting ones join the next. Invariant mode only: a
+        # request's bits ignore its batch, so the step's delay moves none.
+        is_held = self.can_hold_admission and self.is_lookahead
+        is_held = is_held and bool(self.released and self.waiting and self.running)
+        self.num_held_admissions += is_held
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         for seq in list(self.running):
@@ -63,7 +86,12 @@ class Scheduler:
             if seq.status is SequenceStatus.RUNNING:
                 chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, chunk))
                 budget -= chunk
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (
+            not is_held
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
             seq = self.waiting[0]
             if not seq.block_table:
                 # A scoring sequence must compute every position it scores: match its prompt only.
@@ -78,6 +106,12 @@ class Scheduler:
             self.running.append(seq)
             chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, chunk))
             budget -= chunk
+        # What still waits could not be admitted, and nothing but a sequence's end changes that.
+        self.is_lookahead = (
+            bool(self.config.overlap_decode)
+            and not is_held
+            and (not self.waiting or self.can_hold_admission)
+        )
         return chunks
 
     def _allocate(self, seq: Sequence, num_slots: int) -> bool:

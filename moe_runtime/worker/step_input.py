@@ -48,8 +48,9 @@ class StepInput:
     released_seq_ids: list[int] = field(default_factory=list)  # finished, aborted, preempted
     new_seqs: list[NewSequence] = field(default_factory=list)
     scheduled: list[ScheduledSeq] = field(default_factory=list)  # batch order
-    # Nothing waits on this rank: the next step is likely the decode of these sequences, so
-    # the worker may launch it ahead (scheduler.overlap_decode).
+    # The next step is likely the decode of these sequences (nothing waits on this rank, or
+    # what waits is held back until a sequence ends), so the worker may launch it ahead
+    # (scheduler.overlap_decode).
     lookahead: bool = False
 
 
