@@ -306,6 +306,7 @@ def record_results(scheduler: Scheduler, chunks: list[ScheduledChunk], result: S
         if seq.seq_id in result.routed:
             seq.routed_experts.append(result.routed[seq.seq_id])
     scheduler.update(chunks, result.samples)
+    scheduler.is_ahead = result.is_ahead
     for chunk in chunks:
         seq = chunk.seq
         if seq.detokenizer is None or seq.seq_id not in result.samples:

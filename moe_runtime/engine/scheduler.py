@@ -54,6 +54,8 @@ class Scheduler:
         # Whether the last step's worker may launch the next decode step ahead (its input's
         # `lookahead`): nothing waits, or what waits cannot be admitted before a sequence ends.
         self.is_lookahead = False
+        # Whether it did (its output's `is_ahead`, set by the engine after the step).
+        self.is_ahead = False
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -67,7 +69,7 @@ class Scheduler:
         # freed room a waiting one would take. Held one step (the launched step is used and
         # none is launched from it), the waiting ones join the next. Invariant mode only: a
         # request's bits ignore its batch, so the step's delay moves none.
-        is_held = self.can_hold_admission and self.is_lookahead
+        is_held = self.can_hold_admission and self.is_ahead
         is_held = is_held and bool(self.released and self.waiting and self.running)
         self.num_held_admissions += is_held
         budget = self.config.max_num_batched_tokens

@@ -198,6 +198,7 @@ class ModelRunner:
                 next_token = chunk.seq.token_ids[position + 1]
                 out.scored.setdefault(chunk.seq.seq_id, []).append(logprobs[row, next_token].item())
                 chunk.seq.num_scored += 1
+        out.is_ahead = self._lookahead is not None
         return out
 
     def _queue_slot_counts(self) -> None:

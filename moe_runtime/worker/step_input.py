@@ -74,3 +74,5 @@ class StepOutput:
     # [L_moe, K] int32 logical experts of the sampled position; only for sequences that ask.
     # Arrays, not nested lists: one object per token on the driver, not L_moe * (K + 1).
     routed: dict[int, np.ndarray] = field(default_factory=dict)
+    # The rank launched the next decode step of this step's samples ahead (overlap_decode).
+    is_ahead: bool = False
