@@ -124,3 +124,21 @@ def test_profile_idle_lines_split_launch_gaps_from_host_gaps():
     assert f"{span:.1f} us from first kernel to last" in line
     assert "idle 5.0 us in gaps" in line
     assert f"and {long_gap:.1f} us in 1.0 longer gaps" in line
+
+
+def test_backlog_bench_smoke_on_cpu():
+    """bench/backlog.py on the tiny config: a job of more requests than slots finishes in both
+    modes, and invariant mode's lookaheads (on here) served steps while requests waited."""
+    cmd = [sys.executable, "bench/backlog.py", "--config", str(TINY), "--slots", "3"]
+    cmd += ["--requests", "8", "--context", "16", "--max-tokens", "8", "--repeats", "2"]
+    cmd += ["--set", "scheduler.overlap_decode=true"]
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    rows = {
+        line.split("|")[1].strip(): line.split("|")[4].strip()
+        for line in run.stdout.splitlines()
+        if line.startswith("| invariant") or line.startswith("| fast")
+    }
+    assert set(rows) == {"invariant", "fast"}, run.stdout
+    served = {mode: int(cell.split("/")[0]) for mode, cell in rows.items()}
+    assert served["invariant"] > served["fast"], run.stdout  # fast: none while requests wait
