@@ -116,7 +116,7 @@ def test_wrong_lookahead_is_dropped_and_would_change_bits(workload, monkeypatch)
     _wrong_token_lookahead(monkeypatch)
     # The host-side launch only: one queued before the read is compared with the tokens it
     # was fed by construction (test_unread_lookaheads_feed_the_sampled_ids_on_the_device).
-    monkeypatch.setattr(ModelRunner, "_launch_unread", lambda *args: False)
+    monkeypatch.setattr(ModelRunner, "_launch_unread", lambda *args: None)
     checked, stats = _run(workload, overlap=True)
     assert checked == off
     assert stats["num_lookahead_hits"] == 0 and stats["num_lookahead_misses"] >= 10, stats
@@ -239,23 +239,31 @@ def test_most_lookaheads_launch_from_the_batch_built_before_the_read(workload, m
 
 
 def test_unread_lookaheads_feed_the_sampled_ids_on_the_device(workload, monkeypatch):
-    """Engagement: most lookaheads were queued before the read, and some kept the rows of the
-    samples that went on after one ended; the bits are those with the lookahead off. Control:
-    the same lookaheads fed token + 1 on the device change the output."""
-    rows_of = Sampler.rows_of
-    narrowed = []
+    """Engagement: most lookaheads were queued before the read, some of them for the samples
+    that go on while one ends by length, and some kept the rows of the samples that went on
+    after one ended with its token; the bits are those with the lookahead off. Control: the
+    same lookaheads fed token + 1 on the device change the output."""
+    launch, settle = ModelRunner._launch_unread, ModelRunner._settle_unread
+    covered, endings = [], []
 
-    def counting_rows_of(launched, rows):
-        narrowed.append(len(rows))
-        return rows_of(launched, rows)
+    def counting_launch(self, chunks, seqs, prepared, launched):
+        rows = launch(self, chunks, seqs, prepared, launched)
+        covered.append((len(rows or ()), len(seqs)))
+        return rows
 
-    monkeypatch.setattr(Sampler, "rows_of", staticmethod(counting_rows_of))
+    def counting_settle(self, seqs, tokens):
+        endings.append(sum(self._ends(s, t) for s, t in zip(seqs, tokens, strict=True)))
+        return settle(self, seqs, tokens)
+
+    monkeypatch.setattr(ModelRunner, "_launch_unread", counting_launch)
+    monkeypatch.setattr(ModelRunner, "_settle_unread", counting_settle)
     off, _ = _run(workload, overlap=False)
     on, stats = _run(workload, overlap=True)
     assert on == off
     assert stats["num_unread_launches"] >= 10, stats
     assert stats["num_unread_launches"] >= stats["num_lookahead_hits"] / 2, stats
-    assert narrowed, "no lookahead kept the rows of the samples that went on"
+    assert any(0 < rows < num_seqs for rows, num_seqs in covered), covered
+    assert any(endings), "no lookahead met a sample that ended with its token"
 
     token_ids, vocab = Sampler.token_ids, load_config(TINY_CONFIG).model.vocab_size
 
@@ -269,29 +277,25 @@ def test_unread_lookaheads_feed_the_sampled_ids_on_the_device(workload, monkeypa
 
 
 def test_fast_mode_drops_a_lookahead_whose_sample_ended(workload, monkeypatch):
-    """Fast mode (a row's bits follow the batch) never keeps part of a lookahead: rows_of is
-    not called, and the bits are those with the lookahead off, where lookaheads still served
-    steps."""
-
-    def no_rows_of(launched, rows):
-        raise AssertionError("fast mode kept part of a lookahead")
-
+    """Fast mode (a row's bits follow the batch) never keeps part of a lookahead whose sample
+    ended with its token: it is dropped, and the bits are those with the lookahead off, where
+    lookaheads still served steps."""
     settle, endings = ModelRunner._settle_unread, []
 
-    def counting_settle(self, seqs, tokens):
+    def checking_settle(self, seqs, tokens):
         ended = sum(self._ends(s, t) for s, t in zip(seqs, tokens, strict=True))
-        endings.append((ended, len(seqs)))
-        return settle(self, seqs, tokens)
+        settle(self, seqs, tokens)
+        endings.append((ended, len(seqs), self._lookahead is None))
 
-    monkeypatch.setattr(Sampler, "rows_of", staticmethod(no_rows_of))
-    monkeypatch.setattr(ModelRunner, "_settle_unread", counting_settle)
+    monkeypatch.setattr(ModelRunner, "_settle_unread", checking_settle)
     fast = {"kernels.mode": "fast"}
     off, _ = _run(workload, False, LLM(TINY_CONFIG, **fast, **{"scheduler.overlap_decode": False}))
     on, stats = _run(workload, True, LLM(TINY_CONFIG, **fast, **{"scheduler.overlap_decode": True}))
     assert on == off
     assert stats["num_unread_launches"] >= 10, stats
-    # Engagement: a sample ended with its token while others went on (then dropped).
-    assert any(0 < ended < num_seqs for ended, num_seqs in endings), endings
+    partial = [dropped for ended, num_seqs, dropped in endings if 0 < ended < num_seqs]
+    assert partial, endings  # engagement: a sample ended with its token while others went on
+    assert all(partial), endings
 
 
 def _queued_run(workload, overlap: bool, **overrides) -> tuple[dict, dict, LLM]:

@@ -177,14 +177,14 @@ class ModelRunner:
             prepared = self._prepare_lookahead(chunks) if lookahead else None
             # Before any lookahead, whose replay refills the captured routing it reads.
             routed = self._queue_routed_experts(batch, gen_rows, seqs, launched)
-            is_unread = prepared is not None and self._launch_unread(
-                chunks, seqs, prepared, launched
-            )
+            unread = None
+            if prepared is not None:
+                unread = self._launch_unread(chunks, seqs, prepared, launched)
             rows = self.sampler.read(launched)
             out.routed = routed.wait() if routed is not None else {}
             tokens = [int(row[0]) for row in rows]
-            if is_unread:
-                self._settle_unread(seqs, tokens)
+            if unread is not None:
+                self._settle_unread([seqs[i] for i in unread], [tokens[i] for i in unread])
             elif lookahead:
                 by_seq = {s.seq_id: t for s, t in zip(seqs, tokens, strict=True)}
                 self.launch_lookahead(chunks, by_seq, prepared)
@@ -272,34 +272,36 @@ class ModelRunner:
         seqs: list[SequenceState],
         prepared: _Prepared,
         launched: SampleLaunch,
-    ) -> bool:
-        """Before this step's samples are read: launch the next decode step of every sequence
-        of `chunks` (prepared: its host batch, placeholder tokens), fed the sampled ids where
-        they are, so the GPU needs no host between the steps. -> whether it was launched; not
-        when a sample ends by length with the token it just sampled (whatever that is: the
-        next batch lacks it). seqs: the sampled rows' sequences, which must be the chunks' in
-        order (a chunk that leaves its prompt unfinished samples nothing)."""
+    ) -> list[int] | None:
+        """Before this step's samples are read: launch the next decode step of the sequences
+        of `chunks` that go on whatever they sampled, fed the sampled ids where they are, so
+        the GPU needs no host between the steps (prepared: the step of all of them, placeholder
+        tokens; a sample that ends by length with this token is left out). -> the rows of seqs
+        it covers, or None when none was launched. seqs: the sampled rows' sequences, which
+        must be the chunks' in order (a chunk that leaves its prompt unfinished samples
+        nothing)."""
         if [s.seq_id for s in seqs] != [c.seq.seq_id for c in chunks]:
-            return False
-        for chunk in chunks:
-            seq = chunk.seq
-            num_tokens = len(seq.token_ids) + 1
-            num_outputs = num_tokens - seq.num_prompt_tokens
-            if ends_by_length(seq.params, num_outputs, num_tokens, self.max_model_len):
-                return False
-        ahead = [Chunk(c.seq, len(c.seq.token_ids), 1) for c in chunks]  # pure decode chunks
-        logits = self._forward(prepared.batch, ahead, self.sampler.token_ids(launched))
-        launched_ahead = self.sampler.launch(logits, *prepared.sample_args)
-        self._lookahead = _Lookahead(prepared.batch, prepared.sample_args, launched_ahead)
+            return None
+        rows = [i for i, seq in enumerate(seqs) if not self._ends_by_length(seq)]
+        if not rows:
+            return None
+        batch, sample_args, fed = prepared.batch, prepared.sample_args, launched
+        if len(rows) < len(seqs):
+            batch, sample_args = self._lookahead_batch([seqs[i] for i in rows], [0] * len(rows))
+            fed = Sampler.rows_of(launched, rows)
+        ahead = [Chunk(seqs[i], len(seqs[i].token_ids), 1) for i in rows]  # pure decode chunks
+        logits = self._forward(batch, ahead, self.sampler.token_ids(fed))
+        self._lookahead = _Lookahead(batch, sample_args, self.sampler.launch(logits, *sample_args))
         self.num_unread_launches += 1
-        return True
+        return rows
 
     def _settle_unread(self, seqs: list[SequenceState], tokens: list[int]) -> None:
-        """After the read, for a lookahead `_launch_unread` queued: its host batch gets the
-        tokens it was fed (what the next step's batch is compared with). Where a sample ended
-        with its token (a stop token, EOS), invariant mode keeps the others' rows: the
-        batch-invariant kernels gave each row the bits it gets in a step without the ended
-        ones. Fast mode drops it (a row's bits there follow the batch)."""
+        """After the read, for a lookahead `_launch_unread` queued for these seqs (the rows it
+        covers) and the tokens they sampled: its host batch gets the tokens it was fed (what
+        the next step's batch is compared with). Where a sample ended with its token (a stop
+        token, EOS), invariant mode keeps the others' rows: the batch-invariant kernels gave
+        each row the bits it gets in a step without the ended ones. Fast mode drops it (a
+        row's bits there follow the batch)."""
         ahead = self._lookahead
         going_on = [
             i for i, (s, t) in enumerate(zip(seqs, tokens, strict=True)) if not self._ends(s, t)
@@ -314,6 +316,12 @@ class ModelRunner:
             [seqs[i] for i in going_on], [tokens[i] for i in going_on]
         )
         self._lookahead = _Lookahead(batch, sample_args, Sampler.rows_of(ahead.launched, going_on))
+
+    def _ends_by_length(self, seq: SequenceState) -> bool:
+        """Whether seq ends with its next token, whatever that is (max_tokens, the context)."""
+        num_tokens = len(seq.token_ids) + 1
+        num_outputs = num_tokens - seq.num_prompt_tokens
+        return ends_by_length(seq.params, num_outputs, num_tokens, self.max_model_len)
 
     def _ends(self, seq: SequenceState, token_id: int) -> bool:
         """Whether seq ends once token_id (just sampled, not yet in seq) is its newest."""
