@@ -317,20 +317,20 @@ class ModelRunner:
         )
         self._lookahead = _Lookahead(batch, sample_args, Sampler.rows_of(ahead.launched, going_on))
 
+    @staticmethod
+    def _next_counts(seq: SequenceState) -> tuple[int, int]:
+        """(output tokens, tokens) of seq once its next token (not yet in seq) is."""
+        num_tokens = len(seq.token_ids) + 1
+        return num_tokens - seq.num_prompt_tokens, num_tokens
+
     def _ends_by_length(self, seq: SequenceState) -> bool:
         """Whether seq ends with its next token, whatever that is (max_tokens, the context)."""
-        num_tokens = len(seq.token_ids) + 1
-        num_outputs = num_tokens - seq.num_prompt_tokens
-        return ends_by_length(seq.params, num_outputs, num_tokens, self.max_model_len)
+        return ends_by_length(seq.params, *self._next_counts(seq), self.max_model_len)
 
     def _ends(self, seq: SequenceState, token_id: int) -> bool:
         """Whether seq ends once token_id (just sampled, not yet in seq) is its newest."""
-        num_tokens = len(seq.token_ids) + 1
-        num_outputs = num_tokens - seq.num_prompt_tokens
-        eos, max_len = self.eos_token_id, self.max_model_len
-        return (
-            finish_reason(seq.params, token_id, num_outputs, num_tokens, eos, max_len) is not None
-        )
+        counts, eos, max_len = self._next_counts(seq), self.eos_token_id, self.max_model_len
+        return finish_reason(seq.params, token_id, *counts, eos, max_len) is not None
 
     def launch_lookahead(
         self, chunks: list[Chunk], token_ids: dict[int, int], prepared: _Prepared | None = None
