@@ -310,8 +310,9 @@ def test_lookaheads_serve_while_requests_wait(workload):
     """With more requests than scheduler.max_num_seqs the queue waits most steps. Invariant
     mode still launches lookaheads then, and holds a waiting request's admission one step
     where a sequence left (so the launched step is used); the bits equal overlap off (which
-    admits at once) and the rule without lookaheads while requests wait. Control: that rule
-    served fewer steps from lookaheads. Fast mode keeps it (no hold)."""
+    admits at once) and the rule without lookaheads while requests wait. Controls: that rule
+    served fewer steps from lookaheads; fast mode keeps it (no hold), and with the hold forced
+    on, fast mode's output moves."""
     off, _, _ = _queued_run(workload, False)
     on, stats, llm = _queued_run(workload, True)
     assert on == off
@@ -328,3 +329,14 @@ def test_lookaheads_serve_while_requests_wait(workload):
     _, _, fast = _queued_run(workload, True, **{"kernels.mode": "fast"})
     assert not fast.engine.schedulers[0].can_hold_admission
     assert fast.engine.schedulers[0].num_held_admissions == 0
+
+    # Negative control: in fast mode (invariance off) the same holds move the bits.
+    fast_settings = {"kernels.mode": "fast", "scheduler.max_num_seqs": 3}
+    fast_off, _ = _run(
+        workload, False, LLM(TINY_CONFIG, **fast_settings, **{"scheduler.overlap_decode": False})
+    )
+    forced = LLM(TINY_CONFIG, **fast_settings, **{"scheduler.overlap_decode": True})
+    forced.engine.schedulers[0].can_hold_admission = True
+    fast_held, _ = _run(workload, True, forced)
+    assert forced.engine.schedulers[0].num_held_admissions >= 2
+    assert fast_held != fast_off, "holding admissions left fast mode's output unchanged"
