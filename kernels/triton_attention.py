@@ -27,6 +27,7 @@ from kernels.attention_launch import (
     whole_query_stages,
 )
 from kernels.gluon_attention import fits_gluon, launch_wide_split
+from kernels.triton_attention_block import _attend_block, _fold_weights, _load_query
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 PARTIAL_BYTES = 256 << 20  # cap on the fp32 split buffers of one launch (queries grouped)
@@ -93,7 +94,6 @@ def _mla_split_kernel(
         head_ok = heads < num_heads
         offs_v = tl.arange(0, BLOCK_V)
         offs_pv = v_part * BLOCK_PV + tl.arange(0, BLOCK_PV)  # this program's value columns
-        offs_c = tl.arange(0, LAT_CHUNK)
         offs_r = tl.arange(0, BLOCK_R)
         offs_s = tl.arange(0, BLOCK_S)
         v_ok = offs_v < V
@@ -101,16 +101,14 @@ def _mla_split_kernel(
         r_ok = V + offs_r < C
         q_rows = q_ptr + (t * num_heads + heads)[:, None] * C
         if IS_WHOLE:
-            q_lat = tl.load(
-                q_rows + offs_v[None, :], mask=head_ok[:, None] & v_ok[None, :], other=0.0
+            q_lat, q_pe = _load_query(q_rows, head_ok, offs_v, v_ok, offs_r, r_ok, V, UPCAST_DOT)
+        else:  # the latent's pieces are read per block (_attend_block); q_lat is unused
+            q_pe = tl.load(
+                q_rows + V + offs_r[None, :], mask=head_ok[:, None] & r_ok[None, :], other=0.0
             )
             if UPCAST_DOT:
-                q_lat = q_lat.to(tl.float32)
-        q_pe = tl.load(
-            q_rows + V + offs_r[None, :], mask=head_ok[:, None] & r_ok[None, :], other=0.0
-        )
-        if UPCAST_DOT:
-            q_pe = q_pe.to(tl.float32)
+                q_pe = q_pe.to(tl.float32)
+            q_lat = q_pe
         row_max = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
         row_sum = tl.zeros((BLOCK_H,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_H, BLOCK_PV), dtype=tl.float32)
@@ -121,7 +119,8 @@ def _mla_split_kernel(
         # absolute positions), merged in order j ascending; positions past the query read
         # exact zeros (unwritten slots may hold garbage) and score -inf.
         table_row = tables_ptr + seq * table_width
-        next_id = tl.load(table_row + first_block).to(tl.int64)
+        if TABLE_AHEAD:
+            next_id = tl.load(table_row + first_block).to(tl.int64)
         for j in range(first_block, last_block):
             if WHOLE_QUERY and (j % SPLIT_BLOCKS == 0) & (j > 0):
                 # Why one loop, not a loop over splits: the pipeliner keeps its copies in
@@ -144,52 +143,11 @@ def _mla_split_kernel(
                 block_id = tl.load(table_row + j).to(tl.int64)
             kv_ok = (offs_s < BS) & (j * BS + offs_s <= position)
             kv_rows = kv_ptr + (block_id * BS + offs_s)[:, None] * C
-            k_pe = tl.load(
-                kv_rows + V + offs_r[None, :], mask=kv_ok[:, None] & r_ok[None, :], other=0.0
-            )
-            if UPCAST_DOT:
-                k_pe = k_pe.to(tl.float32)
-            if IS_WHOLE:
-                k_lat = tl.load(
-                    kv_rows + offs_v[None, :], mask=kv_ok[:, None] & v_ok[None, :], other=0.0
-                )
-                if UPCAST_DOT:
-                    k_lat = k_lat.to(tl.float32)
-                scores = tl.dot(q_lat, tl.trans(k_lat), input_precision=INPUT_PRECISION)
-                v_rows = k_lat
-            else:
-                # The latent's dot in LAT_CHUNK-column pieces, ascending (chained accumulator);
-                # the query piece is re-read each block (L1), not held in registers.
-                scores = tl.zeros((BLOCK_H, BLOCK_S), dtype=tl.float32)
-                for c in tl.static_range(BLOCK_V // LAT_CHUNK):
-                    cols = c * LAT_CHUNK + offs_c
-                    c_ok = cols < V
-                    q_c = tl.load(
-                        q_rows + cols[None, :], mask=head_ok[:, None] & c_ok[None, :], other=0.0
-                    )
-                    k_c = tl.load(
-                        kv_rows + cols[None, :], mask=kv_ok[:, None] & c_ok[None, :], other=0.0
-                    )
-                    if UPCAST_DOT:
-                        q_c = q_c.to(tl.float32)
-                        k_c = k_c.to(tl.float32)
-                    scores = tl.dot(q_c, tl.trans(k_c), scores, input_precision=INPUT_PRECISION)
-                # This program's value columns, read again (L1/L2: just loaded above).
-                v_rows = tl.load(
-                    kv_rows + offs_pv[None, :], mask=kv_ok[:, None] & pv_ok[None, :], other=0.0
-                )
-                if UPCAST_DOT:
-                    v_rows = v_rows.to(tl.float32)
-            scores = tl.dot(q_pe, tl.trans(k_pe), scores, input_precision=INPUT_PRECISION)
-            scores = tl.where(kv_ok[None, :], scores * scale, float("-inf"))
-            max_new = tl.maximum(row_max, tl.max(scores, axis=1))
-            alpha = tl.exp(row_max - max_new)
-            p = tl.exp(scores - max_new[:, None])
-            row_sum = row_sum * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(
-                p.to(v_rows.dtype), v_rows, input_precision=INPUT_PRECISION
-            )
-            row_max = max_new
+            row_max, row_sum, acc = _attend_block(
+                q_lat, q_pe, q_rows, kv_rows, kv_ok, head_ok, offs_pv, pv_ok, offs_r, r_ok,
+                row_max, row_sum, acc, scale, V, C, BLOCK_H, BLOCK_S, BLOCK_V, LAT_CHUNK,
+                IS_WHOLE, INPUT_PRECISION, UPCAST_DOT,
+            )  # fmt: skip
         if WHOLE_QUERY:  # the last split folded in (taken as it is if it is the only one)
             max_new, alpha, beta = _fold_weights(done_max, row_max, num_blocks <= SPLIT_BLOCKS)
             row_sum = tl.fma(done_sum, alpha, row_sum * beta)
@@ -212,17 +170,6 @@ def _mla_split_kernel(
         stats_ok = head_ok & (v_part == 0)  # every part has the same stats: part 0 writes them
         tl.store(stats_ptr + slot * 2, row_max, mask=stats_ok)
         tl.store(stats_ptr + slot * 2 + 1, row_sum, mask=stats_ok)
-
-
-@triton.jit
-def _fold_weights(row_max, part_max, is_first):
-    """(max, alpha, beta) of folding a split's (max, sum, acc) into the running one: the new
-    sum is fma(sum, alpha, part_sum * beta), the new acc likewise. Why explicit fmas: the
-    merge kernel and WHOLE_QUERY programs must round alike, not as each compile contracts.
-    is_first: nothing folded yet; (0, 1) take the split exactly as it is."""
-    max_new = tl.maximum(row_max, part_max)
-    alpha = tl.where(is_first, 0.0, tl.exp(row_max - max_new))
-    return max_new, alpha, tl.where(is_first, 1.0, tl.exp(part_max - max_new))
 
 
 @triton.jit(do_not_specialize=["num_splits"])

@@ -1,0 +1,107 @@
+"""The arithmetic every Triton MLA attention launch shares (kernels/triton_attention.py's split
+kernel, kernels/triton_attention_stream.py's stream kernel): one cache block's online-softmax
+step and the fold of a finished split into the running one.
+
+A launch's bits are these functions' bits: a kernel that walks blocks or splits in another
+order, or from another program, must call them, never restate them, so that each split's
+(max, sum, acc) and each fold round alike in every launch. No launch choices live here.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _fold_weights(row_max, part_max, is_first):
+    """(max, alpha, beta) of folding a split's (max, sum, acc) into the running one: the new
+    sum is fma(sum, alpha, part_sum * beta), the new acc likewise. Why explicit fmas: the
+    merge kernel and WHOLE_QUERY programs must round alike, not as each compile contracts.
+    is_first: nothing folded yet; (0, 1) take the split exactly as it is."""
+    max_new = tl.maximum(row_max, part_max)
+    alpha = tl.where(is_first, 0.0, tl.exp(row_max - max_new))
+    return max_new, alpha, tl.where(is_first, 1.0, tl.exp(part_max - max_new))
+
+
+@triton.jit
+def _load_query(q_rows, head_ok, offs_v, v_ok, offs_r, r_ok, V, UPCAST_DOT: tl.constexpr):
+    """A query's latent [BLOCK_H, BLOCK_V] and rope [BLOCK_H, BLOCK_R] parts (masked rows and
+    columns zero); fp32 under the interpreter (UPCAST_DOT)."""
+    q_lat = tl.load(q_rows + offs_v[None, :], mask=head_ok[:, None] & v_ok[None, :], other=0.0)
+    q_pe = tl.load(q_rows + V + offs_r[None, :], mask=head_ok[:, None] & r_ok[None, :], other=0.0)
+    if UPCAST_DOT:
+        q_lat = q_lat.to(tl.float32)
+        q_pe = q_pe.to(tl.float32)
+    return q_lat, q_pe
+
+
+@triton.jit
+def _attend_block(
+    q_lat,
+    q_pe,
+    q_rows,
+    kv_rows,
+    kv_ok,
+    head_ok,
+    offs_pv,
+    pv_ok,
+    offs_r,
+    r_ok,
+    row_max,
+    row_sum,
+    acc,
+    scale,
+    V,
+    C,
+    BLOCK_H: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    LAT_CHUNK: tl.constexpr,
+    IS_WHOLE: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):
+    """One cache block's step of the online softmax: (row_max, row_sum, acc) after the keys
+    kv_rows [BLOCK_S rows of C] (kv_ok: the positions the query sees; the others read exact
+    zeros and score -inf). IS_WHOLE: q_lat holds the whole latent and the block's latent is
+    both keys and values; else the latent's dot in LAT_CHUNK-column pieces, ascending (a
+    chained accumulator), the query's pieces re-read from q_rows (L1), and this program's
+    value columns offs_pv read again (L1/L2: just loaded)."""
+    k_pe = tl.load(kv_rows + V + offs_r[None, :], mask=kv_ok[:, None] & r_ok[None, :], other=0.0)
+    if UPCAST_DOT:
+        k_pe = k_pe.to(tl.float32)
+    if IS_WHOLE:
+        offs_v = tl.arange(0, BLOCK_V)
+        k_lat = tl.load(
+            kv_rows + offs_v[None, :], mask=kv_ok[:, None] & (offs_v < V)[None, :], other=0.0
+        )
+        if UPCAST_DOT:
+            k_lat = k_lat.to(tl.float32)
+        scores = tl.dot(q_lat, tl.trans(k_lat), input_precision=INPUT_PRECISION)
+        v_rows = k_lat
+    else:
+        offs_c = tl.arange(0, LAT_CHUNK)
+        scores = tl.zeros((BLOCK_H, BLOCK_S), dtype=tl.float32)
+        for c in tl.static_range(BLOCK_V // LAT_CHUNK):
+            cols = c * LAT_CHUNK + offs_c
+            c_ok = cols < V
+            q_c = tl.load(q_rows + cols[None, :], mask=head_ok[:, None] & c_ok[None, :], other=0.0)
+            k_c = tl.load(kv_rows + cols[None, :], mask=kv_ok[:, None] & c_ok[None, :], other=0.0)
+            if UPCAST_DOT:
+                q_c = q_c.to(tl.float32)
+                k_c = k_c.to(tl.float32)
+            scores = tl.dot(q_c, tl.trans(k_c), scores, input_precision=INPUT_PRECISION)
+        v_rows = tl.load(
+            kv_rows + offs_pv[None, :], mask=kv_ok[:, None] & pv_ok[None, :], other=0.0
+        )
+        if UPCAST_DOT:
+            v_rows = v_rows.to(tl.float32)
+    scores = tl.dot(q_pe, tl.trans(k_pe), scores, input_precision=INPUT_PRECISION)
+    scores = tl.where(kv_ok[None, :], scores * scale, float("-inf"))
+    max_new = tl.maximum(row_max, tl.max(scores, axis=1))
+    alpha = tl.exp(row_max - max_new)
+    p = tl.exp(scores - max_new[:, None])
+    row_sum = row_sum * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v_rows.dtype), v_rows, input_precision=INPUT_PRECISION)
+    return max_new, row_sum, acc
