@@ -60,7 +60,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     # Each rank launches the next decode step of the sequences it just sampled before the
     # engine asks for it, and uses it only if the engine's step is exactly that one (see
-    # ModelRunner.launch_lookahead). null: on with CUDA graphs on one rank; needs world_size 1.
+    # moe_runtime/worker/lookahead.py). null: on with CUDA graphs on one rank; needs world_size 1.
     overlap_decode: bool | None = None
 
     def __post_init__(self) -> None:

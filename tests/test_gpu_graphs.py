@@ -71,19 +71,18 @@ def test_gpu_overlap_decode_bitwise_equals_off(workload):
     ahead of the engine give the bits of the steps replayed when asked for."""
     plain, _, _ = _generate(workload, use_graphs=True, overlap=False)
     overlapped, graphs, runner = _generate(workload, use_graphs=True)
-    assert runner.overlap, "overlap_decode is not on by default with CUDA graphs"
+    lookahead = runner.lookahead
+    assert lookahead.is_enabled, "overlap_decode is not on by default with CUDA graphs"
     for got, want in zip(overlapped, plain, strict=True):
         for i, fingerprint in want.items():
             assert got[i] == fingerprint, f"prompt {i}: the lookahead changed the output"
     # Engagement: most decode steps were served by a lookahead (a replay each).
-    assert runner.num_lookahead_hits >= len(BATCHES) * (MAX_TOKENS - 2) // 2, (
-        runner.num_lookahead_hits
-    )
-    assert graphs.num_replays >= runner.num_lookahead_hits
+    assert lookahead.num_hits >= len(BATCHES) * (MAX_TOKENS - 2) // 2, lookahead.num_hits
+    assert graphs.num_replays >= lookahead.num_hits
     # ... and most of those were queued before the read, fed the sampled ids on the device.
-    assert runner.num_unread_launches >= runner.num_lookahead_hits // 2, (
-        runner.num_unread_launches,
-        runner.num_lookahead_hits,
+    assert lookahead.num_unread_launches >= lookahead.num_hits // 2, (
+        lookahead.num_unread_launches,
+        lookahead.num_hits,
     )
 
 

@@ -25,8 +25,8 @@ import pytest
 
 from moe_runtime import LLM, SamplingParams
 from moe_runtime.config import load_config
-from moe_runtime.worker import model_runner
-from moe_runtime.worker.model_runner import ModelRunner
+from moe_runtime.worker import lookahead
+from moe_runtime.worker.lookahead import Lookahead
 from moe_runtime.worker.sampler import Sampler
 from tests.invariance import TINY_CONFIG, fingerprint, mixed_prompts
 
@@ -101,14 +101,13 @@ def test_overlap_decode_bitwise_equals_off(workload):
 
 def _wrong_token_lookahead(monkeypatch) -> None:
     """Lookaheads fed token + 1 instead of the sampled token."""
-    launch = ModelRunner.launch_lookahead
+    launch, vocab = Lookahead.launch, load_config(TINY_CONFIG).model.vocab_size
 
     def wrong(self, chunks, token_ids, prepared=None):
-        vocab = self.model.config.vocab_size
         wrong_ids = {k: (t + 1) % vocab for k, t in token_ids.items()}
         return launch(self, chunks, wrong_ids, prepared)
 
-    monkeypatch.setattr(ModelRunner, "launch_lookahead", wrong)
+    monkeypatch.setattr(Lookahead, "launch", wrong)
 
 
 def test_wrong_lookahead_is_dropped_and_would_change_bits(workload, monkeypatch):
@@ -116,7 +115,7 @@ def test_wrong_lookahead_is_dropped_and_would_change_bits(workload, monkeypatch)
     _wrong_token_lookahead(monkeypatch)
     # The host-side launch only: one queued before the read is compared with the tokens it
     # was fed by construction (test_unread_lookaheads_feed_the_sampled_ids_on_the_device).
-    monkeypatch.setattr(ModelRunner, "_launch_unread", lambda *args: None)
+    monkeypatch.setattr(Lookahead, "launch_unread", lambda *args: None)
     checked, stats = _run(workload, overlap=True)
     assert checked == off
     assert stats["num_lookahead_hits"] == 0 and stats["num_lookahead_misses"] >= 10, stats
@@ -125,7 +124,7 @@ def test_wrong_lookahead_is_dropped_and_would_change_bits(workload, monkeypatch)
     def same_shapes(a, b) -> bool:
         return all(getattr(a, k).shape == getattr(b, k).shape for k in vars(a))
 
-    monkeypatch.setattr(model_runner, "same_batch", same_shapes)
+    monkeypatch.setattr(lookahead, "same_batch", same_shapes)
     unchecked, stats = _run(workload, overlap=True)
     assert stats["num_lookahead_hits"] >= 10, stats
     assert unchecked != off, "a lookahead with wrong tokens left the output unchanged"
@@ -162,7 +161,7 @@ def test_weight_update_drops_the_lookahead(monkeypatch):
         assert on == off
         assert stats["num_lookahead_hits"] >= 3 and stats["num_lookahead_misses"] >= 1, stats
         # Control: a lookahead kept across the update serves a step with the old weights.
-        monkeypatch.setattr(ModelRunner, "drop_lookahead", lambda self: None)
+        monkeypatch.setattr(Lookahead, "drop", lambda self: None)
         kept, _ = run(overlap=True)
         assert kept != off, "a lookahead of the old weights left the output unchanged"
 
@@ -211,10 +210,10 @@ def test_overlap_decode_with_preemption_chunked_prefill_and_scoring():
 
 
 def test_most_lookaheads_launch_from_the_batch_built_before_the_read(workload, monkeypatch):
-    """Engagement of _prepare_lookahead: the lookahead batches built after the read (a
+    """Engagement of Lookahead.prepare: the lookahead batches built after the read (a
     sequence ended, or none was prepared) are a minority of the lookaheads the engine used,
     and the bits are those with the lookahead off."""
-    prepare, build = ModelRunner._prepare_lookahead, ModelRunner._lookahead_batch
+    prepare, build = Lookahead.prepare, Lookahead._decode_batch
     calls = {"prepare": 0, "after_read": 0, "preparing": False}
 
     def counting_prepare(self, chunks):
@@ -228,8 +227,8 @@ def test_most_lookaheads_launch_from_the_batch_built_before_the_read(workload, m
         calls["prepare" if calls["preparing"] else "after_read"] += 1
         return build(self, seqs, token_ids)
 
-    monkeypatch.setattr(ModelRunner, "_prepare_lookahead", counting_prepare)
-    monkeypatch.setattr(ModelRunner, "_lookahead_batch", counting_build)
+    monkeypatch.setattr(Lookahead, "prepare", counting_prepare)
+    monkeypatch.setattr(Lookahead, "_decode_batch", counting_build)
     off, _ = _run(workload, overlap=False)
     assert calls["prepare"] == calls["after_read"] == 0
     on, stats = _run(workload, overlap=True)
@@ -243,7 +242,7 @@ def test_unread_lookaheads_feed_the_sampled_ids_on_the_device(workload, monkeypa
     that go on while one ends by length, and some kept the rows of the samples that went on
     after one ended with its token; the bits are those with the lookahead off. Control: the
     same lookaheads fed token + 1 on the device change the output."""
-    launch, settle = ModelRunner._launch_unread, ModelRunner._settle_unread
+    launch, settle = Lookahead.launch_unread, Lookahead.settle_unread
     covered, endings = [], []
 
     def counting_launch(self, chunks, seqs, prepared, launched):
@@ -255,8 +254,8 @@ def test_unread_lookaheads_feed_the_sampled_ids_on_the_device(workload, monkeypa
         endings.append(sum(self._ends(s, t) for s, t in zip(seqs, tokens, strict=True)))
         return settle(self, seqs, tokens)
 
-    monkeypatch.setattr(ModelRunner, "_launch_unread", counting_launch)
-    monkeypatch.setattr(ModelRunner, "_settle_unread", counting_settle)
+    monkeypatch.setattr(Lookahead, "launch_unread", counting_launch)
+    monkeypatch.setattr(Lookahead, "settle_unread", counting_settle)
     off, _ = _run(workload, overlap=False)
     on, stats = _run(workload, overlap=True)
     assert on == off
@@ -280,14 +279,14 @@ def test_fast_mode_drops_a_lookahead_whose_sample_ended(workload, monkeypatch):
     """Fast mode (a row's bits follow the batch) never keeps part of a lookahead whose sample
     ended with its token: it is dropped, and the bits are those with the lookahead off, where
     lookaheads still served steps."""
-    settle, endings = ModelRunner._settle_unread, []
+    settle, endings = Lookahead.settle_unread, []
 
     def checking_settle(self, seqs, tokens):
         ended = sum(self._ends(s, t) for s, t in zip(seqs, tokens, strict=True))
         settle(self, seqs, tokens)
-        endings.append((ended, len(seqs), self._lookahead is None))
+        endings.append((ended, len(seqs), not self.is_launched))
 
-    monkeypatch.setattr(ModelRunner, "_settle_unread", checking_settle)
+    monkeypatch.setattr(Lookahead, "settle_unread", checking_settle)
     fast = {"kernels.mode": "fast"}
     off, _ = _run(workload, False, LLM(TINY_CONFIG, **fast, **{"scheduler.overlap_decode": False}))
     on, stats = _run(workload, True, LLM(TINY_CONFIG, **fast, **{"scheduler.overlap_decode": True}))

@@ -35,7 +35,8 @@ from moe_runtime.model.loader import (
     read_checkpoint,
 )
 from moe_runtime.model.tensor_parallel import TensorParallel
-from moe_runtime.worker.model_runner import Chunk, ModelRunner, SequenceState
+from moe_runtime.worker.model_runner import ModelRunner
+from moe_runtime.worker.sequence_state import Chunk, SequenceState
 from moe_runtime.worker.step_input import StepInput, StepOutput
 
 
@@ -215,7 +216,7 @@ class Worker:
         self, new_physical_to_logical: list[list[int]], fail_at_layer: int | None = None
     ) -> dict:
         """Collective: move experts to the new placement, committed on all ranks or on none."""
-        self.runner.drop_lookahead()  # launched with the old placement
+        self.runner.lookahead.drop()  # launched with the old placement
         layers = self.runner.model.moe_layers
         new_p2l = torch.tensor(new_physical_to_logical, dtype=torch.int64)
         old_p2l = self.placement.physical_to_logical[: len(layers)]
@@ -253,7 +254,7 @@ class Worker:
     def commit_weights(self) -> None:
         """Phase 2, once every rank prepared: the staged weights replace the old ones."""
         model, staged, self.staged_weights = self.runner.model, self.staged_weights, None
-        self.runner.drop_lookahead()  # launched with the old weights
+        self.runner.lookahead.drop()  # launched with the old weights
         assign_weights(model, staged)
         model.after_weights_loaded()
         if self.runner.graphs is not None:
@@ -279,7 +280,7 @@ class Worker:
         `num_unread_launches` those of them queued before the read, fed the sampled ids on the
         device."""
         total = self.total_load.tolist() if self.total_load is not None else []
-        tp, graphs = self.runner.model.tp, self.runner.graphs
+        tp, graphs, lookahead = self.runner.model.tp, self.runner.graphs, self.runner.lookahead
         is_capacity = isinstance(self.dispatcher, FixedCapacityDispatcher)
         return {
             "rank": self.rank,
@@ -299,9 +300,9 @@ class Worker:
             "num_eager_rows_sent_remote": (
                 self.dispatcher.num_eager_rows_sent_remote if is_capacity else 0
             ),
-            "num_lookahead_hits": self.runner.num_lookahead_hits,
-            "num_lookahead_misses": self.runner.num_lookahead_misses,
-            "num_unread_launches": self.runner.num_unread_launches,
+            "num_lookahead_hits": lookahead.num_hits,
+            "num_lookahead_misses": lookahead.num_misses,
+            "num_unread_launches": lookahead.num_unread_launches,
             "slot_load": total,
             "physical_to_logical": self.placement.physical_to_logical.tolist(),
         }
