@@ -25,13 +25,12 @@ def _pick(offs_t, t, values):
 
 
 @triton.jit
-def _split_start(s, offs_t, splits, split_end, blocks, block_end, SPLIT_BLOCKS: tl.constexpr):
-    """(query t, its block j, the launch's block index) where the launch's split s starts
-    (splits query-major; s = the split count gives one past the last block: t is then a lane
-    past the launch's queries, where splits and blocks are 0 and the ends are the totals)."""
-    t = tl.sum((split_end <= s).to(tl.int32))
+def _split_start(s, offs_t, splits, split_end, num_tokens, SPLIT_BLOCKS: tl.constexpr):
+    """(query t, its block j) where the launch's split s starts (splits query-major); s = the
+    split count gives (num_tokens, 0)."""
+    t = tl.minimum(tl.sum((split_end <= s).to(tl.int32)), num_tokens)
     j = (s - _pick(offs_t, t, split_end - splits)) * SPLIT_BLOCKS
-    return t, j, _pick(offs_t, t, block_end - blocks) + j
+    return t, tl.where(t < num_tokens, j, 0)
 
 
 # Why batch-dependent ints are not specialised: one compiled kernel a BLOCK_T serves every
@@ -73,18 +72,12 @@ def _mla_stream_kernel(
     blocks = tl.where(t_ok, tl.load(positions_ptr + offs_t, mask=t_ok, other=0) // BS + 1, 0)
     splits = (blocks + SPLIT_BLOCKS - 1) // SPLIT_BLOCKS
     split_end = tl.cumsum(splits, 0)
-    block_end = tl.cumsum(blocks, 0)
     total = tl.sum(splits)
     first = program * total // tl.num_programs(1)
     stop = (program + 1) * total // tl.num_programs(1)
     if first < stop:
-        t, j, walk_first = _split_start(
-            first, offs_t, splits, split_end, blocks, block_end, SPLIT_BLOCKS
-        )
-        _, _, walk_stop = _split_start(
-            stop, offs_t, splits, split_end, blocks, block_end, SPLIT_BLOCKS
-        )
-        t = t.to(tl.int64)
+        t_first, j_first = _split_start(first, offs_t, splits, split_end, num_tokens, SPLIT_BLOCKS)
+        t_stop, j_stop = _split_start(stop, offs_t, splits, split_end, num_tokens, SPLIT_BLOCKS)
         heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
         head_ok = heads < num_heads
         offs_v = tl.arange(0, BLOCK_V)
@@ -92,50 +85,56 @@ def _mla_stream_kernel(
         offs_s = tl.arange(0, BLOCK_S)
         v_ok = offs_v < V
         r_ok = V + offs_r < C
-        position = tl.load(positions_ptr + t)
-        num_blocks = position // BS + 1
-        table_row = tables_ptr + tl.load(seq_ids_ptr + t) * table_width
-        q_rows = q_ptr + (t * num_heads + heads)[:, None] * C
-        q_lat, q_pe = _load_query(q_rows, head_ok, offs_v, v_ok, offs_r, r_ok, V, UPCAST_DOT)
-        row_max = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
-        row_sum = tl.zeros((BLOCK_H,), dtype=tl.float32)
-        acc = tl.zeros((BLOCK_H, BLOCK_V), dtype=tl.float32)
-        # Why the table entry read a block ahead: the copy's address then comes from the
-        # loop-carried id, which the pipeliner can issue stages early (as TABLE_AHEAD).
-        next_id = tl.load(table_row + j).to(tl.int64)
-        for _ in range(walk_first, walk_stop):
-            block_id = next_id
-            kv_ok = (offs_s < BS) & (j * BS + offs_s <= position)
-            kv_rows = kv_ptr + (block_id * BS + offs_s)[:, None] * C
-            row_max, row_sum, acc = _attend_block(
-                q_lat, q_pe, q_rows, kv_rows, kv_ok, head_ok, offs_v, v_ok, offs_r, r_ok,
-                row_max, row_sum, acc, scale, V, C, BLOCK_H, BLOCK_S, BLOCK_V, BLOCK_V, True,
-                INPUT_PRECISION, UPCAST_DOT,
-            )  # fmt: skip
-            j += 1
-            if (j % SPLIT_BLOCKS == 0) | (j == num_blocks):  # a split done: its partial
-                slot = (t * num_splits + (j - 1) // SPLIT_BLOCKS) * num_heads + heads
-                tl.store(
-                    acc_ptr + slot[:, None] * BLOCK_V + offs_v[None, :],
-                    acc,
-                    mask=head_ok[:, None] & v_ok[None, :],
-                )
-                tl.store(stats_ptr + slot * 2, row_max, mask=head_ok)
-                tl.store(stats_ptr + slot * 2 + 1, row_sum, mask=head_ok)
-                row_max = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
-                row_sum = tl.zeros((BLOCK_H,), dtype=tl.float32)
-                acc = tl.zeros((BLOCK_H, BLOCK_V), dtype=tl.float32)
-            if j == num_blocks:  # the query done: the next one's (the last query's at the end)
-                t = tl.minimum(t + 1, num_tokens - 1)
-                j -= num_blocks
-                position = tl.load(positions_ptr + t)
-                num_blocks = position // BS + 1
-                table_row = tables_ptr + tl.load(seq_ids_ptr + t) * table_width
-                q_rows = q_ptr + (t * num_heads + heads)[:, None] * C
-                q_lat, q_pe = _load_query(
-                    q_rows, head_ok, offs_v, v_ok, offs_r, r_ok, V, UPCAST_DOT
-                )
-            next_id = tl.load(table_row + tl.minimum(j, num_blocks - 1)).to(tl.int64)
+        # Why a loop over queries around the loop over blocks: the query's parts stay loop
+        # invariants of the pipelined loop (reloading them inside it spilled the registers).
+        t_first = t_first.to(tl.int64)  # the loop's index type: int64 addresses
+        for t in range(t_first, t_stop + (j_stop > 0)):
+            position = tl.load(positions_ptr + t)
+            num_blocks = position // BS + 1
+            j_start = tl.where(t == t_first, j_first, 0)
+            j_end = tl.where(t == t_stop, j_stop, num_blocks)
+            table_row = tables_ptr + tl.load(seq_ids_ptr + t) * table_width
+            q_rows = q_ptr + (t * num_heads + heads)[:, None] * C
+            q_lat, q_pe = _load_query(q_rows, head_ok, offs_v, v_ok, offs_r, r_ok, V, UPCAST_DOT)
+            row_max = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
+            row_sum = tl.zeros((BLOCK_H,), dtype=tl.float32)
+            acc = tl.zeros((BLOCK_H, BLOCK_V), dtype=tl.float32)
+            slots = (t * num_splits + j_start // SPLIT_BLOCKS) * num_heads + heads
+            # Why the table entry read a block ahead: as the split kernel's TABLE_AHEAD.
+            next_id = tl.load(table_row + j_start).to(tl.int64)
+            for j in range(j_start, j_end):
+                if (j % SPLIT_BLOCKS == 0) & (j > j_start):  # a split done: its partial
+                    _store_partial(acc_ptr, stats_ptr, slots, acc, row_max, row_sum, head_ok,
+                                   offs_v, v_ok, BLOCK_V)  # fmt: skip
+                    slots += num_heads
+                    row_max = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
+                    row_sum = tl.zeros((BLOCK_H,), dtype=tl.float32)
+                    acc = tl.zeros((BLOCK_H, BLOCK_V), dtype=tl.float32)
+                block_id = next_id
+                next_id = tl.load(table_row + tl.minimum(j + 1, j_end - 1)).to(tl.int64)
+                kv_ok = (offs_s < BS) & (j * BS + offs_s <= position)
+                kv_rows = kv_ptr + (block_id * BS + offs_s)[:, None] * C
+                row_max, row_sum, acc = _attend_block(
+                    q_lat, q_pe, q_rows, kv_rows, kv_ok, head_ok, offs_v, v_ok, offs_r, r_ok,
+                    row_max, row_sum, acc, scale, V, C, BLOCK_H, BLOCK_S, BLOCK_V, BLOCK_V,
+                    True, INPUT_PRECISION, UPCAST_DOT,
+                )  # fmt: skip
+            # The query's last split here ends at a split boundary or at the query's end.
+            _store_partial(acc_ptr, stats_ptr, slots, acc, row_max, row_sum, head_ok, offs_v,
+                           v_ok, BLOCK_V)  # fmt: skip
+
+
+@triton.jit
+def _store_partial(acc_ptr, stats_ptr, slots, acc, row_max, row_sum, head_ok, offs_v, v_ok,
+                   BLOCK_V: tl.constexpr):  # fmt: skip
+    """A split's (acc, max, sum) into its slots (the split launch's layout)."""
+    tl.store(
+        acc_ptr + slots[:, None] * BLOCK_V + offs_v[None, :],
+        acc,
+        mask=head_ok[:, None] & v_ok[None, :],
+    )
+    tl.store(stats_ptr + slots * 2, row_max, mask=head_ok)
+    tl.store(stats_ptr + slots * 2 + 1, row_sum, mask=head_ok)
 
 
 def launch_stream(
