@@ -6,7 +6,7 @@ device copy measured in the same run (the ceiling), with the torch versions besi
 Times are medians of triton.testing.do_bench (CUDA events, warm-up, L2 flushed per call).
 
     PYTHONUNBUFFERED=1 python bench/gpu_kernels.py [rows linear grouped attention sweep layer
-        row_parallel tree_crossover split_prefill value_split whole_query stream]
+        row_parallel tree_crossover split_prefill value_split whole_query]
 """
 
 from __future__ import annotations
@@ -446,50 +446,6 @@ def bench_whole_query() -> None:
                 f"| {batch} | {ctx} | {us[0]:.1f} | {us[1]:.1f} | {us[2]:.1f} | {same} | "
                 f"{('split', 'whole, 2', 'whole, 3')[taken]} | "
                 f"{read / us[taken] / 1e6 / ceiling:.0%} |"
-            )
-
-
-def bench_stream() -> None:
-    """The invariant decode attention at 16 heads: the stream launch (a fixed number of
-    programs walking runs of the launch's splits across split and query boundaries, the
-    merge kernel after) at one program an SM (three stages) and two and three (two stages),
-    against the split launch and the whole-query launch, engine-wide block tables (128
-    entries), graph replay over L2-missing caches, bits compared with the split launch; the
-    last column is the fastest launch's % of the copy ceiling."""
-    from kernels.attention_launch import SPLIT_BLOCKS
-    from kernels.triton_attention import _attend
-
-    ceiling = copy_bandwidth(torch.device("cuda")) / 1e12
-    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    launches = {
-        "split": dict(num_stages=3),
-        "whole 3": dict(num_stages=3, is_whole_query=True),
-        "whole 2": dict(num_stages=2, is_whole_query=True),
-        "stream 1/SM": dict(num_stages=3, stream_programs=num_sms),
-        "stream 2/SM": dict(num_stages=2, stream_programs=2 * num_sms),
-        "stream 3/SM": dict(num_stages=2, stream_programs=3 * num_sms),
-    }
-    print(f"\n## decode attention, stream launch, 16 heads (graph replay); copy ceiling "
-          f"{ceiling:.2f} TB/s, {num_sms} SMs")  # fmt: skip
-    print("| B | ctx | " + " | ".join(f"{k} µs" for k in launches) + " | same bits | best % |")
-    print("|---|---|" + "---|" * (len(launches) + 2))
-    for batch in (16, 32, 64, 128, 256):
-        for ctx in (1024, 4096):
-
-            def make(name, batch=batch, ctx=ctx):
-                args = (*_decode_cache(batch, ctx), 192**-0.5, 512, SPLIT_BLOCKS, 4)
-                kw = launches[name]
-                return lambda: _attend(*args, kw["num_stages"], 16, **{
-                    k: v for k, v in kw.items() if k != "num_stages"})  # fmt: skip
-
-            split = make("split")()
-            same = all(torch.equal(make(name)(), split) for name in launches)
-            read = batch * ctx * 576 * 2
-            us = [_graph_ms(partial(make, name), read) * 1e3 for name in launches]
-            print(
-                f"| {batch} | {ctx} | " + " | ".join(f"{u:.1f}" for u in us) + f" | {same} | "
-                f"{read / min(us) / 1e6 / ceiling:.0%} |",
-                flush=True,
             )
 
 
@@ -1074,7 +1030,6 @@ def main() -> None:
             "sweep": bench_config_sweep,
             "attention": bench_attention,
             "whole_query": bench_whole_query,
-            "stream": bench_stream,
             "layer": bench_layer,
             "row_parallel": bench_row_parallel,
             "tree_crossover": bench_tree_crossover,

@@ -28,7 +28,6 @@ from kernels.attention_launch import (
 )
 from kernels.gluon_attention import fits_gluon, launch_wide_split
 from kernels.triton_attention_block import _attend_block, _fold_weights, _load_query
-from kernels.triton_attention_stream import launch_stream
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 PARTIAL_BYTES = 256 << 20  # cap on the fp32 split buffers of one launch (queries grouped)
@@ -288,20 +287,14 @@ def mla_attention_triton(
 def _attend(
     q, kv_cache, query_seq_ids, block_tables, positions, scale, v_dim,
     split_blocks, num_warps, num_stages, block_h=BLOCK_H, v_parts=1, lat_chunk=None,
-    is_gluon=False, is_whole_query=False, is_table_ahead=None, stream_programs=None,
+    is_gluon=False, is_whole_query=False, is_table_ahead=None,
 ) -> torch.Tensor:  # fmt: skip
     """The launches; the launch parameters are arguments so bench/ can sweep them. is_gluon:
     the Gluon split kernel (its own fixed warps and stages; fits_gluon's shapes);
     is_whole_query: a program a query's head block walks all its splits (Triton only);
-    is_table_ahead (default: is_whole_query): each block's table entry read a block earlier;
-    stream_programs: the stream launch (kernels/triton_attention_stream.py) of that many
-    programs a head block in place of the split launch (16-head blocks, whole value rows)."""
+    is_table_ahead (default: is_whole_query): each block's table entry read a block earlier."""
     if is_gluon and is_whole_query:
         raise ValueError("the Gluon split kernel has no whole-query launch")
-    if stream_programs is not None and (is_gluon or is_whole_query or v_parts != 1):
-        raise ValueError("the stream launch takes whole 16-head blocks and the merge kernel")
-    if stream_programs is not None and block_h != BLOCK_H:
-        raise ValueError(f"the stream launch takes {BLOCK_H}-head blocks, got {block_h}")
     num_tokens, num_heads, cache_dim = q.shape
     out = q.new_empty((num_tokens, num_heads, v_dim))
     if num_tokens == 0:  # a rank with no tokens still runs the step (EP lockstep)
@@ -317,7 +310,7 @@ def _attend(
     per_token = num_splits * num_heads * (block_v + 2) * 4
     group = min(max(1, PARTIAL_BYTES // per_token), MAX_GRID_Y)
     is_fp32 = q.dtype == torch.float32
-    is_direct = num_splits == 1 and stream_programs is None
+    is_direct = num_splits == 1
     for start in range(0, num_tokens, group):  # launch boundaries only: rows are independent
         rows = slice(start, min(start + group, num_tokens))
         count = rows.stop - rows.start
@@ -328,13 +321,7 @@ def _attend(
             stats = torch.empty((count, num_splits, num_heads, 2), device=q.device)
         seq_ids, pos = query_seq_ids[rows].contiguous(), positions[rows].contiguous()
         grid = (triton.cdiv(num_heads, block_h) * v_parts, count, num_splits)
-        if stream_programs is not None:
-            launch_stream(
-                stream_programs, q[rows], kv_cache, seq_ids, block_tables, pos, acc, stats,
-                scale, v_dim, split_blocks, "ieee" if is_fp32 else "tf32",
-                _is_interpreted() and not is_fp32, num_warps, num_stages,
-            )  # fmt: skip
-        elif is_gluon:
+        if is_gluon:
             launch_wide_split(
                 grid, q[rows], kv_cache, seq_ids, block_tables, pos, acc, stats, scale,
                 num_splits, split_blocks, is_direct,

@@ -1,6 +1,6 @@
-"""The arithmetic every Triton MLA attention launch shares (kernels/triton_attention.py's split
-kernel, kernels/triton_attention_stream.py's stream kernel): one cache block's online-softmax
-step and the fold of a finished split into the running one.
+"""The arithmetic of the Triton MLA attention's launches (kernels/triton_attention.py): one
+cache block's online-softmax step, the query's load, and the fold of a finished split into
+the running one (split kernel, whole-query programs and merge kernel).
 
 A launch's bits are these functions' bits: a kernel that walks blocks or splits in another
 order, or from another program, must call them, never restate them, so that each split's

@@ -584,30 +584,6 @@ def test_mla_value_split_launches_give_the_same_bits(generator, num_tokens):
     assert not torch.equal(_attend(*args, SPLIT_BLOCKS // 2, 4, 3), whole), "no control"
 
 
-def _boundary_decode_case(generator, num_queries: int = 256) -> tuple:
-    """(q, kv_cache, seq_ids, tables, positions, scale, v_dim) of a 16-head decode launch:
-    queries at positions on both sides of every split boundary up to 5900, engine-wide tables
-    (128 columns, -1 padding), NaN in every unwritten slot."""
-    from kernels.attention_launch import SPLIT_BLOCKS
-
-    boundary = 64 * SPLIT_BLOCKS
-    ids = range(1, num_queries + 1)
-    seq_lens = torch.tensor([max(1, boundary * (i % 24) + i % 3 - 1) for i in ids])
-    blocks = (seq_lens + 63) // 64
-    seed = int(torch.randint(1 << 30, (1,), generator=generator))
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    kv_cache = torch.randn(int(blocks.sum()), 64, 576, device="cuda", generator=gen).bfloat16()
-    order = torch.randperm(kv_cache.shape[0], device="cuda", generator=gen)
-    tables = torch.full((num_queries, 128), -1, dtype=torch.int64, device="cuda")
-    starts = torch.cumsum(blocks, 0) - blocks
-    for i in range(num_queries):
-        tables[i, : blocks[i]] = order[starts[i] : starts[i] + blocks[i]]
-        kv_cache[tables[i, blocks[i] - 1], (seq_lens[i] - 1) % 64 + 1 :] = float("nan")
-    q = torch.randn(num_queries, 16, 576, device="cuda", generator=gen).bfloat16()
-    seq_ids, positions = torch.arange(num_queries, device="cuda"), (seq_lens - 1).cuda()
-    return q, kv_cache, seq_ids, tables, positions, 192**-0.5, 512
-
-
 def test_mla_whole_query_launch_gives_the_split_bits(generator):
     """16 heads (V2-Lite) at decode, engine-wide tables (128 columns, -1 padding), NaN in
     every unwritten slot: 256 queries at positions on both sides of every split boundary up to
@@ -618,8 +594,21 @@ def test_mla_whole_query_launch_gives_the_split_bits(generator):
     from kernels.attention_launch import SPLIT_BLOCKS, whole_query_stages
     from kernels.triton_attention import _attend, mla_attention_triton
 
-    args = _boundary_decode_case(generator)
-    q, kv_cache, seq_ids, tables, positions = args[:5]
+    boundary = 64 * SPLIT_BLOCKS
+    seq_lens = torch.tensor([max(1, boundary * (i % 24) + i % 3 - 1) for i in range(1, 257)])
+    blocks = (seq_lens + 63) // 64
+    seed = int(torch.randint(1 << 30, (1,), generator=generator))
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    kv_cache = torch.randn(int(blocks.sum()), 64, 576, device="cuda", generator=gen).bfloat16()
+    order = torch.randperm(kv_cache.shape[0], device="cuda", generator=gen)
+    tables = torch.full((256, 128), -1, dtype=torch.int64, device="cuda")
+    starts = torch.cumsum(blocks, 0) - blocks
+    for i in range(256):
+        tables[i, : blocks[i]] = order[starts[i] : starts[i] + blocks[i]]
+        kv_cache[tables[i, blocks[i] - 1], (seq_lens[i] - 1) % 64 + 1 :] = float("nan")
+    q = torch.randn(256, 16, 576, device="cuda", generator=gen).bfloat16()
+    seq_ids, positions = torch.arange(256, device="cuda"), (seq_lens - 1).cuda()
+    args = (q, kv_cache, seq_ids, tables, positions, 192**-0.5, 512)
     split = _attend(*args, SPLIT_BLOCKS, 4, 3)
     whole = _attend(*args, SPLIT_BLOCKS, 4, 2, is_whole_query=True)
     assert torch.equal(whole, split)
@@ -641,23 +630,6 @@ def test_mla_whole_query_launch_gives_the_split_bits(generator):
         )
         assert torch.equal(alone, whole[rows]), i
     assert not torch.equal(_attend(*args, tables.shape[1], 4, 3), whole), "no control"
-
-
-@pytest.mark.parametrize("num_queries", (32, 64, 128))
-def test_mla_stream_launch_gives_the_split_bits(generator, num_queries):
-    """16 heads at decode: the stream launch (programs walking runs of the launch's splits
-    across split and query boundaries) gives the split launch's bits at one and two programs
-    an SM and at 40 programs (each many queries), the splits written and merged as usual."""
-    from kernels.attention_launch import SPLIT_BLOCKS
-    from kernels.triton_attention import _attend
-
-    args = _boundary_decode_case(generator, num_queries)
-    split = _attend(*args, SPLIT_BLOCKS, 4, 3)
-    assert not split.isnan().any()
-    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for programs, stages in ((num_sms, 3), (2 * num_sms, 2), (40, 3)):
-        got = _attend(*args, SPLIT_BLOCKS, 4, stages, stream_programs=programs)
-        assert torch.equal(got, split), (programs, stages)
 
 
 @pytest.mark.parametrize("method", ("v2_lite", "v3"))

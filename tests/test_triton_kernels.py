@@ -538,41 +538,6 @@ def check_mla_attention_whole_query(generator: torch.Generator) -> None:
     torch.testing.assert_close(results[torch.float32].double(), expected, **FP32_TOL)
 
 
-def check_mla_attention_stream(generator: torch.Generator) -> None:
-    """The stream launch (programs walking contiguous runs of the launch's splits across
-    split and query boundaries) gives the split launch's bits at any program count: one
-    program for everything, programs that cut queries between splits, more programs than
-    splits (some walk nothing); fp32 and bf16, a wide table with -1 padding, NaN in unwritten
-    slots. Engagement: the stream kernel's launches are counted."""
-    import kernels.triton_attention as attention
-    from kernels.attention_launch import SPLIT_BLOCKS
-
-    q, kv_cache, seq_ids, tables, positions = _paged_cache(generator, (140, 30), 4, 40, 8, 16)
-    rows = torch.tensor([0, 15, 16, 63, 64, 65, 127, 128, 139, 150, 169])  # 0-139; 10, 29
-    q, seq_ids, positions = q[rows], seq_ids[rows], positions[rows]
-    wide = torch.full((tables.shape[0], 12), -1, dtype=tables.dtype)
-    wide[:, : tables.shape[1]] = tables
-    launches = []
-    stream = attention.launch_stream
-
-    def counted(*call):
-        launches.append(call[0])
-        return stream(*call)
-
-    attention.launch_stream = counted
-    try:
-        for dtype in DTYPES:
-            args = (q.to(dtype), kv_cache.to(dtype), seq_ids, wide, positions, 40**-0.5, 32)
-            split = attention._attend(*args, SPLIT_BLOCKS, 4, 3)
-            assert not split.isnan().any(), dtype
-            for programs in (1, 3, 7, 40):
-                got = attention._attend(*args, SPLIT_BLOCKS, 4, 3, stream_programs=programs)
-                assert torch.equal(got, split), (dtype, programs)
-    finally:
-        attention.launch_stream = stream
-    assert launches == [1, 3, 7, 40] * len(DTYPES)
-
-
 def check_mla_attention_wide_launch(generator: torch.Generator) -> None:
     """A model of 64 heads takes the wide launch (64 heads a program, WIDE_LAUNCH's split;
     the second sequence's 17 blocks of 16 span two splits, so the merge runs); a TP rank
@@ -769,7 +734,6 @@ CHECKS = {
     "mla_attention": check_mla_attention,
     "mla_attention_wide_launch": check_mla_attention_wide_launch,
     "mla_attention_whole_query": check_mla_attention_whole_query,
-    "mla_attention_stream": check_mla_attention_stream,
     "router_logits": check_router_logits,
     "router_topk": check_router_topk,
     "bad_inputs": check_bad_inputs,
