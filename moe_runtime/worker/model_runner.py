@@ -1,7 +1,8 @@
 """ModelRunner: turns a step's sequences into a ForwardBatch, runs the model, samples.
 
-Owns the model, the per-layer latent KV caches, the sampler of one rank and the worker's copy
-of every sequence it serves (`SequenceState`, kept up to date from the wire format's deltas).
+Owns the model, the per-layer latent KV caches and the sampler of one rank; the sequences it
+runs (`SequenceState`) are the worker's, kept up to date from the wire format's deltas and
+handed to each `step` as chunks.
 With expert parallelism (`must_join`), a step with no sequences still runs the model on zero
 tokens, because every MoE layer is a collective all ranks join. Rows that need logits are the
 last token of a chunk that completes its sequence (a new token is sampled) and, for scoring
