@@ -100,15 +100,9 @@ def _mla_split_kernel(
         pv_ok = offs_pv < V
         r_ok = V + offs_r < C
         q_rows = q_ptr + (t * num_heads + heads)[:, None] * C
-        if IS_WHOLE:
-            q_lat, q_pe = _load_query(q_rows, head_ok, offs_v, v_ok, offs_r, r_ok, V, UPCAST_DOT)
-        else:  # the latent's pieces are read per block (_attend_block); q_lat is unused
-            q_pe = tl.load(
-                q_rows + V + offs_r[None, :], mask=head_ok[:, None] & r_ok[None, :], other=0.0
-            )
-            if UPCAST_DOT:
-                q_pe = q_pe.to(tl.float32)
-            q_lat = q_pe
+        q_lat, q_pe = _load_query(
+            q_rows, head_ok, offs_v, v_ok, offs_r, r_ok, V, IS_WHOLE, UPCAST_DOT
+        )
         row_max = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
         row_sum = tl.zeros((BLOCK_H,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_H, BLOCK_PV), dtype=tl.float32)

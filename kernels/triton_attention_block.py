@@ -25,14 +25,22 @@ def _fold_weights(row_max, part_max, is_first):
 
 
 @triton.jit
-def _load_query(q_rows, head_ok, offs_v, v_ok, offs_r, r_ok, V, UPCAST_DOT: tl.constexpr):
-    """A query's latent [BLOCK_H, BLOCK_V] and rope [BLOCK_H, BLOCK_R] parts (masked rows and
-    columns zero); fp32 under the interpreter (UPCAST_DOT)."""
-    q_lat = tl.load(q_rows + offs_v[None, :], mask=head_ok[:, None] & v_ok[None, :], other=0.0)
+def _load_query(
+    q_rows, head_ok, offs_v, v_ok, offs_r, r_ok, V, IS_WHOLE: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):  # fmt: skip
+    """A query's (latent [BLOCK_H, BLOCK_V], rope [BLOCK_H, BLOCK_R]) parts, masked rows and
+    columns zero, fp32 under the interpreter (UPCAST_DOT). Without IS_WHOLE `_attend_block`
+    reads the latent in pieces per block: the rope part stands in for the unused latent."""
+    if IS_WHOLE:
+        q_lat = tl.load(q_rows + offs_v[None, :], mask=head_ok[:, None] & v_ok[None, :], other=0.0)
+        if UPCAST_DOT:
+            q_lat = q_lat.to(tl.float32)
     q_pe = tl.load(q_rows + V + offs_r[None, :], mask=head_ok[:, None] & r_ok[None, :], other=0.0)
     if UPCAST_DOT:
-        q_lat = q_lat.to(tl.float32)
         q_pe = q_pe.to(tl.float32)
+    if not IS_WHOLE:
+        q_lat = q_pe
     return q_lat, q_pe
 
 
