@@ -137,11 +137,22 @@ class Lookahead:
         if len(rows) < len(seqs):
             batch, sample_args = self._decode_batch([seqs[i] for i in rows], [0] * len(rows))
             fed = Sampler.rows_of(launched, rows)
-        ahead = [Chunk(seqs[i], len(seqs[i].token_ids), 1) for i in rows]  # pure decode chunks
-        logits = self._forward(batch, ahead, self._sampler.token_ids(fed))
-        self._step = _LaunchedStep(batch, sample_args, self._sampler.launch(logits, *sample_args))
+        self._run_ahead(batch, sample_args, [seqs[i] for i in rows], self._sampler.token_ids(fed))
         self.num_unread_launches += 1
         return rows
+
+    def _run_ahead(
+        self,
+        batch: ForwardBatch,
+        sample_args: SampleArgs,
+        seqs: list[SequenceState],
+        token_ids: torch.Tensor | None,
+    ) -> None:
+        """Launch the decode step `batch` of seqs (their next position each) and its sampling;
+        token_ids: the rows' ids on the device in place of batch.token_ids (None: those)."""
+        ahead = [Chunk(seq, len(seq.token_ids), 1) for seq in seqs]  # pure decode chunks
+        logits = self._forward(batch, ahead, token_ids)
+        self._step = _LaunchedStep(batch, sample_args, self._sampler.launch(logits, *sample_args))
 
     def settle_unread(self, seqs: list[SequenceState], tokens: list[int]) -> None:
         """After the read, for a lookahead `launch_unread` queued for these seqs (the rows it
@@ -211,9 +222,7 @@ class Lookahead:
             batch.token_ids.copy_(torch.tensor(tokens, dtype=torch.int64))
         else:
             batch, sample_args = self._decode_batch(seqs, tokens)
-        ahead = [Chunk(seq, len(seq.token_ids), 1) for seq in seqs]  # pure decode chunks
-        launched = self._sampler.launch(self._forward(batch, ahead, None), *sample_args)
-        self._step = _LaunchedStep(batch, sample_args, launched)
+        self._run_ahead(batch, sample_args, seqs, None)
 
     def take(self, batch: ForwardBatch, sample_args: SampleArgs) -> SampleLaunch | None:
         """The launched step's sampling if it computed exactly this step, else None (dropped).
