@@ -107,13 +107,21 @@ class FixedCapacityDispatcher(RankExchange):
 
     def agree_num_tokens(self, num_tokens: int, is_ready: bool) -> int:
         """Collective (all ranks, the same calls in the same order; a host sync, never inside a
-        capture): -> the most tokens any rank holds when every rank is ready, else -1. The graph
-        runner calls it once per step, before the model, to pick one bucket for all ranks."""
-        both = torch.tensor([num_tokens, int(not is_ready)], device=self.device)
+        capture): -> the most tokens any rank holds when every rank is ready, else -1."""
+        return self.agree_graph_step(num_tokens, 0, is_ready)[0]
+
+    def agree_graph_step(
+        self, num_tokens: int, table_width: int, is_ready: bool
+    ) -> tuple[int, int]:
+        """Collective, as agree_num_tokens: -> (the most tokens, the widest block table) any
+        rank holds when every rank is ready, else (-1, -1). The graph runner calls it once per
+        step, before the model, to pick one graph for all ranks (a first capture runs the
+        step's collectives eagerly once, so every rank must capture the same one together)."""
+        step = torch.tensor([num_tokens, table_width, int(not is_ready)], device=self.device)
         with collective_guard(self.rank, "graph step all_reduce"):
-            dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
-        most, any_not_ready = both.tolist()
-        return -1 if any_not_ready else most
+            dist.all_reduce(step, op=dist.ReduceOp.MAX, group=self.group)
+        most, widest, any_not_ready = step.tolist()
+        return (-1, -1) if any_not_ready else (most, widest)
 
     def count_served_rows(self, topk_phys_ids: torch.Tensor) -> torch.Tensor:
         """Collective (all ranks together, once per graph replay): [M, n] physical ids of this

@@ -110,6 +110,11 @@ def _fixed_capacity_worker(rank: int, world_size: int, port: int, backend: str) 
     cases = routings(case, rank, world_size)
     ids = torch.stack([cases["random", shift][1].reshape(-1) for shift in SHIFTS[:2]])
     result["served"] = dispatchers["capacity"].count_served_rows(ids)
+    # The graph runner's step agreement: the most rows and the widest block table of any
+    # rank, or (-1, -1) (every rank eager) when one rank is not ready.
+    capacity = dispatchers["capacity"]
+    result["agreed"] = capacity.agree_graph_step(3 + rank, 16 << rank, True)
+    result["agreed_not_ready"] = capacity.agree_graph_step(5, 16, rank != 1)
     # Control: the rows of each source rank left together instead of regrouped by expert.
     unsorted = SourceOrderDispatcher(*args, moe_combine_ref)
     x, ids, weights, expert_weight = routings(case, rank, world_size)["every_rank_sends"]
@@ -150,6 +155,8 @@ def test_fixed_capacity_equals_all_to_all_bitwise(tmp_path, world_size, backend)
         for shift in SHIFTS[1:]:
             a, b = res["capacity_fast", ("random", 0)], res["capacity_fast", ("random", shift)]
             num_fast_differ += int((a["out"] != b["out"]).any(dim=1).sum())
+        assert res["agreed"] == (2 + world_size, 16 << (world_size - 1)), res["agreed"]
+        assert res["agreed_not_ready"] == (-1, -1)
         served = [res["all_to_all", ("random", shift)]["group_sizes"] for shift in SHIFTS[:2]]
         assert torch.equal(res["served"], torch.stack(served))
         unsorted, ref = res["unsorted"]["out"], res["all_to_all", "every_rank_sends"]["out"]

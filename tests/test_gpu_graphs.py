@@ -8,15 +8,20 @@
   the read with the sampled ids fed on the device.
 - A real row's hidden states and logits are bitwise the same whatever the padding rows hold,
   and equal to the eager model's.
+- A step replays the graph of the narrowest block-table width that holds its tables; a batch
+  padded to a wider table, and one whose longest context needs the next width, give the eager
+  model's bits.
 Skipped without CUDA.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from moe_runtime import LLM
 from moe_runtime.forward_batch import ForwardBatch
@@ -116,7 +121,7 @@ def test_gpu_graph_real_rows_ignore_padding_rows():
         eager = runner.model(batch.to(runner.device), runner.kv_caches)
     assert graphs.can_run(True, batch)  # as the runner does: it also picks the bucket (4)
     clean = graphs.run(batch)
-    size = graphs._graphs[4]
+    size = graphs._graphs[4, graphs.table_widths[0]]  # three blocks: the narrowest table
     clean_states = [tuple(t.clone() for t in out) for out in size.outputs]
 
     load = graphs._load
@@ -146,3 +151,46 @@ def test_gpu_graph_real_rows_ignore_padding_rows():
             assert torch.equal(a[:num_real], b[:num_real]), f"segment {j}: real row changed"
     # Control: the padding rows really held something else the second time.
     assert not torch.equal(clean_states[-1][0][num_real:], size.outputs[-1][0][num_real:])
+
+
+def test_gpu_graph_table_width_follows_the_batch_and_changes_no_bit():
+    llm = LLM(TINY_GPU, **{"kernels.cuda_graphs": True, **BASE})
+    runner = llm.engine.executor.worker.runner
+    graphs, block_size = runner.graphs, runner.block_size
+    assert len(graphs.table_widths) >= 3, graphs.table_widths  # contexts up to 1024, blocks of 16
+    narrow, middle, wide = graphs.table_widths[:3]
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for cache in runner.kv_caches:
+        cache.copy_(torch.randn(cache.shape, generator=gen, device="cuda").to(cache.dtype))
+    short = _decode_batch(3, block_size)  # tables of three blocks
+    extra = middle + 1 - short.block_tables.shape[1]  # the same batch, tables padded with -1
+    wider = F.pad(short.block_tables, (0, extra), value=-1)
+    padded = dataclasses.replace(short, block_tables=wider)
+    # Three sequences of narrow + 2 blocks each (their own), decoding past the narrow width.
+    num_blocks = narrow + 2
+    positions = [narrow * block_size + 5 + s for s in range(3)]
+    tables = torch.tensor([[num_blocks * s + b for b in range(num_blocks)] for s in range(3)])
+    slots = [int(tables[s, p // block_size]) * block_size + p % block_size
+             for s, p in enumerate(positions)]  # fmt: skip
+    long = dataclasses.replace(
+        short,
+        positions=torch.tensor(positions),
+        block_tables=tables,
+        slot_mapping=torch.tensor(slots),
+    )
+    got, want, widths = {}, {}, {}
+    for name, batch in (("short", short), ("padded", padded), ("long", long)):
+        with torch.inference_mode():
+            want[name] = runner.model(batch.to(runner.device), runner.kv_caches)
+        assert graphs.can_run(True, batch)
+        widths[name] = graphs._step_width
+        got[name] = graphs.run(batch)
+    llm.shutdown()
+    # Engagement: three widths of one size, each graph's tables as wide as its key says.
+    assert widths == {"short": narrow, "padded": wide, "long": middle}, widths
+    assert set(graphs._graphs) == {(4, narrow), (4, middle), (4, wide)}, list(graphs._graphs)
+    for key, size in graphs._graphs.items():
+        assert tuple(size.batch.block_tables.shape) == key, key
+    for name in got:
+        assert torch.equal(got[name], want[name]), f"{name}: graph replay differs from eager"
+    assert torch.equal(got["padded"], got["short"]), "a wider table moved the bits"

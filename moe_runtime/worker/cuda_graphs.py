@@ -13,6 +13,14 @@ replays, each rank choosing its N alone. In invariant mode real rows keep their 
 every kernel computes a row from that row alone (padding rows are routed and computed too, and
 change no real row), and the block-table width sets only the attention launch. Expert loads
 count the real rows only. Not for TP > 1 (the config refuses).
+
+Each size is captured at a few block-table widths (`table_widths`: doubling from one KV split
+of the wide attention launch up to the longest context) and a step replays the narrowest that
+holds its longest table: the attention launch follows the batch's context, not the engine's
+longest. Why: its grid has a program per KV split of the table's width, and at 128 heads a
+table of 128 blocks cost B = 256 at context 1024 294 us an attention call against 217 with
+its own 16 (H200, BENCHMARKS.md). The width changes no bit (no query reads past its own
+blocks; the split order is fixed by position), so widths, like sizes, may follow the batch.
 """
 
 from __future__ import annotations
@@ -22,8 +30,20 @@ from dataclasses import dataclass, field
 import torch
 
 from comm.capacity_dispatch import FixedCapacityDispatcher
+from kernels.attention_launch import WIDE_LAUNCH
 from moe_runtime.forward_batch import ForwardBatch, host_to_device
 from moe_runtime.model.deepseek import DeepseekForCausalLM
+
+
+def table_widths(max_blocks_per_seq: int) -> tuple[int, ...]:
+    """The block-table widths a size is captured at: one KV split of the wide attention launch
+    (a table it reads in one split, writing its output directly), doubling while below
+    max_blocks_per_seq, then max_blocks_per_seq."""
+    widths, width = [], WIDE_LAUNCH.split_blocks
+    while width < max_blocks_per_seq:
+        widths.append(width)
+        width *= 2
+    return (*widths, max_blocks_per_seq)
 
 
 @dataclass(frozen=True)
@@ -37,8 +57,9 @@ class _Segment:
 
 @dataclass
 class _SizeGraphs:
-    """Static buffers and captured segments of one padded batch size N."""
+    """Static buffers and captured segments of one padded batch size N and table width MB."""
 
+    width: int  # MB: the block tables' columns
     batch: ForwardBatch  # device tensors, [N] / [N, MB]; logits_indices = arange(N)
     # token_ids, positions, slot_mapping and block_tables: views of this one buffer, loaded
     # in one host-to-device copy a step
@@ -58,36 +79,40 @@ class DecodeGraphRunner:
         max_blocks_per_seq: int,
         scratch_block: int,
     ) -> None:
-        """batch_sizes strictly increasing; block tables are padded to max_blocks_per_seq
-        columns so the attention launch is static; scratch_block is a cache block no sequence
-        owns."""
+        """batch_sizes strictly increasing; block tables are padded to the narrowest of
+        table_widths(max_blocks_per_seq) that holds them, so each graph's attention launch is
+        static; scratch_block is a cache block no sequence owns."""
         self.model, self.kv_caches = model, kv_caches
         self.batch_sizes, self.max_blocks_per_seq = batch_sizes, max_blocks_per_seq
+        self.table_widths = table_widths(max_blocks_per_seq)
         self.scratch_block = scratch_block
         self.block_size = kv_caches[0].shape[1]
         self.device = kv_caches[0].device
         self.segments: list[_Segment] = []  # planned at the first capture (see _plan)
         self.captured_moe: list = []
         self.pool = torch.cuda.graph_pool_handle()
-        self._graphs: dict[int, _SizeGraphs] = {}
+        self._graphs: dict[tuple[int, int], _SizeGraphs] = {}  # by (size, table width)
         self.num_replays = 0  # steps served by graphs (tests check the path really ran)
         self.num_captures = 0
         self._step_size: int | None = None  # the padded size can_run chose for this step
+        self._step_width = 0  # and the table width
 
     def can_run(self, is_pure_decode: bool, batch: ForwardBatch) -> bool:
         """batch on the host; is_pure_decode: one token per sequence and no scoring rows.
         Called once per step on every rank (with FixedCapacityDispatcher, a collective); it
-        also picks the padded size `run` replays."""
-        num_seqs = batch.block_tables.shape[0]
+        also picks the padded size and table width `run` replays."""
+        num_seqs, num_blocks = batch.block_tables.shape
+        widths = [w for w in self.table_widths if w >= num_blocks]
         is_ready = (
             is_pure_decode
             and num_seqs <= self.batch_sizes[-1]
             and batch.num_tokens == num_seqs
-            and batch.block_tables.shape[1] <= self.max_blocks_per_seq
+            and bool(widths)
         )
-        num_rows = self._agree_num_rows(num_seqs, is_ready)
+        num_rows, width = self._agree_step(num_seqs, widths[0] if widths else 0, is_ready)
         sizes = [n for n in self.batch_sizes if n >= num_rows] if num_rows >= 1 else []
         self._step_size = sizes[0] if sizes else None
+        self._step_width = width
         if (dispatcher := self._capacity_dispatcher()) is not None:
             # Eager steps (prefill, mixed, scoring) take the uneven exchange: the same bits
             # without padded blocks. Every rank agreed on the bucket, so every rank agrees here.
@@ -101,13 +126,13 @@ class DecodeGraphRunner:
             return layers[0].dispatcher
         return None
 
-    def _agree_num_rows(self, num_seqs: int, is_ready: bool) -> int:
-        """-> the rows this step's graph must hold, -1 for an eager step."""
+    def _agree_step(self, num_seqs: int, width: int, is_ready: bool) -> tuple[int, int]:
+        """-> (the rows this step's graph must hold, its table width); rows -1: an eager step."""
         if (dispatcher := self._capacity_dispatcher()) is not None:
             # Collective (all ranks, once per step, before the model): the captured MoE layers'
             # collectives have the bucket's shape, so every rank replays the same one or none.
-            return dispatcher.agree_num_tokens(num_seqs, is_ready)
-        return num_seqs if is_ready else -1
+            return dispatcher.agree_graph_step(num_seqs, width, is_ready)
+        return (num_seqs, width) if is_ready else (-1, -1)
 
     def reset(self) -> None:
         """Drop every capture (weights were replaced: the graphs hold the old addresses)."""
@@ -136,17 +161,17 @@ class DecodeGraphRunner:
         batch.logits_indices, bitwise the eager model's. token_ids: the B rows' ids on the
         device, read there in place of batch.token_ids (a step fed the last step's samples
         before the host has them)."""
-        num_real, size = batch.num_tokens, self._step_size
+        num_real, size, width = batch.num_tokens, self._step_size, self._step_width
         # A pure decode step's rows each need logits: a slice, no gather, in the usual case.
         rows = batch.logits_indices
         is_every_row = torch.equal(rows, torch.arange(num_real))
         if not is_every_row:  # before the replay, which would hold the host until it ends
             rows = host_to_device(rows, self.device)
-        graphs = self._graphs.get(size)
+        graphs = self._graphs.get((size, width))
         if not self.segments:
             self._plan()
         if graphs is None:
-            graphs = self._capture(size, batch)
+            graphs = self._capture(size, width, batch)
         else:
             self._load(graphs, batch)
         if token_ids is not None:  # queued after the load's copy: it wins
@@ -186,7 +211,7 @@ class DecodeGraphRunner:
         host does not wait); rows B.. become dummy rows."""
         num_real, width = batch.num_tokens, batch.block_tables.shape[1]
         host = torch.empty(graphs.loaded.shape, dtype=torch.int64, pin_memory=True)
-        token_ids, positions, slot_mapping, tables = self._input_views(host)
+        token_ids, positions, slot_mapping, tables = self._input_views(host, graphs.width)
         token_ids[:num_real], positions[:num_real] = batch.token_ids, batch.positions
         slot_mapping[:num_real] = batch.slot_mapping
         token_ids[num_real:], positions[num_real:] = 0, 0
@@ -196,12 +221,13 @@ class DecodeGraphRunner:
         tables[num_real:, 0] = self.scratch_block
         graphs.loaded.copy_(host, non_blocking=True)
 
-    def _input_views(self, buffer: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """token_ids [N], positions [N], slot_mapping [N], block_tables [N, MB] in a buffer of
-        N * (3 + MB) int64 (N from its size)."""
-        num_rows = buffer.shape[0] // (3 + self.max_blocks_per_seq)
+    @staticmethod
+    def _input_views(buffer: torch.Tensor, width: int) -> tuple[torch.Tensor, ...]:
+        """token_ids [N], positions [N], slot_mapping [N], block_tables [N, width] in a buffer
+        of N * (3 + width) int64 (N from its size)."""
+        num_rows = buffer.shape[0] // (3 + width)
         flat = [buffer[i * num_rows : (i + 1) * num_rows] for i in range(3)]
-        return (*flat, buffer[3 * num_rows :].view(num_rows, self.max_blocks_per_seq))
+        return (*flat, buffer[3 * num_rows :].view(num_rows, width))
 
     def _run_segment(self, j: int, graphs: _SizeGraphs) -> tuple[torch.Tensor, ...]:
         """The eager code of segment j over all N rows (captured as is)."""
@@ -218,13 +244,12 @@ class DecodeGraphRunner:
             return layers[i].attention_part(x, batch, self.kv_caches[i])
         return (model.logits(x),)  # tp.size is 1 here (the config refuses graphs with TP)
 
-    def _capture(self, num_rows: int, batch: ForwardBatch) -> _SizeGraphs:
-        """Warm up (compiles this size's kernels), then capture every segment of size N."""
+    def _capture(self, num_rows: int, width: int, batch: ForwardBatch) -> _SizeGraphs:
+        """Warm up (compiles this size's kernels), then capture every segment of size N with
+        tables of `width` columns."""
         cfg, dev = self.model.config, self.device
-        loaded = torch.zeros(
-            num_rows * (3 + self.max_blocks_per_seq), dtype=torch.int64, device=dev
-        )
-        token_ids, positions, slot_mapping, block_tables = self._input_views(loaded)
+        loaded = torch.zeros(num_rows * (3 + width), dtype=torch.int64, device=dev)
+        token_ids, positions, slot_mapping, block_tables = self._input_views(loaded, width)
         static = ForwardBatch(
             token_ids=token_ids,
             positions=positions,
@@ -237,7 +262,7 @@ class DecodeGraphRunner:
             torch.zeros(num_rows, cfg.hidden_size, dtype=self.model.dtype, device=dev)
             for _ in self.segments[1:]
         ]
-        graphs = _SizeGraphs(static, loaded, inputs, [], [])
+        graphs = _SizeGraphs(width, static, loaded, inputs, [], [])
         self._load(graphs, batch)
         # The warm-up writes this step's latents from zero inputs into this step's own slots
         # (and the scratch block); the replays below overwrite each of them before any
@@ -254,6 +279,6 @@ class DecodeGraphRunner:
                 graphs.outputs.append(self._run_segment(j, graphs))
             graphs.graphs.append(graph)
         graphs.moe_topk_ids = [moe.last_topk_ids for moe in self.captured_moe]
-        self._graphs[num_rows] = graphs
+        self._graphs[num_rows, width] = graphs
         self.num_captures += 1
         return graphs
