@@ -59,7 +59,6 @@ class _Segment:
 class _SizeGraphs:
     """Static buffers and captured segments of one padded batch size N and table width MB."""
 
-    width: int  # MB: the block tables' columns
     batch: ForwardBatch  # device tensors, [N] / [N, MB]; logits_indices = arange(N)
     # token_ids, positions, slot_mapping and block_tables: views of this one buffer, loaded
     # in one host-to-device copy a step
@@ -211,7 +210,8 @@ class DecodeGraphRunner:
         host does not wait); rows B.. become dummy rows."""
         num_real, width = batch.num_tokens, batch.block_tables.shape[1]
         host = torch.empty(graphs.loaded.shape, dtype=torch.int64, pin_memory=True)
-        token_ids, positions, slot_mapping, tables = self._input_views(host, graphs.width)
+        graph_width = graphs.batch.block_tables.shape[1]  # the graph's, >= the batch's width
+        token_ids, positions, slot_mapping, tables = self._input_views(host, graph_width)
         token_ids[:num_real], positions[:num_real] = batch.token_ids, batch.positions
         slot_mapping[:num_real] = batch.slot_mapping
         token_ids[num_real:], positions[num_real:] = 0, 0
@@ -262,7 +262,7 @@ class DecodeGraphRunner:
             torch.zeros(num_rows, cfg.hidden_size, dtype=self.model.dtype, device=dev)
             for _ in self.segments[1:]
         ]
-        graphs = _SizeGraphs(width, static, loaded, inputs, [], [])
+        graphs = _SizeGraphs(static, loaded, inputs, [], [])
         self._load(graphs, batch)
         # The warm-up writes this step's latents from zero inputs into this step's own slots
         # (and the scratch block); the replays below overwrite each of them before any
