@@ -6,7 +6,7 @@ device copy measured in the same run (the ceiling), with the torch versions besi
 Times are medians of triton.testing.do_bench (CUDA events, warm-up, L2 flushed per call).
 
     PYTHONUNBUFFERED=1 python bench/gpu_kernels.py [rows linear grouped attention sweep layer
-        row_parallel tree_crossover split_prefill value_split whole_query]
+        row_parallel tree_crossover split_prefill value_split whole_query read_floor]
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 import triton
+import triton.language as tl
 import triton.testing
 
 # Run as a script from anywhere: the repository root holds the top-level packages.
@@ -447,6 +448,95 @@ def bench_whole_query() -> None:
                 f"{('split', 'whole, 2', 'whole, 3')[taken]} | "
                 f"{read / us[taken] / 1e6 / ceiling:.0%} |"
             )
+
+
+@triton.jit
+def _read_blocks_kernel(kv_ptr, tables_ptr, out_ptr, table_width, num_blocks,
+                        BLOCKS: tl.constexpr, BS: tl.constexpr, C: tl.constexpr,
+                        V: tl.constexpr, R: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
+    """Read-only floor of a decode attention launch: program (query, p) reads cache blocks
+    p * BLOCKS .. of its query through the block table (the next entry read a block ahead, as
+    the attention kernels do) and writes one fp32 sum of them: the bytes the attention reads,
+    with none of its arithmetic, partials or merge."""
+    t = tl.program_id(0).to(tl.int64)
+    first = tl.program_id(1) * BLOCKS
+    last = tl.minimum(first + BLOCKS, num_blocks)
+    rows = tl.arange(0, BS)
+    table = tables_ptr + t * table_width
+    lat = tl.zeros((V,), dtype=tl.float32)
+    pe = tl.zeros((R,), dtype=tl.float32)
+    next_id = tl.load(table + first).to(tl.int64)
+    for j in tl.range(first, last, num_stages=STAGES):
+        block_id = next_id
+        next_id = tl.load(table + tl.minimum(j + 1, last - 1)).to(tl.int64)
+        base = kv_ptr + (block_id * BS + rows)[:, None] * C
+        lat += tl.sum(tl.load(base + tl.arange(0, V)[None, :]).to(tl.float32), axis=0)
+        pe += tl.sum(tl.load(base + V + tl.arange(0, R)[None, :]).to(tl.float32), axis=0)
+    tl.store(out_ptr + t * tl.num_programs(1) + tl.program_id(1), tl.sum(lat) + tl.sum(pe))
+
+
+def bench_read_floor() -> None:
+    """How close any decode attention launch can come to the copy ceiling at 16 heads' shapes
+    (the decode-speed issue's >= 80% goal): the time to merely read the same KV bytes, under
+    graph replay over L2-missing caches, three ways, beside the invariant op (16 heads) and
+    fast mode's (FlashMLA where installed): a flat bf16 -> fp32 torch.sum of the cache (a tuned
+    library reduction, no table), and _read_blocks_kernel through the block tables at several
+    blocks a program (4: the split launch's programs; a whole query: the whole-query launch's),
+    warps and stages, the best of them given with its shape. Each % is of the 1 GiB copy
+    ceiling (read + write), as every attention figure in BENCHMARKS.md."""
+    from kernels.fast_attention import mla_decode_fast
+    from kernels.triton_attention import mla_attention_triton
+
+    ceiling = copy_bandwidth(torch.device("cuda")) / 1e12
+    print(f"\n## reading the KV cache, no arithmetic, vs decode attention at 16 heads (graph "
+          f"replay); copy ceiling {ceiling:.2f} TB/s")  # fmt: skip
+    print("| B | ctx | MB read | torch.sum µs (% of copy) | table read, best µs (% of copy) "
+          "[blocks a program, warps, stages] | table read, 4 blocks a program µs | table read, "
+          "a whole query µs | invariant op µs (% of copy) | fast op µs (% of copy) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
+    for batch, ctx in ((64, 1024), (64, 4096), (128, 1024), (256, 1024)):
+        blocks = ctx // 64
+        read = batch * ctx * 576 * 2
+
+        def cache(batch=batch, blocks=blocks):
+            q, kv, seq_ids, tables, positions = _decode_cache(batch, blocks * 64)
+            return q, kv, seq_ids, tables, positions
+
+        def flat():
+            kv = cache()[1]
+            return lambda: kv.sum(dtype=torch.float32)
+
+        def table_read(per_prog, warps, stages, batch=batch, blocks=blocks):
+            _, kv, _, tables, _ = cache()
+            progs = -(-blocks // per_prog)
+            out = torch.empty(batch * progs, device="cuda")
+            return lambda: _read_blocks_kernel[(batch, progs)](
+                kv, tables, out, tables.shape[1], blocks, BLOCKS=per_prog, BS=64, C=576,
+                V=512, R=64, STAGES=stages, num_warps=warps,
+            )  # fmt: skip
+
+        def op(fn):
+            q, kv, seq_ids, tables, positions = cache()
+            return lambda: fn(q, kv, seq_ids, tables, positions, scale=192**-0.5, v_dim=512)
+
+        def pct(us, read=read):
+            return f"{us:.1f} ({read / us / 1e6 / ceiling:.0%})"
+
+        t_flat = _graph_ms(flat, read) * 1e3
+        shapes = [
+            (b, w, s) for b in sorted({1, 2, 4, 8, 16, blocks}) if b <= blocks
+            for w in (4, 8) for s in (2, 3, 4)
+        ]  # fmt: skip
+        timed = {c: _graph_ms(partial(table_read, *c), read) * 1e3 for c in shapes}
+        best = min(timed, key=timed.get)
+        four = min(timed[c] for c in shapes if c[0] == 4)
+        whole = min(timed[c] for c in shapes if c[0] == blocks)
+        t_inv = _graph_ms(partial(op, mla_attention_triton), read) * 1e3
+        t_fast = _graph_ms(partial(op, mla_decode_fast), read) * 1e3
+        print(
+            f"| {batch} | {ctx} | {read / 1e6:.1f} | {pct(t_flat)} | {pct(timed[best])} "
+            f"{list(best)} | {four:.1f} | {whole:.1f} | {pct(t_inv)} | {pct(t_fast)} |"
+        )
 
 
 def bench_split_size() -> None:
@@ -1041,6 +1131,7 @@ def main() -> None:
             "split_prefill": bench_split_prefill,
             "value_split": bench_value_split,
             "split_size": bench_split_size,
+            "read_floor": bench_read_floor,
             "decode_tiles": bench_decode_tiles,
         }[section]()
 
