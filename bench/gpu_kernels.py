@@ -24,6 +24,8 @@ import triton.testing
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
+
 from bench.hbm_floor import copy_bandwidth  # noqa: E402
 from kernels.rmsnorm import rms_norm_fast  # noqa: E402
 from kernels.triton_linear import (  # noqa: E402
@@ -475,25 +477,48 @@ def _read_blocks_kernel(kv_ptr, tables_ptr, out_ptr, table_width, num_blocks,
     tl.store(out_ptr + t * tl.num_programs(1) + tl.program_id(1), tl.sum(lat) + tl.sum(pe))
 
 
+@triton.jit
+def _read_blocks_tma_kernel(kv_desc, tables_ptr, out_ptr, table_width, num_blocks,
+                            BLOCKS: tl.constexpr, BS: tl.constexpr, C: tl.constexpr,
+                            STAGES: tl.constexpr):  # fmt: skip
+    """_read_blocks_kernel with each cache block copied by TMA (a tensor descriptor over the
+    cache as [blocks * BS, C] rows, 64-column boxes), the other way a Hopper kernel reads."""
+    t = tl.program_id(0).to(tl.int64)
+    first = tl.program_id(1) * BLOCKS
+    last = tl.minimum(first + BLOCKS, num_blocks)
+    table = tables_ptr + t * table_width
+    total = tl.zeros((64,), dtype=tl.float32)
+    next_id = tl.load(table + first).to(tl.int32)  # TMA coordinates are 32-bit
+    for j in tl.range(first, last, num_stages=STAGES):
+        block_id = next_id
+        next_id = tl.load(table + tl.minimum(j + 1, last - 1)).to(tl.int32)
+        for c in tl.static_range(C // 64):
+            total += tl.sum(kv_desc.load([block_id * BS, c * 64]).to(tl.float32), axis=0)
+    tl.store(out_ptr + t * tl.num_programs(1) + tl.program_id(1), tl.sum(total))
+
+
 def bench_read_floor() -> None:
     """How close any decode attention launch can come to the copy ceiling at 16 heads' shapes
     (the decode-speed issue's >= 80% goal): the time to merely read the same KV bytes, under
-    graph replay over L2-missing caches, three ways, beside the invariant op (16 heads) and
-    fast mode's (FlashMLA where installed): a flat bf16 -> fp32 torch.sum of the cache (a tuned
-    library reduction, no table), and _read_blocks_kernel through the block tables at several
-    blocks a program (4: the split launch's programs; a whole query: the whole-query launch's),
-    warps and stages, the best of them given with its shape. Each % is of the 1 GiB copy
-    ceiling (read + write), as every attention figure in BENCHMARKS.md."""
+    graph replay over L2-missing caches, beside the invariant op (16 heads) and fast mode's
+    (FlashMLA where installed): a device copy of the cache (its read and write counted, the
+    ceiling's own measure at this size), a flat bf16 -> fp32 torch.sum of it (a tuned library
+    reduction, no table), and _read_blocks_kernel (plain loads) and _read_blocks_tma_kernel
+    through the block tables at several blocks a program (4: the split launch's programs; a
+    whole query: the whole-query launch's), warps and stages, the best of each given with its
+    shape. Each % is of the 1 GiB copy ceiling, as every attention figure in BENCHMARKS.md."""
     from kernels.fast_attention import mla_decode_fast
     from kernels.triton_attention import mla_attention_triton
 
     ceiling = copy_bandwidth(torch.device("cuda")) / 1e12
     print(f"\n## reading the KV cache, no arithmetic, vs decode attention at 16 heads (graph "
           f"replay); copy ceiling {ceiling:.2f} TB/s")  # fmt: skip
-    print("| B | ctx | MB read | torch.sum µs (% of copy) | table read, best µs (% of copy) "
-          "[blocks a program, warps, stages] | table read, 4 blocks a program µs | table read, "
+    print("| B | ctx | MB read | copy of the cache µs (% of copy) | torch.sum µs (% of copy) "
+          "| table read, best µs (% of copy) "
+          "[blocks a program, warps, stages] | TMA table read, best µs (% of copy) [same] "
+          "| table read, 4 blocks a program µs | table read, "
           "a whole query µs | invariant op µs (% of copy) | fast op µs (% of copy) |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for batch, ctx in ((64, 1024), (64, 4096), (128, 1024), (256, 1024)):
         blocks = ctx // 64
         read = batch * ctx * 576 * 2
@@ -506,6 +531,11 @@ def bench_read_floor() -> None:
             kv = cache()[1]
             return lambda: kv.sum(dtype=torch.float32)
 
+        def copy():
+            kv = cache()[1]
+            dst = torch.empty_like(kv)
+            return lambda: dst.copy_(kv)
+
         def table_read(per_prog, warps, stages, batch=batch, blocks=blocks):
             _, kv, _, tables, _ = cache()
             progs = -(-blocks // per_prog)
@@ -513,6 +543,16 @@ def bench_read_floor() -> None:
             return lambda: _read_blocks_kernel[(batch, progs)](
                 kv, tables, out, tables.shape[1], blocks, BLOCKS=per_prog, BS=64, C=576,
                 V=512, R=64, STAGES=stages, num_warps=warps,
+            )  # fmt: skip
+
+        def tma_read(per_prog, warps, stages, batch=batch, blocks=blocks):
+            _, kv, _, tables, _ = cache()
+            desc = TensorDescriptor.from_tensor(kv.view(-1, 576), [64, 64])
+            progs = -(-blocks // per_prog)
+            out = torch.empty(batch * progs, device="cuda")
+            return lambda: _read_blocks_tma_kernel[(batch, progs)](
+                desc, tables, out, tables.shape[1], blocks, BLOCKS=per_prog, BS=64, C=576,
+                STAGES=stages, num_warps=warps,
             )  # fmt: skip
 
         def op(fn):
@@ -523,19 +563,25 @@ def bench_read_floor() -> None:
             return f"{us:.1f} ({read / us / 1e6 / ceiling:.0%})"
 
         t_flat = _graph_ms(flat, read) * 1e3
+        t_copy = _graph_ms(copy, 2 * read) * 1e3
+        copied = 2 * read / t_copy / 1e6 / ceiling
         shapes = [
             (b, w, s) for b in sorted({1, 2, 4, 8, 16, blocks}) if b <= blocks
             for w in (4, 8) for s in (2, 3, 4)
         ]  # fmt: skip
         timed = {c: _graph_ms(partial(table_read, *c), read) * 1e3 for c in shapes}
+        tma = {c: _graph_ms(partial(tma_read, *c), read) * 1e3 for c in shapes}
+        best_tma = min(tma, key=tma.get)
         best = min(timed, key=timed.get)
         four = min(timed[c] for c in shapes if c[0] == 4)
         whole = min(timed[c] for c in shapes if c[0] == blocks)
         t_inv = _graph_ms(partial(op, mla_attention_triton), read) * 1e3
         t_fast = _graph_ms(partial(op, mla_decode_fast), read) * 1e3
         print(
-            f"| {batch} | {ctx} | {read / 1e6:.1f} | {pct(t_flat)} | {pct(timed[best])} "
-            f"{list(best)} | {four:.1f} | {whole:.1f} | {pct(t_inv)} | {pct(t_fast)} |"
+            f"| {batch} | {ctx} | {read / 1e6:.1f} | {t_copy:.1f} ({copied:.0%}) | {pct(t_flat)} "
+            f"| {pct(timed[best])} "
+            f"{list(best)} | {pct(tma[best_tma])} {list(best_tma)} | {four:.1f} | {whole:.1f} "
+            f"| {pct(t_inv)} | {pct(t_fast)} |"
         )
 
 
