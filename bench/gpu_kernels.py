@@ -455,26 +455,26 @@ def bench_whole_query() -> None:
 @triton.jit
 def _read_blocks_kernel(kv_ptr, tables_ptr, out_ptr, table_width, num_blocks,
                         BLOCKS: tl.constexpr, BS: tl.constexpr, C: tl.constexpr,
-                        V: tl.constexpr, R: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
+                        STAGES: tl.constexpr):  # fmt: skip
     """Read-only floor of a decode attention launch: program (query, p) reads cache blocks
     p * BLOCKS .. of its query through the block table (the next entry read a block ahead, as
-    the attention kernels do) and writes one fp32 sum of them: the bytes the attention reads,
-    with none of its arithmetic, partials or merge."""
+    the attention kernels do) in 64-column tiles, adds them elementwise into one fp32 tile
+    (no reduction across threads until the end) and writes its sum: the bytes the attention
+    reads, with none of its arithmetic, partials or merge."""
     t = tl.program_id(0).to(tl.int64)
     first = tl.program_id(1) * BLOCKS
     last = tl.minimum(first + BLOCKS, num_blocks)
-    rows = tl.arange(0, BS)
+    offs = tl.arange(0, BS)[:, None] * C + tl.arange(0, 64)[None, :]
     table = tables_ptr + t * table_width
-    lat = tl.zeros((V,), dtype=tl.float32)
-    pe = tl.zeros((R,), dtype=tl.float32)
+    total = tl.zeros((BS, 64), dtype=tl.float32)
     next_id = tl.load(table + first).to(tl.int64)
     for j in tl.range(first, last, num_stages=STAGES):
         block_id = next_id
         next_id = tl.load(table + tl.minimum(j + 1, last - 1)).to(tl.int64)
-        base = kv_ptr + (block_id * BS + rows)[:, None] * C
-        lat += tl.sum(tl.load(base + tl.arange(0, V)[None, :]).to(tl.float32), axis=0)
-        pe += tl.sum(tl.load(base + V + tl.arange(0, R)[None, :]).to(tl.float32), axis=0)
-    tl.store(out_ptr + t * tl.num_programs(1) + tl.program_id(1), tl.sum(lat) + tl.sum(pe))
+        base = kv_ptr + block_id * BS * C + offs
+        for c in tl.static_range(C // 64):
+            total += tl.load(base + c * 64).to(tl.float32)
+    tl.store(out_ptr + t * tl.num_programs(1) + tl.program_id(1), tl.sum(total))
 
 
 @triton.jit
@@ -487,13 +487,13 @@ def _read_blocks_tma_kernel(kv_desc, tables_ptr, out_ptr, table_width, num_block
     first = tl.program_id(1) * BLOCKS
     last = tl.minimum(first + BLOCKS, num_blocks)
     table = tables_ptr + t * table_width
-    total = tl.zeros((64,), dtype=tl.float32)
+    total = tl.zeros((BS, 64), dtype=tl.float32)
     next_id = tl.load(table + first).to(tl.int32)  # TMA coordinates are 32-bit
     for j in tl.range(first, last, num_stages=STAGES):
         block_id = next_id
         next_id = tl.load(table + tl.minimum(j + 1, last - 1)).to(tl.int32)
         for c in tl.static_range(C // 64):
-            total += tl.sum(kv_desc.load([block_id * BS, c * 64]).to(tl.float32), axis=0)
+            total += kv_desc.load([block_id * BS, c * 64]).to(tl.float32)
     tl.store(out_ptr + t * tl.num_programs(1) + tl.program_id(1), tl.sum(total))
 
 
@@ -542,7 +542,7 @@ def bench_read_floor() -> None:
             out = torch.empty(batch * progs, device="cuda")
             return lambda: _read_blocks_kernel[(batch, progs)](
                 kv, tables, out, tables.shape[1], blocks, BLOCKS=per_prog, BS=64, C=576,
-                V=512, R=64, STAGES=stages, num_warps=warps,
+                STAGES=stages, num_warps=warps,
             )  # fmt: skip
 
         def tma_read(per_prog, warps, stages, batch=batch, blocks=blocks):
