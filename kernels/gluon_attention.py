@@ -1,18 +1,17 @@
 """The wide attention launch's split kernel in Gluon (GPU only, sm90): 64 heads of one query
 against one KV split of its latent cache, written with explicit Hopper layouts.
 
-Why Gluon: in `tl.dot` a score product whose result feeds another dot gets every warp along
-M, so with 8 warps both warpgroups computed the whole 64 x 64 score tile (BENCHMARKS.md,
-tenth and eleventh sessions). Here the score tile is split over the two warpgroups by key
-columns and the 64 x 512 value accumulator by value columns, the cache blocks are copied into
-shared memory one block ahead (cp.async, two stages; the next block's copies are issued while
-this block's score MMAs run, its table entry read a block earlier), and the probabilities
-reach the value MMA through shared memory. The warpgroups exchange their row maxima once a
-block through a [64, 2] tile and keep the row sums of their own keys (added at the end), so a
-block costs four barriers (nine in the first form, BENCHMARKS.md). Its partials feed the
-Triton merge kernel (kernels/triton_attention.py). Nothing a program computes depends on other
-queries or on the heads next to its own, so the bits hold across batches, chunkings and TP head
-subsets.
+Why Gluon: in `tl.dot` a score product whose result feeds another dot gets every warp along M,
+so with 8 warps both warpgroups computed the whole 64 x 64 score tile (BENCHMARKS.md, tenth and
+eleventh sessions). Here the score tile is split over the two warpgroups by key columns and the
+64 x 512 value accumulator by value columns, the cache blocks are copied into shared memory one
+block ahead by TMA (two stages, an mbarrier each; the next block's copy is issued while this
+block's score MMAs run, its table entry read a block earlier), and the probabilities reach the
+value MMA through shared memory. The warpgroups exchange their row maxima once a block through
+a [64, 2] tile and keep the row sums of their own keys (added at the end), so a block costs
+four barriers (nine in the first form, BENCHMARKS.md). Its partials feed the Triton merge
+kernel (kernels/triton_attention.py). Nothing a program computes depends on other queries or on
+the heads next to its own, so the bits hold across batches, chunkings and TP head subsets.
 """
 
 from __future__ import annotations
@@ -20,9 +19,10 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
+    mbarrier,
+    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
@@ -48,33 +48,21 @@ def fits_gluon(q: torch.Tensor, kv_cache: torch.Tensor, v_dim: int, block_h: int
 
 
 @gluon.jit
-def _copy_rows(smem, base, first_row, num_ok, row_stride, col0,
-               ROWS: gl.constexpr, WIDTH: gl.constexpr, LOAD: gl.constexpr):  # fmt: skip
-    """Issue the async copy of rows first_row .. first_row + ROWS - 1, columns col0 .. col0 +
-    WIDTH - 1, of the row-major matrix at base into smem; rows from num_ok on copy zeros."""
-    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, LOAD))
-    cols = gl.arange(0, WIDTH, layout=gl.SliceLayout(0, LOAD))
-    src = base + (first_row + rows.to(gl.int64))[:, None] * row_stride + col0 + cols[None, :]
-    async_copy.async_copy_global_to_shared(smem, src, mask=(rows < num_ok)[:, None])
-
-
-@gluon.jit
-def _copy_block(kv_ptr, block_id, j, position, lat_smem, pe_smem,
-                BS: gl.constexpr, C: gl.constexpr, V: gl.constexpr, R: gl.constexpr,
-                LAT_LOAD: gl.constexpr, PE_LOAD: gl.constexpr):  # fmt: skip
-    """Issue the async copies of cache block j of the sequence (block_id in the cache; latent
-    and rope parts) into one pipeline stage, as one commit group. Positions past the query's
-    copy zeros (unwritten slots may hold garbage, and a zero probability times a NaN is a NaN)."""
-    num_ok = position - j * BS + 1
-    _copy_rows(lat_smem, kv_ptr, block_id * BS, num_ok, C, 0, BS, V, LAT_LOAD)
-    _copy_rows(pe_smem, kv_ptr, block_id * BS, num_ok, C, V, BS, R, PE_LOAD)
-    async_copy.commit_group()
+def _copy_block(lat_desc, pe_desc, block_id, lat_smem, pe_smem, bar,
+                BS: gl.constexpr, V: gl.constexpr, R: gl.constexpr):  # fmt: skip
+    """Issue the TMA copies of cache block block_id (its latent and rope parts) into one
+    pipeline stage, completing on bar. Rows past the query's position arrive as they are in
+    the cache: the kernel masks their scores and zeroes their value rows."""
+    row = (block_id * BS).to(gl.int32)
+    mbarrier.expect(bar, BS * (V + R) * 2)
+    tma.async_copy_global_to_shared(lat_desc, [row, 0], bar, lat_smem)
+    tma.async_copy_global_to_shared(pe_desc, [row, V], bar, pe_smem)
 
 
 @gluon.jit(do_not_specialize=["num_splits", "table_width"])
 def _mla_wide_split_kernel(
-    q_ptr, kv_ptr, seq_ids_ptr, tables_ptr, positions_ptr, acc_ptr, stats_ptr,
-    scale, num_heads, num_splits, table_width,
+    q_desc, q_pe_desc, lat_desc, pe_desc, seq_ids_ptr, tables_ptr, positions_ptr, acc_ptr,
+    stats_ptr, scale, num_heads, num_splits, table_width,
     C: gl.constexpr, V: gl.constexpr, R: gl.constexpr, BS: gl.constexpr,
     BLOCK_H: gl.constexpr, SPLIT_BLOCKS: gl.constexpr, WRITE_OUT: gl.constexpr,
     num_warps: gl.constexpr,
@@ -83,10 +71,11 @@ def _mla_wide_split_kernel(
     query, KV split): partial (max, sum, acc) of the split's cache blocks in order, an online
     softmax in fp32 per block of BS positions; WRITE_OUT: acc / sum into acc_ptr (the
     launch's one split). Each warpgroup sums the probabilities of its own keys; the two
-    sums are added once, at the end."""
-    DTYPE: gl.constexpr = q_ptr.dtype.element_ty
-    LAT_LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
-    PE_LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    sums are added once, at the end. The query (rows of q viewed [T * H, C]) and the cache
+    (rows of [blocks * BS, C]) arrive through TMA descriptors of 64-row boxes."""
+    DTYPE: gl.constexpr = gl.bfloat16  # fits_gluon's one dtype
+    # Zeroing the unwritten value rows of a query's last block, [BS, 64] at a time.
+    ZERO_L: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [num_warps, 1], [1, 0])
     # Why [4, 2] for both products: each warpgroup takes half of the keys of the scores and
     # half of the value columns of the accumulator, so no product is computed twice.
     S_L: gl.constexpr = gl.NVMMADistributedLayout(
@@ -128,17 +117,24 @@ def _mla_wide_split_kernel(
         max_s = gl.allocate_shared_memory(
             gl.float32, [BLOCK_H, 2], gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
         )
-        # The query's copies join the first block's commit group (one wait for both).
-        first_head = t * num_heads + head_block * BLOCK_H
-        heads_ok = num_heads - head_block * BLOCK_H
-        _copy_rows(q_lat_s, q_ptr, first_head, heads_ok, C, 0, BLOCK_H, V, LAT_LOAD)
-        _copy_rows(q_pe_s, q_ptr, first_head, heads_ok, C, V, BLOCK_H, R, PE_LOAD)
+        # Barriers 0 and 1: the two cache stages; 2: the query.
+        bars = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
+        for b in gl.static_range(3):
+            mbarrier.init(bars.index(b), count=1)
+        fence_async_shared()
+        # A head block past the rank's heads copies the next query's rows (or TMA's zeros
+        # past the end): each row is its own head, and those rows are never stored.
+        first_head = (t * num_heads + head_block * BLOCK_H).to(gl.int32)
+        mbarrier.expect(bars.index(2), BLOCK_H * (V + R) * 2)
+        tma.async_copy_global_to_shared(q_desc, [first_head, 0], bars.index(2), q_lat_s)
+        tma.async_copy_global_to_shared(q_pe_desc, [first_head, V], bars.index(2), q_pe_s)
         _copy_block(
-            kv_ptr, gl.load(table + first_block).to(gl.int64), first_block, position,
-            k_lat_s.index(0), k_pe_s.index(0), BS, C, V, R, LAT_LOAD, PE_LOAD,
+            lat_desc, pe_desc, gl.load(table + first_block), k_lat_s.index(0),
+            k_pe_s.index(0), bars.index(0), BS, V, R,
         )  # fmt: skip
         # Why one block ahead: the table read's latency is spent while a block is computed.
-        next_id = gl.load(table + gl.minimum(first_block + 1, last_block - 1)).to(gl.int64)
+        next_id = gl.load(table + gl.minimum(first_block + 1, last_block - 1))
+        mbarrier.wait(bars.index(2), 0)
 
         row_max = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
         no_scores = gl.zeros([BLOCK_H, BS], gl.float32, layout=S_L)
@@ -147,32 +143,41 @@ def _mla_wide_split_kernel(
         row_sums = gl.sum(gl.reshape(no_scores, [BLOCK_H, 2, HALF]), axis=2)
         acc = gl.zeros([BLOCK_H, V], gl.float32, layout=O_L)
         offs_s = gl.arange(0, BS, layout=gl.SliceLayout(0, S_L))
+        zero_rows = gl.arange(0, BS, layout=gl.SliceLayout(1, ZERO_L))
         # Why one order: block j of the sequence, whole, merged in order j ascending.
         for j in range(first_block, last_block):
-            stage = ((j - first_block) % 2).to(gl.int32)
-            async_copy.wait_group(0)
-            gl.thread_barrier()  # every warp's copies of block j have landed
-            fence_async_shared()
+            i = (j - first_block).to(gl.int32)
+            stage = i % 2
+            mbarrier.wait(bars.index(stage), (i // 2) & 1)  # block j has landed
             k_lat = k_lat_s.index(stage)
             scores = warpgroup_mma(
                 q_pe_s, k_pe_s.index(stage).permute((1, 0)), no_scores, use_acc=False,
                 is_async=True,
             )  # fmt: skip
             scores = warpgroup_mma(q_lat_s, k_lat.permute((1, 0)), scores, is_async=True)
-            # While the score MMAs run: the next block's copies into the other stage, whose
-            # last reader (block j - 1's value MMA) every warp has waited for.
+            # While the score MMAs run: the next block's copy into the other stage, whose
+            # last reader (block j - 1's value MMA) every warp has waited for. (Issued
+            # after the max exchange below instead, one barrier fewer: 1-3% slower, H200.)
             gl.thread_barrier()
             if j + 1 < last_block:
                 _copy_block(
-                    kv_ptr, next_id, j + 1, position, k_lat_s.index(1 - stage),
-                    k_pe_s.index(1 - stage), BS, C, V, R, LAT_LOAD, PE_LOAD,
+                    lat_desc, pe_desc, next_id, k_lat_s.index(1 - stage),
+                    k_pe_s.index(1 - stage), bars.index(1 - stage), BS, V, R,
                 )  # fmt: skip
-                next_id = gl.load(table + gl.minimum(j + 2, last_block - 1)).to(gl.int64)
+                next_id = gl.load(table + gl.minimum(j + 2, last_block - 1))
             scores = warpgroup_mma_wait(num_outstanding=0, deps=(scores,))
             kv_ok = (j * BS + offs_s) <= position
             scores = gl.where(kv_ok[None, :], scores * scale, float("-inf"))
             max_s.store(gl.max(gl.reshape(scores, [BLOCK_H, 2, HALF]), axis=2))
-            gl.thread_barrier()  # both warpgroups' maxima are in max_s
+            gl.thread_barrier()  # both warpgroups' maxima are in max_s, their scores done
+            num_ok = position - j * BS + 1
+            if num_ok < BS:
+                # The query's last block: its rows past the position came as they are in
+                # the cache (an unwritten slot may hold a NaN, and 0 x NaN is a NaN).
+                for c in gl.static_range(0, V, 64):
+                    piece = k_lat.slice(c, 64, dim=1)
+                    keep = (zero_rows < num_ok)[:, None]
+                    piece.store(gl.where(keep, piece.load(ZERO_L), 0.0))
             block_max = gl.max(max_s.load(BOTH_L), axis=1)
             max_new = gl.maximum(row_max, gl.convert_layout(block_max, gl.SliceLayout(1, S_L)))
             alpha = gl.exp(row_max - max_new)
@@ -184,7 +189,7 @@ def _mla_wide_split_kernel(
             row_max = max_new
             p_s.store(p.to(DTYPE))
             fence_async_shared()
-            gl.thread_barrier()  # both warpgroups' probabilities are in p_s
+            gl.thread_barrier()  # both warpgroups' probabilities (and zeroed rows) are in place
             alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, O_L))
             acc = warpgroup_mma(p_s, k_lat, acc * alpha_o[:, None], is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
@@ -215,11 +220,31 @@ def launch_wide_split(
 ) -> None:  # fmt: skip
     """One launch of the Gluon split kernel over `grid` (head blocks, queries, splits) into
     the split buffers acc / stats (or the output, is_direct), as _attend launches the Triton
-    one."""
+    one. The query and the cache reach it through TMA descriptors (64-row boxes of the
+    latent's and the rope's columns)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    num_tokens, num_heads, cache_dim = q.shape
+    v_dim = GLUON_SHAPE["v_dim"]
+    rope = cache_dim - v_dim
+    q_rows = q.reshape(num_tokens * num_heads, cache_dim)
+    if q_rows.data_ptr() % 16:  # TMA reads from 16-byte aligned addresses
+        q_rows = q_rows.clone()
+    cache_rows = kv_cache.reshape(-1, cache_dim)
+    if cache_rows.data_ptr() % 16:
+        raise ValueError(
+            f"the KV cache at {cache_rows.data_ptr():#x} is not 16-byte aligned (TMA needs it)"
+        )
+    lat_layout = gl.NVMMASharedLayout.get_default_for([64, v_dim], gl.bfloat16)
+    pe_layout = gl.NVMMASharedLayout.get_default_for([64, rope], gl.bfloat16)
     _mla_wide_split_kernel[grid](
-        q, kv_cache, seq_ids, block_tables, positions, acc, stats,
-        scale, q.shape[1], num_splits, block_tables.shape[1],
-        C=q.shape[2], V=GLUON_SHAPE["v_dim"], R=q.shape[2] - GLUON_SHAPE["v_dim"],
-        BS=GLUON_SHAPE["block_size"], BLOCK_H=GLUON_SHAPE["block_h"],
-        SPLIT_BLOCKS=split_blocks, WRITE_OUT=is_direct, num_warps=GLUON_SHAPE["num_warps"],
+        TensorDescriptor.from_tensor(q_rows, [64, v_dim], lat_layout),
+        TensorDescriptor.from_tensor(q_rows, [64, rope], pe_layout),
+        TensorDescriptor.from_tensor(cache_rows, [64, v_dim], lat_layout),
+        TensorDescriptor.from_tensor(cache_rows, [64, rope], pe_layout),
+        seq_ids, block_tables, positions, acc, stats,
+        scale, num_heads, num_splits, block_tables.shape[1],
+        C=cache_dim, V=v_dim, R=rope, BS=GLUON_SHAPE["block_size"],
+        BLOCK_H=GLUON_SHAPE["block_h"], SPLIT_BLOCKS=split_blocks, WRITE_OUT=is_direct,
+        num_warps=GLUON_SHAPE["num_warps"],
     )  # fmt: skip

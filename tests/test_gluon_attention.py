@@ -19,12 +19,20 @@ SM90_SHARED_BYTES = 232448  # the H100/H200 limit on one block's dynamic shared 
 
 def test_gluon_split_kernel_compiles_for_sm90_without_spilling(tmp_path):
     from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
+    def descriptor(columns: int) -> str:  # a TMA descriptor of 64-row boxes, as the launch's
+        layout = gl.NVMMASharedLayout.get_default_for([64, columns], gl.bfloat16)
+        return f"tensordesc<bf16[64, {columns}],{layout!r}>"
+
+    v_dim, rope = GLUON_SHAPE["v_dim"], GLUON_SHAPE["cache_dim"] - GLUON_SHAPE["v_dim"]
     signature = {
-        "q_ptr": "*bf16", "kv_ptr": "*bf16", "seq_ids_ptr": "*i64", "tables_ptr": "*i64",
-        "positions_ptr": "*i64", "acc_ptr": "*fp32", "stats_ptr": "*fp32", "scale": "fp32",
-        "num_heads": "i32", "num_splits": "i32", "table_width": "i32",
+        "q_desc": descriptor(v_dim), "q_pe_desc": descriptor(rope),
+        "lat_desc": descriptor(v_dim), "pe_desc": descriptor(rope), "seq_ids_ptr": "*i64",
+        "tables_ptr": "*i64", "positions_ptr": "*i64", "acc_ptr": "*fp32",
+        "stats_ptr": "*fp32", "scale": "fp32", "num_heads": "i32", "num_splits": "i32",
+        "table_width": "i32",
     }  # fmt: skip
     consts = dict(
         C=GLUON_SHAPE["cache_dim"], V=GLUON_SHAPE["v_dim"],
@@ -42,7 +50,7 @@ def test_gluon_split_kernel_compiles_for_sm90_without_spilling(tmp_path):
         source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=consts["num_warps"])
     )
     ptx = compiled.asm["ptx"]
-    assert "wgmma.mma_async" in ptx and "cp.async" in ptx
+    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx  # the MMAs, TMA copies
     assert compiled.metadata.shared <= SM90_SHARED_BYTES, compiled.metadata.shared
     cubin = tmp_path / "kernel.cubin"
     cubin.write_bytes(compiled.asm["cubin"])
@@ -57,6 +65,7 @@ def test_gluon_split_kernel_compiles_for_sm90_without_spilling(tmp_path):
     # (advisory C7514): the kernel keeps one wait per MMA chain (scores, values), not forty.
     sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True)
     assert sass.stdout.count("HGMMA") >= 40, "the MMAs are missing from the SASS"
+    assert "LDGSTS" not in sass.stdout, "cp.async copies are back beside TMA"
     assert sass.stdout.count("WARPGROUP.DEPBAR") <= 2, "ptxas serialised the wgmmas"
 
 
