@@ -33,7 +33,7 @@ class HeadLaunch:
 # block) cut the partials' traffic. On the GPU the wide launch's split kernel is the Gluon one
 # (kernels/gluon_attention.py) where the shape fits. H200, 128 heads, graph replay
 # (BENCHMARKS.md): 2.5-4.4x FlashMLA's time with 16-head blocks, 1.4-2.6x with the Triton
-# wide kernel, 0.84-1.48x with the Gluon one on splits of 16 blocks (1.34x at one query).
+# wide kernel, 0.80-1.39x with the Gluon one on splits of 16 blocks (1.17x at one query).
 WIDE_HEADS = 64
 NARROW_LAUNCH = HeadLaunch(BLOCK_H, SPLIT_BLOCKS, 4, 3)
 WIDE_LAUNCH = HeadLaunch(64, 16, 8, 2)
