@@ -61,6 +61,11 @@ MIN_PART_COLUMNS = 128  # value columns a program keeps at least (the measured 5
 # B = 256 ctx 1024: 137 -> 92 us); from 128, three (two buffers, one program an SM; B = 128
 # ctx 1024 62 -> 51 us, ctx 4096 213 -> 168); below, the split launch (B = 64: 35 vs 45 us).
 WHOLE_QUERY_STAGES = ((256, 2), (128, 3))
+# Wide launches (the Gluon kernel) with at least this many (query, head block) programs give
+# each one a whole query too: its splits folded in the program with the merge kernel's
+# arithmetic, the running fold parked in two fp32 slots (no registers are left for it), so no
+# merge launch runs. The same bits as the split launch (checked on the GPU).
+WIDE_WHOLE_QUERY_PROGRAMS = 128
 # Launches of at most this many queries (the split launch) also read the table a block ahead
 # at three stages: H200, 16 heads, engine-wide tables, one query 15.1 -> 12.9 us at context
 # 1024, 17.2 -> 14.9 at 4096; at 2 to 8 queries (v_parts 2) three stages do not fit and two

@@ -59,20 +59,59 @@ def _copy_block(lat_desc, pe_desc, block_id, lat_smem, pe_smem, bar,
     tma.async_copy_global_to_shared(pe_desc, [row, V], bar, pe_smem)
 
 
+@gluon.jit
+def _tile_offsets(num_ok, BLOCK_H: gl.constexpr, V: gl.constexpr, L: gl.constexpr):
+    """(offsets, rows < num_ok) of a row-major [BLOCK_H, V] fp32 tile in layout L."""
+    rows = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, L))
+    cols = gl.arange(0, V, layout=gl.SliceLayout(0, L))
+    return rows[:, None] * V + cols[None, :], (rows < num_ok)[:, None]
+
+
+@gluon.jit
+def _fold_parked(done_ptr, part_ptr, out_ptr, alpha, row_sum, num_ok,
+                 BLOCK_H: gl.constexpr, V: gl.constexpr, IS_LAST: gl.constexpr,
+                 num_warps: gl.constexpr):  # fmt: skip
+    """The merge kernel's fold of a finished split into the parked running one, 64 value
+    columns at a time: done = fma(done, alpha, part) with part = acc * beta already rounded
+    and parked (the merge's `part_acc * beta`); IS_LAST: done / row_sum into the output
+    instead (the merge's final division), rows from num_ok on (heads past the rank's)
+    untouched. Pointers: row 0, column 0 of each [BLOCK_H, V] tile."""
+    L: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [num_warps, 1], [1, 0])
+    rows = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, L))
+    cols = gl.arange(0, 64, layout=gl.SliceLayout(0, L))
+    ok = (rows < num_ok)[:, None]
+    alpha = gl.convert_layout(alpha, gl.SliceLayout(1, L))[:, None]
+    row_sum = gl.convert_layout(row_sum, gl.SliceLayout(1, L))[:, None]
+    for c in gl.static_range(0, V, 64):
+        offs = rows[:, None] * V + c + cols[None, :]
+        done = gl.fma(gl.load(done_ptr + offs, mask=ok), alpha, gl.load(part_ptr + offs, mask=ok))
+        if IS_LAST:
+            gl.store(out_ptr + offs, (done / row_sum).to(out_ptr.dtype.element_ty), mask=ok)
+        else:
+            gl.store(done_ptr + offs, done, mask=ok)
+
+
 @gluon.jit(do_not_specialize=["num_splits", "table_width"])
 def _mla_wide_split_kernel(
     q_desc, q_pe_desc, lat_desc, pe_desc, seq_ids_ptr, tables_ptr, positions_ptr, acc_ptr,
-    stats_ptr, scale, num_heads, num_splits, table_width,
+    stats_ptr, out_ptr, scale, num_heads, num_splits, table_width,
     C: gl.constexpr, V: gl.constexpr, R: gl.constexpr, BS: gl.constexpr,
     BLOCK_H: gl.constexpr, SPLIT_BLOCKS: gl.constexpr, WRITE_OUT: gl.constexpr,
-    num_warps: gl.constexpr,
+    WHOLE_QUERY: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     """_mla_split_kernel's contract (kernels/triton_attention.py) for one (head block of 64,
     query, KV split): partial (max, sum, acc) of the split's cache blocks in order, an online
     softmax in fp32 per block of BS positions; WRITE_OUT: acc / sum into acc_ptr (the
     launch's one split). Each warpgroup sums the probabilities of its own keys; the two
     sums are added once, at the end. The query (rows of q viewed [T * H, C]) and the cache
-    (rows of [blocks * BS, C]) arrive through TMA descriptors of 64-row boxes."""
+    (rows of [blocks * BS, C]) arrive through TMA descriptors of 64-row boxes.
+
+    WHOLE_QUERY (grid axis 2 of size 1, acc_ptr / stats_ptr two fp32 slots a query and head
+    block, out_ptr the output): the program walks every split of its query, each from a fresh
+    state as above, and folds them in split order with the merge kernel's arithmetic, the
+    running fold parked in slot 0 and each finished split's acc * beta in slot 1 (written and
+    read back by this program, so mostly in L2): the bits of the split launch and its merge
+    without the merge launch or the partials' trip through HBM."""
     DTYPE: gl.constexpr = gl.bfloat16  # fits_gluon's one dtype
     # Zeroing the unwritten value rows of a query's last block, [BS, 64] at a time.
     ZERO_L: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [num_warps, 1], [1, 0])
@@ -107,7 +146,10 @@ def _mla_wide_split_kernel(
     num_blocks = position // BS + 1
     if first_block < num_blocks:
         seq = gl.load(seq_ids_ptr + t)
-        last_block = gl.minimum(first_block + SPLIT_BLOCKS, num_blocks)
+        if WHOLE_QUERY:
+            last_block = num_blocks
+        else:
+            last_block = gl.minimum(first_block + SPLIT_BLOCKS, num_blocks)
         table = tables_ptr + seq * table_width
         q_lat_s = gl.allocate_shared_memory(DTYPE, [BLOCK_H, V], LAT_S)
         q_pe_s = gl.allocate_shared_memory(DTYPE, [BLOCK_H, R], PE_S)
@@ -144,8 +186,39 @@ def _mla_wide_split_kernel(
         acc = gl.zeros([BLOCK_H, V], gl.float32, layout=O_L)
         offs_s = gl.arange(0, BS, layout=gl.SliceLayout(0, S_L))
         zero_rows = gl.arange(0, BS, layout=gl.SliceLayout(1, ZERO_L))
+        # WHOLE_QUERY: the parked fold's slots and its running max and sum.
+        heads_ok = num_heads - head_block * BLOCK_H
+        done_slot = acc_ptr + ((t * 2) * num_heads + head_block * BLOCK_H) * V
+        part_slot = acc_ptr + ((t * 2 + 1) * num_heads + head_block * BLOCK_H) * V
+        done_max = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
+        done_sum = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(1, S_L))
         # Why one order: block j of the sequence, whole, merged in order j ascending.
         for j in range(first_block, last_block):
+            if WHOLE_QUERY and (j % SPLIT_BLOCKS == 0) and (j > 0):
+                # A split ends: fold it in as the merge kernel would, then a fresh state.
+                row_sum = gl.convert_layout(gl.sum(row_sums, axis=1), gl.SliceLayout(1, S_L))
+                local, head_ok = _tile_offsets(heads_ok, BLOCK_H, V, O_L)
+                if j == SPLIT_BLOCKS:  # the first split: taken as it is
+                    gl.store(done_slot + local, acc, mask=head_ok)
+                    done_max, done_sum = row_max, row_sum
+                else:
+                    max_new = gl.maximum(done_max, row_max)
+                    alpha = gl.exp(done_max - max_new)
+                    beta = gl.exp(row_max - max_new)
+                    done_sum = gl.fma(done_sum, alpha, row_sum * beta)
+                    beta_o = gl.convert_layout(beta, gl.SliceLayout(1, O_L))
+                    gl.store(part_slot + local, acc * beta_o[:, None], mask=head_ok)
+                    gl.thread_barrier()  # the parked part is in place for every thread
+                    _fold_parked(
+                        done_slot, part_slot, done_slot, alpha, done_sum, heads_ok, BLOCK_H, V,
+                        False, num_warps,
+                    )  # fmt: skip
+                    done_max = max_new
+                row_max = gl.full(
+                    [BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L)
+                )  # fmt: skip
+                row_sums = gl.sum(gl.reshape(no_scores, [BLOCK_H, 2, HALF]), axis=2)
+                acc = gl.zeros([BLOCK_H, V], gl.float32, layout=O_L)
             i = (j - first_block).to(gl.int32)
             stage = i % 2
             mbarrier.wait(bars.index(stage), (i // 2) & 1)  # block j has landed
@@ -197,12 +270,27 @@ def _mla_wide_split_kernel(
         heads = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, O_L))
         cols = gl.arange(0, V, layout=gl.SliceLayout(0, O_L))
         head_ok = (heads < num_heads)[:, None]
-        if WRITE_OUT:
+        if WHOLE_QUERY and num_blocks > SPLIT_BLOCKS:
+            # The last split: folded in as above, and the fold divided into the output.
+            max_new = gl.maximum(done_max, row_max)
+            alpha = gl.exp(done_max - max_new)
+            beta = gl.exp(row_max - max_new)
+            done_sum = gl.fma(done_sum, alpha, row_sum * beta)
+            beta_o = gl.convert_layout(beta, gl.SliceLayout(1, O_L))
+            local, _ = _tile_offsets(heads_ok, BLOCK_H, V, O_L)
+            gl.store(part_slot + local, acc * beta_o[:, None], mask=head_ok)
+            gl.thread_barrier()  # the parked part is in place for every thread
+            first_out = out_ptr + (t * num_heads + head_block * BLOCK_H) * V
+            _fold_parked(
+                done_slot, part_slot, first_out, alpha, done_sum, heads_ok, BLOCK_H, V, True,
+                num_warps,
+            )  # fmt: skip
+        elif WRITE_OUT or WHOLE_QUERY:
             # The merge kernel's one-split case, the same fp32 division: the same bits.
             out = acc / gl.convert_layout(row_sum, gl.SliceLayout(1, O_L))[:, None]
             gl.store(
-                acc_ptr + (t * num_heads + heads)[:, None] * V + cols[None, :],
-                out.to(acc_ptr.dtype.element_ty), mask=head_ok,
+                out_ptr + (t * num_heads + heads)[:, None] * V + cols[None, :],
+                out.to(out_ptr.dtype.element_ty), mask=head_ok,
             )  # fmt: skip
         else:
             slot = (t * num_splits + split) * num_heads + heads
@@ -215,13 +303,15 @@ def _mla_wide_split_kernel(
 
 
 def launch_wide_split(
-    grid, q, kv_cache, seq_ids, block_tables, positions, acc, stats, scale, num_splits,
-    split_blocks, is_direct,
+    grid, q, kv_cache, seq_ids, block_tables, positions, acc, stats, out, scale, num_splits,
+    split_blocks, is_direct, is_whole_query=False,
 ) -> None:  # fmt: skip
     """One launch of the Gluon split kernel over `grid` (head blocks, queries, splits) into
-    the split buffers acc / stats (or the output, is_direct), as _attend launches the Triton
-    one. The query and the cache reach it through TMA descriptors (64-row boxes of the
-    latent's and the rope's columns)."""
+    the split buffers acc / stats (or the output out, is_direct), as _attend launches the
+    Triton one; is_whole_query: a program a query's head block (grid axis 2 of size 1), acc
+    its two parked fp32 slots [queries, 2, heads, V], the result in out. The query and the
+    cache reach it through TMA descriptors (64-row boxes of the latent's and the rope's
+    columns)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     num_tokens, num_heads, cache_dim = q.shape
@@ -242,9 +332,10 @@ def launch_wide_split(
         TensorDescriptor.from_tensor(q_rows, [64, rope], pe_layout),
         TensorDescriptor.from_tensor(cache_rows, [64, v_dim], lat_layout),
         TensorDescriptor.from_tensor(cache_rows, [64, rope], pe_layout),
-        seq_ids, block_tables, positions, acc, stats,
+        seq_ids, block_tables, positions, acc, stats, out,
         scale, num_heads, num_splits, block_tables.shape[1],
         C=cache_dim, V=v_dim, R=rope, BS=GLUON_SHAPE["block_size"],
-        BLOCK_H=GLUON_SHAPE["block_h"], SPLIT_BLOCKS=split_blocks, WRITE_OUT=is_direct,
+        BLOCK_H=GLUON_SHAPE["block_h"], SPLIT_BLOCKS=split_blocks,
+        WRITE_OUT=is_direct and not is_whole_query, WHOLE_QUERY=is_whole_query,
         num_warps=GLUON_SHAPE["num_warps"],
     )  # fmt: skip

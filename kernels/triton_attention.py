@@ -22,6 +22,7 @@ from kernels.attention_launch import (
     NARROW_LAUNCH,
     TABLE_AHEAD_MAX_QUERIES,
     WIDE_LAUNCH,
+    WIDE_WHOLE_QUERY_PROGRAMS,
     head_launch,
     value_split,
     whole_query_stages,
@@ -269,11 +270,13 @@ def mla_attention_triton(
     is_gluon = is_wide and fits_gluon(q, kv_cache, v_dim, launch.block_h)
     num_programs = q.shape[0] * triton.cdiv(q.shape[1], launch.block_h) * v_parts
     whole_stages = whole_query_stages(num_programs) if launch == NARROW_LAUNCH else None
+    is_wide_whole = is_gluon and num_programs >= WIDE_WHOLE_QUERY_PROGRAMS
     is_ahead = launch == NARROW_LAUNCH and q.shape[0] <= TABLE_AHEAD_MAX_QUERIES
     return _attend(
         q, kv_cache, query_seq_ids, block_tables, positions, scale, v_dim, launch.split_blocks,
         launch.num_warps, whole_stages or launch.num_stages, launch.block_h, v_parts=v_parts,
-        lat_chunk=lat_chunk, is_gluon=is_gluon, is_whole_query=whole_stages is not None,
+        lat_chunk=lat_chunk, is_gluon=is_gluon,
+        is_whole_query=whole_stages is not None or is_wide_whole,
         is_table_ahead=is_ahead or whole_stages is not None,
     )  # fmt: skip
 
@@ -285,10 +288,9 @@ def _attend(
 ) -> torch.Tensor:  # fmt: skip
     """The launches; the launch parameters are arguments so bench/ can sweep them. is_gluon:
     the Gluon split kernel (its own fixed warps and stages; fits_gluon's shapes);
-    is_whole_query: a program a query's head block walks all its splits (Triton only);
+    is_whole_query: a program a query's head block walks all its splits (the Gluon kernel
+    parks its running fold in two fp32 slots a query and head block instead of registers);
     is_table_ahead (default: is_whole_query): each block's table entry read a block earlier."""
-    if is_gluon and is_whole_query:
-        raise ValueError("the Gluon split kernel has no whole-query launch")
     num_tokens, num_heads, cache_dim = q.shape
     out = q.new_empty((num_tokens, num_heads, v_dim))
     if num_tokens == 0:  # a rank with no tokens still runs the step (EP lockstep)
@@ -301,14 +303,18 @@ def _attend(
     # batch's longest block table). Queries with fewer splits skip the extra programs; no
     # query's result depends on this number.
     num_splits = 1 if is_whole_query else triton.cdiv(block_tables.shape[1], split_blocks)
-    per_token = num_splits * num_heads * (block_v + 2) * 4
+    is_parked = is_gluon and is_whole_query
+    per_token = (2 if is_parked else num_splits) * num_heads * (block_v + 2) * 4
     group = min(max(1, PARTIAL_BYTES // per_token), MAX_GRID_Y)
     is_fp32 = q.dtype == torch.float32
     is_direct = num_splits == 1
     for start in range(0, num_tokens, group):  # launch boundaries only: rows are independent
         rows = slice(start, min(start + group, num_tokens))
         count = rows.stop - rows.start
-        if is_direct:
+        if is_parked:
+            acc = torch.empty((count, 2, num_heads, block_v), device=q.device)
+            stats = acc  # never written
+        elif is_direct:
             acc, stats = out[rows], out  # stats never written: WRITE_OUT returns first
         else:
             acc = torch.empty((count, num_splits, num_heads, block_v), device=q.device)
@@ -317,8 +323,8 @@ def _attend(
         grid = (triton.cdiv(num_heads, block_h) * v_parts, count, num_splits)
         if is_gluon:
             launch_wide_split(
-                grid, q[rows], kv_cache, seq_ids, block_tables, pos, acc, stats, scale,
-                num_splits, split_blocks, is_direct,
+                grid, q[rows], kv_cache, seq_ids, block_tables, pos, acc, stats, out[rows],
+                scale, num_splits, split_blocks, is_direct, is_whole_query,
             )  # fmt: skip
         else:
             _mla_split_kernel[grid](

@@ -17,7 +17,8 @@ from kernels.gluon_attention import GLUON_SHAPE, _mla_wide_split_kernel, fits_gl
 SM90_SHARED_BYTES = 232448  # the H100/H200 limit on one block's dynamic shared memory
 
 
-def test_gluon_split_kernel_compiles_for_sm90_without_spilling(tmp_path):
+@pytest.mark.parametrize("is_whole_query", (False, True))
+def test_gluon_split_kernel_compiles_for_sm90_without_spilling(tmp_path, is_whole_query):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -31,14 +32,14 @@ def test_gluon_split_kernel_compiles_for_sm90_without_spilling(tmp_path):
         "q_desc": descriptor(v_dim), "q_pe_desc": descriptor(rope),
         "lat_desc": descriptor(v_dim), "pe_desc": descriptor(rope), "seq_ids_ptr": "*i64",
         "tables_ptr": "*i64", "positions_ptr": "*i64", "acc_ptr": "*fp32",
-        "stats_ptr": "*fp32", "scale": "fp32", "num_heads": "i32", "num_splits": "i32",
-        "table_width": "i32",
+        "stats_ptr": "*fp32", "out_ptr": "*bf16", "scale": "fp32", "num_heads": "i32",
+        "num_splits": "i32", "table_width": "i32",
     }  # fmt: skip
     consts = dict(
         C=GLUON_SHAPE["cache_dim"], V=GLUON_SHAPE["v_dim"],
         R=GLUON_SHAPE["cache_dim"] - GLUON_SHAPE["v_dim"], BS=GLUON_SHAPE["block_size"],
         BLOCK_H=GLUON_SHAPE["block_h"], SPLIT_BLOCKS=16, WRITE_OUT=False,
-        num_warps=GLUON_SHAPE["num_warps"],
+        WHOLE_QUERY=is_whole_query, num_warps=GLUON_SHAPE["num_warps"],
     )  # fmt: skip
     names = [*signature, *consts]
     aligned = [n for n in signature if n.endswith("_ptr")] + ["num_heads"]

@@ -494,14 +494,17 @@ def test_mla_attention_wide_launch_batch_and_tp_bitwise(generator):
     """DeepSeek-V3 MLA: 128 heads take the wide launch (64 heads a program, the Gluon split
     kernel). Prefill, decode alone and batched, chunks and permutations give the same bits
     (sequence 0 spans three KV splits, so the merge runs); a TP rank's heads (64, 32 or 16 of
-    them, whole_heads=128) give the whole model's bits for those heads; engagement: the Gluon
-    kernel ran, and the Triton wide kernel and the 16-head launch make other adds; fast
-    mode's batch shapes move its bits."""
+    them, whole_heads=128) give the whole model's bits for those heads; the whole-query
+    launch (many programs: the prefill) and the split launch with its merge (few: a decode
+    batch) give the same bits; engagement: the Gluon kernel ran in both launches, and the
+    Triton wide kernel and the 16-head launch make other adds; fast mode's batch shapes move
+    its bits."""
     import kernels.gluon_attention as gluon_attention
     from kernels.attention import mla_attention_fast
     from kernels.triton_attention import (
         NARROW_LAUNCH,
         WIDE_LAUNCH,
+        WIDE_WHOLE_QUERY_PROGRAMS,
         _attend,
         head_launch,
         mla_attention_triton,
@@ -533,7 +536,22 @@ def test_mla_attention_wide_launch_batch_and_tp_bitwise(generator):
         )
     finally:
         gluon_attention._mla_wide_split_kernel = kernel
-    assert grids and (grids[0][0], grids[0][2]) == (2, 3), grids[:1]  # head blocks, splits
+    # (head blocks, queries, splits): the prefill of 3032 queries whole-query, a decode
+    # batch of 5 split.
+    assert grids and (grids[0][0], grids[0][2]) == (2, 1), grids[:1]
+    assert grids[0][1] * 2 >= WIDE_WHOLE_QUERY_PROGRAMS, grids[:1]
+    assert (2, len(seq_lens), 3) in grids, grids
+    split_launch = _attend(
+        q, kv_cache, seq_ids, tables, positions, 192**-0.5, 512, WIDE_LAUNCH.split_blocks,
+        WIDE_LAUNCH.num_warps, WIDE_LAUNCH.num_stages, WIDE_LAUNCH.block_h, is_gluon=True,
+    )  # fmt: skip
+    assert torch.equal(split_launch, full), "the whole-query and split launches differ"
+    whole_decode = _attend(
+        q[last], kv_cache, seq_ids[last], tables, positions[last], 192**-0.5, 512,
+        WIDE_LAUNCH.split_blocks, WIDE_LAUNCH.num_warps, WIDE_LAUNCH.num_stages,
+        WIDE_LAUNCH.block_h, is_gluon=True, is_whole_query=True,
+    )  # fmt: skip
+    assert torch.equal(whole_decode, full[last]), "a whole-query decode batch differs"
     wide_triton = _attend(
         q, kv_cache, seq_ids, tables, positions, 192**-0.5, 512, WIDE_LAUNCH.split_blocks,
         WIDE_LAUNCH.num_warps, WIDE_LAUNCH.num_stages, WIDE_LAUNCH.block_h,
