@@ -61,10 +61,13 @@ MIN_PART_COLUMNS = 128  # value columns a program keeps at least (the measured 5
 # B = 256 ctx 1024: 137 -> 92 us); from 128, three (two buffers, one program an SM; B = 128
 # ctx 1024 62 -> 51 us, ctx 4096 213 -> 168); below, the split launch (B = 64: 35 vs 45 us).
 WHOLE_QUERY_STAGES = ((256, 2), (128, 3))
-# Wide launches (the Gluon kernel) with at least this many (query, head block) programs give
-# each one a whole query too: its splits folded in the program with the merge kernel's
-# arithmetic, the running fold parked in two fp32 slots (no registers are left for it), so no
-# merge launch runs. The same bits as the split launch (checked on the GPU).
+# Wide launches (the Gluon kernel) with at least this many (query, head block) programs and
+# tables wider than one split give each program a whole query too: its splits folded in the
+# program with the merge kernel's arithmetic, the running fold parked in two fp32 slots (no
+# registers are left for it), so no merge launch runs. The same bits as the split launch
+# (checked on the GPU). H200, 128 heads, graph replay (BENCHMARKS.md): context 1032 (two
+# splits) B = 64 / 128 / 256 0.92-0.94x the split launch's time, context 4096 B = 64 1.00x,
+# B = 32 (64 programs) 1.11x, and where a table holds one split 1.02x.
 WIDE_WHOLE_QUERY_PROGRAMS = 128
 # Launches of at most this many queries (the split launch) also read the table a block ahead
 # at three stages: H200, 16 heads, engine-wide tables, one query 15.1 -> 12.9 us at context

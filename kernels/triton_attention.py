@@ -270,7 +270,12 @@ def mla_attention_triton(
     is_gluon = is_wide and fits_gluon(q, kv_cache, v_dim, launch.block_h)
     num_programs = q.shape[0] * triton.cdiv(q.shape[1], launch.block_h) * v_parts
     whole_stages = whole_query_stages(num_programs) if launch == NARROW_LAUNCH else None
-    is_wide_whole = is_gluon and num_programs >= WIDE_WHOLE_QUERY_PROGRAMS
+    # (Where the table holds one split the split launch writes the output directly already.)
+    is_wide_whole = (
+        is_gluon
+        and num_programs >= WIDE_WHOLE_QUERY_PROGRAMS
+        and block_tables.shape[1] > launch.split_blocks
+    )
     is_ahead = launch == NARROW_LAUNCH and q.shape[0] <= TABLE_AHEAD_MAX_QUERIES
     return _attend(
         q, kv_cache, query_seq_ids, block_tables, positions, scale, v_dim, launch.split_blocks,
