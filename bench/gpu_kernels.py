@@ -524,8 +524,7 @@ def bench_read_floor() -> None:
         read = batch * ctx * 576 * 2
 
         def cache(batch=batch, blocks=blocks):
-            q, kv, seq_ids, tables, positions = _decode_cache(batch, blocks * 64)
-            return q, kv, seq_ids, tables, positions
+            return _decode_cache(batch, blocks * 64)
 
         def flat():
             kv = cache()[1]
@@ -536,22 +535,17 @@ def bench_read_floor() -> None:
             dst = torch.empty_like(kv)
             return lambda: dst.copy_(kv)
 
-        def table_read(per_prog, warps, stages, batch=batch, blocks=blocks):
+        def table_read(is_tma, per_prog, warps, stages, batch=batch, blocks=blocks):
             _, kv, _, tables, _ = cache()
             progs = -(-blocks // per_prog)
             out = torch.empty(batch * progs, device="cuda")
-            return lambda: _read_blocks_kernel[(batch, progs)](
-                kv, tables, out, tables.shape[1], blocks, BLOCKS=per_prog, BS=64, C=576,
-                STAGES=stages, num_warps=warps,
-            )  # fmt: skip
-
-        def tma_read(per_prog, warps, stages, batch=batch, blocks=blocks):
-            _, kv, _, tables, _ = cache()
-            desc = TensorDescriptor.from_tensor(kv.view(-1, 576), [64, 64])
-            progs = -(-blocks // per_prog)
-            out = torch.empty(batch * progs, device="cuda")
-            return lambda: _read_blocks_tma_kernel[(batch, progs)](
-                desc, tables, out, tables.shape[1], blocks, BLOCKS=per_prog, BS=64, C=576,
+            if is_tma:
+                kernel = _read_blocks_tma_kernel
+                source = TensorDescriptor.from_tensor(kv.view(-1, 576), [64, 64])
+            else:
+                kernel, source = _read_blocks_kernel, kv
+            return lambda: kernel[(batch, progs)](
+                source, tables, out, tables.shape[1], blocks, BLOCKS=per_prog, BS=64, C=576,
                 STAGES=stages, num_warps=warps,
             )  # fmt: skip
 
@@ -569,8 +563,8 @@ def bench_read_floor() -> None:
             (b, w, s) for b in sorted({1, 2, 4, 8, 16, blocks}) if b <= blocks
             for w in (4, 8) for s in (2, 3, 4)
         ]  # fmt: skip
-        timed = {c: _graph_ms(partial(table_read, *c), read) * 1e3 for c in shapes}
-        tma = {c: _graph_ms(partial(tma_read, *c), read) * 1e3 for c in shapes}
+        timed = {c: _graph_ms(partial(table_read, False, *c), read) * 1e3 for c in shapes}
+        tma = {c: _graph_ms(partial(table_read, True, *c), read) * 1e3 for c in shapes}
         best_tma = min(tma, key=tma.get)
         best = min(timed, key=timed.get)
         four = min(timed[c] for c in shapes if c[0] == 4)
