@@ -91,6 +91,29 @@ def _fold_parked(done_ptr, part_ptr, out_ptr, alpha, row_sum, num_ok,
             gl.store(done_ptr + offs, done, mask=ok)
 
 
+@gluon.jit
+def _fold_split(done_max, done_sum, row_max, row_sum, acc, done_slot, part_slot, dest, heads_ok,
+                BLOCK_H: gl.constexpr, V: gl.constexpr, S_L: gl.constexpr, O_L: gl.constexpr,
+                IS_LAST: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+    """Fold a finished split (row_max, row_sum, acc) into the parked running one with the merge
+    kernel's arithmetic (_fold_weights, kernels/triton_attention_block.py, restated: a Gluon
+    kernel cannot call a Triton function; the same bits checked on the GPU): its acc * beta
+    parked in part_slot, the fold into done_slot, or IS_LAST divided into dest. Returns the
+    new (done_max, done_sum)."""
+    max_new = gl.maximum(done_max, row_max)
+    alpha = gl.exp(done_max - max_new)
+    beta = gl.exp(row_max - max_new)
+    done_sum = gl.fma(done_sum, alpha, row_sum * beta)
+    beta_o = gl.convert_layout(beta, gl.SliceLayout(1, O_L))
+    local, head_ok = _tile_offsets(heads_ok, BLOCK_H, V, O_L)
+    gl.store(part_slot + local, acc * beta_o[:, None], mask=head_ok)
+    gl.thread_barrier()  # the parked part is in place for every thread
+    _fold_parked(
+        done_slot, part_slot, dest, alpha, done_sum, heads_ok, BLOCK_H, V, IS_LAST, num_warps
+    )  # fmt: skip
+    return max_new, done_sum
+
+
 @gluon.jit(do_not_specialize=["num_splits", "table_width"])
 def _mla_wide_split_kernel(
     q_desc, q_pe_desc, lat_desc, pe_desc, seq_ids_ptr, tables_ptr, positions_ptr, acc_ptr,
@@ -101,7 +124,7 @@ def _mla_wide_split_kernel(
 ):  # fmt: skip
     """_mla_split_kernel's contract (kernels/triton_attention.py) for one (head block of 64,
     query, KV split): partial (max, sum, acc) of the split's cache blocks in order, an online
-    softmax in fp32 per block of BS positions; WRITE_OUT: acc / sum into acc_ptr (the
+    softmax in fp32 per block of BS positions; WRITE_OUT: acc / sum into out_ptr (the
     launch's one split). Each warpgroup sums the probabilities of its own keys; the two
     sums are added once, at the end. The query (rows of q viewed [T * H, C]) and the cache
     (rows of [blocks * BS, C]) arrive through TMA descriptors of 64-row boxes.
@@ -197,23 +220,15 @@ def _mla_wide_split_kernel(
             if WHOLE_QUERY and (j % SPLIT_BLOCKS == 0) and (j > 0):
                 # A split ends: fold it in as the merge kernel would, then a fresh state.
                 row_sum = gl.convert_layout(gl.sum(row_sums, axis=1), gl.SliceLayout(1, S_L))
-                local, head_ok = _tile_offsets(heads_ok, BLOCK_H, V, O_L)
                 if j == SPLIT_BLOCKS:  # the first split: taken as it is
+                    local, head_ok = _tile_offsets(heads_ok, BLOCK_H, V, O_L)
                     gl.store(done_slot + local, acc, mask=head_ok)
                     done_max, done_sum = row_max, row_sum
                 else:
-                    max_new = gl.maximum(done_max, row_max)
-                    alpha = gl.exp(done_max - max_new)
-                    beta = gl.exp(row_max - max_new)
-                    done_sum = gl.fma(done_sum, alpha, row_sum * beta)
-                    beta_o = gl.convert_layout(beta, gl.SliceLayout(1, O_L))
-                    gl.store(part_slot + local, acc * beta_o[:, None], mask=head_ok)
-                    gl.thread_barrier()  # the parked part is in place for every thread
-                    _fold_parked(
-                        done_slot, part_slot, done_slot, alpha, done_sum, heads_ok, BLOCK_H, V,
-                        False, num_warps,
+                    done_max, done_sum = _fold_split(
+                        done_max, done_sum, row_max, row_sum, acc, done_slot, part_slot,
+                        done_slot, heads_ok, BLOCK_H, V, S_L, O_L, False, num_warps,
                     )  # fmt: skip
-                    done_max = max_new
                 row_max = gl.full(
                     [BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L)
                 )  # fmt: skip
@@ -272,18 +287,10 @@ def _mla_wide_split_kernel(
         head_ok = (heads < num_heads)[:, None]
         if WHOLE_QUERY and num_blocks > SPLIT_BLOCKS:
             # The last split: folded in as above, and the fold divided into the output.
-            max_new = gl.maximum(done_max, row_max)
-            alpha = gl.exp(done_max - max_new)
-            beta = gl.exp(row_max - max_new)
-            done_sum = gl.fma(done_sum, alpha, row_sum * beta)
-            beta_o = gl.convert_layout(beta, gl.SliceLayout(1, O_L))
-            local, _ = _tile_offsets(heads_ok, BLOCK_H, V, O_L)
-            gl.store(part_slot + local, acc * beta_o[:, None], mask=head_ok)
-            gl.thread_barrier()  # the parked part is in place for every thread
             first_out = out_ptr + (t * num_heads + head_block * BLOCK_H) * V
-            _fold_parked(
-                done_slot, part_slot, first_out, alpha, done_sum, heads_ok, BLOCK_H, V, True,
-                num_warps,
+            _fold_split(
+                done_max, done_sum, row_max, row_sum, acc, done_slot, part_slot, first_out,
+                heads_ok, BLOCK_H, V, S_L, O_L, True, num_warps,
             )  # fmt: skip
         elif WRITE_OUT or WHOLE_QUERY:
             # The merge kernel's one-split case, the same fp32 division: the same bits.
