@@ -6,7 +6,7 @@ device copy measured in the same run (the ceiling), with the torch versions besi
 Times are medians of triton.testing.do_bench (CUDA events, warm-up, L2 flushed per call).
 
     PYTHONUNBUFFERED=1 python bench/gpu_kernels.py [rows linear grouped attention sweep layer
-        row_parallel tree_crossover split_prefill value_split whole_query read_floor]
+        row_parallel tree_crossover split_prefill value_split whole_query read_floor heads]
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from kernels.triton_linear import (  # noqa: E402
     grouped_linear_triton,
     linear_triton,
 )
-from kernels.triton_linear_config import LinearConfig, linear_config  # noqa: E402
+from kernels.triton_linear_config import LinearConfig, batched_config, linear_config  # noqa: E402
 from kernels.triton_rmsnorm import rms_norm_triton  # noqa: E402
 from kernels.triton_softmax import log_softmax_triton  # noqa: E402
 from kernels.triton_split_k import arrival_counts, launch_split_k  # noqa: E402
@@ -1145,6 +1145,90 @@ def _sweep_decode_linear(name, out_dim, in_dim, top_k, arrivals) -> None:
     print("  " + " ".join(f"{_tag(c)}{mark}={t * 1e3:.1f}" for t, c, mark in cells[:16]))
 
 
+# The linears V3's 128 heads grow eightfold (V2-Lite's hidden size): (name, batch, K, N, row
+# counts; x [batch, rows, K]); q_proj and o_proj plain (o_proj on its fixed K split), the
+# absorbed W_UK / W_UV products one batched launch over the heads (at V2-Lite's 16 too).
+HEADS_LINEARS = (
+    ("q_proj", 0, 2048, 128 * 192, (64, 128, 256)),
+    ("o_proj", 0, 128 * 128, 2048, (64, 128, 256)),
+    ("w_uk", 128, 128, 512, (1, 16, 64, 128, 256)),
+    ("w_uv", 128, 512, 128, (1, 16, 64, 128, 256)),
+    ("w_uk", 16, 128, 512, (1, 16, 64, 128, 256)),
+    ("w_uv", 16, 512, 128, (1, 16, 64, 128, 256)),
+)
+HEADS_SWEEP = [
+    LinearConfig(16, 32, 64, 8, 4, 6),
+    LinearConfig(64, 32, 64, 8, 4, 4),
+    LinearConfig(64, 64, 64, 8, 4, 4),
+    LinearConfig(64, 128, 64, 8, 4, 4),
+    LinearConfig(128, 64, 64, 8, 4, 4),
+    LinearConfig(64, 256, 64, 8, 8, 3),
+    LinearConfig(128, 128, 64, 8, 4, 4),
+    LinearConfig(128, 128, 64, 8, 8, 3),
+    LinearConfig(128, 128, 64, 8, 8, 4),
+    LinearConfig(128, 256, 64, 8, 8, 3),
+    LinearConfig(64, 128, 64, 8, 4, 4, True),
+    LinearConfig(128, 64, 64, 8, 4, 4, True),
+    LinearConfig(128, 128, 64, 8, 8, 4, True),
+    LinearConfig(128, 256, 64, 8, 8, 3, True),
+]
+
+
+def bench_heads() -> None:
+    """Tile configs of the decode linears that grow with the head count, graph replay over
+    weight copies that miss L2, us, against cuBLAS (torch.matmul) in the same run: the config
+    the launch takes ('rule': batched_config for the batched products) and the plain row
+    bucket's (linear_config) first, then every candidate, fastest first; 'x' marks a config
+    whose bits differ from the rule's. Persistent configs run only where the launch takes
+    them (plain, no K split)."""
+    print("\n## decode linears by head count: tile configs, graph replay us (x: other bits)")
+    arrivals = arrival_counts("cuda")
+    for name, batch, in_dim, out_dim, row_counts in HEADS_LINEARS:
+        for rows in row_counts:
+            x_shape = (batch, rows, in_dim) if batch else (rows, in_dim)
+            w_shape = (batch, out_dim, in_dim) if batch else (out_dim, in_dim)
+            o_shape = (batch, rows, out_dim) if batch else (rows, out_dim)
+
+            def make(op, gen=None, x_shape=x_shape, w_shape=w_shape, o_shape=o_shape):
+                w = torch.randn(*w_shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+                x = torch.randn(*x_shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+                out = x.new_empty(o_shape)
+                return lambda: op(x, w, out)
+
+            def triton_op(c, rows=rows):
+                return lambda x, w, out: _launch(x, w, out, None, rows, c, arrivals=arrivals)
+
+            def cublas(x, w, out):
+                return torch.matmul(x, w.transpose(-1, -2), out=out)
+
+            plain = linear_config(out_dim, in_dim, torch.bfloat16, rows)
+            rule = batched_config(out_dim, in_dim, torch.bfloat16, rows, batch) if batch else plain
+            num_bytes = 2 * (max(batch, 1) * (out_dim * in_dim + rows * (in_dim + out_dim)))
+            seed = partial(torch.Generator(device="cuda").manual_seed, 1)
+            ref = make(triton_op(rule), seed())()
+            t_cublas = _graph_ms(partial(make, cublas), num_bytes)
+            cells = {}
+            for c in dict.fromkeys([rule, plain] + HEADS_SWEEP):
+                if c.is_persistent and (batch or name == "o_proj"):
+                    continue  # the launch would run the pointer kernel instead
+                try:
+                    same = torch.equal(make(triton_op(c), seed())(), ref)
+                    cells[c] = (_graph_ms(partial(make, triton_op(c)), num_bytes), same)
+                except Exception as err:  # out of shared memory etc.: report, keep sweeping
+                    print(f"  {name} M={rows} {_tag(c)}: {type(err).__name__}")
+            print(
+                f"{name} x{max(batch, 1)} M={rows} K={in_dim} N={out_dim} (floor "
+                f"{num_bytes / 4.2e6:.1f} us): cublas {t_cublas * 1e3:.1f}, rule {_tag(rule)} "
+                f"{cells[rule][0] * 1e3:.1f} ({cells[rule][0] / t_cublas:.2f}x), plain bucket "
+                f"{_tag(plain)} {cells[plain][0] * 1e3:.1f} ({cells[plain][0] / t_cublas:.2f}x)"
+            )
+            ranked = sorted(cells.items(), key=lambda item: item[1][0])
+            print(
+                "  "
+                + " ".join(f"{_tag(c)}{'' if s else 'x'}={t * 1e3:.1f}" for c, (t, s) in ranked)
+            )
+
+
 def main() -> None:
     print(
         f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  "
@@ -1173,6 +1257,7 @@ def main() -> None:
             "split_size": bench_split_size,
             "read_floor": bench_read_floor,
             "decode_tiles": bench_decode_tiles,
+            "heads": bench_heads,
         }[section]()
 
 

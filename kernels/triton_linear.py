@@ -37,6 +37,7 @@ from kernels.triton_linear_config import (
     POINTER_CONFIG_16BIT,
     SMALL_ROWS,
     LinearConfig,
+    batched_config,
     k_split_chunk,
     k_split_chunks_per_program,
     k_split_count,
@@ -446,7 +447,7 @@ def batched_linear_triton(
         )
     if num_rows == 0 or batch == 0:
         return out
-    config = linear_config(weight.shape[1], weight.shape[2], x.dtype, num_rows)
+    config = batched_config(weight.shape[1], weight.shape[2], x.dtype, num_rows, batch)
     return _launch(x, weight, out, None, num_rows, config)
 
 

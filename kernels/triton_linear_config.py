@@ -83,10 +83,47 @@ def linear_config(out_dim: int, in_dim: int, dtype: torch.dtype, num_rows: int) 
     if num_rows <= MEDIUM_ROWS:
         if is_wide:
             return LinearConfig(128, 128, bk, 8, 8, 4, is_persistent=True)
+        splits = k_split_count(out_dim, in_dim, dtype)
+        if splits > 1 and in_dim // splits >= LONG_CHUNK_K:
+            # A fixed K split of long chunks (V3's o_proj, K = 16384 in 8 chunks of 2048):
+            # wider tiles amortize the chunk's K loop. H200, graph replay, 2048 x 16384: 128
+            # rows 38.7 -> 30.4 us, 256 rows 60.6 -> 45.4 (cuBLAS 27.0, 33.4; BENCHMARKS.md).
+            if num_rows <= 128:
+                return LinearConfig(64, 128, bk, 8, 4, 4)
+            return LinearConfig(128, 128, bk, 8, 8, 3)
         return LinearConfig(64, 64, bk, 8, 4, 4)
     if 2 * num_rows * out_dim * in_dim >= TMA_MIN_FLOPS:
         return LinearConfig(128, 256, bk, 8, 8, 3, is_persistent=True)
     return POINTER_CONFIG_16BIT
+
+
+# Batched launches (MLA's absorbed W_UK / W_UV, one matrix a head) take these tiles where the
+# whole launch still has BATCHED_MIN_PROGRAMS programs (about one an SM of an H200): a head's
+# matrix is small (K 128 or 512), so the plain bucket's narrow tiles, sized to spread one
+# weight over the SMs, leave thousands of tiny programs. H200, graph replay, 128 heads
+# (BENCHMARKS.md): W_UK at 64 / 128 / 256 rows 30.2 / 19.3 / 34.1 -> 11.7 / 15.3 / 25.6 us,
+# W_UV 17.7 / 15.8 / 24.0 -> 10.2 / 13.6 / 20.0 (cuBLAS 10.4 / 13.6 / 21.6, 10.5 / 13.5 / 19.0).
+BATCHED_TILES = (
+    (64, LinearConfig(64, 64, BLOCK_K_16BIT, 8, 4, 4)),  # (up to this many rows, tiles)
+    (MEDIUM_ROWS, LinearConfig(128, 128, BLOCK_K_16BIT, 8, 8, 3)),
+)
+BATCHED_MIN_PROGRAMS = 128
+
+
+def batched_config(
+    out_dim: int, in_dim: int, dtype: torch.dtype, num_rows: int, batch: int
+) -> LinearConfig:
+    """Block config of a batched launch of `batch` products x [num_rows, in_dim] @ weight
+    [out_dim, in_dim]^T: BATCHED_TILES where the launch keeps BATCHED_MIN_PROGRAMS programs,
+    else linear_config's (every one shares BLOCK_K, so each product keeps its bits)."""
+    if dtype != torch.float32:
+        for max_rows, config in BATCHED_TILES:
+            if num_rows <= max_rows:
+                tiles = triton.cdiv(num_rows, config.block_m) * triton.cdiv(out_dim, config.block_n)
+                if batch * tiles >= BATCHED_MIN_PROGRAMS:
+                    return config
+                break
+    return linear_config(out_dim, in_dim, dtype, num_rows)
 
 
 # The pointer kernel's large-M config; also stands in for the persistent one where TMA can't
@@ -109,6 +146,7 @@ SPLIT_TARGET_PROGRAMS = 2 * 132  # two column programs per SM of an H200 (a cons
 # prefill tax that grows with N (measured: adding the chunks inside each program instead needs
 # a second accumulator and ran 6-9x slower than cuBLAS at M >= 1024).
 SPLIT_MAX_OUT = 2048
+LONG_CHUNK_K = 2048  # K split chunks at least this long take wider tiles at medium rows
 
 
 # fp32 weights (the routers: CUDA-core FMAs, one dependent chain per output along its chunk)
