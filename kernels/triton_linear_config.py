@@ -97,14 +97,18 @@ def linear_config(out_dim: int, in_dim: int, dtype: torch.dtype, num_rows: int) 
     return POINTER_CONFIG_16BIT
 
 
-# Batched launches (MLA's absorbed W_UK / W_UV, one matrix a head) take these tiles where the
-# whole launch still has BATCHED_MIN_PROGRAMS programs (about one an SM of an H200): a head's
-# matrix is small (K 128 or 512), so the plain bucket's narrow tiles, sized to spread one
-# weight over the SMs, leave thousands of tiny programs. H200, graph replay, 128 heads
-# (BENCHMARKS.md): W_UK at 64 / 128 / 256 rows 30.2 / 19.3 / 34.1 -> 11.7 / 15.3 / 25.6 us,
-# W_UV 17.7 / 15.8 / 24.0 -> 10.2 / 13.6 / 20.0 (cuBLAS 10.4 / 13.6 / 21.6, 10.5 / 13.5 / 19.0).
+# Batched launches (MLA's absorbed W_UK / W_UV, one matrix a head) of more than DECODE_ROWS
+# rows take these tiles where the whole launch still has BATCHED_MIN_PROGRAMS programs (about
+# one an SM of an H200): a head's matrix is small (K 128 or 512), and the plain bucket's
+# narrow tiles, sized to spread one weight over the SMs, leave thousands of tiny programs.
+# H200, graph replay (BENCHMARKS.md), us, plain bucket -> these tiles (cuBLAS): 128 heads,
+# W_UK at 64 / 128 / 256 rows 30.3 / 19.3 / 33.8 -> 11.7 / 15.2 / 25.5 (10.4 / 13.5 / 21.5),
+# W_UV 17.6 / 15.8 / 23.9 -> 10.2 / 13.7 / 20.0 (10.5 / 13.5 / 19.0); 16 heads, W_UK at 64 and
+# 256 rows 6.2 / 7.2 -> 3.9 / 5.8 (4.1 / 5.4). At up to 16 rows the plain 16 x 32 tiles were
+# the fastest at both head counts; elsewhere below BATCHED_MIN_PROGRAMS the plain bucket was
+# within 0.3 us of the best.
 BATCHED_TILES = (
-    (64, LinearConfig(64, 64, BLOCK_K_16BIT, 8, 4, 4)),  # (up to this many rows, tiles)
+    (SMALL_ROWS, LinearConfig(64, 64, BLOCK_K_16BIT, 8, 4, 4)),  # (up to this many rows, tiles)
     (MEDIUM_ROWS, LinearConfig(128, 128, BLOCK_K_16BIT, 8, 8, 3)),
 )
 BATCHED_MIN_PROGRAMS = 128
@@ -116,7 +120,7 @@ def batched_config(
     """Block config of a batched launch of `batch` products x [num_rows, in_dim] @ weight
     [out_dim, in_dim]^T: BATCHED_TILES where the launch keeps BATCHED_MIN_PROGRAMS programs,
     else linear_config's (every one shares BLOCK_K, so each product keeps its bits)."""
-    if dtype != torch.float32:
+    if dtype != torch.float32 and num_rows > DECODE_ROWS:
         for max_rows, config in BATCHED_TILES:
             if num_rows <= max_rows:
                 tiles = triton.cdiv(num_rows, config.block_m) * triton.cdiv(out_dim, config.block_n)

@@ -776,15 +776,29 @@ def test_every_linear_config_keeps_its_dtypes_one_k_step():
     shape, the chunk launches and the in-program tree take the dtype's one BLOCK_K, so each
     output element is the same chain of K steps at any row count (bits: the GPU tests)."""
     from kernels.triton_chunk_tree import CHAIN_CONFIG_16BIT, TREE_CONFIG
-    from kernels.triton_linear_config import POINTER_CONFIG_16BIT, block_k_of, linear_config
+    from kernels.triton_linear_config import (
+        POINTER_CONFIG_16BIT,
+        batched_config,
+        block_k_of,
+        linear_config,
+    )
     from kernels.triton_tp_linear import chunk_launch
 
-    rows = (1, 16, 17, 64, 65, 128, 129, 512, 513, 1023, 1024, 4096, 16384)
-    shapes = ((64, 2048), (256, 7168), (576, 2048), (2048, 2048), (2048, 10944), (102400, 2048))
+    rows = (1, 16, 17, 64, 65, 128, 129, 256, 512, 513, 1023, 1024, 4096, 16384)
+    shapes = (
+        (64, 2048), (256, 7168), (576, 2048), (2048, 2048), (2048, 10944), (102400, 2048),
+        (2048, 16384), (512, 128), (128, 512),
+    )  # fmt: skip
+    tiles = set()
     for dtype in (torch.float32, torch.bfloat16):
         for out_dim, in_dim in shapes:
             for m in rows:
                 assert linear_config(out_dim, in_dim, dtype, m).block_k == block_k_of(dtype)
                 assert chunk_launch(out_dim, in_dim, dtype, m)[0].block_k == block_k_of(dtype)
+                for batch in (1, 16, 128):
+                    config = batched_config(out_dim, in_dim, dtype, m, batch)
+                    assert config.block_k == block_k_of(dtype)
+                    tiles.add((config.block_m, config.block_n))
+    assert {(64, 64), (128, 128)} <= tiles  # engagement: the batched tiles were taken
     configs = (CHAIN_CONFIG_16BIT, TREE_CONFIG, POINTER_CONFIG_16BIT)
     assert {c.block_k for c in configs} == {block_k_of(torch.bfloat16)}
