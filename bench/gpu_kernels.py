@@ -1156,22 +1156,13 @@ HEADS_LINEARS = (
     ("w_uk", 16, 128, 512, (1, 16, 64, 128, 256)),
     ("w_uv", 16, 512, 128, (1, 16, 64, 128, 256)),
 )
+# The grouped sweep's tiles and the narrow ones the plain decode buckets take.
 HEADS_SWEEP = [
     LinearConfig(16, 32, 64, 8, 4, 6),
     LinearConfig(64, 32, 64, 8, 4, 4),
-    LinearConfig(64, 64, 64, 8, 4, 4),
-    LinearConfig(64, 128, 64, 8, 4, 4),
-    LinearConfig(128, 64, 64, 8, 4, 4),
-    LinearConfig(64, 256, 64, 8, 8, 3),
     LinearConfig(128, 128, 64, 8, 4, 4),
-    LinearConfig(128, 128, 64, 8, 8, 3),
-    LinearConfig(128, 128, 64, 8, 8, 4),
-    LinearConfig(128, 256, 64, 8, 8, 3),
     LinearConfig(64, 128, 64, 8, 4, 4, True),
-    LinearConfig(128, 64, 64, 8, 4, 4, True),
-    LinearConfig(128, 128, 64, 8, 8, 4, True),
-    LinearConfig(128, 256, 64, 8, 8, 3, True),
-]
+] + GROUPED_SWEEP
 
 
 def bench_heads() -> None:
