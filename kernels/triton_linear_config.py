@@ -85,8 +85,9 @@ def linear_config(out_dim: int, in_dim: int, dtype: torch.dtype, num_rows: int) 
             return LinearConfig(128, 128, bk, 8, 8, 4, is_persistent=True)
         splits = k_split_count(out_dim, in_dim, dtype)
         if splits > 1 and in_dim // splits >= LONG_CHUNK_K:
-            # A fixed K split of long chunks (V3's o_proj, K = 16384 in 8 chunks of 2048):
-            # wider tiles amortize the chunk's K loop. H200, graph replay, 2048 x 16384: 128
+            # A fixed K split of long chunks (o_proj of 128 heads into V2-Lite's 2048 hidden,
+            # K = 16384 in 8 chunks of 2048; V3's 7168 is too wide to split): wider tiles
+            # amortize the chunk's K loop. H200, graph replay, 2048 x 16384: 128
             # rows 38.7 -> 30.4 us, 256 rows 60.6 -> 45.4 (cuBLAS 27.0, 33.4; BENCHMARKS.md).
             if num_rows <= 128:
                 return LinearConfig(64, 128, bk, 8, 4, 4)
