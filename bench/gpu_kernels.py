@@ -50,10 +50,11 @@ def _ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def _graph_ms(make_fn, num_bytes: int) -> float:
+def _graph_ms(make_fn, num_bytes: int, min_copies: int = 1) -> float:
     """Median time of one call, replayed in a CUDA graph (no launch gaps) over enough copies
-    of the inputs that they do not fit in L2 (each call reads from HBM, as in a decode step)."""
-    copies = max(1, min(32, -(-4 * L2_BYTES // max(num_bytes, 1))))
+    of the inputs that they do not fit in L2 (each call reads from HBM, as in a decode step),
+    and at least min_copies of them."""
+    copies = max(min_copies, min(32, -(-4 * L2_BYTES // max(num_bytes, 1))))
     fns = [make_fn() for _ in range(copies)]
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -322,6 +323,9 @@ def bench_prefill_linears() -> None:
             )
 
 
+ATTENTION_GRAPH_CALLS = 8  # calls a graph at least: a decode step's layers share its plan
+
+
 def bench_attention() -> None:
     """Decode attention (latent 512 + rope 64, blocks of 64) at 16 heads (V2-Lite) and 128
     (V3): the invariant op (Triton; its Gluon split kernel from 64 heads) vs fast mode's
@@ -329,7 +333,10 @@ def bench_attention() -> None:
     replayed in a CUDA graph over enough caches to miss L2. Bytes = the KV cache read once.
     Fast mode is timed twice: each call with its own step (FlashMLA plans its schedule every
     call) and all of the graph's calls sharing one step's positions and tables (one plan for
-    all of them, as the engine's layers share it)."""
+    all of them, as the engine's layers share it). Every graph holds at least
+    ATTENTION_GRAPH_CALLS calls, so the shared plan is paid once for that many, as a decode
+    step's layers pay it (with one call a graph FlashMLA took ~178 us at B = 256 context
+    1024, with its plan shared by 8 calls ~138: BENCHMARKS.md, eighteenth session)."""
     from kernels.fast_attention import HAS_FLASH_MLA, mla_decode_fast
     from kernels.triton_attention import mla_attention_triton
 
@@ -361,9 +368,12 @@ def bench_attention() -> None:
 
             one_step = step()
             times = [
-                _graph_ms(partial(make, mla_attention_triton), read),
-                _graph_ms(partial(make, mla_decode_fast), read),
-                _graph_ms(partial(make, mla_decode_fast, one_step), read),
+                _graph_ms(partial(make, op, *shared), read, ATTENTION_GRAPH_CALLS)
+                for op, *shared in (
+                    (mla_attention_triton,),
+                    (mla_decode_fast,),
+                    (mla_decode_fast, one_step),
+                )
             ]
             pct = [read / t / 1e9 / ceiling for t in times]
             print(
@@ -549,8 +559,11 @@ def bench_read_floor() -> None:
                 STAGES=stages, num_warps=warps,
             )  # fmt: skip
 
-        def op(fn):
+        step = cache()  # fast mode: one step's tables and positions, one plan (as a step's layers)
+
+        def op(fn, shared=None):
             q, kv, seq_ids, tables, positions = cache()
+            seq_ids, tables, positions = shared or (seq_ids, tables, positions)
             return lambda: fn(q, kv, seq_ids, tables, positions, scale=192**-0.5, v_dim=512)
 
         def pct(us, read=read):
@@ -569,8 +582,9 @@ def bench_read_floor() -> None:
         best = min(timed, key=timed.get)
         four = min(timed[c] for c in shapes if c[0] == 4)
         whole = min(timed[c] for c in shapes if c[0] == blocks)
-        t_inv = _graph_ms(partial(op, mla_attention_triton), read) * 1e3
-        t_fast = _graph_ms(partial(op, mla_decode_fast), read) * 1e3
+        t_inv = _graph_ms(partial(op, mla_attention_triton), read, ATTENTION_GRAPH_CALLS) * 1e3
+        shared = partial(op, mla_decode_fast, (step[2], step[3], step[4]))
+        t_fast = _graph_ms(shared, read, ATTENTION_GRAPH_CALLS) * 1e3
         print(
             f"| {batch} | {ctx} | {read / 1e6:.1f} | {t_copy:.1f} ({copied:.0%}) | {pct(t_flat)} "
             f"| {pct(timed[best])} "
