@@ -32,8 +32,10 @@ class HeadLaunch:
 # instead of once for 16, and larger splits (each split's fp32 partial is 64 x 512 a head
 # block) cut the partials' traffic. On the GPU the wide launch's split kernel is the Gluon one
 # (kernels/gluon_attention.py) where the shape fits. H200, 128 heads, graph replay
-# (BENCHMARKS.md): 2.5-4.4x FlashMLA's time with 16-head blocks, 1.4-2.6x with the Triton
-# wide kernel, 0.80-1.39x with the Gluon one on splits of 16 blocks (1.17x at one query).
+# (BENCHMARKS.md): the Gluon kernel on splits of 16 blocks ran 1.7-1.9x faster than the Triton
+# wide kernel and 2.5-3x faster than 16-head blocks; against FlashMLA with its step plan
+# shared as the engine shares it, 1.42x its time at B = 256 context 1024 (the earlier
+# 0.80-1.39x paid FlashMLA's plan on every call).
 WIDE_HEADS = 64
 NARROW_LAUNCH = HeadLaunch(BLOCK_H, SPLIT_BLOCKS, 4, 3)
 WIDE_LAUNCH = HeadLaunch(64, 16, 8, 2)
