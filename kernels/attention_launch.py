@@ -33,7 +33,7 @@ class HeadLaunch:
 # block) cut the partials' traffic. On the GPU the wide launch's split kernel is the Gluon one
 # (kernels/gluon_attention.py) where the shape fits. H200, 128 heads, graph replay
 # (BENCHMARKS.md): the Gluon kernel on splits of 16 blocks ran 1.7-1.9x faster than the Triton
-# wide kernel and 2.5-3x faster than 16-head blocks; against FlashMLA with its step plan
+# wide kernel and about 3x faster than 16-head blocks; against FlashMLA with its step plan
 # shared as the engine shares it, 1.42x its time at B = 256 context 1024 (the earlier
 # 0.80-1.39x paid FlashMLA's plan on every call).
 WIDE_HEADS = 64
