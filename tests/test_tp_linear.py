@@ -342,14 +342,14 @@ def check_rows_invariant(generator: torch.Generator) -> None:
 
 def check_close_to_reference(generator: torch.Generator) -> None:
     """fp32 with chunks of at most one BLOCK_K (32) columns: one tl.dot per chunk, bitwise the
-    reference's partial where numpy's BLAS (the interpreter's tl.dot) sums a 32-term product
-    as torch's CPU matmul does; on CPUs where they differ (OpenBLAS's AVX2 kernel fuses the
-    multiply-adds that MKL's path there does not), within fp32 rounding. Wider chunks: the
-    interpreter adds BLOCK_K-wide numpy products, MKL walks K its own way, so the partials
-    (not the tree) differ by fp32 rounding."""
+    reference's partial where the interpreter's tl.dot (tests/interpreted.py: tile_dot) sums a
+    32-term product as torch's CPU matmul does on this machine, else within fp32 rounding (a
+    CPU's SIMD width and fused multiply-adds move the last bit). Wider chunks: the
+    interpreter adds BLOCK_K-wide products, MKL walks K its own way, so the partials (not the
+    tree) differ by fp32 rounding."""
     x, w = _inputs(generator, num_rows=37, in_dim=256)
-    chunk = x[:, :32], w[:, :32]
-    if torch.equal(torch.from_numpy(chunk[0].numpy() @ chunk[1].numpy().T), chunk[0] @ chunk[1].T):
+    a, b = x[:, :32], w[:, :32]
+    if torch.equal(torch.from_numpy(interpreted.tile_dot(a.numpy(), b.numpy().T)), a @ b.T):
         assert torch.equal(_triton_at_tp(x, w, 1), _ref(x, w))
     else:
         torch.testing.assert_close(_triton_at_tp(x, w, 1), _ref(x, w), **FP32_TOL)
