@@ -367,13 +367,11 @@ def bench_attention() -> None:
                 return lambda: op(*args, scale=192**-0.5, v_dim=512)
 
             one_step = step()
+            calls = ATTENTION_GRAPH_CALLS
             times = [
-                _graph_ms(partial(make, op, *shared), read, ATTENTION_GRAPH_CALLS)
-                for op, *shared in (
-                    (mla_attention_triton,),
-                    (mla_decode_fast,),
-                    (mla_decode_fast, one_step),
-                )
+                _graph_ms(partial(make, mla_attention_triton), read, calls),
+                _graph_ms(partial(make, mla_decode_fast), read, calls),
+                _graph_ms(partial(make, mla_decode_fast, one_step), read, calls),
             ]
             pct = [read / t / 1e9 / ceiling for t in times]
             print(
@@ -559,12 +557,13 @@ def bench_read_floor() -> None:
                 STAGES=stages, num_warps=warps,
             )  # fmt: skip
 
-        step = cache()  # fast mode: one step's tables and positions, one plan (as a step's layers)
+        first_step = {}  # fast mode's copies share the first one's step: one plan, as layers do
 
-        def op(fn, shared=None):
-            q, kv, seq_ids, tables, positions = cache()
-            seq_ids, tables, positions = shared or (seq_ids, tables, positions)
-            return lambda: fn(q, kv, seq_ids, tables, positions, scale=192**-0.5, v_dim=512)
+        def op(fn, is_shared=False, first_step=first_step):
+            q, kv, *step = cache()
+            if is_shared:
+                step = first_step.setdefault("step", step)
+            return lambda: fn(q, kv, *step, scale=192**-0.5, v_dim=512)
 
         def pct(us, read=read):
             return f"{us:.1f} ({read / us / 1e6 / ceiling:.0%})"
@@ -583,8 +582,7 @@ def bench_read_floor() -> None:
         four = min(timed[c] for c in shapes if c[0] == 4)
         whole = min(timed[c] for c in shapes if c[0] == blocks)
         t_inv = _graph_ms(partial(op, mla_attention_triton), read, ATTENTION_GRAPH_CALLS) * 1e3
-        shared = partial(op, mla_decode_fast, (step[2], step[3], step[4]))
-        t_fast = _graph_ms(shared, read, ATTENTION_GRAPH_CALLS) * 1e3
+        t_fast = _graph_ms(partial(op, mla_decode_fast, True), read, ATTENTION_GRAPH_CALLS) * 1e3
         print(
             f"| {batch} | {ctx} | {read / 1e6:.1f} | {t_copy:.1f} ({copied:.0%}) | {pct(t_flat)} "
             f"| {pct(timed[best])} "

@@ -42,13 +42,11 @@ def _dot_by_position_free_sums() -> None:
     original = interpreter.InterpreterBuilder.create_dot
 
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        if a.data.dtype.kind != "f" or b.data.dtype.kind != "f":
-            return original(self, a, b, d, input_precision, max_num_imprecise_acc)
-        a_data, b_data = a.data, b.data
-        if a_data.dtype != b_data.dtype or a.dtype.primitive_bitwidth == 8:
+        # bf16 and fp8 arrive as unsigned integers (the interpreter's storage): its own path.
+        if a.data.dtype.kind != "f" or a.data.dtype != b.data.dtype:
             return original(self, a, b, d, input_precision, max_num_imprecise_acc)
         out_dtype = d.data.dtype
-        product = tile_dot(a_data.astype(out_dtype), b_data.astype(out_dtype))
+        product = tile_dot(a.data.astype(out_dtype), b.data.astype(out_dtype))
         return interpreter.TensorHandle(product + d.data, d.dtype.scalar)
 
     interpreter.InterpreterBuilder.create_dot = create_dot
