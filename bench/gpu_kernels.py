@@ -11,6 +11,8 @@ Times are medians of triton.testing.do_bench (CUDA events, warm-up, L2 flushed p
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import sys
 from functools import partial
 from pathlib import Path
@@ -27,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 from bench.hbm_floor import copy_bandwidth  # noqa: E402
+from kernels.attention_launch import NARROW_LAUNCH, WIDE_HEADS  # noqa: E402
 from kernels.rmsnorm import rms_norm_fast  # noqa: E402
 from kernels.triton_linear import (  # noqa: E402
     _launch,
@@ -619,6 +622,61 @@ def bench_split_size() -> None:
             read = batch * ctx * 576 * 2
             us = [_graph_ms(partial(make, b), read) * 1e3 for b in sizes]
             print(f"| {batch} | {ctx} | " + " | ".join(f"{u:.1f}" for u in us) + " |")
+
+
+@contextlib.contextmanager
+def _wide_tail(tail_blocks: int):
+    """The op's wide launch with tail_blocks: the bench swaps both names the op reads (its
+    launch is compared with WIDE_LAUNCH, so head_launch alone would leave the wide path)."""
+    import kernels.triton_attention as attention
+
+    saved = attention.WIDE_LAUNCH, attention.head_launch
+    tailed = dataclasses.replace(saved[0], tail_blocks=tail_blocks)
+    attention.WIDE_LAUNCH = tailed
+    attention.head_launch = lambda heads: tailed if heads >= WIDE_HEADS else NARROW_LAUNCH
+    try:
+        yield
+    finally:
+        attention.WIDE_LAUNCH, attention.head_launch = saved
+
+
+def bench_tail() -> None:
+    """The wide (128-head) launch's tail: a query's last KV split taking up to T blocks past
+    its last whole split of 16 instead of a split of its own (one split fewer: no fold in a
+    whole-query program, one partial fewer for the merge). The op at 128 heads, graph replay
+    (ATTENTION_GRAPH_CALLS calls a graph), contexts of 17 to 33 blocks, tables padded with -1
+    to the engine's graph widths (16, 32, 64), T = 0 (no tail) to 8; the op picks the split
+    or whole-query launch by the batch as it does in the engine."""
+    from kernels.triton_attention import mla_attention_triton
+
+    tails = (0, 1, 2, 4, 8)
+    print("\n## the wide launch's tail: 128 heads, µs a call (graph replay)")
+    print("| B | ctx | blocks | " + " | ".join(f"T = {t}" for t in tails) + " |")
+    print("|---|---|---|" + "---|" * len(tails))
+    for batch in (1, 8, 64, 256):
+        for ctx in (1088, 1152, 1280, 1344, 2112):
+            blocks = -(-ctx // 64)
+            width = 16
+            while width < blocks:
+                width *= 2
+
+            def make(batch=batch, ctx=ctx, blocks=blocks, width=width):
+                kv = torch.randn(batch * blocks, 64, 576, device="cuda").bfloat16()
+                q = torch.randn(batch, 128, 576, device="cuda").bfloat16()
+                tables = torch.full((batch, width), -1, device="cuda", dtype=torch.int64)
+                tables[:, :blocks] = torch.randperm(batch * blocks, device="cuda").view(batch, -1)
+                seq_ids = torch.arange(batch, device="cuda")
+                positions = torch.full((batch,), ctx - 1, device="cuda")
+                args = (q, kv, seq_ids, tables, positions)
+                return lambda: mla_attention_triton(*args, scale=192**-0.5, v_dim=512)
+
+            read = batch * ctx * 576 * 2
+            us = []
+            for tail in tails:
+                with _wide_tail(tail):
+                    us.append(_graph_ms(make, read, ATTENTION_GRAPH_CALLS) * 1e3)
+            cells = " | ".join(f"{u:.1f}" for u in us)
+            print(f"| {batch} | {ctx} | {blocks} | {cells} |")
 
 
 def _linear_graph_us(op, num_rows: int, in_dim: int, out_dim: int) -> float:
@@ -1263,6 +1321,7 @@ def main() -> None:
             "split_prefill": bench_split_prefill,
             "value_split": bench_value_split,
             "split_size": bench_split_size,
+            "tail": bench_tail,
             "read_floor": bench_read_floor,
             "decode_tiles": bench_decode_tiles,
             "heads": bench_heads,

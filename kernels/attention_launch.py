@@ -17,12 +17,30 @@ BLOCK_H = 16  # heads per program (tl.dot needs 16 rows); extra heads are masked
 
 @dataclass(frozen=True)
 class HeadLaunch:
-    """A model's attention launch: heads a program, cache blocks a KV split, warps, stages."""
+    """A model's attention launch: heads a program, cache blocks a KV split, warps, stages,
+    and the blocks past its last whole split that a query's last split takes on (tail_blocks,
+    fewer than a split's: split_count)."""
 
     block_h: int
     split_blocks: int
     num_warps: int
     num_stages: int
+    tail_blocks: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.tail_blocks < self.split_blocks:
+            raise ValueError(
+                f"tail_blocks {self.tail_blocks} must be in [0, {self.split_blocks}) "
+                f"(split_blocks {self.split_blocks})"
+            )
+
+
+def split_count(num_blocks: int, split_blocks: int, tail_blocks: int) -> int:
+    """The KV splits of a query of num_blocks cache blocks (or the most of any query in a
+    table num_blocks wide): runs of split_blocks from block 0, the last taking up to
+    tail_blocks more, at least one. A function of the query's own length only, so a query has
+    the same splits in every batch and chunking (the kernels restate it: _own_splits)."""
+    return max(1, -(-(num_blocks - tail_blocks) // split_blocks))
 
 
 # Why the launch follows the model's head count (at TP 1), never the heads a rank holds or the
@@ -38,7 +56,9 @@ class HeadLaunch:
 # 0.80-1.39x paid FlashMLA's plan on every call).
 WIDE_HEADS = 64
 NARROW_LAUNCH = HeadLaunch(BLOCK_H, SPLIT_BLOCKS, 4, 3)
-WIDE_LAUNCH = HeadLaunch(64, 16, 8, 2)
+# A query's last split of the wide launch takes up to 4 blocks past its last whole split
+# (tail_blocks) instead of a split of its own: TODO measured.
+WIDE_LAUNCH = HeadLaunch(64, 16, 8, 2, tail_blocks=4)
 
 
 def head_launch(whole_heads: int) -> HeadLaunch:

@@ -119,8 +119,8 @@ def _mla_wide_split_kernel(
     q_desc, q_pe_desc, lat_desc, pe_desc, seq_ids_ptr, tables_ptr, positions_ptr, acc_ptr,
     stats_ptr, out_ptr, scale, num_heads, num_splits, table_width,
     C: gl.constexpr, V: gl.constexpr, R: gl.constexpr, BS: gl.constexpr,
-    BLOCK_H: gl.constexpr, SPLIT_BLOCKS: gl.constexpr, WRITE_OUT: gl.constexpr,
-    WHOLE_QUERY: gl.constexpr, num_warps: gl.constexpr,
+    BLOCK_H: gl.constexpr, SPLIT_BLOCKS: gl.constexpr, TAIL_BLOCKS: gl.constexpr,
+    WRITE_OUT: gl.constexpr, WHOLE_QUERY: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     """_mla_split_kernel's contract (kernels/triton_attention.py) for one (head block of 64,
     query, KV split): partial (max, sum, acc) of the split's cache blocks in order, an online
@@ -167,12 +167,21 @@ def _mla_wide_split_kernel(
     position = gl.load(positions_ptr + t)
     first_block = split * SPLIT_BLOCKS
     num_blocks = position // BS + 1
-    if first_block < num_blocks:
+    # The query's own splits (split_count, kernels/attention_launch.py): runs of SPLIT_BLOCKS
+    # from block 0, the last one taking up to TAIL_BLOCKS blocks more. Split k > 0 exists
+    # where k * SPLIT_BLOCKS + TAIL_BLOCKS < num_blocks. (A whole-query program, split 0,
+    # always runs: its test left as it was, which ptxas fits in registers; the split
+    # launch's form spills 32 bytes there, sm_90 offline compile.)
+    has_split = first_block < num_blocks
+    if not WHOLE_QUERY:
+        has_split = first_block < gl.maximum(num_blocks - TAIL_BLOCKS, 1)
+    if has_split:
         seq = gl.load(seq_ids_ptr + t)
         if WHOLE_QUERY:
             last_block = num_blocks
-        else:
-            last_block = gl.minimum(first_block + SPLIT_BLOCKS, num_blocks)
+        else:  # the query's last split runs to its last block
+            is_last_split = first_block + SPLIT_BLOCKS + TAIL_BLOCKS >= num_blocks
+            last_block = gl.where(is_last_split, num_blocks, first_block + SPLIT_BLOCKS)
         table = tables_ptr + seq * table_width
         q_lat_s = gl.allocate_shared_memory(DTYPE, [BLOCK_H, V], LAT_S)
         q_pe_s = gl.allocate_shared_memory(DTYPE, [BLOCK_H, R], PE_S)
@@ -217,7 +226,9 @@ def _mla_wide_split_kernel(
         done_sum = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(1, S_L))
         # Why one order: block j of the sequence, whole, merged in order j ascending.
         for j in range(first_block, last_block):
-            if WHOLE_QUERY and (j % SPLIT_BLOCKS == 0) and (j > 0):
+            # A split starts at every SPLIT_BLOCKS-th block but inside the last split's tail.
+            is_split_start = (j % SPLIT_BLOCKS == 0) and (j > 0) and (j + TAIL_BLOCKS < last_block)
+            if WHOLE_QUERY and is_split_start:
                 # A split ends: fold it in as the merge kernel would, then a fresh state.
                 row_sum = gl.convert_layout(gl.sum(row_sums, axis=1), gl.SliceLayout(1, S_L))
                 if j == SPLIT_BLOCKS:  # the first split: taken as it is
@@ -285,7 +296,7 @@ def _mla_wide_split_kernel(
         heads = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, O_L))
         cols = gl.arange(0, V, layout=gl.SliceLayout(0, O_L))
         head_ok = (heads < num_heads)[:, None]
-        if WHOLE_QUERY and num_blocks > SPLIT_BLOCKS:
+        if WHOLE_QUERY and num_blocks > SPLIT_BLOCKS + TAIL_BLOCKS:  # two splits or more
             # The last split: folded in as above, and the fold divided into the output.
             first_out = out_ptr + (t * num_heads + head_block * BLOCK_H) * V
             _fold_split(
@@ -311,7 +322,7 @@ def _mla_wide_split_kernel(
 
 def launch_wide_split(
     grid, q, kv_cache, seq_ids, block_tables, positions, acc, stats, out, scale, num_splits,
-    split_blocks, is_direct, is_whole_query=False,
+    split_blocks, tail_blocks, is_direct, is_whole_query=False,
 ) -> None:  # fmt: skip
     """One launch of the Gluon split kernel over `grid` (head blocks, queries, splits) into
     the split buffers acc / stats (or the output out, is_direct), as _attend launches the
@@ -342,7 +353,7 @@ def launch_wide_split(
         seq_ids, block_tables, positions, acc, stats, out,
         scale, num_heads, num_splits, block_tables.shape[1],
         C=cache_dim, V=v_dim, R=rope, BS=GLUON_SHAPE["block_size"],
-        BLOCK_H=GLUON_SHAPE["block_h"], SPLIT_BLOCKS=split_blocks,
+        BLOCK_H=GLUON_SHAPE["block_h"], SPLIT_BLOCKS=split_blocks, TAIL_BLOCKS=tail_blocks,
         WRITE_OUT=is_direct and not is_whole_query, WHOLE_QUERY=is_whole_query,
         num_warps=GLUON_SHAPE["num_warps"],
     )  # fmt: skip

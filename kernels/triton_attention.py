@@ -4,10 +4,11 @@ Contract of `mla_attention_ref` (kernels/attention.py): query t attends to posit
 0..positions[t] of sequence query_seq_ids[t], keys are whole cache rows [C], values their first
 v_dim channels. One program per (query token, head block, KV split): it walks cache blocks
 (chunks of exactly the cache block size, aligned to absolute positions) with an online softmax
-in fp32. A split is a fixed run of SPLIT_BLOCKS blocks counted from position 0, so which splits
-a query has depends on its own position only; a second kernel merges a query's splits in split
-order. Nothing a program computes depends on the other queries: prefill, decode and any
-chunking of a prompt give the same bits. Under TRITON_INTERPRET=1 it runs on CPU tensors.
+in fp32. A split is a fixed run of SPLIT_BLOCKS blocks counted from position 0 (a query's last
+split also takes up to TAIL_BLOCKS blocks past it: split_count), so which splits a query has
+depends on its own position only; a second kernel merges a query's splits in split order.
+Nothing a program computes depends on the other queries: prefill, decode and any chunking of a
+prompt give the same bits. Under TRITON_INTERPRET=1 it runs on CPU tensors.
 """
 
 from __future__ import annotations
@@ -24,11 +25,12 @@ from kernels.attention_launch import (
     WIDE_LAUNCH,
     WIDE_WHOLE_QUERY_PROGRAMS,
     head_launch,
+    split_count,
     value_split,
     whole_query_stages,
 )
 from kernels.gluon_attention import fits_gluon, launch_wide_split
-from kernels.triton_attention_block import _attend_block, _fold_weights, _load_query
+from kernels.triton_attention_block import _attend_block, _fold_weights, _load_query, _own_splits
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 PARTIAL_BYTES = 256 << 20  # cap on the fp32 split buffers of one launch (queries grouped)
@@ -58,6 +60,7 @@ def _mla_split_kernel(
     BLOCK_V: tl.constexpr,
     BLOCK_R: tl.constexpr,
     SPLIT_BLOCKS: tl.constexpr,
+    TAIL_BLOCKS: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     WRITE_OUT: tl.constexpr,
@@ -88,8 +91,9 @@ def _mla_split_kernel(
     position = tl.load(positions_ptr + t)
     first_block = split * SPLIT_BLOCKS
     num_blocks = position // BS + 1
-    walk_blocks = num_blocks if WHOLE_QUERY else SPLIT_BLOCKS
-    if first_block < num_blocks:
+    # Split k > 0 of the query's own (_own_splits) exists where k * SPLIT_BLOCKS +
+    # TAIL_BLOCKS < num_blocks; the last one runs to the query's last block.
+    if first_block < tl.maximum(num_blocks - TAIL_BLOCKS, 1):
         seq = tl.load(seq_ids_ptr + t)
         heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
         head_ok = heads < num_heads
@@ -109,7 +113,8 @@ def _mla_split_kernel(
         acc = tl.zeros((BLOCK_H, BLOCK_PV), dtype=tl.float32)
         if WHOLE_QUERY:  # the splits folded so far (valid from the second split on)
             done_max, done_sum, done_acc = row_max, row_sum, acc
-        last_block = tl.minimum(first_block + walk_blocks, num_blocks)
+        is_to_end = (first_block + SPLIT_BLOCKS + TAIL_BLOCKS >= num_blocks) | WHOLE_QUERY
+        last_block = tl.where(is_to_end, num_blocks, first_block + SPLIT_BLOCKS)
         # Why: chunk j is cache block j of the sequence, whole (BS positions, aligned to
         # absolute positions), merged in order j ascending; positions past the query read
         # exact zeros (unwritten slots may hold garbage) and score -inf.
@@ -117,7 +122,9 @@ def _mla_split_kernel(
         if TABLE_AHEAD:
             next_id = tl.load(table_row + first_block).to(tl.int64)
         for j in range(first_block, last_block):
-            if WHOLE_QUERY and (j % SPLIT_BLOCKS == 0) & (j > 0):
+            # A split starts at every SPLIT_BLOCKS-th block but inside the last split's tail.
+            is_split_start = (j % SPLIT_BLOCKS == 0) & (j > 0) & (j + TAIL_BLOCKS < num_blocks)
+            if WHOLE_QUERY and is_split_start:
                 # Why one loop, not a loop over splits: the pipeliner keeps its copies in
                 # flight across split boundaries. At a boundary the finished split is
                 # folded in (the first one taken as it is) and a fresh state starts.
@@ -144,7 +151,8 @@ def _mla_split_kernel(
                 IS_WHOLE, INPUT_PRECISION, UPCAST_DOT,
             )  # fmt: skip
         if WHOLE_QUERY:  # the last split folded in (taken as it is if it is the only one)
-            max_new, alpha, beta = _fold_weights(done_max, row_max, num_blocks <= SPLIT_BLOCKS)
+            is_one_split = num_blocks <= SPLIT_BLOCKS + TAIL_BLOCKS
+            max_new, alpha, beta = _fold_weights(done_max, row_max, is_one_split)
             row_sum = tl.fma(done_sum, alpha, row_sum * beta)
             acc = tl.fma(done_acc, alpha[:, None], acc * beta[:, None])
         if WRITE_OUT:
@@ -179,12 +187,13 @@ def _mla_merge_kernel(
     BS: tl.constexpr,
     BLOCK_V: tl.constexpr,
     SPLIT_BLOCKS: tl.constexpr,
+    TAIL_BLOCKS: tl.constexpr,
 ):
     """out[t, h] = merge of the query's splits 0, 1, ... in that order, then acc / sum."""
     t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     position = tl.load(positions_ptr + t)
-    num_own_splits = (position // BS) // SPLIT_BLOCKS + 1
+    num_own_splits = _own_splits(position // BS + 1, SPLIT_BLOCKS, TAIL_BLOCKS)
     offs_v = tl.arange(0, BLOCK_V)
     v_ok = offs_v < V
     first = t * num_splits * num_heads + head
@@ -274,7 +283,7 @@ def mla_attention_triton(
     is_wide_whole = (
         is_gluon
         and num_programs >= WIDE_WHOLE_QUERY_PROGRAMS
-        and block_tables.shape[1] > launch.split_blocks
+        and split_count(block_tables.shape[1], launch.split_blocks, launch.tail_blocks) > 1
     )
     is_ahead = launch == NARROW_LAUNCH and q.shape[0] <= TABLE_AHEAD_MAX_QUERIES
     return _attend(
@@ -282,16 +291,17 @@ def mla_attention_triton(
         launch.num_warps, whole_stages or launch.num_stages, launch.block_h, v_parts=v_parts,
         lat_chunk=lat_chunk, is_gluon=is_gluon,
         is_whole_query=whole_stages is not None or is_wide_whole,
-        is_table_ahead=is_ahead or whole_stages is not None,
+        is_table_ahead=is_ahead or whole_stages is not None, tail_blocks=launch.tail_blocks,
     )  # fmt: skip
 
 
 def _attend(
     q, kv_cache, query_seq_ids, block_tables, positions, scale, v_dim,
     split_blocks, num_warps, num_stages, block_h=BLOCK_H, v_parts=1, lat_chunk=None,
-    is_gluon=False, is_whole_query=False, is_table_ahead=None,
+    is_gluon=False, is_whole_query=False, is_table_ahead=None, tail_blocks=0,
 ) -> torch.Tensor:  # fmt: skip
-    """The launches; the launch parameters are arguments so bench/ can sweep them. is_gluon:
+    """The launches; the launch parameters are arguments so bench/ can sweep them (tail_blocks:
+    HeadLaunch's, the blocks a query's last split takes on past its whole splits). is_gluon:
     the Gluon split kernel (its own fixed warps and stages; fits_gluon's shapes);
     is_whole_query: a program a query's head block walks all its splits (the Gluon kernel
     parks its running fold in two fp32 slots a query and head block instead of registers);
@@ -307,7 +317,8 @@ def _attend(
     # No host sync: the launch's split count comes from the table width (a host shape, the
     # batch's longest block table). Queries with fewer splits skip the extra programs; no
     # query's result depends on this number.
-    num_splits = 1 if is_whole_query else triton.cdiv(block_tables.shape[1], split_blocks)
+    width = block_tables.shape[1]
+    num_splits = 1 if is_whole_query else split_count(width, split_blocks, tail_blocks)
     is_parked = is_gluon and is_whole_query
     per_token = (2 if is_parked else num_splits) * num_heads * (block_v + 2) * 4
     group = min(max(1, PARTIAL_BYTES // per_token), MAX_GRID_Y)
@@ -329,7 +340,7 @@ def _attend(
         if is_gluon:
             launch_wide_split(
                 grid, q[rows], kv_cache, seq_ids, block_tables, pos, acc, stats, out[rows],
-                scale, num_splits, split_blocks, is_direct, is_whole_query,
+                scale, num_splits, split_blocks, tail_blocks, is_direct, is_whole_query,
             )  # fmt: skip
         else:
             _mla_split_kernel[grid](
@@ -343,7 +354,7 @@ def _attend(
                 scale,
                 num_heads,
                 num_splits,
-                block_tables.shape[1],
+                width,
                 C=cache_dim,
                 V=v_dim,
                 BS=block_size,
@@ -352,6 +363,7 @@ def _attend(
                 BLOCK_V=block_v,
                 BLOCK_R=block_r,
                 SPLIT_BLOCKS=split_blocks,
+                TAIL_BLOCKS=tail_blocks,
                 # fp32 inputs use exact fp32 products; 16-bit ones the MMA with fp32 accumulation.
                 INPUT_PRECISION="ieee" if is_fp32 else "tf32",
                 # The interpreter hands 16-bit floats to numpy as raw bits: feed it fp32.
@@ -377,6 +389,7 @@ def _attend(
             BS=block_size,
             BLOCK_V=block_v,
             SPLIT_BLOCKS=split_blocks,
+            TAIL_BLOCKS=tail_blocks,
             num_warps=4,
         )
     return out

@@ -14,6 +14,14 @@ import triton.language as tl
 
 
 @triton.jit
+def _own_splits(num_blocks, SPLIT_BLOCKS: tl.constexpr, TAIL_BLOCKS: tl.constexpr):
+    """A query's KV splits: runs of SPLIT_BLOCKS cache blocks from block 0, the last one
+    taking up to TAIL_BLOCKS blocks more (at least one split). A function of the query's own
+    block count only (split_count in kernels/attention_launch.py, restated for the kernels)."""
+    return tl.maximum((num_blocks - TAIL_BLOCKS + SPLIT_BLOCKS - 1) // SPLIT_BLOCKS, 1)
+
+
+@triton.jit
 def _fold_weights(row_max, part_max, is_first):
     """(max, alpha, beta) of folding a split's (max, sum, acc) into the running one: the new
     sum is fma(sum, alpha, part_sum * beta), the new acc likewise. Why explicit fmas: the

@@ -12,6 +12,7 @@ import pytest
 import torch
 import triton
 
+from kernels.attention_launch import WIDE_LAUNCH
 from kernels.gluon_attention import GLUON_SHAPE, _mla_wide_split_kernel, fits_gluon
 
 SM90_SHARED_BYTES = 232448  # the H100/H200 limit on one block's dynamic shared memory
@@ -38,7 +39,8 @@ def test_gluon_split_kernel_compiles_for_sm90_without_spilling(tmp_path, is_whol
     consts = dict(
         C=GLUON_SHAPE["cache_dim"], V=GLUON_SHAPE["v_dim"],
         R=GLUON_SHAPE["cache_dim"] - GLUON_SHAPE["v_dim"], BS=GLUON_SHAPE["block_size"],
-        BLOCK_H=GLUON_SHAPE["block_h"], SPLIT_BLOCKS=16, WRITE_OUT=False,
+        BLOCK_H=GLUON_SHAPE["block_h"], SPLIT_BLOCKS=16, TAIL_BLOCKS=WIDE_LAUNCH.tail_blocks,
+        WRITE_OUT=False,
         WHOLE_QUERY=is_whole_query, num_warps=GLUON_SHAPE["num_warps"],
     )  # fmt: skip
     names = [*signature, *consts]

@@ -493,7 +493,8 @@ def test_mla_attention_prefill_decode_and_batch_bitwise(generator):
 def test_mla_attention_wide_launch_batch_and_tp_bitwise(generator):
     """DeepSeek-V3 MLA: 128 heads take the wide launch (64 heads a program, the Gluon split
     kernel). Prefill, decode alone and batched, chunks and permutations give the same bits
-    (sequence 0 spans three KV splits, so the merge runs); a TP rank's heads (64, 32 or 16 of
+    (sequence 0 spans three KV splits, so the merge runs, and its queries of 17 to 20 and 33
+    to 36 blocks end in a tail: the last split takes them on); a TP rank's heads (64, 32 or 16 of
     them, whole_heads=128) give the whole model's bits for those heads; the whole-query
     launch (many programs: the prefill) and the split launch with its merge (few: a decode
     batch) give the same bits; engagement: the Gluon kernel ran in both launches, and the
@@ -501,6 +502,7 @@ def test_mla_attention_wide_launch_batch_and_tp_bitwise(generator):
     its bits."""
     import kernels.gluon_attention as gluon_attention
     from kernels.attention import mla_attention_fast
+    from kernels.attention_launch import split_count
     from kernels.triton_attention import (
         NARROW_LAUNCH,
         WIDE_LAUNCH,
@@ -510,7 +512,7 @@ def test_mla_attention_wide_launch_batch_and_tp_bitwise(generator):
         mla_attention_triton,
     )
 
-    seq_lens = (2100, 70, 600, 5, 257)
+    seq_lens = (2400, 70, 600, 5, 257)
     cache = _paged_cache(generator, seq_lens, 128, 576, 64)
     q, kv_cache, seq_ids, tables, positions = cache
     args = dict(scale=192**-0.5, v_dim=512)
@@ -532,7 +534,7 @@ def test_mla_attention_wide_launch_batch_and_tp_bitwise(generator):
     gluon_attention._mla_wide_split_kernel = Recorder()
     try:
         full, last = _check_attention_rows(
-            attend, cache, seq_lens, (63, 64, 600, 1024, 1100, 2100), generator
+            attend, cache, seq_lens, (63, 64, 600, 1024, 1100, 2100, 2200, 2400), generator
         )
     finally:
         gluon_attention._mla_wide_split_kernel = kernel
@@ -540,23 +542,35 @@ def test_mla_attention_wide_launch_batch_and_tp_bitwise(generator):
     # batch of 5 split.
     assert grids and (grids[0][0], grids[0][2]) == (2, 1), grids[:1]
     assert grids[0][1] * 2 >= WIDE_WHOLE_QUERY_PROGRAMS, grids[:1]
+    split, tail = WIDE_LAUNCH.split_blocks, WIDE_LAUNCH.tail_blocks
+    assert split_count(tables.shape[1], split, tail) == 3
     assert (2, len(seq_lens), 3) in grids, grids
+    launch = (split, WIDE_LAUNCH.num_warps, WIDE_LAUNCH.num_stages, WIDE_LAUNCH.block_h)
     split_launch = _attend(
-        q, kv_cache, seq_ids, tables, positions, 192**-0.5, 512, WIDE_LAUNCH.split_blocks,
-        WIDE_LAUNCH.num_warps, WIDE_LAUNCH.num_stages, WIDE_LAUNCH.block_h, is_gluon=True,
+        q, kv_cache, seq_ids, tables, positions, 192**-0.5, 512, *launch, is_gluon=True,
+        tail_blocks=tail,
     )  # fmt: skip
     assert torch.equal(split_launch, full), "the whole-query and split launches differ"
     whole_decode = _attend(
-        q[last], kv_cache, seq_ids[last], tables, positions[last], 192**-0.5, 512,
-        WIDE_LAUNCH.split_blocks, WIDE_LAUNCH.num_warps, WIDE_LAUNCH.num_stages,
-        WIDE_LAUNCH.block_h, is_gluon=True, is_whole_query=True,
+        q[last], kv_cache, seq_ids[last], tables, positions[last], 192**-0.5, 512, *launch,
+        is_gluon=True, is_whole_query=True, tail_blocks=tail,
     )  # fmt: skip
     assert torch.equal(whole_decode, full[last]), "a whole-query decode batch differs"
     wide_triton = _attend(
-        q, kv_cache, seq_ids, tables, positions, 192**-0.5, 512, WIDE_LAUNCH.split_blocks,
-        WIDE_LAUNCH.num_warps, WIDE_LAUNCH.num_stages, WIDE_LAUNCH.block_h,
-    )  # fmt: skip
+        q, kv_cache, seq_ids, tables, positions, 192**-0.5, 512, *launch, tail_blocks=tail
+    )
     assert not torch.equal(wide_triton, full), "the Gluon and Triton wide kernels agreed"
+    # Engagement of the tail: without it only the queries whose last split took one on move
+    # (17 to 20 and 33 to 36 blocks), and some do (a tail of one key below the running max
+    # may fold to the same bits).
+    no_tail = _attend(
+        q, kv_cache, seq_ids, tables, positions, 192**-0.5, 512, *launch, is_gluon=True
+    )
+    moved = (no_tail != full).flatten(1).any(1)
+    blocks = positions // 64 + 1
+    in_tail = (blocks > split) & ((blocks - 1) % split < tail)
+    assert not moved[~in_tail].any(), "queries past the tail's reach moved"
+    assert moved[in_tail].float().mean() > 0.5, "the tail moved few queries"
     every = torch.arange(q.shape[0], device="cuda")
     for heads in (slice(0, 64), slice(64, 128), slice(32, 64), slice(112, 128)):
         assert torch.equal(attend(every, heads), full[:, heads]), heads

@@ -508,9 +508,11 @@ def check_mla_attention(generator: torch.Generator) -> None:
 def check_mla_attention_whole_query(generator: torch.Generator) -> None:
     """A program a query (its splits folded in the program) gives the bits of the split
     launch and its merge kernel: queries at the first and last positions of one to three
-    splits (blocks of 16, splits of 4), fp32 and bf16, a wide table with -1 padding.
-    Control: one split spanning the whole table (an online softmax that never restarts)
-    makes other bits, so the comparison sees the split boundaries."""
+    splits (blocks of 16, splits of 4), fp32 and bf16, a wide table with -1 padding; and
+    so with a tail (the last split taking up to 2 blocks more: 5 blocks are one split, 9
+    two). Controls: one split spanning the whole table (an online softmax that
+    never restarts), and the splits without the tail, make other bits, so the comparisons
+    see the split boundaries."""
     from kernels.attention import mla_attention_ref
     from kernels.attention_launch import SPLIT_BLOCKS
     from kernels.triton_attention import _attend
@@ -522,39 +524,52 @@ def check_mla_attention_whole_query(generator: torch.Generator) -> None:
     wide[:, : tables.shape[1]] = tables
     results = {}
     for dtype in DTYPES:
-        args = (q.to(dtype), kv_cache.to(dtype), seq_ids, wide, positions, 40**-0.5, 32)
-        split = _attend(*args, SPLIT_BLOCKS, 4, 3)
-        whole = _attend(*args, SPLIT_BLOCKS, 4, 3, is_whole_query=True)
-        assert torch.equal(whole, split), dtype
-        results[dtype] = split
-    # The control in fp32 (bf16 outputs of these widths may round the difference away).
+        for tail in (0, 2):
+            args = (q.to(dtype), kv_cache.to(dtype), seq_ids, wide, positions, 40**-0.5, 32)
+            split = _attend(*args, SPLIT_BLOCKS, 4, 3, tail_blocks=tail)
+            whole = _attend(*args, SPLIT_BLOCKS, 4, 3, is_whole_query=True, tail_blocks=tail)
+            assert torch.equal(whole, split), (dtype, tail)
+            results[dtype, tail] = split
+    # The controls in fp32 (bf16 outputs of these widths may round the difference away).
     args = (q, kv_cache, seq_ids, wide, positions, 40**-0.5, 32)
     unsplit = _attend(*args, wide.shape[1], 4, 3)
-    assert not torch.equal(unsplit, results[torch.float32]), "no control"
+    assert not torch.equal(unsplit, results[torch.float32, 0]), "no control"
+    split, tailed = results[torch.float32, 0], results[torch.float32, 2]
+    # Rows 4-5 (5 blocks) and 7-8 (9 blocks) end in a tail: the others keep their bits, and
+    # these may not (a tail split of one key below the running max folds to the same bits).
+    same = [torch.equal(split[i], tailed[i]) for i in range(len(rows))]
+    assert all(same[:4]) and same[6] and all(same[9:]), same
+    assert not all(same[4:6] + same[7:9]), "the tail moved nothing"
     expected = mla_attention_ref(
         q.double(), kv_cache.double(), seq_ids, tables, positions, scale=40**-0.5, v_dim=32,
         tile_rows=8,
     )  # fmt: skip
-    torch.testing.assert_close(results[torch.float32].double(), expected, **FP32_TOL)
+    for tail in (0, 2):
+        torch.testing.assert_close(results[torch.float32, tail].double(), expected, **FP32_TOL)
 
 
 def check_mla_attention_wide_launch(generator: torch.Generator) -> None:
-    """A model of 64 heads takes the wide launch (64 heads a program, WIDE_LAUNCH's split;
-    the second sequence's 17 blocks of 16 span two splits, so the merge runs); a TP rank
-    holding 16 or 32 of them keeps it (whole_heads) and gives the heads' bits of the whole
-    model's call; the launches differ (engagement: the wide one ran)."""
+    """A model of 64 heads takes the wide launch (64 heads a program, WIDE_LAUNCH's split and
+    tail: with 4 tail blocks the second sequence's 17 to 20 blocks of 16 are one split, its
+    21 and 22 two, so the merge runs); a TP rank holding 16 or 32 of them keeps it
+    (whole_heads) and gives the heads' bits of the whole model's call; the launches differ
+    (engagement: the wide one ran), and without the tail only queries whose tail it absorbed
+    move (and some do: it ran too)."""
     import kernels.triton_attention as attention
     from kernels.attention import mla_attention_ref
 
     assert attention.head_launch(64) == attention.WIDE_LAUNCH
     assert attention.head_launch(16) == attention.NARROW_LAUNCH
-    q, kv_cache, seq_ids, tables, positions = _paged_cache(generator, (40, 260), 64, 48, 8, 16)
+    wide = attention.WIDE_LAUNCH
+    assert wide.split_blocks + wide.tail_blocks < 21 <= 2 * wide.split_blocks
+    q, kv_cache, seq_ids, tables, positions = _paged_cache(generator, (40, 340), 64, 48, 8, 16)
     args = dict(scale=56**-0.5, v_dim=48)
     launches = []
     attend = attention._attend
 
     def recorded(*call, **kwargs):
-        launches.append(call[7:10])  # split_blocks, num_warps, num_stages
+        # split_blocks, num_warps, num_stages, tail_blocks
+        launches.append((*call[7:10], kwargs.get("tail_blocks")))
         return attend(*call, **kwargs)
 
     attention._attend = recorded
@@ -570,12 +585,24 @@ def check_mla_attention_wide_launch(generator: torch.Generator) -> None:
         )
     finally:
         attention._attend = attend
-    wide = attention.WIDE_LAUNCH
-    assert launches[0] == (wide.split_blocks, wide.num_warps, wide.num_stages), launches
+    assert launches[0] == (
+        wide.split_blocks, wide.num_warps, wide.num_stages, wide.tail_blocks
+    ), launches  # fmt: skip
     assert launches[-1][0] == attention.NARROW_LAUNCH.split_blocks != wide.split_blocks, launches
     expected = mla_attention_ref(q, kv_cache, seq_ids, tables, positions, **args, tile_rows=8)
     torch.testing.assert_close(full, expected, **FP32_TOL)
     torch.testing.assert_close(narrow, full[:, :16], **FP32_TOL)
+    late = positions >= 12 * 16  # (the second sequence's queries from block 13 on)
+    no_tail = attend(
+        q[late], kv_cache, seq_ids[late], tables, positions[late], 56**-0.5, 48,
+        wide.split_blocks, wide.num_warps, wide.num_stages, wide.block_h,
+    )  # fmt: skip
+    moved = (no_tail != full[late]).flatten(1).any(1)
+    num_blocks = positions[late] // 16 + 1
+    last_whole = wide.split_blocks
+    in_tail = (num_blocks > last_whole) & (num_blocks <= last_whole + wide.tail_blocks)
+    assert not moved[~in_tail].any(), "queries past the tail's reach moved"
+    assert moved[in_tail].any(), "the tail moved nothing"
     try:
         attention.mla_attention_triton(
             q, kv_cache, seq_ids, tables, positions, **args, whole_heads=16
