@@ -56,9 +56,15 @@ def split_count(num_blocks: int, split_blocks: int, tail_blocks: int) -> int:
 # 0.80-1.39x paid FlashMLA's plan on every call).
 WIDE_HEADS = 64
 NARROW_LAUNCH = HeadLaunch(BLOCK_H, SPLIT_BLOCKS, 4, 3)
-# A query's last split of the wide launch takes up to 4 blocks past its last whole split
-# (tail_blocks) instead of a split of its own: TODO measured.
-WIDE_LAUNCH = HeadLaunch(64, 16, 8, 2, tail_blocks=4)
+# A query's last split of the wide launch takes up to 2 blocks past its last whole split
+# (tail_blocks) instead of a split of its own: a whole-query program then folds no split of
+# one or two blocks (its running fold's fp32 round trip through L2 cost more than the blocks).
+# Part of the bits, so one value for every batch. H200, 128 heads, graph replay
+# (BENCHMARKS.md, `bench/gpu_kernels.py tail`), µs: B = 256 context 1088 (17 blocks) 247.7 ->
+# 225.3, 1152 267.6 -> 229.1, B = 64 65.8 -> 58.3 and 70.2 -> 60.4; the split launch (B <= 8)
+# pays the longer last split, 47 -> 49-52. Four tail blocks gained as much at 20 blocks (B =
+# 256 287 -> 259) and cost B <= 8 20% there (47 -> 57).
+WIDE_LAUNCH = HeadLaunch(64, 16, 8, 2, tail_blocks=2)
 
 
 def head_launch(whole_heads: int) -> HeadLaunch:

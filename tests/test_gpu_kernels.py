@@ -493,8 +493,8 @@ def test_mla_attention_prefill_decode_and_batch_bitwise(generator):
 def test_mla_attention_wide_launch_batch_and_tp_bitwise(generator):
     """DeepSeek-V3 MLA: 128 heads take the wide launch (64 heads a program, the Gluon split
     kernel). Prefill, decode alone and batched, chunks and permutations give the same bits
-    (sequence 0 spans three KV splits, so the merge runs, and its queries of 17 to 20 and 33
-    to 36 blocks end in a tail: the last split takes them on); a TP rank's heads (64, 32 or 16 of
+    (sequence 0 spans three KV splits, so the merge runs, and its queries of 17, 18, 33 and 34
+    blocks end in a tail: the last split takes them on); a TP rank's heads (64, 32 or 16 of
     them, whole_heads=128) give the whole model's bits for those heads; the whole-query
     launch (many programs: the prefill) and the split launch with its merge (few: a decode
     batch) give the same bits; engagement: the Gluon kernel ran in both launches, and the
@@ -561,7 +561,7 @@ def test_mla_attention_wide_launch_batch_and_tp_bitwise(generator):
     )
     assert not torch.equal(wide_triton, full), "the Gluon and Triton wide kernels agreed"
     # Engagement of the tail: without it only the queries whose last split took one on move
-    # (17 to 20 and 33 to 36 blocks), and some do (a tail of one key below the running max
+    # (17, 18, 33 and 34 blocks), and most do (a tail of one key below the running max
     # may fold to the same bits).
     no_tail = _attend(
         q, kv_cache, seq_ids, tables, positions, 192**-0.5, 512, *launch, is_gluon=True

@@ -550,8 +550,8 @@ def check_mla_attention_whole_query(generator: torch.Generator) -> None:
 
 def check_mla_attention_wide_launch(generator: torch.Generator) -> None:
     """A model of 64 heads takes the wide launch (64 heads a program, WIDE_LAUNCH's split and
-    tail: with 4 tail blocks the second sequence's 17 to 20 blocks of 16 are one split, its
-    21 and 22 two, so the merge runs); a TP rank holding 16 or 32 of them keeps it
+    tail: with 2 tail blocks the second sequence's 17 and 18 blocks of 16 are one split, its
+    19 to 22 two, so the merge runs); a TP rank holding 16 or 32 of them keeps it
     (whole_heads) and gives the heads' bits of the whole model's call; the launches differ
     (engagement: the wide one ran), and without the tail only queries whose tail it absorbed
     move (and some do: it ran too)."""
