@@ -624,6 +624,56 @@ def bench_split_size() -> None:
             print(f"| {batch} | {ctx} | " + " | ".join(f"{u:.1f}" for u in us) + " |")
 
 
+def bench_split_sweep() -> None:
+    """The 16-head split launch (fewer than 128 programs of whole queries: B < 128) at long
+    contexts, every launch shape that keeps its bits: value split (v_parts, lat_chunk), warps,
+    stages, the table read a block ahead; graph replay over L2-missing caches, engine-wide
+    tables (128 entries, -1 padding), each shape's bits compared with the op's. Shapes that do
+    not compile (shared memory) are skipped. The op's own launch and the best are printed."""
+    from kernels.attention_launch import SPLIT_BLOCKS
+    from kernels.triton_attention import _attend, mla_attention_triton
+
+    print("\n## the 16-head split launch's shapes at long contexts (graph replay)")
+    print("| B | ctx | the op µs | best µs [v_parts, lat_chunk, warps, stages, ahead] "
+          "| next three | shapes run | all the op's bits |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    parts = ((1, None), (2, None), (2, 128), (4, 128))
+    shapes = [
+        (v, c, w, st, ahead) for v, c in parts for w in (4, 8) for st in (2, 3)
+        for ahead in (False, True)
+    ]  # fmt: skip
+    for batch, ctx in ((8, 8192), (16, 4096), (32, 4096), (64, 2048), (64, 4096)):
+        read = batch * ctx * 576 * 2
+
+        def make(shape=None, batch=batch, ctx=ctx):
+            q, kv, seq_ids, tables, positions = _decode_cache(batch, ctx)
+            if shape is None:
+                return lambda: mla_attention_triton(
+                    q, kv, seq_ids, tables, positions, scale=192**-0.5, v_dim=512
+                )
+            v, c, w, st, ahead = shape
+            args = (q, kv, seq_ids, tables, positions, 192**-0.5, 512, SPLIT_BLOCKS, w, st)
+            return lambda: _attend(*args, 16, v, c, is_table_ahead=ahead)
+
+        bits = make()()
+        timed, same = {}, True
+        for shape in shapes:
+            try:
+                same &= torch.equal(make(shape)(), bits)
+                timed[shape] = _graph_ms(partial(make, shape), read) * 1e3
+            except Exception as exc:  # out of shared memory: that shape cannot run
+                if "resources" not in str(exc).lower() and "shared" not in str(exc).lower():
+                    raise
+        op = _graph_ms(make, read) * 1e3
+        ranked = sorted(timed, key=timed.get)
+        best = ranked[0]
+        rest = ", ".join(f"{timed[r]:.1f} {list(r)}" for r in ranked[1:4])
+        print(
+            f"| {batch} | {ctx} | {op:.1f} | {timed[best]:.1f} {list(best)} | {rest} "
+            f"| {len(timed)} | {same} |"
+        )
+
+
 @contextlib.contextmanager
 def _wide_tail(tail_blocks: int):
     """The op's wide launch with tail_blocks: the bench swaps both names the op reads (its
@@ -1322,6 +1372,7 @@ def main() -> None:
             "value_split": bench_value_split,
             "split_size": bench_split_size,
             "tail": bench_tail,
+            "split_sweep": bench_split_sweep,
             "read_floor": bench_read_floor,
             "decode_tiles": bench_decode_tiles,
             "heads": bench_heads,
