@@ -405,15 +405,15 @@ def _decode_cache(batch: int, ctx: int, seed: int = 0, width: int = 128) -> tupl
 
 
 def bench_value_split() -> None:
-    """The invariant decode attention's value split (SMALL_LAUNCHES in
-    kernels/attention_launch.py) at 16 heads: each (v_parts, lat_chunk) it may take against
+    """The invariant decode attention's value split (VALUE_SPLIT in
+    kernels/attention_launch.py, and a split of two) at 16 heads against
     whole head blocks, at contexts 1024 to 8192 with block tables as wide as the engine's
     graph for that context (16 to 128 entries, -1 padding), graph replay over L2-missing
     caches, bits compared with whole head blocks; and the op's own launch."""
-    from kernels.attention_launch import SMALL_LAUNCHES, SPLIT_BLOCKS, TABLE_AHEAD_MAX_QUERIES
+    from kernels.attention_launch import SPLIT_BLOCKS, TABLE_AHEAD_MAX_QUERIES, VALUE_SPLIT
     from kernels.triton_attention import _attend, mla_attention_triton
 
-    shapes = [(1, None)] + [(v, c) for _, v, c in SMALL_LAUNCHES]
+    shapes = [(1, None), VALUE_SPLIT, (2, None)]
     print("\n## decode attention's value split, 16 heads (graph replay)")
     cols = " | ".join(f"v_parts {v} / lat_chunk {c or 'all'} µs" for v, c in shapes)
     print(f"| B | ctx | table width | {cols} | the op µs | same bits |")
@@ -465,7 +465,7 @@ def bench_whole_query() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for batch in (32, 64, 128, 256):
         for ctx in (1024, 4096):
-            v_parts, lat_chunk = value_split(batch, 512)
+            v_parts, lat_chunk = value_split(batch, 512, 128 // SPLIT_BLOCKS)  # 128-wide tables
 
             def make(launch, batch=batch, ctx=ctx, v_parts=v_parts, lat_chunk=lat_chunk):
                 args = (*_decode_cache(batch, ctx), 192**-0.5, 512)
@@ -479,7 +479,7 @@ def bench_whole_query() -> None:
             same = all(torch.equal(make(w)(), split) for w in launches[1:])
             read = batch * ctx * 576 * 2
             us = [_graph_ms(partial(make, w), read) * 1e3 for w in launches]
-            stages = whole_query_stages(batch * v_parts)
+            stages = whole_query_stages(batch)
             taken = launches.index((stages, True) if stages else (3, False))
             print(
                 f"| {batch} | {ctx} | {us[0]:.1f} | {us[1]:.1f} | {us[2]:.1f} | {same} | "
@@ -633,7 +633,7 @@ def bench_split_size() -> None:
     print("|---|---|" + "---|" * len(sizes))
     for batch in (1, 8, 64, 256):
         for ctx in (1024, 4096):
-            v_parts, lat_chunk = value_split(batch, 512)
+            v_parts, lat_chunk = value_split(batch, 512, 128 // SPLIT_BLOCKS)  # 128-wide tables
 
             def make(split_blocks, batch=batch, ctx=ctx, v_parts=v_parts, lat_chunk=lat_chunk):
                 args = (*_decode_cache(batch, ctx), 192**-0.5, 512, split_blocks, 4, 3)

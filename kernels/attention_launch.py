@@ -72,14 +72,19 @@ def head_launch(whole_heads: int) -> HeadLaunch:
     return WIDE_LAUNCH if whole_heads >= WIDE_HEADS else NARROW_LAUNCH
 
 
-# Launches of at most this many queries split each head block's value columns over programs
-# (v_parts, lat_chunk by count; H200, graph replay, 16 heads, context 1024: 17.3 -> 14.5 us at
-# one query, 21.2 -> 17.2 at eight, worse from 16; BENCHMARKS.md). A program still computes
-# every score of its heads in the same dots and keeps only some value columns, whose sums do
-# not depend on which others a program holds: the same bits at every launch (checked on the
-# GPU), so the choice may follow the query count.
-# NARROW_LAUNCH only: with 64-head blocks the parts ran out of shared memory or lost (H200).
-SMALL_LAUNCHES = ((1, 4, 128), (8, 2, None))  # (at most this many queries, v_parts, lat_chunk)
+# Launches of at most this many (query, KV split) pairs, the splits counted from the table's
+# width (a host shape), split each head block's value columns over VALUE_SPLIT's programs: a
+# program still computes every score of its heads in the same dots and keeps only some value
+# columns, whose sums do not depend on which others a program holds, so every launch gives the
+# same bits (checked on the GPU) and the choice may follow the batch. H200, 16 heads, graph
+# replay, tables as wide as the engine's graphs (BENCHMARKS.md, nineteenth session): four
+# parts gained at 4 to 32 pairs (one query at context 1024 15.0 -> 12.7 us, eight 17.8 ->
+# 16.4, one at 8192 19.4 -> 17.1) and lost 2x from 64 (eight queries at 8192: 36.2 -> 72.3;
+# one wave of programs either way); two parts gained nowhere (the earlier rule's two parts up to
+# eight queries made eight at 8192 73.8 us). NARROW_LAUNCH only: with 64-head blocks the parts
+# ran out of shared memory or lost (H200).
+VALUE_SPLIT_MAX_PAIRS = 32
+VALUE_SPLIT = (4, 128)  # (v_parts, lat_chunk)
 MIN_PART_COLUMNS = 128  # value columns a program keeps at least (the measured 512 / 4)
 # Launches with at least this many (query, head block) programs give each one a whole query
 # (WHOLE_QUERY): its splits folded in the program, so no fp32 partials cross HBM and no merge
@@ -99,17 +104,20 @@ WHOLE_QUERY_STAGES = ((256, 2), (128, 3))
 WIDE_WHOLE_QUERY_PROGRAMS = 128
 # Launches of at most this many queries (the split launch) also read the table a block ahead
 # at three stages: H200, 16 heads, engine-wide tables, one query 15.1 -> 12.9 us at context
-# 1024, 17.2 -> 14.9 at 4096; at 2 to 8 queries (v_parts 2) three stages do not fit and two
-# gain under 1 us; at 16 and 32 it gains at context 1024 and loses at 4096 (BENCHMARKS.md).
+# 1024, 17.2 -> 14.9 at 4096; at 2 to 8 queries (then two value parts) three stages did not
+# fit and two gained under 1 us; at 16 and 32 it gains at context 1024 and loses at 4096
+# (BENCHMARKS.md).
 TABLE_AHEAD_MAX_QUERIES = 1
 
 
-def value_split(num_tokens: int, block_v: int) -> tuple[int, int | None]:
-    """(v_parts, lat_chunk) of a GPU launch of num_tokens queries whose value block is block_v
-    columns (SMALL_LAUNCHES; parts of at least MIN_PART_COLUMNS, so lat_chunk divides it)."""
-    for max_tokens, v_parts, lat_chunk in SMALL_LAUNCHES:
-        if num_tokens <= max_tokens and block_v // v_parts >= MIN_PART_COLUMNS:
-            return v_parts, lat_chunk
+def value_split(num_tokens: int, block_v: int, num_splits: int) -> tuple[int, int | None]:
+    """(v_parts, lat_chunk) of a GPU launch of num_tokens queries of at most num_splits KV
+    splits each whose value block is block_v columns: VALUE_SPLIT where the launch has at most
+    VALUE_SPLIT_MAX_PAIRS (query, split) pairs and each part keeps MIN_PART_COLUMNS columns
+    (so lat_chunk divides it), else whole head blocks (1, None)."""
+    v_parts, _ = VALUE_SPLIT
+    if num_tokens * num_splits <= VALUE_SPLIT_MAX_PAIRS and block_v // v_parts >= MIN_PART_COLUMNS:
+        return VALUE_SPLIT
     return 1, None
 
 

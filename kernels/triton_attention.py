@@ -273,18 +273,21 @@ def mla_attention_triton(
     launch = head_launch(q.shape[1] if whole_heads is None else whole_heads)
     # The interpreter's dots are numpy's, not checked across widths: it keeps whole head blocks.
     block_v = triton.next_power_of_2(v_dim)
+    num_splits = split_count(block_tables.shape[1], launch.split_blocks, launch.tail_blocks)
     is_narrow = launch == NARROW_LAUNCH and not _is_interpreted()
-    v_parts, lat_chunk = value_split(q.shape[0], block_v) if is_narrow else (1, None)
+    v_parts, lat_chunk = (1, None)
+    if is_narrow:
+        v_parts, lat_chunk = value_split(q.shape[0], block_v, num_splits)
     is_wide = launch == WIDE_LAUNCH and not _is_interpreted()
     is_gluon = is_wide and fits_gluon(q, kv_cache, v_dim, launch.block_h)
-    num_programs = q.shape[0] * triton.cdiv(q.shape[1], launch.block_h) * v_parts
-    whole_stages = whole_query_stages(num_programs) if launch == NARROW_LAUNCH else None
+    # (query, head block) programs: the value split's parts of a launch are not counted (a
+    # launch that splits its values has few pairs: the split launch).
+    num_programs = q.shape[0] * triton.cdiv(q.shape[1], launch.block_h)
+    whole_stages = None
+    if launch == NARROW_LAUNCH and v_parts == 1:
+        whole_stages = whole_query_stages(num_programs)
     # (Where the table holds one split the split launch writes the output directly already.)
-    is_wide_whole = (
-        is_gluon
-        and num_programs >= WIDE_WHOLE_QUERY_PROGRAMS
-        and split_count(block_tables.shape[1], launch.split_blocks, launch.tail_blocks) > 1
-    )
+    is_wide_whole = is_gluon and num_programs >= WIDE_WHOLE_QUERY_PROGRAMS and num_splits > 1
     is_ahead = launch == NARROW_LAUNCH and q.shape[0] <= TABLE_AHEAD_MAX_QUERIES
     return _attend(
         q, kv_cache, query_seq_ids, block_tables, positions, scale, v_dim, launch.split_blocks,

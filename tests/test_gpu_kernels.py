@@ -460,7 +460,7 @@ def _check_attention_rows(attend, cache, seq_lens, chunk_ends, generator):
 def test_mla_attention_prefill_decode_and_batch_bitwise(generator):
     """DeepSeek-V2-Lite MLA: 16 heads, latent 512 + rope 64, cache blocks of 64 positions."""
     from kernels.attention import mla_attention_fast
-    from kernels.attention_launch import SPLIT_BLOCKS, value_split
+    from kernels.attention_launch import SPLIT_BLOCKS, VALUE_SPLIT, split_count, value_split
     from kernels.triton_attention import mla_attention_triton
 
     seq_lens = (1000, 70, 300, 5, 257)
@@ -479,9 +479,11 @@ def test_mla_attention_prefill_decode_and_batch_bitwise(generator):
     narrow = tables[:, :SPLIT_BLOCKS].contiguous()
     got = mla_attention_triton(q[short], kv_cache, seq_ids[short], narrow, positions[short], **args)
     assert torch.equal(got, full[short])
-    # Engagement: the single-token, five-query and whole launches above took three different
-    # value splits (the launch shape follows the query count; the bits must not).
-    assert len({value_split(n, 512) for n in (1, len(seq_lens), q.shape[0])}) == 3
+    # Engagement: the single-token and five-query launches above split their value columns,
+    # the whole call does not (the launch shape follows the batch; the bits must not).
+    num_splits = split_count(tables.shape[1], SPLIT_BLOCKS, 0)
+    assert value_split(1, 512, num_splits) == value_split(5, 512, num_splits) == VALUE_SPLIT
+    assert value_split(q.shape[0], 512, num_splits) == (1, None)
     # Negative control: the fast path's per-sequence matmuls see M = the query count.
     fast_full = mla_attention_fast(q, kv_cache, seq_ids, tables, positions, **args)
     fast_decode = mla_attention_fast(
@@ -594,7 +596,7 @@ def test_mla_value_split_launches_give_the_same_bits(generator, num_tokens):
     """Every (v_parts, lat_chunk) the op may pick, at decode shapes (engine-wide tables, -1
     padding), gives the whole-head-block launch's bits; a different KV split (part of the
     merge order) is the control that the comparison can fail."""
-    from kernels.attention_launch import SMALL_LAUNCHES, SPLIT_BLOCKS
+    from kernels.attention_launch import SPLIT_BLOCKS, VALUE_SPLIT
     from kernels.triton_attention import _attend
 
     seq_lens = [1024] + [300 + 23 * i for i in range(num_tokens - 1)]  # 1 to 16 blocks
@@ -604,7 +606,7 @@ def test_mla_value_split_launches_give_the_same_bits(generator, num_tokens):
     wide[:, : tables.shape[1]] = tables
     args = (q[last], kv_cache, seq_ids[last], wide, positions[last], 192**-0.5, 512)
     whole = _attend(*args, SPLIT_BLOCKS, 4, 3)
-    for _, v_parts, lat_chunk in SMALL_LAUNCHES:
+    for v_parts, lat_chunk in (VALUE_SPLIT, (2, None)):  # the op's, and a split of two
         got = _attend(*args, SPLIT_BLOCKS, 4, 3, v_parts=v_parts, lat_chunk=lat_chunk)
         assert torch.equal(got, whole), (v_parts, lat_chunk)
         # The table read a block ahead (one query's launch: TABLE_AHEAD_MAX_QUERIES).
