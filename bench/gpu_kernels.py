@@ -406,16 +406,22 @@ def _decode_cache(batch: int, ctx: int, seed: int = 0, width: int = 128) -> tupl
 
 def bench_value_split() -> None:
     """The invariant decode attention's value split (VALUE_SPLIT in
-    kernels/attention_launch.py, and a split of two) at 16 heads against
-    whole head blocks, at contexts 1024 to 8192 with block tables as wide as the engine's
-    graph for that context (16 to 128 entries, -1 padding), graph replay over L2-missing
-    caches, bits compared with whole head blocks; and the op's own launch."""
-    from kernels.attention_launch import SPLIT_BLOCKS, TABLE_AHEAD_MAX_QUERIES, VALUE_SPLIT
+    kernels/attention_launch.py, and a split of two) at 16 heads against whole head blocks,
+    each also with the table read a block ahead (TABLE_AHEAD_MAX_QUERIES), at contexts 1024
+    to 8192 with block tables as wide as the engine's graph for that context (16 to 128
+    entries, -1 padding), graph replay over L2-missing caches, bits compared with whole head
+    blocks; and the op's own launch."""
+    from kernels.attention_launch import SPLIT_BLOCKS, VALUE_SPLIT
     from kernels.triton_attention import _attend, mla_attention_triton
 
-    shapes = [(1, None), VALUE_SPLIT, (2, None)]
+    shapes = [
+        (1, None, False), (1, None, True), (*VALUE_SPLIT, False), (*VALUE_SPLIT, True),
+        (2, None, False),
+    ]  # fmt: skip
     print("\n## decode attention's value split, 16 heads (graph replay)")
-    cols = " | ".join(f"v_parts {v} / lat_chunk {c or 'all'} µs" for v, c in shapes)
+    cols = " | ".join(
+        f"v_parts {v} / lat_chunk {c or 'all'}{' / ahead' if a else ''} µs" for v, c, a in shapes
+    )
     print(f"| B | ctx | table width | {cols} | the op µs | same bits |")
     print("|---|---|---|" + "---|" * (len(shapes) + 2))
     for ctx in (1024, 2048, 4096, 8192):
@@ -424,9 +430,8 @@ def bench_value_split() -> None:
         while width < blocks:
             width *= 2
         for batch in (1, 2, 4, 8, 16):
-            ahead = batch <= TABLE_AHEAD_MAX_QUERIES
 
-            def make(v_parts=None, lat_chunk=None, batch=batch, ctx=ctx, width=width, ahead=ahead):
+            def make(v_parts=None, lat_chunk=None, ahead=False, batch=batch, ctx=ctx, width=width):
                 cache = _decode_cache(batch, ctx, width=width)
                 if v_parts is None:
                     return lambda: mla_attention_triton(*cache, scale=192**-0.5, v_dim=512)
