@@ -429,7 +429,7 @@ def bench_value_split() -> None:
         width = 16
         while width < blocks:
             width *= 2
-        for batch in (1, 2, 4, 8, 16):
+        for batch in (1, 2, 4, 8, 16, 32, 64):
 
             def make(v_parts=None, lat_chunk=None, ahead=False, batch=batch, ctx=ctx, width=width):
                 cache = _decode_cache(batch, ctx, width=width)

@@ -102,12 +102,15 @@ WHOLE_QUERY_STAGES = ((256, 2), (128, 3))
 # splits) B = 64 / 128 / 256 0.92-0.94x the split launch's time, context 4096 B = 64 1.00x,
 # B = 32 (64 programs) 1.11x, and where a table holds one split 1.02x.
 WIDE_WHOLE_QUERY_PROGRAMS = 128
-# Launches of at most this many queries (the split launch) also read the table a block ahead
-# at three stages: H200, 16 heads, engine-wide tables, one query 15.1 -> 12.9 us at context
-# 1024, 17.2 -> 14.9 at 4096; at 2 to 8 queries (then two value parts) three stages did not
-# fit and two gained under 1 us; at 16 and 32 it gains at context 1024 and loses at 4096
-# (BENCHMARKS.md).
-TABLE_AHEAD_MAX_QUERIES = 1
+# Split launches of at most this many (query, KV split) pairs (the splits counted from the
+# table's width, as VALUE_SPLIT_MAX_PAIRS) also read the table a block ahead at three stages
+# (no arithmetic changes: the same bits, checked on the GPU). H200, 16 heads, graph replay,
+# tables as wide as the engine's graphs (BENCHMARKS.md, nineteenth session): it gained at
+# every 4 to 128 pairs (eight queries at context 1024, four value parts: 16.6 -> 13.7 us;
+# sixteen at 2048, whole head blocks: 24.4 -> 20.2; four at 8192: 27.4 -> 23.0) and lost from
+# 256 (sixteen at 4096: 34.5 -> 38.5; eight at 8192: 36.3 -> 41.0). (The rule before took it
+# at one query only, from tables 128 wide at every context.)
+TABLE_AHEAD_MAX_PAIRS = 128
 
 
 def value_split(num_tokens: int, block_v: int, num_splits: int) -> tuple[int, int | None]:

@@ -21,7 +21,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from kernels.attention_launch import (
     BLOCK_H,
     NARROW_LAUNCH,
-    TABLE_AHEAD_MAX_QUERIES,
+    TABLE_AHEAD_MAX_PAIRS,
     WIDE_LAUNCH,
     WIDE_WHOLE_QUERY_PROGRAMS,
     head_launch,
@@ -288,7 +288,7 @@ def mla_attention_triton(
         whole_stages = whole_query_stages(num_programs)
     # (Where the table holds one split the split launch writes the output directly already.)
     is_wide_whole = is_gluon and num_programs >= WIDE_WHOLE_QUERY_PROGRAMS and num_splits > 1
-    is_ahead = launch == NARROW_LAUNCH and q.shape[0] <= TABLE_AHEAD_MAX_QUERIES
+    is_ahead = launch == NARROW_LAUNCH and q.shape[0] * num_splits <= TABLE_AHEAD_MAX_PAIRS
     return _attend(
         q, kv_cache, query_seq_ids, block_tables, positions, scale, v_dim, launch.split_blocks,
         launch.num_warps, whole_stages or launch.num_stages, launch.block_h, v_parts=v_parts,

@@ -609,10 +609,12 @@ def test_mla_value_split_launches_give_the_same_bits(generator, num_tokens):
     for v_parts, lat_chunk in (VALUE_SPLIT, (2, None)):  # the op's, and a split of two
         got = _attend(*args, SPLIT_BLOCKS, 4, 3, v_parts=v_parts, lat_chunk=lat_chunk)
         assert torch.equal(got, whole), (v_parts, lat_chunk)
-        # The table read a block ahead (one query's launch: TABLE_AHEAD_MAX_QUERIES).
+    # The table read a block ahead (launches of few pairs: TABLE_AHEAD_MAX_PAIRS), whole head
+    # blocks and the op's value split at three stages (two parts fit at two only).
+    for v_parts, lat_chunk, stages in ((1, None, 3), (*VALUE_SPLIT, 3), (2, None, 2)):
         got = _attend(
-            *args, SPLIT_BLOCKS, 4, 2 if lat_chunk is None else 3, v_parts=v_parts,
-            lat_chunk=lat_chunk, is_table_ahead=True,
+            *args, SPLIT_BLOCKS, 4, stages, v_parts=v_parts, lat_chunk=lat_chunk,
+            is_table_ahead=True,
         )  # fmt: skip
         assert torch.equal(got, whole), (v_parts, lat_chunk, "ahead")
     assert not torch.equal(_attend(*args, SPLIT_BLOCKS // 2, 4, 3), whole), "no control"
