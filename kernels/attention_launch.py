@@ -1,10 +1,11 @@
 """Which launch the invariant MLA attention takes (kernels/triton_attention.py).
 
 Two kinds of choice, kept apart. Per model, fixed (part of the bits): the heads a program
-takes (the MMA) and the KV split (the merge order), from the model's head count at TP 1.
-Per launch, from host shapes only (the same bits, checked on the GPU): the value split, the
-whole-query programs and the table read a block ahead, by the launch's query count. No choice
-reads a tensor, so none syncs the host or breaks a CUDA graph.
+takes (the MMA), its warps, and the KV split with its tail (the merge order), from the model's
+head count at TP 1. Per launch, from host shapes only (the same bits, checked on the GPU): the
+value split and the table read a block ahead by the launch's (query, KV split) pairs (the
+splits counted from the table's width), the whole-query programs by its query count. No
+choice reads a tensor, so none syncs the host or breaks a CUDA graph.
 """
 
 from __future__ import annotations
