@@ -6,7 +6,8 @@ device copy measured in the same run (the ceiling), with the torch versions besi
 Times are medians of triton.testing.do_bench (CUDA events, warm-up, L2 flushed per call).
 
     PYTHONUNBUFFERED=1 python bench/gpu_kernels.py [rows linear grouped attention sweep layer
-        row_parallel tree_crossover split_prefill value_split whole_query read_floor heads]
+        row_parallel tree_crossover split_prefill value_split split_sweep whole_query tail
+        read_floor heads ...] (every section: the table in main)
 """
 
 from __future__ import annotations
