@@ -43,6 +43,7 @@ from kernels.triton_rmsnorm import rms_norm_triton  # noqa: E402
 from kernels.triton_softmax import log_softmax_triton  # noqa: E402
 from kernels.triton_split_k import arrival_counts, launch_split_k  # noqa: E402
 from moe_runtime.config import load_config  # noqa: E402
+from moe_runtime.worker.cuda_graphs import table_widths  # noqa: E402
 
 # (name, in_dim K, out_dim N) of DeepSeek-V2-Lite (hidden 2048), from the shipped config.
 LINEAR_SHAPES = load_config(ROOT / "launch" / "configs" / "v2_lite_gpu.yaml").model.linear_shapes()
@@ -390,6 +391,12 @@ def bench_attention() -> None:
             )
 
 
+def _graph_width(blocks: int) -> int:
+    """The block-table width of the engine's decode graph for a batch whose longest context
+    is `blocks` cache blocks (table_widths of a 128-block model)."""
+    return next(w for w in table_widths(128) if w >= blocks)
+
+
 def _decode_cache(batch: int, ctx: int, seed: int = 0, width: int = 128) -> tuple:
     """(q, kv_cache, seq_ids, block_tables, positions) of a 16-head decode step: batch queries
     at position ctx - 1, each over its own shuffled cache blocks of 64, bf16, block tables
@@ -408,7 +415,7 @@ def _decode_cache(batch: int, ctx: int, seed: int = 0, width: int = 128) -> tupl
 def bench_value_split() -> None:
     """The invariant decode attention's value split (VALUE_SPLIT in
     kernels/attention_launch.py, and a split of two) at 16 heads against whole head blocks,
-    each also with the table read a block ahead (TABLE_AHEAD_MAX_QUERIES), at contexts 1024
+    each also with the table read a block ahead (TABLE_AHEAD_MAX_PAIRS), at contexts 1024
     to 8192 with block tables as wide as the engine's graph for that context (16 to 128
     entries, -1 padding), graph replay over L2-missing caches, bits compared with whole head
     blocks; and the op's own launch."""
@@ -427,9 +434,7 @@ def bench_value_split() -> None:
     print("|---|---|---|" + "---|" * (len(shapes) + 2))
     for ctx in (1024, 2048, 4096, 8192):
         blocks = ctx // 64
-        width = 16
-        while width < blocks:
-            width *= 2
+        width = _graph_width(blocks)
         for batch in (1, 2, 4, 8, 16, 32, 64):
 
             def make(v_parts=None, lat_chunk=None, ahead=False, batch=batch, ctx=ctx, width=width):
@@ -688,9 +693,8 @@ def bench_split_sweep() -> None:
                 if not torch.equal(make(shape)(), bits):
                     differ.append(list(shape))
                 timed[shape] = _graph_ms(partial(make, shape), read) * 1e3
-            except Exception as exc:  # out of shared memory: that shape cannot run
-                if "resources" not in str(exc).lower() and "shared" not in str(exc).lower():
-                    raise
+            except triton.runtime.errors.OutOfResources:  # out of shared memory: cannot run
+                continue
         op = _graph_ms(make, read) * 1e3
         ranked = sorted(timed, key=timed.get)
         best = ranked[0]
@@ -733,9 +737,7 @@ def bench_tail() -> None:
     for batch in (1, 8, 64, 256):
         for ctx in (1088, 1152, 1280, 1344, 2112):
             blocks = -(-ctx // 64)
-            width = 16
-            while width < blocks:
-                width *= 2
+            width = _graph_width(blocks)
 
             def make(batch=batch, ctx=ctx, blocks=blocks, width=width):
                 kv = torch.randn(batch * blocks, 64, 576, device="cuda").bfloat16()
