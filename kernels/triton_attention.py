@@ -271,6 +271,12 @@ def mla_attention_triton(
     # The launch (measured on the H200, BENCHMARKS.md) is fixed per model, so prefill and
     # decode compile the same kernel and round the same way.
     launch = head_launch(q.shape[1] if whole_heads is None else whole_heads)
+    if launch == WIDE_LAUNCH and q.element_size() > 2 and not _is_interpreted():
+        raise ValueError(
+            f"invariant attention of a {whole_heads or q.shape[1]}-head model (64 heads a "
+            f"program) needs 16-bit q and kv_cache on the GPU, got {q.dtype}: the fp32 "
+            "split kernel's cache blocks need 311 KB of shared memory (sm_90 has 227)"
+        )
     # The interpreter's dots are numpy's, not checked across widths: it keeps whole head blocks.
     block_v = triton.next_power_of_2(v_dim)
     num_splits = split_count(block_tables.shape[1], launch.split_blocks, launch.tail_blocks)
@@ -288,13 +294,17 @@ def mla_attention_triton(
         whole_stages = whole_query_stages(num_programs)
     # (Where the table holds one split the split launch writes the output directly already.)
     is_wide_whole = is_gluon and num_programs >= WIDE_WHOLE_QUERY_PROGRAMS and num_splits > 1
-    is_ahead = launch == NARROW_LAUNCH and q.shape[0] * num_splits <= TABLE_AHEAD_MAX_PAIRS
+    # The table read ahead gives the pipeliner a second cache-block buffer: 16-bit blocks only
+    # (fp32 blocks are twice the bytes: 336 KB of shared memory then, sm_90 has 227).
+    is_ahead_ok = launch == NARROW_LAUNCH and q.element_size() == 2
+    is_ahead = is_ahead_ok and q.shape[0] * num_splits <= TABLE_AHEAD_MAX_PAIRS
     return _attend(
         q, kv_cache, query_seq_ids, block_tables, positions, scale, v_dim, launch.split_blocks,
         launch.num_warps, whole_stages or launch.num_stages, launch.block_h, v_parts=v_parts,
         lat_chunk=lat_chunk, is_gluon=is_gluon,
         is_whole_query=whole_stages is not None or is_wide_whole,
-        is_table_ahead=is_ahead or whole_stages is not None, tail_blocks=launch.tail_blocks,
+        is_table_ahead=is_ahead or (whole_stages is not None and is_ahead_ok),
+        tail_blocks=launch.tail_blocks,
     )  # fmt: skip
 
 

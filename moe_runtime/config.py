@@ -20,6 +20,7 @@ from comm.config import ParallelConfig
 from comm.deepep_dispatch import check_deepep_shapes, is_deepep_installed
 from comm.groups import select_backend
 from eplb.config import EplbConfig
+from kernels.attention_launch import WIDE_HEADS
 from kernels.config import KernelConfig
 from moe_runtime.model_config import ModelConfig
 
@@ -156,6 +157,16 @@ class RuntimeConfig:
                 f"nccl backend, got parallel.backend {parallel.backend!r} (gloo)"
             )
         self._check_layout()
+        model = self.model
+        is_wide = model.num_attention_heads >= WIDE_HEADS
+        if self.kernels.is_invariant and parallel.device == "cuda" and is_wide:
+            if model.dtype != "bfloat16":  # (kernels/triton_attention.py refuses it too)
+                raise ValueError(
+                    f"kernels.mode 'invariant' on parallel.device 'cuda' with "
+                    f"model.num_attention_heads={model.num_attention_heads} (>= {WIDE_HEADS}: "
+                    f"64 heads an attention program) needs model.dtype 'bfloat16', got "
+                    f"{model.dtype!r} (fp32 cache blocks do not fit in shared memory)"
+                )
         if parallel.ep_backend == "deepep":
             self._check_deepep()
         if self.kernels.is_invariant and self.parallel.allow_multiple_reduction:

@@ -303,3 +303,16 @@ def test_v2_norm_topk_prob_follows_deepseek_gate(tmp_path, top_k, norm_in, norm,
         routed_scaling_factor=2.0,
     )
     assert (cfg.norm_topk_prob, cfg.routed_scaling_factor) == (norm, scale)
+
+
+def test_invariant_cuda_models_of_64_heads_or_more_need_bf16():
+    """Their attention programs take 64 heads, whose fp32 cache blocks do not fit in the GPU's
+    shared memory: refused at load, naming the keys; fast mode and bf16 load."""
+    wide = {"model.num_attention_heads": 64, "model.dtype": "float32"}
+    with pytest.raises(ValueError, match="model.num_attention_heads=64.*model.dtype 'bfloat16'"):
+        load_config(CONFIGS / "tiny_gpu.yaml", wide)
+    assert load_config(CONFIGS / "tiny_gpu.yaml", {**wide, "kernels.mode": "fast"}).model.dtype
+    bf16 = load_config(CONFIGS / "tiny_gpu.yaml", {**wide, "model.dtype": "bfloat16"})
+    assert bf16.model.num_attention_heads == 64
+    narrow = load_config(CONFIGS / "tiny_gpu.yaml", {"model.dtype": "float32"})
+    assert narrow.model.dtype == "float32"  # 4 heads: the 16-head launch, fp32 fits

@@ -78,3 +78,71 @@ def test_only_the_mla_shape_on_cuda_takes_the_gluon_kernel():
     assert not fits_gluon(q, kv, 512, 64)  # CPU tensors: the Triton kernel (interpreter)
     meta_q, meta_kv = q.to("meta"), kv.to("meta")
     assert not fits_gluon(meta_q, meta_kv, 512, 64)
+
+
+def _sm90_shared_bytes(kernel, args: tuple, kwargs: dict) -> int:
+    """Shared memory of kernel compiled for sm_90 as launched with (args, kwargs): pointer
+    and scalar types from the arguments, constexprs, warps and stages from the keywords."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = list(kernel.arg_names)
+    types = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.int64: "*i64"}
+    signature = {
+        name: types[a.dtype] if isinstance(a, torch.Tensor) else "fp32" if isinstance(a, float)
+        else "i32"
+        for name, a in zip(names, args, strict=False)
+    }  # fmt: skip
+    consts = {k: v for k, v in kwargs.items() if k not in ("num_warps", "num_stages")}
+    source = ASTSource(kernel, {**signature, **dict.fromkeys(consts, "constexpr")}, consts)
+    options = dict(num_warps=kwargs["num_warps"], num_stages=kwargs["num_stages"])
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).metadata.shared
+
+
+def test_the_ops_triton_launches_fit_sm90_shared_memory(monkeypatch):
+    """Every Triton split-kernel launch the invariant attention op takes on a GPU without the
+    Gluon kernel's shape (16 heads; fp32 or bf16; one to 256 queries; tables of 16 and 128
+    blocks) compiles for sm_90 inside its shared memory: the launch choices (value split,
+    whole-query stages, the table read ahead) follow host shapes, so a choice that does not fit
+    would fail only on the GPU, at that batch. (fp32 with the read ahead needed 336 KB.)
+    Engagement: the launches recorded cover the split and whole-query forms, the value split
+    and the read ahead."""
+    import kernels.triton_attention as attention
+
+    kernel, launches = attention._mla_split_kernel, []
+
+    class Recorder:  # records the op's launches instead of running them (CPU tensors)
+        def __init__(self, record: bool) -> None:
+            self.record = record
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: self.record and launches.append((args, kwargs))
+
+    monkeypatch.setattr(attention, "_mla_split_kernel", Recorder(True))
+    monkeypatch.setattr(attention, "_mla_merge_kernel", Recorder(False))
+    monkeypatch.setattr(attention, "_check", lambda *args: None)  # CPU tensors, GPU choices
+    for dtype in (torch.float32, torch.bfloat16):
+        for tokens in (1, 8, 32, 128, 256):
+            for width in (16, 128):
+                q = torch.zeros(tokens, 16, 576, dtype=dtype)
+                kv = torch.zeros(4, 64, 576, dtype=dtype)
+                tables = torch.zeros(tokens, width, dtype=torch.int64)
+                rows = torch.zeros(tokens, dtype=torch.int64)
+                attention.mla_attention_triton(
+                    q, kv, rows, tables, rows, scale=192**-0.5, v_dim=512
+                )
+    # 64 heads a program: fp32 does not fit at all (311 KB), refused with the dtype named.
+    wide_q = torch.zeros(8, 128, 576)
+    with pytest.raises(ValueError, match="128-head model.*torch.float32"):
+        attention.mla_attention_triton(
+            wide_q, torch.zeros(4, 64, 576), rows[:8], tables[:8], rows[:8], scale=0.1, v_dim=512
+        )
+    shapes = {}
+    for args, kwargs in launches:
+        key = (args[0].dtype, *sorted((k, str(v)) for k, v in kwargs.items()))
+        shapes.setdefault(key, (args, kwargs))
+    seen = {(k["V_PARTS"], k["WHOLE_QUERY"], k["TABLE_AHEAD"]) for _, k in shapes.values()}
+    assert {(4, False, True), (1, False, True), (1, True, True), (1, True, False)} <= seen, seen
+    for args, kwargs in shapes.values():
+        shared = _sm90_shared_bytes(kernel, args, kwargs)
+        assert shared <= SM90_SHARED_BYTES, (args[0].dtype, kwargs, shared)
