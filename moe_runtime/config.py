@@ -20,7 +20,7 @@ from comm.config import ParallelConfig
 from comm.deepep_dispatch import check_deepep_shapes, is_deepep_installed
 from comm.groups import select_backend
 from eplb.config import EplbConfig
-from kernels.attention_launch import WIDE_HEADS
+from kernels.attention_launch import WIDE_HEADS, WIDE_LAUNCH, head_launch
 from kernels.config import KernelConfig
 from moe_runtime.model_config import ModelConfig
 
@@ -158,15 +158,16 @@ class RuntimeConfig:
             )
         self._check_layout()
         model = self.model
-        is_wide = model.num_attention_heads >= WIDE_HEADS
-        if self.kernels.is_invariant and parallel.device == "cuda" and is_wide:
-            if model.dtype != "bfloat16":  # (kernels/triton_attention.py refuses it too)
-                raise ValueError(
-                    f"kernels.mode 'invariant' on parallel.device 'cuda' with "
-                    f"model.num_attention_heads={model.num_attention_heads} (>= {WIDE_HEADS}: "
-                    f"64 heads an attention program) needs model.dtype 'bfloat16', got "
-                    f"{model.dtype!r} (fp32 cache blocks do not fit in shared memory)"
-                )
+        is_wide = head_launch(model.num_attention_heads) == WIDE_LAUNCH
+        is_gpu_invariant = self.kernels.is_invariant and parallel.device == "cuda"
+        if is_gpu_invariant and is_wide and model.dtype != "bfloat16":
+            # (kernels/triton_attention.py refuses it too)
+            raise ValueError(
+                f"kernels.mode 'invariant' on parallel.device 'cuda' with "
+                f"model.num_attention_heads={model.num_attention_heads} (>= {WIDE_HEADS}: "
+                f"64 heads an attention program) needs model.dtype 'bfloat16', got "
+                f"{model.dtype!r} (fp32 cache blocks do not fit in shared memory)"
+            )
         if parallel.ep_backend == "deepep":
             self._check_deepep()
         if self.kernels.is_invariant and self.parallel.allow_multiple_reduction:
