@@ -1,0 +1,124 @@
+"""Golden invariance on the GPU at DeepSeek-V3's 128 heads: the wide attention launch (64 heads a
+program, the Gluon kernel on sm_90) through the engine, CUDA graphs on.
+
+The kernel tests (tests/test_gluon_attention.py) prove the wide launch's forms give one
+another's bits; this runs them where the engine picks them: a tiny model with V3's attention
+shape (128 heads, latent 512, rope 64, cache blocks of 64) and prompts up to 1400 tokens, so a
+query has one or two KV splits (two from 19 blocks: tail_blocks). Alone (decode: the split
+launch), all 64 together (decode: whole-query programs from 64 queries) and shuffled
+sub-batches give the same bits, as do decoded and re-scored logprobs. Engagement: the Gluon
+launches are counted, both forms and two-split tables among them. Negative control: fast mode
+(cuBLAS, FlashMLA where installed) differs. Skipped without a Hopper GPU.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import kernels.triton_attention as triton_attention
+from moe_runtime import LLM
+from tests.invariance import mixed_params, mixed_prompts, random_sub_batches, run_in_batches
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+        reason="needs a Hopper GPU (the Gluon kernel's warpgroup MMAs)",
+    ),
+]
+
+TINY_GPU = Path(__file__).resolve().parent.parent / "launch" / "configs" / "tiny_gpu.yaml"
+NUM_PROMPTS, MAX_TOKENS = 64, 16
+# V3's attention shape on the tiny model: the Gluon kernel's (GLUON_SHAPE) and its head count.
+WIDE_HEADS = {
+    "model.num_attention_heads": 128,
+    "model.kv_lora_rank": 512,
+    "model.qk_rope_head_dim": 64,
+    "model.max_position_embeddings": 2048,
+    "cache.block_size": 64,
+    "cache.num_blocks": 2048,
+    "cache.enable_prefix_caching": False,
+    "scheduler.max_model_len": 2048,
+}
+TWO_SPLITS_FROM = 19 * 64  # tokens: a 16-block split plus the 2 tail blocks hold 18 blocks
+
+
+@pytest.fixture(scope="module")
+def workload():
+    prompts = mixed_prompts(NUM_PROMPTS, 8, 1400, seed=29)
+    assert sum(len(p) > TWO_SPLITS_FROM for p in prompts) >= 8, "too few two-split prompts"
+    return prompts, mixed_params(NUM_PROMPTS, MAX_TOKENS)
+
+
+@pytest.fixture
+def gluon_launches(monkeypatch) -> list[tuple[bool, int]]:
+    """(whole-query, block-table width) of every Gluon launch, eager or captured."""
+    launches: list[tuple[bool, int]] = []
+    launch = triton_attention.launch_wide_split
+
+    def spy(grid, q, kv_cache, seq_ids, block_tables, *args, **kwargs):
+        launches.append((bool(args[-1]), block_tables.shape[1]))
+        return launch(grid, q, kv_cache, seq_ids, block_tables, *args, **kwargs)
+
+    monkeypatch.setattr(triton_attention, "launch_wide_split", spy)
+    return launches
+
+
+def _runs(mode: str, workload, num_alone: int) -> tuple[dict, dict, dict]:
+    """(the first num_alone prompts alone, all together, shuffled sub-batches)."""
+    prompts, params = workload
+    llm = LLM(TINY_GPU, **{"kernels.mode": mode, **WIDE_HEADS})
+    graphs = llm.engine.executor.worker.runner.graphs
+    try:
+        alone = run_in_batches(llm, prompts, params, [[i] for i in range(num_alone)])
+        together = run_in_batches(llm, prompts, params, [list(range(NUM_PROMPTS))])
+        shuffled = run_in_batches(llm, prompts, params, random_sub_batches(NUM_PROMPTS, seed=7))
+    finally:
+        llm.shutdown()
+    # Engagement: the decode steps ran as graph replays (most of each run's steps).
+    assert graphs is not None and graphs.num_replays >= num_alone * (MAX_TOKENS - 1) // 2
+    return alone, together, shuffled
+
+
+def test_gpu_golden_128_heads(workload, gluon_launches):
+    alone, together, shuffled = _runs("invariant", workload, NUM_PROMPTS)
+    forms = {(whole, width > 16) for whole, width in gluon_launches}
+    assert (False, True) in forms, "no split launch over a two-split table ran"
+    assert (True, True) in forms, "no whole-query launch over a two-split table ran"
+    assert all(len(alone[i][0]) == MAX_TOKENS for i in alone)
+    for i in range(NUM_PROMPTS):
+        assert together[i] == alone[i], f"prompt {i}: batched differs from alone"
+        assert shuffled[i] == alone[i], f"prompt {i}: shuffled differs from alone"
+
+
+def test_gpu_golden_128_heads_negative_control_fast(workload):
+    alone, together, shuffled = _runs("fast", workload, 16)
+    differing = [i for i in alone if together[i] != alone[i] or shuffled[i] != alone[i]]
+    assert differing, "fast mode gave identical bits alone and batched: the test cannot fail"
+
+
+def _decode_vs_score(mode: str, workload) -> list[tuple[list[float], list[float]]]:
+    prompts, params = workload
+    prompts, params = prompts[:16], params[:16]
+    llm = LLM(TINY_GPU, **{"kernels.mode": mode, **WIDE_HEADS})
+    try:
+        outputs = llm.generate(prompts, params)
+        sequences = [p + o.token_ids for p, o in zip(prompts, outputs, strict=True)]
+        scored = llm.score(sequences, [len(p) for p in prompts])
+    finally:
+        llm.shutdown()
+    return [(o.logprobs, s) for o, s in zip(outputs, scored, strict=True)]
+
+
+def test_gpu_128_heads_decode_logprobs_equal_score(workload):
+    for decoded, scored in _decode_vs_score("invariant", workload):
+        assert len(decoded) == len(scored) == MAX_TOKENS
+        assert [float.hex(x) for x in decoded] == [float.hex(x) for x in scored]
+
+
+def test_gpu_128_heads_decode_vs_score_negative_control(workload):
+    pairs = _decode_vs_score("fast", workload)
+    assert any(decoded != scored for decoded, scored in pairs), "fast mode matched too"
