@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton_pdl import pdl_launch, pdl_start
+
 BLOCK = 1024
 
 
@@ -26,7 +28,17 @@ def silu_mul_value(gate, up):
 
 
 @triton.jit
-def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, cols, gate_stride, up_stride, BLOCK: tl.constexpr):
+def _silu_mul_kernel(
+    gate_ptr,
+    up_ptr,
+    out_ptr,
+    cols,
+    gate_stride,
+    up_stride,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < cols
@@ -49,6 +61,6 @@ def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((rows, cols), dtype=up.dtype, device=up.device)
     if rows and cols:
         _silu_mul_kernel[(rows, triton.cdiv(cols, BLOCK))](
-            gate, up, out, cols, gate.stride(0), up.stride(0), BLOCK=BLOCK
+            gate, up, out, cols, gate.stride(0), up.stride(0), BLOCK=BLOCK, **pdl_launch(out.device)
         )
     return out

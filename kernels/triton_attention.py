@@ -31,6 +31,7 @@ from kernels.attention_launch import (
 )
 from kernels.gluon_attention import fits_gluon, launch_wide_split
 from kernels.triton_attention_block import _attend_block, _fold_weights, _load_query, _own_splits
+from kernels.triton_pdl import pdl_launch, pdl_start
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 PARTIAL_BYTES = 256 << 20  # cap on the fp32 split buffers of one launch (queries grouped)
@@ -68,6 +69,7 @@ def _mla_split_kernel(
     LAT_CHUNK: tl.constexpr,
     WHOLE_QUERY: tl.constexpr,
     TABLE_AHEAD: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Partial (max, sum, acc) of one query's heads over one split of its cache blocks; with
     WRITE_OUT (the launch has one split) the finished acc / sum into out_ptr (= acc_ptr).
@@ -80,6 +82,7 @@ def _mla_split_kernel(
     Many heads (V_PARTS > 1): a program keeps only its 1 / V_PARTS of the value columns (the
     scores are recomputed by each part) and walks the latent in LAT_CHUNK-column dots, so a
     wide head block fits in registers."""
+    pdl_start(PDL)
     # Why head blocks on the fastest grid axis: the programs of one query's head blocks run
     # side by side and read the same latent blocks, so HBM serves them once and L2 the rest.
     head_block = tl.program_id(0) // V_PARTS
@@ -188,8 +191,10 @@ def _mla_merge_kernel(
     BLOCK_V: tl.constexpr,
     SPLIT_BLOCKS: tl.constexpr,
     TAIL_BLOCKS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """out[t, h] = merge of the query's splits 0, 1, ... in that order, then acc / sum."""
+    pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     position = tl.load(positions_ptr + t)
@@ -388,6 +393,7 @@ def _attend(
                 TABLE_AHEAD=is_whole_query if is_table_ahead is None else is_table_ahead,
                 num_warps=num_warps if block_v >= 256 else 4,
                 num_stages=num_stages,
+                **pdl_launch(q.device),
             )
         if is_direct:
             continue
@@ -404,5 +410,6 @@ def _attend(
             SPLIT_BLOCKS=split_blocks,
             TAIL_BLOCKS=tail_blocks,
             num_warps=4,
+            **pdl_launch(out.device),
         )
     return out

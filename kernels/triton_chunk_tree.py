@@ -15,6 +15,7 @@ import triton.language as tl
 
 from kernels.triton_dot import check_pair, dot_step, kernel_consts, tile_of, tree_push
 from kernels.triton_linear_config import BLOCK_K_16BIT, LinearConfig, block_k_of, k_split_chunk
+from kernels.triton_pdl import pdl_launch, pdl_start
 
 
 @triton.jit(do_not_specialize=["num_rows"])
@@ -40,6 +41,7 @@ def _chunk_tree_kernel(
     GROUP_M: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """out tile = the binary tree (adjacent pairs, level by level; IS_TREE) or the chunk-order
     chain (((c0 + c1) + c2) + ...) of the NUM_CHUNKS chunk sums of x @ w^T, chunk c over
@@ -62,6 +64,7 @@ def _chunk_tree_kernel(
     dots and adds. At most four fp32 tiles live still: while the last pair runs, its two
     accumulators and the subtrees of 4 and 2 chunks.
     """
+    pdl_start(PDL)
     pid_m, pid_n = tile_of(
         tl.program_id(0), tl.cdiv(num_rows, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M
     )
@@ -320,5 +323,6 @@ def linear_chunk_tree(
         IS_PAIRED=is_paired,
         K_ALIGN=chunk_k & -chunk_k if is_grid else block_k,
         **kernel_consts(dataclasses.replace(config, block_k=block_k), x.dtype, weight.dtype),
+        **pdl_launch(x.device),
     )
     return out

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton_moe_output import check_moe_output, moe_output_value
+from kernels.triton_pdl import pdl_launch, pdl_start
 
 BLOCK_D = 512
 
@@ -33,9 +34,11 @@ def _combine_kernel(
     BLOCK_D: tl.constexpr,
     IS_OUTPUT: tl.constexpr,
     HAS_SHARED: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """out[m] = the fp32 combine of token m; IS_OUTPUT: the MoE output of it instead
     (moe_output_value, in out's dtype), with shared (HAS_SHARED) and residual [M, D]."""
+    pdl_start(PDL)
     m = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     col_ok = cols < D
@@ -121,5 +124,6 @@ def _launch(rows, slot_ids, weights, row_of_slot, out, shared, residual) -> torc
         BLOCK_D=BLOCK_D,
         IS_OUTPUT=residual is not None,
         HAS_SHARED=shared is not None,
+        **pdl_launch(rows.device),
     )
     return out

@@ -18,6 +18,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from kernels.latent_cache import check_query_rope
+from kernels.triton_pdl import pdl_launch, pdl_start
 from kernels.triton_rmsnorm import norm_launch_config, rms_norm_row
 from kernels.triton_rope import rope_row
 
@@ -49,7 +50,9 @@ def _write_latent_cache_kernel(
     IS_INTERLEAVED: tl.constexpr,
     HAS_QUERY: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     kv_a_row = kv_a_ptr + t * stride_kv_a
     cache_row = cache_ptr + tl.load(slots_ptr + t) * (LORA + 2 * HALF)
@@ -187,4 +190,5 @@ def write_latent_cache_triton(
         HAS_QUERY=has_query,
         BLOCK_H=triton.next_power_of_2(max(num_heads, 1)),
         **norm_launch_config(lora),
+        **pdl_launch(kv_a.device),
     )

@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton_pdl import pdl_launch, pdl_start
+
 BLOCK_N = 64
 
 
@@ -31,10 +33,12 @@ def _layout_kernel(
     TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_E: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Program c places the rows of chunk c (BLOCK_N rows). It counts every chunk's rows per
     expert (all of them: each expert's first place; those before c: its rows already placed)
     so the programs need nothing from each other; program 0 stores the counts."""
+    pdl_start(PDL)
     chunk = tl.program_id(0)
     experts = tl.arange(0, BLOCK_E)
     rows = tl.arange(0, BLOCK_N)
@@ -89,5 +93,6 @@ def expert_layout_triton(
         TOP_K=topk_ids.shape[1],
         BLOCK_N=BLOCK_N,
         BLOCK_E=max(triton.next_power_of_2(num_experts), 16),
+        **pdl_launch(topk_ids.device),
     )
     return order, counts, token_of_row, row_of_slot

@@ -44,6 +44,7 @@ from kernels.triton_linear_config import (
     k_split_is_tree,
     linear_config,
 )
+from kernels.triton_pdl import pdl_launch, pdl_start
 from kernels.triton_split_k import launch_split_k
 
 
@@ -72,6 +73,7 @@ def _linear_kernel(
     GROUP_M: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """out[r] = x[r] @ w[g]^T. Plain: rows tiled from 0, g = 0. Grouped: rows sorted by group,
     counts [num_groups] on the device; tile i is the i-th BLOCK_M-row tile of the groups (no
@@ -82,6 +84,7 @@ def _linear_kernel(
     (each product rounded to out's dtype first, then silu_mul_value). Batched (plain only):
     program axis 1 is the batch b, with x, w and out offset by b's strides (w contiguous
     [B, N, K])."""
+    pdl_start(PDL)
     pid = tl.program_id(0)
     batch = tl.program_id(1).to(tl.int64)
     x_ptr += batch * stride_xb
@@ -163,8 +166,10 @@ def _linear_persistent_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """out = x @ w^T with TMA tiles; program p computes tiles p, p + NUM_PROGRAMS, ..."""
+    pdl_start(PDL)
     num_pid_m = tl.cdiv(num_rows, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_k = tl.cdiv(K, BLOCK_K)
@@ -205,11 +210,13 @@ def _grouped_persistent_kernel(
     BLOCK_K: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """The grouped GEMM (rows of x sorted by group, counts [num_groups] on the device) with
     TMA tiles; program p walks tiles p, p + NUM_PROGRAMS, ... of the groups' row tiles times
     the column tiles. w_desc views the weight as [L * N, K]; a tile's rows past its group's
     end (the next group's rows, or TMA's zeros past x) are computed and never stored."""
+    pdl_start(PDL)
     g = tl.arange(0, BLOCK_G)
     g_ok = g < num_groups
     counts = tl.load(counts_ptr + g, mask=g_ok, other=0).to(tl.int64)
@@ -266,6 +273,7 @@ def _launch_grouped_persistent(x, weight, out, counts, config: LinearConfig) -> 
         NUM_PROGRAMS=num_programs,
         BLOCK_G=max(triton.next_power_of_2(num_groups), 2),
         **consts,
+        **pdl_launch(x.device),
     )
     return out
 
@@ -303,6 +311,7 @@ def _launch_persistent(x, weight, out, config: LinearConfig) -> torch.Tensor:
         UPCAST_DOT=is_interpreted(),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        **pdl_launch(x.device),
     )
     return out
 
@@ -374,6 +383,7 @@ def _launch(
         IS_GATED=is_gated,
         BLOCK_G=max(triton.next_power_of_2(num_groups), 2),
         **kernel_consts(config, x.dtype, weight.dtype),
+        **pdl_launch(x3.device),
     )
     return out
 

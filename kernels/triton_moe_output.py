@@ -14,6 +14,8 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from kernels.triton_pdl import pdl_launch, pdl_start
+
 BLOCK = 1024
 
 
@@ -39,7 +41,9 @@ def _moe_output_kernel(
     num_elems,
     HAS_SHARED: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_start(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < num_elems
     routed = tl.load(routed_ptr + offs, mask=ok, other=0.0)
@@ -68,6 +72,7 @@ def moe_output_triton(
             num_elems,
             HAS_SHARED=shared is not None,
             BLOCK=BLOCK,
+            **pdl_launch(routed.device),
         )
     return out
 

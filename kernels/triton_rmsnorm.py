@@ -16,6 +16,8 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from kernels.triton_pdl import pdl_launch, pdl_start
+
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_BLOCK_D = 4096
 
@@ -43,13 +45,27 @@ def rms_norm_row(x_row, w_ptr, out_row, D, eps, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, eps, BLOCK_D: tl.constexpr):
+def _rms_norm_kernel(
+    x_ptr, w_ptr, out_ptr, D, eps, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False
+):
+    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     rms_norm_row(x_ptr + row * D, w_ptr, out_ptr + row * D, D, eps, BLOCK_D)
 
 
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, delta_ptr, w_ptr, sum_ptr, out_ptr, D, eps, BLOCK_D: tl.constexpr):
+def _add_rms_norm_kernel(
+    x_ptr,
+    delta_ptr,
+    w_ptr,
+    sum_ptr,
+    out_ptr,
+    D,
+    eps,
+    BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_D)
     for d0 in range(0, D, BLOCK_D):
@@ -96,7 +112,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     if x.shape[0] == 0:
         return out
     _rms_norm_kernel[(x.shape[0],)](
-        x, weight, out, x.shape[1], eps, **norm_launch_config(x.shape[1])
+        x, weight, out, x.shape[1], eps, **norm_launch_config(x.shape[1]), **pdl_launch(x.device)
     )
     return out
 
@@ -118,6 +134,14 @@ def add_rms_norm_triton(
     out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     if x.shape[0]:
         _add_rms_norm_kernel[(x.shape[0],)](
-            x, delta, weight, total, out, x.shape[1], eps, **norm_launch_config(x.shape[1])
+            x,
+            delta,
+            weight,
+            total,
+            out,
+            x.shape[1],
+            eps,
+            **norm_launch_config(x.shape[1]),
+            **pdl_launch(x.device),
         )
     return total, out

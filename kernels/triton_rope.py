@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton_dot import stored_value
+from kernels.triton_pdl import pdl_launch, pdl_start
 
 
 @triton.jit
@@ -73,7 +74,9 @@ def _rope_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_R: tl.constexpr,
     IS_INTERLEAVED: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + t)
     rope_row(
@@ -133,5 +136,6 @@ def rope_triton(
             BLOCK_H=triton.next_power_of_2(num_heads),
             BLOCK_R=triton.next_power_of_2(half),
             IS_INTERLEAVED=is_interleaved,
+            **pdl_launch(x.device),
         )
     return out

@@ -19,6 +19,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from kernels.router import _check, is_16bit_router
 from kernels.triton_linear import linear_triton
+from kernels.triton_pdl import pdl_launch, pdl_start
 
 MAX_EXPERTS = 4096
 
@@ -52,7 +53,9 @@ def _router_topk_kernel(
     BLOCK_E: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     experts = tl.arange(0, BLOCK_E)
     valid = experts < num_experts
@@ -199,5 +202,6 @@ def router_topk_triton(
         BLOCK_G=triton.next_power_of_2(num_groups if is_grouped else 1),
         BLOCK_K=triton.next_power_of_2(top_k),
         num_warps=4,
+        **pdl_launch(logits.device),
     )
     return outputs

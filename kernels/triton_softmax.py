@@ -18,6 +18,8 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from kernels.triton_pdl import pdl_launch, pdl_start
+
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_BLOCK_V = 4096
 SPLIT_MIN_V = 32768  # rows at least this wide are cut into parts (a function of V only)
@@ -62,7 +64,10 @@ def _write_range(
 
 
 @triton.jit
-def _softmax_kernel(x_ptr, out_ptr, V, IS_LOG: tl.constexpr, BLOCK_V: tl.constexpr):
+def _softmax_kernel(
+    x_ptr, out_ptr, V, IS_LOG: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr = False
+):
+    pdl_start(PDL)
     # Why: lane i folds elements i, i + BLOCK_V, ... in order, then one tree reduction;
     # all of it is fixed by V and BLOCK_V, and a row is never split across programs.
     row = tl.program_id(0).to(tl.int64)
@@ -72,8 +77,17 @@ def _softmax_kernel(x_ptr, out_ptr, V, IS_LOG: tl.constexpr, BLOCK_V: tl.constex
 
 
 @triton.jit
-def _part_stats_kernel(x_ptr, stats_ptr, V, num_parts, PART_V: tl.constexpr, BLOCK_V: tl.constexpr):
+def _part_stats_kernel(
+    x_ptr,
+    stats_ptr,
+    V,
+    num_parts,
+    PART_V: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
     """stats[row, part] = (max, sum) of the row's columns [part * PART_V, + PART_V)."""
+    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     start = part * PART_V
@@ -94,9 +108,11 @@ def _part_write_kernel(
     PART_V: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_P: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """The row's max and sum from every part's stats (in one fixed tree: each of the row's
     programs gets the same), then this part's outputs."""
+    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     parts = tl.arange(0, BLOCK_P)
@@ -129,18 +145,32 @@ def _run(x: torch.Tensor, is_log: bool) -> torch.Tensor:
     num_warps = 8 if block_v >= 2048 else 4
     if vocab < SPLIT_MIN_V:
         _softmax_kernel[(num_rows,)](
-            x, out, vocab, IS_LOG=is_log, BLOCK_V=block_v, num_warps=num_warps
+            x,
+            out,
+            vocab,
+            IS_LOG=is_log,
+            BLOCK_V=block_v,
+            num_warps=num_warps,
+            **pdl_launch(x.device),
         )
         return out
     num_parts = triton.cdiv(vocab, PART_V)
     stats = torch.empty((num_rows, num_parts, 2), dtype=torch.float32, device=x.device)
     grid = (num_rows, num_parts)
     _part_stats_kernel[grid](
-        x, stats, vocab, num_parts, PART_V=PART_V, BLOCK_V=block_v, num_warps=num_warps
+        x,
+        stats,
+        vocab,
+        num_parts,
+        PART_V=PART_V,
+        BLOCK_V=block_v,
+        num_warps=num_warps,
+        **pdl_launch(x.device),
     )
     _part_write_kernel[grid](
         x, stats, out, vocab, num_parts, IS_LOG=is_log, PART_V=PART_V, BLOCK_V=block_v,
         BLOCK_P=max(triton.next_power_of_2(num_parts), 2), num_warps=num_warps,
+        **pdl_launch(x.device),
     )  # fmt: skip
     return out
 

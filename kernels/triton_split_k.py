@@ -17,6 +17,7 @@ import triton.language as tl
 
 from kernels.triton_dot import dot_k_grid, kernel_consts, sum_parts, tile_of, tree_push
 from kernels.triton_linear_config import POINTER_CONFIG_16BIT, LinearConfig, k_align
+from kernels.triton_pdl import pdl_launch, pdl_start
 
 
 @triton.jit(do_not_specialize=["num_rows"])
@@ -46,6 +47,7 @@ def _split_k_kernel(
     FINISH: tl.constexpr,
     HANDOFF: tl.constexpr,
     NUM_LEVELS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Chunks p * G .. p * G + G - 1 (G = CHUNKS_PER_PROGRAM, p = program_id(1)) of a fixed K
     split for out's tile program_id(0): chunk c's fp32 sum from zero over columns
@@ -61,6 +63,7 @@ def _split_k_kernel(
     first and last is aligned. HANDOFF (the tree): a tile's programs are adjacent in launch
     order (program_id(0) is the program) and add their subtrees level by level as they finish
     (_hand_off), each fp32 part written once and read once, no second launch."""
+    pdl_start(PDL)
     NUM_PARTS: tl.constexpr = NUM_CHUNKS // CHUNKS_PER_PROGRAM
     if HANDOFF:
         tile = tl.program_id(1)
@@ -165,8 +168,10 @@ def _hand_off(
 def _sum_parts_kernel(
     parts_ptr, out_ptr, num_elems, NUM_PARTS: tl.constexpr, IS_TREE: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """out = sum_parts of the fp32 parts [NUM_PARTS, num_elems], rounded to out's dtype once."""
+    pdl_start(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < num_elems
     total = sum_parts(parts_ptr, offs, num_elems, ok, NUM_PARTS, IS_TREE)
@@ -182,7 +187,7 @@ def sum_parts_triton(parts: torch.Tensor, out: torch.Tensor, *, is_tree: bool) -
     if num_elems:
         _sum_parts_kernel[(triton.cdiv(num_elems, SUM_PARTS_BLOCK),)](
             parts, out, num_elems, NUM_PARTS=parts.shape[0], IS_TREE=is_tree,
-            BLOCK=SUM_PARTS_BLOCK,
+            BLOCK=SUM_PARTS_BLOCK, **pdl_launch(parts.device)
         )  # fmt: skip
     return out
 
@@ -285,6 +290,7 @@ def launch_split_k(
             HANDOFF=is_handoff and num_parts > 1,
             NUM_LEVELS=num_parts.bit_length() - 1,
             **kernel_consts(config, x.dtype, weight.dtype),
+            **pdl_launch(x.device),
         )
         if not is_folded:
             if part_out.is_contiguous():

@@ -1,0 +1,51 @@
+"""Programmatic dependent launch (PDL) for the Triton kernels (GPU path, sm90 and later).
+
+In a CUDA graph each kernel boundary costs the next kernel's launch after the last program
+of the one before has exited. With PDL a kernel is launched while the one before it still
+runs: its programs start, wait (`griddepcontrol.wait`) until every earlier kernel has
+finished and its writes are visible, and only then let the kernel after them launch. Every
+kernel waits before its first load or store, so no kernel reads or writes anything earlier
+than it would have without PDL: the arithmetic and the bits are unchanged; only the launch
+gap shrinks. A kernel that is not launched with PDL (torch's, NCCL's, the Gluon kernel) runs
+as before: one that follows it starts when it ends.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.runtime.interpreter import InterpretedFunction
+
+# (major, minor) from which the GPU has griddepcontrol (Hopper).
+MIN_CAPABILITY = (9, 0)
+# Whether launches use PDL where the GPU has it; bench/ turns it off to measure its gain.
+ENABLED = True
+
+
+@triton.jit
+def pdl_start(PDL: tl.constexpr):
+    """A kernel's first statement: with PDL, wait for the kernels before it to finish, then
+    let the next kernel launch (after the wait, so at most one kernel waits ahead)."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+@functools.cache
+def _has_pdl(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= MIN_CAPABILITY
+
+
+def pdl_launch(device: torch.device) -> dict:
+    """Launch keyword arguments for a kernel on device: its PDL constexpr and Triton's
+    launch_pdl where the GPU has PDL, else none (a kernel's PDL defaults to off; the
+    interpreter runs without it)."""
+    if not ENABLED or device.type != "cuda" or isinstance(pdl_start, InterpretedFunction):
+        return {}
+    if not _has_pdl(device.index if device.index is not None else torch.cuda.current_device()):
+        return {}
+    return {"PDL": True, "launch_pdl": True}
