@@ -2,7 +2,7 @@
 
 - Generation with CUDA graphs (the decode steps replayed, the prefills eager) gives the same
   token ids, logprobs and top-5 bit for bit with the Triton kernels launched with PDL and
-  without it, for 40 prompts in batches whose decode sizes cross the graph buckets.
+  without it, for test_gpu_graphs' 40 prompts and batches (decode sizes across the graph buckets).
 - Engagement: the launches of the PDL run asked for PDL and the GPU has it (the launch
   arguments counted), and the run without it asked for none.
 - Control: fast mode's kernels give other bits on the same workload, so a comparison of these
@@ -12,24 +12,19 @@ Skipped without CUDA.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 from kernels import triton_pdl
 from moe_runtime import LLM
 from tests.invariance import mixed_params, mixed_prompts, run_in_batches
+from tests.test_gpu_graphs import BATCHES, MAX_TOKENS, NUM_PROMPTS, TINY_GPU
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-TINY_GPU = Path(__file__).resolve().parent.parent / "launch" / "configs" / "tiny_gpu.yaml"
-NUM_PROMPTS, MAX_TOKENS = 40, 16
-BATCHES = [[0], [1, 2, 3], list(range(4, 9)), list(range(9, 27)), list(range(27, 40))]
-BATCHES.append(list(range(NUM_PROMPTS)))
 HAS_PDL = triton_pdl._has_pdl  # the real check, before any test wraps it
 
 
