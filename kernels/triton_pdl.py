@@ -43,6 +43,10 @@ def pdl_start(PDL: tl.constexpr):
 
 @functools.cache
 def _has_pdl(device_index: int) -> bool:
+    """Whether the GPU has griddepcontrol: NVIDIA from MIN_CAPABILITY (a ROCm build's "cuda"
+    devices report capabilities of their own numbering and have no such instruction)."""
+    if torch.version.hip is not None:
+        return False
     return torch.cuda.get_device_capability(device_index) >= MIN_CAPABILITY
 
 

@@ -4,7 +4,8 @@
   default) and waits first (`pdl_start(PDL)` is its first statement): a kernel that read or
   wrote before the wait would race the kernel before it, on the GPU only. And every kernel
   that waits is launched with it.
-- `pdl_launch` asks for PDL on CUDA devices that have it only, and never when turned off.
+- `pdl_launch` asks for PDL on CUDA devices that have it only (NVIDIA from sm90, never a
+  ROCm build), and never when turned off.
 - Compiled for sm_90, a kernel with PDL waits (griddepcontrol.wait) before its first global
   load and then lets the next kernel launch; without PDL it has neither instruction, and the
   launch carries Triton's launch_pdl only when asked.
@@ -73,6 +74,15 @@ def test_pdl_launch_asks_only_where_the_gpu_has_it(monkeypatch):
     assert triton_pdl.pdl_launch(torch.device("cuda", 1)) == {}
     monkeypatch.setattr(triton_pdl, "ENABLED", False)
     assert triton_pdl.pdl_launch(cuda) == {}
+
+
+def test_pdl_needs_an_nvidia_gpu_from_sm90(monkeypatch):
+    has_pdl = triton_pdl._has_pdl.__wrapped__  # uncached
+    for capability, expected in (((8, 0), False), ((9, 0), True), ((10, 0), True)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index, c=capability: c)
+        assert has_pdl(0) is expected, capability
+    monkeypatch.setattr(torch.version, "hip", "6.4")  # a ROCm build: its capabilities differ
+    assert has_pdl(0) is False
 
 
 @pytest.mark.parametrize("is_pdl", [False, True])
