@@ -1194,6 +1194,55 @@ def bench_layer() -> None:
         torch.cuda.empty_cache()
 
 
+def bench_layer_kernels() -> None:
+    """One invariant V2-Lite MoE layer at decode (B = 1 and 64, context 1024), 8 layers in a
+    CUDA graph, its kernels timed by the profiler over 10 replays: count and µs a layer each,
+    against the layer's graph-replay time; without PDL (a kernel launched with it counts the
+    time its programs wait for the one before), then the layer's time with it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from kernels import KernelConfig, build_op_table, triton_pdl
+    from moe_runtime.model.loader import build_model
+
+    cfg = load_config(
+        ROOT / "launch" / "configs" / "v2_lite_gpu.yaml", {"model.num_hidden_layers": 9}
+    )
+    model = build_model(cfg.model, build_op_table(KernelConfig(mode="invariant"), "cuda"), "cuda")
+    for batch_size in (1, 64):
+        layer = _layer_parts(model, batch_size, 1024, cfg.cache.block_size)["layer"]
+        with_pdl = _layer_graph_us(layer, 8)
+        triton_pdl.ENABLED = False
+        try:
+            wall = _layer_graph_us(layer, 8)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                layer()
+            graph.replay()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(10):
+                    graph.replay()
+                torch.cuda.synchronize()
+        finally:
+            triton_pdl.ENABLED = True
+        times: dict[str, list[float]] = {}
+        for event in prof.events():
+            if event.device_type == torch.autograd.DeviceType.CUDA:
+                times.setdefault(event.name[:60], []).append(event.device_time)
+        num_layers = 8 * 10
+        busy = sum(sum(v) for v in times.values()) / num_layers
+        count = sum(len(v) for v in times.values()) / num_layers
+        print(
+            f"\n## B = {batch_size}: {wall:.1f} us a layer without PDL ({with_pdl:.1f} with), "
+            f"{count:.0f} kernels, {busy:.1f} us of kernel time"
+        )
+        print("| kernel | launches a layer | us each | us a layer |")
+        print("|---|---|---|---|")
+        for name, v in sorted(times.items(), key=lambda item: -sum(item[1])):
+            print(f"| {name} | {len(v) / num_layers:.0f} | {sum(v) / len(v):.1f} | "
+                  f"{sum(v) / num_layers:.1f} |")  # fmt: skip
+
+
 def _print_row(label: str, num_bytes: int, t_triton: float, t_torch: float, ceiling: float):
     tbs_triton, tbs_torch = num_bytes / t_triton / 1e9, num_bytes / t_torch / 1e9
     print(
@@ -1390,6 +1439,7 @@ def main() -> None:
             "attention": bench_attention,
             "whole_query": bench_whole_query,
             "layer": bench_layer,
+            "layer_kernels": bench_layer_kernels,
             "row_parallel": bench_row_parallel,
             "tree_crossover": bench_tree_crossover,
             "tree_loops": bench_tree_loops,
