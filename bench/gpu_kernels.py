@@ -1211,7 +1211,7 @@ def bench_layer_kernels() -> None:
     for batch_size in (1, 64):
         layer = _layer_parts(model, batch_size, 1024, cfg.cache.block_size)["layer"]
         with_pdl = _layer_graph_us(layer, 8)
-        triton_pdl.ENABLED = False
+        was_enabled, triton_pdl.ENABLED = triton_pdl.ENABLED, False
         try:
             wall = _layer_graph_us(layer, 8)
             graph = torch.cuda.CUDAGraph()
@@ -1224,7 +1224,7 @@ def bench_layer_kernels() -> None:
                     graph.replay()
                 torch.cuda.synchronize()
         finally:
-            triton_pdl.ENABLED = True
+            triton_pdl.ENABLED = was_enabled
         times: dict[str, list[float]] = {}
         for event in prof.events():
             if event.device_type == torch.autograd.DeviceType.CUDA:
