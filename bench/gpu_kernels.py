@@ -1108,8 +1108,8 @@ def bench_split_prefill() -> None:
             )
 
 
-def _layer_graph_us(fn, num_layers: int) -> float:
-    """Median µs per layer of fn() (which runs all layers once), replayed in a CUDA graph."""
+def _layer_graph(fn) -> torch.cuda.CUDAGraph:
+    """fn() captured in a CUDA graph, after one warm-up run on a side stream."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -1118,6 +1118,12 @@ def _layer_graph_us(fn, num_layers: int) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
+    return graph
+
+
+def _layer_graph_us(fn, num_layers: int) -> float:
+    """Median µs per layer of fn() (which runs all layers once), replayed in a CUDA graph."""
+    graph = _layer_graph(fn)
     ms = triton.testing.do_bench(graph.replay, warmup=10, rep=50, return_mode="median")
     return ms * 1e3 / num_layers
 
@@ -1214,9 +1220,7 @@ def bench_layer_kernels() -> None:
         was_enabled, triton_pdl.ENABLED = triton_pdl.ENABLED, False
         try:
             wall = _layer_graph_us(layer, 8)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                layer()
+            graph = _layer_graph(layer)
             graph.replay()
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CUDA]) as prof:

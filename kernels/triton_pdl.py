@@ -24,7 +24,8 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-from triton.runtime.interpreter import InterpretedFunction
+
+from kernels.triton_dot import is_interpreted
 
 # (major, minor) from which the GPU has griddepcontrol (Hopper).
 MIN_CAPABILITY = (9, 0)
@@ -54,7 +55,7 @@ def pdl_launch(device: torch.device) -> dict:
     """Launch keyword arguments for a kernel on device: its PDL constexpr and Triton's
     launch_pdl where the GPU has PDL, else none (a kernel's PDL defaults to off; the
     interpreter runs without it)."""
-    if not ENABLED or device.type != "cuda" or isinstance(pdl_start, InterpretedFunction):
+    if not ENABLED or device.type != "cuda" or is_interpreted():
         return {}
     if not _has_pdl(device.index if device.index is not None else torch.cuda.current_device()):
         return {}
