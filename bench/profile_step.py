@@ -8,6 +8,11 @@ graph replays are traced one by one), the top kernels by time, and the top host 
 
     PYTHONUNBUFFERED=1 python bench/profile_step.py --batch 64 --context 1024 \
         [--set kernels.mode=fast] [--config launch/configs/v2_lite_gpu.yaml] [--by-grid]
+        [--no-pdl]
+
+With PDL on (the default on sm90) a kernel's duration includes the time its programs waited
+for the kernel before it, so the sum of kernel durations overstates the GPU's busy time:
+--no-pdl for kernel durations, the default for the step's wall time.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.engine_bench import random_prompts, step_until_started  # noqa: E402
+from kernels import triton_pdl  # noqa: E402
 from launch.cli import add_override_argument, parse_overrides  # noqa: E402
 from moe_runtime.config import load_config  # noqa: E402
 from moe_runtime.engine.engine import LLMEngine  # noqa: E402
@@ -198,7 +204,15 @@ def main() -> None:
         action="store_true",
         help="also group kernels by launch grid and block, and split the GPU's idle time",
     )
+    parser.add_argument(
+        "--no-pdl",
+        action="store_true",
+        help="launch without PDL: a kernel launched with it counts the time its programs wait "
+        "for the one before as its own (kernels/triton_pdl.py)",
+    )
     args = parser.parse_args()
+    if args.no_pdl:
+        triton_pdl.ENABLED = False
     cfg = load_config(args.config, parse_overrides(args.set))
     engine = LLMEngine(cfg)
     try:
