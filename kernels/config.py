@@ -13,7 +13,10 @@ row-parallel linears (kernels/tp_linear.py): K is always cut into tp_max chunks 
 binary tree, so every TP degree dividing tp_max gives the same bits; a power of two, so that
 each degree's ranks hold whole subtrees. tp_max 1 gives up TP invariance (TP degree 1 only):
 the row-parallel linears are then the plain invariant linear, batch-invariant and faster at
-prefill (BENCHMARKS.md).
+prefill (BENCHMARKS.md). `side_stream_rows`: launches of at most this many rows run a layer's
+independent branches (kv_a beside the query projection, the shared experts beside the routed
+ones) on a second CUDA stream (kernels/streams.py); 0 turns it off. No arithmetic changes, so
+no bit does.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from dataclasses import dataclass
 MODES = ("invariant", "fast")
 DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 MAX_TP_MAX = 16  # what the GPU tree-sum kernel adds (kernels/triton_tp_linear.py)
+SIDE_STREAM_ROWS = 128
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,7 @@ class KernelConfig:
     tp_max: int = 8
     cuda_graphs: bool | None = None
     cuda_graph_batch_sizes: tuple[int, ...] = DEFAULT_GRAPH_BATCH_SIZES
+    side_stream_rows: int = SIDE_STREAM_ROWS
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -46,6 +51,9 @@ class KernelConfig:
                 f"kernels.tp_max must be a power of two <= {MAX_TP_MAX} (the ranks of every TP "
                 f"degree then hold whole subtrees of its fixed binary tree), got {self.tp_max}"
             )
+        rows = self.side_stream_rows
+        if not isinstance(rows, int) or isinstance(rows, bool) or rows < 0:
+            raise ValueError(f"kernels.side_stream_rows must be an int >= 0, got {rows!r}")
         if self.cuda_graphs is not None and not isinstance(self.cuda_graphs, bool):
             raise ValueError(
                 f"kernels.cuda_graphs must be a bool or null, got {self.cuda_graphs!r}"

@@ -7,7 +7,8 @@ except on CUDA, where it is the fastest version of each op: cuBLAS linears, torc
 GEMM, FlashMLA (or split-KV) decode attention (kernels/fast_attention.py), and the one-launch
 Triton kernels of the norms, silu*up, combine, MoE output and latent cache write. Invariant
 mode on CUDA binds the Triton kernels; other devices are refused.
-Building a table has no side effects; `pin_threads` is the one call that touches process
+Building a table has no side effects beyond its own CUDA buffers and side stream
+(kernels/streams.py); `pin_threads` is the one call that touches process
 state (torch's intra-op thread count) and each worker makes it once, at start-up.
 """
 
@@ -50,6 +51,7 @@ from kernels.router import (
     router_topk_ref,
 )
 from kernels.softmax import log_softmax_fast, log_softmax_ref, softmax_fast, softmax_ref
+from kernels.streams import SideStream, StreamBuffers, inline_branch
 from kernels.tp_linear import row_parallel_linear_fast, row_parallel_linear_ref
 
 
@@ -77,6 +79,10 @@ class OpTable:
     write_latent_cache: Callable
     row_parallel_linear: Callable
     mode: str
+    # A layer's independent branch: `with ops.branch(num_rows) as side: side.run(fn, ...)`
+    # (kernels/streams.py); on a second CUDA stream up to config.side_stream_rows rows.
+    branch: Callable = inline_branch
+    side_stream: SideStream | None = None
 
 
 # Each op: (fast, invariant reference). The tiled references take `tile_rows`.
@@ -130,6 +136,9 @@ _FASTEST_ON_CUDA = (
 def build_op_table(config: KernelConfig, device: torch.device | str) -> OpTable:
     device = torch.device(device)
     arrivals = None  # split-K arrival counts: CUDA invariant mode only
+    side = None
+    if device.type == "cuda" and config.side_stream_rows and torch.cuda.is_available():
+        side = SideStream(device, config.side_stream_rows)
     row_wise = {name: ref for name, (_, ref) in _ROW_WISE_OPS.items()}
     if not config.is_invariant:
         ops = {name: fast for name, (fast, _) in (_TILED_OPS | _ROW_WISE_OPS).items()}
@@ -152,11 +161,15 @@ def build_op_table(config: KernelConfig, device: torch.device | str) -> OpTable:
         from kernels.triton_split_k import arrival_counts
 
         ops = row_wise | _triton_kernels()
-        # Why one buffer: a folded split-K launch leaves its arrival counts at zero, so the
-        # launches of this table's stream share them; made here, outside any graph capture.
-        arrivals = arrival_counts(device) if torch.cuda.is_available() else None
+        # Why one buffer a stream: a folded split-K launch leaves its arrival counts at zero,
+        # so the launches of one stream share them (two running at once must not); made here,
+        # outside any graph capture.
+        if side is not None:
+            arrivals = StreamBuffers(side, partial(arrival_counts, device))
+        elif torch.cuda.is_available():
+            arrivals = arrival_counts(device)
         for name in ("linear", "router_logits"):
-            ops[name] = partial(ops[name], arrivals=arrivals)
+            ops[name] = _with_arrivals(ops[name], arrivals)
     elif device.type == "cpu":
         tile = partial(partial, tile_rows=config.tile_rows)
         ops = {name: tile(ref) for name, (_, ref) in _TILED_OPS.items()} | row_wise
@@ -167,11 +180,24 @@ def build_op_table(config: KernelConfig, device: torch.device | str) -> OpTable:
     ops["row_parallel_linear"] = _row_parallel_linear(config, device, arrivals)
     ops["moe_combine_output"] = _moe_combine_output(ops, device)
     ops["grouped_gated_linear"] = _grouped_gated_linear(ops, device, config.is_invariant)
+    if side is not None:
+        ops |= {"branch": side.branch, "side_stream": side}
     return OpTable(**ops, mode=config.mode)
 
 
+def _with_arrivals(fn: Callable, arrivals: torch.Tensor | StreamBuffers | None) -> Callable:
+    """fn with its split-K arrival counts bound: one buffer, or the current stream's."""
+    if not isinstance(arrivals, StreamBuffers):
+        return partial(fn, arrivals=arrivals)
+
+    def call(*args, **kwargs):
+        return fn(*args, arrivals=arrivals.current(), **kwargs)
+
+    return call
+
+
 def _row_parallel_linear(
-    config: KernelConfig, device: torch.device, arrivals: torch.Tensor | None
+    config: KernelConfig, device: torch.device, arrivals: torch.Tensor | StreamBuffers | None
 ) -> Callable:
     """The TP row-parallel linear (kernels/tp_linear.py): invariant mode cuts K into
     config.tp_max fixed chunks summed in one binary tree, the same bits at every TP degree;
@@ -181,7 +207,7 @@ def _row_parallel_linear(
     if device.type == "cuda":
         from kernels.triton_tp_linear import row_parallel_linear_triton
 
-        return partial(row_parallel_linear_triton, tp_max=config.tp_max, arrivals=arrivals)
+        return _with_arrivals(partial(row_parallel_linear_triton, tp_max=config.tp_max), arrivals)
     return partial(row_parallel_linear_ref, tp_max=config.tp_max, tile_rows=config.tile_rows)
 
 

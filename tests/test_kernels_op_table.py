@@ -58,6 +58,7 @@ def test_every_field_is_a_known_op():
     # A new op must join REDUCING_OPS (and so every check below) or be named here.
     fields = {f.name for f in dataclasses.fields(OpTable)}
     named = {"silu_mul", "moe_output", "moe_combine_output", "grouped_gated_linear", "mode"}
+    named |= {"branch", "side_stream"}  # a layer's independent branch (kernels/streams.py)
     assert fields == set(REDUCING_OPS) | named
 
 
@@ -214,3 +215,22 @@ def test_fast_cuda_grouped_gemm_takes_the_triton_kernel_only_where_it_is_faster(
                row_index=index)  # fmt: skip
     assert [name for name, _ in calls] == ["triton", "triton", "torch", "torch", "triton", "torch"]
     assert [gathered for _, gathered in calls] == [False] * 4 + [True] * 2
+
+
+@pytest.mark.parametrize("rows", (0, 64))
+def test_branches_run_inline_without_a_cuda_stream(rows):
+    """On CPU (and for a CUDA table without a device here) a branch runs in place: no side
+    stream, whatever kernels.side_stream_rows says; the GPU test (tests/test_gpu_streams.py)
+    checks the real stream."""
+    for device in ("cpu",) if torch.cuda.is_available() else ("cpu", "cuda"):
+        table = build_op_table(KernelConfig(side_stream_rows=rows), device)
+        assert table.side_stream is None
+        with table.branch(1) as side:
+            assert side.stream is None
+            assert side.run(torch.add, torch.ones(2), 1).tolist() == [2.0, 2.0]
+
+
+@pytest.mark.parametrize("bad", (-1, 1.5, True, "64"))
+def test_side_stream_rows_is_validated_naming_the_value(bad):
+    with pytest.raises(ValueError, match=f"kernels.side_stream_rows .* got {bad!r}"):
+        KernelConfig(side_stream_rows=bad)

@@ -77,10 +77,14 @@ class MLAttention(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
         """x [T, D] -> [T, D]; writes this step's latents into kv_cache [NB, BS, C] first."""
         t = x.shape[0]
-        if hasattr(self, "q_proj"):
-            q = self.q_proj(x)
-        else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        # Why a branch: kv_a and the query projection read only x, so at decode sizes kv_a's
+        # launch runs beside the query's on a second stream (kernels/streams.py; no bit moves).
+        with self.ops.branch(t) as side:
+            latent = side.run(self.kv_a_proj_with_mqa, x)
+            if hasattr(self, "q_proj"):
+                q = self.q_proj(x)
+            else:
+                q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(t, self.num_heads, self.nope_dim + self.rope_dim)
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
 
@@ -88,23 +92,30 @@ class MLAttention(nn.Module):
         # bits): the rotated q_pe into its last channels, W_UK's product into the rest.
         query = q.new_empty((t, self.num_heads, self.kv_lora_rank + self.rope_dim))
         q_latent, q_rot = query.split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        # The latent norm and the k_pe rope, stored straight into each token's cache row. Why q
-        # rides along: the same positions and tables, so one launch fewer a layer (same bits).
-        self.ops.write_latent_cache(
-            self.kv_a_proj_with_mqa(x),
-            self.kv_a_layernorm.weight,
-            self.kv_a_layernorm.eps,
-            batch.positions,
-            self.rope.cos,
-            self.rope.sin,
-            self.rope.is_interleaved,
-            kv_cache,
-            batch.slot_mapping,
-            q_pe=q_pe,
-            q_rot=q_rot,
-        )
-        # Absorbed W_UK and W_UV: one batched GEMM over the heads each ([H, T, .] views).
-        self.ops.batched_linear(q_nope.transpose(0, 1), self.w_uk_t, out=q_latent.transpose(0, 1))
+        # Why a second branch: the cache write and W_UK's product read and write disjoint
+        # parts (q_pe -> q_rot; q_nope -> q_latent), so they run side by side as well.
+        with self.ops.branch(t) as side:
+            # The latent norm and the k_pe rope, stored straight into each token's cache row.
+            # Why q rides along: the same positions and tables, so one launch fewer a layer
+            # (same bits).
+            side.run(
+                self.ops.write_latent_cache,
+                latent,
+                self.kv_a_layernorm.weight,
+                self.kv_a_layernorm.eps,
+                batch.positions,
+                self.rope.cos,
+                self.rope.sin,
+                self.rope.is_interleaved,
+                kv_cache,
+                batch.slot_mapping,
+                q_pe=q_pe,
+                q_rot=q_rot,
+            )
+            # Absorbed W_UK and W_UV: one batched GEMM over the heads each ([H, T, .] views).
+            self.ops.batched_linear(
+                q_nope.transpose(0, 1), self.w_uk_t, out=q_latent.transpose(0, 1)
+            )
         out_latent = self.ops.mla_attention(
             query,
             kv_cache,

@@ -132,10 +132,10 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """Normed input x [T, D], the layer's residual [T, D] -> residual + MoE(x) [T, D]."""
+        if self.tp.size == 1 and isinstance(self.dispatcher, LocalDispatcher):
+            return self._forward_local(x, residual)
         topk_ids, topk_weights, slot_ids = self.gate(x, self.replica_row)
         self.last_topk_ids = topk_ids  # logical ids, read back for routed-expert reporting
-        if self.tp.size == 1 and isinstance(self.dispatcher, LocalDispatcher):
-            return self._forward_local(x, residual, slot_ids, topk_weights)
         # Why shares: the TP ranks of a group hold the same tokens; each dispatches its own
         # share, runs the shared experts on it and finishes its rows, and the rows are
         # gathered back, so no expert runs a token twice. A token's result does not depend on
@@ -153,21 +153,20 @@ class MoE(nn.Module):
         out = self.ops.moe_output(routed, shared, residual[mine])
         return self.tp.gather_shares(out, x.shape[0])
 
-    def _forward_local(
-        self,
-        x: torch.Tensor,
-        residual: torch.Tensor,
-        slot_ids: torch.Tensor,
-        topk_weights: torch.Tensor,
-    ) -> torch.Tensor:
+    def _forward_local(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """forward's result when this rank holds every slot and every token (no exchange)."""
-        # Why: no row moves, so the experts read x through the layout's token index and the
-        # combine writes the layer's output: two launches and a [T*K, D] copy fewer a layer,
-        # with the same loads and the same adds in the same order, so the same bits.
-        token_of_row, group_sizes, handle = self.dispatcher.route(x, slot_ids, topk_weights)
-        self.last_slot_counts = group_sizes
-        routed_rows = self.experts(x, group_sizes, row_index=token_of_row)
-        shared = None if self.shared_experts is None else self.shared_experts(x)
+        # Why a branch: the shared experts read only x, so at decode sizes they run beside the
+        # router and routed experts on a second stream (kernels/streams.py; no bit moves).
+        with self.ops.branch(x.shape[0]) as side:
+            shared = None if self.shared_experts is None else side.run(self.shared_experts, x)
+            topk_ids, topk_weights, slot_ids = self.gate(x, self.replica_row)
+            self.last_topk_ids = topk_ids  # logical ids, read back for routed-expert reporting
+            # Why: no row moves, so the experts read x through the layout's token index and
+            # the combine writes the layer's output: two launches and a [T*K, D] copy fewer a
+            # layer, with the same loads and the same adds in the same order, so the same bits.
+            token_of_row, group_sizes, handle = self.dispatcher.route(x, slot_ids, topk_weights)
+            self.last_slot_counts = group_sizes
+            routed_rows = self.experts(x, group_sizes, row_index=token_of_row)
         return self.ops.moe_combine_output(
             routed_rows, handle.order, topk_weights, shared, residual, handle.row_of_slot
         )
