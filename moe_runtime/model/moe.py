@@ -134,21 +134,26 @@ class MoE(nn.Module):
         """Normed input x [T, D], the layer's residual [T, D] -> residual + MoE(x) [T, D]."""
         if self.tp.size == 1 and isinstance(self.dispatcher, LocalDispatcher):
             return self._forward_local(x, residual)
-        topk_ids, topk_weights, slot_ids = self.gate(x, self.replica_row)
-        self.last_topk_ids = topk_ids  # logical ids, read back for routed-expert reporting
         # Why shares: the TP ranks of a group hold the same tokens; each dispatches its own
         # share, runs the shared experts on it and finishes its rows, and the rows are
         # gathered back, so no expert runs a token twice. A token's result does not depend on
         # which rank ran it (rows are independent in the grouped GEMM and the linears, the
         # combine sums its own slots), so the bits do not change.
         mine = self.tp.token_share(x.shape[0])
-        weights = topk_weights[mine]
-        # Collective: every rank calls dispatch and combine once per MoE layer per step, in
-        # layer order, even with zero tokens.
-        recv, group_sizes, handle = self.dispatcher.dispatch(x[mine], slot_ids[mine], weights)
-        self.last_slot_counts = group_sizes
-        routed = self.dispatcher.combine(self.experts(recv, group_sizes), handle, weights)
-        shared = None if self.shared_experts is None else self.shared_experts(x[mine])
+        x_mine = x[mine]
+        # Why a branch: the shared experts read only this rank's share, so at decode sizes they
+        # run beside the router, the exchange and the routed experts on a second stream
+        # (kernels/streams.py; no bit moves), filling the SMs the exchange leaves idle.
+        with self.ops.branch(x.shape[0]) as side:
+            shared = None if self.shared_experts is None else side.run(self.shared_experts, x_mine)
+            topk_ids, topk_weights, slot_ids = self.gate(x, self.replica_row)
+            self.last_topk_ids = topk_ids  # logical ids, read back for routed-expert reporting
+            weights = topk_weights[mine]
+            # Collective: every rank calls dispatch and combine once per MoE layer per step, in
+            # layer order, even with zero tokens.
+            recv, group_sizes, handle = self.dispatcher.dispatch(x_mine, slot_ids[mine], weights)
+            self.last_slot_counts = group_sizes
+            routed = self.dispatcher.combine(self.experts(recv, group_sizes), handle, weights)
         # One op (one launch on CUDA): the fp32 routed sum rounded, + shared, + residual.
         out = self.ops.moe_output(routed, shared, residual[mine])
         return self.tp.gather_shares(out, x.shape[0])
