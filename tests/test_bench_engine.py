@@ -124,6 +124,8 @@ def test_profile_idle_lines_split_launch_gaps_from_host_gaps():
     assert f"{span:.1f} us from first kernel to last" in line
     assert "idle 5.0 us in gaps" in line
     assert f"and {long_gap:.1f} us in 1.0 longer gaps" in line
+    # Busy: the kernels' union, 0-10, 12-22, 25-30 and the last 10 (the overlap once).
+    assert "busy 35.0 us" in line
 
 
 def test_backlog_bench_smoke_on_cpu():
