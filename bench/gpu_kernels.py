@@ -1204,7 +1204,8 @@ def bench_layer_kernels() -> None:
     """One invariant V2-Lite MoE layer at decode (B = 1 and 64, context 1024), 8 layers in a
     CUDA graph, its kernels timed by the profiler over 10 replays: count and µs a layer each,
     against the layer's graph-replay time; without PDL (a kernel launched with it counts the
-    time its programs wait for the one before), then the layer's time with it."""
+    time its programs wait for the one before) and on one stream (kernels/streams.py: the
+    branches' kernels would overlap), then the layer's time with PDL and with both."""
     from torch.profiler import ProfilerActivity, profile
 
     from kernels import KernelConfig, build_op_table, triton_pdl
@@ -1214,8 +1215,12 @@ def bench_layer_kernels() -> None:
         ROOT / "launch" / "configs" / "v2_lite_gpu.yaml", {"model.num_hidden_layers": 9}
     )
     model = build_model(cfg.model, build_op_table(KernelConfig(mode="invariant"), "cuda"), "cuda")
+    side = model.ops.side_stream  # the default config has one on CUDA
+    side_rows = side.max_rows
     for batch_size in (1, 64):
         layer = _layer_parts(model, batch_size, 1024, cfg.cache.block_size)["layer"]
+        with_both = _layer_graph_us(layer, 8)
+        side.max_rows = 0  # every branch inline: one stream
         with_pdl = _layer_graph_us(layer, 8)
         was_enabled, triton_pdl.ENABLED = triton_pdl.ENABLED, False
         try:
@@ -1229,6 +1234,7 @@ def bench_layer_kernels() -> None:
                 torch.cuda.synchronize()
         finally:
             triton_pdl.ENABLED = was_enabled
+            side.max_rows = side_rows
         times: dict[str, list[float]] = {}
         for event in prof.events():
             if event.device_type == torch.autograd.DeviceType.CUDA:
@@ -1237,7 +1243,8 @@ def bench_layer_kernels() -> None:
         busy = sum(sum(v) for v in times.values()) / num_layers
         count = sum(len(v) for v in times.values()) / num_layers
         print(
-            f"\n## B = {batch_size}: {wall:.1f} us a layer without PDL ({with_pdl:.1f} with), "
+            f"\n## B = {batch_size}: {wall:.1f} us a layer without PDL on one stream "
+            f"({with_pdl:.1f} with PDL, {with_both:.1f} with PDL and the side stream), "
             f"{count:.0f} kernels, {busy:.1f} us of kernel time"
         )
         print("| kernel | launches a layer | us each | us a layer |")
