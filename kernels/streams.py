@@ -1,14 +1,15 @@
 """A second CUDA stream for a layer's independent branches at decode-sized launches.
 
-At a few rows a layer is a chain of small kernels, most of them latency-bound, and two parts
+At a few rows a layer is a chain of small kernels, most of them latency-bound, and some parts
 of it read nothing of each other: MLA's kv_a projection beside its query projection (both of
-the normed input), and the shared experts beside the router and routed experts (both of the
-post-attention norm). `SideStream.branch` runs the first of each pair on a second stream,
-forked from the current one and joined before its result is read, so their kernels run at
-once. Nothing is computed differently: every kernel reads and writes what it did before, in
-its own stream's order; only which kernels share the GPU changes (the bits: the GPU test
-tests/test_gpu_streams.py). Under CUDA graph capture the fork and join become the graph's
-edges, so a replayed step runs the branches side by side too.
+the normed input), its latent-cache write beside W_UK's product (disjoint parts of the
+query), and the shared experts beside the router, the exchange (with EP) and the routed
+experts (all of the post-attention norm). `SideStream.branch` runs the first of each pair
+on a second stream, forked from the current one and joined before its result is read, so
+their kernels run at once. Nothing is computed differently: every kernel reads and writes
+what it did before, in its own stream's order; only which kernels share the GPU changes (the
+bits: the GPU test tests/test_gpu_streams.py). Under CUDA graph capture the fork and join
+become the graph's edges, so a replayed step runs the branches side by side too.
 
 The one state kernels share across launches is the split-K arrival counts
 (kernels/triton_split_k.py, left at zero by each launch); two launches running at once must
