@@ -14,9 +14,9 @@ binary tree, so every TP degree dividing tp_max gives the same bits; a power of 
 each degree's ranks hold whole subtrees. tp_max 1 gives up TP invariance (TP degree 1 only):
 the row-parallel linears are then the plain invariant linear, batch-invariant and faster at
 prefill (BENCHMARKS.md). `side_stream_rows`: launches of at most this many rows run a layer's
-independent branches (kv_a beside the query projection, the shared experts beside the routed
-ones) on a second CUDA stream (kernels/streams.py); 0 turns it off. No arithmetic changes, so
-no bit does.
+independent branches (kv_a beside the query projection, the cache write beside W_UK, the
+shared experts beside the routed ones) on a second CUDA stream (kernels/streams.py); 0 turns
+it off. No arithmetic changes, so no bit does.
 """
 
 from __future__ import annotations
