@@ -1434,6 +1434,106 @@ def bench_heads() -> None:
             )
 
 
+# Rows of a decode step at the engine's graph batch sizes: where fast mode's kernel choice is
+# measured (bench_fast_choice).
+FAST_CHOICE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+FAST_CHOICE_CONTEXTS = (1024, 4096)
+
+
+def bench_fast_choice() -> None:
+    """Fast mode's candidates at decode rows, graph replay over inputs that miss L2, µs: for
+    each op of a V2-Lite decode step, the vendor kernel fast mode runs (cuBLAS, torch's
+    router, FlashMLA with one plan a step) against the repo's Triton kernel of the same op
+    (the invariant one, which fast mode may run too). Where the Triton one is the faster,
+    fast mode is not yet the best path a user could run (kernels/op_table.py)."""
+    from kernels.fast_attention import HAS_FLASH_MLA, mla_decode_fast
+    from kernels.linear import batched_linear_fast
+    from kernels.router import router_logits_fast, router_topk_fast
+    from kernels.triton_attention import mla_attention_triton
+    from kernels.triton_linear import batched_linear_triton
+    from kernels.triton_router import router_logits_triton, router_topk_triton
+
+    arrivals = arrival_counts("cuda")
+    print("\n## fast mode's candidates at decode rows: vendor vs Triton, graph replay µs")
+    print("| op | shape | " + " | ".join(f"M={m}" for m in FAST_CHOICE_ROWS) + " |")
+    print("|---|---|" + "---|" * len(FAST_CHOICE_ROWS))
+
+    def row(name, shape, cell):
+        cells = []
+        for m in FAST_CHOICE_ROWS:
+            vendor, ours = cell(m)
+            cells.append(f"{vendor:.1f} / {ours:.1f}{' *' if ours < vendor else ''}")
+        print(f"| {name} | {shape} | " + " | ".join(cells) + " |", flush=True)
+
+    plain = [(n, o, i) for n, o, i, k in DECODE_ROW_LINEARS if not k] + [("lm_head", 102400, 2048)]
+    triton_linear = partial(linear_triton, arrivals=arrivals)
+    for name, out_dim, in_dim in plain:
+        row(name, f"{out_dim} x {in_dim}", lambda m, o=out_dim, i=in_dim: (
+            _linear_graph_us(torch.nn.functional.linear, m, i, o),
+            _linear_graph_us(triton_linear, m, i, o),
+        ))  # fmt: skip
+
+    def batched(op, m, heads, in_dim, out_dim):
+        def make():
+            w = torch.randn(heads, out_dim, in_dim, device="cuda").bfloat16() * in_dim**-0.5
+            x = torch.randn(m, heads, in_dim, device="cuda").bfloat16()
+            out = torch.empty(m, heads, out_dim, device="cuda").bfloat16()
+            return lambda: op(x.transpose(0, 1), w, out=out.transpose(0, 1))
+
+        return _graph_ms(make, 2 * heads * (out_dim * in_dim + m * (in_dim + out_dim))) * 1e3
+
+    for name, in_dim, out_dim in (("W_UK x16", 128, 512), ("W_UV x16", 512, 128)):
+        row(name, f"K {in_dim} N {out_dim}", lambda m, i=in_dim, o=out_dim: (
+            batched(batched_linear_fast, m, 16, i, o),
+            batched(batched_linear_triton, m, 16, i, o),
+        ))  # fmt: skip
+    row("router logits", "64 x 2048 fp32", lambda m: (
+        _linear_graph_us(router_logits_fast, m, 2048, 64),
+        _linear_graph_us(partial(router_logits_triton, arrivals=arrivals), m, 2048, 64),
+    ))  # fmt: skip
+    routing = dict(
+        top_k=6, num_groups=1, topk_group=1, scoring_func="softmax", topk_method="greedy",
+        norm_topk_prob=False, routed_scaling_factor=1.0,
+    )  # fmt: skip
+
+    def topk(op, m):
+        def make():
+            logits = torch.randn(m, 64, device="cuda")
+            return lambda: op(logits, None, **routing)
+
+        return _graph_ms(make, m * 64 * 4, min_copies=ATTENTION_GRAPH_CALLS) * 1e3
+
+    row("router top-k", "64 experts, top 6", lambda m: (
+        topk(router_topk_fast, m), topk(router_topk_triton, m)
+    ))  # fmt: skip
+    if not HAS_FLASH_MLA:
+        print("FlashMLA not installed: no attention rows")
+        return
+    for heads in (16, 128):
+        for ctx in FAST_CHOICE_CONTEXTS:
+
+            def attention(op, m, ctx=ctx, heads=heads):
+                blocks = -(-ctx // 64)
+                width = _graph_width(blocks)
+                seq_ids = torch.arange(m, device="cuda")
+                positions = torch.full((m,), ctx - 1, device="cuda")
+                tables = torch.full((m, width), -1, device="cuda", dtype=torch.int64)
+                tables[:, :blocks] = torch.randperm(m * blocks, device="cuda").view(m, blocks)
+
+                def make():  # the step (tables, positions) shared: one FlashMLA plan
+                    kv = torch.randn(m * blocks, 64, 576, device="cuda").bfloat16()
+                    q = torch.randn(m, heads, 576, device="cuda").bfloat16()
+                    args = (q, kv, seq_ids, tables, positions)
+                    return lambda: op(*args, scale=192**-0.5, v_dim=512, whole_heads=heads)
+
+                read = m * ctx * 576 * 2
+                return _graph_ms(make, read, ATTENTION_GRAPH_CALLS) * 1e3
+
+            row(f"attention {heads} heads", f"ctx {ctx}", lambda m, a=attention: (
+                a(mla_decode_fast, m), a(mla_attention_triton, m)
+            ))  # fmt: skip
+
+
 def main() -> None:
     print(
         f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  "
@@ -1466,6 +1566,7 @@ def main() -> None:
             "read_floor": bench_read_floor,
             "decode_tiles": bench_decode_tiles,
             "heads": bench_heads,
+            "fast_choice": bench_fast_choice,
         }[section]()
 
 

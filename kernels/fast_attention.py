@@ -1,7 +1,8 @@
 """Fast-mode paged MLA decode attention on CUDA: capturable in a CUDA graph, not batch-invariant.
 
 The best non-invariant decode attention a user could run, the baseline that prices invariance:
-DeepSeek's FlashMLA (the optional `flash_mla` package, dense bf16 decode on SM90) where it fits,
+DeepSeek's FlashMLA (the optional `flash_mla` package, dense bf16 decode on SM90) where it fits
+and is the faster (the invariant launch where that was measured faster: takes_invariant_launch),
 else the split-KV Triton kernel of kernels/triton_attention.py with its split length chosen
 from the batch shape to fill the GPU. Neither path syncs with the host: every size comes from
 tensor shapes, so a decode step can be captured and replayed with new positions. Contract of
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from kernels.attention_launch import NARROW_LAUNCH, head_launch, split_count
 from kernels.triton_attention import BLOCK_H, _attend, _check, mla_attention_triton
 
 try:
@@ -32,6 +34,19 @@ FLASH_MLA_BLOCK_SIZE = 64  # page block size, head dims and GPU that its dense d
 FLASH_MLA_HEAD_DIM = 576
 FLASH_MLA_V_DIM = 512
 FLASH_MLA_CAPABILITY = (9, 0)
+# Decode batches of models below the wide launch's head count take the invariant launch
+# (mla_attention_triton) instead of FlashMLA where it was the faster: at most
+# INVARIANT_MAX_PAIRS (query, KV split) pairs (its split launch; the splits counted from the
+# table's width) or at least INVARIANT_MIN_QUERIES queries (its whole-query launch at two
+# stages). H200, V2-Lite's 16 heads, graph replay, tables as wide as the engine's graphs,
+# FlashMLA with one plan a step (BENCHMARKS.md, twenty-fourth session, `bench/gpu_kernels.py
+# fast_choice`), µs FlashMLA / invariant: context 1024 B = 1 12.3 / 11.6, B = 64 (256 pairs)
+# 36.5 / 32.0, B = 256 91.0 / 84.3; context 4096 B = 1 23.8 / 13.2, B = 16 (256 pairs) 35.2 /
+# 32.5, B = 256 304.1 / 297.2. It lost from 512 pairs below 256 queries at context 4096 (B = 32
+# 53.1 / 60.3, B = 64 90.8 / 110.6, B = 128 158.2 / 166.0) and won at context 1024 B = 128
+# (51.5 / 48.1), left to FlashMLA by this rule. At 128 heads FlashMLA won everywhere.
+INVARIANT_MAX_PAIRS = 256
+INVARIANT_MIN_QUERIES = 256
 WAVES = 2  # split-KV launches aim at this many programs per SM: the tail of a wave is hidden
 NUM_WARPS, NUM_STAGES = 4, 3  # the invariant kernel's measured launch shape (BENCHMARKS.md)
 
@@ -52,9 +67,10 @@ def mla_decode_fast(
     model's heads at TP 1, for the paged kernel's launch (mla_attention_triton).
 
     Decode-shaped (T == B: every sequence has one query, so query t is sequence t, the model
-    runner's layout) runs FlashMLA or the split-KV kernel; any other batch (prefill chunks)
-    runs the paged Triton kernel of invariant mode, the fastest prefill attention here (plain
-    torch attention is several times slower, so a fast mode with it would flatter invariance).
+    runner's layout) runs FlashMLA, the invariant launch or the split-KV kernel; any other
+    batch (prefill chunks) runs the paged Triton kernel of invariant mode, the fastest prefill
+    attention here (plain torch attention is several times slower, so a fast mode with it
+    would flatter invariance).
     No path syncs with the host.
     """
     num_tokens = q.shape[0]
@@ -66,7 +82,13 @@ def mla_decode_fast(
     if num_tokens == 0:  # a rank with no tokens still runs the step (EP lockstep)
         return q.new_empty((0, q.shape[1], v_dim))
     if uses_flash_mla(q, kv_cache, v_dim):
-        return _decode_flash_mla(q, kv_cache, block_tables, positions, scale, v_dim)
+        table_width = block_tables.shape[1]
+        if not takes_invariant_launch(num_tokens, table_width, whole_heads or q.shape[1]):
+            return _decode_flash_mla(q, kv_cache, block_tables, positions, scale, v_dim)
+        return mla_attention_triton(
+            q, kv_cache, query_seq_ids, block_tables, positions, scale=scale, v_dim=v_dim,
+            whole_heads=whole_heads,
+        )  # fmt: skip
     return mla_decode_split_kv(
         q, kv_cache, query_seq_ids, block_tables, positions, scale=scale, v_dim=v_dim
     )
@@ -109,6 +131,17 @@ def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 1  # the Triton interpreter runs one program at a time
     return torch.cuda.get_device_properties(device).multi_processor_count  # cached, no sync
+
+
+def takes_invariant_launch(num_tokens: int, table_width: int, whole_heads: int) -> bool:
+    """Whether a decode batch that FlashMLA could serve runs the invariant launch instead
+    (INVARIANT_MAX_PAIRS, INVARIANT_MIN_QUERIES): host shapes only, so a graph keeps its
+    choice. whole_heads: the model's heads at TP 1, which pick the launch."""
+    launch = head_launch(whole_heads)
+    if launch is not NARROW_LAUNCH:
+        return False
+    pairs = num_tokens * split_count(table_width, launch.split_blocks, launch.tail_blocks)
+    return pairs <= INVARIANT_MAX_PAIRS or num_tokens >= INVARIANT_MIN_QUERIES
 
 
 def uses_flash_mla(q: torch.Tensor, kv_cache: torch.Tensor, v_dim: int) -> bool:

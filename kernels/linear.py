@@ -12,6 +12,7 @@ row's bits followed its position in the tile (out 2-11, in not a multiple of 4).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
@@ -171,6 +172,43 @@ def grouped_linear_by_rows(
     if is_few and in_dim >= FAST_TRITON_GROUPED_MIN_IN:
         return few_rows(x, weight, group_sizes, row_index=row_index)
     return many_rows(x, weight, group_sizes, row_index=row_index)
+
+
+@dataclass(frozen=True)
+class ByRows:
+    """A fast-mode op on CUDA run by `few` where its input x has at most max_rows rows (its
+    dimension rows_dim, a host shape: no sync, any graph) and its weight at most max_out
+    output features (weight.shape[-2]; None: any), else by `many`; both have the op's
+    contract. Fast mode may run any kernel, so each op takes the one measured faster at its
+    size; the choice changes bits, as fast mode may."""
+
+    few: Callable
+    many: Callable
+    max_rows: int
+    rows_dim: int = 0
+    max_out: int | None = None
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, **kwargs) -> torch.Tensor:
+        is_few = x.shape[self.rows_dim] <= self.max_rows
+        if self.max_out is not None:
+            is_few = is_few and weight.shape[-2] <= self.max_out
+        return (self.few if is_few else self.many)(x, weight, **kwargs)
+
+
+# Fast mode's plain linear, batched W_UK / W_UV products and router logits on CUDA take the
+# Triton kernel (its fixed K split included, where a weight has one) at the sizes where it beat
+# cuBLAS. H200, V2-Lite, graph replay over weights that miss L2, µs cuBLAS / Triton at 1 to 16
+# rows (BENCHMARKS.md, twenty-fourth session, `bench/gpu_kernels.py fast_choice`): kv_a 576 x
+# 2048 6.0-6.5 / 4.6-4.8 (won to 128 rows), o_proj 2048 x 2048 6.4 / 5.8-5.9 (to 16),
+# shared_down 2048 x 2816 8.5-8.6 / 6.7-6.9 (to 64); the wider ones lost (q_proj 3072 x 2048
+# 7.0 / 8.1, shared gate_up 5632 x 2048 9.2-9.6 / 10.3-10.4) or tied (lm_head).
+FAST_TRITON_LINEAR_MAX_ROWS = 16
+FAST_TRITON_LINEAR_MAX_OUT = 2048
+# W_UK x16 (K 128, N 512) 3.8-4.1 / 2.9-3.3 to 64 rows (won to 256), W_UV x16 (K 512, N 128)
+# 4.1-4.4 / 3.6-4.1 to 64, lost from 128.
+FAST_TRITON_BATCHED_MAX_ROWS = 64
+# 64 x 2048 with fp32 output 5.4-5.9 / 3.9-5.4 at every row count measured (1 to 256).
+FAST_TRITON_ROUTER_MAX_ROWS = 256
 
 
 def grouped_linear_cuda_fast(

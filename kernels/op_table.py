@@ -3,9 +3,11 @@
 It holds every reducing op of the token path, the MoE combine, the TP sum and the sampler's
 cumsum included, so `kernels.mode: fast` turns invariance off everywhere. Invariant mode on
 CPU binds the torch references (tiled ones to `config.tile_rows`); fast mode is plain torch,
-except on CUDA, where it is the fastest version of each op: cuBLAS linears, torch's grouped
-GEMM, FlashMLA (or split-KV) decode attention (kernels/fast_attention.py), and the one-launch
-Triton kernels of the norms, silu*up, combine, MoE output and latent cache write. Invariant
+except on CUDA, where it is the fastest version of each op measured: cuBLAS linears (the
+Triton ones at the few rows where they were faster), torch's grouped GEMM (the Triton one at few
+rows an expert), FlashMLA (or split-KV) decode attention, the invariant launch where that was
+faster (kernels/fast_attention.py), and the one-launch Triton kernels of the norms, silu*up,
+router top-k, combine, MoE output and latent cache write. Invariant
 mode on CUDA binds the Triton kernels; other devices are refused.
 Building a table has no side effects beyond its own CUDA buffers and side stream
 (kernels/streams.py); `pin_threads` is the one call that touches process
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
+from functools import partial, wraps
 
 import torch
 
@@ -34,6 +36,11 @@ from kernels.config import KernelConfig
 from kernels.cumsum import cumsum_fast, cumsum_ref
 from kernels.latent_cache import write_latent_cache_fast, write_latent_cache_ref
 from kernels.linear import (
+    FAST_TRITON_BATCHED_MAX_ROWS,
+    FAST_TRITON_LINEAR_MAX_OUT,
+    FAST_TRITON_LINEAR_MAX_ROWS,
+    FAST_TRITON_ROUTER_MAX_ROWS,
+    ByRows,
     batched_linear_fast,
     batched_linear_ref,
     grouped_linear_by_rows,
@@ -122,7 +129,9 @@ _ROW_WISE_OPS: dict[str, tuple[Callable, Callable]] = {
 
 
 # Ops whose Triton kernel is also the fastest CUDA version measured (bench/profile_step.py):
-# fused elementwise or row-wise kernels replacing 3-14 torch launches each.
+# fused elementwise or row-wise kernels replacing 3-14 torch launches each. The router's top-k:
+# one launch against torch's softmax, topk and scaling, H200, 1 to 256 rows, graph replay, µs
+# torch / Triton 14.1-19.9 / 3.1-3.6 (BENCHMARKS.md, `bench/gpu_kernels.py fast_choice`).
 _FASTEST_ON_CUDA = (
     "rms_norm",
     "add_rms_norm",
@@ -130,24 +139,39 @@ _FASTEST_ON_CUDA = (
     "moe_combine",
     "moe_output",
     "write_latent_cache",
+    "router_topk",
 )
 
 
 def build_op_table(config: KernelConfig, device: torch.device | str) -> OpTable:
     device = torch.device(device)
-    arrivals = None  # split-K arrival counts: CUDA invariant mode only
     side = None
     if device.type == "cuda" and config.side_stream_rows and torch.cuda.is_available():
         side = SideStream(device, config.side_stream_rows)
+    # The split-K arrival counts of the Triton linears (CUDA only).
+    arrivals = _arrival_counts(device, side) if device.type == "cuda" else None
     row_wise = {name: ref for name, (_, ref) in _ROW_WISE_OPS.items()}
     if not config.is_invariant:
         ops = {name: fast for name, (fast, _) in (_TILED_OPS | _ROW_WISE_OPS).items()}
         if device.type == "cuda":
             # Why: fast mode is the best path a user could run, so each op whose one-launch
             # Triton kernel beats torch's several launches takes it (invariance costs nothing
-            # there; the price of invariance is measured on the reducing GEMMs and attention).
+            # there; the price of invariance is measured on the reducing GEMMs and attention),
+            # and the linears take it at the sizes where it beat cuBLAS (kernels/linear.py).
             triton_ops = _triton_kernels()
             ops |= {name: triton_ops[name] for name in _FASTEST_ON_CUDA}
+            ops["linear"] = ByRows(
+                _with_arrivals(triton_ops["linear"], arrivals), linear_fast,
+                FAST_TRITON_LINEAR_MAX_ROWS, max_out=FAST_TRITON_LINEAR_MAX_OUT,
+            )  # fmt: skip
+            ops["batched_linear"] = ByRows(
+                triton_ops["batched_linear"], batched_linear_fast, FAST_TRITON_BATCHED_MAX_ROWS,
+                rows_dim=1,  # [heads, tokens, features]
+            )  # fmt: skip
+            ops["router_logits"] = ByRows(
+                _with_arrivals(triton_ops["router_logits"], arrivals), router_logits_fast,
+                FAST_TRITON_ROUTER_MAX_ROWS,
+            )  # fmt: skip
             # Why: the per-expert loop needs host counts; a graph-captured step can't have
             # them. Torch's grouped GEMM, or the Triton one where it is the faster (few rows
             # an expert: decode).
@@ -158,16 +182,7 @@ def build_op_table(config: KernelConfig, device: torch.device | str) -> OpTable:
             )
             ops["mla_attention"] = _fast_decode_attention()
     elif device.type == "cuda":
-        from kernels.triton_split_k import arrival_counts
-
         ops = row_wise | _triton_kernels()
-        # Why one buffer a stream: a folded split-K launch leaves its arrival counts at zero,
-        # so the launches of one stream share them (two running at once must not); made here,
-        # outside any graph capture.
-        if side is not None:
-            arrivals = StreamBuffers(side, partial(arrival_counts, device))
-        elif torch.cuda.is_available():
-            arrivals = arrival_counts(device)
         for name in ("linear", "router_logits"):
             ops[name] = _with_arrivals(ops[name], arrivals)
     elif device.type == "cpu":
@@ -185,11 +200,29 @@ def build_op_table(config: KernelConfig, device: torch.device | str) -> OpTable:
     return OpTable(**ops, mode=config.mode)
 
 
+def _arrival_counts(
+    device: torch.device, side: SideStream | None
+) -> torch.Tensor | StreamBuffers | None:
+    """The split-K arrival counts of the table's Triton linears (kernels/triton_split_k.py):
+    one buffer a stream, None without a CUDA device here (each launch then makes its own)."""
+    from kernels.triton_split_k import arrival_counts
+
+    # Why one buffer a stream: a folded split-K launch leaves its arrival counts at zero, so
+    # the launches of one stream share them (two running at once must not); made here, outside
+    # any graph capture.
+    if side is not None:
+        return StreamBuffers(side, partial(arrival_counts, device))
+    if torch.cuda.is_available():
+        return arrival_counts(device)
+    return None
+
+
 def _with_arrivals(fn: Callable, arrivals: torch.Tensor | StreamBuffers | None) -> Callable:
     """fn with its split-K arrival counts bound: one buffer, or the current stream's."""
     if not isinstance(arrivals, StreamBuffers):
         return partial(fn, arrivals=arrivals)
 
+    @wraps(fn)  # keeps the kernel's name
     def call(*args, **kwargs):
         return fn(*args, arrivals=arrivals.current(), **kwargs)
 

@@ -1,7 +1,8 @@
 """Fast-mode decode attention (kernels/fast_attention.py): closeness to the torch oracle with a
 tolerance (fast mode is not batch-invariant, so bits are not the contract here), the split
-choice, the fallback of batches that are not decode-shaped; on the GPU both paths (FlashMLA
-when installed) at 16 and 128 heads, and a CUDA-graph capture replayed with new positions.
+choice, the fallback of batches that are not decode-shaped, the rule that takes the invariant
+launch instead of FlashMLA; on the GPU the three paths (FlashMLA when installed) at 16 and 128
+heads, and a CUDA-graph capture replayed with new positions.
 
 As in tests/test_triton_kernels.py, the Triton kernels run on CPU only under TRITON_INTERPRET=1,
 read at import of the kernel module, so the interpreted checks run in one fresh process
@@ -141,6 +142,33 @@ def test_decode_shaped_batches_take_the_kernel_path(generator):
         mla_decode_fast(*batch, scale=1.0, v_dim=32)
 
 
+@pytest.mark.parametrize(
+    ("num_tokens", "table_width", "whole_heads", "expected"),
+    [
+        (1, 64, 16, True),  # one query at context 4096: 16 pairs
+        (16, 64, 16, True),  # 256 pairs
+        (17, 64, 16, False),
+        (128, 64, 16, False),  # 2048 pairs, below the whole-query launch's queries
+        (64, 16, 16, True),  # context 1024: 4 splits a query, 256 pairs
+        (65, 16, 16, False),
+        (256, 128, 16, True),  # the whole-query launch
+        (1, 64, 128, False),  # the wide launch: FlashMLA won everywhere
+        (256, 16, 64, False),
+    ],
+)
+def test_fast_decode_takes_the_invariant_launch_where_it_was_faster(
+    num_tokens, table_width, whole_heads, expected
+):
+    """The rule from host shapes: narrow models at few (query, split) pairs or many queries;
+    never the wide launch. The measured split (4 blocks) and limits are the rule's inputs."""
+    from kernels import fast_attention
+    from kernels.attention_launch import NARROW_LAUNCH
+
+    assert NARROW_LAUNCH.split_blocks == 4
+    assert (fast_attention.INVARIANT_MAX_PAIRS, fast_attention.INVARIANT_MIN_QUERIES) == (256, 256)
+    assert fast_attention.takes_invariant_launch(num_tokens, table_width, whole_heads) is expected
+
+
 def _gpu_decode_batch(generator, num_heads):
     batch = _decode_batch(generator, GPU_SEQ_LENS, num_heads, 512, 64, 64, extra_cols=9)
     q, kv_cache, *rest = (t.to("cuda") for t in batch)
@@ -152,10 +180,15 @@ def _use_path(monkeypatch, path: str) -> None:
 
     if path == "split_kv":
         monkeypatch.setattr(fast_attention, "HAS_FLASH_MLA", False)
-    elif not fast_attention.HAS_FLASH_MLA:
+        return
+    if not fast_attention.HAS_FLASH_MLA:
         pytest.skip("flash_mla is not installed or did not load (README: FlashMLA)")
-    elif torch.cuda.get_device_capability() != fast_attention.FLASH_MLA_CAPABILITY:
+    if torch.cuda.get_device_capability() != fast_attention.FLASH_MLA_CAPABILITY:
         pytest.skip("FlashMLA's dense decode runs on SM90 only")
+    # Where FlashMLA could serve, the rule picks it or the invariant launch by shape: pinned
+    # here so each path runs whatever the test's shape.
+    is_invariant = path == "invariant"
+    monkeypatch.setattr(fast_attention, "takes_invariant_launch", lambda *_: is_invariant)
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -164,18 +197,22 @@ GPU_ARGS = dict(scale=192**-0.5, v_dim=512)  # V2-Lite: qk_nope 128 + rope 64
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("path", ("split_kv", "flash_mla"))
+@pytest.mark.parametrize("path", ("split_kv", "flash_mla", "invariant"))
 @pytest.mark.parametrize("num_heads", (16, 128))  # V2-Lite, V3
 def test_gpu_decode_paths_match_oracle(generator, monkeypatch, path, num_heads):
     from kernels import fast_attention
+    from kernels.triton_attention import mla_attention_triton
 
     _use_path(monkeypatch, path)
     batch = _gpu_decode_batch(generator, num_heads)
-    assert fast_attention.uses_flash_mla(batch[0], batch[1], 512) == (path == "flash_mla")
+    assert fast_attention.uses_flash_mla(batch[0], batch[1], 512) == (path != "split_kv")
     got = fast_attention.mla_decode_fast(*batch, **GPU_ARGS)
     assert got.dtype == torch.bfloat16 and got.shape == (len(GPU_SEQ_LENS), num_heads, 512)
     expected = mla_attention_ref(*batch, **GPU_ARGS, tile_rows=64)
     torch.testing.assert_close(got.float(), expected.float(), **BF16_TOL)
+    # The path ran: the invariant launch's own bits, FlashMLA's others.
+    is_invariant = torch.equal(got, mla_attention_triton(*batch, **GPU_ARGS))
+    assert is_invariant == (path == "invariant")
     if path == "split_kv":
         for split_blocks in (1, 4, batch[3].shape[1]):
             got = fast_attention.mla_decode_split_kv(*batch, **GPU_ARGS, split_blocks=split_blocks)
@@ -184,7 +221,7 @@ def test_gpu_decode_paths_match_oracle(generator, monkeypatch, path, num_heads):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("path", ("split_kv", "flash_mla"))
+@pytest.mark.parametrize("path", ("split_kv", "flash_mla", "invariant"))
 def test_gpu_decode_is_capturable_and_replays_new_positions(generator, monkeypatch, path):
     from kernels.fast_attention import mla_decode_fast
 

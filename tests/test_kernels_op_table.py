@@ -42,6 +42,11 @@ REDUCING_OPS = TILED_OPS + UNTILED_OPS + ("row_parallel_linear",)
 # kernels where they are the fastest version (kernels/op_table._FASTEST_ON_CUDA).
 CUDA_FAST_OPS = {
     "grouped_linear": "grouped_linear_by_rows",  # the faster of torch's and the Triton one
+    # The Triton kernel at the few rows where it beat cuBLAS (kernels.linear.ByRows).
+    "linear": "linear_triton or linear_fast",
+    "batched_linear": "batched_linear_triton or batched_linear_fast",
+    "router_logits": "router_logits_triton or router_logits_fast",
+    "router_topk": "router_topk_triton",
     "mla_attention": "mla_decode_fast",
     "rms_norm": "rms_norm_triton",
     "add_rms_norm": "add_rms_norm_triton",
@@ -51,6 +56,10 @@ CUDA_FAST_OPS = {
 
 
 def _name(op) -> str:
+    from kernels.linear import ByRows
+
+    if isinstance(op, ByRows):
+        return f"{_name(op.few)} or {_name(op.many)}"
     return op.func.__name__ if isinstance(op, partial) else op.__name__
 
 
@@ -215,6 +224,45 @@ def test_fast_cuda_grouped_gemm_takes_the_triton_kernel_only_where_it_is_faster(
                row_index=index)  # fmt: skip
     assert [name for name, _ in calls] == ["triton", "triton", "torch", "torch", "triton", "torch"]
     assert [gathered for _, gathered in calls] == [False] * 4 + [True] * 2
+
+
+def test_fast_cuda_linears_take_the_triton_kernel_only_where_it_is_faster():
+    """Fast mode's plain linear, W_UK / W_UV products and router logits on CUDA: the Triton
+    kernel (with the table's split-K arrival counts) at the rows, and for the plain linear the
+    weight widths, where it beat cuBLAS; cuBLAS past them."""
+    from kernels import linear
+
+    table = build_op_table(KernelConfig(mode="fast"), "cuda")
+    calls = []
+
+    def pick(op, x, weight, **kwargs):
+        spy = dataclasses.replace(
+            op,
+            few=lambda *args, **kw: calls.append(("triton", kw)),
+            many=lambda *args, **kw: calls.append(("cublas", kw)),
+        )
+        spy(x, weight, **kwargs)
+        return calls.pop()
+
+    rows, out = linear.FAST_TRITON_LINEAR_MAX_ROWS, linear.FAST_TRITON_LINEAR_MAX_OUT
+    if not torch.cuda.is_available():  # with a device: a stream's buffer a call (a closure)
+        assert table.linear.few.func.__name__ == "linear_triton"
+        assert table.linear.few.keywords == table.router_logits.few.keywords == {"arrivals": None}
+    assert pick(table.linear, torch.empty(1, 8), torch.empty(out, 8), whole_out_dim=None) == (
+        "triton", {"whole_out_dim": None},
+    )  # fmt: skip
+    assert pick(table.linear, torch.empty(rows, 8), torch.empty(576, 8))[0] == "triton"
+    assert pick(table.linear, torch.empty(rows + 1, 8), torch.empty(576, 8))[0] == "cublas"
+    assert pick(table.linear, torch.empty(1, 8), torch.empty(out + 1, 8))[0] == "cublas"
+    # [heads, tokens, features]: the tokens are the rows.
+    batched_rows = linear.FAST_TRITON_BATCHED_MAX_ROWS
+    w_uk = torch.empty(16, 512, 128)
+    assert pick(table.batched_linear, torch.empty(16, batched_rows, 128), w_uk)[0] == "triton"
+    assert pick(table.batched_linear, torch.empty(1, batched_rows + 1, 128), w_uk)[0] == "cublas"
+    router_rows = linear.FAST_TRITON_ROUTER_MAX_ROWS
+    router = torch.empty(64, 2048)
+    assert pick(table.router_logits, torch.empty(router_rows, 2048), router)[0] == "triton"
+    assert pick(table.router_logits, torch.empty(router_rows + 1, 2048), router)[0] == "cublas"
 
 
 @pytest.mark.parametrize("rows", (0, 64))
