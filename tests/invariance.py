@@ -51,6 +51,16 @@ def run_in_batches(llm, prompts, params, batches: list[list[int]]) -> dict[int, 
     return results
 
 
+def run_each_batch(llm, prompts, params, batches: list[list[int]]) -> tuple[list[dict], object]:
+    """Each index batch generated alone (run_in_batches), then llm shut down; -> (per batch
+    {prompt index: fingerprint}, the worker's model runner, kept past the shutdown)."""
+    runner = llm.engine.executor.worker.runner  # shutdown drops the engine
+    try:
+        return [run_in_batches(llm, prompts, params, [batch]) for batch in batches], runner
+    finally:
+        llm.shutdown()
+
+
 def random_sub_batches(num: int, seed: int, max_size: int = 16) -> list[list[int]]:
     rng = random.Random(seed)
     order = list(range(num))

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from moe_runtime import LLM
 from moe_runtime.forward_batch import ForwardBatch
-from tests.invariance import mixed_params, mixed_prompts, run_in_batches
+from tests.invariance import mixed_params, mixed_prompts, run_each_batch
 
 pytestmark = [
     pytest.mark.gpu,
@@ -49,12 +49,7 @@ def _generate(workload, use_graphs: bool, overlap: bool | None = None):
     """-> (per batch {prompt: fingerprint}, the graph runner, the model runner)."""
     prompts, params = workload
     overrides = {"kernels.cuda_graphs": use_graphs, "scheduler.overlap_decode": overlap}
-    llm = LLM(TINY_GPU, **overrides, **BASE)
-    runner = llm.engine.executor.worker.runner  # shutdown drops the engine
-    try:
-        results = [run_in_batches(llm, prompts, params, [batch]) for batch in BATCHES]
-    finally:
-        llm.shutdown()
+    results, runner = run_each_batch(LLM(TINY_GPU, **overrides, **BASE), prompts, params, BATCHES)
     return results, runner.graphs, runner
 
 

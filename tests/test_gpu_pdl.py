@@ -17,7 +17,7 @@ import torch
 
 from kernels import triton_pdl
 from moe_runtime import LLM
-from tests.invariance import mixed_params, mixed_prompts, run_in_batches
+from tests.invariance import mixed_params, mixed_prompts, run_each_batch
 from tests.test_gpu_graphs import BATCHES, MAX_TOKENS, NUM_PROMPTS, TINY_GPU
 
 pytestmark = [
@@ -41,10 +41,7 @@ def _generate(monkeypatch, is_pdl: bool, mode: str = "invariant") -> tuple[list,
     monkeypatch.setattr(triton_pdl, "ENABLED", is_pdl)
     monkeypatch.setattr(triton_pdl, "_has_pdl", has_pdl)
     llm = LLM(TINY_GPU, **{"kernels.cuda_graphs": True, "kernels.mode": mode})
-    try:
-        results = [run_in_batches(llm, prompts, params, [batch]) for batch in BATCHES]
-    finally:
-        llm.shutdown()
+    results, _ = run_each_batch(llm, prompts, params, BATCHES)
     return results, asked
 
 

@@ -23,7 +23,7 @@ from kernels import KernelConfig, build_op_table
 from kernels.config import SIDE_STREAM_ROWS
 from kernels.triton_linear_config import k_split_count
 from moe_runtime import LLM
-from tests.invariance import mixed_params, mixed_prompts, run_in_batches
+from tests.invariance import mixed_params, mixed_prompts, run_each_batch
 from tests.test_gpu_graphs import BATCHES, MAX_TOKENS, NUM_PROMPTS, TINY_GPU
 
 pytestmark = [
@@ -38,11 +38,7 @@ def _generate(side_stream_rows: int, mode: str = "invariant"):
     params = mixed_params(NUM_PROMPTS, MAX_TOKENS)
     overrides = {"kernels.side_stream_rows": side_stream_rows, "kernels.mode": mode}
     llm = LLM(TINY_GPU, **{"kernels.cuda_graphs": True, **overrides})
-    runner = llm.engine.executor.worker.runner  # shutdown drops the engine
-    try:
-        results = [run_in_batches(llm, prompts, params, [batch]) for batch in BATCHES]
-    finally:
-        llm.shutdown()
+    results, runner = run_each_batch(llm, prompts, params, BATCHES)
     return results, runner.ops, runner
 
 
