@@ -146,10 +146,13 @@ _FASTEST_ON_CUDA = (
 def build_op_table(config: KernelConfig, device: torch.device | str) -> OpTable:
     device = torch.device(device)
     side = None
-    if device.type == "cuda" and config.side_stream_rows and torch.cuda.is_available():
+    # Why the check: a table may be built for a device this process cannot see (a CUDA table
+    # on a CPU host, tests): it binds the same ops, with no stream or buffers of its own.
+    is_present = device.type == "cuda" and _is_present(device)
+    if is_present and config.side_stream_rows:
         side = SideStream(device, config.side_stream_rows)
-    # The split-K arrival counts of the Triton linears (CUDA only).
-    arrivals = _arrival_counts(device, side) if device.type == "cuda" else None
+    # The split-K arrival counts of the Triton linears (None: each launch makes its own).
+    arrivals = _arrival_counts(device, side) if is_present else None
     row_wise = {name: ref for name, (_, ref) in _ROW_WISE_OPS.items()}
     if not config.is_invariant:
         ops = {name: fast for name, (fast, _) in (_TILED_OPS | _ROW_WISE_OPS).items()}
@@ -200,11 +203,15 @@ def build_op_table(config: KernelConfig, device: torch.device | str) -> OpTable:
     return OpTable(**ops, mode=config.mode)
 
 
-def _arrival_counts(
-    device: torch.device, side: SideStream | None
-) -> torch.Tensor | StreamBuffers | None:
-    """The split-K arrival counts of the table's Triton linears (kernels/triton_split_k.py):
-    one buffer a stream, None without a CUDA device here (each launch then makes its own)."""
+def _is_present(device: torch.device) -> bool:
+    """Whether this process sees the CUDA device."""
+    index = 0 if device.index is None else device.index
+    return torch.cuda.is_available() and index < torch.cuda.device_count()
+
+
+def _arrival_counts(device: torch.device, side: SideStream | None) -> torch.Tensor | StreamBuffers:
+    """The split-K arrival counts of the table's Triton linears (kernels/triton_split_k.py) on
+    a present device: one buffer a stream."""
     from kernels.triton_split_k import arrival_counts
 
     # Why one buffer a stream: a folded split-K launch leaves its arrival counts at zero, so
@@ -212,9 +219,7 @@ def _arrival_counts(
     # any graph capture.
     if side is not None:
         return StreamBuffers(side, partial(arrival_counts, device))
-    if torch.cuda.is_available():
-        return arrival_counts(device)
-    return None
+    return arrival_counts(device)
 
 
 def _with_arrivals(fn: Callable, arrivals: torch.Tensor | StreamBuffers | None) -> Callable:
