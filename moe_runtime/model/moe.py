@@ -145,9 +145,7 @@ class MoE(nn.Module):
         # run beside the router, the exchange and the routed experts on a second stream
         # (kernels/streams.py; no bit moves), filling the SMs the exchange leaves idle.
         with self.ops.branch(x.shape[0]) as side:
-            shared = None if self.shared_experts is None else side.run(self.shared_experts, x_mine)
-            topk_ids, topk_weights, slot_ids = self.gate(x, self.replica_row)
-            self.last_topk_ids = topk_ids  # logical ids, read back for routed-expert reporting
+            shared, topk_weights, slot_ids = self._shared_beside_gate(side, x_mine, x)
             weights = topk_weights[mine]
             # Collective: every rank calls dispatch and combine once per MoE layer per step, in
             # layer order, even with zero tokens.
@@ -158,14 +156,21 @@ class MoE(nn.Module):
         out = self.ops.moe_output(routed, shared, residual[mine])
         return self.tp.gather_shares(out, x.shape[0])
 
+    def _shared_beside_gate(self, side, x_shared: torch.Tensor, x: torch.Tensor) -> tuple:
+        """The shared experts on x_shared launched in the branch `side`, then the router on x:
+        -> (shared output or None, topk_weights, slot_ids); the logical ids kept for
+        routed-expert reporting."""
+        shared = None if self.shared_experts is None else side.run(self.shared_experts, x_shared)
+        topk_ids, topk_weights, slot_ids = self.gate(x, self.replica_row)
+        self.last_topk_ids = topk_ids
+        return shared, topk_weights, slot_ids
+
     def _forward_local(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """forward's result when this rank holds every slot and every token (no exchange)."""
         # Why a branch: the shared experts read only x, so at decode sizes they run beside the
         # router and routed experts on a second stream (kernels/streams.py; no bit moves).
         with self.ops.branch(x.shape[0]) as side:
-            shared = None if self.shared_experts is None else side.run(self.shared_experts, x)
-            topk_ids, topk_weights, slot_ids = self.gate(x, self.replica_row)
-            self.last_topk_ids = topk_ids  # logical ids, read back for routed-expert reporting
+            shared, topk_weights, slot_ids = self._shared_beside_gate(side, x, x)
             # Why: no row moves, so the experts read x through the layout's token index and
             # the combine writes the layer's output: two launches and a [T*K, D] copy fewer a
             # layer, with the same loads and the same adds in the same order, so the same bits.
