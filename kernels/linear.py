@@ -204,6 +204,11 @@ class ByRows:
 # 7.0 / 8.1, shared gate_up 5632 x 2048 9.2-9.6 / 10.3-10.4) or tied (lm_head).
 FAST_TRITON_LINEAR_MAX_ROWS = 16
 FAST_TRITON_LINEAR_MAX_OUT = 2048
+# At one row every weight takes it: in the step, where the Triton kernels chain by PDL and
+# cuBLAS's do not, the engine's B = 1 decode step went from 2.51-2.60 to 2.26-2.27 ms with the
+# wider weights on Triton too; at B = 8 it gained nothing (5.32-5.33 ms without, 5.34-5.38
+# with; BENCHMARKS.md, twenty-fourth session).
+FAST_TRITON_LINEAR_ANY_OUT_ROWS = 1
 # W_UK x16 (K 128, N 512) 3.8-4.1 / 2.9-3.3 to 64 rows (won to 256), W_UV x16 (K 512, N 128)
 # 4.1-4.4 / 3.6-4.1 to 64, lost from 128.
 FAST_TRITON_BATCHED_MAX_ROWS = 64

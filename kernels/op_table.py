@@ -37,6 +37,7 @@ from kernels.cumsum import cumsum_fast, cumsum_ref
 from kernels.latent_cache import write_latent_cache_fast, write_latent_cache_ref
 from kernels.linear import (
     FAST_TRITON_BATCHED_MAX_ROWS,
+    FAST_TRITON_LINEAR_ANY_OUT_ROWS,
     FAST_TRITON_LINEAR_MAX_OUT,
     FAST_TRITON_LINEAR_MAX_ROWS,
     FAST_TRITON_ROUTER_MAX_ROWS,
@@ -163,9 +164,13 @@ def build_op_table(config: KernelConfig, device: torch.device | str) -> OpTable:
             # and the linears take it at the sizes where it beat cuBLAS (kernels/linear.py).
             triton_ops = _triton_kernels()
             ops |= {name: triton_ops[name] for name in _FASTEST_ON_CUDA}
+            triton_linear = _with_arrivals(triton_ops["linear"], arrivals)
+            narrow_or_cublas = ByRows(
+                triton_linear, linear_fast, FAST_TRITON_LINEAR_MAX_ROWS,
+                max_out=FAST_TRITON_LINEAR_MAX_OUT,
+            )  # fmt: skip
             ops["linear"] = ByRows(
-                _with_arrivals(triton_ops["linear"], arrivals), linear_fast,
-                FAST_TRITON_LINEAR_MAX_ROWS, max_out=FAST_TRITON_LINEAR_MAX_OUT,
+                triton_linear, narrow_or_cublas, FAST_TRITON_LINEAR_ANY_OUT_ROWS
             )  # fmt: skip
             ops["batched_linear"] = ByRows(
                 triton_ops["batched_linear"], batched_linear_fast, FAST_TRITON_BATCHED_MAX_ROWS,

@@ -43,7 +43,7 @@ REDUCING_OPS = TILED_OPS + UNTILED_OPS + ("row_parallel_linear",)
 CUDA_FAST_OPS = {
     "grouped_linear": "grouped_linear_by_rows",  # the faster of torch's and the Triton one
     # The Triton kernel at the few rows where it beat cuBLAS (kernels.linear.ByRows).
-    "linear": "linear_triton or linear_fast",
+    "linear": "linear_triton or linear_triton or linear_fast",  # one row, then narrow weights
     "batched_linear": "batched_linear_triton or batched_linear_fast",
     "router_logits": "router_logits_triton or router_logits_fast",
     "router_topk": "router_topk_triton",
@@ -245,15 +245,20 @@ def test_fast_cuda_linears_take_the_triton_kernel_only_where_it_is_faster():
         return calls.pop()
 
     rows, out = linear.FAST_TRITON_LINEAR_MAX_ROWS, linear.FAST_TRITON_LINEAR_MAX_OUT
+    any_out_rows = linear.FAST_TRITON_LINEAR_ANY_OUT_ROWS
+    narrow = table.linear.many  # past any_out_rows rows: the narrow weights' rule
+    assert table.linear.max_rows == any_out_rows and table.linear.max_out is None
+    assert narrow.few is table.linear.few and narrow.many.__name__ == "linear_fast"
     if not torch.cuda.is_available():  # with a device: a stream's buffer a call (a closure)
         assert table.linear.few.func.__name__ == "linear_triton"
         assert table.linear.few.keywords == table.router_logits.few.keywords == {"arrivals": None}
-    assert pick(table.linear, torch.empty(1, 8), torch.empty(out, 8), whole_out_dim=None) == (
-        "triton", {"whole_out_dim": None},
-    )  # fmt: skip
-    assert pick(table.linear, torch.empty(rows, 8), torch.empty(576, 8))[0] == "triton"
-    assert pick(table.linear, torch.empty(rows + 1, 8), torch.empty(576, 8))[0] == "cublas"
-    assert pick(table.linear, torch.empty(1, 8), torch.empty(out + 1, 8))[0] == "cublas"
+    # Any weight at any_out_rows rows, the op's keywords passed on.
+    assert pick(table.linear, torch.empty(any_out_rows, 8), torch.empty(102400, 8),
+                whole_out_dim=None) == ("triton", {"whole_out_dim": None})  # fmt: skip
+    assert pick(narrow, torch.empty(1, 8), torch.empty(out, 8))[0] == "triton"
+    assert pick(narrow, torch.empty(rows, 8), torch.empty(576, 8))[0] == "triton"
+    assert pick(narrow, torch.empty(rows + 1, 8), torch.empty(576, 8))[0] == "cublas"
+    assert pick(narrow, torch.empty(any_out_rows + 1, 8), torch.empty(out + 1, 8))[0] == "cublas"
     # [heads, tokens, features]: the tokens are the rows.
     batched_rows = linear.FAST_TRITON_BATCHED_MAX_ROWS
     w_uk = torch.empty(16, 512, 128)
