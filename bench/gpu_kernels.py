@@ -7,7 +7,7 @@ Times are medians of triton.testing.do_bench (CUDA events, warm-up, L2 flushed p
 
     PYTHONUNBUFFERED=1 python bench/gpu_kernels.py [rows linear grouped attention sweep layer
         row_parallel tree_crossover split_prefill value_split split_sweep whole_query tail
-        read_floor heads ...] (every section: the table in main)
+        read_floor heads fast_choice ...] (every section: the table in main)
 """
 
 from __future__ import annotations
