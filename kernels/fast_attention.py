@@ -73,25 +73,20 @@ def mla_decode_fast(
     would flatter invariance).
     No path syncs with the host.
     """
-    num_tokens = q.shape[0]
-    if num_tokens != block_tables.shape[0]:
-        return mla_attention_triton(
-            q, kv_cache, query_seq_ids, block_tables, positions, scale=scale, v_dim=v_dim,
-            whole_heads=whole_heads,
-        )  # fmt: skip
-    if num_tokens == 0:  # a rank with no tokens still runs the step (EP lockstep)
-        return q.new_empty((0, q.shape[1], v_dim))
-    if uses_flash_mla(q, kv_cache, v_dim):
-        table_width = block_tables.shape[1]
+    num_tokens, table_width = q.shape[0], block_tables.shape[1]
+    if num_tokens == block_tables.shape[0]:  # decode-shaped
+        if num_tokens == 0:  # a rank with no tokens still runs the step (EP lockstep)
+            return q.new_empty((0, q.shape[1], v_dim))
+        if not uses_flash_mla(q, kv_cache, v_dim):
+            return mla_decode_split_kv(
+                q, kv_cache, query_seq_ids, block_tables, positions, scale=scale, v_dim=v_dim
+            )
         if not takes_invariant_launch(num_tokens, table_width, whole_heads or q.shape[1]):
             return _decode_flash_mla(q, kv_cache, block_tables, positions, scale, v_dim)
-        return mla_attention_triton(
-            q, kv_cache, query_seq_ids, block_tables, positions, scale=scale, v_dim=v_dim,
-            whole_heads=whole_heads,
-        )  # fmt: skip
-    return mla_decode_split_kv(
-        q, kv_cache, query_seq_ids, block_tables, positions, scale=scale, v_dim=v_dim
-    )
+    return mla_attention_triton(
+        q, kv_cache, query_seq_ids, block_tables, positions, scale=scale, v_dim=v_dim,
+        whole_heads=whole_heads,
+    )  # fmt: skip
 
 
 def mla_decode_split_kv(

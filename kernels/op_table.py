@@ -162,9 +162,9 @@ def build_op_table(config: KernelConfig, device: torch.device | str) -> OpTable:
             # Triton kernel beats torch's several launches takes it (invariance costs nothing
             # there; the price of invariance is measured on the reducing GEMMs and attention),
             # and the linears take it at the sizes where it beat cuBLAS (kernels/linear.py).
-            triton_ops = _triton_kernels()
+            triton_ops = _triton_kernels(arrivals)
             ops |= {name: triton_ops[name] for name in _FASTEST_ON_CUDA}
-            triton_linear = _with_arrivals(triton_ops["linear"], arrivals)
+            triton_linear = triton_ops["linear"]
             narrow_or_cublas = ByRows(
                 triton_linear, linear_fast, FAST_TRITON_LINEAR_MAX_ROWS,
                 max_out=FAST_TRITON_LINEAR_MAX_OUT,
@@ -177,8 +177,7 @@ def build_op_table(config: KernelConfig, device: torch.device | str) -> OpTable:
                 rows_dim=1,  # [heads, tokens, features]
             )  # fmt: skip
             ops["router_logits"] = ByRows(
-                _with_arrivals(triton_ops["router_logits"], arrivals), router_logits_fast,
-                FAST_TRITON_ROUTER_MAX_ROWS,
+                triton_ops["router_logits"], router_logits_fast, FAST_TRITON_ROUTER_MAX_ROWS
             )  # fmt: skip
             # Why: the per-expert loop needs host counts; a graph-captured step can't have
             # them. Torch's grouped GEMM, or the Triton one where it is the faster (few rows
@@ -190,9 +189,7 @@ def build_op_table(config: KernelConfig, device: torch.device | str) -> OpTable:
             )
             ops["mla_attention"] = _fast_decode_attention()
     elif device.type == "cuda":
-        ops = row_wise | _triton_kernels()
-        for name in ("linear", "router_logits"):
-            ops[name] = _with_arrivals(ops[name], arrivals)
+        ops = row_wise | _triton_kernels(arrivals)
     elif device.type == "cpu":
         tile = partial(partial, tile_rows=config.tile_rows)
         ops = {name: tile(ref) for name, (_, ref) in _TILED_OPS.items()} | row_wise
@@ -303,7 +300,9 @@ def _fast_decode_attention() -> Callable:
     return mla_decode_fast
 
 
-def _triton_kernels() -> dict[str, Callable]:
+def _triton_kernels(arrivals: torch.Tensor | StreamBuffers | None) -> dict[str, Callable]:
+    """The CUDA Triton kernels of each op, the split-K linears bound to the table's arrival
+    counts (_with_arrivals)."""
     # Imported here so CPU-only workers never load Triton's compiler front end.
     from kernels.triton_activation import silu_mul_triton
     from kernels.triton_attention import mla_attention_triton
@@ -316,7 +315,7 @@ def _triton_kernels() -> dict[str, Callable]:
     from kernels.triton_softmax import log_softmax_triton, softmax_triton
 
     return {
-        "linear": linear_triton,
+        "linear": _with_arrivals(linear_triton, arrivals),
         "batched_linear": batched_linear_triton,
         "grouped_linear": grouped_linear_triton,
         "rms_norm": rms_norm_triton,
@@ -324,7 +323,8 @@ def _triton_kernels() -> dict[str, Callable]:
         "softmax": softmax_triton,
         "log_softmax": log_softmax_triton,
         "mla_attention": mla_attention_triton,
-        "router_logits": router_logits_triton,  # no x.float() launch: upcast in registers
+        # No x.float() launch: upcast in registers.
+        "router_logits": _with_arrivals(router_logits_triton, arrivals),
         # Why a kernel and not torch: torch.softmax over experts and the weight-normalising
         # sum choose their CUDA launch plans from the tensor shape.
         "router_topk": router_topk_triton,
