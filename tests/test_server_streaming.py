@@ -29,6 +29,21 @@ def streamed(server, body: dict) -> dict[int, dict]:
     return merge_completion_chunks(sse_events(server.http, COMPLETIONS, body))
 
 
+def test_an_event_is_one_line_whatever_the_text():
+    """A token's text may hold characters JSON leaves raw that str.splitlines (httpx's
+    iter_lines) takes for line ends; the event stays one line and decodes to the same text."""
+    import json
+
+    from launch.openai.render import sse
+
+    text = "a\x85b\u2028c\u2029d\n\r\x1c\x1d\x1e\x0b\x0c\u00e9"
+    event = sse({"choices": [{"text": text}]})
+    line, blank = event.splitlines(keepends=True)
+    assert blank == "\n" and line.startswith("data: ") and line.endswith("\n")
+    assert json.loads(line[len("data: ") : -1])["choices"][0]["text"] == text
+    assert "\u00e9" in line  # other non-ASCII text stays as it is
+
+
 def test_stream_chunks_are_openai_format_and_end_with_done(server):
     chunks = sse_events(server.http, COMPLETIONS, {**TARGETS[0], "max_tokens": 5})
     assert len(chunks) == 5  # one chunk per sampled token

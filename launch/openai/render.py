@@ -36,8 +36,15 @@ def _plain(value: Any) -> Any:
     raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
+# Characters JSON leaves raw (ensure_ascii=False) that line splitters such as str.splitlines,
+# which httpx's and requests' iter_lines use, take for line ends: one of them in a token's text
+# cut a data line in two for such a client. Escaped, the JSON decodes to the same text.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse(payload: dict) -> str:
-    return f"data: {dumps(payload)}\n\n"
+    """One server-sent event: the payload's JSON on one line, whatever text it carries."""
+    return f"data: {dumps(payload).translate(_LINE_BREAKS)}\n\n"
 
 
 def usage(num_in: int, num_out: int) -> dict:
