@@ -69,6 +69,7 @@ def _mla_split_kernel(
     LAT_CHUNK: tl.constexpr,
     WHOLE_QUERY: tl.constexpr,
     TABLE_AHEAD: tl.constexpr,
+    GROUP_BLOCKS: tl.constexpr = 0,
     PDL: tl.constexpr = False,
 ):
     """Partial (max, sum, acc) of one query's heads over one split of its cache blocks; with
@@ -77,7 +78,10 @@ def _mla_split_kernel(
     WHOLE_QUERY (grid axis 2 of size 1, WRITE_OUT): the program walks every split of its
     query, each from a fresh state as above, and folds them in split order with the merge
     kernel's arithmetic (_fold_weights, the same fused adds), so it writes the bits of the
-    split launch and its merge without their fp32 partials in HBM or the second launch.
+    split launch and its merge without their fp32 partials in HBM or the second launch. With
+    GROUP_BLOCKS (grid axis 2: the table's groups) the program walks one group of the query's
+    splits and writes the group's fold as its partial (or, WRITE_OUT, the output), which the
+    merge kernel folds in group order: the two-level order of the split launch's merge.
 
     Many heads (V_PARTS > 1): a program keeps only its 1 / V_PARTS of the value columns (the
     scores are recomputed by each part) and walks the latent in LAT_CHUNK-column dots, so a
@@ -90,9 +94,11 @@ def _mla_split_kernel(
     BLOCK_PV: tl.constexpr = BLOCK_V // V_PARTS
     IS_WHOLE: tl.constexpr = V_PARTS == 1 and LAT_CHUNK == BLOCK_V
     t = tl.program_id(1).to(tl.int64)
-    split = tl.program_id(2)
+    split = tl.program_id(2)  # a KV split, or with WHOLE_QUERY and GROUP_BLOCKS a group
     position = tl.load(positions_ptr + t)
-    first_block = split * SPLIT_BLOCKS
+    # The blocks a program walks from its first: a split's, a group's, or every block (0).
+    RUN: tl.constexpr = GROUP_BLOCKS if WHOLE_QUERY else SPLIT_BLOCKS
+    first_block = split * RUN
     num_blocks = position // BS + 1
     # Split k > 0 of the query's own (_own_splits) exists where k * SPLIT_BLOCKS +
     # TAIL_BLOCKS < num_blocks; the last one runs to the query's last block.
@@ -116,8 +122,8 @@ def _mla_split_kernel(
         acc = tl.zeros((BLOCK_H, BLOCK_PV), dtype=tl.float32)
         if WHOLE_QUERY:  # the splits folded so far (valid from the second split on)
             done_max, done_sum, done_acc = row_max, row_sum, acc
-        is_to_end = (first_block + SPLIT_BLOCKS + TAIL_BLOCKS >= num_blocks) | WHOLE_QUERY
-        last_block = tl.where(is_to_end, num_blocks, first_block + SPLIT_BLOCKS)
+        is_to_end = (first_block + RUN + TAIL_BLOCKS >= num_blocks) | (RUN == 0)
+        last_block = tl.where(is_to_end, num_blocks, first_block + RUN)
         # Why: chunk j is cache block j of the sequence, whole (BS positions, aligned to
         # absolute positions), merged in order j ascending; positions past the query read
         # exact zeros (unwritten slots may hold garbage) and score -inf.
@@ -126,12 +132,15 @@ def _mla_split_kernel(
             next_id = tl.load(table_row + first_block).to(tl.int64)
         for j in range(first_block, last_block):
             # A split starts at every SPLIT_BLOCKS-th block but inside the last split's tail.
-            is_split_start = (j % SPLIT_BLOCKS == 0) & (j > 0) & (j + TAIL_BLOCKS < num_blocks)
+            is_split_start = (
+                (j % SPLIT_BLOCKS == 0) & (j > first_block) & (j + TAIL_BLOCKS < num_blocks)
+            )
             if WHOLE_QUERY and is_split_start:
                 # Why one loop, not a loop over splits: the pipeliner keeps its copies in
                 # flight across split boundaries. At a boundary the finished split is
                 # folded in (the first one taken as it is) and a fresh state starts.
-                max_new, alpha, beta = _fold_weights(done_max, row_max, j == SPLIT_BLOCKS)
+                is_first = j == first_block + SPLIT_BLOCKS
+                max_new, alpha, beta = _fold_weights(done_max, row_max, is_first)
                 done_sum = tl.fma(done_sum, alpha, row_sum * beta)
                 done_acc = tl.fma(done_acc, alpha[:, None], acc * beta[:, None])
                 done_max = max_new
@@ -154,8 +163,8 @@ def _mla_split_kernel(
                 IS_WHOLE, INPUT_PRECISION, UPCAST_DOT,
             )  # fmt: skip
         if WHOLE_QUERY:  # the last split folded in (taken as it is if it is the only one)
-            is_one_split = num_blocks <= SPLIT_BLOCKS + TAIL_BLOCKS
-            max_new, alpha, beta = _fold_weights(done_max, row_max, is_one_split)
+            is_one_split = last_block <= first_block + SPLIT_BLOCKS + TAIL_BLOCKS
+            row_max, alpha, beta = _fold_weights(done_max, row_max, is_one_split)
             row_sum = tl.fma(done_sum, alpha, row_sum * beta)
             acc = tl.fma(done_acc, alpha[:, None], acc * beta[:, None])
         if WRITE_OUT:
@@ -191,9 +200,13 @@ def _mla_merge_kernel(
     BLOCK_V: tl.constexpr,
     SPLIT_BLOCKS: tl.constexpr,
     TAIL_BLOCKS: tl.constexpr,
+    GROUP_SLOTS: tl.constexpr = 0,
     PDL: tl.constexpr = False,
 ):
-    """out[t, h] = merge of the query's splits 0, 1, ... in that order, then acc / sum."""
+    """out[t, h] = merge of the query's partials 0, 1, ... (its own: SPLIT_BLOCKS cache blocks
+    a partial) in that order, then acc / sum. GROUP_SLOTS > 0: the partials are KV splits in
+    groups of GROUP_SLOTS, folded in order within a group, the groups' folds in group order
+    (the bits of group programs, WHOLE_QUERY with GROUP_BLOCKS, and a flat merge of theirs)."""
     pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -205,15 +218,33 @@ def _mla_merge_kernel(
     row_max = tl.load(stats_ptr + first * 2)
     row_sum = tl.load(stats_ptr + first * 2 + 1)
     acc = tl.load(acc_ptr + first * BLOCK_V + offs_v, mask=v_ok, other=0.0)
+    if GROUP_SLOTS > 0:  # the groups folded so far (valid from the second group on)
+        done_max = tl.full(row_max.shape, float("-inf"), dtype=tl.float32)
+        done_sum = tl.zeros(row_sum.shape, dtype=tl.float32)
+        done_acc = tl.zeros(acc.shape, dtype=tl.float32)
     # Why: a fixed merge order (split ascending) over splits fixed by the position alone.
     for split in range(1, num_own_splits):
         slot = (t * num_splits + split) * num_heads + head
         part_max = tl.load(stats_ptr + slot * 2)
         part_sum = tl.load(stats_ptr + slot * 2 + 1)
         part_acc = tl.load(acc_ptr + slot * BLOCK_V + offs_v, mask=v_ok, other=0.0)
+        if GROUP_SLOTS > 0:
+            if split % GROUP_SLOTS == 0:  # the finished group folded in; a new one starts
+                max_new, alpha, beta = _fold_weights(done_max, row_max, split == GROUP_SLOTS)
+                done_sum = tl.fma(done_sum, alpha, row_sum * beta)
+                done_acc = tl.fma(done_acc, alpha, acc * beta)
+                done_max = max_new
+                # A fresh state: the fold below takes the split as it is (alpha 0, beta 1).
+                row_max = tl.full(row_max.shape, float("-inf"), dtype=tl.float32)
+                row_sum = tl.zeros(row_sum.shape, dtype=tl.float32)
+                acc = tl.zeros(acc.shape, dtype=tl.float32)
         row_max, alpha, beta = _fold_weights(row_max, part_max, False)
         row_sum = tl.fma(row_sum, alpha, part_sum * beta)
         acc = tl.fma(acc, alpha, part_acc * beta)
+    if GROUP_SLOTS > 0:  # the last group folded in (taken as it is if it is the only one)
+        max_new, alpha, beta = _fold_weights(done_max, row_max, num_own_splits <= GROUP_SLOTS)
+        row_sum = tl.fma(done_sum, alpha, row_sum * beta)
+        acc = tl.fma(done_acc, alpha, acc * beta)
     out = acc / row_sum
     tl.store(out_ptr + (t * num_heads + head) * V + offs_v, out, mask=v_ok)
 
@@ -316,14 +347,21 @@ def mla_attention_triton(
 def _attend(
     q, kv_cache, query_seq_ids, block_tables, positions, scale, v_dim,
     split_blocks, num_warps, num_stages, block_h=BLOCK_H, v_parts=1, lat_chunk=None,
-    is_gluon=False, is_whole_query=False, is_table_ahead=None, tail_blocks=0,
+    is_gluon=False, is_whole_query=False, is_table_ahead=None, tail_blocks=0, group_splits=0,
 ) -> torch.Tensor:  # fmt: skip
     """The launches; the launch parameters are arguments so bench/ can sweep them (tail_blocks:
     HeadLaunch's, the blocks a query's last split takes on past its whole splits). is_gluon:
     the Gluon split kernel (its own fixed warps and stages; fits_gluon's shapes);
     is_whole_query: a program a query's head block walks all its splits (the Gluon kernel
     parks its running fold in two fp32 slots a query and head block instead of registers);
-    is_table_ahead (default: is_whole_query): each block's table entry read a block earlier."""
+    is_table_ahead (default: is_whole_query): each block's table entry read a block earlier;
+    group_splits (HeadLaunch's): a query's splits fold in groups of this many, then the groups
+    (0: one group), and a whole-query launch then has a program a query's group."""
+    if group_splits and (is_gluon or tail_blocks):
+        raise ValueError(
+            f"group_splits {group_splits} needs the Triton kernel and no tail blocks "
+            f"(is_gluon {is_gluon}, tail_blocks {tail_blocks})"
+        )
     num_tokens, num_heads, cache_dim = q.shape
     out = q.new_empty((num_tokens, num_heads, v_dim))
     if num_tokens == 0:  # a rank with no tokens still runs the step (EP lockstep)
@@ -336,7 +374,12 @@ def _attend(
     # batch's longest block table). Queries with fewer splits skip the extra programs; no
     # query's result depends on this number.
     width = block_tables.shape[1]
-    num_splits = 1 if is_whole_query else split_count(width, split_blocks, tail_blocks)
+    num_splits = split_count(width, split_blocks, tail_blocks)
+    # What a partial (and a program along grid axis 2) covers: a split, or a group of them.
+    slot_blocks, merge_groups = split_blocks, group_splits
+    if is_whole_query:
+        num_splits = -(-num_splits // group_splits) if group_splits else 1
+        slot_blocks, merge_groups = group_splits * split_blocks, 0
     is_parked = is_gluon and is_whole_query
     per_token = (2 if is_parked else num_splits) * num_heads * (block_v + 2) * 4
     group = min(max(1, PARTIAL_BYTES // per_token), MAX_GRID_Y)
@@ -391,6 +434,7 @@ def _attend(
                 LAT_CHUNK=lat_chunk or block_v,
                 WHOLE_QUERY=is_whole_query,
                 TABLE_AHEAD=is_whole_query if is_table_ahead is None else is_table_ahead,
+                GROUP_BLOCKS=slot_blocks if is_whole_query and group_splits else 0,
                 num_warps=num_warps if block_v >= 256 else 4,
                 num_stages=num_stages,
                 **pdl_launch(q.device),
@@ -407,8 +451,9 @@ def _attend(
             V=v_dim,
             BS=block_size,
             BLOCK_V=block_v,
-            SPLIT_BLOCKS=split_blocks,
+            SPLIT_BLOCKS=slot_blocks,
             TAIL_BLOCKS=tail_blocks,
+            GROUP_SLOTS=merge_groups,
             num_warps=4,
             **pdl_launch(out.device),
         )

@@ -548,6 +548,58 @@ def check_mla_attention_whole_query(generator: torch.Generator) -> None:
         torch.testing.assert_close(results[torch.float32, tail].double(), expected, **FP32_TOL)
 
 
+def check_mla_attention_groups(generator: torch.Generator) -> None:
+    """A query's splits folded in groups, then the groups (group_splits): a program a query's
+    group (the group folded in the program, the groups merged) gives the bits of the split
+    launch whose merge folds the same two levels, at one to three groups (splits of 2 blocks
+    of 16, groups of 2 splits: positions 0-169 are one to 11 blocks), fp32 and bf16, a wide
+    table with -1 padding, and with a table one group wide (no merge launch). Control: the
+    one-level order (group_splits 0) makes other bits where a query has two groups or more,
+    and only there, so the comparisons see the groups."""
+    from kernels.attention import mla_attention_ref
+    from kernels.triton_attention import _attend
+
+    q, kv_cache, seq_ids, tables, positions = _paged_cache(generator, (140, 30), 4, 40, 8, 16)
+    rows = torch.tensor([0, 31, 32, 63, 64, 65, 127, 128, 139, 150, 169])
+    q, seq_ids, positions = q[rows], seq_ids[rows], positions[rows]
+    wide = torch.full((tables.shape[0], 12), -1, dtype=tables.dtype)
+    wide[:, : tables.shape[1]] = tables
+    results = {}
+    for dtype in DTYPES:
+        args = (q.to(dtype), kv_cache.to(dtype), seq_ids, wide, positions, 40**-0.5, 32, 2, 4, 3)
+        split = _attend(*args, group_splits=2)
+        for stages in (2, 3):
+            whole = _attend(*args[:-1], stages, is_whole_query=True, group_splits=2)
+            assert torch.equal(whole, split), (dtype, stages)
+        results[dtype] = split
+        # Queries of at most one group (4 blocks) with a table 4 blocks wide: written directly.
+        short = positions < 64
+        narrow = (wide[:, :4].contiguous(), positions[short])
+        got = _attend(
+            args[0][short], args[1], seq_ids[short], narrow[0], narrow[1], *args[5:],
+            is_whole_query=True, group_splits=2,
+        )  # fmt: skip
+        assert torch.equal(got, split[short]), dtype
+    args = (q, kv_cache, seq_ids, wide, positions, 40**-0.5, 32, 2, 4, 3)
+    one_level = _attend(*args)
+    grouped = results[torch.float32]
+    same = [torch.equal(one_level[i], grouped[i]) for i in range(len(rows))]
+    # Rows 0-4 are at most 4 blocks (one group); rows 5-10 have two or three groups.
+    assert all(same[:5]), same
+    assert not all(same[5:]), "the groups changed no bits"
+    expected = mla_attention_ref(
+        q.double(), kv_cache.double(), seq_ids, tables, positions, scale=40**-0.5, v_dim=32,
+        tile_rows=8,
+    )  # fmt: skip
+    torch.testing.assert_close(grouped.double(), expected, **FP32_TOL)
+    try:
+        _attend(*args, group_splits=2, tail_blocks=1)
+    except ValueError as e:
+        assert "tail_blocks 1" in str(e), e
+    else:
+        raise AssertionError("no ValueError for group_splits with tail blocks")
+
+
 def check_mla_attention_wide_launch(generator: torch.Generator) -> None:
     """A model of 64 heads takes the wide launch (64 heads a program, WIDE_LAUNCH's split and
     tail: with 2 tail blocks the second sequence's 17 and 18 blocks of 16 are one split, its
@@ -761,6 +813,7 @@ CHECKS = {
     "mla_attention": check_mla_attention,
     "mla_attention_wide_launch": check_mla_attention_wide_launch,
     "mla_attention_whole_query": check_mla_attention_whole_query,
+    "mla_attention_groups": check_mla_attention_groups,
     "router_logits": check_router_logits,
     "router_topk": check_router_topk,
     "bad_inputs": check_bad_inputs,
