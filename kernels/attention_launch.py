@@ -19,14 +19,16 @@ BLOCK_H = 16  # heads per program (tl.dot needs 16 rows); extra heads are masked
 @dataclass(frozen=True)
 class HeadLaunch:
     """A model's attention launch: heads a program, cache blocks a KV split, warps, stages,
-    and the blocks past its last whole split that a query's last split takes on (tail_blocks,
-    fewer than a split's: split_count)."""
+    the blocks past its last whole split that a query's last split takes on (tail_blocks,
+    fewer than a split's: split_count), and the splits a group folds before the groups fold
+    (group_splits; 0: one group, every split folded in turn)."""
 
     block_h: int
     split_blocks: int
     num_warps: int
     num_stages: int
     tail_blocks: int = 0
+    group_splits: int = 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.tail_blocks < self.split_blocks:
@@ -34,6 +36,15 @@ class HeadLaunch:
                 f"tail_blocks {self.tail_blocks} must be in [0, {self.split_blocks}) "
                 f"(split_blocks {self.split_blocks})"
             )
+        if self.group_splits < 0 or (self.group_splits and self.tail_blocks):
+            raise ValueError(
+                f"group_splits {self.group_splits} must be >= 0, and 0 with tail_blocks "
+                f"{self.tail_blocks}"
+            )
+
+    def num_groups(self, num_splits: int) -> int:
+        """The groups of a query (or table) of num_splits KV splits."""
+        return -(-num_splits // self.group_splits) if self.group_splits else 1
 
 
 def split_count(num_blocks: int, split_blocks: int, tail_blocks: int) -> int:
@@ -56,7 +67,13 @@ def split_count(num_blocks: int, split_blocks: int, tail_blocks: int) -> int:
 # shared as the engine shares it, 1.42x its time at B = 256 context 1024 (the earlier
 # 0.80-1.39x paid FlashMLA's plan on every call).
 WIDE_HEADS = 64
-NARROW_LAUNCH = HeadLaunch(BLOCK_H, SPLIT_BLOCKS, 4, 3)
+# A 16-head query's splits fold in groups of GROUP_SPLITS (GROUP_SPLITS * SPLIT_BLOCKS cache
+# blocks), then the groups in order: part of the bits (a query within one group folds as
+# before), so one value for every batch. Why: a program can then walk a query's group instead
+# of the whole query, so a launch of few long queries fills the GPU without every split's
+# fp32 partial crossing HBM.
+GROUP_SPLITS = 8
+NARROW_LAUNCH = HeadLaunch(BLOCK_H, SPLIT_BLOCKS, 4, 3, group_splits=GROUP_SPLITS)
 # A query's last split of the wide launch takes up to 2 blocks past its last whole split
 # (tail_blocks) instead of a split of its own: a whole-query program then folds no split of
 # one or two blocks (its running fold's fp32 round trip through L2 cost more than the blocks).

@@ -326,8 +326,8 @@ def mla_attention_triton(
     # launch that splits its values has few pairs: the split launch).
     num_programs = q.shape[0] * triton.cdiv(q.shape[1], launch.block_h)
     whole_stages = None
-    if launch == NARROW_LAUNCH and v_parts == 1:
-        whole_stages = whole_query_stages(num_programs)
+    if launch == NARROW_LAUNCH and v_parts == 1:  # a program a query's group of splits
+        whole_stages = whole_query_stages(num_programs * launch.num_groups(num_splits))
     # (Where the table holds one split the split launch writes the output directly already.)
     is_wide_whole = is_gluon and num_programs >= WIDE_WHOLE_QUERY_PROGRAMS and num_splits > 1
     # The table read ahead gives the pipeliner a second cache-block buffer: 16-bit blocks only
@@ -340,7 +340,7 @@ def mla_attention_triton(
         lat_chunk=lat_chunk, is_gluon=is_gluon,
         is_whole_query=whole_stages is not None or is_wide_whole,
         is_table_ahead=is_ahead or (whole_stages is not None and is_ahead_ok),
-        tail_blocks=launch.tail_blocks,
+        tail_blocks=launch.tail_blocks, group_splits=launch.group_splits,
     )  # fmt: skip
 
 
