@@ -99,6 +99,60 @@ def _sm90_shared_bytes(kernel, args: tuple, kwargs: dict) -> int:
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).metadata.shared
 
 
+def _recorded_launches(monkeypatch) -> list:
+    """From here on the invariant attention op's split-kernel launches are recorded as (grid,
+    args, kwargs) in the list returned instead of run (CPU tensors take the GPU's choices)."""
+    import kernels.triton_attention as attention
+
+    launches = []
+
+    class Recorder:
+        def __init__(self, record: bool) -> None:
+            self.record = record
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: self.record and launches.append((grid, args, kwargs))
+
+    monkeypatch.setattr(attention, "_mla_split_kernel", Recorder(True))
+    monkeypatch.setattr(attention, "_mla_merge_kernel", Recorder(False))
+    monkeypatch.setattr(attention, "_check", lambda *args: None)
+    return launches
+
+
+@pytest.mark.parametrize(
+    "tokens, width, launch",
+    [
+        (32, 128, (32, 32, False, 3)),  # 64 programs of groups at least: the split launch
+        (64, 64, (64, 2, True, 3)),  # a program a group, one an SM
+        (64, 128, (64, 4, True, 3)),  # queries past half the table have 3 groups: 192
+        (128, 128, (128, 4, True, 2)),  # 384: two programs an SM
+        (128, 16, (128, 1, True, 3)),  # one group: a program a query
+        (256, 16, (256, 1, True, 2)),
+    ],
+)
+def test_16_head_launch_counts_groups_of_queries_past_half_the_table(
+    monkeypatch, tokens, width, launch
+):
+    """The 16-head op's launch, as (grid axis 1: queries, grid axis 2: groups or splits,
+    WHOLE_QUERY, num_stages): a program a query's group from 128 programs (two stages from
+    256), the groups counted for a query just past half the table (the engine's graph tables
+    double in width), else the split launch (a program a split, three stages)."""
+    import kernels.triton_attention as attention
+    from kernels.attention_launch import GROUP_SPLITS, SPLIT_BLOCKS
+
+    assert GROUP_SPLITS * SPLIT_BLOCKS == 32  # the cases above assume groups of 32 blocks
+    launches = _recorded_launches(monkeypatch)
+    q = torch.zeros(tokens, 16, 576, dtype=torch.bfloat16)
+    kv = torch.zeros(4, 64, 576, dtype=torch.bfloat16)
+    tables = torch.zeros(tokens, width, dtype=torch.int64)
+    rows = torch.zeros(tokens, dtype=torch.int64)
+    attention.mla_attention_triton(q, kv, rows, tables, rows, scale=192**-0.5, v_dim=512)
+    [(grid, _, kwargs)] = launches
+    got = (grid[1], grid[2], kwargs["WHOLE_QUERY"], kwargs["num_stages"])
+    assert got == launch, got
+    assert kwargs["GROUP_BLOCKS"] == (32 if kwargs["WHOLE_QUERY"] else 0)
+
+
 def test_the_ops_triton_launches_fit_sm90_shared_memory(monkeypatch):
     """Every Triton split-kernel launch the invariant attention op takes on a GPU without the
     Gluon kernel's shape (16 heads; fp32 or bf16; one to 256 queries; tables of 16 and 128
@@ -109,18 +163,8 @@ def test_the_ops_triton_launches_fit_sm90_shared_memory(monkeypatch):
     and the read ahead."""
     import kernels.triton_attention as attention
 
-    kernel, launches = attention._mla_split_kernel, []
-
-    class Recorder:  # records the op's launches instead of running them (CPU tensors)
-        def __init__(self, record: bool) -> None:
-            self.record = record
-
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: self.record and launches.append((args, kwargs))
-
-    monkeypatch.setattr(attention, "_mla_split_kernel", Recorder(True))
-    monkeypatch.setattr(attention, "_mla_merge_kernel", Recorder(False))
-    monkeypatch.setattr(attention, "_check", lambda *args: None)  # CPU tensors, GPU choices
+    kernel = attention._mla_split_kernel
+    launches = [(args, kwargs) for _, args, kwargs in _recorded_launches(monkeypatch)]
     for dtype in (torch.float32, torch.bfloat16):
         for tokens in (1, 8, 32, 128, 256):
             for width in (16, 128):
