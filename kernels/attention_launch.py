@@ -75,9 +75,9 @@ WIDE_HEADS = 64
 # context (`bench/gpu_kernels.py groups`, BENCHMARKS.md), µs, the op against FlashMLA with one
 # plan a step: B = 64 context 4096 110.2 -> 85.8 (FlashMLA 90.2), context 8192 207.9 -> 159.6
 # (160.1); B = 128 context 4096 201.3 (split launch) / 167.5 (whole query) -> 159.3 (157.9).
-# Groups of 4 splits won at B = 16-64 below (a group a program there too: 49-50 against 59-69
-# now and FlashMLA's 36-55) and lost 4-6% at every B >= 64 of 256 programs or more, where the
-# goal (<= 1.0x FlashMLA at B >= 64) is: 8.
+# Groups of 4 splits won at 128 programs below (B = 16 context 8192, 32 at 4096, 64 at 2048: a
+# program a group there too, 49-50 against 59-69 now, FlashMLA 53-55) and lost 4-6% wherever
+# B >= 64 made 256 programs or more, where the goal (<= 1.0x FlashMLA at B >= 64) is: 8.
 GROUP_SPLITS = 8
 NARROW_LAUNCH = HeadLaunch(BLOCK_H, SPLIT_BLOCKS, 4, 3, group_splits=GROUP_SPLITS)
 # A query's last split of the wide launch takes up to 2 blocks past its last whole split
