@@ -148,6 +148,19 @@ def value_split(num_tokens: int, block_v: int, num_splits: int) -> tuple[int, in
     return 1, None
 
 
+def group_launch_stages(num_tokens: int, num_heads: int, table_width: int) -> int | None:
+    """The narrow launch's num_stages where it gives a program a query's group of splits
+    (whole_query_stages of its programs), None where it runs the split launch. The groups are
+    counted for a query just past half the table: the engine's graph tables double in width,
+    and groups the table holds but no query reaches exit at once, so they must not pick two
+    stages (two programs an SM) for what one program an SM does faster (H200, B = 64 at
+    context 4137 in a table of 128 blocks: BENCHMARKS.md, twenty-fifth session)."""
+    launch = NARROW_LAUNCH
+    least_splits = split_count(table_width // 2 + 1, launch.split_blocks, launch.tail_blocks)
+    head_blocks = -(-num_heads // launch.block_h)
+    return whole_query_stages(num_tokens * head_blocks * launch.num_groups(least_splits))
+
+
 def whole_query_stages(num_programs: int) -> int | None:
     """The whole-query launch's num_stages for a launch of num_programs (query, head block)
     programs (WHOLE_QUERY_STAGES), None below them: the split launch."""

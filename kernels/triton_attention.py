@@ -24,10 +24,10 @@ from kernels.attention_launch import (
     TABLE_AHEAD_MAX_PAIRS,
     WIDE_LAUNCH,
     WIDE_WHOLE_QUERY_PROGRAMS,
+    group_launch_stages,
     head_launch,
     split_count,
     value_split,
-    whole_query_stages,
 )
 from kernels.gluon_attention import fits_gluon, launch_wide_split
 from kernels.triton_attention_block import _attend_block, _fold_weights, _load_query, _own_splits
@@ -326,14 +326,8 @@ def mla_attention_triton(
     # launch that splits its values has few pairs: the split launch).
     num_programs = q.shape[0] * triton.cdiv(q.shape[1], launch.block_h)
     whole_stages = None
-    if launch == NARROW_LAUNCH and v_parts == 1:
-        # A program a query's group of splits, counted as if the longest query were just past
-        # half the table (the engine's graph tables double in width): groups the table holds
-        # but no query reaches exit at once and must not pick two stages (two programs an SM)
-        # for what one program an SM does faster (H200, B = 64 at context 4137 in a table of
-        # 128 blocks: BENCHMARKS.md, twenty-fifth session).
-        least_splits = split_count(block_tables.shape[1] // 2 + 1, launch.split_blocks, 0)
-        whole_stages = whole_query_stages(num_programs * launch.num_groups(least_splits))
+    if launch == NARROW_LAUNCH and v_parts == 1:  # a program a query's group of splits
+        whole_stages = group_launch_stages(q.shape[0], q.shape[1], block_tables.shape[1])
     # (Where the table holds one split the split launch writes the output directly already.)
     is_wide_whole = is_gluon and num_programs >= WIDE_WHOLE_QUERY_PROGRAMS and num_splits > 1
     # The table read ahead gives the pipeliner a second cache-block buffer: 16-bit blocks only
