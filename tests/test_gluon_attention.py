@@ -164,7 +164,7 @@ def test_the_ops_triton_launches_fit_sm90_shared_memory(monkeypatch):
     import kernels.triton_attention as attention
 
     kernel = attention._mla_split_kernel
-    launches = [(args, kwargs) for _, args, kwargs in _recorded_launches(monkeypatch)]
+    launches = _recorded_launches(monkeypatch)
     for dtype in (torch.float32, torch.bfloat16):
         for tokens in (1, 8, 32, 128, 256):
             for width in (16, 128):
@@ -182,7 +182,7 @@ def test_the_ops_triton_launches_fit_sm90_shared_memory(monkeypatch):
             wide_q, torch.zeros(4, 64, 576), rows[:8], tables[:8], rows[:8], scale=0.1, v_dim=512
         )
     shapes = {}
-    for args, kwargs in launches:
+    for _, args, kwargs in launches:
         key = (args[0].dtype, *sorted((k, str(v)) for k, v in kwargs.items()))
         shapes.setdefault(key, (args, kwargs))
     seen = {(k["V_PARTS"], k["WHOLE_QUERY"], k["TABLE_AHEAD"]) for _, k in shapes.values()}
