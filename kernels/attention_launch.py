@@ -67,18 +67,23 @@ def split_count(num_blocks: int, split_blocks: int, tail_blocks: int) -> int:
 # shared as the engine shares it, 1.42x its time at B = 256 context 1024 (the earlier
 # 0.80-1.39x paid FlashMLA's plan on every call).
 WIDE_HEADS = 64
-# A 16-head query's splits fold in groups of GROUP_SPLITS (GROUP_SPLITS * SPLIT_BLOCKS cache
-# blocks), then the groups in order: part of the bits (a query within one group folds as
-# before), so one value for every batch. Why: a program can then walk a query's group instead
-# of the whole query, so a launch of few long queries fills the GPU without every split's
-# fp32 partial crossing HBM and a merge of them all. H200, graph replay, tables as wide as the
-# context (`bench/gpu_kernels.py groups`, BENCHMARKS.md), µs, the op against FlashMLA with one
-# plan a step: B = 64 context 4096 110.2 -> 85.8 (FlashMLA 90.2), context 8192 207.9 -> 159.6
-# (160.1); B = 128 context 4096 201.3 (split launch) / 167.5 (whole query) -> 159.3 (157.9).
-# Groups of 4 splits won at 128 programs below (B = 16 context 8192, 32 at 4096, 64 at 2048: a
-# program a group there too, 49-50 against 59-69 now, FlashMLA 53-55) and lost 4-6% wherever
-# B >= 64 made 256 programs or more, where the goal (<= 1.0x FlashMLA at B >= 64) is: 8.
-GROUP_SPLITS = 8
+# A 16-head query's splits may fold in groups of GROUP_SPLITS (GROUP_SPLITS * SPLIT_BLOCKS
+# cache blocks), then the groups in order: part of the bits (a query within one group folds as
+# with none), so one value for every batch; 0: one group. Why groups: a program can then walk
+# a query's group instead of the whole query, so a launch of few long queries fills the GPU
+# without every split's fp32 partial crossing HBM and a merge of them all. H200, graph
+# replay, tables as wide as the context (`bench/gpu_kernels.py groups`, BENCHMARKS.md), µs,
+# groups of 8 against none, FlashMLA with one plan a step in brackets: B = 64 context 4096
+# 110.2 -> 85.8 (90.2), context 8192 207.9 -> 159.6 (160.1); B = 128 context 4096 167.5 ->
+# 159.3 (157.9). Groups of 4 won at 128 programs below (B = 16 context 8192, 32 at 4096, 64
+# at 2048: 49-50 against 59-69, FlashMLA 53-55) and lost 4-6% wherever B >= 64 made 256
+# programs or more. Through the engine (27 layers, context ~4140, tables 128 blocks wide,
+# queries of 65 blocks: a third group of one block), groups of 8 gained 2% at B = 64 (10.80
+# -> 10.57 ms a step) and lost 2.5% at B = 128 (13.20 -> 13.53) and in prefill 8x4096: the
+# partials and the merge they bring where a program a whole query had filled the GPU. Off
+# until a whole-query program folds its groups itself and a query's last group takes a short
+# tail (as WIDE_LAUNCH's last split does).
+GROUP_SPLITS = 0
 NARROW_LAUNCH = HeadLaunch(BLOCK_H, SPLIT_BLOCKS, 4, 3, group_splits=GROUP_SPLITS)
 # A query's last split of the wide launch takes up to 2 blocks past its last whole split
 # (tail_blocks) instead of a split of its own: a whole-query program then folds no split of

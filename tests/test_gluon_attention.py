@@ -120,27 +120,36 @@ def _recorded_launches(monkeypatch) -> list:
 
 
 @pytest.mark.parametrize(
-    "tokens, width, launch",
+    "group_splits, tokens, width, launch",
     [
-        (32, 128, (32, 32, False, 3)),  # 64 programs of groups at least: the split launch
-        (64, 64, (64, 2, True, 3)),  # a program a group, one an SM
-        (64, 128, (64, 4, True, 3)),  # queries past half the table have 3 groups: 192
-        (128, 128, (128, 4, True, 2)),  # 384: two programs an SM
-        (128, 16, (128, 1, True, 3)),  # one group: a program a query
-        (256, 16, (256, 1, True, 2)),
+        (8, 32, 128, (32, 32, False, 3)),  # 64 programs of groups at least: the split launch
+        (8, 64, 64, (64, 2, True, 3)),  # a program a group, one an SM
+        (8, 64, 128, (64, 4, True, 3)),  # queries past half the table have 3 groups: 192
+        (8, 128, 128, (128, 4, True, 2)),  # 384: two programs an SM
+        (8, 128, 16, (128, 1, True, 3)),  # one group: a program a query
+        (8, 256, 16, (256, 1, True, 2)),
+        (0, 64, 128, (64, 32, False, 3)),  # one group a query: a program a query from 128
+        (0, 128, 128, (128, 1, True, 3)),
+        (0, 256, 128, (256, 1, True, 2)),
     ],
 )
 def test_16_head_launch_counts_groups_of_queries_past_half_the_table(
-    monkeypatch, tokens, width, launch
+    monkeypatch, group_splits, tokens, width, launch
 ):
     """The 16-head op's launch, as (grid axis 1: queries, grid axis 2: groups or splits,
-    WHOLE_QUERY, num_stages): a program a query's group from 128 programs (two stages from
-    256), the groups counted for a query just past half the table (the engine's graph tables
-    double in width), else the split launch (a program a split, three stages)."""
-    import kernels.triton_attention as attention
-    from kernels.attention_launch import GROUP_SPLITS, SPLIT_BLOCKS
+    WHOLE_QUERY, num_stages), with groups of 8 splits and with one group a query: a program
+    a query's group from 128 programs (two stages from 256), the groups counted for a query
+    just past half the table (the engine's graph tables double in width), else the split
+    launch (a program a split, three stages)."""
+    import dataclasses
 
-    assert GROUP_SPLITS * SPLIT_BLOCKS == 32  # the cases above assume groups of 32 blocks
+    import kernels.attention_launch as attention_launch
+    import kernels.triton_attention as attention
+
+    narrow = dataclasses.replace(attention_launch.NARROW_LAUNCH, group_splits=group_splits)
+    assert narrow.split_blocks == 4  # the cases above count splits of 4 blocks
+    monkeypatch.setattr(attention_launch, "NARROW_LAUNCH", narrow)
+    monkeypatch.setattr(attention, "NARROW_LAUNCH", narrow)
     launches = _recorded_launches(monkeypatch)
     q = torch.zeros(tokens, 16, 576, dtype=torch.bfloat16)
     kv = torch.zeros(4, 64, 576, dtype=torch.bfloat16)
@@ -150,7 +159,7 @@ def test_16_head_launch_counts_groups_of_queries_past_half_the_table(
     [(grid, _, kwargs)] = launches
     got = (grid[1], grid[2], kwargs["WHOLE_QUERY"], kwargs["num_stages"])
     assert got == launch, got
-    assert kwargs["GROUP_BLOCKS"] == (32 if kwargs["WHOLE_QUERY"] else 0)
+    assert kwargs["GROUP_BLOCKS"] == (4 * group_splits if kwargs["WHOLE_QUERY"] else 0)
 
 
 def test_the_ops_triton_launches_fit_sm90_shared_memory(monkeypatch):

@@ -623,12 +623,13 @@ def test_mla_value_split_launches_give_the_same_bits(generator, num_tokens):
 def test_mla_whole_query_launch_gives_the_split_bits(generator):
     """16 heads (V2-Lite) at decode, engine-wide tables (128 columns, -1 padding), NaN in
     every unwritten slot: 256 queries at positions on both sides of every split boundary up to
-    5900 (one to three groups of GROUP_SPLITS splits) give the same bits when each program
-    walks a query's group (two and three stages, the launches the op picks from 256 and 128
-    programs) as when the splits and the two-level merge run, and as each query alone;
-    controls: one split over the whole table (no restarts), and the splits folded in one
-    group, move the bits (the second only of queries past one group)."""
-    from kernels.attention_launch import GROUP_SPLITS, SPLIT_BLOCKS, whole_query_stages
+    5900 give the same bits when each program walks a query's group of splits (two and three
+    stages, the launches the op picks from 256 and 128 programs) as when the splits and the
+    merge kernel run, with one group a query and with groups of 8 splits (then a query of one
+    to three groups: the two-level merge), and as each query alone; controls: one split over
+    the whole table (no restarts) moves the bits, and groups of 8 move exactly the queries
+    past one group."""
+    from kernels.attention_launch import NARROW_LAUNCH, SPLIT_BLOCKS, whole_query_stages
     from kernels.triton_attention import _attend, mla_attention_triton
 
     boundary = 64 * SPLIT_BLOCKS
@@ -646,16 +647,20 @@ def test_mla_whole_query_launch_gives_the_split_bits(generator):
     q = torch.randn(256, 16, 576, device="cuda", generator=gen).bfloat16()
     seq_ids, positions = torch.arange(256, device="cuda"), (seq_lens - 1).cuda()
     args = (q, kv_cache, seq_ids, tables, positions, 192**-0.5, 512)
-    split = _attend(*args, SPLIT_BLOCKS, 4, 3, group_splits=GROUP_SPLITS)
-    whole = _attend(*args, SPLIT_BLOCKS, 4, 2, is_whole_query=True, group_splits=GROUP_SPLITS)
-    assert torch.equal(whole, split)
-    got = _attend(*args, SPLIT_BLOCKS, 4, 3, is_whole_query=True, group_splits=GROUP_SPLITS)
-    assert torch.equal(got, split)
-    assert not whole.isnan().any()
-    one_group = _attend(*args, SPLIT_BLOCKS, 4, 3, is_whole_query=True)
-    is_past_group = blocks > GROUP_SPLITS * SPLIT_BLOCKS
-    assert torch.equal(one_group[~is_past_group.cuda()], whole[~is_past_group.cuda()])
-    assert not torch.equal(one_group[is_past_group.cuda()], whole[is_past_group.cuda()])
+    results = {}
+    for group_splits in (0, 8):  # one group (every split folded in turn), groups of 8 splits
+        split = _attend(*args, SPLIT_BLOCKS, 4, 3, group_splits=group_splits)
+        for stages in (2, 3):
+            whole = _attend(
+                *args, SPLIT_BLOCKS, 4, stages, is_whole_query=True, group_splits=group_splits
+            )
+            assert torch.equal(whole, split), (group_splits, stages)
+        assert not split.isnan().any()
+        results[group_splits] = split
+    is_past_group = (blocks > 8 * SPLIT_BLOCKS).cuda()  # the queries past one group of 8
+    assert torch.equal(results[0][~is_past_group], results[8][~is_past_group])
+    assert not torch.equal(results[0][is_past_group], results[8][is_past_group])
+    whole = results[NARROW_LAUNCH.group_splits]
     # Engagement: the op takes the two launches above at 256 and 128 queries, the split
     # launch below (the single queries further down).
     assert [whole_query_stages(n) for n in (256, 128, 127)] == [2, 3, None]
