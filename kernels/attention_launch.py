@@ -73,9 +73,10 @@ WIDE_HEADS = 64
 # a query's group instead of the whole query, so a launch of few long queries fills the GPU
 # without every split's fp32 partial crossing HBM and a merge of them all. H200, graph
 # replay, tables as wide as the context (`bench/gpu_kernels.py groups`, BENCHMARKS.md), µs,
-# groups of 8 against none, FlashMLA with one plan a step in brackets: B = 64 context 4096
-# 110.2 -> 85.8 (90.2), context 8192 207.9 -> 159.6 (160.1); B = 128 context 4096 167.5 ->
-# 159.3 (157.9). Groups of 4 won at 128 programs below (B = 16 context 8192, 32 at 4096, 64
+# the split launch against a program a group of 8, FlashMLA with one plan a step in brackets:
+# B = 64 context 4096 110.2 -> 85.8 (90.2), context 8192 207.9 -> 159.6 (160.1); B = 128
+# context 4096 201.3 -> 159.3 (157.9; a program a whole query: 166.0 in the twenty-fourth
+# session's run). Groups of 4 won at 128 programs below (B = 16 context 8192, 32 at 4096, 64
 # at 2048: 49-50 against 59-69, FlashMLA 53-55) and lost 4-6% wherever B >= 64 made 256
 # programs or more. Through the engine (27 layers, context ~4140, tables 128 blocks wide,
 # queries of 65 blocks: a third group of one block), groups of 8 gained 2% at B = 64 (10.80
