@@ -29,6 +29,7 @@ class HeadLaunch:
     num_stages: int
     tail_blocks: int = 0
     group_splits: int = 0
+    group_tail: int = 0  # blocks past its last whole group a query's last group takes on
 
     def __post_init__(self) -> None:
         if not 0 <= self.tail_blocks < self.split_blocks:
@@ -42,9 +43,19 @@ class HeadLaunch:
                 f"{self.tail_blocks}"
             )
 
-    def num_groups(self, num_splits: int) -> int:
-        """The groups of a query (or table) of num_splits KV splits."""
-        return -(-num_splits // self.group_splits) if self.group_splits else 1
+        group_blocks = self.group_splits * self.split_blocks
+        is_whole_splits = self.group_tail % self.split_blocks == 0
+        if self.group_tail and (not is_whole_splits or group_blocks <= self.group_tail):
+            raise ValueError(
+                f"group_tail {self.group_tail} must be whole splits of {self.split_blocks} "
+                f"blocks, below a group's {group_blocks} (group_splits {self.group_splits})"
+            )
+
+    def num_groups(self, num_blocks: int) -> int:
+        """The groups of a query (or table) of num_blocks cache blocks (1 without groups)."""
+        if not self.group_splits:
+            return 1
+        return split_count(num_blocks, self.group_splits * self.split_blocks, self.group_tail)
 
 
 def split_count(num_blocks: int, split_blocks: int, tail_blocks: int) -> int:
@@ -85,7 +96,13 @@ WIDE_HEADS = 64
 # until a whole-query program folds its groups itself and a query's last group takes a short
 # tail (as WIDE_LAUNCH's last split does).
 GROUP_SPLITS = 0
-NARROW_LAUNCH = HeadLaunch(BLOCK_H, SPLIT_BLOCKS, 4, 3, group_splits=GROUP_SPLITS)
+# A query's last group takes up to one split past its last whole group (as WIDE_LAUNCH's last
+# split takes up to 2 blocks): a decode context just past a group (65 blocks) is two groups,
+# not a third of one block with its program, partial and merge fold.
+GROUP_TAIL = SPLIT_BLOCKS if GROUP_SPLITS else 0
+NARROW_LAUNCH = HeadLaunch(
+    BLOCK_H, SPLIT_BLOCKS, 4, 3, group_splits=GROUP_SPLITS, group_tail=GROUP_TAIL
+)
 # A query's last split of the wide launch takes up to 2 blocks past its last whole split
 # (tail_blocks) instead of a split of its own: a whole-query program then folds no split of
 # one or two blocks (its running fold's fp32 round trip through L2 cost more than the blocks).
@@ -124,6 +141,11 @@ MIN_PART_COLUMNS = 128  # value columns a program keeps at least (the measured 5
 # B = 256 ctx 1024: 137 -> 92 us); from 128, three (two buffers, one program an SM; B = 128
 # ctx 1024 62 -> 51 us, ctx 4096 213 -> 168); below, the split launch (B = 64: 35 vs 45 us).
 WHOLE_QUERY_STAGES = ((256, 2), (128, 3))
+# With groups, launches of at least this many (query, head block) programs give each program a
+# whole query that folds its groups itself (the groups' running fold parked in an fp32 slot):
+# there a program a query already fills the GPU, and a program a group would only add
+# partials and a merge launch (B = 128 and prefill through the engine, twenty-fifth session).
+PARKED_MIN_PROGRAMS = 256
 # Wide launches (the Gluon kernel) with at least this many (query, head block) programs and
 # tables wider than one split give each program a whole query too: its splits folded in the
 # program with the merge kernel's arithmetic, the running fold parked in two fp32 slots (no
@@ -154,17 +176,22 @@ def value_split(num_tokens: int, block_v: int, num_splits: int) -> tuple[int, in
     return 1, None
 
 
-def group_launch_stages(num_tokens: int, num_heads: int, table_width: int) -> int | None:
-    """The narrow launch's num_stages where it gives a program a query's group of splits
-    (whole_query_stages of its programs), None where it runs the split launch. The groups are
-    counted for a query just past half the table: the engine's graph tables double in width,
-    and groups the table holds but no query reaches exit at once, so they must not pick two
-    stages (two programs an SM) for what one program an SM does faster (H200, B = 64 at
-    context 4137 in a table of 128 blocks: BENCHMARKS.md, twenty-fifth session)."""
+def group_launch(num_tokens: int, num_heads: int, table_width: int) -> tuple[int, bool] | None:
+    """The narrow launch's (num_stages, a program a group) where its programs walk a query's
+    groups of splits, None where it runs the split launch. With groups: from
+    PARKED_MIN_PROGRAMS (query, head block) programs a program a query that parks its groups'
+    fold (False), else a program a group (True) from 128 of them (whole_query_stages). The
+    groups are counted for a query three quarters of the table long: the engine's graph
+    tables double in width (the longest query is past half), and groups the table holds but
+    no query reaches exit at once, so they must not pick two stages (two programs an SM) for
+    what one program an SM does faster (H200, B = 64 at context 4137 in a table of 128
+    blocks: BENCHMARKS.md, twenty-fifth session)."""
     launch = NARROW_LAUNCH
-    least_splits = split_count(table_width // 2 + 1, launch.split_blocks, launch.tail_blocks)
-    head_blocks = -(-num_heads // launch.block_h)
-    return whole_query_stages(num_tokens * head_blocks * launch.num_groups(least_splits))
+    num_programs = num_tokens * -(-num_heads // launch.block_h)
+    if launch.group_splits and num_programs >= PARKED_MIN_PROGRAMS:
+        return whole_query_stages(num_programs), False
+    stages = whole_query_stages(num_programs * launch.num_groups(table_width * 3 // 4))
+    return None if stages is None else (stages, True)
 
 
 def whole_query_stages(num_programs: int) -> int | None:

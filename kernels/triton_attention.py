@@ -24,7 +24,7 @@ from kernels.attention_launch import (
     TABLE_AHEAD_MAX_PAIRS,
     WIDE_LAUNCH,
     WIDE_WHOLE_QUERY_PROGRAMS,
-    group_launch_stages,
+    group_launch,
     head_launch,
     split_count,
     value_split,
@@ -38,6 +38,40 @@ PARTIAL_BYTES = 256 << 20  # cap on the fp32 split buffers of one launch (querie
 MAX_GRID_Y = 65535  # CUDA's limit on grid axis 1, the launch's queries
 
 
+@triton.jit
+def _park_group(park_rows, park_stats, head_ok, pv_ok, group_max, group_sum, group_acc,
+                is_first_group, is_last_group: tl.constexpr):  # fmt: skip
+    """Fold a finished group (max, sum, acc) into a query's parked fold of the groups before
+    it, as the merge kernel folds group partials (the first taken as it is, each later one
+    folded with _fold_weights and the same fmas). is_first_group: only park it;
+    is_last_group: return the total instead of parking it. Returns a fresh state (or the
+    total)."""
+    if is_first_group:
+        tot_max, tot_sum, tot_acc = group_max, group_sum, group_acc
+    else:
+        mask = head_ok[:, None] & pv_ok[None, :]
+        tot_acc = tl.load(park_rows, mask=mask, other=0.0)
+        part_max = tl.load(park_stats, mask=head_ok, other=0.0)
+        part_sum = tl.load(park_stats + 1, mask=head_ok, other=0.0)
+        tot_max, alpha, beta = _fold_weights(part_max, group_max, False)
+        tot_sum = tl.fma(part_sum, alpha, group_sum * beta)
+        tot_acc = tl.fma(tot_acc, alpha[:, None], group_acc * beta[:, None])
+    if is_last_group:
+        return tot_max, tot_sum, tot_acc
+    tl.store(park_rows, tot_acc, mask=head_ok[:, None] & pv_ok[None, :])
+    tl.store(park_stats, tot_max, mask=head_ok)
+    tl.store(park_stats + 1, tot_sum, mask=head_ok)
+    # Why: the next group's load may fall to other threads than these stores; a CTA barrier
+    # makes the program's global writes visible to all its threads.
+    tl.debug_barrier()
+    fresh_max = tl.full(group_max.shape, float("-inf"), dtype=tl.float32)
+    return (
+        fresh_max,
+        tl.zeros(group_sum.shape, dtype=tl.float32),
+        tl.zeros(group_acc.shape, dtype=tl.float32),
+    )
+
+
 # Why: batch-dependent ints are not specialised (==1, %16), so one compiled kernel serves
 # every batch; specialisation would change only address arithmetic, never a float.
 @triton.jit(do_not_specialize=["num_splits", "table_width"])
@@ -49,6 +83,7 @@ def _mla_split_kernel(
     positions_ptr,
     acc_ptr,
     stats_ptr,
+    park_ptr,
     scale,
     num_heads,
     num_splits,
@@ -70,6 +105,8 @@ def _mla_split_kernel(
     WHOLE_QUERY: tl.constexpr,
     TABLE_AHEAD: tl.constexpr,
     GROUP_BLOCKS: tl.constexpr = 0,
+    GROUP_TAIL: tl.constexpr = 0,
+    GROUP_PROGRAMS: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     """Partial (max, sum, acc) of one query's heads over one split of its cache blocks; with
@@ -78,10 +115,14 @@ def _mla_split_kernel(
     WHOLE_QUERY (grid axis 2 of size 1, WRITE_OUT): the program walks every split of its
     query, each from a fresh state as above, and folds them in split order with the merge
     kernel's arithmetic (_fold_weights, the same fused adds), so it writes the bits of the
-    split launch and its merge without their fp32 partials in HBM or the second launch. With
-    GROUP_BLOCKS (grid axis 2: the table's groups) the program walks one group of the query's
-    splits and writes the group's fold as its partial (or, WRITE_OUT, the output), which the
-    merge kernel folds in group order: the two-level order of the split launch's merge.
+    split launch and its merge without their fp32 partials in HBM or the second launch.
+    GROUP_BLOCKS > 0: the query's splits fold in groups (runs of GROUP_BLOCKS blocks from block
+    0, the last taking up to GROUP_TAIL blocks more), then the groups in order: the two-level
+    order of the merge kernel's GROUP_SLOTS. With GROUP_PROGRAMS (grid axis 2: the table's
+    groups) the program walks one group and writes its fold as a partial (or, WRITE_OUT, the
+    output), which the merge kernel folds in group order; without, the program walks the
+    whole query and parks the groups' running fold in park_ptr (fp32 acc, max and sum a query
+    and head: L2 traffic at each group's end instead of registers for a third fold).
 
     Many heads (V_PARTS > 1): a program keeps only its 1 / V_PARTS of the value columns (the
     scores are recomputed by each part) and walks the latent in LAT_CHUNK-column dots, so a
@@ -96,13 +137,17 @@ def _mla_split_kernel(
     t = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)  # a KV split, or with WHOLE_QUERY and GROUP_BLOCKS a group
     position = tl.load(positions_ptr + t)
-    # The blocks a program walks from its first: a split's, a group's, or every block (0).
-    RUN: tl.constexpr = GROUP_BLOCKS if WHOLE_QUERY else SPLIT_BLOCKS
+    # The blocks a program walks from its first: a split's, a group's, or every block (0),
+    # and the blocks its last run takes on past RUN (its tail).
+    IS_GROUP: tl.constexpr = WHOLE_QUERY and GROUP_PROGRAMS
+    RUN: tl.constexpr = GROUP_BLOCKS if IS_GROUP else (0 if WHOLE_QUERY else SPLIT_BLOCKS)
+    RUN_TAIL: tl.constexpr = GROUP_TAIL if IS_GROUP else TAIL_BLOCKS
+    IS_PARKED: tl.constexpr = WHOLE_QUERY and GROUP_BLOCKS > 0 and not GROUP_PROGRAMS
     first_block = split * RUN
     num_blocks = position // BS + 1
-    # Split k > 0 of the query's own (_own_splits) exists where k * SPLIT_BLOCKS +
-    # TAIL_BLOCKS < num_blocks; the last one runs to the query's last block.
-    if first_block < tl.maximum(num_blocks - TAIL_BLOCKS, 1):
+    # Run k > 0 of the query's own (_own_splits) exists where k * RUN + RUN_TAIL < num_blocks;
+    # the last one runs to the query's last block.
+    if first_block < tl.maximum(num_blocks - RUN_TAIL, 1):
         seq = tl.load(seq_ids_ptr + t)
         heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
         head_ok = heads < num_heads
@@ -122,7 +167,12 @@ def _mla_split_kernel(
         acc = tl.zeros((BLOCK_H, BLOCK_PV), dtype=tl.float32)
         if WHOLE_QUERY:  # the splits folded so far (valid from the second split on)
             done_max, done_sum, done_acc = row_max, row_sum, acc
-        is_to_end = (first_block + RUN + TAIL_BLOCKS >= num_blocks) | (RUN == 0)
+            group_first = first_block.to(tl.int64)  # the first block of the group being folded
+        if IS_PARKED:  # the query's parked fold of its finished groups
+            park = (t * num_heads + heads) * BLOCK_V
+            park_rows = park_ptr + park[:, None] + offs_pv[None, :]
+            park_stats = stats_ptr + (t * num_heads + heads) * 2
+        is_to_end = (first_block + RUN + RUN_TAIL >= num_blocks) | (RUN == 0)
         last_block = tl.where(is_to_end, num_blocks, first_block + RUN)
         # Why: chunk j is cache block j of the sequence, whole (BS positions, aligned to
         # absolute positions), merged in order j ascending; positions past the query read
@@ -139,7 +189,7 @@ def _mla_split_kernel(
                 # Why one loop, not a loop over splits: the pipeliner keeps its copies in
                 # flight across split boundaries. At a boundary the finished split is
                 # folded in (the first one taken as it is) and a fresh state starts.
-                is_first = j == first_block + SPLIT_BLOCKS
+                is_first = j == group_first + SPLIT_BLOCKS
                 max_new, alpha, beta = _fold_weights(done_max, row_max, is_first)
                 done_sum = tl.fma(done_sum, alpha, row_sum * beta)
                 done_acc = tl.fma(done_acc, alpha[:, None], acc * beta[:, None])
@@ -147,6 +197,14 @@ def _mla_split_kernel(
                 row_max = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
                 row_sum = tl.zeros((BLOCK_H,), dtype=tl.float32)
                 acc = tl.zeros((BLOCK_H, BLOCK_PV), dtype=tl.float32)
+                if IS_PARKED:
+                    is_group_start = (j % GROUP_BLOCKS == 0) & (j + GROUP_TAIL < num_blocks)
+                    if is_group_start:  # the finished group folded into the parked fold
+                        done_max, done_sum, done_acc = _park_group(
+                            park_rows, park_stats, head_ok, pv_ok, done_max, done_sum,
+                            done_acc, group_first == 0, False,
+                        )  # fmt: skip
+                        group_first = j
             if TABLE_AHEAD:
                 # Why the next entry read a block ahead: a copy whose address comes from a
                 # load of the same iteration gets one buffer from the pipeliner; from the
@@ -163,10 +221,15 @@ def _mla_split_kernel(
                 IS_WHOLE, INPUT_PRECISION, UPCAST_DOT,
             )  # fmt: skip
         if WHOLE_QUERY:  # the last split folded in (taken as it is if it is the only one)
-            is_one_split = last_block <= first_block + SPLIT_BLOCKS + TAIL_BLOCKS
+            is_one_split = last_block <= group_first + SPLIT_BLOCKS + TAIL_BLOCKS
             row_max, alpha, beta = _fold_weights(done_max, row_max, is_one_split)
             row_sum = tl.fma(done_sum, alpha, row_sum * beta)
             acc = tl.fma(done_acc, alpha[:, None], acc * beta[:, None])
+        if IS_PARKED:
+            if group_first > 0:  # the last group folded into the parked fold of the others
+                row_max, row_sum, acc = _park_group(
+                    park_rows, park_stats, head_ok, pv_ok, row_max, row_sum, acc, False, True
+                )
         if WRITE_OUT:
             # The merge kernel's one-split case, the same fp32 division: the same bits.
             out = acc / row_sum[:, None]
@@ -201,17 +264,20 @@ def _mla_merge_kernel(
     SPLIT_BLOCKS: tl.constexpr,
     TAIL_BLOCKS: tl.constexpr,
     GROUP_SLOTS: tl.constexpr = 0,
+    GROUP_TAIL: tl.constexpr = 0,
     PDL: tl.constexpr = False,
 ):
     """out[t, h] = merge of the query's partials 0, 1, ... (its own: SPLIT_BLOCKS cache blocks
     a partial) in that order, then acc / sum. GROUP_SLOTS > 0: the partials are KV splits in
-    groups of GROUP_SLOTS, folded in order within a group, the groups' folds in group order
-    (the bits of group programs, WHOLE_QUERY with GROUP_BLOCKS, and a flat merge of theirs)."""
+    groups of GROUP_SLOTS (the last taking up to GROUP_TAIL blocks more), folded in order
+    within a group, the groups' folds in group order (the bits of WHOLE_QUERY programs with
+    GROUP_BLOCKS, and of a flat merge of group programs' partials)."""
     pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     position = tl.load(positions_ptr + t)
-    num_own_splits = _own_splits(position // BS + 1, SPLIT_BLOCKS, TAIL_BLOCKS)
+    num_blocks = position // BS + 1
+    num_own_splits = _own_splits(num_blocks, SPLIT_BLOCKS, TAIL_BLOCKS)
     offs_v = tl.arange(0, BLOCK_V)
     v_ok = offs_v < V
     first = t * num_splits * num_heads + head
@@ -229,7 +295,10 @@ def _mla_merge_kernel(
         part_sum = tl.load(stats_ptr + slot * 2 + 1)
         part_acc = tl.load(acc_ptr + slot * BLOCK_V + offs_v, mask=v_ok, other=0.0)
         if GROUP_SLOTS > 0:
-            if split % GROUP_SLOTS == 0:  # the finished group folded in; a new one starts
+            is_group_start = (split % GROUP_SLOTS == 0) & (
+                split * SPLIT_BLOCKS + GROUP_TAIL < num_blocks
+            )
+            if is_group_start:  # the finished group folded in; a new one starts
                 max_new, alpha, beta = _fold_weights(done_max, row_max, split == GROUP_SLOTS)
                 done_sum = tl.fma(done_sum, alpha, row_sum * beta)
                 done_acc = tl.fma(done_acc, alpha, acc * beta)
@@ -242,7 +311,8 @@ def _mla_merge_kernel(
         row_sum = tl.fma(row_sum, alpha, part_sum * beta)
         acc = tl.fma(acc, alpha, part_acc * beta)
     if GROUP_SLOTS > 0:  # the last group folded in (taken as it is if it is the only one)
-        max_new, alpha, beta = _fold_weights(done_max, row_max, num_own_splits <= GROUP_SLOTS)
+        is_one_group = num_blocks <= GROUP_SLOTS * SPLIT_BLOCKS + GROUP_TAIL
+        max_new, alpha, beta = _fold_weights(done_max, row_max, is_one_group)
         row_sum = tl.fma(done_sum, alpha, row_sum * beta)
         acc = tl.fma(done_acc, alpha, acc * beta)
     out = acc / row_sum
@@ -325,9 +395,11 @@ def mla_attention_triton(
     # (query, head block) programs: the value split's parts of a launch are not counted (a
     # launch that splits its values has few pairs: the split launch).
     num_programs = q.shape[0] * triton.cdiv(q.shape[1], launch.block_h)
-    whole_stages = None
-    if launch == NARROW_LAUNCH and v_parts == 1:  # a program a query's group of splits
-        whole_stages = group_launch_stages(q.shape[0], q.shape[1], block_tables.shape[1])
+    whole_stages, is_group_programs = None, True
+    if launch == NARROW_LAUNCH and v_parts == 1:  # a program a query or a query's group
+        whole_stages, is_group_programs = group_launch(
+            q.shape[0], q.shape[1], block_tables.shape[1]
+        ) or (None, True)
     # (Where the table holds one split the split launch writes the output directly already.)
     is_wide_whole = is_gluon and num_programs >= WIDE_WHOLE_QUERY_PROGRAMS and num_splits > 1
     # The table read ahead gives the pipeliner a second cache-block buffer: 16-bit blocks only
@@ -341,6 +413,7 @@ def mla_attention_triton(
         is_whole_query=whole_stages is not None or is_wide_whole,
         is_table_ahead=is_ahead or (whole_stages is not None and is_ahead_ok),
         tail_blocks=launch.tail_blocks, group_splits=launch.group_splits,
+        group_tail=launch.group_tail, is_group_programs=is_group_programs,
     )  # fmt: skip
 
 
@@ -348,6 +421,7 @@ def _attend(
     q, kv_cache, query_seq_ids, block_tables, positions, scale, v_dim,
     split_blocks, num_warps, num_stages, block_h=BLOCK_H, v_parts=1, lat_chunk=None,
     is_gluon=False, is_whole_query=False, is_table_ahead=None, tail_blocks=0, group_splits=0,
+    group_tail=0, is_group_programs=True,
 ) -> torch.Tensor:  # fmt: skip
     """The launches; the launch parameters are arguments so bench/ can sweep them (tail_blocks:
     HeadLaunch's, the blocks a query's last split takes on past its whole splits). is_gluon:
@@ -355,12 +429,20 @@ def _attend(
     is_whole_query: a program a query's head block walks all its splits (the Gluon kernel
     parks its running fold in two fp32 slots a query and head block instead of registers);
     is_table_ahead (default: is_whole_query): each block's table entry read a block earlier;
-    group_splits (HeadLaunch's): a query's splits fold in groups of this many, then the groups
-    (0: one group), and a whole-query launch then has a program a query's group."""
+    group_splits and group_tail (HeadLaunch's): a query's splits fold in groups of this many
+    (0: one group), the last taking up to group_tail blocks more, then the groups; a
+    whole-query launch then has a program a query's group (is_group_programs) or a program a
+    query that parks the groups' running fold in an fp32 slot."""
+    group_blocks = group_splits * split_blocks
     if group_splits and (is_gluon or tail_blocks):
         raise ValueError(
             f"group_splits {group_splits} needs the Triton kernel and no tail blocks "
             f"(is_gluon {is_gluon}, tail_blocks {tail_blocks})"
+        )
+    if group_tail and (group_tail % split_blocks or not group_tail < group_blocks):
+        raise ValueError(
+            f"group_tail {group_tail} must be whole splits of {split_blocks} blocks, below a "
+            f"group's {group_blocks}"
         )
     num_tokens, num_heads, cache_dim = q.shape
     out = q.new_empty((num_tokens, num_heads, v_dim))
@@ -375,11 +457,16 @@ def _attend(
     # query's result depends on this number.
     width = block_tables.shape[1]
     num_splits = split_count(width, split_blocks, tail_blocks)
-    # What a partial (and a program along grid axis 2) covers: a split, or a group of them.
-    slot_blocks, merge_groups = split_blocks, group_splits
-    if is_whole_query:
-        num_splits = -(-num_splits // group_splits) if group_splits else 1
-        slot_blocks, merge_groups = group_splits * split_blocks, 0
+    # What a partial (and a program along grid axis 2) covers, with its tail: a split, or a
+    # group of them; the merge folds split partials in groups (merge_groups) or flat.
+    slot_blocks, slot_tail, merge_groups = split_blocks, tail_blocks, group_splits
+    is_groups = is_whole_query and group_splits > 0 and is_group_programs
+    is_triton_parked = is_whole_query and group_splits > 0 and not is_group_programs
+    if is_groups:
+        num_splits = split_count(width, group_blocks, group_tail)
+        slot_blocks, slot_tail, merge_groups = group_blocks, group_tail, 0
+    elif is_whole_query:
+        num_splits = 1
     is_parked = is_gluon and is_whole_query
     per_token = (2 if is_parked else num_splits) * num_heads * (block_v + 2) * 4
     group = min(max(1, PARTIAL_BYTES // per_token), MAX_GRID_Y)
@@ -396,6 +483,10 @@ def _attend(
         else:
             acc = torch.empty((count, num_splits, num_heads, block_v), device=q.device)
             stats = torch.empty((count, num_splits, num_heads, 2), device=q.device)
+        park = acc  # never read unless parked
+        if is_triton_parked:  # a query's parked fold of its groups: acc, and (max, sum)
+            park = torch.empty((count, num_heads, block_v), device=q.device)
+            stats = torch.empty((count, num_heads, 2), device=q.device)
         seq_ids, pos = query_seq_ids[rows].contiguous(), positions[rows].contiguous()
         grid = (triton.cdiv(num_heads, block_h) * v_parts, count, num_splits)
         if is_gluon:
@@ -412,6 +503,7 @@ def _attend(
                 pos,
                 acc,
                 stats,
+                park,
                 scale,
                 num_heads,
                 num_splits,
@@ -434,7 +526,9 @@ def _attend(
                 LAT_CHUNK=lat_chunk or block_v,
                 WHOLE_QUERY=is_whole_query,
                 TABLE_AHEAD=is_whole_query if is_table_ahead is None else is_table_ahead,
-                GROUP_BLOCKS=slot_blocks if is_whole_query and group_splits else 0,
+                GROUP_BLOCKS=group_blocks if is_whole_query else 0,
+                GROUP_TAIL=group_tail if is_whole_query else 0,
+                GROUP_PROGRAMS=is_groups,
                 num_warps=num_warps if block_v >= 256 else 4,
                 num_stages=num_stages,
                 **pdl_launch(q.device),
@@ -452,8 +546,9 @@ def _attend(
             BS=block_size,
             BLOCK_V=block_v,
             SPLIT_BLOCKS=slot_blocks,
-            TAIL_BLOCKS=tail_blocks,
+            TAIL_BLOCKS=slot_tail,
             GROUP_SLOTS=merge_groups,
+            GROUP_TAIL=group_tail if merge_groups else 0,
             num_warps=4,
             **pdl_launch(out.device),
         )

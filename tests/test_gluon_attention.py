@@ -80,9 +80,9 @@ def test_only_the_mla_shape_on_cuda_takes_the_gluon_kernel():
     assert not fits_gluon(meta_q, meta_kv, 512, 64)
 
 
-def _sm90_shared_bytes(kernel, args: tuple, kwargs: dict) -> int:
-    """Shared memory of kernel compiled for sm_90 as launched with (args, kwargs): pointer
-    and scalar types from the arguments, constexprs, warps and stages from the keywords."""
+def _sm90_compiled(kernel, args: tuple, kwargs: dict):
+    """kernel compiled for sm_90 as launched with (args, kwargs): pointer and scalar types
+    from the arguments, constexprs, warps and stages from the keywords."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -96,7 +96,7 @@ def _sm90_shared_bytes(kernel, args: tuple, kwargs: dict) -> int:
     consts = {k: v for k, v in kwargs.items() if k not in ("num_warps", "num_stages")}
     source = ASTSource(kernel, {**signature, **dict.fromkeys(consts, "constexpr")}, consts)
     options = dict(num_warps=kwargs["num_warps"], num_stages=kwargs["num_stages"])
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).metadata.shared
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def _recorded_launches(monkeypatch) -> list:
@@ -122,31 +122,35 @@ def _recorded_launches(monkeypatch) -> list:
 @pytest.mark.parametrize(
     "group_splits, tokens, width, launch",
     [
-        (8, 32, 128, (32, 32, False, 3)),  # 64 programs of groups at least: the split launch
-        (8, 64, 64, (64, 2, True, 3)),  # a program a group, one an SM
-        (8, 64, 128, (64, 4, True, 3)),  # queries past half the table have 3 groups: 192
-        (8, 128, 128, (128, 4, True, 2)),  # 384: two programs an SM
-        (8, 128, 16, (128, 1, True, 3)),  # one group: a program a query
-        (8, 256, 16, (256, 1, True, 2)),
-        (0, 64, 128, (64, 32, False, 3)),  # one group a query: a program a query from 128
-        (0, 128, 128, (128, 1, True, 3)),
-        (0, 256, 128, (256, 1, True, 2)),
+        (8, 32, 128, (32, 32, False, False, 3)),  # 96 programs of groups: the split launch
+        (8, 64, 64, (64, 2, True, True, 3)),  # a program a group, one an SM
+        (8, 64, 128, (64, 4, True, True, 3)),  # 3 groups at 3/4 of the table: 192 programs
+        (8, 128, 128, (128, 4, True, True, 2)),  # 384: two programs an SM
+        (8, 128, 16, (128, 1, True, True, 3)),  # one group
+        (8, 256, 16, (256, 1, True, False, 2)),  # a program a query, its groups' fold parked
+        (8, 256, 128, (256, 1, True, False, 2)),
+        (0, 64, 128, (64, 32, False, False, 3)),  # no groups: a program a query from 128
+        (0, 128, 128, (128, 1, True, False, 3)),
+        (0, 256, 128, (256, 1, True, False, 2)),
     ],
 )
-def test_16_head_launch_counts_groups_of_queries_past_half_the_table(
+def test_16_head_launch_follows_the_programs_of_groups(
     monkeypatch, group_splits, tokens, width, launch
 ):
     """The 16-head op's launch, as (grid axis 1: queries, grid axis 2: groups or splits,
-    WHOLE_QUERY, num_stages), with groups of 8 splits and with one group a query: a program
-    a query's group from 128 programs (two stages from 256), the groups counted for a query
-    just past half the table (the engine's graph tables double in width), else the split
-    launch (a program a split, three stages)."""
+    WHOLE_QUERY, GROUP_PROGRAMS, num_stages), with groups of 8 splits (and a tail of one
+    split) and with none: from 256 (query, head block) programs a program a query (with
+    groups, parking their fold), else a program a query's group from 128 programs of groups
+    (two stages from 256), counted for a query three quarters of the table long (the engine's
+    graph tables double in width), else the split launch (three stages)."""
     import dataclasses
 
     import kernels.attention_launch as attention_launch
     import kernels.triton_attention as attention
 
-    narrow = dataclasses.replace(attention_launch.NARROW_LAUNCH, group_splits=group_splits)
+    narrow = dataclasses.replace(
+        attention_launch.NARROW_LAUNCH, group_splits=group_splits, group_tail=4 * (group_splits > 0)
+    )
     assert narrow.split_blocks == 4  # the cases above count splits of 4 blocks
     monkeypatch.setattr(attention_launch, "NARROW_LAUNCH", narrow)
     monkeypatch.setattr(attention, "NARROW_LAUNCH", narrow)
@@ -157,21 +161,34 @@ def test_16_head_launch_counts_groups_of_queries_past_half_the_table(
     rows = torch.zeros(tokens, dtype=torch.int64)
     attention.mla_attention_triton(q, kv, rows, tables, rows, scale=192**-0.5, v_dim=512)
     [(grid, _, kwargs)] = launches
-    got = (grid[1], grid[2], kwargs["WHOLE_QUERY"], kwargs["num_stages"])
+    is_whole = kwargs["WHOLE_QUERY"]
+    got = (grid[1], grid[2], is_whole, kwargs["GROUP_PROGRAMS"], kwargs["num_stages"])
     assert got == launch, got
-    assert kwargs["GROUP_BLOCKS"] == (4 * group_splits if kwargs["WHOLE_QUERY"] else 0)
+    assert kwargs["GROUP_BLOCKS"] == (4 * group_splits if is_whole else 0)
+    assert kwargs["GROUP_TAIL"] == (4 if is_whole and group_splits else 0)
 
 
-def test_the_ops_triton_launches_fit_sm90_shared_memory(monkeypatch):
+@pytest.mark.parametrize("group_splits", (None, 8))
+def test_the_ops_triton_launches_fit_sm90_shared_memory(monkeypatch, group_splits):
     """Every Triton split-kernel launch the invariant attention op takes on a GPU without the
     Gluon kernel's shape (16 heads; fp32 or bf16; one to 256 queries; tables of 16 and 128
     blocks) compiles for sm_90 inside its shared memory: the launch choices (value split,
     whole-query stages, the table read ahead) follow host shapes, so a choice that does not fit
     would fail only on the GPU, at that batch. (fp32 with the read ahead needed 336 KB.)
-    Engagement: the launches recorded cover the split and whole-query forms, the value split
-    and the read ahead."""
+    So with the model's launch (None) and with groups of 8 splits. Engagement: the launches
+    recorded cover the split and whole-query forms, the value split and the read ahead, and
+    with groups both group forms (a program a group, a program a query parking their fold)."""
+    import dataclasses
+
+    import kernels.attention_launch as attention_launch
     import kernels.triton_attention as attention
 
+    if group_splits is not None:
+        narrow = dataclasses.replace(
+            attention_launch.NARROW_LAUNCH, group_splits=group_splits, group_tail=4
+        )
+        monkeypatch.setattr(attention_launch, "NARROW_LAUNCH", narrow)
+        monkeypatch.setattr(attention, "NARROW_LAUNCH", narrow)
     kernel = attention._mla_split_kernel
     launches = _recorded_launches(monkeypatch)
     for dtype in (torch.float32, torch.bfloat16):
@@ -196,6 +213,8 @@ def test_the_ops_triton_launches_fit_sm90_shared_memory(monkeypatch):
         shapes.setdefault(key, (args, kwargs))
     seen = {(k["V_PARTS"], k["WHOLE_QUERY"], k["TABLE_AHEAD"]) for _, k in shapes.values()}
     assert {(4, False, True), (1, False, True), (1, True, True), (1, True, False)} <= seen, seen
+    group_forms = {k["GROUP_PROGRAMS"] for _, k in shapes.values() if k["GROUP_BLOCKS"]}
+    assert group_forms == ({True, False} if group_splits else set()), group_forms
     for args, kwargs in shapes.values():
-        shared = _sm90_shared_bytes(kernel, args, kwargs)
+        shared = _sm90_compiled(kernel, args, kwargs).metadata.shared
         assert shared <= SM90_SHARED_BYTES, (args[0].dtype, kwargs, shared)

@@ -567,11 +567,15 @@ def check_mla_attention_groups(generator: torch.Generator) -> None:
     results = {}
     for dtype in DTYPES:
         args = (q.to(dtype), kv_cache.to(dtype), seq_ids, wide, positions, 40**-0.5, 32, 2, 4, 3)
-        split = _attend(*args, group_splits=2)
-        for stages in (2, 3):
-            whole = _attend(*args[:-1], stages, is_whole_query=True, group_splits=2)
-            assert torch.equal(whole, split), (dtype, stages)
-        results[dtype] = split
+        for tail in (0, 2):  # the last group taking up to one more split
+            split = _attend(*args, group_splits=2, group_tail=tail)
+            for stages, is_group_programs in ((2, True), (3, True), (3, False)):
+                whole = _attend(
+                    *args[:-1], stages, is_whole_query=True, group_splits=2, group_tail=tail,
+                    is_group_programs=is_group_programs,
+                )  # fmt: skip
+                assert torch.equal(whole, split), (dtype, tail, stages, is_group_programs)
+            results[dtype, tail] = split
         # Queries of at most one group (4 blocks) with a table 4 blocks wide: written directly.
         short = positions < 64
         narrow = (wide[:, :4].contiguous(), positions[short])
@@ -579,19 +583,28 @@ def check_mla_attention_groups(generator: torch.Generator) -> None:
             args[0][short], args[1], seq_ids[short], narrow[0], narrow[1], *args[5:],
             is_whole_query=True, group_splits=2,
         )  # fmt: skip
-        assert torch.equal(got, split[short]), dtype
+        assert torch.equal(got, results[dtype, 0][short]), dtype
     args = (q, kv_cache, seq_ids, wide, positions, 40**-0.5, 32, 2, 4, 3)
     one_level = _attend(*args)
-    grouped = results[torch.float32]
+    grouped = results[torch.float32, 0]
     same = [torch.equal(one_level[i], grouped[i]) for i in range(len(rows))]
     # Rows 0-4 are at most 4 blocks (one group); rows 5-10 have two or three groups.
     assert all(same[:5]), same
     assert not all(same[5:]), "the groups changed no bits"
+    # With the tail a query's bits move only where its last group of one or two blocks joins
+    # the group before (5, 9 and 10 blocks here: rows 4, 5, 7, 8, 9).
+    tailed = results[torch.float32, 2]
+    num_blocks = positions // 16 + 1
+    in_tail = (num_blocks % 4 > 0) & (num_blocks % 4 <= 2) & (num_blocks > 4)
+    moved = [not torch.equal(tailed[i], grouped[i]) for i in range(len(rows))]
+    assert not any(m for m, t in zip(moved, in_tail.tolist(), strict=True) if not t), moved
+    assert any(moved), "the group tail moved nothing"
     expected = mla_attention_ref(
         q.double(), kv_cache.double(), seq_ids, tables, positions, scale=40**-0.5, v_dim=32,
         tile_rows=8,
     )  # fmt: skip
     torch.testing.assert_close(grouped.double(), expected, **FP32_TOL)
+    torch.testing.assert_close(tailed.double(), expected, **FP32_TOL)
     try:
         _attend(*args, group_splits=2, tail_blocks=1)
     except ValueError as e:
