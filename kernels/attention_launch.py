@@ -92,13 +92,15 @@ WIDE_HEADS = 64
 # programs or more. Through the engine (27 layers, context ~4140, tables 128 blocks wide,
 # queries of 65 blocks: a third group of one block), groups of 8 gained 2% at B = 64 (10.80
 # -> 10.57 ms a step) and lost 2.5% at B = 128 (13.20 -> 13.53) and in prefill 8x4096: the
-# partials and the merge they bring where a program a whole query had filled the GPU. Off
-# until a whole-query program folds its groups itself and a query's last group takes a short
-# tail (as WIDE_LAUNCH's last split does).
+# partials and the merge they bring where a program a whole query had filled the GPU. Since
+# then a query's last group takes a tail (GROUP_TAIL) and from PARKED_MIN_PROGRAMS a program a
+# query folds its groups itself (group_launch), both checked on the CPU (interpreted bits,
+# sm_90 compiles) but not yet measured on the GPU: off (0) until they are (BENCHMARKS.md,
+# twenty-fifth session, says how).
 GROUP_SPLITS = 0
 # A query's last group takes up to one split past its last whole group (as WIDE_LAUNCH's last
 # split takes up to 2 blocks): a decode context just past a group (65 blocks) is two groups,
-# not a third of one block with its program, partial and merge fold.
+# not a third of one block with its program, partial and merge fold. Part of the bits.
 GROUP_TAIL = SPLIT_BLOCKS if GROUP_SPLITS else 0
 NARROW_LAUNCH = HeadLaunch(
     BLOCK_H, SPLIT_BLOCKS, 4, 3, group_splits=GROUP_SPLITS, group_tail=GROUP_TAIL
