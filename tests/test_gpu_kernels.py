@@ -625,10 +625,11 @@ def test_mla_whole_query_launch_gives_the_split_bits(generator):
     every unwritten slot: 256 queries at positions on both sides of every split boundary up to
     5900 give the same bits when each program walks a query's group of splits (two and three
     stages, the launches the op picks from 256 and 128 programs) as when the splits and the
-    merge kernel run, with one group a query and with groups of 8 splits (then a query of one
-    to three groups: the two-level merge), and as each query alone; controls: one split over
-    the whole table (no restarts) moves the bits, and groups of 8 move exactly the queries
-    past one group."""
+    merge kernel run, with one group a query and with groups of 8 splits with and without a
+    tail of one split (then a query of one to three groups: the two-level merge; and a
+    program a query parking its groups' fold), and as each query alone; controls: one split
+    over the whole table (no restarts) moves the bits, groups of 8 move exactly the queries
+    past one group, and the tail only queries whose last group it absorbed."""
     from kernels.attention_launch import NARROW_LAUNCH, SPLIT_BLOCKS, whole_query_stages
     from kernels.triton_attention import _attend, mla_attention_triton
 
@@ -648,19 +649,27 @@ def test_mla_whole_query_launch_gives_the_split_bits(generator):
     seq_ids, positions = torch.arange(256, device="cuda"), (seq_lens - 1).cuda()
     args = (q, kv_cache, seq_ids, tables, positions, 192**-0.5, 512)
     results = {}
-    for group_splits in (0, 8):  # one group (every split folded in turn), groups of 8 splits
-        split = _attend(*args, SPLIT_BLOCKS, 4, 3, group_splits=group_splits)
-        for stages in (2, 3):
+    # One group (every split folded in turn), groups of 8 splits, and with a tail of a split.
+    for group_splits, tail in ((0, 0), (8, 0), (8, 4)):
+        groups = dict(group_splits=group_splits, group_tail=tail)
+        split = _attend(*args, SPLIT_BLOCKS, 4, 3, **groups)
+        forms = [(2, True), (3, True)] + [(2, False), (3, False)] * (group_splits > 0)
+        for stages, is_group_programs in forms:  # a program a group, or a query (parked)
             whole = _attend(
-                *args, SPLIT_BLOCKS, 4, stages, is_whole_query=True, group_splits=group_splits
-            )
-            assert torch.equal(whole, split), (group_splits, stages)
+                *args, SPLIT_BLOCKS, 4, stages, is_whole_query=True, **groups,
+                is_group_programs=is_group_programs,
+            )  # fmt: skip
+            assert torch.equal(whole, split), (group_splits, tail, stages, is_group_programs)
         assert not split.isnan().any()
-        results[group_splits] = split
+        results[group_splits, tail] = split
     is_past_group = (blocks > 8 * SPLIT_BLOCKS).cuda()  # the queries past one group of 8
-    assert torch.equal(results[0][~is_past_group], results[8][~is_past_group])
-    assert not torch.equal(results[0][is_past_group], results[8][is_past_group])
-    whole = results[NARROW_LAUNCH.group_splits]
+    assert torch.equal(results[0, 0][~is_past_group], results[8, 0][~is_past_group])
+    assert not torch.equal(results[0, 0][is_past_group], results[8, 0][is_past_group])
+    # The tail moves only queries whose last group it joined to the one before.
+    is_in_tail = (blocks > 32) & ((blocks - 1) % 32 < 4)
+    moved = (results[8, 0] != results[8, 4]).flatten(1).any(1).cpu()
+    assert not moved[~is_in_tail].any() and moved[is_in_tail].any()
+    whole = results[NARROW_LAUNCH.group_splits, NARROW_LAUNCH.group_tail]
     # Engagement: the op takes the two launches above at 256 and 128 queries, the split
     # launch below (the single queries further down).
     assert [whole_query_stages(n) for n in (256, 128, 127)] == [2, 3, None]
