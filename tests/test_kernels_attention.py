@@ -153,3 +153,25 @@ def test_a_heads_bits_ignore_the_heads_per_call(generator):
     assert any(not torch.equal(by_parts(mla_attention_fast, n), fast_whole) for n in (2, 4, 16)), (
         "the fast path's bits ignored the head count too: the control cannot fail"
     )
+
+
+def test_head_launch_refuses_bad_tails_and_counts_groups():
+    """HeadLaunch names the bad value: a split tail of a split or more, groups beside a split
+    tail, a group tail that is not whole splits or not below a group; and counts a query's
+    groups with the last taking up to the group tail more (one group without groups)."""
+    from kernels.attention_launch import HeadLaunch
+
+    with pytest.raises(ValueError, match="tail_blocks 4 must be in"):
+        HeadLaunch(16, 4, 4, 3, tail_blocks=4)
+    with pytest.raises(ValueError, match="group_splits 8 must be >= 0, and 0 with tail_blocks 2"):
+        HeadLaunch(16, 4, 4, 3, tail_blocks=2, group_splits=8)
+    with pytest.raises(ValueError, match="group_tail 2 must be whole splits of 4"):
+        HeadLaunch(16, 4, 4, 3, group_splits=8, group_tail=2)
+    with pytest.raises(ValueError, match="group_tail 32 .* below a group's 32"):
+        HeadLaunch(16, 4, 4, 3, group_splits=8, group_tail=32)
+    with pytest.raises(ValueError, match="group_tail 4 .*group_splits 0"):
+        HeadLaunch(16, 4, 4, 3, group_tail=4)
+    launch = HeadLaunch(16, 4, 4, 3, group_splits=8, group_tail=4)
+    counts = [launch.num_groups(n) for n in (1, 32, 33, 36, 37, 64, 68, 69)]
+    assert counts == [1, 1, 1, 1, 2, 2, 2, 3], counts
+    assert HeadLaunch(16, 4, 4, 3).num_groups(1000) == 1
