@@ -10,6 +10,7 @@ choice reads a tensor, so none syncs the host or breaks a CUDA graph.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 SPLIT_BLOCKS = 4  # cache blocks per KV split: a constant, never a function of the batch
@@ -178,7 +179,21 @@ def value_split(num_tokens: int, block_v: int, num_splits: int) -> tuple[int, in
     return 1, None
 
 
-def group_launch(num_tokens: int, num_heads: int, table_width: int) -> tuple[int, bool] | None:
+def with_groups(launch: HeadLaunch, group_splits: int) -> HeadLaunch:
+    """The narrow launch with a query's splits folded in groups of group_splits (0: one
+    group), the last group taking up to one split more (GROUP_TAIL's rule)."""
+    if launch == WIDE_LAUNCH:
+        raise ValueError(
+            f"group_splits {group_splits} applies to the launch of models below {WIDE_HEADS} "
+            f"heads (16 heads a program), not to {launch}"
+        )
+    tail = launch.split_blocks if group_splits else 0
+    return dataclasses.replace(launch, group_splits=group_splits, group_tail=tail)
+
+
+def group_launch(
+    num_tokens: int, num_heads: int, table_width: int, launch: HeadLaunch | None = None
+) -> tuple[int, bool] | None:
     """The narrow launch's (num_stages, a program a group) where its programs walk a query's
     groups of splits, None where it runs the split launch. With groups: from
     PARKED_MIN_PROGRAMS (query, head block) programs a program a query that parks its groups'
@@ -187,8 +202,9 @@ def group_launch(num_tokens: int, num_heads: int, table_width: int) -> tuple[int
     tables double in width (the longest query is past half), and groups the table holds but
     no query reaches exit at once, so they must not pick two stages (two programs an SM) for
     what one program an SM does faster (H200, B = 64 at context 4137 in a table of 128
-    blocks: BENCHMARKS.md, twenty-fifth session)."""
-    launch = NARROW_LAUNCH
+    blocks: BENCHMARKS.md, twenty-fifth session). launch: the narrow launch (default) or one
+    with_groups made of it."""
+    launch = launch or NARROW_LAUNCH
     num_programs = num_tokens * -(-num_heads // launch.block_h)
     if launch.group_splits and num_programs >= PARKED_MIN_PROGRAMS:
         return whole_query_stages(num_programs), False

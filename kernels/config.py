@@ -16,7 +16,11 @@ the row-parallel linears are then the plain invariant linear, batch-invariant an
 prefill (BENCHMARKS.md). `side_stream_rows`: launches of at most this many rows run a layer's
 independent branches (kv_a beside the query projection, the cache write beside W_UK, the
 shared experts beside the routed ones) on a second CUDA stream (kernels/streams.py); 0 turns
-it off. No arithmetic changes, so no bit does.
+it off. No arithmetic changes, so no bit does. `attention_group_splits` (invariant mode on
+CUDA, models below 64 heads): a query's KV splits fold in groups of this many, then the
+groups, the last group taking up to one split more (kernels/attention_launch.py); 0 (the
+default) keeps one group. It is part of the bits, as tp_max is: every rank and run that must
+agree sets the same value. Measured and off by default (BENCHMARKS.md, twenty-fifth session).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ class KernelConfig:
     cuda_graphs: bool | None = None
     cuda_graph_batch_sizes: tuple[int, ...] = DEFAULT_GRAPH_BATCH_SIZES
     side_stream_rows: int = SIDE_STREAM_ROWS
+    attention_group_splits: int = 0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -51,9 +56,10 @@ class KernelConfig:
                 f"kernels.tp_max must be a power of two <= {MAX_TP_MAX} (the ranks of every TP "
                 f"degree then hold whole subtrees of its fixed binary tree), got {self.tp_max}"
             )
-        rows = self.side_stream_rows
-        if not isinstance(rows, int) or isinstance(rows, bool) or rows < 0:
-            raise ValueError(f"kernels.side_stream_rows must be an int >= 0, got {rows!r}")
+        for key in ("side_stream_rows", "attention_group_splits"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"kernels.{key} must be an int >= 0, got {value!r}")
         if self.cuda_graphs is not None and not isinstance(self.cuda_graphs, bool):
             raise ValueError(
                 f"kernels.cuda_graphs must be a bool or null, got {self.cuda_graphs!r}"

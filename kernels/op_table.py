@@ -190,6 +190,10 @@ def build_op_table(config: KernelConfig, device: torch.device | str) -> OpTable:
             ops["mla_attention"] = _fast_decode_attention()
     elif device.type == "cuda":
         ops = row_wise | _triton_kernels(arrivals)
+        if config.attention_group_splits:  # part of the bits: the config's, not the launch's
+            ops["mla_attention"] = partial(
+                ops["mla_attention"], group_splits=config.attention_group_splits
+            )
     elif device.type == "cpu":
         tile = partial(partial, tile_rows=config.tile_rows)
         ops = {name: tile(ref) for name, (_, ref) in _TILED_OPS.items()} | row_wise

@@ -20,7 +20,6 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from kernels.attention_launch import (
     BLOCK_H,
-    NARROW_LAUNCH,
     TABLE_AHEAD_MAX_PAIRS,
     WIDE_LAUNCH,
     WIDE_WHOLE_QUERY_PROGRAMS,
@@ -28,6 +27,7 @@ from kernels.attention_launch import (
     head_launch,
     split_count,
     value_split,
+    with_groups,
 )
 from kernels.gluon_attention import fits_gluon, launch_wide_split
 from kernels.triton_attention_block import _attend_block, _fold_weights, _load_query, _own_splits
@@ -365,11 +365,14 @@ def mla_attention_triton(
     scale: float,
     v_dim: int,
     whole_heads: int | None = None,
+    group_splits: int | None = None,
 ) -> torch.Tensor:
     """q [T, H, C], kv_cache [NB, BS, C] (q's dtype), query_seq_ids/positions [T] int64,
     block_tables [B, MB] int64 (-1 padding past a sequence's end) -> [T, H, v_dim] q.dtype.
     whole_heads: the model's head count at TP 1 (None: H), whose launch (head_launch) a TP
-    rank holding H of them keeps, so every TP degree gives the same bits.
+    rank holding H of them keeps, so every TP degree gives the same bits. group_splits
+    (models below 64 heads; None: the launch's): a query's splits folded in groups of this
+    many, then the groups (attention_launch.with_groups; part of the bits).
     """
     _check(q, kv_cache, query_seq_ids, block_tables, positions, v_dim)
     if whole_heads is not None and whole_heads < q.shape[1]:
@@ -377,6 +380,8 @@ def mla_attention_triton(
     # The launch (measured on the H200, BENCHMARKS.md) is fixed per model, so prefill and
     # decode compile the same kernel and round the same way.
     launch = head_launch(q.shape[1] if whole_heads is None else whole_heads)
+    if group_splits is not None:
+        launch = with_groups(launch, group_splits)
     if launch == WIDE_LAUNCH and q.element_size() > 2 and not _is_interpreted():
         raise ValueError(
             f"invariant attention of a {whole_heads or q.shape[1]}-head model (64 heads a "
@@ -386,7 +391,8 @@ def mla_attention_triton(
     # The interpreter's dots are numpy's, not checked across widths: it keeps whole head blocks.
     block_v = triton.next_power_of_2(v_dim)
     num_splits = split_count(block_tables.shape[1], launch.split_blocks, launch.tail_blocks)
-    is_narrow = launch == NARROW_LAUNCH and not _is_interpreted()
+    is_narrow_launch = launch != WIDE_LAUNCH  # the narrow launch, its groups as configured
+    is_narrow = is_narrow_launch and not _is_interpreted()
     v_parts, lat_chunk = (1, None)
     if is_narrow:
         v_parts, lat_chunk = value_split(q.shape[0], block_v, num_splits)
@@ -396,15 +402,15 @@ def mla_attention_triton(
     # launch that splits its values has few pairs: the split launch).
     num_programs = q.shape[0] * triton.cdiv(q.shape[1], launch.block_h)
     whole_stages, is_group_programs = None, True
-    if launch == NARROW_LAUNCH and v_parts == 1:  # a program a query or a query's group
+    if is_narrow_launch and v_parts == 1:  # a program a query or a query's group
         whole_stages, is_group_programs = group_launch(
-            q.shape[0], q.shape[1], block_tables.shape[1]
+            q.shape[0], q.shape[1], block_tables.shape[1], launch
         ) or (None, True)
     # (Where the table holds one split the split launch writes the output directly already.)
     is_wide_whole = is_gluon and num_programs >= WIDE_WHOLE_QUERY_PROGRAMS and num_splits > 1
     # The table read ahead gives the pipeliner a second cache-block buffer: 16-bit blocks only
     # (fp32 blocks are twice the bytes: 336 KB of shared memory then, sm_90 has 227).
-    is_ahead_ok = launch == NARROW_LAUNCH and q.element_size() == 2
+    is_ahead_ok = is_narrow_launch and q.element_size() == 2
     is_ahead = is_ahead_ok and q.shape[0] * num_splits <= TABLE_AHEAD_MAX_PAIRS
     return _attend(
         q, kv_cache, query_seq_ids, block_tables, positions, scale, v_dim, launch.split_blocks,

@@ -168,6 +168,12 @@ class RuntimeConfig:
                 f"64 heads an attention program) needs model.dtype 'bfloat16', got "
                 f"{model.dtype!r} (fp32 cache blocks do not fit in shared memory)"
             )
+        if self.kernels.attention_group_splits and is_wide:
+            raise ValueError(
+                f"kernels.attention_group_splits={self.kernels.attention_group_splits} applies "
+                f"to models below {WIDE_HEADS} attention heads (16 heads a program), got "
+                f"model.num_attention_heads={model.num_attention_heads}: set it to 0"
+            )
         if parallel.ep_backend == "deepep":
             self._check_deepep()
         if self.kernels.is_invariant and self.parallel.allow_multiple_reduction:

@@ -316,3 +316,15 @@ def test_invariant_cuda_models_of_64_heads_or_more_need_bf16():
     assert bf16.model.num_attention_heads == 64
     narrow = load_config(CONFIGS / "tiny_gpu.yaml", {"model.dtype": "float32"})
     assert narrow.model.dtype == "float32"  # 4 heads: the 16-head launch, fp32 fits
+
+
+def test_attention_group_splits_loads_below_64_heads_and_is_refused_from_64():
+    """kernels.attention_group_splits applies to the 16-head launch: a 4-head model loads with
+    it; a 64-head one is refused at load, naming both keys."""
+    grouped = load_config(CONFIGS / "tiny_gpu.yaml", {"kernels.attention_group_splits": 8})
+    assert grouped.kernels.attention_group_splits == 8
+    wide = {"model.num_attention_heads": 64, "model.dtype": "bfloat16"}
+    with pytest.raises(
+        ValueError, match="kernels.attention_group_splits=8 .*model.num_attention_heads=64"
+    ):
+        load_config(CONFIGS / "tiny_gpu.yaml", {**wide, "kernels.attention_group_splits": 8})

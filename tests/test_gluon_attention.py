@@ -142,24 +142,20 @@ def test_16_head_launch_follows_the_programs_of_groups(
     split) and with none: from 256 (query, head block) programs a program a query (with
     groups, parking their fold), else a program a query's group from 128 programs of groups
     (two stages from 256), counted for a query three quarters of the table long (the engine's
-    graph tables double in width), else the split launch (three stages)."""
-    import dataclasses
-
-    import kernels.attention_launch as attention_launch
+    graph tables double in width), else the split launch (three stages). group_splits is the
+    op's argument (kernels.attention_group_splits through the op table)."""
     import kernels.triton_attention as attention
+    from kernels.attention_launch import NARROW_LAUNCH
 
-    narrow = dataclasses.replace(
-        attention_launch.NARROW_LAUNCH, group_splits=group_splits, group_tail=4 * (group_splits > 0)
-    )
-    assert narrow.split_blocks == 4  # the cases above count splits of 4 blocks
-    monkeypatch.setattr(attention_launch, "NARROW_LAUNCH", narrow)
-    monkeypatch.setattr(attention, "NARROW_LAUNCH", narrow)
+    assert NARROW_LAUNCH.split_blocks == 4  # the cases above count splits of 4 blocks
     launches = _recorded_launches(monkeypatch)
     q = torch.zeros(tokens, 16, 576, dtype=torch.bfloat16)
     kv = torch.zeros(4, 64, 576, dtype=torch.bfloat16)
     tables = torch.zeros(tokens, width, dtype=torch.int64)
     rows = torch.zeros(tokens, dtype=torch.int64)
-    attention.mla_attention_triton(q, kv, rows, tables, rows, scale=192**-0.5, v_dim=512)
+    attention.mla_attention_triton(
+        q, kv, rows, tables, rows, scale=192**-0.5, v_dim=512, group_splits=group_splits
+    )
     [(grid, _, kwargs)] = launches
     is_whole = kwargs["WHOLE_QUERY"]
     got = (grid[1], grid[2], is_whole, kwargs["GROUP_PROGRAMS"], kwargs["num_stages"])
@@ -178,17 +174,8 @@ def test_the_ops_triton_launches_fit_sm90_shared_memory(monkeypatch, group_split
     So with the model's launch (None) and with groups of 8 splits. Engagement: the launches
     recorded cover the split and whole-query forms, the value split and the read ahead, and
     with groups both group forms (a program a group, a program a query parking their fold)."""
-    import dataclasses
-
-    import kernels.attention_launch as attention_launch
     import kernels.triton_attention as attention
 
-    if group_splits is not None:
-        narrow = dataclasses.replace(
-            attention_launch.NARROW_LAUNCH, group_splits=group_splits, group_tail=4
-        )
-        monkeypatch.setattr(attention_launch, "NARROW_LAUNCH", narrow)
-        monkeypatch.setattr(attention, "NARROW_LAUNCH", narrow)
     kernel = attention._mla_split_kernel
     launches = _recorded_launches(monkeypatch)
     for dtype in (torch.float32, torch.bfloat16):
@@ -199,8 +186,9 @@ def test_the_ops_triton_launches_fit_sm90_shared_memory(monkeypatch, group_split
                 tables = torch.zeros(tokens, width, dtype=torch.int64)
                 rows = torch.zeros(tokens, dtype=torch.int64)
                 attention.mla_attention_triton(
-                    q, kv, rows, tables, rows, scale=192**-0.5, v_dim=512
-                )
+                    q, kv, rows, tables, rows, scale=192**-0.5, v_dim=512,
+                    group_splits=group_splits,
+                )  # fmt: skip
     # 64 heads a program: fp32 does not fit at all (311 KB), refused with the dtype named.
     wide_q = torch.zeros(8, 128, 576)
     with pytest.raises(ValueError, match="128-head model.*torch.float32"):

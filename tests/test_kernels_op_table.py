@@ -287,3 +287,21 @@ def test_branches_run_inline_without_a_cuda_stream(rows):
 def test_side_stream_rows_is_validated_naming_the_value(bad):
     with pytest.raises(ValueError, match=f"kernels.side_stream_rows .* got {bad!r}"):
         KernelConfig(side_stream_rows=bad)
+
+
+@pytest.mark.parametrize("bad", (-1, 1.5, True, "8"))
+def test_attention_group_splits_is_validated_naming_the_value(bad):
+    with pytest.raises(ValueError, match=f"kernels.attention_group_splits .* got {bad!r}"):
+        KernelConfig(attention_group_splits=bad)
+
+
+def test_attention_group_splits_binds_the_invariant_cuda_attention_only():
+    """kernels.attention_group_splits reaches the invariant CUDA attention op as its
+    group_splits (part of the bits); 0 leaves the op as it is; CPU and fast tables ignore it."""
+    grouped = build_op_table(KernelConfig(attention_group_splits=8), "cuda:1").mla_attention
+    assert grouped.func.__name__ == "mla_attention_triton"
+    assert grouped.keywords == {"group_splits": 8}
+    plain = build_op_table(KernelConfig(), "cuda:1").mla_attention
+    assert plain.__name__ == "mla_attention_triton"
+    cpu = build_op_table(KernelConfig(attention_group_splits=8), "cpu").mla_attention
+    assert "group_splits" not in getattr(cpu, "keywords", {})
