@@ -79,33 +79,7 @@ def split_count(num_blocks: int, split_blocks: int, tail_blocks: int) -> int:
 # shared as the engine shares it, 1.42x its time at B = 256 context 1024 (the earlier
 # 0.80-1.39x paid FlashMLA's plan on every call).
 WIDE_HEADS = 64
-# A 16-head query's splits may fold in groups of GROUP_SPLITS (GROUP_SPLITS * SPLIT_BLOCKS
-# cache blocks), then the groups in order: part of the bits (a query within one group folds as
-# with none), so one value for every batch; 0: one group. Why groups: a program can then walk
-# a query's group instead of the whole query, so a launch of few long queries fills the GPU
-# without every split's fp32 partial crossing HBM and a merge of them all. H200, graph
-# replay, tables as wide as the context (`bench/gpu_kernels.py groups`, BENCHMARKS.md), µs,
-# the split launch against a program a group of 8, FlashMLA with one plan a step in brackets:
-# B = 64 context 4096 110.2 -> 85.8 (90.2), context 8192 207.9 -> 159.6 (160.1); B = 128
-# context 4096 201.3 -> 159.3 (157.9; a program a whole query: 166.0 in the twenty-fourth
-# session's run). Groups of 4 won at 128 programs below (B = 16 context 8192, 32 at 4096, 64
-# at 2048: 49-50 against 59-69, FlashMLA 53-55) and lost 4-6% wherever B >= 64 made 256
-# programs or more. Through the engine (27 layers, context ~4140, tables 128 blocks wide,
-# queries of 65 blocks: a third group of one block), groups of 8 gained 2% at B = 64 (10.80
-# -> 10.57 ms a step) and lost 2.5% at B = 128 (13.20 -> 13.53) and in prefill 8x4096: the
-# partials and the merge they bring where a program a whole query had filled the GPU. Since
-# then a query's last group takes a tail (GROUP_TAIL) and from PARKED_MIN_PROGRAMS a program a
-# query folds its groups itself (group_launch), both checked on the CPU (interpreted bits,
-# sm_90 compiles) but not yet measured on the GPU: off (0) until they are (BENCHMARKS.md,
-# twenty-fifth session, says how).
-GROUP_SPLITS = 0
-# A query's last group takes up to one split past its last whole group (as WIDE_LAUNCH's last
-# split takes up to 2 blocks): a decode context just past a group (65 blocks) is two groups,
-# not a third of one block with its program, partial and merge fold. Part of the bits.
-GROUP_TAIL = SPLIT_BLOCKS if GROUP_SPLITS else 0
-NARROW_LAUNCH = HeadLaunch(
-    BLOCK_H, SPLIT_BLOCKS, 4, 3, group_splits=GROUP_SPLITS, group_tail=GROUP_TAIL
-)
+NARROW_LAUNCH = HeadLaunch(BLOCK_H, SPLIT_BLOCKS, 4, 3)
 # A query's last split of the wide launch takes up to 2 blocks past its last whole split
 # (tail_blocks) instead of a split of its own: a whole-query program then folds no split of
 # one or two blocks (its running fold's fp32 round trip through L2 cost more than the blocks).
@@ -179,9 +153,30 @@ def value_split(num_tokens: int, block_v: int, num_splits: int) -> tuple[int, in
     return 1, None
 
 
+# A 16-head query's splits may fold in groups (kernels.attention_group_splits; 0, the
+# default: one group), then the groups in order: part of the bits (a query within one group
+# folds as with none), so one value for every batch of a deployment. Why groups: a program can
+# then walk a query's group instead of the whole query, so a launch of few long queries fills
+# the GPU without every split's fp32 partial crossing HBM and a merge of them all. H200, graph
+# replay, tables as wide as the context (`bench/gpu_kernels.py groups`, BENCHMARKS.md), µs,
+# the split launch against a program a group of 8, FlashMLA with one plan a step in brackets:
+# B = 64 context 4096 110.2 -> 85.8 (90.2), context 8192 207.9 -> 159.6 (160.1); B = 128
+# context 4096 201.3 -> 159.3 (157.9; a program a whole query: 166.0 in the twenty-fourth
+# session's run). Groups of 4 won at 128 programs below (B = 16 context 8192, 32 at 4096, 64
+# at 2048: 49-50 against 59-69, FlashMLA 53-55) and lost 4-6% wherever B >= 64 made 256
+# programs or more. Through the engine (27 layers, context ~4140, tables 128 blocks wide,
+# queries of 65 blocks: a third group of one block), groups of 8 gained 2% at B = 64 (10.80
+# -> 10.57 ms a step) and lost 2.5% at B = 128 (13.20 -> 13.53) and in prefill 8x4096: the
+# partials and the merge they bring where a program a whole query had filled the GPU. Since
+# then a query's last group takes up to one split more (a decode context just past a group,
+# 65 blocks, is two groups, not a third of one block with its program, partial and merge
+# fold) and from PARKED_MIN_PROGRAMS a program a query folds its groups itself
+# (group_launch), both checked on the CPU (interpreted bits, sm_90 compiles) but not yet
+# measured on the GPU: off by default until they are (BENCHMARKS.md, twenty-fifth session,
+# says how).
 def with_groups(launch: HeadLaunch, group_splits: int) -> HeadLaunch:
     """The narrow launch with a query's splits folded in groups of group_splits (0: one
-    group), the last group taking up to one split more (GROUP_TAIL's rule)."""
+    group), the last group taking up to one split more."""
     if launch == WIDE_LAUNCH:
         raise ValueError(
             f"group_splits {group_splits} applies to the launch of models below {WIDE_HEADS} "
