@@ -622,9 +622,10 @@ def check_mla_attention_wide_launch(generator: torch.Generator) -> None:
     move (and some do: it ran too)."""
     import kernels.triton_attention as attention
     from kernels.attention import mla_attention_ref
+    from kernels.attention_launch import NARROW_LAUNCH
 
     assert attention.head_launch(64) == attention.WIDE_LAUNCH
-    assert attention.head_launch(16) == attention.NARROW_LAUNCH
+    assert attention.head_launch(16) == NARROW_LAUNCH
     wide = attention.WIDE_LAUNCH
     assert wide.split_blocks + wide.tail_blocks < 21 <= 2 * wide.split_blocks
     q, kv_cache, seq_ids, tables, positions = _paged_cache(generator, (40, 340), 64, 48, 8, 16)
@@ -653,7 +654,7 @@ def check_mla_attention_wide_launch(generator: torch.Generator) -> None:
     assert launches[0] == (
         wide.split_blocks, wide.num_warps, wide.num_stages, wide.tail_blocks
     ), launches  # fmt: skip
-    assert launches[-1][0] == attention.NARROW_LAUNCH.split_blocks != wide.split_blocks, launches
+    assert launches[-1][0] == NARROW_LAUNCH.split_blocks != wide.split_blocks, launches
     expected = mla_attention_ref(q, kv_cache, seq_ids, tables, positions, **args, tile_rows=8)
     torch.testing.assert_close(full, expected, **FP32_TOL)
     torch.testing.assert_close(narrow, full[:, :16], **FP32_TOL)
