@@ -11,6 +11,7 @@ choice reads a tensor, so none syncs the host or breaks a CUDA graph.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 SPLIT_BLOCKS = 4  # cache blocks per KV split: a constant, never a function of the batch
@@ -33,30 +34,34 @@ class HeadLaunch:
     group_tail: int = 0  # blocks past its last whole group a query's last group takes on
 
     def __post_init__(self) -> None:
-        if not 0 <= self.tail_blocks < self.split_blocks:
-            raise ValueError(
-                f"tail_blocks {self.tail_blocks} must be in [0, {self.split_blocks}) "
-                f"(split_blocks {self.split_blocks})"
-            )
-        if self.group_splits < 0 or (self.group_splits and self.tail_blocks):
-            raise ValueError(
-                f"group_splits {self.group_splits} must be >= 0, and 0 with tail_blocks "
-                f"{self.tail_blocks}"
-            )
-
-        group_blocks = self.group_splits * self.split_blocks
-        is_whole_splits = self.group_tail % self.split_blocks == 0
-        if self.group_tail and (not is_whole_splits or group_blocks <= self.group_tail):
-            raise ValueError(
-                f"group_tail {self.group_tail} must be whole splits of {self.split_blocks} "
-                f"blocks, below a group's {group_blocks} (group_splits {self.group_splits})"
-            )
+        check_runs(self.split_blocks, self.tail_blocks, self.group_splits, self.group_tail)
 
     def num_groups(self, num_blocks: int) -> int:
         """The groups of a query (or table) of num_blocks cache blocks (1 without groups)."""
         if not self.group_splits:
             return 1
         return split_count(num_blocks, self.group_splits * self.split_blocks, self.group_tail)
+
+
+def check_runs(split_blocks: int, tail_blocks: int, group_splits: int, group_tail: int) -> None:
+    """Raise ValueError, naming the value, unless the split tail is below a split, the groups
+    are >= 0 and only without a split tail, and the group tail is whole splits below a group."""
+    if not 0 <= tail_blocks < split_blocks:
+        raise ValueError(
+            f"tail_blocks {tail_blocks} must be in [0, {split_blocks}) "
+            f"(split_blocks {split_blocks})"
+        )
+    if group_splits < 0 or (group_splits and tail_blocks):
+        raise ValueError(
+            f"group_splits {group_splits} must be >= 0, and 0 with tail_blocks {tail_blocks}"
+        )
+    group_blocks = group_splits * split_blocks
+    is_whole_splits = group_tail % split_blocks == 0
+    if group_tail and (not is_whole_splits or group_blocks <= group_tail):
+        raise ValueError(
+            f"group_tail {group_tail} must be whole splits of {split_blocks} blocks, below a "
+            f"group's {group_blocks} (group_splits {group_splits})"
+        )
 
 
 def split_count(num_blocks: int, split_blocks: int, tail_blocks: int) -> int:
@@ -174,6 +179,7 @@ def value_split(num_tokens: int, block_v: int, num_splits: int) -> tuple[int, in
 # (group_launch), both checked on the CPU (interpreted bits, sm_90 compiles) but not yet
 # measured on the GPU: off by default until they are (BENCHMARKS.md, twenty-fifth session,
 # says how).
+@functools.cache  # a frozen launch per (launch, groups): no new object on every call
 def with_groups(launch: HeadLaunch, group_splits: int) -> HeadLaunch:
     """The narrow launch with a query's splits folded in groups of group_splits (0: one
     group), the last group taking up to one split more."""
@@ -187,7 +193,7 @@ def with_groups(launch: HeadLaunch, group_splits: int) -> HeadLaunch:
 
 
 def group_launch(
-    num_tokens: int, num_heads: int, table_width: int, launch: HeadLaunch | None = None
+    launch: HeadLaunch, num_tokens: int, num_heads: int, table_width: int
 ) -> tuple[int, bool] | None:
     """The narrow launch's (num_stages, a program a group) where its programs walk a query's
     groups of splits, None where it runs the split launch. With groups: from
@@ -197,9 +203,8 @@ def group_launch(
     tables double in width (the longest query is past half), and groups the table holds but
     no query reaches exit at once, so they must not pick two stages (two programs an SM) for
     what one program an SM does faster (H200, B = 64 at context 4137 in a table of 128
-    blocks: BENCHMARKS.md, twenty-fifth session). launch: the narrow launch (default) or one
+    blocks: BENCHMARKS.md, twenty-fifth session). launch: the narrow launch, or one
     with_groups made of it."""
-    launch = launch or NARROW_LAUNCH
     num_programs = num_tokens * -(-num_heads // launch.block_h)
     if launch.group_splits and num_programs >= PARKED_MIN_PROGRAMS:
         return whole_query_stages(num_programs), False

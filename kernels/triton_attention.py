@@ -23,6 +23,7 @@ from kernels.attention_launch import (
     TABLE_AHEAD_MAX_PAIRS,
     WIDE_LAUNCH,
     WIDE_WHOLE_QUERY_PROGRAMS,
+    check_runs,
     group_launch,
     head_launch,
     split_count,
@@ -30,7 +31,13 @@ from kernels.attention_launch import (
     with_groups,
 )
 from kernels.gluon_attention import fits_gluon, launch_wide_split
-from kernels.triton_attention_block import _attend_block, _fold_weights, _load_query, _own_splits
+from kernels.triton_attention_block import (
+    _attend_block,
+    _fold_weights,
+    _load_query,
+    _own_splits,
+    _starts_run,
+)
 from kernels.triton_pdl import pdl_launch, pdl_start
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -182,8 +189,8 @@ def _mla_split_kernel(
             next_id = tl.load(table_row + first_block).to(tl.int64)
         for j in range(first_block, last_block):
             # A split starts at every SPLIT_BLOCKS-th block but inside the last split's tail.
-            is_split_start = (
-                (j % SPLIT_BLOCKS == 0) & (j > first_block) & (j + TAIL_BLOCKS < num_blocks)
+            is_split_start = (j > first_block) & _starts_run(
+                j, SPLIT_BLOCKS, TAIL_BLOCKS, num_blocks
             )
             if WHOLE_QUERY and is_split_start:
                 # Why one loop, not a loop over splits: the pipeliner keeps its copies in
@@ -198,8 +205,8 @@ def _mla_split_kernel(
                 row_sum = tl.zeros((BLOCK_H,), dtype=tl.float32)
                 acc = tl.zeros((BLOCK_H, BLOCK_PV), dtype=tl.float32)
                 if IS_PARKED:
-                    is_group_start = (j % GROUP_BLOCKS == 0) & (j + GROUP_TAIL < num_blocks)
-                    if is_group_start:  # the finished group folded into the parked fold
+                    # At a group's start the finished group folds into the parked fold.
+                    if _starts_run(j, GROUP_BLOCKS, GROUP_TAIL, num_blocks):
                         done_max, done_sum, done_acc = _park_group(
                             park_rows, park_stats, head_ok, pv_ok, done_max, done_sum,
                             done_acc, group_first == 0, False,
@@ -284,6 +291,7 @@ def _mla_merge_kernel(
     row_max = tl.load(stats_ptr + first * 2)
     row_sum = tl.load(stats_ptr + first * 2 + 1)
     acc = tl.load(acc_ptr + first * BLOCK_V + offs_v, mask=v_ok, other=0.0)
+    GROUP_BLOCKS: tl.constexpr = GROUP_SLOTS * SPLIT_BLOCKS
     if GROUP_SLOTS > 0:  # the groups folded so far (valid from the second group on)
         done_max = tl.full(row_max.shape, float("-inf"), dtype=tl.float32)
         done_sum = tl.zeros(row_sum.shape, dtype=tl.float32)
@@ -295,10 +303,8 @@ def _mla_merge_kernel(
         part_sum = tl.load(stats_ptr + slot * 2 + 1)
         part_acc = tl.load(acc_ptr + slot * BLOCK_V + offs_v, mask=v_ok, other=0.0)
         if GROUP_SLOTS > 0:
-            is_group_start = (split % GROUP_SLOTS == 0) & (
-                split * SPLIT_BLOCKS + GROUP_TAIL < num_blocks
-            )
-            if is_group_start:  # the finished group folded in; a new one starts
+            # At a group's start the finished group folds in and a new one starts.
+            if _starts_run(split * SPLIT_BLOCKS, GROUP_BLOCKS, GROUP_TAIL, num_blocks):
                 max_new, alpha, beta = _fold_weights(done_max, row_max, split == GROUP_SLOTS)
                 done_sum = tl.fma(done_sum, alpha, row_sum * beta)
                 done_acc = tl.fma(done_acc, alpha, acc * beta)
@@ -311,7 +317,7 @@ def _mla_merge_kernel(
         row_sum = tl.fma(row_sum, alpha, part_sum * beta)
         acc = tl.fma(acc, alpha, part_acc * beta)
     if GROUP_SLOTS > 0:  # the last group folded in (taken as it is if it is the only one)
-        is_one_group = num_blocks <= GROUP_SLOTS * SPLIT_BLOCKS + GROUP_TAIL
+        is_one_group = num_blocks <= GROUP_BLOCKS + GROUP_TAIL
         max_new, alpha, beta = _fold_weights(done_max, row_max, is_one_group)
         row_sum = tl.fma(done_sum, alpha, row_sum * beta)
         acc = tl.fma(done_acc, alpha, acc * beta)
@@ -404,7 +410,7 @@ def mla_attention_triton(
     whole_stages, is_group_programs = None, True
     if is_narrow_launch and v_parts == 1:  # a program a query or a query's group
         whole_stages, is_group_programs = group_launch(
-            q.shape[0], q.shape[1], block_tables.shape[1], launch
+            launch, q.shape[0], q.shape[1], block_tables.shape[1]
         ) or (None, True)
     # (Where the table holds one split the split launch writes the output directly already.)
     is_wide_whole = is_gluon and num_programs >= WIDE_WHOLE_QUERY_PROGRAMS and num_splits > 1
@@ -439,17 +445,10 @@ def _attend(
     (0: one group), the last taking up to group_tail blocks more, then the groups; a
     whole-query launch then has a program a query's group (is_group_programs) or a program a
     query that parks the groups' running fold in an fp32 slot."""
+    check_runs(split_blocks, tail_blocks, group_splits, group_tail)
+    if group_splits and is_gluon:
+        raise ValueError(f"group_splits {group_splits} needs the Triton kernel, not the Gluon one")
     group_blocks = group_splits * split_blocks
-    if group_splits and (is_gluon or tail_blocks):
-        raise ValueError(
-            f"group_splits {group_splits} needs the Triton kernel and no tail blocks "
-            f"(is_gluon {is_gluon}, tail_blocks {tail_blocks})"
-        )
-    if group_tail and (group_tail % split_blocks or not group_tail < group_blocks):
-        raise ValueError(
-            f"group_tail {group_tail} must be whole splits of {split_blocks} blocks, below a "
-            f"group's {group_blocks}"
-        )
     num_tokens, num_heads, cache_dim = q.shape
     out = q.new_empty((num_tokens, num_heads, v_dim))
     if num_tokens == 0:  # a rank with no tokens still runs the step (EP lockstep)

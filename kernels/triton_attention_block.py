@@ -22,6 +22,14 @@ def _own_splits(num_blocks, SPLIT_BLOCKS: tl.constexpr, TAIL_BLOCKS: tl.constexp
 
 
 @triton.jit
+def _starts_run(block, RUN_BLOCKS: tl.constexpr, TAIL_BLOCKS: tl.constexpr, num_blocks):
+    """Whether cache block `block` (> 0) starts a new run (a KV split, or a group of them) of
+    a query of num_blocks blocks: runs of RUN_BLOCKS from block 0, the last one taking up to
+    TAIL_BLOCKS more (the rule _own_splits counts)."""
+    return (block % RUN_BLOCKS == 0) & (block + TAIL_BLOCKS < num_blocks)
+
+
+@triton.jit
 def _fold_weights(row_max, part_max, is_first):
     """(max, alpha, beta) of folding a split's (max, sum, acc) into the running one: the new
     sum is fma(sum, alpha, part_sum * beta), the new acc likewise. Why explicit fmas: the
