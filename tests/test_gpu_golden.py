@@ -107,6 +107,41 @@ def test_gpu_prefix_cache_hit_bitwise(workload, alone_invariant):
     assert got == {i: alone_invariant[i] for i in range(16)}
 
 
+# kernels.attention_group_splits=2: a query's splits (4 cache blocks of 16 tokens) fold in
+# groups of 2, the last taking up to one split more, so queries past 192 tokens have two groups.
+GROUPS = {"kernels.attention_group_splits": 2, **NO_PREFIX_CACHE}
+GROUP_PROMPTS = 24
+
+
+def test_gpu_golden_attention_groups(workload, alone_invariant, monkeypatch):
+    """Groups on: each prompt alone (the split launch, its partials merged in two levels) is
+    bitwise equal to the prompts batched and shuffled (a program a group, or a program a query
+    parking its groups' fold). Engagement: both group forms were launched and some queries
+    span two groups; control: groups on changes some prompt's bits against groups off."""
+    from kernels import triton_attention
+
+    forms = []
+    pick = triton_attention.group_launch
+
+    def spy(launch, *args):
+        forms.append(pick(launch, *args))
+        return forms[-1]
+
+    monkeypatch.setattr(triton_attention, "group_launch", spy)
+    prompts, params = workload
+    llm = LLM(TINY_GPU, **GROUPS)
+    alone = run_in_batches(llm, prompts, params, [[i] for i in range(GROUP_PROMPTS)])
+    llm.shutdown()
+    together, shuffled, _ = _batched("invariant", workload, **GROUPS)
+    assert {form[1] for form in forms if form} == {True, False}, f"group forms run: {forms}"
+    assert max(len(prompts[i]) for i in alone) + MAX_TOKENS > 192, "no query spans two groups"
+    for i in alone:
+        assert together[i] == alone[i], f"prompt {i}: batched differs from alone (groups on)"
+        assert shuffled[i] == alone[i], f"prompt {i}: shuffled differs from alone (groups on)"
+    moved = [i for i in alone if alone[i] != alone_invariant[i]]
+    assert moved, "groups on gave every prompt the bits of groups off: the groups never folded"
+
+
 # Decode vs score runs on a wider model: at the tiny model's K = 64 cuBLAS was seen to pick the
 # same kernel for decode- and prefill-sized M, so the fast-mode control could not fail there.
 WIDE = {
