@@ -33,7 +33,7 @@ from kernels.attention_launch import (
 from kernels.gluon_attention import fits_gluon, launch_wide_split
 from kernels.triton_attention_block import (
     _attend_block,
-    _fold_weights,
+    _fold,
     _load_query,
     _own_splits,
     _starts_run,
@@ -50,7 +50,7 @@ def _park_group(park_rows, park_stats, head_ok, pv_ok, group_max, group_sum, gro
                 is_first_group, is_last_group: tl.constexpr):  # fmt: skip
     """Fold a finished group (max, sum, acc) into a query's parked fold of the groups before
     it, as the merge kernel folds group partials (the first taken as it is, each later one
-    folded with _fold_weights and the same fmas). is_first_group: only park it;
+    folded with _fold). is_first_group: only park it;
     is_last_group: return the total instead of parking it. Returns a fresh state (or the
     total)."""
     if is_first_group:
@@ -60,9 +60,9 @@ def _park_group(park_rows, park_stats, head_ok, pv_ok, group_max, group_sum, gro
         tot_acc = tl.load(park_rows, mask=mask, other=0.0)
         part_max = tl.load(park_stats, mask=head_ok, other=0.0)
         part_sum = tl.load(park_stats + 1, mask=head_ok, other=0.0)
-        tot_max, alpha, beta = _fold_weights(part_max, group_max, False)
-        tot_sum = tl.fma(part_sum, alpha, group_sum * beta)
-        tot_acc = tl.fma(tot_acc, alpha[:, None], group_acc * beta[:, None])
+        tot_max, tot_sum, tot_acc = _fold(
+            part_max, part_sum, tot_acc, group_max, group_sum, group_acc, False, True
+        )
     if is_last_group:
         return tot_max, tot_sum, tot_acc
     tl.store(park_rows, tot_acc, mask=head_ok[:, None] & pv_ok[None, :])
@@ -121,7 +121,7 @@ def _mla_split_kernel(
 
     WHOLE_QUERY (grid axis 2 of size 1, WRITE_OUT): the program walks every split of its
     query, each from a fresh state as above, and folds them in split order with the merge
-    kernel's arithmetic (_fold_weights, the same fused adds), so it writes the bits of the
+    kernel's arithmetic (_fold), so it writes the bits of the
     split launch and its merge without their fp32 partials in HBM or the second launch.
     GROUP_BLOCKS > 0: the query's splits fold in groups (runs of GROUP_BLOCKS blocks from block
     0, the last taking up to GROUP_TAIL blocks more), then the groups in order: the two-level
@@ -197,10 +197,9 @@ def _mla_split_kernel(
                 # flight across split boundaries. At a boundary the finished split is
                 # folded in (the first one taken as it is) and a fresh state starts.
                 is_first = j == group_first + SPLIT_BLOCKS
-                max_new, alpha, beta = _fold_weights(done_max, row_max, is_first)
-                done_sum = tl.fma(done_sum, alpha, row_sum * beta)
-                done_acc = tl.fma(done_acc, alpha[:, None], acc * beta[:, None])
-                done_max = max_new
+                done_max, done_sum, done_acc = _fold(
+                    done_max, done_sum, done_acc, row_max, row_sum, acc, is_first, True
+                )
                 row_max = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
                 row_sum = tl.zeros((BLOCK_H,), dtype=tl.float32)
                 acc = tl.zeros((BLOCK_H, BLOCK_PV), dtype=tl.float32)
@@ -229,9 +228,9 @@ def _mla_split_kernel(
             )  # fmt: skip
         if WHOLE_QUERY:  # the last split folded in (taken as it is if it is the only one)
             is_one_split = last_block <= group_first + SPLIT_BLOCKS + TAIL_BLOCKS
-            row_max, alpha, beta = _fold_weights(done_max, row_max, is_one_split)
-            row_sum = tl.fma(done_sum, alpha, row_sum * beta)
-            acc = tl.fma(done_acc, alpha[:, None], acc * beta[:, None])
+            row_max, row_sum, acc = _fold(
+                done_max, done_sum, done_acc, row_max, row_sum, acc, is_one_split, True
+            )
         if IS_PARKED:
             if group_first > 0:  # the last group folded into the parked fold of the others
                 row_max, row_sum, acc = _park_group(
@@ -305,22 +304,22 @@ def _mla_merge_kernel(
         if GROUP_SLOTS > 0:
             # At a group's start the finished group folds in and a new one starts.
             if _starts_run(split * SPLIT_BLOCKS, GROUP_BLOCKS, GROUP_TAIL, num_blocks):
-                max_new, alpha, beta = _fold_weights(done_max, row_max, split == GROUP_SLOTS)
-                done_sum = tl.fma(done_sum, alpha, row_sum * beta)
-                done_acc = tl.fma(done_acc, alpha, acc * beta)
-                done_max = max_new
+                done_max, done_sum, done_acc = _fold(
+                    done_max, done_sum, done_acc, row_max, row_sum, acc, split == GROUP_SLOTS,
+                    False,
+                )  # fmt: skip
                 # A fresh state: the fold below takes the split as it is (alpha 0, beta 1).
                 row_max = tl.full(row_max.shape, float("-inf"), dtype=tl.float32)
                 row_sum = tl.zeros(row_sum.shape, dtype=tl.float32)
                 acc = tl.zeros(acc.shape, dtype=tl.float32)
-        row_max, alpha, beta = _fold_weights(row_max, part_max, False)
-        row_sum = tl.fma(row_sum, alpha, part_sum * beta)
-        acc = tl.fma(acc, alpha, part_acc * beta)
+        row_max, row_sum, acc = _fold(
+            row_max, row_sum, acc, part_max, part_sum, part_acc, False, False
+        )
     if GROUP_SLOTS > 0:  # the last group folded in (taken as it is if it is the only one)
         is_one_group = num_blocks <= GROUP_BLOCKS + GROUP_TAIL
-        max_new, alpha, beta = _fold_weights(done_max, row_max, is_one_group)
-        row_sum = tl.fma(done_sum, alpha, row_sum * beta)
-        acc = tl.fma(done_acc, alpha, acc * beta)
+        _, row_sum, acc = _fold(
+            done_max, done_sum, done_acc, row_max, row_sum, acc, is_one_group, False
+        )
     out = acc / row_sum
     tl.store(out_ptr + (t * num_heads + head) * V + offs_v, out, mask=v_ok)
 

@@ -41,6 +41,20 @@ def _fold_weights(row_max, part_max, is_first):
 
 
 @triton.jit
+def _fold(a_max, a_sum, a_acc, b_max, b_sum, b_acc, is_first, IS_ROWS: tl.constexpr):
+    """Fold the state (b_max, b_sum, b_acc) into the running one (a_...) that comes before it
+    in the order: (max, fma(a_sum, alpha, b_sum * beta), the acc likewise), alpha and beta
+    from _fold_weights (is_first: take b as it is). IS_ROWS: [H] stats of a [H, V] acc (else
+    scalar stats of a [V] acc). The one place every fold of a split or group is written."""
+    max_new, alpha, beta = _fold_weights(a_max, b_max, is_first)
+    if IS_ROWS:
+        acc = tl.fma(a_acc, alpha[:, None], b_acc * beta[:, None])
+    else:
+        acc = tl.fma(a_acc, alpha, b_acc * beta)
+    return max_new, tl.fma(a_sum, alpha, b_sum * beta), acc
+
+
+@triton.jit
 def _load_query(
     q_rows, head_ok, offs_v, v_ok, offs_r, r_ok, V, IS_WHOLE: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
