@@ -500,69 +500,61 @@ def bench_whole_query() -> None:
 
 
 def bench_groups() -> None:
-    """The 16-head invariant decode attention with a query's KV splits folded in groups of
-    G splits, then the groups (group_splits; new bits past one group), G = 4 and 8: the
-    split launch with its two-level merge, and a program a query's group (2 and 3 stages)
-    with a merge of the groups; against the op as it is and FlashMLA with one plan a step.
-    Tables as wide as the engine's graph for the context, graph replay over L2-missing
-    caches, µs; `same` compares each G's launches' bits."""
-    from kernels.attention_launch import SPLIT_BLOCKS, TABLE_AHEAD_MAX_PAIRS, value_split
+    """The 16-head invariant decode attention with a query's KV splits folded in groups
+    (kernels.attention_group_splits; new bits past one group): the op as configured without
+    groups and with G = 4 and 8 (its launch chosen by group_launch, the last group taking up
+    to one split more), against FlashMLA with one plan a step; and each G = 8 form the op can
+    pick: a program a group and a program a query parking its groups' fold, 2 and 3 stages.
+    Tables as wide as the engine's graph for the context (contexts just past a group's 32
+    blocks included), graph replay over L2-missing caches, µs (/ FlashMLA); `same`: every
+    G = 8 form gives the op's G = 8 bits."""
+    from kernels.attention_launch import SPLIT_BLOCKS
     from kernels.fast_attention import _decode_flash_mla
     from kernels.triton_attention import _attend, mla_attention_triton
 
     ceiling = copy_bandwidth(torch.device("cuda")) / 1e12
     print(f"\n## 16-head decode attention, splits folded in groups (graph replay); copy "
           f"ceiling {ceiling:.2f} TB/s")  # fmt: skip
-    groups = (4, 8)
+    forms = [(True, 2), (True, 3), (False, 2), (False, 3)]  # (a program a group, stages)
     cols = " | ".join(
-        f"G {g}: split µs | G {g}: group, 2 st µs | G {g}: group, 3 st µs | G {g} same"
-        for g in groups
+        f"G 8 {'group' if is_group else 'parked'}, {stages} st µs" for is_group, stages in forms
     )
-    print(f"| B | ctx | the op µs | FlashMLA µs | {cols} |")
-    print("|---|---|---|---|" + "---|" * (4 * len(groups)))
+    print(f"| B | ctx | FlashMLA µs | op G 0 µs | op G 4 µs | op G 8 µs | {cols} | G 8 same |")
+    print("|---|---|---|---|---|---|" + "---|" * (len(forms) + 1))
     shapes = (
-        (8, 8192), (16, 8192), (32, 4096), (64, 2048), (64, 4096), (64, 8192), (128, 2048),
-        (128, 4096), (256, 2048), (256, 4096),
+        (8, 8192), (32, 4096), (64, 2048), (64, 4096), (64, 4140), (64, 8192), (128, 2048),
+        (128, 4140), (256, 2048), (256, 4140),
     )  # fmt: skip
     for batch, ctx in shapes:
-        blocks = ctx // 64
+        blocks = -(-ctx // 64)
         width = _graph_width(blocks)
-        splits = -(-width // SPLIT_BLOCKS)
         read = batch * ctx * 576 * 2
-
         step = _decode_cache(batch, ctx, width=width)
         flash_step = (step[3][:, :blocks].contiguous(), step[4])
 
-        def make(launch=None, batch=batch, ctx=ctx, width=width, splits=splits, flash=flash_step):
+        def make(launch, batch=batch, ctx=ctx, width=width, flash=flash_step):
             q, kv, seq_ids, tables, positions = _decode_cache(batch, ctx, width=width)
-            if launch is None:
-                return lambda: mla_attention_triton(
-                    q, kv, seq_ids, tables, positions, scale=192**-0.5, v_dim=512
-                )
             if launch == "flash":  # every copy on the same step: one plan for all
                 return lambda: _decode_flash_mla(q, kv, *flash, 192**-0.5, 512)
-            group, stages = launch
-            args = (q, kv, seq_ids, tables, positions, 192**-0.5, 512, SPLIT_BLOCKS, 4)
-            if stages is None:
-                v_parts, lat_chunk = value_split(batch, 512, splits)
-                ahead = batch * splits <= TABLE_AHEAD_MAX_PAIRS
-                return lambda: _attend(
-                    *args, 3, 16, v_parts, lat_chunk, is_table_ahead=ahead, group_splits=group
-                )
+            if isinstance(launch, int):  # the op, groups of `launch` splits
+                return lambda: mla_attention_triton(
+                    q, kv, seq_ids, tables, positions, scale=192**-0.5, v_dim=512,
+                    group_splits=launch,
+                )  # fmt: skip
+            is_group, stages = launch
             return lambda: _attend(
-                *args, stages, is_whole_query=True, is_table_ahead=True, group_splits=group
-            )
+                q, kv, seq_ids, tables, positions, 192**-0.5, 512, SPLIT_BLOCKS, 4, stages,
+                is_whole_query=True, is_table_ahead=True, group_splits=8,
+                group_tail=SPLIT_BLOCKS, is_group_programs=is_group,
+            )  # fmt: skip
 
-        cells = [_graph_ms(make, read, 8) * 1e3, _graph_ms(partial(make, "flash"), read, 8) * 1e3]
-        text = [f"{cells[0]:.1f}", f"{cells[1]:.1f}"]
-        for group in groups:
-            launches = ((group, None), (group, 2), (group, 3))
-            bits = make(launches[0])()
-            same = all(torch.equal(make(w)(), bits) for w in launches[1:])
-            for w in launches:
-                us = _graph_ms(partial(make, w), read, 8) * 1e3
-                text.append(f"{us:.1f} ({us / cells[1]:.2f})")
-            text.append(str(same))
+        flash = _graph_ms(partial(make, "flash"), read, 8) * 1e3
+        text = [f"{flash:.1f}"]
+        for launch in (0, 4, 8, *forms):
+            us = _graph_ms(partial(make, launch), read, 8) * 1e3
+            text.append(f"{us:.1f} ({us / flash:.2f})")
+        bits = make(8)()
+        text.append(str(all(torch.equal(make(form)(), bits) for form in forms)))
         print(f"| {batch} | {ctx} | " + " | ".join(text) + " |")
 
 
