@@ -34,6 +34,7 @@ from kernels.gluon_attention import fits_gluon, launch_wide_split
 from kernels.triton_attention_block import (
     _attend_block,
     _fold,
+    _fold_weights,
     _load_query,
     _own_splits,
     _starts_run,
@@ -46,30 +47,52 @@ MAX_GRID_Y = 65535  # CUDA's limit on grid axis 1, the launch's queries
 
 
 @triton.jit
-def _park_group(park_rows, park_stats, head_ok, pv_ok, group_max, group_sum, group_acc,
-                is_first_group, is_last_group: tl.constexpr):  # fmt: skip
+def _park_group(park_rows, park_stats, scratch, head_ok, offs_pv, pv_ok, group_max, group_sum,
+                group_acc, is_first_group, is_last_group: tl.constexpr, V: tl.constexpr,
+                BLOCK_PV: tl.constexpr):  # fmt: skip
     """Fold a finished group (max, sum, acc) into a query's parked fold of the groups before
-    it, as the merge kernel folds group partials (the first taken as it is, each later one
-    folded with _fold). is_first_group: only park it;
-    is_last_group: return the total instead of parking it. Returns a fresh state (or the
-    total)."""
-    if is_first_group:
-        tot_max, tot_sum, tot_acc = group_max, group_sum, group_acc
-    else:
-        mask = head_ok[:, None] & pv_ok[None, :]
-        tot_acc = tl.load(park_rows, mask=mask, other=0.0)
+    it (park_rows: [BLOCK_H] row pointers of its fp32 acc, park_stats: its (max, sum)), as
+    the merge kernel folds group partials: the first taken as it is, each later one folded
+    with _fold's weights and fmas. is_first_group: only park it; is_last_group (after the
+    walk): return the total instead of parking it. Otherwise returns a fresh state.
+
+    Why a later group folds through memory, PARK_CHUNK columns at a time (its acc written to
+    the slot `scratch` past the fold's, then each chunk of both read, folded, written): inside
+    the walk, where the running fold of the group's splits and the split's acc already hold
+    registers, a third [BLOCK_H, V] fp32 tile spilled 144 registers a thread and ran the
+    form 3x slower than a program a group (H200, BENCHMARKS.md). The same fmas a column: the
+    same bits."""
+    PARK_CHUNK: tl.constexpr = 64
+    mask = head_ok[:, None] & pv_ok[None, :]
+    rows = park_rows[:, None] + offs_pv[None, :]
+    if is_last_group:
+        tot_acc = tl.load(rows, mask=mask, other=0.0)
         part_max = tl.load(park_stats, mask=head_ok, other=0.0)
         part_sum = tl.load(park_stats + 1, mask=head_ok, other=0.0)
-        tot_max, tot_sum, tot_acc = _fold(
-            part_max, part_sum, tot_acc, group_max, group_sum, group_acc, False, True
-        )
-    if is_last_group:
-        return tot_max, tot_sum, tot_acc
-    tl.store(park_rows, tot_acc, mask=head_ok[:, None] & pv_ok[None, :])
-    tl.store(park_stats, tot_max, mask=head_ok)
-    tl.store(park_stats + 1, tot_sum, mask=head_ok)
-    # Why: the next group's load may fall to other threads than these stores; a CTA barrier
-    # makes the program's global writes visible to all its threads.
+        return _fold(part_max, part_sum, tot_acc, group_max, group_sum, group_acc, False, True)
+    if is_first_group:
+        tl.store(rows, group_acc, mask=mask)
+        tl.store(park_stats, group_max, mask=head_ok)
+        tl.store(park_stats + 1, group_sum, mask=head_ok)
+    else:
+        tl.store(rows + scratch, group_acc, mask=mask)
+        part_max = tl.load(park_stats, mask=head_ok, other=0.0)
+        part_sum = tl.load(park_stats + 1, mask=head_ok, other=0.0)
+        tot_max, alpha, beta = _fold_weights(part_max, group_max, False)
+        tot_sum = tl.fma(part_sum, alpha, group_sum * beta)
+        # Why: the scratch's columns and the stats may be held by other threads than the ones
+        # that read them here; a CTA barrier orders the writes and reads of all its threads.
+        tl.debug_barrier()
+        tl.store(park_stats, tot_max, mask=head_ok)
+        tl.store(park_stats + 1, tot_sum, mask=head_ok)
+        for first in tl.static_range(0, BLOCK_PV, PARK_CHUNK):
+            cols = first + tl.arange(0, PARK_CHUNK)
+            chunk = park_rows[:, None] + cols[None, :]
+            chunk_ok = head_ok[:, None] & (cols < V)[None, :]
+            tot = tl.load(chunk, mask=chunk_ok, other=0.0)
+            part = tl.load(chunk + scratch, mask=chunk_ok, other=0.0)
+            tl.store(chunk, tl.fma(tot, alpha[:, None], part * beta[:, None]), mask=chunk_ok)
+    # Why: the next group's reads may fall to other threads than these writes.
     tl.debug_barrier()
     fresh_max = tl.full(group_max.shape, float("-inf"), dtype=tl.float32)
     return (
@@ -79,8 +102,6 @@ def _park_group(park_rows, park_stats, head_ok, pv_ok, group_max, group_sum, gro
     )
 
 
-# Why: batch-dependent ints are not specialised (==1, %16), so one compiled kernel serves
-# every batch; specialisation would change only address arithmetic, never a float.
 @triton.jit(do_not_specialize=["num_splits", "table_width"])
 def _mla_split_kernel(
     q_ptr,
@@ -176,9 +197,10 @@ def _mla_split_kernel(
             done_max, done_sum, done_acc = row_max, row_sum, acc
             group_first = first_block.to(tl.int64)  # the first block of the group being folded
         if IS_PARKED:  # the query's parked fold of its finished groups
-            park = (t * num_heads + heads) * BLOCK_V
-            park_rows = park_ptr + park[:, None] + offs_pv[None, :]
+            # [query, (the fold, a finished group's acc), head, BLOCK_V] fp32 (_park_group)
+            park_rows = park_ptr + (t * 2 * num_heads + heads) * BLOCK_V
             park_stats = stats_ptr + (t * num_heads + heads) * 2
+            park_scratch = num_heads * BLOCK_V
         is_to_end = (first_block + RUN + RUN_TAIL >= num_blocks) | (RUN == 0)
         last_block = tl.where(is_to_end, num_blocks, first_block + RUN)
         # Why: chunk j is cache block j of the sequence, whole (BS positions, aligned to
@@ -207,8 +229,8 @@ def _mla_split_kernel(
                     # At a group's start the finished group folds into the parked fold.
                     if _starts_run(j, GROUP_BLOCKS, GROUP_TAIL, num_blocks):
                         done_max, done_sum, done_acc = _park_group(
-                            park_rows, park_stats, head_ok, pv_ok, done_max, done_sum,
-                            done_acc, group_first == 0, False,
+                            park_rows, park_stats, park_scratch, head_ok, offs_pv, pv_ok,
+                            done_max, done_sum, done_acc, group_first == 0, False, V, BLOCK_PV,
                         )  # fmt: skip
                         group_first = j
             if TABLE_AHEAD:
@@ -234,8 +256,9 @@ def _mla_split_kernel(
         if IS_PARKED:
             if group_first > 0:  # the last group folded into the parked fold of the others
                 row_max, row_sum, acc = _park_group(
-                    park_rows, park_stats, head_ok, pv_ok, row_max, row_sum, acc, False, True
-                )
+                    park_rows, park_stats, park_scratch, head_ok, offs_pv, pv_ok, row_max,
+                    row_sum, acc, False, True, V, BLOCK_PV,
+                )  # fmt: skip
         if WRITE_OUT:
             # The merge kernel's one-split case, the same fp32 division: the same bits.
             out = acc / row_sum[:, None]
@@ -489,7 +512,7 @@ def _attend(
             stats = torch.empty((count, num_splits, num_heads, 2), device=q.device)
         park = acc  # never read unless parked
         if is_triton_parked:  # a query's parked fold of its groups: acc, and (max, sum)
-            park = torch.empty((count, num_heads, block_v), device=q.device)
+            park = torch.empty((count, 2, num_heads, block_v), device=q.device)
             stats = torch.empty((count, num_heads, 2), device=q.device)
         seq_ids, pos = query_seq_ids[rows].contiguous(), positions[rows].contiguous()
         grid = (triton.cdiv(num_heads, block_h) * v_parts, count, num_splits)

@@ -591,8 +591,9 @@ def check_mla_attention_groups(generator: torch.Generator) -> None:
     # Rows 0-4 are at most 4 blocks (one group); rows 5-10 have two or three groups.
     assert all(same[:5]), same
     assert not all(same[5:]), "the groups changed no bits"
-    # With the tail a query's bits move only where its last group of one or two blocks joins
-    # the group before (5, 9 and 10 blocks here: rows 4, 5, 7, 8, 9).
+    # With the tail a query's bits can move only where its last group of one or two blocks
+    # joins the group before (5, 9 and 10 blocks here: rows 4, 5, 7, 8, 9), and do only from
+    # a third group (9 blocks: (g1 g2) s becomes g1 (g2 s); with 5, (g1) s stays).
     tailed = results[torch.float32, 2]
     num_blocks = positions // 16 + 1
     in_tail = (num_blocks % 4 > 0) & (num_blocks % 4 <= 2) & (num_blocks > 4)
