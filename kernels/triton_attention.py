@@ -47,11 +47,11 @@ MAX_GRID_Y = 65535  # CUDA's limit on grid axis 1, the launch's queries
 
 
 @triton.jit
-def _park_group(park_rows, park_stats, scratch, head_ok, offs_pv, pv_ok, group_max, group_sum,
-                group_acc, is_first_group, is_last_group: tl.constexpr, V: tl.constexpr,
-                BLOCK_PV: tl.constexpr):  # fmt: skip
+def _park_group(park_ptr, park_offs, park_stats, scratch, head_ok, offs_pv, pv_ok, group_max,
+                group_sum, group_acc, is_first_group, is_last_group: tl.constexpr,
+                V: tl.constexpr, BLOCK_PV: tl.constexpr, OPAQUE: tl.constexpr):  # fmt: skip
     """Fold a finished group (max, sum, acc) into a query's parked fold of the groups before
-    it (park_rows: [BLOCK_H] row pointers of its fp32 acc, park_stats: its (max, sum)), as
+    it (park_ptr + park_offs: [BLOCK_H] rows of its fp32 acc, park_stats: its (max, sum)), as
     the merge kernel folds group partials: the first taken as it is, each later one folded
     with _fold's weights and fmas. is_first_group: only park it; is_last_group (after the
     walk): return the total instead of parking it. Otherwise returns a fresh state.
@@ -61,8 +61,15 @@ def _park_group(park_rows, park_stats, scratch, head_ok, offs_pv, pv_ok, group_m
     the walk, where the running fold of the group's splits and the split's acc already hold
     registers, a third [BLOCK_H, V] fp32 tile spilled 144 registers a thread and ran the
     form 3x slower than a program a group (H200, BENCHMARKS.md). The same fmas a column: the
-    same bits."""
+    same bits. OPAQUE (compiled, not interpreted): the row offsets pass through an opaque move,
+    so the compiler cannot hoist the [BLOCK_H, V] addresses made of them out of the walk,
+    where they would hold 64-128 registers a thread for the whole loop."""
     PARK_CHUNK: tl.constexpr = 64
+    if OPAQUE:
+        park_offs = tl.inline_asm_elementwise(
+            "mov.b64 $0, $1;", "=l,l", [park_offs], dtype=tl.int64, is_pure=False, pack=1
+        )
+    park_rows = park_ptr + park_offs
     mask = head_ok[:, None] & pv_ok[None, :]
     rows = park_rows[:, None] + offs_pv[None, :]
     if is_last_group:
@@ -135,6 +142,7 @@ def _mla_split_kernel(
     GROUP_BLOCKS: tl.constexpr = 0,
     GROUP_TAIL: tl.constexpr = 0,
     GROUP_PROGRAMS: tl.constexpr = False,
+    OPAQUE_PARK: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     """Partial (max, sum, acc) of one query's heads over one split of its cache blocks; with
@@ -198,7 +206,7 @@ def _mla_split_kernel(
             group_first = first_block.to(tl.int64)  # the first block of the group being folded
         if IS_PARKED:  # the query's parked fold of its finished groups
             # [query, (the fold, a finished group's acc), head, BLOCK_V] fp32 (_park_group)
-            park_rows = park_ptr + (t * 2 * num_heads + heads) * BLOCK_V
+            park_offs = (t * 2 * num_heads + heads) * BLOCK_V
             park_stats = stats_ptr + (t * num_heads + heads) * 2
             park_scratch = num_heads * BLOCK_V
         is_to_end = (first_block + RUN + RUN_TAIL >= num_blocks) | (RUN == 0)
@@ -229,8 +237,9 @@ def _mla_split_kernel(
                     # At a group's start the finished group folds into the parked fold.
                     if _starts_run(j, GROUP_BLOCKS, GROUP_TAIL, num_blocks):
                         done_max, done_sum, done_acc = _park_group(
-                            park_rows, park_stats, park_scratch, head_ok, offs_pv, pv_ok,
-                            done_max, done_sum, done_acc, group_first == 0, False, V, BLOCK_PV,
+                            park_ptr, park_offs, park_stats, park_scratch, head_ok, offs_pv,
+                            pv_ok, done_max, done_sum, done_acc, group_first == 0, False, V,
+                            BLOCK_PV, OPAQUE_PARK,
                         )  # fmt: skip
                         group_first = j
             if TABLE_AHEAD:
@@ -256,8 +265,8 @@ def _mla_split_kernel(
         if IS_PARKED:
             if group_first > 0:  # the last group folded into the parked fold of the others
                 row_max, row_sum, acc = _park_group(
-                    park_rows, park_stats, park_scratch, head_ok, offs_pv, pv_ok, row_max,
-                    row_sum, acc, False, True, V, BLOCK_PV,
+                    park_ptr, park_offs, park_stats, park_scratch, head_ok, offs_pv, pv_ok,
+                    row_max, row_sum, acc, False, True, V, BLOCK_PV, OPAQUE_PARK,
                 )  # fmt: skip
         if WRITE_OUT:
             # The merge kernel's one-split case, the same fp32 division: the same bits.
@@ -556,6 +565,7 @@ def _attend(
                 GROUP_BLOCKS=group_blocks if is_whole_query else 0,
                 GROUP_TAIL=group_tail if is_whole_query else 0,
                 GROUP_PROGRAMS=is_groups,
+                OPAQUE_PARK=is_triton_parked and not _is_interpreted(),
                 num_warps=num_warps if block_v >= 256 else 4,
                 num_stages=num_stages,
                 **pdl_launch(q.device),
