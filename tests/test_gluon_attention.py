@@ -141,8 +141,9 @@ def test_16_head_launch_follows_the_programs_of_groups(
     WHOLE_QUERY, GROUP_PROGRAMS, num_stages), with groups of 8 splits (and a tail of one
     split) and with none: a program a query's group from 128 programs of groups (two stages
     from 256; without groups the group is the query), counted for a query three quarters of
-    the table long (the engine's graph tables double in width), else the split launch (three stages). group_splits is the
-    op's argument (kernels.attention_group_splits through the op table)."""
+    the table long (the engine's graph tables double in width), else the split launch (three
+    stages). group_splits is the op's argument (kernels.attention_group_splits through the op
+    table)."""
     import kernels.triton_attention as attention
     from kernels.attention_launch import NARROW_LAUNCH
 
