@@ -123,11 +123,12 @@ MIN_PART_COLUMNS = 128  # value columns a program keeps at least (the measured 5
 # B = 256 ctx 1024: 137 -> 92 us); from 128, three (two buffers, one program an SM; B = 128
 # ctx 1024 62 -> 51 us, ctx 4096 213 -> 168); below, the split launch (B = 64: 35 vs 45 us).
 WHOLE_QUERY_STAGES = ((256, 2), (128, 3))
-# With groups every whole-query launch has a program a query's group: the form where a program
-# walks a whole query and parks its groups' fold (_attend's is_group_programs=False) ran 2.5-3x
-# slower on the H200 even where no query had a second group (126-166 registers a thread
-# spilled, its stage count without effect: the park's stores and barriers in the walk's loop;
-# BENCHMARKS.md, twenty-sixth session), so no launch picks it.
+# With groups every whole-query launch has a program a query's group. A program a whole query
+# parking its groups' fold in an fp32 slot was built and ran 2.5-3x slower on the H200 even
+# where no query had a second group (126-166 registers a thread spilled, its stage count
+# without effect: the park's stores and barriers inside the walk's loop), so it was removed
+# (BENCHMARKS.md, twenty-sixth session): such a form needs the park outside the pipelined
+# loop (an outer loop over a query's groups).
 # Wide launches (the Gluon kernel) with at least this many (query, head block) programs and
 # tables wider than one split give each program a whole query too: its splits folded in the
 # program with the merge kernel's arithmetic, the running fold parked in two fp32 slots (no
@@ -172,13 +173,14 @@ def value_split(num_tokens: int, block_v: int, num_splits: int) -> tuple[int, in
 # programs or more. Through the engine (27 layers, context ~4140, tables 128 blocks wide,
 # queries of 65 blocks: a third group of one block), groups of 8 gained 2% at B = 64 (10.80
 # -> 10.57 ms a step) and lost 2.5% at B = 128 (13.20 -> 13.53) and in prefill 8x4096: the
-# partials and the merge they bring where a program a whole query had filled the GPU. Since
-# then a query's last group takes up to one split more (a decode context just past a group,
-# 65 blocks, is two groups, not a third of one block with its program, partial and merge
-# fold) and from PARKED_MIN_PROGRAMS a program a query folds its groups itself
-# (group_launch), both checked on the CPU (interpreted bits, sm_90 compiles) but not yet
-# measured on the GPU: off by default until they are (BENCHMARKS.md, twenty-fifth session,
-# says how).
+# partials and the merge they bring where a program a whole query had filled the GPU. With a
+# query's last group taking up to one split more (65 blocks: two groups, not a third of one
+# block; the bits of a group of one split folded after the others, so only queries of three
+# groups or more move) the op with groups of 8 ran B = 64 context 4140 at 88.4 µs against
+# 107.9 without (FlashMLA 88.5), B = 128 160.2 against 165.0, B = 256 context 2048 at the same
+# speed and context 4140 4% slower (304 against 291); through the engine (median of 5, ms a
+# step) B = 64 10.99 -> 10.42, B = 128 13.34 -> 13.30, but prefill 8x4096 44,764 -> 44,038
+# tok/s (1.6% slower, beyond the spread): off by default (BENCHMARKS.md, twenty-sixth session).
 @functools.cache  # a frozen launch per (launch, groups): no new object on every call
 def with_groups(launch: HeadLaunch, group_splits: int) -> HeadLaunch:
     """The narrow launch with a query's splits folded in groups of group_splits (0: one
@@ -194,11 +196,10 @@ def with_groups(launch: HeadLaunch, group_splits: int) -> HeadLaunch:
 
 def group_launch(
     launch: HeadLaunch, num_tokens: int, num_heads: int, table_width: int
-) -> tuple[int, bool] | None:
-    """The narrow launch's (num_stages, a program a group) where its programs walk a query's
-    groups of splits, None where it runs the split launch: a program a group (True) from 128
-    (query, head block, group) programs (whole_query_stages; without groups a group is the
-    whole query). The
+) -> int | None:
+    """The narrow launch's num_stages where a program walks a query's group of splits (without
+    groups: the whole query), from 128 (query, head block, group) programs
+    (whole_query_stages), None where it runs the split launch. The
     groups are counted for a query three quarters of the table long: the engine's graph
     tables double in width (the longest query is past half), and groups the table holds but
     no query reaches exit at once, so they must not pick two stages (two programs an SM) for
@@ -206,8 +207,7 @@ def group_launch(
     blocks: BENCHMARKS.md, twenty-fifth session). launch: the narrow launch, or one
     with_groups made of it."""
     num_programs = num_tokens * -(-num_heads // launch.block_h)
-    stages = whole_query_stages(num_programs * launch.num_groups(table_width * 3 // 4))
-    return None if stages is None else (stages, True)
+    return whole_query_stages(num_programs * launch.num_groups(table_width * 3 // 4))
 
 
 def whole_query_stages(num_programs: int) -> int | None:

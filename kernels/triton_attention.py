@@ -34,7 +34,6 @@ from kernels.gluon_attention import fits_gluon, launch_wide_split
 from kernels.triton_attention_block import (
     _attend_block,
     _fold,
-    _fold_weights,
     _load_query,
     _own_splits,
     _starts_run,
@@ -46,69 +45,6 @@ PARTIAL_BYTES = 256 << 20  # cap on the fp32 split buffers of one launch (querie
 MAX_GRID_Y = 65535  # CUDA's limit on grid axis 1, the launch's queries
 
 
-@triton.jit
-def _park_group(park_ptr, park_offs, park_stats, scratch, head_ok, offs_pv, pv_ok, group_max,
-                group_sum, group_acc, is_first_group, is_last_group: tl.constexpr,
-                V: tl.constexpr, BLOCK_PV: tl.constexpr, OPAQUE: tl.constexpr):  # fmt: skip
-    """Fold a finished group (max, sum, acc) into a query's parked fold of the groups before
-    it (park_ptr + park_offs: [BLOCK_H] rows of its fp32 acc, park_stats: its (max, sum)), as
-    the merge kernel folds group partials: the first taken as it is, each later one folded
-    with _fold's weights and fmas. is_first_group: only park it; is_last_group (after the
-    walk): return the total instead of parking it. Otherwise returns a fresh state.
-
-    Why a later group folds through memory, PARK_CHUNK columns at a time (its acc written to
-    the slot `scratch` past the fold's, then each chunk of both read, folded, written): inside
-    the walk, where the running fold of the group's splits and the split's acc already hold
-    registers, a third [BLOCK_H, V] fp32 tile spilled 144 registers a thread and ran the
-    form 3x slower than a program a group (H200, BENCHMARKS.md). The same fmas a column: the
-    same bits. OPAQUE (compiled, not interpreted): the row offsets pass through an opaque move,
-    so the compiler cannot hoist the [BLOCK_H, V] addresses made of them out of the walk,
-    where they would hold 64-128 registers a thread for the whole loop."""
-    PARK_CHUNK: tl.constexpr = 64
-    if OPAQUE:
-        park_offs = tl.inline_asm_elementwise(
-            "mov.b64 $0, $1;", "=l,l", [park_offs], dtype=tl.int64, is_pure=False, pack=1
-        )
-    park_rows = park_ptr + park_offs
-    mask = head_ok[:, None] & pv_ok[None, :]
-    rows = park_rows[:, None] + offs_pv[None, :]
-    if is_last_group:
-        tot_acc = tl.load(rows, mask=mask, other=0.0)
-        part_max = tl.load(park_stats, mask=head_ok, other=0.0)
-        part_sum = tl.load(park_stats + 1, mask=head_ok, other=0.0)
-        return _fold(part_max, part_sum, tot_acc, group_max, group_sum, group_acc, False, True)
-    if is_first_group:
-        tl.store(rows, group_acc, mask=mask)
-        tl.store(park_stats, group_max, mask=head_ok)
-        tl.store(park_stats + 1, group_sum, mask=head_ok)
-    else:
-        tl.store(rows + scratch, group_acc, mask=mask)
-        part_max = tl.load(park_stats, mask=head_ok, other=0.0)
-        part_sum = tl.load(park_stats + 1, mask=head_ok, other=0.0)
-        tot_max, alpha, beta = _fold_weights(part_max, group_max, False)
-        tot_sum = tl.fma(part_sum, alpha, group_sum * beta)
-        # Why: the scratch's columns and the stats may be held by other threads than the ones
-        # that read them here; a CTA barrier orders the writes and reads of all its threads.
-        tl.debug_barrier()
-        tl.store(park_stats, tot_max, mask=head_ok)
-        tl.store(park_stats + 1, tot_sum, mask=head_ok)
-        for first in tl.static_range(0, BLOCK_PV, PARK_CHUNK):
-            cols = first + tl.arange(0, PARK_CHUNK)
-            chunk = park_rows[:, None] + cols[None, :]
-            chunk_ok = head_ok[:, None] & (cols < V)[None, :]
-            tot = tl.load(chunk, mask=chunk_ok, other=0.0)
-            part = tl.load(chunk + scratch, mask=chunk_ok, other=0.0)
-            tl.store(chunk, tl.fma(tot, alpha[:, None], part * beta[:, None]), mask=chunk_ok)
-    # Why: the next group's reads may fall to other threads than these writes.
-    tl.debug_barrier()
-    fresh_max = tl.full(group_max.shape, float("-inf"), dtype=tl.float32)
-    return (
-        fresh_max,
-        tl.zeros(group_sum.shape, dtype=tl.float32),
-        tl.zeros(group_acc.shape, dtype=tl.float32),
-    )
-
-
 @triton.jit(do_not_specialize=["num_splits", "table_width"])
 def _mla_split_kernel(
     q_ptr,
@@ -118,7 +54,6 @@ def _mla_split_kernel(
     positions_ptr,
     acc_ptr,
     stats_ptr,
-    park_ptr,
     scale,
     num_heads,
     num_splits,
@@ -141,8 +76,6 @@ def _mla_split_kernel(
     TABLE_AHEAD: tl.constexpr,
     GROUP_BLOCKS: tl.constexpr = 0,
     GROUP_TAIL: tl.constexpr = 0,
-    GROUP_PROGRAMS: tl.constexpr = False,
-    OPAQUE_PARK: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     """Partial (max, sum, acc) of one query's heads over one split of its cache blocks; with
@@ -154,11 +87,9 @@ def _mla_split_kernel(
     split launch and its merge without their fp32 partials in HBM or the second launch.
     GROUP_BLOCKS > 0: the query's splits fold in groups (runs of GROUP_BLOCKS blocks from block
     0, the last taking up to GROUP_TAIL blocks more), then the groups in order: the two-level
-    order of the merge kernel's GROUP_SLOTS. With GROUP_PROGRAMS (grid axis 2: the table's
+    order of the merge kernel's GROUP_SLOTS. With WHOLE_QUERY (grid axis 2: the table's
     groups) the program walks one group and writes its fold as a partial (or, WRITE_OUT, the
-    output), which the merge kernel folds in group order; without, the program walks the
-    whole query and parks the groups' running fold in park_ptr (fp32 acc, max and sum a query
-    and head: L2 traffic at each group's end instead of registers for a third fold).
+    output), which the merge kernel folds in group order.
 
     Many heads (V_PARTS > 1): a program keeps only its 1 / V_PARTS of the value columns (the
     scores are recomputed by each part) and walks the latent in LAT_CHUNK-column dots, so a
@@ -175,10 +106,9 @@ def _mla_split_kernel(
     position = tl.load(positions_ptr + t)
     # The blocks a program walks from its first: a split's, a group's, or every block (0),
     # and the blocks its last run takes on past RUN (its tail).
-    IS_GROUP: tl.constexpr = WHOLE_QUERY and GROUP_PROGRAMS
+    IS_GROUP: tl.constexpr = WHOLE_QUERY and GROUP_BLOCKS > 0
     RUN: tl.constexpr = GROUP_BLOCKS if IS_GROUP else (0 if WHOLE_QUERY else SPLIT_BLOCKS)
     RUN_TAIL: tl.constexpr = GROUP_TAIL if IS_GROUP else TAIL_BLOCKS
-    IS_PARKED: tl.constexpr = WHOLE_QUERY and GROUP_BLOCKS > 0 and not GROUP_PROGRAMS
     first_block = split * RUN
     num_blocks = position // BS + 1
     # Run k > 0 of the query's own (_own_splits) exists where k * RUN + RUN_TAIL < num_blocks;
@@ -203,12 +133,7 @@ def _mla_split_kernel(
         acc = tl.zeros((BLOCK_H, BLOCK_PV), dtype=tl.float32)
         if WHOLE_QUERY:  # the splits folded so far (valid from the second split on)
             done_max, done_sum, done_acc = row_max, row_sum, acc
-            group_first = first_block.to(tl.int64)  # the first block of the group being folded
-        if IS_PARKED:  # the query's parked fold of its finished groups
-            # [query, (the fold, a finished group's acc), head, BLOCK_V] fp32 (_park_group)
-            park_offs = (t * 2 * num_heads + heads) * BLOCK_V
-            park_stats = stats_ptr + (t * num_heads + heads) * 2
-            park_scratch = num_heads * BLOCK_V
+            group_first = first_block.to(tl.int64)  # the first block of the program's run
         is_to_end = (first_block + RUN + RUN_TAIL >= num_blocks) | (RUN == 0)
         last_block = tl.where(is_to_end, num_blocks, first_block + RUN)
         # Why: chunk j is cache block j of the sequence, whole (BS positions, aligned to
@@ -233,15 +158,6 @@ def _mla_split_kernel(
                 row_max = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
                 row_sum = tl.zeros((BLOCK_H,), dtype=tl.float32)
                 acc = tl.zeros((BLOCK_H, BLOCK_PV), dtype=tl.float32)
-                if IS_PARKED:
-                    # At a group's start the finished group folds into the parked fold.
-                    if _starts_run(j, GROUP_BLOCKS, GROUP_TAIL, num_blocks):
-                        done_max, done_sum, done_acc = _park_group(
-                            park_ptr, park_offs, park_stats, park_scratch, head_ok, offs_pv,
-                            pv_ok, done_max, done_sum, done_acc, group_first == 0, False, V,
-                            BLOCK_PV, OPAQUE_PARK,
-                        )  # fmt: skip
-                        group_first = j
             if TABLE_AHEAD:
                 # Why the next entry read a block ahead: a copy whose address comes from a
                 # load of the same iteration gets one buffer from the pipeliner; from the
@@ -262,12 +178,6 @@ def _mla_split_kernel(
             row_max, row_sum, acc = _fold(
                 done_max, done_sum, done_acc, row_max, row_sum, acc, is_one_split, True
             )
-        if IS_PARKED:
-            if group_first > 0:  # the last group folded into the parked fold of the others
-                row_max, row_sum, acc = _park_group(
-                    park_ptr, park_offs, park_stats, park_scratch, head_ok, offs_pv, pv_ok,
-                    row_max, row_sum, acc, False, True, V, BLOCK_PV, OPAQUE_PARK,
-                )  # fmt: skip
         if WRITE_OUT:
             # The merge kernel's one-split case, the same fp32 division: the same bits.
             out = acc / row_sum[:, None]
@@ -438,11 +348,9 @@ def mla_attention_triton(
     # (query, head block) programs: the value split's parts of a launch are not counted (a
     # launch that splits its values has few pairs: the split launch).
     num_programs = q.shape[0] * triton.cdiv(q.shape[1], launch.block_h)
-    whole_stages, is_group_programs = None, True
+    whole_stages = None
     if is_narrow_launch and v_parts == 1:  # a program a query or a query's group
-        whole_stages, is_group_programs = group_launch(
-            launch, q.shape[0], q.shape[1], block_tables.shape[1]
-        ) or (None, True)
+        whole_stages = group_launch(launch, q.shape[0], q.shape[1], block_tables.shape[1])
     # (Where the table holds one split the split launch writes the output directly already.)
     is_wide_whole = is_gluon and num_programs >= WIDE_WHOLE_QUERY_PROGRAMS and num_splits > 1
     # The table read ahead gives the pipeliner a second cache-block buffer: 16-bit blocks only
@@ -456,7 +364,7 @@ def mla_attention_triton(
         is_whole_query=whole_stages is not None or is_wide_whole,
         is_table_ahead=is_ahead or (whole_stages is not None and is_ahead_ok),
         tail_blocks=launch.tail_blocks, group_splits=launch.group_splits,
-        group_tail=launch.group_tail, is_group_programs=is_group_programs,
+        group_tail=launch.group_tail,
     )  # fmt: skip
 
 
@@ -464,7 +372,7 @@ def _attend(
     q, kv_cache, query_seq_ids, block_tables, positions, scale, v_dim,
     split_blocks, num_warps, num_stages, block_h=BLOCK_H, v_parts=1, lat_chunk=None,
     is_gluon=False, is_whole_query=False, is_table_ahead=None, tail_blocks=0, group_splits=0,
-    group_tail=0, is_group_programs=True,
+    group_tail=0,
 ) -> torch.Tensor:  # fmt: skip
     """The launches; the launch parameters are arguments so bench/ can sweep them (tail_blocks:
     HeadLaunch's, the blocks a query's last split takes on past its whole splits). is_gluon:
@@ -474,8 +382,7 @@ def _attend(
     is_table_ahead (default: is_whole_query): each block's table entry read a block earlier;
     group_splits and group_tail (HeadLaunch's): a query's splits fold in groups of this many
     (0: one group), the last taking up to group_tail blocks more, then the groups; a
-    whole-query launch then has a program a query's group (is_group_programs) or a program a
-    query that parks the groups' running fold in an fp32 slot."""
+    whole-query launch then has a program a query's group."""
     check_runs(split_blocks, tail_blocks, group_splits, group_tail)
     if group_splits and is_gluon:
         raise ValueError(f"group_splits {group_splits} needs the Triton kernel, not the Gluon one")
@@ -496,9 +403,7 @@ def _attend(
     # What a partial (and a program along grid axis 2) covers, with its tail: a split, or a
     # group of them; the merge folds split partials in groups (merge_groups) or flat.
     slot_blocks, slot_tail, merge_groups = split_blocks, tail_blocks, group_splits
-    is_groups = is_whole_query and group_splits > 0 and is_group_programs
-    is_triton_parked = is_whole_query and group_splits > 0 and not is_group_programs
-    if is_groups:
+    if is_whole_query and group_splits:
         num_splits = split_count(width, group_blocks, group_tail)
         slot_blocks, slot_tail, merge_groups = group_blocks, group_tail, 0
     elif is_whole_query:
@@ -519,10 +424,6 @@ def _attend(
         else:
             acc = torch.empty((count, num_splits, num_heads, block_v), device=q.device)
             stats = torch.empty((count, num_splits, num_heads, 2), device=q.device)
-        park = acc  # never read unless parked
-        if is_triton_parked:  # a query's parked fold of its groups: acc, and (max, sum)
-            park = torch.empty((count, 2, num_heads, block_v), device=q.device)
-            stats = torch.empty((count, num_heads, 2), device=q.device)
         seq_ids, pos = query_seq_ids[rows].contiguous(), positions[rows].contiguous()
         grid = (triton.cdiv(num_heads, block_h) * v_parts, count, num_splits)
         if is_gluon:
@@ -539,7 +440,6 @@ def _attend(
                 pos,
                 acc,
                 stats,
-                park,
                 scale,
                 num_heads,
                 num_splits,
@@ -564,8 +464,6 @@ def _attend(
                 TABLE_AHEAD=is_whole_query if is_table_ahead is None else is_table_ahead,
                 GROUP_BLOCKS=group_blocks if is_whole_query else 0,
                 GROUP_TAIL=group_tail if is_whole_query else 0,
-                GROUP_PROGRAMS=is_groups,
-                OPAQUE_PARK=is_triton_parked and not _is_interpreted(),
                 num_warps=num_warps if block_v >= 256 else 4,
                 num_stages=num_stages,
                 **pdl_launch(q.device),
