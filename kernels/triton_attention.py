@@ -45,6 +45,8 @@ PARTIAL_BYTES = 256 << 20  # cap on the fp32 split buffers of one launch (querie
 MAX_GRID_Y = 65535  # CUDA's limit on grid axis 1, the launch's queries
 
 
+# Why: batch-dependent ints are not specialised (==1, %16), so one compiled kernel serves
+# every batch; specialisation would change only address arithmetic, never a float.
 @triton.jit(do_not_specialize=["num_splits", "table_width"])
 def _mla_split_kernel(
     q_ptr,
@@ -83,8 +85,8 @@ def _mla_split_kernel(
 
     WHOLE_QUERY (grid axis 2 of size 1, WRITE_OUT): the program walks every split of its
     query, each from a fresh state as above, and folds them in split order with the merge
-    kernel's arithmetic (_fold), so it writes the bits of the
-    split launch and its merge without their fp32 partials in HBM or the second launch.
+    kernel's arithmetic (_fold), so it writes the bits of the split launch and its merge
+    without their fp32 partials in HBM or the second launch.
     GROUP_BLOCKS > 0: the query's splits fold in groups (runs of GROUP_BLOCKS blocks from block
     0, the last taking up to GROUP_TAIL blocks more), then the groups in order: the two-level
     order of the merge kernel's GROUP_SLOTS. With WHOLE_QUERY (grid axis 2: the table's
