@@ -123,12 +123,14 @@ MIN_PART_COLUMNS = 128  # value columns a program keeps at least (the measured 5
 # B = 256 ctx 1024: 137 -> 92 us); from 128, three (two buffers, one program an SM; B = 128
 # ctx 1024 62 -> 51 us, ctx 4096 213 -> 168); below, the split launch (B = 64: 35 vs 45 us).
 WHOLE_QUERY_STAGES = ((256, 2), (128, 3))
-# With groups every whole-query launch has a program a query's group. A program a whole query
-# parking its groups' fold in an fp32 slot was built and ran 2.5-3x slower on the H200 even
-# where no query had a second group (126-166 registers a thread spilled, its stage count
-# without effect: the park's stores and barriers inside the walk's loop), so it was removed
-# (BENCHMARKS.md, twenty-sixth session): such a form needs the park outside the pipelined
-# loop (an outer loop over a query's groups).
+# With groups, launches of at least this many (query, head block) programs give each program a
+# whole query that walks its groups in turn, their running fold parked in an fp32 slot between
+# them: there a program a query already fills the GPU, and a program a group adds partials and
+# a merge (prefill 8x4096 1.6% slower through the engine, twenty-sixth session). A first
+# parked form, which parked inside the loop over blocks, ran 2.5-3x slower (its registers
+# spilled, its stages did nothing); this one parks between groups, outside the pipelined
+# loop, and is NOT yet measured on the GPU (groups are off by default).
+PARKED_MIN_PROGRAMS = 256
 # Wide launches (the Gluon kernel) with at least this many (query, head block) programs and
 # tables wider than one split give each program a whole query too: its splits folded in the
 # program with the merge kernel's arithmetic, the running fold parked in two fp32 slots (no
@@ -196,10 +198,12 @@ def with_groups(launch: HeadLaunch, group_splits: int) -> HeadLaunch:
 
 def group_launch(
     launch: HeadLaunch, num_tokens: int, num_heads: int, table_width: int
-) -> int | None:
-    """The narrow launch's num_stages where a program walks a query's group of splits (without
-    groups: the whole query), from 128 (query, head block, group) programs
-    (whole_query_stages), None where it runs the split launch. The
+) -> tuple[int, bool] | None:
+    """The narrow launch's (num_stages, a program a group) where its programs walk a query's
+    groups of splits (without groups: the whole query), None where it runs the split launch.
+    With groups: from PARKED_MIN_PROGRAMS (query, head block) programs a program a query that
+    walks its groups and parks their fold (False); else a program a group (True) from 128
+    (query, head block, group) programs (whole_query_stages). The
     groups are counted for a query three quarters of the table long: the engine's graph
     tables double in width (the longest query is past half), and groups the table holds but
     no query reaches exit at once, so they must not pick two stages (two programs an SM) for
@@ -207,7 +211,10 @@ def group_launch(
     blocks: BENCHMARKS.md, twenty-fifth session). launch: the narrow launch, or one
     with_groups made of it."""
     num_programs = num_tokens * -(-num_heads // launch.block_h)
-    return whole_query_stages(num_programs * launch.num_groups(table_width * 3 // 4))
+    if launch.group_splits and num_programs >= PARKED_MIN_PROGRAMS:
+        return whole_query_stages(num_programs), False
+    stages = whole_query_stages(num_programs * launch.num_groups(table_width * 3 // 4))
+    return None if stages is None else (stages, True)
 
 
 def whole_query_stages(num_programs: int) -> int | None:

@@ -45,6 +45,93 @@ PARTIAL_BYTES = 256 << 20  # cap on the fp32 split buffers of one launch (querie
 MAX_GRID_Y = 65535  # CUDA's limit on grid axis 1, the launch's queries
 
 
+@triton.jit
+def _walk_run(
+    q_lat, q_pe, q_rows, kv_ptr, table_row, position, first_block, last_block, num_blocks,
+    offs_s, head_ok, offs_pv, pv_ok, offs_r, r_ok, scale, V: tl.constexpr, C: tl.constexpr,
+    BS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_V: tl.constexpr,
+    BLOCK_PV: tl.constexpr, LAT_CHUNK: tl.constexpr, IS_WHOLE: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, SPLIT_BLOCKS: tl.constexpr,
+    TAIL_BLOCKS: tl.constexpr, WHOLE_QUERY: tl.constexpr, TABLE_AHEAD: tl.constexpr,
+):  # fmt: skip
+    """(max, sum, acc) of a query's heads over its cache blocks first_block .. last_block - 1
+    (a KV split; with WHOLE_QUERY a run of splits, each from a fresh state, folded in order:
+    a group of them or the whole query)."""
+    row_max = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
+    row_sum = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_PV), dtype=tl.float32)
+    if WHOLE_QUERY:  # the splits folded so far (valid from the second split on)
+        done_max, done_sum, done_acc = row_max, row_sum, acc
+        group_first = first_block.to(tl.int64)  # the first block of the run
+    # Why: chunk j is cache block j of the sequence, whole (BS positions, aligned to
+    # absolute positions), merged in order j ascending; positions past the query read
+    # exact zeros (unwritten slots may hold garbage) and score -inf.
+    if TABLE_AHEAD:
+        next_id = tl.load(table_row + first_block).to(tl.int64)
+    for j in range(first_block, last_block):
+        # A split starts at every SPLIT_BLOCKS-th block but inside the last split's tail.
+        is_split_start = (j > first_block) & _starts_run(j, SPLIT_BLOCKS, TAIL_BLOCKS, num_blocks)
+        if WHOLE_QUERY and is_split_start:
+            # Why one loop, not a loop over splits: the pipeliner keeps its copies in
+            # flight across split boundaries. At a boundary the finished split is
+            # folded in (the first one taken as it is) and a fresh state starts.
+            is_first = j == group_first + SPLIT_BLOCKS
+            done_max, done_sum, done_acc = _fold(
+                done_max, done_sum, done_acc, row_max, row_sum, acc, is_first, True
+            )
+            row_max = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
+            row_sum = tl.zeros((BLOCK_H,), dtype=tl.float32)
+            acc = tl.zeros((BLOCK_H, BLOCK_PV), dtype=tl.float32)
+        if TABLE_AHEAD:
+            # Why the next entry read a block ahead: a copy whose address comes from a
+            # load of the same iteration gets one buffer from the pipeliner; from the
+            # loop-carried id it gets num_stages - 1 (BENCHMARKS.md).
+            block_id = next_id
+            next_id = tl.load(table_row + tl.minimum(j + 1, last_block - 1)).to(tl.int64)
+        else:
+            block_id = tl.load(table_row + j).to(tl.int64)
+        kv_ok = (offs_s < BS) & (j * BS + offs_s <= position)
+        kv_rows = kv_ptr + (block_id * BS + offs_s)[:, None] * C
+        row_max, row_sum, acc = _attend_block(
+            q_lat, q_pe, q_rows, kv_rows, kv_ok, head_ok, offs_pv, pv_ok, offs_r, r_ok,
+            row_max, row_sum, acc, scale, V, C, BLOCK_H, BLOCK_S, BLOCK_V, LAT_CHUNK,
+            IS_WHOLE, INPUT_PRECISION, UPCAST_DOT,
+        )  # fmt: skip
+    if WHOLE_QUERY:  # the last split folded in (taken as it is if it is the only one)
+        is_one_split = last_block <= group_first + SPLIT_BLOCKS + TAIL_BLOCKS
+        row_max, row_sum, acc = _fold(
+            done_max, done_sum, done_acc, row_max, row_sum, acc, is_one_split, True
+        )
+    return row_max, row_sum, acc
+
+
+@triton.jit
+def _park_group(park, head_ok, offs_pv, pv_ok, group_max, group_sum, group_acc, group,
+                num_groups, BLOCK_V: tl.constexpr):  # fmt: skip
+    """Fold a query's finished group (max, sum, acc) into the fold of its groups before it,
+    parked in fp32 at park ([BLOCK_H] rows: the acc, then max and sum at BLOCK_V and
+    BLOCK_V + 1), as the merge kernel folds group partials: the first taken as it is, each
+    later one folded with _fold. Parks the fold unless the group is the last; returns it."""
+    mask = head_ok[:, None] & pv_ok[None, :]
+    rows = park[:, None] + offs_pv[None, :]
+    if group > 0:
+        tot_acc = tl.load(rows, mask=mask, other=0.0)
+        tot_max = tl.load(park + BLOCK_V, mask=head_ok, other=0.0)
+        tot_sum = tl.load(park + BLOCK_V + 1, mask=head_ok, other=0.0)
+        group_max, group_sum, group_acc = _fold(
+            tot_max, tot_sum, tot_acc, group_max, group_sum, group_acc, False, True
+        )
+        # Why: a parked value read here may be held by other threads than the ones that
+        # overwrite it below; a CTA barrier orders the reads and writes of all its threads.
+        tl.debug_barrier()
+    if group < num_groups - 1:
+        tl.store(rows, group_acc, mask=mask)
+        tl.store(park + BLOCK_V, group_max, mask=head_ok)
+        tl.store(park + BLOCK_V + 1, group_sum, mask=head_ok)
+        tl.debug_barrier()  # the next group's reads may fall to other threads
+    return group_max, group_sum, group_acc
+
+
 # Why: batch-dependent ints are not specialised (==1, %16), so one compiled kernel serves
 # every batch; specialisation would change only address arithmetic, never a float.
 @triton.jit(do_not_specialize=["num_splits", "table_width"])
@@ -78,6 +165,7 @@ def _mla_split_kernel(
     TABLE_AHEAD: tl.constexpr,
     GROUP_BLOCKS: tl.constexpr = 0,
     GROUP_TAIL: tl.constexpr = 0,
+    GROUP_PROGRAMS: tl.constexpr = True,
     PDL: tl.constexpr = False,
 ):
     """Partial (max, sum, acc) of one query's heads over one split of its cache blocks; with
@@ -89,9 +177,12 @@ def _mla_split_kernel(
     without their fp32 partials in HBM or the second launch.
     GROUP_BLOCKS > 0: the query's splits fold in groups (runs of GROUP_BLOCKS blocks from block
     0, the last taking up to GROUP_TAIL blocks more), then the groups in order: the two-level
-    order of the merge kernel's GROUP_SLOTS. With WHOLE_QUERY (grid axis 2: the table's
-    groups) the program walks one group and writes its fold as a partial (or, WRITE_OUT, the
-    output), which the merge kernel folds in group order.
+    order of the merge kernel's GROUP_SLOTS. With WHOLE_QUERY and GROUP_PROGRAMS (grid axis 2:
+    the table's groups) the program walks one group and writes its fold as a partial (or,
+    WRITE_OUT, the output), which the merge kernel folds in group order; without
+    GROUP_PROGRAMS the program walks the whole query, a group at a time, and parks the groups'
+    running fold in stats_ptr (fp32, [query, head, BLOCK_V + 2]: the acc, max and sum) between
+    groups (_park_group).
 
     Many heads (V_PARTS > 1): a program keeps only its 1 / V_PARTS of the value columns (the
     scores are recomputed by each part) and walks the latent in LAT_CHUNK-column dots, so a
@@ -108,7 +199,8 @@ def _mla_split_kernel(
     position = tl.load(positions_ptr + t)
     # The blocks a program walks from its first: a split's, a group's, or every block (0),
     # and the blocks its last run takes on past RUN (its tail).
-    IS_GROUP: tl.constexpr = WHOLE_QUERY and GROUP_BLOCKS > 0
+    IS_GROUP: tl.constexpr = WHOLE_QUERY and GROUP_BLOCKS > 0 and GROUP_PROGRAMS
+    IS_PARKED: tl.constexpr = WHOLE_QUERY and GROUP_BLOCKS > 0 and not GROUP_PROGRAMS
     RUN: tl.constexpr = GROUP_BLOCKS if IS_GROUP else (0 if WHOLE_QUERY else SPLIT_BLOCKS)
     RUN_TAIL: tl.constexpr = GROUP_TAIL if IS_GROUP else TAIL_BLOCKS
     first_block = split * RUN
@@ -130,56 +222,40 @@ def _mla_split_kernel(
         q_lat, q_pe = _load_query(
             q_rows, head_ok, offs_v, v_ok, offs_r, r_ok, V, IS_WHOLE, UPCAST_DOT
         )
-        row_max = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
-        row_sum = tl.zeros((BLOCK_H,), dtype=tl.float32)
-        acc = tl.zeros((BLOCK_H, BLOCK_PV), dtype=tl.float32)
-        if WHOLE_QUERY:  # the splits folded so far (valid from the second split on)
-            done_max, done_sum, done_acc = row_max, row_sum, acc
-            group_first = first_block.to(tl.int64)  # the first block of the program's run
-        is_to_end = (first_block + RUN + RUN_TAIL >= num_blocks) | (RUN == 0)
-        last_block = tl.where(is_to_end, num_blocks, first_block + RUN)
-        # Why: chunk j is cache block j of the sequence, whole (BS positions, aligned to
-        # absolute positions), merged in order j ascending; positions past the query read
-        # exact zeros (unwritten slots may hold garbage) and score -inf.
-        table_row = tables_ptr + seq * table_width
-        if TABLE_AHEAD:
-            next_id = tl.load(table_row + first_block).to(tl.int64)
-        for j in range(first_block, last_block):
-            # A split starts at every SPLIT_BLOCKS-th block but inside the last split's tail.
-            is_split_start = (j > first_block) & _starts_run(
-                j, SPLIT_BLOCKS, TAIL_BLOCKS, num_blocks
-            )
-            if WHOLE_QUERY and is_split_start:
-                # Why one loop, not a loop over splits: the pipeliner keeps its copies in
-                # flight across split boundaries. At a boundary the finished split is
-                # folded in (the first one taken as it is) and a fresh state starts.
-                is_first = j == group_first + SPLIT_BLOCKS
-                done_max, done_sum, done_acc = _fold(
-                    done_max, done_sum, done_acc, row_max, row_sum, acc, is_first, True
-                )
-                row_max = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
-                row_sum = tl.zeros((BLOCK_H,), dtype=tl.float32)
-                acc = tl.zeros((BLOCK_H, BLOCK_PV), dtype=tl.float32)
-            if TABLE_AHEAD:
-                # Why the next entry read a block ahead: a copy whose address comes from a
-                # load of the same iteration gets one buffer from the pipeliner; from the
-                # loop-carried id it gets num_stages - 1 (BENCHMARKS.md).
-                block_id = next_id
-                next_id = tl.load(table_row + tl.minimum(j + 1, last_block - 1)).to(tl.int64)
-            else:
-                block_id = tl.load(table_row + j).to(tl.int64)
-            kv_ok = (offs_s < BS) & (j * BS + offs_s <= position)
-            kv_rows = kv_ptr + (block_id * BS + offs_s)[:, None] * C
-            row_max, row_sum, acc = _attend_block(
-                q_lat, q_pe, q_rows, kv_rows, kv_ok, head_ok, offs_pv, pv_ok, offs_r, r_ok,
-                row_max, row_sum, acc, scale, V, C, BLOCK_H, BLOCK_S, BLOCK_V, LAT_CHUNK,
-                IS_WHOLE, INPUT_PRECISION, UPCAST_DOT,
+        if IS_PARKED:
+            # Why an outer loop over the query's groups: the park's stores and barriers stay
+            # out of the pipelined loop over blocks (inside it, 126-166 registers a thread
+            # spilled and the stages did nothing: BENCHMARKS.md, twenty-sixth session).
+            table_row = tables_ptr + seq * table_width
+            park = stats_ptr + (t * num_heads + heads) * (BLOCK_V + 2)
+            num_groups = _own_splits(num_blocks, GROUP_BLOCKS, GROUP_TAIL)
+            row_max = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
+            row_sum = tl.zeros((BLOCK_H,), dtype=tl.float32)
+            acc = tl.zeros((BLOCK_H, BLOCK_PV), dtype=tl.float32)
+            for group in range(0, num_groups):
+                group_start = group * GROUP_BLOCKS
+                is_last_group = group == num_groups - 1
+                group_end = tl.where(is_last_group, num_blocks, group_start + GROUP_BLOCKS)
+                row_max, row_sum, acc = _walk_run(
+                    q_lat, q_pe, q_rows, kv_ptr, table_row, position, group_start, group_end,
+                    num_blocks, offs_s, head_ok, offs_pv, pv_ok, offs_r, r_ok, scale, V, C, BS,
+                    BLOCK_H, BLOCK_S, BLOCK_V, BLOCK_PV, LAT_CHUNK, IS_WHOLE, INPUT_PRECISION,
+                    UPCAST_DOT, SPLIT_BLOCKS, TAIL_BLOCKS, True, TABLE_AHEAD,
+                )  # fmt: skip
+                row_max, row_sum, acc = _park_group(
+                    park, head_ok, offs_pv, pv_ok, row_max, row_sum, acc, group, num_groups,
+                    BLOCK_V,
+                )  # fmt: skip
+        else:
+            is_to_end = (first_block + RUN + RUN_TAIL >= num_blocks) | (RUN == 0)
+            last_block = tl.where(is_to_end, num_blocks, first_block + RUN)
+            table_row = tables_ptr + seq * table_width
+            row_max, row_sum, acc = _walk_run(
+                q_lat, q_pe, q_rows, kv_ptr, table_row, position, first_block, last_block,
+                num_blocks, offs_s, head_ok, offs_pv, pv_ok, offs_r, r_ok, scale, V, C, BS,
+                BLOCK_H, BLOCK_S, BLOCK_V, BLOCK_PV, LAT_CHUNK, IS_WHOLE, INPUT_PRECISION,
+                UPCAST_DOT, SPLIT_BLOCKS, TAIL_BLOCKS, WHOLE_QUERY, TABLE_AHEAD,
             )  # fmt: skip
-        if WHOLE_QUERY:  # the last split folded in (taken as it is if it is the only one)
-            is_one_split = last_block <= group_first + SPLIT_BLOCKS + TAIL_BLOCKS
-            row_max, row_sum, acc = _fold(
-                done_max, done_sum, done_acc, row_max, row_sum, acc, is_one_split, True
-            )
         if WRITE_OUT:
             # The merge kernel's one-split case, the same fp32 division: the same bits.
             out = acc / row_sum[:, None]
@@ -350,9 +426,11 @@ def mla_attention_triton(
     # (query, head block) programs: the value split's parts of a launch are not counted (a
     # launch that splits its values has few pairs: the split launch).
     num_programs = q.shape[0] * triton.cdiv(q.shape[1], launch.block_h)
-    whole_stages = None
+    whole_stages, is_group_programs = None, True
     if is_narrow_launch and v_parts == 1:  # a program a query or a query's group
-        whole_stages = group_launch(launch, q.shape[0], q.shape[1], block_tables.shape[1])
+        whole_stages, is_group_programs = group_launch(
+            launch, q.shape[0], q.shape[1], block_tables.shape[1]
+        ) or (None, True)
     # (Where the table holds one split the split launch writes the output directly already.)
     is_wide_whole = is_gluon and num_programs >= WIDE_WHOLE_QUERY_PROGRAMS and num_splits > 1
     # The table read ahead gives the pipeliner a second cache-block buffer: 16-bit blocks only
@@ -366,7 +444,7 @@ def mla_attention_triton(
         is_whole_query=whole_stages is not None or is_wide_whole,
         is_table_ahead=is_ahead or (whole_stages is not None and is_ahead_ok),
         tail_blocks=launch.tail_blocks, group_splits=launch.group_splits,
-        group_tail=launch.group_tail,
+        group_tail=launch.group_tail, is_group_programs=is_group_programs,
     )  # fmt: skip
 
 
@@ -374,7 +452,7 @@ def _attend(
     q, kv_cache, query_seq_ids, block_tables, positions, scale, v_dim,
     split_blocks, num_warps, num_stages, block_h=BLOCK_H, v_parts=1, lat_chunk=None,
     is_gluon=False, is_whole_query=False, is_table_ahead=None, tail_blocks=0, group_splits=0,
-    group_tail=0,
+    group_tail=0, is_group_programs=True,
 ) -> torch.Tensor:  # fmt: skip
     """The launches; the launch parameters are arguments so bench/ can sweep them (tail_blocks:
     HeadLaunch's, the blocks a query's last split takes on past its whole splits). is_gluon:
@@ -384,7 +462,9 @@ def _attend(
     is_table_ahead (default: is_whole_query): each block's table entry read a block earlier;
     group_splits and group_tail (HeadLaunch's): a query's splits fold in groups of this many
     (0: one group), the last taking up to group_tail blocks more, then the groups; a
-    whole-query launch then has a program a query's group."""
+    whole-query launch then has a program a query's group (is_group_programs) or a program a
+    query walking its groups in turn, their running fold parked in an fp32 slot between
+    them."""
     check_runs(split_blocks, tail_blocks, group_splits, group_tail)
     if group_splits and is_gluon:
         raise ValueError(f"group_splits {group_splits} needs the Triton kernel, not the Gluon one")
@@ -405,7 +485,9 @@ def _attend(
     # What a partial (and a program along grid axis 2) covers, with its tail: a split, or a
     # group of them; the merge folds split partials in groups (merge_groups) or flat.
     slot_blocks, slot_tail, merge_groups = split_blocks, tail_blocks, group_splits
-    if is_whole_query and group_splits:
+    is_groups = is_whole_query and group_splits > 0 and is_group_programs
+    is_triton_parked = is_whole_query and group_splits > 0 and not is_group_programs
+    if is_groups:
         num_splits = split_count(width, group_blocks, group_tail)
         slot_blocks, slot_tail, merge_groups = group_blocks, group_tail, 0
     elif is_whole_query:
@@ -426,6 +508,8 @@ def _attend(
         else:
             acc = torch.empty((count, num_splits, num_heads, block_v), device=q.device)
             stats = torch.empty((count, num_splits, num_heads, 2), device=q.device)
+        if is_triton_parked:  # a query's parked fold of its groups: acc, max and sum a head
+            stats = torch.empty((count, num_heads, block_v + 2), device=q.device)
         seq_ids, pos = query_seq_ids[rows].contiguous(), positions[rows].contiguous()
         grid = (triton.cdiv(num_heads, block_h) * v_parts, count, num_splits)
         if is_gluon:
@@ -466,6 +550,7 @@ def _attend(
                 TABLE_AHEAD=is_whole_query if is_table_ahead is None else is_table_ahead,
                 GROUP_BLOCKS=group_blocks if is_whole_query else 0,
                 GROUP_TAIL=group_tail if is_whole_query else 0,
+                GROUP_PROGRAMS=not is_triton_parked,
                 num_warps=num_warps if block_v >= 256 else 4,
                 num_stages=num_stages,
                 **pdl_launch(q.device),
