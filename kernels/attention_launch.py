@@ -179,10 +179,11 @@ def value_split(num_tokens: int, block_v: int, num_splits: int) -> tuple[int, in
 # query's last group taking up to one split more (65 blocks: two groups, not a third of one
 # block; the bits of a group of one split folded after the others, so only queries of three
 # groups or more move) the op with groups of 8 ran B = 64 context 4140 at 88.4 µs against
-# 107.9 without (FlashMLA 88.5), B = 128 160.2 against 165.0, B = 256 context 2048 at the same
-# speed and context 4140 4% slower (304 against 291); through the engine (median of 5, ms a
-# step) B = 64 10.99 -> 10.42, B = 128 13.34 -> 13.30, but prefill 8x4096 44,764 -> 44,038
-# tok/s (1.6% slower, beyond the spread): off by default (BENCHMARKS.md, twenty-sixth session).
+# 107.9 without (FlashMLA 88.5), B = 128 160.2 against 165.0, and with a program a group at
+# B = 256 context 2048 the same speed, context 4140 4% slower (304 against 291); through the
+# engine (median of 5, ms a step) B = 64 10.99 -> 10.42, B = 128 13.34 -> 13.30, but prefill
+# 8x4096 44,764 -> 44,038 tok/s (1.6% slower, beyond the spread): off by default
+# (BENCHMARKS.md, twenty-sixth session).
 @functools.cache  # a frozen launch per (launch, groups): no new object on every call
 def with_groups(launch: HeadLaunch, group_splits: int) -> HeadLaunch:
     """The narrow launch with a query's splits folded in groups of group_splits (0: one

@@ -222,40 +222,37 @@ def _mla_split_kernel(
         q_lat, q_pe = _load_query(
             q_rows, head_ok, offs_v, v_ok, offs_r, r_ok, V, IS_WHOLE, UPCAST_DOT
         )
+        num_runs = 1  # the program's runs of blocks walked in turn: one, or a query's groups
         if IS_PARKED:
             # Why an outer loop over the query's groups: the park's stores and barriers stay
             # out of the pipelined loop over blocks (inside it, 126-166 registers a thread
             # spilled and the stages did nothing: BENCHMARKS.md, twenty-sixth session).
-            table_row = tables_ptr + seq * table_width
             park = stats_ptr + (t * num_heads + heads) * (BLOCK_V + 2)
-            num_groups = _own_splits(num_blocks, GROUP_BLOCKS, GROUP_TAIL)
-            row_max = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
-            row_sum = tl.zeros((BLOCK_H,), dtype=tl.float32)
-            acc = tl.zeros((BLOCK_H, BLOCK_PV), dtype=tl.float32)
-            for group in range(0, num_groups):
-                group_start = group * GROUP_BLOCKS
-                is_last_group = group == num_groups - 1
-                group_end = tl.where(is_last_group, num_blocks, group_start + GROUP_BLOCKS)
-                row_max, row_sum, acc = _walk_run(
-                    q_lat, q_pe, q_rows, kv_ptr, table_row, position, group_start, group_end,
-                    num_blocks, offs_s, head_ok, offs_pv, pv_ok, offs_r, r_ok, scale, V, C, BS,
-                    BLOCK_H, BLOCK_S, BLOCK_V, BLOCK_PV, LAT_CHUNK, IS_WHOLE, INPUT_PRECISION,
-                    UPCAST_DOT, SPLIT_BLOCKS, TAIL_BLOCKS, True, TABLE_AHEAD,
-                )  # fmt: skip
-                row_max, row_sum, acc = _park_group(
-                    park, head_ok, offs_pv, pv_ok, row_max, row_sum, acc, group, num_groups,
-                    BLOCK_V,
-                )  # fmt: skip
-        else:
-            is_to_end = (first_block + RUN + RUN_TAIL >= num_blocks) | (RUN == 0)
-            last_block = tl.where(is_to_end, num_blocks, first_block + RUN)
+            num_runs = _own_splits(num_blocks, GROUP_BLOCKS, GROUP_TAIL)
+        row_max = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
+        row_sum = tl.zeros((BLOCK_H,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_H, BLOCK_PV), dtype=tl.float32)
+        for run in range(0, num_runs):
+            if IS_PARKED:  # group `run` of the query
+                run_first = run * GROUP_BLOCKS
+                is_last = run == num_runs - 1
+                run_last = tl.where(is_last, num_blocks, run_first + GROUP_BLOCKS)
+            else:
+                run_first = first_block
+                is_to_end = (first_block + RUN + RUN_TAIL >= num_blocks) | (RUN == 0)
+                run_last = tl.where(is_to_end, num_blocks, first_block + RUN)
             table_row = tables_ptr + seq * table_width
             row_max, row_sum, acc = _walk_run(
-                q_lat, q_pe, q_rows, kv_ptr, table_row, position, first_block, last_block,
+                q_lat, q_pe, q_rows, kv_ptr, table_row, position, run_first, run_last,
                 num_blocks, offs_s, head_ok, offs_pv, pv_ok, offs_r, r_ok, scale, V, C, BS,
                 BLOCK_H, BLOCK_S, BLOCK_V, BLOCK_PV, LAT_CHUNK, IS_WHOLE, INPUT_PRECISION,
                 UPCAST_DOT, SPLIT_BLOCKS, TAIL_BLOCKS, WHOLE_QUERY, TABLE_AHEAD,
             )  # fmt: skip
+            if IS_PARKED:
+                row_max, row_sum, acc = _park_group(
+                    park, head_ok, offs_pv, pv_ok, row_max, row_sum, acc, run, num_runs,
+                    BLOCK_V,
+                )  # fmt: skip
         if WRITE_OUT:
             # The merge kernel's one-split case, the same fp32 division: the same bits.
             out = acc / row_sum[:, None]
