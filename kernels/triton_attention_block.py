@@ -1,6 +1,7 @@
 """The arithmetic of the Triton MLA attention's launches (kernels/triton_attention.py): one
-cache block's online-softmax step, the query's load, and the fold of a finished split into
-the running one (split kernel, whole-query programs and merge kernel).
+cache block's online-softmax step, the query's load, the fold of a finished split into
+the running one (split kernel, whole-query programs and merge kernel), a program's walk over
+a run of blocks, and a query's groups folded through a parked fp32 slot.
 
 A launch's bits are these functions' bits: a kernel that walks blocks or splits in another
 order, or from another program, must call them, never restate them, so that each split's
@@ -143,3 +144,90 @@ def _attend_block(
     row_sum = row_sum * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v_rows.dtype), v_rows, input_precision=INPUT_PRECISION)
     return max_new, row_sum, acc
+
+
+@triton.jit
+def _walk_run(
+    q_lat, q_pe, q_rows, kv_ptr, table_row, position, first_block, last_block, num_blocks,
+    offs_s, head_ok, offs_pv, pv_ok, offs_r, r_ok, scale, V: tl.constexpr, C: tl.constexpr,
+    BS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_V: tl.constexpr,
+    BLOCK_PV: tl.constexpr, LAT_CHUNK: tl.constexpr, IS_WHOLE: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, SPLIT_BLOCKS: tl.constexpr,
+    TAIL_BLOCKS: tl.constexpr, WHOLE_QUERY: tl.constexpr, TABLE_AHEAD: tl.constexpr,
+):  # fmt: skip
+    """(max, sum, acc) of a query's heads over its cache blocks first_block .. last_block - 1
+    (a KV split; with WHOLE_QUERY a run of splits, each from a fresh state, folded in order:
+    a group of them or the whole query)."""
+    row_max = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
+    row_sum = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_PV), dtype=tl.float32)
+    if WHOLE_QUERY:  # the splits folded so far (valid from the second split on)
+        done_max, done_sum, done_acc = row_max, row_sum, acc
+        group_first = first_block.to(tl.int64)  # the first block of the run
+    # Why: chunk j is cache block j of the sequence, whole (BS positions, aligned to
+    # absolute positions), merged in order j ascending; positions past the query read
+    # exact zeros (unwritten slots may hold garbage) and score -inf.
+    if TABLE_AHEAD:
+        next_id = tl.load(table_row + first_block).to(tl.int64)
+    for j in range(first_block, last_block):
+        # A split starts at every SPLIT_BLOCKS-th block but inside the last split's tail.
+        is_split_start = (j > first_block) & _starts_run(j, SPLIT_BLOCKS, TAIL_BLOCKS, num_blocks)
+        if WHOLE_QUERY and is_split_start:
+            # Why one loop, not a loop over splits: the pipeliner keeps its copies in
+            # flight across split boundaries. At a boundary the finished split is
+            # folded in (the first one taken as it is) and a fresh state starts.
+            is_first = j == group_first + SPLIT_BLOCKS
+            done_max, done_sum, done_acc = _fold(
+                done_max, done_sum, done_acc, row_max, row_sum, acc, is_first, True
+            )
+            row_max = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
+            row_sum = tl.zeros((BLOCK_H,), dtype=tl.float32)
+            acc = tl.zeros((BLOCK_H, BLOCK_PV), dtype=tl.float32)
+        if TABLE_AHEAD:
+            # Why the next entry read a block ahead: a copy whose address comes from a
+            # load of the same iteration gets one buffer from the pipeliner; from the
+            # loop-carried id it gets num_stages - 1 (BENCHMARKS.md).
+            block_id = next_id
+            next_id = tl.load(table_row + tl.minimum(j + 1, last_block - 1)).to(tl.int64)
+        else:
+            block_id = tl.load(table_row + j).to(tl.int64)
+        kv_ok = (offs_s < BS) & (j * BS + offs_s <= position)
+        kv_rows = kv_ptr + (block_id * BS + offs_s)[:, None] * C
+        row_max, row_sum, acc = _attend_block(
+            q_lat, q_pe, q_rows, kv_rows, kv_ok, head_ok, offs_pv, pv_ok, offs_r, r_ok,
+            row_max, row_sum, acc, scale, V, C, BLOCK_H, BLOCK_S, BLOCK_V, LAT_CHUNK,
+            IS_WHOLE, INPUT_PRECISION, UPCAST_DOT,
+        )  # fmt: skip
+    if WHOLE_QUERY:  # the last split folded in (taken as it is if it is the only one)
+        is_one_split = last_block <= group_first + SPLIT_BLOCKS + TAIL_BLOCKS
+        row_max, row_sum, acc = _fold(
+            done_max, done_sum, done_acc, row_max, row_sum, acc, is_one_split, True
+        )
+    return row_max, row_sum, acc
+
+
+@triton.jit
+def _park_group(park, head_ok, offs_pv, pv_ok, group_max, group_sum, group_acc, group,
+                num_groups, BLOCK_V: tl.constexpr):  # fmt: skip
+    """Fold a query's finished group (max, sum, acc) into the fold of its groups before it,
+    parked in fp32 at park ([BLOCK_H] rows: the acc, then max and sum at BLOCK_V and
+    BLOCK_V + 1), as the merge kernel folds group partials: the first taken as it is, each
+    later one folded with _fold. Parks the fold unless the group is the last; returns it."""
+    mask = head_ok[:, None] & pv_ok[None, :]
+    rows = park[:, None] + offs_pv[None, :]
+    if group > 0:
+        tot_acc = tl.load(rows, mask=mask, other=0.0)
+        tot_max = tl.load(park + BLOCK_V, mask=head_ok, other=0.0)
+        tot_sum = tl.load(park + BLOCK_V + 1, mask=head_ok, other=0.0)
+        group_max, group_sum, group_acc = _fold(
+            tot_max, tot_sum, tot_acc, group_max, group_sum, group_acc, False, True
+        )
+        # Why: a parked value read here may be held by other threads than the ones that
+        # overwrite it below; a CTA barrier orders the reads and writes of all its threads.
+        tl.debug_barrier()
+    if group < num_groups - 1:
+        tl.store(rows, group_acc, mask=mask)
+        tl.store(park + BLOCK_V, group_max, mask=head_ok)
+        tl.store(park + BLOCK_V + 1, group_sum, mask=head_ok)
+        tl.debug_barrier()  # the next group's reads may fall to other threads
+    return group_max, group_sum, group_acc
