@@ -165,25 +165,12 @@ def value_split(num_tokens: int, block_v: int, num_splits: int) -> tuple[int, in
 # default: one group), then the groups in order: part of the bits (a query within one group
 # folds as with none), so one value for every batch of a deployment. Why groups: a program can
 # then walk a query's group instead of the whole query, so a launch of few long queries fills
-# the GPU without every split's fp32 partial crossing HBM and a merge of them all. H200, graph
-# replay, tables as wide as the context (`bench/gpu_kernels.py groups`, BENCHMARKS.md), µs,
-# the split launch against a program a group of 8, FlashMLA with one plan a step in brackets:
-# B = 64 context 4096 110.2 -> 85.8 (90.2), context 8192 207.9 -> 159.6 (160.1); B = 128
-# context 4096 201.3 -> 159.3 (157.9; a program a whole query: 166.0 in the twenty-fourth
-# session's run). Groups of 4 won at 128 programs below (B = 16 context 8192, 32 at 4096, 64
-# at 2048: 49-50 against 59-69, FlashMLA 53-55) and lost 4-6% wherever B >= 64 made 256
-# programs or more. Through the engine (27 layers, context ~4140, tables 128 blocks wide,
-# queries of 65 blocks: a third group of one block), groups of 8 gained 2% at B = 64 (10.80
-# -> 10.57 ms a step) and lost 2.5% at B = 128 (13.20 -> 13.53) and in prefill 8x4096: the
-# partials and the merge they bring where a program a whole query had filled the GPU. With a
-# query's last group taking up to one split more (65 blocks: two groups, not a third of one
-# block; the bits of a group of one split folded after the others, so only queries of three
-# groups or more move) the op with groups of 8 ran B = 64 context 4140 at 88.4 µs against
-# 107.9 without (FlashMLA 88.5), B = 128 160.2 against 165.0, and with a program a group at
-# B = 256 context 2048 the same speed, context 4140 4% slower (304 against 291); through the
-# engine (median of 5, ms a step) B = 64 10.99 -> 10.42, B = 128 13.34 -> 13.30, but prefill
-# 8x4096 44,764 -> 44,038 tok/s (1.6% slower, beyond the spread): off by default
-# (BENCHMARKS.md, twenty-sixth session).
+# the GPU without every split's fp32 partial crossing HBM and a merge of them all. A query's
+# last group takes up to one split more (65 blocks: two groups, not a third of one block).
+# H200 (BENCHMARKS.md, twenty-sixth session): groups of 8 ran B = 64 context 4140 at 88.4 µs
+# against 107.9 without (FlashMLA 88.5); through the engine B = 64 decode 10.99 -> 10.42 ms a
+# step, B = 128 even, but prefill 8x4096 1.6% slower with a program a group there: off by
+# default until the parked form (PARKED_MIN_PROGRAMS) is measured.
 @functools.cache  # a frozen launch per (launch, groups): no new object on every call
 def with_groups(launch: HeadLaunch, group_splits: int) -> HeadLaunch:
     """The narrow launch with a query's splits folded in groups of group_splits (0: one
@@ -199,23 +186,21 @@ def with_groups(launch: HeadLaunch, group_splits: int) -> HeadLaunch:
 
 def group_launch(
     launch: HeadLaunch, num_tokens: int, num_heads: int, table_width: int
-) -> tuple[int, bool] | None:
+) -> tuple[int | None, bool]:
     """The narrow launch's (num_stages, a program a group) where its programs walk a query's
-    groups of splits (without groups: the whole query), None where it runs the split launch.
-    With groups: from PARKED_MIN_PROGRAMS (query, head block) programs a program a query that
-    walks its groups and parks their fold (False); else a program a group (True) from 128
-    (query, head block, group) programs (whole_query_stages). The
-    groups are counted for a query three quarters of the table long: the engine's graph
-    tables double in width (the longest query is past half), and groups the table holds but
-    no query reaches exit at once, so they must not pick two stages (two programs an SM) for
-    what one program an SM does faster (H200, B = 64 at context 4137 in a table of 128
-    blocks: BENCHMARKS.md, twenty-fifth session). launch: the narrow launch, or one
-    with_groups made of it."""
+    groups of splits (without groups: the whole query); num_stages None where it runs the
+    split launch. With groups: from PARKED_MIN_PROGRAMS (query, head block) programs a program
+    a query that walks its groups and parks their fold (False); else a program a group (True)
+    from 128 (query, head block, group) programs (whole_query_stages). The groups are counted
+    for a query three quarters of the table long: the engine's graph tables double in width
+    (the longest query is past half), and groups the table holds but no query reaches exit at
+    once, so they must not pick two stages (two programs an SM) for what one program an SM
+    does faster (H200, B = 64 at context 4137 in a table of 128 blocks: BENCHMARKS.md,
+    twenty-fifth session). launch: the narrow launch, or one with_groups made of it."""
     num_programs = num_tokens * -(-num_heads // launch.block_h)
     if launch.group_splits and num_programs >= PARKED_MIN_PROGRAMS:
         return whole_query_stages(num_programs), False
-    stages = whole_query_stages(num_programs * launch.num_groups(table_width * 3 // 4))
-    return None if stages is None else (stages, True)
+    return whole_query_stages(num_programs * launch.num_groups(table_width * 3 // 4)), True
 
 
 def whole_query_stages(num_programs: int) -> int | None:

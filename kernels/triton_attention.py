@@ -341,7 +341,7 @@ def mla_attention_triton(
     if is_narrow_launch and v_parts == 1:  # a program a query or a query's group
         whole_stages, is_group_programs = group_launch(
             launch, q.shape[0], q.shape[1], block_tables.shape[1]
-        ) or (None, True)
+        )
     # (Where the table holds one split the split launch writes the output directly already.)
     is_wide_whole = is_gluon and num_programs >= WIDE_WHOLE_QUERY_PROGRAMS and num_splits > 1
     # The table read ahead gives the pipeliner a second cache-block buffer: 16-bit blocks only
@@ -403,15 +403,15 @@ def _attend(
         slot_blocks, slot_tail, merge_groups = group_blocks, group_tail, 0
     elif is_whole_query:
         num_splits = 1
-    is_parked = is_gluon and is_whole_query
-    per_token = (2 if is_parked else num_splits) * num_heads * (block_v + 2) * 4
+    is_gluon_parked = is_gluon and is_whole_query
+    per_token = (2 if is_gluon_parked else num_splits) * num_heads * (block_v + 2) * 4
     group = min(max(1, PARTIAL_BYTES // per_token), MAX_GRID_Y)
     is_fp32 = q.dtype == torch.float32
     is_direct = num_splits == 1
     for start in range(0, num_tokens, group):  # launch boundaries only: rows are independent
         rows = slice(start, min(start + group, num_tokens))
         count = rows.stop - rows.start
-        if is_parked:
+        if is_gluon_parked:
             acc = torch.empty((count, 2, num_heads, block_v), device=q.device)
             stats = acc  # never written
         elif is_direct:
