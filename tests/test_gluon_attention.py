@@ -6,6 +6,7 @@ GPU (tests/test_gpu_kernels.py)."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 
 import pytest
@@ -55,21 +56,13 @@ def test_gluon_split_kernel_compiles_for_sm90_without_spilling(tmp_path, is_whol
     ptx = compiled.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx  # the MMAs, TMA copies
     assert compiled.metadata.shared <= SM90_SHARED_BYTES, compiled.metadata.shared
-    cubin = tmp_path / "kernel.cubin"
-    cubin.write_bytes(compiled.asm["cubin"])
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    if not os.path.exists(tool):
-        pytest.skip("Triton's cuobjdump is not installed")
-    usage = subprocess.run(
-        [tool, "--dump-resource-usage", str(cubin)], capture_output=True, text=True, check=True
-    ).stdout
-    assert "STACK:0 " in usage, usage  # no register spills
+    assert _stack_bytes(compiled, tmp_path) == 0  # no register spills
     # ptxas waits after every wgmma when it cannot prove an accumulator is not read in flight
     # (advisory C7514): the kernel keeps one wait per MMA chain (scores, values), not forty.
-    sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True)
-    assert sass.stdout.count("HGMMA") >= 40, "the MMAs are missing from the SASS"
-    assert "LDGSTS" not in sass.stdout, "cp.async copies are back beside TMA"
-    assert sass.stdout.count("WARPGROUP.DEPBAR") <= 2, "ptxas serialised the wgmmas"
+    sass = _cuobjdump(compiled, tmp_path, "-sass")
+    assert sass.count("HGMMA") >= 40, "the MMAs are missing from the SASS"
+    assert "LDGSTS" not in sass, "cp.async copies are back beside TMA"
+    assert sass.count("WARPGROUP.DEPBAR") <= 2, "ptxas serialised the wgmmas"
 
 
 def test_only_the_mla_shape_on_cuda_takes_the_gluon_kernel():
@@ -107,6 +100,25 @@ def _sm90_compiled(kernel, args: tuple, kwargs: dict):
     source = ASTSource(kernel, {**signature, **dict.fromkeys(consts, "constexpr")}, consts, attrs)
     options = dict(num_warps=kwargs["num_warps"], num_stages=kwargs["num_stages"])
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def _cuobjdump(compiled, tmp_path, flag: str) -> str:
+    """Triton's cuobjdump run with flag on the compiled kernel's cubin (the test skips without
+    the tool)."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        pytest.skip("Triton's cuobjdump is not installed")
+    cubin = tmp_path / "kernel.cubin"
+    cubin.write_bytes(compiled.asm["cubin"])
+    return subprocess.run(
+        [tool, flag, str(cubin)], capture_output=True, text=True, check=True
+    ).stdout
+
+
+def _stack_bytes(compiled, tmp_path) -> int:
+    """The local memory a thread of the compiled kernel takes: its register spills."""
+    usage = _cuobjdump(compiled, tmp_path, "--dump-resource-usage")
+    return int(re.search(r"STACK:(\d+) ", usage).group(1))
 
 
 def _recorded_launches(monkeypatch) -> list:
@@ -177,7 +189,7 @@ def test_16_head_launch_follows_the_programs_of_groups(
 
 
 @pytest.mark.parametrize("group_splits", (None, 8))
-def test_the_ops_triton_launches_fit_sm90_shared_memory(monkeypatch, group_splits):
+def test_the_ops_triton_launches_fit_sm90_shared_memory(tmp_path, monkeypatch, group_splits):
     """Every Triton split-kernel launch the invariant attention op takes on a GPU without the
     Gluon kernel's shape (16 heads; fp32 or bf16; one to 256 queries; tables of 16 and 128
     blocks) compiles for sm_90 inside its shared memory: the launch choices (value split,
@@ -185,7 +197,10 @@ def test_the_ops_triton_launches_fit_sm90_shared_memory(monkeypatch, group_split
     would fail only on the GPU, at that batch. (fp32 with the read ahead needed 336 KB.)
     So with the model's launch (None) and with groups of 8 splits. Engagement: the launches
     recorded cover the split and whole-query forms, the value split and the read ahead, and
-    with groups both group forms (a program a group, a program a query parking their fold)."""
+    with groups both group forms (a program a group, a program a query parking their fold).
+    The bf16 split launches (the op's decode below 128 programs) also compile without spilling
+    registers; the whole-query forms hold 255 registers and spill (32-136 bytes a thread, on the
+    GPU too), outside their blocks' loop but for the park's reloads."""
     import kernels.triton_attention as attention
 
     kernel = attention._mla_split_kernel
@@ -216,5 +231,9 @@ def test_the_ops_triton_launches_fit_sm90_shared_memory(monkeypatch, group_split
     group_forms = {k["GROUP_PROGRAMS"] for _, k in shapes.values() if k["GROUP_BLOCKS"]}
     assert group_forms == ({True, False} if group_splits else set()), group_forms
     for args, kwargs in shapes.values():
-        shared = _sm90_compiled(kernel, args, kwargs).metadata.shared
+        compiled = _sm90_compiled(kernel, args, kwargs)
+        shared = compiled.metadata.shared
         assert shared <= SM90_SHARED_BYTES, (args[0].dtype, kwargs, shared)
+        if args[0].dtype == torch.bfloat16 and not kwargs["WHOLE_QUERY"]:
+            stack = _stack_bytes(compiled, tmp_path)
+            assert stack == 0, (kwargs, f"{stack} bytes spilled a thread")
