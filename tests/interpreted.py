@@ -52,9 +52,27 @@ def _dot_by_position_free_sums() -> None:
     interpreter.InterpreterBuilder.create_dot = create_dot
 
 
+def _index_by_item() -> None:
+    """Let a runtime-bound loop's bound be an interpreted scalar under numpy >= 2.4. Triton
+    3.6's interpreter holds a scalar assigned in a kernel as a one-element 1-d array and turns
+    it into a loop bound with int(array), which numpy 2.4 refuses (only 0-d arrays convert);
+    .item() gives the same integer from any one-element array. The compiled kernels never run
+    this path."""
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+
+    def patch_lang_tensor(tensor, scope) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    interpreter._patch_lang_tensor = patch_lang_tensor
+
+
 def run_checks(checks: dict[str, Callable], seed: int) -> None:
     """Subprocess entry: run every check, print {name: traceback or ""} as JSON."""
     _dot_by_position_free_sums()
+    _index_by_item()
     results = {}
     for name, check in checks.items():
         try:
