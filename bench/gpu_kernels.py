@@ -503,9 +503,8 @@ def bench_groups() -> None:
     """The 16-head invariant decode attention with a query's KV splits folded in groups
     (kernels.attention_group_splits; new bits past one group): the op as configured without
     groups and with G = 4 and 8 (its launch chosen by group_launch, the last group taking up
-    to one split more), against FlashMLA with one plan a step; and each G = 8 form the op can
-    pick, 2 and 3 stages: a program a group (from 128 programs of groups), a program a query
-    walking its groups with their fold parked between them (from 256 programs).
+    to one split more), against FlashMLA with one plan a step; and G = 8 with a program a
+    group (the op's form from 128 programs of groups) at 2 and 3 stages.
     Tables as wide as the engine's graph for the context (contexts just past a group's 32
     blocks included), graph replay over L2-missing caches, µs (/ FlashMLA); `same`: every
     G = 8 form gives the op's G = 8 bits."""
@@ -516,7 +515,7 @@ def bench_groups() -> None:
     ceiling = copy_bandwidth(torch.device("cuda")) / 1e12
     print(f"\n## 16-head decode attention, splits folded in groups (graph replay); copy "
           f"ceiling {ceiling:.2f} TB/s")  # fmt: skip
-    forms = [("group", 2), ("group", 3), ("parked", 2), ("parked", 3)]
+    forms = [("group", 2), ("group", 3)]
     cols = " | ".join(f"G 8 {form}, {stages} st µs" for form, stages in forms)
     print(f"| B | ctx | FlashMLA µs | op G 0 µs | op G 4 µs | op G 8 µs | {cols} | G 8 same |")
     print("|---|---|---|---|---|---|" + "---|" * (len(forms) + 1))
@@ -543,7 +542,7 @@ def bench_groups() -> None:
             return lambda: _attend(
                 q, kv, seq_ids, tables, positions, 192**-0.5, 512, SPLIT_BLOCKS, 4, launch[1],
                 is_whole_query=True, is_table_ahead=True, group_splits=8,
-                group_tail=SPLIT_BLOCKS, is_group_programs=launch[0] == "group",
+                group_tail=SPLIT_BLOCKS,
             )  # fmt: skip
 
         flash = _graph_ms(partial(make, "flash"), read, 8) * 1e3

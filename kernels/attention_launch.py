@@ -123,14 +123,13 @@ MIN_PART_COLUMNS = 128  # value columns a program keeps at least (the measured 5
 # B = 256 ctx 1024: 137 -> 92 us); from 128, three (two buffers, one program an SM; B = 128
 # ctx 1024 62 -> 51 us, ctx 4096 213 -> 168); below, the split launch (B = 64: 35 vs 45 us).
 WHOLE_QUERY_STAGES = ((256, 2), (128, 3))
-# With groups, launches of at least this many (query, head block) programs give each program a
-# whole query that walks its groups in turn, their running fold parked in an fp32 slot between
-# them: there a program a query already fills the GPU, and a program a group adds partials and
-# a merge (prefill 8x4096 1.6% slower through the engine, twenty-sixth session). A first
-# parked form, which parked inside the loop over blocks, ran 2.5-3x slower (its registers
-# spilled, its stages did nothing); this one parks between groups, outside the pipelined
-# loop, and is NOT yet measured on the GPU (groups are off by default).
-PARKED_MIN_PROGRAMS = 256
+# With groups every whole-query launch has a program a query's group (plus a merge where a
+# query has two). A program a whole query folding its groups in turn must keep their running
+# fold somewhere: in registers (a third 16 x 512 fp32 state beside the walk's two) it spilled;
+# parked in HBM between groups it ran 1.18-1.27x the launch without groups at B = 256 (H200,
+# BENCHMARKS.md, twenty-seventh session), where a program a group ran 0.96-1.06x: the park's
+# stores alone, in the program's loop over groups and never reached by a query of one group,
+# cost 15-25%. So no launch has that form, and the kernel has none.
 # Wide launches (the Gluon kernel) with at least this many (query, head block) programs and
 # tables wider than one split give each program a whole query too: its splits folded in the
 # program with the merge kernel's arithmetic, the running fold parked in two fp32 slots (no
@@ -169,8 +168,8 @@ def value_split(num_tokens: int, block_v: int, num_splits: int) -> tuple[int, in
 # last group takes up to one split more (65 blocks: two groups, not a third of one block).
 # H200 (BENCHMARKS.md, twenty-sixth session): groups of 8 ran B = 64 context 4140 at 88.4 µs
 # against 107.9 without (FlashMLA 88.5); through the engine B = 64 decode 10.99 -> 10.42 ms a
-# step, B = 128 even, but prefill 8x4096 1.6% slower with a program a group there: off by
-# default until the parked form (PARKED_MIN_PROGRAMS) is measured.
+# step, B = 128 even, but prefill 8x4096 1.6% slower; at B = 256 the kernel 0.96-1.06x the
+# launch without groups (twenty-seventh session): off by default.
 @functools.cache  # a frozen launch per (launch, groups): no new object on every call
 def with_groups(launch: HeadLaunch, group_splits: int) -> HeadLaunch:
     """The narrow launch with a query's splits folded in groups of group_splits (0: one
@@ -186,21 +185,17 @@ def with_groups(launch: HeadLaunch, group_splits: int) -> HeadLaunch:
 
 def group_launch(
     launch: HeadLaunch, num_tokens: int, num_heads: int, table_width: int
-) -> tuple[int | None, bool]:
-    """The narrow launch's (num_stages, a program a group) where its programs walk a query's
-    groups of splits (without groups: the whole query); num_stages None where it runs the
-    split launch. With groups: from PARKED_MIN_PROGRAMS (query, head block) programs a program
-    a query that walks its groups and parks their fold (False); else a program a group (True)
-    from 128 (query, head block, group) programs (whole_query_stages). The groups are counted
-    for a query three quarters of the table long: the engine's graph tables double in width
-    (the longest query is past half), and groups the table holds but no query reaches exit at
+) -> int | None:
+    """The narrow launch's num_stages where a program walks a query's group of splits (without
+    groups: the whole query), from 128 (query, head block, group) programs
+    (whole_query_stages); None where it runs the split launch. The groups are counted for a
+    query three quarters of the table long: the engine's graph tables double in width (the
+    longest query is past half), and groups the table holds but no query reaches exit at
     once, so they must not pick two stages (two programs an SM) for what one program an SM
     does faster (H200, B = 64 at context 4137 in a table of 128 blocks: BENCHMARKS.md,
     twenty-fifth session). launch: the narrow launch, or one with_groups made of it."""
     num_programs = num_tokens * -(-num_heads // launch.block_h)
-    if launch.group_splits and num_programs >= PARKED_MIN_PROGRAMS:
-        return whole_query_stages(num_programs), False
-    return whole_query_stages(num_programs * launch.num_groups(table_width * 3 // 4)), True
+    return whole_query_stages(num_programs * launch.num_groups(table_width * 3 // 4))
 
 
 def whole_query_stages(num_programs: int) -> int | None:

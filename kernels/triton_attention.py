@@ -35,7 +35,6 @@ from kernels.triton_attention_block import (
     _fold,
     _load_query,
     _own_splits,
-    _park_group,
     _starts_run,
     _walk_run,
 )
@@ -79,7 +78,6 @@ def _mla_split_kernel(
     TABLE_AHEAD: tl.constexpr,
     GROUP_BLOCKS: tl.constexpr = 0,
     GROUP_TAIL: tl.constexpr = 0,
-    GROUP_PROGRAMS: tl.constexpr = True,
     PDL: tl.constexpr = False,
 ):
     """Partial (max, sum, acc) of one query's heads over one split of its cache blocks; with
@@ -91,12 +89,9 @@ def _mla_split_kernel(
     without their fp32 partials in HBM or the second launch.
     GROUP_BLOCKS > 0: the query's splits fold in groups (runs of GROUP_BLOCKS blocks from block
     0, the last taking up to GROUP_TAIL blocks more), then the groups in order: the two-level
-    order of the merge kernel's GROUP_SLOTS. With WHOLE_QUERY and GROUP_PROGRAMS (grid axis 2:
-    the table's groups) the program walks one group and writes its fold as a partial (or,
-    WRITE_OUT, the output), which the merge kernel folds in group order; without
-    GROUP_PROGRAMS the program walks the whole query, a group at a time, and parks the groups'
-    running fold in stats_ptr (fp32, [query, head, BLOCK_V + 2]: the acc, max and sum) between
-    groups (_park_group).
+    order of the merge kernel's GROUP_SLOTS. With WHOLE_QUERY (grid axis 2: the table's groups)
+    the program walks one group and writes its fold as a partial (or, WRITE_OUT, the output),
+    which the merge kernel folds in group order.
 
     Many heads (V_PARTS > 1): a program keeps only its 1 / V_PARTS of the value columns (the
     scores are recomputed by each part) and walks the latent in LAT_CHUNK-column dots, so a
@@ -113,8 +108,7 @@ def _mla_split_kernel(
     position = tl.load(positions_ptr + t)
     # The blocks a program walks from its first: a split's, a group's, or every block (0),
     # and the blocks its last run takes on past RUN (its tail).
-    IS_GROUP: tl.constexpr = WHOLE_QUERY and GROUP_BLOCKS > 0 and GROUP_PROGRAMS
-    IS_PARKED: tl.constexpr = WHOLE_QUERY and GROUP_BLOCKS > 0 and not GROUP_PROGRAMS
+    IS_GROUP: tl.constexpr = WHOLE_QUERY and GROUP_BLOCKS > 0
     RUN: tl.constexpr = GROUP_BLOCKS if IS_GROUP else (0 if WHOLE_QUERY else SPLIT_BLOCKS)
     RUN_TAIL: tl.constexpr = GROUP_TAIL if IS_GROUP else TAIL_BLOCKS
     first_block = split * RUN
@@ -136,37 +130,14 @@ def _mla_split_kernel(
         q_lat, q_pe = _load_query(
             q_rows, head_ok, offs_v, v_ok, offs_r, r_ok, V, IS_WHOLE, UPCAST_DOT
         )
-        num_runs = 1  # the program's runs of blocks walked in turn: one, or a query's groups
-        if IS_PARKED:
-            # Why an outer loop over the query's groups: the park's stores and barriers stay
-            # out of the pipelined loop over blocks (inside it, 126-166 registers a thread
-            # spilled and the stages did nothing: BENCHMARKS.md, twenty-sixth session).
-            park = stats_ptr + (t * num_heads + heads) * (BLOCK_V + 2)
-            num_runs = _own_splits(num_blocks, GROUP_BLOCKS, GROUP_TAIL)
-        row_max = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
-        row_sum = tl.zeros((BLOCK_H,), dtype=tl.float32)
-        acc = tl.zeros((BLOCK_H, BLOCK_PV), dtype=tl.float32)
-        for run in range(0, num_runs):
-            if IS_PARKED:  # group `run` of the query
-                run_first = run * GROUP_BLOCKS
-                is_last = run == num_runs - 1
-                run_last = tl.where(is_last, num_blocks, run_first + GROUP_BLOCKS)
-            else:
-                run_first = first_block
-                is_to_end = (first_block + RUN + RUN_TAIL >= num_blocks) | (RUN == 0)
-                run_last = tl.where(is_to_end, num_blocks, first_block + RUN)
-            table_row = tables_ptr + seq * table_width
-            row_max, row_sum, acc = _walk_run(
-                q_lat, q_pe, q_rows, kv_ptr, table_row, position, run_first, run_last,
-                num_blocks, offs_s, head_ok, offs_pv, pv_ok, offs_r, r_ok, scale, V, C, BS,
-                BLOCK_H, BLOCK_S, BLOCK_V, BLOCK_PV, LAT_CHUNK, IS_WHOLE, INPUT_PRECISION,
-                UPCAST_DOT, SPLIT_BLOCKS, TAIL_BLOCKS, WHOLE_QUERY, TABLE_AHEAD,
-            )  # fmt: skip
-            if IS_PARKED:
-                row_max, row_sum, acc = _park_group(
-                    park, head_ok, offs_pv, pv_ok, row_max, row_sum, acc, run, num_runs,
-                    BLOCK_V,
-                )  # fmt: skip
+        is_to_end = (first_block + RUN + RUN_TAIL >= num_blocks) | (RUN == 0)
+        last_block = tl.where(is_to_end, num_blocks, first_block + RUN)
+        row_max, row_sum, acc = _walk_run(
+            q_lat, q_pe, q_rows, kv_ptr, tables_ptr + seq * table_width, position, first_block,
+            last_block, num_blocks, offs_s, head_ok, offs_pv, pv_ok, offs_r, r_ok, scale, V, C,
+            BS, BLOCK_H, BLOCK_S, BLOCK_V, BLOCK_PV, LAT_CHUNK, IS_WHOLE, INPUT_PRECISION,
+            UPCAST_DOT, SPLIT_BLOCKS, TAIL_BLOCKS, WHOLE_QUERY, TABLE_AHEAD,
+        )  # fmt: skip
         if WRITE_OUT:
             # The merge kernel's one-split case, the same fp32 division: the same bits.
             out = acc / row_sum[:, None]
@@ -337,11 +308,9 @@ def mla_attention_triton(
     # (query, head block) programs: the value split's parts of a launch are not counted (a
     # launch that splits its values has few pairs: the split launch).
     num_programs = q.shape[0] * triton.cdiv(q.shape[1], launch.block_h)
-    whole_stages, is_group_programs = None, True
+    whole_stages = None
     if is_narrow_launch and v_parts == 1:  # a program a query or a query's group
-        whole_stages, is_group_programs = group_launch(
-            launch, q.shape[0], q.shape[1], block_tables.shape[1]
-        )
+        whole_stages = group_launch(launch, q.shape[0], q.shape[1], block_tables.shape[1])
     # (Where the table holds one split the split launch writes the output directly already.)
     is_wide_whole = is_gluon and num_programs >= WIDE_WHOLE_QUERY_PROGRAMS and num_splits > 1
     # The table read ahead gives the pipeliner a second cache-block buffer: 16-bit blocks only
@@ -355,7 +324,7 @@ def mla_attention_triton(
         is_whole_query=whole_stages is not None or is_wide_whole,
         is_table_ahead=is_ahead or (whole_stages is not None and is_ahead_ok),
         tail_blocks=launch.tail_blocks, group_splits=launch.group_splits,
-        group_tail=launch.group_tail, is_group_programs=is_group_programs,
+        group_tail=launch.group_tail,
     )  # fmt: skip
 
 
@@ -363,7 +332,7 @@ def _attend(
     q, kv_cache, query_seq_ids, block_tables, positions, scale, v_dim,
     split_blocks, num_warps, num_stages, block_h=BLOCK_H, v_parts=1, lat_chunk=None,
     is_gluon=False, is_whole_query=False, is_table_ahead=None, tail_blocks=0, group_splits=0,
-    group_tail=0, is_group_programs=True,
+    group_tail=0,
 ) -> torch.Tensor:  # fmt: skip
     """The launches; the launch parameters are arguments so bench/ can sweep them (tail_blocks:
     HeadLaunch's, the blocks a query's last split takes on past its whole splits). is_gluon:
@@ -373,9 +342,7 @@ def _attend(
     is_table_ahead (default: is_whole_query): each block's table entry read a block earlier;
     group_splits and group_tail (HeadLaunch's): a query's splits fold in groups of this many
     (0: one group), the last taking up to group_tail blocks more, then the groups; a
-    whole-query launch then has a program a query's group (is_group_programs) or a program a
-    query walking its groups in turn, their running fold parked in an fp32 slot between
-    them."""
+    whole-query launch then has a program a query's group."""
     check_runs(split_blocks, tail_blocks, group_splits, group_tail)
     if group_splits and is_gluon:
         raise ValueError(f"group_splits {group_splits} needs the Triton kernel, not the Gluon one")
@@ -396,8 +363,7 @@ def _attend(
     # What a partial (and a program along grid axis 2) covers, with its tail: a split, or a
     # group of them; the merge folds split partials in groups (merge_groups) or flat.
     slot_blocks, slot_tail, merge_groups = split_blocks, tail_blocks, group_splits
-    is_groups = is_whole_query and group_splits > 0 and is_group_programs
-    is_triton_parked = is_whole_query and group_splits > 0 and not is_group_programs
+    is_groups = is_whole_query and group_splits > 0
     if is_groups:
         num_splits = split_count(width, group_blocks, group_tail)
         slot_blocks, slot_tail, merge_groups = group_blocks, group_tail, 0
@@ -419,8 +385,6 @@ def _attend(
         else:
             acc = torch.empty((count, num_splits, num_heads, block_v), device=q.device)
             stats = torch.empty((count, num_splits, num_heads, 2), device=q.device)
-        if is_triton_parked:  # a query's parked fold of its groups: acc, max and sum a head
-            stats = torch.empty((count, num_heads, block_v + 2), device=q.device)
         seq_ids, pos = query_seq_ids[rows].contiguous(), positions[rows].contiguous()
         grid = (triton.cdiv(num_heads, block_h) * v_parts, count, num_splits)
         if is_gluon:
@@ -461,7 +425,6 @@ def _attend(
                 TABLE_AHEAD=is_whole_query if is_table_ahead is None else is_table_ahead,
                 GROUP_BLOCKS=group_blocks if is_whole_query else 0,
                 GROUP_TAIL=group_tail if is_whole_query else 0,
-                GROUP_PROGRAMS=not is_triton_parked,
                 num_warps=num_warps if block_v >= 256 else 4,
                 num_stages=num_stages,
                 **pdl_launch(q.device),

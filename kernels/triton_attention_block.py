@@ -1,7 +1,7 @@
 """The arithmetic of the Triton MLA attention's launches (kernels/triton_attention.py): one
 cache block's online-softmax step, the query's load, the fold of a finished split into
-the running one (split kernel, whole-query programs and merge kernel), a program's walk over
-a run of blocks, and a query's groups folded through a parked fp32 slot.
+the running one (split kernel, whole-query programs and merge kernel), and a program's walk
+over a run of blocks (a split, a group of them, or the whole query).
 
 A launch's bits are these functions' bits: a kernel that walks blocks or splits in another
 order, or from another program, must call them, never restate them, so that each split's
@@ -204,30 +204,3 @@ def _walk_run(
             done_max, done_sum, done_acc, row_max, row_sum, acc, is_one_split, True
         )
     return row_max, row_sum, acc
-
-
-@triton.jit
-def _park_group(park, head_ok, offs_pv, pv_ok, group_max, group_sum, group_acc, group,
-                num_groups, BLOCK_V: tl.constexpr):  # fmt: skip
-    """Fold a query's finished group (max, sum, acc) into the fold of its groups before it,
-    parked in fp32 at park ([BLOCK_H] rows: the acc, then max and sum at BLOCK_V and
-    BLOCK_V + 1), as the merge kernel folds group partials: the first taken as it is, each
-    later one folded with _fold. Parks the fold unless the group is the last; returns it."""
-    mask = head_ok[:, None] & pv_ok[None, :]
-    rows = park[:, None] + offs_pv[None, :]
-    if group > 0:
-        tot_acc = tl.load(rows, mask=mask, other=0.0)
-        tot_max = tl.load(park + BLOCK_V, mask=head_ok, other=0.0)
-        tot_sum = tl.load(park + BLOCK_V + 1, mask=head_ok, other=0.0)
-        group_max, group_sum, group_acc = _fold(
-            tot_max, tot_sum, tot_acc, group_max, group_sum, group_acc, False, True
-        )
-        # Why: a parked value read here may be held by other threads than the ones that
-        # overwrite it below; a CTA barrier orders the reads and writes of all its threads.
-        tl.debug_barrier()
-    if group < num_groups - 1:
-        tl.store(rows, group_acc, mask=mask)
-        tl.store(park + BLOCK_V, group_max, mask=head_ok)
-        tl.store(park + BLOCK_V + 1, group_sum, mask=head_ok)
-        tl.debug_barrier()  # the next group's reads may fall to other threads
-    return group_max, group_sum, group_acc

@@ -149,8 +149,8 @@ def _recorded_launches(monkeypatch) -> list:
         (8, 64, 128, (64, 4, True, True, 3)),  # 3 groups at 3/4 of the table: 192 programs
         (8, 128, 128, (128, 4, True, True, 2)),  # 384: two programs an SM
         (8, 128, 16, (128, 1, True, True, 3)),  # one group
-        (8, 256, 16, (256, 1, True, False, 2)),  # a program a query, its groups' fold parked
-        (8, 256, 128, (256, 1, True, False, 2)),
+        (8, 256, 16, (256, 1, True, True, 2)),  # one group: a program a query
+        (8, 256, 128, (256, 4, True, True, 2)),  # the table's 4 groups, 3 counted: 768
         (0, 64, 128, (64, 32, False, False, 3)),  # no groups: a program a query from 128
         (0, 128, 128, (128, 1, True, False, 3)),
         (0, 256, 128, (256, 1, True, False, 2)),
@@ -161,11 +161,10 @@ def test_16_head_launch_follows_the_programs_of_groups(
 ):
     """The 16-head op's launch, as (grid axis 1: queries, grid axis 2: groups or splits,
     WHOLE_QUERY, a program a group, num_stages), with groups of 8 splits (and a tail of one
-    split) and with none: from 256 (query, head block) programs a program a query (with
-    groups, walking them in turn and parking their fold), else a program a query's group from
-    128 programs of groups (two stages from 256), counted for a query three quarters of
-    the table long (the engine's graph tables double in width), else the split launch (three
-    stages). group_splits is the op's argument (kernels.attention_group_splits through the op
+    split) and with none: a program a query's group (without groups: a query) from 128
+    programs of groups (two stages from 256), counted for a query three quarters of the table
+    long (the engine's graph tables double in width), else the split launch (three stages).
+    group_splits is the op's argument (kernels.attention_group_splits through the op
     table)."""
     import kernels.triton_attention as attention
     from kernels.attention_launch import NARROW_LAUNCH
@@ -181,7 +180,7 @@ def test_16_head_launch_follows_the_programs_of_groups(
     )
     [(grid, _, kwargs)] = launches
     is_whole = kwargs["WHOLE_QUERY"]
-    is_group = kwargs["GROUP_BLOCKS"] > 0 and kwargs["GROUP_PROGRAMS"]
+    is_group = kwargs["GROUP_BLOCKS"] > 0
     got = (grid[1], grid[2], is_whole, is_group, kwargs["num_stages"])
     assert got == launch, got
     assert kwargs["GROUP_BLOCKS"] == (4 * group_splits if is_whole else 0)
@@ -197,10 +196,10 @@ def test_the_ops_triton_launches_fit_sm90_shared_memory(tmp_path, monkeypatch, g
     would fail only on the GPU, at that batch. (fp32 with the read ahead needed 336 KB.)
     So with the model's launch (None) and with groups of 8 splits. Engagement: the launches
     recorded cover the split and whole-query forms, the value split and the read ahead, and
-    with groups both group forms (a program a group, a program a query parking their fold).
+    with groups a program a group.
     The bf16 split launches (the op's decode below 128 programs) also compile without spilling
-    registers; the whole-query forms hold 255 registers and spill (32-136 bytes a thread, on the
-    GPU too), outside their blocks' loop but for the park's reloads."""
+    registers; the whole-query forms hold 255 registers and spill 32-64 bytes a thread (as
+    on the GPU)."""
     import kernels.triton_attention as attention
 
     kernel = attention._mla_split_kernel
@@ -228,8 +227,8 @@ def test_the_ops_triton_launches_fit_sm90_shared_memory(tmp_path, monkeypatch, g
         shapes.setdefault(key, (args, kwargs))
     seen = {(k["V_PARTS"], k["WHOLE_QUERY"], k["TABLE_AHEAD"]) for _, k in shapes.values()}
     assert {(4, False, True), (1, False, True), (1, True, True), (1, True, False)} <= seen, seen
-    group_forms = {k["GROUP_PROGRAMS"] for _, k in shapes.values() if k["GROUP_BLOCKS"]}
-    assert group_forms == ({True, False} if group_splits else set()), group_forms
+    is_groups = any(k["GROUP_BLOCKS"] for _, k in shapes.values())
+    assert is_groups == bool(group_splits), "a program a group: launched with groups only"
     for args, kwargs in shapes.values():
         compiled = _sm90_compiled(kernel, args, kwargs)
         shared = compiled.metadata.shared

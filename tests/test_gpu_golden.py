@@ -116,9 +116,9 @@ GROUP_PROMPTS = 24
 def test_gpu_golden_attention_groups(workload, alone_invariant, monkeypatch):
     """Groups on: each prompt alone (the split launch, its partials merged in two levels) is
     bitwise equal to the prompts batched and shuffled (a program a query's group, the groups'
-    partials merged; or a program a query walking its groups, their fold parked). Engagement:
-    both forms were launched and some queries span two groups; control: groups on changes
-    some prompt's bits against groups off."""
+    partials merged). Engagement: both launches ran (the split launch and a program a group)
+    and some queries span two groups; control: groups on changes some prompt's bits against
+    groups off."""
     from kernels import triton_attention
 
     forms = []
@@ -134,8 +134,8 @@ def test_gpu_golden_attention_groups(workload, alone_invariant, monkeypatch):
     alone = run_in_batches(llm, prompts, params, [[i] for i in range(GROUP_PROMPTS)])
     llm.shutdown()
     together, shuffled, _ = _batched("invariant", workload, **GROUPS)
-    whole_query_forms = {is_group for stages, is_group in forms if stages is not None}
-    assert whole_query_forms == {True, False}, f"group forms run: {forms}"
+    assert None in forms, f"the split launch never ran: {forms}"
+    assert any(stages is not None for stages in forms), f"no program a group ran: {forms}"
     assert max(len(prompts[i]) for i in alone) + MAX_TOKENS > 192, "no query spans two groups"
     for i in alone:
         assert together[i] == alone[i], f"prompt {i}: batched differs from alone (groups on)"

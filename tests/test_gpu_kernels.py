@@ -625,9 +625,8 @@ def test_mla_whole_query_launch_gives_the_split_bits(generator):
     5900 give the same bits when each program walks a query's group of splits (two and three
     stages, the launches the op picks from 256 and 128 programs) as when the splits and the
     merge kernel run, with one group a query and with groups of 8 splits with and without a
-    tail of one split (then a query of one to three groups: the two-level merge; and a
-    program a query walking its groups, their fold parked), and as each query alone;
-    controls: one split
+    tail of one split (then a query of one to three groups: the two-level merge), and as each
+    query alone; controls: one split
     over the whole table (no restarts) moves the bits, groups of 8 move exactly the queries
     past one group, and the tail only queries of three groups whose last one it absorbed."""
     from kernels.attention_launch import NARROW_LAUNCH, SPLIT_BLOCKS, whole_query_stages
@@ -655,13 +654,9 @@ def test_mla_whole_query_launch_gives_the_split_bits(generator):
     for group_splits, tail in ((0, 0), (8, 0), (8, 4)):
         groups = dict(group_splits=group_splits, group_tail=tail)
         split = _attend(*args, SPLIT_BLOCKS, 4, 3, **groups)
-        forms = [(2, True), (3, True)] + [(2, False), (3, False)] * (group_splits > 0)
-        for stages, is_group_programs in forms:  # a program a group, or a query (parked)
-            whole = _attend(
-                *args, SPLIT_BLOCKS, 4, stages, is_whole_query=True, **groups,
-                is_group_programs=is_group_programs,
-            )  # fmt: skip
-            assert torch.equal(whole, split), (group_splits, tail, stages, is_group_programs)
+        for stages in (2, 3):  # a program a group (without groups: a query)
+            whole = _attend(*args, SPLIT_BLOCKS, 4, stages, is_whole_query=True, **groups)
+            assert torch.equal(whole, split), (group_splits, tail, stages)
         assert not split.isnan().any()
         results[group_splits, tail] = split
     is_past_group = (blocks > 8 * SPLIT_BLOCKS).cuda()  # the queries past one group of 8

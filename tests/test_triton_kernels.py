@@ -569,12 +569,11 @@ def check_mla_attention_groups(generator: torch.Generator) -> None:
         args = (q.to(dtype), kv_cache.to(dtype), seq_ids, wide, positions, 40**-0.5, 32, 2, 4, 3)
         for tail in (0, 2):  # the last group taking up to one more split
             split = _attend(*args, group_splits=2, group_tail=tail)
-            for stages, is_group_programs in ((2, True), (3, True), (3, False)):
+            for stages in (2, 3):
                 whole = _attend(
-                    *args[:-1], stages, is_whole_query=True, group_splits=2, group_tail=tail,
-                    is_group_programs=is_group_programs,
-                )  # fmt: skip
-                assert torch.equal(whole, split), (dtype, tail, stages, is_group_programs)
+                    *args[:-1], stages, is_whole_query=True, group_splits=2, group_tail=tail
+                )
+                assert torch.equal(whole, split), (dtype, tail, stages)
             results[dtype, tail] = split
         # Queries of at most one group (4 blocks) with a table 4 blocks wide: written directly.
         short = positions < 64
