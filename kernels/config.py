@@ -20,7 +20,8 @@ it off. No arithmetic changes, so no bit does. `attention_group_splits` (invaria
 CUDA, models below 64 heads): a query's KV splits fold in groups of this many, then the
 groups, the last group taking up to one split more (kernels/attention_launch.py); 0 (the
 default) keeps one group. It is part of the bits, as tp_max is: every rank and run that must
-agree sets the same value. Measured and off by default (BENCHMARKS.md, twenty-sixth session).
+agree sets the same value. Measured and off by default (BENCHMARKS.md, twenty-sixth and
+twenty-seventh sessions).
 """
 
 from __future__ import annotations
