@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from comm.capacity_dispatch import FixedCapacityDispatcher  # noqa: E402
 from comm.deepep_dispatch import HIDDEN_MULTIPLE, DeepEPDispatcher, is_deepep_installed  # noqa: E402
 from comm.dispatch import AllToAllDispatcher  # noqa: E402
-from kernels import KernelConfig, build_op_table  # noqa: E402
+from moe_kernels import KernelConfig, build_op_table  # noqa: E402
 
 # name -> (hidden size, top-k, routed experts)
 SHAPES = {"v2_lite": (2048, 6, 64), "v3": (7168, 8, 256), "tiny": (64, 2, 8)}

@@ -43,8 +43,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.engine_bench import bench_engine  # noqa: E402
-from kernels import KernelConfig, build_op_table, triton_pdl  # noqa: E402
 from launch.cli import add_override_argument, parse_overrides  # noqa: E402
+from moe_kernels import KernelConfig, build_op_table, triton_pdl  # noqa: E402
 from moe_runtime.config import load_config  # noqa: E402
 from moe_runtime.forward_batch import ForwardBatch  # noqa: E402
 from moe_runtime.model.loader import build_model  # noqa: E402
@@ -225,7 +225,7 @@ def main() -> None:
         "--graph-batches", type=int, nargs="*", default=[], help="decode batch sizes to time"
     )
     parser.add_argument(
-        "--no-pdl", action="store_true", help="launch without PDL (kernels/triton_pdl.py)"
+        "--no-pdl", action="store_true", help="launch without PDL (moe_kernels/triton_pdl.py)"
     )
     args = parser.parse_args()
     if args.no_pdl:

@@ -30,18 +30,18 @@ sys.path.insert(0, str(ROOT))
 from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 from bench.hbm_floor import copy_bandwidth  # noqa: E402
-from kernels.attention_launch import NARROW_LAUNCH, WIDE_HEADS  # noqa: E402
-from kernels.rmsnorm import rms_norm_fast  # noqa: E402
-from kernels.triton_linear import (  # noqa: E402
+from moe_kernels.attention_launch import NARROW_LAUNCH, WIDE_HEADS  # noqa: E402
+from moe_kernels.rmsnorm import rms_norm_fast  # noqa: E402
+from moe_kernels.triton_linear import (  # noqa: E402
     _launch,
     grouped_config,
     grouped_linear_triton,
     linear_triton,
 )
-from kernels.triton_linear_config import LinearConfig, batched_config, linear_config  # noqa: E402
-from kernels.triton_rmsnorm import rms_norm_triton  # noqa: E402
-from kernels.triton_softmax import log_softmax_triton  # noqa: E402
-from kernels.triton_split_k import arrival_counts, launch_split_k  # noqa: E402
+from moe_kernels.triton_linear_config import LinearConfig, batched_config, linear_config  # noqa: E402
+from moe_kernels.triton_rmsnorm import rms_norm_triton  # noqa: E402
+from moe_kernels.triton_softmax import log_softmax_triton  # noqa: E402
+from moe_kernels.triton_split_k import arrival_counts, launch_split_k  # noqa: E402
 from moe_runtime.config import load_config  # noqa: E402
 from moe_runtime.worker.cuda_graphs import table_widths  # noqa: E402
 
@@ -127,7 +127,7 @@ def bench_grouped() -> None:
     at the rows a decode step of B tokens gives (top-6, random routing), and at 8 experts x
     1024 rows: the invariant Triton grouped GEMM (device counts) vs torch._grouped_mm (fast
     mode), both replayed in CUDA graphs over enough weight copies to miss L2."""
-    from kernels.linear import grouped_linear_cuda_fast
+    from moe_kernels.linear import grouped_linear_cuda_fast
 
     print("\n## grouped expert GEMM: invariant Triton vs torch._grouped_mm (graph replay)")
     print("| weight | tokens | experts | rows | _grouped_mm us | Triton us | ratio |")
@@ -187,8 +187,8 @@ def bench_grouped_sweep() -> None:
 
 
 def _grouped_sweep_row(name: str, out_dim: int, in_dim: int, tokens: int, gen) -> str:
-    from kernels.linear import grouped_linear_cuda_fast
-    from kernels.triton_linear import _grouped, grouped_config
+    from moe_kernels.linear import grouped_linear_cuda_fast
+    from moe_kernels.triton_linear import _grouped, grouped_config
 
     ids = torch.stack([torch.randperm(64, generator=gen)[:6] for _ in range(tokens)])
     flat = ids.reshape(-1)
@@ -347,8 +347,8 @@ def bench_attention() -> None:
     ATTENTION_GRAPH_CALLS calls, so the shared plan is paid once for that many, as a decode
     step's layers pay it (with one call a graph FlashMLA took ~178 us at B = 256 context
     1024, with its plan shared by 8 calls ~138: BENCHMARKS.md, eighteenth session)."""
-    from kernels.fast_attention import HAS_FLASH_MLA, mla_decode_fast
-    from kernels.triton_attention import mla_attention_triton
+    from moe_kernels.fast_attention import HAS_FLASH_MLA, mla_decode_fast
+    from moe_kernels.triton_attention import mla_attention_triton
 
     ceiling = copy_bandwidth(torch.device("cuda")) / 1e12  # TB/s, read + write of 1 GiB
     fast_name = "FlashMLA" if HAS_FLASH_MLA else "split-KV Triton (FlashMLA not installed)"
@@ -414,13 +414,13 @@ def _decode_cache(batch: int, ctx: int, seed: int = 0, width: int = 128) -> tupl
 
 def bench_value_split() -> None:
     """The invariant decode attention's value split (VALUE_SPLIT in
-    kernels/attention_launch.py, and a split of two) at 16 heads against whole head blocks,
+    moe_kernels/attention_launch.py, and a split of two) at 16 heads against whole head blocks,
     each also with the table read a block ahead (TABLE_AHEAD_MAX_PAIRS), at contexts 1024
     to 8192 with block tables as wide as the engine's graph for that context (16 to 128
     entries, -1 padding), graph replay over L2-missing caches, bits compared with whole head
     blocks; and the op's own launch."""
-    from kernels.attention_launch import SPLIT_BLOCKS, VALUE_SPLIT
-    from kernels.triton_attention import _attend, mla_attention_triton
+    from moe_kernels.attention_launch import SPLIT_BLOCKS, VALUE_SPLIT
+    from moe_kernels.triton_attention import _attend, mla_attention_triton
 
     shapes = [
         (1, None, False), (1, None, True), (*VALUE_SPLIT, False), (*VALUE_SPLIT, True),
@@ -465,8 +465,8 @@ def bench_whole_query() -> None:
     (WHOLE_QUERY, two and three stages) against the split launch and its merge, engine-wide
     block tables (128 entries), each batch's value split, graph replay over L2-missing
     caches, bits compared; the last column is the launch the op takes (WHOLE_QUERY_STAGES)."""
-    from kernels.attention_launch import SPLIT_BLOCKS, value_split, whole_query_stages
-    from kernels.triton_attention import _attend
+    from moe_kernels.attention_launch import SPLIT_BLOCKS, value_split, whole_query_stages
+    from moe_kernels.triton_attention import _attend
 
     ceiling = copy_bandwidth(torch.device("cuda")) / 1e12
     print(f"\n## decode attention, whole-query programs, 16 heads (graph replay); copy ceiling "
@@ -508,9 +508,9 @@ def bench_groups() -> None:
     Tables as wide as the engine's graph for the context (contexts just past a group's 32
     blocks included), graph replay over L2-missing caches, µs (/ FlashMLA); `same`: every
     G = 8 form gives the op's G = 8 bits."""
-    from kernels.attention_launch import SPLIT_BLOCKS
-    from kernels.fast_attention import _decode_flash_mla
-    from kernels.triton_attention import _attend, mla_attention_triton
+    from moe_kernels.attention_launch import SPLIT_BLOCKS
+    from moe_kernels.fast_attention import _decode_flash_mla
+    from moe_kernels.triton_attention import _attend, mla_attention_triton
 
     ceiling = copy_bandwidth(torch.device("cuda")) / 1e12
     print(f"\n## 16-head decode attention, splits folded in groups (graph replay); copy "
@@ -610,8 +610,8 @@ def bench_read_floor() -> None:
     through the block tables at several blocks a program (4: the split launch's programs; a
     whole query: the whole-query launch's), warps and stages, the best of each given with its
     shape. Each % is of the 1 GiB copy ceiling, as every attention figure in BENCHMARKS.md."""
-    from kernels.fast_attention import mla_decode_fast
-    from kernels.triton_attention import mla_attention_triton
+    from moe_kernels.fast_attention import mla_decode_fast
+    from moe_kernels.triton_attention import mla_attention_triton
 
     ceiling = copy_bandwidth(torch.device("cuda")) / 1e12
     print(f"\n## reading the KV cache, no arithmetic, vs decode attention at 16 heads (graph "
@@ -691,8 +691,8 @@ def bench_split_size() -> None:
     heads, engine-wide block tables (128 entries), each batch's value split, graph replay: the
     constant against 2 and 1 blocks. A query's bits follow the split size, so it is one
     constant for every batch; this shows what each would cost where."""
-    from kernels.attention_launch import SPLIT_BLOCKS, value_split
-    from kernels.triton_attention import _attend
+    from moe_kernels.attention_launch import SPLIT_BLOCKS, value_split
+    from moe_kernels.triton_attention import _attend
 
     sizes = (SPLIT_BLOCKS, 2, 1)
     print("\n## decode attention's KV split size, 16 heads (graph replay)")
@@ -717,8 +717,8 @@ def bench_split_sweep() -> None:
     stages, the table read a block ahead; graph replay over L2-missing caches, engine-wide
     tables (128 entries, -1 padding), each shape's bits compared with the op's. Shapes that do
     not compile (shared memory) are skipped. The op's own launch and the best are printed."""
-    from kernels.attention_launch import SPLIT_BLOCKS
-    from kernels.triton_attention import _attend, mla_attention_triton
+    from moe_kernels.attention_launch import SPLIT_BLOCKS
+    from moe_kernels.triton_attention import _attend, mla_attention_triton
 
     print("\n## the 16-head split launch's shapes at long contexts (graph replay)")
     print("| B | ctx | the op µs | best µs [v_parts, lat_chunk, warps, stages, ahead] "
@@ -765,7 +765,7 @@ def bench_split_sweep() -> None:
 def _wide_tail(tail_blocks: int):
     """The op's wide launch with tail_blocks: the bench swaps both names the op reads (its
     launch is compared with WIDE_LAUNCH, so head_launch alone would leave the wide path)."""
-    import kernels.triton_attention as attention
+    import moe_kernels.triton_attention as attention
 
     saved = attention.WIDE_LAUNCH, attention.head_launch
     tailed = dataclasses.replace(saved[0], tail_blocks=tail_blocks)
@@ -784,7 +784,7 @@ def bench_tail() -> None:
     (ATTENTION_GRAPH_CALLS calls a graph), contexts of 17 to 33 blocks, tables padded with -1
     to the engine's graph widths (16, 32, 64), T = 0 (no tail) to 8; the op picks the split
     or whole-query launch by the batch as it does in the engine."""
-    from kernels.triton_attention import mla_attention_triton
+    from moe_kernels.triton_attention import mla_attention_triton
 
     tails = (0, 1, 2, 4, 8)
     print("\n## the wide launch's tail: 128 heads, µs a call (graph replay)")
@@ -836,13 +836,13 @@ ROW_PARALLEL_SHAPES = (
 
 
 def bench_row_parallel() -> None:
-    """The row-parallel linear with the fixed tp_max K split (kernels/triton_tp_linear.py, at
+    """The row-parallel linear with the fixed tp_max K split (moe_kernels/triton_tp_linear.py, at
     tp 1: the whole tree on one GPU) vs the invariant linear without it (its own shape-based K
     split) vs cuBLAS, on the row-parallel V2-Lite weights, graph replay (inputs missing L2)
     at every row count: eager do_bench at prefill sizes timed the TMA linear's host-side
     descriptor set-up too (o_proj's linear 45-131 us at 1024 rows across runs, 26 replayed)."""
-    from kernels.config import KernelConfig
-    from kernels.triton_tp_linear import row_parallel_linear_triton
+    from moe_kernels.config import KernelConfig
+    from moe_kernels.triton_tp_linear import row_parallel_linear_triton
 
     tp_max = KernelConfig().tp_max
     arrivals = arrival_counts("cuda")  # as the engine's op table binds them
@@ -882,9 +882,9 @@ def bench_tree_loops() -> None:
     o_proj at tp_max 1: the linear's own K split) at prefill rows, the kernel's two loop
     forms (`is_chunk_loop` False / True: /0, /1) on a few tiles, graph replay, µs, with
     cuBLAS; '=' where a form gave the default launch's bits."""
-    from kernels.config import KernelConfig
-    from kernels.triton_chunk_tree import chain_config, linear_chunk_tree
-    from kernels.triton_linear_config import k_split_count
+    from moe_kernels.config import KernelConfig
+    from moe_kernels.triton_chunk_tree import chain_config, linear_chunk_tree
+    from moe_kernels.triton_linear_config import k_split_count
 
     tp_max = KernelConfig().tp_max
     cases = [(name, k, n, tp_max, True) for name, k, n in ROW_PARALLEL_SHAPES[:2]]
@@ -926,8 +926,8 @@ def bench_tree_split() -> None:
     tree's top levels by a second launch, H1/H2/H4: handed up the tree as the programs
     finish), against the in-program tree (all tp_max chunks in one program, four live fp32
     tiles) and cuBLAS; graph replay, µs; '=' where a split gave the tree's bits."""
-    from kernels.config import KernelConfig
-    from kernels.triton_chunk_tree import linear_chunk_tree
+    from moe_kernels.config import KernelConfig
+    from moe_kernels.triton_chunk_tree import linear_chunk_tree
 
     tp_max = KernelConfig().tp_max
     arrivals = arrival_counts("cuda")
@@ -976,9 +976,9 @@ def bench_tree_pairs() -> None:
     launch (fp32 parts) and the invariant linear without the tp_max split, with cuBLAS, at
     o_proj's shape (8 chunks of 256 columns), graph replay, µs; '=' where the paired form gave
     the chunk launch's bits."""
-    from kernels.config import KernelConfig
-    from kernels.triton_chunk_tree import TREE_CONFIG, linear_chunk_tree
-    from kernels.triton_tp_linear import launch_tp_chunks
+    from moe_kernels.config import KernelConfig
+    from moe_kernels.triton_chunk_tree import TREE_CONFIG, linear_chunk_tree
+    from moe_kernels.triton_tp_linear import launch_tp_chunks
 
     tp_max = KernelConfig().tp_max
     arrivals = arrival_counts("cuda")
@@ -1013,7 +1013,7 @@ def bench_router() -> None:
     before), cuBLAS bf16 with fp32 output (fast mode) and cuBLAS fp32 (F.linear of the upcast
     operands); the max |error| of each against the float64 product, and whether the op gave
     a row the same bits alone as in the 8192-row batch."""
-    from kernels.triton_router import router_logits_triton
+    from moe_kernels.triton_router import router_logits_triton
 
     arrivals = arrival_counts("cuda")
     print("\n## router logits (fp32 out): µs, graph replay; max |err| vs float64 at 8192 rows")
@@ -1057,12 +1057,12 @@ def bench_router() -> None:
 
 def bench_tree_crossover() -> None:
     """Where the in-program tree should take over from the chunk launch (TREE_MIN_ROWS in
-    kernels/triton_tp_linear.py): the two paths of the tp_max split side by side at tp 1 on
+    moe_kernels/triton_tp_linear.py): the two paths of the tp_max split side by side at tp 1 on
     the short-chunk weights (o_proj, the shared experts' down), bits checked equal; graph
     replay up to 512 rows, do_bench (L2 flushed) above."""
-    from kernels.config import KernelConfig
-    from kernels.triton_chunk_tree import linear_chunk_tree
-    from kernels.triton_tp_linear import launch_tp_chunks
+    from moe_kernels.config import KernelConfig
+    from moe_kernels.triton_chunk_tree import linear_chunk_tree
+    from moe_kernels.triton_tp_linear import launch_tp_chunks
 
     tp_max = KernelConfig().tp_max
     arrivals = arrival_counts("cuda")
@@ -1094,7 +1094,7 @@ def bench_tree_crossover() -> None:
 
 
 def _chain(x, w, out, *, num_chunks: int, config: LinearConfig):
-    from kernels.triton_chunk_tree import linear_chunk_tree
+    from moe_kernels.triton_chunk_tree import linear_chunk_tree
 
     return linear_chunk_tree(x, w, num_chunks, out.dtype, config, is_tree=False, out=out)
 
@@ -1105,8 +1105,8 @@ def bench_split_prefill() -> None:
     from CHAIN_MIN_ROWS; the fp32 router's chunk launch on its earlier large-M tiles vs the
     tiles it takes from FP32_PREFILL_ROWS. cuBLAS beside (x.float() for the router); graph
     replay over L2-missing copies; bits of each pair compared."""
-    from kernels.triton_chunk_tree import CHAIN_CONFIG_16BIT
-    from kernels.triton_linear_config import (
+    from moe_kernels.triton_chunk_tree import CHAIN_CONFIG_16BIT
+    from moe_kernels.triton_linear_config import (
         BLOCK_K_FP32,
         k_split_chunk,
         k_split_chunks_per_program,
@@ -1235,7 +1235,7 @@ def _layer_parts(model, batch_size: int, ctx: int, block: int) -> dict:
 def bench_layer() -> None:
     """One MoE decoder layer of V2-Lite at decode sizes, part by part, each part run over 8
     layers (8 sets of weights: no L2 reuse, as in a step) in a CUDA graph: µs per layer."""
-    from kernels import KernelConfig, build_op_table
+    from moe_kernels import KernelConfig, build_op_table
     from moe_runtime.model.loader import build_model
 
     cfg = load_config(
@@ -1260,11 +1260,11 @@ def bench_layer_kernels() -> None:
     """One invariant V2-Lite MoE layer at decode (B = 1 and 64, context 1024), 8 layers in a
     CUDA graph, its kernels timed by the profiler over 10 replays: count and µs a layer each,
     against the layer's graph-replay time; without PDL (a kernel launched with it counts the
-    time its programs wait for the one before) and on one stream (kernels/streams.py: the
+    time its programs wait for the one before) and on one stream (moe_kernels/streams.py: the
     branches' kernels would overlap), then the layer's time with PDL and with both."""
     from torch.profiler import ProfilerActivity, profile
 
-    from kernels import KernelConfig, build_op_table, triton_pdl
+    from moe_kernels import KernelConfig, build_op_table, triton_pdl
     from moe_runtime.model.loader import build_model
 
     cfg = load_config(
@@ -1373,7 +1373,7 @@ def bench_decode_tiles() -> None:
 
 
 def _sweep_decode_linear(name, out_dim, in_dim, top_k, arrivals) -> None:
-    from kernels.triton_linear import _grouped
+    from moe_kernels.triton_linear import _grouped
 
     rows = max(top_k, 1)
     counts = torch.zeros(64, dtype=torch.int64)
@@ -1501,13 +1501,13 @@ def bench_fast_choice() -> None:
     each op of a V2-Lite decode step, the vendor kernel fast mode runs (cuBLAS, torch's
     router, FlashMLA with one plan a step) against the repo's Triton kernel of the same op
     (the invariant one, which fast mode may run too). Where the Triton one is the faster,
-    fast mode is not yet the best path a user could run (kernels/op_table.py)."""
-    from kernels.fast_attention import HAS_FLASH_MLA, mla_decode_fast
-    from kernels.linear import batched_linear_fast
-    from kernels.router import router_logits_fast, router_topk_fast
-    from kernels.triton_attention import mla_attention_triton
-    from kernels.triton_linear import batched_linear_triton
-    from kernels.triton_router import router_logits_triton, router_topk_triton
+    fast mode is not yet the best path a user could run (moe_kernels/op_table.py)."""
+    from moe_kernels.fast_attention import HAS_FLASH_MLA, mla_decode_fast
+    from moe_kernels.linear import batched_linear_fast
+    from moe_kernels.router import router_logits_fast, router_topk_fast
+    from moe_kernels.triton_attention import mla_attention_triton
+    from moe_kernels.triton_linear import batched_linear_triton
+    from moe_kernels.triton_router import router_logits_triton, router_topk_triton
 
     arrivals = arrival_counts("cuda")
     print("\n## fast mode's candidates at decode rows: vendor vs Triton, graph replay µs")

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import KernelConfig, build_op_table
+from moe_kernels import KernelConfig, build_op_table
 from moe_runtime.model.deepseek import TORCH_DTYPES, DeepseekForCausalLM
 from moe_runtime.model_config import ModelConfig
 

@@ -12,7 +12,7 @@ graph replays are traced one by one), the top kernels by time, and the top host 
 
 With PDL on (the default on sm90) a kernel's duration includes the time its programs waited
 for the kernel before it, and at decode sizes a layer's branches run on two streams
-(kernels/streams.py; `--set kernels.side_stream_rows=0` for one), so the sum of kernel
+(moe_kernels/streams.py; `--set kernels.side_stream_rows=0` for one), so the sum of kernel
 durations overstates the GPU's busy time: --by-grid also prints the busy time as the union of
 the kernels' intervals; --no-pdl for kernel durations, the default for the step's wall time.
 """
@@ -37,8 +37,8 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.engine_bench import random_prompts, step_until_started  # noqa: E402
-from kernels import triton_pdl  # noqa: E402
 from launch.cli import add_override_argument, parse_overrides  # noqa: E402
+from moe_kernels import triton_pdl  # noqa: E402
 from moe_runtime.config import load_config  # noqa: E402
 from moe_runtime.engine.engine import LLMEngine  # noqa: E402
 from moe_runtime.sampling_params import SamplingParams  # noqa: E402
@@ -216,7 +216,7 @@ def main() -> None:
         "--no-pdl",
         action="store_true",
         help="launch without PDL: a kernel launched with it counts the time its programs wait "
-        "for the one before as its own (kernels/triton_pdl.py)",
+        "for the one before as its own (moe_kernels/triton_pdl.py)",
     )
     args = parser.parse_args()
     if args.no_pdl:
@@ -259,7 +259,7 @@ def main() -> None:
             split = print_grid_table(prof, args.steps, args.top)
             if split is not None:
                 # Why the union, not the summed durations: kernels on the side stream
-                # (kernels/streams.py) run beside others, and a PDL kernel's duration includes
+                # (moe_kernels/streams.py) run beside others, and a PDL kernel's duration includes
                 # its wait.
                 gaps_us, busy_us = split
                 print(

@@ -1,6 +1,6 @@
 """Communication layer: process groups, MoE dispatch/combine, TP all-reduce, NCCL pinning.
 
-Imports only `kernels` and `comm`; never eplb, moe_runtime, launch or ray, and never reads
+Imports only `moe_kernels` and `comm`; never eplb, moe_runtime, launch or ray, and never reads
 environment variables: every value arrives as an argument.
 """
 

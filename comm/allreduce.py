@@ -6,7 +6,7 @@ invariant op sums the gathered parts in rank order (bits independent of message 
 same on every rank); the fast one is the backend's ring/tree, chosen by message size.
 `row_parallel_linear(x, weight, group, op)` offers the op table's row-parallel linear the same
 two collectives: its invariant version all-gathers every rank's fp32 subtree sum and finishes
-one fixed binary tree (kernels/tp_linear.py), the same bits at every TP degree.
+one fixed binary tree (moe_kernels/tp_linear.py), the same bits at every TP degree.
 `all_to_all_equal(x, group)` swaps equal row blocks between the ranks (attention's heads for
 token shares; no arithmetic).
 """

@@ -209,7 +209,7 @@ class DeepEPDispatcher(RankExchange):
         # valid slot, so the reduce epilogue adds the row to +0 in bf16
         # (impls/combine_utils.cuh:212-255): the row comes home unchanged except -0 as +0.
         # On CUDA the op table's combine starts its fp32 sum from +0
-        # (kernels/triton_combine.py), so -0 and +0 give the same bits there.
+        # (moe_kernels/triton_combine.py), so -0 and +0 give the same bits there.
         with collective_guard(self.rank, "DeepEP combine"):
             combined, _, _ = self._buffer.combine(y.contiguous(), handle.deepep_handle)
         rows, slot_ids = rows_in_slot_order(combined, topk_weights.numel())

@@ -92,7 +92,7 @@ def dispatch_layout(topk_phys_ids: torch.Tensor, num_physical: int) -> DispatchL
         # Decode-sized steps: the stable sort's order exactly, in one launch (a radix sort
         # launch costs ~25 us even for 384 ids). Imported here so CPU-only processes never
         # load Triton's compiler front end.
-        from kernels.triton_layout import expert_layout_triton
+        from moe_kernels.triton_layout import expert_layout_triton
 
         return DispatchLayout(*expert_layout_triton(topk_phys_ids, num_physical))
     # Integer adds: exact in any order (torch.bincount would sync to size its output).

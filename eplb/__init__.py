@@ -1,7 +1,7 @@
 """Expert-parallel load balancing: the placement of expert replicas on ranks and the policy
 that chooses it from observed load.
 
-Imports only `kernels`, `comm` and itself (plus torch); reads no environment and holds no
+Imports only `moe_kernels`, `comm` and itself (plus torch); reads no environment and holds no
 runtime state.
 """
 

@@ -20,8 +20,8 @@ from comm.config import ParallelConfig
 from comm.deepep_dispatch import check_deepep_shapes, is_deepep_installed
 from comm.groups import select_backend
 from eplb.config import EplbConfig
-from kernels.attention_launch import WIDE_HEADS, WIDE_LAUNCH, head_launch
-from kernels.config import KernelConfig
+from moe_kernels.attention_launch import WIDE_HEADS, WIDE_LAUNCH, head_launch
+from moe_kernels.config import KernelConfig
 from moe_runtime.model_config import ModelConfig
 
 log = logging.getLogger("moe_runtime.config")
@@ -161,7 +161,7 @@ class RuntimeConfig:
         is_wide = head_launch(model.num_attention_heads) == WIDE_LAUNCH
         is_gpu_invariant = self.kernels.is_invariant and parallel.device == "cuda"
         if is_gpu_invariant and is_wide and model.dtype != "bfloat16":
-            # (kernels/triton_attention.py refuses it too)
+            # (moe_kernels/triton_attention.py refuses it too)
             raise ValueError(
                 f"kernels.mode 'invariant' on parallel.device 'cuda' with "
                 f"model.num_attention_heads={model.num_attention_heads} (>= {WIDE_HEADS}: "
@@ -277,7 +277,7 @@ class RuntimeConfig:
             )
 
     def _check_tp_max(self) -> None:
-        """The fixed K split of the row-parallel linear (kernels/tp_linear.py), the dense MLP's
+        """The fixed K split of the row-parallel linear (moe_kernels/tp_linear.py), the dense MLP's
         down_proj: every TP degree must hold whole chunks, and its K (the dense intermediate
         size) must cut into tp_max equal chunks. Without dense layers no linear is
         row-parallel (o_proj and the shared experts run whole on token shares): nothing to

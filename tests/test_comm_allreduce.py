@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from comm import all_reduce, destroy_process_groups, init_process_groups, pinned_nccl_env
-from kernels.combine import sum_over_ranks_fast, sum_over_ranks_ref
+from moe_kernels.combine import sum_over_ranks_fast, sum_over_ranks_ref
 from tests.test_comm_groups import BACKENDS, MASTER_ADDR, backend_config, run_ranks
 
 NUM_ELEMENTS = 1 << 13

@@ -15,8 +15,8 @@ import torch
 
 from comm import AllToAllDispatcher, LocalDispatcher, destroy_process_groups, init_process_groups
 from comm.dispatch import dispatch_layout
-from kernels.combine import moe_combine_fast, moe_combine_ref
-from kernels.linear import grouped_linear_ref
+from moe_kernels.combine import moe_combine_fast, moe_combine_ref
+from moe_kernels.linear import grouped_linear_ref
 from tests.test_comm_groups import BACKENDS, MASTER_ADDR, backend_config, run_ranks
 
 NUM_LOCAL_SLOTS = 2

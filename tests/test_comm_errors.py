@@ -8,7 +8,7 @@ import torch
 
 from comm import AllToAllDispatcher, CollectiveError, all_reduce, init_process_groups
 from comm.errors import collective_guard
-from kernels.combine import moe_combine_ref, sum_over_ranks_ref
+from moe_kernels.combine import moe_combine_ref, sum_over_ranks_ref
 from tests.test_comm_groups import MASTER_ADDR, gloo_config, run_ranks
 
 TIMEOUT_S = 3.0

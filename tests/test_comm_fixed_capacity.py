@@ -16,8 +16,8 @@ import torch
 
 from comm import AllToAllDispatcher, FixedCapacityDispatcher
 from comm.groups import destroy_process_groups, init_process_groups
-from kernels.combine import moe_combine_fast, moe_combine_ref
-from kernels.linear import grouped_linear_ref
+from moe_kernels.combine import moe_combine_fast, moe_combine_ref
+from moe_kernels.linear import grouped_linear_ref
 from tests.test_comm_dispatch import (
     HIDDEN,
     NUM_LOCAL_SLOTS,

@@ -51,7 +51,7 @@ def _rank_main(worker, rank, world_size, port, barrier, out_dir, args) -> None:
 def run_ranks(worker, world_size: int, tmp_path: Path, *args, timeout_s: float = 40.0) -> list:
     """Run worker in world_size spawned processes; return [result of rank 0, 1, ...]."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "comm", "kernels", __name__])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "comm", "moe_kernels", __name__])
     barrier = ctx.Barrier(world_size)
     port = free_port()
     procs = [

@@ -29,7 +29,7 @@ from comm.deepep_dispatch import (
     virtual_tokens,
 )
 from comm.groups import destroy_process_groups, init_process_groups
-from kernels.combine import moe_combine_ref
+from moe_kernels.combine import moe_combine_ref
 from moe_runtime import LLM
 from moe_runtime.config import load_config
 from tests.invariance import mixed_params, mixed_prompts, random_sub_batches, run_in_batches

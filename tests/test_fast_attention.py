@@ -1,4 +1,4 @@
-"""Fast-mode decode attention (kernels/fast_attention.py): closeness to the torch oracle with a
+"""Fast-mode decode attention (moe_kernels/fast_attention.py): closeness to the torch oracle with a
 tolerance (fast mode is not batch-invariant, so bits are not the contract here), the split
 choice, the fallback of batches that are not decode-shaped, the rule that takes the invariant
 launch instead of FlashMLA; on the GPU the three paths (FlashMLA when installed) at 16 and 128
@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.attention import mla_attention_fast, mla_attention_ref
+from moe_kernels.attention import mla_attention_fast, mla_attention_ref
 from tests import interpreted
 
 SEED = 0
@@ -57,7 +57,7 @@ def _oracle(q, kv_cache, seq_ids, block_tables, positions, **args):
 
 
 def check_split_kv_matches_oracle(generator: torch.Generator) -> None:
-    from kernels.fast_attention import mla_decode_fast, mla_decode_split_kv
+    from moe_kernels.fast_attention import mla_decode_fast, mla_decode_split_kv
 
     args = dict(scale=40**-0.5, v_dim=32)
     # 4 heads: one masked head block; 20 heads: two head blocks, the second partly masked.
@@ -104,8 +104,8 @@ def test_fast_attention_interpreted(interpreted_results, name):
 @pytest.mark.parametrize("num_tokens", (1, 3, 64, 256))
 @pytest.mark.parametrize("table_width", (1, 5, 64, 512))
 def test_split_choice_fills_the_gpu_from_host_shapes(num_sms, num_heads, num_tokens, table_width):
-    from kernels.fast_attention import WAVES, choose_split_blocks
-    from kernels.triton_attention import BLOCK_H
+    from moe_kernels.fast_attention import WAVES, choose_split_blocks
+    from moe_kernels.triton_attention import BLOCK_H
 
     split_blocks = choose_split_blocks(num_tokens, num_heads, table_width, num_sms)
     assert 1 <= split_blocks <= table_width
@@ -118,7 +118,7 @@ def test_split_choice_fills_the_gpu_from_host_shapes(num_sms, num_heads, num_tok
 
 
 def test_not_decode_shaped_batches_take_the_paged_triton_kernel(generator):
-    from kernels.fast_attention import mla_decode_fast
+    from moe_kernels.fast_attention import mla_decode_fast
 
     # Two chunks of a prefill (T = 6 tokens, B = 2 sequences). Compiled Triton (no interpreter
     # in this process) refuses CPU tensors, naming mla_attention_triton's check: the batch
@@ -133,7 +133,7 @@ def test_not_decode_shaped_batches_take_the_paged_triton_kernel(generator):
 
 
 def test_decode_shaped_batches_take_the_kernel_path(generator):
-    from kernels.fast_attention import mla_decode_fast
+    from moe_kernels.fast_attention import mla_decode_fast
 
     # Compiled Triton (no interpreter in this process) refuses CPU tensors: the decode-shaped
     # batch reached the kernel path, not the torch fallback.
@@ -161,8 +161,8 @@ def test_fast_decode_takes_the_invariant_launch_where_it_was_faster(
 ):
     """The rule from host shapes: narrow models at few (query, split) pairs or many queries;
     never the wide launch. The measured split (4 blocks) and limits are the rule's inputs."""
-    from kernels import fast_attention
-    from kernels.attention_launch import NARROW_LAUNCH
+    from moe_kernels import fast_attention
+    from moe_kernels.attention_launch import NARROW_LAUNCH
 
     assert NARROW_LAUNCH.split_blocks == 4
     assert (fast_attention.INVARIANT_MAX_PAIRS, fast_attention.INVARIANT_MIN_QUERIES) == (256, 256)
@@ -176,7 +176,7 @@ def _gpu_decode_batch(generator, num_heads):
 
 
 def _use_path(monkeypatch, path: str) -> None:
-    from kernels import fast_attention
+    from moe_kernels import fast_attention
 
     if path == "split_kv":
         monkeypatch.setattr(fast_attention, "HAS_FLASH_MLA", False)
@@ -200,8 +200,8 @@ GPU_ARGS = dict(scale=192**-0.5, v_dim=512)  # V2-Lite: qk_nope 128 + rope 64
 @pytest.mark.parametrize("path", ("split_kv", "flash_mla", "invariant"))
 @pytest.mark.parametrize("num_heads", (16, 128))  # V2-Lite, V3
 def test_gpu_decode_paths_match_oracle(generator, monkeypatch, path, num_heads):
-    from kernels import fast_attention
-    from kernels.triton_attention import mla_attention_triton
+    from moe_kernels import fast_attention
+    from moe_kernels.triton_attention import mla_attention_triton
 
     _use_path(monkeypatch, path)
     batch = _gpu_decode_batch(generator, num_heads)
@@ -223,7 +223,7 @@ def test_gpu_decode_paths_match_oracle(generator, monkeypatch, path, num_heads):
 @needs_cuda
 @pytest.mark.parametrize("path", ("split_kv", "flash_mla", "invariant"))
 def test_gpu_decode_is_capturable_and_replays_new_positions(generator, monkeypatch, path):
-    from kernels.fast_attention import mla_decode_fast
+    from moe_kernels.fast_attention import mla_decode_fast
 
     _use_path(monkeypatch, path)
     q, kv_cache, seq_ids, tables, positions = _gpu_decode_batch(generator, 16)
@@ -260,7 +260,7 @@ def test_gpu_flash_mla_layers_of_a_step_share_one_plan(generator, monkeypatch):
     """The layers of a step (same positions and tables objects) share FlashMLA's metadata; a
     step whose positions changed in place, or a capture after its warm-up, plans afresh, and
     every layer's output stays the oracle's under replays with new positions."""
-    from kernels import fast_attention
+    from moe_kernels import fast_attention
 
     _use_path(monkeypatch, "flash_mla")
     q, kv_cache, seq_ids, tables, positions = _gpu_decode_batch(generator, 16)

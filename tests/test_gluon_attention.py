@@ -13,8 +13,8 @@ import pytest
 import torch
 import triton
 
-from kernels.attention_launch import WIDE_LAUNCH
-from kernels.gluon_attention import GLUON_SHAPE, _mla_wide_split_kernel, fits_gluon
+from moe_kernels.attention_launch import WIDE_LAUNCH
+from moe_kernels.gluon_attention import GLUON_SHAPE, _mla_wide_split_kernel, fits_gluon
 
 SM90_SHARED_BYTES = 232448  # the H100/H200 limit on one block's dynamic shared memory
 
@@ -124,7 +124,7 @@ def _stack_bytes(compiled, tmp_path) -> int:
 def _recorded_launches(monkeypatch) -> list:
     """From here on the invariant attention op's split-kernel launches are recorded as (grid,
     args, kwargs) in the list returned instead of run (CPU tensors take the GPU's choices)."""
-    import kernels.triton_attention as attention
+    import moe_kernels.triton_attention as attention
 
     launches = []
 
@@ -166,8 +166,8 @@ def test_16_head_launch_follows_the_programs_of_groups(
     long (the engine's graph tables double in width), else the split launch (three stages).
     group_splits is the op's argument (kernels.attention_group_splits through the op
     table)."""
-    import kernels.triton_attention as attention
-    from kernels.attention_launch import NARROW_LAUNCH
+    import moe_kernels.triton_attention as attention
+    from moe_kernels.attention_launch import NARROW_LAUNCH
 
     assert NARROW_LAUNCH.split_blocks == 4  # the cases above count splits of 4 blocks
     launches = _recorded_launches(monkeypatch)
@@ -200,7 +200,7 @@ def test_the_ops_triton_launches_fit_sm90_shared_memory(tmp_path, monkeypatch, g
     The bf16 split launches (the op's decode below 128 programs) also compile without spilling
     registers; the whole-query forms hold 255 registers and spill 32-64 bytes a thread (as
     on the GPU)."""
-    import kernels.triton_attention as attention
+    import moe_kernels.triton_attention as attention
 
     kernel = attention._mla_split_kernel
     launches = _recorded_launches(monkeypatch)

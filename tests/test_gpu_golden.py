@@ -119,7 +119,7 @@ def test_gpu_golden_attention_groups(workload, alone_invariant, monkeypatch):
     partials merged). Engagement: both launches ran (the split launch and a program a group)
     and some queries span two groups; control: groups on changes some prompt's bits against
     groups off."""
-    from kernels import triton_attention
+    from moe_kernels import triton_attention
 
     forms = []
     pick = triton_attention.group_launch

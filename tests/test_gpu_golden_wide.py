@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import kernels.triton_attention as triton_attention
+import moe_kernels.triton_attention as triton_attention
 from moe_runtime import LLM
 from tests.invariance import mixed_params, mixed_prompts, random_sub_batches, run_in_batches
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.rmsnorm import rms_norm_fast
+from moe_kernels.rmsnorm import rms_norm_fast
 from moe_runtime.config import load_config
 
 pytestmark = [
@@ -47,7 +47,7 @@ def _assert_row_invariant(op, x, full, generator):
 
 
 def test_linear_bitwise_invariant_where_cublas_is_not(generator):
-    from kernels.triton_linear import linear_triton
+    from moe_kernels.triton_linear import linear_triton
 
     in_dim, out_dim = 7168, 2048
     x = _randn(generator, 4096, in_dim)
@@ -61,7 +61,7 @@ def test_linear_bitwise_invariant_where_cublas_is_not(generator):
 
 
 def test_linear_fp32_router_shape_invariant(generator):
-    from kernels.triton_linear import linear_triton
+    from moe_kernels.triton_linear import linear_triton
 
     x = _randn(generator, 1024, 2048, dtype=torch.float32)
     w = _randn(generator, 64, 2048, dtype=torch.float32, scale=2048**-0.5)
@@ -76,7 +76,7 @@ def test_router_logits_16bit_weight_invariant_and_fp32_close(generator, num_expe
     """The model's bf16 router weight: fp32 logits from the tensor-core linear, the same bits
     for a row in every batch (row buckets 1 to 8192: the decode K split and the prefill chain),
     within fp32 sum error of the float64 product (every bf16 x bf16 product is exact)."""
-    from kernels.triton_router import router_logits_triton
+    from moe_kernels.triton_router import router_logits_triton
 
     x = _randn(generator, 8192, hidden)
     w = _randn(generator, num_experts, hidden, scale=hidden**-0.5)
@@ -93,7 +93,7 @@ def test_router_logits_16bit_weight_invariant_and_fp32_close(generator, num_expe
 
 @pytest.mark.parametrize("in_dim, out_dim", [(2048, 102400), (512, 4096), (2048, 576)])
 def test_linear_other_shapes_invariant(generator, in_dim, out_dim):
-    from kernels.triton_linear import linear_triton
+    from moe_kernels.triton_linear import linear_triton
 
     x = _randn(generator, 300, in_dim)
     w = _randn(generator, out_dim, in_dim, scale=in_dim**-0.5)
@@ -106,8 +106,8 @@ def test_linear_other_shapes_invariant(generator, in_dim, out_dim):
 def test_linear_every_bucket_config_gives_the_same_bits(generator, name, in_dim, out_dim):
     """The row-count buckets pick tile shapes only: each config in use, run on the same 600
     rows, gives bit-identical output, and slices across every bucket boundary match."""
-    from kernels.triton_linear import _launch, linear_triton
-    from kernels.triton_linear_config import POINTER_CONFIG_16BIT, linear_config
+    from moe_kernels.triton_linear import _launch, linear_triton
+    from moe_kernels.triton_linear_config import POINTER_CONFIG_16BIT, linear_config
 
     x = _randn(generator, 600, in_dim)
     w = _randn(generator, out_dim, in_dim, scale=in_dim**-0.5)
@@ -132,10 +132,10 @@ def test_linear_prefill_chain_gives_the_chunk_launch_bits(generator, out_dim, in
     launch's bits at the same rows, and every row's bits at decode sizes; the tree over the
     same chunks differs where there are more than two (two chunks: one add, the same). fp32
     weights (the routers) keep the chunk launch at every row count."""
-    from kernels.triton_chunk_tree import CHAIN_MIN_ROWS, chain_config, linear_chunk_tree
-    from kernels.triton_linear import linear_triton
-    from kernels.triton_linear_config import k_split_chunk, k_split_count, linear_config
-    from kernels.triton_split_k import launch_split_k
+    from moe_kernels.triton_chunk_tree import CHAIN_MIN_ROWS, chain_config, linear_chunk_tree
+    from moe_kernels.triton_linear import linear_triton
+    from moe_kernels.triton_linear_config import k_split_chunk, k_split_count, linear_config
+    from moe_kernels.triton_split_k import launch_split_k
 
     x = _randn(generator, 2 * CHAIN_MIN_ROWS + 37, in_dim)
     w = _randn(generator, out_dim, in_dim, scale=in_dim**-0.5)
@@ -162,8 +162,8 @@ def test_linear_prefill_chain_gives_the_chunk_launch_bits(generator, out_dim, in
 
 
 def test_grouped_linear_rows_independent_of_expert_load(generator):
-    from kernels.linear import grouped_linear_fast
-    from kernels.triton_linear import grouped_linear_triton, linear_triton
+    from moe_kernels.linear import grouped_linear_fast
+    from moe_kernels.triton_linear import grouped_linear_triton, linear_triton
 
     hidden, inter, num_local = 2048, 1408, 8
     w = _randn(generator, num_local, 2 * inter, hidden, scale=hidden**-0.5)
@@ -180,7 +180,7 @@ def test_grouped_linear_rows_independent_of_expert_load(generator):
     )
     # The grouped GEMM and the plain linear give a row the same bits (this weight shape has no
     # K split: wider than SPLIT_MAX_OUT).
-    from kernels.triton_linear_config import k_split_count
+    from moe_kernels.triton_linear_config import k_split_count
 
     assert k_split_count(*w.shape[1:], w.dtype) == 1
     assert torch.equal(linear_triton(rows, w[2]), out[5:305])
@@ -193,15 +193,15 @@ def test_fp32_router_linear_every_bucket_config_gives_the_same_bits(generator, n
     """The router's fp32 linear (ieee products): its row buckets pick tile shapes only, and
     the chunks a program sums as a subtree from FP32_PREFILL_ROWS rows give the decode
     launch's bits (engagement: sixteen tree chunks; control: chunk order differs)."""
-    from kernels.triton_linear import _launch, linear_triton
-    from kernels.triton_linear_config import (
+    from moe_kernels.triton_linear import _launch, linear_triton
+    from moe_kernels.triton_linear_config import (
         FP32_PREFILL_ROWS,
         k_split_chunk,
         k_split_chunks_per_program,
         k_split_count,
         linear_config,
     )
-    from kernels.triton_split_k import launch_split_k
+    from moe_kernels.triton_split_k import launch_split_k
 
     rows = FP32_PREFILL_ROWS + 77
     x = _randn(generator, rows, hidden, dtype=torch.float32)
@@ -229,7 +229,7 @@ def test_fp32_router_linear_every_bucket_config_gives_the_same_bits(generator, n
 def test_batched_linear_gives_each_head_the_linear_bits(generator, num_heads):
     """MLA's absorbed W_UK / W_UV products, one launch over heads: head h's rows are bitwise
     linear_triton's for every row bucket, from the strided [H, T, K] view the model passes."""
-    from kernels.triton_linear import batched_linear_triton, linear_triton
+    from moe_kernels.triton_linear import batched_linear_triton, linear_triton
 
     nope, v, lora = 128, 128, 512
     w_uk_t = _randn(generator, num_heads, lora, nope, scale=nope**-0.5)
@@ -250,8 +250,8 @@ def test_grouped_linear_device_counts_same_bits_in_every_bucket_and_in_a_graph(g
     """The capturable grouped GEMM (counts on the device): expert 2's rows keep their bits
     whether the batch is decode-sized or prefill-sized (different tile buckets), equal the
     host-count path, and a CUDA graph replayed with new counts gives the eager bits."""
-    from kernels.linear import grouped_linear_cuda_fast
-    from kernels.triton_linear import grouped_config, grouped_linear_triton
+    from moe_kernels.linear import grouped_linear_cuda_fast
+    from moe_kernels.triton_linear import grouped_config, grouped_linear_triton
 
     hidden, inter, num_local = 2048, 1408, 64
     w = _randn(generator, num_local, 2 * inter, hidden, scale=hidden**-0.5)
@@ -309,7 +309,7 @@ def test_grouped_linear_device_counts_same_bits_in_every_bucket_and_in_a_graph(g
 
 @pytest.mark.parametrize("dim", (2048, 7168 + 5))
 def test_rms_norm_invariant_and_close(generator, dim):
-    from kernels.triton_rmsnorm import rms_norm_triton
+    from moe_kernels.triton_rmsnorm import rms_norm_triton
 
     x = _randn(generator, 4096, dim, scale=3.0)
     weight = (torch.rand(dim, generator=generator) + 0.5).to("cuda", torch.bfloat16)
@@ -322,7 +322,7 @@ def test_rms_norm_invariant_and_close(generator, dim):
 @pytest.mark.parametrize("is_log", (False, True))
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
 def test_softmax_invariant_and_close(generator, is_log, dtype):
-    from kernels.triton_softmax import log_softmax_triton, softmax_triton
+    from moe_kernels.triton_softmax import log_softmax_triton, softmax_triton
 
     op, ref = (log_softmax_triton, torch.log_softmax) if is_log else (softmax_triton, torch.softmax)
     x = _randn(generator, 1100, 102400, dtype=dtype, scale=4.0)
@@ -335,8 +335,8 @@ def test_softmax_invariant_and_close(generator, is_log, dtype):
 def test_silu_mul_elementwise_invariant_on_gpu(generator):
     """The fused kernel the GPU op table binds: an element's bits ignore the row count, the
     halves being views of one gate_up output, and its neighbours; close to the reference."""
-    from kernels.activation import silu_mul_ref
-    from kernels.triton_activation import silu_mul_triton
+    from moe_kernels.activation import silu_mul_ref
+    from moe_kernels.triton_activation import silu_mul_triton
 
     x = _randn(generator, 1000, 2 * 1408)
     gate, up = x.chunk(2, dim=-1)  # strided views, as the MoE calls it
@@ -354,8 +354,8 @@ def test_rope_kernel_rows_ignore_the_batch(generator, is_interleaved):
     """The one-launch rope: a token's bits follow its own values and position only (prefixes,
     a permutation), for the 16-head q_pe view and the one-head k_pe; within one bf16 rounding
     of torch's (its intermediate roundings are torch's steps, which the compiler may merge)."""
-    from kernels.rope import rope_ref
-    from kernels.triton_rope import rope_triton
+    from moe_kernels.rope import rope_ref
+    from moe_kernels.triton_rope import rope_triton
 
     cos = torch.randn(4096, 32, generator=generator).cuda()
     sin = torch.randn(4096, 32, generator=generator).cuda()
@@ -377,7 +377,7 @@ def test_rope_kernel_rows_ignore_the_batch(generator, is_interleaved):
 def test_expert_layout_kernel_is_the_stable_sort(generator):
     """The one-launch layout == the torch composition it replaces: the stable sort, bincount,
     order // K (the dispatch gather's tokens) and order's inverse (the combine's rows)."""
-    from kernels.triton_layout import expert_layout_triton
+    from moe_kernels.triton_layout import expert_layout_triton
 
     for num_tokens, top_k, num_experts in ((1, 6, 64), (64, 6, 64), (256, 6, 64), (256, 8, 256)):
         ids = torch.randint(0, num_experts, (num_tokens, top_k), generator=generator).cuda()
@@ -394,8 +394,8 @@ def test_expert_layout_kernel_is_the_stable_sort(generator):
 def test_moe_combine_kernel_rows_ignore_the_batch(generator):
     """The GPU combine: a token's sum over its slots (k ascending) has the same bits alone,
     with its rows arriving in another order, and among 4096 other tokens."""
-    from kernels.combine import moe_combine_ref
-    from kernels.triton_combine import moe_combine_triton
+    from moe_kernels.combine import moe_combine_ref
+    from moe_kernels.triton_combine import moe_combine_triton
 
     num_tokens, top_k, dim = 4096, 6, 2048
     rows = _randn(generator, num_tokens * top_k, dim)
@@ -436,7 +436,7 @@ def _check_attention_rows(attend, cache, seq_lens, chunk_ends, generator):
     the reference; each sequence's last token alone and the last tokens as one decode batch,
     sequence 0 in chunks ending at chunk_ends (across block and split boundaries) and a
     permutation give the whole call's bits. Returns (whole call, last tokens' rows)."""
-    from kernels.attention import mla_attention_ref
+    from moe_kernels.attention import mla_attention_ref
 
     q, kv_cache, seq_ids, tables, positions = cache
     full = attend(torch.arange(q.shape[0], device="cuda"))
@@ -459,9 +459,9 @@ def _check_attention_rows(attend, cache, seq_lens, chunk_ends, generator):
 
 def test_mla_attention_prefill_decode_and_batch_bitwise(generator):
     """DeepSeek-V2-Lite MLA: 16 heads, latent 512 + rope 64, cache blocks of 64 positions."""
-    from kernels.attention import mla_attention_fast
-    from kernels.attention_launch import SPLIT_BLOCKS, VALUE_SPLIT, split_count, value_split
-    from kernels.triton_attention import mla_attention_triton
+    from moe_kernels.attention import mla_attention_fast
+    from moe_kernels.attention_launch import SPLIT_BLOCKS, VALUE_SPLIT, split_count, value_split
+    from moe_kernels.triton_attention import mla_attention_triton
 
     seq_lens = (1000, 70, 300, 5, 257)
     cache = _paged_cache(generator, seq_lens, 16, 576, 64)
@@ -502,16 +502,16 @@ def test_mla_attention_wide_launch_batch_and_tp_bitwise(generator):
     batch) give the same bits; engagement: the Gluon kernel ran in both launches, and the
     Triton wide kernel and the 16-head launch make other adds; fast mode's batch shapes move
     its bits."""
-    import kernels.gluon_attention as gluon_attention
-    from kernels.attention import mla_attention_fast
-    from kernels.attention_launch import (
+    import moe_kernels.gluon_attention as gluon_attention
+    from moe_kernels.attention import mla_attention_fast
+    from moe_kernels.attention_launch import (
         NARROW_LAUNCH,
         WIDE_LAUNCH,
         WIDE_WHOLE_QUERY_PROGRAMS,
         head_launch,
         split_count,
     )
-    from kernels.triton_attention import _attend, mla_attention_triton
+    from moe_kernels.triton_attention import _attend, mla_attention_triton
 
     seq_lens = (2400, 70, 600, 5, 257)
     cache = _paged_cache(generator, seq_lens, 128, 576, 64)
@@ -595,8 +595,8 @@ def test_mla_value_split_launches_give_the_same_bits(generator, num_tokens):
     """Every (v_parts, lat_chunk) the op may pick, at decode shapes (engine-wide tables, -1
     padding), gives the whole-head-block launch's bits; a different KV split (part of the
     merge order) is the control that the comparison can fail."""
-    from kernels.attention_launch import SPLIT_BLOCKS, VALUE_SPLIT
-    from kernels.triton_attention import _attend
+    from moe_kernels.attention_launch import SPLIT_BLOCKS, VALUE_SPLIT
+    from moe_kernels.triton_attention import _attend
 
     seq_lens = [1024] + [300 + 23 * i for i in range(num_tokens - 1)]  # 1 to 16 blocks
     q, kv_cache, seq_ids, tables, positions = _paged_cache(generator, seq_lens, 16, 576, 64)
@@ -629,8 +629,8 @@ def test_mla_whole_query_launch_gives_the_split_bits(generator):
     query alone; controls: one split
     over the whole table (no restarts) moves the bits, groups of 8 move exactly the queries
     past one group, and the tail only queries of three groups whose last one it absorbed."""
-    from kernels.attention_launch import NARROW_LAUNCH, SPLIT_BLOCKS, whole_query_stages
-    from kernels.triton_attention import _attend, mla_attention_triton
+    from moe_kernels.attention_launch import NARROW_LAUNCH, SPLIT_BLOCKS, whole_query_stages
+    from moe_kernels.triton_attention import _attend, mla_attention_triton
 
     boundary = 64 * SPLIT_BLOCKS
     # i % 24 boundaries, (i // 24) % 3 the side: 1 token before, at, 1 past every boundary.
@@ -689,8 +689,8 @@ def test_mla_whole_query_launch_gives_the_split_bits(generator):
 
 @pytest.mark.parametrize("method", ("v2_lite", "v3"))
 def test_router_topk_bitwise_invariant_and_matches_ref(generator, method):
-    from kernels.router import router_topk_ref
-    from kernels.triton_router import router_topk_triton
+    from moe_kernels.router import router_topk_ref
+    from moe_kernels.triton_router import router_topk_triton
 
     if method == "v2_lite":
         num_experts, bias = 64, None
@@ -724,8 +724,8 @@ def test_router_topk_bitwise_invariant_and_matches_ref(generator, method):
 def test_router_logits_upcast_in_registers_gives_the_copy_bits(generator):
     """bf16 x against the fp32 router weight == the fp32 linear of x.float(), bit for bit, in
     every row bucket (V2-Lite: 64 experts x 2048; V3: 256 x 7168)."""
-    from kernels.triton_linear import linear_triton
-    from kernels.triton_router import router_logits_triton
+    from moe_kernels.triton_linear import linear_triton
+    from moe_kernels.triton_router import router_logits_triton
 
     for num_experts, hidden in ((64, 2048), (256, 7168)):
         x = _randn(generator, 4096, hidden)
@@ -736,8 +736,8 @@ def test_router_logits_upcast_in_registers_gives_the_copy_bits(generator):
 
 def test_moe_output_kernel_is_the_cast_and_two_adds(generator):
     """The fused epilogue == routed.to(bf16) + shared, then residual + that, bit for bit."""
-    from kernels.combine import moe_output_ref
-    from kernels.triton_moe_output import moe_output_triton
+    from moe_kernels.combine import moe_output_ref
+    from moe_kernels.triton_moe_output import moe_output_triton
 
     routed = _randn(generator, 256, 2048, dtype=torch.float32, scale=3.0)
     shared = _randn(generator, 256, 2048)
@@ -751,7 +751,7 @@ def test_moe_output_kernel_is_the_cast_and_two_adds(generator):
 def _v2_lite_moe_layer():
     """One DeepSeek-V2-Lite MoE layer (hidden 2048, 64 experts top-6 greedy softmax, 1408 per
     expert, 2 shared experts) on the GPU with random weights, and its invariant op table."""
-    from kernels import KernelConfig, build_op_table
+    from moe_kernels import KernelConfig, build_op_table
     from moe_runtime.model.layers import NO_TP
     from moe_runtime.model.moe import MoE
 
@@ -773,7 +773,7 @@ def _moe_layer_before_fusion(cfg, ops, moe, h, x):
     (its own launch), the replica map, the sort's order, the gather x[order // K], gate_up,
     silu * up and down as three launches, the combine deriving order's inverse, then
     routed.to(bf16) + shared and the residual add as three launches."""
-    from kernels.triton_combine import moe_combine_triton
+    from moe_kernels.triton_combine import moe_combine_triton
 
     logits = ops.router_logits(h, moe.gate.weight)
     topk_ids, topk_weights = ops.router_topk(
@@ -832,7 +832,7 @@ def test_write_latent_cache_fused_equals_unfused_bitwise(generator):
 
 def test_write_latent_cache_replays_in_a_graph(generator):
     """Captured once, replayed with new rows, positions and slots written into its inputs."""
-    from kernels.triton_latent_cache import write_latent_cache_triton
+    from moe_kernels.triton_latent_cache import write_latent_cache_triton
     from tests.test_triton_fused import latent_inputs
 
     args = latent_inputs(generator, 64, 512, 64, 64, torch.bfloat16, "cuda")
@@ -855,8 +855,8 @@ def test_write_latent_cache_rotates_the_query_bitwise(generator):
     """The query's rope folded into the cache write's launch: rope_triton's bits in q_rot (a
     slice of the query buffer, the rest untouched), bf16 and fp32, positions up to 4095, 16 and
     3 heads; the cache rows the unfused launch's."""
-    from kernels.triton_latent_cache import write_latent_cache_triton
-    from kernels.triton_rope import rope_triton
+    from moe_kernels.triton_latent_cache import write_latent_cache_triton
+    from moe_kernels.triton_rope import rope_triton
     from tests.test_triton_fused import assert_query_rope_rides_along
 
     assert_query_rope_rides_along(
@@ -897,8 +897,8 @@ def test_joint_gate_up_linear_same_bits_for_every_batch_and_tp_slice(
     """GatedMLP's one gate/up launch: the two separate linears' bits side by side wherever
     their fixed K split agrees with the joint weight's, and at every row count and every TP
     rank's slice (its gate rows + its up rows, with whole_out_dim = 2I) the TP-1 bits."""
-    from kernels.triton_linear import linear_triton
-    from kernels.triton_linear_config import k_split_count
+    from moe_kernels.triton_linear import linear_triton
+    from moe_kernels.triton_linear_config import k_split_count
 
     whole = 2 * intermediate
     x = _randn(generator, 300, hidden)
@@ -932,7 +932,7 @@ def test_joint_gate_up_linear_same_bits_for_every_batch_and_tp_slice(
 def test_router_topk_id_map_is_the_gather_exactly(generator, num_experts, top_k):
     """The MoE's logical -> physical map folded into the top-k launch: the mapped ids equal
     replica_row[topk_ids] exactly, at every row count, and ids and weights keep their bits."""
-    from kernels.triton_router import router_topk_triton
+    from moe_kernels.triton_router import router_topk_triton
 
     params = dict(top_k=top_k, num_groups=1, topk_group=1, scoring_func="softmax")
     params.update(topk_method="greedy", norm_topk_prob=False, routed_scaling_factor=1.0)

@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (kernels/triton_pdl.py) on the GPU: it changes no bit.
+"""Programmatic dependent launch (moe_kernels/triton_pdl.py) on the GPU: it changes no bit.
 
 - Generation with CUDA graphs (the decode steps replayed, the prefills eager) gives the same
   token ids, logprobs and top-5 bit for bit with the Triton kernels launched with PDL and
@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import triton_pdl
+from moe_kernels import triton_pdl
 from moe_runtime import LLM
 from tests.invariance import mixed_params, mixed_prompts, run_each_batch
 from tests.test_gpu_graphs import BATCHES, MAX_TOKENS, NUM_PROMPTS, TINY_GPU

@@ -1,4 +1,4 @@
-"""A layer's branches on a second CUDA stream (kernels/streams.py) on the GPU: no bit moves.
+"""A layer's branches on a second CUDA stream (moe_kernels/streams.py) on the GPU: no bit moves.
 
 - Generation with CUDA graphs (decode steps replayed, prefills eager) gives the same token ids,
   logprobs and top-5 bit for bit with kernels.side_stream_rows at its default and at 0 (off),
@@ -19,9 +19,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import KernelConfig, build_op_table
-from kernels.config import SIDE_STREAM_ROWS
-from kernels.triton_linear_config import k_split_count
+from moe_kernels import KernelConfig, build_op_table
+from moe_kernels.config import SIDE_STREAM_ROWS
+from moe_kernels.triton_linear_config import k_split_count
 from moe_runtime import LLM
 from tests.invariance import mixed_params, mixed_prompts, run_each_batch
 from tests.test_gpu_graphs import BATCHES, MAX_TOKENS, NUM_PROMPTS, TINY_GPU

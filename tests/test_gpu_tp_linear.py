@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.tp_linear import tree_sum
+from moe_kernels.tp_linear import tree_sum
 from moe_runtime import LLM
 from tests.invariance import mixed_params, mixed_prompts, random_sub_batches, run_in_batches
 
@@ -35,7 +35,7 @@ TP_MAX = 8
 # (out, in) the tree kernels are checked on: V2-Lite's o_proj (chunks on the 64-column grid),
 # dense mlp_down (the row-parallel weight) and shared experts' down_proj (chunks off the grid).
 V2_LITE_ROW_PARALLEL = [(2048, 2048), (2048, 10944), (2048, 2816)]
-# 300 takes the in-program tree on 64-column-step chunks (kernels/triton_tp_linear.py
+# 300 takes the in-program tree on 64-column-step chunks (moe_kernels/triton_tp_linear.py
 # TREE_MIN_ROWS), 513 and 4100 on the others too, 4100 two row launches on long ones; the
 # smaller prefixes the chunk path.
 ROWS = (1, 2, 16, 17, 64, 65, 300, 513, 4100)
@@ -44,7 +44,7 @@ NUM, MAX_TOKENS = 16, 16
 
 
 def _at_tp(x, w, tp_size):
-    from kernels.triton_tp_linear import row_parallel_linear_triton, tp_linear_triton
+    from moe_kernels.triton_tp_linear import row_parallel_linear_triton, tp_linear_triton
 
     xs, ws = x.chunk(tp_size, dim=1), w.chunk(tp_size, dim=1)
     subtrees = [
@@ -60,9 +60,9 @@ def test_gpu_tree_off_grid_chunks_full_or_half_steps_same_bits():
     """The shared experts' down (352-column chunks, off the 64-column grid): the in-program
     tree in masked 64-column steps (the default) == in 32-column steps == the chunk launch,
     bitwise, on every tile shape the tree may run."""
-    from kernels.triton_chunk_tree import TREE_CONFIG, grid_steps, linear_chunk_tree
-    from kernels.triton_linear_config import LinearConfig
-    from kernels.triton_tp_linear import launch_tp_chunks
+    from moe_kernels.triton_chunk_tree import TREE_CONFIG, grid_steps, linear_chunk_tree
+    from moe_kernels.triton_linear_config import LinearConfig
+    from moe_kernels.triton_tp_linear import launch_tp_chunks
 
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(1100, 2816, generator=gen).bfloat16().cuda()
@@ -97,21 +97,21 @@ def test_gpu_tree_paired_form_same_bits(num_rows):
     """o_proj's shape (2048 x 2048, 8 chunks of 256 columns: whole K steps): the paired form
     (PAIRED_TREE_CONFIG, the default there) == the one-loop tree on TREE_CONFIG == the chunk
     launch, bitwise, and on other tiles; engagement: the default takes the paired form."""
-    from kernels.triton_chunk_tree import (
+    from moe_kernels.triton_chunk_tree import (
         PAIRED_TREE_CONFIG,
         TREE_CONFIG,
         _chunk_tree_kernel,
         linear_chunk_tree,
     )
-    from kernels.triton_linear_config import LinearConfig
-    from kernels.triton_tp_linear import launch_tp_chunks
+    from moe_kernels.triton_linear_config import LinearConfig
+    from moe_kernels.triton_tp_linear import launch_tp_chunks
 
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(num_rows, 2048, generator=gen).bfloat16().cuda()
     w = (torch.randn(2048, 2048, generator=gen) / 2048**0.5).bfloat16().cuda()
     want = launch_tp_chunks(x, w, 8, torch.bfloat16)
     assert torch.equal(linear_chunk_tree(x, w, 8, torch.bfloat16, TREE_CONFIG), want)
-    import kernels.triton_chunk_tree as chunk_tree
+    import moe_kernels.triton_chunk_tree as chunk_tree
 
     launches = []
 
@@ -144,9 +144,9 @@ def test_gpu_tree_hand_off_same_bits_under_graph_replay(in_dim):
     a program on every tile shape, at 1100 rows and at 4100 (two row launches), eager and
     in 20 replays of one graph (a race that read a part before its store would show as a
     changed bit or a left NaN), and leaves every node's counts at zero."""
-    from kernels.triton_chunk_tree import linear_chunk_tree
-    from kernels.triton_linear_config import LinearConfig
-    from kernels.triton_split_k import arrival_counts, launch_split_k
+    from moe_kernels.triton_chunk_tree import linear_chunk_tree
+    from moe_kernels.triton_linear_config import LinearConfig
+    from moe_kernels.triton_split_k import arrival_counts, launch_split_k
 
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(4100, in_dim, generator=gen).bfloat16().cuda()
@@ -217,7 +217,7 @@ def test_gpu_column_parallel_slices_same_bits():
     """Every TP rank's column slice, with the whole weight's out dim, gives the whole linear's
     columns bitwise at 1-300 rows; control: slices on their own shape change the K split of
     some weights (the TP=2 divergence this fixed)."""
-    from kernels.triton_linear import linear_triton
+    from moe_kernels.triton_linear import linear_triton
 
     gen = torch.Generator(device="cuda").manual_seed(3)
     diverged = []
@@ -237,7 +237,7 @@ def test_gpu_column_parallel_slices_same_bits():
 
 
 def test_gpu_tree_sum_kernel_bitwise():
-    from kernels.triton_tp_linear import tree_sum_triton
+    from moe_kernels.triton_tp_linear import tree_sum_triton
 
     gen = torch.Generator().manual_seed(1)
     for num_parts in (1, 2, 4, 8):
@@ -254,10 +254,10 @@ def test_gpu_split_k_launches_replay_in_a_graph():
     tree (mlp_down's 1368-column chunks, folded at 16 rows) sharing one arrival buffer, and
     unfolded calls (64 rows, and 4100 rows: two row launches), replayed 20 times, gives the
     eager bits every time and leaves every count at zero."""
-    from kernels.triton_linear import linear_triton
-    from kernels.triton_linear_config import k_split_count
-    from kernels.triton_split_k import arrival_counts
-    from kernels.triton_tp_linear import row_parallel_linear_triton
+    from moe_kernels.triton_linear import linear_triton
+    from moe_kernels.triton_linear_config import k_split_count
+    from moe_kernels.triton_split_k import arrival_counts
+    from moe_kernels.triton_tp_linear import row_parallel_linear_triton
 
     gen = torch.Generator(device="cuda").manual_seed(7)
     kv_a = torch.randn(576, 2048, generator=gen, device="cuda").bfloat16() / 2048**0.5

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kernels.attention_launch import WIDE_LAUNCH
+from moe_kernels.attention_launch import WIDE_LAUNCH
 from moe_runtime.worker.cuda_graphs import table_widths
 
 

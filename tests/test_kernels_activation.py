@@ -3,7 +3,7 @@
 import torch
 import torch.nn.functional as F
 
-from kernels.activation import silu_fast, silu_ref
+from moe_kernels.activation import silu_fast, silu_ref
 
 
 def _row_alone_vs_in_batch(fn, x: torch.Tensor) -> int:

@@ -9,7 +9,7 @@ from functools import partial
 import pytest
 import torch
 
-from kernels.attention import mla_attention_fast, mla_attention_ref
+from moe_kernels.attention import mla_attention_fast, mla_attention_ref
 
 NUM_HEADS, KV_LORA_RANK, ROPE_DIM, BLOCK_SIZE = 4, 64, 8, 4
 CACHE_DIM = KV_LORA_RANK + ROPE_DIM
@@ -159,7 +159,7 @@ def test_head_launch_refuses_bad_tails_and_counts_groups():
     """HeadLaunch names the bad value: a split tail of a split or more, groups beside a split
     tail, a group tail that is not whole splits or not below a group; and counts a query's
     groups with the last taking up to the group tail more (one group without groups)."""
-    from kernels.attention_launch import HeadLaunch
+    from moe_kernels.attention_launch import HeadLaunch
 
     with pytest.raises(ValueError, match="tail_blocks 4 must be in"):
         HeadLaunch(16, 4, 4, 3, tail_blocks=4)

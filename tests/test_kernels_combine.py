@@ -12,7 +12,7 @@ tests/test_comm_allreduce.py.
 import pytest
 import torch
 
-from kernels.combine import (
+from moe_kernels.combine import (
     moe_combine_fast,
     moe_combine_ref,
     sum_over_ranks_fast,

@@ -11,7 +11,7 @@ but not exact: close to the reference, not always its bits.
 import pytest
 import torch
 
-from kernels.cumsum import MASS_BITS, cumsum_fast, cumsum_ref
+from moe_kernels.cumsum import MASS_BITS, cumsum_fast, cumsum_ref
 
 LENGTHS = (1, 2, 31, 1000, 102400)
 

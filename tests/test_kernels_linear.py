@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kernels.linear import grouped_linear_fast, grouped_linear_ref, linear_fast, linear_ref
+from moe_kernels.linear import grouped_linear_fast, grouped_linear_ref, linear_fast, linear_ref
 
 ATOL = RTOL = 1e-5  # fp32 vs fp64 for K = 256 with unit-variance inputs, weights ~ 1/sqrt(K)
 TILE_SIZES = (4, 16)

@@ -7,8 +7,8 @@ from functools import partial
 import pytest
 import torch
 
-import kernels
-from kernels import (
+import moe_kernels
+from moe_kernels import (
     KernelConfig,
     OpTable,
     build_op_table,
@@ -35,14 +35,14 @@ TILED_OPS = (
 # Row-wise by construction (a token's slots, the ranks of one element, one vocab row): the
 # torch references need no tile, and serve the CUDA table too (elementwise or host-ordered).
 UNTILED_OPS = ("moe_combine", "sum_over_ranks", "cumsum")
-# The TP row-parallel linear, bound to tile_rows and kernels.tp_max (kernels/tp_linear.py).
+# The TP row-parallel linear, bound to tile_rows and kernels.tp_max (moe_kernels/tp_linear.py).
 REDUCING_OPS = TILED_OPS + UNTILED_OPS + ("row_parallel_linear",)
 # Fast mode on CUDA: ops whose plain-torch version needs host sizes, replaced by a capturable one.
 # Fast mode on CUDA: the capturable grouped GEMM and decode attention, and the one-launch Triton
-# kernels where they are the fastest version (kernels/op_table._FASTEST_ON_CUDA).
+# kernels where they are the fastest version (moe_kernels/op_table._FASTEST_ON_CUDA).
 CUDA_FAST_OPS = {
     "grouped_linear": "grouped_linear_by_rows",  # the faster of torch's and the Triton one
-    # The Triton kernel at the few rows where it beat cuBLAS (kernels.linear.ByRows).
+    # The Triton kernel at the few rows where it beat cuBLAS (moe_kernels.linear.ByRows).
     "linear": "linear_triton or linear_triton or linear_fast",  # one row, then narrow weights
     "batched_linear": "batched_linear_triton or batched_linear_fast",
     "router_logits": "router_logits_triton or router_logits_fast",
@@ -56,7 +56,7 @@ CUDA_FAST_OPS = {
 
 
 def _name(op) -> str:
-    from kernels.linear import ByRows
+    from moe_kernels.linear import ByRows
 
     if isinstance(op, ByRows):
         return f"{_name(op.few)} or {_name(op.many)}"
@@ -67,7 +67,7 @@ def test_every_field_is_a_known_op():
     # A new op must join REDUCING_OPS (and so every check below) or be named here.
     fields = {f.name for f in dataclasses.fields(OpTable)}
     named = {"silu_mul", "moe_output", "moe_combine_output", "grouped_gated_linear", "mode"}
-    named |= {"branch", "side_stream"}  # a layer's independent branch (kernels/streams.py)
+    named |= {"branch", "side_stream"}  # a layer's independent branch (moe_kernels/streams.py)
     assert fields == set(REDUCING_OPS) | named
 
 
@@ -190,16 +190,16 @@ def test_build_has_no_side_effects_and_pin_threads_sets_count(restore_num_thread
 
 
 def test_package_exports():
-    assert set(kernels.__all__) == {"KernelConfig", "OpTable", "build_op_table", "pin_threads"}
+    assert set(moe_kernels.__all__) == {"KernelConfig", "OpTable", "build_op_table", "pin_threads"}
 
 
 def test_fast_cuda_grouped_gemm_takes_the_triton_kernel_only_where_it_is_faster():
     """Fast mode's grouped GEMM on CUDA: the Triton kernel at few rows an expert on wide
     weights (measured faster there), torch's grouped GEMM otherwise."""
-    from kernels.linear import FAST_TRITON_GROUPED_MAX_MEAN_ROWS as MAX_MEAN
-    from kernels.linear import FAST_TRITON_GROUPED_MIN_IN as MIN_IN
-    from kernels.linear import grouped_linear_cuda_fast
-    from kernels.triton_linear import grouped_linear_triton
+    from moe_kernels.linear import FAST_TRITON_GROUPED_MAX_MEAN_ROWS as MAX_MEAN
+    from moe_kernels.linear import FAST_TRITON_GROUPED_MIN_IN as MIN_IN
+    from moe_kernels.linear import grouped_linear_cuda_fast
+    from moe_kernels.triton_linear import grouped_linear_triton
 
     op = build_op_table(KernelConfig(mode="fast"), "cuda").grouped_linear
     assert op.keywords == {"few_rows": grouped_linear_triton, "many_rows": grouped_linear_cuda_fast}
@@ -230,7 +230,7 @@ def test_fast_cuda_linears_take_the_triton_kernel_only_where_it_is_faster():
     """Fast mode's plain linear, W_UK / W_UV products and router logits on CUDA: the Triton
     kernel (with the table's split-K arrival counts) at the rows, and for the plain linear the
     weight widths, where it beat cuBLAS; cuBLAS past them."""
-    from kernels import linear
+    from moe_kernels import linear
 
     table = build_op_table(KernelConfig(mode="fast"), "cuda")
     calls = []

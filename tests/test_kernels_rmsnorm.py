@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kernels.rmsnorm import rms_norm_fast, rms_norm_ref
+from moe_kernels.rmsnorm import rms_norm_fast, rms_norm_ref
 
 EPS = 1e-6
 TILE_SIZES = (4, 16)

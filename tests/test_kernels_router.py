@@ -5,7 +5,7 @@ from functools import partial
 import pytest
 import torch
 
-from kernels.router import router_topk_fast, router_topk_ref
+from moe_kernels.router import router_topk_fast, router_topk_ref
 
 V2_GREEDY = dict(
     top_k=3,

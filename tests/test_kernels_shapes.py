@@ -15,10 +15,10 @@ import sys
 import pytest
 import torch
 
-from kernels.attention import mla_attention_ref
-from kernels.linear import grouped_linear_ref, linear_ref
-from kernels.rmsnorm import rms_norm_ref
-from kernels.softmax import log_softmax_ref, softmax_ref
+from moe_kernels.attention import mla_attention_ref
+from moe_kernels.linear import grouped_linear_ref, linear_ref
+from moe_kernels.rmsnorm import rms_norm_ref
+from moe_kernels.softmax import log_softmax_ref, softmax_ref
 
 TILE = 16
 WIDTHS = [*range(1, 17), *range(17, 64, 2), 64]

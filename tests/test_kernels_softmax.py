@@ -9,7 +9,7 @@ assertion, which must catch it.
 import pytest
 import torch
 
-from kernels.softmax import log_softmax_fast, log_softmax_ref, softmax_fast, softmax_ref
+from moe_kernels.softmax import log_softmax_fast, log_softmax_ref, softmax_fast, softmax_ref
 
 TILE_SIZES = (4, 16)
 OPS = [

@@ -1,6 +1,6 @@
 import torch
 
-from kernels.tiling import map_row_tiles, pad_rows
+from moe_kernels.tiling import map_row_tiles, pad_rows
 
 
 def test_pad_rows_to_tile_multiple():

@@ -1,6 +1,6 @@
 """Repository layout: top-level packages resolve here, and the layering holds.
 
-Layering `kernels -> comm -> eplb -> moe_runtime -> launch`: a package may import only those to
+Layering `moe_kernels -> comm -> eplb -> moe_runtime -> launch`: a package may import only those to
 its left. Only `launch/` and the driver's Ray executor import ray; only `launch/` reads environment
 variables. Inside moe_runtime, the engine reaches the worker only through the wire format and the
 executors, the worker never imports the engine, and no modules import each other in a cycle.
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-LAYERS = ["kernels", "comm", "eplb", "moe_runtime", "launch"]
+LAYERS = ["moe_kernels", "comm", "eplb", "moe_runtime", "launch"]
 RAY_DRIVER = ROOT / "moe_runtime" / "executor" / "ray_executor.py"
 
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kernels import KernelConfig, build_op_table
+from moe_kernels import KernelConfig, build_op_table
 from moe_runtime.model.layers import GatedMLP
 from moe_runtime.model.loader import (
     assign_weights,

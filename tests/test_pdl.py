@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (kernels/triton_pdl.py), on the CPU.
+"""Programmatic dependent launch (moe_kernels/triton_pdl.py), on the CPU.
 
 - Every Triton kernel the ops launch with `pdl_launch` takes the PDL constexpr (off by
   default) and waits first (`pdl_start(PDL)` is its first statement): a kernel that read or
@@ -19,14 +19,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import triton_pdl
+from moe_kernels import triton_pdl
 
-KERNELS = Path(__file__).resolve().parent.parent / "kernels"
+KERNELS = Path(__file__).resolve().parent.parent / "moe_kernels"
 
 
 def _pdl_kernels() -> tuple[dict, set]:
     """({kernel name: its FunctionDef} of kernels launched with **pdl_launch(...), {names of
-    functions whose body calls pdl_start}) over kernels/*.py."""
+    functions whose body calls pdl_start}) over moe_kernels/*.py."""
     launched, waiting = {}, set()
     defs = {}
     for path in sorted(KERNELS.glob("*.py")):
@@ -91,7 +91,7 @@ def test_a_pdl_kernel_waits_before_its_first_load_sm90(is_pdl):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kernels.triton_rmsnorm import _rms_norm_kernel
+    from moe_kernels.triton_rmsnorm import _rms_norm_kernel
 
     signature = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "D": "i32", "eps": "fp32"}
     consts = {"BLOCK_D": 1024, "PDL": is_pdl}

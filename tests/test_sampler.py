@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from kernels.cumsum import cumsum_ref
+from moe_kernels.cumsum import cumsum_ref
 from moe_runtime.sampling_params import SamplingParams
 from moe_runtime.seeds import derive_seed, resolve_seed
 from moe_runtime.worker.sampler import Sampler

@@ -4,7 +4,7 @@
   and shuffled generations and score() logprobs equal the world-size-1 run's bit for bit (token
   ids, chosen and top-k logprobs): batch, layout and TP-degree invariance together. The dense
   MLP's row-parallel down_proj cuts K into kernels.tp_max fixed chunks summed in one binary
-  tree, finished from the ranks' fp32 subtree sums (kernels/tp_linear.py); o_proj and the MoE
+  tree, finished from the ranks' fp32 subtree sums (moe_kernels/tp_linear.py); o_proj and the MoE
   layers run whole on each rank's token share.
 - Engagement, read from the workers, not from the outputs: every rank reports its TP size and
   rank; the row-parallel reductions (each an all-gather of fp32 subtree sums) ran once per
@@ -19,7 +19,7 @@
   in tests/test_tp_linear.py; o_proj's exchange alone in tests/test_tp_attention.py.
 
 The model is the shipped tiny config: 4 attention heads, so a rank at TP 4 holds one (the CPU
-reference attention computes each head alone, kernels/attention.py, so its bits ignore the heads
+reference attention computes each head alone, moe_kernels/attention.py, so its bits ignore the heads
 per rank; tests/test_kernels_attention.py checks that at the V2-Lite latent width).
 """
 
@@ -177,7 +177,7 @@ def test_shared_experts_whole_on_every_tp_rank():
     intermediate dim and row-parallel down."""
     import torch
 
-    from kernels import KernelConfig, build_op_table
+    from moe_kernels import KernelConfig, build_op_table
     from moe_runtime.config import load_config
     from moe_runtime.model.layers import GatedMLP, Linear, RowParallelLinear
     from moe_runtime.model.moe import MoE

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from comm import ParallelConfig, destroy_process_groups, init_process_groups
-from kernels import KernelConfig, build_op_table
+from moe_kernels import KernelConfig, build_op_table
 from moe_runtime.config import load_config
 from moe_runtime.forward_batch import ForwardBatch
 from moe_runtime.model.loader import build_model

@@ -1,4 +1,4 @@
-"""Row-parallel linear with the fixed tp_max K split (kernels/tp_linear.py, its Triton kernels).
+"""Row-parallel linear with the fixed tp_max K split (moe_kernels/tp_linear.py, its Triton kernels).
 
 - The tree: adjacent pairs level by level (a known answer where left-to-right differs); at every
   tp in {1, 2, 4, 8} the ranks' subtrees finished in rank order equal the tp=1 tree bitwise.
@@ -29,10 +29,10 @@ from comm import (
     init_process_groups,
     pinned_nccl_env,
 )
-from kernels import KernelConfig, build_op_table
-from kernels.combine import sum_over_ranks_ref
-from kernels.linear import linear_ref
-from kernels.tp_linear import (
+from moe_kernels import KernelConfig, build_op_table
+from moe_kernels.combine import sum_over_ranks_ref
+from moe_kernels.linear import linear_ref
+from moe_kernels.tp_linear import (
     local_num_chunks,
     row_parallel_linear_fast,
     row_parallel_linear_ref,
@@ -76,7 +76,7 @@ def _at_tp(x, w, tp_size):
 
 def _previous_tp_sum(x, w, tp_size):
     """The sum before the fixed K split: a linear over each rank's K, summed in rank order
-    and rounded to the activation dtype (kernels/combine.py's sum_over_ranks_ref)."""
+    and rounded to the activation dtype (moe_kernels/combine.py's sum_over_ranks_ref)."""
     xs, ws = x.chunk(tp_size, dim=1), w.chunk(tp_size, dim=1)
     parts = [linear_ref(xs[r], ws[r], tile_rows=TILE) for r in range(tp_size)]
     return sum_over_ranks_ref(parts[0], lambda t: parts, None)
@@ -260,7 +260,7 @@ def test_row_parallel_over_collectives_gives_tp1_bits(tmp_path, backend, world_s
 
 def _triton_at_tp(x, w, tp_size, *, with_origins=True):
     """with_origins False: every rank claims its K slice starts at column 0 (the control)."""
-    from kernels.triton_tp_linear import row_parallel_linear_triton, tp_linear_triton
+    from moe_kernels.triton_tp_linear import row_parallel_linear_triton, tp_linear_triton
 
     xs, ws = x.chunk(tp_size, dim=1), w.chunk(tp_size, dim=1)
     origins = [r * xs[0].shape[1] if with_origins else 0 for r in range(tp_size)]
@@ -276,8 +276,8 @@ def _triton_at_tp(x, w, tp_size, *, with_origins=True):
 def check_tp_max_one_is_the_plain_linear(generator: torch.Generator) -> None:
     """kernels.tp_max 1 (no TP invariance) runs the plain invariant linear and gives its bits
     (engagement: the call reached linear_triton)."""
-    import kernels.triton_tp_linear as tp_module
-    from kernels.triton_linear import linear_triton
+    import moe_kernels.triton_tp_linear as tp_module
+    from moe_kernels.triton_linear import linear_triton
 
     calls = []
 
@@ -299,7 +299,7 @@ def check_tp_max_one_is_the_plain_linear(generator: torch.Generator) -> None:
 
 
 def check_tree_sum_kernel(generator: torch.Generator) -> None:
-    from kernels.triton_tp_linear import tree_sum_triton
+    from moe_kernels.triton_tp_linear import tree_sum_triton
 
     for num_parts in (1, 2, 4, 8, 16):
         scale = torch.pow(10.0, torch.randint(-6, 7, (num_parts, 33, 40), generator=generator))
@@ -363,8 +363,8 @@ def check_in_program_tree_same_bits(generator: torch.Generator) -> None:
     """The prefill path (the whole tree in one program, no partials in memory) makes the chunk
     path's adds: bitwise equal on the same tile shape (the interpreter's dot may round by tile
     shape; compiled, every tile shape is checked in tests/test_gpu_tp_linear.py)."""
-    from kernels.triton_chunk_tree import linear_chunk_tree
-    from kernels.triton_tp_linear import chunk_launch, tp_linear_triton
+    from moe_kernels.triton_chunk_tree import linear_chunk_tree
+    from moe_kernels.triton_tp_linear import chunk_launch, tp_linear_triton
 
     for dtype in DTYPES:
         for num_chunks in (1, 2, 4, 8):
@@ -374,7 +374,7 @@ def check_in_program_tree_same_bits(generator: torch.Generator) -> None:
             assert torch.equal(tree, tp_linear_triton(x, w, num_chunks)), (dtype, num_chunks)
     # Chunks off the 64-column grid (96 columns, as the shared experts' down's 352): masked
     # full steps, the chunk launch's own steps (engagement: grid_steps finds two a chunk).
-    from kernels.triton_chunk_tree import grid_steps
+    from moe_kernels.triton_chunk_tree import grid_steps
 
     x, w = _inputs(generator, torch.bfloat16, num_rows=37, in_dim=768)
     assert grid_steps(96, 8, 64) == 2
@@ -409,9 +409,9 @@ def check_in_program_chain_same_bits(generator: torch.Generator) -> None:
     """The linear's prefill path for a fixed K split (chunk sums added in chunk order in one
     program, no partials in memory) makes the chunk launch's adds, also for a 16-bit x against
     an fp32 weight (the router); the tree over the same chunks is the control that differs."""
-    from kernels.triton_chunk_tree import linear_chunk_tree
-    from kernels.triton_linear_config import linear_config
-    from kernels.triton_split_k import launch_split_k
+    from moe_kernels.triton_chunk_tree import linear_chunk_tree
+    from moe_kernels.triton_linear_config import linear_config
+    from moe_kernels.triton_split_k import launch_split_k
 
     for x_dtype, w_dtype in ((torch.float32, torch.float32), (torch.bfloat16, torch.float32)):
         x, w = _inputs(generator, w_dtype, num_rows=37)
@@ -430,7 +430,7 @@ def check_in_program_chain_same_bits(generator: torch.Generator) -> None:
 @contextlib.contextmanager
 def _kernel_launches():
     """Records each _split_k_kernel launch's HANDOFF flag while the block runs."""
-    import kernels.triton_split_k as split_k
+    import moe_kernels.triton_split_k as split_k
 
     kernel, launches = split_k._split_k_kernel, []
 
@@ -453,8 +453,8 @@ def check_chunks_per_program_same_bits(generator: torch.Generator) -> None:
     """A program summing 2 or 4 adjacent chunks as their subtree (fewer parts in memory) makes
     the one-chunk-a-program launch's adds, folded (few rows), with a second launch, or handed
     up the tree as the programs finish."""
-    from kernels.triton_linear_config import linear_config
-    from kernels.triton_split_k import arrival_counts, launch_split_k
+    from moe_kernels.triton_linear_config import linear_config
+    from moe_kernels.triton_split_k import arrival_counts, launch_split_k
 
     for num_rows in (5, 37):
         x, w = _inputs(generator, torch.float32, num_rows=num_rows, in_dim=576)
@@ -499,8 +499,8 @@ def check_column_slices_same_bits(generator: torch.Generator) -> None:
     """A column-parallel rank's slice (q_proj, gate/up, the LM head) with the whole weight's
     out dim gives the whole linear's columns bitwise; control: a slice narrow enough to take
     the fixed K split on its own shape (3072 -> 1536 columns over K 2048) differs."""
-    from kernels.triton_linear import linear_triton
-    from kernels.triton_linear_config import k_split_count
+    from moe_kernels.triton_linear import linear_triton
+    from moe_kernels.triton_linear_config import k_split_count
 
     x = torch.randn(5, 2048, generator=generator).to(torch.bfloat16)
     w = (torch.randn(3072, 2048, generator=generator) / 2048**0.5).to(torch.bfloat16)

@@ -64,10 +64,10 @@ def assert_latent_cache_fused_equals_unfused(
 ) -> None:
     """write_latent_cache_triton == the composition with rms_norm_triton and rope_triton,
     bitwise, and no other cache row written (also run on CUDA by tests/test_gpu_kernels.py)."""
-    from kernels.latent_cache import write_latent_cache_composed
-    from kernels.triton_latent_cache import write_latent_cache_triton
-    from kernels.triton_rmsnorm import rms_norm_triton
-    from kernels.triton_rope import rope_triton
+    from moe_kernels.latent_cache import write_latent_cache_composed
+    from moe_kernels.triton_latent_cache import write_latent_cache_triton
+    from moe_kernels.triton_rmsnorm import rms_norm_triton
+    from moe_kernels.triton_rope import rope_triton
 
     for lora, rope_dim, block_size in LATENT_SHAPES:
         for dtype in (torch.float32, torch.bfloat16):
@@ -95,8 +95,8 @@ def check_latent_cache_fused_equals_unfused(generator: torch.Generator) -> None:
 
 def check_latent_cache_close_to_reference(generator: torch.Generator) -> None:
     """fp32: the CPU reference's rope bits exactly, its norm within a few ulps."""
-    from kernels.latent_cache import write_latent_cache_ref
-    from kernels.triton_latent_cache import write_latent_cache_triton
+    from moe_kernels.latent_cache import write_latent_cache_ref
+    from moe_kernels.triton_latent_cache import write_latent_cache_triton
 
     kv_a, weight, eps, positions, cos, sin, cache, slots = latent_inputs(
         generator, 7, 512, 64, 64, torch.float32
@@ -110,7 +110,7 @@ def check_latent_cache_close_to_reference(generator: torch.Generator) -> None:
 
 
 def check_latent_cache_bad_inputs(generator: torch.Generator) -> None:
-    from kernels.triton_latent_cache import write_latent_cache_triton
+    from moe_kernels.triton_latent_cache import write_latent_cache_triton
 
     kv_a, weight, eps, positions, cos, sin, cache, slots = latent_inputs(
         generator, 3, 32, 8, 16, torch.float32
@@ -203,8 +203,8 @@ def assert_query_rope_rides_along(
 def check_latent_cache_rotates_the_query(generator: torch.Generator) -> None:
     """The query's rope in the write's launch: rope_triton's bits. Why bf16 passes here too:
     both sides cast through the same interpreted helper, so they truncate alike."""
-    from kernels.triton_latent_cache import write_latent_cache_triton
-    from kernels.triton_rope import rope_triton
+    from moe_kernels.triton_latent_cache import write_latent_cache_triton
+    from moe_kernels.triton_rope import rope_triton
 
     assert_query_rope_rides_along(
         generator,
@@ -235,7 +235,7 @@ def query_rope_refusals(call, q_pe, q_rot) -> list:
 
 
 def check_latent_cache_refuses_bad_query(generator: torch.Generator) -> None:
-    from kernels.triton_latent_cache import write_latent_cache_triton
+    from moe_kernels.triton_latent_cache import write_latent_cache_triton
 
     kv_a, weight, eps, positions, cos, sin, cache, slots = latent_inputs(
         generator, 3, 32, 8, 16, torch.float32
@@ -256,8 +256,8 @@ def assert_add_rms_norm_fused_equals_unfused(
 ) -> None:
     """add_rms_norm_triton == torch's add then rms_norm_triton, both outputs bitwise (also run
     on CUDA by tests/test_gpu_kernels.py)."""
-    from kernels.rmsnorm import add_rms_norm_composed
-    from kernels.triton_rmsnorm import add_rms_norm_triton, rms_norm_triton
+    from moe_kernels.rmsnorm import add_rms_norm_composed
+    from moe_kernels.triton_rmsnorm import add_rms_norm_triton, rms_norm_triton
 
     for dim in HIDDEN_SIZES:
         for dtype in dtypes:
@@ -284,7 +284,7 @@ def check_add_rms_norm_fused_equals_unfused(generator: torch.Generator) -> None:
 def check_add_rms_norm_bf16_norms_its_own_sums(generator: torch.Generator) -> None:
     """bf16 under the interpreter: the norm is rms_norm_triton's bits on the kernel's sums, and
     the sums are torch's within the truncation (one bf16 ulp)."""
-    from kernels.triton_rmsnorm import add_rms_norm_triton, rms_norm_triton
+    from moe_kernels.triton_rmsnorm import add_rms_norm_triton, rms_norm_triton
 
     for dim in HIDDEN_SIZES:
         x = (torch.randn(7, dim, generator=generator) * 3).bfloat16()
@@ -296,7 +296,7 @@ def check_add_rms_norm_bf16_norms_its_own_sums(generator: torch.Generator) -> No
 
 
 def check_add_rms_norm_bad_inputs(generator: torch.Generator) -> None:
-    from kernels.triton_rmsnorm import add_rms_norm_triton
+    from moe_kernels.triton_rmsnorm import add_rms_norm_triton
 
     x, weight = torch.randn(3, 64, generator=generator), torch.ones(64)
     cases = [
@@ -317,8 +317,8 @@ QUERY_SHAPES = ((16, 128, 512, 64), (4, 16, 32, 8))
 def assert_query_in_place_equals_cat(generator, device="cpu", row_counts=ROW_COUNTS) -> None:
     """The MLA query written in place (W_UK's product and the rotated q_pe into slices of one
     buffer) == the old cat of the two ops' own outputs, bitwise (also run on CUDA)."""
-    from kernels.triton_linear import batched_linear_triton
-    from kernels.triton_rope import rope_triton
+    from moe_kernels.triton_linear import batched_linear_triton
+    from moe_kernels.triton_rope import rope_triton
 
     for num_heads, nope, lora, rope_dim in QUERY_SHAPES:
         for dtype in (torch.float32, torch.bfloat16):
@@ -349,8 +349,8 @@ def check_query_in_place_equals_cat(generator: torch.Generator) -> None:
 
 
 def check_out_views_bad_inputs(generator: torch.Generator) -> None:
-    from kernels.triton_linear import batched_linear_triton
-    from kernels.triton_rope import rope_triton
+    from moe_kernels.triton_linear import batched_linear_triton
+    from moe_kernels.triton_rope import rope_triton
 
     x, w = torch.randn(2, 3, 8, generator=generator), torch.randn(2, 6, 8, generator=generator)
     cos = sin = torch.randn(10, 4, generator=generator)
@@ -392,14 +392,14 @@ def test_fused_kernel_interpreted(interpreted_results, name):
 
 def test_compiled_fused_wrappers_refuse_cpu(generator):
     # Here the kernels are compiled (no interpreter), so CPU tensors are refused.
-    from kernels.triton_latent_cache import write_latent_cache_triton
+    from moe_kernels.triton_latent_cache import write_latent_cache_triton
 
     kv_a, weight, eps, positions, cos, sin, cache, slots = latent_inputs(
         generator, 3, 32, 8, 16, torch.float32
     )
     with pytest.raises(ValueError, match="cpu"):
         write_latent_cache_triton(kv_a, weight, eps, positions, cos, sin, True, cache, slots)
-    from kernels.triton_rmsnorm import add_rms_norm_triton
+    from moe_kernels.triton_rmsnorm import add_rms_norm_triton
 
     with pytest.raises(ValueError, match="cpu"):
         add_rms_norm_triton(kv_a, kv_a, torch.ones(kv_a.shape[1]), EPS)
@@ -407,8 +407,8 @@ def test_compiled_fused_wrappers_refuse_cpu(generator):
 
 def test_write_latent_cache_ref_rotates_the_query(generator):
     """The composed op's query rope (the CPU table's): rope_ref's bits into q_rot, same cache."""
-    from kernels.latent_cache import write_latent_cache_ref
-    from kernels.rope import rope_ref
+    from moe_kernels.latent_cache import write_latent_cache_ref
+    from moe_kernels.rope import rope_ref
 
     write = partial(write_latent_cache_ref, tile_rows=4)
     assert_query_rope_rides_along(
@@ -417,7 +417,7 @@ def test_write_latent_cache_ref_rotates_the_query(generator):
 
 
 def test_write_latent_cache_ref_refuses_bad_query(generator):
-    from kernels.latent_cache import write_latent_cache_ref
+    from moe_kernels.latent_cache import write_latent_cache_ref
 
     kv_a, weight, eps, positions, cos, sin, cache, slots = latent_inputs(
         generator, 3, 32, 8, 16, torch.float32

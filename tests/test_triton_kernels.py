@@ -38,7 +38,7 @@ def _tol(dtype: torch.dtype) -> dict:
 
 
 def check_linear(generator: torch.Generator) -> None:
-    from kernels.triton_linear import linear_triton
+    from moe_kernels.triton_linear import linear_triton
 
     for dtype in DTYPES:
         x = torch.randn(130, 160, generator=generator).to(dtype)
@@ -61,10 +61,10 @@ def check_linear(generator: torch.Generator) -> None:
 def check_linear_k_split(generator: torch.Generator) -> None:
     """The fixed K split (a weight-shape property): a row's bits ignore the row count and the
     launch's row chunks; close to fp64."""
-    import kernels.triton_split_k as triton_split_k
-    from kernels.triton_linear import _launch
-    from kernels.triton_linear_config import LinearConfig, k_split_chunk, k_split_count
-    from kernels.triton_split_k import arrival_counts, launch_split_k
+    import moe_kernels.triton_split_k as triton_split_k
+    from moe_kernels.triton_linear import _launch
+    from moe_kernels.triton_linear_config import LinearConfig, k_split_chunk, k_split_count
+    from moe_kernels.triton_split_k import arrival_counts, launch_split_k
 
     x = torch.randn(130, 2048, generator=generator).to(torch.bfloat16)
     w = (torch.randn(96, 2048, generator=generator) / 2048**0.5).to(torch.bfloat16)
@@ -104,8 +104,8 @@ def check_linear_k_split(generator: torch.Generator) -> None:
 
 
 def check_grouped_linear(generator: torch.Generator) -> None:
-    from kernels.linear import grouped_linear_ref
-    from kernels.triton_linear import grouped_linear_triton
+    from moe_kernels.linear import grouped_linear_ref
+    from moe_kernels.triton_linear import grouped_linear_triton
 
     sizes = [9, 0, 70, 1]
     for dtype in DTYPES:
@@ -128,8 +128,8 @@ def check_grouped_linear_device_counts(generator: torch.Generator) -> None:
     """Counts as a tensor (the capturable path, tiles found in the kernel): the host-list bits,
     rows past the counts' sum never written, and the reference's values for many groups
     (empty ones included) over several tile sizes and tile bounds."""
-    from kernels.linear import grouped_linear_ref
-    from kernels.triton_linear import grouped_linear_triton, grouped_tile_bound
+    from moe_kernels.linear import grouped_linear_ref
+    from moe_kernels.triton_linear import grouped_linear_triton, grouped_tile_bound
 
     sizes = [9, 0, 70, 1]
     for dtype in DTYPES:
@@ -155,8 +155,8 @@ def check_grouped_linear_device_counts(generator: torch.Generator) -> None:
 def check_grouped_linear_gather(generator: torch.Generator) -> None:
     """Rows read through an index (the MoE layer's token_of_row): the bits of the gathered
     copy's GEMM, host and device counts, repeated and unsorted tokens, the reference too."""
-    from kernels.linear import grouped_linear_ref
-    from kernels.triton_linear import grouped_linear_triton
+    from moe_kernels.linear import grouped_linear_ref
+    from moe_kernels.triton_linear import grouped_linear_triton
 
     sizes = [9, 0, 70, 1]
     for dtype in DTYPES:
@@ -179,9 +179,9 @@ def check_grouped_linear_tma(generator: torch.Generator) -> None:
     group's rows keep their bits whatever the other groups hold (the bits against the
     pointer kernel are the GPU's to check: tests/test_gpu_kernels.py), rows read through an
     index, counts short of x's rows."""
-    from kernels.linear import grouped_linear_ref
-    from kernels.triton_linear import _grouped
-    from kernels.triton_linear_config import LinearConfig
+    from moe_kernels.linear import grouped_linear_ref
+    from moe_kernels.triton_linear import _grouped
+    from moe_kernels.triton_linear_config import LinearConfig
 
     config = LinearConfig(16, 32, 64, 8, 4, 3, is_persistent=True)
     for dtype in DTYPES:
@@ -208,8 +208,8 @@ def check_grouped_gated_linear(generator: torch.Generator) -> None:
     """gate_up and silu * up in one launch: the bits of the grouped GEMM's gate and up columns
     through the silu kernel (here; on the GPU in tests/test_gpu_kernels.py), host and device
     counts, rows through an index; a swapped gate / up half gives other values."""
-    from kernels.triton_activation import silu_mul_triton
-    from kernels.triton_linear import (
+    from moe_kernels.triton_activation import silu_mul_triton
+    from moe_kernels.triton_linear import (
         GATED_MAX_MEAN_ROWS,
         grouped_gated_linear_triton,
         grouped_linear_triton,
@@ -239,7 +239,7 @@ def check_grouped_gated_linear(generator: torch.Generator) -> None:
 def check_batched_linear(generator: torch.Generator) -> None:
     """The MLA's absorbed products: one launch over heads, each head linear_triton's bits,
     from strided [H, T, K] views of [T, H, K] activations."""
-    from kernels.triton_linear import batched_linear_triton, linear_triton
+    from moe_kernels.triton_linear import batched_linear_triton, linear_triton
 
     for dtype in DTYPES:
         for rows in (1, 5, 70):
@@ -255,8 +255,8 @@ def check_batched_linear(generator: torch.Generator) -> None:
 def check_moe_combine(generator: torch.Generator) -> None:
     """One kernel, slot order: here (no FMA in the interpreter) the torch reference's bits;
     a token's row ignores the other tokens, the arrival order and absent slots."""
-    from kernels.combine import moe_combine_ref
-    from kernels.triton_combine import moe_combine_triton
+    from moe_kernels.combine import moe_combine_ref
+    from moe_kernels.triton_combine import moe_combine_triton
 
     num_tokens, top_k, dim = 7, 3, 600  # two column blocks, the second masked
     rows = torch.randn(num_tokens * top_k, dim, generator=generator).to(torch.bfloat16)
@@ -282,8 +282,8 @@ def check_moe_combine_output(generator: torch.Generator) -> None:
     """The combine and the MoE output in one launch == the two kernels it replaces (here and,
     where FMAs and bf16 casts are the GPU's, in tests/test_gpu_kernels.py), with and without
     shared experts and the layout's inverse, absent slots too."""
-    from kernels.triton_combine import moe_combine_output_triton, moe_combine_triton
-    from kernels.triton_moe_output import moe_output_triton
+    from moe_kernels.triton_combine import moe_combine_output_triton, moe_combine_triton
+    from moe_kernels.triton_moe_output import moe_output_triton
 
     num_tokens, top_k, dim = 7, 3, 600
     for dtype in DTYPES:
@@ -310,8 +310,8 @@ def check_moe_output(generator: torch.Generator) -> None:
     """The MoE epilogue in one launch == the cast and two adds it replaces (fp32 bitwise here;
     bf16 roundings bitwise on the GPU: the interpreter's bf16 casts are not the GPU's), with
     and without shared experts, routed in fp32 or already rounded (TP's gathered rows)."""
-    from kernels.combine import moe_output_ref
-    from kernels.triton_moe_output import moe_output_triton
+    from moe_kernels.combine import moe_output_ref
+    from moe_kernels.triton_moe_output import moe_output_triton
 
     for dtype in DTYPES:
         routed = torch.randn(5, 1500, generator=generator)  # two blocks of 1024, one masked
@@ -331,8 +331,8 @@ def check_moe_output(generator: torch.Generator) -> None:
 
 
 def check_silu_mul(generator: torch.Generator) -> None:
-    from kernels.activation import silu_mul_ref
-    from kernels.triton_activation import silu_mul_triton
+    from moe_kernels.activation import silu_mul_ref
+    from moe_kernels.triton_activation import silu_mul_triton
 
     for dtype in DTYPES:
         x = (torch.randn(33, 2 * 1100, generator=generator) * 3).to(dtype)
@@ -358,8 +358,8 @@ def check_rope(generator: torch.Generator) -> None:
     """One launch per call, the reference's bits in fp32 (each product and sum rounded as
     torch's eager ops round it; bf16 bitwise in tests/test_gpu_kernels.py), on the strided
     q_pe view the model passes."""
-    from kernels.rope import rope_ref
-    from kernels.triton_rope import rope_triton
+    from moe_kernels.rope import rope_ref
+    from moe_kernels.triton_rope import rope_triton
 
     cos, sin = torch.randn(50, 32, generator=generator), torch.randn(50, 32, generator=generator)
     positions = torch.tensor([0, 7, 49, 3, 3])
@@ -378,7 +378,7 @@ def check_rope(generator: torch.Generator) -> None:
 def check_expert_layout(generator: torch.Generator) -> None:
     """The dispatch layout in one launch: the stable sort's order, the counts, order // K and
     order's inverse, exactly (the torch composition the dispatchers ran before)."""
-    from kernels.triton_layout import expert_layout_triton
+    from moe_kernels.triton_layout import expert_layout_triton
 
     cases = ((0, 6, 8), (1, 6, 64), (6, 1, 64), (13, 10, 8), (64, 6, 64), (70, 10, 256))
     for num_tokens, top_k, num_experts in cases:
@@ -395,8 +395,8 @@ def check_expert_layout(generator: torch.Generator) -> None:
 
 
 def check_rms_norm(generator: torch.Generator) -> None:
-    from kernels.rmsnorm import rms_norm_ref
-    from kernels.triton_rmsnorm import rms_norm_triton
+    from moe_kernels.rmsnorm import rms_norm_ref
+    from moe_kernels.triton_rmsnorm import rms_norm_triton
 
     for dtype in DTYPES:
         for dim in (96, 5000):  # one block, and two blocks of 4096 with a masked tail
@@ -418,7 +418,7 @@ def check_rms_norm(generator: torch.Generator) -> None:
 
 
 def check_softmax(generator: torch.Generator) -> None:
-    from kernels.triton_softmax import PART_V, SPLIT_MIN_V, log_softmax_triton, softmax_triton
+    from moe_kernels.triton_softmax import PART_V, SPLIT_MIN_V, log_softmax_triton, softmax_triton
 
     for op, fp64_op in ((softmax_triton, torch.softmax), (log_softmax_triton, torch.log_softmax)):
         for dtype in DTYPES:
@@ -468,9 +468,9 @@ def _paged_cache(generator, seq_lens, num_heads, v_dim, rope_dim, block_size):
 
 
 def check_mla_attention(generator: torch.Generator) -> None:
-    from kernels.attention import mla_attention_ref
-    from kernels.attention_launch import SPLIT_BLOCKS
-    from kernels.triton_attention import mla_attention_triton
+    from moe_kernels.attention import mla_attention_ref
+    from moe_kernels.attention_launch import SPLIT_BLOCKS
+    from moe_kernels.triton_attention import mla_attention_triton
 
     # 70 positions at block size 16 = 5 blocks: two KV splits of SPLIT_BLOCKS (4) blocks.
     assert SPLIT_BLOCKS == 4
@@ -513,9 +513,9 @@ def check_mla_attention_whole_query(generator: torch.Generator) -> None:
     two). Controls: one split spanning the whole table (an online softmax that
     never restarts), and the splits without the tail, make other bits, so the comparisons
     see the split boundaries."""
-    from kernels.attention import mla_attention_ref
-    from kernels.attention_launch import SPLIT_BLOCKS
-    from kernels.triton_attention import _attend
+    from moe_kernels.attention import mla_attention_ref
+    from moe_kernels.attention_launch import SPLIT_BLOCKS
+    from moe_kernels.triton_attention import _attend
 
     q, kv_cache, seq_ids, tables, positions = _paged_cache(generator, (140, 30), 4, 40, 8, 16)
     rows = torch.tensor([0, 15, 16, 63, 64, 65, 127, 128, 139, 150, 169])  # 0-139; 10, 29
@@ -556,8 +556,8 @@ def check_mla_attention_groups(generator: torch.Generator) -> None:
     table with -1 padding, and with a table one group wide (no merge launch). Control: the
     one-level order (group_splits 0) makes other bits where a query has two groups or more,
     and only there, so the comparisons see the groups."""
-    from kernels.attention import mla_attention_ref
-    from kernels.triton_attention import _attend
+    from moe_kernels.attention import mla_attention_ref
+    from moe_kernels.triton_attention import _attend
 
     q, kv_cache, seq_ids, tables, positions = _paged_cache(generator, (140, 30), 4, 40, 8, 16)
     rows = torch.tensor([0, 31, 32, 63, 64, 65, 127, 128, 139, 150, 169])
@@ -620,9 +620,9 @@ def check_mla_attention_wide_launch(generator: torch.Generator) -> None:
     (whole_heads) and gives the heads' bits of the whole model's call; the launches differ
     (engagement: the wide one ran), and without the tail only queries whose tail it absorbed
     move (and some do: it ran too)."""
-    import kernels.triton_attention as attention
-    from kernels.attention import mla_attention_ref
-    from kernels.attention_launch import NARROW_LAUNCH
+    import moe_kernels.triton_attention as attention
+    from moe_kernels.attention import mla_attention_ref
+    from moe_kernels.attention_launch import NARROW_LAUNCH
 
     assert attention.head_launch(64) == attention.WIDE_LAUNCH
     assert attention.head_launch(16) == NARROW_LAUNCH
@@ -684,11 +684,11 @@ def check_router_logits(generator: torch.Generator) -> None:
     of x.float() (the copy launch it replaces), on both sides of the row buckets and of the
     folded launch (K 2048: sixteen chunks of 128 in the binary tree); the subtrees a program
     sums at prefill sizes give the same bits, and chunk order does not (the control)."""
-    from kernels.router import router_logits_ref
-    from kernels.triton_linear import linear_triton
-    from kernels.triton_linear_config import k_split_chunk, k_split_count, linear_config
-    from kernels.triton_router import router_logits_triton
-    from kernels.triton_split_k import launch_split_k
+    from moe_kernels.router import router_logits_ref
+    from moe_kernels.triton_linear import linear_triton
+    from moe_kernels.triton_linear_config import k_split_chunk, k_split_count, linear_config
+    from moe_kernels.triton_router import router_logits_triton
+    from moe_kernels.triton_split_k import launch_split_k
 
     x = torch.randn(70, 2048, generator=generator).to(torch.bfloat16)
     w = torch.randn(64, 2048, generator=generator) / 2048**0.5
@@ -709,8 +709,8 @@ def check_router_logits(generator: torch.Generator) -> None:
 
 
 def check_router_topk(generator: torch.Generator) -> None:
-    from kernels.router import router_topk_ref
-    from kernels.triton_router import router_topk_triton
+    from moe_kernels.router import router_topk_ref
+    from moe_kernels.triton_router import router_topk_triton
     from tests.test_kernels_router import METHODS, NUM_EXPERTS
 
     for method, params in METHODS.items():
@@ -746,18 +746,18 @@ def check_router_topk(generator: torch.Generator) -> None:
 
 
 def check_bad_inputs(generator: torch.Generator) -> None:
-    from kernels.triton_attention import mla_attention_triton
-    from kernels.triton_combine import moe_combine_output_triton, moe_combine_triton
-    from kernels.triton_layout import expert_layout_triton
-    from kernels.triton_linear import (
+    from moe_kernels.triton_attention import mla_attention_triton
+    from moe_kernels.triton_combine import moe_combine_output_triton, moe_combine_triton
+    from moe_kernels.triton_layout import expert_layout_triton
+    from moe_kernels.triton_linear import (
         grouped_gated_linear_triton,
         grouped_linear_triton,
         linear_triton,
     )
-    from kernels.triton_moe_output import moe_output_triton
-    from kernels.triton_rmsnorm import rms_norm_triton
-    from kernels.triton_router import router_topk_triton
-    from kernels.triton_softmax import log_softmax_triton
+    from moe_kernels.triton_moe_output import moe_output_triton
+    from moe_kernels.triton_rmsnorm import rms_norm_triton
+    from moe_kernels.triton_router import router_topk_triton
+    from moe_kernels.triton_softmax import log_softmax_triton
 
     q, kv = torch.randn(2, 4, 24, generator=generator), torch.randn(3, 16, 24, generator=generator)
     ids = torch.zeros(2, dtype=torch.int64)
@@ -846,10 +846,10 @@ def test_triton_kernel_interpreted(interpreted_results, name):
 
 def test_compiled_wrappers_refuse_cpu_and_bad_inputs(generator):
     # In this process the kernels are compiled (no interpreter), so CPU tensors are refused.
-    from kernels.triton_linear import grouped_linear_triton, linear_triton
-    from kernels.triton_moe_output import moe_output_triton
-    from kernels.triton_rmsnorm import rms_norm_triton
-    from kernels.triton_softmax import softmax_triton
+    from moe_kernels.triton_linear import grouped_linear_triton, linear_triton
+    from moe_kernels.triton_moe_output import moe_output_triton
+    from moe_kernels.triton_rmsnorm import rms_norm_triton
+    from moe_kernels.triton_softmax import softmax_triton
 
     x, w = torch.randn(4, 8, generator=generator), torch.randn(6, 8, generator=generator)
     with pytest.raises(ValueError, match="cpu"):
@@ -869,14 +869,14 @@ def test_every_linear_config_keeps_its_dtypes_one_k_step():
     """The tile configs move work between programs only: every row bucket of every weight
     shape, the chunk launches and the in-program tree take the dtype's one BLOCK_K, so each
     output element is the same chain of K steps at any row count (bits: the GPU tests)."""
-    from kernels.triton_chunk_tree import CHAIN_CONFIG_16BIT, TREE_CONFIG
-    from kernels.triton_linear_config import (
+    from moe_kernels.triton_chunk_tree import CHAIN_CONFIG_16BIT, TREE_CONFIG
+    from moe_kernels.triton_linear_config import (
         POINTER_CONFIG_16BIT,
         batched_config,
         block_k_of,
         linear_config,
     )
-    from kernels.triton_tp_linear import chunk_launch
+    from moe_kernels.triton_tp_linear import chunk_launch
 
     rows = (1, 16, 17, 64, 65, 128, 129, 256, 512, 513, 1023, 1024, 4096, 16384)
     shapes = (

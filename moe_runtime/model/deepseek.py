@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels import OpTable
+from moe_kernels import OpTable
 from moe_runtime.forward_batch import ForwardBatch
 from moe_runtime.model.layers import NO_TP, GatedMLP, Linear, RMSNorm
 from moe_runtime.model.mla import MLAttention

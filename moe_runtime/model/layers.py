@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels import OpTable
+from moe_kernels import OpTable
 from moe_runtime.model.tensor_parallel import TensorParallel
 
 NO_TP = TensorParallel()
@@ -44,7 +44,7 @@ class Linear(nn.Module):
 
 class RowParallelLinear(nn.Module):
     """y = sum over the TP ranks of x W^T: weight [OUT, IN_local], this rank's adjacent slice of
-    the full IN. The same bits at every TP degree in invariant mode (kernels/tp_linear.py).
+    the full IN. The same bits at every TP degree in invariant mode (moe_kernels/tp_linear.py).
     Collective with tp.size > 1: every TP rank calls forward in layer order."""
 
     def __init__(

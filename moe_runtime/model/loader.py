@@ -25,7 +25,7 @@ from safetensors import safe_open
 from torch import nn
 from torch.nn.modules.module import register_module_parameter_registration_hook
 
-from kernels import OpTable
+from moe_kernels import OpTable
 from moe_runtime.model.deepseek import DeepseekForCausalLM
 from moe_runtime.model.layers import NO_TP
 from moe_runtime.model.tensor_parallel import TensorParallel, shard_dim

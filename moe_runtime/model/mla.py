@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels import OpTable
+from moe_kernels import OpTable
 from moe_runtime.forward_batch import ForwardBatch
 from moe_runtime.model.layers import Linear, RMSNorm
 from moe_runtime.model.rope import RotaryEmbedding, softmax_scale
@@ -78,7 +78,7 @@ class MLAttention(nn.Module):
         """x [T, D] -> [T, D]; writes this step's latents into kv_cache [NB, BS, C] first."""
         t = x.shape[0]
         # Why a branch: kv_a and the query projection read only x, so at decode sizes kv_a's
-        # launch runs beside the query's on a second stream (kernels/streams.py; no bit moves).
+        # launch runs beside the query's on a second stream (moe_kernels/streams.py; no bit moves).
         with self.ops.branch(t) as side:
             latent = side.run(self.kv_a_proj_with_mqa, x)
             if hasattr(self, "q_proj"):

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from comm.dispatch import LocalDispatcher
-from kernels import OpTable
+from moe_kernels import OpTable
 from moe_runtime.model.layers import GatedMLP
 from moe_runtime.model.tensor_parallel import TensorParallel
 from moe_runtime.model_config import ModelConfig
@@ -23,7 +23,7 @@ class Router(nn.Module):
     """The gate: weight [E, D] in the model's dtype (as DeepSeek's checkpoints store it and its
     reference code keeps it), fp32 logits. Products of two 16-bit floats are exact in fp32, so
     16-bit logits differ from the fp32 GEMM of the upcast operands only in how the fp32 adds
-    round; the op table's kernel sums them on tensor cores (kernels/triton_router.py)."""
+    round; the op table's kernel sums them on tensor cores (moe_kernels/triton_router.py)."""
 
     def __init__(self, cfg: ModelConfig, ops: OpTable, dtype: torch.dtype) -> None:
         super().__init__()
@@ -143,7 +143,7 @@ class MoE(nn.Module):
         x_mine = x[mine]
         # Why a branch: the shared experts read only this rank's share, so at decode sizes they
         # run beside the router, the exchange and the routed experts on a second stream
-        # (kernels/streams.py; no bit moves), filling the SMs the exchange leaves idle.
+        # (moe_kernels/streams.py; no bit moves), filling the SMs the exchange leaves idle.
         with self.ops.branch(x.shape[0]) as side:
             shared, topk_weights, slot_ids = self._shared_beside_gate(side, x_mine, x)
             weights = topk_weights[mine]
@@ -168,7 +168,7 @@ class MoE(nn.Module):
     def _forward_local(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """forward's result when this rank holds every slot and every token (no exchange)."""
         # Why a branch: the shared experts read only x, so at decode sizes they run beside the
-        # router and routed experts on a second stream (kernels/streams.py; no bit moves).
+        # router and routed experts on a second stream (moe_kernels/streams.py; no bit moves).
         with self.ops.branch(x.shape[0]) as side:
             shared, topk_weights, slot_ids = self._shared_beside_gate(side, x, x)
             # Why: no row moves, so the experts read x through the layout's token index and

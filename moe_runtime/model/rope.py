@@ -4,7 +4,7 @@ cos/sin are tabulated once per absolute position, so a token's rotation depends 
 position only (elementwise, batch-invariant). Layouts: interleaved pairs (x0, x1), (x2, x3)...
 as DeepSeek checkpoints store them, or rotate-half pairs (x_i, x_{i+R/2}). This module owns
 the tables and the layout; the rotation is the op table's (write_latent_cache rotates k_pe and
-q_pe, kernels/latent_cache.py).
+q_pe, moe_kernels/latent_cache.py).
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from comm.capacity_dispatch import FixedCapacityDispatcher
-from kernels.attention_launch import WIDE_LAUNCH
+from moe_kernels.attention_launch import WIDE_LAUNCH
 from moe_runtime.forward_batch import ForwardBatch, host_to_device
 from moe_runtime.model.deepseek import DeepseekForCausalLM
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from kernels import OpTable
+from moe_kernels import OpTable
 from moe_runtime.forward_batch import ForwardBatch, HostCopy, device_to_host, host_to_device
 from moe_runtime.model.deepseek import DeepseekForCausalLM
 from moe_runtime.worker.cuda_graphs import DecodeGraphRunner

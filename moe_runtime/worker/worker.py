@@ -25,7 +25,7 @@ from comm.dispatch import AllToAllDispatcher, LocalDispatcher
 from comm.groups import destroy_process_groups, init_process_groups
 from eplb.placement import ExpertPlacement
 from eplb.rearrange import rearrange_experts
-from kernels import build_op_table, pin_threads
+from moe_kernels import build_op_table, pin_threads
 from moe_runtime.config import RuntimeConfig
 from moe_runtime.model.deepseek import TORCH_DTYPES
 from moe_runtime.model.loader import (

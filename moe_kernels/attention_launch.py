@@ -1,0 +1,207 @@
+"""Which launch the invariant MLA attention takes (moe_kernels/triton_attention.py).
+
+Two kinds of choice, kept apart. Per model, fixed (part of the bits): the heads a program
+takes (the MMA), its warps, and the KV split with its tail (the merge order), from the model's
+head count at TP 1. Per launch, from host shapes only (the same bits, checked on the GPU): the
+value split and the table read a block ahead by the launch's (query, KV split) pairs (the
+splits counted from the table's width), the whole-query programs by its query count. No
+choice reads a tensor, so none syncs the host or breaks a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+
+SPLIT_BLOCKS = 4  # cache blocks per KV split: a constant, never a function of the batch
+BLOCK_H = 16  # heads per program (tl.dot needs 16 rows); extra heads are masked
+
+
+@dataclass(frozen=True)
+class HeadLaunch:
+    """A model's attention launch: heads a program, cache blocks a KV split, warps, stages,
+    the blocks past its last whole split that a query's last split takes on (tail_blocks,
+    fewer than a split's: split_count), and the splits a group folds before the groups fold
+    (group_splits; 0: one group, every split folded in turn)."""
+
+    block_h: int
+    split_blocks: int
+    num_warps: int
+    num_stages: int
+    tail_blocks: int = 0
+    group_splits: int = 0
+    group_tail: int = 0  # blocks past its last whole group a query's last group takes on
+
+    def __post_init__(self) -> None:
+        check_runs(self.split_blocks, self.tail_blocks, self.group_splits, self.group_tail)
+
+    def num_groups(self, num_blocks: int) -> int:
+        """The groups of a query (or table) of num_blocks cache blocks (1 without groups)."""
+        if not self.group_splits:
+            return 1
+        return split_count(num_blocks, self.group_splits * self.split_blocks, self.group_tail)
+
+
+def check_runs(split_blocks: int, tail_blocks: int, group_splits: int, group_tail: int) -> None:
+    """Raise ValueError, naming the value, unless the split tail is below a split, the groups
+    are >= 0 and only without a split tail, and the group tail is whole splits below a group."""
+    if not 0 <= tail_blocks < split_blocks:
+        raise ValueError(
+            f"tail_blocks {tail_blocks} must be in [0, {split_blocks}) "
+            f"(split_blocks {split_blocks})"
+        )
+    if group_splits < 0 or (group_splits and tail_blocks):
+        raise ValueError(
+            f"group_splits {group_splits} must be >= 0, and 0 with tail_blocks {tail_blocks}"
+        )
+    group_blocks = group_splits * split_blocks
+    is_whole_splits = group_tail % split_blocks == 0
+    if group_tail and (not is_whole_splits or group_blocks <= group_tail):
+        raise ValueError(
+            f"group_tail {group_tail} must be whole splits of {split_blocks} blocks, below a "
+            f"group's {group_blocks} (group_splits {group_splits})"
+        )
+
+
+def split_count(num_blocks: int, split_blocks: int, tail_blocks: int) -> int:
+    """The KV splits of a query of num_blocks cache blocks (or the most of any query in a
+    table num_blocks wide): runs of split_blocks from block 0, the last taking up to
+    tail_blocks more, at least one. A function of the query's own length only, so a query has
+    the same splits in every batch and chunking (the kernels restate it: _own_splits)."""
+    return max(1, -(-(num_blocks - tail_blocks) // split_blocks))
+
+
+# Why the launch follows the model's head count (at TP 1), never the heads a rank holds or the
+# batch: the head block's width picks the MMA (16 rows: mma.sync; 64: wgmma, whose fp32 sums
+# round differently) and the split is part of the merge order, so both are fixed per model.
+# From WIDE_HEADS heads a program takes 64 heads: each latent block is read once for 64 heads
+# instead of once for 16, and larger splits (each split's fp32 partial is 64 x 512 a head
+# block) cut the partials' traffic. On the GPU the wide launch's split kernel is the Gluon one
+# (moe_kernels/gluon_attention.py) where the shape fits. H200, 128 heads, graph replay
+# (BENCHMARKS.md): the Gluon kernel on splits of 16 blocks ran 1.7-1.9x faster than the Triton
+# wide kernel and about 3x faster than 16-head blocks; against FlashMLA with its step plan
+# shared as the engine shares it, 1.42x its time at B = 256 context 1024 (the earlier
+# 0.80-1.39x paid FlashMLA's plan on every call).
+WIDE_HEADS = 64
+NARROW_LAUNCH = HeadLaunch(BLOCK_H, SPLIT_BLOCKS, 4, 3)
+# A query's last split of the wide launch takes up to 2 blocks past its last whole split
+# (tail_blocks) instead of a split of its own: a whole-query program then folds no split of
+# one or two blocks (its running fold's fp32 round trip through L2 cost more than the blocks).
+# Part of the bits, so one value for every batch. H200, 128 heads, graph replay
+# (BENCHMARKS.md, `bench/gpu_kernels.py tail`), µs: B = 256 context 1088 (17 blocks) 247.7 ->
+# 225.3, 1152 267.6 -> 229.1, B = 64 65.8 -> 58.3 and 70.2 -> 60.4; the split launch (B <= 8)
+# pays the longer last split, 47 -> 49-52. Four tail blocks gained as much at 20 blocks (B =
+# 256 287 -> 259) and cost B <= 8 20% there (47 -> 57).
+WIDE_LAUNCH = HeadLaunch(64, 16, 8, 2, tail_blocks=2)
+
+
+def head_launch(whole_heads: int) -> HeadLaunch:
+    """The launch of a model with whole_heads attention heads (all TP ranks together)."""
+    return WIDE_LAUNCH if whole_heads >= WIDE_HEADS else NARROW_LAUNCH
+
+
+# Launches of at most this many (query, KV split) pairs, the splits counted from the table's
+# width (a host shape), split each head block's value columns over VALUE_SPLIT's programs: a
+# program still computes every score of its heads in the same dots and keeps only some value
+# columns, whose sums do not depend on which others a program holds, so every launch gives the
+# same bits (checked on the GPU) and the choice may follow the batch. H200, 16 heads, graph
+# replay, tables as wide as the engine's graphs (BENCHMARKS.md, nineteenth session): four
+# parts gained at 4 to 32 pairs (one query at context 1024 15.0 -> 12.7 us, eight 17.8 ->
+# 16.4, one at 8192 19.4 -> 17.1) and lost 2x from 64 (eight queries at 8192: 36.2 -> 72.3;
+# one wave of programs either way); two parts gained nowhere (the earlier rule's two parts up to
+# eight queries made eight at 8192 73.8 us). NARROW_LAUNCH only: with 64-head blocks the parts
+# ran out of shared memory or lost (H200).
+VALUE_SPLIT_MAX_PAIRS = 32
+VALUE_SPLIT = (4, 128)  # (v_parts, lat_chunk)
+MIN_PART_COLUMNS = 128  # value columns a program keeps at least (the measured 512 / 4)
+# Launches with at least this many (query, head block) programs give each one a whole query
+# (WHOLE_QUERY): its splits folded in the program, so no fp32 partials cross HBM and no merge
+# launch runs. The same bits as the split launch (checked on the GPU), so the choice may
+# follow the query count. (from this many programs, num_stages), H200, 16 heads, engine-wide
+# tables (BENCHMARKS.md): from 256, two stages (one cache-block buffer, two programs an SM;
+# B = 256 ctx 1024: 137 -> 92 us); from 128, three (two buffers, one program an SM; B = 128
+# ctx 1024 62 -> 51 us, ctx 4096 213 -> 168); below, the split launch (B = 64: 35 vs 45 us).
+WHOLE_QUERY_STAGES = ((256, 2), (128, 3))
+# With groups every whole-query launch has a program a query's group (plus a merge where a
+# query has two). A program a whole query folding its groups in turn must keep their running
+# fold somewhere: in registers (a third 16 x 512 fp32 state beside the walk's two) it spilled;
+# parked in HBM between groups it ran 1.18-1.27x the launch without groups at B = 256 (H200,
+# BENCHMARKS.md, twenty-seventh session), where a program a group ran 0.96-1.06x: the park's
+# stores alone, in the program's loop over groups and never reached by a query of one group,
+# cost 15-25%. So no launch has that form, and the kernel has none.
+# Wide launches (the Gluon kernel) with at least this many (query, head block) programs and
+# tables wider than one split give each program a whole query too: its splits folded in the
+# program with the merge kernel's arithmetic, the running fold parked in two fp32 slots (no
+# registers are left for it), so no merge launch runs. The same bits as the split launch
+# (checked on the GPU). H200, 128 heads, graph replay (BENCHMARKS.md): context 1032 (two
+# splits) B = 64 / 128 / 256 0.92-0.94x the split launch's time, context 4096 B = 64 1.00x,
+# B = 32 (64 programs) 1.11x, and where a table holds one split 1.02x.
+WIDE_WHOLE_QUERY_PROGRAMS = 128
+# Split launches of at most this many (query, KV split) pairs (the splits counted from the
+# table's width, as VALUE_SPLIT_MAX_PAIRS) also read the table a block ahead at three stages
+# (no arithmetic changes: the same bits, checked on the GPU). H200, 16 heads, graph replay,
+# tables as wide as the engine's graphs (BENCHMARKS.md, nineteenth session): it gained at
+# every 4 to 128 pairs (eight queries at context 1024, four value parts: 16.6 -> 13.7 us;
+# sixteen at 2048, whole head blocks: 24.4 -> 20.2; four at 8192: 27.4 -> 23.0) and lost from
+# 256 (sixteen at 4096: 34.5 -> 38.5; eight at 8192: 36.3 -> 41.0). (The rule before took it
+# at one query only, from tables 128 wide at every context.)
+TABLE_AHEAD_MAX_PAIRS = 128
+
+
+def value_split(num_tokens: int, block_v: int, num_splits: int) -> tuple[int, int | None]:
+    """(v_parts, lat_chunk) of a GPU launch of num_tokens queries of at most num_splits KV
+    splits each whose value block is block_v columns: VALUE_SPLIT where the launch has at most
+    VALUE_SPLIT_MAX_PAIRS (query, split) pairs and each part keeps MIN_PART_COLUMNS columns
+    (so lat_chunk divides it), else whole head blocks (1, None)."""
+    v_parts, _ = VALUE_SPLIT
+    if num_tokens * num_splits <= VALUE_SPLIT_MAX_PAIRS and block_v // v_parts >= MIN_PART_COLUMNS:
+        return VALUE_SPLIT
+    return 1, None
+
+
+# A 16-head query's splits may fold in groups (kernels.attention_group_splits; 0, the
+# default: one group), then the groups in order: part of the bits (a query within one group
+# folds as with none), so one value for every batch of a deployment. Why groups: a program can
+# then walk a query's group instead of the whole query, so a launch of few long queries fills
+# the GPU without every split's fp32 partial crossing HBM and a merge of them all. A query's
+# last group takes up to one split more (65 blocks: two groups, not a third of one block).
+# H200 (BENCHMARKS.md, twenty-sixth session): groups of 8 ran B = 64 context 4140 at 88.4 µs
+# against 107.9 without (FlashMLA 88.5); through the engine B = 64 decode 10.99 -> 10.42 ms a
+# step, B = 128 even, but prefill 8x4096 1.6% slower; at B = 256 the kernel 0.96-1.06x the
+# launch without groups (twenty-seventh session): off by default.
+@functools.cache  # a frozen launch per (launch, groups): no new object on every call
+def with_groups(launch: HeadLaunch, group_splits: int) -> HeadLaunch:
+    """The narrow launch with a query's splits folded in groups of group_splits (0: one
+    group), the last group taking up to one split more."""
+    if launch == WIDE_LAUNCH:
+        raise ValueError(
+            f"group_splits {group_splits} applies to the launch of models below {WIDE_HEADS} "
+            f"heads (16 heads a program), not to {launch}"
+        )
+    tail = launch.split_blocks if group_splits else 0
+    return dataclasses.replace(launch, group_splits=group_splits, group_tail=tail)
+
+
+def group_launch(
+    launch: HeadLaunch, num_tokens: int, num_heads: int, table_width: int
+) -> int | None:
+    """The narrow launch's num_stages where a program walks a query's group of splits (without
+    groups: the whole query), from 128 (query, head block, group) programs
+    (whole_query_stages); None where it runs the split launch. The groups are counted for a
+    query three quarters of the table long: the engine's graph tables double in width (the
+    longest query is past half), and groups the table holds but no query reaches exit at
+    once, so they must not pick two stages (two programs an SM) for what one program an SM
+    does faster (H200, B = 64 at context 4137 in a table of 128 blocks: BENCHMARKS.md,
+    twenty-fifth session). launch: the narrow launch, or one with_groups made of it."""
+    num_programs = num_tokens * -(-num_heads // launch.block_h)
+    return whole_query_stages(num_programs * launch.num_groups(table_width * 3 // 4))
+
+
+def whole_query_stages(num_programs: int) -> int | None:
+    """The whole-query launch's num_stages for a launch of num_programs (query, head block)
+    programs (WHOLE_QUERY_STAGES), None below them: the split launch."""
+    for min_programs, num_stages in WHOLE_QUERY_STAGES:
+        if num_programs >= min_programs:
+            return num_stages
+    return None

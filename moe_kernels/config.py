@@ -1,0 +1,83 @@
+"""KernelConfig: the small config the kernel layer consumes.
+
+`mode` picks between the batch-invariant implementations and plain torch ("fast", used for
+speed and as the negative control of every invariance test). `num_threads` is the intra-op
+thread count of a worker: part of the layout, never of the load. `tile_rows` is the fixed
+row count every CPU BLAS call and row reduction is padded to. `cuda_graphs` replays pure
+decode steps of at most max(`cuda_graph_batch_sizes`) sequences as CUDA graphs, the batch
+padded up to the next size; None (the default) lets the runtime config decide (on where the
+device is CUDA, tensor parallelism is off and ranks, if several, talk over gloo). In
+invariant mode a row ignores the padding; in fast mode graphs are a speed setting like any
+other and the bits may follow the padded size. `tp_max` is the fixed K split of the
+row-parallel linears (moe_kernels/tp_linear.py): K is always cut into tp_max chunks summed in one
+binary tree, so every TP degree dividing tp_max gives the same bits; a power of two, so that
+each degree's ranks hold whole subtrees. tp_max 1 gives up TP invariance (TP degree 1 only):
+the row-parallel linears are then the plain invariant linear, batch-invariant and faster at
+prefill (BENCHMARKS.md). `side_stream_rows`: launches of at most this many rows run a layer's
+independent branches (kv_a beside the query projection, the cache write beside W_UK, the
+shared experts beside the routed ones) on a second CUDA stream (moe_kernels/streams.py); 0 turns
+it off. No arithmetic changes, so no bit does. `attention_group_splits` (invariant mode on
+CUDA, models below 64 heads): a query's KV splits fold in groups of this many, then the
+groups, the last group taking up to one split more (moe_kernels/attention_launch.py); 0 (the
+default) keeps one group. It is part of the bits, as tp_max is: every rank and run that must
+agree sets the same value. Measured and off by default (BENCHMARKS.md, twenty-sixth and
+twenty-seventh sessions).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MODES = ("invariant", "fast")
+DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+MAX_TP_MAX = 16  # what the GPU tree-sum kernel adds (moe_kernels/triton_tp_linear.py)
+SIDE_STREAM_ROWS = 128
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    mode: str = "invariant"
+    num_threads: int = 1
+    tile_rows: int = 16
+    tp_max: int = 8
+    cuda_graphs: bool | None = None
+    cuda_graph_batch_sizes: tuple[int, ...] = DEFAULT_GRAPH_BATCH_SIZES
+    side_stream_rows: int = SIDE_STREAM_ROWS
+    attention_group_splits: int = 0
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"kernels.mode must be one of {MODES}, got {self.mode!r}")
+        for key in ("num_threads", "tile_rows", "tp_max"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"kernels.{key} must be an int >= 1, got {value!r}")
+        if self.tp_max & (self.tp_max - 1) or self.tp_max > MAX_TP_MAX:
+            raise ValueError(
+                f"kernels.tp_max must be a power of two <= {MAX_TP_MAX} (the ranks of every TP "
+                f"degree then hold whole subtrees of its fixed binary tree), got {self.tp_max}"
+            )
+        for key in ("side_stream_rows", "attention_group_splits"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"kernels.{key} must be an int >= 0, got {value!r}")
+        if self.cuda_graphs is not None and not isinstance(self.cuda_graphs, bool):
+            raise ValueError(
+                f"kernels.cuda_graphs must be a bool or null, got {self.cuda_graphs!r}"
+            )
+        sizes = self.cuda_graph_batch_sizes
+        if (
+            not isinstance(sizes, (list, tuple))
+            or not sizes
+            or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in sizes)
+            or any(a >= b for a, b in zip(sizes, sizes[1:], strict=False))
+        ):
+            raise ValueError(
+                "kernels.cuda_graph_batch_sizes must be a non-empty, strictly increasing list "
+                f"of ints >= 1, got {sizes!r}"
+            )
+        object.__setattr__(self, "cuda_graph_batch_sizes", tuple(sizes))  # YAML gives a list
+
+    @property
+    def is_invariant(self) -> bool:
+        return self.mode == "invariant"
