@@ -126,10 +126,10 @@ WHOLE_QUERY_STAGES = ((256, 2), (128, 3))
 # With groups every whole-query launch has a program a query's group (plus a merge where a
 # query has two). A program a whole query folding its groups in turn must keep their running
 # fold somewhere: in registers (a third 16 x 512 fp32 state beside the walk's two) it spilled;
-# parked in HBM between groups it ran 1.18-1.27x the launch without groups at B = 256 (H200,
-# BENCHMARKS.md, twenty-seventh session), where a program a group ran 0.96-1.06x: the park's
+# parked in HBM between groups it ran 1.19-1.31x the launch without groups at B = 256 (H200,
+# BENCHMARKS.md, twenty-seventh session), where a program a group ran 0.99-1.06x: the park's
 # stores alone, in the program's loop over groups and never reached by a query of one group,
-# cost 15-25%. So no launch has that form, and the kernel has none.
+# cost 15-30%. So no launch has that form, and the kernel has none.
 # Wide launches (the Gluon kernel) with at least this many (query, head block) programs and
 # tables wider than one split give each program a whole query too: its splits folded in the
 # program with the merge kernel's arithmetic, the running fold parked in two fp32 slots (no
@@ -168,7 +168,7 @@ def value_split(num_tokens: int, block_v: int, num_splits: int) -> tuple[int, in
 # last group takes up to one split more (65 blocks: two groups, not a third of one block).
 # H200 (BENCHMARKS.md, twenty-sixth session): groups of 8 ran B = 64 context 4140 at 88.4 µs
 # against 107.9 without (FlashMLA 88.5); through the engine B = 64 decode 10.99 -> 10.42 ms a
-# step, B = 128 even, but prefill 8x4096 1.6% slower; at B = 256 the kernel 0.96-1.06x the
+# step, B = 128 even, but prefill 8x4096 1.6% slower; at B = 256 the kernel 1.00-1.04x the
 # launch without groups (twenty-seventh session): off by default.
 @functools.cache  # a frozen launch per (launch, groups): no new object on every call
 def with_groups(launch: HeadLaunch, group_splits: int) -> HeadLaunch:

@@ -79,8 +79,8 @@ def _sm90_compiled(kernel, args: tuple, kwargs: dict):
     integers marked so, integers equal to 1 made constants, except the kernel's
     do_not_specialize arguments), constexprs, warps and stages from the keywords. Without the
     divisibility marks the compile is another kernel: the split launch took 92 KB of shared
-    memory and 255 registers with 320 bytes spilled, where the GPU's took 164 KB, 193 and none
-    (the GPU's figures, twenty-sixth session)."""
+    memory and 255 registers with 320 bytes spilled; with them 164 KB, 193 registers and none,
+    the registers and spills the device's own probe reported (twenty-sixth session)."""
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import CUDABackend

@@ -626,9 +626,9 @@ def test_mla_whole_query_launch_gives_the_split_bits(generator):
     stages, the launches the op picks from 256 and 128 programs) as when the splits and the
     merge kernel run, with one group a query and with groups of 8 splits with and without a
     tail of one split (then a query of one to three groups: the two-level merge), and as each
-    query alone; controls: one split
-    over the whole table (no restarts) moves the bits, groups of 8 move exactly the queries
-    past one group, and the tail only queries of three groups whose last one it absorbed."""
+    query alone; controls: one split over the whole table (no restarts) moves the bits, groups
+    of 8 move exactly the queries past one group, and the tail only queries of three groups
+    whose last one it absorbed."""
     from moe_kernels.attention_launch import NARROW_LAUNCH, SPLIT_BLOCKS, whole_query_stages
     from moe_kernels.triton_attention import _attend, mla_attention_triton
 
