@@ -7,7 +7,7 @@ Times are medians of triton.testing.do_bench (CUDA events, warm-up, L2 flushed p
 
     PYTHONUNBUFFERED=1 python bench/gpu_kernels.py [rows linear grouped attention sweep layer
         row_parallel tree_crossover split_prefill value_split split_sweep whole_query tail
-        read_floor heads fast_choice ...] (every section: the table in main)
+        read_floor heads fast_choice fast_choice_v3 ...] (every section: the table in main)
 """
 
 from __future__ import annotations
@@ -1496,34 +1496,105 @@ FAST_CHOICE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 FAST_CHOICE_CONTEXTS = (1024, 4096)
 
 
-def bench_fast_choice() -> None:
+@dataclasses.dataclass(frozen=True)
+class FastChoiceModel:
+    """The shapes of one model's decode step that fast mode picks a kernel for: the plain
+    linears (name, out, in; lm_head last), the absorbed W_UK / W_UV products at `heads`, the
+    router (experts, hidden, its top-k routing) and attention at `heads`."""
+
+    name: str
+    linears: tuple
+    heads: int
+    experts: int
+    hidden: int
+    routing: dict
+    attention_heads: tuple
+    routed: tuple = ()  # the routed experts' (name, out, in): fast mode's grouped GEMM rule
+
+
+FAST_CHOICE_MODELS = {
+    "v2_lite": FastChoiceModel(
+        "V2-Lite",
+        tuple((n, o, i) for n, o, i, k in DECODE_ROW_LINEARS if not k)
+        + (("lm_head", 102400, 2048),),
+        heads=16,
+        experts=64,
+        hidden=2048,
+        routing=dict(
+            top_k=6,
+            num_groups=1,
+            topk_group=1,
+            scoring_func="softmax",
+            topk_method="greedy",
+            norm_topk_prob=False,
+            routed_scaling_factor=1.0,
+        ),
+        attention_heads=(16, 128),
+    ),  # fmt: skip
+    # DeepSeek-V3's (hidden 7168, q_lora_rank 1536, 128 heads of 128 + 64 rope, v_head 128, one
+    # shared expert of 2048, 256 routed experts top-8 in 8 groups of which 4, sigmoid with
+    # the correction bias, vocabulary 129280).
+    "v3": FastChoiceModel(
+        "V3",
+        (
+            ("q_a", 1536, 7168),
+            ("q_b", 24576, 1536),
+            ("kv_a", 576, 7168),
+            ("o_proj", 7168, 16384),
+            ("shared_gate_up", 4096, 7168),
+            ("shared_down", 7168, 2048),
+            ("lm_head", 129280, 7168),
+        ),
+        heads=128,
+        experts=256,
+        hidden=7168,
+        routing=dict(
+            top_k=8,
+            num_groups=8,
+            topk_group=4,
+            scoring_func="sigmoid",
+            topk_method="noaux_tc",
+            norm_topk_prob=True,
+            routed_scaling_factor=2.5,
+        ),
+        attention_heads=(),  # 128 heads: the V2-Lite section's rows
+        routed=(("routed_gate_up", 4096, 7168), ("routed_down", 7168, 2048)),
+    ),  # fmt: skip
+}
+
+
+def bench_fast_choice(model: str = "v2_lite") -> None:
     """Fast mode's candidates at decode rows, graph replay over inputs that miss L2, µs: for
-    each op of a V2-Lite decode step, the vendor kernel fast mode runs (cuBLAS, torch's
-    router, FlashMLA with one plan a step) against the repo's Triton kernel of the same op
-    (the invariant one, which fast mode may run too). Where the Triton one is the faster,
-    fast mode is not yet the best path a user could run (moe_kernels/op_table.py)."""
+    each op of a decode step of `model` (FAST_CHOICE_MODELS), the vendor kernel fast mode
+    runs (cuBLAS, torch's router, FlashMLA with one plan a step) against the repo's Triton
+    kernel of the same op (the invariant one, which fast mode may run too). Where the Triton
+    one is the faster, fast mode is not yet the best path a user could run
+    (moe_kernels/op_table.py)."""
     from moe_kernels.fast_attention import HAS_FLASH_MLA, mla_decode_fast
-    from moe_kernels.linear import batched_linear_fast
+    from moe_kernels.linear import batched_linear_fast, grouped_linear_cuda_fast
     from moe_kernels.router import router_logits_fast, router_topk_fast
     from moe_kernels.triton_attention import mla_attention_triton
     from moe_kernels.triton_linear import batched_linear_triton
     from moe_kernels.triton_router import router_logits_triton, router_topk_triton
 
+    shape = FAST_CHOICE_MODELS[model]
     arrivals = arrival_counts("cuda")
-    print("\n## fast mode's candidates at decode rows: vendor vs Triton, graph replay µs")
+    print(
+        f"\n## fast mode's candidates at {shape.name} decode rows: vendor vs Triton, "
+        "graph replay µs"
+    )
     print("| op | shape | " + " | ".join(f"M={m}" for m in FAST_CHOICE_ROWS) + " |")
     print("|---|---|" + "---|" * len(FAST_CHOICE_ROWS))
 
-    def row(name, shape, cell):
+    def row(name, dims, cell):
         cells = []
         for m in FAST_CHOICE_ROWS:
             vendor, ours = cell(m)
             cells.append(f"{vendor:.1f} / {ours:.1f}{' *' if ours < vendor else ''}")
-        print(f"| {name} | {shape} | " + " | ".join(cells) + " |", flush=True)
+        print(f"| {name} | {dims} | " + " | ".join(cells) + " |", flush=True)
 
-    plain = [(n, o, i) for n, o, i, k in DECODE_ROW_LINEARS if not k] + [("lm_head", 102400, 2048)]
     triton_linear = partial(linear_triton, arrivals=arrivals)
-    for name, out_dim, in_dim in plain:
+    for name, out_dim, in_dim in shape.linears:
         row(name, f"{out_dim} x {in_dim}", lambda m, o=out_dim, i=in_dim: (
             _linear_graph_us(torch.nn.functional.linear, m, i, o),
             _linear_graph_us(triton_linear, m, i, o),
@@ -1538,34 +1609,58 @@ def bench_fast_choice() -> None:
 
         return _graph_ms(make, 2 * heads * (out_dim * in_dim + m * (in_dim + out_dim))) * 1e3
 
-    for name, in_dim, out_dim in (("W_UK x16", 128, 512), ("W_UV x16", 512, 128)):
+    heads = shape.heads
+    for name, in_dim, out_dim in ((f"W_UK x{heads}", 128, 512), (f"W_UV x{heads}", 512, 128)):
         row(name, f"K {in_dim} N {out_dim}", lambda m, i=in_dim, o=out_dim: (
-            batched(batched_linear_fast, m, 16, i, o),
-            batched(batched_linear_triton, m, 16, i, o),
+            batched(batched_linear_fast, m, heads, i, o),
+            batched(batched_linear_triton, m, heads, i, o),
         ))  # fmt: skip
-    row("router logits", "64 x 2048 fp32", lambda m: (
-        _linear_graph_us(router_logits_fast, m, 2048, 64),
-        _linear_graph_us(partial(router_logits_triton, arrivals=arrivals), m, 2048, 64),
+    experts, hidden = shape.experts, shape.hidden
+    row("router logits", f"{experts} x {hidden} fp32", lambda m: (
+        _linear_graph_us(router_logits_fast, m, hidden, experts),
+        _linear_graph_us(partial(router_logits_triton, arrivals=arrivals), m, hidden, experts),
     ))  # fmt: skip
-    routing = dict(
-        top_k=6, num_groups=1, topk_group=1, scoring_func="softmax", topk_method="greedy",
-        norm_topk_prob=False, routed_scaling_factor=1.0,
-    )  # fmt: skip
 
     def topk(op, m):
         def make():
-            logits = torch.randn(m, 64, device="cuda")
-            return lambda: op(logits, None, **routing)
+            logits = torch.randn(m, experts, device="cuda")
+            bias = None
+            if shape.routing["topk_method"] == "noaux_tc":
+                bias = torch.randn(experts, device="cuda") * 0.1
+            return lambda: op(logits, bias, **shape.routing)
 
-        return _graph_ms(make, m * 64 * 4, min_copies=ATTENTION_GRAPH_CALLS) * 1e3
+        return _graph_ms(make, m * experts * 4, min_copies=ATTENTION_GRAPH_CALLS) * 1e3
 
-    row("router top-k", "64 experts, top 6", lambda m: (
+    top_k = shape.routing["top_k"]
+    row("router top-k", f"{experts} experts, top {top_k}", lambda m: (
         topk(router_topk_fast, m), topk(router_topk_triton, m)
     ))  # fmt: skip
+
+    def grouped(op, m, out_dim, in_dim):
+        """A decode step's m tokens routed to top_k of the experts at random (one draw for
+        both ops), the bytes of the experts touched."""
+        gen = torch.Generator().manual_seed(m)
+        ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(m)])
+        counts = torch.bincount(ids.reshape(-1), minlength=experts).cuda()
+        num_bytes = int((counts > 0).sum()) * out_dim * in_dim * 2
+
+        def make():
+            w = torch.randn(experts, out_dim, in_dim, device="cuda", dtype=torch.bfloat16)
+            x = torch.randn(m * top_k, in_dim, device="cuda", dtype=torch.bfloat16)
+            return lambda: op(x, w, counts)
+
+        return _graph_ms(make, num_bytes) * 1e3
+
+    for name, out_dim, in_dim in shape.routed:
+        row(f"{name} x{experts}", f"{out_dim} x {in_dim}", lambda m, o=out_dim, i=in_dim: (
+            grouped(grouped_linear_cuda_fast, m, o, i), grouped(grouped_linear_triton, m, o, i)
+        ))  # fmt: skip
+    if not shape.attention_heads:
+        return
     if not HAS_FLASH_MLA:
         print("FlashMLA not installed: no attention rows")
         return
-    for heads in (16, 128):
+    for heads in shape.attention_heads:
         for ctx in FAST_CHOICE_CONTEXTS:
 
             def attention(op, m, ctx=ctx, heads=heads):
@@ -1624,6 +1719,7 @@ def main() -> None:
             "decode_tiles": bench_decode_tiles,
             "heads": bench_heads,
             "fast_choice": bench_fast_choice,
+            "fast_choice_v3": partial(bench_fast_choice, "v3"),
         }[section]()
 
 
