@@ -36,9 +36,7 @@ from moe_kernels.config import KernelConfig
 from moe_kernels.cumsum import cumsum_fast, cumsum_ref
 from moe_kernels.latent_cache import write_latent_cache_fast, write_latent_cache_ref
 from moe_kernels.linear import (
-    FAST_TRITON_BATCHED_MAX_HEADS,
     FAST_TRITON_BATCHED_MAX_ROWS,
-    FAST_TRITON_LINEAR_ANY_OUT_MAX_IN,
     FAST_TRITON_LINEAR_ANY_OUT_ROWS,
     FAST_TRITON_LINEAR_MAX_OUT,
     FAST_TRITON_LINEAR_MAX_ROWS,
@@ -53,6 +51,7 @@ from moe_kernels.linear import (
     linear_fast,
     linear_ref,
 )
+from moe_kernels.mla_prefill import MhaPrefill
 from moe_kernels.rmsnorm import add_rms_norm_fast, add_rms_norm_ref, rms_norm_fast, rms_norm_ref
 from moe_kernels.router import (
     router_logits_fast,
@@ -93,6 +92,9 @@ class OpTable:
     # (moe_kernels/streams.py); on a second CUDA stream up to config.side_stream_rows rows.
     branch: Callable = inline_branch
     side_stream: SideStream | None = None
+    # Fast mode on CUDA: prefill steps attend in the multi-head form (moe_kernels/mla_prefill.py);
+    # None: every step in the absorbed form (invariant mode: part of the bits).
+    mla_prefill: MhaPrefill | None = None
 
 
 # Each op: (fast, invariant reference). The tiled references take `tile_rows`.
@@ -172,13 +174,11 @@ def build_op_table(config: KernelConfig, device: torch.device | str) -> OpTable:
                 max_out=FAST_TRITON_LINEAR_MAX_OUT,
             )  # fmt: skip
             ops["linear"] = ByRows(
-                triton_linear, narrow_or_cublas, FAST_TRITON_LINEAR_ANY_OUT_ROWS,
-                max_in=FAST_TRITON_LINEAR_ANY_OUT_MAX_IN,
+                triton_linear, narrow_or_cublas, FAST_TRITON_LINEAR_ANY_OUT_ROWS
             )  # fmt: skip
             ops["batched_linear"] = ByRows(
                 triton_ops["batched_linear"], batched_linear_fast, FAST_TRITON_BATCHED_MAX_ROWS,
                 rows_dim=1,  # [heads, tokens, features]
-                max_batch=FAST_TRITON_BATCHED_MAX_HEADS,
             )  # fmt: skip
             ops["router_logits"] = ByRows(
                 triton_ops["router_logits"], router_logits_fast, FAST_TRITON_ROUTER_MAX_ROWS
@@ -192,6 +192,7 @@ def build_op_table(config: KernelConfig, device: torch.device | str) -> OpTable:
                 many_rows=grouped_linear_cuda_fast,
             )
             ops["mla_attention"] = _fast_decode_attention()
+            ops["mla_prefill"] = MhaPrefill()
     elif device.type == "cuda":
         ops = row_wise | _triton_kernels(arrivals)
         if config.attention_group_splits:  # part of the bits: the config's, not the launch's

@@ -87,31 +87,59 @@ class MLAttention(nn.Module):
                 q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(t, self.num_heads, self.nope_dim + self.rope_dim)
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        prefill = self.ops.mla_prefill  # fast mode on CUDA only: not the absorbed form's bits
+        if prefill is not None and prefill.takes(
+            batch.query_seq_ids, batch.positions, batch.block_tables, self.num_heads
+        ):
+            out = self._prefill_multi_head(prefill, latent, q_nope, q_pe, batch, kv_cache)
+        else:
+            out = self._absorbed(latent, q_nope, q_pe, batch, kv_cache)
+        # Collectives (every TP rank, in layer order, even with an empty share; none at tp 1,
+        # where this is o_proj(out)): this rank's heads of every token for every head of its
+        # token share, o_proj on the share, the finished rows of all shares back to every rank.
+        heads = self.tp.heads_to_share(out.reshape(t, self.num_heads * self.v_dim))
+        return self.tp.gather_shares(self.o_proj(heads), t, "attention_share_gather")
 
+    def _write_cache(self, latent, q_pe, q_rot, batch: ForwardBatch, kv_cache, side=None) -> None:
+        """The latent norm and the k_pe rope, stored straight into each token's cache row (on
+        side's stream, or here). Why q rides along: the same positions and tables, so one
+        launch fewer a layer (same bits): q_pe rotated into q_rot."""
+        (side.run if side is not None else _call)(
+            self.ops.write_latent_cache,
+            latent,
+            self.kv_a_layernorm.weight,
+            self.kv_a_layernorm.eps,
+            batch.positions,
+            self.rope.cos,
+            self.rope.sin,
+            self.rope.is_interleaved,
+            kv_cache,
+            batch.slot_mapping,
+            q_pe=q_pe,
+            q_rot=q_rot,
+        )
+
+    def _prefill_multi_head(self, prefill, latent, q_nope, q_pe, batch, kv_cache):
+        """Fast mode's prefill: this step's latents into the cache, then each sequence's keys
+        and values expanded from its cached latents (moe_kernels/mla_prefill.py) -> [T, H, v]."""
+        q_rot = torch.empty_like(q_pe)
+        self._write_cache(latent, q_pe, q_rot, batch, kv_cache)
+        return prefill(
+            q_nope, q_rot, kv_cache, batch.query_seq_ids, batch.block_tables, batch.positions,
+            self.kv_b_proj.weight, scale=self.scale, v_dim=self.v_dim,
+        )  # fmt: skip
+
+    def _absorbed(self, latent, q_nope, q_pe, batch, kv_cache):
+        """Every query over the cache with W_UK absorbed into it and W_UV after -> [T, H, v]."""
+        t = q_nope.shape[0]
         # The query [T, H, kv_lora + R] is built in place (no cat; only stores move, so the same
         # bits): the rotated q_pe into its last channels, W_UK's product into the rest.
-        query = q.new_empty((t, self.num_heads, self.kv_lora_rank + self.rope_dim))
+        query = q_nope.new_empty((t, self.num_heads, self.kv_lora_rank + self.rope_dim))
         q_latent, q_rot = query.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         # Why a second branch: the cache write and W_UK's product read and write disjoint
         # parts (q_pe -> q_rot; q_nope -> q_latent), so they run side by side as well.
         with self.ops.branch(t) as side:
-            # The latent norm and the k_pe rope, stored straight into each token's cache row.
-            # Why q rides along: the same positions and tables, so one launch fewer a layer
-            # (same bits).
-            side.run(
-                self.ops.write_latent_cache,
-                latent,
-                self.kv_a_layernorm.weight,
-                self.kv_a_layernorm.eps,
-                batch.positions,
-                self.rope.cos,
-                self.rope.sin,
-                self.rope.is_interleaved,
-                kv_cache,
-                batch.slot_mapping,
-                q_pe=q_pe,
-                q_rot=q_rot,
-            )
+            self._write_cache(latent, q_pe, q_rot, batch, kv_cache, side)
             # Absorbed W_UK and W_UV: one batched GEMM over the heads each ([H, T, .] views).
             self.ops.batched_linear(
                 q_nope.transpose(0, 1), self.w_uk_t, out=q_latent.transpose(0, 1)
@@ -126,9 +154,9 @@ class MLAttention(nn.Module):
             v_dim=self.kv_lora_rank,
             whole_heads=self.whole_heads,  # the launch every TP degree keeps
         )
-        out = self.ops.batched_linear(out_latent.transpose(0, 1), self.w_uv).transpose(0, 1)
-        # Collectives (every TP rank, in layer order, even with an empty share; none at tp 1,
-        # where this is o_proj(out)): this rank's heads of every token for every head of its
-        # token share, o_proj on the share, the finished rows of all shares back to every rank.
-        heads = self.tp.heads_to_share(out.reshape(t, self.num_heads * self.v_dim))
-        return self.tp.gather_shares(self.o_proj(heads), t, "attention_share_gather")
+        return self.ops.batched_linear(out_latent.transpose(0, 1), self.w_uv).transpose(0, 1)
+
+
+def _call(fn, *args, **kwargs):
+    """fn(*args, **kwargs): a branch's `run` where there is no branch."""
+    return fn(*args, **kwargs)

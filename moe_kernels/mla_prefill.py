@@ -1,0 +1,141 @@
+"""Fast-mode MLA prefill in the multi-head form: not batch-invariant, the baseline's prefill.
+
+Invariant mode attends every query in the absorbed form (MQA over the 576-wide latent, W_UV
+after), so a token's bits are the same prefilled, chunked or decoded. That form costs about
+twice the multiply-adds of the multi-head one at prefill: per query-key pair 576 + 512
+against 192 + 128 (DeepSeek's qk and v head dims), the latents' expansion through kv_b_proj
+added once per key. A user free of that contract prefills in the multi-head form with a
+FlashAttention kernel (vLLM and SGLang do), so fast mode does too for models of at least
+`min_heads` heads a rank where every sequence of a step brings at least `min_queries` queries:
+each sequence's cached latents (already normed and rotated) expand through kv_b_proj into
+per-head keys and values, and torch's scaled_dot_product_attention (FlashAttention on the GPU)
+attends with the causal mask aligned to the last query. Decode-shaped steps, mixed ones and
+graph captures keep the absorbed form.
+
+Why from 128 heads: through the engine (H200, V2-Lite's shapes, prefill 8 x 1024, BENCHMARKS.md,
+twenty-eighth session) the multi-head form ran 34,500 tok/s against the absorbed form's 31,000
+at 128 heads, and 55,000-72,000 against 76,000-78,000 at V2-Lite's 16, where the absorbed
+kernel reads each latent once for all heads and the multi-head form's expansion and padded
+values outweigh the pairs saved.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+
+@dataclass(frozen=True)
+class _Sequence:
+    rows: torch.Tensor  # the step's token rows of this sequence, by position, on the device
+    num_queries: int
+    length: int  # its last query's position + 1: the keys it attends
+
+
+@dataclass
+class MhaPrefill:
+    """Fast mode's prefill attention in the multi-head form (module docstring). `takes` decides
+    from the step's batch (host shapes first; a sync only for prefill-sized steps outside graph
+    capture); calling it attends a step `takes` accepted."""
+
+    min_queries: int = 64
+    min_heads: int = 128
+    # The last step's plan, keyed by its query_seq_ids tensor (the layers of a step share it).
+    _plan: tuple | None = field(default=None, repr=False)
+
+    def takes(
+        self,
+        query_seq_ids: torch.Tensor,
+        positions: torch.Tensor,
+        block_tables: torch.Tensor,
+        num_heads: int,
+    ) -> bool:
+        """Whether a rank of num_heads heads attends this step in the multi-head form: at
+        least min_heads of them, and every sequence of the step brings >= min_queries queries
+        at consecutive positions (a prompt or a prompt chunk)."""
+        num_tokens, num_seqs = query_seq_ids.shape[0], block_tables.shape[0]
+        if num_heads < self.min_heads:
+            return False
+        if num_seqs == 0 or num_tokens < self.min_queries * num_seqs:
+            return False
+        if query_seq_ids.is_cuda and torch.cuda.is_current_stream_capturing():
+            return False
+        return self._sequences(query_seq_ids, positions, num_seqs) is not None
+
+    def _sequences(
+        self, query_seq_ids: torch.Tensor, positions: torch.Tensor, num_seqs: int
+    ) -> list[_Sequence] | None:
+        """The step's sequences, or None where one has fewer than min_queries queries or a gap
+        in its positions. One host copy a step: the plan is kept for the step's other layers."""
+        plan = self._plan
+        if plan is not None and plan[0]() is query_seq_ids and plan[1]() is positions:
+            return plan[2]
+        ids, pos = query_seq_ids.cpu(), positions.cpu()
+        counts = torch.bincount(ids, minlength=num_seqs)
+        sequences = None
+        if int(counts.min()) >= self.min_queries:
+            order = torch.sort(ids * (int(pos.max()) + 1) + pos, stable=True).indices
+            sorted_pos = pos[order].split(counts.tolist())
+            if all(bool((p[1:] - p[:-1] == 1).all()) for p in sorted_pos):
+                sequences = []
+                for rows, p in zip(order.split(counts.tolist()), sorted_pos, strict=True):
+                    rows = rows.to(query_seq_ids.device)
+                    sequences.append(_Sequence(rows, int(p.shape[0]), int(p[-1]) + 1))
+        self._plan = (weakref.ref(query_seq_ids), weakref.ref(positions), sequences)
+        return sequences
+
+    def __call__(
+        self,
+        q_nope: torch.Tensor,
+        q_rot: torch.Tensor,
+        kv_cache: torch.Tensor,
+        query_seq_ids: torch.Tensor,
+        block_tables: torch.Tensor,
+        positions: torch.Tensor,
+        kv_b_weight: torch.Tensor,
+        *,
+        scale: float,
+        v_dim: int,
+    ) -> torch.Tensor:
+        """q_nope [T, H, nope] (before W_UK), q_rot [T, H, R] (rotated), kv_cache [NB, BS,
+        L + R] with this step's latents written, kv_b_weight [H * (nope + v_dim), L] ->
+        [T, H, v_dim] in q's dtype: softmax(q k^T * scale) v per head, q = (q_nope, q_rot),
+        k = (latent W_UK, k_rot), v = latent W_UV, over each sequence's positions up to each
+        query's."""
+        num_tokens, num_heads, nope = q_nope.shape
+        rope = q_rot.shape[2]
+        lora = kv_cache.shape[2] - rope
+        sequences = self._sequences(query_seq_ids, positions, block_tables.shape[0])
+        if sequences is None:
+            raise ValueError("the step is not prefill-shaped (MhaPrefill.takes refused it)")
+        query = torch.cat([q_nope, q_rot], dim=-1)  # [T, H, nope + R]
+        out = q_nope.new_empty((num_tokens, num_heads, v_dim))
+        qk_dim = nope + rope
+        block_size = kv_cache.shape[1]
+        for s, seq in enumerate(sequences):
+            blocks = block_tables[s, : -(-seq.length // block_size)]
+            cached = kv_cache[blocks].flatten(0, 1)[: seq.length]  # [S, L + R]
+            expanded = F.linear(cached[:, :lora], kv_b_weight).view(
+                seq.length, num_heads, nope + v_dim
+            )
+            key = torch.cat(
+                [expanded[..., :nope], cached[:, None, lora:].expand(-1, num_heads, rope)], -1
+            )
+            # Why padded: FlashAttention takes one head dim for q, k and v.
+            value = F.pad(expanded[..., nope:], (0, qk_dim - v_dim))
+            # Why 4-d: FlashAttention (and the memory-efficient kernel) take [batch, heads,
+            # tokens, dim] only; 3-d inputs fell back to the materialised math kernel, 2-4x
+            # slower than the absorbed form (H200).
+            attended = F.scaled_dot_product_attention(
+                query[seq.rows].transpose(0, 1)[None],  # [1, H, n, nope + R]
+                key.transpose(0, 1)[None],
+                value.transpose(0, 1)[None],
+                attn_mask=causal_lower_right(seq.num_queries, seq.length),
+                scale=scale,
+            )
+            out[seq.rows] = attended[0].transpose(0, 1)[..., :v_dim]
+        return out
