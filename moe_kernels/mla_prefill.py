@@ -44,6 +44,10 @@ class MhaPrefill:
 
     min_queries: int = 64
     min_heads: int = 128
+    # Why a cap: a sequence's keys and values are expanded whole, [keys, heads, 192] twice plus
+    # kv_b_proj's [keys, heads, nope + v]; at 16,384 keys and 128 heads ~2.1 GB in bf16 at once.
+    # Longer contexts keep the absorbed form, which reads the cache in place.
+    max_keys: int = 16384
     # The last step's plan, keyed by its query_seq_ids tensor (the layers of a step share it).
     _plan: tuple | None = field(default=None, repr=False)
 
@@ -56,7 +60,7 @@ class MhaPrefill:
     ) -> bool:
         """Whether a rank of num_heads heads attends this step in the multi-head form: at
         least min_heads of them, and every sequence of the step brings >= min_queries queries
-        at consecutive positions (a prompt or a prompt chunk)."""
+        at consecutive positions (a prompt or a prompt chunk) ending within max_keys."""
         num_tokens, num_seqs = query_seq_ids.shape[0], block_tables.shape[0]
         if num_heads < self.min_heads:
             return False
@@ -77,7 +81,7 @@ class MhaPrefill:
         ids, pos = query_seq_ids.cpu(), positions.cpu()
         counts = torch.bincount(ids, minlength=num_seqs)
         sequences = None
-        if int(counts.min()) >= self.min_queries:
+        if int(counts.min()) >= self.min_queries and int(pos.max()) < self.max_keys:
             order = torch.sort(ids * (int(pos.max()) + 1) + pos, stable=True).indices
             sorted_pos = pos[order].split(counts.tolist())
             if all(bool((p[1:] - p[:-1] == 1).all()) for p in sorted_pos):

@@ -71,6 +71,13 @@ def test_multi_head_prefill_takes_prefill_shaped_steps_only():
     prefill = MhaPrefill(min_queries=4, min_heads=HEADS)
     seq_ids, positions, tables, _ = _step([(0, 6), (2, 7)], gen)
     assert prefill.takes(seq_ids, positions, tables, HEADS)
+    # A context past max_keys keeps the absorbed form (the expansion is whole).
+    assert not MhaPrefill(min_queries=4, min_heads=HEADS, max_keys=6).takes(
+        seq_ids, positions, tables, HEADS
+    )  # fmt: skip
+    assert MhaPrefill(min_queries=4, min_heads=HEADS, max_keys=7).takes(
+        seq_ids, positions, tables, HEADS
+    )  # fmt: skip
     # A rank of fewer heads than min_heads keeps the absorbed form (the default: 128).
     assert not prefill.takes(seq_ids, positions, tables, HEADS - 1)
     assert MhaPrefill().min_heads == 128
