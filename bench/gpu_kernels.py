@@ -1512,6 +1512,12 @@ class FastChoiceModel:
     routed: tuple = ()  # the routed experts' (name, out, in): fast mode's grouped GEMM rule
 
 
+def _routing(*values) -> dict:
+    """The router's top-k keywords (router_topk_fast's) from their values in its order."""
+    keys = ("top_k", "num_groups", "topk_group", "scoring_func", "topk_method")
+    return dict(zip((*keys, "norm_topk_prob", "routed_scaling_factor"), values, strict=True))
+
+
 FAST_CHOICE_MODELS = {
     "v2_lite": FastChoiceModel(
         "V2-Lite",
@@ -1520,15 +1526,7 @@ FAST_CHOICE_MODELS = {
         heads=16,
         experts=64,
         hidden=2048,
-        routing=dict(
-            top_k=6,
-            num_groups=1,
-            topk_group=1,
-            scoring_func="softmax",
-            topk_method="greedy",
-            norm_topk_prob=False,
-            routed_scaling_factor=1.0,
-        ),
+        routing=_routing(6, 1, 1, "softmax", "greedy", False, 1.0),
         attention_heads=(16, 128),
     ),  # fmt: skip
     # DeepSeek-V3's (hidden 7168, q_lora_rank 1536, 128 heads of 128 + 64 rope, v_head 128, one
@@ -1548,15 +1546,7 @@ FAST_CHOICE_MODELS = {
         heads=128,
         experts=256,
         hidden=7168,
-        routing=dict(
-            top_k=8,
-            num_groups=8,
-            topk_group=4,
-            scoring_func="sigmoid",
-            topk_method="noaux_tc",
-            norm_topk_prob=True,
-            routed_scaling_factor=2.5,
-        ),
+        routing=_routing(8, 8, 4, "sigmoid", "noaux_tc", True, 2.5),
         attention_heads=(),  # 128 heads: the V2-Lite section's rows
         routed=(("routed_gate_up", 4096, 7168), ("routed_down", 7168, 2048)),
     ),  # fmt: skip
