@@ -2,9 +2,10 @@
 
 The best non-invariant decode attention a user could run, the baseline that prices invariance:
 DeepSeek's FlashMLA (the optional `flash_mla` package, dense bf16 decode on SM90) where it fits
-and is the faster (the invariant launch where that was measured faster: takes_invariant_launch),
-else the split-KV Triton kernel of moe_kernels/triton_attention.py with its split length chosen
-from the batch shape to fill the GPU. Neither path syncs with the host: every size comes from
+and is the faster (the invariant launch or the split-KV kernel where that was measured faster:
+takes_invariant_launch, takes_split_kv), else the split-KV Triton kernel of
+moe_kernels/triton_attention.py with its split length chosen from the batch shape to fill the
+GPU. Neither path syncs with the host: every size comes from
 tensor shapes, so a decode step can be captured and replayed with new positions. Contract of
 `mla_attention_fast` (moe_kernels/attention.py); batches that are not decode-shaped run the paged
 Triton kernel (moe_kernels/triton_attention.py).
@@ -44,8 +45,17 @@ FLASH_MLA_CAPABILITY = (9, 0)
 # 36.5 / 32.0, B = 256 91.0 / 84.3; context 4096 B = 1 23.8 / 13.2, B = 16 (256 pairs) 35.2 /
 # 32.5, B = 256 304.1 / 297.2. It lost from 512 pairs below 256 queries at context 4096 (B = 32
 # 53.1 / 60.3, B = 64 90.8 / 110.6, B = 128 158.2 / 166.0) and won at context 1024 B = 128
-# (51.5 / 48.1), left to FlashMLA by this rule. At 128 heads FlashMLA won everywhere.
+# (51.5 / 48.1), left to FlashMLA by this rule. At 128 heads FlashMLA won everywhere against it.
 INVARIANT_MAX_PAIRS = 256
+# Decode batches of at most SPLIT_KV_MAX_QUERIES queries of models of the wide launch's head
+# count take the split-KV kernel instead of FlashMLA: in the step its Triton launches chain by
+# PDL, where FlashMLA takes the fence's plain launch (_wait_for_earlier_kernels) and two of its own.
+# H200 through the engine, V2-Lite with 128 heads, graphs, context ~1024, cuBLAS's W_UK / W_UV
+# (two runs each, median ms a step of 5 blocks of 8, FlashMLA / split-KV; BENCHMARKS.md,
+# twenty-ninth session): B = 1 3.56, 3.51 / 3.39, 3.33; B = 2 4.39, 4.39 / 4.30, 4.30; B = 4
+# 5.49, 5.51 / 5.44, 5.36; B = 8 6.89, 6.95 / 6.95, 6.83 (a tie); B = 16 8.68, 8.66 / 8.89, 8.79;
+# B = 32 9.67-9.69 / 10.53-10.54; B = 64 10.53 / 12.57, B = 256 18.73 / 25.77 (one run).
+SPLIT_KV_MAX_QUERIES = 4
 INVARIANT_MIN_QUERIES = 256
 WAVES = 2  # split-KV launches aim at this many programs per SM: the tail of a wave is hidden
 NUM_WARPS, NUM_STAGES = 4, 3  # the invariant kernel's measured launch shape (BENCHMARKS.md)
@@ -77,7 +87,9 @@ def mla_decode_fast(
     if num_tokens == block_tables.shape[0]:  # decode-shaped
         if num_tokens == 0:  # a rank with no tokens still runs the step (EP lockstep)
             return q.new_empty((0, q.shape[1], v_dim))
-        if not uses_flash_mla(q, kv_cache, v_dim):
+        if not uses_flash_mla(q, kv_cache, v_dim) or takes_split_kv(
+            num_tokens, whole_heads or q.shape[1]
+        ):
             return mla_decode_split_kv(
                 q, kv_cache, query_seq_ids, block_tables, positions, scale=scale, v_dim=v_dim
             )
@@ -139,6 +151,12 @@ def takes_invariant_launch(num_tokens: int, table_width: int, whole_heads: int) 
     return pairs <= INVARIANT_MAX_PAIRS or num_tokens >= INVARIANT_MIN_QUERIES
 
 
+def takes_split_kv(num_tokens: int, whole_heads: int) -> bool:
+    """Whether a decode batch that FlashMLA could serve runs the split-KV kernel instead
+    (SPLIT_KV_MAX_QUERIES; models of the wide launch's head count): host shapes only."""
+    return head_launch(whole_heads) is not NARROW_LAUNCH and num_tokens <= SPLIT_KV_MAX_QUERIES
+
+
 def uses_flash_mla(q: torch.Tensor, kv_cache: torch.Tensor, v_dim: int) -> bool:
     """Whether a decode-shaped batch with these inputs runs FlashMLA (host checks only)."""
     return (
@@ -165,6 +183,7 @@ class _StepPlan:
     cache_seqlens: torch.Tensor
     int_tables: torch.Tensor
     sched_meta: object
+    fence: torch.Tensor  # one element: _wait_for_earlier_kernels writes it
 
 
 # Keyed by id() of the step's positions tensor; an entry holds the tensor weakly and is dropped
@@ -206,9 +225,25 @@ def _step_plan(block_tables: torch.Tensor, positions: torch.Tensor) -> _StepPlan
             # Empty: the step's first call fills it on the device from cache_seqlens, so a
             # graph replay re-plans for its own lengths with no host sync.
             sched_meta=flash_mla.get_mla_metadata()[0],
+            fence=torch.zeros(1, dtype=torch.int32, device=positions.device),
         )
         _STEP_PLANS[key] = plan
     return plan
+
+
+def _wait_for_earlier_kernels(plan: _StepPlan) -> None:
+    """One plain launch (torch's fill of the plan's one-element fence) before FlashMLA's decode
+    kernel. Why: that kernel is launched with programmatic stream serialization (PDL) but does
+    not wait for the grid before it (its source leaves cudaGridDependencySynchronize out and
+    relies on the kernel before it not letting it launch early), while the Triton kernels here
+    let the next kernel launch as they start (moe_kernels/triton_pdl.py). After one of them
+    FlashMLA read the query or this step's cache row half written: in the engine at 128 heads
+    and B = 1, with cuBLAS's W_UK beside the cache write, the hidden state went bad and the
+    router's expert ids out of range, in every run with PDL on and in none without (H200,
+    twenty-ninth session). A plain launch starts when every kernel before it has ended and
+    lets FlashMLA start only when it ends itself. (The step's first layer had that by chance:
+    the metadata kernel, a plain launch, came right before it.)"""
+    plan.fence.zero_()
 
 
 def _decode_flash_mla(q, kv_cache, block_tables, positions, scale, v_dim) -> torch.Tensor:
@@ -217,6 +252,7 @@ def _decode_flash_mla(q, kv_cache, block_tables, positions, scale, v_dim) -> tor
     one metadata kernel a step instead of one a layer."""
     plan = _step_plan(block_tables, positions)
     cache_seqlens, tables, sched_meta = plan.cache_seqlens, plan.int_tables, plan.sched_meta
+    _wait_for_earlier_kernels(plan)
     out, _ = flash_mla.flash_mla_with_kvcache(
         q.unsqueeze(1),  # [B, s_q = 1, H, 576]
         kv_cache.unsqueeze(2),  # [NB, 64, h_kv = 1, 576]

@@ -150,6 +150,8 @@ def grouped_linear_fast(
 # FAST_TRITON_GROUPED_MIN_IN input features. H200, graph replay, V2-Lite's experts (BENCHMARKS.md,
 # grouped GEMM table): Triton 0.45-0.71 of `_grouped_mm`'s time at <= 6 rows an expert, 0.82
 # (gate_up) and 1.03 (down) at 24, 1.15-1.23 at >= 96. Narrower weights were not measured.
+# V3's 256 experts (gate_up 4096 x 7168, down 7168 x 2048, top-8 of 1 to 256 tokens: at most
+# 8 rows an expert): Triton 0.56-0.76 of its time at every size (twenty-eighth session).
 FAST_TRITON_GROUPED_MAX_MEAN_ROWS = 32
 FAST_TRITON_GROUPED_MIN_IN = 1024
 
@@ -178,20 +180,28 @@ def grouped_linear_by_rows(
 class ByRows:
     """A fast-mode op on CUDA run by `few` where its input x has at most max_rows rows (its
     dimension rows_dim, a host shape: no sync, any graph) and its weight at most max_out
-    output features (weight.shape[-2]; None: any), else by `many`; both have the op's
-    contract. Fast mode may run any kernel, so each op takes the one measured faster at its
-    size; the choice changes bits, as fast mode may."""
+    output features (weight.shape[-2]), max_in input features (weight.shape[-1]) and, for a
+    batched weight [batch, out, in], max_batch of them (None: any), else by `many`; both have
+    the op's contract. Fast mode may run any kernel, so each op takes the one measured faster
+    at its size; the choice changes bits, as fast mode may."""
 
     few: Callable
     many: Callable
     max_rows: int
     rows_dim: int = 0
     max_out: int | None = None
+    max_in: int | None = None
+    max_batch: int | None = None
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, **kwargs) -> torch.Tensor:
-        is_few = x.shape[self.rows_dim] <= self.max_rows
-        if self.max_out is not None:
-            is_few = is_few and weight.shape[-2] <= self.max_out
+        limits = [
+            (x.shape[self.rows_dim], self.max_rows),
+            (weight.shape[-2], self.max_out),
+            (weight.shape[-1], self.max_in),
+        ]
+        if weight.dim() == 3:
+            limits.append((weight.shape[0], self.max_batch))
+        is_few = all(limit is None or size <= limit for size, limit in limits)
         return (self.few if is_few else self.many)(x, weight, **kwargs)
 
 
@@ -201,29 +211,40 @@ class ByRows:
 # rows (BENCHMARKS.md, twenty-fourth session, `bench/gpu_kernels.py fast_choice`): kv_a 576 x
 # 2048 6.0-6.5 / 4.6-4.8 (won to 128 rows), o_proj 2048 x 2048 6.4 / 5.8-5.9 (to 16),
 # shared_down 2048 x 2816 8.5-8.6 / 6.7-6.9 (to 64); the wider ones lost (q_proj 3072 x 2048
-# 7.0 / 8.1, shared gate_up 5632 x 2048 9.2-9.6 / 10.3-10.4) or tied (lm_head).
+# 7.0 / 8.1, shared gate_up 5632 x 2048 9.2-9.6 / 10.3-10.4) or tied (lm_head). At V3's
+# shapes (twenty-eighth session, `fast_choice_v3`) the narrow ones won too: q_a 1536 x 7168
+# 10.5-11.3 / 9.8-10.0, kv_a 576 x 7168 8.0-8.2 / 6.9-7.1.
 FAST_TRITON_LINEAR_MAX_ROWS = 16
 FAST_TRITON_LINEAR_MAX_OUT = 2048
-# At one row every weight takes it: in the step, where the Triton kernels chain by PDL and
-# cuBLAS's do not, the engine's B = 1 decode step went from 2.51-2.60 to 2.26-2.27 ms with the
-# wider weights on Triton too; at B = 8 it gained nothing (5.32-5.33 ms without, 5.34-5.38
-# with; BENCHMARKS.md, twenty-fourth session).
+# At one row every weight of at most FAST_TRITON_LINEAR_ANY_OUT_MAX_IN input features takes
+# it: in the step, where the Triton kernels chain by PDL and cuBLAS's do not, the engine's
+# B = 1 decode step went from 2.51-2.60 to 2.26-2.27 ms with V2-Lite's wider weights (K 2048)
+# on Triton too; at B = 8 it gained nothing (5.32-5.33 ms without, 5.34-5.38 with;
+# BENCHMARKS.md, twenty-fourth session). V3's weights of longer K lost at one row (two runs,
+# twenty-eighth session): lm_head 129280 x 7168 417.6-428.8 / 456.3-475.8, shared gate_up
+# 4096 x 7168 21.4-21.7 / 25.6, o_proj 7168 x 16384 66.6-67.2 / 69.1-70.2; q_b 24576 x 1536
+# won, 23.8-24.2 / 22.4-22.9. (The last two differences are near the ~5 us a launch that PDL
+# chaining gave V2-Lite's B = 1 step; no V3-sized engine fits one GPU to weigh them there.)
 FAST_TRITON_LINEAR_ANY_OUT_ROWS = 1
+FAST_TRITON_LINEAR_ANY_OUT_MAX_IN = 2048
 # W_UK x16 (K 128, N 512) 3.8-4.1 / 2.9-3.3 to 64 rows (won to 256), W_UV x16 (K 512, N 128)
-# 4.1-4.4 / 3.6-4.1 to 64, lost from 128.
+# 4.1-4.4 / 3.6-4.1 to 64, lost from 128. At 128 heads both lost at every row count from 1 to
+# 64: W_UK x128 7.6-10.4 / 9.0-11.4, W_UV x128 7.5-10.5 / 8.8-11.5 (twenty-eighth session),
+# so only models of at most 16 heads (a rank's heads: the weight's batch) take it. Through the
+# engine (V2-Lite with 128 heads, three runs each): B = 1 3.45-3.47 ms a step against
+# 3.57-3.64 with Triton; B = 8 6.86-6.87 against 6.76-6.86, B = 64 10.40-10.57 against
+# 10.40-10.54 (within the runs' spread). Again with FlashMLA fenced (twenty-ninth session, one
+# run each, ms a step cuBLAS / Triton): B = 1 3.53 / 3.63, 8 6.88 / 6.98, 64 10.48 / 10.53.
 FAST_TRITON_BATCHED_MAX_ROWS = 64
-# 64 x 2048 with fp32 output 5.4-5.9 / 3.9-5.4 at every row count measured (1 to 256).
+FAST_TRITON_BATCHED_MAX_HEADS = 16
+# 64 x 2048 with fp32 output 5.4-5.9 / 3.9-5.4 at every row count measured (1 to 256); V3's
+# 256 x 7168 7.4-9.4 / 5.8-8.6 (a tie at 128 rows, 8.1 / 8.3).
 FAST_TRITON_ROUTER_MAX_ROWS = 256
-# Measured at V3's shapes too (`bench/gpu_kernels.py fast_choice_v3`, BENCHMARKS.md,
-# twenty-eighth session): the narrow weights, the router and the grouped GEMM rules held; two
-# did not. The batched W_UK / W_UV products at 128 heads lost on Triton at every row count to
-# 64 (cuBLAS / Triton 7.5-10.4 / 8.8-11.5 us), and V3's long-K weights lost at one row
-# (lm_head 129280 x 7168 417.6-428.8 / 456.3-475.8). Both corrections were tried and taken
-# back: through the engine at 128 heads, with cuBLAS's W_UK / W_UV in the B = 1 decode graph,
-# a two-step B = 1 run stopped on a device-side index assert in the MoE's row count
-# (cuda_graphs.py `_count_real_rows`) in five runs, and not in the one run of the same
-# command on the rules above; its cause was not found within the session's GPU time. Before
-# either returns: that run.
+# The two V3 rules (max_in and the head count) were taken back once (79cbea0): with cuBLAS's
+# W_UK / W_UV in the 128-head B = 1 decode graph the step's hidden state went bad. The cause
+# was FlashMLA's decode kernel reading its query before the kernels before it had ended (a
+# PDL launch that does not wait; moe_kernels/fast_attention.py `_wait_for_earlier_kernels`,
+# twenty-ninth session); with its fence the same run is clean and the rules are back.
 
 
 def grouped_linear_cuda_fast(

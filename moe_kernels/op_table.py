@@ -36,7 +36,9 @@ from moe_kernels.config import KernelConfig
 from moe_kernels.cumsum import cumsum_fast, cumsum_ref
 from moe_kernels.latent_cache import write_latent_cache_fast, write_latent_cache_ref
 from moe_kernels.linear import (
+    FAST_TRITON_BATCHED_MAX_HEADS,
     FAST_TRITON_BATCHED_MAX_ROWS,
+    FAST_TRITON_LINEAR_ANY_OUT_MAX_IN,
     FAST_TRITON_LINEAR_ANY_OUT_ROWS,
     FAST_TRITON_LINEAR_MAX_OUT,
     FAST_TRITON_LINEAR_MAX_ROWS,
@@ -174,11 +176,13 @@ def build_op_table(config: KernelConfig, device: torch.device | str) -> OpTable:
                 max_out=FAST_TRITON_LINEAR_MAX_OUT,
             )  # fmt: skip
             ops["linear"] = ByRows(
-                triton_linear, narrow_or_cublas, FAST_TRITON_LINEAR_ANY_OUT_ROWS
+                triton_linear, narrow_or_cublas, FAST_TRITON_LINEAR_ANY_OUT_ROWS,
+                max_in=FAST_TRITON_LINEAR_ANY_OUT_MAX_IN,
             )  # fmt: skip
             ops["batched_linear"] = ByRows(
                 triton_ops["batched_linear"], batched_linear_fast, FAST_TRITON_BATCHED_MAX_ROWS,
                 rows_dim=1,  # [heads, tokens, features]
+                max_batch=FAST_TRITON_BATCHED_MAX_HEADS,
             )  # fmt: skip
             ops["router_logits"] = ByRows(
                 triton_ops["router_logits"], router_logits_fast, FAST_TRITON_ROUTER_MAX_ROWS

@@ -152,7 +152,7 @@ def test_decode_shaped_batches_take_the_kernel_path(generator):
         (64, 16, 16, True),  # context 1024: 4 splits a query, 256 pairs
         (65, 16, 16, False),
         (256, 128, 16, True),  # the whole-query launch
-        (1, 64, 128, False),  # the wide launch: FlashMLA won everywhere
+        (1, 64, 128, False),  # the wide launch: FlashMLA won everywhere against it
         (256, 16, 64, False),
     ],
 )
@@ -167,6 +167,21 @@ def test_fast_decode_takes_the_invariant_launch_where_it_was_faster(
     assert NARROW_LAUNCH.split_blocks == 4
     assert (fast_attention.INVARIANT_MAX_PAIRS, fast_attention.INVARIANT_MIN_QUERIES) == (256, 256)
     assert fast_attention.takes_invariant_launch(num_tokens, table_width, whole_heads) is expected
+
+
+@pytest.mark.parametrize(
+    "num_tokens, whole_heads, expected",
+    [(1, 128, True), (4, 128, True), (5, 128, False), (64, 128, False), (1, 16, False)],
+)
+def test_fast_decode_takes_the_split_kv_kernel_where_it_was_faster(
+    num_tokens, whole_heads, expected
+):
+    """The rule from host shapes: wide-launch models (128 heads) at few queries; never a narrow
+    model (its own rule above)."""
+    from moe_kernels import fast_attention
+
+    assert fast_attention.SPLIT_KV_MAX_QUERIES == 4
+    assert fast_attention.takes_split_kv(num_tokens, whole_heads) is expected
 
 
 def _gpu_decode_batch(generator, num_heads):
@@ -189,6 +204,7 @@ def _use_path(monkeypatch, path: str) -> None:
     # here so each path runs whatever the test's shape.
     is_invariant = path == "invariant"
     monkeypatch.setattr(fast_attention, "takes_invariant_launch", lambda *_: is_invariant)
+    monkeypatch.setattr(fast_attention, "takes_split_kv", lambda *_: False)
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -294,3 +310,62 @@ def test_gpu_flash_mla_layers_of_a_step_share_one_plan(generator, monkeypatch):
         positions.copy_(new_positions)
         graph.replay()
         check(outs)
+
+
+LATE_SPINS = 200_000  # the late copy's busy loop: well over 100 us on an H200
+
+
+def _late_copy_kernel():
+    """A Triton copy launched as the kernels here are (PDL: it lets the next kernel launch as
+    it starts) that stores only after a busy loop, so a kernel that does not wait reads the
+    old values. Built on first use: CPU-only runs never load Triton's compiler front end."""
+    import triton
+    import triton.language as tl
+
+    from moe_kernels.triton_pdl import pdl_start
+
+    @triton.jit
+    def late_copy(src, dst, n, spins, PDL: tl.constexpr = False, BLOCK: tl.constexpr = 1024):
+        pdl_start(PDL)
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        x = tl.load(src + offs, mask=mask)
+        t = tl.zeros([BLOCK], tl.float32)
+        for _ in range(spins):
+            t = t * 0.5 + 1.0  # stays in (0, 2]: the store below keeps x
+        tl.store(dst + offs, tl.where(t > 0.0, x, 0.0).to(x.dtype), mask=mask)
+
+    return late_copy
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_flash_mla_reads_the_query_after_the_kernel_before_it_ends(generator, monkeypatch):
+    """FlashMLA's decode kernel is launched with PDL and does not wait for its predecessor; the
+    fence (_wait_for_earlier_kernels) makes it read the query only once the kernel that wrote
+    it has ended: the same bits as with the query written long before. Control: without the
+    fence, after a late-storing PDL kernel, it reads the unwritten (NaN) query."""
+    from moe_kernels import fast_attention, triton_pdl
+
+    _use_path(monkeypatch, "flash_mla")
+    launch = triton_pdl.pdl_launch(torch.device("cuda"))
+    assert launch, "this GPU has PDL (sm90) and launches asked for it"  # engagement
+    q, kv_cache, seq_ids, tables, positions = _gpu_decode_batch(generator, 128)
+    want = fast_attention.mla_decode_fast(q, kv_cache, seq_ids, tables, positions, **GPU_ARGS)
+    late_copy = _late_copy_kernel()
+
+    def written_late() -> torch.Tensor:
+        late = torch.full_like(q, float("nan"))
+        torch.cuda.synchronize()
+        grid = (-(-q.numel() // 1024),)
+        late_copy[grid](q, late, q.numel(), LATE_SPINS, **launch)
+        # The step's plan already exists (same positions and tables): no metadata kernel
+        # comes between, as in every layer after a step's first.
+        out = fast_attention.mla_decode_fast(late, kv_cache, seq_ids, tables, positions, **GPU_ARGS)
+        torch.cuda.synchronize()
+        return out
+
+    assert torch.equal(written_late(), want)
+    monkeypatch.setattr(fast_attention, "_wait_for_earlier_kernels", lambda plan: None)
+    raced = written_late()
+    assert not torch.equal(raced, want), "without the fence FlashMLA waited anyway"

@@ -248,7 +248,9 @@ def test_fast_cuda_linears_take_the_triton_kernel_only_where_it_is_faster():
     rows, out = linear.FAST_TRITON_LINEAR_MAX_ROWS, linear.FAST_TRITON_LINEAR_MAX_OUT
     any_out_rows = linear.FAST_TRITON_LINEAR_ANY_OUT_ROWS
     narrow = table.linear.many  # past any_out_rows rows: the narrow weights' rule
+    max_in = linear.FAST_TRITON_LINEAR_ANY_OUT_MAX_IN
     assert table.linear.max_rows == any_out_rows and table.linear.max_out is None
+    assert table.linear.max_in == max_in
     assert narrow.few is table.linear.few and narrow.many.__name__ == "linear_fast"
     if not torch.cuda.is_available():  # with a device: a stream's buffer a call (a closure)
         assert table.linear.few.func.__name__ == "linear_triton"
@@ -256,6 +258,12 @@ def test_fast_cuda_linears_take_the_triton_kernel_only_where_it_is_faster():
     # Any weight at any_out_rows rows, the op's keywords passed on.
     assert pick(table.linear, torch.empty(any_out_rows, 8), torch.empty(102400, 8),
                 whole_out_dim=None) == ("triton", {"whole_out_dim": None})  # fmt: skip
+    # A longer K goes to the narrow weights' rule even at one row (V3's o_proj, lm_head).
+    long_k = max_in + 1
+    assert pick(table.linear, torch.empty(1, max_in), torch.empty(102400, max_in))[0] == "triton"
+    assert pick(table.linear, torch.empty(1, long_k), torch.empty(4096, long_k))[0] == "cublas"
+    assert pick(narrow, torch.empty(1, long_k), torch.empty(576, long_k))[0] == "triton"
+    assert pick(narrow, torch.empty(1, long_k), torch.empty(out + 1, long_k))[0] == "cublas"
     assert pick(narrow, torch.empty(1, 8), torch.empty(out, 8))[0] == "triton"
     assert pick(narrow, torch.empty(rows, 8), torch.empty(576, 8))[0] == "triton"
     assert pick(narrow, torch.empty(rows + 1, 8), torch.empty(576, 8))[0] == "cublas"
@@ -265,6 +273,12 @@ def test_fast_cuda_linears_take_the_triton_kernel_only_where_it_is_faster():
     w_uk = torch.empty(16, 512, 128)
     assert pick(table.batched_linear, torch.empty(16, batched_rows, 128), w_uk)[0] == "triton"
     assert pick(table.batched_linear, torch.empty(1, batched_rows + 1, 128), w_uk)[0] == "cublas"
+    # More heads than measured winning (V3's 128 lost at every row count): cuBLAS.
+    heads = linear.FAST_TRITON_BATCHED_MAX_HEADS
+    w_wide = torch.empty(heads + 1, 512, 128)
+    assert pick(table.batched_linear, torch.empty(heads + 1, 1, 128), w_wide)[0] == "cublas"
+    w_rank = torch.empty(heads, 512, 128)
+    assert pick(table.batched_linear, torch.empty(heads, 1, 128), w_rank)[0] == "triton"
     router_rows = linear.FAST_TRITON_ROUTER_MAX_ROWS
     router = torch.empty(64, 2048)
     assert pick(table.router_logits, torch.empty(router_rows, 2048), router)[0] == "triton"
