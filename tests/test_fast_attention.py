@@ -312,32 +312,6 @@ def test_gpu_flash_mla_layers_of_a_step_share_one_plan(generator, monkeypatch):
         check(outs)
 
 
-LATE_SPINS = 200_000  # the late copy's busy loop: well over 100 us on an H200
-
-
-def _late_copy_kernel():
-    """A Triton copy launched as the kernels here are (PDL: it lets the next kernel launch as
-    it starts) that stores only after a busy loop, so a kernel that does not wait reads the
-    old values. Built on first use: CPU-only runs never load Triton's compiler front end."""
-    import triton
-    import triton.language as tl
-
-    from moe_kernels.triton_pdl import pdl_start
-
-    @triton.jit
-    def late_copy(src, dst, n, spins, PDL: tl.constexpr = False, BLOCK: tl.constexpr = 1024):
-        pdl_start(PDL)
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        x = tl.load(src + offs, mask=mask)
-        t = tl.zeros([BLOCK], tl.float32)
-        for _ in range(spins):
-            t = t * 0.5 + 1.0  # stays in (0, 2]: the store below keeps x
-        tl.store(dst + offs, tl.where(t > 0.0, x, 0.0).to(x.dtype), mask=mask)
-
-    return late_copy
-
-
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_flash_mla_reads_the_query_after_the_kernel_before_it_ends(generator, monkeypatch):
@@ -345,27 +319,21 @@ def test_gpu_flash_mla_reads_the_query_after_the_kernel_before_it_ends(generator
     fence (_wait_for_earlier_kernels) makes it read the query only once the kernel that wrote
     it has ended: the same bits as with the query written long before. Control: without the
     fence, after a late-storing PDL kernel, it reads the unwritten (NaN) query."""
-    from moe_kernels import fast_attention, triton_pdl
+    from moe_kernels import fast_attention
+    from tests.late_write import written_late
 
     _use_path(monkeypatch, "flash_mla")
-    launch = triton_pdl.pdl_launch(torch.device("cuda"))
-    assert launch, "this GPU has PDL (sm90) and launches asked for it"  # engagement
     q, kv_cache, seq_ids, tables, positions = _gpu_decode_batch(generator, 128)
     want = fast_attention.mla_decode_fast(q, kv_cache, seq_ids, tables, positions, **GPU_ARGS)
-    late_copy = _late_copy_kernel()
 
-    def written_late() -> torch.Tensor:
-        late = torch.full_like(q, float("nan"))
-        torch.cuda.synchronize()
-        grid = (-(-q.numel() // 1024),)
-        late_copy[grid](q, late, q.numel(), LATE_SPINS, **launch)
+    def after_a_late_write() -> torch.Tensor:
         # The step's plan already exists (same positions and tables): no metadata kernel
         # comes between, as in every layer after a step's first.
+        late = written_late(q)
         out = fast_attention.mla_decode_fast(late, kv_cache, seq_ids, tables, positions, **GPU_ARGS)
         torch.cuda.synchronize()
         return out
 
-    assert torch.equal(written_late(), want)
+    assert torch.equal(after_a_late_write(), want)
     monkeypatch.setattr(fast_attention, "_wait_for_earlier_kernels", lambda plan: None)
-    raced = written_late()
-    assert not torch.equal(raced, want), "without the fence FlashMLA waited anyway"
+    assert not torch.equal(after_a_late_write(), want), "without the fence FlashMLA waited anyway"
