@@ -7,7 +7,11 @@ finished and its writes are visible, and only then let the kernel after them lau
 kernel waits before its first load or store, so no kernel reads or writes anything earlier
 than it would have without PDL: the arithmetic and the bits are unchanged; only the launch
 gap shrinks. A kernel that is not launched with PDL (torch's, NCCL's, the Gluon kernel) runs
-as before: one that follows it starts when it ends.
+as before: one that follows it starts when it ends. A kernel from elsewhere that is launched
+with PDL must wait before its first read, since the kernel before it lets it launch early:
+FlashMLA's dense decode does not, so fast mode puts a plain launch before it
+(moe_kernels/fast_attention.py `_wait_for_earlier_kernels`); tests/test_gpu_pdl_followers.py
+probes the other kernels fast mode takes from elsewhere.
 
 H200, V2-Lite shape through the engine, graphs on (BENCHMARKS.md, twenty-second session):
 invariant decode B = 1 2.96 -> 2.82-2.83 ms/step, B = 8 6.08 -> 5.91-5.97, B = 64 9.64 ->
