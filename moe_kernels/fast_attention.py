@@ -5,10 +5,10 @@ DeepSeek's FlashMLA (the optional `flash_mla` package, dense bf16 decode on SM90
 and is the faster (the invariant launch or the split-KV kernel where that was measured faster:
 takes_invariant_launch, takes_split_kv), else the split-KV Triton kernel of
 moe_kernels/triton_attention.py with its split length chosen from the batch shape to fill the
-GPU. Neither path syncs with the host: every size comes from
-tensor shapes, so a decode step can be captured and replayed with new positions. Contract of
-`mla_attention_fast` (moe_kernels/attention.py); batches that are not decode-shaped run the paged
-Triton kernel (moe_kernels/triton_attention.py).
+GPU. Neither path syncs with the host: every size comes from tensor shapes, so a decode step
+can be captured and replayed with new positions. Contract of `mla_attention_fast`
+(moe_kernels/attention.py); batches that are not decode-shaped run the paged Triton kernel
+(moe_kernels/triton_attention.py).
 """
 
 from __future__ import annotations
