@@ -4,14 +4,15 @@ against one KV split of its latent cache, written with explicit Hopper layouts.
 Why Gluon: in `tl.dot` a score product whose result feeds another dot gets every warp along M,
 so with 8 warps both warpgroups computed the whole 64 x 64 score tile (BENCHMARKS.md, tenth and
 eleventh sessions). Here the score tile is split over the two warpgroups by key columns and the
-64 x 512 value accumulator by value columns, the cache blocks are copied into shared memory one
-block ahead by TMA (two stages, an mbarrier each; the next block's copy is issued while this
-block's score MMAs run, its table entry read a block earlier), and the probabilities reach the
-value MMA through shared memory. The warpgroups exchange their row maxima once a block through
-a [64, 2] tile and keep the row sums of their own keys (added at the end), so a block costs
-four barriers (nine in the first form, BENCHMARKS.md). Its partials feed the Triton merge
-kernel (moe_kernels/triton_attention.py). Nothing a program computes depends on other queries or on
-the heads next to its own, so the bits hold across batches, chunkings and TP head subsets.
+64 x 512 value accumulator by value columns, the cache blocks are copied into shared memory by
+TMA (two stages, an mbarrier each; a block's copy is issued as soon as its stage is free, when
+every warp's value MMA of the block two before it is done, its table entry read a block
+earlier), and the probabilities reach the value MMA through shared memory. The warpgroups
+exchange their row maxima once a block through a [64, 2] tile and keep the row sums of their
+own keys (added at the end), so a block costs three barriers (nine in the first form,
+BENCHMARKS.md). Its partials feed the Triton merge kernel (moe_kernels/triton_attention.py).
+Nothing a program computes depends on other queries or on the heads next to its own, so the
+bits hold across batches, chunkings and TP head subsets.
 """
 
 from __future__ import annotations
@@ -202,12 +203,17 @@ def _mla_wide_split_kernel(
         mbarrier.expect(bars.index(2), BLOCK_H * (V + R) * 2)
         tma.async_copy_global_to_shared(q_desc, [first_head, 0], bars.index(2), q_lat_s)
         tma.async_copy_global_to_shared(q_pe_desc, [first_head, V], bars.index(2), q_pe_s)
-        _copy_block(
-            lat_desc, pe_desc, gl.load(table + first_block), k_lat_s.index(0),
-            k_pe_s.index(0), bars.index(0), BS, V, R,
-        )  # fmt: skip
-        # Why one block ahead: the table read's latency is spent while a block is computed.
-        next_id = gl.load(table + gl.minimum(first_block + 1, last_block - 1))
+        # Why both stages at once: each block's copy is issued as soon as its stage is free
+        # (the value MMA of the block two before it is done), so while a block is computed
+        # the next one is already in flight.
+        for b in gl.static_range(2):
+            if first_block + b < last_block:
+                _copy_block(
+                    lat_desc, pe_desc, gl.load(table + first_block + b), k_lat_s.index(b),
+                    k_pe_s.index(b), bars.index(b), BS, V, R,
+                )  # fmt: skip
+        # Why read ahead: the table read's latency is spent while blocks are computed.
+        next_id = gl.load(table + gl.minimum(first_block + 2, last_block - 1))
         mbarrier.wait(bars.index(2), 0)
 
         row_max = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
@@ -254,16 +260,6 @@ def _mla_wide_split_kernel(
                 is_async=True,
             )  # fmt: skip
             scores = warpgroup_mma(q_lat_s, k_lat.permute((1, 0)), scores, is_async=True)
-            # While the score MMAs run: the next block's copy into the other stage, whose
-            # last reader (block j - 1's value MMA) every warp has waited for. (Issued
-            # after the max exchange below instead, one barrier fewer: 1-3% slower, H200.)
-            gl.thread_barrier()
-            if j + 1 < last_block:
-                _copy_block(
-                    lat_desc, pe_desc, next_id, k_lat_s.index(1 - stage),
-                    k_pe_s.index(1 - stage), bars.index(1 - stage), BS, V, R,
-                )  # fmt: skip
-                next_id = gl.load(table + gl.minimum(j + 2, last_block - 1))
             scores = warpgroup_mma_wait(num_outstanding=0, deps=(scores,))
             kv_ok = (j * BS + offs_s) <= position
             scores = gl.where(kv_ok[None, :], scores * scale, float("-inf"))
@@ -292,6 +288,14 @@ def _mla_wide_split_kernel(
             alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, O_L))
             acc = warpgroup_mma(p_s, k_lat, acc * alpha_o[:, None], is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            # This stage's last reader, every warp's value MMA, is done: block j + 2's copy.
+            gl.thread_barrier()
+            if j + 2 < last_block:
+                _copy_block(
+                    lat_desc, pe_desc, next_id, k_lat, k_pe_s.index(stage), bars.index(stage),
+                    BS, V, R,
+                )  # fmt: skip
+                next_id = gl.load(table + gl.minimum(j + 3, last_block - 1))
         row_sum = gl.convert_layout(gl.sum(row_sums, axis=1), gl.SliceLayout(1, S_L))
         heads = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, O_L))
         cols = gl.arange(0, V, layout=gl.SliceLayout(0, O_L))
