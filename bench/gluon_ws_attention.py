@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import subprocess
 import sys
+import tempfile
 from functools import partial
 from pathlib import Path
 
@@ -406,9 +406,9 @@ def timing(heads: int = 128) -> None:
         )
 
 
-def compile_only() -> None:
-    """Compile both launch forms for sm_90 here (no GPU needed): shared memory, and ptxas's
-    registers and stack."""
+def compile_sm90(write_out: bool) -> tuple[int, str]:
+    """Compile one launch form for sm_90 here (no GPU needed): (shared-memory bytes, ptxas's
+    line on registers and stack)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -422,30 +422,32 @@ def compile_only() -> None:
         "positions_ptr": "*i64", "acc_ptr": "*fp32", "stats_ptr": "*fp32", "out_ptr": "*bf16",
         "scale": "fp32", "num_heads": "i32", "num_splits": "i32", "table_width": "i32",
     }  # fmt: skip
-    ptxas = Path(triton.__file__).parent / "backends/nvidia/bin/ptxas"
-    for write_out in (False, True):
-        consts = dict(SPLIT_BLOCKS=16, TAIL_BLOCKS=2, WRITE_OUT=write_out, num_warps=4)
-        source = GluonASTSource(
-            _mla_ws_split_kernel, {**signature, **dict.fromkeys(consts, "constexpr")}, consts, {}
-        )
-        compiled = triton.compile(
-            source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=MAXNREG)
-        )
-        ptx = Path(os.environ.get("TMPDIR", "/tmp")) / f"mla_ws_{int(write_out)}.ptx"
+    consts = dict(SPLIT_BLOCKS=16, TAIL_BLOCKS=2, WRITE_OUT=write_out, num_warps=4)
+    source = GluonASTSource(
+        _mla_ws_split_kernel, {**signature, **dict.fromkeys(consts, "constexpr")}, consts, {}
+    )
+    compiled = triton.compile(
+        source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=MAXNREG)
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = Path(tmp) / "mla_ws.ptx"
         ptx.write_text(compiled.asm["ptx"])
         info = subprocess.run(
-            [str(ptxas), "-arch=sm_90a", "-v", str(ptx), "-o", os.devnull],
+            [str(Path(triton.__file__).parent / "backends/nvidia/bin/ptxas"), "-arch=sm_90a",
+             "-v", str(ptx), "-o", str(Path(tmp) / "mla_ws.cubin")],
             capture_output=True, text=True, check=True,
         ).stderr  # fmt: skip
-        used = [line.split(":", 1)[1].strip() for line in info.splitlines() if "Used" in line]
-        print(f"WRITE_OUT={write_out}: shared {compiled.metadata.shared} bytes; {used}")
+    used = next(line.split(":", 1)[1].strip() for line in info.splitlines() if "Used" in line)
+    return compiled.metadata.shared, used
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--compile-only", action="store_true", help="sm_90 compile, no GPU")
     if parser.parse_args().compile_only:
-        compile_only()
+        for write_out in (False, True):
+            shared, used = compile_sm90(write_out)
+            print(f"WRITE_OUT={write_out}: shared {shared} bytes; {used}")
         return
     torch.cuda.init()
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  "
