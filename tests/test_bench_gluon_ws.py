@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 
 from bench.gluon_ws_attention import compile_sm90
-
-SM90_SHARED_BYTES = 232448  # the H100/H200 limit on one block's dynamic shared memory
+from tests.test_gluon_attention import SM90_SHARED_BYTES
 
 
 @pytest.mark.parametrize("write_out", (False, True))
