@@ -340,9 +340,10 @@ def _reference(q, kv_cache, tables, positions, scale):
     return torch.stack(outs)
 
 
-def check(heads: int = 128) -> None:
+def check(launch=None, label: str = "warp-specialised", heads: int = 128) -> None:
     """Queries over 1 to 38 blocks (partial last blocks, tails, several splits): error against
-    fp32 next to the kernel's; repeat and alone-vs-batched bits."""
+    fp32 next to the kernel's; repeat and alone-vs-batched bits. launch: a form's split launch
+    (launch_wide_split's signature; this file's by default)."""
     from moe_kernels.gluon_attention import launch_wide_split
 
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -357,26 +358,25 @@ def check(heads: int = 128) -> None:
     ref = _reference(q, kv, tables, positions, 192**-0.5)
     with _split_launch(launch_wide_split):
         kernel = split_attention(q, *args)
-    with _split_launch(launch_ws_split):
+    with _split_launch(launch or launch_ws_split):
         ws, again = split_attention(q, *args), split_attention(q, *args)
         alone = split_attention(q[3:4], kv, seq_ids[3:4], tables, positions[3:4], 192**-0.5, 512)
     print(
-        f"max |error| vs fp32: kernel {(kernel.float() - ref).abs().max():.4f}, warp-specialised "
+        f"max |error| vs fp32: kernel {(kernel.float() - ref).abs().max():.4f}, {label} "
         f"{(ws.float() - ref).abs().max():.4f}; repeat equal {torch.equal(ws, again)}; "
         f"alone equal {torch.equal(alone, ws[3:4])}",
         flush=True,
     )
 
 
-def timing(heads: int = 128) -> None:
-    """Graph replay over L2-missing caches (bench/gpu_kernels.py's _graph_ms), µs."""
+def timing(launch=None, label: str = "warp-specialised", heads: int = 128) -> None:
+    """Graph replay over L2-missing caches (bench/gpu_kernels.py's _graph_ms), µs; launch as
+    in check."""
     from bench.gpu_kernels import ATTENTION_GRAPH_CALLS, _graph_ms
     from moe_kernels.fast_attention import mla_decode_fast
     from moe_kernels.gluon_attention import launch_wide_split
 
-    print(
-        "| B | ctx | FlashMLA (one plan) | kernel, split launch | warp-specialised | ws / kernel |"
-    )
+    print(f"| B | ctx | FlashMLA (one plan) | kernel, split launch | {label} | form / kernel |")
     print("|---|---|---|---|---|---|")
     for batch, ctx in ((1, 4096), (64, 1024), (64, 4096), (128, 2048), (256, 1024), (32, 8192)):
         blocks = -(-ctx // 64)
@@ -397,7 +397,7 @@ def timing(heads: int = 128) -> None:
         flash = _graph_ms(partial(make, mla_decode_fast, step()), read, calls)
         with _split_launch(launch_wide_split):
             kernel = _graph_ms(partial(make, split_attention), read, calls)
-        with _split_launch(launch_ws_split):
+        with _split_launch(launch or launch_ws_split):
             ws = _graph_ms(partial(make, split_attention), read, calls)
         print(
             f"| {batch} | {ctx} | {flash * 1e3:.1f} | {kernel * 1e3:.1f} | {ws * 1e3:.1f} | "
@@ -406,9 +406,10 @@ def timing(heads: int = 128) -> None:
         )
 
 
-def compile_sm90(write_out: bool) -> tuple[int, str]:
+def compile_sm90(write_out: bool, kernel=None) -> tuple[int, str]:
     """Compile one launch form for sm_90 here (no GPU needed): (shared-memory bytes, ptxas's
-    line on registers and stack)."""
+    line on registers and stack). kernel: a form with this file's kernel signature (this
+    file's by default)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -429,7 +430,10 @@ def compile_sm90(write_out: bool) -> tuple[int, str]:
     aligned = [n for n in signature if n.endswith("_ptr")] + ["num_heads"]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     source = GluonASTSource(
-        _mla_ws_split_kernel, {**signature, **dict.fromkeys(consts, "constexpr")}, consts, attrs
+        kernel or _mla_ws_split_kernel,
+        {**signature, **dict.fromkeys(consts, "constexpr")},
+        consts,
+        attrs,
     )
     compiled = triton.compile(
         source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=MAXNREG)
