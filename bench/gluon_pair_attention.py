@@ -62,26 +62,44 @@ PE = gl.constexpr(2)
 
 
 @gluon.jit
-def _copy_part(lat_desc, pe_desc, block_id, part: gl.constexpr, smem, bar):
-    """TMA copy of one part (LO, HI: a latent half; PE: the rope columns) of cache block
-    block_id, completing on bar."""
+def _copy_part(tile_desc, block_id, part: gl.constexpr, smem, ready, stage: gl.constexpr):
+    """TMA copies of one part (LO, HI: a latent half, four 64-column tiles; PE: the rope
+    columns, one) of cache block block_id into smem, each tile completing on its own ready
+    barrier (tile * 2 + stage; tiles 0-3 LO, 4-7 HI, 8 the rope), so the score product can
+    start on a part's first tile while the rest is in flight."""
     row = (block_id * BS).to(gl.int32)
     if part == PE:
+        bar = ready.index(8 * 2 + stage)
         mbarrier.expect(bar, BS * R * 2)
-        tma.async_copy_global_to_shared(pe_desc, [row, V], bar, smem)
+        tma.async_copy_global_to_shared(tile_desc, [row, V], bar, smem)
     else:
-        mbarrier.expect(bar, BS * (V // 2) * 2)
-        tma.async_copy_global_to_shared(lat_desc, [row, part * (V // 2)], bar, smem)
+        for c in gl.static_range(4):
+            bar = ready.index((part * 4 + c) * 2 + stage)
+            mbarrier.expect(bar, BS * 64 * 2)
+            tma.async_copy_global_to_shared(
+                tile_desc, [row, part * (V // 2) + c * 64], bar, smem.slice(c * 64, 64, dim=1)
+            )  # fmt: skip
 
 
 @gluon.jit
 def _score_part(q_part, k_part, ready, part: gl.constexpr, stage: gl.constexpr, phase, sc,
                 use_acc: gl.constexpr):  # fmt: skip
-    """Wait for (part, stage) to land, then issue its share of the score product."""
-    mbarrier.wait(ready.index(part * 2 + stage), phase)
-    return warpgroup_mma(
-        q_part, k_part.index(stage).permute((1, 0)), sc, use_acc=use_acc, is_async=True
-    )  # fmt: skip
+    """Issue a part's share of the score product, each 64-column tile as it lands."""
+    if part == PE:
+        mbarrier.wait(ready.index(8 * 2 + stage), phase)
+        sc = warpgroup_mma(
+            q_part, k_part.index(stage).permute((1, 0)), sc, use_acc=use_acc, is_async=True
+        )  # fmt: skip
+    else:
+        for c in gl.static_range(4):
+            mbarrier.wait(ready.index((part * 4 + c) * 2 + stage), phase)
+            q_tile = q_part.slice(c * 64, 64, dim=1)
+            k_tile = k_part.index(stage).slice(c * 64, 64, dim=1).permute((1, 0))
+            if c == 0:
+                sc = warpgroup_mma(q_tile, k_tile, sc, use_acc=use_acc, is_async=True)
+            else:
+                sc = warpgroup_mma(q_tile, k_tile, sc, is_async=True)
+    return sc
 
 
 @gluon.jit
@@ -264,7 +282,7 @@ def _refill(lat_desc, pe_desc, block_id, part: gl.constexpr, stage: gl.constexpr
     q_lo_s, q_hi_s, q_pe_s, k_lo_s, k_hi_s, k_pe_s, p_s, mx_s, l_s = smem
     mbarrier.wait(free.index(part * 2 + stage), phase)
     dest = (k_lo_s, k_hi_s, k_pe_s)[part].index(stage)
-    _copy_part(lat_desc, pe_desc, block_id, part, dest, ready.index(part * 2 + stage))
+    _copy_part(pe_desc, block_id, part, dest, ready, stage)
 
 
 @gluon.jit
@@ -329,15 +347,17 @@ def _mla_pair_split_kernel(
             gl.allocate_shared_memory(gl.float32, [BLOCK_H], vec_s))  # fmt: skip
     l_s = (gl.allocate_shared_memory(gl.float32, [BLOCK_H], vec_s),
            gl.allocate_shared_memory(gl.float32, [BLOCK_H], vec_s))  # fmt: skip
-    # ready / free: part * 2 + stage (six used; arrays of a power-of-two length).
-    ready = gl.allocate_shared_memory(gl.int64, [8, 1], mbarrier.MBarrierLayout())
+    # ready: tile * 2 + stage (_copy_part); free: part * 2 + stage (arrays of a power-of-two
+    # length).
+    ready = gl.allocate_shared_memory(gl.int64, [32, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [8, 1], mbarrier.MBarrierLayout())
     mx_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     p_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     l_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     q_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
-    for b in gl.static_range(6):
+    for b in gl.static_range(18):
         mbarrier.init(ready.index(b), count=1)
+    for b in gl.static_range(6):
         # Every part is released by the one partition whose value product reads it last (the
         # score product before it is done by then; the rope part holds the probabilities).
         mbarrier.init(free.index(b), count=1)
@@ -355,9 +375,9 @@ def _mla_pair_split_kernel(
     for b in gl.static_range(2):
         if b < n:
             block_id = gl.load(table + first_block + b)
-            _copy_part(lat_desc, pe_desc, block_id, LO, k_lo_s.index(b), ready.index(LO * 2 + b))
-            _copy_part(lat_desc, pe_desc, block_id, HI, k_hi_s.index(b), ready.index(HI * 2 + b))
-            _copy_part(lat_desc, pe_desc, block_id, PE, k_pe_s.index(b), ready.index(PE * 2 + b))
+            _copy_part(pe_desc, block_id, LO, k_lo_s.index(b), ready, b)
+            _copy_part(pe_desc, block_id, HI, k_hi_s.index(b), ready, b)
+            _copy_part(pe_desc, block_id, PE, k_pe_s.index(b), ready, b)
     smem = (q_lo_s, q_hi_s, q_pe_s, k_lo_s, k_hi_s, k_pe_s, p_s, mx_s, l_s)
     scal = (table, position, first_block, n, t, head_block, split, num_heads, num_splits, scale)
     bars = (q_bar, ready, free, mx_bar, p_bar, l_bar)
