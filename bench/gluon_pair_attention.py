@@ -135,11 +135,10 @@ def _publish(buf, bar, values):
 
 
 @gluon.jit
-def _publish_probs(W: gl.constexpr, smem, p_bar, p, j, position):
-    """Block j's probabilities for the other partition (partition 0's in their own buffer, so
-    its stage's rope part frees as soon as the scores are done; partition 1's over its stage's
-    rope rows), its value rows past the position zeroed first if it is the query's last block
-    (an unwritten slot may hold a NaN, and 0 x NaN is a NaN)."""
+def _zero_tail(W: gl.constexpr, smem, j, position):
+    """If block j (stage W) is the query's last, zero its value rows past the position (an
+    unwritten slot may hold a NaN, and 0 x NaN is a NaN) before any value product reads
+    them."""
     q_lo_s, q_hi_s, q_pe_s, k_lo_s, k_hi_s, k_pe_s, p_s, mx_s, l_s = smem
     ZERO_L: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
     num_ok = position - j * BS + 1
@@ -150,21 +149,37 @@ def _publish_probs(W: gl.constexpr, smem, p_bar, p, j, position):
             piece.store(gl.where(keep, piece.load(ZERO_L), 0.0))
             piece = k_hi_s.index(W).slice(c, 64, dim=1)
             piece.store(gl.where(keep, piece.load(ZERO_L), 0.0))
-    _publish((p_s, k_pe_s.index(1))[W], p_bar.index(W), p)
+        fence_async_shared()
+        gl.thread_barrier()
+
+
+@gluon.jit
+def _own_value_product(p16, v_smem, acc, free_bar, P_L: gl.constexpr):
+    """acc + p16 (this partition's block's probabilities, from registers) x v_smem, then the
+    release of v_smem's half of the stage."""
+    acc = warpgroup_mma(gl.convert_layout(p16, P_L), v_smem, acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    gl.thread_barrier()
+    mbarrier.arrive(free_bar, count=1)
+    return acc
 
 
 @gluon.jit
 def _consumer(W: gl.constexpr, smem, bars, scal, ptrs, WRITE_OUT: gl.constexpr):
-    """Partition W: the scores of block 2k + W of every pair k (stage W); the pair's softmax
-    step (one max for both blocks); its own block's probabilities (from registers) and then the
-    other's (from shared memory) times value columns [256 W, 256 W + 256); then its half of the
-    output (WRITE_OUT) or of the split's partial acc, and (W = 0) the partial's max and sum."""
+    """Partition W: the scores of block 2k + W of every pair k (stage W) and its softmax step;
+    its own block's probabilities (from registers) and then the other's (from shared memory)
+    times value columns [256 W, 256 W + 256); then its half of the output (WRITE_OUT) or of the
+    split's partial acc, and (W = 0) the partial's max and sum.
+
+    The max chain runs m -> m_a (block 2k) -> m_b (block 2k + 1), as a block-by-block online
+    softmax would, but partition 0 multiplies block 2k's probabilities into its half at once
+    (scaled to m_a) and gives partition 1 them rescaled to m_b, so it never waits for block
+    2k + 1's scores before its own value product; partition 1 scales its half to m_b once."""
     q_lo_s, q_hi_s, q_pe_s, k_lo_s, k_hi_s, k_pe_s, p_s, mx_s, l_s = smem
     q_bar, ready, free, mx_bar, p_bar, l_bar = bars
     table, position, first_block, n, t, head_block, split, num_heads, num_splits, scale = scal
     acc_ptr, stats_ptr, out_ptr = ptrs
     HV: gl.constexpr = V // 2
-    HALF: gl.constexpr = LO if W == 0 else HI  # this partition's value columns
     S_L: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]
     )
@@ -174,7 +189,6 @@ def _consumer(W: gl.constexpr, smem, bars, scal, ptrs, WRITE_OUT: gl.constexpr):
     P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
     ROW: gl.constexpr = gl.SliceLayout(1, S_L)
     OROW: gl.constexpr = gl.SliceLayout(1, O_L)
-    k_half = (k_lo_s, k_hi_s)[W]
     mbarrier.wait(q_bar, 0)
     m_run = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=ROW)
     l_own = gl.zeros([BLOCK_H], gl.float32, layout=ROW)  # this partition's blocks' sums
@@ -182,52 +196,71 @@ def _consumer(W: gl.constexpr, smem, bars, scal, ptrs, WRITE_OUT: gl.constexpr):
     for k in range((n + 1) // 2):
         phase = k & 1
         has_b = 2 * k + 1 < n
-        is_owner = (W == 0) | has_b  # partition 1 owns no block in a last pair of one
         j = first_block + 2 * k + W
-        if is_owner:
-            sc = _block_scores(W, smem, ready, phase, j, position, scale, S_L)
-            if W == 0:  # the rope part's last reader was the score product
-                gl.thread_barrier()
-                mbarrier.arrive(free.index(PE * 2 + 0), count=1)
-            mx = gl.max(sc, axis=1)
-            _publish(mx_s[W], mx_bar.index(W), mx)
-        else:
-            sc = gl.full([BLOCK_H, BS], float("-inf"), gl.float32, layout=S_L)
-            mx = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=ROW)
-        # The pair's max (one softmax step for both blocks): the same values in both.
         if W == 0:
-            m_new = gl.maximum(m_run, mx)
+            sc = _block_scores(0, smem, ready, phase, j, position, scale, S_L)
+            gl.thread_barrier()  # the rope part's last reader was the score product
+            mbarrier.arrive(free.index(PE * 2 + 0), count=1)
+            mx = gl.max(sc, axis=1)
+            _publish(mx_s[0], mx_bar.index(0), mx)
+            m_a = gl.maximum(m_run, mx)
+            alpha_a = gl.exp(m_run - m_a)
+            p = gl.exp(sc - m_a[:, None])
+            l_own = l_own * alpha_a + gl.sum(p, axis=1)
+            acc = acc * gl.convert_layout(alpha_a, OROW)[:, None]
+            _zero_tail(0, smem, j, position)
+            p16 = p.to(gl.bfloat16)
+            acc = warpgroup_mma(gl.convert_layout(p16, P_L), k_lo_s.index(0), acc, is_async=True)
+            m_b = m_a
             if has_b:
                 mbarrier.wait(mx_bar.index(1), phase)
-                m_new = gl.maximum(m_new, mx_s[1].load(ROW))
-        else:
-            mbarrier.wait(mx_bar.index(0), phase)
-            m_new = gl.maximum(gl.maximum(m_run, mx_s[0].load(ROW)), mx)
-        alpha = gl.exp(m_run - m_new)
-        l_own = l_own * alpha
-        acc = acc * gl.convert_layout(alpha, OROW)[:, None]
-        if is_owner:
-            p = gl.exp(sc - m_new[:, None])
-            l_own = l_own + gl.sum(p, axis=1)
-            p16 = p.to(gl.bfloat16)
-            _publish_probs(W, smem, p_bar, p16, j, position)
-            # Own block: probabilities from registers; then this half of the stage is free.
-            acc = warpgroup_mma(
-                gl.convert_layout(p16, P_L), k_half.index(W), acc, is_async=True
-            )  # fmt: skip
+                m_b = gl.maximum(m_a, mx_s[1].load(ROW))
+            alpha_b = gl.exp(m_a - m_b)
+            if has_b:  # block 2k's probabilities for partition 1, rescaled to m_b
+                p16 = (p * alpha_b[:, None]).to(gl.bfloat16)
+            _publish(p_s, p_bar.index(0), p16)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             gl.thread_barrier()
-            mbarrier.arrive(free.index(HALF * 2 + W), count=1)
-        if W == 1 or has_b:  # the other partition's block: probabilities from shared memory
-            mbarrier.wait(p_bar.index(1 - W), phase)
-            other_p = (k_pe_s.index(1), p_s)[W]
-            acc = warpgroup_mma(other_p, k_half.index(1 - W), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            gl.thread_barrier()
-            mbarrier.arrive(free.index(HALF * 2 + 1 - W), count=1)
-            if W == 0:  # partition 1's probabilities lie over stage 1's rope rows
+            mbarrier.arrive(free.index(LO * 2 + 0), count=1)
+            if has_b:  # block 2k + 1's probabilities (at m_b) from shared memory
+                l_own = l_own * alpha_b
+                acc = acc * gl.convert_layout(alpha_b, OROW)[:, None]
+                mbarrier.wait(p_bar.index(1), phase)
+                acc = warpgroup_mma(k_pe_s.index(1), k_lo_s.index(1), acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                gl.thread_barrier()
+                mbarrier.arrive(free.index(LO * 2 + 1), count=1)
                 mbarrier.arrive(free.index(PE * 2 + 1), count=1)
-        m_run = m_new
+        else:
+            if has_b:
+                sc = _block_scores(1, smem, ready, phase, j, position, scale, S_L)
+                mx = gl.max(sc, axis=1)
+                _publish(mx_s[1], mx_bar.index(1), mx)
+                mbarrier.wait(mx_bar.index(0), phase)
+                m_a = gl.maximum(m_run, mx_s[0].load(ROW))
+                m_b = gl.maximum(m_a, mx)
+                alpha = gl.exp(m_run - m_a) * gl.exp(m_a - m_b)
+                p = gl.exp(sc - m_b[:, None])
+                l_own = l_own * alpha + gl.sum(p, axis=1)
+                acc = acc * gl.convert_layout(alpha, OROW)[:, None]
+                _zero_tail(1, smem, j, position)
+                p16 = p.to(gl.bfloat16)
+                _publish(k_pe_s.index(1), p_bar.index(1), p16)  # over the rope rows
+                acc = _own_value_product(p16, k_hi_s.index(1), acc, free.index(HI * 2 + 1), P_L)
+            else:  # a last pair of one block
+                mbarrier.wait(mx_bar.index(0), phase)
+                m_a = gl.maximum(m_run, mx_s[0].load(ROW))
+                m_b = m_a
+                alpha = gl.exp(m_run - m_a)
+                l_own = l_own * alpha
+                acc = acc * gl.convert_layout(alpha, OROW)[:, None]
+            # Block 2k's probabilities (at m_b) from shared memory.
+            mbarrier.wait(p_bar.index(0), phase)
+            acc = warpgroup_mma(p_s, k_hi_s.index(0), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            gl.thread_barrier()
+            mbarrier.arrive(free.index(HI * 2 + 0), count=1)
+        m_run = m_b
     if n > 0:
         # Each partition's sum of its blocks' probabilities, added in one order by both.
         _publish(l_s[W], l_bar.index(W), l_own)
