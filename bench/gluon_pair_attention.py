@@ -322,8 +322,8 @@ def _refill(lat_desc, pe_desc, block_id, part: gl.constexpr, stage: gl.constexpr
 def _loader(smem, bars, descs, scal, ptrs):
     """Pairs 1 .. of the split: each part of each stage copied as the pair before releases it,
     in the order they free (stage 0's rope part after its scores, each partition's own value
-    half after its first value product, the rest after the second), the pair's table entries
-    read before the waits."""
+    half after its first value product, then partition 0's second, then partition 1's), the
+    pair's table entries read before the waits."""
     q_bar, ready, free, mx_bar, p_bar, l_bar = bars
     lat_desc, pe_desc = descs
     table, position, first_block, n, t, head_block, split, num_heads, num_splits, scale = scal
@@ -338,10 +338,9 @@ def _loader(smem, bars, descs, scal, ptrs):
         _refill(lat_desc, pe_desc, a_id, LO, 0, phase, smem, ready, free)
         if has_b:
             _refill(lat_desc, pe_desc, b_id, HI, 1, phase, smem, ready, free)
-        _refill(lat_desc, pe_desc, a_id, HI, 0, phase, smem, ready, free)
-        if has_b:
             _refill(lat_desc, pe_desc, b_id, LO, 1, phase, smem, ready, free)
             _refill(lat_desc, pe_desc, b_id, PE, 1, phase, smem, ready, free)
+        _refill(lat_desc, pe_desc, a_id, HI, 0, phase, smem, ready, free)
 
 
 @gluon.jit(do_not_specialize=["num_splits", "table_width"])
