@@ -130,14 +130,12 @@ WHOLE_QUERY_STAGES = ((256, 2), (128, 3))
 # BENCHMARKS.md, twenty-seventh session), where a program a group ran 0.99-1.06x: the park's
 # stores alone, in the program's loop over groups and never reached by a query of one group,
 # cost 15-30%. So no launch has that form, and the kernel has none.
-# Wide launches (the Gluon kernel) with at least this many (query, head block) programs and
-# tables wider than one split give each program a whole query too: its splits folded in the
-# program with the merge kernel's arithmetic, the running fold parked in two fp32 slots (no
-# registers are left for it), so no merge launch runs. The same bits as the split launch
-# (checked on the GPU). H200, 128 heads, graph replay (BENCHMARKS.md): context 1032 (two
-# splits) B = 64 / 128 / 256 0.92-0.94x the split launch's time, context 4096 B = 64 1.00x,
-# B = 32 (64 programs) 1.11x, and where a table holds one split 1.02x.
-WIDE_WHOLE_QUERY_PROGRAMS = 128
+# Wide launches (the Gluon kernel) always take the split launch and its merge. The kernel
+# before the paired one also had a whole-query form (splits folded in the program, the running
+# fold parked in two fp32 slots), 0.92-1.00x its split launch from 128 programs; the paired
+# kernel's form held 740 bytes of spills a thread and ran 1.26-1.29x the kernel before it
+# (H200, BENCHMARKS.md, thirty-first session), while its split launch runs 0.82-0.90x that
+# kernel's whole-query form, so it has none.
 # Split launches of at most this many (query, KV split) pairs (the splits counted from the
 # table's width, as VALUE_SPLIT_MAX_PAIRS) also read the table a block ahead at three stages
 # (no arithmetic changes: the same bits, checked on the GPU). H200, 16 heads, graph replay,

@@ -22,7 +22,6 @@ from moe_kernels.attention_launch import (
     BLOCK_H,
     TABLE_AHEAD_MAX_PAIRS,
     WIDE_LAUNCH,
-    WIDE_WHOLE_QUERY_PROGRAMS,
     check_runs,
     group_launch,
     head_launch,
@@ -305,14 +304,9 @@ def mla_attention_triton(
         v_parts, lat_chunk = value_split(q.shape[0], block_v, num_splits)
     is_wide = launch == WIDE_LAUNCH and not _is_interpreted()
     is_gluon = is_wide and fits_gluon(q, kv_cache, v_dim, launch.block_h)
-    # (query, head block) programs: the value split's parts of a launch are not counted (a
-    # launch that splits its values has few pairs: the split launch).
-    num_programs = q.shape[0] * triton.cdiv(q.shape[1], launch.block_h)
     whole_stages = None
     if is_narrow_launch and v_parts == 1:  # a program a query or a query's group
         whole_stages = group_launch(launch, q.shape[0], q.shape[1], block_tables.shape[1])
-    # (Where the table holds one split the split launch writes the output directly already.)
-    is_wide_whole = is_gluon and num_programs >= WIDE_WHOLE_QUERY_PROGRAMS and num_splits > 1
     # The table read ahead gives the pipeliner a second cache-block buffer: 16-bit blocks only
     # (fp32 blocks are twice the bytes: 336 KB of shared memory then, sm_90 has 227).
     is_ahead_ok = is_narrow_launch and q.element_size() == 2
@@ -321,7 +315,7 @@ def mla_attention_triton(
         q, kv_cache, query_seq_ids, block_tables, positions, scale, v_dim, launch.split_blocks,
         launch.num_warps, whole_stages or launch.num_stages, launch.block_h, v_parts=v_parts,
         lat_chunk=lat_chunk, is_gluon=is_gluon,
-        is_whole_query=whole_stages is not None or is_wide_whole,
+        is_whole_query=whole_stages is not None,
         is_table_ahead=is_ahead or (whole_stages is not None and is_ahead_ok),
         tail_blocks=launch.tail_blocks, group_splits=launch.group_splits,
         group_tail=launch.group_tail,
@@ -337,8 +331,8 @@ def _attend(
     """The launches; the launch parameters are arguments so bench/ can sweep them (tail_blocks:
     HeadLaunch's, the blocks a query's last split takes on past its whole splits). is_gluon:
     the Gluon split kernel (its own fixed warps and stages; fits_gluon's shapes);
-    is_whole_query: a program a query's head block walks all its splits (the Gluon kernel
-    parks its running fold in two fp32 slots a query and head block instead of registers);
+    is_whole_query: a program a query's head block walks all its splits (the Triton kernel
+    only: the Gluon one has the split launch alone, attention_launch.py says why);
     is_table_ahead (default: is_whole_query): each block's table entry read a block earlier;
     group_splits and group_tail (HeadLaunch's): a query's splits fold in groups of this many
     (0: one group), the last taking up to group_tail blocks more, then the groups; a
@@ -346,6 +340,8 @@ def _attend(
     check_runs(split_blocks, tail_blocks, group_splits, group_tail)
     if group_splits and is_gluon:
         raise ValueError(f"group_splits {group_splits} needs the Triton kernel, not the Gluon one")
+    if is_whole_query and is_gluon:
+        raise ValueError("the whole-query launch needs the Triton kernel, not the Gluon one")
     group_blocks = group_splits * split_blocks
     num_tokens, num_heads, cache_dim = q.shape
     out = q.new_empty((num_tokens, num_heads, v_dim))
@@ -369,18 +365,14 @@ def _attend(
         slot_blocks, slot_tail, merge_groups = group_blocks, group_tail, 0
     elif is_whole_query:
         num_splits = 1
-    is_gluon_parked = is_gluon and is_whole_query
-    per_token = (2 if is_gluon_parked else num_splits) * num_heads * (block_v + 2) * 4
+    per_token = num_splits * num_heads * (block_v + 2) * 4
     group = min(max(1, PARTIAL_BYTES // per_token), MAX_GRID_Y)
     is_fp32 = q.dtype == torch.float32
     is_direct = num_splits == 1
     for start in range(0, num_tokens, group):  # launch boundaries only: rows are independent
         rows = slice(start, min(start + group, num_tokens))
         count = rows.stop - rows.start
-        if is_gluon_parked:
-            acc = torch.empty((count, 2, num_heads, block_v), device=q.device)
-            stats = acc  # never written
-        elif is_direct:
+        if is_direct:
             acc, stats = out[rows], out  # stats never written: WRITE_OUT returns first
         else:
             acc = torch.empty((count, num_splits, num_heads, block_v), device=q.device)
@@ -390,7 +382,7 @@ def _attend(
         if is_gluon:
             launch_wide_split(
                 grid, q[rows], kv_cache, seq_ids, block_tables, pos, acc, stats, out[rows],
-                scale, num_splits, split_blocks, tail_blocks, is_direct, is_whole_query,
+                scale, num_splits, split_blocks, tail_blocks, is_direct,
             )  # fmt: skip
         else:
             _mla_split_kernel[grid](

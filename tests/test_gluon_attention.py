@@ -1,6 +1,6 @@
 """The Gluon attention kernel without a GPU: it compiles for sm_90 from this machine's Triton
-(the same front end as the GPU machine's), inside the GPU's shared memory and without
-spilling registers, and the op routes only its one shape to it. Its bits are checked on the
+(the same front end as the GPU machine's), inside the GPU's shared memory and with the spills
+it was measured with, and the op routes only its one shape to it. Its bits are checked on the
 GPU (tests/test_gpu_kernels.py)."""
 
 from __future__ import annotations
@@ -14,13 +14,25 @@ import torch
 import triton
 
 from moe_kernels.attention_launch import WIDE_LAUNCH
-from moe_kernels.gluon_attention import GLUON_SHAPE, _mla_wide_split_kernel, fits_gluon
+from moe_kernels.gluon_attention import (
+    GLUON_SHAPE,
+    MAXNREG,
+    _mla_wide_split_kernel,
+    fits_gluon,
+)
 
 SM90_SHARED_BYTES = 232448  # the H100/H200 limit on one block's dynamic shared memory
+# The local memory (register spills) a thread of each form takes, as compiled (write_out: the
+# bytes): the partials' form 64 (ptxas: 84 bytes of spill stores, most in partition 1's code),
+# the direct form none; more means something new stays live through the walk.
+SPILL_BYTES = {False: 64, True: 0}
 
 
-@pytest.mark.parametrize("is_whole_query", (False, True))
-def test_gluon_split_kernel_compiles_for_sm90_without_spilling(tmp_path, is_whole_query):
+@pytest.mark.parametrize("write_out", (False, True))
+def test_gluon_split_kernel_compiles_for_sm90(tmp_path, write_out):
+    """Both forms (partials; the output of a launch's one split) compile for sm_90 as the GPU's
+    JIT specializes them, inside the GPU's shared memory, with TMA copies and warpgroup MMAs
+    that ptxas did not serialise, and spilling at most SPILL_BYTES a thread."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -29,20 +41,15 @@ def test_gluon_split_kernel_compiles_for_sm90_without_spilling(tmp_path, is_whol
         layout = gl.NVMMASharedLayout.get_default_for([64, columns], gl.bfloat16)
         return f"tensordesc<bf16[64, {columns}],{layout!r}>"
 
-    v_dim, rope = GLUON_SHAPE["v_dim"], GLUON_SHAPE["cache_dim"] - GLUON_SHAPE["v_dim"]
     signature = {
-        "q_desc": descriptor(v_dim), "q_pe_desc": descriptor(rope),
-        "lat_desc": descriptor(v_dim), "pe_desc": descriptor(rope), "seq_ids_ptr": "*i64",
-        "tables_ptr": "*i64", "positions_ptr": "*i64", "acc_ptr": "*fp32",
-        "stats_ptr": "*fp32", "out_ptr": "*bf16", "scale": "fp32", "num_heads": "i32",
-        "num_splits": "i32", "table_width": "i32",
+        "q_desc": descriptor(GLUON_SHAPE["v_dim"] // 2), "q_pe_desc": descriptor(64),
+        "tile_desc": descriptor(64), "seq_ids_ptr": "*i64", "tables_ptr": "*i64",
+        "positions_ptr": "*i64", "acc_ptr": "*fp32", "stats_ptr": "*fp32", "out_ptr": "*bf16",
+        "scale": "fp32", "num_heads": "i32", "num_splits": "i32", "table_width": "i32",
     }  # fmt: skip
     consts = dict(
-        C=GLUON_SHAPE["cache_dim"], V=GLUON_SHAPE["v_dim"],
-        R=GLUON_SHAPE["cache_dim"] - GLUON_SHAPE["v_dim"], BS=GLUON_SHAPE["block_size"],
-        BLOCK_H=GLUON_SHAPE["block_h"], SPLIT_BLOCKS=16, TAIL_BLOCKS=WIDE_LAUNCH.tail_blocks,
-        WRITE_OUT=False,
-        WHOLE_QUERY=is_whole_query, num_warps=GLUON_SHAPE["num_warps"],
+        SPLIT_BLOCKS=WIDE_LAUNCH.split_blocks, TAIL_BLOCKS=WIDE_LAUNCH.tail_blocks,
+        WRITE_OUT=write_out, num_warps=GLUON_SHAPE["num_warps"],
     )  # fmt: skip
     names = [*signature, *consts]
     aligned = [n for n in signature if n.endswith("_ptr")] + ["num_heads"]
@@ -51,18 +58,21 @@ def test_gluon_split_kernel_compiles_for_sm90_without_spilling(tmp_path, is_whol
         _mla_wide_split_kernel, {**signature, **dict.fromkeys(consts, "constexpr")}, consts, attrs
     )
     compiled = triton.compile(
-        source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=consts["num_warps"])
-    )
+        source, target=GPUTarget("cuda", 90, 32),
+        options=dict(num_warps=consts["num_warps"], maxnreg=MAXNREG),
+    )  # fmt: skip
     ptx = compiled.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx  # the MMAs, TMA copies
+    assert "setmaxnreg" in ptx  # the warp-specialised partitions' registers
     assert compiled.metadata.shared <= SM90_SHARED_BYTES, compiled.metadata.shared
-    assert _stack_bytes(compiled, tmp_path) == 0  # no register spills
+    assert _stack_bytes(compiled, tmp_path) <= SPILL_BYTES[write_out]
     # ptxas waits after every wgmma when it cannot prove an accumulator is not read in flight
-    # (advisory C7514): the kernel keeps one wait per MMA chain (scores, values), not forty.
+    # (advisory C7514): the kernel keeps one wait per MMA chain (each partition's scores and
+    # two value products), not one per wgmma.
     sass = _cuobjdump(compiled, tmp_path, "-sass")
-    assert sass.count("HGMMA") >= 40, "the MMAs are missing from the SASS"
+    assert sass.count("HGMMA") >= 80, "the MMAs are missing from the SASS"
     assert "LDGSTS" not in sass, "cp.async copies are back beside TMA"
-    assert sass.count("WARPGROUP.DEPBAR") <= 2, "ptxas serialised the wgmmas"
+    assert sass.count("WARPGROUP.DEPBAR") <= 6, "ptxas serialised the wgmmas"
 
 
 def test_only_the_mla_shape_on_cuda_takes_the_gluon_kernel():

@@ -497,20 +497,14 @@ def test_mla_attention_wide_launch_batch_and_tp_bitwise(generator):
     kernel). Prefill, decode alone and batched, chunks and permutations give the same bits
     (sequence 0 spans three KV splits, so the merge runs, and its queries of 17, 18, 33 and 34
     blocks end in a tail: the last split takes them on); a TP rank's heads (64, 32 or 16 of
-    them, whole_heads=128) give the whole model's bits for those heads; the whole-query
-    launch (many programs: the prefill) and the split launch with its merge (few: a decode
-    batch) give the same bits; engagement: the Gluon kernel ran in both launches, and the
-    Triton wide kernel and the 16-head launch make other adds; fast mode's batch shapes move
-    its bits."""
+    them, whole_heads=128) give the whole model's bits for those heads; a query of one split
+    gives the same bits written directly (a table of one split) and through the merge (a
+    table of three); engagement: the Gluon kernel ran (the prefill and a decode batch), and
+    the Triton wide kernel and the 16-head launch make other adds; fast mode's batch shapes
+    move its bits."""
     import moe_kernels.gluon_attention as gluon_attention
     from moe_kernels.attention import mla_attention_fast
-    from moe_kernels.attention_launch import (
-        NARROW_LAUNCH,
-        WIDE_LAUNCH,
-        WIDE_WHOLE_QUERY_PROGRAMS,
-        head_launch,
-        split_count,
-    )
+    from moe_kernels.attention_launch import NARROW_LAUNCH, WIDE_LAUNCH, head_launch, split_count
     from moe_kernels.triton_attention import _attend, mla_attention_triton
 
     seq_lens = (2400, 70, 600, 5, 257)
@@ -539,24 +533,28 @@ def test_mla_attention_wide_launch_batch_and_tp_bitwise(generator):
         )
     finally:
         gluon_attention._mla_wide_split_kernel = kernel
-    # (head blocks, queries, splits): the prefill of 3032 queries whole-query, a decode
-    # batch of 5 split.
-    assert grids and (grids[0][0], grids[0][2]) == (2, 1), grids[:1]
-    assert grids[0][1] * 2 >= WIDE_WHOLE_QUERY_PROGRAMS, grids[:1]
+    # (head blocks, queries, splits): the prefill's launches and a decode batch of 5, each a
+    # split launch over the table's three splits.
     split, tail = WIDE_LAUNCH.split_blocks, WIDE_LAUNCH.tail_blocks
     assert split_count(tables.shape[1], split, tail) == 3
+    assert grids and all((g[0], g[2]) == (2, 3) for g in grids), grids
     assert (2, len(seq_lens), 3) in grids, grids
     launch = (split, WIDE_LAUNCH.num_warps, WIDE_LAUNCH.num_stages, WIDE_LAUNCH.block_h)
-    split_launch = _attend(
-        q, kv_cache, seq_ids, tables, positions, 192**-0.5, 512, *launch, is_gluon=True,
-        tail_blocks=tail,
+    # Queries of one split: written directly from a table of one split, through the merge
+    # from the table of three.
+    short = positions < (split + tail) * 64
+    one_split = tables[:, : split + tail].contiguous()
+    assert split_count(one_split.shape[1], split, tail) == 1 and short.sum() > 100
+    direct = _attend(
+        q[short], kv_cache, seq_ids[short], one_split, positions[short], 192**-0.5, 512,
+        *launch, is_gluon=True, tail_blocks=tail,
     )  # fmt: skip
-    assert torch.equal(split_launch, full), "the whole-query and split launches differ"
-    whole_decode = _attend(
-        q[last], kv_cache, seq_ids[last], tables, positions[last], 192**-0.5, 512, *launch,
-        is_gluon=True, is_whole_query=True, tail_blocks=tail,
-    )  # fmt: skip
-    assert torch.equal(whole_decode, full[last]), "a whole-query decode batch differs"
+    assert torch.equal(direct, full[short]), "direct and merged one-split queries differ"
+    with pytest.raises(ValueError, match="whole-query launch needs the Triton kernel"):
+        _attend(
+            q[last], kv_cache, seq_ids[last], tables, positions[last], 192**-0.5, 512, *launch,
+            is_gluon=True, is_whole_query=True, tail_blocks=tail,
+        )  # fmt: skip
     wide_triton = _attend(
         q, kv_cache, seq_ids, tables, positions, 192**-0.5, 512, *launch, tail_blocks=tail
     )
