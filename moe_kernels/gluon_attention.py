@@ -177,6 +177,8 @@ def _consumer(W: gl.constexpr, smem, bars, scal, ptrs, WRITE_OUT: gl.constexpr):
     q_bar, ready, free, mx_bar, p_bar, l_bar = bars
     table, position, first_block, n, t, head_block, split, num_heads, num_splits, scale = scal
     acc_ptr, stats_ptr, out_ptr = ptrs
+    is_one_split = first_block + n == position // BS + 1  # split 0 running to the last block
+    is_one_split = is_one_split & (first_block == 0)
     MY_HALF: gl.constexpr = LO if W == 0 else HI  # this partition's value columns
     S_L: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]
@@ -248,8 +250,9 @@ def _consumer(W: gl.constexpr, smem, bars, scal, ptrs, WRITE_OUT: gl.constexpr):
         heads = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=OROW)
         cols = W * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, O_L))
         head_ok = (heads < num_heads)[:, None]
-        if WRITE_OUT:
-            # The merge kernel's one-split case, the same fp32 division: the same bits.
+        # A query of one split: its output here (the merge kernel skips it: ONE_SPLIT_WRITTEN),
+        # the merge's one-split case, the same fp32 division, so the same bits.
+        if WRITE_OUT or is_one_split:
             out = acc / gl.convert_layout(l_run, OROW)[:, None]
             gl.store(
                 out_ptr + (t * num_heads + heads)[:, None] * V + cols[None, :],
@@ -331,7 +334,8 @@ def _mla_wide_split_kernel(
 ):  # fmt: skip
     """_mla_split_kernel's contract (moe_kernels/triton_attention.py) for one (head block of 64,
     query, KV split): the split's partial (max, sum, acc), an online softmax in fp32 a pair of
-    cache blocks at a time; WRITE_OUT: acc / sum into out_ptr (the launch's one split). The
+    cache blocks at a time; WRITE_OUT (the launch's one split), and for a query of one split
+    in any launch: acc / sum into out_ptr. The
     query (rows of q viewed [T * H, 576]) arrives through TMA descriptors of its latent halves
     and rope part, the cache (rows of [blocks * BS, 576]) through one of 64 x 64 tiles.
 

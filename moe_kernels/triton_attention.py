@@ -173,18 +173,23 @@ def _mla_merge_kernel(
     GROUP_SLOTS: tl.constexpr = 0,
     GROUP_TAIL: tl.constexpr = 0,
     PDL: tl.constexpr = False,
+    ONE_SPLIT_WRITTEN: tl.constexpr = False,
 ):
     """out[t, h] = merge of the query's partials 0, 1, ... (its own: SPLIT_BLOCKS cache blocks
     a partial) in that order, then acc / sum. GROUP_SLOTS > 0: the partials are KV splits in
     groups of GROUP_SLOTS (the last taking up to GROUP_TAIL blocks more), folded in order
     within a group, the groups' folds in group order (the bits of WHOLE_QUERY programs with
-    GROUP_BLOCKS, and of a flat merge of group programs' partials)."""
+    GROUP_BLOCKS, and of a flat merge of group programs' partials). ONE_SPLIT_WRITTEN: the
+    split kernel wrote the output of queries of one split itself (the Gluon kernel: acc / sum,
+    this kernel's arithmetic), so they are skipped."""
     pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     position = tl.load(positions_ptr + t)
     num_blocks = position // BS + 1
     num_own_splits = _own_splits(num_blocks, SPLIT_BLOCKS, TAIL_BLOCKS)
+    if ONE_SPLIT_WRITTEN and num_own_splits == 1:
+        return
     offs_v = tl.arange(0, BLOCK_V)
     v_ok = offs_v < V
     first = t * num_splits * num_heads + head
@@ -437,6 +442,7 @@ def _attend(
             TAIL_BLOCKS=slot_tail,
             GROUP_SLOTS=merge_groups,
             GROUP_TAIL=group_tail if merge_groups else 0,
+            ONE_SPLIT_WRITTEN=is_gluon,
             num_warps=4,
             **pdl_launch(out.device),
         )

@@ -498,10 +498,9 @@ def test_mla_attention_wide_launch_batch_and_tp_bitwise(generator):
     (sequence 0 spans three KV splits, so the merge runs, and its queries of 17, 18, 33 and 34
     blocks end in a tail: the last split takes them on); a TP rank's heads (64, 32 or 16 of
     them, whole_heads=128) give the whole model's bits for those heads; a query of one split
-    gives the same bits written directly (a table of one split) and through the merge (a
-    table of three); engagement: the Gluon kernel ran (the prefill and a decode batch), and
-    the Triton wide kernel and the 16-head launch make other adds; fast mode's batch shapes
-    move its bits."""
+    gives the same bits from a table of one split and from a table of three; engagement: the
+    Gluon kernel ran (the prefill and a decode batch), and the Triton wide kernel and the
+    16-head launch make other adds; fast mode's batch shapes move its bits."""
     import moe_kernels.gluon_attention as gluon_attention
     from moe_kernels.attention import mla_attention_fast
     from moe_kernels.attention_launch import NARROW_LAUNCH, WIDE_LAUNCH, head_launch, split_count
@@ -540,8 +539,9 @@ def test_mla_attention_wide_launch_batch_and_tp_bitwise(generator):
     assert grids and all((g[0], g[2]) == (2, 3) for g in grids), grids
     assert (2, len(seq_lens), 3) in grids, grids
     launch = (split, WIDE_LAUNCH.num_warps, WIDE_LAUNCH.num_stages, WIDE_LAUNCH.block_h)
-    # Queries of one split: written directly from a table of one split, through the merge
-    # from the table of three.
+    # Queries of one split: written directly from a table of one split (the launch's one
+    # split) and from the table of three (the kernel writes them itself, the merge skips
+    # them): one form whatever the table's width.
     short = positions < (split + tail) * 64
     one_split = tables[:, : split + tail].contiguous()
     assert split_count(one_split.shape[1], split, tail) == 1 and short.sum() > 100
@@ -549,7 +549,7 @@ def test_mla_attention_wide_launch_batch_and_tp_bitwise(generator):
         q[short], kv_cache, seq_ids[short], one_split, positions[short], 192**-0.5, 512,
         *launch, is_gluon=True, tail_blocks=tail,
     )  # fmt: skip
-    assert torch.equal(direct, full[short]), "direct and merged one-split queries differ"
+    assert torch.equal(direct, full[short]), "one-split queries differ with the table's width"
     with pytest.raises(ValueError, match="whole-query launch needs the Triton kernel"):
         _attend(
             q[last], kv_cache, seq_ids[last], tables, positions[last], 192**-0.5, 512, *launch,
