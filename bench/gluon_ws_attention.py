@@ -1,15 +1,17 @@
-"""A design measured, not used by the runtime: the 128-head split attention kernel
-(moe_kernels/gluon_attention.py) warp-specialised as FlashMLA divides its work, timed against
-the kernel and FlashMLA on the H200 (BENCHMARKS.md, thirtieth session: correct, level with the
-kernel at best, so not adopted). Kept so the figures reproduce and the next attempt (a
-tile-level pipeline) starts from a form that compiles and runs.
+"""A design measured, not used by the runtime: the thirtieth session's warp-specialised form of
+the 128-head split attention kernel, timed against the runtime's kernel
+(moe_kernels/gluon_attention.py) and FlashMLA on the H200 (BENCHMARKS.md, thirtieth session:
+correct, level with the kernel of that session). The runtime's kernel took the next step (cache
+blocks in pairs, both partitions computing scores at once: thirty-first session); this form is
+kept so the thirtieth session's figures reproduce.
 
 Two 4-warp partitions own alternate cache blocks: the owner computes the block's whole
 64 x 64 score tile, its softmax step, and publishes the running max, sum and rescale (and the
 probabilities) through shared memory behind an mbarrier; each partition multiplies every
 block's probabilities into its half of the 512 value columns; a one-warp partition issues a
 block's TMA copy once both partitions' value MMAs of the block two before it are done. Its
-bits are its own (one 64-key softmax step a block, like the kernel, with other MMA shapes).
+bits are its own (one 64-key softmax step a block, with other MMA shapes). Like the runtime's
+kernel it writes a query of one split itself (the merge skips it).
 
     python bench/gluon_ws_attention.py                 # GPU: checks, then the timing table
     python bench/gluon_ws_attention.py --compile-only  # any machine: sm_90 compile, ptxas -v
@@ -141,7 +143,9 @@ def _consumer(W: gl.constexpr, smem, bars, scal, ptrs, WRITE_OUT: gl.constexpr):
         heads = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=OROW)
         cols = W * HV + gl.arange(0, HV, layout=gl.SliceLayout(0, O_L))
         head_ok = (heads < num_heads)[:, None]
-        if WRITE_OUT:
+        # A query of one split: written here (the merge kernel skips it: ONE_SPLIT_WRITTEN).
+        is_one_split = (first_block == 0) & (n == position // BS + 1)
+        if WRITE_OUT or is_one_split:
             out = acc / gl.convert_layout(l_run, OROW)[:, None]
             gl.store(
                 out_ptr + (t * num_heads + heads)[:, None] * V + cols[None, :],
@@ -206,9 +210,9 @@ def _mla_ws_split_kernel(
     SPLIT_BLOCKS: gl.constexpr, TAIL_BLOCKS: gl.constexpr, WRITE_OUT: gl.constexpr,
     num_warps: gl.constexpr,
 ):  # fmt: skip
-    """The split launch's contract of _mla_wide_split_kernel (moe_kernels/gluon_attention.py,
-    without its whole-query form): a (head block, query, KV split) program's partial, or with
-    WRITE_OUT the output. Shared memory: the query (72 KB), two cache-block stages (144 KB),
+    """The contract of _mla_wide_split_kernel (moe_kernels/gluon_attention.py): a (head block,
+    query, KV split) program's partial, or with WRITE_OUT (or a query of one split) the
+    output. Shared memory: the query (72 KB), two cache-block stages (144 KB),
     one probability tile, the published stats."""
     lat_s: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, V // 2], gl.bfloat16)
     pe_s: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, R], gl.bfloat16)
@@ -293,11 +297,9 @@ def _descriptors(q, kv_cache):
 
 def launch_ws_split(
     grid, q, kv_cache, seq_ids, block_tables, positions, acc, stats, out, scale, num_splits,
-    split_blocks, tail_blocks, is_direct, is_whole_query=False,
+    split_blocks, tail_blocks, is_direct,
 ) -> None:  # fmt: skip
-    """launch_wide_split's signature (moe_kernels/gluon_attention.py), its split launch only."""
-    if is_whole_query:
-        raise ValueError("the warp-specialised form has no whole-query launch")
+    """launch_wide_split's signature (moe_kernels/gluon_attention.py)."""
     _mla_ws_split_kernel[grid](
         *_descriptors(q, kv_cache), seq_ids, block_tables, positions, acc, stats, out, scale,
         q.shape[1], num_splits, block_tables.shape[1], SPLIT_BLOCKS=split_blocks,
@@ -320,7 +322,7 @@ def _split_launch(launch):
 
 
 def split_attention(q, kv_cache, seq_ids, tables, positions, scale, v_dim):
-    """The invariant op's 128-head split launch and merge (never the whole-query one)."""
+    """The invariant op's 128-head split launch and merge."""
     from moe_kernels.attention_launch import WIDE_LAUNCH as w
     from moe_kernels.triton_attention import _attend
 
