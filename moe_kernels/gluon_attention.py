@@ -12,12 +12,12 @@ the two cache-block stages part by part (latent columns 0-255, 256-511, the rope
 64-column TMA tiles with a barrier each) as the pair before releases them, so the next scores
 start on a part's first tile. The score tile's 576-long sums run in a fixed order for each
 block parity (partition 0: rope, 0-255, 256-511; partition 1: 256-511, 0-255, rope); each
-partition sums its own blocks' probabilities and the two sums are added at the end. Its
-partials feed the Triton merge kernel (moe_kernels/triton_attention.py), and its whole-query
-form folds them with the merge's arithmetic. Nothing a program computes depends on other
+partition sums its own blocks' probabilities and the two sums are added at the end. A query
+of one split has its output written here; longer ones' partials feed the Triton merge kernel
+(moe_kernels/triton_attention.py). Nothing a program computes depends on other
 queries or on the heads next to its own, so the bits hold across batches, chunkings and TP head
-subsets. H200, 128 heads (BENCHMARKS.md, thirty-first session): 0.83-0.93x the time of the
-kernel before it (one warpgroup pair splitting each score tile by key columns).
+subsets. H200, 128 heads (BENCHMARKS.md, thirty-first session): 0.84-0.92x the time of the
+kernel before it (two warpgroups splitting each score tile by key columns).
 """
 
 from __future__ import annotations
