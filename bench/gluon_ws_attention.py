@@ -41,6 +41,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from moe_kernels.gluon_attention import _write_half  # noqa: E402
+
 # Why module-level constants: constexpr arguments passed through gl.warp_specialize reach the
 # partitions as tensors (Gluon, triton 3.6). DeepSeek's MLA shape: latent 512, rope 64, cache
 # blocks of 64, 64 heads a program.
@@ -76,7 +78,6 @@ def _consumer(W: gl.constexpr, smem, bars, scal, ptrs, WRITE_OUT: gl.constexpr):
     q_lo_s, q_hi_s, q_pe_s, p_s, k_lo_s, k_hi_s, k_pe_s, m_s, l_s, a_s = smem
     q_bar, ready, free, stats_bar = bars
     table, position, first_block, n, t, head_block, split, num_heads, num_splits, scale = scal
-    acc_ptr, stats_ptr, out_ptr = ptrs
     HV: gl.constexpr = V // 2
     S_L: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]
@@ -140,26 +141,10 @@ def _consumer(W: gl.constexpr, smem, bars, scal, ptrs, WRITE_OUT: gl.constexpr):
         gl.thread_barrier()
         mbarrier.arrive(free.index(s), count=1)
     if n > 0:
-        heads = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=OROW)
-        cols = W * HV + gl.arange(0, HV, layout=gl.SliceLayout(0, O_L))
-        head_ok = (heads < num_heads)[:, None]
-        # A query of one split: written here (the merge kernel skips it: ONE_SPLIT_WRITTEN).
-        is_one_split = (first_block == 0) & (n == position // BS + 1)
-        if WRITE_OUT or is_one_split:
-            out = acc / gl.convert_layout(l_run, OROW)[:, None]
-            gl.store(
-                out_ptr + (t * num_heads + heads)[:, None] * V + cols[None, :],
-                out.to(out_ptr.dtype.element_ty), mask=head_ok,
-            )  # fmt: skip
-        else:
-            slot = (t * num_splits + split) * num_heads + heads
-            gl.store(acc_ptr + slot[:, None] * V + cols[None, :], acc, mask=head_ok)
-            if W == 0:
-                heads_s = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROW)
-                slot_s = (t * num_splits + split) * num_heads + heads_s
-                stats_ok = heads_s < num_heads
-                gl.store(stats_ptr + slot_s * 2, m_run, mask=stats_ok)
-                gl.store(stats_ptr + slot_s * 2 + 1, l_run, mask=stats_ok)
+        _write_half(
+            W, acc, m_run, l_run, position, first_block, n, t, head_block, split, num_heads,
+            num_splits, ptrs, WRITE_OUT,
+        )  # fmt: skip
 
 
 # Why four wrappers: WRITE_OUT must be a constexpr inside the partition (see BS above).

@@ -166,6 +166,38 @@ def _publish_probs(W: gl.constexpr, smem, p_bar, p, j, position):
 
 
 @gluon.jit
+def _write_half(W: gl.constexpr, acc, m_run, l_run, position, first_block, n, t, head_block,
+                split, num_heads, num_splits, ptrs, WRITE_OUT: gl.constexpr):  # fmt: skip
+    """Partition W's value columns of a finished split (acc, [BLOCK_H, HALF] fp32; its max and
+    sum m_run, l_run): acc / l_run into the output where the launch has one split (WRITE_OUT)
+    or the query has one, the merge kernel's one-split case, the same fp32 division, so the
+    same bits (the merge skips such queries: ONE_SPLIT_WRITTEN); else the split's partial acc
+    and (W = 0) its max and sum."""
+    acc_ptr, stats_ptr, out_ptr = ptrs
+    OROW: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
+    ROW: gl.constexpr = m_run.type.layout
+    heads = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=OROW)
+    cols = W * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, acc.type.layout))
+    head_ok = (heads < num_heads)[:, None]
+    is_one_split = (first_block == 0) & (n == position // BS + 1)
+    if WRITE_OUT or is_one_split:
+        out = acc / gl.convert_layout(l_run, OROW)[:, None]
+        gl.store(
+            out_ptr + (t * num_heads + heads)[:, None] * V + cols[None, :],
+            out.to(out_ptr.dtype.element_ty), mask=head_ok,
+        )  # fmt: skip
+    else:
+        slot = (t * num_splits + split) * num_heads + heads
+        gl.store(acc_ptr + slot[:, None] * V + cols[None, :], acc, mask=head_ok)
+        if W == 0:
+            heads_s = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROW)
+            slot_s = (t * num_splits + split) * num_heads + heads_s
+            stats_ok = heads_s < num_heads
+            gl.store(stats_ptr + slot_s * 2, m_run, mask=stats_ok)
+            gl.store(stats_ptr + slot_s * 2 + 1, l_run, mask=stats_ok)
+
+
+@gluon.jit
 def _consumer(W: gl.constexpr, smem, bars, scal, ptrs, WRITE_OUT: gl.constexpr):
     """Partition W: for each pair k of the split's blocks, the scores of block 2k + W (stage
     W), the pair's softmax step (one max for both blocks: the online softmax steps a pair at a
@@ -176,9 +208,6 @@ def _consumer(W: gl.constexpr, smem, bars, scal, ptrs, WRITE_OUT: gl.constexpr):
     q_lo_s, q_hi_s, q_pe_s, k_lo_s, k_hi_s, k_pe_s, p_s, mx_s, l_s = smem
     q_bar, ready, free, mx_bar, p_bar, l_bar = bars
     table, position, first_block, n, t, head_block, split, num_heads, num_splits, scale = scal
-    acc_ptr, stats_ptr, out_ptr = ptrs
-    is_one_split = first_block + n == position // BS + 1  # split 0 running to the last block
-    is_one_split = is_one_split & (first_block == 0)
     MY_HALF: gl.constexpr = LO if W == 0 else HI  # this partition's value columns
     S_L: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]
@@ -247,26 +276,10 @@ def _consumer(W: gl.constexpr, smem, bars, scal, ptrs, WRITE_OUT: gl.constexpr):
         _publish(l_s[W], l_bar.index(W), l_own)
         mbarrier.wait(l_bar.index(1 - W), 0)
         l_run = l_s[0].load(ROW) + l_s[1].load(ROW)
-        heads = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=OROW)
-        cols = W * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, O_L))
-        head_ok = (heads < num_heads)[:, None]
-        # A query of one split: its output here (the merge kernel skips it: ONE_SPLIT_WRITTEN),
-        # the merge's one-split case, the same fp32 division, so the same bits.
-        if WRITE_OUT or is_one_split:
-            out = acc / gl.convert_layout(l_run, OROW)[:, None]
-            gl.store(
-                out_ptr + (t * num_heads + heads)[:, None] * V + cols[None, :],
-                out.to(out_ptr.dtype.element_ty), mask=head_ok,
-            )  # fmt: skip
-        else:
-            slot = (t * num_splits + split) * num_heads + heads
-            gl.store(acc_ptr + slot[:, None] * V + cols[None, :], acc, mask=head_ok)
-            if W == 0:
-                heads_s = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROW)
-                slot_s = (t * num_splits + split) * num_heads + heads_s
-                stats_ok = heads_s < num_heads
-                gl.store(stats_ptr + slot_s * 2, m_run, mask=stats_ok)
-                gl.store(stats_ptr + slot_s * 2 + 1, l_run, mask=stats_ok)
+        _write_half(
+            W, acc, m_run, l_run, position, first_block, n, t, head_block, split, num_heads,
+            num_splits, ptrs, WRITE_OUT,
+        )  # fmt: skip
 
 
 # Why four wrappers: W and WRITE_OUT must be constexprs inside a partition (gl.warp_specialize
