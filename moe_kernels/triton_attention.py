@@ -172,8 +172,8 @@ def _mla_merge_kernel(
     TAIL_BLOCKS: tl.constexpr,
     GROUP_SLOTS: tl.constexpr = 0,
     GROUP_TAIL: tl.constexpr = 0,
-    PDL: tl.constexpr = False,
     ONE_SPLIT_WRITTEN: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """out[t, h] = merge of the query's partials 0, 1, ... (its own: SPLIT_BLOCKS cache blocks
     a partial) in that order, then acc / sum. GROUP_SLOTS > 0: the partials are KV splits in
