@@ -14,13 +14,14 @@ every kernel computes a row from that row alone (padding rows are routed and com
 change no real row), and the block-table width sets only the attention launch. Expert loads
 count the real rows only. Not for TP > 1 (the config refuses).
 
-Each size is captured at a few block-table widths (`table_widths`: doubling from one KV split
-of the wide attention launch up to the longest context) and a step replays the narrowest that
-holds its longest table: the attention launch follows the batch's context, not the engine's
-longest. Why: its grid has a program per KV split of the table's width, and at 128 heads a
-table of 128 blocks cost B = 256 at context 1024 294 us an attention call against 217 with
-its own 16 (H200, BENCHMARKS.md). The width changes no bit (no query reads past its own
-blocks; the split order is fixed by position), so widths, like sizes, may follow the batch.
+Each size is captured at a few block-table widths (`table_widths`: 1, 2, 4, ... KV splits of
+the wide attention launch and the model's launch's tail, up to the longest context) and a step
+replays the narrowest that holds its longest table: the attention launch follows the batch's
+context, not the engine's longest. Why: its grid has a program per KV split of the table's
+width, and at 128 heads a table of 128 blocks cost B = 256 at context 1024 294 us an attention
+call against 217 with its own 16 (H200, BENCHMARKS.md). The width changes no bit (no query
+reads past its own blocks; the split order is fixed by position), so widths, like sizes, may
+follow the batch.
 """
 
 from __future__ import annotations
@@ -30,19 +31,21 @@ from dataclasses import dataclass, field
 import torch
 
 from comm.capacity_dispatch import FixedCapacityDispatcher
-from moe_kernels.attention_launch import WIDE_LAUNCH
+from moe_kernels.attention_launch import WIDE_LAUNCH, head_launch
 from moe_runtime.forward_batch import ForwardBatch, host_to_device
 from moe_runtime.model.deepseek import DeepseekForCausalLM
 
 
-def table_widths(max_blocks_per_seq: int) -> tuple[int, ...]:
-    """The block-table widths a size is captured at: one KV split of the wide attention launch
-    (a table it reads in one split, writing its output directly), doubling while below
-    max_blocks_per_seq, then max_blocks_per_seq."""
-    widths, width = [], WIDE_LAUNCH.split_blocks
-    while width < max_blocks_per_seq:
+def table_widths(max_blocks_per_seq: int, tail_blocks: int = 0) -> tuple[int, ...]:
+    """The block-table widths a size is captured at: 1, 2, 4, ... KV splits of the wide
+    attention launch plus tail_blocks (the model's launch's: the blocks a query's last split
+    takes on, so each width is the widest table of its split count; one split: a table the
+    launch reads in one split, writing its output directly), while below max_blocks_per_seq,
+    then max_blocks_per_seq."""
+    widths, splits = [], 1
+    while (width := splits * WIDE_LAUNCH.split_blocks + tail_blocks) < max_blocks_per_seq:
         widths.append(width)
-        width *= 2
+        splits *= 2
     return (*widths, max_blocks_per_seq)
 
 
@@ -79,11 +82,16 @@ class DecodeGraphRunner:
         scratch_block: int,
     ) -> None:
         """batch_sizes strictly increasing; block tables are padded to the narrowest of
-        table_widths(max_blocks_per_seq) that holds them, so each graph's attention launch is
+        table_widths (of the model's launch) that holds them, so each graph's attention launch is
         static; scratch_block is a cache block no sequence owns."""
         self.model, self.kv_caches = model, kv_caches
         self.batch_sizes, self.max_blocks_per_seq = batch_sizes, max_blocks_per_seq
-        self.table_widths = table_widths(max_blocks_per_seq)
+        # The tail of the model's attention launch (moe_kernels/attention_launch.py): at 128
+        # heads a table of 18 blocks (a split and its tail) holds contexts of 17 and 18 blocks
+        # in one split, where one of 16 gave them a second split (a launch with programs that
+        # exit at once and a merge launch).
+        launch = head_launch(model.config.num_attention_heads)
+        self.table_widths = table_widths(max_blocks_per_seq, launch.tail_blocks)
         self.scratch_block = scratch_block
         self.block_size = kv_caches[0].shape[1]
         self.device = kv_caches[0].device
