@@ -41,20 +41,22 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from moe_kernels.gluon_attention import _write_half  # noqa: E402
+# The shape's module-level constexprs (constexprs passed through gl.warp_specialize reach the
+# partitions as tensors), the loader's registers and the launch's maxnreg: the runtime kernel's.
+from moe_kernels.gluon_attention import (  # noqa: E402
+    BLOCK_H,
+    BS,
+    LOADER_REGS,
+    MAXNREG,
+    R,
+    V,
+    _split_range,
+    _write_half,
+)
 
-# Why module-level constants: constexpr arguments passed through gl.warp_specialize reach the
-# partitions as tensors (Gluon, triton 3.6). DeepSeek's MLA shape: latent 512, rope 64, cache
-# blocks of 64, 64 heads a program.
-BS = gl.constexpr(64)
-V = gl.constexpr(512)
-R = gl.constexpr(64)
-BLOCK_H = gl.constexpr(64)
-# Registers a thread of the second consumer and of the loader (the first gets the rest of the
-# 168 x 384 the launch's maxnreg gives): 216 for a consumer spilled and ran 1.6x slower.
+# Registers a thread of the second consumer (the first gets the rest of the 168 x 384 the
+# launch's maxnreg gives): 216 for a consumer spilled and ran 1.6x slower.
 CONSUMER_REGS = gl.constexpr(232)
-LOADER_REGS = gl.constexpr(24)
-MAXNREG = 168
 HALF_COLS, ROPE_COLS = V.value // 2, R.value  # the same, as host ints
 
 
@@ -206,12 +208,7 @@ def _mla_ws_split_kernel(
     t = gl.program_id(1).to(gl.int64)
     split = gl.program_id(2)
     position = gl.load(positions_ptr + t)
-    first_block = split * SPLIT_BLOCKS
-    num_blocks = position // BS + 1
-    has_split = first_block < gl.maximum(num_blocks - TAIL_BLOCKS, 1)
-    is_last_split = first_block + SPLIT_BLOCKS + TAIL_BLOCKS >= num_blocks
-    last_block = gl.where(is_last_split, num_blocks, first_block + SPLIT_BLOCKS)
-    n = gl.where(has_split, last_block - first_block, 0).to(gl.int32)
+    first_block, n = _split_range(split, position, SPLIT_BLOCKS, TAIL_BLOCKS)
     table = tables_ptr + gl.load(seq_ids_ptr + t) * table_width
     q_lo_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, V // 2], lat_s)
     q_hi_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, V // 2], lat_s)

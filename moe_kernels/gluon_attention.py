@@ -73,6 +73,20 @@ MAXNREG = 168
 
 
 @gluon.jit
+def _split_range(split, position, SPLIT_BLOCKS: gl.constexpr, TAIL_BLOCKS: gl.constexpr):
+    """(first block, blocks) of KV split `split` of a query at `position`: the query's own
+    splits (split_count, moe_kernels/attention_launch.py) are runs of SPLIT_BLOCKS from block 0,
+    the last one taking up to TAIL_BLOCKS blocks more; split k > 0 exists where
+    k * SPLIT_BLOCKS + TAIL_BLOCKS < its blocks (0 blocks otherwise)."""
+    first_block = split * SPLIT_BLOCKS
+    num_blocks = position // BS + 1
+    has_split = first_block < gl.maximum(num_blocks - TAIL_BLOCKS, 1)
+    is_last_split = first_block + SPLIT_BLOCKS + TAIL_BLOCKS >= num_blocks
+    last_block = gl.where(is_last_split, num_blocks, first_block + SPLIT_BLOCKS)
+    return first_block, gl.where(has_split, last_block - first_block, 0).to(gl.int32)
+
+
+@gluon.jit
 def _copy_part(tile_desc, block_id, part: gl.constexpr, smem, ready, stage: gl.constexpr):
     """TMA copies of one part (LO, HI: a latent half, four 64-column tiles; PE: the rope
     columns, one tile) of cache block block_id into smem, each tile completing on its own ready
@@ -362,15 +376,7 @@ def _mla_wide_split_kernel(
     t = gl.program_id(1).to(gl.int64)
     split = gl.program_id(2)
     position = gl.load(positions_ptr + t)
-    first_block = split * SPLIT_BLOCKS
-    num_blocks = position // BS + 1
-    # The query's own splits (split_count, moe_kernels/attention_launch.py): runs of
-    # SPLIT_BLOCKS from block 0, the last one taking up to TAIL_BLOCKS blocks more. Split k > 0
-    # exists where k * SPLIT_BLOCKS + TAIL_BLOCKS < num_blocks.
-    has_split = first_block < gl.maximum(num_blocks - TAIL_BLOCKS, 1)
-    is_last_split = first_block + SPLIT_BLOCKS + TAIL_BLOCKS >= num_blocks
-    last_block = gl.where(is_last_split, num_blocks, first_block + SPLIT_BLOCKS)
-    n = gl.where(has_split, last_block - first_block, 0).to(gl.int32)
+    first_block, n = _split_range(split, position, SPLIT_BLOCKS, TAIL_BLOCKS)
     table = tables_ptr + gl.load(seq_ids_ptr + t) * table_width
     q_lo_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, HALF], lat_s)
     q_hi_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, HALF], lat_s)
