@@ -154,7 +154,11 @@ class MLAttention(nn.Module):
             v_dim=self.kv_lora_rank,
             whole_heads=self.whole_heads,  # the launch every TP degree keeps
         )
-        return self.ops.batched_linear(out_latent.transpose(0, 1), self.w_uv).transpose(0, 1)
+        # W_UV's product stored through [H, T, v] strides into a [T, H, v] buffer: o_proj reads
+        # it as [T, H * v] without a copy (a strided out moves only the stores, not the bits).
+        out = out_latent.new_empty((t, self.num_heads, self.v_dim))
+        self.ops.batched_linear(out_latent.transpose(0, 1), self.w_uv, out=out.transpose(0, 1))
+        return out
 
 
 def _call(fn, *args, **kwargs):
