@@ -296,6 +296,8 @@ PREFILL_LINEARS = (
     ("o_proj", 2048, 2048),
     ("shared_gate_up", 2048, 5632),
     ("shared_down", 2816, 2048),
+    ("q_proj_h128", 2048, 128 * 192),  # V3's 128 heads on V2-Lite's hidden
+    ("o_proj_h128", 128 * 128, 2048),
 )
 
 
@@ -1490,6 +1492,78 @@ def bench_heads() -> None:
             )
 
 
+# Prefill rows of the absorbed products, in the engine's layout (moe_runtime/model/mla.py):
+# W_UK reads q_nope out of the projected query [T, H, 192] and writes into the query buffer
+# [T, H, 576]; W_UV reads the attention's [T, H, 512] and writes [T, H, 128].
+PREFILL_HEADS = (128, 16)
+PREFILL_HEAD_ROWS = (1024, 8192)
+PREFILL_HEADS_SWEEP = [
+    LinearConfig(128, 128, 64, 8, 8, 3),
+    LinearConfig(128, 128, 64, 8, 4, 3),
+    LinearConfig(128, 128, 64, 8, 4, 2),
+    LinearConfig(128, 256, 64, 8, 8, 2),
+    LinearConfig(128, 256, 64, 8, 8, 3),
+    LinearConfig(256, 128, 64, 8, 8, 2),
+    LinearConfig(64, 256, 64, 8, 4, 2),
+    LinearConfig(128, 64, 64, 8, 4, 3),
+    LinearConfig(64, 128, 64, 8, 4, 3),
+    LinearConfig(256, 64, 64, 8, 8, 2),
+]
+
+
+def bench_heads_prefill() -> None:
+    """The absorbed W_UK / W_UV products at prefill rows in the engine's strided layout, graph
+    replay, us: the config the launch takes (batched_config) against cuBLAS's bmm into the same
+    views, then every candidate, fastest first ('x': bits differ from the rule's). Floor: the
+    bytes read and written at 4.2 TB/s."""
+    print("\n## absorbed products at prefill rows, engine layout: graph replay us (x: other bits)")
+    for heads in PREFILL_HEADS:
+        for name, in_dim, out_dim in (("w_uk", 128, 512), ("w_uv", 512, 128)):
+            for rows in PREFILL_HEAD_ROWS:
+
+                def make(op, gen=None, heads=heads, rows=rows, name=name, i=in_dim, o=out_dim):
+                    w = torch.randn(heads, o, i, device="cuda", dtype=torch.bfloat16, generator=gen)
+                    if name == "w_uk":
+                        src = torch.randn(rows, heads, 192, device="cuda", generator=gen)
+                        x = src.bfloat16()[..., :128].transpose(0, 1)
+                        out = x.new_empty((rows, heads, 576))[..., :512].transpose(0, 1)
+                    else:
+                        src = torch.randn(rows, heads, 512, device="cuda", generator=gen)
+                        x = src.bfloat16().transpose(0, 1)
+                        out = x.new_empty((rows, heads, 128)).transpose(0, 1)
+                    return lambda: op(x, w, out)
+
+                def triton_op(c, rows=rows):
+                    return lambda x, w, out: _launch(x, w, out, None, rows, c)
+
+                def cublas(x, w, out):
+                    return torch.bmm(x, w.transpose(1, 2), out=out)
+
+                rule = batched_config(out_dim, in_dim, torch.bfloat16, rows, heads)
+                num_bytes = 2 * heads * (out_dim * in_dim + rows * (in_dim + out_dim))
+                seed = partial(torch.Generator(device="cuda").manual_seed, 1)
+                ref = make(triton_op(rule), seed())().clone()
+                t_cublas = _graph_ms(partial(make, cublas), num_bytes)
+                cells = {}
+                for c in dict.fromkeys([rule] + PREFILL_HEADS_SWEEP):
+                    try:
+                        same = torch.equal(make(triton_op(c), seed())(), ref)
+                        cells[c] = (_graph_ms(partial(make, triton_op(c)), num_bytes), same)
+                    except Exception as err:  # out of shared memory etc.: report, keep sweeping
+                        print(f"  {name} M={rows} {_tag(c)}: {type(err).__name__}")
+                print(
+                    f"{name} x{heads} M={rows} K={in_dim} N={out_dim} (floor "
+                    f"{num_bytes / 4.2e6:.1f} us): cublas {t_cublas * 1e3:.1f}, rule {_tag(rule)} "
+                    f"{cells[rule][0] * 1e3:.1f} ({cells[rule][0] / t_cublas:.2f}x)",
+                    flush=True,
+                )
+                ranked = sorted(cells.items(), key=lambda item: item[1][0])
+                print(
+                    "  "
+                    + " ".join(f"{_tag(c)}{'' if s else 'x'}={t * 1e3:.1f}" for c, (t, s) in ranked)
+                )
+
+
 # Rows of a decode step at the engine's graph batch sizes: where fast mode's kernel choice is
 # measured (bench_fast_choice).
 FAST_CHOICE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -1708,6 +1782,7 @@ def main() -> None:
             "read_floor": bench_read_floor,
             "decode_tiles": bench_decode_tiles,
             "heads": bench_heads,
+            "heads_prefill": bench_heads_prefill,
             "fast_choice": bench_fast_choice,
             "fast_choice_v3": partial(bench_fast_choice, "v3"),
         }[section]()
