@@ -922,6 +922,66 @@ def bench_tree_loops() -> None:
             print(f"{name} {kind} x{chunks} M={m}: " + " | ".join(cells), flush=True)
 
 
+CHAIN_TMA_CONFIGS = (
+    LinearConfig(128, 128, 64, 8, 8, 3, True),
+    LinearConfig(128, 128, 64, 8, 8, 4, True),
+    LinearConfig(128, 256, 64, 8, 8, 3, True),
+    LinearConfig(256, 128, 64, 8, 8, 3, True),
+    LinearConfig(128, 64, 64, 8, 4, 4, True),
+    LinearConfig(64, 128, 64, 8, 4, 4, True),
+    LinearConfig(64, 64, 64, 8, 4, 4, True),
+)
+
+
+def bench_chain_tma() -> None:
+    """The linear's fixed K split at prefill rows as the chain of chunk sums: the pointer
+    kernel's chain (chain_config's tiles; what the launch took before) against the TMA
+    persistent kernel's chain (NUM_CHUNKS) on a few tiles and cuBLAS, graph replay, µs; '='
+    where the TMA chain gave the pointer chain's bits."""
+    from moe_kernels.triton_chunk_tree import (
+        CHAIN_CONFIG_16BIT,
+        CHAIN_WIDE_CONFIG,
+        linear_chunk_tree,
+    )
+    from moe_kernels.triton_linear import _launch_persistent
+    from moe_kernels.triton_linear_config import k_split_count
+
+    print("\n## the fixed K split's chain at prefill rows: pointer vs TMA, µs (graph replay)")
+    shapes = (
+        ("kv_a", 2048, 576), ("o_proj", 2048, 2048), ("shared_down", 2816, 2048),
+        ("o_proj_h128", 16384, 2048),
+    )  # fmt: skip
+    for name, in_dim, out_dim in shapes:
+        chunks = k_split_count(out_dim, in_dim, torch.bfloat16)
+        pointer = CHAIN_WIDE_CONFIG if out_dim >= 2048 else CHAIN_CONFIG_16BIT
+        for m in (1024, 2048, 8192):
+
+            def chain(a, b, chunks=chunks, pointer=pointer):
+                return linear_chunk_tree(a, b, chunks, torch.bfloat16, pointer, is_tree=False)
+
+            x = torch.randn(m, in_dim, device="cuda").bfloat16()
+            w = torch.randn(out_dim, in_dim, device="cuda").bfloat16() * in_dim**-0.5
+            want = chain(x, w)
+            cells = [
+                f"cuBLAS {_linear_graph_us(lambda a, b: a @ b.t(), m, in_dim, out_dim):.1f}",
+                f"pointer {_tag(pointer)} {_linear_graph_us(chain, m, in_dim, out_dim):.1f}",
+            ]
+            for c in CHAIN_TMA_CONFIGS:
+
+                def op(a, b, c=c, chunks=chunks):
+                    return _launch_persistent(
+                        a, b, a.new_empty((a.shape[0], b.shape[0])), c, chunks
+                    )
+
+                try:
+                    same = "=" if torch.equal(op(x, w), want) else "x"
+                except Exception as err:  # out of shared memory etc.: report, keep going
+                    cells.append(f"{_tag(c)}:fail:{type(err).__name__}")
+                    continue
+                cells.append(f"{_tag(c)}{same} {_linear_graph_us(op, m, in_dim, out_dim):.1f}")
+            print(f"{name} x{chunks} M={m}: " + " | ".join(cells), flush=True)
+
+
 def bench_tree_split() -> None:
     """The row-parallel tree at prefill rows split over programs: each sums a subtree of
     adjacent chunks (`launch_split_k`'s chunks_per_program; G2/G4: its fp32 parts added in the
@@ -1771,6 +1831,7 @@ def main() -> None:
             "tree_crossover": bench_tree_crossover,
             "tree_loops": bench_tree_loops,
             "tree_split": bench_tree_split,
+            "chain_tma": bench_chain_tma,
             "tree_pairs": bench_tree_pairs,
             "router": bench_router,
             "prefill_linears": bench_prefill_linears,

@@ -216,6 +216,15 @@ CHAIN_CONFIG_16BIT = LinearConfig(64, 64, BLOCK_K_16BIT, 8, 4, 4)
 # 14.0); kv_a's 576 outputs stay fastest on 64 x 64 in one loop (BENCHMARKS.md, tree_loops).
 CHAIN_WIDE_OUT = 2048
 CHAIN_WIDE_CONFIG = LinearConfig(128, 128, BLOCK_K_16BIT, 8, 8, 3)
+# Those weights' chain in the TMA persistent kernel (moe_kernels/triton_linear.py, NUM_CHUNKS),
+# where the tensors suit TMA: the same chunk sums and adds. H200, graph replay, µs, pointer
+# chain above -> this (cuBLAS; bench/gpu_kernels.py chain_tma, BENCHMARKS.md): o_proj of 128
+# heads (2048 x 16384, 8 chunks) at 1024 / 2048 / 8192 rows 138.0 / 278.3 / 1103.0 -> 105.9 /
+# 208.7 / 870.0 (88.6 / 177.2 / 688.3); shared_down (2048 x 2816, 4 chunks) at 8192 rows 192.7
+# -> 164.5 (122.3); o_proj of 16 heads 138.1 -> 129.8 (96.0). 3 stages ran as the pointer
+# chain; 128 x 256, 256 x 128 and 64-wide tiles slower. kv_a's 576 outputs keep 64 x 64 pointer
+# tiles (50.5 against 53.2 at 8192 rows).
+CHAIN_TMA_CONFIG = LinearConfig(128, 128, BLOCK_K_16BIT, 8, 8, 4, is_persistent=True)
 
 
 def chain_config(
@@ -234,7 +243,7 @@ def chain_config(
         or chunk_k % BLOCK_K_16BIT
     ):
         return None
-    return CHAIN_WIDE_CONFIG if out_dim >= CHAIN_WIDE_OUT else CHAIN_CONFIG_16BIT
+    return CHAIN_TMA_CONFIG if out_dim >= CHAIN_WIDE_OUT else CHAIN_CONFIG_16BIT
 
 
 def linear_chunk_tree(

@@ -22,7 +22,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from moe_kernels.linear import _group_slices, check_row_index
 from moe_kernels.triton_activation import silu_mul_triton, silu_mul_value
-from moe_kernels.triton_chunk_tree import chain_config, linear_chunk_tree
+from moe_kernels.triton_chunk_tree import CHAIN_WIDE_CONFIG, chain_config, linear_chunk_tree
 from moe_kernels.triton_dot import (
     check_pair,
     dot_k_range,
@@ -152,6 +152,21 @@ def _linear_kernel(
         )
 
 
+@triton.jit
+def _tma_k_steps(x_desc, w_desc, row, col, first_step, num_steps, acc, BLOCK_K: tl.constexpr,
+                 UPCAST_DOT: tl.constexpr):  # fmt: skip
+    """acc + x[row tile, k] @ w[col tile, k]^T over num_steps BLOCK_K steps ascending from
+    first_step, by TMA tiles (TMA fills rows and K columns past the end with exact zeros)."""
+    for ki in range(first_step, first_step + num_steps):
+        a = x_desc.load([row, ki * BLOCK_K])
+        b = w_desc.load([col, ki * BLOCK_K])
+        if UPCAST_DOT:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b.T, acc)
+    return acc
+
+
 @triton.jit(do_not_specialize=["num_rows"])
 def _linear_persistent_kernel(
     x_desc,
@@ -166,31 +181,39 @@ def _linear_persistent_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr = 1,
+    FLATTEN: tl.constexpr = True,
     PDL: tl.constexpr = False,
 ):
-    """out = x @ w^T with TMA tiles; program p computes tiles p, p + NUM_PROGRAMS, ..."""
+    """out = x @ w^T with TMA tiles; program p computes tiles p, p + NUM_PROGRAMS, ...
+    NUM_CHUNKS > 1: the linear's fixed K split as the chain (((c0 + c1) + c2) + ...) of
+    NUM_CHUNKS chunk sums of whole BLOCK_K steps, each an fp32 sum from zero: the chain's and
+    the chunk launch's adds (moe_kernels/triton_chunk_tree.py), so their bits."""
     pdl_start(PDL)
     num_pid_m = tl.cdiv(num_rows, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_k = tl.cdiv(K, BLOCK_K)
+    chunk_steps = num_k // NUM_CHUNKS
     pids_per_group = GROUP_M * num_pid_n
     # Which program computes a tile depends on the row count; the tile's sums do not.
-    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS, flatten=True):
+    # (FLATTEN: the tile and K loops as one; the launch turns it off for the chain's nest)
+    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS, flatten=FLATTEN):
         first_m = (tile // pids_per_group) * GROUP_M
         group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
         pid_m = first_m + (tile % pids_per_group) % group_rows
         pid_n = (tile % pids_per_group) // group_rows
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        row = pid_m * BLOCK_M
+        col = pid_n * BLOCK_N
         # Why: the same ascending K loop with the same BLOCK_K as _linear_kernel; TMA fills
         # out-of-range rows and K columns with exact zeros, as the masked loads there do.
-        for ki in range(num_k):
-            a = x_desc.load([pid_m * BLOCK_M, ki * BLOCK_K])
-            b = w_desc.load([pid_n * BLOCK_N, ki * BLOCK_K])
-            if UPCAST_DOT:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(a, b.T, acc)
-        out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(out_desc.dtype))
+        zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = _tma_k_steps(x_desc, w_desc, row, col, 0, chunk_steps, zero, BLOCK_K, UPCAST_DOT)
+        for chunk in range(1, NUM_CHUNKS):
+            acc += _tma_k_steps(
+                x_desc, w_desc, row, col, chunk * chunk_steps, chunk_steps, zero, BLOCK_K,
+                UPCAST_DOT,
+            )  # fmt: skip
+        out_desc.store([row, col], acc.to(out_desc.dtype))
 
 
 @triton.jit
@@ -290,7 +313,9 @@ def _tma_ok(*tensors: torch.Tensor) -> bool:
     )
 
 
-def _launch_persistent(x, weight, out, config: LinearConfig) -> torch.Tensor:
+def _launch_persistent(x, weight, out, config: LinearConfig, num_chunks: int = 1) -> torch.Tensor:
+    """The TMA kernel over SM-many programs; num_chunks > 1: the fixed K split's chain (chunks
+    of whole K steps, in_dim = num_chunks * chunk)."""
     num_rows, (out_dim, in_dim) = x.shape[0], weight.shape
     num_tiles = triton.cdiv(num_rows, config.block_m) * triton.cdiv(out_dim, config.block_n)
     sms = 4 if is_interpreted() else _num_sms(x.device.index or 0)
@@ -309,6 +334,8 @@ def _launch_persistent(x, weight, out, config: LinearConfig) -> torch.Tensor:
         BLOCK_K=bk,
         GROUP_M=config.group_m,
         UPCAST_DOT=is_interpreted(),
+        NUM_CHUNKS=num_chunks,
+        FLATTEN=num_chunks == 1,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **pdl_launch(x.device),
@@ -345,6 +372,10 @@ def _launch(
         chain = chain_config(out_dim, in_dim, k_splits, weight.dtype, num_rows)
         if chain is not None and x.is_contiguous() and out.is_contiguous():
             # Prefill sizes: the same chunk sums and adds in one launch, no fp32 parts.
+            if chain.is_persistent:
+                if out.dtype == weight.dtype and _tma_ok(x, weight, out):
+                    return _launch_persistent(x, weight, out, chain, k_splits)
+                chain = CHAIN_WIDE_CONFIG
             return linear_chunk_tree(x, weight, k_splits, out.dtype, chain, is_tree=False, out=out)
         launch_split_k(
             x, weight, out, chunk_k, config, is_tree=k_split_is_tree(weight.dtype),

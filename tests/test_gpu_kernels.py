@@ -125,18 +125,36 @@ def test_linear_every_bucket_config_gives_the_same_bits(generator, name, in_dim,
     assert torch.equal(linear_triton(x[1:], w), first[1:])  # an odd base address (TMA)
 
 
-@pytest.mark.parametrize("out_dim, in_dim", ((576, 2048), (2048, 2048), (2048, 1408)))
-def test_linear_prefill_chain_gives_the_chunk_launch_bits(generator, out_dim, in_dim):
-    """From CHAIN_MIN_ROWS rows a bf16 linear with a fixed K split (kv_a; o_proj's and an
-    expert's down shapes as plain linears) adds its chunk sums in one program: the chunk
-    launch's bits at the same rows, and every row's bits at decode sizes; the tree over the
-    same chunks differs where there are more than two (two chunks: one add, the same). fp32
-    weights (the routers) keep the chunk launch at every row count."""
-    from moe_kernels.triton_chunk_tree import CHAIN_MIN_ROWS, chain_config, linear_chunk_tree
+@pytest.mark.parametrize(
+    "out_dim, in_dim", ((576, 2048), (2048, 2048), (2048, 1408), (2048, 2816), (2048, 16384))
+)
+def test_linear_prefill_chain_gives_the_chunk_launch_bits(generator, monkeypatch, out_dim, in_dim):
+    """From CHAIN_MIN_ROWS rows a bf16 linear with a fixed K split (kv_a; o_proj's at 16 and
+    128 heads, the shared experts' and an expert's down shapes as plain linears) adds its
+    chunk sums in one program: the chunk launch's bits at the same rows, and every row's bits
+    at decode sizes; the tree over the same chunks differs where there are more than two (two
+    chunks: one add, the same). Wide outputs take the TMA kernel's chain (engagement: its
+    launches counted), an input TMA cannot read the pointer kernel's, with the same bits.
+    fp32 weights (the routers) keep the chunk launch at every row count."""
+    from moe_kernels import triton_linear
+    from moe_kernels.triton_chunk_tree import (
+        CHAIN_MIN_ROWS,
+        CHAIN_WIDE_CONFIG,
+        chain_config,
+        linear_chunk_tree,
+    )
     from moe_kernels.triton_linear import linear_triton
     from moe_kernels.triton_linear_config import k_split_chunk, k_split_count, linear_config
     from moe_kernels.triton_split_k import launch_split_k
 
+    tma_chains = []
+    launch_persistent = triton_linear._launch_persistent
+
+    def counted(x, weight, out, config, num_chunks=1):
+        tma_chains.append(num_chunks)
+        return launch_persistent(x, weight, out, config, num_chunks)
+
+    monkeypatch.setattr(triton_linear, "_launch_persistent", counted)
     x = _randn(generator, 2 * CHAIN_MIN_ROWS + 37, in_dim)
     w = _randn(generator, out_dim, in_dim, scale=in_dim**-0.5)
     num_chunks = k_split_count(out_dim, in_dim, w.dtype)
@@ -145,6 +163,8 @@ def test_linear_prefill_chain_gives_the_chunk_launch_bits(generator, out_dim, in
     assert chain_config(out_dim, in_dim, num_chunks, w.dtype, CHAIN_MIN_ROWS - 1) is None
     assert chain_config(out_dim, 2048, 4, torch.float32, x.shape[0]) is None
     full = linear_triton(x, w)
+    assert tma_chains == ([num_chunks] if chain.is_persistent else [])
+    assert chain.is_persistent == (out_dim >= 2048)
     launch = torch.empty_like(full)
     config = linear_config(out_dim, in_dim, w.dtype, x.shape[0])
     launch_split_k(x, w, launch, k_split_chunk(in_dim, num_chunks), config, is_tree=False)
@@ -152,13 +172,20 @@ def test_linear_prefill_chain_gives_the_chunk_launch_bits(generator, out_dim, in
     torch.testing.assert_close(full.float(), x.float() @ w.float().t(), **BF16_TOL)
     for m in (1, 16, 64, 600, CHAIN_MIN_ROWS - 1, CHAIN_MIN_ROWS, CHAIN_MIN_ROWS + 1):
         assert torch.equal(linear_triton(x[:m], w), full[:m]), m
-    tree = linear_chunk_tree(x, w, num_chunks, full.dtype, chain)
+    pointer = CHAIN_WIDE_CONFIG if chain.is_persistent else chain
+    tree = linear_chunk_tree(x, w, num_chunks, full.dtype, pointer)
     assert torch.equal(tree, full) == (num_chunks == 2), "tree vs chain: no control"
     for is_chunk_loop in (False, True):  # both loop forms of the kernel: the same adds
         got = linear_chunk_tree(
-            x, w, num_chunks, full.dtype, chain, is_tree=False, is_chunk_loop=is_chunk_loop
+            x, w, num_chunks, full.dtype, pointer, is_tree=False, is_chunk_loop=is_chunk_loop
         )
         assert torch.equal(got, full), is_chunk_loop
+    # A base address TMA cannot take (2 bytes past 16-byte alignment): the pointer kernel's chain.
+    shifted = torch.empty(x.numel() + 1, dtype=x.dtype, device=x.device)[1:].view_as(x)
+    shifted.copy_(x)
+    tma_chains.clear()
+    assert torch.equal(linear_triton(shifted, w), full)
+    assert tma_chains == []
 
 
 def test_grouped_linear_rows_independent_of_expert_load(generator):

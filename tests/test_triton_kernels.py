@@ -204,6 +204,29 @@ def check_grouped_linear_tma(generator: torch.Generator) -> None:
         assert torch.equal(short[:69], out[:69]), dtype
 
 
+def check_linear_chain_tma(generator: torch.Generator) -> None:
+    """The persistent TMA kernel's fixed K split (NUM_CHUNKS, the chain of chunk sums): close
+    to the fp64 sum, a row's bits wherever it sits in the batch; control: the plain K loop
+    over the same K (NUM_CHUNKS 1) gives other fp32 bits. (Its bits against the pointer
+    kernel's chain are the GPU's to check: tests/test_gpu_kernels.py; here the interpreter's
+    products follow the operands' memory layout, which TMA and pointer loads lay out apart.)"""
+    from moe_kernels.triton_linear import _launch_persistent
+    from moe_kernels.triton_linear_config import LinearConfig, block_k_of
+
+    for dtype in DTYPES:
+        tma = LinearConfig(16, 32, block_k_of(dtype), 8, 4, 3, is_persistent=True)
+        x = torch.randn(37, 512, generator=generator).to(dtype)
+        w = (torch.randn(64, 512, generator=generator) / 512**0.5).to(dtype)
+        got = _launch_persistent(x, w, x.new_empty((37, 64)), tma, 4)
+        want = x.double() @ w.double().t()
+        torch.testing.assert_close(got, want.to(dtype), **_tol(dtype))
+        moved = _launch_persistent(x[5:].clone(), w, x.new_empty((32, 64)), tma, 4)
+        assert torch.equal(moved, got[5:]), dtype
+        if dtype == torch.float32:  # (bf16 outputs round most fp32 differences away)
+            plain = _launch_persistent(x, w, x.new_empty((37, 64)), tma, 1)
+            assert not torch.equal(plain, got)
+
+
 def check_grouped_gated_linear(generator: torch.Generator) -> None:
     """gate_up and silu * up in one launch: the bits of the grouped GEMM's gate and up columns
     through the silu kernel (here; on the GPU in tests/test_gpu_kernels.py), host and device
@@ -815,6 +838,7 @@ CHECKS = {
     "grouped_linear_gather": check_grouped_linear_gather,
     "grouped_gated_linear": check_grouped_gated_linear,
     "grouped_linear_tma": check_grouped_linear_tma,
+    "linear_chain_tma": check_linear_chain_tma,
     "batched_linear": check_batched_linear,
     "moe_combine": check_moe_combine,
     "moe_combine_output": check_moe_combine_output,
