@@ -56,11 +56,13 @@ def test_multi_head_prefill_matches_the_absorbed_form(is_shuffled):
     scale = (NOPE + ROPE) ** -0.5
     prefill = MhaPrefill(min_queries=4, min_heads=HEADS)
     assert prefill.takes(seq_ids, positions, tables, HEADS)
-    got = prefill(
-        q_nope, q_rot, kv_cache, seq_ids, tables, positions, kv_b, scale=scale, v_dim=V
-    )  # fmt: skip
+    query = torch.cat([q_nope, q_rot], -1)
+    got = prefill(query, kv_cache, seq_ids, tables, positions, kv_b, scale=scale, v_dim=V)
     want = _absorbed(q_nope, q_rot, kv_cache, seq_ids, tables, positions, kv_b, scale)
     assert got.shape == (t, HEADS, V)
+    # Engagement: in order every sequence's rows are one slice (read as a view), shuffled none.
+    sequences = prefill._sequences(seq_ids, positions, tables.shape[0])
+    assert [seq.start is not None for seq in sequences] == [not is_shuffled] * 3
     # The chunk's queries see its cached prefix and no later key: a causal mask aligned to
     # the first key instead of the last query would fail here.
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
@@ -93,8 +95,8 @@ def test_multi_head_prefill_takes_prefill_shaped_steps_only():
     assert not prefill.takes(seq_ids, positions, tables, HEADS)
     with pytest.raises(ValueError, match="not prefill-shaped"):
         prefill(
-            torch.zeros(8, HEADS, NOPE), torch.zeros(8, HEADS, ROPE), kv_cache, seq_ids, tables,
-            positions, torch.zeros(HEADS * (NOPE + V), LORA), scale=1.0, v_dim=V,
+            torch.zeros(8, HEADS, NOPE + ROPE), kv_cache, seq_ids, tables, positions,
+            torch.zeros(HEADS * (NOPE + V), LORA), scale=1.0, v_dim=V,
         )  # fmt: skip
 
 
@@ -193,10 +195,11 @@ def test_multi_head_prefill_on_the_gpu_matches_the_absorbed_form():
         query, kv_cache, seq_ids, tables, positions, scale=scale, v_dim=lora, tile_rows=64
     )
     want = torch.einsum("thl,hvl->thv", latent, w[:, nope:])
-    cuda = [x.cuda() for x in (q_nope, q_rot, kv_cache, seq_ids, tables, positions, kv_b)]
+    both = torch.cat([q_nope, q_rot], -1)
+    cuda = [x.cuda() for x in (both, kv_cache, seq_ids, tables, positions, kv_b)]
     bf16 = [x.bfloat16() if x.is_floating_point() else x for x in cuda]
     prefill = MhaPrefill(min_heads=heads)
-    assert prefill.takes(bf16[3], bf16[5], bf16[4], heads)
+    assert prefill.takes(bf16[2], bf16[4], bf16[3], heads)
     got = prefill(*bf16, scale=scale, v_dim=v)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float().cpu(), want, rtol=2e-2, atol=2e-2)

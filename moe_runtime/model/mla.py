@@ -122,10 +122,13 @@ class MLAttention(nn.Module):
     def _prefill_multi_head(self, prefill, latent, q_nope, q_pe, batch, kv_cache):
         """Fast mode's prefill: this step's latents into the cache, then each sequence's keys
         and values expanded from its cached latents (moe_kernels/mla_prefill.py) -> [T, H, v]."""
-        q_rot = torch.empty_like(q_pe)
-        self._write_cache(latent, q_pe, q_rot, batch, kv_cache)
+        # The query [T, H, nope + R] built in place: q_nope copied in, the rope rotated into
+        # its last channels by the cache write.
+        query = q_nope.new_empty((q_nope.shape[0], self.num_heads, self.nope_dim + self.rope_dim))
+        query[..., : self.nope_dim].copy_(q_nope)
+        self._write_cache(latent, q_pe, query[..., self.nope_dim :], batch, kv_cache)
         return prefill(
-            q_nope, q_rot, kv_cache, batch.query_seq_ids, batch.block_tables, batch.positions,
+            query, kv_cache, batch.query_seq_ids, batch.block_tables, batch.positions,
             self.kv_b_proj.weight, scale=self.scale, v_dim=self.v_dim,
         )  # fmt: skip
 
