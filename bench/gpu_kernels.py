@@ -1480,6 +1480,28 @@ def _sweep_decode_linear(name, out_dim, in_dim, top_k, arrivals) -> None:
 # The linears V3's 128 heads grow eightfold (V2-Lite's hidden size): (name, batch, K, N, row
 # counts; x [batch, rows, K]); q_proj and o_proj plain (o_proj on its fixed K split), the
 # absorbed W_UK / W_UV products one batched launch over the heads (at V2-Lite's 16 too).
+def _sweep_tiles(make, triton_op, configs, num_bytes: int, label: str) -> dict:
+    """{config: (graph-replay ms, whether its output has configs[0]'s bits)} over make's
+    seeded inputs (make(op, generator) -> a call of op(x, w, out)); a config that fails to
+    launch (out of shared memory etc.) is reported and left out."""
+    seed = partial(torch.Generator(device="cuda").manual_seed, 1)
+    ref = make(triton_op(configs[0]), seed())().clone()
+    cells = {}
+    for c in dict.fromkeys(configs):
+        try:
+            same = torch.equal(make(triton_op(c), seed())(), ref)
+            cells[c] = (_graph_ms(partial(make, triton_op(c)), num_bytes), same)
+        except Exception as err:  # report, keep sweeping
+            print(f"  {label} {_tag(c)}: {type(err).__name__}")
+    return cells
+
+
+def _ranked_line(cells: dict) -> str:
+    """The configs fastest first, 'x' after a tag whose bits differ from the first config's."""
+    ranked = sorted(cells.items(), key=lambda item: item[1][0])
+    return "  " + " ".join(f"{_tag(c)}{'' if s else 'x'}={t * 1e3:.1f}" for c, (t, s) in ranked)
+
+
 HEADS_LINEARS = (
     ("q_proj", 0, 2048, 128 * 192, (64, 128, 256)),
     ("o_proj", 0, 128 * 128, 2048, (64, 128, 256)),
@@ -1527,29 +1549,20 @@ def bench_heads() -> None:
             plain = linear_config(out_dim, in_dim, torch.bfloat16, rows)
             rule = batched_config(out_dim, in_dim, torch.bfloat16, rows, batch) if batch else plain
             num_bytes = 2 * (max(batch, 1) * (out_dim * in_dim + rows * (in_dim + out_dim)))
-            seed = partial(torch.Generator(device="cuda").manual_seed, 1)
-            ref = make(triton_op(rule), seed())()
             t_cublas = _graph_ms(partial(make, cublas), num_bytes)
-            cells = {}
-            for c in dict.fromkeys([rule, plain] + HEADS_SWEEP):
-                if c.is_persistent and (batch or name == "o_proj"):
-                    continue  # the launch would run the pointer kernel instead
-                try:
-                    same = torch.equal(make(triton_op(c), seed())(), ref)
-                    cells[c] = (_graph_ms(partial(make, triton_op(c)), num_bytes), same)
-                except Exception as err:  # out of shared memory etc.: report, keep sweeping
-                    print(f"  {name} M={rows} {_tag(c)}: {type(err).__name__}")
+            # (a persistent config in a batched launch or o_proj's K split would run the
+            # pointer kernel instead: left out)
+            configs = [rule, plain] + [
+                c for c in HEADS_SWEEP if not (c.is_persistent and (batch or name == "o_proj"))
+            ]
+            cells = _sweep_tiles(make, triton_op, configs, num_bytes, f"{name} M={rows}")
             print(
                 f"{name} x{max(batch, 1)} M={rows} K={in_dim} N={out_dim} (floor "
                 f"{num_bytes / 4.2e6:.1f} us): cublas {t_cublas * 1e3:.1f}, rule {_tag(rule)} "
                 f"{cells[rule][0] * 1e3:.1f} ({cells[rule][0] / t_cublas:.2f}x), plain bucket "
                 f"{_tag(plain)} {cells[plain][0] * 1e3:.1f} ({cells[plain][0] / t_cublas:.2f}x)"
             )
-            ranked = sorted(cells.items(), key=lambda item: item[1][0])
-            print(
-                "  "
-                + " ".join(f"{_tag(c)}{'' if s else 'x'}={t * 1e3:.1f}" for c, (t, s) in ranked)
-            )
+            print(_ranked_line(cells))
 
 
 # Prefill rows of the absorbed products, in the engine's layout (moe_runtime/model/mla.py):
@@ -1601,27 +1614,16 @@ def bench_heads_prefill() -> None:
 
                 rule = batched_config(out_dim, in_dim, torch.bfloat16, rows, heads)
                 num_bytes = 2 * heads * (out_dim * in_dim + rows * (in_dim + out_dim))
-                seed = partial(torch.Generator(device="cuda").manual_seed, 1)
-                ref = make(triton_op(rule), seed())().clone()
                 t_cublas = _graph_ms(partial(make, cublas), num_bytes)
-                cells = {}
-                for c in dict.fromkeys([rule] + PREFILL_HEADS_SWEEP):
-                    try:
-                        same = torch.equal(make(triton_op(c), seed())(), ref)
-                        cells[c] = (_graph_ms(partial(make, triton_op(c)), num_bytes), same)
-                    except Exception as err:  # out of shared memory etc.: report, keep sweeping
-                        print(f"  {name} M={rows} {_tag(c)}: {type(err).__name__}")
+                configs = [rule] + PREFILL_HEADS_SWEEP
+                cells = _sweep_tiles(make, triton_op, configs, num_bytes, f"{name} M={rows}")
                 print(
                     f"{name} x{heads} M={rows} K={in_dim} N={out_dim} (floor "
                     f"{num_bytes / 4.2e6:.1f} us): cublas {t_cublas * 1e3:.1f}, rule {_tag(rule)} "
                     f"{cells[rule][0] * 1e3:.1f} ({cells[rule][0] / t_cublas:.2f}x)",
                     flush=True,
                 )
-                ranked = sorted(cells.items(), key=lambda item: item[1][0])
-                print(
-                    "  "
-                    + " ".join(f"{_tag(c)}{'' if s else 'x'}={t * 1e3:.1f}" for c, (t, s) in ranked)
-                )
+                print(_ranked_line(cells))
 
 
 # Rows of a decode step at the engine's graph batch sizes: where fast mode's kernel choice is
