@@ -1550,8 +1550,8 @@ def bench_heads() -> None:
             rule = batched_config(out_dim, in_dim, torch.bfloat16, rows, batch) if batch else plain
             num_bytes = 2 * (max(batch, 1) * (out_dim * in_dim + rows * (in_dim + out_dim)))
             t_cublas = _graph_ms(partial(make, cublas), num_bytes)
-            # (a persistent config in a batched launch or o_proj's K split would run the
-            # pointer kernel instead: left out)
+            # (persistent configs left out here: o_proj's K split runs the pointer kernel's
+            # split at these rows, and the batched products' TMA form is heads_prefill's)
             configs = [rule, plain] + [
                 c for c in HEADS_SWEEP if not (c.is_persistent and (batch or name == "o_proj"))
             ]
@@ -1581,6 +1581,11 @@ PREFILL_HEADS_SWEEP = [
     LinearConfig(128, 64, 64, 8, 4, 3),
     LinearConfig(64, 128, 64, 8, 4, 3),
     LinearConfig(256, 64, 64, 8, 8, 2),
+    # The TMA kernel's batched form (3-d descriptors over the strided views; no rule takes it)
+    LinearConfig(128, 128, 64, 8, 8, 3, True),
+    LinearConfig(128, 128, 64, 8, 8, 4, True),
+    LinearConfig(128, 256, 64, 8, 8, 3, True),
+    LinearConfig(64, 128, 64, 8, 4, 4, True),
 ]
 
 

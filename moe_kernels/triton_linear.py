@@ -153,13 +153,25 @@ def _linear_kernel(
 
 
 @triton.jit
-def _tma_k_steps(x_desc, w_desc, row, col, first_step, num_steps, acc, BLOCK_K: tl.constexpr,
-                 UPCAST_DOT: tl.constexpr):  # fmt: skip
+def _tma_tile(desc, batch, row, col, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+              IS_BATCHED: tl.constexpr):  # fmt: skip
+    """desc's [BLOCK_R, BLOCK_C] tile at (row, col), of matrix `batch` where desc is 3-d."""
+    if IS_BATCHED:
+        tile = desc.load([batch, row, col]).reshape(BLOCK_R, BLOCK_C)
+    else:
+        tile = desc.load([row, col])
+    return tile
+
+
+@triton.jit
+def _tma_k_steps(x_desc, w_desc, batch, row, col, first_step, num_steps, acc,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 UPCAST_DOT: tl.constexpr, IS_BATCHED: tl.constexpr):  # fmt: skip
     """acc + x[row tile, k] @ w[col tile, k]^T over num_steps BLOCK_K steps ascending from
     first_step, by TMA tiles (TMA fills rows and K columns past the end with exact zeros)."""
     for ki in range(first_step, first_step + num_steps):
-        a = x_desc.load([row, ki * BLOCK_K])
-        b = w_desc.load([col, ki * BLOCK_K])
+        a = _tma_tile(x_desc, batch, row, ki * BLOCK_K, BLOCK_M, BLOCK_K, IS_BATCHED)
+        b = _tma_tile(w_desc, batch, col, ki * BLOCK_K, BLOCK_N, BLOCK_K, IS_BATCHED)
         if UPCAST_DOT:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
@@ -175,6 +187,7 @@ def _linear_persistent_kernel(
     num_rows,
     N,
     K,
+    num_batches,
     NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -183,37 +196,49 @@ def _linear_persistent_kernel(
     UPCAST_DOT: tl.constexpr,
     NUM_CHUNKS: tl.constexpr = 1,
     FLATTEN: tl.constexpr = True,
+    IS_BATCHED: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     """out = x @ w^T with TMA tiles; program p computes tiles p, p + NUM_PROGRAMS, ...
     NUM_CHUNKS > 1: the linear's fixed K split as the chain (((c0 + c1) + c2) + ...) of
     NUM_CHUNKS chunk sums of whole BLOCK_K steps, each an fp32 sum from zero: the chain's and
-    the chunk launch's adds (moe_kernels/triton_chunk_tree.py), so their bits."""
+    the chunk launch's adds (moe_kernels/triton_chunk_tree.py), so their bits. IS_BATCHED:
+    3-d descriptors, num_batches products x[b] @ w[b]^T (a matrix's tiles one after another)."""
     pdl_start(PDL)
     num_pid_m = tl.cdiv(num_rows, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_k = tl.cdiv(K, BLOCK_K)
     chunk_steps = num_k // NUM_CHUNKS
     pids_per_group = GROUP_M * num_pid_n
+    tiles_per_batch = num_pid_m * num_pid_n
+    num_tiles = tiles_per_batch * num_batches if IS_BATCHED else tiles_per_batch
     # Which program computes a tile depends on the row count; the tile's sums do not.
     # (FLATTEN: the tile and K loops as one; the launch turns it off for the chain's nest)
-    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS, flatten=FLATTEN):
-        first_m = (tile // pids_per_group) * GROUP_M
+    for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=FLATTEN):
+        batch = tile // tiles_per_batch if IS_BATCHED else 0
+        in_batch = tile % tiles_per_batch if IS_BATCHED else tile
+        first_m = (in_batch // pids_per_group) * GROUP_M
         group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
-        pid_m = first_m + (tile % pids_per_group) % group_rows
-        pid_n = (tile % pids_per_group) // group_rows
+        pid_m = first_m + (in_batch % pids_per_group) % group_rows
+        pid_n = (in_batch % pids_per_group) // group_rows
         row = pid_m * BLOCK_M
         col = pid_n * BLOCK_N
         # Why: the same ascending K loop with the same BLOCK_K as _linear_kernel; TMA fills
         # out-of-range rows and K columns with exact zeros, as the masked loads there do.
         zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc = _tma_k_steps(x_desc, w_desc, row, col, 0, chunk_steps, zero, BLOCK_K, UPCAST_DOT)
+        acc = _tma_k_steps(
+            x_desc, w_desc, batch, row, col, 0, chunk_steps, zero, BLOCK_M, BLOCK_N, BLOCK_K,
+            UPCAST_DOT, IS_BATCHED,
+        )  # fmt: skip
         for chunk in range(1, NUM_CHUNKS):
             acc += _tma_k_steps(
-                x_desc, w_desc, row, col, chunk * chunk_steps, chunk_steps, zero, BLOCK_K,
-                UPCAST_DOT,
+                x_desc, w_desc, batch, row, col, chunk * chunk_steps, chunk_steps, zero, BLOCK_M,
+                BLOCK_N, BLOCK_K, UPCAST_DOT, IS_BATCHED,
             )  # fmt: skip
-        out_desc.store([row, col], acc.to(out_desc.dtype))
+        if IS_BATCHED:
+            out_desc.store([batch, row, col], acc.to(out_desc.dtype).reshape(1, BLOCK_M, BLOCK_N))
+        else:
+            out_desc.store([row, col], acc.to(out_desc.dtype))
 
 
 @triton.jit
@@ -307,27 +332,35 @@ def _num_sms(device_index: int) -> int:
 
 
 def _tma_ok(*tensors: torch.Tensor) -> bool:
-    """TMA needs 16-byte aligned base addresses and row strides."""
+    """TMA needs 16-byte aligned base addresses and strides (all but the last, which is 1)."""
     return all(
-        t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in tensors
+        t.data_ptr() % 16 == 0
+        and t.stride(-1) == 1
+        and all(t.stride(d) * t.element_size() % 16 == 0 for d in range(t.dim() - 1))
+        for t in tensors
     )
 
 
 def _launch_persistent(x, weight, out, config: LinearConfig, num_chunks: int = 1) -> torch.Tensor:
-    """The TMA kernel over SM-many programs; num_chunks > 1: the fixed K split's chain (chunks
-    of whole K steps, in_dim = num_chunks * chunk)."""
-    num_rows, (out_dim, in_dim) = x.shape[0], weight.shape
+    """The TMA kernel over SM-many programs: x [M, K] @ weight [N, K]^T, or batched x [B, M, K]
+    @ weight [B, N, K]^T into out [B, M, N] (strided views as _tma_ok allows); num_chunks > 1:
+    the fixed K split's chain (chunks of whole K steps, in_dim = num_chunks * chunk)."""
+    is_batched = x.dim() == 3
+    num_rows, (out_dim, in_dim) = x.shape[-2], weight.shape[-2:]
+    num_batches = x.shape[0] if is_batched else 1
     num_tiles = triton.cdiv(num_rows, config.block_m) * triton.cdiv(out_dim, config.block_n)
     sms = 4 if is_interpreted() else _num_sms(x.device.index or 0)
-    num_programs = min(num_tiles, sms)
+    num_programs = min(num_tiles * num_batches, sms)
     bm, bn, bk = config.block_m, config.block_n, config.block_k
+    lead = [1] if is_batched else []  # a batched tile is one matrix's
     _linear_persistent_kernel[(num_programs,)](
-        TensorDescriptor.from_tensor(x, [bm, bk]),
-        TensorDescriptor.from_tensor(weight, [bn, bk]),
-        TensorDescriptor.from_tensor(out, [bm, bn]),
+        TensorDescriptor.from_tensor(x, lead + [bm, bk]),
+        TensorDescriptor.from_tensor(weight, lead + [bn, bk]),
+        TensorDescriptor.from_tensor(out, lead + [bm, bn]),
         num_rows,
         out_dim,
         in_dim,
+        num_batches,
         NUM_PROGRAMS=num_programs,
         BLOCK_M=bm,
         BLOCK_N=bn,
@@ -336,6 +369,7 @@ def _launch_persistent(x, weight, out, config: LinearConfig, num_chunks: int = 1
         UPCAST_DOT=is_interpreted(),
         NUM_CHUNKS=num_chunks,
         FLATTEN=num_chunks == 1,
+        IS_BATCHED=is_batched,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **pdl_launch(x.device),
@@ -389,6 +423,14 @@ def _launch(
             x, weight = x.clone(), weight.clone()  # fresh allocations are 16-byte aligned
         if _tma_ok(x, weight, out):
             return _launch_persistent(x, weight, out, config)
+    is_batched = counts is None and x.dim() == 3
+    if (
+        config.is_persistent
+        and is_batched
+        and out.dtype == weight.dtype
+        and _tma_ok(x, weight, out)
+    ):
+        return _launch_persistent(x, weight, out, config)  # (no batched rule takes it yet)
     if config.is_persistent:
         config = POINTER_CONFIG_16BIT
     x3, out3 = (x, out) if x.dim() == 3 else (x[None], out[None])

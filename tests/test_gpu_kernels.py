@@ -273,6 +273,48 @@ def test_batched_linear_gives_each_head_the_linear_bits(generator, num_heads):
             )
 
 
+@pytest.mark.parametrize("num_heads", (16, 128))
+def test_batched_linear_tma_gives_the_pointer_kernel_bits(generator, monkeypatch, num_heads):
+    """The persistent TMA kernel's batched form (3-d descriptors; a candidate for the absorbed
+    products at prefill rows, bench/gpu_kernels.py heads_prefill) in the engine's layout (W_UK
+    reads q_nope out of the projected query and writes into the query buffer; W_UV reads the
+    attention's rows and writes [T, H, v]): the pointer kernel's bits, at rows past a tile."""
+    from moe_kernels import triton_linear
+    from moe_kernels.triton_linear import _launch
+    from moe_kernels.triton_linear_config import POINTER_CONFIG_16BIT, LinearConfig
+
+    tma_launches = []
+    launch_persistent = triton_linear._launch_persistent
+
+    def counted(x, weight, out, config, num_chunks=1):
+        tma_launches.append(x.dim())
+        return launch_persistent(x, weight, out, config, num_chunks)
+
+    monkeypatch.setattr(triton_linear, "_launch_persistent", counted)
+    nope, rope, v, lora, rows = 128, 64, 128, 512, 1000
+    w_uk_t = _randn(generator, num_heads, lora, nope, scale=nope**-0.5)
+    w_uv = _randn(generator, num_heads, v, lora, scale=lora**-0.5)
+    q = _randn(generator, rows, num_heads, nope + rope)
+    latent = _randn(generator, rows, num_heads, lora)
+    for config in (
+        LinearConfig(128, 128, 64, 8, 8, 3, True),
+        LinearConfig(128, 128, 64, 8, 8, 4, True),
+        LinearConfig(64, 128, 64, 8, 4, 4, True),
+    ):
+        uk_out = q.new_empty((rows, num_heads, lora + rope))[..., :lora].transpose(0, 1)
+        uv_out = q.new_empty((rows, num_heads, v)).transpose(0, 1)
+        cases = (
+            (q[..., :nope].transpose(0, 1), w_uk_t, uk_out),
+            (latent.transpose(0, 1), w_uv, uv_out),
+        )
+        for x, w, out in cases:
+            want = _launch(x, w, torch.empty_like(out), None, rows, POINTER_CONFIG_16BIT)
+            tma_launches.clear()
+            got = _launch(x, w, out, None, rows, config)
+            assert tma_launches == [3]  # engagement: the TMA kernel's batched form ran
+            assert torch.equal(got, want), (config, tuple(w.shape))
+
+
 def test_grouped_linear_device_counts_same_bits_in_every_bucket_and_in_a_graph(generator):
     """The capturable grouped GEMM (counts on the device): expert 2's rows keep their bits
     whether the batch is decode-sized or prefill-sized (different tile buckets), equal the

@@ -227,6 +227,35 @@ def check_linear_chain_tma(generator: torch.Generator) -> None:
             assert not torch.equal(plain, got)
 
 
+def check_batched_linear_tma(generator: torch.Generator) -> None:
+    """The persistent TMA kernel's batched form (3-d descriptors over strided views, as MLA's
+    W_UK reads q_nope out of the projected query and writes into the query buffer): close to
+    the fp64 products, each product's rows keep their bits with other rows around them, and
+    each product is its own (a batch of one gives product b's bits). Its bits against the
+    pointer kernel are the GPU's to check (tests/test_gpu_kernels.py)."""
+    from moe_kernels.triton_linear import _launch, _tma_ok
+    from moe_kernels.triton_linear_config import LinearConfig, block_k_of
+
+    heads, rows, nope, width = 3, 37, 64, 96
+    for dtype in DTYPES:
+        tma = LinearConfig(16, 32, block_k_of(dtype), 8, 4, 3, is_persistent=True)
+        q = torch.randn(rows, heads, width, generator=generator).to(dtype)
+        x = q[..., :nope].transpose(0, 1)  # [H, T, nope], rows `heads * width` apart
+        w = (torch.randn(heads, 48, nope, generator=generator) / nope**0.5).to(dtype)
+        buffer = torch.zeros(rows, heads, 80, dtype=dtype)
+        out = buffer[..., :48].transpose(0, 1)  # [H, T, 48] inside a wider row
+        assert _tma_ok(x, w, out)  # engagement: the TMA kernel takes these views
+        _launch(x, w, out, None, rows, tma)
+        want = torch.einsum("htk,hnk->htn", x.double(), w.double())
+        torch.testing.assert_close(out, want.to(dtype), **_tol(dtype))
+        assert not buffer[..., 48:].any()  # nothing written past the view
+        moved = x[:, 5:].contiguous()
+        got = _launch(moved, w, moved.new_empty((heads, rows - 5, 48)), None, rows - 5, tma)
+        assert torch.equal(got, out[:, 5:]), dtype
+        one = _launch(x[1:2], w[1:2], x.new_empty((1, rows, 48)), None, rows, tma)
+        assert torch.equal(one[0], out[1]), dtype
+
+
 def check_grouped_gated_linear(generator: torch.Generator) -> None:
     """gate_up and silu * up in one launch: the bits of the grouped GEMM's gate and up columns
     through the silu kernel (here; on the GPU in tests/test_gpu_kernels.py), host and device
@@ -839,6 +868,7 @@ CHECKS = {
     "grouped_gated_linear": check_grouped_gated_linear,
     "grouped_linear_tma": check_grouped_linear_tma,
     "linear_chain_tma": check_linear_chain_tma,
+    "batched_linear_tma": check_batched_linear_tma,
     "batched_linear": check_batched_linear,
     "moe_combine": check_moe_combine,
     "moe_combine_output": check_moe_combine_output,
