@@ -42,6 +42,13 @@ class _Sequence:
         """x's rows of this sequence, by position: a view where they are one slice."""
         return x[self.rows] if self.start is None else x[self.start : self.start + self.num_queries]
 
+    def put(self, out: torch.Tensor, rows: torch.Tensor) -> None:
+        """rows (this sequence's, by position) into out's rows of this sequence."""
+        if self.start is None:
+            out[self.rows] = rows
+        else:
+            self.of(out).copy_(rows)
+
 
 @dataclass
 class MhaPrefill:
@@ -155,9 +162,5 @@ class MhaPrefill:
                 attn_mask=causal_lower_right(seq.num_queries, seq.length),
                 scale=scale,
             )
-            result = attended[0].transpose(0, 1)[..., :v_dim]
-            if seq.start is None:
-                out[seq.rows] = result
-            else:
-                seq.of(out).copy_(result)
+            seq.put(out, attended[0].transpose(0, 1)[..., :v_dim])
         return out
