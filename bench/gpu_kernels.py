@@ -941,6 +941,7 @@ def bench_chain_tma() -> None:
     from moe_kernels.triton_chunk_tree import (
         CHAIN_CONFIG_16BIT,
         CHAIN_WIDE_CONFIG,
+        CHAIN_WIDE_OUT,
         linear_chunk_tree,
     )
     from moe_kernels.triton_linear import _launch_persistent
@@ -953,7 +954,7 @@ def bench_chain_tma() -> None:
     )  # fmt: skip
     for name, in_dim, out_dim in shapes:
         chunks = k_split_count(out_dim, in_dim, torch.bfloat16)
-        pointer = CHAIN_WIDE_CONFIG if out_dim >= 2048 else CHAIN_CONFIG_16BIT
+        pointer = CHAIN_WIDE_CONFIG if out_dim >= CHAIN_WIDE_OUT else CHAIN_CONFIG_16BIT
         for m in (1024, 2048, 8192):
 
             def chain(a, b, chunks=chunks, pointer=pointer):

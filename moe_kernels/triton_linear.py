@@ -417,20 +417,13 @@ def _launch(
             arrivals=arrivals,
         )  # fmt: skip
         return out
-    if config.is_persistent and is_plain and out.dtype == weight.dtype:
-        # (an fp32 out's [BLOCK_M, BLOCK_N] store tile would not fit the TMA kernel's smem)
-        if not _tma_ok(x, weight, out):
+    if config.is_persistent and counts is None and out.dtype == weight.dtype:
+        # Plain or batched (no batched rule takes a persistent config yet). (An fp32 out's
+        # [BLOCK_M, BLOCK_N] store tile would not fit the TMA kernel's smem.)
+        if is_plain and not _tma_ok(x, weight, out):
             x, weight = x.clone(), weight.clone()  # fresh allocations are 16-byte aligned
         if _tma_ok(x, weight, out):
             return _launch_persistent(x, weight, out, config)
-    is_batched = counts is None and x.dim() == 3
-    if (
-        config.is_persistent
-        and is_batched
-        and out.dtype == weight.dtype
-        and _tma_ok(x, weight, out)
-    ):
-        return _launch_persistent(x, weight, out, config)  # (no batched rule takes it yet)
     if config.is_persistent:
         config = POINTER_CONFIG_16BIT
     x3, out3 = (x, out) if x.dim() == 3 else (x[None], out[None])
