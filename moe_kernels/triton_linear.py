@@ -418,7 +418,7 @@ def _launch(
         )  # fmt: skip
         return out
     if config.is_persistent and counts is None and out.dtype == weight.dtype:
-        # Plain or batched (no batched rule takes a persistent config yet). (An fp32 out's
+        # Plain or batched (batched_config's prefill tiles). (An fp32 out's
         # [BLOCK_M, BLOCK_N] store tile would not fit the TMA kernel's smem.)
         if is_plain and not _tma_ok(x, weight, out):
             x, weight = x.clone(), weight.clone()  # fresh allocations are 16-byte aligned

@@ -113,6 +113,15 @@ BATCHED_TILES = (
     (MEDIUM_ROWS, LinearConfig(128, 128, BLOCK_K_16BIT, 8, 8, 3)),
 )
 BATCHED_MIN_PROGRAMS = 128
+# Past MEDIUM_ROWS a batched launch takes the persistent TMA kernel (the launch falls back to
+# the pointer kernel where a view is not TMA-ready): 256-wide column tiles where the product has
+# 256 outputs, else 128-wide with a fourth stage. H200, graph replay, engine layout
+# (`bench/gpu_kernels.py heads_prefill`, BENCHMARKS.md), us, pointer 128 x 128 -> this (cuBLAS):
+# 128 heads, W_UK at 1024 / 8192 rows 88.4 / 652.6 -> 61.3 / 435.3 (60.1 / 430.1), W_UV 57.6 /
+# 389.1 -> 54.3 / 387.6 (55.2 / 380.6); 16 heads, W_UK 12.7 / 84.8 -> 10.0 / 58.8 (10.1 /
+# 57.9), W_UV 10.2 / 54.5 -> 9.2 / 51.5 (9.8 / 51.8). Every tile gave the same bits.
+BATCHED_WIDE_TMA = LinearConfig(128, 256, BLOCK_K_16BIT, 8, 8, 3, is_persistent=True)
+BATCHED_NARROW_TMA = LinearConfig(128, 128, BLOCK_K_16BIT, 8, 8, 4, is_persistent=True)
 
 
 def batched_config(
@@ -120,7 +129,10 @@ def batched_config(
 ) -> LinearConfig:
     """Block config of a batched launch of `batch` products x [num_rows, in_dim] @ weight
     [out_dim, in_dim]^T: BATCHED_TILES where the launch keeps BATCHED_MIN_PROGRAMS programs,
-    else linear_config's (every one shares BLOCK_K, so each product keeps its bits)."""
+    the persistent TMA tiles past MEDIUM_ROWS, else linear_config's (every one shares BLOCK_K,
+    so each product keeps its bits)."""
+    if dtype != torch.float32 and num_rows > MEDIUM_ROWS:
+        return BATCHED_WIDE_TMA if out_dim >= BATCHED_WIDE_TMA.block_n else BATCHED_NARROW_TMA
     if dtype != torch.float32 and num_rows > DECODE_ROWS:
         for max_rows, config in BATCHED_TILES:
             if num_rows <= max_rows:

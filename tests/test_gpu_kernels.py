@@ -261,7 +261,7 @@ def test_batched_linear_gives_each_head_the_linear_bits(generator, num_heads):
     nope, v, lora = 128, 128, 512
     w_uk_t = _randn(generator, num_heads, lora, nope, scale=nope**-0.5)
     w_uv = _randn(generator, num_heads, v, lora, scale=lora**-0.5)
-    for rows in (1, 16, 17, 64, 65, 600):
+    for rows in (1, 16, 17, 64, 65, 600, 1100):
         q_nope = _randn(generator, rows, num_heads, nope + 64)[:, :, :nope]
         latent = _randn(generator, rows, num_heads, lora)
         for x, w in ((q_nope.transpose(0, 1), w_uk_t), (latent.transpose(0, 1), w_uv)):
@@ -275,13 +275,18 @@ def test_batched_linear_gives_each_head_the_linear_bits(generator, num_heads):
 
 @pytest.mark.parametrize("num_heads", (16, 128))
 def test_batched_linear_tma_gives_the_pointer_kernel_bits(generator, monkeypatch, num_heads):
-    """The persistent TMA kernel's batched form (3-d descriptors; a candidate for the absorbed
-    products at prefill rows, bench/gpu_kernels.py heads_prefill) in the engine's layout (W_UK
-    reads q_nope out of the projected query and writes into the query buffer; W_UV reads the
-    attention's rows and writes [T, H, v]): the pointer kernel's bits, at rows past a tile."""
+    """The persistent TMA kernel's batched form (3-d descriptors; batched_config's tiles for
+    the absorbed products past MEDIUM_ROWS) in the engine's layout (W_UK reads q_nope out of
+    the projected query and writes into the query buffer; W_UV reads the attention's rows and
+    writes [T, H, v]): the pointer kernel's bits, at rows past a tile."""
     from moe_kernels import triton_linear
     from moe_kernels.triton_linear import _launch
-    from moe_kernels.triton_linear_config import POINTER_CONFIG_16BIT, LinearConfig
+    from moe_kernels.triton_linear_config import (
+        BATCHED_NARROW_TMA,
+        BATCHED_WIDE_TMA,
+        POINTER_CONFIG_16BIT,
+        LinearConfig,
+    )
 
     tma_launches = []
     launch_persistent = triton_linear._launch_persistent
@@ -297,8 +302,9 @@ def test_batched_linear_tma_gives_the_pointer_kernel_bits(generator, monkeypatch
     q = _randn(generator, rows, num_heads, nope + rope)
     latent = _randn(generator, rows, num_heads, lora)
     for config in (
+        BATCHED_WIDE_TMA,
+        BATCHED_NARROW_TMA,
         LinearConfig(128, 128, 64, 8, 8, 3, True),
-        LinearConfig(128, 128, 64, 8, 8, 4, True),
         LinearConfig(64, 128, 64, 8, 4, 4, True),
     ):
         uk_out = q.new_empty((rows, num_heads, lora + rope))[..., :lora].transpose(0, 1)
