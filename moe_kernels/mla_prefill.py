@@ -15,8 +15,8 @@ graph captures keep the absorbed form.
 Why from 128 heads: through the engine (H200, V2-Lite's shapes, prefill 8 x 1024, BENCHMARKS.md,
 twenty-eighth session) the multi-head form ran 34,500 tok/s against the absorbed form's 31,000
 at 128 heads, and 55,000-72,000 against 76,000-78,000 at V2-Lite's 16, where the absorbed
-kernel reads each latent once for all heads and the multi-head form's expansion and padded
-values outweigh the pairs saved.
+kernel reads each latent once for all heads and the multi-head form's expansion outweighs the
+pairs saved (58,824 with the values unpadded through cuDNN against 76,808: thirty-third).
 """
 
 from __future__ import annotations
@@ -150,8 +150,9 @@ class MhaPrefill:
             key = expanded.new_empty((seq.length, num_heads, qk_dim))
             key[..., :nope].copy_(expanded[..., :nope])
             key[..., nope:].copy_(cached[:, None, lora:])
-            # Why padded: FlashAttention takes one head dim for q, k and v.
-            value = F.pad(expanded[..., nope:], (0, qk_dim - v_dim))
+            value = expanded[..., nope:]
+            if _pads_values(query):
+                value = F.pad(value, (0, qk_dim - v_dim))
             # Why 4-d: FlashAttention (and the memory-efficient kernel) take [batch, heads,
             # tokens, dim] only; 3-d inputs fell back to the materialised math kernel, 2-4x
             # slower than the absorbed form (H200).
@@ -164,3 +165,14 @@ class MhaPrefill:
             )
             seq.put(out, attended[0].transpose(0, 1)[..., :v_dim])
         return out
+
+
+def _pads_values(query: torch.Tensor) -> bool:
+    """Whether the values reach SDPA padded to the query's head dim: on CUDA without cuDNN's
+    attention, whose kernel takes v's own head dim (FlashAttention takes one head dim for q, k
+    and v; the memory-efficient kernel takes both but ran 2x slower than FlashAttention
+    padded). H200, 128 heads, one causal sequence of 1024 through SDPA: padded 178.9 us,
+    unpadded (cuDNN) 112.5, outputs within 5e-5 (BENCHMARKS.md, thirty-third session)."""
+    if not query.is_cuda:
+        return False
+    return not (torch.backends.cudnn.is_available() and torch.backends.cuda.cudnn_sdp_enabled())

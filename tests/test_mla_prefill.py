@@ -41,8 +41,16 @@ def _absorbed(q_nope, q_rot, kv_cache, seq_ids, tables, positions, kv_b, scale):
     return torch.einsum("thl,hvl->thv", latent, w[:, NOPE:])
 
 
-@pytest.mark.parametrize("is_shuffled", (False, True))
-def test_multi_head_prefill_matches_the_absorbed_form(is_shuffled):
+@pytest.mark.parametrize(
+    ("is_shuffled", "is_padded"), ((False, False), (True, False), (False, True))
+)  # fmt: skip
+def test_multi_head_prefill_matches_the_absorbed_form(monkeypatch, is_shuffled, is_padded):
+    """is_padded: the values padded to the query's head dim, as on CUDA without cuDNN's
+    attention (here forced on the CPU: the same attention, the padding sliced off)."""
+    from moe_kernels import mla_prefill
+
+    padded = []
+    monkeypatch.setattr(mla_prefill, "_pads_values", lambda query: padded.append(1) or is_padded)
     gen = torch.Generator().manual_seed(0)
     # A whole prompt, a chunk over a 5-token cached prefix (crossing blocks), another prompt.
     seq_ids, positions, tables, kv_cache = _step([(0, 10), (5, 13), (0, 8)], gen)
@@ -66,6 +74,7 @@ def test_multi_head_prefill_matches_the_absorbed_form(is_shuffled):
     # The chunk's queries see its cached prefix and no later key: a causal mask aligned to
     # the first key instead of the last query would fail here.
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert len(padded) == 3  # engagement: each sequence asked whether to pad its values
 
 
 def test_multi_head_prefill_takes_prefill_shaped_steps_only():
