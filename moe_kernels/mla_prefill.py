@@ -139,6 +139,7 @@ class MhaPrefill:
             raise ValueError("the step is not prefill-shaped (MhaPrefill.takes refused it)")
         out = query.new_empty((num_tokens, num_heads, v_dim))
         block_size = kv_cache.shape[1]
+        pads_values = _pads_values(query)
         for s, seq in enumerate(sequences):
             blocks = block_tables[s, : -(-seq.length // block_size)]
             cached = kv_cache[blocks].flatten(0, 1)[: seq.length]  # [S, L + R]
@@ -151,7 +152,7 @@ class MhaPrefill:
             key[..., :nope].copy_(expanded[..., :nope])
             key[..., nope:].copy_(cached[:, None, lora:])
             value = expanded[..., nope:]
-            if _pads_values(query):
+            if pads_values:
                 value = F.pad(value, (0, qk_dim - v_dim))
             # Why 4-d: FlashAttention (and the memory-efficient kernel) take [batch, heads,
             # tokens, dim] only; 3-d inputs fell back to the materialised math kernel, 2-4x

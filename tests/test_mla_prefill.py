@@ -74,7 +74,7 @@ def test_multi_head_prefill_matches_the_absorbed_form(monkeypatch, is_shuffled, 
     # The chunk's queries see its cached prefix and no later key: a causal mask aligned to
     # the first key instead of the last query would fail here.
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
-    assert len(padded) == 3  # engagement: each sequence asked whether to pad its values
+    assert padded == [1]  # engagement: the step asked once whether to pad its values
 
 
 def test_multi_head_prefill_takes_prefill_shaped_steps_only():
