@@ -1582,7 +1582,8 @@ PREFILL_HEADS_SWEEP = [
     LinearConfig(128, 64, 64, 8, 4, 3),
     LinearConfig(64, 128, 64, 8, 4, 3),
     LinearConfig(256, 64, 64, 8, 8, 2),
-    # The TMA kernel's batched form (3-d descriptors over the strided views; no rule takes it)
+    # The TMA kernel's batched form (3-d descriptors over the strided views; batched_config
+    # takes 128x256/w8/s3 and 128x128/w8/s4 of these past MEDIUM_ROWS)
     LinearConfig(128, 128, 64, 8, 8, 3, True),
     LinearConfig(128, 128, 64, 8, 8, 4, True),
     LinearConfig(128, 256, 64, 8, 8, 3, True),

@@ -35,6 +35,22 @@ def _randn(generator, *shape, dtype=torch.bfloat16, scale=1.0):
     return (torch.randn(*shape, generator=generator) * scale).to("cuda", dtype)
 
 
+def _record_tma_launches(monkeypatch, what) -> list:
+    """A list that gets what(x, num_chunks) for every launch of the persistent TMA kernel
+    (moe_kernels/triton_linear.py's _launch_persistent) from here on: engagement checks."""
+    from moe_kernels import triton_linear
+
+    launches = []
+    launch_persistent = triton_linear._launch_persistent
+
+    def counted(x, weight, out, config, num_chunks=1):
+        launches.append(what(x, num_chunks))
+        return launch_persistent(x, weight, out, config, num_chunks)
+
+    monkeypatch.setattr(triton_linear, "_launch_persistent", counted)
+    return launches
+
+
 def _assert_row_invariant(op, x, full, generator):
     for m in ROW_COUNTS:
         if m <= x.shape[0]:
@@ -136,7 +152,6 @@ def test_linear_prefill_chain_gives_the_chunk_launch_bits(generator, monkeypatch
     chunks: one add, the same). Wide outputs take the TMA kernel's chain (engagement: its
     launches counted), an input TMA cannot read the pointer kernel's, with the same bits.
     fp32 weights (the routers) keep the chunk launch at every row count."""
-    from moe_kernels import triton_linear
     from moe_kernels.triton_chunk_tree import (
         CHAIN_MIN_ROWS,
         CHAIN_WIDE_CONFIG,
@@ -147,14 +162,7 @@ def test_linear_prefill_chain_gives_the_chunk_launch_bits(generator, monkeypatch
     from moe_kernels.triton_linear_config import k_split_chunk, k_split_count, linear_config
     from moe_kernels.triton_split_k import launch_split_k
 
-    tma_chains = []
-    launch_persistent = triton_linear._launch_persistent
-
-    def counted(x, weight, out, config, num_chunks=1):
-        tma_chains.append(num_chunks)
-        return launch_persistent(x, weight, out, config, num_chunks)
-
-    monkeypatch.setattr(triton_linear, "_launch_persistent", counted)
+    tma_chains = _record_tma_launches(monkeypatch, lambda x, num_chunks: num_chunks)
     x = _randn(generator, 2 * CHAIN_MIN_ROWS + 37, in_dim)
     w = _randn(generator, out_dim, in_dim, scale=in_dim**-0.5)
     num_chunks = k_split_count(out_dim, in_dim, w.dtype)
@@ -279,7 +287,6 @@ def test_batched_linear_tma_gives_the_pointer_kernel_bits(generator, monkeypatch
     the absorbed products past MEDIUM_ROWS) in the engine's layout (W_UK reads q_nope out of
     the projected query and writes into the query buffer; W_UV reads the attention's rows and
     writes [T, H, v]): the pointer kernel's bits, at rows past a tile."""
-    from moe_kernels import triton_linear
     from moe_kernels.triton_linear import _launch
     from moe_kernels.triton_linear_config import (
         BATCHED_NARROW_TMA,
@@ -288,14 +295,7 @@ def test_batched_linear_tma_gives_the_pointer_kernel_bits(generator, monkeypatch
         LinearConfig,
     )
 
-    tma_launches = []
-    launch_persistent = triton_linear._launch_persistent
-
-    def counted(x, weight, out, config, num_chunks=1):
-        tma_launches.append(x.dim())
-        return launch_persistent(x, weight, out, config, num_chunks)
-
-    monkeypatch.setattr(triton_linear, "_launch_persistent", counted)
+    tma_launches = _record_tma_launches(monkeypatch, lambda x, num_chunks: x.dim())
     nope, rope, v, lora, rows = 128, 64, 128, 512, 1000
     w_uk_t = _randn(generator, num_heads, lora, nope, scale=nope**-0.5)
     w_uv = _randn(generator, num_heads, v, lora, scale=lora**-0.5)
