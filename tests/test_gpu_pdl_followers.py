@@ -3,7 +3,7 @@
 The repo's Triton kernels launch with PDL and let the next kernel launch as they start
 (moe_kernels/triton_pdl.py). In a step, fast mode follows them with kernels it does not own:
 cuBLAS (linears, the batched W_UK / W_UV products, the router logits), torch's grouped GEMM
-(the experts), FlashAttention through SDPA (the multi-head prefill) and FlashMLA (decode; its
+(the experts), SDPA (the multi-head prefill: cuDNN or FlashAttention) and FlashMLA (decode; its
 fence is tested in tests/test_fast_attention.py). Each op is run on an input that a
 PDL-launched Triton kernel stores only after a busy loop (tests/late_write.py): it must give
 the bits of the same op on the input written long before. FlashMLA's kernel did not wait and
@@ -14,8 +14,11 @@ Skipped without CUDA or PDL.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tests.late_write import read_without_waiting, written_late
 
@@ -89,8 +92,11 @@ def _experts(rows):
     return (lambda x: grouped_linear_cuda_fast(x, weight, sizes)), _bf16(rows, 2048)
 
 
-def _prefill(rows):
-    """Fast mode's multi-head prefill of one prompt of `rows` queries (SDPA's FlashAttention)."""
+def _prefill(rows, backends=None):
+    """Fast mode's multi-head prefill of one prompt of `rows` queries (SDPA: cuDNN's attention
+    where it is enabled, else FlashAttention on values padded to the query's head dim; backends
+    limits SDPA's), the query [T, H, nope + R] written late as the engine's cache write stores
+    its rope part last."""
     from moe_kernels.mla_prefill import MhaPrefill
 
     block = 64
@@ -99,18 +105,18 @@ def _prefill(rows):
     tables = torch.arange(blocks, device="cuda")[None]
     seq_ids = torch.zeros(rows, dtype=torch.int64, device="cuda")
     positions = torch.arange(rows, device="cuda")
-    q_rot = _bf16(rows, HEADS, ROPE, seed=2)
     kv_b = _bf16(HEADS * (NOPE + V), LORA, scale=LORA**-0.5, seed=3)
     prefill = MhaPrefill()
     assert prefill.takes(seq_ids, positions, tables, HEADS)
 
-    def op(q_nope):
-        return prefill(
-            q_nope.view(rows, HEADS, NOPE), q_rot, kv_cache, seq_ids, tables, positions, kv_b,
-            scale=(NOPE + ROPE) ** -0.5, v_dim=V,
-        )  # fmt: skip
+    def op(query):
+        with sdpa_kernel(backends) if backends else contextlib.nullcontext():
+            return prefill(
+                query.view(rows, HEADS, NOPE + ROPE), kv_cache, seq_ids, tables, positions,
+                kv_b, scale=(NOPE + ROPE) ** -0.5, v_dim=V,
+            )  # fmt: skip
 
-    return op, _bf16(rows, HEADS * NOPE)
+    return op, _bf16(rows, HEADS * (NOPE + ROPE))
 
 
 PROBES = {
@@ -120,6 +126,10 @@ PROBES = {
     "w_uv": (_w_uv, (1, 64)),
     "grouped_linear": (_experts, (64, 1024)),
     "multi_head_prefill": (_prefill, (256,)),
+    "multi_head_prefill_flash": (
+        lambda rows: _prefill(rows, [SDPBackend.FLASH_ATTENTION]),
+        (256,),
+    ),
 }
 
 
