@@ -816,6 +816,68 @@ def bench_tail() -> None:
             print(f"| {batch} | {ctx} | {blocks} | {cells} |")
 
 
+@contextlib.contextmanager
+def _merge_heads(count: int):
+    """The op's merge launch at `count` heads a program (attention_launch.merge_heads's pick
+    swapped for the block)."""
+    import moe_kernels.triton_attention as attention
+
+    saved = attention.merge_heads
+    attention.merge_heads = lambda heads: count
+    try:
+        yield
+    finally:
+        attention.merge_heads = saved
+
+
+def bench_merge() -> None:
+    """The merge launch's heads a program: the op (split launch, then the merge of the fp32
+    partials; a query of one split skips the merge) at 1 head a program (the launch before),
+    4, 8 and 16, graph replay (ATTENTION_GRAPH_CALLS calls a graph), queries at one context
+    in their own shuffled blocks, tables padded with -1 to the engine's graph width for that
+    context (128 heads: 18, 34, 66, ... blocks; 16 heads: 16, 32, ... up to 128). 128 heads at
+    context 1100 in a 34-block table is a merge where every query has one split (a decode
+    step whose table is one width past its queries); in an 18-block table, no merge launch."""
+    from moe_kernels.attention_launch import WIDE_LAUNCH
+    from moe_kernels.triton_attention import mla_attention_triton
+
+    counts = (1, 4, 8, 16)
+    cases = (
+        (128, 64, 1100, 18), (128, 256, 1100, 18), (128, 8, 1100, 34), (128, 64, 1100, 34),
+        (128, 256, 1100, 34), (128, 64, 2100, 34),
+        (128, 256, 2100, 34), (128, 64, 4100, 66), (16, 64, 1100, 32), (16, 64, 4100, 128),
+        (16, 32, 8100, 128),
+    )  # fmt: skip
+    print("\n## the merge launch's heads a program: the op, µs a call (graph replay)")
+    print(
+        "| heads | B | ctx | table | splits | "
+        + " | ".join(f"{c} a program" for c in counts)
+        + " |"
+    )
+    print("|---|---|---|---|---|" + "---|" * len(counts))
+    for heads, batch, ctx, width in cases:
+        blocks = -(-ctx // 64)
+
+        def make(heads=heads, batch=batch, ctx=ctx, blocks=blocks, width=width):
+            kv = torch.randn(batch * blocks, 64, 576, device="cuda").bfloat16()
+            q = torch.randn(batch, heads, 576, device="cuda").bfloat16()
+            tables = torch.full((batch, width), -1, device="cuda", dtype=torch.int64)
+            tables[:, :blocks] = torch.randperm(batch * blocks, device="cuda").view(batch, -1)
+            seq_ids = torch.arange(batch, device="cuda")
+            positions = torch.full((batch,), ctx - 1, device="cuda")
+            args = (q, kv, seq_ids, tables, positions)
+            return lambda: mla_attention_triton(*args, scale=192**-0.5, v_dim=512)
+
+        launch = WIDE_LAUNCH if heads >= WIDE_HEADS else NARROW_LAUNCH
+        splits = max(1, -(-(blocks - launch.tail_blocks) // launch.split_blocks))
+        us = []
+        for count in counts:
+            with _merge_heads(count):
+                us.append(_graph_ms(make, batch * ctx * 576 * 2, ATTENTION_GRAPH_CALLS) * 1e3)
+        cells = " | ".join(f"{u:.1f}" for u in us)
+        print(f"| {heads} | {batch} | {ctx} | {width} | {splits} | {cells} |")
+
+
 def _linear_graph_us(op, num_rows: int, in_dim: int, out_dim: int) -> float:
     """µs of op(x [num_rows, in_dim], w [out_dim, in_dim]) in bf16 under graph replay, each
     copy on its own random x and w (~1/sqrt(K) weights): _graph_ms's L2-missing copies."""
@@ -1848,6 +1910,7 @@ def main() -> None:
             "value_split": bench_value_split,
             "split_size": bench_split_size,
             "tail": bench_tail,
+            "merge": bench_merge,
             "split_sweep": bench_split_sweep,
             "read_floor": bench_read_floor,
             "decode_tiles": bench_decode_tiles,

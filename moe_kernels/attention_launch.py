@@ -203,3 +203,29 @@ def whole_query_stages(num_programs: int) -> int | None:
         if num_programs >= min_programs:
             return num_stages
     return None
+
+
+# The merge launch (split partials folded into the output) gives a query MERGE_PROGRAMS
+# programs, each taking that share of its heads (a power of two): each head's columns fold by
+# the same fp32 operations whichever heads share a program (the same bits, checked on the GPU),
+# so the choice may follow the launch. H200, graph replay (BENCHMARKS.md, thirty-fourth
+# session, `bench/gpu_kernels.py merge`), the op's µs at 1 / 8 / 16 heads a program: 128 heads
+# in a table one width past its queries (every query one split, written by the Gluon kernel,
+# so merge programs read a position and exit) B = 64 64.0 / 55.7 / 55.3, B = 256 228.5 / 199.4
+# / 198.9; real merges level or better at 8 (B = 256 context 2100: 408.7 / 395.4 / 393.4;
+# B = 64 context 4100, four splits: 192.6 / 192.1 / 201.2); 16 heads, whose every split
+# partial is merged, lose with fewer programs (B = 64 context 4100, 17 splits: 108.8 at 1
+# head a program, 130.5 at 8).
+MERGE_PROGRAMS = 16
+
+
+def merge_heads(num_heads: int) -> int:
+    """Heads a merge program takes: the largest power of two within num_heads /
+    MERGE_PROGRAMS, at least 1 (8 at 128 heads, 1 at 16)."""
+    return 1 << (max(1, num_heads // MERGE_PROGRAMS).bit_length() - 1)
+
+
+def merge_warps(heads: int) -> int:
+    """Warps of a merge program of `heads` heads: 4 (one head's 512 columns were 4 a program
+    before), 8 from 16 heads, so a thread holds at most 32 of each [heads, 512] fp32 tile."""
+    return 4 if heads <= 8 else 8

@@ -25,6 +25,8 @@ from moe_kernels.attention_launch import (
     check_runs,
     group_launch,
     head_launch,
+    merge_heads,
+    merge_warps,
     split_count,
     value_split,
     with_groups,
@@ -173,29 +175,32 @@ def _mla_merge_kernel(
     GROUP_SLOTS: tl.constexpr = 0,
     GROUP_TAIL: tl.constexpr = 0,
     ONE_SPLIT_WRITTEN: tl.constexpr = False,
+    MERGE_HEADS: tl.constexpr = 1,
     PDL: tl.constexpr = False,
 ):
     """out[t, h] = merge of the query's partials 0, 1, ... (its own: SPLIT_BLOCKS cache blocks
-    a partial) in that order, then acc / sum. GROUP_SLOTS > 0: the partials are KV splits in
-    groups of GROUP_SLOTS (the last taking up to GROUP_TAIL blocks more), folded in order
-    within a group, the groups' folds in group order (the bits of WHOLE_QUERY programs with
-    GROUP_BLOCKS, and of a flat merge of group programs' partials). ONE_SPLIT_WRITTEN: the
-    split kernel wrote the output of queries of one split itself (the Gluon kernel: acc / sum,
-    this kernel's arithmetic), so they are skipped."""
+    a partial) in that order, then acc / sum, for MERGE_HEADS heads a program (each head's
+    columns folded by the same fp32 operations whatever heads share its program). GROUP_SLOTS
+    > 0: the partials are KV splits in groups of GROUP_SLOTS (the last taking up to GROUP_TAIL
+    blocks more), folded in order within a group, the groups' folds in group order (the bits of
+    WHOLE_QUERY programs with GROUP_BLOCKS, and of a flat merge of group programs' partials).
+    ONE_SPLIT_WRITTEN: the split kernel wrote the output of queries of one split itself (the
+    Gluon kernel: acc / sum, this kernel's arithmetic), so they are skipped."""
     pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
+    heads = tl.program_id(1) * MERGE_HEADS + tl.arange(0, MERGE_HEADS)
+    head_ok = heads < num_heads
     position = tl.load(positions_ptr + t)
     num_blocks = position // BS + 1
     num_own_splits = _own_splits(num_blocks, SPLIT_BLOCKS, TAIL_BLOCKS)
     if ONE_SPLIT_WRITTEN and num_own_splits == 1:
         return
     offs_v = tl.arange(0, BLOCK_V)
-    v_ok = offs_v < V
-    first = t * num_splits * num_heads + head
-    row_max = tl.load(stats_ptr + first * 2)
-    row_sum = tl.load(stats_ptr + first * 2 + 1)
-    acc = tl.load(acc_ptr + first * BLOCK_V + offs_v, mask=v_ok, other=0.0)
+    ok = head_ok[:, None] & (offs_v < V)[None, :]
+    first = t * num_splits * num_heads + heads
+    row_max = tl.load(stats_ptr + first * 2, mask=head_ok, other=0.0)
+    row_sum = tl.load(stats_ptr + first * 2 + 1, mask=head_ok, other=1.0)
+    acc = tl.load(acc_ptr + first[:, None] * BLOCK_V + offs_v[None, :], mask=ok, other=0.0)
     GROUP_BLOCKS: tl.constexpr = GROUP_SLOTS * SPLIT_BLOCKS
     if GROUP_SLOTS > 0:  # the groups folded so far (valid from the second group on)
         done_max = tl.full(row_max.shape, float("-inf"), dtype=tl.float32)
@@ -203,31 +208,33 @@ def _mla_merge_kernel(
         done_acc = tl.zeros(acc.shape, dtype=tl.float32)
     # Why: a fixed merge order (split ascending) over splits fixed by the position alone.
     for split in range(1, num_own_splits):
-        slot = (t * num_splits + split) * num_heads + head
-        part_max = tl.load(stats_ptr + slot * 2)
-        part_sum = tl.load(stats_ptr + slot * 2 + 1)
-        part_acc = tl.load(acc_ptr + slot * BLOCK_V + offs_v, mask=v_ok, other=0.0)
+        slot = (t * num_splits + split) * num_heads + heads
+        part_max = tl.load(stats_ptr + slot * 2, mask=head_ok, other=0.0)
+        part_sum = tl.load(stats_ptr + slot * 2 + 1, mask=head_ok, other=1.0)
+        part_acc = tl.load(
+            acc_ptr + slot[:, None] * BLOCK_V + offs_v[None, :], mask=ok, other=0.0
+        )  # fmt: skip
         if GROUP_SLOTS > 0:
             # At a group's start the finished group folds in and a new one starts.
             if _starts_run(split * SPLIT_BLOCKS, GROUP_BLOCKS, GROUP_TAIL, num_blocks):
                 done_max, done_sum, done_acc = _fold(
                     done_max, done_sum, done_acc, row_max, row_sum, acc, split == GROUP_SLOTS,
-                    False,
+                    True,
                 )  # fmt: skip
                 # A fresh state: the fold below takes the split as it is (alpha 0, beta 1).
                 row_max = tl.full(row_max.shape, float("-inf"), dtype=tl.float32)
                 row_sum = tl.zeros(row_sum.shape, dtype=tl.float32)
                 acc = tl.zeros(acc.shape, dtype=tl.float32)
         row_max, row_sum, acc = _fold(
-            row_max, row_sum, acc, part_max, part_sum, part_acc, False, False
+            row_max, row_sum, acc, part_max, part_sum, part_acc, False, True
         )
     if GROUP_SLOTS > 0:  # the last group folded in (taken as it is if it is the only one)
         is_one_group = num_blocks <= GROUP_BLOCKS + GROUP_TAIL
         _, row_sum, acc = _fold(
-            done_max, done_sum, done_acc, row_max, row_sum, acc, is_one_group, False
+            done_max, done_sum, done_acc, row_max, row_sum, acc, is_one_group, True
         )
-    out = acc / row_sum
-    tl.store(out_ptr + (t * num_heads + head) * V + offs_v, out, mask=v_ok)
+    out = acc / row_sum[:, None]
+    tl.store(out_ptr + (t * num_heads + heads)[:, None] * V + offs_v[None, :], out, mask=ok)
 
 
 def _is_interpreted() -> bool:
@@ -331,7 +338,7 @@ def _attend(
     q, kv_cache, query_seq_ids, block_tables, positions, scale, v_dim,
     split_blocks, num_warps, num_stages, block_h=BLOCK_H, v_parts=1, lat_chunk=None,
     is_gluon=False, is_whole_query=False, is_table_ahead=None, tail_blocks=0, group_splits=0,
-    group_tail=0,
+    group_tail=0, merge_heads_per_program=None,
 ) -> torch.Tensor:  # fmt: skip
     """The launches; the launch parameters are arguments so bench/ can sweep them (tail_blocks:
     HeadLaunch's, the blocks a query's last split takes on past its whole splits). is_gluon:
@@ -341,7 +348,8 @@ def _attend(
     is_table_ahead (default: is_whole_query): each block's table entry read a block earlier;
     group_splits and group_tail (HeadLaunch's): a query's splits fold in groups of this many
     (0: one group), the last taking up to group_tail blocks more, then the groups; a
-    whole-query launch then has a program a query's group."""
+    whole-query launch then has a program a query's group. merge_heads_per_program: the merge
+    launch's heads a program (default merge_heads's; no bit depends on it)."""
     check_runs(split_blocks, tail_blocks, group_splits, group_tail)
     if group_splits and is_gluon:
         raise ValueError(f"group_splits {group_splits} needs the Triton kernel, not the Gluon one")
@@ -374,6 +382,7 @@ def _attend(
     group = min(max(1, PARTIAL_BYTES // per_token), MAX_GRID_Y)
     is_fp32 = q.dtype == torch.float32
     is_direct = num_splits == 1
+    heads_a_merge = merge_heads_per_program or merge_heads(num_heads)
     for start in range(0, num_tokens, group):  # launch boundaries only: rows are independent
         rows = slice(start, min(start + group, num_tokens))
         count = rows.stop - rows.start
@@ -428,7 +437,7 @@ def _attend(
             )
         if is_direct:
             continue
-        _mla_merge_kernel[(count, num_heads)](
+        _mla_merge_kernel[(count, triton.cdiv(num_heads, heads_a_merge))](
             acc,
             stats,
             pos,
@@ -443,7 +452,8 @@ def _attend(
             GROUP_SLOTS=merge_groups,
             GROUP_TAIL=group_tail if merge_groups else 0,
             ONE_SPLIT_WRITTEN=is_gluon,
-            num_warps=4,
+            MERGE_HEADS=heads_a_merge,
+            num_warps=merge_warps(heads_a_merge),
             **pdl_launch(out.device),
         )
     return out

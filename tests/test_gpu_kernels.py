@@ -760,6 +760,68 @@ def test_mla_whole_query_launch_gives_the_split_bits(generator):
     assert not torch.equal(_attend(*args, tables.shape[1], 4, 3), whole), "no control"
 
 
+@pytest.mark.parametrize("num_heads", (16, 20, 128))
+def test_mla_merge_gives_the_same_bits_at_any_heads_a_program(generator, monkeypatch, num_heads):
+    """The merge launch folds a query's KV split partials for 1, 2, 8 or 16 heads a program
+    (merge_heads picks 8 at 128 heads, 1 at 16 and 20; at 20 the last program's extra heads
+    are masked) with the same bits, at decode shapes where every query has two to four splits
+    (16 and 20 heads: splits of 4 blocks, the Triton split launch; 128: 16 blocks and a tail
+    of 2, the Gluon kernel), 48 queries in an engine-wide table (-1 padding, NaN in every
+    unwritten slot); the output is close to the reference. Engagement: the merge ran with each
+    count's grid. Control: half the split size (another merge order) moves the bits, so the
+    comparison can fail."""
+    import moe_kernels.triton_attention as attention
+    from moe_kernels.attention import mla_attention_ref
+    from moe_kernels.attention_launch import head_launch, merge_heads
+
+    launch = head_launch(num_heads)
+    split_tokens = 64 * launch.split_blocks
+    lengths = [
+        split_tokens + 64 * launch.tail_blocks + 1 + i * 2 * split_tokens // 47 for i in range(48)
+    ]
+    seq_lens = torch.tensor(lengths)
+    blocks = (seq_lens + 63) // 64
+    seed = int(torch.randint(1 << 30, (1,), generator=generator))
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    kv_cache = torch.randn(int(blocks.sum()), 64, 576, device="cuda", generator=gen).bfloat16()
+    order = torch.randperm(kv_cache.shape[0], device="cuda", generator=gen)
+    width = int(blocks.max()) + 2 * launch.split_blocks
+    tables = torch.full((48, width), -1, dtype=torch.int64, device="cuda")
+    starts = torch.cumsum(blocks, 0) - blocks
+    for i in range(48):
+        tables[i, : blocks[i]] = order[starts[i] : starts[i] + blocks[i]]
+        kv_cache[tables[i, blocks[i] - 1], (seq_lens[i] - 1) % 64 + 1 :] = float("nan")
+    q = torch.randn(48, num_heads, 576, device="cuda", generator=gen).bfloat16()
+    seq_ids, positions = torch.arange(48, device="cuda"), (seq_lens - 1).cuda()
+    args = (q, kv_cache, seq_ids, tables, positions)
+    splits = (-(-(blocks - launch.tail_blocks) // launch.split_blocks)).clamp(min=1)
+    assert bool((splits >= 2).all()) and int(splits.max()) == 4, splits
+    grids, kernel = [], attention._mla_merge_kernel
+
+    class Recorder:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(attention, "_mla_merge_kernel", Recorder())
+    results = {}
+    for per_program in (1, 2, 8, 16):
+        monkeypatch.setattr(attention, "merge_heads", lambda heads, n=per_program: n)
+        results[per_program] = attention.mla_attention_triton(*args, scale=192**-0.5, v_dim=512)
+        assert grids[-1] == (48, -(-num_heads // per_program)), (per_program, grids)
+    assert merge_heads(num_heads) == (8 if num_heads == 128 else 1)
+    for per_program in (2, 8, 16):
+        assert torch.equal(results[per_program], results[1]), per_program
+    assert not results[1].isnan().any()
+    expected = mla_attention_ref(*args, scale=192**-0.5, v_dim=512, tile_rows=64)
+    torch.testing.assert_close(results[1].float(), expected.float(), atol=2e-2, rtol=2e-2)
+    halved = attention._attend(
+        *args, 192**-0.5, 512, launch.split_blocks // 2, launch.num_warps, launch.num_stages,
+        launch.block_h, is_gluon=launch.block_h == 64,
+    )  # fmt: skip
+    assert not torch.equal(halved, results[8]), "no control"
+
+
 @pytest.mark.parametrize("method", ("v2_lite", "v3"))
 def test_router_topk_bitwise_invariant_and_matches_ref(generator, method):
     from moe_kernels.router import router_topk_ref

@@ -564,7 +564,7 @@ def check_mla_attention_whole_query(generator: torch.Generator) -> None:
     so with a tail (the last split taking up to 2 blocks more: 5 blocks are one split, 9
     two). Controls: one split spanning the whole table (an online softmax that
     never restarts), and the splits without the tail, make other bits, so the comparisons
-    see the split boundaries."""
+    see the split boundaries. The merge launch gives the same bits at any heads a program."""
     from moe_kernels.attention import mla_attention_ref
     from moe_kernels.attention_launch import SPLIT_BLOCKS
     from moe_kernels.triton_attention import _attend
@@ -581,6 +581,13 @@ def check_mla_attention_whole_query(generator: torch.Generator) -> None:
             split = _attend(*args, SPLIT_BLOCKS, 4, 3, tail_blocks=tail)
             whole = _attend(*args, SPLIT_BLOCKS, 4, 3, is_whole_query=True, tail_blocks=tail)
             assert torch.equal(whole, split), (dtype, tail)
+            # The merge a program a head, and 8 a program (4 of them masked): the same bits.
+            for per_program in (1, 8):
+                merged = _attend(
+                    *args, SPLIT_BLOCKS, 4, 3, tail_blocks=tail,
+                    merge_heads_per_program=per_program,
+                )  # fmt: skip
+                assert torch.equal(merged, split), (dtype, tail, per_program)
             results[dtype, tail] = split
     # The controls in fp32 (bf16 outputs of these widths may round the difference away).
     args = (q, kv_cache, seq_ids, wide, positions, 40**-0.5, 32)
@@ -621,6 +628,11 @@ def check_mla_attention_groups(generator: torch.Generator) -> None:
         args = (q.to(dtype), kv_cache.to(dtype), seq_ids, wide, positions, 40**-0.5, 32, 2, 4, 3)
         for tail in (0, 2):  # the last group taking up to one more split
             split = _attend(*args, group_splits=2, group_tail=tail)
+            for per_program in (1, 8):  # the two-level merge, a head or 8 (masked) a program
+                merged = _attend(
+                    *args, group_splits=2, group_tail=tail, merge_heads_per_program=per_program
+                )  # fmt: skip
+                assert torch.equal(merged, split), (dtype, tail, per_program)
             for stages in (2, 3):
                 whole = _attend(
                     *args[:-1], stages, is_whole_query=True, group_splits=2, group_tail=tail
