@@ -764,6 +764,23 @@ def bench_split_sweep() -> None:
 
 
 @contextlib.contextmanager
+def _attention_op(heads: int, batch: int, ctx: int, width: int):
+    """The invariant op on a fresh decode step: batch queries of `heads` heads at position
+    ctx - 1, each over its own shuffled cache blocks of 64, bf16, tables padded with -1 to
+    width blocks."""
+    from moe_kernels.triton_attention import mla_attention_triton
+
+    blocks = -(-ctx // 64)
+    kv = torch.randn(batch * blocks, 64, 576, device="cuda").bfloat16()
+    q = torch.randn(batch, heads, 576, device="cuda").bfloat16()
+    tables = torch.full((batch, width), -1, device="cuda", dtype=torch.int64)
+    tables[:, :blocks] = torch.randperm(batch * blocks, device="cuda").view(batch, -1)
+    seq_ids = torch.arange(batch, device="cuda")
+    positions = torch.full((batch,), ctx - 1, device="cuda")
+    args = (q, kv, seq_ids, tables, positions)
+    return lambda: mla_attention_triton(*args, scale=192**-0.5, v_dim=512)
+
+
 def _wide_tail(tail_blocks: int):
     """The op's wide launch with tail_blocks: the bench swaps both names the op reads (its
     launch is compared with WIDE_LAUNCH, so head_launch alone would leave the wide path)."""
@@ -786,7 +803,6 @@ def bench_tail() -> None:
     (ATTENTION_GRAPH_CALLS calls a graph), contexts of 17 to 33 blocks, tables padded with -1
     to the engine's graph widths (16, 32, 64), T = 0 (no tail) to 8; the op picks the split
     or whole-query launch by the batch as it does in the engine."""
-    from moe_kernels.triton_attention import mla_attention_triton
 
     tails = (0, 1, 2, 4, 8)
     print("\n## the wide launch's tail: 128 heads, µs a call (graph replay)")
@@ -795,18 +811,7 @@ def bench_tail() -> None:
     for batch in (1, 8, 64, 256):
         for ctx in (1088, 1152, 1280, 1344, 2112):
             blocks = -(-ctx // 64)
-            width = _graph_width(blocks)
-
-            def make(batch=batch, ctx=ctx, blocks=blocks, width=width):
-                kv = torch.randn(batch * blocks, 64, 576, device="cuda").bfloat16()
-                q = torch.randn(batch, 128, 576, device="cuda").bfloat16()
-                tables = torch.full((batch, width), -1, device="cuda", dtype=torch.int64)
-                tables[:, :blocks] = torch.randperm(batch * blocks, device="cuda").view(batch, -1)
-                seq_ids = torch.arange(batch, device="cuda")
-                positions = torch.full((batch,), ctx - 1, device="cuda")
-                args = (q, kv, seq_ids, tables, positions)
-                return lambda: mla_attention_triton(*args, scale=192**-0.5, v_dim=512)
-
+            make = partial(_attention_op, 128, batch, ctx, _graph_width(blocks))
             read = batch * ctx * 576 * 2
             us = []
             for tail in tails:
@@ -839,14 +844,12 @@ def bench_merge() -> None:
     context 1100 in a 34-block table is a merge where every query has one split (a decode
     step whose table is one width past its queries); in an 18-block table, no merge launch."""
     from moe_kernels.attention_launch import WIDE_LAUNCH
-    from moe_kernels.triton_attention import mla_attention_triton
 
     counts = (1, 4, 8, 16)
     cases = (
         (128, 64, 1100, 18), (128, 256, 1100, 18), (128, 8, 1100, 34), (128, 64, 1100, 34),
-        (128, 256, 1100, 34), (128, 64, 2100, 34),
-        (128, 256, 2100, 34), (128, 64, 4100, 66), (16, 64, 1100, 32), (16, 64, 4100, 128),
-        (16, 32, 8100, 128),
+        (128, 256, 1100, 34), (128, 64, 2100, 34), (128, 256, 2100, 34), (128, 64, 4100, 66),
+        (16, 64, 1100, 32), (16, 64, 4100, 128), (16, 32, 8100, 128),
     )  # fmt: skip
     print("\n## the merge launch's heads a program: the op, µs a call (graph replay)")
     print(
@@ -857,17 +860,7 @@ def bench_merge() -> None:
     print("|---|---|---|---|---|" + "---|" * len(counts))
     for heads, batch, ctx, width in cases:
         blocks = -(-ctx // 64)
-
-        def make(heads=heads, batch=batch, ctx=ctx, blocks=blocks, width=width):
-            kv = torch.randn(batch * blocks, 64, 576, device="cuda").bfloat16()
-            q = torch.randn(batch, heads, 576, device="cuda").bfloat16()
-            tables = torch.full((batch, width), -1, device="cuda", dtype=torch.int64)
-            tables[:, :blocks] = torch.randperm(batch * blocks, device="cuda").view(batch, -1)
-            seq_ids = torch.arange(batch, device="cuda")
-            positions = torch.full((batch,), ctx - 1, device="cuda")
-            args = (q, kv, seq_ids, tables, positions)
-            return lambda: mla_attention_triton(*args, scale=192**-0.5, v_dim=512)
-
+        make = partial(_attention_op, heads, batch, ctx, width)
         launch = WIDE_LAUNCH if heads >= WIDE_HEADS else NARROW_LAUNCH
         splits = max(1, -(-(blocks - launch.tail_blocks) // launch.split_blocks))
         us = []

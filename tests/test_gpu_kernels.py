@@ -692,6 +692,25 @@ def test_mla_value_split_launches_give_the_same_bits(generator, num_tokens):
     assert not torch.equal(_attend(*args, SPLIT_BLOCKS // 2, 4, 3), whole), "no control"
 
 
+def _decode_step(generator, lengths, num_heads, width):
+    """(q, kv_cache, seq_ids, block_tables, positions) of a bf16 decode step: one query a
+    sequence at the last of its `lengths` positions, each sequence in its own shuffled cache
+    blocks of 64, NaN in every unwritten slot, tables padded with -1 to `width` blocks."""
+    seq_lens = torch.tensor(lengths)
+    blocks = (seq_lens + 63) // 64
+    seed = int(torch.randint(1 << 30, (1,), generator=generator))
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    kv_cache = torch.randn(int(blocks.sum()), 64, 576, device="cuda", generator=gen).bfloat16()
+    order = torch.randperm(kv_cache.shape[0], device="cuda", generator=gen)
+    tables = torch.full((len(lengths), width), -1, dtype=torch.int64, device="cuda")
+    starts = torch.cumsum(blocks, 0) - blocks
+    for i in range(len(lengths)):
+        tables[i, : blocks[i]] = order[starts[i] : starts[i] + blocks[i]]
+        kv_cache[tables[i, blocks[i] - 1], (seq_lens[i] - 1) % 64 + 1 :] = float("nan")
+    q = torch.randn(len(lengths), num_heads, 576, device="cuda", generator=gen).bfloat16()
+    return q, kv_cache, torch.arange(len(lengths), device="cuda"), tables, (seq_lens - 1).cuda()
+
+
 def test_mla_whole_query_launch_gives_the_split_bits(generator):
     """16 heads (V2-Lite) at decode, engine-wide tables (128 columns, -1 padding), NaN in
     every unwritten slot: 256 queries at positions on both sides of every split boundary up to
@@ -708,19 +727,8 @@ def test_mla_whole_query_launch_gives_the_split_bits(generator):
     boundary = 64 * SPLIT_BLOCKS
     # i % 24 boundaries, (i // 24) % 3 the side: 1 token before, at, 1 past every boundary.
     lengths = [max(1, boundary * (i % 24) + (i // 24) % 3 - 1) for i in range(1, 257)]
-    seq_lens = torch.tensor(lengths)
-    blocks = (seq_lens + 63) // 64
-    seed = int(torch.randint(1 << 30, (1,), generator=generator))
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    kv_cache = torch.randn(int(blocks.sum()), 64, 576, device="cuda", generator=gen).bfloat16()
-    order = torch.randperm(kv_cache.shape[0], device="cuda", generator=gen)
-    tables = torch.full((256, 128), -1, dtype=torch.int64, device="cuda")
-    starts = torch.cumsum(blocks, 0) - blocks
-    for i in range(256):
-        tables[i, : blocks[i]] = order[starts[i] : starts[i] + blocks[i]]
-        kv_cache[tables[i, blocks[i] - 1], (seq_lens[i] - 1) % 64 + 1 :] = float("nan")
-    q = torch.randn(256, 16, 576, device="cuda", generator=gen).bfloat16()
-    seq_ids, positions = torch.arange(256, device="cuda"), (seq_lens - 1).cuda()
+    blocks = (torch.tensor(lengths) + 63) // 64
+    q, kv_cache, seq_ids, tables, positions = _decode_step(generator, lengths, 16, 128)
     args = (q, kv_cache, seq_ids, tables, positions, 192**-0.5, 512)
     results = {}
     # One group (every split folded in turn), groups of 8 splits, and with a tail of a split.
@@ -779,21 +787,9 @@ def test_mla_merge_gives_the_same_bits_at_any_heads_a_program(generator, monkeyp
     lengths = [
         split_tokens + 64 * launch.tail_blocks + 1 + i * 2 * split_tokens // 47 for i in range(48)
     ]
-    seq_lens = torch.tensor(lengths)
-    blocks = (seq_lens + 63) // 64
-    seed = int(torch.randint(1 << 30, (1,), generator=generator))
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    kv_cache = torch.randn(int(blocks.sum()), 64, 576, device="cuda", generator=gen).bfloat16()
-    order = torch.randperm(kv_cache.shape[0], device="cuda", generator=gen)
+    blocks = (torch.tensor(lengths) + 63) // 64
     width = int(blocks.max()) + 2 * launch.split_blocks
-    tables = torch.full((48, width), -1, dtype=torch.int64, device="cuda")
-    starts = torch.cumsum(blocks, 0) - blocks
-    for i in range(48):
-        tables[i, : blocks[i]] = order[starts[i] : starts[i] + blocks[i]]
-        kv_cache[tables[i, blocks[i] - 1], (seq_lens[i] - 1) % 64 + 1 :] = float("nan")
-    q = torch.randn(48, num_heads, 576, device="cuda", generator=gen).bfloat16()
-    seq_ids, positions = torch.arange(48, device="cuda"), (seq_lens - 1).cuda()
-    args = (q, kv_cache, seq_ids, tables, positions)
+    args = _decode_step(generator, lengths, num_heads, width)
     splits = (-(-(blocks - launch.tail_blocks) // launch.split_blocks)).clamp(min=1)
     assert bool((splits >= 2).all()) and int(splits.max()) == 4, splits
     grids, kernel = [], attention._mla_merge_kernel
