@@ -763,7 +763,6 @@ def bench_split_sweep() -> None:
         )
 
 
-@contextlib.contextmanager
 def _attention_op(heads: int, batch: int, ctx: int, width: int):
     """The invariant op on a fresh decode step: batch queries of `heads` heads at position
     ctx - 1, each over its own shuffled cache blocks of 64, bf16, tables padded with -1 to
@@ -781,6 +780,7 @@ def _attention_op(heads: int, batch: int, ctx: int, width: int):
     return lambda: mla_attention_triton(*args, scale=192**-0.5, v_dim=512)
 
 
+@contextlib.contextmanager
 def _wide_tail(tail_blocks: int):
     """The op's wide launch with tail_blocks: the bench swaps both names the op reads (its
     launch is compared with WIDE_LAUNCH, so head_launch alone would leave the wide path)."""
