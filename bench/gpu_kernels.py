@@ -844,7 +844,7 @@ def bench_merge() -> None:
     heads: 18, 34, 66, ... blocks; 16 heads: 16, 32, ... up to 128). 128 heads at context 1100
     in a 34-block table is a merge where every query has one split (a decode step whose table
     is one width past its queries); in an 18-block table, no merge launch."""
-    from moe_kernels.attention_launch import WIDE_LAUNCH
+    from moe_kernels.attention_launch import head_launch, split_count
 
     variants = ((1, 1), (4, 1), (8, 1), (16, 1), (1, 3), (8, 3))
     cases = (
@@ -859,8 +859,8 @@ def bench_merge() -> None:
     for heads, batch, ctx, width in cases:
         blocks = -(-ctx // 64)
         make = partial(_attention_op, heads, batch, ctx, width)
-        launch = WIDE_LAUNCH if heads >= WIDE_HEADS else NARROW_LAUNCH
-        splits = max(1, -(-(blocks - launch.tail_blocks) // launch.split_blocks))
+        launch = head_launch(heads)
+        splits = split_count(blocks, launch.split_blocks, launch.tail_blocks)
         us = []
         for count, stages in variants:
             with _merge_launch(count, stages):

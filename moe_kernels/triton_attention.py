@@ -183,12 +183,12 @@ def _mla_merge_kernel(
     """out[t, h] = merge of the query's partials 0, 1, ... (its own: SPLIT_BLOCKS cache blocks
     a partial) in that order, then acc / sum, for MERGE_HEADS heads a program (each head's
     columns folded by the same fp32 operations whatever heads share its program), the loop's
-    loads pipelined MERGE_STAGES deep (1: none). GROUP_SLOTS
-    > 0: the partials are KV splits in groups of GROUP_SLOTS (the last taking up to GROUP_TAIL
-    blocks more), folded in order within a group, the groups' folds in group order (the bits of
-    WHOLE_QUERY programs with GROUP_BLOCKS, and of a flat merge of group programs' partials).
-    ONE_SPLIT_WRITTEN: the split kernel wrote the output of queries of one split itself (the
-    Gluon kernel: acc / sum, this kernel's arithmetic), so they are skipped."""
+    loads pipelined MERGE_STAGES deep (1: none). GROUP_SLOTS > 0: the partials are KV splits
+    in groups of GROUP_SLOTS (the last taking up to GROUP_TAIL blocks more), folded in order
+    within a group, the groups' folds in group order (the bits of WHOLE_QUERY programs with
+    GROUP_BLOCKS, and of a flat merge of group programs' partials). ONE_SPLIT_WRITTEN: the
+    split kernel wrote the output of queries of one split itself (the Gluon kernel: acc / sum,
+    this kernel's arithmetic), so they are skipped."""
     pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * MERGE_HEADS + tl.arange(0, MERGE_HEADS)

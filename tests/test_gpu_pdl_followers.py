@@ -97,7 +97,7 @@ def _prefill(rows, backends=None):
     where it is enabled, else FlashAttention on values padded to the query's head dim; backends
     limits SDPA's), the query [T, H, nope + R] written late as the engine's cache write stores
     its rope part last."""
-    from moe_kernels.mla_prefill import MhaPrefill
+    from moe_kernels.mla_prefill import MhaPrefill, _pads_values
 
     block = 64
     blocks = -(-rows // block)
@@ -111,6 +111,8 @@ def _prefill(rows, backends=None):
 
     def op(query):
         with sdpa_kernel(backends) if backends else contextlib.nullcontext():
+            # Engagement: with cuDNN's attention off the values reach SDPA padded.
+            assert not backends or _pads_values(query)
             return prefill(
                 query.view(rows, HEADS, NOPE + ROPE), kv_cache, seq_ids, tables, positions,
                 kv_b, scale=(NOPE + ROPE) ** -0.5, v_dim=V,
