@@ -6,6 +6,7 @@ through its declared invariance: every layout must give the same bits.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 BACKENDS = ("auto", "gloo", "nccl")
@@ -29,7 +30,7 @@ class ParallelConfig:
     # The EP exchange: "on" = FixedCapacityDispatcher (equal-split blocks, capturable in a CUDA
     # graph), "off" = AllToAllDispatcher (host split sizes, eager), "auto" = on exactly when
     # CUDA graphs are on over NCCL without multiple reduction. The same bits either way.
-    ep_capacity_dispatch: str = "auto"
+    ep_capacity_dispatch: str | bool = "auto"  # a bool (YAML's bare on/off) becomes "on"/"off"
     # Who moves the EP rows: "all_to_all" = torch.distributed (AllToAllDispatcher or, per
     # ep_capacity_dispatch, FixedCapacityDispatcher); "deepep" = DeepEP's ElasticBuffer as
     # transport only (DeepEPDispatcher; NCCL, one GPU per rank); "auto" = all_to_all for now.
@@ -71,8 +72,11 @@ class ParallelConfig:
             raise ValueError(
                 f"parallel.max_restarts must be an int >= 0, got {self.max_restarts!r}"
             )
-        if not self.timeout_s > 0:
-            raise ValueError(f"parallel.timeout_s must be > 0, got {self.timeout_s!r}")
+        timeout = self.timeout_s
+        is_number = isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
+        if not (is_number and 0 < timeout < math.inf):
+            # Every collective and every call to a worker is bounded by it: never unbounded.
+            raise ValueError(f"parallel.timeout_s must be a finite number > 0, got {timeout!r}")
 
     @property
     def dp_size(self) -> int:

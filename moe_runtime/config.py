@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from comm.groups import select_backend
 from eplb.config import EplbConfig
 from moe_kernels.attention_launch import WIDE_HEADS, WIDE_LAUNCH, head_launch
 from moe_kernels.config import KernelConfig
+from moe_runtime.config_fields import check_field_types
 from moe_runtime.model_config import ModelConfig
 
 log = logging.getLogger("moe_runtime.config")
@@ -86,10 +88,26 @@ class ServerConfig:
     port: int = 8000
     api_key: str | None = None
     model_name: str = "moe-runtime"
+    # An engine idle this long checks that every rank still answers (null: never), so a rank
+    # that died between requests turns /health to 503 and is rebuilt before a request meets it.
+    health_check_interval_s: float | None = 5.0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
-            raise ValueError(f"server.port must be an int in [0, 65535], got {self.port!r}")
+        port = self.port
+        if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
+            raise ValueError(f"server.port must be an int in [0, 65535], got {port!r}")
+        for key in ("host", "model_name"):
+            value = getattr(self, key)
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"server.{key} must be a non-empty string, got {value!r}")
+        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
+            raise ValueError("server.api_key must be null or a non-empty string")
+        interval = self.health_check_interval_s
+        if interval is not None and not 0 < interval < math.inf:
+            raise ValueError(
+                f"server.health_check_interval_s must be null or a finite number > 0, "
+                f"got {interval!r}"
+            )
 
 
 SECTIONS = {
@@ -361,6 +379,7 @@ def _build(name: str, cls: type, section: dict) -> Any:
     unknown = sorted(set(section) - known)
     if unknown:
         raise ValueError(f"unknown key {name}.{unknown[0]} (known: {sorted(known)})")
+    check_field_types(name, cls, section)
     try:
         return cls(**section)
     except TypeError as exc:

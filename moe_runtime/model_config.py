@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from moe_runtime.config_fields import check_field_types
 from moe_runtime.model.hf_config import read_hf_config
 
 SCORING_FUNCS = ("softmax", "sigmoid")
@@ -162,6 +163,7 @@ class ModelConfig:
         unknown = sorted(set(raw) - known)
         if unknown:
             raise ValueError(f"unknown key model.{unknown[0]} (known: {sorted(known)})")
+        check_field_types("model", cls, raw)  # the YAML's values; config.json's are read apart
         raw = dict(raw)
         if raw.get("path"):
             hf = read_hf_config(Path(raw["path"]))

@@ -8,9 +8,13 @@ temperature, top-k and top-p, the distribution actually sampled from).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 LOGPROBS_MODES = ("raw", "processed")
+# Temperatures below this are greedy, as in vLLM and SGLang: logits divided by a temperature
+# near float32's smallest normal (1.2e-38) overflow to inf, and argmax then takes the first.
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
@@ -38,7 +42,14 @@ class SamplingParams:
             self.max_tokens,
             "an int >= 1",
         )
-        _check(self.temperature >= 0.0, "temperature", self.temperature, ">= 0")
+        _check(
+            isinstance(self.temperature, (int, float))
+            and not isinstance(self.temperature, bool)
+            and 0.0 <= self.temperature < math.inf,
+            "temperature",
+            self.temperature,
+            f"a finite number >= 0 (below {GREEDY_TEMPERATURE:g}: greedy)",
+        )
         _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "in (0, 1]")
         _check(
             isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1),
@@ -64,7 +75,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 def finish_reason(

@@ -328,3 +328,52 @@ def test_attention_group_splits_loads_below_64_heads_and_is_refused_from_64():
         ValueError, match="kernels.attention_group_splits=8 .*model.num_attention_heads=64"
     ):
         load_config(CONFIGS / "tiny_gpu.yaml", {**wide, "kernels.attention_group_splits": 8})
+
+
+@pytest.mark.parametrize(
+    "key, value, named",
+    [
+        ("parallel.timeout_s", ".inf", "a finite number"),  # every call must have a bound
+        ("parallel.timeout_s", "abc", "a finite number"),
+        ("parallel.timeout_s", "true", "a finite number"),
+        ("parallel.world_size", "true", "an int"),  # Python counts a bool as the int 1
+        ("parallel.max_restarts", "true", "an int"),
+        ("cache.enable_prefix_caching", "maybe", "true or false"),  # a word is truthy
+        ("scheduler.enable_chunked_prefill", "1", "true or false"),
+        ("eplb.enabled", "yes please", "true or false"),
+        ("eplb.balancedness_threshold", ".nan", "a finite number"),
+        ("model.num_hidden_layers", "true", "an int"),
+        ("model.init_std", ".inf", "a finite number"),
+        ("server.port", "true", "an int"),
+        ("server.host", "5", "a string"),
+        ("server.host", "''", "a non-empty string"),
+        ("server.model_name", "null", "a string"),
+        ("server.api_key", "5", "a string or null"),
+        ("server.api_key", "''", "null or a non-empty string"),
+        ("server.health_check_interval_s", "0", "null or a finite number > 0"),
+        ("server.health_check_interval_s", ".inf", "a finite number or null"),
+    ],
+)
+def test_values_of_the_wrong_type_fail_at_load_naming_the_key(key, value, named):
+    """What YAML and --set hand over loosely (`true` for a number, a word for an on/off key,
+    .inf for a bound) is refused with the key named, never taken for something else."""
+    with pytest.raises(ValueError, match=f"{key.replace('.', '[.]')} must be {named}"):
+        load_config(CONFIGS / "tiny_cpu.yaml", {key: value})
+
+
+def test_loose_values_that_mean_one_thing_still_load():
+    """An int where a number is meant, YAML's bare on/off for the EP exchange, null where a key
+    may be off: each loads as what it says."""
+    config = load_config(
+        CONFIGS / "tiny_cpu.yaml",
+        {
+            "parallel.timeout_s": "10",
+            "cache.gpu_memory_utilization": "1",
+            "parallel.ep_capacity_dispatch": "off",
+            "server.health_check_interval_s": "null",
+            "model.q_lora_rank": "null",
+        },
+    )
+    assert config.parallel.timeout_s == 10 and config.cache.gpu_memory_utilization == 1
+    assert config.parallel.ep_capacity_dispatch == "off"
+    assert config.server.health_check_interval_s is None and config.model.q_lora_rank is None

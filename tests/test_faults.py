@@ -128,6 +128,91 @@ def test_killed_worker_is_replaced_and_answers_stay_bitwise(ray_local):
     assert after == before
 
 
+def test_a_rank_that_dies_while_idle_is_rebuilt_before_a_request_meets_it(ray_local):
+    """kill -9 of a rank while nothing runs: the idle engine's check finds it and rebuilds the
+    group by itself, so /health does not say 200 over a dead rank and the next request is
+    answered, with the same bits, instead of failing."""
+    llm = LLM(TINY_CONFIG, **{"parallel.world_size": 2, "parallel.timeout_s": 20})
+    pid = llm.engine.executor.call_all("pid")[1]  # before the loop thread calls the ranks
+    loop = AsyncEngine(llm.engine, health_check_interval_s=0.5)
+    params = SamplingParams(max_tokens=8, temperature=0.8, seed=3, logprobs=2, ignore_eos=True)
+    before = fingerprint(loop.submit([[5, 6, 7]], [params]).result(timeout=60)[0])
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while loop.stats().num_restarts == 0:  # engagement: no request was sent since the kill
+        assert time.monotonic() < deadline, "the idle engine never noticed the dead rank"
+        time.sleep(0.05)
+    _wait_healthy(loop)
+    after = fingerprint(loop.submit([[5, 6, 7]], [params]).result(timeout=60)[0])
+    loop.shutdown()
+    assert after == before and loop.stats().num_restarts == 1
+
+
+def _failing_call(engine, method: str):
+    """engine.executor.call_all, but `method` raises as a dead rank's call does."""
+    call_all = engine.executor.call_all
+
+    def call(name: str, *args):
+        if name == method:
+            raise WorkerError(f"rank 0 died during {name}: injected")
+        return call_all(name, *args)
+
+    return call
+
+
+@pytest.mark.parametrize("path", ["idle check", "worker stats"])
+def test_a_rank_found_dead_outside_a_step_kills_the_engine_and_it_rebuilds(path):
+    """A rank that does not answer the idle check, or /metrics' worker_stats call, is as dead
+    as one that fails a step: the engine fails, rebuilds (new workers, so the injection is
+    gone) and serves again; worker_stats' caller gets the error."""
+    llm = LLM(TINY_CONFIG)
+    engine = llm.engine
+    engine.executor.call_all = _failing_call(engine, "ping" if path == "idle check" else "stats")
+    loop = AsyncEngine(engine, health_check_interval_s=0.2 if path == "idle check" else None)
+    if path == "worker stats":
+        with pytest.raises(WorkerError, match="injected"):
+            loop.call(lambda e: e.worker_stats()).result(timeout=30)
+    deadline = time.monotonic() + 30
+    while loop.stats().num_restarts == 0:
+        assert time.monotonic() < deadline, f"{path}: the failure was not taken as a death"
+        time.sleep(0.02)
+    _wait_healthy(loop)
+    assert loop.call(lambda e: e.worker_stats()).result(timeout=30)[0]["rank"] == 0
+    done = loop.submit([[1, 2, 3]], [SamplingParams(max_tokens=3)]).result(timeout=30)
+    loop.shutdown()
+    assert len(done[0].token_ids) == 3 and loop.stats().num_restarts == 1
+
+
+def test_requests_queued_behind_a_failing_step_fail_and_never_run():
+    """Two requests queued while a step hangs and then fails: they fail with it at once, and
+    after the rebuild they must not run (their callers already have the error): they would
+    take the rebuilt engine's capacity from the requests that follow."""
+    llm = LLM(TINY_CONFIG)
+    engine = llm.engine
+    entered, release = threading.Event(), threading.Event()
+
+    def hanging_step(per_rank_inputs):
+        entered.set()
+        release.wait(30)
+        raise WorkerError("ranks [1] stalled during step 1: injected")
+
+    engine.executor.execute = hanging_step  # the rebuilt executor has its own
+    loop = AsyncEngine(engine)
+    long = SamplingParams(max_tokens=400, ignore_eos=True)
+    first = loop.submit([[1, 2, 3]], [long])
+    assert entered.wait(30)
+    queued = [loop.submit([[4, 5]], [long]), loop.submit([[6, 7, 8]], [long])]
+    release.set()
+    for future in (first, *queued):
+        with pytest.raises(WorkerError, match="injected"):
+            future.result(timeout=30)
+    _wait_healthy(loop)
+    loop.submit([[9, 10]], [SamplingParams(max_tokens=2)]).result(timeout=30)
+    # Queued after the failed ones: they would have been admitted before it.
+    assert not loop.call(lambda e: e.has_unfinished()).result(timeout=30)
+    loop.shutdown()
+
+
 def _wait_healthy(loop: AsyncEngine, timeout_s: float = 90) -> None:
     deadline = time.monotonic() + timeout_s
     while not loop.is_healthy:

@@ -55,6 +55,25 @@ def test_greedy_is_argmax_with_raw_logprobs(sampler, logits):
         assert list(r.top_logprobs) == torch.topk(raw[i], 3).indices.tolist()
 
 
+@pytest.mark.parametrize("temperature", [1e-6, 1e-40, 1e-45])
+def test_a_temperature_too_small_to_divide_by_is_greedy(sampler, logits, temperature):
+    """Below GREEDY_TEMPERATURE a temperature is greedy: 1e-40 in float32 is subnormal, and
+    logits divided by it were +-inf, so the draw took the first inf instead of the argmax."""
+    params = SamplingParams(temperature=temperature, seed=5)
+    assert params.is_greedy
+    results = sampler.sample(logits, [params] * 6, [0] * 6, [0] * 6)
+    assert [r.token_id for r in results] == torch.argmax(logits, -1).tolist()
+    # The control: divided anyway, as the sampler did, 1e-40 loses the argmax.
+    scaled = logits / torch.tensor([1e-40])
+    assert torch.argmax(scaled, -1).tolist() != torch.argmax(logits, -1).tolist()
+
+
+@pytest.mark.parametrize("temperature", [math.inf, math.nan, -1e-9, True])
+def test_temperature_must_be_a_finite_number(temperature):
+    with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
+        SamplingParams(temperature=temperature)
+
+
 def test_ties_go_to_lower_id(sampler):
     row = torch.tensor([[0.0, 5.0, 1.0, 5.0, 5.0, -1.0]])
     greedy = sampler.sample(row, [SamplingParams(temperature=0.0, logprobs=4)], [0], [0])[0]

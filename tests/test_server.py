@@ -186,6 +186,8 @@ BAD_REQUESTS = [
     ({"prompt": "a", "temperature": -1}, "temperature"),
     ({"prompt": "a", "logprobs": 21}, "logprobs"),
     ({"prompt": "a", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "a", "stop": ["x"] * 33}, "at most 32 strings, got 33"),
+    ({"prompt": "a", "stop": "x" * 1025}, "at most 1024 characters, got one of 1025"),
     ({"prompt": [1, 2, 600]}, "token id 600 is outside the vocabulary"),
     ({"prompt": [[1, 2], [3, 9999]]}, "prompt 1: token id 9999"),
     ({"prompt": [7] * (MAX_MODEL_LEN + 1)}, f"more than scheduler.max_model_len={MAX_MODEL_LEN}"),

@@ -128,3 +128,15 @@ def test_bad_chat_requests_are_400s(server, body, problem):
     response = server.http.post(CHAT, json=body)
     assert response.status_code == 400, response.text
     assert problem in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("content", ['"hi \\ud800"', '[{"type": "text", "text": "hi \\ud800"}]'])
+def test_a_lone_surrogate_in_a_message_is_named_where_it_stands(server, content):
+    """JSON may carry a lone surrogate, which UTF-8 cannot encode: the 400 names the message
+    and the position in it, not a position in the rendered chat template."""
+    raw = f'{{"messages": [{{"role": "user", "content": {content}}}], "max_tokens": 2}}'
+    headers = {"content-type": "application/json"}
+    response = server.http.post(CHAT, content=raw.encode(), headers=headers)
+    assert response.status_code == 400, response.text
+    message = response.json()["error"]["message"]
+    assert message.startswith("messages.0.content") and "'\\ud800' at position 3" in message

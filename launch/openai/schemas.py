@@ -19,6 +19,10 @@ from moe_runtime.seeds import SEED_BITS
 MAX_LOGPROBS = 20
 MAX_N = 128
 MAX_SEED = 2**SEED_BITS - 1
+# Every stop string is searched on every token of every sample on the engine's one thread, so
+# a request may not bring enough of them to slow the others (OpenAI allows 4).
+MAX_STOP_STRINGS = 32
+MAX_STOP_CHARS = 1024
 
 
 class _Strict(BaseModel):
@@ -51,6 +55,19 @@ class SamplingFields(_Strict):
     def _top_k_off_or_positive(cls, value: int) -> int:
         if value == 0:
             raise ValueError("must be -1 (off) or an int >= 1")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _few_short_stop_strings(cls, value: str | list[str] | None) -> str | list[str] | None:
+        strings = [value] if isinstance(value, str) else value or []
+        if len(strings) > MAX_STOP_STRINGS:
+            raise ValueError(f"must hold at most {MAX_STOP_STRINGS} strings, got {len(strings)}")
+        longest = max(map(len, strings), default=0)
+        if longest > MAX_STOP_CHARS:
+            raise ValueError(
+                f"strings must be at most {MAX_STOP_CHARS} characters, got one of {longest}"
+            )
         return value
 
     @property
@@ -119,11 +136,21 @@ class TextPart(_Strict):
     type: Literal["text"]
     text: str
 
+    @field_validator("text")
+    @classmethod
+    def _encodable(cls, value: str) -> str:
+        return utf8_encodable(value)
+
 
 class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[TextPart]
     name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _encodable(cls, value: str | list[TextPart]) -> str | list[TextPart]:
+        return utf8_encodable(value) if isinstance(value, str) else value
 
     def text(self) -> str:
         if isinstance(self.content, str):
@@ -156,6 +183,20 @@ class ChatCompletionRequest(SamplingFields):
 
 class UpdateWeightsRequest(_Strict):
     path: str = Field(min_length=1)
+
+
+def utf8_encodable(text: str) -> str:
+    """text, if UTF-8 can encode it (JSON may carry a lone surrogate such as \\ud800, which
+    it cannot): the error then names the character's position in this field, not in the
+    rendered chat template."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"holds {text[exc.start]!r} at position {exc.start}, which UTF-8 cannot encode "
+            f"({exc.reason})"
+        ) from None
+    return text
 
 
 def is_token_id(value: Any) -> bool:

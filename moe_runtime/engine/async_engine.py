@@ -6,8 +6,10 @@ ones, steps, hands the deltas to `on_output` and resolves each Future with whole
 bad prompt fails its Future with ValueError. A failure that kills the engine (a rank died or
 stalled) fails every pending Future at once, then the engine rebuilds its workers
 (`is_healthy` False meanwhile); after parallel.max_restarts rebuilds it gives up
-(`has_given_up`). Request semantics are the engine's; this module only moves work between
-threads.
+(`has_given_up`). With `health_check_interval_s`, an engine idle that long checks that every
+rank still answers (`LLMEngine.check_workers`), so a rank that died between requests is
+rebuilt before a request meets it. Request semantics are the engine's; this module only moves
+work between threads.
 """
 
 from __future__ import annotations
@@ -42,8 +44,13 @@ class _Submission:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, health_check_interval_s: float | None = None) -> None:
+        if health_check_interval_s is not None and not health_check_interval_s > 0:
+            raise ValueError(
+                f"health_check_interval_s must be > 0 or None, got {health_check_interval_s!r}"
+            )
         self._engine = engine
+        self._check_interval_s = health_check_interval_s
         self._cond = threading.Condition()  # guards the queue, _live, flags and the snapshot
         self._queue: deque[_Submission | tuple[Callable, Future]] = deque()
         self._live: set[_Submission] = set()
@@ -142,12 +149,16 @@ class AsyncEngine:
         try:
             while True:
                 with self._cond:
-                    self._cond.wait_for(self._has_work)  # idle: sleep until submit/cancel/stop
+                    # Idle: sleep until submit/cancel/stop, or until the workers are due a check.
+                    is_idle = not self._cond.wait_for(self._has_work, self._check_interval_s)
                     if self._is_stopping:
                         break
                     incoming, has_cancelled = list(self._queue), self._has_cancelled
                     self._queue.clear()
                     self._has_cancelled = False
+                if is_idle:
+                    self._check_workers()
+                    continue
                 for item in incoming:
                     self._admit(item) if isinstance(item, _Submission) else self._run_call(*item)
                 if has_cancelled:
@@ -188,9 +199,17 @@ class AsyncEngine:
                 if self._engine.error is not None:  # but a failure killed the engine
                     self._die(exc)
 
+    def _check_workers(self) -> None:
+        if self._error is None:  # not once the engine has given up
+            try:
+                self._engine.check_workers()
+            except Exception as exc:  # a rank died or stalled while nothing ran
+                self._die(exc)
+
     def _admit(self, submission: _Submission) -> None:
         try:
-            if submission.future.cancelled():
+            # Done already: cancelled, or failed with an engine that died while it was queued.
+            if submission.future.done():
                 return self._settle(submission, None)
             self._check_alive()
             submission.requests = self._engine.add_requests(submission.prompts, submission.params)

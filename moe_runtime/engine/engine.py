@@ -264,8 +264,19 @@ class LLMEngine:
         )
 
     def worker_stats(self) -> list[dict]:
-        """Each rank's counters (Worker.stats), in rank order."""
-        return self.executor.call_all("stats")
+        """Each rank's counters (Worker.stats), in rank order. A rank that does not answer
+        (dead, stalled) kills the engine, as a step would: it could not serve the next one."""
+        self._check_alive()
+        with self._fatal_on_error():
+            return self.executor.call_all("stats")
+
+    def check_workers(self) -> None:
+        """Every rank answers a cheap call within parallel.timeout_s (+30 s over Ray), or the
+        engine dies (WorkerError naming the rank) as if a step had found it: an idle server
+        learns of a dead rank before a request does."""
+        self._check_alive()
+        with self._fatal_on_error():
+            self.executor.call_all("ping")
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -81,6 +81,10 @@ class Worker:
         """This worker's process id (fault-injection tests signal it)."""
         return os.getpid()
 
+    def ping(self) -> int:
+        """This worker's rank: the cheap call the engine makes to check an idle worker lives."""
+        return self.rank
+
     def address(self) -> tuple[str, int]:
         """(ip, free port) of this worker's node: rank 0's is the rendezvous point."""
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

@@ -1,0 +1,54 @@
+"""The types a config section's values may take, read from its dataclass's annotations.
+
+A section's own checks cover ranges and choices; this covers what YAML and `--set` hand over
+loosely, the same way for every section: `true` where an int or a float is meant (Python counts
+a bool as an int), a word where an on/off key is meant (any non-empty string is truthy), `.inf`
+or `.nan` for a number, a number where text is meant.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+import typing
+from typing import Any
+
+_NAMES = {
+    bool: "true or false",
+    int: "an int",
+    float: "a finite number",
+    str: "a string",
+    type(None): "null",
+}
+
+
+def check_field_types(section: str, cls: type, values: dict[str, Any]) -> None:
+    """Raise ValueError naming `section.key` for the first value its field's annotation does
+    not allow. Annotations other than bool, int, float, str and their unions (with None, or
+    with each other) are left to the class's own checks."""
+    hints = typing.get_type_hints(cls)
+    for key, value in values.items():
+        kinds = _simple_kinds(hints.get(key))
+        if kinds and not any(_is_a(value, kind) for kind in kinds):
+            expected = " or ".join(_NAMES[kind] for kind in kinds)
+            raise ValueError(f"{section}.{key} must be {expected}, got {value!r}")
+
+
+def _simple_kinds(hint: Any) -> tuple[type, ...]:
+    is_union = isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union
+    kinds = typing.get_args(hint) if is_union else (hint,)
+    return kinds if all(kind in _NAMES for kind in kinds) else ()
+
+
+def _is_a(value: Any, kind: type) -> bool:
+    if kind is bool:
+        return isinstance(value, bool)
+    if isinstance(value, bool):
+        return False  # not an int, a float or text
+    if kind is int:
+        return isinstance(value, int)
+    if kind is float:
+        return isinstance(value, (int, float)) and math.isfinite(value)
+    if kind is str:
+        return isinstance(value, str)
+    return value is None
