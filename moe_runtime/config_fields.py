@@ -14,11 +14,11 @@ import typing
 from typing import Any
 
 _NAMES = {
-    bool: "true or false",
-    int: "an int",
-    float: "a finite number",
-    str: "a string",
-    type(None): "null",
+    bool: ("true", "false"),
+    int: ("an int",),
+    float: ("a finite number",),
+    str: ("a string",),
+    type(None): ("null",),
 }
 
 
@@ -30,7 +30,8 @@ def check_field_types(section: str, cls: type, values: dict[str, Any]) -> None:
     for key, value in values.items():
         kinds = _simple_kinds(hints.get(key))
         if kinds and not any(_is_a(value, kind) for kind in kinds):
-            expected = " or ".join(_NAMES[kind] for kind in kinds)
+            names = [name for kind in kinds for name in _NAMES[kind]]
+            expected = " or ".join([", ".join(names[:-1]), names[-1]] if names[1:] else names)
             raise ValueError(f"{section}.{key} must be {expected}, got {value!r}")
 
 

@@ -153,6 +153,30 @@ def test_preemption_loses_nothing_and_changes_no_bit(workload, reference, mode):
     _check(mode, _preempted_run(workload, mode), reference(mode), "across preemption")
 
 
+def test_waiting_sequences_hold_no_blocks_so_a_tiny_cache_never_stalls():
+    """16 prompts in a cache of 12 blocks (a sequence of max_model_len needs 8): preempted
+    sequences come back to hits on their own cached blocks. A waiting sequence used to keep the
+    blocks it matched when it could not be admitted; a later preemption put another sequence in
+    front of it, which could then never get its blocks, nothing ran, and generate never
+    returned (stuck after 4 preemptions, 3 of 16 requests finished). Every request must finish,
+    with the bits of a cache that fits them all."""
+    prompts = mixed_prompts(16, 10, 90, seed=21)
+    params = [SamplingParams(max_tokens=24, temperature=0.0, logprobs=2, ignore_eos=True)] * 16
+    small = {"cache.num_blocks": 12, "scheduler.max_model_len": 128}
+    llm = LLM(TINY_CONFIG, **small)
+    requests = llm.engine.add_requests(prompts, params)
+    for _ in range(2000):  # 174 steps when nothing stalls
+        if not llm.engine.has_unfinished():
+            break
+        llm.engine.step()
+    stats = llm.engine.stats()
+    assert not llm.engine.has_unfinished(), f"stalled: {stats}"
+    assert stats.num_preemptions > 0 and stats.num_prefix_hit_blocks > 0  # the path ran
+    got = [fingerprint(llm.engine.output(r)) for r in requests]
+    expected = [fingerprint(o) for o in LLM(TINY_CONFIG).generate(prompts, params)]
+    assert got == expected
+
+
 def _decode_vs_score(mode: str, workload) -> list[tuple[list[float], list[float]]]:
     prompts, params = workload
     llm = LLM(TINY_CONFIG, **{"kernels.mode": mode})

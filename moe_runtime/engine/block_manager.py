@@ -73,6 +73,12 @@ class BlockManager:
         self.num_hit_blocks += len(blocks)
         return blocks
 
+    def unmatch(self, blocks: Sequence[int]) -> None:
+        """Give back a match_prefix result that was not used (its sequence could not be
+        admitted): its references are dropped and its blocks no longer count as hits."""
+        self.free(blocks)
+        self.num_hit_blocks -= len(blocks)
+
     def allocate(self, block_table: list[int], num_tokens: int) -> bool:
         """Appends blocks so block_table covers num_tokens slots; all or nothing."""
         num_needed = -(-num_tokens // self.block_size) - len(block_table)

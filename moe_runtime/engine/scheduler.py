@@ -102,6 +102,10 @@ class Scheduler:
                 seq.num_computed_tokens = len(seq.block_table) * self.blocks.block_size
             chunk = self._chunk_for(seq, budget)
             if chunk == 0 or not self._allocate(seq, seq.num_computed_tokens + chunk):
+                # Why give its prefix back: a waiting sequence holding blocks could starve the
+                # one a preemption puts in front of it, with nothing running to free any.
+                self.blocks.unmatch(seq.block_table)
+                seq.block_table, seq.num_computed_tokens = [], 0
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
