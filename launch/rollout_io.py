@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from moe_runtime.sampling_params import SamplingParams
-from moe_runtime.seeds import derive_seed, sample_seeds
+from moe_runtime.seeds import MAX_SEED, SEED_BITS, derive_seed, sample_seeds
 
 PARAM_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "logprobs")
 ROLLOUT_FIELDS = {"id", "prompt", "n", "seed", "seeds", *PARAM_FIELDS}
@@ -89,8 +89,8 @@ def _rollout_samples(row: dict, line_no: int, defaults: dict, row_seed: int) -> 
         raise ValueError(f"seeds must be a list of n={n} ints")
     request_seed = row.get("seed", row_seed)
     for seed in seeds or [request_seed]:
-        if not _is_int(seed) or seed < 0:
-            raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+        if not _is_int(seed) or not 0 <= seed <= MAX_SEED:
+            raise ValueError(f"seed must be an int in [0, 2**{SEED_BITS} - 1], got {seed!r}")
     knobs = {k: row.get(k, defaults[k]) for k in PARAM_FIELDS}
     knobs["return_routed_experts"] = defaults["return_routed_experts"]
     samples = []

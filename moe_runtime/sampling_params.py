@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from moe_runtime.seeds import MAX_SEED, SEED_BITS
+
 LOGPROBS_MODES = ("raw", "processed")
 # Temperatures below this are greedy, as in vLLM and SGLang: logits divided by a temperature
 # near float32's smallest normal (1.2e-38) overflow to inf, and argmax then takes the first.
@@ -37,7 +39,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         _check(
-            isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+            _is_int(self.max_tokens) and self.max_tokens >= 1,
             "max_tokens",
             self.max_tokens,
             "an int >= 1",
@@ -52,16 +54,20 @@ class SamplingParams:
         )
         _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "in (0, 1]")
         _check(
-            isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1),
+            _is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1),
             "top_k",
             self.top_k,
             "-1 (off) or an int >= 1",
         )
-        for name in ("seed", "logprobs"):
-            value = getattr(self, name)
-            ok = value is None or (isinstance(value, int) and value >= 0)
-            _check(ok, name, value, "None or an int >= 0")
-        _check(isinstance(self.n, int) and self.n >= 1, "n", self.n, "an int >= 1")
+        _check(
+            self.seed is None or (_is_int(self.seed) and 0 <= self.seed <= MAX_SEED),
+            "seed",
+            self.seed,
+            f"None or an int in [0, 2**{SEED_BITS} - 1]",
+        )
+        ok = self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0)
+        _check(ok, "logprobs", self.logprobs, "None or an int >= 0")
+        _check(_is_int(self.n) and self.n >= 1, "n", self.n, "an int >= 1")
         _check(
             self.logprobs_mode in LOGPROBS_MODES,
             "logprobs_mode",
@@ -105,6 +111,10 @@ def ends_by_length(
     """Whether a sample of these counts ends whatever its newest token is (max_tokens or the
     context): known before the token is."""
     return num_output_tokens >= params.max_tokens or num_tokens >= max_model_len
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _check(ok: bool, name: str, value: object, expected: str) -> None:

@@ -11,6 +11,7 @@ import secrets
 import numpy as np
 
 SEED_BITS = 63
+MAX_SEED = 2**SEED_BITS - 1  # a request's seed; the sampler's noise takes it as an int64
 
 
 def derive_seed(*parts: int) -> int:

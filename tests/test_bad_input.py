@@ -42,6 +42,18 @@ def test_bad_sampling_params_name_the_field():
         SamplingParams(max_tokens=0)
 
 
+def test_a_seed_past_63_bits_is_refused_before_it_reaches_a_step():
+    """The sampler's noise takes a seed as an int64: 2**63 was accepted here and then failed
+    the step it ran in, killing the engine and the requests beside it."""
+    with pytest.raises(ValueError, match=r"seed must be None or an int in \[0, 2\*\*63 - 1\]"):
+        SamplingParams(seed=2**63)
+    with pytest.raises(ValueError, match="max_tokens must be an int"):
+        SamplingParams(max_tokens=True)
+    largest = SamplingParams(max_tokens=2, temperature=1.0, seed=2**63 - 1)
+    (output,) = LLM(TINY_CONFIG).generate([[1, 2, 3]], largest)
+    assert len(output.token_ids) == 2 and output.outputs[0].seed == 2**63 - 1
+
+
 def test_bad_requests_fail_alone_while_others_finish():
     llm = LLM(TINY_CONFIG, **{"scheduler.max_model_len": 128})
     params = SamplingParams(max_tokens=10, temperature=0.7, seed=9, logprobs=3, ignore_eos=True)

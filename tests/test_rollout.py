@@ -157,6 +157,8 @@ def test_killed_run_resumes_without_loss_or_duplicates(tmp_path):
         ({"id": "x", "prompt": []}, "prompt must be"),
         ({"id": "x", "prompt": "a", "top_p": 2.0}, "top_p"),
         ({"id": "x", "prompt": "a", "n": 2, "seeds": [1]}, "seeds must be a list of n=2"),
+        ({"id": "x", "prompt": "a", "seeds": [2**63]}, "seed must be an int in [0, 2**63 - 1]"),
+        ({"id": "x", "prompt": "a", "n": 3, "seed": 2**63}, "seed must be an int in [0, 2**63"),
         ({"id": "x", "prompt": [1, 2, 9999]}, "token id 9999"),
         ({"id": "x", "prompt": [1] * 2000}, "max_model_len"),
         ({"id": 1, "prompt": "dup"}, "appears twice"),

@@ -14,11 +14,10 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_v
 
 from launch.openai.errors import UnknownModelError
 from moe_runtime.sampling_params import SamplingParams
-from moe_runtime.seeds import SEED_BITS
+from moe_runtime.seeds import MAX_SEED
 
 MAX_LOGPROBS = 20
 MAX_N = 128
-MAX_SEED = 2**SEED_BITS - 1
 # Every stop string is searched on every token of every sample on the engine's one thread, so
 # a request may not bring enough of them to slow the others (OpenAI allows 4).
 MAX_STOP_STRINGS = 32
