@@ -9,13 +9,15 @@ depend on that sharing (the runtime is batch-invariant). The app serves `app.sta
 launch.openai.errors. With `server.api_key` set, every route but /health and /metrics needs
 `Authorization: Bearer`. Every response, errors and unknown paths included, is counted in
 `moe_http_requests_total{route, status}` (route: the matched route's path, else "unmatched").
+A client that leaves before its completion's answer is ready has the answer cancelled (its
+requests aborted, 499 counted); a stream's own response aborts it once streaming.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -120,14 +122,40 @@ class _CountResponses:
         await self.app(scope, receive, counting_send)
 
 
+async def unless_disconnected(request: Request, response: Awaitable[Response]) -> Response:
+    """The awaited response, or, if the client leaves first, nothing for it: the response is
+    cancelled (cancelling a Generation's wait aborts its requests) and a 499 closes the
+    exchange. Why: a whole (not streamed) completion would otherwise run to max_tokens for
+    nobody, taking batch slots and KV blocks from the clients still waiting."""
+    answer_task = asyncio.ensure_future(answer(response))
+    left = asyncio.ensure_future(_until_disconnected(request))
+    try:
+        await asyncio.wait({answer_task, left}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        left.cancel()
+        if not answer_task.done():  # the client left (or this handler was cancelled itself)
+            answer_task.cancel()
+    if answer_task.done() and not answer_task.cancelled():
+        return answer_task.result()
+    return Response(status_code=499)
+
+
+async def _until_disconnected(request: Request) -> None:
+    # The body is read already: the next message is the client leaving (or never comes).
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 def _add_post_routes(app: FastAPI, config: RuntimeConfig, metrics: ServerMetrics) -> None:
     @app.post(COMPLETIONS)
-    async def completions(body: CompletionRequest) -> Response:
-        return await answer(complete(body, app.state.backend, config, metrics))
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        completion = complete(body, app.state.backend, config, metrics)
+        return await unless_disconnected(request, completion)
 
     @app.post(CHAT)
-    async def chat_completions(body: ChatCompletionRequest) -> Response:
-        return await answer(chat(body, app.state.backend, config, metrics))
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        completion = chat(body, app.state.backend, config, metrics)
+        return await unless_disconnected(request, completion)
 
     async def on_engine(fn: Callable[[LLMEngine], dict]) -> Response:
         # on the engine thread between two steps: never during one; requests in flight go on

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import openai
 import pytest
 
@@ -17,6 +18,7 @@ from tests.serving import merge_completion_chunks, num_running, running_server, 
 from tests.test_server import TARGETS, _background_requests, http_fingerprint, post
 
 COMPLETIONS = "/v1/completions"
+MESSAGE = {"role": "user", "content": "hi"}
 
 
 @pytest.fixture(scope="module")
@@ -132,6 +134,22 @@ def test_client_leaving_a_stream_aborts_its_request(server):
     while num_running(server.async_engine):  # aborted long before 900 tokens
         assert time.monotonic() < deadline, "the request kept running after its client left"
         time.sleep(0.01)
+
+
+@pytest.mark.parametrize("route", [COMPLETIONS, "/v1/chat/completions"])
+def test_client_leaving_a_whole_completion_aborts_its_request(server, route):
+    """Not streamed: the client gives up (a read timeout closes its connection) long before
+    900 tokens; the request is aborted instead of running on for nobody."""
+    prompt = {"prompt": [1, 2, 3]} if route == COMPLETIONS else {"messages": [MESSAGE]}
+    body = {**prompt, "max_tokens": 900, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        server.http.post(route, json=body, timeout=1.0)
+    deadline = time.monotonic() + 20
+    while num_running(server.async_engine):
+        assert time.monotonic() < deadline, "the request kept running after its client left"
+        time.sleep(0.01)
+    metrics = server.http.get("/metrics").text
+    assert f'moe_http_requests_total{{route="{route}",status="499"}} 1' in metrics, metrics
 
 
 def test_openai_client_streams(server):
