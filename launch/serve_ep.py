@@ -103,7 +103,7 @@ async def serve(
         server.should_exit = True
         await task
         return None
-    async_engine = AsyncEngine(engine, config.server.health_check_interval_s)
+    async_engine = AsyncEngine(engine)
     app.state.backend = Backend(async_engine, engine.tokenizer)
     log(f"engine loaded in {time.perf_counter() - started:.1f}s")
     if server.started and not server.should_exit:

@@ -132,9 +132,11 @@ def test_a_rank_that_dies_while_idle_is_rebuilt_before_a_request_meets_it(ray_lo
     """kill -9 of a rank while nothing runs: the idle engine's check finds it and rebuilds the
     group by itself, so /health does not say 200 over a dead rank and the next request is
     answered, with the same bits, instead of failing."""
-    llm = LLM(TINY_CONFIG, **{"parallel.world_size": 2, "parallel.timeout_s": 20})
+    overrides = {"parallel.world_size": 2, "parallel.timeout_s": 20}
+    overrides["server.health_check_interval_s"] = 0.5
+    llm = LLM(TINY_CONFIG, **overrides)
     pid = llm.engine.executor.call_all("pid")[1]  # before the loop thread calls the ranks
-    loop = AsyncEngine(llm.engine, health_check_interval_s=0.5)
+    loop = AsyncEngine(llm.engine)
     params = SamplingParams(max_tokens=8, temperature=0.8, seed=3, logprobs=2, ignore_eos=True)
     before = fingerprint(loop.submit([[5, 6, 7]], [params]).result(timeout=60)[0])
     os.kill(pid, signal.SIGKILL)
@@ -165,10 +167,11 @@ def test_a_rank_found_dead_outside_a_step_kills_the_engine_and_it_rebuilds(path)
     """A rank that does not answer the idle check, or /metrics' worker_stats call, is as dead
     as one that fails a step: the engine fails, rebuilds (new workers, so the injection is
     gone) and serves again; worker_stats' caller gets the error."""
-    llm = LLM(TINY_CONFIG)
+    interval = 0.2 if path == "idle check" else None
+    llm = LLM(TINY_CONFIG, **{"server.health_check_interval_s": interval})
     engine = llm.engine
     engine.executor.call_all = _failing_call(engine, "ping" if path == "idle check" else "stats")
-    loop = AsyncEngine(engine, health_check_interval_s=0.2 if path == "idle check" else None)
+    loop = AsyncEngine(engine)
     if path == "worker stats":
         with pytest.raises(WorkerError, match="injected"):
             loop.call(lambda e: e.worker_stats()).result(timeout=30)

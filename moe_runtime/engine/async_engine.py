@@ -6,9 +6,9 @@ ones, steps, hands the deltas to `on_output` and resolves each Future with whole
 bad prompt fails its Future with ValueError. A failure that kills the engine (a rank died or
 stalled) fails every pending Future at once, then the engine rebuilds its workers
 (`is_healthy` False meanwhile); after parallel.max_restarts rebuilds it gives up
-(`has_given_up`). With `health_check_interval_s`, an engine idle that long checks that every
-rank still answers (`LLMEngine.check_workers`), so a rank that died between requests is
-rebuilt before a request meets it. Request semantics are the engine's; this module only moves
+(`has_given_up`). An engine idle for `server.health_check_interval_s` checks that every rank
+still answers (`LLMEngine.check_workers`), so a rank that died between requests is rebuilt
+before a request meets it. Request semantics are the engine's; this module only moves
 work between threads.
 """
 
@@ -44,13 +44,9 @@ class _Submission:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, health_check_interval_s: float | None = None) -> None:
-        if health_check_interval_s is not None and not health_check_interval_s > 0:
-            raise ValueError(
-                f"health_check_interval_s must be > 0 or None, got {health_check_interval_s!r}"
-            )
+    def __init__(self, engine: LLMEngine) -> None:
         self._engine = engine
-        self._check_interval_s = health_check_interval_s
+        self._check_interval_s = engine.config.server.health_check_interval_s  # None: never
         self._cond = threading.Condition()  # guards the queue, _live, flags and the snapshot
         self._queue: deque[_Submission | tuple[Callable, Future]] = deque()
         self._live: set[_Submission] = set()
