@@ -334,7 +334,10 @@ def load_config(
         path = Path(source)
         if not path.is_file():
             raise ValueError(f"config file {str(path)!r} does not exist")
-        raw = yaml.safe_load(path.read_text()) or {}
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ValueError(f"config file {str(path)!r} is not valid YAML: {exc}") from None
         if not isinstance(raw, dict):
             raise ValueError(f"config file {str(path)!r} must hold a mapping of sections")
     elif isinstance(source, dict):
@@ -367,7 +370,10 @@ def apply_override(raw: dict, dotted: str, value: Any) -> None:
             f"override {dotted!r} must be 'section.key' with section in {sorted(SECTIONS)}"
         )
     if isinstance(value, str):
-        value = yaml.safe_load(value)
+        try:
+            value = yaml.safe_load(value)
+        except yaml.YAMLError as exc:
+            raise ValueError(f"override {dotted}={value!r} is not a YAML value: {exc}") from None
     raw.setdefault(section, {})
     if raw[section] is None:
         raw[section] = {}

@@ -41,12 +41,7 @@ class LLM:
 
     def score(self, sequences: list[list[int]], prompt_lens: list[int]) -> list[list[float]]:
         """Teacher-forced logprob of every token after the prompt, one list per sequence."""
-        if len(sequences) != len(prompt_lens):
-            raise ValueError(f"got {len(prompt_lens)} prompt_lens for {len(sequences)} sequences")
-        requests = [
-            self.engine.add_score_request(list(s), n)
-            for s, n in zip(sequences, prompt_lens, strict=True)
-        ]
+        requests = self.engine.add_score_requests(sequences, prompt_lens)  # all or none
         self._run_until_done()
         return [list(r.samples[0].output_logprobs) for r in requests]
 
@@ -54,7 +49,7 @@ class LLM:
         """Re-place the experts now from the recent load (EPLB); changes no output bit."""
         return self.engine.rebalance(force=True)
 
-    def update_weights(self, source: str | dict) -> int:
+    def update_weights(self, source: str | Path | dict) -> int:
         """New weights (HF checkpoint dir or HF-named state dict) on every rank; -> version."""
         return self.engine.update_weights(source)
 

@@ -110,6 +110,12 @@ class ModelConfig:
             f"in [0, num_hidden_layers={self.num_hidden_layers}]",
         )
         _require(self.rms_norm_eps > 0, "rms_norm_eps", self.rms_norm_eps, "> 0")
+        # Why: a rope_theta <= 0 gives NaN rotations, a negative scale flips every routed
+        # expert's sign, a negative std is no distribution: each ran before, to noise.
+        _require(self.rope_theta > 0, "rope_theta", self.rope_theta, "> 0")
+        scale = self.routed_scaling_factor
+        _require(scale > 0, "routed_scaling_factor", scale, "> 0")
+        _require(self.init_std >= 0, "init_std", self.init_std, ">= 0")
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
             _require(kind in ("yarn", "default"), "rope_scaling.type", kind, "'yarn' or 'default'")

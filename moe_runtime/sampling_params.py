@@ -9,8 +9,9 @@ temperature, top-k and top-p, the distribution actually sampled from).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
+from moe_runtime.config_fields import check_field_types
 from moe_runtime.seeds import MAX_SEED, SEED_BITS
 
 LOGPROBS_MODES = ("raw", "processed")
@@ -38,6 +39,11 @@ class SamplingParams:
     return_routed_experts: bool = False
 
     def __post_init__(self) -> None:
+        if self.stop is None:  # no stop strings
+            object.__setattr__(self, "stop", ())
+        # Types first (a bool is an int, "no" is truthy): each message names its field.
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        check_field_types("SamplingParams", SamplingParams, values)
         _check(
             _is_int(self.max_tokens) and self.max_tokens >= 1,
             "max_tokens",
@@ -74,9 +80,14 @@ class SamplingParams:
             self.logprobs_mode,
             f"one of {LOGPROBS_MODES}",
         )
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
-        _check(all(isinstance(s, str) for s in stop), "stop", self.stop, "a string or strings")
+        ids = self.stop_token_ids
+        ok = isinstance(ids, (list, tuple)) and all(_is_int(t) and t >= 0 for t in ids)
+        _check(ok, "stop_token_ids", ids, "a list of token ids (ints >= 0)")
+        object.__setattr__(self, "stop_token_ids", tuple(ids))
+        stop = self.stop
+        is_strings = isinstance(stop, (list, tuple)) and all(isinstance(s, str) for s in stop)
+        _check(isinstance(stop, str) or is_strings, "stop", stop, "a string or a list of strings")
+        stop = (stop,) if isinstance(stop, str) else stop
         object.__setattr__(self, "stop", tuple(s for s in stop if s))
 
     @property

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
+import torch
 
 from moe_runtime import LLM, SamplingParams
 from moe_runtime.config import load_config
@@ -75,6 +77,18 @@ def test_bad_requests_fail_alone_while_others_finish():
     # Fits alone, but not with its max_tokens: refused up front, naming both numbers.
     with pytest.raises(ValueError, match=r"prompt has 120 tokens and max_tokens is 10 \(130 in"):
         engine.add_request(list(range(120)), params)
+    # More top logprobs than the vocabulary has: it used to fail the step, killing the engine.
+    with pytest.raises(ValueError, match="logprobs=513 asks for more top logprobs than the voc"):
+        engine.add_request([1, 2], SamplingParams(max_tokens=2, logprobs=513))
+    with pytest.raises(ValueError, match="prompt is empty"):
+        engine.add_request("", params)  # not the BOS token alone
+    with pytest.raises(ValueError, match=r"token ids must be ints, got 1.5 \(float\)"):
+        engine.add_request([1, 1.5], params)
+    with pytest.raises(ValueError, match="sequence 1: token id 9999"):
+        engine.add_score_requests([[1, 2, 3], [1, 9999]], [1, 1])  # all or none
+    for prompt_len in (True, 1.5, "2", 0, 3):
+        with pytest.raises(ValueError, match=r"prompt_len must be an int in \[1, 2\]"):
+            engine.add_score_request([1, 2, 3], prompt_len)
     while engine.has_unfinished():
         engine.step()
     assert [s.finish_reason for s in in_flight] == ["length", "length"]
@@ -87,6 +101,41 @@ def test_bad_requests_fail_alone_while_others_finish():
         for s in in_flight
     ]
     assert got == expected
+
+
+def test_integer_scalars_of_numpy_and_torch_are_token_ids_and_a_vocabulary_of_logprobs_runs():
+    llm = LLM(TINY_CONFIG)
+    params = SamplingParams(max_tokens=2, temperature=0.0, logprobs=512)  # the whole vocabulary
+    plain = fingerprint(llm.generate([[5, 6, 7]], params)[0])
+    for prompt in (np.array([5, 6, 7]), list(torch.tensor([5, 6, 7]))):
+        assert fingerprint(llm.generate([prompt], params)[0]) == plain
+    assert all(len(top) == 512 for top in llm.generate([[5, 6, 7]], params)[0].top_logprobs)
+    scored = llm.score([np.array([5, 6, 7, 8])], [np.int64(3)])
+    assert scored == llm.score([[5, 6, 7, 8]], [3])
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "expected"),
+    [
+        ("top_p", "0.5", "a finite number"),
+        ("ignore_eos", "no", "true or false"),  # a word was truthy: EOS silently ignored
+        ("return_routed_experts", "no", "true or false"),
+        ("stop_token_ids", [1.7], "a list of token ids"),  # was truncated to 1
+        ("stop_token_ids", [-1], "a list of token ids"),
+        ("stop", 5, "a string or a list of strings"),
+        ("n", True, "an int"),
+    ],
+)
+def test_sampling_params_of_the_wrong_type_name_the_field(field, value, expected):
+    with pytest.raises(ValueError, match=f"SamplingParams.{field} must be {expected}"):
+        SamplingParams(**{field: value})
+
+
+def test_score_is_all_or_none():
+    llm = LLM(TINY_CONFIG)
+    with pytest.raises(ValueError, match="sequence 1: token id 9999"):
+        llm.score([[1, 2, 3], [1, 2, 9999]], [1, 1])
+    assert not llm.engine.has_unfinished(), "a rejected batch must not leave scorings queued"
 
 
 def test_generate_names_the_bad_prompt():

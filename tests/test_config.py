@@ -352,6 +352,9 @@ def test_attention_group_splits_loads_below_64_heads_and_is_refused_from_64():
         ("server.api_key", "''", "null or a non-empty string"),
         ("server.health_check_interval_s", "0", "null or a finite number > 0"),
         ("server.health_check_interval_s", ".inf", "a finite number or null"),
+        ("model.rope_theta", "0", "> 0"),  # NaN rotations
+        ("model.routed_scaling_factor", "-1", "> 0"),
+        ("model.init_std", "-0.1", ">= 0"),
     ],
 )
 def test_values_of_the_wrong_type_fail_at_load_naming_the_key(key, value, named):
@@ -359,6 +362,15 @@ def test_values_of_the_wrong_type_fail_at_load_naming_the_key(key, value, named)
     .inf for a bound) is refused with the key named, never taken for something else."""
     with pytest.raises(ValueError, match=f"{key.replace('.', '[.]')} must be {named}"):
         load_config(CONFIGS / "tiny_cpu.yaml", {key: value})
+
+
+def test_malformed_yaml_names_the_file_or_the_override(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [1\n")
+    with pytest.raises(ValueError, match="config file .*bad.yaml' is not valid YAML"):
+        load_config(bad)
+    with pytest.raises(ValueError, match=r"override model.seed='\[1' is not a YAML value"):
+        load_config(CONFIGS / "tiny_cpu.yaml", {"model.seed": "[1"})
 
 
 def test_loose_values_that_mean_one_thing_still_load():

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import operator
 from pathlib import Path
 
 import numpy as np
@@ -118,16 +119,10 @@ class LLMEngine:
         (when there are several) before any is queued."""
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
-        bad_type = next((p for p in params if not isinstance(p, SamplingParams)), None)
-        if bad_type is not None:
-            raise TypeError(f"params must be SamplingParams, got {type(bad_type).__name__}")
         token_ids = []
-        max_len = self.config.scheduler.max_model_len
         for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
             try:
-                token_ids.append(self.encode(prompt))
-                if len(token_ids[-1]) + p.max_tokens > max_len:
-                    raise ContextLengthError(len(token_ids[-1]), p.max_tokens, max_len)
+                token_ids.append(self.check_request(prompt, p))
             except ValueError as exc:
                 if len(prompts) > 1:  # the same exception, its type kept, naming the prompt
                     exc.args = (f"prompt {i}: {exc}",)
@@ -138,22 +133,66 @@ class LLMEngine:
             for ids, p in zip(token_ids, params, strict=True)
         ]
 
+    def check_request(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        """A request's prompt token ids, or ValueError naming what the engine cannot run: a bad
+        prompt, a prompt and max_tokens past the context (ContextLengthError), more top
+        logprobs than the vocabulary has. Queues nothing: a job can check its requests ahead."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        token_ids = self.encode(prompt)
+        max_len, vocab = self.config.scheduler.max_model_len, self.config.model.vocab_size
+        if len(token_ids) + params.max_tokens > max_len:
+            raise ContextLengthError(len(token_ids), params.max_tokens, max_len)
+        if params.logprobs is not None and params.logprobs > vocab:
+            raise ValueError(
+                f"SamplingParams.logprobs={params.logprobs} asks for more top logprobs than the "
+                f"vocabulary's {vocab} tokens"
+            )
+        return token_ids
+
     def add_score_request(self, token_ids: list[int], prompt_len: int) -> Request:
         """Queue a teacher-forced scoring of token_ids[prompt_len:] given everything before."""
-        self.validate_prompt(token_ids)
-        if not 1 <= prompt_len < len(token_ids):
-            raise ValueError(
-                f"prompt_len must be in [1, {len(token_ids) - 1}] for a sequence of "
-                f"{len(token_ids)} tokens, got {prompt_len}"
-            )
+        return self.add_score_requests([token_ids], [prompt_len])[0]
+
+    def add_score_requests(
+        self, sequences: list[list[int]], prompt_lens: list[int]
+    ) -> list[Request]:
+        """Queue several scorings all or none: a bad one raises ValueError naming its index
+        (when there are several) before any is queued."""
+        if len(sequences) != len(prompt_lens):
+            raise ValueError(f"got {len(prompt_lens)} prompt_lens for {len(sequences)} sequences")
+        checked = []
+        for i, (sequence, prompt_len) in enumerate(zip(sequences, prompt_lens, strict=True)):
+            try:
+                token_ids = _token_ids(sequence)
+                self.validate_prompt(token_ids)
+                last = len(token_ids) - 1
+                if hasattr(prompt_len, "__index__") and not isinstance(prompt_len, bool):
+                    prompt_len = operator.index(prompt_len)  # numpy's ints too
+                if not _is_int(prompt_len) or not 1 <= prompt_len <= last:
+                    raise ValueError(
+                        f"prompt_len must be an int in [1, {last}] for a sequence of "
+                        f"{len(token_ids)} tokens, got {prompt_len!r}"
+                    )
+            except ValueError as exc:
+                if len(sequences) > 1:
+                    exc.args = (f"sequence {i}: {exc}",)
+                raise
+            checked.append((token_ids[:prompt_len], token_ids[prompt_len:]))
         self._check_alive()
-        prompt, scored = list(token_ids[:prompt_len]), list(token_ids[prompt_len:])
-        request_id = f"score-{next(self._request_ids)}"
-        return self._enqueue(Request(request_id, prompt, SamplingParams(), 0, scored))
+        return [
+            self._enqueue(Request(f"score-{next(self._request_ids)}", p, SamplingParams(), 0, s))
+            for p, s in checked
+        ]
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         """Token ids of a prompt (text through the tokenizer), validated."""
-        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            token_ids = _token_ids(prompt)
         self.validate_prompt(token_ids)
         return token_ids
 
@@ -163,7 +202,9 @@ class LLMEngine:
         if not token_ids:
             raise ValueError("prompt is empty")
         for t in token_ids:
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+            if not _is_int(t):
+                raise ValueError(f"token ids must be ints, got {t!r} ({type(t).__name__})")
+            if not 0 <= t < vocab:
                 raise ValueError(f"token id {t!r} is outside the vocabulary [0, {vocab})")
         if len(token_ids) > max_len:
             raise ValueError(
@@ -217,10 +258,11 @@ class LLMEngine:
         with self._fatal_on_error():
             return self.balancer.rebalance(force=force, inject_failure=inject_failure)
 
-    def update_weights(self, source: str | dict) -> int:
+    def update_weights(self, source: str | Path | dict) -> int:
         """Swap every rank's weights (HF checkpoint dir or HF-named state dict) between steps;
         requests in flight go on with them, cached prefixes are dropped. -> the new version."""
         self._check_alive()
+        source = str(source) if isinstance(source, Path) else source
         if isinstance(source, str) and not Path(source).is_dir():
             raise ValueError(f"update_weights: {source!r} is not a checkpoint directory")
         # Two phases: every rank reads and checks its part; only when all have, every rank
@@ -397,3 +439,16 @@ def build_step_input(
             ScheduledSeq(seq.seq_id, chunk.start, chunk.num_tokens, new_token_ids, new_block_ids)
         )
     return StepInput(released_ids, new_seqs, scheduled, lookahead)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _token_ids(tokens) -> list[int]:
+    """A prompt's ids as Python ints: numpy's and torch's integer scalars (which index as
+    ints) converted; anything else kept for validate_prompt to name."""
+    try:
+        return [t if isinstance(t, (int, float, str)) else operator.index(t) for t in tokens]
+    except TypeError as exc:
+        raise ValueError(f"a prompt must be text or a list of token ids: {exc}") from None
