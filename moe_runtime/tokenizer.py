@@ -9,10 +9,10 @@ tokens, and build chat prompts with `apply_chat_template`. No model code here.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from moe_runtime.chat_template import DEFAULT_CHAT_TEMPLATE, render_chat
+from moe_runtime.model.hf_config import read_json_object
 from moe_runtime.model_config import ModelConfig
 
 
@@ -51,7 +51,11 @@ class HFTokenizer:
         from tokenizers import Tokenizer
 
         model_dir = Path(model_dir)
-        self._tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        tokenizer_file = model_dir / "tokenizer.json"
+        try:
+            self._tokenizer = Tokenizer.from_file(str(tokenizer_file))
+        except Exception as exc:  # tokenizers raises a bare Exception for a malformed file
+            raise ValueError(f"{tokenizer_file} is not a valid tokenizer file: {exc}") from exc
         self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
@@ -101,7 +105,7 @@ def load_tokenizer(model_config: ModelConfig) -> ByteTokenizer | HFTokenizer:
 def _read_tokenizer_config(path: Path) -> dict:
     if not path.is_file():
         return {}
-    settings = json.loads(path.read_text(encoding="utf-8"))
+    settings = read_json_object(path)
     template = settings.get("chat_template")
     if isinstance(template, list):  # [{"name": ..., "template": ...}]: the default one
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}

@@ -1,8 +1,14 @@
-"""Tiny DeepSeek-V2/V3 checkpoints written with transformers (the outside reference)."""
+"""Tiny DeepSeek-V2/V3 checkpoints written with transformers (the outside reference), and
+edited copies of them (the malformed checkpoints the loader must refuse)."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
+from pathlib import Path
+
 import torch
+from safetensors.torch import load_file, save_file
 
 TINY_HF = dict(
     vocab_size=512,
@@ -73,3 +79,21 @@ def _deepseek_v2_gate(router, forward):
         return logits, weights, topk_ids
 
     return gate
+
+
+def rewrite_checkpoint(
+    src,
+    dst,
+    tensors: Callable[[dict], dict] | None = None,
+    config: Callable[[dict], dict] | None = None,
+) -> Path:
+    """Copy the checkpoint directory `src` (config.json, model.safetensors) to the new directory
+    `dst`, its tensors passed through `tensors(dict) -> dict` and its config through
+    `config(dict) -> dict`; -> dst."""
+    src, dst = Path(src), Path(dst)
+    dst.mkdir()
+    hf = json.loads((src / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps(config(hf) if config else hf))
+    state = load_file(str(src / "model.safetensors"))
+    save_file(tensors(state) if tensors else state, str(dst / "model.safetensors"))
+    return dst

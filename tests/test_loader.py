@@ -17,7 +17,6 @@ import math
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from moe_kernels import KernelConfig, build_op_table
 from moe_runtime.model.layers import GatedMLP
@@ -31,6 +30,7 @@ from moe_runtime.model.loader import (
 )
 from moe_runtime.model.tensor_parallel import TensorParallel
 from moe_runtime.model_config import ModelConfig
+from tests.checkpoints import rewrite_checkpoint
 
 TINY = ModelConfig(q_lora_rank=24)  # 3 layers, 2 MoE layers of 16 experts, hidden 64
 HAS_CUDA = torch.cuda.is_available()
@@ -179,13 +179,6 @@ def _hf_config(path) -> ModelConfig:
     return ModelConfig.from_dict({"path": str(path)})
 
 
-def _rewrite(src, dst, edit) -> None:
-    """Copy a checkpoint directory with its tensors changed by edit(dict) -> dict."""
-    dst.mkdir()
-    (dst / "config.json").write_text((src / "config.json").read_text())
-    save_file(edit(load_file(str(src / "model.safetensors"))), str(dst / "model.safetensors"))
-
-
 def test_hf_load_needs_only_this_ranks_experts(checkpoint, tmp_path):
     """A rank loads from a checkpoint holding its own experts only, and gets the slots the full
     load gives for them: other ranks' experts are never needed (nor read)."""
@@ -198,7 +191,7 @@ def test_hf_load_needs_only_this_ranks_experts(checkpoint, tmp_path):
             k: v for k, v in tensors.items() if ".experts." not in k or any(s in k for s in keep)
         }
 
-    _rewrite(checkpoint, tmp_path / "local", only_local)
+    rewrite_checkpoint(checkpoint, tmp_path / "local", only_local)
     full = _params(build_model(cfg, _ops()))
     part = _params(build_model(_hf_config(tmp_path / "local"), _ops(), local_experts=local))
     for name, value in part.items():
@@ -228,7 +221,7 @@ def test_hf_load_errors_name_the_tensor(checkpoint, tmp_path):
         (extra, r"unexpected \['model\.layers\.0\.mlp\.surprise\.weight'\]"),
     ):
         path = tmp_path / edit.__name__
-        _rewrite(checkpoint, path, edit)
+        rewrite_checkpoint(checkpoint, path, edit)
         with pytest.raises(ValueError, match=match):
             build_model(_hf_config(path), _ops())
 

@@ -7,6 +7,7 @@ it up from `model.path` and use it for text prompts, decoding and chat templates
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -87,3 +88,18 @@ def test_engine_uses_the_model_dirs_tokenizer(tmp_path):
     assert by_text.token_ids == by_ids.token_ids
     assert by_text.text == llm.tokenizer.decode(by_text.token_ids)
     llm.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("file", "text", "match"),
+    [
+        ("tokenizer.json", '{1: "x"}', "is not a valid tokenizer file"),
+        ("tokenizer_config.json", "{not json", "is not valid JSON"),
+        ("tokenizer_config.json", "[1, 2]", "holds a JSON list, not an object"),
+    ],
+    ids=["tokenizer_json", "config_syntax", "config_list"],
+)
+def test_malformed_tokenizer_file_is_named(model_config, tmp_path, file, text, match):
+    (tmp_path / file).write_text(text)
+    with pytest.raises(ValueError, match=f"{re.escape(str(tmp_path / file))} {match}"):
+        load_tokenizer(model_config)

@@ -1,13 +1,17 @@
 """update_weights: a copy of the weights changes no bit, other weights change the output,
-a bad source is refused without touching the model, and prefixes cached under the old weights
-are never reused. Checkpoints are tiny DeepSeek-V3 models written with transformers."""
+a bad source (bad tensors, or a config.json that differs from the running model's) is refused
+without touching the model, and prefixes cached under the old weights are never reused.
+Checkpoints are tiny DeepSeek-V3 models written with transformers."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
 
 from moe_runtime import LLM, SamplingParams
+from tests.checkpoints import rewrite_checkpoint
 from tests.invariance import fingerprint
 from tests.serving import write_checkpoint
 
@@ -32,7 +36,7 @@ def test_update_to_self_then_other_then_back(checkpoints):
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6] * 5, [2, 7, 1, 8, 2, 8]]
     llm = LLM({"model": {"path": first}, "scheduler": {"max_model_len": 256}})
     original = _generate(llm, prompts)
-    assert llm.update_weights(first) == 1
+    assert llm.update_weights(Path(first)) == 1
     assert _generate(llm, prompts) == original, "a copy of the weights changed the output"
     assert llm.update_weights(second) == 2
     changed = _generate(llm, prompts)
@@ -63,6 +67,49 @@ def test_state_dict_source_and_bad_sources(checkpoints):
     wrong["model.norm.weight"] = torch.ones(3)
     with pytest.raises(ValueError, match="model.norm.weight"):
         llm.update_weights(wrong)
+    int_expert = {**state, "model.layers.1.mlp.experts.3.up_proj.weight": torch.ones(32, 64).long()}
+    with pytest.raises(ValueError, match=r"experts\.3\.up_proj\.weight is \(32, 64\) torch\.int64"):
+        llm.update_weights(int_expert)
     assert llm.engine.weight_version == 1, "a refused update must not count"
     fresh = LLM({"model": {"path": second}, "scheduler": {"max_model_len": 256}})
     assert _generate(llm, prompts) == _generate(fresh, prompts), "a refused update changed weights"
+
+
+CONFIG_EDITS = {
+    "hidden_act": ({"hidden_act": "gelu"}, r"hidden_act='gelu'"),
+    "model_type_v2": (
+        {"model_type": "deepseek_v2", "norm_topk_prob": False},
+        r"scoring_func='softmax', the running model has 'sigmoid'",
+    ),
+    "routed_scaling_factor": ({"routed_scaling_factor": 1.0}, r"routed_scaling_factor=1\.0"),
+    "rope_theta": ({"rope_parameters": {"rope_theta": 500.0}}, r"rope_theta=500\.0"),
+    "vocab_size": ({"vocab_size": 600}, r"vocab_size=600"),
+    "num_hidden_layers": ({"num_hidden_layers": 2}, r"num_hidden_layers=2"),
+}
+
+
+@pytest.fixture(scope="module")
+def serving(checkpoints):
+    llm = LLM({"model": {"path": checkpoints[0]}, "scheduler": {"max_model_len": 256}})
+    yield llm, _generate(llm, [[10, 20, 30, 40, 50]])
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("case", [*CONFIG_EDITS, "no_config", "bad_json"])
+def test_directory_whose_config_differs_is_refused(checkpoints, serving, tmp_path, case):
+    """update_weights reads the new directory's config.json as the start-up does: a field that
+    differs from the running model, or a missing or malformed file, is refused by name in
+    phase 1, and nothing changes."""
+    llm, original = serving
+    edit, match = CONFIG_EDITS.get(case, ({}, None))
+    path = rewrite_checkpoint(checkpoints[1], tmp_path / case, config=lambda hf: {**hf, **edit})
+    if case == "no_config":
+        (path / "config.json").unlink()
+        match = r"has no config\.json"
+    elif case == "bad_json":
+        (path / "config.json").write_text("{not json")
+        match = r"config\.json is not valid JSON"
+    with pytest.raises(ValueError, match=match):
+        llm.update_weights(str(path))
+    assert llm.engine.weight_version == 0 and llm.engine.error is None
+    assert _generate(llm, [[10, 20, 30, 40, 50]]) == original

@@ -5,7 +5,8 @@ transformers computes it for the model type (DeepSeek's released code where tran
 field it uses: V2 `norm_topk_prob`); accepted because it cannot change a forward pass at
 inference (the reason is written beside it); or accepted only at the value the reference
 computes with. Anything else, including a key we have never seen, is a ValueError naming the
-key and its value. This module reads the file only; ModelConfig validates the values.
+key and its value. This module reads the file and checks the JSON type of each key it computes
+with; ModelConfig validates the values.
 """
 
 from __future__ import annotations
@@ -73,6 +74,22 @@ _SPECIAL = set(
     "eos_token_id".split()
 )
 
+# The JSON type of each key read as a number or a switch (null aside), checked before any use.
+_JSON_TYPES = {
+    **dict.fromkeys(
+        (
+            "vocab_size hidden_size intermediate_size moe_intermediate_size num_hidden_layers "
+            "num_attention_heads q_lora_rank kv_lora_rank qk_nope_head_dim qk_rope_head_dim "
+            "v_head_dim n_routed_experts num_experts_per_tok first_k_dense_replace "
+            "max_position_embeddings bos_token_id n_shared_experts num_key_value_heads head_dim "
+            "qk_head_dim n_group topk_group"
+        ).split(),
+        "an int",
+    ),
+    **dict.fromkeys(("routed_scaling_factor", "rms_norm_eps", "rope_theta"), "a number"),
+    **dict.fromkeys(("tie_word_embeddings", "norm_topk_prob", "rope_interleave"), "a bool"),
+}
+
 ROUTING = {  # model type -> (scoring_func it computes, topk_methods it computes, default method)
     "deepseek_v2": ("softmax", ("greedy", "group_limited_greedy"), "greedy"),
     "deepseek_v3": ("sigmoid", ("noaux_tc",), "noaux_tc"),
@@ -81,10 +98,9 @@ ROUTING = {  # model type -> (scoring_func it computes, topk_methods it computes
 
 def read_hf_config(path: Path) -> dict[str, Any]:
     """config.json of the checkpoint directory `path` -> ModelConfig keyword arguments."""
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise ValueError(f"model.path {str(path)!r} has no config.json")
-    hf = json.loads(config_file.read_text())
+    hf = read_config_json(path)
+    _check_json_types(hf)
+    num_mtp_layers(hf)
     model_type = hf.get("model_type")
     if model_type not in MODEL_TYPES:
         raise ValueError(f"model.path: model_type {model_type!r} is not deepseek_v2 or deepseek_v3")
@@ -100,6 +116,55 @@ def read_hf_config(path: Path) -> dict[str, Any]:
         if key not in handled:
             _refuse(key, value, "this field is not implemented")
     return out
+
+
+def read_config_json(path: Path) -> dict[str, Any]:
+    """The JSON object in `path`/config.json; a ValueError naming the file if it is absent or
+    not a JSON object."""
+    if not (path / "config.json").is_file():
+        raise ValueError(f"checkpoint directory {str(path)!r} has no config.json")
+    return read_json_object(path / "config.json")
+
+
+def read_json_object(file: Path) -> dict[str, Any]:
+    """The JSON object `file` holds (an HF config or tokenizer file); ValueError naming it."""
+    try:
+        value = json.loads(file.read_text(encoding="utf-8"))
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"{file} is not valid JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise ValueError(f"{file} holds a JSON {type(value).__name__}, not an object")
+    return value
+
+
+def num_mtp_layers(hf: dict[str, Any]) -> int:
+    """Multi-token-prediction layers the file declares; their weights follow the decoder layers
+    (indices num_hidden_layers and up) and are the only layers beyond them a loader may skip."""
+    key = "num_nextn_predict_layers" if "num_nextn_predict_layers" in hf else "num_mtp_layers"
+    value = hf.get(key) or 0
+    if not _is_int(value) or value < 0:
+        _refuse(key, value, "must be an int >= 0")
+    return value
+
+
+def _check_json_types(hf: dict[str, Any]) -> None:
+    """Keys read as numbers or switches must hold one (or null): refused here, before any
+    arithmetic on them; ModelConfig checks the values."""
+    for key, value in hf.items():
+        if value is None or key not in _JSON_TYPES:
+            continue
+        if not _has_type(value, _JSON_TYPES[key]):
+            _refuse(key, value, f"must be {_JSON_TYPES[key]}")
+
+
+def _has_type(value: Any, kind: str) -> bool:
+    if kind == "a bool":
+        return isinstance(value, bool)
+    return _is_int(value) or (kind == "a number" and isinstance(value, float))
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _shape_keys(hf: dict[str, Any]) -> dict[str, Any]:
@@ -122,12 +187,17 @@ def _rope(hf: dict[str, Any]) -> dict[str, Any]:
     """rope_parameters (transformers 5) or rope_scaling (DeepSeek's files, transformers 4)."""
     key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
     rope = hf.get(key) or {}
+    if not isinstance(rope, dict):
+        _refuse(key, rope, "must be an object or null")
     kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind not in ROPE_KEYS:
+    if not isinstance(kind, str) or kind not in ROPE_KEYS:
         _refuse(f"{key}.rope_type", kind, "only 'default' and 'yarn' are implemented")
     for sub, value in rope.items():
         if sub not in ROPE_KEYS[kind]:
             _refuse(f"{key}.{sub}", value, f"not implemented for rope_type {kind!r}")
+        want = "a bool" if sub == "truncate" else "a number"
+        if sub not in ("rope_type", "type") and value is not None and not _has_type(value, want):
+            _refuse(f"{key}.{sub}", value, f"must be {want}")
     if kind == "yarn":
         for sub in ("factor", "original_max_position_embeddings"):
             if rope.get(sub) is None:
@@ -177,11 +247,12 @@ def _routing(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
 
 def _eos(value: Any) -> Any:
     """One stop id; a list of several would be a stop set the runtime does not keep."""
-    if isinstance(value, list):
-        if len(set(value)) > 1:
-            _refuse("eos_token_id", value, "only one end-of-sequence id is implemented")
-        return value[0] if value else None
-    return value
+    ids = value if isinstance(value, list) else [value]
+    if not all(_is_int(i) or i is None for i in ids):
+        _refuse("eos_token_id", value, "must be an int, null or a list of ints")
+    if len(set(ids)) > 1:
+        _refuse("eos_token_id", value, "only one end-of-sequence id is implemented")
+    return ids[0] if ids else None
 
 
 def _refuse(key: str, value: object, why: str) -> None:

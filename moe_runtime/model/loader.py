@@ -21,12 +21,13 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from moe_kernels import OpTable
 from moe_runtime.model.deepseek import DeepseekForCausalLM
+from moe_runtime.model.hf_config import num_mtp_layers, read_config_json, read_hf_config
 from moe_runtime.model.layers import NO_TP
 from moe_runtime.model.tensor_parallel import TensorParallel, shard_dim
 from moe_runtime.model_config import ModelConfig
@@ -257,28 +258,66 @@ def load_hf_weights(
 def read_checkpoint(
     path: Path, cfg: ModelConfig, device: torch.device | str = "cpu"
 ) -> dict[str, torch.Tensor]:
-    """Every tensor of an HF checkpoint directory that belongs to this model, by HF name,
-    read onto `device`."""
+    """Every tensor of another HF checkpoint directory for the running model `cfg`, by HF name,
+    read onto `device`. Its config.json must give every field it sets the value `cfg` holds:
+    the weights are served under `cfg`, which a weight update does not change."""
+    try:
+        new = read_hf_config(path)
+    except ValueError as exc:
+        raise ValueError(f"weights {str(path)!r}: {exc}") from exc
+    differs = next((key for key, value in new.items() if getattr(cfg, key) != value), None)
+    if differs is not None:
+        raise ValueError(
+            f"weights {str(path)!r}: config.json has {differs}={new[differs]!r}, the running "
+            f"model has {getattr(cfg, differs)!r}"
+        )
     with _open_checkpoint(path, cfg, device) as handles:
         return {key: handle.get_tensor(key) for key, handle in handles.items()}
 
 
 @contextmanager
 def _open_checkpoint(path: Path, cfg: ModelConfig, device: torch.device | str) -> Iterator[dict]:
-    """HF name -> the open safetensors file holding it (tensors it reads land on `device`);
-    multi-token-prediction layers are left out, they are not part of this model."""
+    """HF name -> the open safetensors file holding it (tensors it reads land on `device`).
+
+    The multi-token-prediction layers config.json declares after the decoder layers are left
+    out, they are not part of this model; a layer beyond them, a name in two files or a file
+    that is not safetensors is a ValueError naming it.
+    """
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"weights path {str(path)!r} holds no *.safetensors files")
+    num_layers = cfg.num_hidden_layers
+    num_stored = num_layers + num_mtp_layers(read_config_json(path))
     with ExitStack() as stack:
-        handles = {}
+        handles, file_of = {}, {}
         for file in files:
-            handle = stack.enter_context(safe_open(str(file), framework="pt", device=str(device)))
+            handle = stack.enter_context(_safe_open(file, device))
             for key in handle.keys():
+                if key in file_of:
+                    raise ValueError(
+                        f"weights {str(path)!r}: tensor {key} is in both {file_of[key].name} "
+                        f"and {file.name}"
+                    )
+                file_of[key] = file
                 layer = _LAYER_KEY.match(key)
-                if layer is None or int(layer.group(1)) < cfg.num_hidden_layers:
+                layer_id = int(layer.group(1)) if layer else -1
+                if layer_id >= num_stored:
+                    raise ValueError(
+                        f"weights {str(path)!r}: unexpected tensor {key}: config.json declares "
+                        f"{num_layers} decoder and {num_stored - num_layers} "
+                        "multi-token-prediction layers"
+                    )
+                if layer_id < num_layers:
                     handles[key] = handle
         yield handles
+
+
+def _safe_open(file: Path, device: torch.device | str):
+    """The open safetensors file (its header parsed); ValueError naming a malformed one."""
+    try:
+        return safe_open(str(file), framework="pt", device=str(device))
+    except SafetensorError as exc:
+        raise ValueError(f"weights file {str(file)!r} is not valid safetensors: {exc}") from exc
 
 
 def _header(handle, key: str, path: Path) -> torch.Tensor:
@@ -317,6 +356,7 @@ def check_weights(
     """HF-named tensors (or meta tensors of their headers) -> this rank's value of every
     parameter, every name, shape and dtype checked (ValueError naming the first bad one); the
     model is not touched."""
+    _check_experts(tensors, model.config, source)
     tensors = _stack_experts(tensors, local_experts, model.config.first_k_dense_replace)
     params = dict(model.named_parameters())
     if model.config.tie_word_embeddings:
@@ -331,13 +371,45 @@ def check_weights(
         )
     values = {name: model.tp.shard(name, tensors[name]) for name in params}
     for name, param in params.items():
-        value = values[name]
-        if value.shape != param.shape or not value.dtype.is_floating_point:
-            raise ValueError(
-                f"weights {source!r}: tensor {name} is {tuple(value.shape)} {value.dtype}, the "
-                f"model expects {tuple(param.shape)} floating point"
-            )
+        _check_tensor(values[name], param.shape, name, source)
     return values
+
+
+def _check_experts(tensors: dict[str, torch.Tensor], cfg: ModelConfig, source: str) -> None:
+    """Every per-expert tensor, of every expert present (a restart may place them elsewhere),
+    one by one: a routed expert of a MoE layer, its HF shape, a floating dtype, and its
+    expert's other two projections present. Before stacking, because torch.cat promotes an
+    int tensor among float ones and torch.stack's shape error names no tensor."""
+    gate_up = (cfg.moe_intermediate_size, cfg.hidden_size)
+    shapes = {"gate_proj": gate_up, "up_proj": gate_up, "down_proj": gate_up[::-1]}
+    projs: dict[str, set[str]] = {}
+    for key, value in tensors.items():
+        match = _EXPERT_KEY.match(key)
+        if match is None:
+            continue
+        prefix, expert = match.group(1), int(match.group(2))
+        layer_id = int(prefix.split(".")[2])
+        is_moe = cfg.first_k_dense_replace <= layer_id < cfg.num_hidden_layers
+        if not is_moe or expert >= cfg.n_routed_experts:
+            raise ValueError(
+                f"weights {source!r}: unexpected tensor {key} (the model has "
+                f"{cfg.n_routed_experts} routed experts in layers "
+                f"{cfg.first_k_dense_replace}..{cfg.num_hidden_layers - 1})"
+            )
+        _check_tensor(value, shapes[match.group(3)], key, source)
+        projs.setdefault(f"{prefix}.{expert}", set()).add(match.group(3))
+    for name, present in sorted(projs.items()):
+        absent = sorted(set(shapes) - present)
+        if absent:
+            raise ValueError(f"weights {source!r}: checkpoint lacks {name}.{absent[0]}.weight")
+
+
+def _check_tensor(value: torch.Tensor, shape: Sequence[int], name: str, source: str) -> None:
+    if tuple(value.shape) != tuple(shape) or not value.dtype.is_floating_point:
+        raise ValueError(
+            f"weights {source!r}: tensor {name} is {tuple(value.shape)} {value.dtype}, the "
+            f"model expects {tuple(shape)} floating point"
+        )
 
 
 def assign_weights(model: DeepseekForCausalLM, values: dict[str, torch.Tensor]) -> None:

@@ -1,0 +1,182 @@
+"""Malformed HF checkpoints are refused at start-up with a ValueError naming the tensor, the file
+or the config.json field, before any tensor is read; none is loaded silently.
+
+Each case writes its bad copy of one tiny DeepSeek-V3 checkpoint (transformers) into tmp_path.
+The good checkpoint, and one whose extra layer is a declared multi-token-prediction layer, load
+the file's own bits.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from moe_kernels import KernelConfig, build_op_table
+from moe_runtime.model.loader import build_model
+from moe_runtime.model_config import ModelConfig
+from tests.checkpoints import rewrite_checkpoint
+
+pytest.importorskip("transformers")
+
+EXPERT = "model.layers.1.mlp.experts"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """3 decoder layers (1 and 2 MoE, 16 experts), num_nextn_predict_layers 1, no MTP tensors."""
+    from tests.checkpoints import write_tiny_checkpoint
+
+    path = tmp_path_factory.mktemp("ckpt")
+    write_tiny_checkpoint(path, "v3", seed=3, q_lora_rank=None)
+    return path
+
+
+def _load(path) -> dict[str, torch.Tensor]:
+    model = build_model(
+        ModelConfig.from_dict({"path": str(path)}), build_op_table(KernelConfig(), "cpu")
+    )
+    return {name: p.detach() for name, p in model.named_parameters()}
+
+
+def _with(tensors: dict[str, torch.Tensor]):
+    return lambda state: {**state, **tensors}
+
+
+def _layers(num_hidden: int, num_mtp: int | None):
+    def edit(hf: dict) -> dict:
+        hf = {**hf, "num_hidden_layers": num_hidden}
+        hf.pop("num_nextn_predict_layers")
+        return hf if num_mtp is None else {**hf, "num_nextn_predict_layers": num_mtp}
+
+    return edit
+
+
+def _assert_file_bits(params: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> None:
+    """Every parameter holds the file's tensor; routed experts stacked in expert order."""
+    for name, value in params.items():
+        prefix, proj = name.rsplit(".", 1)
+        if proj in ("gate_up_proj", "down_proj"):
+            parts = ("gate_proj", "up_proj") if proj == "gate_up_proj" else ("down_proj",)
+            per_expert = [[state[f"{prefix}.{e}.{p}.weight"] for p in parts] for e in range(16)]
+            assert torch.equal(value, torch.stack([torch.cat(t) for t in per_expert])), name
+        else:
+            assert torch.equal(value, state[name]), name
+
+
+def test_good_checkpoint_loads_its_own_bits(checkpoint):
+    _assert_file_bits(_load(checkpoint), load_file(str(checkpoint / "model.safetensors")))
+
+
+def test_declared_mtp_layer_is_skipped(checkpoint, tmp_path):
+    """config.json with 2 decoder layers and 1 MTP layer: layer 2 is the MTP layer, left out."""
+    path = rewrite_checkpoint(checkpoint, tmp_path / "mtp", config=_layers(2, 1))
+    params = _load(path)
+    assert not any(name.startswith("model.layers.2.") for name in params)
+    _assert_file_bits(params, load_file(str(checkpoint / "model.safetensors")))
+
+
+@pytest.mark.parametrize(
+    ("num_hidden", "num_mtp"), [(2, None), (2, 0), (1, 1)], ids=["no_mtp_key", "mtp0", "mtp1"]
+)
+def test_layer_beyond_the_mtp_layers_is_refused(checkpoint, tmp_path, num_hidden, num_mtp):
+    path = rewrite_checkpoint(checkpoint, tmp_path / "ckpt", config=_layers(num_hidden, num_mtp))
+    with pytest.raises(ValueError, match=r"unexpected tensor model\.layers\.2\."):
+        _load(path)
+
+
+GATE = torch.zeros(32, 64)
+BAD_EXPERTS = {
+    "extra_expert": (
+        _with(
+            {
+                f"model.layers.2.mlp.experts.16.{p}.weight": GATE.clone()
+                for p in ("gate_proj", "up_proj")
+            }
+        ),
+        r"unexpected tensor model\.layers\.2\.mlp\.experts\.16\.gate_proj\.weight",
+    ),
+    "lone_extra_projection": (
+        _with({f"{EXPERT}.16.up_proj.weight": GATE}),
+        r"unexpected tensor model\.layers\.1\.mlp\.experts\.16\.up_proj\.weight",
+    ),
+    "expert_in_dense_layer": (
+        _with({"model.layers.0.mlp.experts.0.gate_proj.weight": GATE}),
+        r"unexpected tensor model\.layers\.0\.mlp\.experts\.0\.gate_proj\.weight",
+    ),
+    "int32_down_proj": (
+        _with({f"{EXPERT}.5.down_proj.weight": torch.ones(64, 32, dtype=torch.int32)}),
+        r"experts\.5\.down_proj\.weight is \(64, 32\) torch\.int32",
+    ),
+    "int64_up_proj": (
+        _with({f"{EXPERT}.5.up_proj.weight": torch.ones(32, 64, dtype=torch.int64)}),
+        r"experts\.5\.up_proj\.weight is \(32, 64\) torch\.int64",
+    ),
+    "missing_up_proj": (
+        lambda state: {k: v for k, v in state.items() if k != f"{EXPERT}.3.up_proj.weight"},
+        r"lacks model\.layers\.1\.mlp\.experts\.3\.up_proj\.weight",
+    ),
+    "wrong_expert_shape": (
+        _with({f"{EXPERT}.2.down_proj.weight": torch.zeros(64, 31)}),
+        r"experts\.2\.down_proj\.weight is \(64, 31\) torch\.float32, the model expects \(64, 32\)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", BAD_EXPERTS)
+def test_bad_expert_tensor_is_refused_by_name(checkpoint, tmp_path, case):
+    edit, match = BAD_EXPERTS[case]
+    path = rewrite_checkpoint(checkpoint, tmp_path / case, tensors=edit)
+    with pytest.raises(ValueError, match=match):
+        _load(path)
+
+
+def test_tensor_in_two_files_is_refused(checkpoint, tmp_path):
+    path = rewrite_checkpoint(checkpoint, tmp_path / "dup")
+    save_file({"model.norm.weight": torch.full((64,), 3.0)}, str(path / "model-00002.safetensors"))
+    with pytest.raises(
+        ValueError,
+        match=r"model\.norm\.weight is in both model-00002\.safetensors and model\.safetensors",
+    ):
+        _load(path)
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated"])
+def test_malformed_safetensors_file_is_named(checkpoint, tmp_path, damage):
+    path = rewrite_checkpoint(checkpoint, tmp_path / damage)
+    file = path / "model.safetensors"
+    data = file.read_bytes()
+    file.write_bytes(
+        b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}" if damage == "garbage" else data[:-100]
+    )
+    with pytest.raises(ValueError, match=r"model\.safetensors' is not valid safetensors"):
+        _load(path)
+
+
+BAD_CONFIGS = {
+    "rope_parameters_str": ({"rope_parameters": "yarn"}, r"rope_parameters='yarn'"),
+    "hidden_size_str": ({"hidden_size": "64"}, r"hidden_size='64'"),
+    "qk_nope_head_dim_float": ({"qk_nope_head_dim": 16.5}, r"qk_nope_head_dim=16\.5"),
+    "rope_theta_str": ({"rope_parameters": {"rope_theta": "1e4"}}, r"rope_parameters\.rope_theta"),
+    "norm_topk_prob_str": ({"norm_topk_prob": "false"}, r"norm_topk_prob='false'"),
+    "eos_str_list": ({"eos_token_id": ["257"]}, r"eos_token_id=\['257'\]"),
+    "mtp_negative": ({"num_nextn_predict_layers": -1}, r"num_nextn_predict_layers=-1"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_CONFIGS)
+def test_config_field_of_wrong_type_is_named(checkpoint, tmp_path, case):
+    fields, match = BAD_CONFIGS[case]
+    path = rewrite_checkpoint(checkpoint, tmp_path / case, config=lambda hf: {**hf, **fields})
+    with pytest.raises(ValueError, match=rf"config\.json field {match}"):
+        ModelConfig.from_dict({"path": str(path)})
+
+
+@pytest.mark.parametrize("text", ["{not json", "[1, 2]", "\xff"], ids=["syntax", "list", "bytes"])
+def test_malformed_config_json_is_named(checkpoint, tmp_path, text):
+    path = rewrite_checkpoint(checkpoint, tmp_path / "ckpt")
+    (path / "config.json").write_bytes(text.encode("latin-1"))
+    with pytest.raises(
+        ValueError, match=r"ckpt/config\.json (is not valid JSON|holds a JSON list)"
+    ):
+        ModelConfig.from_dict({"path": str(path)})
