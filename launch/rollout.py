@@ -7,8 +7,10 @@
 Rows and seeds: launch.rollout_io. Each sample is its own request with its own seed, so its row
 (the engine's CompletionOutput: token ids, logprobs, routed experts, seed) is the same bits in
 any batch. Batches are appended and fsynced: a rerun with the same --output resumes without
-losing or duplicating rows. A bad row stops the job before anything runs (--on-bad-row skip:
-report it, go on). `--score`: teacher-forced logprobs (LLM.score) of rows' "token_ids".
+losing or duplicating rows, and is refused if what a row's bits depend on changed (the settings
+record beside the output). Every row is checked as the engine would before anything runs; a bad
+one stops the job (--on-bad-row skip: report it, run the others). `--score`: teacher-forced
+logprobs (LLM.score) of rows' "token_ids".
 """
 
 from __future__ import annotations
@@ -27,8 +29,17 @@ import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from launch import cli  # noqa: E402
-from launch.rollout_io import RowError, Sample, append_rows, read_done, read_samples  # noqa: E402
+from launch.rollout_io import (  # noqa: E402
+    RowError,
+    Sample,
+    append_rows,
+    check_settings,
+    read_done,
+    read_samples,
+    record_settings,
+)
 from moe_runtime import LLM, RequestOutput  # noqa: E402
+from moe_runtime.config import RuntimeConfig  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -56,6 +67,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # Set by Ray for the entrypoint of `ray job submit`, whose working dir is Ray's temporary copy.
 RAY_JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
 
+# Config keys left out of the settings record: they change no output bit in any mode.
+UNRECORDED_KEYS = frozenset({"server", "parallel.timeout_s", "parallel.max_restarts"})
+# Left out too while the invariance contract holds (invariant kernels, no multiple reduction):
+# where rows run, how they are batched, cached, chunked and placed changes none of their bits
+# (README's config table). A key not named here is recorded, so a new one errs on refusing.
+INVARIANT_FREE_KEYS = frozenset(
+    {
+        "cache",
+        "scheduler",
+        "eplb",
+        "parallel.world_size",
+        "parallel.tp_size",
+        "parallel.backend",
+        "parallel.ep_capacity_dispatch",
+        "parallel.ep_backend",
+        "kernels.cuda_graphs",
+        "kernels.cuda_graph_batch_sizes",
+        "kernels.side_stream_rows",
+    }
+)
+
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
@@ -70,19 +102,28 @@ def main(argv: list[str] | None = None) -> int:
     print(f"rollout: writing to {output}", file=sys.stderr)
     defaults = {"n": args.n, **cli.sampling_args(args)}
     defaults["return_routed_experts"] = not args.no_routed_experts
+    skip_bad = args.on_bad_row == "skip"
     try:
-        samples = read_samples(args.input, defaults, args.base_seed, args.score)
+        rows = read_samples(args.input, defaults, args.base_seed, args.score, skip_bad)
         done = read_done(output)
         llm = LLM(args.config, **cli.parse_overrides(args.set))
-    except (RowError, ValueError, OSError) as exc:
+    except (ValueError, OSError) as exc:  # RowError is a ValueError
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    settings = _run_settings(llm.config, args, defaults, rows.sha256)
     try:
-        samples = _checked(llm, samples, args)
-    except RowError as exc:
+        if done:
+            check_settings(output, settings)
+        samples, bad_rows = _checked(llm, rows.samples, args)
+    except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         llm.shutdown()
         return 2
+    bad_rows = sorted(rows.bad_rows + bad_rows, key=lambda error: error.line_no)
+    for error in bad_rows:
+        print(f"skipped {error}", file=sys.stderr)
+    if not done:  # before the first row, so a resume of this output can check its settings
+        record_settings(output, settings)
     todo = [s for s in samples if s.key not in done]
     started = time.perf_counter()
     progress = tqdm(
@@ -101,11 +142,28 @@ def main(argv: list[str] | None = None) -> int:
     llm.shutdown()
     elapsed = time.perf_counter() - started
     print(
-        f"rollout: wrote {len(todo)} rows ({len(samples) - len(todo)} already done) "
-        f"in {elapsed:.2f}s to {output}",
+        f"rollout: wrote {len(todo)} rows ({len(samples) - len(todo)} already done, "
+        f"{len(bad_rows)} bad input rows skipped) in {elapsed:.2f}s to {output}",
         file=sys.stderr,
     )
     return 0
+
+
+def _run_settings(
+    config: RuntimeConfig, args: argparse.Namespace, defaults: dict, input_sha256: str
+) -> dict:
+    """What an output row's bits depend on, flat ("model.hidden_size": 64, ...), in the order a
+    refused resume names them. `model.path` stands for the weights there (not hashed)."""
+    contract = config.kernels.is_invariant and not config.parallel.allow_multiple_reduction
+    unrecorded = UNRECORDED_KEYS | (INVARIANT_FREE_KEYS if contract else frozenset())
+    settings = {"score": args.score, "input_sha256": input_sha256}
+    if not args.score:  # scoring reads no sampling setting
+        settings |= {"base_seed": args.base_seed, **defaults}
+    for section, values in dataclasses.asdict(config).items():
+        for key, value in values.items():
+            if section not in unrecorded and f"{section}.{key}" not in unrecorded:
+                settings[f"{section}.{key}"] = value
+    return settings
 
 
 def _output_path(output: Path) -> Path:
@@ -121,25 +179,29 @@ def _output_path(output: Path) -> Path:
     return output.absolute()
 
 
-def _checked(llm: LLM, samples: list[Sample], args: argparse.Namespace) -> list[Sample]:
-    """Samples whose prompts the engine accepts, as token ids; a bad one raises (or is skipped
-    and reported)."""
-    good, bad_lines = [], set()
+def _checked(
+    llm: LLM, samples: list[Sample], args: argparse.Namespace
+) -> tuple[list[Sample], list[RowError]]:
+    """The samples the engine accepts, their prompts as token ids, and an error per row it
+    refuses (its samples left out), from the engine's own checks, so that no request fails
+    once the job runs. --on-bad-row stop raises the first error instead."""
+    good, bad_rows = [], {}
     for sample in samples:
         try:
-            prompt_ids = llm.engine.encode(sample.prompt)
-            if sample.token_ids is not None:  # score mode: the whole sequence must fit
-                llm.engine.validate_prompt(prompt_ids + sample.token_ids)
+            if sample.token_ids is None:
+                prompt_ids = llm.engine.check_request(sample.prompt, sample.params)
+            else:  # score mode: prompt and scored tokens as one sequence
+                sequence = [*sample.prompt, *sample.token_ids]
+                prompt_ids, _ = llm.engine.check_score_request(sequence, len(sample.prompt))
         except ValueError as exc:
-            message = f"{args.input}:{sample.line_no}: {exc}"
+            error = RowError(args.input, sample.line_no, exc)
             if args.on_bad_row == "stop":
-                raise RowError(message) from None
-            if sample.line_no not in bad_lines:
-                print(f"skipped {message}", file=sys.stderr)
-            bad_lines.add(sample.line_no)
+                raise error from None
+            bad_rows.setdefault(sample.line_no, error)
             continue
         good.append(dataclasses.replace(sample, prompt=prompt_ids))
-    return good
+    # A row runs all its samples or none.
+    return [s for s in good if s.line_no not in bad_rows], list(bad_rows.values())
 
 
 def _rollout_batch(llm: LLM, batch: list[Sample], progress: tqdm) -> list[dict]:

@@ -4,13 +4,16 @@ Input rows: {"id", "prompt" (text or token ids), "n", "seed" | "seeds", "max_tok
 "temperature", "top_p", "top_k", "logprobs"}; missing fields take the CLI defaults. A row
 becomes one `Sample` per sample, each with its own seed (`sample_seeds` of the row's seed,
 which is derive_seed(base seed, row index) when the row gives none), so a sample can run in
-any batch, in any run, and be resumed alone. Bad rows raise `RowError` naming the line. The
-output file is only appended to; `read_done` returns the (id, sample_idx) pairs already
-written and cuts a torn last line off.
+any batch, in any run, and be resumed alone. Bad rows raise `RowError` naming the line (or are
+returned, to be skipped); an (id, sample_idx) given twice refuses the whole file. The output
+file is only appended to; `read_done` returns the (id, sample_idx) pairs already written and
+cuts a torn last line off. Beside it, `<output>.settings.json` records what a row's bits depend
+on, so a resume with other settings is refused instead of mixing two runs in one file.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -27,6 +30,10 @@ SCORE_FIELDS = {"id", "sample_idx", "prompt_token_ids", "token_ids"}
 
 class RowError(ValueError):
     """A bad input row; the message starts with `<file>:<line>:`."""
+
+    def __init__(self, path: Path, line_no: int, problem: object) -> None:
+        self.line_no = line_no
+        super().__init__(f"{path}:{line_no}: {problem}")
 
 
 @dataclass(frozen=True)
@@ -50,27 +57,46 @@ def done_key(row_id: Any, sample_idx: int) -> tuple[str, int]:
     return json.dumps(row_id), sample_idx
 
 
-def read_samples(path: Path, defaults: dict[str, Any], base_seed: int, score: bool) -> list[Sample]:
-    """All samples of the input file, in file order; raises RowError at the first bad row.
-    `defaults`: the value of each of PARAM_FIELDS and "n" for rows without it, and
-    "return_routed_experts" for every row."""
+@dataclass(frozen=True)
+class InputRows:
+    samples: list[Sample]  # the good rows' samples, in file order
+    bad_rows: list[RowError]  # rows left out (skip_bad only), in file order
+    sha256: str  # of the non-blank lines, stripped: the rows that define the job's output
+
+
+def read_samples(
+    path: Path, defaults: dict[str, Any], base_seed: int, score: bool, skip_bad: bool = False
+) -> InputRows:
+    """The input file's samples. A bad row raises RowError, or with `skip_bad` is returned in
+    `bad_rows` and its samples left out (the rows after it keep their index, so their derived
+    seeds). An (id, sample_idx) of two rows raises RowError either way: output rows are keyed
+    by it, so the file does not say which row is meant. `defaults`: the value of each of
+    PARAM_FIELDS and "n" for rows without it, and "return_routed_experts" for every row."""
     samples: list[Sample] = []
-    seen_ids: set[str] = set()
+    bad_rows: list[RowError] = []
+    first_line: dict[tuple[str, int], int] = {}
     parse = _score_samples if score else _rollout_samples
     with open(path, encoding="utf-8") as f:
-        lines = [(line_no, line) for line_no, line in enumerate(f, start=1) if line.strip()]
+        lines = [(line_no, line.strip()) for line_no, line in enumerate(f, start=1) if line.strip()]
     for row_idx, (line_no, line) in enumerate(lines):
         try:
             row = json.loads(line)
             if not isinstance(row, dict):
                 raise ValueError("a row must be a JSON object")
-            samples.extend(parse(row, line_no, defaults, derive_seed(base_seed, row_idx)))
-            if not score and json.dumps(row["id"]) in seen_ids:
-                raise ValueError(f"id {row['id']!r} appears twice")
-            seen_ids.add(json.dumps(row["id"]))
+            row_samples = parse(row, line_no, defaults, derive_seed(base_seed, row_idx))
         except (ValueError, TypeError) as exc:
-            raise RowError(f"{path}:{line_no}: {exc}") from None
-    return samples
+            if not skip_bad:
+                raise RowError(path, line_no, exc) from None
+            bad_rows.append(RowError(path, line_no, exc))
+            continue
+        key = row_samples[0].key  # a rollout row's first sample is (id, 0), as any other's
+        if key in first_line:
+            what = f"id {row['id']!r}" + (f" sample_idx {key[1]}" if score else "")
+            raise RowError(path, line_no, f"{what} appears twice (first on line {first_line[key]})")
+        first_line[key] = line_no
+        samples.extend(row_samples)
+    digest = hashlib.sha256("\n".join(line for _, line in lines).encode()).hexdigest()
+    return InputRows(samples, bad_rows, digest)
 
 
 def _rollout_samples(row: dict, line_no: int, defaults: dict, row_seed: int) -> list[Sample]:
@@ -143,7 +169,7 @@ def read_done(path: Path) -> set[tuple[str, int]]:
             row = json.loads(raw)
             done.add(done_key(row["id"], row["sample_idx"]))
         except (ValueError, KeyError, TypeError) as exc:
-            raise RowError(f"{path}:{i + 1}: not a row of this job's output ({exc})") from None
+            raise RowError(path, i + 1, f"not a row of this job's output ({exc})") from None
     if torn:
         with open(path, "r+b") as f:
             f.truncate(len(data) - len(torn))
@@ -158,3 +184,58 @@ def append_rows(path: Path, rows: list[dict]) -> None:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
+
+
+def settings_path(output: Path) -> Path:
+    return output.with_name(output.name + ".settings.json")
+
+
+def check_settings(output: Path, settings: dict[str, Any]) -> None:
+    """Refuse (ValueError) to append to an output whose rows were made with other settings,
+    naming the first that differs with its recorded and its new value."""
+    path = settings_path(output)
+    if not path.exists():
+        # Refused rather than accepted: rows do not record their settings, so a mix made now
+        # could never be found later, while a refusal costs a rerun at most.
+        raise ValueError(
+            f"{output} has rows but no settings record {path} (written by a rollout.py that "
+            "kept none, or removed): whether this run's settings match them cannot be checked. "
+            "Write to a new --output, or remove the old one to start over"
+        )
+    try:
+        recorded = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(recorded, dict):
+            raise ValueError("not a JSON object")
+    except ValueError as exc:
+        raise ValueError(f"{path}: not a settings record ({exc})") from None
+    new = _as_json(settings)
+    for key in [*recorded, *(k for k in new if k not in recorded)]:
+        if key not in recorded or key not in new or recorded[key] != new[key]:
+            old_value, new_value = (_shown(values, key) for values in (recorded, new))
+            raise ValueError(
+                f"{output} was written with {key}={old_value}, this run has {key}={new_value}: "
+                f"resuming would mix two runs' rows in one file. Rerun with the settings in "
+                f"{path}, or write to a new --output"
+            )
+
+
+def record_settings(output: Path, settings: dict[str, Any]) -> None:
+    """Write the settings record of an output that has no rows yet (replacing any older one:
+    with no rows there is nothing to mix), atomically and fsynced, before its first row."""
+    path = settings_path(output)
+    staging = path.with_name(path.name + ".tmp")
+    with open(staging, "w", encoding="utf-8") as f:
+        json.dump(_as_json(settings), f, indent=1)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(staging, path)
+
+
+def _as_json(settings: dict[str, Any]) -> dict[str, Any]:
+    """The settings as a record reads back: tuples as lists, other values as their str."""
+    return json.loads(json.dumps(settings, default=str))
+
+
+def _shown(values: dict[str, Any], key: str) -> str:
+    return json.dumps(values[key]) if key in values else "(none)"

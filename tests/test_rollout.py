@@ -1,5 +1,6 @@
 """launch/rollout.py: rows equal LLM.generate bit for bit, a killed run resumes without loss or
-duplicates, --score equals the rollout's logprobs bit for bit, bad rows name their line."""
+duplicates, --score equals the rollout's logprobs bit for bit, bad rows name their line before
+anything runs (or are skipped), a resume with changed settings is refused."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 
 from launch import rollout
+from launch.rollout_io import settings_path
 from moe_runtime import LLM, SamplingParams
 from moe_runtime.seeds import derive_seed
 from tests.invariance import TINY_CONFIG
@@ -113,6 +115,7 @@ def test_torn_last_line_is_cut_and_redone(rollout_rows, tmp_path):
     partial = tmp_path / "partial.jsonl"
     lines = out.read_text().splitlines(keepends=True)
     partial.write_text("".join(lines[:5]) + lines[5][:40])  # killed in the middle of a write
+    settings_path(partial).write_bytes(settings_path(out).read_bytes())
     assert run("--input", write_jsonl(tmp_path / "in.jsonl", ROWS), "--output", partial, *ARGS) == 0
     assert read_jsonl(partial) == rows
 
@@ -148,32 +151,193 @@ def test_killed_run_resumes_without_loss_or_duplicates(tmp_path):
     assert resumed == reference
 
 
+BAD_ROWS = [
+    ("{not json", "Expecting property name"),
+    ({"id": "x", "prompt": "a", "temprature": 1.0}, "unknown field 'temprature'"),
+    ({"prompt": "a"}, "missing field 'id'"),
+    ({"id": "x", "prompt": []}, "prompt must be"),
+    ({"id": "x", "prompt": "a", "top_p": 2.0}, "top_p"),
+    ({"id": "x", "prompt": "a", "top_p": "0.5"}, "top_p must be a finite number"),
+    ({"id": "x", "prompt": "a", "temperature": "hot"}, "temperature must be a finite number"),
+    ({"id": "x", "prompt": "a", "n": 2, "seeds": [1]}, "seeds must be a list of n=2"),
+    ({"id": "x", "prompt": "a", "seeds": [2**63]}, "seed must be an int in [0, 2**63 - 1]"),
+    ({"id": "x", "prompt": "a", "n": 3, "seed": 2**63}, "seed must be an int in [0, 2**63"),
+    ({"id": "x", "prompt": [1, 2, 9999]}, "token id 9999"),
+    ({"id": "x", "prompt": [1] * 2000}, "max_model_len"),
+    # The prompt fits, with its max_tokens it does not: the engine's check_request refuses it.
+    ({"id": "x", "prompt": [1] * 1020, "max_tokens": 8}, "1028 in all"),
+    ({"id": "x", "prompt": "a", "n": 2, "logprobs": 600}, "logprobs=600"),
+]
+
+
+def write_with_bad_row(path: Path, bad: str | dict) -> Path:
+    """Line 1 a good row, line 2 blank, line 3 the bad row, line 4 a good row."""
+    bad_line = bad if isinstance(bad, str) else json.dumps(bad)
+    lines = [{"id": 1, "prompt": "ok"}, "", bad_line, {"id": "after", "prompt": [3, 4]}]
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in lines))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("bad", "problem"), [*BAD_ROWS, ({"id": 1, "prompt": "dup"}, "appears twice")]
+)
+def test_bad_row_names_its_line_and_nothing_is_generated(tmp_path, capsys, bad, problem):
+    source = write_with_bad_row(tmp_path / "in.jsonl", bad)
+    out = tmp_path / "out.jsonl"
+    assert run("--input", source, "--output", out, "--max-tokens", "2", "--batch-size", "1") == 2
+    err = capsys.readouterr().err
+    assert f"error: {source}:3:" in err and problem in err, err
+    assert not out.exists() and not settings_path(out).exists()
+
+
+@pytest.mark.parametrize(("bad", "problem"), BAD_ROWS)
+def test_skip_reports_a_bad_row_and_runs_the_others(tmp_path, capsys, bad, problem):
+    source = write_with_bad_row(tmp_path / "in.jsonl", bad)
+    out = tmp_path / "out.jsonl"
+    args = ["--max-tokens", "2", "--batch-size", "1", "--on-bad-row", "skip"]
+    assert run("--input", source, "--output", out, *args) == 0
+    err = capsys.readouterr().err
+    assert f"skipped {source}:3:" in err and problem in err, err
+    assert err.count("skipped ") == 1  # once per row, not per sample
+    assert [(r["id"], r["sample_idx"]) for r in read_jsonl(out)] == [(1, 0), ("after", 0)]
+
+
+def test_skip_runs_the_good_rows_as_a_clean_input_would(tmp_path, capsys):
+    good = [
+        {"id": "a", "prompt": "first", "seed": 3},
+        {"id": "b", "prompt": [5, 6], "n": 2, "seed": 4},
+        {"id": "c", "prompt": "last", "seed": 5},
+    ]
+    bad = [
+        "[1, 2",
+        {"id": "u", "prompt": "a", "colour": 1},
+        {"id": "v", "prompt": [1] * 1020},
+        {"id": "w", "prompt": "a", "logprobs": 600},
+    ]
+    lines = [good[0], bad[0], bad[1], good[1], "", bad[2], bad[3], good[2]]
+    source = tmp_path / "mixed.jsonl"
+    source.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in lines))
+    args = ["--max-tokens", "8", "--batch-size", "2"]
+    mixed, clean = tmp_path / "mixed_out.jsonl", tmp_path / "clean_out.jsonl"
+    assert run("--input", source, "--output", mixed, "--on-bad-row", "skip", *args) == 0
+    err = capsys.readouterr().err
+    skipped = [line.split(": ")[0] for line in err.splitlines() if line.startswith("skipped ")]
+    assert skipped == [f"skipped {source}:{n}" for n in (2, 3, 6, 7)], err
+    assert "4 bad input rows skipped" in err
+    clean_source = write_jsonl(tmp_path / "clean.jsonl", good)
+    assert run("--input", clean_source, "--output", clean, *args) == 0
+    assert read_jsonl(mixed) == read_jsonl(clean)
+
+
+def test_duplicate_id_refuses_the_whole_file_even_with_skip(tmp_path, capsys):
+    source = write_with_bad_row(tmp_path / "in.jsonl", {"id": 1, "prompt": "dup"})
+    out = tmp_path / "out.jsonl"
+    assert run("--input", source, "--output", out, "--on-bad-row", "skip") == 2
+    err = capsys.readouterr().err
+    assert f"error: {source}:3: id 1 appears twice (first on line 1)" in err, err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("on_bad_row", ["stop", "skip"])
+def test_score_refuses_a_duplicate_id_and_sample_idx(tmp_path, capsys, on_bad_row):
+    rows = [
+        {"id": "a", "prompt_token_ids": [1, 2, 3], "token_ids": [4, 5]},
+        {"id": "a", "sample_idx": 1, "prompt_token_ids": [1, 2, 3], "token_ids": [6]},
+        {"id": "a", "sample_idx": 0, "prompt_token_ids": [1, 2, 3], "token_ids": [9, 9, 9]},
+    ]
+    source, out = write_jsonl(tmp_path / "in.jsonl", rows), tmp_path / "out.jsonl"
+    assert run("--input", source, "--output", out, "--score", "--on-bad-row", on_bad_row) == 2
+    err = capsys.readouterr().err
+    assert f"error: {source}:3: id 'a' sample_idx 0 appears twice (first on line 1)" in err, err
+    assert not out.exists()
+    assert run("--input", write_jsonl(source, rows[:2]), "--output", out, "--score") == 0
+    assert [(r["id"], r["sample_idx"]) for r in read_jsonl(out)] == [("a", 0), ("a", 1)]
+
+
 @pytest.mark.parametrize(
     ("bad", "problem"),
     [
-        ("{not json", "Expecting property name"),
-        ({"id": "x", "prompt": "a", "temprature": 1.0}, "unknown field 'temprature'"),
-        ({"prompt": "a"}, "missing field 'id'"),
-        ({"id": "x", "prompt": []}, "prompt must be"),
-        ({"id": "x", "prompt": "a", "top_p": 2.0}, "top_p"),
-        ({"id": "x", "prompt": "a", "n": 2, "seeds": [1]}, "seeds must be a list of n=2"),
-        ({"id": "x", "prompt": "a", "seeds": [2**63]}, "seed must be an int in [0, 2**63 - 1]"),
-        ({"id": "x", "prompt": "a", "n": 3, "seed": 2**63}, "seed must be an int in [0, 2**63"),
-        ({"id": "x", "prompt": [1, 2, 9999]}, "token id 9999"),
-        ({"id": "x", "prompt": [1] * 2000}, "max_model_len"),
-        ({"id": 1, "prompt": "dup"}, "appears twice"),
+        ({"prompt_token_ids": [1] * 1000, "token_ids": [2] * 30}, "scheduler.max_model_len"),
+        ({"prompt_token_ids": [1, 2], "token_ids": [3, 600]}, "token id 600"),
     ],
 )
-def test_bad_row_names_its_line_and_nothing_is_generated(tmp_path, capsys, bad, problem):
-    source = tmp_path / "in.jsonl"
-    bad_line = bad if isinstance(bad, str) else json.dumps(bad)
-    good = [json.dumps({"id": 1, "prompt": "ok"}), ""]
-    source.write_text("\n".join([*good, bad_line]) + "\n")
-    out = tmp_path / "out.jsonl"
-    assert run("--input", source, "--output", out, "--max-tokens", "2") == 2
+def test_score_checks_rows_with_the_engine_before_scoring(tmp_path, capsys, bad, problem):
+    rows = [
+        {"id": "ok", "prompt_token_ids": [1, 2], "token_ids": [3]},
+        {"id": "bad", **bad},
+        {"id": "after", "prompt_token_ids": [4], "token_ids": [5, 6]},
+    ]
+    source, out = write_jsonl(tmp_path / "in.jsonl", rows), tmp_path / "out.jsonl"
+    args = ["--input", source, "--output", out, "--score", "--batch-size", "1"]
+    assert run(*args) == 2
     err = capsys.readouterr().err
-    assert f"{source}:3:" in err and problem in err, err
+    assert f"error: {source}:2:" in err and problem in err, err
     assert not out.exists()
+    assert run(*args, "--on-bad-row", "skip") == 0
+    assert f"skipped {source}:2:" in capsys.readouterr().err
+    assert [r["id"] for r in read_jsonl(out)] == ["ok", "after"]
+
+
+def partial_run(tmp_path: Path, num_kept: int) -> tuple[Path, Path, list[str]]:
+    """A run of ROWS cut to its first `num_kept` rows (as a kill leaves it): input, output, and
+    the full run's lines."""
+    source, out = write_jsonl(tmp_path / "in.jsonl", ROWS), tmp_path / "out.jsonl"
+    assert run("--input", source, "--output", out, *ARGS) == 0
+    lines = out.read_text().splitlines(keepends=True)
+    out.write_text("".join(lines[:num_kept]))
+    return source, out, lines
+
+
+@pytest.mark.parametrize(
+    ("change", "old", "new"),
+    [
+        (["--max-tokens", "8"], "max_tokens=7", "max_tokens=8"),
+        (["--base-seed", "6"], "base_seed=5", "base_seed=6"),
+        (["--temperature", "0"], "temperature=1.0", "temperature=0.0"),
+        (["--no-routed-experts"], "return_routed_experts=true", "return_routed_experts=false"),
+        (["--set", "model.seed=1"], "model.seed=0", "model.seed=1"),
+        (["--set", "kernels.mode=fast"], 'kernels.mode="invariant"', 'kernels.mode="fast"'),
+        (["--edit-input"], "input_sha256=", "input_sha256="),
+    ],
+)
+def test_resume_with_changed_settings_is_refused_naming_the_setting(
+    tmp_path, capsys, change, old, new
+):
+    source, out, _ = partial_run(tmp_path, 4)
+    before = out.read_bytes()
+    if change == ["--edit-input"]:  # a prompt changed under the same id
+        write_jsonl(source, [{**ROWS[0], "prompt": "Hello where"}, *ROWS[1:]])
+        change = []
+    capsys.readouterr()
+    argv = ["--input", source, "--output", out, *ARGS, *change]
+    assert run(*argv) == 2
+    err = capsys.readouterr().err
+    assert f"error: {out} was written with {old}" in err and f"this run has {new}" in err, err
+    assert out.read_bytes() == before
+
+
+def test_resume_with_the_same_settings_is_bitwise_an_uninterrupted_run(tmp_path):
+    source, out, lines = partial_run(tmp_path, 3)
+    # Batching and scheduling change no row's bits, so they may change between runs.
+    changed = ["--batch-size", "2", "--set", "scheduler.max_num_seqs=2", "--on-bad-row", "skip"]
+    assert run("--input", source, "--output", out, *ARGS, *changed) == 0
+    assert out.read_text().splitlines(keepends=True) == lines
+
+
+def test_resume_of_an_output_without_settings_record_is_refused(tmp_path, capsys):
+    source, out, _ = partial_run(tmp_path, 4)
+    settings_path(out).unlink()  # an output written before the tool recorded settings
+    assert run("--input", source, "--output", out, *ARGS) == 2
+    err = capsys.readouterr().err
+    assert f"{out} has rows but no settings record {settings_path(out)}" in err, err
+    assert "Write to a new --output" in err and len(read_jsonl(out)) == 4
+
+
+def test_output_without_rows_takes_the_new_settings(tmp_path):
+    source, out, _ = partial_run(tmp_path, 0)  # the record of a run that wrote no row
+    assert run("--input", source, "--output", out, *ARGS[:-1], "6") == 0
+    assert json.loads(settings_path(out).read_text())["base_seed"] == 6
+    assert len(read_jsonl(out)) == 8
 
 
 def test_relative_output_refused_under_ray_job_and_written_path_printed(

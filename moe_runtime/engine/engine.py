@@ -150,6 +150,24 @@ class LLMEngine:
             )
         return token_ids
 
+    def check_score_request(
+        self, token_ids: list[int], prompt_len: int
+    ) -> tuple[list[int], list[int]]:
+        """A scoring's (prompt ids, ids to score), or ValueError naming what the engine cannot
+        run: bad ids, a sequence past the context, a prompt_len leaving nothing on either side.
+        Queues nothing: a job can check its scorings ahead."""
+        token_ids = _token_ids(token_ids)
+        self.validate_prompt(token_ids)
+        last = len(token_ids) - 1
+        if hasattr(prompt_len, "__index__") and not isinstance(prompt_len, bool):
+            prompt_len = operator.index(prompt_len)  # numpy's ints too
+        if not _is_int(prompt_len) or not 1 <= prompt_len <= last:
+            raise ValueError(
+                f"prompt_len must be an int in [1, {last}] for a sequence of "
+                f"{len(token_ids)} tokens, got {prompt_len!r}"
+            )
+        return token_ids[:prompt_len], token_ids[prompt_len:]
+
     def add_score_request(self, token_ids: list[int], prompt_len: int) -> Request:
         """Queue a teacher-forced scoring of token_ids[prompt_len:] given everything before."""
         return self.add_score_requests([token_ids], [prompt_len])[0]
@@ -164,21 +182,11 @@ class LLMEngine:
         checked = []
         for i, (sequence, prompt_len) in enumerate(zip(sequences, prompt_lens, strict=True)):
             try:
-                token_ids = _token_ids(sequence)
-                self.validate_prompt(token_ids)
-                last = len(token_ids) - 1
-                if hasattr(prompt_len, "__index__") and not isinstance(prompt_len, bool):
-                    prompt_len = operator.index(prompt_len)  # numpy's ints too
-                if not _is_int(prompt_len) or not 1 <= prompt_len <= last:
-                    raise ValueError(
-                        f"prompt_len must be an int in [1, {last}] for a sequence of "
-                        f"{len(token_ids)} tokens, got {prompt_len!r}"
-                    )
+                checked.append(self.check_score_request(sequence, prompt_len))
             except ValueError as exc:
                 if len(sequences) > 1:
                     exc.args = (f"sequence {i}: {exc}",)
                 raise
-            checked.append((token_ids[:prompt_len], token_ids[prompt_len:]))
         self._check_alive()
         return [
             self._enqueue(Request(f"score-{next(self._request_ids)}", p, SamplingParams(), 0, s))

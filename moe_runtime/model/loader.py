@@ -6,12 +6,12 @@ HF names map one to one except the routed experts, stored per expert in checkpoi
 (`mlp.experts.gate_up_proj [L, 2I, D]`, `mlp.experts.down_proj [L, D, I]`).
 `local_experts [L_moe][slots]` lists the logical expert each local slot holds per MoE layer, so
 a rank reads, or draws, only its own. Random weights are a pure function of (seed, parameter
-name, element index): the same bits on every device, dtype-cast aside, and in every layout.
+name, element index): the same bits on every device, dtype-cast aside, and in every layout
+(the draw is moe_runtime.model.random_weights).
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import re
@@ -29,6 +29,7 @@ from moe_kernels import OpTable
 from moe_runtime.model.deepseek import DeepseekForCausalLM
 from moe_runtime.model.hf_config import num_mtp_layers, read_config_json, read_hf_config
 from moe_runtime.model.layers import NO_TP
+from moe_runtime.model.random_weights import CHUNK_NUMEL, fill_uniform, weight_key
 from moe_runtime.model.tensor_parallel import TensorParallel, shard_dim
 from moe_runtime.model_config import ModelConfig
 
@@ -40,13 +41,7 @@ _EXPERT_KEY = re.compile(
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
 _EXPERT_PARAMS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 _BIAS_BOUND = 0.1  # e_score_correction_bias is uniform in [-0.1, 0.1)
-_CHUNK_NUMEL = 1 << 26  # elements drawn at once: the int64 temporaries stay under ~2 GiB
 _LOG_EVERY_S = 5.0
-
-# splitmix64 (Steele et al.) constants, as the signed int64 values torch stores.
-_GAMMA = 0x9E3779B97F4A7C15 - (1 << 64)
-_MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
-_MIX2 = 0x94D049BB133111EB - (1 << 64)
 
 _SAFETENSORS_DTYPES = {
     "F64": torch.float64,
@@ -122,7 +117,7 @@ def init_random_weights(
     seed: int,
     std: float,
     local_experts: list[list[int]],
-    chunk_numel: int = _CHUNK_NUMEL,
+    chunk_numel: int = CHUNK_NUMEL,
 ) -> None:
     """Draw every weight where it lives: uniform with standard deviation `std`, norm weights 1,
     e_score_correction_bias uniform in [-0.1, 0.1).
@@ -152,59 +147,6 @@ def init_random_weights(
                     param, key, _BIAS_BOUND if is_bias else bound, chunk_numel, first, full_cols
                 )
             progress.update(name)
-
-
-def weight_key(seed: int, name: str) -> int:
-    """The signed 64-bit stream key of one tensor: a hash of (seed, name), equal in every process
-    (Python's own hash() is salted per process)."""
-    digest = hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little", signed=True)
-
-
-def uniform_from_index(key: int, ids: torch.Tensor) -> torch.Tensor:
-    """ids int64 (overwritten) -> fp32 in [-1, 1), multiples of 2^-23: the top 24 bits of
-    splitmix64(key + (id + 1) * gamma).
-
-    Why: only wrapping int64 add/multiply, xor, masked (logical) right shifts and exact
-    int -> float steps, so CPU and CUDA give the same bits; torch.Generator streams differ.
-    """
-    z = ids.add_(1).mul_(_GAMMA).add_(key)
-    z.bitwise_xor_(_shift_right(z, 30)).mul_(_MIX1)
-    z.bitwise_xor_(_shift_right(z, 27)).mul_(_MIX2)
-    z.bitwise_xor_(_shift_right(z, 31))
-    top = _shift_right(z, 40)  # [0, 2^24)
-    return top.sub_(1 << 23).float().mul_(2.0**-23)
-
-
-def _shift_right(z: torch.Tensor, bits: int) -> torch.Tensor:
-    """Logical shift of int64: torch's >> sign-extends, so the copied sign bits are masked."""
-    return (z >> bits).bitwise_and_((1 << (64 - bits)) - 1)
-
-
-def fill_uniform(
-    out: torch.Tensor,
-    key: int,
-    bound: float,
-    chunk_numel: int = _CHUNK_NUMEL,
-    first: int = 0,
-    full_cols: int | None = None,
-) -> None:
-    """out (contiguous, any dtype) <- bound * uniform_from_index(key, element ids), drawn on
-    out's device in chunks of chunk_numel elements.
-
-    Local element (r, c) has id `first + r * full_cols + c`: the index of the same element in
-    the full tensor when `out` is a TP rank's slice of it (`_shard_start`).
-    """
-    flat, cols = out.view(-1), out.shape[-1] if out.dim() else 1
-    full_cols = full_cols or cols
-    # Rounded to fp32 here: one fp32 multiply, correctly rounded on every device.
-    scale = float(torch.tensor(bound, dtype=torch.float32))
-    for start in range(0, flat.numel(), chunk_numel):
-        stop = min(start + chunk_numel, flat.numel())
-        ids = torch.arange(start, stop, dtype=torch.int64, device=out.device)
-        if full_cols != cols:
-            ids = ids // cols * full_cols + ids % cols
-        flat[start:stop].copy_(uniform_from_index(key, ids.add_(first)).mul_(scale))
 
 
 def _shard_start(tp: TensorParallel, name: str, shape: torch.Size) -> tuple[int, int]:
