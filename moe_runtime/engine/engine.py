@@ -119,14 +119,8 @@ class LLMEngine:
         (when there are several) before any is queued."""
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
-        token_ids = []
-        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-            try:
-                token_ids.append(self.check_request(prompt, p))
-            except ValueError as exc:
-                if len(prompts) > 1:  # the same exception, its type kept, naming the prompt
-                    exc.args = (f"prompt {i}: {exc}",)
-                raise
+        pairs = list(zip(prompts, params, strict=True))
+        token_ids = _check_all("prompt", self.check_request, pairs)
         self._check_alive()
         return [
             self._enqueue(Request(f"req-{next(self._request_ids)}", ids, p, resolve_seed(p.seed)))
@@ -179,14 +173,8 @@ class LLMEngine:
         (when there are several) before any is queued."""
         if len(sequences) != len(prompt_lens):
             raise ValueError(f"got {len(prompt_lens)} prompt_lens for {len(sequences)} sequences")
-        checked = []
-        for i, (sequence, prompt_len) in enumerate(zip(sequences, prompt_lens, strict=True)):
-            try:
-                checked.append(self.check_score_request(sequence, prompt_len))
-            except ValueError as exc:
-                if len(sequences) > 1:
-                    exc.args = (f"sequence {i}: {exc}",)
-                raise
+        pairs = list(zip(sequences, prompt_lens, strict=True))
+        checked = _check_all("sequence", self.check_score_request, pairs)
         self._check_alive()
         return [
             self._enqueue(Request(f"score-{next(self._request_ids)}", p, SamplingParams(), 0, s))
@@ -447,6 +435,20 @@ def build_step_input(
             ScheduledSeq(seq.seq_id, chunk.start, chunk.num_tokens, new_token_ids, new_block_ids)
         )
     return StepInput(released_ids, new_seqs, scheduled, lookahead)
+
+
+def _check_all(what: str, check, args: list[tuple]) -> list:
+    """check(*a) for every a before any result is used; a ValueError (its type kept) names the
+    bad one's index when there are several."""
+    results = []
+    for i, a in enumerate(args):
+        try:
+            results.append(check(*a))
+        except ValueError as exc:
+            if len(args) > 1:
+                exc.args = (f"{what} {i}: {exc}",)
+            raise
+    return results
 
 
 def _is_int(value: object) -> bool:
