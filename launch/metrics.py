@@ -103,7 +103,8 @@ class ServerMetrics:
         balancedness = stats.last_balancedness
         yield GaugeMetricFamily(
             "moe_last_balancedness",
-            "Mean over max expert load per rank after the last rebalance (NaN before one)",
+            "Mean over max expert load per rank: after the last rebalance, or as the last check "
+            "that skipped one found it (NaN before either)",
             math.nan if balancedness is None else balancedness,
         )
         yield GaugeMetricFamily(
