@@ -4,6 +4,7 @@ private Ray cluster (tests never join, nor stop, a cluster they did not start)."
 from __future__ import annotations
 
 import shutil
+import signal
 import tempfile
 
 import pytest
@@ -30,6 +31,20 @@ def restore_num_threads():
     num_threads = torch.get_num_threads()
     yield
     torch.set_num_threads(num_threads)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def teardown_on_sigterm():
+    """A SIGTERM to the test run (a CI time limit, `kill`, `timeout`) ends it as Ctrl-C does, so
+    pytest still runs the fixtures' teardown: a private Ray head started for the tests is
+    stopped instead of left running (a killed run once left one behind)."""
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    yield
+    signal.signal(signal.SIGTERM, previous)
 
 
 @pytest.fixture(scope="session", autouse=True)
