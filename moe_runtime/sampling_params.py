@@ -44,6 +44,10 @@ class SamplingParams:
         # Types first (a bool is an int, "no" is truthy): each message names its field.
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         check_field_types("SamplingParams", SamplingParams, values)
+        for name, kind in (("temperature", float), ("top_p", float), *_INT_FIELDS):
+            value = getattr(self, name)
+            if value is not None:  # numpy's scalars as Python's: they reach JSON and hashes
+                object.__setattr__(self, name, kind(value))
         _check(
             _is_int(self.max_tokens) and self.max_tokens >= 1,
             "max_tokens",
@@ -122,6 +126,9 @@ def ends_by_length(
     """Whether a sample of these counts ends whatever its newest token is (max_tokens or the
     context): known before the token is."""
     return num_output_tokens >= params.max_tokens or num_tokens >= max_model_len
+
+
+_INT_FIELDS = tuple((name, int) for name in ("max_tokens", "top_k", "seed", "logprobs", "n"))
 
 
 def _is_int(value: object) -> bool:

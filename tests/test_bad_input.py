@@ -131,6 +131,18 @@ def test_sampling_params_of_the_wrong_type_name_the_field(field, value, expected
         SamplingParams(**{field: value})
 
 
+def test_numpy_scalars_are_sampling_values_and_become_pythons():
+    """A temperature from a numpy schedule, a seed from a numpy array: accepted as the Python
+    values they stand for (the same bits), stored as Python's (they reach JSON and hashes)."""
+    given = SamplingParams(max_tokens=np.int64(3), temperature=np.float32(0.7), seed=np.int64(5))
+    plain = SamplingParams(max_tokens=3, temperature=float(np.float32(0.7)), seed=5)
+    assert given == plain and type(given.temperature) is float and type(given.seed) is int
+    llm = LLM(TINY_CONFIG)
+    assert fingerprint(llm.generate([[1, 2]], given)[0]) == fingerprint(
+        llm.generate([[1, 2]], plain)[0]
+    )
+
+
 def test_score_is_all_or_none():
     llm = LLM(TINY_CONFIG)
     with pytest.raises(ValueError, match="sequence 1: token id 9999"):

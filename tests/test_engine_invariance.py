@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from moe_runtime import LLM, SamplingParams
+from moe_runtime.engine.block_manager import BlockManager
 from tests.invariance import (
     TINY_CONFIG,
     fingerprint,
@@ -175,6 +176,32 @@ def test_waiting_sequences_hold_no_blocks_so_a_tiny_cache_never_stalls():
     got = [fingerprint(llm.engine.output(r)) for r in requests]
     expected = [fingerprint(o) for o in LLM(TINY_CONFIG).generate(prompts, params)]
     assert got == expected
+
+
+def test_a_request_waiting_for_blocks_matches_its_cached_prefix_once(monkeypatch):
+    """Two long samples fill the cache; a third request, whose 6-block prefix is cached, waits
+    ~50 steps for blocks. It keeps its match while it heads the queue (giving it back every
+    step walked the prefix again each step: 53 matches for 3)."""
+    calls = []
+    match_prefix = BlockManager.match_prefix
+    monkeypatch.setattr(
+        BlockManager, "match_prefix", lambda self, ids: calls.append(1) or match_prefix(self, ids)
+    )
+    llm = LLM(TINY_CONFIG, **{"cache.num_blocks": 34, "scheduler.max_model_len": 512})
+    prefix = list(range(1, 97))
+    long = SamplingParams(max_tokens=150, temperature=0.0, ignore_eos=True)
+    engine = llm.engine
+    engine.add_requests([[*prefix, 200, 201], [*prefix, 202, 203]], [long, long])
+    for _ in range(100):
+        engine.step()
+    short = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    waiting = engine.add_request([*prefix, *range(300, 500)], short)
+    num_steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        num_steps += 1
+    assert num_steps > 40 and engine.output(waiting).outputs[0].finish_reason == "length"
+    assert len(calls) == 3 and engine.stats().num_preemptions == 0
 
 
 def _decode_vs_score(mode: str, workload) -> list[tuple[list[float], list[float]]]:

@@ -113,3 +113,36 @@ def test_directory_whose_config_differs_is_refused(checkpoints, serving, tmp_pat
         llm.update_weights(str(path))
     assert llm.engine.weight_version == 0 and llm.engine.error is None
     assert _generate(llm, [[10, 20, 30, 40, 50]]) == original
+
+
+def test_one_yarn_model_saved_in_both_spellings_updates_and_another_factor_does_not(
+    checkpoints, tmp_path
+):
+    """DeepSeek's files write rope_scaling {"type": "yarn", ...}; transformers saves the same
+    settings as rope_parameters with "rope_type" added. A server started from one must take the
+    other's weights (a trainer saving through transformers), with the same bits; a different
+    YaRN factor is still refused."""
+    yarn = {"factor": 4.0, "original_max_position_embeddings": 128, "beta_fast": 32}
+
+    def spelled(hub: bool, factor: float = 4.0):
+        def config(hf: dict) -> dict:
+            hf = {k: v for k, v in hf.items() if k != "rope_parameters"}
+            settings = {**yarn, "factor": factor}
+            if hub:
+                return {**hf, "rope_theta": 10000.0, "rope_scaling": {"type": "yarn", **settings}}
+            both = {"rope_type": "yarn", "type": "yarn", "rope_theta": 10000.0, **settings}
+            return {**hf, "rope_parameters": both}
+
+        return config
+
+    first = checkpoints[0]
+    hub = rewrite_checkpoint(first, tmp_path / "hub", config=spelled(hub=True))
+    saved = rewrite_checkpoint(first, tmp_path / "saved", config=spelled(hub=False))
+    other = rewrite_checkpoint(first, tmp_path / "other", config=spelled(hub=False, factor=2.0))
+    llm = LLM({"model": {"path": str(hub)}, "scheduler": {"max_model_len": 256}})
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6] * 5]
+    before = _generate(llm, prompts)
+    assert llm.update_weights(saved) == 1
+    assert _generate(llm, prompts) == before
+    with pytest.raises(ValueError, match="config.json has rope_scaling=.*'factor': 2.0"):
+        llm.update_weights(other)

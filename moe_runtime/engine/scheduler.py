@@ -102,11 +102,7 @@ class Scheduler:
                 seq.num_computed_tokens = len(seq.block_table) * self.blocks.block_size
             chunk = self._chunk_for(seq, budget)
             if chunk == 0 or not self._allocate(seq, seq.num_computed_tokens + chunk):
-                # Why give its prefix back: a waiting sequence holding blocks could starve the
-                # one a preemption puts in front of it, with nothing running to free any.
-                self.blocks.unmatch(seq.block_table)
-                seq.block_table, seq.num_computed_tokens = [], 0
-                break
+                break  # it keeps its prefix match while it heads the queue (see _preempt)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -149,6 +145,13 @@ class Scheduler:
         seq.num_committed_blocks, seq.commit_parent = 0, ROOT_KEY_ID
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
+        if self.waiting and self.waiting[0].block_table:
+            # Why: only the queue's head may hold blocks as it waits (its prefix match, kept so
+            # it is not walked again every step). Behind `seq` it would starve it, with nothing
+            # running to free a block: it gives the match back and matches again when first.
+            head = self.waiting[0]
+            self.blocks.unmatch(head.block_table)
+            head.block_table, head.num_computed_tokens = [], 0
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 

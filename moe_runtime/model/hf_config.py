@@ -205,9 +205,10 @@ def _rope(hf: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if "rope_theta" in rope:
         out["rope_theta"] = rope["rope_theta"]
-    out["rope_scaling"] = (
-        None if kind == "default" else {k: v for k, v in rope.items() if k != "rope_theta"}
-    )
+    # One spelling of the kind (DeepSeek's files write "type", transformers adds "rope_type"),
+    # so two saves of one model compare equal (update_weights checks config.json field by field).
+    settings = {k: v for k, v in rope.items() if k not in ("rope_theta", "type", "rope_type")}
+    out["rope_scaling"] = None if kind == "default" else {"rope_type": kind, **settings}
     return out
 
 
