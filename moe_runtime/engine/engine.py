@@ -117,10 +117,7 @@ class LLMEngine:
     ) -> list[Request]:
         """Queue several requests all or none: a bad prompt raises ValueError naming its index
         (when there are several) before any is queued."""
-        if len(params) != len(prompts):
-            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
-        pairs = list(zip(prompts, params, strict=True))
-        token_ids = _check_all("prompt", self.check_request, pairs)
+        token_ids = _check_all(self.check_request, ("prompt", prompts), ("SamplingParams", params))
         self._check_alive()
         return [
             self._enqueue(Request(f"req-{next(self._request_ids)}", ids, p, resolve_seed(p.seed)))
@@ -171,10 +168,8 @@ class LLMEngine:
     ) -> list[Request]:
         """Queue several scorings all or none: a bad one raises ValueError naming its index
         (when there are several) before any is queued."""
-        if len(sequences) != len(prompt_lens):
-            raise ValueError(f"got {len(prompt_lens)} prompt_lens for {len(sequences)} sequences")
-        pairs = list(zip(sequences, prompt_lens, strict=True))
-        checked = _check_all("sequence", self.check_score_request, pairs)
+        named = ("sequence", sequences), ("prompt_lens", prompt_lens)
+        checked = _check_all(self.check_score_request, *named)
         self._check_alive()
         return [
             self._enqueue(Request(f"score-{next(self._request_ids)}", p, SamplingParams(), 0, s))
@@ -437,15 +432,18 @@ def build_step_input(
     return StepInput(released_ids, new_seqs, scheduled, lookahead)
 
 
-def _check_all(what: str, check, args: list[tuple]) -> list:
-    """check(*a) for every a before any result is used; a ValueError (its type kept) names the
-    bad one's index when there are several."""
+def _check_all(check, items: tuple[str, list], args: tuple[str, list]) -> list:
+    """check(item, arg) for every pair before any result is used; a ValueError (its type kept)
+    names the bad item's index when there are several. items / args: (name, values)."""
+    (what, values), (arg_name, arg_values) = items, args
+    if len(arg_values) != len(values):
+        raise ValueError(f"got {len(arg_values)} {arg_name} for {len(values)} {what}s")
     results = []
-    for i, a in enumerate(args):
+    for i, (value, arg) in enumerate(zip(values, arg_values, strict=True)):
         try:
-            results.append(check(*a))
+            results.append(check(value, arg))
         except ValueError as exc:
-            if len(args) > 1:
+            if len(values) > 1:
                 exc.args = (f"{what} {i}: {exc}",)
             raise
     return results
