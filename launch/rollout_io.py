@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from moe_runtime.config_fields import is_int
 from moe_runtime.sampling_params import SamplingParams
 from moe_runtime.seeds import MAX_SEED, SEED_BITS, derive_seed, sample_seeds
 
@@ -102,12 +103,12 @@ def read_samples(
 def _rollout_samples(row: dict, line_no: int, defaults: dict, row_seed: int) -> list[Sample]:
     _check_fields(row, ROLLOUT_FIELDS, ("id", "prompt"))
     prompt = row["prompt"]
-    is_ids = isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt)
+    is_ids = isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt)
     if not (isinstance(prompt, str) and prompt) and not is_ids:
         raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
     seeds = row.get("seeds")
     n = row.get("n", len(seeds) if isinstance(seeds, list) else defaults["n"])
-    if not _is_int(n) or n < 1:
+    if not is_int(n) or n < 1:
         raise ValueError(f"n must be an int >= 1, got {n!r}")
     if seeds is not None and "seed" in row:
         raise ValueError("give seed or seeds, not both")
@@ -115,7 +116,7 @@ def _rollout_samples(row: dict, line_no: int, defaults: dict, row_seed: int) -> 
         raise ValueError(f"seeds must be a list of n={n} ints")
     request_seed = row.get("seed", row_seed)
     for seed in seeds or [request_seed]:
-        if not _is_int(seed) or not 0 <= seed <= MAX_SEED:
+        if not is_int(seed) or not 0 <= seed <= MAX_SEED:
             raise ValueError(f"seed must be an int in [0, 2**{SEED_BITS} - 1], got {seed!r}")
     knobs = {k: row.get(k, defaults[k]) for k in PARAM_FIELDS}
     knobs["return_routed_experts"] = defaults["return_routed_experts"]
@@ -133,10 +134,10 @@ def _score_samples(row: dict, line_no: int, defaults: dict, row_seed: int) -> li
     _check_fields(row, SCORE_FIELDS, ("id", "prompt_token_ids", "token_ids"), extra_ok=True)
     prompt, tokens = row["prompt_token_ids"], row["token_ids"]
     for name, ids in (("prompt_token_ids", prompt), ("token_ids", tokens)):
-        if not isinstance(ids, list) or not ids or not all(_is_int(t) for t in ids):
+        if not isinstance(ids, list) or not ids or not all(is_int(t) for t in ids):
             raise ValueError(f"{name} must be a non-empty list of token ids")
     sample_idx = row.get("sample_idx", 0)
-    if not _is_int(sample_idx) or sample_idx < 0:
+    if not is_int(sample_idx) or sample_idx < 0:
         raise ValueError(f"sample_idx must be an int >= 0, got {sample_idx!r}")
     return [Sample(row["id"], sample_idx, prompt, None, line_no, tokens)]
 
@@ -150,10 +151,6 @@ def _check_fields(row: dict, allowed: set, required: tuple, extra_ok: bool = Fal
         raise ValueError(f"unknown field {unknown[0]!r} (allowed: {', '.join(sorted(allowed))})")
     if not isinstance(row["id"], str | int) or isinstance(row["id"], bool):
         raise ValueError(f"id must be a string or an int, got {row['id']!r}")
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def read_done(path: Path) -> set[tuple[str, int]]:

@@ -24,6 +24,11 @@ _NAMES = {
 }
 
 
+def is_int(value: Any) -> bool:
+    """A Python int that is not a bool (Python counts True as the int 1)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def check_field_types(section: str, cls: type, values: dict[str, Any]) -> None:
     """Raise ValueError naming `section.key` for the first value its field's annotation does
     not allow. Annotations other than bool, int, float, str and their unions (with None, or

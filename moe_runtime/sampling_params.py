@@ -8,10 +8,9 @@ temperature, top-k and top-p, the distribution actually sampled from).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, fields
 
-from moe_runtime.config_fields import check_field_types
+from moe_runtime.config_fields import check_field_types, is_int
 from moe_runtime.seeds import MAX_SEED, SEED_BITS
 
 LOGPROBS_MODES = ("raw", "processed")
@@ -41,43 +40,31 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.stop is None:  # no stop strings
             object.__setattr__(self, "stop", ())
-        # Types first (a bool is an int, "no" is truthy): each message names its field.
+        # Types first (a bool is an int, "no" is truthy): each message names its field. The
+        # ranges below then compare Python numbers only.
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         check_field_types("SamplingParams", SamplingParams, values)
-        for name, kind in (("temperature", float), ("top_p", float), *_INT_FIELDS):
-            value = getattr(self, name)
-            if value is not None:  # numpy's scalars as Python's: they reach JSON and hashes
-                object.__setattr__(self, name, kind(value))
+        for name, value in values.items():
+            if name in _NUMBERS and value is not None:  # numpy's scalars as Python's: they
+                object.__setattr__(self, name, _NUMBERS[name](value))  # reach JSON and hashes
+        _check(self.max_tokens >= 1, "max_tokens", self.max_tokens, "an int >= 1")
         _check(
-            _is_int(self.max_tokens) and self.max_tokens >= 1,
-            "max_tokens",
-            self.max_tokens,
-            "an int >= 1",
-        )
-        _check(
-            isinstance(self.temperature, (int, float))
-            and not isinstance(self.temperature, bool)
-            and 0.0 <= self.temperature < math.inf,
+            self.temperature >= 0.0,
             "temperature",
             self.temperature,
             f"a finite number >= 0 (below {GREEDY_TEMPERATURE:g}: greedy)",
         )
         _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "in (0, 1]")
+        _check(self.top_k == -1 or self.top_k >= 1, "top_k", self.top_k, "-1 (off) or an int >= 1")
         _check(
-            _is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1),
-            "top_k",
-            self.top_k,
-            "-1 (off) or an int >= 1",
-        )
-        _check(
-            self.seed is None or (_is_int(self.seed) and 0 <= self.seed <= MAX_SEED),
+            self.seed is None or 0 <= self.seed <= MAX_SEED,
             "seed",
             self.seed,
             f"None or an int in [0, 2**{SEED_BITS} - 1]",
         )
-        ok = self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0)
+        ok = self.logprobs is None or self.logprobs >= 0
         _check(ok, "logprobs", self.logprobs, "None or an int >= 0")
-        _check(_is_int(self.n) and self.n >= 1, "n", self.n, "an int >= 1")
+        _check(self.n >= 1, "n", self.n, "an int >= 1")
         _check(
             self.logprobs_mode in LOGPROBS_MODES,
             "logprobs_mode",
@@ -85,7 +72,7 @@ class SamplingParams:
             f"one of {LOGPROBS_MODES}",
         )
         ids = self.stop_token_ids
-        ok = isinstance(ids, (list, tuple)) and all(_is_int(t) and t >= 0 for t in ids)
+        ok = isinstance(ids, (list, tuple)) and all(is_int(t) and t >= 0 for t in ids)
         _check(ok, "stop_token_ids", ids, "a list of token ids (ints >= 0)")
         object.__setattr__(self, "stop_token_ids", tuple(ids))
         stop = self.stop
@@ -128,11 +115,10 @@ def ends_by_length(
     return num_output_tokens >= params.max_tokens or num_tokens >= max_model_len
 
 
-_INT_FIELDS = tuple((name, int) for name in ("max_tokens", "top_k", "seed", "logprobs", "n"))
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+# The numeric fields, by the Python type each is stored as.
+_NUMBERS = {"temperature": float, "top_p": float} | dict.fromkeys(
+    ("max_tokens", "top_k", "seed", "logprobs", "n"), int
+)
 
 
 def _check(ok: bool, name: str, value: object, expected: str) -> None:

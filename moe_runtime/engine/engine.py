@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from moe_runtime.config import RuntimeConfig
+from moe_runtime.config_fields import is_int
 from moe_runtime.engine.balancer import ExpertBalancer, RebalanceError, initial_placement
 from moe_runtime.engine.block_manager import BlockManager
 from moe_runtime.engine.outputs import CompletionOutput, EngineStats, RequestOutput
@@ -152,7 +153,7 @@ class LLMEngine:
         last = len(token_ids) - 1
         if hasattr(prompt_len, "__index__") and not isinstance(prompt_len, bool):
             prompt_len = operator.index(prompt_len)  # numpy's ints too
-        if not _is_int(prompt_len) or not 1 <= prompt_len <= last:
+        if not is_int(prompt_len) or not 1 <= prompt_len <= last:
             raise ValueError(
                 f"prompt_len must be an int in [1, {last}] for a sequence of "
                 f"{len(token_ids)} tokens, got {prompt_len!r}"
@@ -193,7 +194,7 @@ class LLMEngine:
         if not token_ids:
             raise ValueError("prompt is empty")
         for t in token_ids:
-            if not _is_int(t):
+            if not is_int(t):
                 raise ValueError(f"token ids must be ints, got {t!r} ({type(t).__name__})")
             if not 0 <= t < vocab:
                 raise ValueError(f"token id {t!r} is outside the vocabulary [0, {vocab})")
@@ -447,10 +448,6 @@ def _check_all(check, items: tuple[str, list], args: tuple[str, list]) -> list:
                 exc.args = (f"{what} {i}: {exc}",)
             raise
     return results
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _token_ids(tokens) -> list[int]:

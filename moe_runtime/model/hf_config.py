@@ -15,6 +15,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from moe_runtime.config_fields import is_int
+
 MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 
 # Keys copied one to one onto ModelConfig fields of the same name.
@@ -142,7 +144,7 @@ def num_mtp_layers(hf: dict[str, Any]) -> int:
     (indices num_hidden_layers and up) and are the only layers beyond them a loader may skip."""
     key = "num_nextn_predict_layers" if "num_nextn_predict_layers" in hf else "num_mtp_layers"
     value = hf.get(key) or 0
-    if not _is_int(value) or value < 0:
+    if not is_int(value) or value < 0:
         _refuse(key, value, "must be an int >= 0")
     return value
 
@@ -160,11 +162,7 @@ def _check_json_types(hf: dict[str, Any]) -> None:
 def _has_type(value: Any, kind: str) -> bool:
     if kind == "a bool":
         return isinstance(value, bool)
-    return _is_int(value) or (kind == "a number" and isinstance(value, float))
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    return is_int(value) or (kind == "a number" and isinstance(value, float))
 
 
 def _shape_keys(hf: dict[str, Any]) -> dict[str, Any]:
@@ -249,7 +247,7 @@ def _routing(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
 def _eos(value: Any) -> Any:
     """One stop id; a list of several would be a stop set the runtime does not keep."""
     ids = value if isinstance(value, list) else [value]
-    if not all(_is_int(i) or i is None for i in ids):
+    if not all(is_int(i) or i is None for i in ids):
         _refuse("eos_token_id", value, "must be an int, null or a list of ints")
     if len(set(ids)) > 1:
         _refuse("eos_token_id", value, "only one end-of-sequence id is implemented")
