@@ -240,14 +240,15 @@ class Worker:
                 self.runner.graphs.reset()  # captured MoE layers hold the old addresses
         return {key: getattr(result, key) for key in ("ok", "experts_moved", "bytes_sent")}
 
-    def prepare_weights(self, source: str | Path | dict[str, torch.Tensor]) -> None:
+    def prepare_weights(self, source: str | dict[str, torch.Tensor]) -> None:
         """Phase 1 of a weight update (HF names): read and check everything this rank needs,
         in host memory; nothing in use changes. A directory's config.json must describe the
         running model (read_checkpoint). Any problem is a ValueError (a refusal)."""
         model, self.staged_weights = self.runner.model, None
-        is_dir = isinstance(source, (str, Path))
         try:
-            tensors = read_checkpoint(Path(source), model.config) if is_dir else source
+            tensors = (
+                read_checkpoint(Path(source), model.config) if isinstance(source, str) else source
+            )
             staged = check_weights(model, dict(tensors), self._local_experts(), str(source)[:80])
         except ValueError:
             raise
