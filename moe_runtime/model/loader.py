@@ -330,7 +330,7 @@ def _check_experts(tensors: dict[str, torch.Tensor], cfg: ModelConfig, source: s
         if match is None:
             continue
         prefix, expert = match.group(1), int(match.group(2))
-        layer_id = int(prefix.split(".")[2])
+        layer_id = int(_LAYER_KEY.match(key).group(1))
         is_moe = cfg.first_k_dense_replace <= layer_id < cfg.num_hidden_layers
         if not is_moe or expert >= cfg.n_routed_experts:
             raise ValueError(
