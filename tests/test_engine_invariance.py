@@ -154,16 +154,17 @@ def test_preemption_loses_nothing_and_changes_no_bit(workload, reference, mode):
     _check(mode, _preempted_run(workload, mode), reference(mode), "across preemption")
 
 
-def test_waiting_sequences_hold_no_blocks_so_a_tiny_cache_never_stalls():
+@pytest.mark.parametrize("mode", MODES)
+def test_waiting_sequences_hold_no_blocks_so_a_tiny_cache_never_stalls(mode):
     """16 prompts in a cache of 12 blocks (a sequence of max_model_len needs 8): preempted
     sequences come back to hits on their own cached blocks. A waiting sequence used to keep the
     blocks it matched when it could not be admitted; a later preemption put another sequence in
     front of it, which could then never get its blocks, nothing ran, and generate never
     returned (stuck after 4 preemptions, 3 of 16 requests finished). Every request must finish,
-    with the bits of a cache that fits them all."""
+    with the bits of a cache that fits them all (fast kernels, the control: other bits)."""
     prompts = mixed_prompts(16, 10, 90, seed=21)
     params = [SamplingParams(max_tokens=24, temperature=0.0, logprobs=2, ignore_eos=True)] * 16
-    small = {"cache.num_blocks": 12, "scheduler.max_model_len": 128}
+    small = {"cache.num_blocks": 12, "scheduler.max_model_len": 128, "kernels.mode": mode}
     llm = LLM(TINY_CONFIG, **small)
     requests = llm.engine.add_requests(prompts, params)
     for _ in range(2000):  # 174 steps when nothing stalls
@@ -174,8 +175,8 @@ def test_waiting_sequences_hold_no_blocks_so_a_tiny_cache_never_stalls():
     assert not llm.engine.has_unfinished(), f"stalled: {stats}"
     assert stats.num_preemptions > 0 and stats.num_prefix_hit_blocks > 0  # the path ran
     got = [fingerprint(llm.engine.output(r)) for r in requests]
-    expected = [fingerprint(o) for o in LLM(TINY_CONFIG).generate(prompts, params)]
-    assert got == expected
+    fits = LLM(TINY_CONFIG, **{"kernels.mode": mode})
+    _check(mode, got, [fingerprint(o) for o in fits.generate(prompts, params)], "in a tiny cache")
 
 
 def test_a_request_waiting_for_blocks_matches_its_cached_prefix_once(monkeypatch):
