@@ -822,48 +822,50 @@ def bench_tail() -> None:
 
 
 @contextlib.contextmanager
-def _merge_launch(count: int, stages: int):
-    """The op's merge launch at `count` heads a program and `stages` of software pipeline
-    (attention_launch's merge_heads and MERGE_STAGES swapped for the block)."""
+def _merge_heads(count: int):
+    """The op's merge launch at `count` heads a program (attention_launch.merge_heads's pick
+    swapped for the block)."""
     import moe_kernels.triton_attention as attention
 
-    saved = attention.merge_heads, attention.MERGE_STAGES
-    attention.merge_heads, attention.MERGE_STAGES = (lambda heads: count), stages
+    saved = attention.merge_heads
+    attention.merge_heads = lambda heads: count
     try:
         yield
     finally:
-        attention.merge_heads, attention.MERGE_STAGES = saved
+        attention.merge_heads = saved
 
 
 def bench_merge() -> None:
-    """The merge launch's heads a program and loop pipeline: the op (split launch, then the
-    merge of the fp32 partials; a query of one split skips the merge) at (heads a program,
-    stages) (1, 1) (the launch before), (4, 1), (8, 1), (16, 1), (1, 3) and (8, 3), graph
-    replay (ATTENTION_GRAPH_CALLS calls a graph), queries at one context in their own
-    shuffled blocks, tables padded with -1 to the engine's graph width for that context (128
-    heads: 18, 34, 66, ... blocks; 16 heads: 16, 32, ... up to 128). 128 heads at context 1100
-    in a 34-block table is a merge where every query has one split (a decode step whose table
-    is one width past its queries); in an 18-block table, no merge launch."""
+    """The merge launch's heads a program: the op (split launch, then the merge of the fp32
+    partials; a query of one split skips the merge) at 1 head a program (the launch before),
+    4, 8 and 16, graph replay (ATTENTION_GRAPH_CALLS calls a graph), queries at one context
+    in their own shuffled blocks, tables padded with -1 to the engine's graph width for that
+    context (128 heads: 18, 34, 66, ... blocks; 16 heads: 16, 32, ... up to 128). 128 heads at
+    context 1100 in a 34-block table is a merge where every query has one split (a decode
+    step whose table is one width past its queries); in an 18-block table, no merge launch."""
     from moe_kernels.attention_launch import head_launch, split_count
 
-    variants = ((1, 1), (4, 1), (8, 1), (16, 1), (1, 3), (8, 3))
+    counts = (1, 4, 8, 16)
     cases = (
         (128, 64, 1100, 18), (128, 256, 1100, 18), (128, 8, 1100, 34), (128, 64, 1100, 34),
         (128, 256, 1100, 34), (128, 64, 2100, 34), (128, 256, 2100, 34), (128, 64, 4100, 66),
         (16, 64, 1100, 32), (16, 64, 4100, 128), (16, 32, 8100, 128),
     )  # fmt: skip
-    print("\n## the merge launch: the op, µs a call (graph replay), by (heads a program, stages)")
-    cells = " | ".join(f"{c} a program, {n} stage{'s' * (n > 1)}" for c, n in variants)
-    print(f"| heads | B | ctx | table | splits | {cells} |")
-    print("|---|---|---|---|---|" + "---|" * len(variants))
+    print("\n## the merge launch's heads a program: the op, µs a call (graph replay)")
+    print(
+        "| heads | B | ctx | table | splits | "
+        + " | ".join(f"{c} a program" for c in counts)
+        + " |"
+    )
+    print("|---|---|---|---|---|" + "---|" * len(counts))
     for heads, batch, ctx, width in cases:
         blocks = -(-ctx // 64)
         make = partial(_attention_op, heads, batch, ctx, width)
         launch = head_launch(heads)
         splits = split_count(blocks, launch.split_blocks, launch.tail_blocks)
         us = []
-        for count, stages in variants:
-            with _merge_launch(count, stages):
+        for count in counts:
+            with _merge_heads(count):
                 us.append(_graph_ms(make, batch * ctx * 576 * 2, ATTENTION_GRAPH_CALLS) * 1e3)
         cells = " | ".join(f"{u:.1f}" for u in us)
         print(f"| {heads} | {batch} | {ctx} | {width} | {splits} | {cells} |")

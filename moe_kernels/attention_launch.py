@@ -219,14 +219,6 @@ def whole_query_stages(num_programs: int) -> int | None:
 MERGE_PROGRAMS = 16
 
 
-# The merge loads a query's partials one split after another, each load waited for before the
-# next is issued (no pipelining: the kernel's loop is a plain one). MERGE_STAGES > 1 gives the
-# loop Triton's software pipeline (the partials copied ahead into shared memory, cp.async on
-# sm_90; the folds unchanged, so the same bits). 1 (the loop as it was, the same PTX) until
-# measured: `bench/gpu_kernels.py merge` times 3 stages beside it.
-MERGE_STAGES = 1
-
-
 def merge_heads(num_heads: int) -> int:
     """Heads a merge program takes: the largest power of two within num_heads /
     MERGE_PROGRAMS, at least 1 (8 at 128 heads, 1 at 16)."""

@@ -20,7 +20,6 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from moe_kernels.attention_launch import (
     BLOCK_H,
-    MERGE_STAGES,
     TABLE_AHEAD_MAX_PAIRS,
     WIDE_LAUNCH,
     check_runs,
@@ -177,18 +176,16 @@ def _mla_merge_kernel(
     GROUP_TAIL: tl.constexpr = 0,
     ONE_SPLIT_WRITTEN: tl.constexpr = False,
     MERGE_HEADS: tl.constexpr = 1,
-    MERGE_STAGES: tl.constexpr = 1,
     PDL: tl.constexpr = False,
 ):
     """out[t, h] = merge of the query's partials 0, 1, ... (its own: SPLIT_BLOCKS cache blocks
     a partial) in that order, then acc / sum, for MERGE_HEADS heads a program (each head's
-    columns folded by the same fp32 operations whatever heads share its program), the loop's
-    loads pipelined MERGE_STAGES deep (1: none). GROUP_SLOTS > 0: the partials are KV splits
-    in groups of GROUP_SLOTS (the last taking up to GROUP_TAIL blocks more), folded in order
-    within a group, the groups' folds in group order (the bits of WHOLE_QUERY programs with
-    GROUP_BLOCKS, and of a flat merge of group programs' partials). ONE_SPLIT_WRITTEN: the
-    split kernel wrote the output of queries of one split itself (the Gluon kernel: acc / sum,
-    this kernel's arithmetic), so they are skipped."""
+    columns folded by the same fp32 operations whatever heads share its program). GROUP_SLOTS
+    > 0: the partials are KV splits in groups of GROUP_SLOTS (the last taking up to GROUP_TAIL
+    blocks more), folded in order within a group, the groups' folds in group order (the bits of
+    WHOLE_QUERY programs with GROUP_BLOCKS, and of a flat merge of group programs' partials).
+    ONE_SPLIT_WRITTEN: the split kernel wrote the output of queries of one split itself (the
+    Gluon kernel: acc / sum, this kernel's arithmetic), so they are skipped."""
     pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * MERGE_HEADS + tl.arange(0, MERGE_HEADS)
@@ -210,7 +207,7 @@ def _mla_merge_kernel(
         done_sum = tl.zeros(row_sum.shape, dtype=tl.float32)
         done_acc = tl.zeros(acc.shape, dtype=tl.float32)
     # Why: a fixed merge order (split ascending) over splits fixed by the position alone.
-    for split in tl.range(1, num_own_splits, num_stages=MERGE_STAGES):
+    for split in range(1, num_own_splits):
         slot = (t * num_splits + split) * num_heads + heads
         part_max = tl.load(stats_ptr + slot * 2, mask=head_ok, other=0.0)
         part_sum = tl.load(stats_ptr + slot * 2 + 1, mask=head_ok, other=1.0)
@@ -341,7 +338,7 @@ def _attend(
     q, kv_cache, query_seq_ids, block_tables, positions, scale, v_dim,
     split_blocks, num_warps, num_stages, block_h=BLOCK_H, v_parts=1, lat_chunk=None,
     is_gluon=False, is_whole_query=False, is_table_ahead=None, tail_blocks=0, group_splits=0,
-    group_tail=0, merge_heads_per_program=None, merge_stages=None,
+    group_tail=0, merge_heads_per_program=None,
 ) -> torch.Tensor:  # fmt: skip
     """The launches; the launch parameters are arguments so bench/ can sweep them (tail_blocks:
     HeadLaunch's, the blocks a query's last split takes on past its whole splits). is_gluon:
@@ -352,8 +349,7 @@ def _attend(
     group_splits and group_tail (HeadLaunch's): a query's splits fold in groups of this many
     (0: one group), the last taking up to group_tail blocks more, then the groups; a
     whole-query launch then has a program a query's group. merge_heads_per_program: the merge
-    launch's heads a program (default merge_heads's), merge_stages its loop's software
-    pipeline (MERGE_STAGES); no bit depends on either."""
+    launch's heads a program (default merge_heads's; no bit depends on it)."""
     check_runs(split_blocks, tail_blocks, group_splits, group_tail)
     if group_splits and is_gluon:
         raise ValueError(f"group_splits {group_splits} needs the Triton kernel, not the Gluon one")
@@ -387,7 +383,6 @@ def _attend(
     is_fp32 = q.dtype == torch.float32
     is_direct = num_splits == 1
     heads_a_merge = merge_heads_per_program or merge_heads(num_heads)
-    merge_stages = merge_stages or MERGE_STAGES
     for start in range(0, num_tokens, group):  # launch boundaries only: rows are independent
         rows = slice(start, min(start + group, num_tokens))
         count = rows.stop - rows.start
@@ -458,7 +453,6 @@ def _attend(
             GROUP_TAIL=group_tail if merge_groups else 0,
             ONE_SPLIT_WRITTEN=is_gluon,
             MERGE_HEADS=heads_a_merge,
-            MERGE_STAGES=merge_stages,
             num_warps=merge_warps(heads_a_merge),
             **pdl_launch(out.device),
         )
