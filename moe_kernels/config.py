@@ -6,7 +6,8 @@ thread count of a worker: part of the layout, never of the load. `tile_rows` is 
 row count every CPU BLAS call and row reduction is padded to. `cuda_graphs` replays pure
 decode steps of at most max(`cuda_graph_batch_sizes`) sequences as CUDA graphs, the batch
 padded up to the next size; None (the default) lets the runtime config decide (on where the
-device is CUDA, tensor parallelism is off and ranks, if several, talk over gloo). In
+device is CUDA, tensor parallelism is off and ranks, if several, talk over gloo), and sizes
+None the powers of two up to the scheduler's batch (`graph_batch_sizes`). In
 invariant mode a row ignores the padding; in fast mode graphs are a speed setting like any
 other and the bits may follow the padded size. `tp_max` is the fixed K split of the
 row-parallel linears (moe_kernels/tp_linear.py): K is always cut into tp_max chunks summed in one
@@ -29,7 +30,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MODES = ("invariant", "fast")
-DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 MAX_TP_MAX = 16  # what the GPU tree-sum kernel adds (moe_kernels/triton_tp_linear.py)
 SIDE_STREAM_ROWS = 128
 
@@ -41,7 +41,7 @@ class KernelConfig:
     tile_rows: int = 16
     tp_max: int = 8
     cuda_graphs: bool | None = None
-    cuda_graph_batch_sizes: tuple[int, ...] = DEFAULT_GRAPH_BATCH_SIZES
+    cuda_graph_batch_sizes: tuple[int, ...] | None = None
     side_stream_rows: int = SIDE_STREAM_ROWS
     attention_group_splits: int = 0
 
@@ -66,6 +66,8 @@ class KernelConfig:
                 f"kernels.cuda_graphs must be a bool or null, got {self.cuda_graphs!r}"
             )
         sizes = self.cuda_graph_batch_sizes
+        if sizes is None:
+            return
         if (
             not isinstance(sizes, (list, tuple))
             or not sizes
@@ -73,11 +75,21 @@ class KernelConfig:
             or any(a >= b for a, b in zip(sizes, sizes[1:], strict=False))
         ):
             raise ValueError(
-                "kernels.cuda_graph_batch_sizes must be a non-empty, strictly increasing list "
-                f"of ints >= 1, got {sizes!r}"
+                "kernels.cuda_graph_batch_sizes must be null or a non-empty, strictly "
+                f"increasing list of ints >= 1, got {sizes!r}"
             )
         object.__setattr__(self, "cuda_graph_batch_sizes", tuple(sizes))  # YAML gives a list
 
     @property
     def is_invariant(self) -> bool:
         return self.mode == "invariant"
+
+
+def graph_batch_sizes(max_num_seqs: int) -> tuple[int, ...]:
+    """The default graph batch sizes of a scheduler running up to max_num_seqs sequences a
+    step: the powers of two from 1 up to the first at or past it, so every decode batch it can
+    form has a graph (each captured when first used, so an unused size costs nothing)."""
+    sizes = [1]
+    while sizes[-1] < max_num_seqs:
+        sizes.append(sizes[-1] * 2)
+    return tuple(sizes)

@@ -22,7 +22,7 @@ from comm.deepep_dispatch import check_deepep_shapes, is_deepep_installed
 from comm.groups import select_backend
 from eplb.config import EplbConfig
 from moe_kernels.attention_launch import WIDE_HEADS, WIDE_LAUNCH, head_launch
-from moe_kernels.config import KernelConfig
+from moe_kernels.config import KernelConfig, graph_batch_sizes
 from moe_runtime.config_fields import check_field_types
 from moe_runtime.model_config import ModelConfig
 
@@ -146,6 +146,9 @@ class RuntimeConfig:
             is_nccl = parallel.world_size > 1 and select_backend(parallel) == "nccl"
             is_on = parallel.device == "cuda" and parallel.tp_size == 1 and not is_nccl
             object.__setattr__(self, "kernels", replace(self.kernels, cuda_graphs=is_on))
+        if self.kernels.cuda_graph_batch_sizes is None:  # every batch the scheduler forms
+            sizes = graph_batch_sizes(self.scheduler.max_num_seqs)
+            object.__setattr__(self, "kernels", replace(self.kernels, cuda_graph_batch_sizes=sizes))
         if self.scheduler.overlap_decode is None:
             is_on = bool(self.kernels.cuda_graphs) and self.parallel.world_size == 1
             object.__setattr__(self, "scheduler", replace(self.scheduler, overlap_decode=is_on))

@@ -98,6 +98,23 @@ def test_cuda_graphs_default_on_where_they_run_and_keys_parse():
 
 
 @pytest.mark.parametrize(
+    "max_num_seqs, sizes",
+    [(1, (1,)), (64, (1, 2, 4, 8, 16, 32, 64)), (200, (1, 2, 4, 8, 16, 32, 64, 128, 256))],
+)
+def test_graph_batch_sizes_follow_the_scheduler_unless_set(max_num_seqs, sizes):
+    """Unset, the graph sizes are the powers of two up to the first at or past the scheduler's
+    batch, so every decode batch it forms has a graph (before, the fixed list stopped at 128:
+    a user raising max_num_seqs to 256 decoded eagerly there, ~3x slower on the H200); set,
+    they are kept as given."""
+    path = CONFIGS / "tiny_gpu.yaml"
+    config = load_config(path, {"scheduler.max_num_seqs": max_num_seqs})
+    assert config.kernels.cuda_graph_batch_sizes == sizes
+    assert max(sizes) >= max_num_seqs
+    given = {"scheduler.max_num_seqs": max_num_seqs, "kernels.cuda_graph_batch_sizes": "[1, 8]"}
+    assert load_config(path, given).kernels.cuda_graph_batch_sizes == (1, 8)
+
+
+@pytest.mark.parametrize(
     "key, value",
     [
         ("kernels.cuda_graphs", "yes please"),
