@@ -131,6 +131,32 @@ def test_bad_expert_tensor_is_refused_by_name(checkpoint, tmp_path, case):
         _load(path)
 
 
+def _poisoned(key: str, value: float):
+    """The state with one value of `key` replaced by `value`."""
+
+    def edit(state: dict) -> dict:
+        tensor = state[key].clone()
+        tensor.view(-1)[7] = value
+        return {**state, key: tensor}
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [(f"{EXPERT}.4.down_proj.weight", float("nan")), ("model.norm.weight", float("inf"))],
+    ids=["nan_expert", "inf_norm"],
+)
+def test_non_finite_tensor_is_refused_by_name(checkpoint, tmp_path, key, value):
+    """A NaN or an infinity in any tensor would serve NaN logprobs or garbage with no error:
+    refused at load, naming the tensor. Control: the same edit with a finite value loads."""
+    path = rewrite_checkpoint(checkpoint, tmp_path / "bad", tensors=_poisoned(key, value))
+    with pytest.raises(ValueError, match=rf"{key} holds 1 non-finite value \(NaN or infinity\)"):
+        _load(path)
+    finite = rewrite_checkpoint(checkpoint, tmp_path / "finite", tensors=_poisoned(key, 0.5))
+    _assert_file_bits(_load(finite), load_file(str(finite / "model.safetensors")))
+
+
 def test_tensor_in_two_files_is_refused(checkpoint, tmp_path):
     path = rewrite_checkpoint(checkpoint, tmp_path / "dup")
     save_file({"model.norm.weight": torch.full((64,), 3.0)}, str(path / "model-00002.safetensors"))

@@ -70,6 +70,13 @@ def test_state_dict_source_and_bad_sources(checkpoints):
     int_expert = {**state, "model.layers.1.mlp.experts.3.up_proj.weight": torch.ones(32, 64).long()}
     with pytest.raises(ValueError, match=r"experts\.3\.up_proj\.weight is \(32, 64\) torch\.int64"):
         llm.update_weights(int_expert)
+    nan_expert = dict(state)
+    nan_expert["model.layers.1.mlp.experts.3.up_proj.weight"] = state[
+        "model.layers.1.mlp.experts.3.up_proj.weight"
+    ].clone()
+    nan_expert["model.layers.1.mlp.experts.3.up_proj.weight"][5, 6] = float("nan")
+    with pytest.raises(ValueError, match=r"experts\.3\.up_proj\.weight holds 1 non-finite"):
+        llm.update_weights(nan_expert)  # a diverged trainer's update: refused, nothing changes
     assert llm.engine.weight_version == 1, "a refused update must not count"
     fresh = LLM({"model": {"path": second}, "scheduler": {"max_model_len": 256}})
     assert _generate(llm, prompts) == _generate(fresh, prompts), "a refused update changed weights"

@@ -192,6 +192,7 @@ def load_hf_weights(
         check_weights(model, headers, local_experts, str(path))
         for keys in _read_groups(handles, local_experts, cfg):
             tensors = {key: handles[key].get_tensor(key) for key in keys}
+            _check_finite(tensors, str(path))
             stacked = _stack_experts(tensors, local_experts, cfg.first_k_dense_replace)
             assign_weights(model, {name: model.tp.shard(name, v) for name, v in stacked.items()})
             progress.update(keys[0])
@@ -296,9 +297,10 @@ def check_weights(
     source: str,
 ) -> dict[str, torch.Tensor]:
     """HF-named tensors (or meta tensors of their headers) -> this rank's value of every
-    parameter, every name, shape and dtype checked (ValueError naming the first bad one); the
-    model is not touched."""
+    parameter, every name, shape and dtype checked, and every value finite (ValueError naming
+    the first bad one); the model is not touched."""
     _check_experts(tensors, model.config, source)
+    _check_finite(tensors, source)
     tensors = _stack_experts(tensors, local_experts, model.config.first_k_dense_replace)
     params = dict(model.named_parameters())
     if model.config.tie_word_embeddings:
@@ -352,6 +354,24 @@ def _check_tensor(value: torch.Tensor, shape: Sequence[int], name: str, source: 
             f"weights {source!r}: tensor {name} is {tuple(value.shape)} {value.dtype}, the "
             f"model expects {tuple(shape)} floating point"
         )
+
+
+def _check_finite(tensors: dict[str, torch.Tensor], source: str) -> None:
+    """ValueError naming the first tensor holding a NaN or an infinity (a diverged trainer's
+    update, a damaged file): served, it would give every request garbage or NaN logprobs with
+    no error. Meta tensors (headers) are skipped; one device sync a tensor."""
+    for key, value in tensors.items():
+        if value.is_meta or not value.dtype.is_floating_point:
+            continue  # the dtype checks name a non-float tensor
+        # isfinite has no float8_e4m3fn kernel: widened, each value keeps its NaN-ness
+        wide = value.to(torch.bfloat16) if value.dtype.itemsize == 1 else value
+        is_finite = torch.isfinite(wide)
+        if not bool(is_finite.all()):
+            bad = int(is_finite.numel() - is_finite.sum())
+            raise ValueError(
+                f"weights {source!r}: tensor {key} holds {bad} non-finite value"
+                f"{'s' * (bad > 1)} (NaN or infinity) of {value.numel()}"
+            )
 
 
 def assign_weights(model: DeepseekForCausalLM, values: dict[str, torch.Tensor]) -> None:
