@@ -19,7 +19,7 @@ from fastapi.responses import Response
 from launch.generation import Backend, Generation, ready
 from launch.metrics import ServerMetrics
 from launch.openai.errors import FieldError
-from launch.openai.render import chat_choice, completion_choice
+from launch.openai.render import TextOffsets, chat_choice, completion_choice
 from launch.openai.schemas import ChatCompletionRequest, CompletionRequest
 from moe_runtime.config import RuntimeConfig
 from moe_runtime.engine.engine import ContextLengthError
@@ -57,7 +57,7 @@ class _Choices:
     def __init__(self, body: CompletionRequest, prompts: list, tokenizer) -> None:
         self._body, self._prompts, self._tokenizer = body, prompts, tokenizer
         self._with_logprobs = body.logprobs is not None
-        self._offsets: dict[int, int] = {}  # choice index -> text offset of its next token
+        self._offsets: dict[int, TextOffsets] = {}  # choice index -> its tokens' text offsets
 
     def __call__(self, prompt_idx: int, output: RequestOutput) -> list[dict]:
         return [self._choice(prompt_idx, output, out) for out in output.outputs]
@@ -68,11 +68,10 @@ class _Choices:
         if self._body.echo and index not in self._offsets:  # its first chunk
             prompt, ids = self._prompts[prompt_idx], output.prompt_token_ids
             echo = (prompt if isinstance(prompt, str) else self._tokenizer.decode(ids), ids)
-        offset = self._offsets.setdefault(index, 0)
-        choice = completion_choice(index, out, self._tokenizer, self._with_logprobs, echo, offset)
-        if self._with_logprobs:
-            self._offsets[index] += sum(len(t) for t in choice["logprobs"]["tokens"])
-        return choice
+        offsets = self._offsets.setdefault(index, TextOffsets())
+        return completion_choice(
+            index, out, self._tokenizer, offsets if self._with_logprobs else None, echo
+        )
 
 
 async def chat(

@@ -9,6 +9,7 @@ tokens, and build chat prompts with `apply_chat_template`. No model code here.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from moe_runtime.chat_template import DEFAULT_CHAT_TEMPLATE, render_chat
@@ -35,6 +36,10 @@ class ByteTokenizer:
 
     def decode(self, token_ids: list[int]) -> str:
         return bytes(t for t in token_ids if 0 <= t < 256).decode("utf-8", errors="replace")
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes token_id stands for in decoded text (special tokens: none)."""
+        return bytes([token_id]) if 0 <= token_id < 256 else b""
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of the prompt for `messages`, with the default template (bos first)."""
@@ -64,6 +69,7 @@ class HFTokenizer:
         self.chat_template = settings.get("chat_template") or DEFAULT_CHAT_TEMPLATE
         self.bos_token = self._special_text(settings.get("bos_token"), bos_token_id)
         self.eos_token = self._special_text(settings.get("eos_token"), eos_token_id)
+        self._is_byte_level = _has_byte_level_decoder(read_json_object(tokenizer_file))
 
     def encode(self, text: str) -> list[int]:
         ids = self._tokenizer.encode(text, add_special_tokens=False).ids
@@ -71,6 +77,21 @@ class HFTokenizer:
 
     def decode(self, token_ids: list[int]) -> str:
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes token_id stands for in decoded text, also when they are part of a UTF-8
+        character (decode gives "\ufffd" for those): a byte-level vocabulary's piece mapped
+        back through the byte alphabet, a byte-fallback piece "<0xHH>" its byte, else the
+        decoded text's UTF-8. Special tokens (skipped by decode): none."""
+        text = self.decode([token_id])
+        if not text:
+            return b""
+        piece = self._tokenizer.id_to_token(token_id) or ""
+        if self._is_byte_level and all(c in _BYTE_OF_CHAR for c in piece):
+            return bytes(_BYTE_OF_CHAR[c] for c in piece)
+        if _BYTE_PIECE.fullmatch(piece):
+            return bytes([int(piece[3:5], 16)])
+        return text.encode("utf-8")
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of the prompt for `messages`. The model's own template writes its special
@@ -86,6 +107,31 @@ class HFTokenizer:
         if isinstance(configured, str):
             return configured
         return "" if token_id is None else self._tokenizer.id_to_token(token_id) or ""
+
+
+def _byte_alphabet() -> dict[str, int]:
+    """Character -> byte of the byte-level BPE alphabet (GPT-2's, used by DeepSeek's
+    tokenizers): printable Latin-1 bytes stand for themselves, the other 68 bytes for the
+    characters from U+0100 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {
+        **{chr(b): b for b in printable},
+        **{chr(256 + n): b for n, b in enumerate(others)},
+    }
+
+
+_BYTE_OF_CHAR = _byte_alphabet()
+_BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
+
+def _has_byte_level_decoder(spec: dict) -> bool:
+    """Whether tokenizer.json's decoder (or one in its sequence) is ByteLevel."""
+    decoder = spec.get("decoder")
+    if not isinstance(decoder, dict):
+        return False
+    parts = decoder.get("decoders") if decoder.get("type") == "Sequence" else [decoder]
+    return any(isinstance(d, dict) and d.get("type") == "ByteLevel" for d in parts or ())
 
 
 def load_tokenizer(model_config: ModelConfig) -> ByteTokenizer | HFTokenizer:

@@ -10,7 +10,7 @@ row per generated token. Pure formatting: no engine calls, no error mapping.
 from __future__ import annotations
 
 import base64
-import itertools
+import codecs
 import json
 from typing import Any
 
@@ -51,16 +51,36 @@ def usage(num_in: int, num_out: int) -> dict:
     return {"prompt_tokens": num_in, "completion_tokens": num_out, "total_tokens": num_in + num_out}
 
 
+class TextOffsets:
+    """Where each token of a choice starts in its text, in characters, carried across the
+    chunks of a stream: the characters the bytes of the tokens before it decode to (UTF-8,
+    invalid bytes one U+FFFD each, as the text has them). A character split over tokens is
+    where each of its tokens starts; counting each token's own decoded text instead (a lone
+    piece of a character is a U+FFFD) drifted past the text's end on non-ASCII text."""
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._num_chars = 0
+
+    def take(self, token_ids: list[int], tokenizer) -> list[int]:
+        """The offsets of the next tokens."""
+        offsets = []
+        for token_id in token_ids:
+            offsets.append(self._num_chars)
+            self._num_chars += len(self._decoder.decode(tokenizer.token_bytes(token_id)))
+        return offsets
+
+
 def completion_choice(
     index: int,
     out: CompletionOutput,
     tokenizer,
-    with_logprobs: bool,
+    offsets: TextOffsets | None,
     echo: tuple[str, list[int]] | None = None,
-    text_offset: int = 0,
 ) -> dict:
-    """A text_completion choice; `echo` (prompt text, prompt ids) is prepended, its tokens
-    with null logprobs (prompt logprobs are not computed in this version)."""
+    """A text_completion choice, with logprobs where `offsets` is given (the choice's, carried
+    from chunk to chunk); `echo` (prompt text, prompt ids) is prepended, its tokens with null
+    logprobs (prompt logprobs are not computed in this version)."""
     text, token_ids = out.text, list(out.token_ids)
     logprobs: list[float | None] = list(out.logprobs)
     tops: list[dict[int, float] | None] = list(out.top_logprobs)
@@ -71,24 +91,29 @@ def completion_choice(
         "index": index,
         "text": text,
         "finish_reason": out.finish_reason,
-        "logprobs": completion_logprobs(token_ids, logprobs, tops, tokenizer, text_offset)
-        if with_logprobs
+        "logprobs": completion_logprobs(token_ids, logprobs, tops, tokenizer, offsets)
+        if offsets is not None
         else None,
         "token_ids": token_ids,
     }
     return _with_routed_experts(choice, out)
 
 
-def completion_logprobs(token_ids, logprobs, tops, tokenizer, offset: int) -> dict:
-    """OpenAI's completion logprobs block, plus the exact `top_logprob_ids`; text offsets
-    start at `offset`."""
-    tokens = [tokenizer.decode([t]) for t in token_ids]
-    offsets = list(itertools.accumulate(map(len, tokens), initial=offset))[:-1]
+def completion_logprobs(token_ids, logprobs, tops, tokenizer, offsets: TextOffsets) -> dict:
+    """OpenAI's completion logprobs block: each generated token's `top_logprobs` hold the
+    sampled token too (OpenAI's rule: up to logprobs + 1 entries), `top_logprob_ids` the
+    engine's exact top-k alone."""
+    by_text = [
+        None
+        if top is None
+        else _by_text(top if token_id in top else {**top, token_id: logprob}, tokenizer)
+        for token_id, logprob, top in zip(token_ids, logprobs, tops, strict=True)
+    ]
     return {
-        "tokens": tokens,
+        "tokens": [tokenizer.decode([t]) for t in token_ids],
         "token_logprobs": list(logprobs),
-        "top_logprobs": [None if top is None else _by_text(top, tokenizer) for top in tops],
-        "text_offset": offsets,
+        "top_logprobs": by_text,
+        "text_offset": offsets.take(token_ids, tokenizer),
         "top_logprob_ids": [None if top is None else dict(top) for top in tops],
     }
 
@@ -133,11 +158,12 @@ def chat_logprobs(out: CompletionOutput, tokenizer) -> dict:
 
 
 def _entry(token_id: int, logprob: float, tokenizer) -> dict:
-    token = tokenizer.decode([token_id])
+    """`bytes` are the token's own (a piece of a character too), so that joined they give
+    the text's UTF-8, as OpenAI documents them."""
     return {
-        "token": token,
+        "token": tokenizer.decode([token_id]),
         "logprob": logprob,
-        "bytes": list(token.encode("utf-8")),
+        "bytes": list(tokenizer.token_bytes(token_id)),
         "token_id": token_id,
     }
 

@@ -1,0 +1,123 @@
+"""The OpenAI logprobs blocks on non-ASCII text: chat `bytes` are each token's own bytes (joined,
+the text's UTF-8), completion `text_offset` points at each token's place in the text (also
+across streamed chunks that split a character), and completion `top_logprobs` hold the sampled
+token, as OpenAI's legacy completions do. Tokenizers: the byte-level fallback, a byte-level BPE
+trained here (characters it never saw are split into byte tokens) and a byte-fallback vocabulary.
+"""
+
+from __future__ import annotations
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from launch.openai.render import TextOffsets, chat_logprobs, completion_logprobs
+from moe_runtime.engine.outputs import CompletionOutput
+from moe_runtime.tokenizer import ByteTokenizer, HFTokenizer
+
+TEXT = "héllo wörld 日本 ñ€x"
+
+
+def _byte_level_bpe(directory) -> HFTokenizer:
+    """Trained on ASCII words only: é, ö, 日, 本, ñ and € become one token a byte."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tokenizer.train_from_iterator(["hello world hllo wrld x"] * 20, trainer)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    return HFTokenizer(directory, bos_token_id=None, eos_token_id=None)
+
+
+def _byte_fallback(directory) -> tuple[HFTokenizer, list[int]]:
+    """A vocabulary of "caf" and the byte pieces of é (<0xC3>, <0xA9>): "café" is 3 tokens."""
+    vocab = {"[UNK]": 0, "caf": 1, "<0xC3>": 2, "<0xA9>": 3}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.decoder = decoders.ByteFallback()
+    tokenizer.save(str(directory / "tokenizer.json"))
+    return HFTokenizer(directory, bos_token_id=None, eos_token_id=None), [1, 2, 3]
+
+
+@pytest.fixture(params=["bytes", "byte_level_bpe"])
+def tokenized(request, tmp_path):
+    if request.param == "bytes":
+        tokenizer = ByteTokenizer(vocab_size=260)
+    else:
+        tokenizer = _byte_level_bpe(tmp_path)
+    ids = tokenizer.encode(TEXT)
+    assert tokenizer.decode(ids) == TEXT
+    split = [i for i in ids if tokenizer.decode([i]) == "\ufffd"]
+    assert len(split) >= 10, "engagement: characters split over tokens"
+    return tokenizer, ids
+
+
+def _output(ids: list[int]) -> CompletionOutput:
+    return CompletionOutput(
+        index=0,
+        text=TEXT,
+        token_ids=ids,
+        logprobs=[-1.0] * len(ids),
+        top_logprobs=[{} for _ in ids],
+        finish_reason="length",
+        seed=0,
+    )
+
+
+def test_chat_bytes_are_the_tokens_own(tokenized):
+    """Joined, the entries' bytes are the text's UTF-8 (decode's "\ufffd" gave EF BF BD for
+    every piece of a character)."""
+    tokenizer, ids = tokenized
+    entries = chat_logprobs(_output(ids), tokenizer)["content"]
+    assert bytes(b for entry in entries for b in entry["bytes"]) == TEXT.encode("utf-8")
+
+
+def test_byte_fallback_pieces_are_their_bytes(tmp_path):
+    tokenizer, ids = _byte_fallback(tmp_path)
+    assert tokenizer.decode(ids) == "café"
+    assert [tokenizer.token_bytes(i) for i in ids] == [b"caf", b"\xc3", b"\xa9"]
+
+
+def _first_offsets(tokenizer, ids: list[int]) -> dict[int, int]:
+    """Token index -> where its text starts, for tokens that start a character (or several)."""
+    offsets, position = {}, 0
+    for k, token_id in enumerate(ids):
+        piece = tokenizer.token_bytes(token_id)
+        if piece and (piece[0] & 0xC0) != 0x80:  # not a continuation byte: a char starts here
+            offsets[k] = len(TEXT.encode("utf-8")[:position].decode("utf-8"))
+        position += len(piece)
+    return offsets
+
+
+@pytest.mark.parametrize("chunk", [None, 1, 3])
+def test_text_offsets_point_into_the_text(tokenized, chunk):
+    """Every token starting a character has that character's offset; a character's later
+    pieces share its start; no offset passes the text's end. Streamed in chunks of 1 or 3
+    tokens (characters split between chunks) the offsets are the whole response's."""
+    tokenizer, ids = tokenized
+    offsets = TextOffsets()
+    if chunk is None:
+        got = offsets.take(ids, tokenizer)
+    else:
+        got = [
+            o
+            for i in range(0, len(ids), chunk)
+            for o in offsets.take(ids[i : i + chunk], tokenizer)
+        ]
+    for k, start in _first_offsets(tokenizer, ids).items():
+        assert got[k] == start, (k, got[k], start)
+    assert got == sorted(got) and got[-1] < len(TEXT)
+    assert got[-1] == TEXT.index("x")
+
+
+def test_completion_top_logprobs_hold_the_sampled_token():
+    """OpenAI: the sampled token's logprob is always among top_logprobs (logprobs + 1 entries
+    at most); top_logprob_ids stay the engine's exact top-k."""
+    tokenizer = ByteTokenizer(vocab_size=260)
+    ids = tokenizer.encode("ab")
+    tops = [{ord("b"): -0.5}, {ord("b"): -0.1}]  # the first token's top-1 is not the sampled one
+    block = completion_logprobs(ids, [-2.0, -0.1], tops, tokenizer, TextOffsets())
+    assert block["top_logprobs"] == [{"b": -0.5, "a": -2.0}, {"b": -0.1}]
+    assert block["top_logprob_ids"] == tops
+    zero = completion_logprobs(ids, [-2.0, -0.1], [{}, {}], tokenizer, TextOffsets())
+    assert zero["top_logprobs"] == [{"a": -2.0}, {"b": -0.1}]  # logprobs=0: the sampled alone
