@@ -18,7 +18,7 @@ from fastapi.responses import Response
 
 from launch.generation import Backend, Generation, ready
 from launch.metrics import ServerMetrics
-from launch.openai.errors import FieldError
+from launch.openai.errors import ContextLengthExceeded, FieldError
 from launch.openai.render import TextOffsets, chat_choice, completion_choice
 from launch.openai.schemas import ChatCompletionRequest, CompletionRequest
 from moe_runtime.config import RuntimeConfig
@@ -32,13 +32,13 @@ async def complete(
     body: CompletionRequest, backend: Backend | None, config: RuntimeConfig, metrics: ServerMetrics
 ) -> Response:
     backend = ready(backend)
-    body.check_model(config.server.model_name)
+    body.check_served(config.server.model_name, config.model.vocab_size)
     prompts, params = body.prompts(), body.sampling_params(DEFAULT_MAX_TOKENS)
     generation = Generation(backend.engine, prompts, [params] * len(prompts), metrics)
     try:
         await generation.start(body.stream)
     except ContextLengthError as exc:
-        raise FieldError("max_tokens", str(exc)) from None
+        raise ContextLengthExceeded("max_tokens", str(exc)) from None
     except ValueError as exc:  # the engine's prompt checks
         raise FieldError("prompt", str(exc)) from None
     head = {
@@ -81,7 +81,7 @@ async def chat(
     metrics: ServerMetrics,
 ) -> Response:
     backend = ready(backend)
-    body.check_model(config.server.model_name)
+    body.check_served(config.server.model_name, config.model.vocab_size)
     tokenizer = backend.tokenizer
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     prompt_ids = tokenizer.apply_chat_template(messages)
@@ -95,8 +95,8 @@ async def chat(
         if budget is not None:  # the client's budget; else the prompt alone fills the context
             param = "max_tokens" if body.max_tokens is not None else "max_completion_tokens"
             again = ContextLengthError(exc.num_prompt_tokens, budget, max_model_len, param)
-            raise FieldError(param, str(again)) from None
-        raise FieldError("messages", f"messages: {exc}") from None
+            raise ContextLengthExceeded(param, str(again)) from None
+        raise ContextLengthExceeded("messages", f"messages: {exc}") from None
     except ValueError as exc:  # the engine's prompt checks
         raise FieldError("messages", f"messages: {exc}") from None
     head = {

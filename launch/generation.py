@@ -107,19 +107,23 @@ class Generation:
         """A chunk per choice of each delta, an optional usage chunk, then [DONE]; a failure
         mid-stream is sent as one error chunk. A client that leaves aborts the submission."""
         num_in: dict[int, int] = {}
-        num_out = 0
+        num_out = weight_version = 0
         try:
             item = self._first
             while item is not _END:
                 prompt_idx, delta = item
                 num_in[prompt_idx] = len(delta.prompt_token_ids)
                 num_out += sum(len(out.token_ids) for out in delta.outputs)
+                weight_version = max(weight_version, delta.weight_version)
                 for choice in choices(prompt_idx, delta):
                     yield sse({**head, "choices": [choice], "weight_version": delta.weight_version})
                 item = await self._queue.get()
             self.future.result()  # raises the submission's error if it failed
-            if include_usage:
-                yield sse({**head, "choices": [], "usage": usage(sum(num_in.values()), num_out)})
+            if include_usage:  # the weight version as the whole body's: its outputs' newest
+                totals = usage(sum(num_in.values()), num_out)
+                yield sse(
+                    {**head, "choices": [], "usage": totals, "weight_version": weight_version}
+                )
         except Exception as exc:
             yield sse(error_body(exc))
         finally:

@@ -2,13 +2,14 @@
 
 Routes: POST /v1/completions and /v1/chat/completions (launch.completions), POST
 /admin/rebalance and /admin/update_weights (on the engine thread between two steps), GET
-/v1/models, GET /health, GET /metrics (Prometheus, launch.metrics). Handlers await the
-AsyncEngine's Futures, so concurrent clients share the engine's batches; the results do not
-depend on that sharing (the runtime is batch-invariant). The app serves `app.state.backend`
-(launch.generation.Backend), None (503s) until the engine is ready. Errors answer through
-launch.openai.errors. With `server.api_key` set, every route but /health and /metrics needs
-`Authorization: Bearer`. Every response, errors and unknown paths included, is counted in
-`moe_http_requests_total{route, status}` (route: the matched route's path, else "unmatched").
+/v1/models and /v1/models/{model}, GET /health, GET /metrics (Prometheus, launch.metrics).
+Handlers await the AsyncEngine's Futures, so concurrent clients share the engine's batches; the
+results do not depend on that sharing (the runtime is batch-invariant). The app serves
+`app.state.backend` (launch.generation.Backend), None (503s) until the engine is ready. Errors
+answer through launch.openai.errors. With `server.api_key` set, every route but /health and
+/metrics needs `Authorization: Bearer <key>` (the scheme in any case). Every response, errors,
+401s and unknown paths included, is counted in `moe_http_requests_total{route, status}`
+(route: the path of the route the request's path matches, else "unmatched").
 A client that leaves before its completion's answer is ready has the answer cancelled (its
 requests aborted, 499 counted); a stream's own response aborts it once streaming.
 """
@@ -24,12 +25,19 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
+from starlette.routing import BaseRoute, Match, Router
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from launch.completions import chat, complete
 from launch.generation import Backend, ready
 from launch.metrics import CONTENT_TYPE, ServerMetrics
-from launch.openai.errors import AuthenticationError, FieldError, answer, error_response
+from launch.openai.errors import (
+    AuthenticationError,
+    FieldError,
+    UnknownModelError,
+    answer,
+    error_response,
+)
 from launch.openai.render import ExactJSONResponse
 from launch.openai.schemas import ChatCompletionRequest, CompletionRequest, UpdateWeightsRequest
 from moe_runtime.config import RuntimeConfig
@@ -55,14 +63,16 @@ def create_app(config: RuntimeConfig, backend: Backend | None = None) -> FastAPI
         return error_response(exc)
 
     if config.server.api_key:
-        expected = f"Bearer {config.server.api_key}".encode()
+        expected = config.server.api_key.encode()
 
         @app.middleware("http")
         async def _check_api_key(request: Request, call_next):
             if request.url.path in OPEN_PATHS:
                 return await call_next(request)
-            given = request.headers.get("authorization", "").encode()
-            if not hmac.compare_digest(given, expected):
+            # RFC 7235: the scheme is case-insensitive, the credentials are not
+            scheme, _, given = request.headers.get("authorization", "").partition(" ")
+            is_bearer = scheme.lower() == "bearer"
+            if not (hmac.compare_digest(given.lstrip(" ").encode(), expected) and is_bearer):
                 return error_response(AuthenticationError("missing or wrong API key"))
             return await call_next(request)
 
@@ -84,30 +94,39 @@ def create_app(config: RuntimeConfig, backend: Backend | None = None) -> FastAPI
             await metrics.refresh_rank_stats(app.state.backend.engine)
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
+    card = {
+        "id": config.server.model_name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "moe-runtime",
+        "max_model_len": config.scheduler.max_model_len,
+    }
+
     @app.get("/v1/models")
     async def models() -> Response:
-        card = {
-            "id": config.server.model_name,
-            "object": "model",
-            "created": 0,
-            "owned_by": "moe-runtime",
-            "max_model_len": config.scheduler.max_model_len,
-        }
         return ExactJSONResponse({"object": "list", "data": [card]})
+
+    @app.get("/v1/models/{model:path}")  # a model id may hold a slash ("org/name")
+    async def model(model: str) -> Response:
+        if model != card["id"]:
+            return error_response(UnknownModelError(model))
+        return ExactJSONResponse(card)
 
     _add_post_routes(app, config, metrics)
     for route in app.routes:  # a series per route from the first scrape on (at 0)
         if isinstance(route, APIRoute):
             metrics.requests.labels(route.path, "200")
-    app.add_middleware(_CountResponses, metrics=metrics)  # the outermost: sees the 401s too
+    app.add_middleware(_CountResponses, metrics=metrics, router=app.router)  # sees the 401s
     return app
 
 
 class _CountResponses:
-    """ASGI middleware counting each response's status as it starts (streams included)."""
+    """ASGI middleware counting each response's status as it starts (streams included), under
+    the route the request's path matches: the router's choice, or, for a response given before
+    routing (a 401), the route the router would have chosen."""
 
-    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
-        self.app, self.metrics = app, metrics
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics, router: Router) -> None:
+        self.app, self.metrics, self.router = app, metrics, router
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -115,11 +134,20 @@ class _CountResponses:
 
         async def counting_send(message: dict) -> None:
             if message["type"] == "http.response.start":
-                route = scope.get("route")  # set by the router once a path matched
+                route = scope.get("route") or _matching_route(self.router, scope)
                 self.metrics.count(getattr(route, "path", "unmatched"), message["status"])
             await send(message)
 
         await self.app(scope, receive, counting_send)
+
+
+def _matching_route(router: Router, scope: Scope) -> BaseRoute | None:
+    """The route `router` hands `scope` to: the first full match (path and method), else the
+    first partial one (the path only: a 405), else None."""
+    matches = [(route, route.matches(scope)[0]) for route in router.routes]
+    full = [route for route, match in matches if match is Match.FULL]
+    partial = [route for route, match in matches if match is Match.PARTIAL]
+    return next(iter(full + partial), None)
 
 
 async def unless_disconnected(request: Request, response: Awaitable[Response]) -> Response:

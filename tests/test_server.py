@@ -351,3 +351,128 @@ def test_serve_ep_listens_while_loading_and_exits_1_when_the_engine_fails():
     assert result.returncode == 1, result.stdout + result.stderr
     assert "listening on" in result.stdout and "the engine failed to load" in result.stdout
     assert "ready on" not in result.stdout
+
+
+NULLABLE = {"temperature": None, "top_p": None, "n": None, "stream": None, "echo": None}
+
+
+@pytest.mark.parametrize("field", sorted(NULLABLE))
+def test_null_is_the_default_of_a_nullable_openai_field(server, field):
+    """OpenAI's spec marks these nullable (its client sends null for None): the default's
+    bits, not a 400."""
+    body = {"prompt": [5, 6, 7], "max_tokens": 4, "seed": 3, "logprobs": 1, "ignore_eos": True}
+    plain = post(server.http, body)
+    nulled = post(server.http, {**body, field: None})
+    assert nulled.status_code == 200, nulled.text
+    assert http_fingerprint(nulled.json()["choices"][0]) == http_fingerprint(
+        plain.json()["choices"][0]
+    )
+
+
+def test_openai_client_sends_none_and_user_and_retrieves_the_model(server):
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+    out = client.completions.create(
+        model=server.model, prompt="Hi", max_tokens=2, temperature=None, top_p=None, user="alice"
+    )
+    assert len(out.choices) == 1 and out.usage.completion_tokens <= 2
+    assert client.models.retrieve(server.model).id == server.model
+
+
+NO_OP_FIELDS = {
+    "user": "alice",
+    "frequency_penalty": 0,
+    "presence_penalty": 0.0,
+    "logit_bias": {},
+    "suffix": None,
+    "best_of": 2,
+    "n": 2,
+}
+
+
+def test_openai_fields_with_values_that_change_nothing_are_accepted(server):
+    body = {"prompt": [9, 8, 7], "max_tokens": 4, "seed": 5, "logprobs": 1, "n": 2}
+    plain = post(server.http, body).json()["choices"]
+    given = post(server.http, {**body, **NO_OP_FIELDS})
+    assert given.status_code == 200, given.text
+    assert list(map(http_fingerprint, given.json()["choices"])) == list(
+        map(http_fingerprint, plain)
+    )
+    for field in ("nonsense", "response_format", "store"):  # unknown here (the latter: chat's)
+        error = post(server.http, {**body, field: None}).json()["error"]
+        assert error["param"] == field and "Extra inputs are not permitted" in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("frequency_penalty", 0.5),
+        ("frequency_penalty", False),
+        ("presence_penalty", -1),
+        ("logit_bias", {"5": 100}),
+        ("best_of", 3),  # n is 1
+        ("suffix", "!"),
+    ],
+)
+def test_unimplemented_openai_values_are_refused_as_not_supported(server, field, value):
+    error = post(server.http, {"prompt": "a", field: value}).json()["error"]
+    assert error["param"] == field and "is not supported" in error["message"], error
+    assert error["message"].startswith(f"{field}: ")
+
+
+def test_a_model_is_retrieved_by_its_id(server):
+    (listed,) = server.http.get("/v1/models").json()["data"]
+    assert server.http.get(f"/v1/models/{server.model}").json() == listed
+    other = server.http.get("/v1/models/org/other")
+    assert other.status_code == 404
+    assert other.json() == {
+        "error": {
+            "message": "model 'org/other' does not exist",
+            "type": "not_found_error",
+            "param": "model",
+            "code": None,
+        }
+    }
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_stop_token_ids_outside_the_vocabulary_are_400s_naming_the_field(server, path):
+    vocab = server.engine.config.model.vocab_size
+    prompt = {"messages": [{"role": "user", "content": "a"}]} if "chat" in path else {"prompt": "a"}
+    for ids in ([-5], [vocab], [3, 10**6]):
+        response = server.http.post(path, json={**prompt, "stop_token_ids": ids})
+        assert response.status_code == 400, (ids, response.text)
+        error = response.json()["error"]
+        assert error["param"] == "stop_token_ids", (ids, error)
+    last = server.http.post(path, json={**prompt, "max_tokens": 2, "stop_token_ids": [vocab - 1]})
+    assert last.status_code == 200, last.text
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "problem"),
+    [
+        ({"stream_options": {"include_usage": True}}, "stream_options", "needs stream: true"),
+        ({"stream_options": {}, "stream": False}, "stream_options", "needs stream: true"),
+        ({"stop": ""}, "stop", "must not be empty"),
+        ({"stop": ["x", ""]}, "stop", "must not be empty"),
+        ({"stop_token_ids": [-5]}, "stop_token_ids", "greater than or equal to 0"),
+    ],
+)
+def test_request_field_combinations_openai_refuses(server, body, param, problem):
+    response = post(server.http, {"prompt": "a", "max_tokens": 2, **body})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and problem in error["message"], error
+
+
+@pytest.mark.parametrize(
+    ("content_type", "content"),
+    [("text/plain", b'{"prompt": "a"}'), ("application/x-www-form-urlencoded", b"prompt=a")],
+)
+def test_a_body_that_is_not_json_content_says_so(server, content_type, content):
+    """`curl -d` sends a form: the 400 says what the body must be, not only that it is not
+    a dictionary."""
+    headers = {"content-type": content_type}
+    response = server.http.post("/v1/completions", content=content, headers=headers)
+    assert response.status_code == 400
+    message = response.json()["error"]["message"]
+    assert "must be JSON" in message and "application/json" in message, message

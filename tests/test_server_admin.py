@@ -81,6 +81,41 @@ def test_api_key_guards_every_route_but_health_and_metrics(server, method, path)
     assert httpx.get(f"{server.url}/metrics").status_code == 200
 
 
+def test_the_bearer_scheme_is_case_insensitive_and_the_key_is_not(server):
+    """RFC 7235: an auth scheme is case-insensitive; clients do send `bearer`."""
+    for scheme in ("bearer", "BEARER", "Bearer"):
+        headers = {"authorization": f"{scheme} {KEY}"}
+        response = httpx.get(f"{server.url}/v1/models", headers=headers)
+        assert response.status_code == 200, (scheme, response.text)
+    for value in (f"Bearer {KEY.upper()}", f"Basic {KEY}", f"Bearer{KEY}", f"bearer {KEY} x"):
+        response = httpx.get(f"{server.url}/v1/models", headers={"authorization": value})
+        assert response.status_code == 401, value
+
+
+def test_401s_are_counted_under_their_route(server):
+    """A 401 is answered before routing; it is still counted under the route its path names,
+    `unmatched` only for a path no route serves."""
+    before = metrics(server)
+    requests = [
+        ("POST", "/v1/completions"),
+        ("POST", "/v1/completions"),
+        ("GET", f"/v1/models/{server.model}"),
+        ("GET", "/v1/completions"),  # the route, not its method
+        ("GET", "/no/such/path"),
+    ]
+    for method, path in requests:
+        assert httpx.request(method, f"{server.url}{path}", json={}).status_code == 401
+    after = metrics(server)
+
+    def grew(route: str) -> float:
+        name = f"moe_http_requests_total{{route={route},status=401}}"
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert grew("/v1/completions") == 3
+    assert grew("/v1/models/{model:path}") == 1
+    assert grew("unmatched") == 1
+
+
 def test_metrics_count_tokens_latencies_and_engine_state(server):
     before = metrics(server)
     assert server.http.post("/v1/completions", json=BODY).status_code == 200

@@ -140,3 +140,62 @@ def test_a_lone_surrogate_in_a_message_is_named_where_it_stands(server, content)
     assert response.status_code == 400, response.text
     message = response.json()["error"]["message"]
     assert message.startswith("messages.0.content") and "'\\ud800' at position 3" in message
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "n", "stream", "logprobs"])
+def test_null_is_the_default_of_a_nullable_openai_field(server, field):
+    body = {"messages": MESSAGES, "max_tokens": 4, "seed": 2, "ignore_eos": True}
+    plain = server.http.post(CHAT, json=body).json()["choices"]
+    nulled = server.http.post(CHAT, json={**body, field: None})
+    assert nulled.status_code == 200, nulled.text
+    assert nulled.json()["choices"] == plain
+
+
+def test_chat_openai_fields_with_values_that_change_nothing_are_accepted(server):
+    body = {"messages": MESSAGES, "max_tokens": 4, "seed": 2, "logprobs": True, "top_logprobs": 1}
+    no_ops = {
+        "user": "alice",
+        "frequency_penalty": 0.0,
+        "presence_penalty": 0,
+        "logit_bias": None,
+        "response_format": {"type": "text"},
+        "parallel_tool_calls": True,
+        "metadata": {},
+        "store": False,
+    }
+    plain = server.http.post(CHAT, json=body).json()["choices"]
+    given = server.http.post(CHAT, json={**body, **no_ops})
+    assert given.status_code == 200, given.text
+    assert given.json()["choices"] == plain
+    for field in ("best_of", "suffix"):  # completions' own: unknown here
+        error = server.http.post(CHAT, json={**body, field: None}).json()["error"]
+        assert error["param"] == field and "Extra inputs are not permitted" in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "problem"),
+    [
+        ("presence_penalty", 0.1, "is not supported"),
+        ("logit_bias", {"7": -100}, "is not supported"),
+        ("response_format", {"type": "json_object"}, "is not supported"),
+        ("store", True, "is not supported"),
+        ("metadata", {"run": "a"}, "is not supported"),
+        ("parallel_tool_calls", "yes", "is not supported"),
+        ("user", 5, "valid string"),
+        ("stream_options", {"include_usage": True}, "needs stream: true"),
+        ("stop", "", "must not be empty"),
+    ],
+)
+def test_chat_fields_it_cannot_honour_are_400s_naming_the_field(server, field, value, problem):
+    response = server.http.post(CHAT, json={"messages": MESSAGES, field: value})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == field and problem in error["message"], error
+
+
+def test_usage_chunk_carries_the_weight_version(server):
+    chunks = sse_events(
+        server.http, CHAT, {**BODY, "max_tokens": 2, "stream_options": {"include_usage": True}}
+    )
+    assert chunks[-1]["choices"] == [] and "usage" in chunks[-1]
+    assert all(chunk["weight_version"] == 0 for chunk in chunks)

@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import pytest
+from starlette.exceptions import HTTPException
 
-from launch.openai.errors import FieldError, UnknownModelError, error_body
+from launch.openai.errors import (
+    ContextLengthExceeded,
+    FieldError,
+    UnknownModelError,
+    error_body,
+    error_response,
+)
 from launch.server_app import create_app
 from moe_runtime.config import load_config
 from moe_runtime.engine.async_engine import EngineUnavailableError
@@ -16,7 +24,7 @@ from tests.invariance import TINY_CONFIG
 
 
 @pytest.mark.parametrize(
-    ("exc", "code", "kind", "param"),
+    ("exc", "status", "kind", "param"),
     [
         (
             FieldError("messages", "messages: prompt is empty"),
@@ -29,12 +37,25 @@ from tests.invariance import TINY_CONFIG
         (EngineUnavailableError("the engine is dead"), 503, "unavailable", None),
         (WorkerError("rank 1 failed"), 500, "internal_error", None),
         (RuntimeError("invalid prompt token"), 500, "internal_error", None),
+        (HTTPException(405, "Method Not Allowed"), 405, "invalid_request_error", None),
     ],
 )
-def test_status_by_exception_type(exc, code, kind, param):
-    error = error_body(exc)["error"]
-    assert (error["code"], error["type"], error["param"]) == (code, kind, param)
-    assert str(exc) in error["message"]
+def test_status_by_exception_type(exc, status, kind, param):
+    """The status is the response's; the body's `code` is OpenAI's, a string or null, never
+    the status."""
+    response = error_response(exc)
+    error = json.loads(response.body)["error"]
+    assert response.status_code == status
+    assert (error["code"], error["type"], error["param"]) == (None, kind, param)
+    assert str(exc.detail if isinstance(exc, HTTPException) else exc) in error["message"]
+
+
+def test_only_the_context_length_error_has_a_code():
+    exceeded = ContextLengthExceeded("max_tokens", "This model's maximum context length is 8")
+    error = error_body(exceeded)["error"]
+    assert (error["code"], error["param"]) == ("context_length_exceeded", "max_tokens")
+    assert error["message"] == "This model's maximum context length is 8"
+    assert error_response(exceeded).status_code == 400
 
 
 def test_every_engine_route_is_503_while_loading():

@@ -71,33 +71,45 @@ def test_expert_rows_count_each_routed_row(server, monkeypatch):
     assert after["moe_rank_load_ratio{rank=0}"] == 1.0
 
 
+OVER = "context_length_exceeded"  # OpenAI's code for it; every other 400 has a null code
 BAD = [
     (
         {"prompt": [7] * 1000, "max_tokens": 100},
         "max_tokens",
+        OVER,
         "This model's maximum context length is 1024 tokens; the prompt has 1000 tokens and "
         "max_tokens is 100 (1100 in all)",
     ),
-    ({"prompt": "x" * 1020}, "max_tokens", "the prompt has 1021 tokens"),  # bos + 1020 bytes
-    ({"prompt": ""}, "prompt", "non-empty"),
-    ({"prompt": [""]}, "prompt", "non-empty"),
-    ({"prompt": []}, "prompt", "non-empty"),
-    ({"prompt": [[]]}, "prompt", "non-empty"),
+    ({"prompt": "x" * 1020}, "max_tokens", OVER, "the prompt has 1021 tokens"),  # bos + 1020
+    ({"prompt": ""}, "prompt", None, "non-empty"),
+    ({"prompt": [""]}, "prompt", None, "non-empty"),
+    ({"prompt": []}, "prompt", None, "non-empty"),
+    ({"prompt": [[]]}, "prompt", None, "non-empty"),
 ]
 
 
-@pytest.mark.parametrize(("body", "param", "message"), BAD)
-def test_bad_prompts_are_400s_naming_the_param(server, body, param, message):
-    error = server.http.post("/v1/completions", json=body).json()["error"]
-    assert (error["code"], error["param"]) == (400, param)
+@pytest.mark.parametrize(("body", "param", "code", "message"), BAD)
+def test_bad_prompts_are_400s_naming_the_param(server, body, param, code, message):
+    response = server.http.post("/v1/completions", json=body)
+    error = response.json()["error"]
+    assert (response.status_code, error["code"], error["param"]) == (400, code, param)
     assert message in error["message"]
 
 
-def test_chat_budget_over_the_context_is_a_400(server):
-    body = {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": MAX_MODEL_LEN}
-    error = server.http.post("/v1/chat/completions", json=body).json()["error"]
-    assert (error["code"], error["param"]) == (400, "max_completion_tokens")
-    assert f"max_completion_tokens is {MAX_MODEL_LEN}" in error["message"]
+@pytest.mark.parametrize("param", ["max_completion_tokens", "max_tokens", "messages"])
+def test_chat_over_the_context_is_a_400_coded_context_length_exceeded(server, param):
+    """A budget past the context, or (no budget) a prompt that fills it and leaves no room."""
+    body = {"messages": [{"role": "user", "content": "hi"}], param: MAX_MODEL_LEN}
+    if param == "messages":
+        template = server.engine.tokenizer.apply_chat_template([{"role": "user", "content": ""}])
+        content = "x" * (MAX_MODEL_LEN - len(template))  # a byte a token
+        body = {"messages": [{"role": "user", "content": content}]}
+    response = server.http.post("/v1/chat/completions", json=body)
+    error = response.json()["error"]
+    assert (response.status_code, error["code"], error["param"]) == (400, OVER, param)
+    assert "maximum context length is" in error["message"]
+    if param != "messages":
+        assert f"{param} is {MAX_MODEL_LEN}" in error["message"]
 
 
 def test_every_response_is_counted_and_openai_shaped(server):
@@ -113,6 +125,7 @@ def test_every_response_is_counted_and_openai_shaped(server):
     assert [r.status_code for r in answers] == [400, 400, 404, 405, 404]
     for response in answers:
         assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+        assert response.json()["error"]["code"] is None
     after = scrape(server)
 
     def grew(route: str, status: int) -> float:

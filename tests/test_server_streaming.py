@@ -170,3 +170,12 @@ def test_openai_client_streams(server):
     (choice,) = merge_completion_chunks(chunks).values()
     whole = post(server.http, target).json()["choices"][0]
     assert http_fingerprint(choice) == http_fingerprint(whole)
+
+
+def test_usage_chunk_carries_the_weight_version(server):
+    """Every response carries `weight_version`; a stream's usage chunk is one of its chunks."""
+    body = {"prompt": "ab", "n": 2, "max_tokens": 2, "stream_options": {"include_usage": True}}
+    whole = post(server.http, {"prompt": "ab", "n": 2, "max_tokens": 2}).json()
+    chunks = sse_events(server.http, COMPLETIONS, body)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] > 0
+    assert [c["weight_version"] for c in chunks] == [whole["weight_version"]] * len(chunks)

@@ -6,7 +6,9 @@ field is known (its `param` names it), the engine's prompt checks. Statuses: 400
 draining, dead), the framework's own `HTTPException` its status (404 no such route, 405 no such
 method, 400 a body that is not UTF-8), 500 anything else (a worker failure). Never decided by
 a message's words.
-Bodies are OpenAI's {"error": {"message", "type", "param", "code"}}.
+Bodies are OpenAI's {"error": {"message", "type", "param", "code"}}: `code` is a string or
+null as in OpenAI's API (never the HTTP status), "context_length_exceeded" for a prompt and a
+budget past the context (`ContextLengthExceeded`), else null.
 """
 
 from __future__ import annotations
@@ -22,11 +24,19 @@ from moe_runtime.engine.async_engine import EngineUnavailableError
 
 
 class FieldError(ValueError):
-    """A bad value of the request field `param`."""
+    """A bad value of the request field `param`; `code` is OpenAI's error code for it."""
+
+    code: str | None = None
 
     def __init__(self, param: str, message: str) -> None:
         super().__init__(message)
         self.param = param
+
+
+class ContextLengthExceeded(FieldError):
+    """The prompt and the token budget `param` do not fit the context together."""
+
+    code = "context_length_exceeded"
 
 
 class UnknownModelError(FieldError):
@@ -48,11 +58,18 @@ _STATUS_BY_TYPE = (  # the first matching row wins
 )
 
 
-def error_body(exc: Exception) -> dict:
-    status, kind = next((status, kind) for t, status, kind in _STATUS_BY_TYPE if isinstance(exc, t))
+def error_status(exc: Exception) -> tuple[int, str]:
+    """(HTTP status, OpenAI error type) of an exception."""
     if isinstance(exc, HTTPException):  # raised before any route ran: its status is the answer
         status = exc.status_code
-        kind = "not_found_error" if status == 404 else "invalid_request_error"
+        return status, "not_found_error" if status == 404 else "invalid_request_error"
+    return next((status, kind) for t, status, kind in _STATUS_BY_TYPE if isinstance(exc, t))
+
+
+def error_body(exc: Exception) -> dict:
+    status, kind = error_status(exc)
+    code = exc.code if isinstance(exc, FieldError) else None
+    if isinstance(exc, HTTPException):
         message, param = str(exc.detail), None
     elif isinstance(exc, RequestValidationError):
         message, param = describe_validation(exc.errors())
@@ -60,12 +77,11 @@ def error_body(exc: Exception) -> dict:
         message, param = f"{type(exc).__name__}: {exc}", None
     else:
         message, param = str(exc), exc.param if isinstance(exc, FieldError) else None
-    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def error_response(exc: Exception) -> JSONResponse:
-    body = error_body(exc)
-    return ExactJSONResponse(body, status_code=body["error"]["code"])
+    return ExactJSONResponse(error_body(exc), status_code=error_status(exc)[0])
 
 
 async def answer(response: Awaitable[Response]) -> Response:
@@ -82,6 +98,8 @@ def describe_validation(errors: list[dict]) -> tuple[str, str | None]:
     if first.get("type") == "json_invalid":
         detail = (first.get("ctx") or {}).get("error", "")
         return f"malformed JSON body: {detail}".rstrip(": "), None
+    if isinstance(first.get("input"), bytes):  # FastAPI parses JSON content types only
+        return "the body must be JSON, sent with content-type: application/json", None
     messages, param = [], None
     for err in errors[:3]:
         loc = [str(part) for part in err.get("loc", ()) if part != "body"]

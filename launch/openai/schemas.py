@@ -1,18 +1,23 @@
 """OpenAI-compatible request schemas: every field checked here, before the engine sees it.
 
 Requests forbid unknown fields and coerce nothing (strict), so every mistake is a 400 whose
-message names the field. Sampling fields are shared by completions and chat completions and
-map onto `SamplingParams` in one place (`sampling_params`), which therefore cannot refuse
-them. No routes or responses here.
+message names the field. OpenAI's nullable fields take null as their default. OpenAI fields
+this server does not implement are accepted only with a value that changes no output (a zero
+penalty, an empty logit bias) and otherwise refused as not supported; `user` is accepted and
+ignored. Sampling fields are shared by completions and chat completions and map onto
+`SamplingParams` in one place (`sampling_params`), which therefore cannot refuse them. No
+routes or responses here.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import json
+from collections.abc import Callable
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator
 
-from launch.openai.errors import UnknownModelError
+from launch.openai.errors import FieldError, UnknownModelError
 from moe_runtime.sampling_params import SamplingParams
 from moe_runtime.seeds import MAX_SEED
 
@@ -22,6 +27,46 @@ MAX_N = 128
 # a request may not bring enough of them to slow the others (OpenAI allows 4).
 MAX_STOP_STRINGS = 32
 MAX_STOP_CHARS = 1024
+# Nullable OpenAI fields whose null means the field's default; `echo` is completions' own,
+# `logprobs` chat's (completions' logprobs default to null already).
+NULL_IS_DEFAULT = ("temperature", "top_p", "n", "stream", "echo", "logprobs")
+
+
+def _is_zero(value: Any) -> bool:
+    return value is None or (type(value) in (int, float) and value == 0)
+
+
+def _is_false(value: Any) -> bool:
+    return value is None or value is False
+
+
+def _is_empty(value: Any) -> bool:
+    return value is None or value == {}
+
+
+def _is_bool(value: Any) -> bool:
+    return value is None or isinstance(value, bool)
+
+
+def _is_text_format(value: Any) -> bool:
+    return value is None or value == {"type": "text"}
+
+
+# OpenAI fields that are not implemented: {field: (the values accepted, as the error names
+# them; a test of a value)}. Only values under which the output is what it is without the
+# field pass, so nothing a client asks for is silently dropped. `parallel_tool_calls` changes
+# nothing without tools, which are refused; `best_of` is checked against `n` on its own.
+NO_OP_VALUES: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "frequency_penalty": ("0 or null", _is_zero),
+    "presence_penalty": ("0 or null", _is_zero),
+    "logit_bias": ("null or {}", _is_empty),
+    "suffix": ("null", lambda value: value is None),
+    "response_format": ('{"type": "text"} or null', _is_text_format),
+    "parallel_tool_calls": ("true, false or null; no tools are supported", _is_bool),
+    "metadata": ("null or {}; nothing is stored", _is_empty),
+    "store": ("false or null; nothing is stored", _is_false),
+}
+TokenId = Annotated[StrictInt, Field(ge=0)]
 
 
 class _Strict(BaseModel):
@@ -43,11 +88,35 @@ class SamplingFields(_Strict):
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     n: int = Field(1, ge=1, le=MAX_N)
     stop: str | list[StrictStr] | None = None
-    stop_token_ids: list[StrictInt] | None = None
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
     return_routed_experts: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
+    user: str | None = None  # OpenAI's end-user id: accepted and ignored
+    frequency_penalty: Any = None
+    presence_penalty: Any = None
+    logit_bias: Any = None
+
+    @field_validator(*NULL_IS_DEFAULT, mode="before", check_fields=False)
+    @classmethod
+    def _null_is_default(cls, value: Any, info) -> Any:
+        return cls.model_fields[info.field_name].default if value is None else value
+
+    @field_validator(*NO_OP_VALUES, mode="before", check_fields=False)
+    @classmethod
+    def _no_op_only(cls, value: Any, info) -> Any:
+        accepted, is_no_op = NO_OP_VALUES[info.field_name]
+        if not is_no_op(value):
+            raise ValueError(f"{json.dumps(value)} is not supported (accepted: {accepted})")
+        return value
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(cls, value: StreamOptions | None, info) -> StreamOptions | None:
+        if value is not None and info.data.get("stream") is False:  # info.data: fields above
+            raise ValueError("needs stream: true")
+        return value
 
     @field_validator("top_k")
     @classmethod
@@ -60,6 +129,8 @@ class SamplingFields(_Strict):
     @classmethod
     def _few_short_stop_strings(cls, value: str | list[str] | None) -> str | list[str] | None:
         strings = [value] if isinstance(value, str) else value or []
+        if "" in strings:
+            raise ValueError("strings must not be empty")
         if len(strings) > MAX_STOP_STRINGS:
             raise ValueError(f"must hold at most {MAX_STOP_STRINGS} strings, got {len(strings)}")
         longest = max(map(len, strings), default=0)
@@ -73,9 +144,14 @@ class SamplingFields(_Strict):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def check_model(self, served: str) -> None:
-        if self.model is not None and self.model != served:
+    def check_served(self, model_name: str, vocab_size: int) -> None:
+        """Refuses another model's name and stop token ids outside the vocabulary."""
+        if self.model is not None and self.model != model_name:
             raise UnknownModelError(self.model)
+        for token_id in self.stop_token_ids or ():
+            if token_id >= vocab_size:
+                message = f"token id {token_id} is outside the vocabulary [0, {vocab_size})"
+                raise FieldError("stop_token_ids", f"stop_token_ids: {message}")
 
     def num_top_logprobs(self) -> int | None:
         raise NotImplementedError
@@ -102,6 +178,16 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
+    best_of: int | None = None
+    suffix: Any = None
+
+    @field_validator("best_of", mode="before")
+    @classmethod
+    def _best_of_is_n(cls, value: Any, info) -> Any:
+        n = info.data.get("n")  # absent when n itself is bad
+        if value is not None and n is not None and value != n:
+            raise ValueError(f"{json.dumps(value)} is not supported (accepted: null or n, {n})")
+        return value
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -165,6 +251,10 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    response_format: Any = None
+    parallel_tool_calls: Any = None
+    metadata: Any = None
+    store: Any = None
 
     @field_validator("top_logprobs")
     @classmethod
