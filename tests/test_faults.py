@@ -154,10 +154,10 @@ def _failing_call(engine, method: str):
     """engine.executor.call_all, but `method` raises as a dead rank's call does."""
     call_all = engine.executor.call_all
 
-    def call(name: str, *args):
+    def call(name: str, *args, **bounds):
         if name == method:
             raise WorkerError(f"rank 0 died during {name}: injected")
-        return call_all(name, *args)
+        return call_all(name, *args, **bounds)
 
     return call
 

@@ -18,6 +18,7 @@ import torch
 from eplb.placement import ExpertPlacement
 from eplb.policy import balancedness, load_per_rank, rebalance_experts
 from moe_runtime.config import RuntimeConfig
+from moe_runtime.executor import QUICK_CALL_TIMEOUT_S
 
 log = logging.getLogger("moe_runtime.eplb")
 
@@ -118,7 +119,7 @@ class ExpertBalancer:
 
     def _logical_load(self) -> torch.Tensor:
         """[L, E] int64 rows per logical expert over the window, summed over every rank."""
-        per_rank = self.executor.call_all("window_load")
+        per_rank = self.executor.call_all("window_load", timeout_s=QUICK_CALL_TIMEOUT_S)
         physical = torch.tensor(
             [sum(col, []) for col in zip(*per_rank, strict=True)], dtype=torch.int64
         )

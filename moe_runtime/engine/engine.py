@@ -24,7 +24,7 @@ from moe_runtime.engine.block_manager import BlockManager
 from moe_runtime.engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from moe_runtime.engine.request import Request, Sequence, SequenceStatus
 from moe_runtime.engine.scheduler import ScheduledChunk, Scheduler
-from moe_runtime.executor import WorkerError, create_executor
+from moe_runtime.executor import QUICK_CALL_TIMEOUT_S, WorkerError, create_executor
 from moe_runtime.sampling_params import SamplingParams
 from moe_runtime.seeds import resolve_seed
 from moe_runtime.tokenizer import load_tokenizer
@@ -104,8 +104,12 @@ class LLMEngine:
         p2l = self.balancer.placement.physical_to_logical.tolist()
         self.executor = self.balancer.executor = create_executor(self.config, p2l)
         if self._weights_source is not None:
-            self.executor.call_all("prepare_weights", self._weights_source)
-            self.executor.call_all("commit_weights")
+            try:
+                self.executor.call_all("prepare_weights", self._weights_source)
+                self.executor.call_all("commit_weights")
+            except BaseException:
+                self.executor.shutdown()  # its bundles and workers, free for the next rebuild
+                raise
         self._reset_queues()
         self.error = None
 
@@ -302,15 +306,15 @@ class LLMEngine:
         (dead, stalled) kills the engine, as a step would: it could not serve the next one."""
         self._check_alive()
         with self._fatal_on_error():
-            return self.executor.call_all("stats")
+            return self.executor.call_all("stats", timeout_s=QUICK_CALL_TIMEOUT_S)
 
     def check_workers(self) -> None:
-        """Every rank answers a cheap call within parallel.timeout_s (+30 s over Ray), or the
-        engine dies (WorkerError naming the rank) as if a step had found it: an idle server
-        learns of a dead rank before a request does."""
+        """Every rank answers a cheap call within QUICK_CALL_TIMEOUT_S, or the engine dies
+        (WorkerError naming the rank) as if a step had found it: an idle server learns of a
+        dead or stalled rank before a request does."""
         self._check_alive()
         with self._fatal_on_error():
-            self.executor.call_all("ping")
+            self.executor.call_all("ping", timeout_s=QUICK_CALL_TIMEOUT_S)
 
     def shutdown(self) -> None:
         self.executor.shutdown()

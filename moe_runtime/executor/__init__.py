@@ -11,6 +11,12 @@ from moe_runtime.config import RuntimeConfig
 from moe_runtime.executor.local import LocalExecutor
 from moe_runtime.worker.step_input import WorkerError
 
+# The bound of a call that runs no collective and little work (a ping, counters, the expert
+# load window): a live rank answers it in milliseconds, so a stalled one is found in seconds,
+# not after the collective timeout plus its margin (over two minutes by default) while
+# /health still says 200. Generous against a loaded machine's scheduling delays.
+QUICK_CALL_TIMEOUT_S = 10.0
+
 
 def create_executor(config: RuntimeConfig, physical_to_logical: list[list[int]]):
     """In-process for one rank; Ray actors for more (imported lazily: only the driver needs
@@ -22,4 +28,4 @@ def create_executor(config: RuntimeConfig, physical_to_logical: list[list[int]])
     return RayExecutor(config, physical_to_logical)
 
 
-__all__ = ["LocalExecutor", "WorkerError", "create_executor"]
+__all__ = ["QUICK_CALL_TIMEOUT_S", "LocalExecutor", "WorkerError", "create_executor"]

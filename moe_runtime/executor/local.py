@@ -19,12 +19,13 @@ class LocalExecutor:
     def execute(self, per_rank_inputs: list[StepInput]) -> list[StepOutput]:
         return [self.worker.execute(per_rank_inputs[0])]
 
-    def call(self, method: str, per_rank_args: list[tuple]) -> list:
-        """Run Worker.<method> on every rank with its own arguments; results in rank order."""
+    def call(self, method: str, per_rank_args: list[tuple], timeout_s: float | None = None) -> list:
+        """Run Worker.<method> on every rank with its own arguments; results in rank order.
+        timeout_s is the Ray executor's bound; a call in this process has none to keep."""
         return [getattr(self.worker, method)(*per_rank_args[0])]
 
-    def call_all(self, method: str, *args) -> list:
-        return self.call(method, [args])
+    def call_all(self, method: str, *args, timeout_s: float | None = None) -> list:
+        return self.call(method, [args], timeout_s)
 
     def shutdown(self) -> None:
         self.worker.shutdown()

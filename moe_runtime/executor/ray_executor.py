@@ -11,7 +11,10 @@ imports ray.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import re
 import time
 from collections import Counter
 
@@ -24,6 +27,8 @@ from comm.nccl_env import pinned_nccl_env
 from moe_runtime.config import RuntimeConfig
 from moe_runtime.worker.step_input import StepInput, StepOutput, WorkerError
 from moe_runtime.worker.worker import Worker
+
+log = logging.getLogger(__name__)
 
 _MARGIN_S = 30.0
 _STALL_GRACE_S = 3.0
@@ -46,9 +51,22 @@ class RayExecutor:
         self.timeout_s = parallel.timeout_s + _MARGIN_S
         self.num_steps = 0
         connect_ray(self.world_size)
+        self.workers: list = []
         self.placement_group = placement_group(
             _bundles(parallel.device, self.world_size), strategy="PACK"
         )
+        try:
+            self._start_workers(config, physical_to_logical)
+        except BaseException:
+            # A group that failed to start (a worker died or stalled in it, the cluster lacked
+            # room) must not keep its bundles and live workers: on a cluster sized to the
+            # world, the next rebuild would wait for them and fail, and so the one after.
+            self.shutdown()
+            raise
+
+    def _start_workers(self, config: RuntimeConfig, physical_to_logical: list[list[int]]) -> None:
+        """The placement group ready, a worker a rank in it, every rank joined."""
+        parallel = config.parallel
         self._get([self.placement_group.ready()], "placement group ready")
         actor_cls = ray.remote(Worker)
         # NCCL reads its settings at communicator creation: pin them in the actors' environment.
@@ -83,27 +101,32 @@ class RayExecutor:
         ]
         return self._get(refs, f"step {self.num_steps}")
 
-    def call(self, method: str, per_rank_args: list[tuple]) -> list:
-        """Worker.<method> on every rank at once (collective methods need that), rank order."""
+    def call(self, method: str, per_rank_args: list[tuple], timeout_s: float | None = None) -> list:
+        """Worker.<method> on every rank at once (collective methods need that), rank order;
+        bounded by timeout_s where given (a call with no collective in it: a live rank answers
+        at once), else by the collective timeout plus the margin."""
         refs = [
             getattr(w, method).remote(*args)
             for w, args in zip(self.workers, per_rank_args, strict=True)
         ]
-        return self._get(refs, method)
+        return self._get(refs, method, timeout_s)
 
-    def call_all(self, method: str, *args) -> list:
-        return self.call(method, [args] * self.world_size)
+    def call_all(self, method: str, *args, timeout_s: float | None = None) -> list:
+        return self.call(method, [args] * self.world_size, timeout_s)
 
     def kill_worker(self, rank: int) -> None:
         """Fault injection for tests: the actor dies as if its process crashed."""
         ray.kill(self.workers[rank], no_restart=True)
 
     def shutdown(self) -> None:
+        """Kill every worker and free the placement group; safe on a broken or half-started
+        group (a worker already dead, the group never ready)."""
         for worker in self.workers:
-            ray.kill(worker, no_restart=True)
+            with contextlib.suppress(Exception):
+                ray.kill(worker, no_restart=True)
         remove_placement_group(self.placement_group)
 
-    def _get(self, refs: list, what: str) -> list:
+    def _get(self, refs: list, what: str, timeout_s: float | None = None) -> list:
         """ray.get bounded by the timeout; the first failure is raised at once, naming its rank.
 
         Why not one ray.get: when one rank dies the others block in a collective until its
@@ -111,27 +134,30 @@ class RayExecutor:
         """
         rank_of = {ref: rank for rank, ref in enumerate(refs)}
         pending = list(refs)
-        deadline = time.monotonic() + self.timeout_s
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
         while pending:
             done, pending = ray.wait(
                 pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic())
             )
             if not done:
                 ranks = sorted(rank_of[ref] for ref in pending)
-                raise WorkerError(
-                    f"ranks {ranks} did not finish {what} within {self.timeout_s:.0f}s"
-                )
+                raise WorkerError(f"ranks {ranks} did not finish {what} within {timeout_s:.0f}s")
+            rank = rank_of[done[0]]
             try:
                 ray.get(done[0])
             except RayTaskError as exc:
                 if isinstance(exc.cause, ValueError):  # bad input, identical on every rank
-                    raise ValueError(f"rank {rank_of[done[0]]}: {exc.cause}") from exc
-                failure = f"rank {rank_of[done[0]]} failed during {what}: {exc}"
+                    raise ValueError(f"rank {rank}: {exc.cause}") from exc
+                log.error("rank %d failed during %s: %s", rank, what, exc)
+                failure = f"rank {rank} failed during {what}: {_cause(exc)}"
                 raise WorkerError(self._blame(pending, rank_of, what, failure)) from exc
-            except RayActorError as exc:
-                raise WorkerError(f"rank {rank_of[done[0]]} died during {what}: {exc}") from exc
+            except RayActorError as exc:  # its pid, node and actor ids go to the log only
+                log.error("rank %d died during %s: %s", rank, what, exc)
+                raise WorkerError(f"rank {rank} died during {what}") from exc
             except RayError as exc:
-                raise WorkerError(f"rank {rank_of[done[0]]} failed during {what}: {exc}") from exc
+                log.error("rank %d failed during %s: %s", rank, what, exc)
+                raise WorkerError(f"rank {rank} failed during {what}: {_cause(exc)}") from exc
         return ray.get(refs)
 
     @staticmethod
@@ -162,6 +188,19 @@ class RayExecutor:
                 f"peer failed waiting for them ({failure})"
             )
         return failure
+
+
+_ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+_MAX_CAUSE_CHARS = 300
+
+
+def _cause(exc: RayError) -> str:
+    """A worker failure for a client to read (it reaches error chunks and /health): the
+    original exception's type and the first line of its message, without Ray's colours,
+    traceback and ids, cut at _MAX_CAUSE_CHARS (the whole of it is logged)."""
+    cause = getattr(exc, "cause", None) or exc
+    text = _ANSI_ESCAPE.sub("", f"{type(cause).__name__}: {cause}").strip().splitlines()[0]
+    return text if len(text) <= _MAX_CAUSE_CHARS else text[: _MAX_CAUSE_CHARS - 3] + "..."
 
 
 def _bundles(device: str, world_size: int) -> list[dict[str, float]]:

@@ -1,0 +1,97 @@
+"""The Ray executor's failures: freed, bounded and readable.
+
+- A worker group that fails to start frees what it took: its placement group and its workers.
+  A rebuild after a fault starts a new group; when that start failed (a second fault, a rank
+  that cannot load), its bundles and live workers stayed, so on a cluster sized to the world
+  every later rebuild waited for them and failed, and the server gave up. Here a group whose
+  ranks cannot read their weights (a damaged safetensors file: the driver reads only
+  config.json) fails in its init; afterwards its placement group is removed (which ends the
+  workers placed in it; shutdown also kills them).
+- A rank stalled while the engine is idle is found by the idle check's ping within
+  QUICK_CALL_TIMEOUT_S, not after the collective timeout plus its margin.
+- A worker's exception reaches the client as its type and first line: no terminal colours, no
+  Ray traceback, pids or ids (those go to the log).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+
+import pytest
+
+from moe_runtime.config import load_config
+from moe_runtime.executor import QUICK_CALL_TIMEOUT_S, WorkerError, create_executor
+from tests.serving import write_checkpoint
+
+pytest.importorskip("transformers")
+
+
+def _held_groups(ray) -> set[str]:
+    return {
+        group_id
+        for group_id, info in ray.util.placement_group_table().items()
+        if info["state"] != "REMOVED"
+    }
+
+
+def test_a_group_that_fails_to_start_frees_its_bundles_and_workers(ray_local, tmp_path):
+    import ray
+
+    path = write_checkpoint(tmp_path / "ckpt", seed=1)
+    (tmp_path / "ckpt" / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{")
+    config = load_config(
+        {
+            "model": {"path": path},
+            "scheduler": {"max_model_len": 256},
+            "parallel": {"world_size": 2, "timeout_s": 5},
+        }
+    )
+    groups_before = _held_groups(ray)
+    p2l = [list(range(config.model.n_routed_experts))] * 2  # unused: init fails first
+    with pytest.raises(ValueError, match="not valid safetensors"):
+        create_executor(config, p2l)
+    deadline = time.monotonic() + 20  # the group's removal lands asynchronously
+    while (left := _held_groups(ray) - groups_before) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    # A removed placement group takes the workers placed in it down with it.
+    assert not left, f"the failed group's placement group is still held: {left}"
+
+
+def _two_ranks(timeout_s: float):
+    from moe_runtime import LLM
+    from tests.invariance import TINY_CONFIG
+
+    return LLM(TINY_CONFIG, **{"parallel.world_size": 2, "parallel.timeout_s": timeout_s})
+
+
+def test_a_rank_stalled_while_idle_is_found_within_the_quick_bound(ray_local):
+    """timeout_s 30: the collective bound plus its margin is 60 s; the ping's is 10 s."""
+    llm = _two_ranks(30)
+    engine = llm.engine
+    pids = engine.executor.call_all("pid")
+    os.kill(pids[1], signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        with pytest.raises(WorkerError, match=r"ranks \[1\] did not finish ping within 10s"):
+            engine.check_workers()
+        assert time.monotonic() - started < QUICK_CALL_TIMEOUT_S + 5
+        assert engine.error is not None, "the engine must die as if a step had found the rank"
+    finally:
+        os.kill(pids[1], signal.SIGCONT)
+        llm.shutdown()
+
+
+def test_a_worker_exception_reads_as_its_type_and_first_line(ray_local):
+    llm = _two_ranks(5)
+    try:
+        with pytest.raises(WorkerError) as failure:
+            llm.engine.executor.call_all("execute", None)  # every rank: AttributeError on None
+        message = str(failure.value)
+        assert re.search(r"rank [01] failed during execute: AttributeError: ", message), message
+        assert "\x1b" not in message and "pid=" not in message and "Traceback" not in message
+        assert len(message) < 1000, message
+    finally:
+        llm.shutdown()
