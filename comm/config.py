@@ -22,8 +22,11 @@ class ParallelConfig:
     backend: str = "auto"
     device: str = "cpu"
     timeout_s: float = 120.0
-    # Worker-group rebuilds the engine may make after a rank dies or stalls, before giving up.
+    # Worker-group rebuilds the engine may make after a rank dies or stalls, within any
+    # restart_window_s seconds, before giving up: rare faults over a long life are each rebuilt,
+    # a group that keeps failing is not rebuilt forever.
     max_restarts: int = 3
+    restart_window_s: float = 3600.0
     # Pre-reduce a token's expert outputs per rank before sending them back: fewer bytes, but
     # the sum order then depends on the placement. Off keeps the invariance contract.
     allow_multiple_reduction: bool = False
@@ -72,11 +75,12 @@ class ParallelConfig:
             raise ValueError(
                 f"parallel.max_restarts must be an int >= 0, got {self.max_restarts!r}"
             )
-        timeout = self.timeout_s
-        is_number = isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
-        if not (is_number and 0 < timeout < math.inf):
-            # Every collective and every call to a worker is bounded by it: never unbounded.
-            raise ValueError(f"parallel.timeout_s must be a finite number > 0, got {timeout!r}")
+        for key in ("timeout_s", "restart_window_s"):
+            value = getattr(self, key)
+            is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not (is_number and 0 < value < math.inf):
+                # timeout_s bounds every collective and every call to a worker: never unbounded.
+                raise ValueError(f"parallel.{key} must be a finite number > 0, got {value!r}")
 
     @property
     def dp_size(self) -> int:

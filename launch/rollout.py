@@ -68,7 +68,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 RAY_JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
 
 # Config keys left out of the settings record: they change no output bit in any mode.
-UNRECORDED_KEYS = frozenset({"server", "parallel.timeout_s", "parallel.max_restarts"})
+UNRECORDED_KEYS = frozenset(
+    {"server", "parallel.timeout_s", "parallel.max_restarts", "parallel.restart_window_s"}
+)
 # Left out too while the invariance contract holds (invariant kernels, no multiple reduction):
 # where rows run, how they are batched, cached, chunked and placed changes none of their bits
 # (README's config table). A key not named here is recorded, so a new one errs on refusing.

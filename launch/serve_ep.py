@@ -6,15 +6,17 @@
 
 Listens first (/health answers 503 while the engine loads), loads the engine and starts its
 AsyncEngine thread, prints "ready on http://host:port", then serves until SIGTERM or SIGINT: new
-connections are refused, requests in flight are answered (up to the drain timeout), the engine
-shuts down and the process exits 0. An engine that fails to load, or that gives up (its restarts
-exhausted) while serving, exits 1.
+connections are refused, requests in flight are answered (up to the drain timeout; the rest end
+with an error response), the engine shuts down (bounded even with a stalled rank) and the
+process exits 0. An engine that fails to load, or that gives up (its restarts exhausted) while
+serving, exits 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import signal
 import socket
 import sys
@@ -34,7 +36,10 @@ from moe_runtime.engine import LLMEngine  # noqa: E402
 from moe_runtime.engine.async_engine import AsyncEngine  # noqa: E402
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-GIVE_UP_POLL_S = 0.5
+STOP_POLL_S = 0.1  # uvicorn's own tick for should_exit
+# After the drain timeout, how long the requests the engine ended have to send their error
+# before uvicorn cancels what is left (a client that stopped reading).
+RESPONSE_GRACE_S = 2
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -77,20 +82,30 @@ async def load_engine(config) -> LLMEngine:
         reclaim_stop_signals()  # here, on the main thread: signal handlers can only be set there
 
 
-async def exit_when_given_up(server: uvicorn.Server, engine: AsyncEngine) -> None:
-    """Stop the server once the engine is dead for good (its restarts exhausted)."""
+async def stop_engine_with_server(
+    server: uvicorn.Server, engine: AsyncEngine, drain_timeout_s: float
+) -> None:
+    """Stop the server once the engine is dead for good (its restarts exhausted). Once the server
+    is stopping (a signal, or that), drain the engine alongside uvicorn's own graceful shutdown
+    and shut it down: requests still running at the drain timeout end with an error that their
+    responses send (a stream's error chunk and [DONE], a 503) before uvicorn's longer timeout
+    would cut them."""
     while not server.should_exit:
         if engine.has_given_up:
             log(f"error: the engine gave up: {engine.error}; exiting")
             server.should_exit = True
-            return
-        await asyncio.sleep(GIVE_UP_POLL_S)
+            break
+        await asyncio.sleep(STOP_POLL_S)
+    if not engine.has_given_up:
+        log(f"draining requests in flight (up to {drain_timeout_s:g}s)")
+    await asyncio.to_thread(engine.shutdown, drain_timeout_s)
 
 
 async def serve(
-    server: uvicorn.Server, sock: socket.socket, url: str, app, config
+    server: uvicorn.Server, sock: socket.socket, url: str, app, config, drain_timeout_s: float
 ) -> AsyncEngine | None:
-    """Serve; load the engine meanwhile. -> its AsyncEngine, or None if the engine failed."""
+    """Serve; load the engine meanwhile; drain and stop it with the server. -> its (stopped)
+    AsyncEngine, or None if the engine failed."""
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started and not task.done():
         await asyncio.sleep(0.02)  # uvicorn has no started event; this runs only at start-up
@@ -108,14 +123,23 @@ async def serve(
     log(f"engine loaded in {time.perf_counter() - started:.1f}s")
     if server.started and not server.should_exit:
         log(f"ready on {url}")
-    watcher = asyncio.create_task(exit_when_given_up(server, async_engine))
-    await task
-    watcher.cancel()
+    stopping = asyncio.create_task(stop_engine_with_server(server, async_engine, drain_timeout_s))
+    try:
+        await task
+    finally:
+        server.should_exit = True  # also when uvicorn ended by itself: the engine stops too
+        await stopping
     return async_engine
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if not (math.isfinite(args.drain_timeout_s) and args.drain_timeout_s >= 0):
+        print(
+            f"error: --drain-timeout-s must be a finite number >= 0, got {args.drain_timeout_s}",
+            file=sys.stderr,
+        )
+        return 2
     overrides = parse_overrides(args.set)
     if args.host is not None:
         overrides["server.host"] = args.host
@@ -137,24 +161,21 @@ def main(argv: list[str] | None = None) -> int:
     port = sock.getsockname()[1]
 
     app = create_app(config)
-    drain_s = max(1, round(args.drain_timeout_s))
+    graceful_s = math.ceil(args.drain_timeout_s) + RESPONSE_GRACE_S
     server = uvicorn.Server(
-        uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=drain_s)
+        uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=graceful_s)
     )
     # uvicorn re-raises a captured signal after its graceful shutdown; with these handlers
-    # installed first, that re-raise is a no-op and we go on to drain and stop the engine.
+    # installed first, that re-raise is a no-op and we go on to exit (the engine stopped with it).
     received: list[int] = []
     for sig in STOP_SIGNALS:
         signal.signal(sig, lambda signum, _frame: received.append(signum))
     shown_host = f"[{host}]" if ":" in host else host
-    engine = asyncio.run(serve(server, sock, f"http://{shown_host}:{port}", app, config))
+    url = f"http://{shown_host}:{port}"
+    engine = asyncio.run(serve(server, sock, url, app, config, args.drain_timeout_s))
     if engine is None:
         return 1
-    if not engine.has_given_up:
-        why = signal.Signals(received[0]).name if received else "server exit"
-        log(f"{why}: draining requests in flight (up to {args.drain_timeout_s:g}s)")
-    engine.shutdown(drain_timeout_s=args.drain_timeout_s)
-    log("stopped")
+    log(f"stopped ({signal.Signals(received[0]).name if received else 'server exit'})")
     return 1 if engine.has_given_up else 0
 
 

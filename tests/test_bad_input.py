@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -175,3 +177,14 @@ def test_cache_too_small_for_the_context_fails_at_start():
         ValueError, match=r"max_model_len=512 needs 32 KV blocks.*cache\.num_blocks"
     ):
         LLM(TINY_CONFIG, **{"cache.num_blocks": 8, "scheduler.max_model_len": 512})
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "inf"])
+def test_serve_ep_refuses_a_drain_timeout_that_is_not_a_finite_duration(value, capsys):
+    """Before any model load or port bind: exit 2 naming the flag (-1 served, then a SIGTERM
+    'drained for up to -1s')."""
+    from launch.serve_ep import main
+
+    config = str(Path(__file__).resolve().parent.parent / "launch/configs/tiny_cpu.yaml")
+    assert main(["--config", config, "--drain-timeout-s", value]) == 2
+    assert "--drain-timeout-s must be a finite number >= 0" in capsys.readouterr().err

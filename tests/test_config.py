@@ -355,6 +355,8 @@ def test_attention_group_splits_loads_below_64_heads_and_is_refused_from_64():
         ("parallel.timeout_s", "true", "a finite number"),
         ("parallel.world_size", "true", "an int"),  # Python counts a bool as the int 1
         ("parallel.max_restarts", "true", "an int"),
+        ("parallel.restart_window_s", "0", "a finite number > 0"),
+        ("parallel.restart_window_s", ".inf", "a finite number"),
         ("cache.enable_prefix_caching", "maybe", "true or false"),  # a word is truthy
         ("scheduler.enable_chunked_prefill", "1", "true or false"),
         ("eplb.enabled", "yes please", "true or false"),

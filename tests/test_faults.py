@@ -301,3 +301,23 @@ def _new_connection(url: str) -> str | int:
         return httpx.get(f"{url}/health", timeout=5).status_code
     except httpx.ConnectError:
         return "refused"
+
+
+def test_restarts_are_counted_within_the_restart_window():
+    """parallel.max_restarts rebuilds within parallel.restart_window_s, then the engine gives
+    up; rebuilds older than the window no longer count, so rare faults over a long life are
+    each rebuilt (the count never fell before: the fourth fault in days ended the server)."""
+    window_s = 1.0
+    llm = LLM(TINY_CONFIG, **{"parallel.max_restarts": 1, "parallel.restart_window_s": window_s})
+    engine = llm.engine
+    try:
+        engine.restart()
+        assert not engine.can_restart()
+        with pytest.raises(RuntimeError, match=r"gave up after parallel\.max_restarts=1 restarts "):
+            engine.restart()
+        time.sleep(window_s + 0.2)
+        assert engine.can_restart()
+        engine.restart()  # the first rebuild left the window
+        assert engine.num_restarts == 2  # the metric counts every rebuild since start
+    finally:
+        llm.shutdown()

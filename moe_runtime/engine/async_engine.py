@@ -5,11 +5,15 @@ rebalance, a weight update), adds queued submissions (all prompts or none), abor
 ones, steps, hands the deltas to `on_output` and resolves each Future with whole outputs. A
 bad prompt fails its Future with ValueError. A failure that kills the engine (a rank died or
 stalled) fails every pending Future at once, then the engine rebuilds its workers
-(`is_healthy` False meanwhile); after parallel.max_restarts rebuilds it gives up
+(`is_healthy` False meanwhile); after parallel.max_restarts rebuilds within
+parallel.restart_window_s it gives up
 (`has_given_up`). An engine idle for `server.health_check_interval_s` checks that every rank
 still answers (`LLMEngine.check_workers`), so a rank that died between requests is rebuilt
-before a request meets it. Request semantics are the engine's; this module only moves
-work between threads.
+before a request meets it. `shutdown` is bounded whatever the ranks do: requests still running
+at the drain timeout end with EngineUnavailableError, a fault seen while stopping rebuilds
+nothing, and a loop stuck in a call to a rank that does not answer has the workers killed under
+it (the one engine call made off the loop thread), which ends the call. Request semantics are
+the engine's; this module only moves work between threads.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from moe_runtime.engine.request import Request
 from moe_runtime.sampling_params import SamplingParams
 
 OutputCallback = Callable[[int, RequestOutput], None]  # (prompt index, delta)
+STOP_TIMEOUT_S = 2.0  # a healthy loop ends its step well inside this; a stuck one never does
 
 
 class EngineUnavailableError(RuntimeError):
@@ -107,15 +112,30 @@ class AsyncEngine:
             )
             return dataclasses.replace(self._stats, num_waiting=self._stats.num_waiting + queued)
 
-    def shutdown(self, drain_timeout_s: float = 30.0) -> None:
+    def shutdown(
+        self, drain_timeout_s: float = 30.0, stop_timeout_s: float = STOP_TIMEOUT_S
+    ) -> None:
         """Stop accepting, wait up to drain_timeout_s for requests in flight (the rest fail
-        with EngineUnavailableError), then shut the engine down. Safe to call more than once."""
+        with EngineUnavailableError), then stop the loop and shut the engine down. Returns
+        within about drain_timeout_s + 2 * stop_timeout_s: a loop still inside a call after
+        stop_timeout_s (a stalled rank) has its workers killed, which fails the call. Safe to
+        call more than once."""
         with self._cond:
             self._is_accepting = False
-            self._cond.wait_for(lambda: not self._live or self._error is not None, drain_timeout_s)
+            self._cond.wait_for(lambda: not self._live, drain_timeout_s)  # _die empties it too
             self._is_stopping = True
+            unfinished, self._live = list(self._live), set()
             self._cond.notify_all()
-        self._thread.join()
+        late = EngineUnavailableError(
+            f"the engine is shutting down: the request was still running when the drain "
+            f"timeout ({drain_timeout_s:g}s) passed"
+        )
+        for submission in unfinished:  # resolved here: the loop may be stuck in a step
+            _resolve(submission.future, late, None)
+        self._thread.join(stop_timeout_s)
+        if self._thread.is_alive():  # stuck in a call that only a rank's timeout would end
+            self._engine.shutdown()
+            self._thread.join(stop_timeout_s)
 
     def _put(self, item) -> None:
         with self._cond:
@@ -238,16 +258,20 @@ class AsyncEngine:
 
     def _die(self, error: BaseException) -> None:
         """The engine died: every pending request (streams included) ends with the error at
-        once, then the worker group is rebuilt, unhealthy meanwhile, until restarts run out."""
+        once, then the worker group is rebuilt, unhealthy meanwhile, until restarts run out;
+        never once stopping (a rebuild would outlast the drain, and nothing would use it)."""
         with self._cond:
             self._error = error
         for submission in self._snapshot():
             self._settle(submission, error)
         while True:
+            with self._cond:
+                if self._is_stopping:
+                    return
             try:
                 self._engine.restart()
             except Exception as exc:
-                if self._engine.num_restarts < self._engine.config.parallel.max_restarts:
+                if self._engine.can_restart():
                     continue  # this rebuild failed; the next one counts too
                 with self._cond:
                     self._error, self._given_up = exc, True

@@ -10,9 +10,11 @@ worker failure fails every request in flight and leaves the engine dead, never h
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import operator
+import time
 from pathlib import Path
 
 import numpy as np
@@ -69,7 +71,8 @@ class LLMEngine:
         self._reset_queues()
         self.balancer = ExpertBalancer(config, self.executor, placement)
         self._weights_source: str | dict | None = None  # the last update_weights source
-        self.num_restarts = 0
+        self.num_restarts = 0  # every rebuild since start (a metric)
+        self._restart_times: collections.deque[float] = collections.deque()  # monotonic
         self.error: str | None = None
         self.num_steps = 0
         self.weight_version = 0
@@ -90,15 +93,27 @@ class LLMEngine:
             for blocks in self.block_managers
         ]
 
+    def can_restart(self) -> bool:
+        """Whether fewer than parallel.max_restarts rebuilds fell in the last
+        parallel.restart_window_s seconds."""
+        window_start = time.monotonic() - self.config.parallel.restart_window_s
+        while self._restart_times and self._restart_times[0] < window_start:
+            self._restart_times.popleft()
+        return len(self._restart_times) < self.config.parallel.max_restarts
+
     def restart(self) -> None:
         """Rebuild a dead engine's worker group: new workers with the current expert placement
         and weights (the last update_weights source), fresh KV caches and queues. Requests in
-        flight were failed already. Raises RuntimeError after parallel.max_restarts rebuilds."""
-        if self.num_restarts >= self.config.parallel.max_restarts:
+        flight were failed already. Raises RuntimeError once parallel.max_restarts rebuilds
+        fell within parallel.restart_window_s."""
+        if not self.can_restart():
+            parallel = self.config.parallel
             raise RuntimeError(
-                f"gave up after parallel.max_restarts={self.num_restarts} restarts: {self.error}"
+                f"gave up after parallel.max_restarts={parallel.max_restarts} restarts within "
+                f"parallel.restart_window_s={parallel.restart_window_s:g}s: {self.error}"
             )
         self.num_restarts += 1
+        self._restart_times.append(time.monotonic())
         with contextlib.suppress(Exception):  # the old group is broken; free what is left
             self.executor.shutdown()
         p2l = self.balancer.placement.physical_to_logical.tolist()

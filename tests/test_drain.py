@@ -1,0 +1,239 @@
+"""The drain on SIGTERM is bounded whatever a rank does (README: "exits 0" after the drain).
+
+A stalled rank (SIGSTOP) blocks the engine thread in a step or in the idle check until a
+timeout, and a fault seen then used to rebuild the whole worker group before the process could
+stop. The bound asserted here is the drain timeout plus a few seconds; the requests still
+running at the drain timeout end readably: a stream with one error chunk and `data: [DONE]`, a
+whole request with a 503. World size 2 on a private Ray head (tests/ray_head.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from moe_runtime import LLM, SamplingParams
+from moe_runtime.engine.async_engine import AsyncEngine, EngineUnavailableError
+from moe_runtime.executor import WorkerError
+from tests.invariance import TINY_CONFIG
+
+ROOT = Path(__file__).resolve().parent.parent
+DRAIN_TIMEOUT_S = 2
+EXIT_BOUND_S = DRAIN_TIMEOUT_S + 7  # stop 2 s + kill 2 s at most, then the process's own exit
+# The collective timeout: a step on a stalled rank blocks well past the drain timeout, so the
+# requests are still in flight when it passes (and, before the fix, the exit waited for it).
+TIMEOUT_S = 8
+
+
+def test_shutdown_kills_the_workers_under_a_stuck_step_and_rebuilds_nothing():
+    """In process, no Ray: a step that would hang for 30 s ends when the executor is shut down
+    (as killing Ray actors ends a stuck ray.wait): shutdown returns soon after the drain timeout
+    and the stop timeout (2 s), the request in flight fails with the drain timeout, and the
+    failure that follows the kill rebuilds nothing."""
+    llm = LLM(TINY_CONFIG)
+    executor = llm.engine.executor
+    entered, killed = threading.Event(), threading.Event()
+
+    def hanging_step(per_rank_inputs):
+        entered.set()
+        killed.wait(30)
+        raise WorkerError("rank 0 died during step 1: killed")
+
+    def kill() -> None:
+        killed.set()
+        release()
+
+    release = executor.shutdown
+    executor.execute, executor.shutdown = hanging_step, kill
+    loop = AsyncEngine(llm.engine)
+    in_flight = loop.submit([[1, 2, 3]], [SamplingParams(max_tokens=400, ignore_eos=True)])
+    assert entered.wait(30)
+    stopping = threading.Thread(target=loop.shutdown, args=(0.5,), daemon=True)
+    started = time.monotonic()
+    stopping.start()
+    stopping.join(10)
+    killed.set()  # lets a hung shutdown finish after the assertion
+    assert not stopping.is_alive(), "shutdown waited for the stuck step"
+    assert time.monotonic() - started < 5
+    with pytest.raises(EngineUnavailableError, match=r"drain timeout \(0.5s\) passed"):
+        in_flight.result(timeout=0)
+    assert loop.stats().num_restarts == 0 and not loop.has_given_up
+
+
+@pytest.fixture
+def head(ray_head, monkeypatch):
+    """The private head, its dashboard the state API's (which reads RAY_ADDRESS, "local" in
+    the tests, before its own address argument)."""
+    monkeypatch.setenv("RAY_API_SERVER_ADDRESS", ray_head.dashboard_url)
+    return ray_head
+
+
+def test_sigterm_with_a_stalled_rank_ends_the_requests_and_exits_in_time(head):
+    """Two streams and a whole request in flight, a rank SIGSTOPped, then SIGTERM: at the drain
+    timeout the streams get an error chunk and [DONE], the whole request a 503, and the server
+    exits 0 within the bound, having started no second worker group."""
+    before = _worker_actor_ids()
+    with _serve_ep(head, [f"parallel.timeout_s={TIMEOUT_S}"]) as server:
+        url = server.url
+        long = {"prompt": [1, 2, 3], "max_tokens": 1000, "ignore_eos": True}
+        first_chunks = threading.Semaphore(0)
+        with ThreadPoolExecutor(3) as pool:
+            prompts = ([1, 2, 3], [4, 5])
+            streams = [
+                pool.submit(_stream, url, {**long, "prompt": p}, first_chunks) for p in prompts
+            ]
+            for _ in streams:
+                assert first_chunks.acquire(timeout=60), "a stream never started"
+            whole = pool.submit(httpx.post, f"{url}/v1/completions", json=long, timeout=60)
+            time.sleep(0.5)  # the whole request is queued in the engine
+            server.stall()
+            time.sleep(0.5)
+            elapsed = _sigterm(server)
+            ends = [s.result(timeout=10) for s in streams]
+            answer = whole.result(timeout=10)
+        assert elapsed < EXIT_BOUND_S, f"exited {elapsed:.1f}s after SIGTERM\n{server.output()}"
+    for end in ends:
+        assert end["error"]["type"] == "unavailable", end
+        assert f"drain timeout ({DRAIN_TIMEOUT_S}s) passed" in end["error"]["message"]
+    assert answer.status_code == 503, answer.text
+    assert "drain timeout" in answer.json()["error"]["message"]
+    assert len(_worker_actor_ids() - before) == 2, "a worker group was rebuilt"
+
+
+def test_sigterm_while_the_idle_check_waits_on_a_stalled_rank_exits_in_time(head):
+    """No request; a rank SIGSTOPped, so the idle check's ping blocks on it (up to its own
+    timeout, then a rebuild): SIGTERM must still exit 0 within the bound, rebuilding nothing."""
+    before = _worker_actor_ids()
+    overrides = [f"parallel.timeout_s={TIMEOUT_S}", "server.health_check_interval_s=0.5"]
+    with _serve_ep(head, overrides) as server:
+        server.stall()
+        time.sleep(1.5)  # past the check interval: a ping is waiting on the stalled rank
+        elapsed = _sigterm(server)
+        assert elapsed < EXIT_BOUND_S, f"exited {elapsed:.1f}s after SIGTERM\n{server.output()}"
+    assert len(_worker_actor_ids() - before) == 2, "a worker group was rebuilt"
+
+
+@contextlib.contextmanager
+def _serve_ep(head, overrides: list[str]):
+    """serve_ep at world size 2 on the private head with the drain timeout above, once ready:
+    proc, url, output() (its output so far) and stall() (SIGSTOP one of its ranks). Teardown
+    continues a stalled rank and kills the server if it still runs."""
+    command = [sys.executable, "launch/serve_ep.py", "--config", str(TINY_CONFIG), "--port", "0"]
+    command += ["--drain-timeout-s", str(DRAIN_TIMEOUT_S)]
+    for override in ["parallel.world_size=2", *overrides]:
+        command += ["--set", override]
+    before = _worker_actor_ids()
+    env = {**head.env, "RAY_ADDRESS": head.gcs_address}  # the private head, no other
+    proc = subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    lines: list[str] = []
+
+    def read() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    stalled: list[int] = []
+
+    def stall() -> None:
+        pid = _new_worker_pids(before)[-1]
+        stalled.append(pid)
+        os.kill(pid, signal.SIGSTOP)
+
+    try:
+        yield SimpleNamespace(
+            proc=proc,
+            url=_wait_ready(proc, lines),
+            output=lambda: "".join(lines)[-4000:],
+            stall=stall,
+        )
+    finally:
+        for pid in stalled:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        reader.join(timeout=5)
+
+
+def _wait_ready(proc: subprocess.Popen, lines: list[str], timeout_s: float = 120) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        ready = [line for line in list(lines) if "ready on " in line]
+        if ready:
+            return ready[0].split("ready on ", 1)[1].strip()
+        assert proc.poll() is None, "serve_ep exited:\n" + "".join(lines)
+        time.sleep(0.1)
+    raise AssertionError("serve_ep not ready:\n" + "".join(lines[-40:]))
+
+
+def _new_worker_pids(before: set[str]) -> list[int]:
+    """The pids of the two live Worker actors not in `before` (the server's ranks)."""
+    from ray.util.state import list_actors
+
+    deadline = time.monotonic() + 60
+    while True:
+        actors = list_actors(
+            filters=[("class_name", "=", "Worker"), ("state", "=", "ALIVE")],
+            detail=True,
+            raise_on_missing_output=False,
+        )
+        pids = [a.pid for a in actors if a.actor_id not in before and a.pid]
+        if len(pids) == 2:
+            return pids
+        assert time.monotonic() < deadline, f"the server's workers not found: {actors}"
+        time.sleep(0.5)
+
+
+def _sigterm(server) -> float:
+    """SIGTERM; asserts the exit code 0 of a drain; -> seconds from the signal to the exit."""
+    server.proc.send_signal(signal.SIGTERM)
+    started = time.monotonic()
+    returncode = server.proc.wait(timeout=120)
+    elapsed = time.monotonic() - started
+    assert returncode == 0, server.output()
+    return elapsed
+
+
+def _worker_actor_ids() -> set[str]:
+    """Every Worker actor the head has started, dead or alive."""
+    from ray.util.state import list_actors
+
+    actors = list_actors(
+        filters=[("class_name", "=", "Worker")],
+        limit=10_000,
+        raise_on_missing_output=False,
+    )
+    return {a.actor_id for a in actors}
+
+
+def _stream(url: str, body: dict, first_chunk: threading.Semaphore) -> dict:
+    """A streamed completion that must end with an error chunk then data: [DONE]: the error."""
+    events = []
+    with httpx.Client(base_url=url, timeout=60) as http:
+        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+            assert response.status_code == 200, response.read()
+            for line in response.iter_lines():
+                if line == "data: [DONE]":
+                    assert events and "error" in events[-1], events[-1:]
+                    return events[-1]
+                if line.startswith("data: "):
+                    events.append(json.loads(line[len("data: ") :]))
+                    if len(events) == 1:
+                        first_chunk.release()
+    raise AssertionError(f"the stream ended without data: [DONE] after {len(events)} chunks")
