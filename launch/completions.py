@@ -83,7 +83,7 @@ async def chat(
     backend = ready(backend)
     body.check_served(config.server.model_name, config.model.vocab_size)
     tokenizer = backend.tokenizer
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    messages = [m.template_fields() for m in body.messages]
     prompt_ids = tokenizer.apply_chat_template(messages)
     max_model_len, budget = config.scheduler.max_model_len, body.token_budget()
     room = max(1, max_model_len - len(prompt_ids))  # too long fails below

@@ -1,14 +1,22 @@
 """Chat templates: messages -> prompt text, rendered with Jinja2 in a sandbox.
 
-A model directory's tokenizer_config.json may carry a `chat_template` (HF's Jinja format,
-rendered with `messages`, `add_generation_prompt=True`, `bos_token` and `eos_token`). Without
-one, `DEFAULT_CHAT_TEMPLATE` is used: each message as `<|role|>` on its own line followed by its
-content and a newline, then `<|assistant|>` and a newline for the reply.
+A model directory's tokenizer_config.json may carry a `chat_template` (HF's Jinja format), or,
+as transformers now saves it, a `chat_template.jinja` file beside it. It is rendered as
+transformers renders it: with `messages` (each message's fields as given), `add_generation_prompt
+=True`, `tools` and `documents` None (tool calls are not supported), the tokenizer's special
+token strings (`bos_token`, `eos_token`, `pad_token`, ...), `raise_exception`, Jinja's loop
+controls (`{% break %}`, `{% continue %}`) and a `tojson` that keeps non-ASCII text and key order.
+Not given: `strftime_now` (a prompt would change with the date, so the same request would not
+give the same bits from one day to the next; a template that checks for it takes its own
+fallback). Without a template, `DEFAULT_CHAT_TEMPLATE` is used: each message as `<|role|>` on its
+own line followed by its content and a newline, then `<|assistant|>` and a newline.
 """
 
 from __future__ import annotations
 
+import json
 from functools import lru_cache
+from typing import Any
 
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -21,28 +29,47 @@ DEFAULT_CHAT_TEMPLATE = (
 )
 
 
+def _raise_exception(message: str) -> None:
+    raise TemplateError(message)
+
+
+def _tojson(
+    value: Any, ensure_ascii: bool = False, indent=None, separators=None, sort_keys=False
+) -> str:
+    """transformers' tojson: Jinja's own escapes HTML and non-ASCII and sorts keys."""
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
 @lru_cache(maxsize=8)
-def _compile(template: str):
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-
-    def raise_exception(message: str) -> None:
-        raise TemplateError(message)
-
-    env.globals["raise_exception"] = raise_exception
-    return env.from_string(template)
+def compile_chat_template(template: str):
+    """The compiled template; ValueError naming the problem if it is not valid Jinja."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.globals["raise_exception"] = _raise_exception
+    env.filters["tojson"] = _tojson
+    try:
+        return env.from_string(template)
+    except TemplateError as exc:
+        raise ValueError(f"the chat template is not valid Jinja: {exc}") from None
 
 
 def render_chat(
-    template: str, messages: list[dict[str, str]], bos_token: str = "", eos_token: str = ""
+    template: str, messages: list[dict[str, Any]], **special_tokens: str | list[str]
 ) -> str:
-    """The prompt text for `messages` ([{"role", "content"}]); ValueError if the template
-    rejects them."""
+    """The prompt text for `messages` ([{"role", "content", ...}]); ValueError if the template
+    rejects them or fails on them (any exception it raises: a bad message is a bad request)."""
+    compiled = compile_chat_template(template)
     try:
-        return _compile(template).render(
+        return compiled.render(
             messages=messages,
             add_generation_prompt=True,
-            bos_token=bos_token,
-            eos_token=eos_token,
+            tools=None,
+            documents=None,
+            **special_tokens,
         )
-    except TemplateError as exc:
-        raise ValueError(f"messages: the chat template failed: {exc}") from None
+    except Exception as exc:  # raise_exception's TemplateError, or the template's own bug
+        detail = str(exc) if isinstance(exc, TemplateError) else f"{type(exc).__name__}: {exc}"
+        raise ValueError(f"messages: the chat template failed: {detail}") from None

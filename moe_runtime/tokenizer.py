@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from moe_runtime.chat_template import DEFAULT_CHAT_TEMPLATE, render_chat
+from moe_runtime.chat_template import DEFAULT_CHAT_TEMPLATE, compile_chat_template, render_chat
 from moe_runtime.model.hf_config import read_json_object
 from moe_runtime.model_config import ModelConfig
 
@@ -65,10 +65,26 @@ class HFTokenizer:
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
         settings = _read_tokenizer_config(model_dir / "tokenizer_config.json")
-        self.has_chat_template = bool(settings.get("chat_template"))
-        self.chat_template = settings.get("chat_template") or DEFAULT_CHAT_TEMPLATE
+        template, source, self._template_problem = _chat_template(model_dir, settings)
+        self.has_chat_template = bool(template)
+        self.chat_template = template or DEFAULT_CHAT_TEMPLATE
+        try:
+            compile_chat_template(self.chat_template)
+        except ValueError as exc:
+            raise ValueError(f"{source}: {exc}") from None
         self.bos_token = self._special_text(settings.get("bos_token"), bos_token_id)
         self.eos_token = self._special_text(settings.get("eos_token"), eos_token_id)
+        # What transformers gives a template besides bos and eos: the other special strings.
+        self._special_tokens = {
+            key: text
+            for key in _OTHER_SPECIAL_TOKENS
+            if (text := self._special_text(settings.get(key), None))
+        }
+        additional = settings.get("additional_special_tokens")
+        if isinstance(additional, list):
+            self._special_tokens["additional_special_tokens"] = [
+                self._special_text(t, None) for t in additional
+            ]
         self._is_byte_level = _has_byte_level_decoder(read_json_object(tokenizer_file))
 
     def encode(self, text: str) -> list[int]:
@@ -96,9 +112,16 @@ class HFTokenizer:
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of the prompt for `messages`. The model's own template writes its special
         tokens itself (no bos added); the default template is encoded like any text."""
+        if self._template_problem is not None:
+            raise ValueError(f"messages: {self._template_problem}")
         if not self.has_chat_template:
             return self.encode(render_chat(self.chat_template, messages))
-        text = render_chat(self.chat_template, messages, self.bos_token, self.eos_token)
+        specials = {
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            **self._special_tokens,
+        }
+        text = render_chat(self.chat_template, messages, **specials)
         return self._tokenizer.encode(text, add_special_tokens=False).ids
 
     def _special_text(self, configured, token_id: int | None) -> str:
@@ -148,12 +171,37 @@ def load_tokenizer(model_config: ModelConfig) -> ByteTokenizer | HFTokenizer:
     return ByteTokenizer(model_config.vocab_size, bos, eos)
 
 
+_OTHER_SPECIAL_TOKENS = ("unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+
+
 def _read_tokenizer_config(path: Path) -> dict:
-    if not path.is_file():
-        return {}
-    settings = read_json_object(path)
+    return read_json_object(path) if path.is_file() else {}
+
+
+def _chat_template(model_dir: Path, settings: dict) -> tuple[str | None, str, str | None]:
+    """(the model's chat template or None, the file it came from, why chat cannot be served
+    or None). tokenizer_config.json's `chat_template` (a string, or a list of named templates:
+    the one named "default"), else `chat_template.jinja` (where transformers saves it now)."""
+    config_file = str(model_dir / "tokenizer_config.json")
     template = settings.get("chat_template")
-    if isinstance(template, list):  # [{"name": ..., "template": ...}]: the default one
+    if isinstance(template, list):  # [{"name": ..., "template": ...}]
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        settings["chat_template"] = named.get("default") or next(iter(named.values()), None)
-    return settings
+        if "default" not in named:  # transformers refuses to guess too
+            names = sorted(map(str, named))
+            problem = f"{config_file} holds chat templates {names} and none named 'default'"
+            return None, config_file, problem
+        template = named["default"]
+    if template is not None and not isinstance(template, str):
+        raise ValueError(
+            f"{config_file}: chat_template must be a string or a list of named templates, "
+            f"got {type(template).__name__}"
+        )
+    if template:
+        return template, config_file, None
+    jinja_file = model_dir / "chat_template.jinja"
+    if jinja_file.is_file():
+        try:
+            return jinja_file.read_text(encoding="utf-8"), str(jinja_file), None
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{jinja_file} is not UTF-8 text: {exc}") from None
+    return None, config_file, None

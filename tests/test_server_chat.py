@@ -199,3 +199,16 @@ def test_usage_chunk_carries_the_weight_version(server):
     )
     assert chunks[-1]["choices"] == [] and "usage" in chunks[-1]
     assert all(chunk["weight_version"] == 0 for chunk in chunks)
+
+
+def test_a_message_name_reaches_the_template():
+    """transformers hands a template each message whole: `name` too (templates that name
+    speakers write it); it was dropped."""
+    from launch.openai.schemas import ChatMessage
+
+    named = ChatMessage(role="user", content=[{"type": "text", "text": "hi"}], name="bob")
+    assert named.template_fields() == {"role": "user", "content": "hi", "name": "bob"}
+    assert ChatMessage(role="user", content="hi").template_fields() == {
+        "role": "user",
+        "content": "hi",
+    }

@@ -242,6 +242,12 @@ class ChatMessage(_Strict):
             return self.content
         return "".join(part.text for part in self.content)
 
+    def template_fields(self) -> dict[str, str]:
+        """The message as the chat template reads it: role, content (text parts joined) and
+        `name` when given (templates that name speakers write it)."""
+        fields = {"role": self.role, "content": self.text()}
+        return fields if self.name is None else {**fields, "name": self.name}
+
 
 class ChatCompletionRequest(SamplingFields):
     """/v1/chat/completions; `max_tokens` (or `max_completion_tokens`) defaults to the room

@@ -1,0 +1,111 @@
+"""Chat prompts against transformers' `apply_chat_template`, the outside reference: the same
+token ids for templates that use what transformers gives a template (loop controls, its
+`tojson`, `tools` None, the special-token strings, a message's `name`), read from
+tokenizer_config.json or from `chat_template.jinja` (where transformers saves it now), and the
+same refusals. The tokenizer is a byte-level BPE trained here with special tokens added; the
+templates are written for this test in the style of real ones.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from moe_runtime.tokenizer import HFTokenizer
+
+transformers = pytest.importorskip("transformers")
+
+SPECIAL = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>"}
+TEMPLATES = {
+    "loop_controls": (
+        "{{ bos_token }}{% for m in messages %}"
+        "{% if m['role'] == 'system' %}{% continue %}{% endif %}"
+        "<User>{{ m['content'] | trim }}{{ eos_token }}"
+        "{% if loop.index >= 2 %}{% break %}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<Assistant>{% endif %}"
+    ),
+    "tojson": (
+        "{{ bos_token }}{{ messages | tojson }}{{ messages[0] | tojson(indent=2) }}<Assistant>"
+    ),
+    "tools_none": (
+        "{% if tools is not none %}[TOOLS]{{ tools }}[/TOOLS]{% endif %}"
+        "{% if documents is not none %}[DOCS]{% endif %}"
+        "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}<Assistant>"
+    ),
+    "other_specials": "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{{ pad_token }}"
+    "{{ unk_token }}{% endfor %}<Assistant>",
+    "named_speakers": (
+        "{% for m in messages %}{% if m.name %}{{ m.name }}: {% endif %}"
+        "<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<Assistant>"
+    ),
+}
+MESSAGES = [
+    {"role": "system", "content": "you are helpful"},
+    {"role": "user", "content": '  héllo wörld 日本 <Assistant> "quoted" & <b>  ', "name": "bob"},
+    {"role": "assistant", "content": "hello"},
+    {"role": "user", "content": "and you?"},
+]
+
+
+def _tokenizer_dir(directory, settings: dict, jinja: str | None = None):
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tokenizer.train_from_iterator(["hello world you are helpful and you"] * 20, trainer)
+    tokenizer.add_special_tokens(["<bos>", "<eos>", "<pad>", "<unk>", "<User>", "<Assistant>"])
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({**SPECIAL, **settings}))
+    if jinja is not None:
+        (directory / "chat_template.jinja").write_text(jinja)
+    return directory
+
+
+def _reference_ids(directory) -> list[int]:
+    reference = transformers.AutoTokenizer.from_pretrained(str(directory))
+    return list(reference.apply_chat_template(MESSAGES, add_generation_prompt=True)["input_ids"])
+
+
+@pytest.mark.parametrize("where", ["tokenizer_config", "chat_template_jinja"])
+@pytest.mark.parametrize("name", TEMPLATES)
+def test_prompt_ids_equal_transformers(tmp_path, name, where):
+    template = TEMPLATES[name]
+    if where == "tokenizer_config":
+        directory = _tokenizer_dir(tmp_path, {"chat_template": template})
+    else:  # a directory saved by transformers: the template in its own file
+        directory = _tokenizer_dir(tmp_path, {}, jinja=template)
+    ours = HFTokenizer(directory, bos_token_id=None, eos_token_id=None)
+    assert ours.has_chat_template, "engagement: the model's template, not the default"
+    assert ours.apply_chat_template(MESSAGES) == _reference_ids(directory)
+
+
+def test_named_templates_without_a_default_are_refused_as_transformers_does(tmp_path):
+    named = [{"name": "rag", "template": "R"}, {"name": "tool_use", "template": "T"}]
+    directory = _tokenizer_dir(tmp_path, {"chat_template": named})
+    with pytest.raises(ValueError, match=r"chat templates \['rag', 'tool_use'\] and none named"):
+        HFTokenizer(directory, None, None).apply_chat_template(MESSAGES)
+    reference = transformers.AutoTokenizer.from_pretrained(str(directory))
+    with pytest.raises(ValueError):
+        reference.apply_chat_template(MESSAGES)
+    with_default = [*named, {"name": "default", "template": "D{{ messages[0]['role'] }}"}]
+    directory = _tokenizer_dir(tmp_path, {"chat_template": with_default})
+    assert HFTokenizer(directory, None, None).apply_chat_template(MESSAGES) == _reference_ids(
+        directory
+    )
+
+
+def test_a_template_that_fails_is_a_refusal_naming_the_error(tmp_path):
+    """A template's own bug (a TypeError here) on a message is a ValueError, not a crash."""
+    directory = _tokenizer_dir(tmp_path, {"chat_template": "{{ messages[0]['content'] + 1 }}"})
+    with pytest.raises(ValueError, match=r"the chat template failed: TypeError"):
+        HFTokenizer(directory, None, None).apply_chat_template(MESSAGES)
+
+
+def test_a_template_that_is_not_jinja_is_refused_at_load_naming_its_file(tmp_path):
+    directory = _tokenizer_dir(tmp_path, {}, jinja="{% for m in messages %}unclosed")
+    with pytest.raises(ValueError, match=r"chat_template\.jinja: the chat template is not valid"):
+        HFTokenizer(directory, None, None)
