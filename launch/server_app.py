@@ -76,7 +76,7 @@ def create_app(config: RuntimeConfig, backend: Backend | None = None) -> FastAPI
                 return error_response(AuthenticationError("missing or wrong API key"))
             return await call_next(request)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: probes that read the status only
     async def health() -> Response:
         backend = app.state.backend
         if backend is None:

@@ -121,6 +121,7 @@ def test_openai_client_text_and_token_prompts(server, reference):
 def test_health_and_models(server):
     health = server.http.get("/health")
     assert health.status_code == 200 and health.json()["status"] == "ok"
+    assert server.http.head("/health").status_code == 200  # probes that send HEAD (was 405)
     models = server.http.get("/v1/models").json()
     assert [m["id"] for m in models["data"]] == [server.model]
 
