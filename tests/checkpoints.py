@@ -97,3 +97,18 @@ def rewrite_checkpoint(
     state = load_file(str(src / "model.safetensors"))
     save_file(tensors(state) if tensors else state, str(dst / "model.safetensors"))
     return dst
+
+
+def write_byte_level_bpe(directory, corpus: str, special_tokens: tuple[str, ...] = ()) -> None:
+    """A byte-level BPE tokenizer.json (the kind DeepSeek's models ship) trained on `corpus`:
+    a character it never saw is one token a byte; `special_tokens` added after training."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=alphabet)
+    tokenizer.train_from_iterator([corpus] * 20, trainer)
+    tokenizer.add_special_tokens(list(special_tokens))
+    tokenizer.save(str(Path(directory) / "tokenizer.json"))

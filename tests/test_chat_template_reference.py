@@ -11,9 +11,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from moe_runtime.tokenizer import HFTokenizer
+from tests.checkpoints import write_byte_level_bpe
 
 transformers = pytest.importorskip("transformers")
 
@@ -50,15 +50,8 @@ MESSAGES = [
 
 
 def _tokenizer_dir(directory, settings: dict, jinja: str | None = None):
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tokenizer.train_from_iterator(["hello world you are helpful and you"] * 20, trainer)
-    tokenizer.add_special_tokens(["<bos>", "<eos>", "<pad>", "<unk>", "<User>", "<Assistant>"])
-    tokenizer.save(str(directory / "tokenizer.json"))
+    specials = ("<bos>", "<eos>", "<pad>", "<unk>", "<User>", "<Assistant>")
+    write_byte_level_bpe(directory, "hello world you are helpful and you", specials)
     (directory / "tokenizer_config.json").write_text(json.dumps({**SPECIAL, **settings}))
     if jinja is not None:
         (directory / "chat_template.jinja").write_text(jinja)

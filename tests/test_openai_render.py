@@ -8,25 +8,19 @@ trained here (characters it never saw are split into byte tokens) and a byte-fal
 from __future__ import annotations
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models
 
 from launch.openai.render import TextOffsets, chat_logprobs, completion_logprobs
 from moe_runtime.engine.outputs import CompletionOutput
 from moe_runtime.tokenizer import ByteTokenizer, HFTokenizer
+from tests.checkpoints import write_byte_level_bpe
 
 TEXT = "héllo wörld 日本 ñ€x"
 
 
 def _byte_level_bpe(directory) -> HFTokenizer:
     """Trained on ASCII words only: é, ö, 日, 本, ñ and € become one token a byte."""
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tokenizer.train_from_iterator(["hello world hllo wrld x"] * 20, trainer)
-    tokenizer.save(str(directory / "tokenizer.json"))
+    write_byte_level_bpe(directory, "hello world hllo wrld x")
     return HFTokenizer(directory, bos_token_id=None, eos_token_id=None)
 
 
