@@ -9,6 +9,7 @@ tokens, and build chat prompts with `apply_chat_template`. No model code here.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -85,7 +86,10 @@ class HFTokenizer:
             self._special_tokens["additional_special_tokens"] = [
                 self._special_text(t, None) for t in additional
             ]
-        self._is_byte_level = _has_byte_level_decoder(read_json_object(tokenizer_file))
+        decoder = self._tokenizer.decoder  # its JSON spec is its pickled state
+        self._is_byte_level = decoder is not None and _is_byte_level(
+            json.loads(decoder.__getstate__())
+        )
 
     def encode(self, text: str) -> list[int]:
         ids = self._tokenizer.encode(text, add_special_tokens=False).ids
@@ -148,11 +152,9 @@ _BYTE_OF_CHAR = _byte_alphabet()
 _BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
-def _has_byte_level_decoder(spec: dict) -> bool:
-    """Whether tokenizer.json's decoder (or one in its sequence) is ByteLevel."""
-    decoder = spec.get("decoder")
-    if not isinstance(decoder, dict):
-        return False
+def _is_byte_level(decoder: dict) -> bool:
+    """Whether a decoder's spec (tokenizer.json's "decoder") is ByteLevel or a sequence
+    holding one."""
     parts = decoder.get("decoders") if decoder.get("type") == "Sequence" else [decoder]
     return any(isinstance(d, dict) and d.get("type") == "ByteLevel" for d in parts or ())
 
