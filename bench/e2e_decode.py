@@ -227,6 +227,12 @@ def main() -> None:
     parser.add_argument(
         "--no-pdl", action="store_true", help="launch without PDL (moe_kernels/triton_pdl.py)"
     )
+    parser.add_argument(
+        "--no-gc-freeze",
+        action="store_true",
+        help="--engine: leave start-up's objects in the cyclic collector's view (serve_ep "
+        "freezes them: moe_runtime/heap.py)",
+    )
     args = parser.parse_args()
     if args.no_pdl:
         triton_pdl.ENABLED = False

@@ -19,6 +19,7 @@ import triton
 
 from bench.hbm_floor import copy_bandwidth, decode_step_bytes
 from launch.cli import parse_overrides
+from moe_runtime import heap
 from moe_runtime.config import RuntimeConfig, load_config
 from moe_runtime.engine import LLMEngine
 from moe_runtime.sampling_params import SamplingParams
@@ -147,24 +148,63 @@ def bench_engine_decode(
     return DecodeRun(block_ms, first_context + (timed - 1) / 2, num_fill_steps)
 
 
+class CollectorPauses:
+    """Python's cyclic collections while registered: (generation, ms) of each one of them."""
+
+    def __init__(self) -> None:
+        self.pauses: list[tuple[int, float]] = []
+        self._start = 0.0
+
+    def __enter__(self) -> CollectorPauses:
+        gc.callbacks.append(self._on_collect)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._on_collect)
+
+    def _on_collect(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.pauses.append((info["generation"], (time.perf_counter() - self._start) * 1e3))
+
+    def summary(self) -> str:
+        full = [ms for generation, ms in self.pauses if generation == 2]
+        longest = max((ms for _, ms in self.pauses), default=0.0)
+        return (
+            f"{len(self.pauses)} collections, the longest {longest:.1f} ms; "
+            f"{len(full)} full ({sum(full):.1f} ms)"
+        )
+
+
 def bench_engine_mode(cfg: RuntimeConfig, notes: list[str], args, rng: np.random.Generator) -> dict:
     start = time.perf_counter()
     engine = LLMEngine(cfg)
     start_s = time.perf_counter() - start
+    # As serve_ep and the rollout tool run it: start-up's objects out of the collector's view.
+    num_frozen = 0 if args.no_gc_freeze else heap.freeze()
     label = cfg.kernels.mode + (" +graphs" if cfg.kernels.cuda_graphs else "")
-    print(f"\n{label}: engine start {start_s:.1f} s" + "".join(f"; {n}" for n in notes))
+    print(
+        f"\n{label}: engine start {start_s:.1f} s; {num_frozen} objects frozen"
+        + "".join(f"; {n}" for n in notes)
+    )
     try:
-        prefill = bench_engine_prefill(engine, args, rng)
-        decode = {}
-        for num_seqs in args.batches:
-            run = decode[num_seqs] = bench_engine_decode(engine, num_seqs, args, rng)
-            graphs = cfg.kernels.cuda_graphs and num_seqs <= max(cfg.kernels.cuda_graph_batch_sizes)
-            print(
-                f"  decode B={num_seqs}: {spread(run.block_ms)} ms/step over {args.repeats} "
-                f"blocks of {args.decode_steps} ({'graphs' if graphs else 'eager'}); "
-                f"fill {run.num_fill_steps} steps, mean context {run.mean_context:.0f}"
-            )
+        with CollectorPauses() as collections:
+            prefill = bench_engine_prefill(engine, args, rng)
+            decode = {}
+            for num_seqs in args.batches:
+                run = decode[num_seqs] = bench_engine_decode(engine, num_seqs, args, rng)
+                graphs = cfg.kernels.cuda_graphs and num_seqs <= max(
+                    cfg.kernels.cuda_graph_batch_sizes
+                )
+                print(
+                    f"  decode B={num_seqs}: {spread(run.block_ms)} ms/step over {args.repeats} "
+                    f"blocks of {args.decode_steps} ({'graphs' if graphs else 'eager'}); "
+                    f"fill {run.num_fill_steps} steps, mean context {run.mean_context:.0f}"
+                )
+        print(f"  Python's collector over the run: {collections.summary()}")
     finally:
+        gc.unfreeze()  # the engine's cycles collectable again, for the next mode's engine
         engine.shutdown()
         del engine
         gc.collect()

@@ -38,7 +38,7 @@ from launch.rollout_io import (  # noqa: E402
     read_samples,
     record_settings,
 )
-from moe_runtime import LLM, RequestOutput  # noqa: E402
+from moe_runtime import LLM, RequestOutput, heap  # noqa: E402
 from moe_runtime.config import RuntimeConfig  # noqa: E402
 
 
@@ -112,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as exc:  # RowError is a ValueError
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    heap.freeze()  # no full collection of start-up's objects in the run (moe_runtime/heap.py)
     settings = _run_settings(llm.config, args, defaults, rows.sha256)
     try:
         if done:

@@ -31,6 +31,7 @@ import uvicorn  # noqa: E402
 from launch.cli import add_override_argument, parse_overrides  # noqa: E402
 from launch.generation import Backend  # noqa: E402
 from launch.server_app import create_app  # noqa: E402
+from moe_runtime import heap  # noqa: E402
 from moe_runtime.config import load_config  # noqa: E402
 from moe_runtime.engine import LLMEngine  # noqa: E402
 from moe_runtime.engine.async_engine import AsyncEngine  # noqa: E402
@@ -120,7 +121,10 @@ async def serve(
         return None
     async_engine = AsyncEngine(engine)
     app.state.backend = Backend(async_engine, engine.tokenizer)
-    log(f"engine loaded in {time.perf_counter() - started:.1f}s")
+    # Start-up's objects out of the cyclic collector: no full collection of them stalls the
+    # requests (moe_runtime/heap.py; a rebuild thaws them and freezes again).
+    num_frozen = heap.freeze()
+    log(f"engine loaded in {time.perf_counter() - started:.1f}s ({num_frozen} objects frozen)")
     if server.started and not server.should_exit:
         log(f"ready on {url}")
     stopping = asyncio.create_task(stop_engine_with_server(server, async_engine, drain_timeout_s))

@@ -81,6 +81,7 @@ def test_engine_bench_smoke_on_cpu():
     assert "| decode ctx 16 | 1 |" in out and "| decode ctx 16 | 2 |" in out
     assert "| prefill 8x16 |" in out
     assert "cpu copy ceiling" in out and "engine start: invariant" in out
+    assert "objects frozen" in out and "Python's collector over the run: " in out
 
 
 def test_profile_grid_table_groups_kernels_by_launch_shape():

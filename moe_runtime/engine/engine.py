@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from moe_runtime import heap
 from moe_runtime.config import RuntimeConfig
 from moe_runtime.config_fields import is_int
 from moe_runtime.engine.balancer import ExpertBalancer, RebalanceError, initial_placement
@@ -54,20 +55,14 @@ class ContextLengthError(ValueError):
 class LLMEngine:
     def __init__(self, config: RuntimeConfig) -> None:
         self.config = config
-        cache = config.cache
         self.tokenizer = load_tokenizer(config.model)
         placement = initial_placement(config)
         self.executor = create_executor(config, placement.physical_to_logical.tolist())
-        # Found at start-up when cache.num_blocks is 0 (sized from free GPU memory): every DP
-        # rank's scheduler assumes the smallest cache any worker holds.
-        self.num_kv_blocks = min(self.executor.call_all("num_kv_blocks"))
-        needed = -(-config.scheduler.max_model_len // cache.block_size)
-        if needed > self.num_kv_blocks:
-            self.executor.shutdown()
-            raise ValueError(
-                f"a sequence of scheduler.max_model_len={config.scheduler.max_model_len} needs "
-                f"{needed} KV blocks; the cache holds {self.num_kv_blocks} (cache.num_blocks)"
-            )
+        try:
+            self.num_kv_blocks = self._count_kv_blocks()
+        except BaseException:
+            self.executor.shutdown()  # a group this engine will not use frees its workers
+            raise
         self._reset_queues()
         self.balancer = ExpertBalancer(config, self.executor, placement)
         self._weights_source: str | dict | None = None  # the last update_weights source
@@ -78,6 +73,21 @@ class LLMEngine:
         self.weight_version = 0
         self._next_seq_id = 0
         self._request_ids = itertools.count()
+
+    def _count_kv_blocks(self) -> int:
+        """The KV blocks every DP rank's scheduler may use: the smallest cache any worker of
+        the group holds (found by the workers when cache.num_blocks is 0: sized from free GPU
+        memory, so a rebuilt group may hold another count). ValueError if a sequence of
+        scheduler.max_model_len does not fit."""
+        num_blocks = min(self.executor.call_all("num_kv_blocks"))
+        max_len = self.config.scheduler.max_model_len
+        needed = -(-max_len // self.config.cache.block_size)
+        if needed > num_blocks:
+            raise ValueError(
+                f"a sequence of scheduler.max_model_len={max_len} needs {needed} KV blocks; the "
+                f"cache holds {num_blocks} (cache.num_blocks)"
+            )
+        return num_blocks
 
     def _reset_queues(self) -> None:
         cache = self.config.cache
@@ -114,17 +124,23 @@ class LLMEngine:
             )
         self.num_restarts += 1
         self._restart_times.append(time.monotonic())
-        with contextlib.suppress(Exception):  # the old group is broken; free what is left
-            self.executor.shutdown()
-        p2l = self.balancer.placement.physical_to_logical.tolist()
-        self.executor = self.balancer.executor = create_executor(self.config, p2l)
-        if self._weights_source is not None:
+        # At world size 1 the old model lives in this process: a frozen heap would keep it.
+        with heap.thawed():
+            with contextlib.suppress(Exception):  # the old group is broken; free what is left
+                self.executor.shutdown()
+            p2l = self.balancer.placement.physical_to_logical.tolist()
+            self.executor = self.balancer.executor = create_executor(self.config, p2l)
             try:
-                self.executor.call_all("prepare_weights", self._weights_source)
-                self.executor.call_all("commit_weights")
+                # The new group's caches, sized afresh where cache.num_blocks is 0 (the old
+                # group's memory may not all be back): the schedulers follow its count.
+                num_kv_blocks = self._count_kv_blocks()
+                if self._weights_source is not None:
+                    self.executor.call_all("prepare_weights", self._weights_source)
+                    self.executor.call_all("commit_weights")
             except BaseException:
-                self.executor.shutdown()  # its bundles and workers, free for the next rebuild
+                self.executor.shutdown()  # its bundles and workers, free for the next one
                 raise
+        self.num_kv_blocks = num_kv_blocks
         self._reset_queues()
         self.error = None
 

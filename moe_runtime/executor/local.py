@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import gc
+
+import torch
+
 from moe_runtime.config import RuntimeConfig
-from moe_runtime.worker.step_input import StepInput, StepOutput
+from moe_runtime.worker.step_input import StepInput, StepOutput, WorkerError
 from moe_runtime.worker.worker import Worker
 
 
@@ -13,19 +17,34 @@ class LocalExecutor:
             raise ValueError(
                 f"LocalExecutor runs one rank, parallel.world_size is {config.parallel.world_size}"
             )
-        self.worker = Worker(config, rank=0)
+        self.worker: Worker | None = Worker(config, rank=0)
         self.worker.init("127.0.0.1", 0, physical_to_logical)
 
+    def _rank(self) -> Worker:
+        if self.worker is None:
+            raise WorkerError("rank 0 is shut down")
+        return self.worker
+
     def execute(self, per_rank_inputs: list[StepInput]) -> list[StepOutput]:
-        return [self.worker.execute(per_rank_inputs[0])]
+        return [self._rank().execute(per_rank_inputs[0])]
 
     def call(self, method: str, per_rank_args: list[tuple], timeout_s: float | None = None) -> list:
         """Run Worker.<method> on every rank with its own arguments; results in rank order.
         timeout_s is the Ray executor's bound; a call in this process has none to keep."""
-        return [getattr(self.worker, method)(*per_rank_args[0])]
+        return [getattr(self._rank(), method)(*per_rank_args[0])]
 
     def call_all(self, method: str, *args, timeout_s: float | None = None) -> list:
         return self.call(method, [args], timeout_s)
 
     def shutdown(self) -> None:
-        self.worker.shutdown()
+        """Shut the rank down and let go of it: its model, KV cache and graphs are freed here,
+        so a rebuild's new rank sizes its cache (cache.num_blocks 0) from memory they no longer
+        hold. Later calls raise WorkerError."""
+        worker, self.worker = self.worker, None
+        if worker is None:
+            return
+        worker.shutdown()
+        del worker
+        gc.collect()  # the model's reference cycles (modules, graphs)
+        if torch.cuda.is_initialized():
+            torch.cuda.empty_cache()  # free to mem_get_info, not only to this allocator

@@ -52,6 +52,7 @@ class RayExecutor:
         self.num_steps = 0
         connect_ray(self.world_size)
         self.workers: list = []
+        self.num_frozen: list[int] = []  # objects each rank's process froze after its init
         self.placement_group = placement_group(
             _bundles(parallel.device, self.world_size), strategy="PACK"
         )
@@ -86,6 +87,9 @@ class RayExecutor:
         # Collective: every rank joins the rendezvous, so all init calls go out together.
         p2l = ray.put(physical_to_logical)
         self._get([w.init.remote(master_addr, master_port, p2l) for w in self.workers], "init")
+        # Each actor is a process of the runtime's own: its model and torch's objects leave
+        # the cyclic collector's view (moe_runtime/heap.py), so no full collection stalls a step.
+        self.num_frozen = self._get([w.freeze_heap.remote() for w in self.workers], "freeze_heap")
 
     def execute(self, per_rank_inputs: list[StepInput]) -> list[StepOutput]:
         self.num_steps += 1

@@ -26,6 +26,7 @@ from comm.groups import destroy_process_groups, init_process_groups
 from eplb.placement import ExpertPlacement
 from eplb.rearrange import rearrange_experts
 from moe_kernels import build_op_table, pin_threads
+from moe_runtime import heap
 from moe_runtime.config import RuntimeConfig
 from moe_runtime.model.deepseek import TORCH_DTYPES
 from moe_runtime.model.loader import (
@@ -80,6 +81,11 @@ class Worker:
     def pid(self) -> int:
         """This worker's process id (fault-injection tests signal it)."""
         return os.getpid()
+
+    def freeze_heap(self) -> int:
+        """Keep this process's start-up objects out of the cyclic collector (moe_runtime/heap.py):
+        for a worker in a process of its own (a Ray actor), after init; -> objects frozen."""
+        return heap.freeze()
 
     def ping(self) -> int:
         """This worker's rank: the cheap call the engine makes to check an idle worker lives."""
