@@ -109,3 +109,26 @@ def test_load_statistics_count_every_row(world_size):
     k = llm.config.model.num_experts_per_tok
     per_layer = [sum(sum(rank[layer]) for rank in loads) for layer in range(len(loads[0]))]
     assert per_layer == [tokens * k] * len(per_layer)
+
+
+def test_a_forced_rebalance_with_no_load_since_the_last_keeps_the_placement():
+    """Each move starts the load window afresh, so a second forced rebalance with no request
+    in between planned from zero load: the start-up placement, undoing the first move, and
+    reported balancedness 1.0 -> 1.0. It is now skipped, naming why."""
+    llm = LLM(TINY_CONFIG, **{"parallel.world_size": 2, "eplb.num_redundant_experts": 2})
+    try:
+        llm.generate(mixed_prompts(6, 10, 40, seed=5), mixed_params(6, 8))
+        first = llm.rebalance()
+        assert not first["skipped"] and first["experts_moved"] > 0  # engagement: it moved
+        placement = llm.engine.balancer.placement.physical_to_logical.clone()
+        balancedness = llm.engine.balancer.last_balancedness
+        second = llm.rebalance()
+        assert second["skipped"] and second["experts_moved"] == 0, second
+        assert second["reason"] == "no expert load recorded since the last rebalance"
+        assert llm.engine.balancer.placement.physical_to_logical.equal(placement)
+        assert llm.engine.balancer.last_balancedness == balancedness
+        llm.generate(mixed_prompts(6, 10, 40, seed=6), mixed_params(6, 8))
+        third = llm.rebalance()  # load again: a plan from it
+        assert not third["skipped"], third
+    finally:
+        llm.shutdown()

@@ -71,11 +71,15 @@ class ExpertBalancer:
             "seconds": 0.0,
             "skipped": False,
         }
-        if self.num_moe_layers == 0 or (
-            not force and before >= self.config.eplb.balancedness_threshold
-        ):
+        # No rows since the last move (each move starts the window afresh): a plan from zero
+        # load is the start-up placement, so even a forced rebalance would undo the last one.
+        has_load = bool(logical_load.any())
+        if not has_load or (not force and before >= self.config.eplb.balancedness_threshold):
             report.update(skipped=True, seconds=time.perf_counter() - started)
-            self.last_balancedness = before
+            if has_load:
+                self.last_balancedness = before
+            else:
+                report["reason"] = "no expert load recorded since the last rebalance"
             self.history.append(report)
             return report
         new_p2l = self._plan(logical_load)
