@@ -7,7 +7,8 @@ bad prompt fails its Future with ValueError. A failure that kills the engine (a 
 stalled) fails every pending Future at once, then the engine rebuilds its workers
 (`is_healthy` False meanwhile); after parallel.max_restarts rebuilds within
 parallel.restart_window_s it gives up
-(`has_given_up`). An engine idle for `server.health_check_interval_s` checks that every rank
+(`has_given_up`), and at once where the served weights' source changed since they were read
+(WeightsChangedError: a rebuild would serve other weights under the same version). An engine idle for `server.health_check_interval_s` checks that every rank
 still answers (`LLMEngine.check_workers`), so a rank that died between requests is rebuilt
 before a request meets it. `shutdown` is bounded whatever the ranks do: requests still running
 at the drain timeout end with EngineUnavailableError, a fault seen while stopping rebuilds
@@ -29,6 +30,7 @@ from typing import Any
 from moe_runtime.engine.engine import LLMEngine
 from moe_runtime.engine.outputs import EngineStats, RequestOutput
 from moe_runtime.engine.request import Request
+from moe_runtime.engine.weights_source import WeightsChangedError
 from moe_runtime.sampling_params import SamplingParams
 
 OutputCallback = Callable[[int, RequestOutput], None]  # (prompt index, delta)
@@ -271,7 +273,7 @@ class AsyncEngine:
             try:
                 self._engine.restart()
             except Exception as exc:
-                if self._engine.can_restart():
+                if self._engine.can_restart() and not isinstance(exc, WeightsChangedError):
                     continue  # this rebuild failed; the next one counts too
                 with self._cond:
                     self._error, self._given_up = exc, True

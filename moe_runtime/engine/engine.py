@@ -27,6 +27,7 @@ from moe_runtime.engine.block_manager import BlockManager
 from moe_runtime.engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from moe_runtime.engine.request import Request, Sequence, SequenceStatus
 from moe_runtime.engine.scheduler import ScheduledChunk, Scheduler
+from moe_runtime.engine.weights_source import WeightsChangedError, WeightsSource
 from moe_runtime.executor import QUICK_CALL_TIMEOUT_S, WorkerError, create_executor
 from moe_runtime.sampling_params import SamplingParams
 from moe_runtime.seeds import resolve_seed
@@ -56,6 +57,8 @@ class LLMEngine:
     def __init__(self, config: RuntimeConfig) -> None:
         self.config = config
         self.tokenizer = load_tokenizer(config.model)
+        # Stamped before the workers read it: a rebuild checks that it still holds these weights.
+        self._weights = WeightsSource.of(config.model.path)
         placement = initial_placement(config)
         self.executor = create_executor(config, placement.physical_to_logical.tolist())
         try:
@@ -65,7 +68,6 @@ class LLMEngine:
             raise
         self._reset_queues()
         self.balancer = ExpertBalancer(config, self.executor, placement)
-        self._weights_source: str | dict | None = None  # the last update_weights source
         self.num_restarts = 0  # every rebuild since start (a metric)
         self._restart_times: collections.deque[float] = collections.deque()  # monotonic
         self.error: str | None = None
@@ -122,6 +124,14 @@ class LLMEngine:
                 f"gave up after parallel.max_restarts={parallel.max_restarts} restarts within "
                 f"parallel.restart_window_s={parallel.restart_window_s:g}s: {self.error}"
             )
+        changed = self._weights.changed()
+        if changed is not None:
+            raise WeightsChangedError(
+                f"cannot rebuild the worker group with weight_version {self.weight_version}'s "
+                f"weights: {changed} (other weights under the same version would give other "
+                f"bits); restart the server, or keep a checkpoint directory unchanged while "
+                f"it is served: {self.error}"
+            )
         self.num_restarts += 1
         self._restart_times.append(time.monotonic())
         # At world size 1 the old model lives in this process: a frozen heap would keep it.
@@ -134,8 +144,8 @@ class LLMEngine:
                 # The new group's caches, sized afresh where cache.num_blocks is 0 (the old
                 # group's memory may not all be back): the schedulers follow its count.
                 num_kv_blocks = self._count_kv_blocks()
-                if self._weights_source is not None:
-                    self.executor.call_all("prepare_weights", self._weights_source)
+                if self.weight_version > 0:  # an update's weights, not model.path's
+                    self.executor.call_all("prepare_weights", self._weights.source)
                     self.executor.call_all("commit_weights")
             except BaseException:
                 self.executor.shutdown()  # its bundles and workers, free for the next one
@@ -292,6 +302,11 @@ class LLMEngine:
         source = str(source) if isinstance(source, Path) else source
         if isinstance(source, str) and not Path(source).is_dir():
             raise ValueError(f"update_weights: {source!r} is not a checkpoint directory")
+        try:
+            weights = WeightsSource.of(source)  # stamped before any rank reads it
+        except OSError as exc:
+            raise ValueError(f"update_weights: {source!r} cannot be read: {exc}") from exc
+        source = weights.source
         # Two phases: every rank reads and checks its part; only when all have, every rank
         # copies it in. A refusal in phase 1 changes nothing anywhere.
         try:
@@ -305,7 +320,7 @@ class LLMEngine:
             raise
         with self._fatal_on_error():  # failing mid-copy leaves mixed weights: the engine dies
             self.executor.call_all("commit_weights")
-        self._weights_source = source
+        self._weights = weights
         for blocks in self.block_managers:
             blocks.clear_cache()
         self.weight_version += 1
