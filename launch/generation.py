@@ -98,6 +98,7 @@ class Generation:
                 "choices": [c for i, whole in enumerate(outputs) for c in choices(i, whole)],
                 "usage": usage(num_in, num_out),
                 "weight_version": max(whole.weight_version for whole in outputs),
+                "first_weight_version": min(whole.first_weight_version for whole in outputs),
             }
         )
 
@@ -108,6 +109,7 @@ class Generation:
         mid-stream is sent as one error chunk. A client that leaves aborts the submission."""
         num_in: dict[int, int] = {}
         num_out = weight_version = 0
+        first_weight_version: int | None = None
         try:
             item = self._first
             while item is not _END:
@@ -115,15 +117,26 @@ class Generation:
                 num_in[prompt_idx] = len(delta.prompt_token_ids)
                 num_out += sum(len(out.token_ids) for out in delta.outputs)
                 weight_version = max(weight_version, delta.weight_version)
+                first_weight_version = min(
+                    delta.first_weight_version, first_weight_version or delta.first_weight_version
+                )
+                versions = {
+                    "weight_version": delta.weight_version,
+                    "first_weight_version": delta.first_weight_version,
+                }
                 for choice in choices(prompt_idx, delta):
-                    yield sse({**head, "choices": [choice], "weight_version": delta.weight_version})
+                    yield sse({**head, "choices": [choice], **versions})
                 item = await self._queue.get()
             self.future.result()  # raises the submission's error if it failed
-            if include_usage:  # the weight version as the whole body's: its outputs' newest
+            if include_usage:  # the weight versions as the whole body's: newest, oldest first
                 totals = usage(sum(num_in.values()), num_out)
-                yield sse(
-                    {**head, "choices": [], "usage": totals, "weight_version": weight_version}
-                )
+                versions = {
+                    "weight_version": weight_version,
+                    "first_weight_version": weight_version
+                    if first_weight_version is None
+                    else first_weight_version,
+                }
+                yield sse({**head, "choices": [], "usage": totals, **versions})
         except Exception as exc:
             yield sse(error_body(exc))
         finally:

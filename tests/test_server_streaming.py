@@ -179,3 +179,9 @@ def test_usage_chunk_carries_the_weight_version(server):
     chunks = sse_events(server.http, COMPLETIONS, body)
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] > 0
     assert [c["weight_version"] for c in chunks] == [whole["weight_version"]] * len(chunks)
+    firsts = [c["first_weight_version"] for c in chunks]  # no update while they ran
+    assert (
+        firsts
+        == [whole["first_weight_version"]] * len(chunks)
+        == [whole["weight_version"]] * len(chunks)
+    )

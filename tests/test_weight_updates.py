@@ -153,3 +153,27 @@ def test_one_yarn_model_saved_in_both_spellings_updates_and_another_factor_does_
     assert _generate(llm, prompts) == before
     with pytest.raises(ValueError, match="config.json has rope_scaling=.*'factor': 2.0"):
         llm.update_weights(other)
+
+
+def test_a_request_across_an_update_reports_both_versions(checkpoints):
+    """A weight update while a request runs: its later tokens come from the new weights over KV
+    of the old, equal to neither version's alone; its output said only the newest version, so a
+    trainer took the sample as wholly on-policy for it. first_weight_version now says where the
+    request began."""
+    first, second = checkpoints
+    llm = LLM({"model": {"path": first}, "scheduler": {"max_model_len": 256}})
+    engine = llm.engine
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    across = engine.add_request([4, 5, 6], params)
+    engine.step()
+    engine.step()
+    assert len(across.samples[0].output_token_ids) >= 1  # engagement: tokens before the update
+    engine.update_weights(second)
+    after = engine.add_request([4, 5, 6], params)
+    while engine.has_unfinished():
+        engine.step()
+    mixed, fresh = engine.output(across), engine.output(after)
+    assert (mixed.first_weight_version, mixed.weight_version) == (0, 1)
+    assert (fresh.first_weight_version, fresh.weight_version) == (1, 1)
+    assert mixed.token_ids != fresh.token_ids  # control: the update reached the running request
+    llm.shutdown()

@@ -6,10 +6,10 @@ ones, steps, hands the deltas to `on_output` and resolves each Future with whole
 bad prompt fails its Future with ValueError. A failure that kills the engine (a rank died or
 stalled) fails every pending Future at once, then the engine rebuilds its workers
 (`is_healthy` False meanwhile); after parallel.max_restarts rebuilds within
-parallel.restart_window_s it gives up
-(`has_given_up`), and at once where the served weights' source changed since they were read
-(WeightsChangedError: a rebuild would serve other weights under the same version). An engine idle for `server.health_check_interval_s` checks that every rank
-still answers (`LLMEngine.check_workers`), so a rank that died between requests is rebuilt
+parallel.restart_window_s it gives up (`has_given_up`), and at once where the served weights'
+source changed since they were read (WeightsChangedError: a rebuild would serve other weights
+under the same version). An engine idle for `server.health_check_interval_s` checks that every
+rank still answers (`LLMEngine.check_workers`), so a rank that died between requests is rebuilt
 before a request meets it. `shutdown` is bounded whatever the ranks do: requests still running
 at the drain timeout end with EngineUnavailableError, a fault seen while stopping rebuilds
 nothing, and a loop stuck in a call to a rank that does not answer has the workers killed under

@@ -264,6 +264,10 @@ class LLMEngine:
         tokens or finished in it (scoring requests are read whole with `output`)."""
         self._check_alive()
         per_dp_rank = [scheduler.schedule() for scheduler in self.schedulers]
+        for chunks in per_dp_rank:
+            for chunk in chunks:
+                if chunk.seq.request.first_weight_version is None:
+                    chunk.seq.request.first_weight_version = self.weight_version
         inputs = [
             build_step_input(scheduler.collect_released(), chunks, scheduler.is_lookahead)
             for scheduler, chunks in zip(self.schedulers, per_dp_rank, strict=True)
@@ -439,8 +443,14 @@ def request_output(request: Request, weight_version: int, is_delta: bool) -> Req
                 routed_experts=routed,
             )
         )
+    first = request.first_weight_version
     return RequestOutput(
-        request.request_id, request.prompt_token_ids, outputs, request.is_finished, weight_version
+        request.request_id,
+        request.prompt_token_ids,
+        outputs,
+        request.is_finished,
+        weight_version,
+        weight_version if first is None else first,
     )
 
 

@@ -32,7 +32,11 @@ class RequestOutput:
     prompt_token_ids: list[int]  # shared with the engine's request: read it, never change it
     outputs: list[CompletionOutput]  # a delta: the samples that changed; else all n
     is_finished: bool
+    # The weights' version as this output was made, and as the request's first step ran: they
+    # differ where a weight update came while it ran (its tokens then came from both, and
+    # equal neither version's alone).
     weight_version: int = 0
+    first_weight_version: int = 0
 
     @property
     def token_ids(self) -> list[int]:

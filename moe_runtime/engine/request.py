@@ -96,6 +96,9 @@ class Request:
     seed: int
     score_token_ids: list[int] | None = None
     samples: list[Sequence] = field(default_factory=list)
+    # The weights' version at the request's first step (None before it): tokens and KV after
+    # a weight update in flight came from the next version.
+    first_weight_version: int | None = None
 
     @property
     def is_score(self) -> bool:
