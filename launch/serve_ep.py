@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import math
 import signal
 import socket
@@ -41,6 +42,8 @@ STOP_POLL_S = 0.1  # uvicorn's own tick for should_exit
 # After the drain timeout, how long the requests the engine ended have to send their error
 # before uvicorn cancels what is left (a client that stopped reading).
 RESPONSE_GRACE_S = 2
+RUNTIME_LOGGER = "moe_runtime"  # the parent of every logger the runtime's packages log to
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -61,6 +64,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def log(message: str) -> None:
     print(f"serve_ep: {message}", flush=True)
+
+
+def configure_logging() -> None:
+    """The runtime's records (each rebalance, checkpoint loading progress) from INFO up on
+    stderr, prefixed with time, level and logger name. Every other logger keeps Python's
+    default WARNING threshold, as before: uvicorn's and Ray's configure their own, httpx's
+    would log every request. Set here: only launch/ sets process-wide state."""
+    logging.basicConfig(level=logging.WARNING, format=LOG_FORMAT, stream=sys.stderr)
+    logging.getLogger(RUNTIME_LOGGER).setLevel(logging.INFO)
 
 
 def reclaim_stop_signals() -> None:
@@ -144,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    configure_logging()
     overrides = parse_overrides(args.set)
     if args.host is not None:
         overrides["server.host"] = args.host

@@ -1,15 +1,16 @@
 """The OpenAI-compatible HTTP app: `create_app`, its route table and the small routes.
 
 Routes: POST /v1/completions and /v1/chat/completions (launch.completions), POST
-/admin/rebalance and /admin/update_weights (on the engine thread between two steps), GET
-/v1/models and /v1/models/{model}, GET /health, GET /metrics (Prometheus, launch.metrics).
-Handlers await the AsyncEngine's Futures, so concurrent clients share the engine's batches; the
-results do not depend on that sharing (the runtime is batch-invariant). The app serves
-`app.state.backend` (launch.generation.Backend), None (503s) until the engine is ready. Errors
-answer through launch.openai.errors. With `server.api_key` set, every route but /health and
-/metrics needs `Authorization: Bearer <key>` (the scheme in any case). Every response, errors,
-401s and unknown paths included, is counted in `moe_http_requests_total{route, status}`
-(route: the path of the route the request's path matches, else "unmatched").
+/admin/rebalance (optional body {"force": bool}) and /admin/update_weights (on the engine
+thread between two steps), GET /v1/models and /v1/models/{model}, GET /health, GET /metrics
+(Prometheus, launch.metrics). Handlers await the AsyncEngine's Futures, so concurrent clients
+share the engine's batches; the results do not depend on that sharing (the runtime is
+batch-invariant). The app serves `app.state.backend` (launch.generation.Backend), None (503s)
+until the engine is ready. Errors answer through launch.openai.errors. With `server.api_key`
+set, every route but /health and /metrics needs `Authorization: Bearer <key>` (the scheme in
+any case). Every response, errors, 401s and unknown paths included, is counted in
+`moe_http_requests_total{route, status}` (route: the path of the route the request's path
+matches, else "unmatched").
 A client that leaves before its completion's answer is ready has the answer cancelled (its
 requests aborted, 499 counted); a stream's own response aborts it once streaming.
 """
@@ -19,8 +20,9 @@ from __future__ import annotations
 import asyncio
 import hmac
 from collections.abc import Awaitable, Callable
+from typing import Annotated
 
-from fastapi import FastAPI, Request
+from fastapi import Body, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from fastapi.routing import APIRoute
@@ -39,12 +41,21 @@ from launch.openai.errors import (
     error_response,
 )
 from launch.openai.render import ExactJSONResponse
-from launch.openai.schemas import ChatCompletionRequest, CompletionRequest, UpdateWeightsRequest
+from launch.openai.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    RebalanceRequest,
+    UpdateWeightsRequest,
+)
 from moe_runtime.config import RuntimeConfig
 from moe_runtime.engine import LLMEngine
 
 OPEN_PATHS = ("/health", "/metrics")
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+
+
+# No body (or an empty one) is the defaults; JSON null or anything not an object is a 400.
+OptionalRebalanceBody = Annotated[RebalanceRequest, Body(default_factory=RebalanceRequest)]
 
 
 def create_app(config: RuntimeConfig, backend: Backend | None = None) -> FastAPI:
@@ -191,8 +202,8 @@ def _add_post_routes(app: FastAPI, config: RuntimeConfig, metrics: ServerMetrics
         return ExactJSONResponse(await asyncio.wrap_future(engine.call(fn)))
 
     @app.post("/admin/rebalance")
-    async def rebalance() -> Response:
-        return await answer(on_engine(lambda engine: engine.rebalance()))
+    async def rebalance(body: OptionalRebalanceBody) -> Response:
+        return await answer(on_engine(lambda engine: engine.rebalance(force=body.force)))
 
     @app.post("/admin/update_weights")
     async def update_weights(body: UpdateWeightsRequest) -> Response:

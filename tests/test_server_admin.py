@@ -2,19 +2,32 @@
 
 The server loads a tiny DeepSeek-V3 checkpoint written with transformers, so a weight update
 to a copy of itself must leave every bit unchanged and one to other weights must not.
+`serve_ep.py` runs once as a subprocess for the rebalance's log line.
 """
 
 from __future__ import annotations
+
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.invariance import TINY_CONFIG
 from tests.serving import running_server, sse_events, write_checkpoint
 
 pytest.importorskip("transformers")
 
+ROOT = Path(__file__).resolve().parent.parent
 KEY = "s3cret"
+# One rank: balancedness is always 1.0, at or above any threshold, so `force: false` skips.
+THRESHOLD = 0.5
 AUTH = {"authorization": f"Bearer {KEY}"}
 BODY = {
     "prompt": [3, 1, 4, 1, 5, 9, 2, 6],
@@ -40,6 +53,7 @@ def server(checkpoints):
         "model": {"path": checkpoints[0]},
         "scheduler": {"max_model_len": 256},
         "server": {"api_key": KEY},
+        "eplb": {"balancedness_threshold": THRESHOLD},
     }
     with running_server(headers=AUTH, config=config) as running:
         yield running
@@ -148,6 +162,108 @@ def test_admin_rebalance_reports_and_counts(server):
     after = metrics(server)
     assert after["moe_rebalances_total"] == count + (0 if report.json()["skipped"] else 1)
     assert "moe_last_balancedness" in after or report.json()["skipped"]
+
+
+def test_admin_rebalance_force_false_skips_a_balanced_enough_load(server):
+    count = metrics(server)["moe_rebalances_total"]
+    assert server.http.post("/v1/completions", json=BODY).status_code == 200  # some load
+    skipped = server.http.post("/admin/rebalance", json={"force": False})
+    assert skipped.status_code == 200, skipped.text
+    assert skipped.json()["skipped"] and "reason" not in skipped.json()  # balanced, not idle
+    assert skipped.json()["balancedness_before"] >= THRESHOLD
+    forced = server.http.post("/admin/rebalance")  # no body: forced, as before
+    assert forced.status_code == 200 and not forced.json()["skipped"], forced.text
+    assert server.http.post("/v1/completions", json=BODY).status_code == 200  # a fresh window
+    forced = server.http.post("/admin/rebalance", json={"force": True})
+    assert forced.status_code == 200 and not forced.json()["skipped"], forced.text
+    assert metrics(server)["moe_rebalances_total"] == count + 2
+
+
+JSON = "application/json"
+
+
+@pytest.mark.parametrize(
+    ("content", "content_type", "problem"),
+    [
+        ('{"force": 1}', JSON, "force: Input should be a valid boolean"),
+        ('{"force": "false"}', JSON, "force: Input should be a valid boolean"),
+        ('{"bogus": true}', JSON, "bogus: Extra inputs are not permitted"),
+        ('{"force": false', JSON, "malformed JSON body"),
+        ("[false]", JSON, "body: Input should be a valid dictionary"),
+        ("null", JSON, "body: Input should be a valid dictionary"),
+        ("force=false", "application/x-www-form-urlencoded", "the body must be JSON"),  # curl -d
+    ],
+    ids=["force-int", "force-str", "unknown-field", "malformed-json", "list", "null", "form"],
+)
+def test_admin_rebalance_bad_body(server, content, content_type, problem):
+    num_reports = len(server.engine.balancer.history)
+    headers = {"content-type": content_type}
+    response = server.http.post("/admin/rebalance", content=content, headers=headers)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["type"] == "invalid_request_error"
+    assert problem in response.json()["error"]["message"]
+    assert len(server.engine.balancer.history) == num_reports, "the engine was asked to move"
+    assert server.http.get("/health").status_code == 200
+
+
+def _read_lines(stream, lines: queue.Queue) -> None:
+    for line in stream:
+        lines.put(line)
+
+
+def _wait_for(lines: queue.Queue, text: str, seen: list[str], timeout_s: float) -> str:
+    """The first line holding `text` (every line read meanwhile appended to `seen`)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+        except queue.Empty:
+            raise AssertionError(f"no line with {text!r} in:\n" + "".join(seen[-40:])) from None
+        seen.append(line)
+        if text in line:
+            return line
+
+
+def test_serve_ep_logs_each_rebalance_at_info():
+    """The README's rebalance log line (moe_runtime.eplb, INFO) reaches serve_ep's stderr; it
+    was dropped, logging never being configured. No other library logs at INFO there."""
+    proc = subprocess.Popen(
+        [sys.executable, "launch/serve_ep.py", "--config", str(TINY_CONFIG), "--port", "0"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    out_lines: queue.Queue = queue.Queue()
+    err_lines: queue.Queue = queue.Queue()
+    readers = [
+        threading.Thread(target=_read_lines, args=(proc.stdout, out_lines), daemon=True),
+        threading.Thread(target=_read_lines, args=(proc.stderr, err_lines), daemon=True),
+    ]
+    for reader in readers:
+        reader.start()
+    stdout: list[str] = []
+    stderr: list[str] = []
+    try:
+        url = _wait_for(out_lines, "ready on ", stdout, 60).split("ready on ", 1)[1].strip()
+        with httpx.Client(base_url=url, timeout=30) as http:
+            assert http.post("/v1/completions", json=BODY).status_code == 200  # some load
+            report = http.post("/admin/rebalance").json()
+        assert not report["skipped"], report
+        line = _wait_for(err_lines, "moe_runtime.eplb: rebalance 1: balancedness", stderr, 10)
+        assert " INFO " in line and f"{report['experts_moved']} experts moved" in line, line
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    for reader in readers:
+        reader.join(timeout=10)  # the pipes are at their end: the process has exited
+    while not err_lines.empty():
+        stderr.append(err_lines.get())
+    others = [line for line in stderr if " INFO " in line and "moe_runtime." not in line]
+    assert not others, others
 
 
 def test_admin_update_weights_to_self_then_other(server, checkpoints):

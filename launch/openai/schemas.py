@@ -15,7 +15,15 @@ import json
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    field_validator,
+)
 
 from launch.openai.errors import FieldError, UnknownModelError
 from moe_runtime.sampling_params import SamplingParams
@@ -278,6 +286,13 @@ class ChatCompletionRequest(SamplingFields):
 
 class UpdateWeightsRequest(_Strict):
     path: str = Field(min_length=1)
+
+
+class RebalanceRequest(_Strict):
+    """POST /admin/rebalance's body, optional (none: the defaults). `force` false skips the
+    move when balancedness is at or above `eplb.balancedness_threshold`."""
+
+    force: StrictBool = True
 
 
 def utf8_encodable(text: str) -> str:
