@@ -73,10 +73,13 @@ UNRECORDED_KEYS = frozenset(
 )
 # Left out too while the invariance contract holds (invariant kernels, no multiple reduction):
 # where rows run, how they are batched, cached, chunked and placed changes none of their bits
-# (README's config table). A key not named here is recorded, so a new one errs on refusing.
+# (README's config table). A key not named here is recorded, so a new one errs on refusing:
+# cache.block_size is (the attention's KV splits are runs of cache blocks).
 INVARIANT_FREE_KEYS = frozenset(
     {
-        "cache",
+        "cache.num_blocks",
+        "cache.enable_prefix_caching",
+        "cache.gpu_memory_utilization",
         "scheduler",
         "eplb",
         "parallel.world_size",

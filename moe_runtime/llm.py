@@ -30,7 +30,7 @@ class LLM:
         params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in prompt order. Bad prompts raise before any work."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if _is_one_prompt(prompts):
             prompts = [prompts]
         params_list = (
             params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
@@ -72,3 +72,16 @@ def _flatten_overrides(overrides: dict[str, Any]) -> dict[str, Any]:
         else:
             flat[key.replace("__", ".")] = value
     return flat
+
+
+def _is_one_prompt(prompts) -> bool:
+    """Whether `prompts` is one prompt, not a list of them: text, or token ids given as a
+    list of ints (numpy's and torch's integer scalars too) or a 1-d array or tensor."""
+    if isinstance(prompts, str):
+        return True
+    if hasattr(prompts, "ndim"):  # a numpy array or a torch tensor
+        return prompts.ndim == 1
+    first = next(iter(prompts), None)
+    if hasattr(first, "ndim"):  # numpy's scalars and 0-d tensors are ids; arrays are prompts
+        return first.ndim == 0
+    return hasattr(first, "__index__") and not isinstance(first, (str, list, tuple))

@@ -177,3 +177,29 @@ def test_a_request_across_an_update_reports_both_versions(checkpoints):
     assert (fresh.first_weight_version, fresh.weight_version) == (1, 1)
     assert mixed.token_ids != fresh.token_ids  # control: the update reached the running request
     llm.shutdown()
+
+
+def test_a_waiting_requests_prefix_match_is_not_used_across_an_update(checkpoints):
+    """A request heading the queue holds its prefix match (blocks computed with the old
+    weights) while it waits for room; an update came, and it then ran its last tokens with the
+    new weights over the old weights' prefix KV, matching neither. The update makes it give
+    the match back: it computes everything with the new weights, as a fresh engine does."""
+    first, second = checkpoints
+    cramped = {"scheduler": {"max_model_len": 64}, "cache": {"block_size": 4, "num_blocks": 16}}
+    cached, behind = list(range(10, 22)), list(range(10, 22)) + list(range(30, 38))
+    params = SamplingParams(max_tokens=4, seed=3, ignore_eos=True, temperature=0.0, logprobs=1)
+    fresh = LLM({"model": {"path": second}, **cramped}).generate([behind], params)[0]
+    llm = LLM({"model": {"path": first}, **cramped})
+    engine = llm.engine
+    llm.generate([cached], SamplingParams(max_tokens=1, seed=1))  # its blocks cached
+    running = engine.add_request(list(range(100, 144)), SamplingParams(max_tokens=12, seed=2))
+    engine.step()
+    waiting = engine.add_request(behind, params)
+    engine.step()
+    assert len(waiting.samples[0].block_table) == 3  # engagement: it holds the old blocks
+    engine.abort(running.request_id)
+    llm.update_weights(second)
+    while engine.has_unfinished():
+        engine.step()
+    assert fingerprint(engine.output(waiting)) == fingerprint(fresh)
+    llm.shutdown()

@@ -325,7 +325,8 @@ class LLMEngine:
         with self._fatal_on_error():  # failing mid-copy leaves mixed weights: the engine dies
             self.executor.call_all("commit_weights")
         self._weights = weights
-        for blocks in self.block_managers:
+        for blocks, scheduler in zip(self.block_managers, self.schedulers, strict=True):
+            scheduler.release_head_match()  # old weights' KV; it matches again when it runs
             blocks.clear_cache()
         self.weight_version += 1
         return self.weight_version
@@ -413,6 +414,8 @@ def record_results(scheduler: Scheduler, chunks: list[ScheduledChunk], result: S
         stopped = seq.detokenizer.update(seq.output_token_ids, is_final=seq.is_finished)
         if stopped and not seq.is_finished:
             scheduler.finish(seq, "stop")
+        elif stopped and seq.finish_reason == "length":
+            seq.finish_reason = "stop"  # its last allowed token completed a stop string
 
 
 def request_output(request: Request, weight_version: int, is_delta: bool) -> RequestOutput:

@@ -81,6 +81,8 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             chunk = self._chunk_for(seq, budget)
             while not self._allocate(seq, seq.num_computed_tokens + chunk):
+                if self.release_head_match():
+                    continue  # a match that could not run is cache, not work: it goes first
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is seq:
@@ -145,15 +147,23 @@ class Scheduler:
         seq.num_committed_blocks, seq.commit_parent = 0, ROOT_KEY_ID
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
-        if self.waiting and self.waiting[0].block_table:
-            # Why: only the queue's head may hold blocks as it waits (its prefix match, kept so
-            # it is not walked again every step). Behind `seq` it would starve it, with nothing
-            # running to free a block: it gives the match back and matches again when first.
-            head = self.waiting[0]
-            self.blocks.unmatch(head.block_table)
-            head.block_table, head.num_computed_tokens = [], 0
+        # Why: only the queue's head may hold blocks as it waits (its prefix match, kept so it
+        # is not walked again every step). Behind `seq` it would starve it, with nothing
+        # running to free a block: it gives the match back and matches again when first.
+        self.release_head_match()
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+
+    def release_head_match(self) -> bool:
+        """The queue's head gives back the prefix match it holds while it waits (the blocks'
+        references, and their count as hits: it computed nothing with them); -> whether it
+        held one. Also when the weights change: those blocks hold the old weights' KV."""
+        if not (self.waiting and self.waiting[0].block_table):
+            return False
+        head = self.waiting[0]
+        self.blocks.unmatch(head.block_table)
+        head.block_table, head.num_computed_tokens = [], 0
+        return True
 
     def update(
         self, chunks: list[ScheduledChunk], samples: dict[int, SampleResult]
@@ -218,9 +228,9 @@ class Scheduler:
             if seq in self.running:
                 self.finish(seq, "abort")
             else:
+                if seq.block_table:  # a prefix match it never ran with: not a hit
+                    self.blocks.unmatch(seq.block_table)
+                    seq.block_table, seq.num_computed_tokens = [], 0
                 self.waiting.remove(seq)
-                if seq.block_table:
-                    self.blocks.free(seq.block_table)
-                    seq.block_table = []
                 seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
         return dropped

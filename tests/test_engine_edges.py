@@ -1,0 +1,107 @@
+"""Edge cases of the engine's bookkeeping found by an outside audit of the scheduler: a waiting
+request's prefix match (held while it heads the queue) must neither cost a running sequence a
+preemption nor count as hits once aborted; a stop string completed by the last allowed token is
+a stop; one prompt of numpy or torch integer ids is one prompt."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from moe_runtime import LLM, SamplingParams
+from tests.invariance import TINY_CONFIG, fingerprint
+
+# 16 blocks of 4: a 44-token request with 12 generated needs 14, leaving 2.
+CRAMPED = {"cache.block_size": 4, "cache.num_blocks": 16, "scheduler.max_model_len": 64}
+CACHED = list(range(10, 22))  # 12 tokens: 3 full blocks, cached once run
+LONG = list(range(100, 144))
+BEHIND = CACHED + list(range(30, 38))  # 3 cached blocks + 2 more: cannot be admitted beside LONG
+
+
+def _long_run(waiting: bool, abort: bool = False):
+    llm = LLM(TINY_CONFIG, **CRAMPED)
+    engine = llm.engine
+    llm.generate([CACHED], SamplingParams(max_tokens=1, seed=1))
+    hits_before = engine.stats().num_prefix_hit_blocks
+    long = engine.add_request(LONG, SamplingParams(max_tokens=12, seed=2, ignore_eos=True))
+    engine.step()
+    if waiting:
+        behind = engine.add_request(BEHIND, SamplingParams(max_tokens=4, seed=3, ignore_eos=True))
+        engine.step()
+        assert len(behind.samples[0].block_table) == 3  # engagement: it holds its match
+        if abort:
+            engine.abort(behind.request_id)
+            assert engine.stats().num_prefix_hit_blocks == hits_before
+    while engine.has_unfinished():
+        engine.step()
+    free = [b.num_free_blocks for b in engine.block_managers]
+    return fingerprint(engine.output(long)), engine.stats(), free
+
+
+def test_a_waiting_match_gives_way_before_a_running_sequence_is_preempted():
+    """The waiting head's matched blocks are cache (it cannot run yet): the running sequence
+    that needs them took a preemption and a recompute instead (0 -> 1)."""
+    alone, alone_stats, _ = _long_run(waiting=False)
+    assert alone_stats.num_preemptions == 0
+    with_waiting, stats, free = _long_run(waiting=True)
+    assert stats.num_preemptions == 0, stats
+    assert with_waiting == alone
+    assert free == [16]  # every block back
+
+
+def test_an_aborted_waiting_match_is_not_counted_as_hits():
+    _, stats, free = _long_run(waiting=True, abort=True)
+    assert stats.num_preemptions == 0 and free == [16]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(TINY_CONFIG)
+
+
+def test_a_stop_string_completed_by_the_last_allowed_token_is_a_stop(llm):
+    prompt = [72, 101, 108, 108, 111]
+    free_run = llm.generate([prompt], SamplingParams(max_tokens=40, temperature=0.0))[0]
+    decode = llm.tokenizer.decode
+    # The first generated token whose text is new to the text before it: a stop string there.
+    k, stop = next(
+        (k, text)
+        for k, t in enumerate(free_run.token_ids)
+        if (text := decode([t])).strip()
+        and text.isprintable()
+        and text != "\ufffd"
+        and text not in decode(free_run.token_ids[:k])
+    )
+    for max_tokens in (k + 1, k + 2):  # the stop string on the last allowed token, and before
+        out = llm.generate(
+            [prompt], SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=[stop])
+        )[0]
+        assert out.token_ids == free_run.token_ids[: k + 1] and stop not in out.text
+        assert out.finish_reason == "stop", (max_tokens, out.finish_reason)
+    control = llm.generate([prompt], SamplingParams(max_tokens=k + 1, temperature=0.0))[0]
+    assert control.finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [
+        [np.int64(3), np.int64(4)],
+        [torch.tensor(3), torch.tensor(4)],
+        np.array([3, 4]),
+        torch.tensor([3, 4]),
+    ],
+    ids=["numpy scalars", "torch scalars", "numpy array", "torch tensor"],
+)
+def test_one_prompt_of_numpy_or_torch_ids_is_one_prompt(llm, prompt):
+    params = SamplingParams(max_tokens=3, seed=4)
+    (out,) = llm.generate(prompt, params)
+    assert fingerprint(out) == fingerprint(llm.generate([3, 4], params)[0])
+
+
+def test_a_batch_as_a_2d_array_is_one_prompt_a_row(llm):
+    params = SamplingParams(max_tokens=2, seed=4)
+    outs = llm.generate(np.array([[3, 4], [5, 6]]), params)
+    assert [fingerprint(o) for o in outs] == [
+        fingerprint(o) for o in llm.generate([[3, 4], [5, 6]], params)
+    ]
