@@ -105,3 +105,13 @@ def test_a_batch_as_a_2d_array_is_one_prompt_a_row(llm):
     assert [fingerprint(o) for o in outs] == [
         fingerprint(o) for o in llm.generate([[3, 4], [5, 6]], params)
     ]
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_refused_by_name(llm):
+    with pytest.raises(ValueError, match=r"stop_token_ids: token id 1000000000 is outside"):
+        llm.generate([3, 4], SamplingParams(max_tokens=2, stop_token_ids=[5, 10**9]))
+
+
+def test_a_scored_sequence_of_one_token_is_refused_saying_why(llm):
+    with pytest.raises(ValueError, match="a scored sequence needs 2 tokens at least"):
+        llm.score([[1]], [1])

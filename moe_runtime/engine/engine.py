@@ -185,6 +185,12 @@ class LLMEngine:
                 f"SamplingParams.logprobs={params.logprobs} asks for more top logprobs than the "
                 f"vocabulary's {vocab} tokens"
             )
+        outside = [t for t in params.stop_token_ids if t >= vocab]
+        if outside:  # never sampled: a stop that could never end the sample
+            raise ValueError(
+                f"SamplingParams.stop_token_ids: token id {outside[0]} is outside the "
+                f"vocabulary [0, {vocab})"
+            )
         return token_ids
 
     def check_score_request(
@@ -196,6 +202,11 @@ class LLMEngine:
         token_ids = _token_ids(token_ids)
         self.validate_prompt(token_ids)
         last = len(token_ids) - 1
+        if last < 1:
+            raise ValueError(
+                f"a scored sequence needs 2 tokens at least (a prompt and a token to score), "
+                f"got {len(token_ids)}"
+            )
         if hasattr(prompt_len, "__index__") and not isinstance(prompt_len, bool):
             prompt_len = operator.index(prompt_len)  # numpy's ints too
         if not is_int(prompt_len) or not 1 <= prompt_len <= last:
