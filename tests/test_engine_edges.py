@@ -115,3 +115,24 @@ def test_stop_token_ids_outside_the_vocabulary_are_refused_by_name(llm):
 def test_a_scored_sequence_of_one_token_is_refused_saying_why(llm):
     with pytest.raises(ValueError, match="a scored sequence needs 2 tokens at least"):
         llm.score([[1]], [1])
+
+
+def test_a_requests_samples_compute_its_prompt_once():
+    """n samples admitted in one step each computed the whole prompt (n times the prefill);
+    the later ones now wait until the first has its prompt's full blocks cached and hit them,
+    with the bits of samples that each computed it all (prefix caching off)."""
+    prompt = list(range(1, 101))  # 100 tokens: 6 full blocks of 16 a sample can hit
+    params = SamplingParams(n=4, max_tokens=6, temperature=1.0, seed=9, logprobs=2)
+    roomy = {"scheduler.max_num_batched_tokens": 1024}
+    llm = LLM(TINY_CONFIG, **roomy)
+    (shared,) = llm.generate([prompt], params)
+    assert llm.engine.stats().num_prefix_hit_blocks == 3 * 6  # engagement: 3 siblings hit 6
+    alone = LLM(TINY_CONFIG, **roomy, **{"cache.enable_prefix_caching": False})
+    (whole,) = alone.generate([prompt], params)
+    assert [fingerprint_sample(s) for s in shared.outputs] == [
+        fingerprint_sample(s) for s in whole.outputs
+    ]
+
+
+def fingerprint_sample(sample) -> tuple:
+    return sample.index, sample.token_ids, sample.logprobs, sample.top_logprobs

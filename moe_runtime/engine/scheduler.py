@@ -97,6 +97,8 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             seq = self.waiting[0]
+            if self._waits_for_sibling(seq):
+                break
             if not seq.block_table:
                 # A scoring sequence must compute every position it scores: match its prompt only.
                 known = seq.prompt_token_ids if seq.is_score else seq.token_ids
@@ -117,6 +119,21 @@ class Scheduler:
             and (not self.waiting or self.can_hold_admission)
         )
         return chunks
+
+    def _waits_for_sibling(self, seq: Sequence) -> bool:
+        """Whether seq, a sample of a request of n, waits until a sibling running now has
+        computed the prompt's full blocks: it then finds them cached and computes only the
+        prompt's last block, where admitted beside it each sample computed the whole prompt
+        (n times the work). A prefix hit gives the bits of a miss, so waiting moves none."""
+        if not self.blocks.enable_prefix_caching or seq.is_score or seq.output_token_ids:
+            return False
+        matchable = len(seq.prompt_token_ids) - 1  # match_prefix leaves one token to compute
+        matchable -= matchable % self.blocks.block_size
+        return any(
+            sibling.status is SequenceStatus.RUNNING and sibling.num_computed_tokens < matchable
+            for sibling in seq.request.samples
+            if sibling is not seq
+        )
 
     def _allocate(self, seq: Sequence, num_slots: int) -> bool:
         """Blocks for num_slots of seq, all or nothing. With overlap_decode, a chunk that ends
