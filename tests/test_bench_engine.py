@@ -145,3 +145,14 @@ def test_backlog_bench_smoke_on_cpu():
     assert set(rows) == {"invariant", "fast"}, run.stdout
     served = {mode: int(cell.split("/")[0]) for mode, cell in rows.items()}
     assert served["invariant"] > served["fast"], run.stdout  # fast: none while requests wait
+
+
+def test_gc_pause_bench_smoke_on_cpu():
+    """bench/gc_pause.py: a full collection's time with the engine's objects in view and frozen;
+    freezing leaves the collector almost nothing to walk."""
+    cmd = [sys.executable, "bench/gc_pause.py", "--config", str(TINY), "--repeats", "2"]
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    rows = [line.split(" | ") for line in run.stdout.splitlines() if line.startswith("| ")]
+    walked = {row[0].strip("| ").split(" ")[0]: int(row[1].replace(",", "")) for row in rows[1:]}
+    assert walked["as"] > 100_000 and walked["frozen"] < 1_000, walked
