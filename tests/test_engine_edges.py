@@ -136,3 +136,9 @@ def test_a_requests_samples_compute_its_prompt_once():
 
 def fingerprint_sample(sample) -> tuple:
     return sample.index, sample.token_ids, sample.logprobs, sample.top_logprobs
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_on_a_machine_without_it_is_refused_naming_the_key():
+    with pytest.raises(ValueError, match=r"parallel.device is 'cuda' but rank 0 sees no CUDA"):
+        LLM(TINY_CONFIG, **{"parallel.device": "cuda"})

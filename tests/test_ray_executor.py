@@ -110,3 +110,16 @@ def test_each_rank_freezes_its_start_up_objects(ray_local):
         assert len(out.token_ids) == 2
     finally:
         llm.shutdown()
+
+
+def test_a_world_larger_than_the_cluster_says_what_it_lacked(ray_local):
+    """16 ranks of one CPU on the private head's 8: the placement group waits for room that
+    never comes; the error named 'ranks [0]' as if a worker had stalled."""
+    from moe_runtime import LLM
+    from tests.invariance import TINY_CONFIG
+
+    with pytest.raises(WorkerError) as failure:
+        LLM(TINY_CONFIG, **{"parallel.world_size": 16, "parallel.timeout_s": 1})
+    message = str(failure.value)
+    assert "could not place parallel.world_size=16 ranks of {'CPU': 1} each" in message, message
+    assert "it has 8 CPU in all" in message and "ranks [" not in message, message

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import numpy as np
 
-from moe_runtime import heap
 from moe_runtime.config import RuntimeConfig
 from moe_runtime.config_fields import is_int
 from moe_runtime.engine.balancer import ExpertBalancer, RebalanceError, initial_placement
@@ -29,6 +28,7 @@ from moe_runtime.engine.request import Request, Sequence, SequenceStatus
 from moe_runtime.engine.scheduler import ScheduledChunk, Scheduler
 from moe_runtime.engine.weights_source import WeightsChangedError, WeightsSource
 from moe_runtime.executor import QUICK_CALL_TIMEOUT_S, WorkerError, create_executor
+from moe_runtime.heap import thawed
 from moe_runtime.sampling_params import SamplingParams
 from moe_runtime.seeds import resolve_seed
 from moe_runtime.tokenizer import load_tokenizer
@@ -135,7 +135,7 @@ class LLMEngine:
         self.num_restarts += 1
         self._restart_times.append(time.monotonic())
         # At world size 1 the old model lives in this process: a frozen heap would keep it.
-        with heap.thawed():
+        with thawed():
             with contextlib.suppress(Exception):  # the old group is broken; free what is left
                 self.executor.shutdown()
             p2l = self.balancer.placement.physical_to_logical.tolist()

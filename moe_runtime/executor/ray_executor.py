@@ -68,7 +68,7 @@ class RayExecutor:
     def _start_workers(self, config: RuntimeConfig, physical_to_logical: list[list[int]]) -> None:
         """The placement group ready, a worker a rank in it, every rank joined."""
         parallel = config.parallel
-        self._get([self.placement_group.ready()], "placement group ready")
+        self._wait_for_placement(parallel.device)
         actor_cls = ray.remote(Worker)
         # NCCL reads its settings at communicator creation: pin them in the actors' environment.
         env = pinned_nccl_env() if parallel.device == "cuda" else {}
@@ -90,6 +90,21 @@ class RayExecutor:
         # Each actor is a process of the runtime's own: its model and torch's objects leave
         # the cyclic collector's view (moe_runtime/heap.py), so no full collection stalls a step.
         self.num_frozen = self._get([w.freeze_heap.remote() for w in self.workers], "freeze_heap")
+
+    def _wait_for_placement(self, device: str) -> None:
+        """The placement group's bundles (one a rank) reserved, or WorkerError saying what the
+        cluster lacked: a world larger than the cluster waits for room that never comes."""
+        ready, _ = ray.wait([self.placement_group.ready()], timeout=self.timeout_s)
+        if ready:
+            return
+        bundle = _bundles(device, 1)[0]
+        total = ray.cluster_resources()
+        have = ", ".join(f"{total.get(k, 0):g} {k}" for k in bundle)
+        raise WorkerError(
+            f"the Ray cluster could not place parallel.world_size={self.world_size} ranks of "
+            f"{bundle} each within {self.timeout_s:.0f}s: it has {have} in all, less what "
+            "other jobs hold"
+        )
 
     def execute(self, per_rank_inputs: list[StepInput]) -> list[StepOutput]:
         self.num_steps += 1

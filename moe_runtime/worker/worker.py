@@ -26,8 +26,8 @@ from comm.groups import destroy_process_groups, init_process_groups
 from eplb.placement import ExpertPlacement
 from eplb.rearrange import rearrange_experts
 from moe_kernels import build_op_table, pin_threads
-from moe_runtime import heap
 from moe_runtime.config import RuntimeConfig
+from moe_runtime.heap import freeze
 from moe_runtime.model.deepseek import TORCH_DTYPES
 from moe_runtime.model.loader import (
     assign_weights,
@@ -85,7 +85,7 @@ class Worker:
     def freeze_heap(self) -> int:
         """Keep this process's start-up objects out of the cyclic collector (moe_runtime/heap.py):
         for a worker in a process of its own (a Ray actor), after init; -> objects frozen."""
-        return heap.freeze()
+        return freeze()
 
     def ping(self) -> int:
         """This worker's rank: the cheap call the engine makes to check an idle worker lives."""
@@ -110,6 +110,11 @@ class Worker:
         pin_threads(cfg.kernels)
         device = torch.device(parallel.device)
         if device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(
+                    f"parallel.device is 'cuda' but rank {self.rank} sees no CUDA device "
+                    f"(torch {torch.__version__}, built for CUDA {torch.version.cuda})"
+                )
             torch.cuda.set_device(0)  # Ray exposes this rank's GPU as device 0
             device = torch.device("cuda", 0)
         ops = build_op_table(cfg.kernels, device)
