@@ -1,12 +1,17 @@
-"""Helpers for the HTTP server tests: an in-process server on loopback and SSE parsing."""
+"""Helpers for the HTTP server tests: an in-process server on loopback, serve_ep as a
+subprocess, and SSE parsing."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import queue
 import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -19,6 +24,8 @@ from moe_runtime.engine import LLMEngine
 from moe_runtime.engine.async_engine import AsyncEngine
 from tests.checkpoints import write_tiny_checkpoint
 from tests.invariance import TINY_CONFIG
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @contextlib.contextmanager
@@ -103,3 +110,58 @@ def write_checkpoint(path, seed: int) -> str:
     """A random tiny DeepSeek-V3 checkpoint written by transformers into `path`."""
     write_tiny_checkpoint(path, "v3", seed=seed, q_lora_rank=None)
     return str(path)
+
+
+class ServeEp:
+    """launch/serve_ep.py as a subprocess on a free loopback port, its stdout and stderr read
+    line by line on threads (`wait_for`); `url` once it said it is ready."""
+
+    def __init__(self, *args: str, config=TINY_CONFIG) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "launch/serve_ep.py", "--config", str(config), "--port", "0", *args],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.lines = {"stdout": queue.Queue(), "stderr": queue.Queue()}
+        self.seen: dict[str, list[str]] = {"stdout": [], "stderr": []}
+        self._readers = [
+            threading.Thread(target=self._read, args=(name,), daemon=True) for name in self.lines
+        ]
+        for reader in self._readers:
+            reader.start()
+
+    def _read(self, name: str) -> None:
+        for line in getattr(self.proc, name):
+            self.lines[name].put(line)
+
+    def wait_for(self, text: str, timeout_s: float, stream: str = "stdout") -> str:
+        """The first line of `stream` holding `text` (the lines read meanwhile kept in seen)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                line = self.lines[stream].get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                tail = "".join(self.seen[stream][-40:])
+                raise AssertionError(f"no {stream} line with {text!r} in:\n{tail}") from None
+            self.seen[stream].append(line)
+            if text in line:
+                return line
+
+    def ready_url(self, timeout_s: float = 60) -> str:
+        return self.wait_for("ready on ", timeout_s).split("ready on ", 1)[1].strip()
+
+    def rest(self, stream: str) -> list[str]:
+        """Every line of `stream` once the process has exited (seen, then the unread)."""
+        for reader in self._readers:
+            reader.join(timeout=10)  # the pipes are at their end
+        while not self.lines[stream].empty():
+            self.seen[stream].append(self.lines[stream].get())
+        return self.seen[stream]
+
+    def kill(self) -> None:
+        """Kill it if it still runs (a test's finally)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()

@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import queue
 import signal
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -32,7 +30,7 @@ from moe_runtime.engine.async_engine import AsyncEngine, EngineUnavailableError
 from moe_runtime.executor import WorkerError
 from moe_runtime.tokenizer import ByteTokenizer
 from tests.invariance import TINY_CONFIG, fingerprint, mixed_prompts
-from tests.serving import num_running, running_server
+from tests.serving import ServeEp, num_running, running_server
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_MODEL_LEN = 1024  # scheduler.max_model_len of the tiny config
@@ -287,28 +285,11 @@ def test_async_engine_cancel_aborts_and_shutdown_drains():
     assert not async_engine.is_healthy
 
 
-def _read_lines(stream, lines: queue.Queue) -> None:
-    for line in stream:
-        lines.put(line)
-
-
 def test_serve_ep_subprocess_starts_answers_and_drains_on_sigterm():
-    proc = subprocess.Popen(
-        [sys.executable, "launch/serve_ep.py", "--config", str(TINY_CONFIG), "--port", "0"],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=_read_lines, args=(proc.stdout, lines), daemon=True).start()
+    serve = ServeEp()
+    proc = serve.proc
     try:
-        url, deadline = None, time.monotonic() + 30
-        while url is None:
-            line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
-            if "ready on " in line:
-                url = line.split("ready on ", 1)[1].strip()
-        with httpx.Client(base_url=url, timeout=30) as http:
+        with httpx.Client(base_url=serve.ready_url(30), timeout=30) as http:
             assert http.get("/health").status_code == 200
             assert post(http, {"prompt": "hi", "max_tokens": 3}).status_code == 200
             body = {"prompt": [1, 2], "max_tokens": 500, "temperature": 0, "ignore_eos": True}
@@ -322,9 +303,7 @@ def test_serve_ep_subprocess_starts_answers_and_drains_on_sigterm():
         assert len(response.json()["choices"][0]["token_ids"]) == 500
         assert proc.wait(timeout=15) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        serve.kill()
 
 
 def test_serve_ep_listens_while_loading_and_exits_1_when_the_engine_fails():

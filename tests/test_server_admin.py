@@ -7,24 +7,16 @@ to a copy of itself must leave every bit unchanged and one to other weights must
 
 from __future__ import annotations
 
-import queue
 import signal
-import subprocess
-import sys
-import threading
-import time
-from pathlib import Path
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.invariance import TINY_CONFIG
-from tests.serving import running_server, sse_events, write_checkpoint
+from tests.serving import ServeEp, running_server, sse_events, write_checkpoint
 
 pytest.importorskip("transformers")
 
-ROOT = Path(__file__).resolve().parent.parent
 KEY = "s3cret"
 # One rank: balancedness is always 1.0, at or above any threshold, so `force: false` skips.
 THRESHOLD = 0.5
@@ -206,63 +198,24 @@ def test_admin_rebalance_bad_body(server, content, content_type, problem):
     assert server.http.get("/health").status_code == 200
 
 
-def _read_lines(stream, lines: queue.Queue) -> None:
-    for line in stream:
-        lines.put(line)
-
-
-def _wait_for(lines: queue.Queue, text: str, seen: list[str], timeout_s: float) -> str:
-    """The first line holding `text` (every line read meanwhile appended to `seen`)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
-        except queue.Empty:
-            raise AssertionError(f"no line with {text!r} in:\n" + "".join(seen[-40:])) from None
-        seen.append(line)
-        if text in line:
-            return line
-
-
 def test_serve_ep_logs_each_rebalance_at_info():
     """The README's rebalance log line (moe_runtime.eplb, INFO) reaches serve_ep's stderr; it
     was dropped, logging never being configured. No other library logs at INFO there."""
-    proc = subprocess.Popen(
-        [sys.executable, "launch/serve_ep.py", "--config", str(TINY_CONFIG), "--port", "0"],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    out_lines: queue.Queue = queue.Queue()
-    err_lines: queue.Queue = queue.Queue()
-    readers = [
-        threading.Thread(target=_read_lines, args=(proc.stdout, out_lines), daemon=True),
-        threading.Thread(target=_read_lines, args=(proc.stderr, err_lines), daemon=True),
-    ]
-    for reader in readers:
-        reader.start()
-    stdout: list[str] = []
-    stderr: list[str] = []
+    serve = ServeEp()
     try:
-        url = _wait_for(out_lines, "ready on ", stdout, 60).split("ready on ", 1)[1].strip()
-        with httpx.Client(base_url=url, timeout=30) as http:
+        with httpx.Client(base_url=serve.ready_url(), timeout=30) as http:
             assert http.post("/v1/completions", json=BODY).status_code == 200  # some load
             report = http.post("/admin/rebalance").json()
         assert not report["skipped"], report
-        line = _wait_for(err_lines, "moe_runtime.eplb: rebalance 1: balancedness", stderr, 10)
+        line = serve.wait_for("moe_runtime.eplb: rebalance 1: balancedness", 10, "stderr")
         assert " INFO " in line and f"{report['experts_moved']} experts moved" in line, line
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0
+        serve.proc.send_signal(signal.SIGTERM)
+        assert serve.proc.wait(timeout=30) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    for reader in readers:
-        reader.join(timeout=10)  # the pipes are at their end: the process has exited
-    while not err_lines.empty():
-        stderr.append(err_lines.get())
-    others = [line for line in stderr if " INFO " in line and "moe_runtime." not in line]
+        serve.kill()
+    others = [
+        line for line in serve.rest("stderr") if " INFO " in line and "moe_runtime." not in line
+    ]
     assert not others, others
 
 
