@@ -133,18 +133,21 @@ def test_backlog_bench_smoke_on_cpu():
     """bench/backlog.py on the tiny config: a job of more requests than slots finishes in both
     modes, and invariant mode's lookaheads (on here) served steps while requests waited."""
     cmd = [sys.executable, "bench/backlog.py", "--config", str(TINY), "--slots", "3"]
-    cmd += ["--requests", "8", "--context", "16", "--max-tokens", "8", "--repeats", "2"]
-    cmd += ["--set", "scheduler.overlap_decode=true"]
+    cmd += ["--requests", "8", "--context", "40", "--max-tokens", "8", "--repeats", "2"]
+    cmd += ["--n", "2", "--set", "scheduler.overlap_decode=true"]
     run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     rows = {
-        line.split("|")[1].strip(): line.split("|")[4].strip()
+        cells[1].strip(): cells
         for line in run.stdout.splitlines()
-        if line.startswith("| invariant") or line.startswith("| fast")
+        if line.startswith(("| invariant", "| fast"))
+        for cells in [line.split("|")]
     }
     assert set(rows) == {"invariant", "fast"}, run.stdout
-    served = {mode: int(cell.split("/")[0]) for mode, cell in rows.items()}
+    served = {mode: int(cells[5].split("/")[0]) for mode, cells in rows.items()}
     assert served["invariant"] > served["fast"], run.stdout  # fast: none while requests wait
+    # n = 2: each request's second sample hits its prompt's 2 full blocks (of 16 tokens).
+    assert all(int(cells[4]) == 8 * 2 for cells in rows.values()), run.stdout
 
 
 def test_gc_pause_bench_smoke_on_cpu():
