@@ -35,15 +35,21 @@ def test_freeze_moves_tracked_objects_out_of_the_collectors_view(unfrozen):
     assert all(id(obj) in in_view for obj in held)  # control: back in view
 
 
-def test_thawed_restores_the_freeze_it_found(unfrozen):
+def test_thawed_restores_the_freeze_it_found(unfrozen, monkeypatch):
+    """Frozen before: thawed inside, frozen again after. Not frozen before: no freeze after.
+    (The calls are counted: on the H200's Python 3.12 a few hundred objects sat in the frozen
+    generation after an unfreeze and a collection, so the count itself is no witness.)"""
+    freezes = []
+    freeze = gc.freeze
+    monkeypatch.setattr(gc, "freeze", lambda: freezes.append(1) or freeze())
     heap.freeze()
     with heap.thawed():
         assert gc.get_freeze_count() == 0
-    assert gc.get_freeze_count() > 0
+    assert gc.get_freeze_count() > 0 and len(freezes) == 2
     gc.unfreeze()
     with heap.thawed():
         pass
-    assert gc.get_freeze_count() == 0  # not frozen before: not frozen after
+    assert len(freezes) == 2  # not frozen before: not frozen after
 
 
 def test_thawed_collects_a_cycle_dropped_inside_it(unfrozen):
