@@ -204,7 +204,7 @@ def bench_engine_mode(cfg: RuntimeConfig, notes: list[str], args, rng: np.random
                 )
         print(f"  Python's collector over the run: {collections.summary()}")
     finally:
-        gc.unfreeze()  # the engine's cycles collectable again, for the next mode's engine
+        heap.unfreeze()  # the engine's cycles collectable again, for the next mode's engine
         engine.shutdown()
         del engine
         gc.collect()

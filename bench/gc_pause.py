@@ -58,7 +58,7 @@ def main() -> None:
         frozen = timed_collections(args.repeats)
         still_tracked = len(gc.get_objects())
     finally:
-        gc.unfreeze()
+        heap.unfreeze()
         engine.shutdown()
     print("| heap | objects the collector walks | full collection ms [min, max] |")
     print("|---|---|---|")

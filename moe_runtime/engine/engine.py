@@ -28,7 +28,7 @@ from moe_runtime.engine.request import Request, Sequence, SequenceStatus
 from moe_runtime.engine.scheduler import ScheduledChunk, Scheduler
 from moe_runtime.engine.weights_source import WeightsChangedError, WeightsSource
 from moe_runtime.executor import QUICK_CALL_TIMEOUT_S, WorkerError, create_executor
-from moe_runtime.heap import thawed
+from moe_runtime.heap import drop_frames, thawed
 from moe_runtime.sampling_params import SamplingParams
 from moe_runtime.seeds import resolve_seed
 from moe_runtime.tokenizer import load_tokenizer
@@ -379,7 +379,8 @@ class LLMEngine:
             self.executor.call_all("ping", timeout_s=QUICK_CALL_TIMEOUT_S)
 
     def shutdown(self) -> None:
-        self.executor.shutdown()
+        with thawed():  # a rank in this process: its model is freed even from a frozen heap
+            self.executor.shutdown()
 
     def _check_alive(self) -> None:
         if self.error is not None:
@@ -394,6 +395,7 @@ class LLMEngine:
         except RebalanceError:
             raise  # every rank agreed to keep the old placement: still in step
         except Exception as exc:
+            drop_frames(exc)  # a rank in this process: its model must not outlive the rebuild
             self._fail_all(
                 f"{type(exc).__name__}: {exc}" if not isinstance(exc, WorkerError) else str(exc)
             )
