@@ -117,9 +117,9 @@ class Generation:
                 num_in[prompt_idx] = len(delta.prompt_token_ids)
                 num_out += sum(len(out.token_ids) for out in delta.outputs)
                 weight_version = max(weight_version, delta.weight_version)
-                first_weight_version = min(
-                    delta.first_weight_version, first_weight_version or delta.first_weight_version
-                )
+                first = delta.first_weight_version
+                if first_weight_version is None or first < first_weight_version:
+                    first_weight_version = first
                 versions = {
                     "weight_version": delta.weight_version,
                     "first_weight_version": delta.first_weight_version,

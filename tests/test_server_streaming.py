@@ -7,6 +7,8 @@ sample early and never reach the streamed text; a client that leaves aborts its 
 
 from __future__ import annotations
 
+import asyncio
+import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -185,3 +187,31 @@ def test_usage_chunk_carries_the_weight_version(server):
         == [whole["first_weight_version"]] * len(chunks)
         == [whole["weight_version"]] * len(chunks)
     )
+
+
+def test_usage_chunk_names_the_oldest_first_weight_version():
+    """A stream over two prompts, one begun at version 0 and one at version 1: the usage chunk
+    said 1 (version 0 was read as unset), telling the client the whole response was version
+    1's."""
+    from concurrent.futures import Future
+
+    from launch.generation import _END, Generation
+    from moe_runtime.engine.outputs import CompletionOutput, RequestOutput
+
+    def delta(first: int, last: int) -> RequestOutput:
+        sample = CompletionOutput(0, [3], [0.0], [{}], "x", "length", 0)
+        return RequestOutput("r", [1, 2], [sample], True, last, first)
+
+    async def events() -> list[str]:
+        generation = Generation.__new__(Generation)  # its stream alone, fed by hand
+        generation._queue = asyncio.Queue()
+        generation._first = (0, delta(0, 1))
+        generation._queue.put_nowait((1, delta(1, 1)))
+        generation._queue.put_nowait(_END)
+        generation.future = Future()
+        generation.future.set_result(None)
+        return [e async for e in generation._events({}, lambda i, d: [{"index": i}], True)]
+
+    chunks = [json.loads(e[len("data: ") :]) for e in asyncio.run(events()) if "{" in e]
+    assert [c["first_weight_version"] for c in chunks] == [0, 1, 0], chunks
+    assert chunks[-1]["weight_version"] == 1 and "usage" in chunks[-1]

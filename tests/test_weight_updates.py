@@ -203,3 +203,35 @@ def test_a_waiting_requests_prefix_match_is_not_used_across_an_update(checkpoint
         engine.step()
     assert fingerprint(engine.output(waiting)) == fingerprint(fresh)
     llm.shutdown()
+
+
+def test_weight_versions_are_each_samples_own(checkpoints):
+    """A request of two samples: the first runs a chunk, the weights change, the second (which
+    waited for the first's prompt blocks) starts after: (1, 0) and (1, 1), the request (1, 0).
+    A request that finished before the update keeps (0, 0) when read after it (the engine's
+    version now was stamped on every output)."""
+    first, second = checkpoints
+    llm = LLM(
+        {
+            "model": {"path": first},
+            "scheduler": {"max_model_len": 256, "max_num_batched_tokens": 16},
+        }
+    )
+    engine = llm.engine
+    done = engine.add_request([7, 8, 9], SamplingParams(max_tokens=2))
+    while engine.has_unfinished():
+        engine.step()
+    pair = engine.add_request(list(range(1, 41)), SamplingParams(n=2, max_tokens=3, seed=4))
+    engine.step()  # the first sample's first 16 prompt tokens; the second waits
+    assert pair.samples[1].first_weight_version is None  # engagement: it had not started
+    engine.update_weights(second)
+    while engine.has_unfinished():
+        engine.step()
+    whole = engine.output(pair)
+    versions = [(s.weight_version, s.first_weight_version) for s in whole.outputs]
+    assert versions == [(1, 0), (1, 1)]
+    assert (whole.weight_version, whole.first_weight_version) == (1, 0)
+    before = engine.output(done)
+    assert (before.weight_version, before.first_weight_version) == (0, 0)
+    assert before.outputs[0].weight_version == 0
+    llm.shutdown()

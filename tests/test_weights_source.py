@@ -12,6 +12,7 @@ import shutil
 import time
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from moe_runtime import LLM, SamplingParams
@@ -135,3 +136,59 @@ def test_the_serving_loop_gives_up_at_once_when_the_start_up_path_changed(checkp
 
 def test_random_weights_have_nothing_to_change():
     assert WeightsSource.of(None).changed() is None
+
+
+def test_the_stamp_names_an_added_or_removed_file(tmp_path):
+    for name in ("config.json", "a.safetensors", "b.safetensors"):
+        (tmp_path / name).write_text(name)
+    stamp = WeightsSource.of(str(tmp_path))
+    (tmp_path / "adapter.safetensors").write_text("x")  # sorts first: shifted every pair
+    assert (
+        stamp.changed()
+        == f"'adapter.safetensors' in {str(tmp_path)!r} was added since the weights were read"
+    )
+    (tmp_path / "adapter.safetensors").unlink()
+    (tmp_path / "a.safetensors").unlink()
+    assert (
+        stamp.changed()
+        == f"'a.safetensors' in {str(tmp_path)!r} was removed since the weights were read"
+    )
+
+
+def test_a_state_dict_of_inference_tensors_is_accepted(checkpoints):
+    """Tensors made under torch.inference_mode keep no version counter: reading it raised, and
+    update_weights refused the dict."""
+    one, two = checkpoints
+    with torch.inference_mode():
+        state = {k: v.clone() for k, v in load_file(f"{two}/model.safetensors").items()}
+    llm = _llm(one)
+    try:
+        assert llm.update_weights(state) == 1
+    finally:
+        llm.shutdown()
+
+
+def test_a_rebuild_after_an_update_needs_the_start_up_checkpoint(checkpoints, tmp_path):
+    """The new group builds its model from model.path before loading the update's weights: a
+    start-up checkpoint pruned since failed every rebuild until the restarts ran out."""
+    one, two = checkpoints
+    start = shutil.copytree(one, tmp_path / "start")
+    llm = _llm(str(start))
+    try:
+        llm.update_weights(two)
+        shutil.rmtree(start)
+        with pytest.raises(WeightsChangedError, match="start.* cannot be read"):
+            llm.engine.restart()
+    finally:
+        llm.shutdown()
+
+
+def test_a_refused_state_dict_is_named_as_one(checkpoints):
+    one, _ = checkpoints
+    llm = _llm(one)
+    try:
+        with pytest.raises(ValueError, match="the state dict") as failure:
+            llm.update_weights({"lm_head.weight": torch.zeros(3, 3)})
+        assert "tensor(" not in str(failure.value), failure.value
+    finally:
+        llm.shutdown()

@@ -58,7 +58,7 @@ class LLMEngine:
         self.config = config
         self.tokenizer = load_tokenizer(config.model)
         # Stamped before the workers read it: a rebuild checks that it still holds these weights.
-        self._weights = WeightsSource.of(config.model.path)
+        self._weights = self._startup_weights = WeightsSource.of(config.model.path)
         placement = initial_placement(config)
         self.executor = create_executor(config, placement.physical_to_logical.tolist())
         try:
@@ -125,6 +125,9 @@ class LLMEngine:
                 f"parallel.restart_window_s={parallel.restart_window_s:g}s: {self.error}"
             )
         changed = self._weights.changed()
+        if changed is None and self.weight_version > 0:
+            # The new group builds its model from model.path before the update's weights.
+            changed = self._startup_weights.missing()
         if changed is not None:
             raise WeightsChangedError(
                 f"cannot rebuild the worker group with weight_version {self.weight_version}'s "
@@ -277,8 +280,10 @@ class LLMEngine:
         per_dp_rank = [scheduler.schedule() for scheduler in self.schedulers]
         for chunks in per_dp_rank:
             for chunk in chunks:
-                if chunk.seq.request.first_weight_version is None:
-                    chunk.seq.request.first_weight_version = self.weight_version
+                seq = chunk.seq
+                if seq.first_weight_version is None:
+                    seq.first_weight_version = self.weight_version
+                seq.last_weight_version = self.weight_version
         inputs = [
             build_step_input(scheduler.collect_released(), chunks, scheduler.is_lookahead)
             for scheduler, chunks in zip(self.schedulers, per_dp_rank, strict=True)
@@ -447,6 +452,7 @@ def request_output(request: Request, weight_version: int, is_delta: bool) -> Req
         routed = None
         if seq.params.return_routed_experts:
             routed = np.array(seq.routed_experts[start:], dtype=np.int32)  # [T, L_moe, K]
+        last, first = _versions(seq, weight_version)
         outputs.append(
             CompletionOutput(
                 index=seq.sample_idx,
@@ -457,17 +463,26 @@ def request_output(request: Request, weight_version: int, is_delta: bool) -> Req
                 finish_reason=seq.finish_reason if seq.is_finished else None,
                 seed=seq.seed,
                 routed_experts=routed,
+                weight_version=last,
+                first_weight_version=first,
             )
         )
-    first = request.first_weight_version
+    versions = [_versions(seq, weight_version) for seq in request.samples]
     return RequestOutput(
         request.request_id,
         request.prompt_token_ids,
         outputs,
         request.is_finished,
-        weight_version,
-        weight_version if first is None else first,
+        max(last for last, _ in versions),
+        min(first for _, first in versions),
     )
+
+
+def _versions(seq: Sequence, weight_version: int) -> tuple[int, int]:
+    """(latest, first) weight version of a sample's steps; the engine's now before its first."""
+    if seq.first_weight_version is None:
+        return weight_version, weight_version
+    return seq.last_weight_version, seq.first_weight_version
 
 
 def build_step_input(

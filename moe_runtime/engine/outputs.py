@@ -24,6 +24,11 @@ class CompletionOutput:
     # When the request asks: int32 [T, L_moe, K], the logical experts (top-k in slot order,
     # per MoE layer) that routed the position whose logits sampled token t.
     routed_experts: np.ndarray | None = None
+    # The weights' versions at this sample's latest and first step (both the engine's version
+    # before it ran): they differ where a weight update came while it ran, and its tokens then
+    # came from both versions, equal to neither's alone.
+    weight_version: int = 0
+    first_weight_version: int = 0
 
 
 @dataclass(frozen=True)
@@ -32,9 +37,8 @@ class RequestOutput:
     prompt_token_ids: list[int]  # shared with the engine's request: read it, never change it
     outputs: list[CompletionOutput]  # a delta: the samples that changed; else all n
     is_finished: bool
-    # The weights' version as this output was made, and as the request's first step ran: they
-    # differ where a weight update came while it ran (its tokens then came from both, and
-    # equal neither version's alone).
+    # Over all the request's samples (not only a delta's): the newest version any step of
+    # theirs ran with, and the oldest (CompletionOutput's, per sample).
     weight_version: int = 0
     first_weight_version: int = 0
 

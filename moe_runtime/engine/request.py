@@ -51,6 +51,10 @@ class Sequence:
     num_sent_blocks: int = 0
     num_reported: int = 0  # output tokens already handed out as deltas
     detokenizer: IncrementalDetokenizer | None = None
+    # The weights' versions at this sample's first and latest step (None before its first):
+    # where they differ, a weight update came while it ran.
+    first_weight_version: int | None = None
+    last_weight_version: int | None = None
 
     def __post_init__(self) -> None:
         self.params: SamplingParams = self.request.params
@@ -96,9 +100,6 @@ class Request:
     seed: int
     score_token_ids: list[int] | None = None
     samples: list[Sequence] = field(default_factory=list)
-    # The weights' version at the request's first step (None before it): tokens and KV after
-    # a weight update in flight came from the next version.
-    first_weight_version: int | None = None
 
     @property
     def is_score(self) -> bool:

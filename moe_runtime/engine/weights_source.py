@@ -6,7 +6,10 @@ has since overwritten (its next step saved to the same path) or pruned, or a sta
 caller has since changed in place, would give other weights under the same weight_version:
 other bits with nothing to tell them apart. So the source is stamped when it is read (each
 file's size, modification time and inode; each tensor's in-place version counter) and a
-rebuild whose source no longer matches its stamp is refused (WeightsChangedError).
+rebuild whose source no longer matches its stamp is refused (WeightsChangedError). What the
+stamp cannot see: a file rewritten with the same size within one tick of the file system's
+clock, and a tensor changed through .data, a numpy view or its storage, or an inference
+tensor (no version counter).
 """
 
 from __future__ import annotations
@@ -42,17 +45,31 @@ class WeightsSource:
         return cls(source, _stamp(source))
 
     def changed(self) -> str | None:
-        """What differs from the stamp now (the first difference), or None."""
+        """What differs from the stamp now (the first file or tensor by name), or None."""
         try:
-            now = _stamp(self.source)
+            now = dict(_stamp(self.source))
         except OSError as exc:
             return f"{self.source!r} cannot be read: {exc}"
-        for before, after in zip(self.stamp, now, strict=False):
-            if before != after:
-                return f"{before[0]!r} in {self._name()} changed since the weights were read"
-        if len(now) != len(self.stamp):
-            names = {entry[0] for entry in self.stamp} ^ {entry[0] for entry in now}
-            return f"{sorted(names)[0]!r} in {self._name()} was added or removed since"
+        before = dict(self.stamp)
+        for name in sorted(before.keys() | now.keys()):
+            if name not in now:
+                return f"{name!r} in {self._name()} was removed since the weights were read"
+            if name not in before:
+                return f"{name!r} in {self._name()} was added since the weights were read"
+            if before[name] != now[name]:
+                return f"{name!r} in {self._name()} changed since the weights were read"
+        return None
+
+    def missing(self) -> str | None:
+        """Why the source cannot be read now (a directory gone, or without weights), or None."""
+        if not isinstance(self.source, str):
+            return None
+        try:
+            names = [name for name, _ in _stamp(self.source)]
+        except OSError as exc:
+            return f"{self.source!r} cannot be read: {exc}"
+        if not any(name.endswith(".safetensors") for name in names):
+            return f"{self.source!r} holds no *.safetensors files now"
         return None
 
     def _name(self) -> str:
@@ -63,13 +80,22 @@ def _stamp(source: str | dict[str, torch.Tensor] | None) -> tuple:
     if source is None:
         return ()
     if isinstance(source, dict):
-        # A tensor's version counter moves with every in-place change (mul_, copy_, ...).
-        return tuple((name, getattr(t, "_version", None)) for name, t in sorted(source.items()))
+        return tuple((name, _tensor_version(t)) for name, t in sorted(source.items()))
     directory = Path(source)
     if not directory.is_dir():
         raise FileNotFoundError(f"no directory {source!r}")
     files = sorted({f for pattern in _READ_FILES for f in directory.glob(pattern)})
-    return tuple((f.name, *_file_stamp(f)) for f in files)
+    return tuple((f.name, _file_stamp(f)) for f in files)
+
+
+def _tensor_version(tensor) -> int | None:
+    """Its version counter, which moves with every in-place change through the tensor (mul_,
+    copy_, ...; not through .data, a numpy view or its storage); None where it keeps none (an
+    inference tensor, a value that is no tensor: the load refuses those)."""
+    try:
+        return tensor._version
+    except (AttributeError, RuntimeError):
+        return None
 
 
 def _file_stamp(file: Path) -> tuple[int, int, int]:

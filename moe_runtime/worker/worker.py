@@ -256,15 +256,16 @@ class Worker:
         in host memory; nothing in use changes. A directory's config.json must describe the
         running model (read_checkpoint). Any problem is a ValueError (a refusal)."""
         model, self.staged_weights = self.runner.model, None
+        name = source if isinstance(source, str) else "the state dict"
         try:
             tensors = (
                 read_checkpoint(Path(source), model.config) if isinstance(source, str) else source
             )
-            staged = check_weights(model, dict(tensors), self._local_experts(), str(source)[:80])
+            staged = check_weights(model, dict(tensors), self._local_experts(), name)
         except ValueError:
             raise
         except Exception as exc:  # unreadable files: a refusal too, since nothing changed
-            raise ValueError(f"weights {str(source)[:80]!r}: {type(exc).__name__}: {exc}") from exc
+            raise ValueError(f"weights {name!r}: {type(exc).__name__}: {exc}") from exc
         self.staged_weights = staged
 
     def commit_weights(self) -> None:
