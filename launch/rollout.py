@@ -40,6 +40,7 @@ from launch.rollout_io import (  # noqa: E402
 )
 from moe_runtime import LLM, RequestOutput, heap  # noqa: E402
 from moe_runtime.config import RuntimeConfig  # noqa: E402
+from moe_runtime.engine.weights_source import WeightsSource  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -74,13 +75,17 @@ UNRECORDED_KEYS = frozenset(
 # Left out too while the invariance contract holds (invariant kernels, no multiple reduction):
 # where rows run, how they are batched, cached, chunked and placed changes none of their bits
 # (README's config table). A key not named here is recorded, so a new one errs on refusing:
-# cache.block_size is (the attention's KV splits are runs of cache blocks).
+# cache.block_size is (the attention's KV splits are runs of cache blocks), and so is
+# scheduler.max_model_len (it decides which rows run at all).
 INVARIANT_FREE_KEYS = frozenset(
     {
         "cache.num_blocks",
         "cache.enable_prefix_caching",
         "cache.gpu_memory_utilization",
-        "scheduler",
+        "scheduler.max_num_seqs",
+        "scheduler.max_num_batched_tokens",
+        "scheduler.enable_chunked_prefill",
+        "scheduler.overlap_decode",
         "eplb",
         "parallel.world_size",
         "parallel.tp_size",
@@ -169,6 +174,12 @@ def _run_settings(
         for key, value in values.items():
             if section not in unrecorded and f"{section}.{key}" not in unrecorded:
                 settings[f"{section}.{key}"] = value
+    if config.model.path:
+        # The weights there, as the engine stamps them (a trainer saving its next step over
+        # them would mix two policies in one output), and the directory however it is named.
+        settings["model.path"] = str(Path(config.model.path).resolve())
+        stamp = WeightsSource.of(settings["model.path"]).stamp
+        settings["model.weights"] = {name: list(values) for name, values in stamp}
     return settings
 
 

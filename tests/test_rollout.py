@@ -299,6 +299,12 @@ def partial_run(tmp_path: Path, num_kept: int) -> tuple[Path, Path, list[str]]:
         (["--set", "kernels.mode=fast"], 'kernels.mode="invariant"', 'kernels.mode="fast"'),
         # Part of the bits in invariant mode too: the KV splits are runs of cache blocks.
         (["--set", "cache.block_size=8"], "cache.block_size=16", "cache.block_size=8"),
+        # Decides which rows run (a row skipped as too long would be appended out of order).
+        (
+            ["--set", "scheduler.max_model_len=2048"],
+            "scheduler.max_model_len=1024",
+            "scheduler.max_model_len=2048",
+        ),
         (["--edit-input"], "input_sha256=", "input_sha256="),
     ],
 )
@@ -358,3 +364,38 @@ def test_relative_output_refused_under_ray_job_and_written_path_printed(
     out = tmp_path / "job.jsonl"
     assert run("--input", source, "--output", out, "--max-tokens", "2") == 0
     assert f"to {out}" in capsys.readouterr().err and len(read_jsonl(out)) == 1
+
+
+def test_resume_after_the_checkpoints_weights_were_overwritten_is_refused(tmp_path, capsys):
+    """A trainer saving its next step over model.path between a killed run and its resume: the
+    resume appended the new weights' rows to the old ones' with nothing to tell them apart.
+    The same directory written another way is the same setting."""
+    from tests.serving import write_checkpoint
+
+    checkpoint = write_checkpoint(tmp_path / "ckpt", seed=1)
+    other = write_checkpoint(tmp_path / "other", seed=2)
+    config = tmp_path / "config.yaml"
+    config.write_text("scheduler:\n  max_model_len: 256\n")
+    source, out = write_jsonl(tmp_path / "in.jsonl", ROWS[:4]), tmp_path / "out.jsonl"
+
+    def run(*extra) -> int:
+        argv = ["--config", config, "--no-progress", "--input", source, "--output", out, *ARGS]
+        return rollout.main([*map(str, argv), *extra])
+
+    argv = ["--set", f"model.path={checkpoint}"]
+    assert run(*argv) == 0
+    rows = out.read_text().splitlines(keepends=True)
+    out.write_text("".join(rows[:2]))
+    roundabout = f"model.path={tmp_path}/ckpt/../ckpt"
+    assert run("--set", roundabout) == 0  # the same weights, another spelling: resumed
+    assert out.read_text().splitlines(keepends=True) == rows
+    out.write_text("".join(rows[:2]))
+    time.sleep(0.01)
+    Path(f"{checkpoint}/model.safetensors").write_bytes(
+        Path(f"{other}/model.safetensors").read_bytes()
+    )
+    capsys.readouterr()
+    assert run(*argv) == 2
+    err = capsys.readouterr().err
+    assert f"error: {out} was written with model.weights=" in err, err
+    assert out.read_text().splitlines(keepends=True) == rows[:2]
