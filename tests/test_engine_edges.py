@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from moe_runtime import LLM, SamplingParams
-from tests.invariance import TINY_CONFIG, fingerprint
+from tests.invariance import TINY_CONFIG, fingerprint, mixed_prompts
 
 # 16 blocks of 4: a 44-token request with 12 generated needs 14, leaving 2.
 CRAMPED = {"cache.block_size": 4, "cache.num_blocks": 16, "scheduler.max_model_len": 64}
@@ -142,3 +142,22 @@ def fingerprint_sample(sample) -> tuple:
 def test_cuda_on_a_machine_without_it_is_refused_naming_the_key():
     with pytest.raises(ValueError, match=r"parallel.device is 'cuda' but rank 0 sees no CUDA"):
         LLM(TINY_CONFIG, **{"parallel.device": "cuda"})
+
+
+def test_a_sample_waiting_for_its_siblings_prompt_wastes_no_lookahead():
+    """With overlap_decode (invariant mode), a step may launch the next decode ahead while
+    sequences wait, if nothing but a sequence's end could admit them. A sample waiting for its
+    sibling's prompt is admitted as soon as that is in: 3 lookaheads were launched and dropped."""
+    prompts = mixed_prompts(4, 40, 90, seed=3)
+    params = [SamplingParams(n=5, max_tokens=8, temperature=1.0, seed=i) for i in range(4)]
+    overrides = {
+        "scheduler.overlap_decode": True,
+        "scheduler.max_num_seqs": 6,
+        "cache.num_blocks": 40,
+        "scheduler.max_model_len": 256,
+    }
+    llm = LLM(TINY_CONFIG, **overrides)
+    llm.generate(prompts, params)
+    stats = llm.engine.worker_stats()[0]
+    assert llm.engine.stats().num_prefix_hit_blocks > 0  # engagement: samples waited and hit
+    assert stats["num_lookahead_hits"] > 0 and stats["num_lookahead_misses"] == 0, stats

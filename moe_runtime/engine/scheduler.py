@@ -90,6 +90,7 @@ class Scheduler:
             if seq.status is SequenceStatus.RUNNING:
                 chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, chunk))
                 budget -= chunk
+        waits_for_sibling = False
         while (
             not is_held
             and self.waiting
@@ -98,6 +99,7 @@ class Scheduler:
         ):
             seq = self.waiting[0]
             if self._waits_for_sibling(seq):
+                waits_for_sibling = True  # admitted once the sibling's prompt is in: no end
                 break
             if not seq.block_table:
                 # A scoring sequence must compute every position it scores: match its prompt only.
@@ -112,10 +114,12 @@ class Scheduler:
             self.running.append(seq)
             chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, chunk))
             budget -= chunk
-        # What still waits could not be admitted, and nothing but a sequence's end changes that.
+        # What still waits could not be admitted, and nothing but a sequence's end changes that
+        # (a sample waiting for its sibling's prompt is admitted as soon as that is in).
         self.is_lookahead = (
             bool(self.config.overlap_decode)
             and not is_held
+            and not waits_for_sibling
             and (not self.waiting or self.can_hold_admission)
         )
         return chunks
