@@ -39,8 +39,6 @@ from launch.rollout_io import (  # noqa: E402
     record_settings,
 )
 from moe_runtime import LLM, RequestOutput, heap  # noqa: E402
-from moe_runtime.config import RuntimeConfig  # noqa: E402
-from moe_runtime.engine.weights_source import WeightsSource  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -121,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     heap.freeze()  # no full collection of start-up's objects in the run (moe_runtime/heap.py)
-    settings = _run_settings(llm.config, args, defaults, rows.sha256)
+    settings = _run_settings(llm, args, defaults, rows.sha256)
     try:
         if done:
             check_settings(output, settings)
@@ -160,11 +158,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _run_settings(
-    config: RuntimeConfig, args: argparse.Namespace, defaults: dict, input_sha256: str
-) -> dict:
+def _run_settings(llm: LLM, args: argparse.Namespace, defaults: dict, input_sha256: str) -> dict:
     """What an output row's bits depend on, flat ("model.hidden_size": 64, ...), in the order a
-    refused resume names them. `model.path` stands for the weights there (not hashed)."""
+    refused resume names them. `model.path`'s weights by their files' stamp (not hashed)."""
+    config = llm.config
     contract = config.kernels.is_invariant and not config.parallel.allow_multiple_reduction
     unrecorded = UNRECORDED_KEYS | (INVARIANT_FREE_KEYS if contract else frozenset())
     settings = {"score": args.score, "input_sha256": input_sha256}
@@ -175,10 +172,11 @@ def _run_settings(
             if section not in unrecorded and f"{section}.{key}" not in unrecorded:
                 settings[f"{section}.{key}"] = value
     if config.model.path:
-        # The weights there, as the engine stamps them (a trainer saving its next step over
-        # them would mix two policies in one output), and the directory however it is named.
+        # The weights there as the engine stamped them before reading them (a trainer saving
+        # its next step over them would mix two policies in one output), and the directory
+        # however it is named.
         settings["model.path"] = str(Path(config.model.path).resolve())
-        stamp = WeightsSource.of(settings["model.path"]).stamp
+        stamp = llm.engine.startup_weights.stamp
         settings["model.weights"] = {name: list(values) for name, values in stamp}
     return settings
 

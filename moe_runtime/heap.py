@@ -48,8 +48,9 @@ def unfreeze() -> None:
 @contextlib.contextmanager
 def thawed() -> Iterator[None]:
     """Frozen objects back in the collector's view for the block (a rebuild or a shutdown
-    drops a model); after it, a collection (the dropped objects' cycles freed) and a freeze
-    again if freeze() had frozen the process."""
+    drops a model); after it, if freeze() had frozen the process, a collection (the dropped
+    objects' cycles freed) and a freeze again. (Unfrozen, the block's own code collects what
+    it must: LocalExecutor.shutdown, before a rebuild sizes its cache.)"""
     global _is_frozen
     was_frozen, _is_frozen = _is_frozen, False
     if was_frozen:
@@ -59,8 +60,6 @@ def thawed() -> Iterator[None]:
     finally:
         if was_frozen:
             freeze()
-        else:
-            gc.collect()
 
 
 def drop_frames(error: BaseException) -> None:

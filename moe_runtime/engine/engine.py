@@ -57,8 +57,9 @@ class LLMEngine:
     def __init__(self, config: RuntimeConfig) -> None:
         self.config = config
         self.tokenizer = load_tokenizer(config.model)
-        # Stamped before the workers read it: a rebuild checks that it still holds these weights.
-        self._weights = self._startup_weights = WeightsSource.of(config.model.path)
+        # model.path's weights as stamped before the workers read them: a rebuild checks that it
+        # still holds them (and a rollout job's record names them).
+        self.startup_weights = self._weights = WeightsSource.of(config.model.path)
         placement = initial_placement(config)
         self.executor = create_executor(config, placement.physical_to_logical.tolist())
         try:
@@ -127,7 +128,7 @@ class LLMEngine:
         changed = self._weights.changed()
         if changed is None and self.weight_version > 0:
             # The new group builds its model from model.path before the update's weights.
-            changed = self._startup_weights.missing()
+            changed = self.startup_weights.missing()
         if changed is not None:
             raise WeightsChangedError(
                 f"cannot rebuild the worker group with weight_version {self.weight_version}'s "
@@ -440,7 +441,8 @@ def request_output(request: Request, weight_version: int, is_delta: bool) -> Req
     """The whole result, or (is_delta) what changed since the last delta: the samples with
     new tokens, only their new tokens and text. Values are copies."""
     outputs = []
-    for seq in request.samples:
+    versions = [_versions(seq, weight_version) for seq in request.samples]
+    for seq, (last, first) in zip(request.samples, versions, strict=True):
         start = seq.num_reported if is_delta else 0
         if is_delta and seq.num_output_tokens == start:
             continue
@@ -452,7 +454,6 @@ def request_output(request: Request, weight_version: int, is_delta: bool) -> Req
         routed = None
         if seq.params.return_routed_experts:
             routed = np.array(seq.routed_experts[start:], dtype=np.int32)  # [T, L_moe, K]
-        last, first = _versions(seq, weight_version)
         outputs.append(
             CompletionOutput(
                 index=seq.sample_idx,
@@ -467,7 +468,6 @@ def request_output(request: Request, weight_version: int, is_delta: bool) -> Req
                 first_weight_version=first,
             )
         )
-    versions = [_versions(seq, weight_version) for seq in request.samples]
     return RequestOutput(
         request.request_id,
         request.prompt_token_ids,
