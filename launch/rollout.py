@@ -34,6 +34,7 @@ from launch.rollout_io import (  # noqa: E402
     Sample,
     append_rows,
     check_settings,
+    lock_output,
     read_done,
     read_samples,
     record_settings,
@@ -108,6 +109,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(f"rollout: writing to {output}", file=sys.stderr)
+    try:
+        lock = lock_output(output)
+    except (ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    with lock:  # held while this run reads and appends to the output
+        return _run(args, output)
+
+
+def _run(args: argparse.Namespace, output: Path) -> int:
     defaults = {"n": args.n, **cli.sampling_args(args)}
     defaults["return_routed_experts"] = not args.no_routed_experts
     skip_bad = args.on_bad_row == "skip"

@@ -8,17 +8,19 @@ any batch, in any run, and be resumed alone. Bad rows raise `RowError` naming th
 returned, to be skipped); an (id, sample_idx) given twice refuses the whole file. The output
 file is only appended to; `read_done` returns the (id, sample_idx) pairs already written and
 cuts a torn last line off. Beside it, `<output>.settings.json` records what a row's bits depend
-on, so a resume with other settings is refused instead of mixing two runs in one file.
+on, so a resume with other settings is refused instead of mixing two runs in one file, and
+`lock_output` keeps a second run off an output while one writes it.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from moe_runtime.config_fields import is_int
 from moe_runtime.sampling_params import SamplingParams
@@ -151,6 +153,28 @@ def _check_fields(row: dict, allowed: set, required: tuple, extra_ok: bool = Fal
         raise ValueError(f"unknown field {unknown[0]!r} (allowed: {', '.join(sorted(allowed))})")
     if not isinstance(row["id"], str | int) or isinstance(row["id"], bool):
         raise ValueError(f"id must be a string or an int, got {row['id']!r}")
+
+
+def lock_output(output: Path) -> IO[str]:
+    """Hold `<output>.lock` exclusively for as long as the returned file stays open (the OS
+    lets go when the process ends, killed or not), or raise ValueError naming the run that holds
+    it: two runs on one output would each cut the other's torn line and write the same rows."""
+    path = output.with_name(output.name + ".lock")
+    lock = open(path, "a+", encoding="utf-8")
+    try:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "unknown"
+        lock.close()
+        raise ValueError(
+            f"another rollout (pid {holder}) is writing {output}: wait for it to end, or "
+            "write to another --output"
+        ) from None
+    lock.truncate(0)
+    lock.write(f"{os.getpid()}\n")
+    lock.flush()
+    return lock
 
 
 def read_done(path: Path) -> set[tuple[str, int]]:

@@ -1,6 +1,7 @@
 """launch/rollout.py: rows equal LLM.generate bit for bit, a killed run resumes without loss or
 duplicates, --score equals the rollout's logprobs bit for bit, bad rows name their line before
-anything runs (or are skipped), a resume with changed settings is refused."""
+anything runs (or are skipped), a resume with changed settings is refused, and so is a second run
+on an output another run is writing."""
 
 from __future__ import annotations
 
@@ -150,6 +151,35 @@ def test_killed_run_resumes_without_loss_or_duplicates(tmp_path):
     assert len(keys) == len(set(keys)) == 160
     assert resumed == reference
 
+
+def test_a_second_run_on_an_output_being_written_is_refused(tmp_path, capsys):
+    source = write_jsonl(tmp_path / "in.jsonl", ROWS[:1])
+    out = tmp_path / "out.jsonl"
+    holder = subprocess.Popen(  # a run that holds the output's lock, then is killed
+        [sys.executable, "-c", HOLD_LOCK, str(out)], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        assert run("--input", source, "--output", out, *ARGS) == 2
+        err = capsys.readouterr().err
+        assert f"another rollout (pid {holder.pid}) is writing {out}" in err, err
+        assert not out.exists() and not settings_path(out).exists()
+    finally:
+        holder.kill()
+        holder.wait(timeout=10)
+    assert run("--input", source, "--output", out, *ARGS) == 0  # killed: the OS let go
+    assert len(read_jsonl(out)) == ROWS[0]["n"]
+    assert run("--input", source, "--output", out, *ARGS) == 0  # this run let go as it ended
+
+
+HOLD_LOCK = """
+import sys, time
+from pathlib import Path
+from launch.rollout_io import lock_output
+lock = lock_output(Path(sys.argv[1]))
+print("locked", flush=True)
+time.sleep(600)
+"""
 
 BAD_ROWS = [
     ("{not json", "Expecting property name"),
