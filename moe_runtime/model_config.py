@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from moe_runtime.config_fields import check_field_types
-from moe_runtime.model.hf_config import read_hf_config
+from moe_runtime.model.hf_config import read_hf_config, rope_problem
 
 SCORING_FUNCS = ("softmax", "sigmoid")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
@@ -117,8 +117,13 @@ class ModelConfig:
         _require(scale > 0, "routed_scaling_factor", scale, "> 0")
         _require(self.init_std >= 0, "init_std", self.init_std, ">= 0")
         if self.rope_scaling is not None:
-            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
-            _require(kind in ("yarn", "default"), "rope_scaling.type", kind, "'yarn' or 'default'")
+            problem = rope_problem(self.rope_scaling)
+            if problem is None and "rope_theta" in self.rope_scaling:  # read from model.rope_theta
+                problem = ("rope_theta", self.rope_scaling["rope_theta"], "set model.rope_theta")
+            if problem is not None:
+                sub, value, why = problem
+                name = f"rope_scaling.{sub}" if sub else "rope_scaling"
+                raise ValueError(f"model.{name}={value!r} is refused: {why}")
         for key in ("bos_token_id", "eos_token_id"):
             value = getattr(self, key)
             _require(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -381,6 +382,33 @@ def test_values_of_the_wrong_type_fail_at_load_naming_the_key(key, value, named)
     .inf for a bound) is refused with the key named, never taken for something else."""
     with pytest.raises(ValueError, match=f"{key.replace('.', '[.]')} must be {named}"):
         load_config(CONFIGS / "tiny_cpu.yaml", {key: value})
+
+
+@pytest.mark.parametrize(
+    ("value", "named"),
+    [
+        ("5", "rope_scaling=5 is refused: must be an object or null"),
+        ("yarn", "rope_scaling='yarn' is refused: must be an object or null"),
+        ("{type: linear, factor: 2}", "rope_scaling.rope_type='linear' is refused"),
+        ("{type: yarn}", "rope_scaling.factor=None is refused: YaRN needs it set"),
+        ("{type: yarn, factor: x}", "rope_scaling.factor='x' is refused: must be a number"),
+        ("{rope_type: default, foo: 1}", "rope_scaling.foo=1 is refused: not implemented"),
+        (
+            "{type: yarn, factor: 4, original_max_position_embeddings: 0}",
+            "rope_scaling.original_max_position_embeddings=0 is refused: must be > 0",
+        ),
+        (
+            "{type: yarn, factor: 4, original_max_position_embeddings: 64, rope_theta: 5}",
+            "rope_scaling.rope_theta=5 is refused: set model.rope_theta",
+        ),
+    ],
+)
+def test_a_bad_rope_scaling_fails_at_load_naming_the_key(value, named):
+    """The YAML rope_scaling follows config.json's rules (one check, hf_config.rope_problem):
+    a non-mapping failed with an AttributeError, a YaRN without its factor only when the
+    model was built (KeyError), an unknown or ignored sub-key loaded silently."""
+    with pytest.raises(ValueError, match=f"model[.]{re.escape(named)}"):
+        load_config(CONFIGS / "tiny_cpu.yaml", {"model.rope_scaling": value})
 
 
 def test_malformed_yaml_names_the_file_or_the_override(tmp_path):

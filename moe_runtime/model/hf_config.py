@@ -185,21 +185,11 @@ def _rope(hf: dict[str, Any]) -> dict[str, Any]:
     """rope_parameters (transformers 5) or rope_scaling (DeepSeek's files, transformers 4)."""
     key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
     rope = hf.get(key) or {}
-    if not isinstance(rope, dict):
-        _refuse(key, rope, "must be an object or null")
+    problem = rope_problem(rope)
+    if problem is not None:
+        sub, value, why = problem
+        _refuse(f"{key}.{sub}" if sub else key, value, why)
     kind = rope.get("rope_type", rope.get("type", "default"))
-    if not isinstance(kind, str) or kind not in ROPE_KEYS:
-        _refuse(f"{key}.rope_type", kind, "only 'default' and 'yarn' are implemented")
-    for sub, value in rope.items():
-        if sub not in ROPE_KEYS[kind]:
-            _refuse(f"{key}.{sub}", value, f"not implemented for rope_type {kind!r}")
-        want = "a bool" if sub == "truncate" else "a number"
-        if sub not in ("rope_type", "type") and value is not None and not _has_type(value, want):
-            _refuse(f"{key}.{sub}", value, f"must be {want}")
-    if kind == "yarn":
-        for sub in ("factor", "original_max_position_embeddings"):
-            if rope.get(sub) is None:
-                _refuse(f"{key}.{sub}", rope.get(sub), "YaRN needs it set")
     out: dict[str, Any] = {}
     if "rope_theta" in rope:
         out["rope_theta"] = rope["rope_theta"]
@@ -208,6 +198,30 @@ def _rope(hf: dict[str, Any]) -> dict[str, Any]:
     settings = {k: v for k, v in rope.items() if k not in ("rope_theta", "type", "rope_type")}
     out["rope_scaling"] = None if kind == "default" else {"rope_type": kind, **settings}
     return out
+
+
+def rope_problem(rope: object) -> tuple[str, object, str] | None:
+    """The first thing wrong with a rope_scaling (or rope_parameters) mapping, as (its sub-key,
+    "" for the whole; the value; why), or None: what the rotary tables (model/rope.py) read
+    must be there and be numbers, and nothing they would ignore may be set."""
+    if not isinstance(rope, dict):
+        return "", rope, "must be an object or null"
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if not isinstance(kind, str) or kind not in ROPE_KEYS:
+        return "rope_type", kind, "only 'default' and 'yarn' are implemented"
+    for sub, value in rope.items():
+        if sub not in ROPE_KEYS[kind]:
+            return sub, value, f"not implemented for rope_type {kind!r}"
+        want = "a bool" if sub == "truncate" else "a number"
+        if sub not in ("rope_type", "type") and value is not None and not _has_type(value, want):
+            return sub, value, f"must be {want}"
+    if kind == "yarn":
+        for sub in ("factor", "original_max_position_embeddings"):
+            if rope.get(sub) is None:
+                return sub, rope.get(sub), "YaRN needs it set"
+            if rope[sub] <= 0:  # log(factor), log(original / ...) in the tables
+                return sub, rope[sub], "must be > 0"
+    return None
 
 
 def _routing(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
