@@ -1,16 +1,22 @@
 """Bitwise invariance of chunked prefill, prefix caching, preemption and decode vs score().
 
-Each comparison is against the same prompts run alone with prefix caching off and a budget that
-fits every prompt in one step; each has an engagement check that the path under test ran, and
-the fast-mode control shows the comparison can fail.
+Each run is compared with two references of its own kernel mode, both with prefix caching off
+and a budget that fits every prompt in one step: each prompt alone, and all prompts in the one
+batch the run under test takes. Invariant kernels must equal both; fast kernels, the control,
+must differ from the batch that took the same prompts together, so the difference is the path
+under test's (chunks, cache hits, preemption) and not the batch's. Each run also has an
+engagement check that the path ran.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
 from moe_runtime import LLM, SamplingParams
 from moe_runtime.engine.block_manager import BlockManager
+from moe_runtime.seeds import sample_seeds
 from tests.invariance import (
     TINY_CONFIG,
     fingerprint,
@@ -30,29 +36,54 @@ def workload():
     return mixed_prompts(NUM, 20, 200, seed=5), mixed_params(NUM, 12)
 
 
-def _plain_run(workload, mode: str) -> dict[int, tuple]:
-    """Each prompt alone, prefix caching off, the whole prompt in one step: the reference."""
+WHOLE_BUDGET = 4096  # every prompt of the workload in one step (12 x <= 200 tokens)
+
+
+def _plain_run(workload, mode: str, together: bool) -> dict[int, tuple]:
+    """Prefix caching off, every prompt whole in one step: each prompt alone, or all together
+    in one batch (asserted to have run unchunked)."""
     prompts, params = workload
-    llm = LLM(TINY_CONFIG, **{"kernels.mode": mode, "cache.enable_prefix_caching": False})
-    return run_in_batches(llm, prompts, params, [[i] for i in range(NUM)])
+    overrides = {
+        "kernels.mode": mode,
+        "cache.enable_prefix_caching": False,
+        "scheduler.max_num_batched_tokens": WHOLE_BUDGET,
+    }
+    llm = LLM(TINY_CONFIG, **overrides)
+    steps = record_steps(llm)
+    batches = [list(range(NUM))] if together else [[i] for i in range(NUM)]
+    got = run_in_batches(llm, prompts, params, batches)
+    assert not any(c.start > 0 and c.num_tokens > 1 for step in steps for c in step)
+    return got
 
 
 @pytest.fixture(scope="module")
 def reference(workload):
-    """kernel mode -> that mode's plain run, computed on first use and kept for the module."""
-    runs: dict[str, dict[int, tuple]] = {}
+    """(kernel mode, together) -> that plain run, computed on first use, kept for the module."""
+    runs: dict[tuple[str, bool], dict[int, tuple]] = {}
 
-    def of(mode: str) -> dict[int, tuple]:
-        if mode not in runs:
-            runs[mode] = _plain_run(workload, mode)
-        return runs[mode]
+    def of(mode: str, together: bool) -> dict[int, tuple]:
+        if (mode, together) not in runs:
+            runs[mode, together] = _plain_run(workload, mode, together)
+        return runs[mode, together]
 
     return of
 
 
-def _check(mode: str, got, expected, what: str) -> None:
-    """Invariant kernels: bitwise equal. Fast kernels, the control: they must differ, or the
-    comparison could not fail."""
+def _check(mode: str, got, reference, what: str) -> None:
+    """Invariant kernels: bitwise equal to the prompts alone and to the same batch whole. Fast
+    kernels, the control: they must differ from the same batch whole, or the comparison could
+    not fail."""
+    if mode == "invariant":
+        assert got == reference(mode, together=False)
+        assert got == reference(mode, together=True)
+    else:
+        assert got != reference(mode, together=True), (
+            f"fast kernels gave the same bits {what}: the test could not fail"
+        )
+
+
+def _check_pair(mode: str, got, expected, what: str) -> None:
+    """_check against one reference that took the same prompts in the same batch."""
     if mode == "invariant":
         assert got == expected
     else:
@@ -83,34 +114,27 @@ def _chunked_run(workload, mode: str, budget: int) -> dict[int, tuple]:
 @pytest.mark.parametrize("budget", BUDGETS)
 def test_chunked_prefill_is_bitwise_invariant(workload, reference, budget, mode):
     got = _chunked_run(workload, mode, budget)
-    _check(mode, got, reference(mode), f"chunked at budget {budget}")
+    _check(mode, got, reference, f"chunked at budget {budget}")
 
 
 def _cache_hit_run(workload, mode: str) -> dict[int, tuple]:
-    """All prompts together, twice; -> the second run's fingerprints. Asserts that it started
-    prompts from cached blocks."""
+    """All prompts together, twice, with the whole-batch budget of the references; -> the
+    second run's fingerprints. Asserts that every prompt of it hit cached blocks."""
     prompts, params = workload
-    llm = LLM(TINY_CONFIG, **{"kernels.mode": mode})
+    overrides = {"kernels.mode": mode, "scheduler.max_num_batched_tokens": WHOLE_BUDGET}
+    llm = LLM(TINY_CONFIG, **overrides)
     run_in_batches(llm, prompts, params, [list(range(NUM))])  # fills the cache
-    computed_at_admission = []
-    schedule = llm.engine.schedulers[0].schedule
-
-    def spy():
-        chunks = schedule()
-        computed_at_admission.extend(
-            c.start for c in chunks if c.start > 0 and c.seq.num_output_tokens == 0
-        )
-        return chunks
-
-    llm.engine.schedulers[0].schedule = spy
+    hits_before = llm.engine.stats().num_prefix_hit_blocks
     got = run_in_batches(llm, prompts, params, [list(range(NUM))])
-    assert computed_at_admission, "the second run never started a prompt from cached blocks"
+    # Every prompt has >= 20 tokens: at least one full block of 16 cached by the first run.
+    num_hits = llm.engine.stats().num_prefix_hit_blocks - hits_before
+    assert num_hits >= NUM, f"the second run hit {num_hits} cached blocks for {NUM} prompts"
     return got
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_prefix_cache_hit_is_bitwise_equal_to_miss(workload, reference, mode):
-    _check(mode, _cache_hit_run(workload, mode), reference(mode), "from the prefix cache")
+    _check(mode, _cache_hit_run(workload, mode), reference, "from the prefix cache")
 
 
 def _shared_prefix_run(workload, mode: str) -> tuple[list[tuple], list[tuple]]:
@@ -134,7 +158,7 @@ def _shared_prefix_run(workload, mode: str) -> tuple[list[tuple], list[tuple]]:
 @pytest.mark.parametrize("mode", MODES)
 def test_shared_prefix_across_requests(workload, mode):
     expected, got = _shared_prefix_run(workload, mode)
-    _check(mode, got, expected, "from a shared prefix")
+    _check_pair(mode, got, expected, "from a shared prefix")
 
 
 def _preempted_run(workload, mode: str) -> dict[int, tuple]:
@@ -151,7 +175,7 @@ def _preempted_run(workload, mode: str) -> dict[int, tuple]:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_preemption_loses_nothing_and_changes_no_bit(workload, reference, mode):
-    _check(mode, _preempted_run(workload, mode), reference(mode), "across preemption")
+    _check(mode, _preempted_run(workload, mode), reference, "across preemption")
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -176,7 +200,8 @@ def test_waiting_sequences_hold_no_blocks_so_a_tiny_cache_never_stalls(mode):
     assert stats.num_preemptions > 0 and stats.num_prefix_hit_blocks > 0  # the path ran
     got = [fingerprint(llm.engine.output(r)) for r in requests]
     fits = LLM(TINY_CONFIG, **{"kernels.mode": mode})
-    _check(mode, got, [fingerprint(o) for o in fits.generate(prompts, params)], "in a tiny cache")
+    fits_got = [fingerprint(o) for o in fits.generate(prompts, params)]
+    _check_pair(mode, got, fits_got, "in a tiny cache")
 
 
 def test_a_request_waiting_for_blocks_matches_its_cached_prefix_once(monkeypatch):
@@ -236,3 +261,9 @@ def test_n_samples_use_distinct_derived_seeds():
     samples = [tuple(o.token_ids) for o in first.outputs]
     assert len(samples) == 4 and len(set(samples)) == 4
     assert [fingerprint(o) for o in first.outputs] == [fingerprint(o) for o in again.outputs]
+    # Each sample is the request run alone with its derived seed (sample_seeds), so one
+    # sample of a group can be replayed by itself.
+    for seed, sample in zip(sample_seeds(3, 4), first.outputs, strict=True):
+        alone = dataclasses.replace(params, n=1, seed=seed)
+        (replayed,) = llm.generate([[1, 2, 3, 4, 5, 6, 7, 8]], alone)[0].outputs
+        assert fingerprint(replayed) == fingerprint(sample)

@@ -105,6 +105,7 @@ def test_a_shut_down_local_rank_is_dropped_and_refuses_calls(unfrozen):
     executor.shutdown()  # twice is harmless
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 def test_gpu_rebuild_sizes_its_cache_from_the_memory_the_old_group_held(unfrozen):
     """cache.num_blocks 0: the cache takes a share of the GPU memory free after the weights.

@@ -17,7 +17,8 @@ import pytest
 
 from launch import rollout
 from launch.rollout_io import settings_path
-from moe_runtime import LLM, SamplingParams
+from moe_runtime import LLM, CompletionOutput, SamplingParams
+from moe_runtime.engine.engine import LLMEngine
 from moe_runtime.seeds import derive_seed
 from tests.invariance import TINY_CONFIG
 
@@ -55,17 +56,37 @@ def exact(row: dict) -> tuple:
     )
 
 
+def most_running(fn):
+    """Run fn(); -> (its result, the most sequences any engine step ran meanwhile)."""
+    counts = [0]
+    step = LLMEngine.step
+
+    def counting_step(self):
+        deltas = step(self)
+        counts.append(self.stats().num_running)
+        return deltas
+
+    LLMEngine.step = counting_step
+    try:
+        return fn(), max(counts)
+    finally:
+        LLMEngine.step = step
+
+
 @pytest.fixture(scope="module")
 def rollout_rows(tmp_path_factory) -> tuple[Path, list[dict]]:
     tmp = tmp_path_factory.mktemp("rollout")
     out = tmp / "out.jsonl"
-    assert run("--input", write_jsonl(tmp / "in.jsonl", ROWS), "--output", out, *ARGS) == 0
+    source = write_jsonl(tmp / "in.jsonl", ROWS)
+    code, most = most_running(lambda: run("--input", source, "--output", out, *ARGS))
+    assert code == 0 and most > 1, f"no step ran more than {most} sample: nothing was batched"
     return out, read_jsonl(out)
 
 
-def test_rows_equal_generate(rollout_rows):
-    _, rows = rollout_rows
-    llm = LLM(TINY_CONFIG)
+def generate_alone(mode: str) -> list[tuple[tuple, CompletionOutput]]:
+    """Each of ROWS' requests run alone through LLM.generate as the rollout's defaults (ARGS)
+    make it; -> ((id, sample_idx), output) per sample, in the rollout's row order."""
+    llm = LLM(TINY_CONFIG, **{"kernels.mode": mode})
     expected = []
     for row_idx, row in enumerate(ROWS):
         knobs = {"max_tokens": row.get("max_tokens", 7), "temperature": row.get("temperature", 1.0)}
@@ -80,6 +101,12 @@ def test_rows_equal_generate(rollout_rows):
         out = llm.generate([row["prompt"]], SamplingParams(n=row.get("n", 1), seed=seed, **knobs))
         expected.extend(((row["id"], i), o) for i, o in enumerate(out[0].outputs))
     llm.shutdown()
+    return expected
+
+
+def test_rows_equal_generate(rollout_rows):
+    _, rows = rollout_rows
+    expected = generate_alone("invariant")
     assert len(rows) == len(expected) == 8
     for row, (_, want) in zip(rows, expected, strict=True):
         got = exact(row)
@@ -109,6 +136,27 @@ def test_score_equals_rollout_logprobs(rollout_rows, tmp_path):
     ]
     for row, score in zip(rows, scored, strict=True):
         assert list(map(float.hex, score["logprobs"])) == list(map(float.hex, row["logprobs"]))
+
+
+def test_fast_kernels_control(tmp_path):
+    """With fast kernels the batched rollout differs from each request alone, and its --score
+    from its own logprobs: the two comparisons above could fail."""
+    source, out = write_jsonl(tmp_path / "in.jsonl", ROWS), tmp_path / "out.jsonl"
+    fast = ["--set", "kernels.mode=fast"]
+    assert run("--input", source, "--output", out, *ARGS, *fast) == 0
+    rows = read_jsonl(out)
+    alone = generate_alone("fast")
+    assert len(rows) == len(alone) == 8
+    assert any(
+        exact(row)[1] != tuple(map(float.hex, want.logprobs))
+        for row, (_, want) in zip(rows, alone, strict=True)
+    ), "fast kernels gave each request alone the batch's bits"
+    scores = tmp_path / "scores.jsonl"
+    assert run("--input", out, "--output", scores, "--score", "--batch-size", "4", *fast) == 0
+    assert any(
+        score["logprobs"] != row["logprobs"]
+        for row, score in zip(rows, read_jsonl(scores), strict=True)
+    ), "fast kernels scored the rollout's own logprobs"
 
 
 def test_torn_last_line_is_cut_and_redone(rollout_rows, tmp_path):
