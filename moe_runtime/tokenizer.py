@@ -19,6 +19,8 @@ from moe_runtime.model_config import ModelConfig
 
 
 class ByteTokenizer:
+    is_byte_exact = True  # decode(ids) is the UTF-8 of their token_bytes joined
+
     def __init__(
         self, vocab_size: int, bos_token_id: int | None = None, eos_token_id: int | None = None
     ) -> None:
@@ -87,9 +89,12 @@ class HFTokenizer:
                 self._special_text(t, None) for t in additional
             ]
         decoder = self._tokenizer.decoder  # its JSON spec is its pickled state
-        self._is_byte_level = decoder is not None and _is_byte_level(
-            json.loads(decoder.__getstate__())
-        )
+        spec = None if decoder is None else json.loads(decoder.__getstate__())
+        self._is_byte_level = spec is not None and _is_byte_level(spec)
+        # decode(ids) is the UTF-8 of their token_bytes joined (invalid bytes replaced) where
+        # the decoder is byte-level BPE's alone: DeepSeek's vocabularies. The detokenizer then
+        # reads the bytes (engine/detokenizer.py).
+        self.is_byte_exact = spec is not None and _is_only_byte_level(spec)
 
     def encode(self, text: str) -> list[int]:
         ids = self._tokenizer.encode(text, add_special_tokens=False).ids
@@ -157,6 +162,12 @@ def _is_byte_level(decoder: dict) -> bool:
     holding one."""
     parts = decoder.get("decoders") if decoder.get("type") == "Sequence" else [decoder]
     return any(isinstance(d, dict) and d.get("type") == "ByteLevel" for d in parts or ())
+
+
+def _is_only_byte_level(decoder: dict) -> bool:
+    """Whether a decoder's spec is ByteLevel, or a sequence of ByteLevel alone."""
+    parts = decoder.get("decoders") if decoder.get("type") == "Sequence" else [decoder]
+    return bool(parts) and all(isinstance(d, dict) and d.get("type") == "ByteLevel" for d in parts)
 
 
 def load_tokenizer(model_config: ModelConfig) -> ByteTokenizer | HFTokenizer:

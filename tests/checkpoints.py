@@ -112,3 +112,33 @@ def write_byte_level_bpe(directory, corpus: str, special_tokens: tuple[str, ...]
     tokenizer.train_from_iterator([corpus] * 20, trainer)
     tokenizer.add_special_tokens(list(special_tokens))
     tokenizer.save(str(Path(directory) / "tokenizer.json"))
+
+
+def write_sentencepiece_like(directory, words: tuple[str, ...]) -> dict[str, int]:
+    """A Llama-style tokenizer.json without the hub: sentencepiece pieces ("\u2581" for a
+    space, stripped at the text's start by the decoder), a byte-fallback piece "<0xHH>" for
+    every byte, the letters, and `words` (spelled with "\u2581"); -> its vocabulary. No merges:
+    its encoder spells text letter by letter, so build ids from the vocabulary."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({f"<0x{b:02X}>": 3 + b for b in range(256)})
+    for piece in [*"abcdefghijklmnopqrstuvwxyz", *words]:
+        vocab.setdefault(piece, len(vocab))
+    model = models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True)
+    tokenizer = Tokenizer(model)
+    space = "\u2581"
+    tokenizer.normalizer = normalizers.Sequence(
+        [normalizers.Prepend(space), normalizers.Replace(" ", space)]
+    )
+    tokenizer.decoder = decoders.Sequence(
+        [
+            decoders.Replace(space, " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    tokenizer.add_special_tokens(["<unk>", "<s>", "</s>"])
+    tokenizer.save(str(Path(directory) / "tokenizer.json"))
+    return vocab

@@ -1,13 +1,18 @@
-"""Stop strings in the incremental detokenizer: where a sample stops and what text it holds back,
-against their definitions on the whole text, at any stop-string length."""
+"""The incremental detokenizer: its text is the tokenizer's decode of the whole output (invalid
+and split UTF-8 bytes, byte-level BPE, sentencepiece spaces after the prompt), and stop strings:
+where a sample stops and what text it holds back, against their definitions on the whole text,
+at any stop-string length."""
 
 from __future__ import annotations
 
 import random
 import time
 
+import pytest
+
 from moe_runtime.engine.detokenizer import IncrementalDetokenizer
-from moe_runtime.tokenizer import ByteTokenizer
+from moe_runtime.tokenizer import ByteTokenizer, HFTokenizer
+from tests.checkpoints import write_byte_level_bpe, write_sentencepiece_like
 
 TOKENIZER = ByteTokenizer(512)
 
@@ -72,6 +77,73 @@ def test_long_stop_strings_cost_time_linear_in_the_text():
         assert not detok.update(ids)
         detok.delta(is_final=False)
     assert time.perf_counter() - started < 1.0
+
+
+def _streamed(tokenizer, ids: list[int], rng: random.Random, prompt=()) -> tuple[str, str]:
+    """ids fed one to three tokens at a time, the last update final; -> (text, deltas joined)."""
+    detok, deltas, num_fed = IncrementalDetokenizer(tokenizer, (), prompt), [], 0
+    while num_fed < len(ids):
+        num_fed = min(len(ids), num_fed + rng.randint(1, 3))
+        detok.update(ids[:num_fed], is_final=num_fed == len(ids))
+        deltas.append(detok.delta(is_final=num_fed == len(ids)))
+    return detok.text, "".join(deltas)
+
+
+# Lead bytes of 2-, 3- and 4-byte characters, continuation bytes, ASCII, U+FFFD's own bytes
+# (EF BF BD) and special ids: characters split over tokens, cut short, or invalid.
+BYTE_POOL = [0x61, 0x20, 0xC3, 0xA9, 0xE4, 0xB8, 0xAD, 0xF0, 0x9F, 0x98, 0x80, 0xEF, 0xBF, 0xBD]
+
+
+@pytest.mark.parametrize(
+    "ids",
+    [
+        [0xE4, 0xE4, 0xE4, 0xF0, 0x9F, 0x98, 0x80, 0x21],  # "\ufffd" x 3, then an emoji
+        [*"\ufffd中".encode(), *"x\ufffd😀y".encode()],  # the text's own U+FFFDs
+    ],
+)
+def test_a_character_after_invalid_bytes_is_not_lost(ids):
+    """The text waited up to 4 tokens for a U+FFFD to complete, then took it as is, and the
+    character that completed later was dropped ("\ufffd\ufffd\ufffd\ufffd!" here)."""
+    tokenizer = ByteTokenizer(512)
+    assert _streamed(tokenizer, ids, _OneTokenAtATime()) == (tokenizer.decode(ids),) * 2
+
+
+def test_byte_text_is_the_decode_of_the_whole_output():
+    tokenizer, rng = ByteTokenizer(512), random.Random(1)
+    for _ in range(3000):
+        ids = [rng.choice([*BYTE_POOL, 300]) for _ in range(rng.randint(1, 24))]
+        assert _streamed(tokenizer, ids, rng) == (tokenizer.decode(ids),) * 2, ids
+
+
+def test_byte_level_bpe_text_is_the_decode_of_the_whole_output(tmp_path):
+    """DeepSeek's kind of vocabulary, with special tokens (decode skips them): read from its
+    tokens' bytes, the text is exactly the library's decode of the whole output."""
+    write_byte_level_bpe(tmp_path, "hello world héllo 日本", special_tokens=("<eos>", "<pad>"))
+    tokenizer = HFTokenizer(tmp_path, bos_token_id=None, eos_token_id=None)
+    assert tokenizer.is_byte_exact
+    rng = random.Random(2)
+    for _ in range(1500):
+        ids = [rng.randrange(tokenizer.vocab_size) for _ in range(rng.randint(1, 24))]
+        assert _streamed(tokenizer, ids, rng) == (tokenizer.decode(ids),) * 2, ids
+
+
+def test_sentencepiece_spaces_after_the_prompt_are_kept(tmp_path):
+    """A sentencepiece vocabulary's decoder strips the space of the text's first piece; the
+    output's first piece is not the text's first: its window starts in the prompt. Without
+    the prompt the completion of "The capital is" was "Paris is the fox!", no space."""
+    space = "\u2581"
+    words = tuple(space + w for w in ("The", "capital", "is", "Paris", "the", "fox"))
+    vocab = write_sentencepiece_like(tmp_path, words)
+    tokenizer = HFTokenizer(tmp_path, bos_token_id=1, eos_token_id=2)
+    assert not tokenizer.is_byte_exact
+    prompt = [1, *(vocab[space + w] for w in ("The", "capital", "is"))]
+    by_bytes = [vocab[f"<0x{b:02X}>"] for b in "! é 日本!".encode()]  # byte-fallback pieces
+    pieces = [vocab[space + w] for w in ("Paris", "is", "the", "fox")]
+    for ids in [pieces + by_bytes[:1], pieces[:1] + by_bytes]:
+        whole = tokenizer.decode(prompt + ids)
+        expected = whole[len(tokenizer.decode(prompt)) :]
+        assert expected.startswith(" Paris")
+        assert _streamed(tokenizer, ids, random.Random(3), prompt) == (expected, expected)
 
 
 class _OneTokenAtATime(random.Random):

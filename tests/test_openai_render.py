@@ -7,6 +7,8 @@ trained here (characters it never saw are split into byte tokens) and a byte-fal
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from tokenizers import Tokenizer, decoders, models
 
@@ -102,6 +104,34 @@ def test_text_offsets_point_into_the_text(tokenized, chunk):
         assert got[k] == start, (k, got[k], start)
     assert got == sorted(got) and got[-1] < len(TEXT)
     assert got[-1] == TEXT.index("x")
+
+
+@pytest.mark.parametrize(
+    ("ids", "expected"),
+    [
+        ([0xE4, 0xB8, 0x61, 0x67], [0, 0, 1, 2]),  # "\ufffdag": the start of a character, cut
+        ([0xF0, 0x9F, 0x78], [0, 0, 1]),
+        ([0xE4, 0xE4, 0xE4, 0xF0, 0x9F, 0x98, 0x80, 0x21], [0, 1, 2, 3, 3, 3, 3, 4]),
+        ([0xF0, 0x80, 0x41], [0, 1, 2]),  # each byte invalid: a U+FFFD each
+        ([0xE4, 0xB8, 0xAD, 0x61], [0, 0, 0, 1]),  # "中a"
+    ],
+)
+def test_a_token_after_invalid_bytes_points_past_their_replacement_characters(ids, expected):
+    """The U+FFFD of bytes that a token shows invalid comes before the token in the text: the
+    token's offset was taken before its first byte released it (the 'a' of "\ufffdag" at 0)."""
+    assert TextOffsets().take(ids, ByteTokenizer(vocab_size=260)) == expected
+
+
+def test_every_ascii_token_points_at_its_own_character_among_random_bytes():
+    tokenizer, rng = ByteTokenizer(vocab_size=260), random.Random(4)
+    pool = [0x61, 0x20, 0xC3, 0xA9, 0xE4, 0xB8, 0xAD, 0xF0, 0x9F, 0x98, 0x80, 0xEF, 0xBF, 0xBD]
+    for _ in range(2000):
+        ids = [rng.choice(pool) for _ in range(rng.randint(1, 16))]
+        text, offsets = tokenizer.decode(ids), TextOffsets().take(ids, tokenizer)
+        assert offsets == sorted(offsets) and all(o <= len(text) for o in offsets)
+        for token_id, offset in zip(ids, offsets, strict=True):
+            if token_id < 0x80:
+                assert text[offset] == chr(token_id), ([hex(i) for i in ids], offsets)
 
 
 def test_completion_top_logprobs_hold_the_sampled_token():

@@ -66,8 +66,22 @@ class TextOffsets:
         """The offsets of the next tokens."""
         offsets = []
         for token_id in token_ids:
-            offsets.append(self._num_chars)
-            self._num_chars += len(self._decoder.decode(tokenizer.token_bytes(token_id)))
+            data = tokenizer.token_bytes(token_id)
+            pending = self._decoder.getstate()[0]  # the start of a character, held
+            if not (data and pending):
+                offsets.append(self._num_chars)
+                self._num_chars += len(self._decoder.decode(data))
+                continue
+            # The token's first byte continues the held character (the token starts where
+            # that character does), or shows it invalid: its U+FFFDs come first, then the
+            # token's own characters (that byte's too, unless it starts one held in turn).
+            released = self._decoder.decode(data[:1])
+            now_pending = self._decoder.getstate()[0]
+            if now_pending == pending + data[:1] or (not now_pending and len(released) == 1):
+                offsets.append(self._num_chars)
+            else:
+                offsets.append(self._num_chars + len(released) - (0 if now_pending else 1))
+            self._num_chars += len(released) + len(self._decoder.decode(data[1:]))
         return offsets
 
 

@@ -1,8 +1,16 @@
 """IncrementalDetokenizer: one sample's text, grown a token at a time, and its stop strings.
 
-Each new token decodes a short window of recent tokens, never the whole output, so a step's
-cost does not grow with the sample's length; an incomplete UTF-8 character ("\ufffd") waits for
-up to 4 tokens. Each stop string is matched by an automaton fed every new character once
+The text is the tokenizer's decode of the output so far, found without decoding the whole
+output on each token:
+- byte-exact vocabularies (the byte tokenizer, byte-level BPE: DeepSeek's) join each new
+  token's bytes into one incremental UTF-8 decoder, which holds a character split over tokens
+  until its last byte comes and replaces invalid bytes (U+FFFD) as soon as they are known to
+  be invalid, as decode does: the same text, at a constant cost a token;
+- other vocabularies (sentencepiece's "▁" pieces, byte fallback) decode a short window of
+  recent tokens, started in the prompt's last tokens (a piece's leading space depends on what
+  comes before it): the new text is what the window adds to its start's; a window that ends in
+  U+FFFD (a character not complete yet) waits, up to _MAX_WAIT tokens.
+Each stop string is matched by an automaton fed every new character once
 (Knuth-Morris-Pratt), so neither its length nor the text's makes a token dearer; its state is
 also the tail that may still grow into it, which `delta()` holds back when it hands out unsent
 text.
@@ -10,16 +18,21 @@ text.
 
 from __future__ import annotations
 
+import codecs
+import os
+
 _REPLACEMENT = "\ufffd"
-_MAX_CHAR_TOKENS = 4  # a UTF-8 character spans at most 4 bytes, so at most 4 byte tokens
+_CONTEXT_TOKENS = 5  # prompt tokens a window starts in
+_MAX_WAIT = 64  # tokens a window waits for a character; past that its text is taken as is
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, stop: tuple[str, ...] = ()) -> None:
-        self._tokenizer = tokenizer
+    def __init__(self, tokenizer, stop: tuple[str, ...] = (), prompt_token_ids=()) -> None:
+        if getattr(tokenizer, "is_byte_exact", False):
+            self._decoder: _ByteDecoder | _WindowDecoder = _ByteDecoder(tokenizer)
+        else:
+            self._decoder = _WindowDecoder(tokenizer, prompt_token_ids)
         self._stop = [_StopMatcher(s) for s in stop]
-        self._prefix_offset = 0  # window start: context for tokenizers whose pieces merge
-        self._read_offset = 0  # tokens whose text is in self._text
         self._text = ""
         self._num_sent_chars = 0
         self.stop_index: int | None = None  # where the first stop string starts
@@ -31,29 +44,21 @@ class IncrementalDetokenizer:
 
     def update(self, token_ids: list[int], is_final: bool = False) -> bool:
         """token_ids: every output token so far (new ones at the end). -> whether a stop
-        string has appeared. With is_final, an incomplete last character is kept as is."""
-        if self.stop_index is not None or len(token_ids) == self._read_offset:
-            return self.stop_index is not None
-        decode = self._tokenizer.decode
-        prefix = decode(token_ids[self._prefix_offset : self._read_offset])
-        window = decode(token_ids[self._prefix_offset :])
-        num_unread = len(token_ids) - self._read_offset
-        if is_final or not window.endswith(_REPLACEMENT) or num_unread >= _MAX_CHAR_TOKENS:
-            # The window moves on even when it added no text (special tokens decode to
-            # nothing) or its "\ufffd" can no longer complete (invalid bytes), so it never
-            # grows with the output.
-            new = window[len(prefix) :] if len(window) > len(prefix) else ""
-            # Where each stop string found whole in the new text starts; the first is kept.
-            hits = [
-                len(self._text) + end + 1 - len(matcher.stop)
-                for end, char in enumerate(new)
-                for matcher in self._stop
-                if matcher.feed(char)
-            ]
-            self._text += new
-            self._prefix_offset, self._read_offset = self._read_offset, len(token_ids)
-            if hits:
-                self.stop_index = min(hits)
+        string has appeared. With is_final, an incomplete last character is kept as decode
+        gives it (U+FFFD)."""
+        if self.stop_index is not None:
+            return True
+        new = self._decoder.take(token_ids, is_final)
+        # Where each stop string found whole in the new text starts; the first is kept.
+        hits = [
+            len(self._text) + end + 1 - len(matcher.stop)
+            for end, char in enumerate(new)
+            for matcher in self._stop
+            if matcher.feed(char)
+        ]
+        self._text += new
+        if hits:
+            self.stop_index = min(hits)
         return self.stop_index is not None
 
     def delta(self, is_final: bool) -> str:
@@ -94,3 +99,52 @@ class _StopMatcher:
         is_whole = k == len(stop)
         self.num_matched = self._fallback[k - 1] if is_whole else k
         return is_whole
+
+
+class _ByteDecoder:
+    """The text of a vocabulary whose decode is its tokens' bytes (`token_bytes`) joined and
+    read as UTF-8 with invalid bytes replaced."""
+
+    def __init__(self, tokenizer) -> None:
+        self._token_bytes = tokenizer.token_bytes
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._num_read = 0
+
+    def take(self, token_ids: list[int], is_final: bool) -> str:
+        """The text the tokens after the last call add (all of it when is_final)."""
+        data = b"".join(self._token_bytes(t) for t in token_ids[self._num_read :])
+        self._num_read = len(token_ids)
+        return self._utf8.decode(data, final=is_final)
+
+
+class _WindowDecoder:
+    """The text of any vocabulary, from decodes of a window of recent tokens."""
+
+    def __init__(self, tokenizer, prompt_token_ids) -> None:
+        self._decode = tokenizer.decode
+        self._window = list(prompt_token_ids[-_CONTEXT_TOKENS:])  # from the window's start
+        self._num_read = len(self._window)  # of the window: tokens whose text is taken
+        self._num_seen = 0  # output tokens in the window so far
+
+    def take(self, token_ids: list[int], is_final: bool) -> str:
+        self._window += token_ids[self._num_seen :]
+        self._num_seen = len(token_ids)
+        num_unread = len(self._window) - self._num_read
+        if num_unread == 0:
+            return ""
+        window = self._decode(self._window)
+        if window.endswith(_REPLACEMENT) and num_unread < _MAX_WAIT and not is_final:
+            return ""  # the last character may still complete
+        prefix = self._decode(self._window[: self._num_read])
+        # The window moves on even when it added no text (special tokens decode to nothing),
+        # so it never grows with the output. Its start's text is a start of its own but where
+        # later tokens rewrite the text before them (a byte-fallback run that turned out
+        # invalid): then what follows the common start is new, nothing already given is lost.
+        start = (
+            len(prefix)
+            if window.startswith(prefix)
+            else len(os.path.commonprefix([prefix, window]))
+        )
+        self._window = self._window[self._num_read :]
+        self._num_read = len(self._window)
+        return window[start:]

@@ -120,7 +120,9 @@ class Request:
                 self,
                 i,
                 seed,
-                detokenizer=IncrementalDetokenizer(tokenizer, self.params.stop),
+                detokenizer=IncrementalDetokenizer(
+                    tokenizer, self.params.stop, self.prompt_token_ids
+                ),
             )
             for i, seed in enumerate(sample_seeds(self.seed, self.params.n))
         ]
