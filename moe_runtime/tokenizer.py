@@ -95,6 +95,7 @@ class HFTokenizer:
         # the decoder is byte-level BPE's alone: DeepSeek's vocabularies. The detokenizer then
         # reads the bytes (engine/detokenizer.py).
         self.is_byte_exact = spec is not None and _is_only_byte_level(spec)
+        self._context_id = self._pick_context_id()
 
     def encode(self, text: str) -> list[int]:
         ids = self._tokenizer.encode(text, add_special_tokens=False).ids
@@ -107,8 +108,9 @@ class HFTokenizer:
         """The bytes token_id stands for in decoded text, also when they are part of a UTF-8
         character (decode gives "\ufffd" for those): a byte-level vocabulary's piece mapped
         back through the byte alphabet, a byte-fallback piece "<0xHH>" its byte, else the
-        decoded text's UTF-8. Special tokens (skipped by decode): none."""
-        text = self.decode([token_id])
+        UTF-8 of its text after other text (a sentencepiece piece's leading space, which
+        decode strips at the text's start). Special tokens (skipped by decode): none."""
+        text = self._text_after_text(token_id)
         if not text:
             return b""
         piece = self._tokenizer.id_to_token(token_id) or ""
@@ -117,6 +119,20 @@ class HFTokenizer:
         if _BYTE_PIECE.fullmatch(piece):
             return bytes([int(piece[3:5], 16)])
         return text.encode("utf-8")
+
+    def _text_after_text(self, token_id: int) -> str:
+        before = self.decode([self._context_id])
+        text = self.decode([self._context_id, token_id])
+        return text[len(before) :] if text.startswith(before) else self.decode([token_id])
+
+    def _pick_context_id(self) -> int:
+        """A token that decodes to one letter or digit, twice to it twice: what token_bytes
+        puts before a token to read its text mid-text (the first id, where none does)."""
+        for token_id in range(min(self.vocab_size, 4096)):
+            text = self.decode([token_id])
+            if len(text) == 1 and text.isalnum() and self.decode([token_id] * 2) == text * 2:
+                return token_id
+        return 0
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of the prompt for `messages`. The model's own template writes its special

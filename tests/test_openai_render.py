@@ -7,6 +7,7 @@ trained here (characters it never saw are split into byte tokens) and a byte-fal
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -15,7 +16,7 @@ from tokenizers import Tokenizer, decoders, models
 from launch.openai.render import TextOffsets, chat_logprobs, completion_logprobs
 from moe_runtime.engine.outputs import CompletionOutput
 from moe_runtime.tokenizer import ByteTokenizer, HFTokenizer
-from tests.checkpoints import write_byte_level_bpe
+from tests.checkpoints import write_byte_level_bpe, write_sentencepiece_like
 
 TEXT = "héllo wörld 日本 ñ€x"
 
@@ -72,6 +73,25 @@ def test_byte_fallback_pieces_are_their_bytes(tmp_path):
     tokenizer, ids = _byte_fallback(tmp_path)
     assert tokenizer.decode(ids) == "café"
     assert [tokenizer.token_bytes(i) for i in ids] == [b"caf", b"\xc3", b"\xa9"]
+
+
+def test_sentencepiece_tokens_joined_give_the_text(tmp_path):
+    """Each token decoded alone lost the space of its sentencepiece piece (decode strips it
+    at the text's start): tokens joined read "isafox", chat bytes joined were not the
+    text's UTF-8, and text_offset drifted one a word."""
+    space = "\u2581"
+    vocab = write_sentencepiece_like(tmp_path, tuple(space + w for w in ("hello", "is", "fox", "")))
+    tokenizer = HFTokenizer(tmp_path, bos_token_id=1, eos_token_id=2)
+    prompt = [1, vocab[space + "hello"]]
+    pieces = [space + "is", "a", space, space + "fox", "<0x21>", "<0xC3>", "<0xA9>"]
+    ids = [vocab[p] for p in pieces]
+    text = tokenizer.decode(prompt + ids)[len(tokenizer.decode(prompt)) :]
+    assert text == " isa  fox!é"
+    block = completion_logprobs(ids, [-1.0] * 7, [{}] * 7, tokenizer, TextOffsets())
+    assert block["tokens"] == [" is", "a", " ", " fox", "!", "\ufffd", "\ufffd"]
+    assert block["text_offset"] == [0, 3, 4, 5, 9, 10, 10]
+    entries = chat_logprobs(dataclasses.replace(_output(ids), text=text), tokenizer)["content"]
+    assert bytes(b for entry in entries for b in entry["bytes"]) == text.encode("utf-8")
 
 
 def _first_offsets(tokenizer, ids: list[int]) -> dict[int, int]:

@@ -85,6 +85,12 @@ class TextOffsets:
         return offsets
 
 
+def token_text(token_id: int, tokenizer) -> str:
+    """A token's text as it stands in the output (its bytes; U+FFFD for a piece of a
+    character), so the tokens of a choice joined give its text where no character is split."""
+    return tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
+
+
 def completion_choice(
     index: int,
     out: CompletionOutput,
@@ -124,7 +130,7 @@ def completion_logprobs(token_ids, logprobs, tops, tokenizer, offsets: TextOffse
         for token_id, logprob, top in zip(token_ids, logprobs, tops, strict=True)
     ]
     return {
-        "tokens": [tokenizer.decode([t]) for t in token_ids],
+        "tokens": [token_text(t, tokenizer) for t in token_ids],
         "token_logprobs": list(logprobs),
         "top_logprobs": by_text,
         "text_offset": offsets.take(token_ids, tokenizer),
@@ -136,7 +142,7 @@ def _by_text(top: dict[int, float], tokenizer) -> dict[str, float]:
     """OpenAI's top_logprobs keyed by token text; on a collision the more likely id wins."""
     result: dict[str, float] = {}
     for token_id, logprob in top.items():
-        key = tokenizer.decode([token_id])
+        key = token_text(token_id, tokenizer)
         if key not in result or logprob > result[key]:
             result[key] = logprob
     return result
@@ -175,7 +181,7 @@ def _entry(token_id: int, logprob: float, tokenizer) -> dict:
     """`bytes` are the token's own (a piece of a character too), so that joined they give
     the text's UTF-8, as OpenAI documents them."""
     return {
-        "token": tokenizer.decode([token_id]),
+        "token": token_text(token_id, tokenizer),
         "logprob": logprob,
         "bytes": list(tokenizer.token_bytes(token_id)),
         "token_id": token_id,
