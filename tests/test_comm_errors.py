@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 
 from comm import AllToAllDispatcher, CollectiveError, all_reduce, init_process_groups
@@ -42,19 +43,15 @@ def test_absent_peer_raises_collective_error_within_timeout(tmp_path):
 
 
 def test_collective_guard_wraps_runtime_errors_only():
-    try:
+    with pytest.raises(CollectiveError) as caught:
         with collective_guard(3, "combine all_to_all"):
             raise RuntimeError("Connection closed by peer")
-    except CollectiveError as error:
-        assert str(error) == "rank 3: combine all_to_all failed: Connection closed by peer"
-        assert isinstance(error.__cause__, RuntimeError)
-    else:
-        raise AssertionError("no CollectiveError")
-    try:
+    assert str(caught.value) == "rank 3: combine all_to_all failed: Connection closed by peer"
+    assert isinstance(caught.value.__cause__, RuntimeError)
+    # Any other error passes through as it is: neither wrapped nor swallowed.
+    with pytest.raises(ValueError, match="^bad split$"):
         with collective_guard(0, "x"):
             raise ValueError("bad split")
-    except ValueError:
-        pass
 
 
 def test_pinned_all_reduce_world1_is_identity(tmp_path):

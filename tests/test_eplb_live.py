@@ -3,7 +3,8 @@
 - Requests generating across several rebalances (EP=8, redundant experts) give bitwise the
   results of EPLB off; engagement: rebalances ran and many experts really moved.
 - Negative control: with multiple reduction on, the same rebalances change bits.
-- A failure injected while moving leaves the old placement serving and every request intact.
+- A failure injected while moving a plan that moves experts leaves the old placement serving
+  and every request intact.
 - Load statistics count every (token, slot) row exactly.
 """
 
@@ -80,7 +81,11 @@ def test_failed_move_keeps_old_placement_and_requests(workload):
         with pytest.raises(RebalanceError, match="old placement is in use"):
             engine.rebalance(inject_failure=(3, 1))
         assert [s["physical_to_logical"] for s in engine.worker_stats()] == before
-        assert engine.balancer.history[-1].get("failed")
+        failed = engine.balancer.history[-1]
+        assert failed.get("failed")
+        # Engagement: the refused plan would have moved experts, so the unchanged placement
+        # above was kept, not merely left with nothing to move.
+        assert failed["experts_moved"] > 0 and failed["bytes_moved"] > 0, failed
         while engine.has_unfinished():
             engine.step()
     finally:

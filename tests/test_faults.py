@@ -24,6 +24,7 @@ import pytest
 from moe_runtime import LLM, SamplingParams
 from moe_runtime.engine.async_engine import AsyncEngine
 from moe_runtime.executor import WorkerError
+from tests.checkpoints import TINY_HF
 from tests.invariance import TINY_CONFIG, fingerprint
 from tests.serving import merge_completion_chunks, write_checkpoint
 
@@ -51,16 +52,37 @@ def test_stalled_worker_is_named(ray_local):
         llm.shutdown()
 
 
-def test_corrupt_checkpoint_is_refused_and_changes_nothing(ray_local, tmp_path):
-    """A directory with a malformed config.json and random bytes as its safetensors file: every
-    rank refuses it before any rank changes anything, and the next answer is bitwise the same."""
-    (tmp_path / "config.json").write_text("{not json")
-    (tmp_path / "model.safetensors").write_bytes(os.urandom(4096))
+# config.json of TINY_CONFIG's model: a directory with it passes the config check, so its
+# weights file is what gets read (and refused).
+TINY_CONFIG_JSON = {
+    **TINY_HF,
+    "model_type": "deepseek_v3",
+    "q_lora_rank": 32,
+    "max_position_embeddings": 2048,
+}
+NOT_SAFETENSORS = bytes(range(256)) * 16  # its first 8 bytes declare an absurd header length
+CORRUPT_CHECKPOINTS = {  # case -> (config.json text, the refusal it must give)
+    "corrupt_safetensors": (
+        json.dumps(TINY_CONFIG_JSON),
+        r"model\.safetensors' is not valid safetensors",
+    ),
+    "bad_json": ("{not json", r"config\.json is not valid JSON"),
+}
+
+
+@pytest.mark.parametrize("case", CORRUPT_CHECKPOINTS)
+def test_corrupt_checkpoint_is_refused_and_changes_nothing(ray_local, tmp_path, case):
+    """A directory whose config.json describes the running model but whose safetensors file is
+    no safetensors, or whose config.json is malformed: every rank refuses it, naming what is
+    wrong, before any rank changes anything, and the next answer is bitwise the same."""
+    config_text, refusal = CORRUPT_CHECKPOINTS[case]
+    (tmp_path / "config.json").write_text(config_text)
+    (tmp_path / "model.safetensors").write_bytes(NOT_SAFETENSORS)
     params = SamplingParams(max_tokens=8, temperature=0.8, seed=3, logprobs=2, ignore_eos=True)
     llm = LLM(TINY_CONFIG, **{"parallel.world_size": 2})
     try:
         before = [fingerprint(o) for o in llm.generate([[5, 6, 7], [8, 9]], params)]
-        with pytest.raises(ValueError, match="model.safetensors|weights"):
+        with pytest.raises(ValueError, match=refusal):
             llm.update_weights(str(tmp_path))
         assert llm.engine.error is None and llm.engine.weight_version == 0
         after = [fingerprint(o) for o in llm.generate([[5, 6, 7], [8, 9]], params)]

@@ -3,10 +3,15 @@
 import pytest
 import torch
 
+from moe_kernels import rmsnorm
 from moe_kernels.rmsnorm import rms_norm_fast, rms_norm_ref
+from tests.test_kernels_shapes import spy_input_shapes
 
 EPS = 1e-6
 TILE_SIZES = (4, 16)
+# Row widths: a DeepSeek-V3 hidden size plus an odd tail, and one where torch splits a lone
+# row's sum between 2 threads but not a batch's rows (the negative control's width).
+WIDTHS = (7168 + 5, 2**16)
 
 
 def _prefix_sizes(tile_rows):
@@ -36,33 +41,46 @@ def test_rms_norm_bf16_matches_hf_semantics(generator):
     torch.testing.assert_close(out, rms_norm_fast(x, weight, EPS), atol=0, rtol=0)
 
 
+def _assert_rows_bitwise_invariant(norm, tile_rows, width, generator):
+    """norm(x [40, width]) row by row: the same bits in every prefix, each row alone, permuted,
+    and behind other rows."""
+    x = torch.randn(40, width, generator=generator)
+    weight = torch.rand(width, generator=generator)
+    full = norm(x, weight)
+    for m in _prefix_sizes(tile_rows):
+        assert torch.equal(norm(x[:m], weight), full[:m]), m
+    for i in range(len(x)):
+        assert torch.equal(norm(x[i : i + 1], weight), full[i : i + 1]), f"row {i} alone"
+    perm = torch.randperm(40, generator=generator)
+    assert torch.equal(norm(x[perm], weight), full[perm])
+    mixed = torch.cat([torch.randn(3, width, generator=generator), x[7:8]])
+    assert torch.equal(norm(mixed, weight)[3], full[7])
+
+
+@pytest.mark.parametrize("width", WIDTHS)
 @pytest.mark.parametrize("num_threads", (1, 2))
 @pytest.mark.parametrize("tile_rows", TILE_SIZES)
 def test_rms_norm_ref_rows_bitwise_invariant(
-    generator, restore_num_threads, tile_rows, num_threads
+    generator, monkeypatch, restore_num_threads, tile_rows, num_threads, width
 ):
     torch.set_num_threads(num_threads)
-    x = torch.randn(40, 7168 + 5, generator=generator)
-    weight = torch.rand(x.shape[1], generator=generator)
-    full = rms_norm_ref(x, weight, EPS, tile_rows=tile_rows)
-    for m in _prefix_sizes(tile_rows):
-        assert torch.equal(rms_norm_ref(x[:m], weight, EPS, tile_rows=tile_rows), full[:m]), m
-    perm = torch.randperm(40, generator=generator)
-    assert torch.equal(rms_norm_ref(x[perm], weight, EPS, tile_rows=tile_rows), full[perm])
-    mixed = torch.cat([torch.randn(3, x.shape[1], generator=generator), x[7:8]])
-    assert torch.equal(rms_norm_ref(mixed, weight, EPS, tile_rows=tile_rows)[3], full[7])
+    tiles = spy_input_shapes(monkeypatch, rmsnorm, "rms_norm_fast")
+    _assert_rows_bitwise_invariant(
+        lambda x, weight: rms_norm_ref(x, weight, EPS, tile_rows=tile_rows),
+        tile_rows,
+        width,
+        generator,
+    )
+    assert set(tiles) == {(tile_rows, width)}, sorted(set(tiles))  # engagement: whole tiles only
 
 
-def test_rms_norm_long_row_ref_invariant_fast_not(generator, restore_num_threads):
-    # Negative control: with 2 threads torch splits the reduction of a lone long row across
-    # threads but gives each of many rows to one thread (measured: D >= 40000 on this CPU).
+def test_rms_norm_fast_rows_differ_where_torch_splits_a_row(generator, restore_num_threads):
+    """Negative control, the same assertions on the untiled norm: with 2 threads torch splits the
+    reduction of a lone long row across threads but gives each of many rows to one thread
+    (measured: D >= 40000 on this CPU), so a row's mean differs alone; rsqrt absorbs most such
+    differences, but not in all 40 rows. At 1 thread, or at D = 7173, torch is invariant too."""
     torch.set_num_threads(2)
-    # The mean differs in about half the rows; rsqrt absorbs some, so take 32 rows.
-    x = torch.randn(32, 2**16, generator=generator)
-    weight = torch.ones(2**16)
-    full_fast = rms_norm_fast(x, weight, EPS)
-    alone_fast = torch.cat([rms_norm_fast(x[i : i + 1], weight, EPS) for i in range(32)])
-    assert not torch.equal(alone_fast, full_fast)
-    full_ref = rms_norm_ref(x, weight, EPS, tile_rows=4)
-    alone_ref = torch.cat([rms_norm_ref(x[i : i + 1], weight, EPS, tile_rows=4) for i in range(32)])
-    assert torch.equal(alone_ref, full_ref)
+    with pytest.raises(AssertionError):
+        _assert_rows_bitwise_invariant(
+            lambda x, weight: rms_norm_fast(x, weight, EPS), 4, 2**16, generator
+        )

@@ -6,6 +6,12 @@ plus 64, for both in and out features. MKL picks its GEMM kernels by CPU, so the
 also runs in a child process under MKL's SSE4.2 dispatch (the kernels an older CPU gets): on
 the fixed-tile code before the K/N padding, out 2-3 and grouped out 1 (in % 4 != 0) failed
 there while this CPU's AVX-512 path hid it.
+
+Controls: at the sweep's widths plain torch's norm and softmaxes gave a row the same bits in any
+batch here, so there an untiled reference is caught only by the engagement check (the row op
+ran on whole tiles alone); where torch splits a row's sum (2 threads, D = 2**16) the untiled
+norm differs and the tiled one does not. The untiled attention differs at every head shape
+swept.
 """
 
 import os
@@ -15,9 +21,10 @@ import sys
 import pytest
 import torch
 
-from moe_kernels.attention import mla_attention_ref
+from moe_kernels import attention, rmsnorm, softmax
+from moe_kernels.attention import mla_attention_fast, mla_attention_ref
 from moe_kernels.linear import grouped_linear_ref, linear_ref
-from moe_kernels.rmsnorm import rms_norm_ref
+from moe_kernels.rmsnorm import rms_norm_fast, rms_norm_ref
 from moe_kernels.softmax import log_softmax_ref, softmax_ref
 
 TILE = 16
@@ -35,6 +42,19 @@ def _placements(row: torch.Tensor, op) -> list[torch.Tensor]:
         op(torch.cat([others[:5], row, others[5:]]))[5],
         op(torch.cat([others, row]))[-1],
     ]
+
+
+def spy_input_shapes(monkeypatch, module, name: str) -> list[tuple[int, ...]]:
+    """Record the shape of the first argument of every call to module.name from now on: the
+    row op a tiled reference maps over its tiles, which must only ever see whole tiles."""
+    shapes, op = [], getattr(module, name)
+
+    def recorded(x, *args, **kwargs):
+        shapes.append(tuple(x.shape))
+        return op(x, *args, **kwargs)
+
+    monkeypatch.setattr(module, name, recorded)
+    return shapes
 
 
 def _is_invariant(row: torch.Tensor, op) -> bool:
@@ -79,27 +99,69 @@ def test_linear_rows_invariant_under_mkl_sse42_dispatch():
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
 @pytest.mark.parametrize("width", [1, 3, 5, 7, 13, 30, 31, 63, 1003])
-def test_row_wise_refs_invariant_at_odd_widths(generator, dtype, width):
+def test_row_wise_refs_invariant_at_odd_widths(generator, monkeypatch, dtype, width):
     row = torch.randn(1, width, generator=generator).to(dtype)
     weight = torch.randn(width, generator=generator).to(dtype)
+    row_ops = {"rms_norm_fast": rmsnorm, "softmax_fast": softmax, "log_softmax_fast": softmax}
+    seen = {name: spy_input_shapes(monkeypatch, module, name) for name, module in row_ops.items()}
     assert _is_invariant(row, lambda x: rms_norm_ref(x, weight, 1e-6, tile_rows=TILE))
     assert _is_invariant(row, lambda x: softmax_ref(x, tile_rows=TILE))
     assert _is_invariant(row, lambda x: log_softmax_ref(x, tile_rows=TILE))
+    # Engagement: every reference ran its row op on [TILE, width] tiles only. At these widths
+    # the untiled ops give the same bits in any batch too (module docstring), so this, not the
+    # comparison, is what catches a reference that stopped tiling.
+    for name, shapes in seen.items():
+        assert set(shapes) == {(TILE, width)}, (name, sorted(set(shapes)))
 
 
-@pytest.mark.parametrize("cache_dim, v_dim, num_heads", [(7, 5, 1), (13, 9, 3), (31, 17, 2)])
-def test_attention_ref_invariant_at_odd_head_dims(generator, cache_dim, v_dim, num_heads):
-    block_size, seq_len = 4, 11
-    kv_cache = torch.randn(4, block_size, cache_dim, generator=generator)
-    block_tables = torch.tensor([[2, 0, 3]])
+def test_untiled_rms_norm_differs_where_torch_splits_a_row(generator, restore_num_threads):
+    """Negative control: with 2 threads torch splits a lone row of 2**16 between the threads but
+    gives each row of a batch to one thread, so the untiled norm's bits follow the batch for
+    some rows (rsqrt hides most differences in the sum, so 32 rows are tried); the reference
+    must be invariant on the very row where it does. Softmax and log-softmax have no such shape
+    on this CPU (tests/test_kernels_softmax.py, whose control is a split-sum softmax): the
+    engagement check above is what catches an untiled one."""
+    torch.set_num_threads(2)
+    width = 2**16
+    rows = torch.randn(32, 1, width, generator=generator)
+    weight = torch.rand(width, generator=generator)
+
+    def untiled(x):
+        return rms_norm_fast(x, weight, 1e-6)
+
+    caught = next((row for row in rows if not _is_invariant(row, untiled)), None)
+    assert caught is not None, "untiled, every row was invariant: the control cannot fail"
+    assert _is_invariant(caught, lambda x: rms_norm_ref(x, weight, 1e-6, tile_rows=TILE))
+
+
+# (cache_dim, v_dim, num_heads, seq_len): at each the untiled attention's bits follow the batch
+# (one head needs a long sequence for that; (7, 5, 1) at 11 positions was invariant untiled).
+HEAD_SHAPES = [(7, 5, 2, 40), (13, 9, 1, 100), (13, 9, 3, 11), (31, 17, 2, 11)]
+
+
+@pytest.mark.parametrize("cache_dim, v_dim, num_heads, seq_len", HEAD_SHAPES)
+def test_attention_ref_invariant_at_odd_head_dims(
+    generator, monkeypatch, cache_dim, v_dim, num_heads, seq_len
+):
+    block_size = 4
+    num_blocks = -(-seq_len // block_size)
+    kv_cache = torch.randn(num_blocks + 1, block_size, cache_dim, generator=generator)
+    block_tables = torch.randperm(num_blocks + 1, generator=generator)[None, :num_blocks]
     q = torch.randn(1, num_heads, cache_dim, generator=generator)
 
-    def attend(qs):  # every query is sequence 0 at the last position
-        n = qs.shape[0]
-        positions = torch.full((n,), seq_len - 1, dtype=torch.int64)
-        seq_ids = torch.zeros(n, dtype=torch.int64)
-        return mla_attention_ref(
-            qs, kv_cache, seq_ids, block_tables, positions, scale=0.3, v_dim=v_dim, tile_rows=TILE
-        )
+    def attend(op, **tiling):  # every query is sequence 0 at the last position
+        def run(qs):
+            n = qs.shape[0]
+            positions = torch.full((n,), seq_len - 1, dtype=torch.int64)
+            seq_ids = torch.zeros(n, dtype=torch.int64)
+            return op(
+                qs, kv_cache, seq_ids, block_tables, positions, scale=0.3, v_dim=v_dim, **tiling
+            )
 
-    assert _is_invariant(q, attend)
+        return run
+
+    tiles = spy_input_shapes(monkeypatch, attention, "_attend_tile")
+    assert _is_invariant(q, attend(mla_attention_ref, tile_rows=TILE))
+    assert set(tiles) == {(TILE, num_heads, cache_dim)}, sorted(set(tiles))  # engagement
+    # Negative control: the untiled attention on the same inputs.
+    assert not _is_invariant(q, attend(mla_attention_fast)), "the control cannot fail"

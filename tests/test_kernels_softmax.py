@@ -3,15 +3,19 @@
 Plain torch softmax was measured batch-invariant on this CPU (fp32 and bf16 inputs, V from 7
 to 2**20, 1 and 2 threads), so the fast path cannot serve as the control. The control is a
 softmax whose row sum is split at a point that follows the batch size, run through the same
-assertion, which must catch it.
+assertion, which must catch it. A reference that stopped tiling would still pass the comparison
+here; the engagement check catches it: the row op ran on [tile_rows, V] tiles only.
 """
 
 import pytest
 import torch
 
+from moe_kernels import softmax
 from moe_kernels.softmax import log_softmax_fast, log_softmax_ref, softmax_fast, softmax_ref
+from tests.test_kernels_shapes import spy_input_shapes
 
 TILE_SIZES = (4, 16)
+WIDTH = 1003  # V of the row-invariance checks
 OPS = [
     (softmax_ref, softmax_fast, torch.softmax),
     (log_softmax_ref, log_softmax_fast, torch.log_softmax),
@@ -41,20 +45,22 @@ def _split_sum_softmax(x, *, tile_rows):
 
 
 def _assert_rows_bitwise_invariant(ref, tile_rows, generator):
-    x = torch.randn(40, 1003, generator=generator) * 4
+    x = torch.randn(40, WIDTH, generator=generator) * 4
     full = ref(x, tile_rows=tile_rows)
     for m in _prefix_sizes(tile_rows):
         assert torch.equal(ref(x[:m], tile_rows=tile_rows), full[:m]), m
     perm = torch.randperm(40, generator=generator)
     assert torch.equal(ref(x[perm], tile_rows=tile_rows), full[perm])
-    mixed = torch.cat([torch.randn(5, 1003, generator=generator), x[11:12]])
+    mixed = torch.cat([torch.randn(5, WIDTH, generator=generator), x[11:12]])
     assert torch.equal(ref(mixed, tile_rows=tile_rows)[5], full[11])
 
 
-@pytest.mark.parametrize("ref", [op[0] for op in OPS])
+@pytest.mark.parametrize("ref, row_op", [op[:2] for op in OPS])
 @pytest.mark.parametrize("tile_rows", TILE_SIZES)
-def test_softmax_ref_rows_bitwise_invariant(generator, ref, tile_rows):
+def test_softmax_ref_rows_bitwise_invariant(generator, monkeypatch, ref, row_op, tile_rows):
+    tiles = spy_input_shapes(monkeypatch, softmax, row_op.__name__)
     _assert_rows_bitwise_invariant(ref, tile_rows, generator)
+    assert set(tiles) == {(tile_rows, WIDTH)}, sorted(set(tiles))  # engagement: whole tiles only
 
 
 @pytest.mark.parametrize("tile_rows", TILE_SIZES)

@@ -1,7 +1,8 @@
 """SSE streaming of /v1/completions: the same bits as whole responses, alone or among many.
 
 Streamed token ids and logprobs are compared bit for bit (float.hex) with the non-streamed
-response and with `LLM.generate`, alone and among 34 concurrent clients; stop strings end a
+response and with `LLM.generate`, alone and among 34 concurrent clients (engagement: they
+shared steps; negative control: a fast-mode server's bits differ there); stop strings end a
 sample early and never reach the streamed text; a client that leaves aborts its request.
 """
 
@@ -67,7 +68,9 @@ def test_streamed_equals_whole_response(server):
         assert choice["text"] == whole["text"] and choice["finish_reason"] == "length"
 
 
-def test_streamed_batch_invariance_among_concurrent_clients(server):
+def streamed_alone_and_together(server) -> tuple[list[tuple], list[tuple]]:
+    """Target fingerprints streamed alone, then among 34 other concurrent clients (half of them
+    streaming too); checks the concurrent requests really shared steps."""
     alone = [http_fingerprint(streamed(server, t)[0]) for t in TARGETS]
     background = _background_requests(34)
     jobs = [(b, i % 2 == 0) for i, b in enumerate(background)]  # half of them stream too
@@ -79,13 +82,29 @@ def test_streamed_batch_invariance_among_concurrent_clients(server):
             return streamed(server, body)
         return dict(enumerate(post(server.http, body).json()["choices"]))
 
+    steps_before = server.async_engine.stats().num_steps
     with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
         results = list(pool.map(run, jobs))
+    num_steps = server.async_engine.stats().num_steps - steps_before
     for (body, _), result in zip(jobs, results, strict=True):
         assert sorted(result) == list(range(body.get("n", 1)))
         assert all(len(c["token_ids"]) == body["max_tokens"] for c in result.values())
+    # Engagement: served one at a time, these requests would need a step per generated token.
+    serial_steps = sum(body["max_tokens"] for body, _ in jobs)
+    assert num_steps < serial_steps / 2, f"{num_steps} steps: requests were not batched"
     together = [http_fingerprint(results[i][0]) for i in (17, -1)]
+    return alone, together
+
+
+def test_streamed_batch_invariance_among_concurrent_clients(server):
+    alone, together = streamed_alone_and_together(server)
     assert together == alone
+
+
+def test_streamed_batch_invariance_negative_control():
+    with running_server({"kernels.mode": "fast"}) as fast_server:
+        alone, together = streamed_alone_and_together(fast_server)
+    assert together != alone, "fast mode matched too: the comparison cannot fail"
 
 
 def test_stream_n_and_several_prompts_with_usage(server):
