@@ -6,6 +6,7 @@ import torch
 from moe_kernels.cumsum import cumsum_ref
 from moe_runtime.sampling_params import SamplingParams
 from moe_runtime.seeds import derive_seed, resolve_seed
+from moe_runtime.worker import sampler as sampler_module
 from moe_runtime.worker.sampler import Sampler
 from moe_runtime.worker.step_input import SampleResult
 
@@ -87,6 +88,25 @@ def test_ties_go_to_lower_id(sampler):
 
 def test_batch_invariance(sampler, logits):
     """A row's result does not depend on the other rows or on where it sits in the batch."""
+    _assert_batch_invariant(sampler, logits)
+
+
+def test_batch_invariance_negative_control(sampler, logits, monkeypatch):
+    """Noise drawn for the batch from one generator (seeded by its first row, as a sampler
+    without per-row streams does) gives a row other bits alone than in the batch: the
+    comparison can fail."""
+
+    def batch_drawn_noise(seeds, positions, vocab_size, device):
+        generator = torch.Generator().manual_seed(seeds[0])
+        u = torch.rand(len(seeds), vocab_size, generator=generator).clamp_(1e-7, 1 - 1e-7)
+        return -torch.log(-torch.log(u))
+
+    monkeypatch.setattr(sampler_module, "gumbel_noise", batch_drawn_noise)
+    with pytest.raises(AssertionError):
+        _assert_batch_invariant(sampler, logits)
+
+
+def _assert_batch_invariant(sampler, logits):
     params = [
         SamplingParams(temperature=0.8, top_p=0.9, top_k=20, logprobs=5),
         SamplingParams(temperature=1.3, logprobs=5, logprobs_mode="processed"),
