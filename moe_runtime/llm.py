@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from moe_runtime.config import SECTIONS, RuntimeConfig, load_config
-from moe_runtime.engine import LLMEngine, RequestOutput
+from moe_runtime.engine import CompletionOutput, LLMEngine, RequestOutput
 from moe_runtime.sampling_params import SamplingParams
 
 
@@ -44,6 +44,15 @@ class LLM:
         requests = self.engine.add_score_requests(sequences, prompt_lens)  # all or none
         self._run_until_done()
         return [list(r.samples[0].output_logprobs) for r in requests]
+
+    def score_outputs(
+        self, sequences: list[list[int]], prompt_lens: list[int], logprobs: int | None = None
+    ) -> list[CompletionOutput]:
+        """`score` with each position's top `logprobs` too: one CompletionOutput a sequence
+        (token_ids: the scored tokens; logprobs, top_logprobs: as decoding them reports)."""
+        requests = self.engine.add_score_requests(sequences, prompt_lens, logprobs)
+        self._run_until_done()
+        return [self.engine.output(r).outputs[0] for r in requests]
 
     def rebalance(self) -> dict:
         """Re-place the experts now from the recent load (EPLB); changes no output bit."""

@@ -230,27 +230,38 @@ def test_a_request_waiting_for_blocks_matches_its_cached_prefix_once(monkeypatch
     assert len(calls) == 3 and engine.stats().num_preemptions == 0
 
 
-def _decode_vs_score(mode: str, workload) -> list[tuple[list[float], list[float]]]:
+def _decode_vs_score(mode: str, workload) -> list[tuple[tuple, tuple, list[float]]]:
+    """-> per prompt (decode's fingerprint, score_outputs' with the same top-k, score's
+    logprobs). Decode reports the raw distribution (logprobs_mode "raw"), sampled or greedy:
+    what scoring reports."""
     prompts, params = workload
     llm = LLM(TINY_CONFIG, **{"kernels.mode": mode})
     outputs = llm.generate(prompts, params)
     sequences = [p + o.token_ids for p, o in zip(prompts, outputs, strict=True)]
-    scored = llm.score(sequences, [len(p) for p in prompts])
-    return [(o.logprobs, s) for o, s in zip(outputs, scored, strict=True)]
+    prompt_lens = [len(p) for p in prompts]
+    scored = llm.score(sequences, prompt_lens)
+    num_top = params[0].logprobs
+    with_top = llm.score_outputs(sequences, prompt_lens, logprobs=num_top)
+    assert all(len(o.top_logprobs) == len(o.token_ids) == 12 for o in with_top)
+    return [
+        (fingerprint(o), fingerprint(t), s)
+        for o, t, s in zip(outputs, with_top, scored, strict=True)
+    ]
 
 
 def test_decode_logprobs_equal_score(workload):
-    pairs = _decode_vs_score("invariant", workload)
-    for decoded, scored in pairs:
-        assert len(scored) == len(decoded) == 12
-        assert [float.hex(x) for x in decoded] == [float.hex(x) for x in scored]
+    """score's logprobs, and score_outputs' logprobs and top logprobs, are decode's bits."""
+    for decoded, scored_top, scored in _decode_vs_score("invariant", workload):
+        assert decoded[1] == tuple(float.hex(x) for x in scored)
+        assert decoded == scored_top
 
 
 def test_decode_vs_score_negative_control(workload):
-    pairs = _decode_vs_score("fast", workload)
-    assert any(decoded != scored for decoded, scored in pairs), (
+    triples = _decode_vs_score("fast", workload)
+    assert any(d[1] != tuple(float.hex(x) for x in s) for d, _, s in triples), (
         "fast mode matched too: control cannot fail"
     )
+    assert any(d[2] != t[2] for d, t, _ in triples), "fast mode's top logprobs matched too"
 
 
 def test_n_samples_use_distinct_derived_seeds():

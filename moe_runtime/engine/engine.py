@@ -184,11 +184,7 @@ class LLMEngine:
         max_len, vocab = self.config.scheduler.max_model_len, self.config.model.vocab_size
         if len(token_ids) + params.max_tokens > max_len:
             raise ContextLengthError(len(token_ids), params.max_tokens, max_len)
-        if params.logprobs is not None and params.logprobs > vocab:
-            raise ValueError(
-                f"SamplingParams.logprobs={params.logprobs} asks for more top logprobs than the "
-                f"vocabulary's {vocab} tokens"
-            )
+        self._check_num_top(params)
         outside = [t for t in params.stop_token_ids if t >= vocab]
         if outside:  # never sampled: a stop that could never end the sample
             raise ValueError(
@@ -196,6 +192,14 @@ class LLMEngine:
                 f"vocabulary [0, {vocab})"
             )
         return token_ids
+
+    def _check_num_top(self, params: SamplingParams) -> None:
+        vocab = self.config.model.vocab_size
+        if params.logprobs is not None and params.logprobs > vocab:
+            raise ValueError(
+                f"SamplingParams.logprobs={params.logprobs} asks for more top logprobs than the "
+                f"vocabulary's {vocab} tokens"
+            )
 
     def check_score_request(
         self, token_ids: list[int], prompt_len: int
@@ -220,20 +224,25 @@ class LLMEngine:
             )
         return token_ids[:prompt_len], token_ids[prompt_len:]
 
-    def add_score_request(self, token_ids: list[int], prompt_len: int) -> Request:
-        """Queue a teacher-forced scoring of token_ids[prompt_len:] given everything before."""
-        return self.add_score_requests([token_ids], [prompt_len])[0]
+    def add_score_request(
+        self, token_ids: list[int], prompt_len: int, logprobs: int | None = None
+    ) -> Request:
+        """Queue a teacher-forced scoring of token_ids[prompt_len:] given everything before;
+        `logprobs`: also each position's top logprobs, as a decode step reports them."""
+        return self.add_score_requests([token_ids], [prompt_len], logprobs)[0]
 
     def add_score_requests(
-        self, sequences: list[list[int]], prompt_lens: list[int]
+        self, sequences: list[list[int]], prompt_lens: list[int], logprobs: int | None = None
     ) -> list[Request]:
         """Queue several scorings all or none: a bad one raises ValueError naming its index
         (when there are several) before any is queued."""
+        params = SamplingParams(logprobs=logprobs)
+        self._check_num_top(params)
         named = ("sequence", sequences), ("prompt_lens", prompt_lens)
         checked = _check_all(self.check_score_request, *named)
         self._check_alive()
         return [
-            self._enqueue(Request(f"score-{next(self._request_ids)}", p, SamplingParams(), 0, s))
+            self._enqueue(Request(f"score-{next(self._request_ids)}", p, params, 0, s))
             for p, s in checked
         ]
 
@@ -422,6 +431,7 @@ def record_results(scheduler: Scheduler, chunks: list[ScheduledChunk], result: S
     for chunk in chunks:
         seq = chunk.seq
         seq.output_logprobs.extend(result.scored.get(seq.seq_id, ()))
+        seq.output_top_logprobs.extend(result.scored_top.get(seq.seq_id, ()))
         if seq.seq_id in result.routed:
             seq.routed_experts.append(result.routed[seq.seq_id])
     scheduler.update(chunks, result.samples)

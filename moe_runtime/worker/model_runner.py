@@ -147,14 +147,28 @@ class ModelRunner:
             out.samples.update({s.seq_id: r for s, r in zip(seqs, results, strict=True)})
         score_rows = [i for i, (chunk, _) in enumerate(row_owners) if chunk.seq.is_score]
         if score_rows:  # never a lookahead's step: it has no scoring rows
-            logprobs = self.ops.log_softmax(logits[score_rows]).cpu()
-            for row, i in enumerate(score_rows):
-                chunk, position = row_owners[i]
-                next_token = chunk.seq.token_ids[position + 1]
-                out.scored.setdefault(chunk.seq.seq_id, []).append(logprobs[row, next_token].item())
-                chunk.seq.num_scored += 1
+            self._score(logits, score_rows, row_owners, out)
         out.is_ahead = self.lookahead.is_launched
         return out
+
+    def _score(self, logits, score_rows: list[int], row_owners, out: StepOutput) -> None:
+        """The scored rows' logprobs of their next tokens, and the top logprobs of those that
+        ask, as decode reports them (Sampler.launch, raw mode: the same op and stable sort)."""
+        logprobs = self.ops.log_softmax(logits[score_rows])
+        num_tops = [row_owners[i][0].seq.params.logprobs or 0 for i in score_rows]
+        if max(num_tops):
+            top_values, top_ids = torch.sort(logprobs, dim=-1, descending=True, stable=True)
+            top_values = top_values[:, : max(num_tops)].tolist()
+            top_ids = top_ids[:, : max(num_tops)].tolist()
+        logprobs = logprobs.cpu()
+        for row, i in enumerate(score_rows):
+            chunk, position = row_owners[i]
+            seq_id, next_token = chunk.seq.seq_id, chunk.seq.token_ids[position + 1]
+            out.scored.setdefault(seq_id, []).append(logprobs[row, next_token].item())
+            if num := num_tops[row]:
+                top = dict(zip(top_ids[row][:num], top_values[row][:num], strict=True))
+                out.scored_top.setdefault(seq_id, []).append(top)
+            chunk.seq.num_scored += 1
 
     def _queue_slot_counts(self) -> None:
         """Queue the copy of every MoE layer's slot counts of this step to the host (page-

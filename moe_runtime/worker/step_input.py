@@ -71,6 +71,8 @@ class StepOutput:
 
     samples: dict[int, SampleResult] = field(default_factory=dict)
     scored: dict[int, list[float]] = field(default_factory=dict)  # new teacher-forced logprobs
+    # Their top logprobs {id: logprob}, for scorings that ask (params.logprobs): decode's.
+    scored_top: dict[int, list[dict[int, float]]] = field(default_factory=dict)
     # [L_moe, K] int32 logical experts of the sampled position; only for sequences that ask.
     # Arrays, not nested lists: one object per token on the driver, not L_moe * (K + 1).
     routed: dict[int, np.ndarray] = field(default_factory=dict)
