@@ -11,18 +11,21 @@ are OpenAI's `{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}` plus
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
+from concurrent.futures import Future
 
 from fastapi.responses import Response
 
 from launch.generation import Backend, Generation, ready
 from launch.metrics import ServerMetrics
 from launch.openai.errors import ContextLengthExceeded, FieldError
-from launch.openai.render import TextOffsets, chat_choice, completion_choice
+from launch.openai.render import Echo, TextOffsets, chat_choice, completion_choice
 from launch.openai.schemas import ChatCompletionRequest, CompletionRequest
 from moe_runtime.config import RuntimeConfig
-from moe_runtime.engine.engine import ContextLengthError
+from moe_runtime.engine.async_engine import AsyncEngine
+from moe_runtime.engine.engine import ContextLengthError, LLMEngine
 from moe_runtime.engine.outputs import CompletionOutput, RequestOutput
 
 DEFAULT_MAX_TOKENS = 16
@@ -33,8 +36,18 @@ async def complete(
 ) -> Response:
     backend = ready(backend)
     body.check_served(config.server.model_name, config.model.vocab_size)
-    prompts, params = body.prompts(), body.sampling_params(DEFAULT_MAX_TOKENS)
-    generation = Generation(backend.engine, prompts, [params] * len(prompts), metrics)
+    if body.max_tokens == 0 and not body.echo:
+        raise FieldError("max_tokens", "max_tokens: 0 needs echo: true (else nothing comes back)")
+    prompts = body.prompts()
+    scored: list[CompletionOutput | None] = [None] * len(prompts)
+    if body.echo and body.logprobs is not None:
+        scored = await _score_prompts(backend.engine, prompts, body.logprobs)
+    if body.max_tokens == 0:  # echo alone (the schema refuses 0 without it)
+        answered = await _prompts_alone(backend.engine, prompts, body.n)
+        generation = Generation(answered, prompts, [], metrics)
+    else:
+        params = body.sampling_params(DEFAULT_MAX_TOKENS)
+        generation = Generation(backend.engine, prompts, [params] * len(prompts), metrics)
     try:
         await generation.start(body.stream)
     except ContextLengthError as exc:
@@ -47,15 +60,93 @@ async def complete(
         "created": int(time.time()),
         "model": config.server.model_name,
     }
-    choices = _Choices(body, prompts, backend.tokenizer)
+    choices = _Choices(body, prompts, backend.tokenizer, scored)
     return generation.response(head, choices, body.include_usage)
+
+
+async def _score_prompts(
+    engine: AsyncEngine, prompts: list[str | list[int]], num_top: int
+) -> list[CompletionOutput | None]:
+    """Each prompt's tokens after its first, teacher-forced (their logprobs and top logprobs
+    as decoding them would report: LLMEngine.add_score_requests); None for a one-token one.
+    Cancelled with the route (a client that leaves): the scorings are aborted."""
+    try:
+        ids = await asyncio.wrap_future(engine.call(lambda e: [e.encode(p) for p in prompts]))
+    except ValueError as exc:
+        raise FieldError("prompt", str(exc)) from None
+    scorable = [i for i, token_ids in enumerate(ids) if len(token_ids) >= 2]
+    scored: list[CompletionOutput | None] = [None] * len(prompts)
+    if scorable:
+        future = engine.submit_scores([ids[i] for i in scorable], [1] * len(scorable), num_top)
+        for i, whole in zip(scorable, await asyncio.wrap_future(future), strict=True):
+            scored[i] = whole.outputs[0]
+    return scored
+
+
+async def _prompts_alone(engine: AsyncEngine, prompts: list[str | list[int]], n: int) -> _Answered:
+    """The outputs of prompts with nothing generated (max_tokens 0): n empty samples each."""
+
+    def outputs(e: LLMEngine) -> list[RequestOutput]:
+        version = e.weight_version
+        empty = [
+            CompletionOutput(
+                index=i,
+                token_ids=[],
+                logprobs=[],
+                top_logprobs=[],
+                text="",
+                finish_reason="length",
+                seed=0,
+                weight_version=version,
+                first_weight_version=version,
+            )
+            for i in range(n)
+        ]
+        return [
+            RequestOutput(
+                request_id=f"echo-{uuid.uuid4().hex}",
+                prompt_token_ids=e.encode(p),
+                outputs=empty,
+                is_finished=True,
+                weight_version=version,
+                first_weight_version=version,
+            )
+            for p in prompts
+        ]
+
+    try:
+        return _Answered(await asyncio.wrap_future(engine.call(outputs)))
+    except ValueError as exc:
+        raise FieldError("prompt", str(exc)) from None
+
+
+class _Answered:
+    """Generation's engine for requests whose outputs are known before they run: each is
+    handed out as one delta and the submission is done."""
+
+    def __init__(self, outputs: list[RequestOutput]) -> None:
+        self._outputs = outputs
+
+    def submit(self, _prompts, _params, on_output) -> Future:
+        for prompt_idx, output in enumerate(self._outputs):
+            on_output(prompt_idx, output)
+        future: Future = Future()
+        future.set_result(self._outputs)
+        return future
 
 
 class _Choices:
     """A request's choices, whole or a delta at a time (text offsets carried on)."""
 
-    def __init__(self, body: CompletionRequest, prompts: list, tokenizer) -> None:
+    def __init__(
+        self,
+        body: CompletionRequest,
+        prompts: list,
+        tokenizer,
+        scored: list[CompletionOutput | None],
+    ) -> None:
         self._body, self._prompts, self._tokenizer = body, prompts, tokenizer
+        self._scored = scored  # each prompt's scoring, for echo's logprobs
         self._with_logprobs = body.logprobs is not None
         self._offsets: dict[int, TextOffsets] = {}  # choice index -> its tokens' text offsets
 
@@ -67,7 +158,8 @@ class _Choices:
         echo = None
         if self._body.echo and index not in self._offsets:  # its first chunk
             prompt, ids = self._prompts[prompt_idx], output.prompt_token_ids
-            echo = (prompt if isinstance(prompt, str) else self._tokenizer.decode(ids), ids)
+            text = prompt if isinstance(prompt, str) else self._tokenizer.decode(ids)
+            echo = Echo.of(text, ids, self._scored[prompt_idx])
         offsets = self._offsets.setdefault(index, TextOffsets())
         return completion_choice(
             index, out, self._tokenizer, offsets if self._with_logprobs else None, echo

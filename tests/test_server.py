@@ -232,7 +232,65 @@ def test_stop_string_and_echo(server):
     assert echoed["token_ids"] == [*prompt_ids, *ids]
     assert echoed["text"] == "abc" + full["text"]
     echoed_logprobs = echoed["logprobs"]["token_logprobs"]
-    assert echoed_logprobs == [None] * len(prompt_ids) + plain["logprobs"]["token_logprobs"]
+    assert echoed_logprobs[0] is None and None not in echoed_logprobs[1:]  # the prompt scored
+    assert echoed_logprobs[len(prompt_ids) :] == plain["logprobs"]["token_logprobs"]
+
+
+def _rescored(http: httpx.Client, prompt: list[int], stream: bool) -> tuple[dict, dict]:
+    """A greedy completion of `prompt` with top-5 logprobs, and the echo of prompt plus that
+    completion with max_tokens 0 (lm-eval-harness's loglikelihood request); -> both choices."""
+    base = {"temperature": 0.0, "ignore_eos": True, "logprobs": 5}
+    decoded = post(http, {**base, "prompt": prompt, "max_tokens": 10}).json()["choices"][0]
+    body = {**base, "prompt": prompt + decoded["token_ids"], "max_tokens": 0, "echo": True}
+    if not stream:
+        return decoded, post(http, body).json()["choices"][0]
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+        lines = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    (choice,) = [c for line in lines[:-1] for c in json.loads(line)["choices"]]
+    return decoded, choice
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_max_tokens_zero_rescores_a_completion_to_decodes_bits(server, stream):
+    """The prompt's logprobs under echo are teacher-forced (a scoring of its tokens after the
+    first): re-scoring prompt + completion gives the completion's decode logprobs and top
+    logprobs bit for bit; nothing is generated. Before, every prompt logprob was null and
+    max_tokens 0 a 400, so evaluation harnesses could not score through the server."""
+    prompt = [5, 17, 99, 200, 3, 42, 7]
+    decoded, echoed = _rescored(server.http, prompt, stream)
+    assert echoed["token_ids"] == prompt + decoded["token_ids"]
+    assert echoed["finish_reason"] == "length"
+    got, want = echoed["logprobs"], decoded["logprobs"]
+    assert got["token_logprobs"][0] is None and None not in got["token_logprobs"][1:]
+    for key in ("token_logprobs", "top_logprob_ids", "top_logprobs", "tokens"):
+        assert got[key][len(prompt) :] == want[key], key
+    assert [float.hex(x) for x in got["token_logprobs"][len(prompt) :]] == [
+        float.hex(x) for x in want["token_logprobs"]
+    ]
+    assert got["text_offset"][len(prompt)] == len(ByteTokenizer(512).decode(prompt))
+
+
+def test_echo_rescoring_control_fast_kernels_differ():
+    """With fast kernels the re-scored completion's logprobs differ from its decode's: the
+    comparison above can fail."""
+    with running_server({"kernels.mode": "fast"}) as fast:
+        prompt = [5, 17, 99, 200, 3, 42, 7]
+        decoded, echoed = _rescored(fast.http, prompt, stream=False)
+    assert (
+        echoed["logprobs"]["token_logprobs"][len(prompt) :] != decoded["logprobs"]["token_logprobs"]
+    )
+
+
+def test_max_tokens_zero_needs_echo_and_a_one_token_prompt_has_nothing_to_score(server):
+    refused = post(server.http, {"prompt": "abc", "max_tokens": 0})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
+    one = {"prompt": [7], "max_tokens": 0, "echo": True, "logprobs": 2, "n": 2}
+    body = post(server.http, one).json()
+    assert [c["logprobs"]["token_logprobs"] for c in body["choices"]] == [[None], [None]]
+    assert body["usage"] == {"prompt_tokens": 1, "completion_tokens": 0, "total_tokens": 1}
+    outside = post(server.http, {"prompt": [7, 99999], "max_tokens": 0, "echo": True})
+    assert outside.status_code == 400 and "99999" in outside.json()["error"]["message"]
 
 
 def test_async_engine_worker_failure_fails_pending_and_reports_dead():

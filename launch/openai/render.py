@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import codecs
 import json
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -91,22 +92,39 @@ def token_text(token_id: int, tokenizer) -> str:
     return tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
 
 
+@dataclass(frozen=True)
+class Echo:
+    """A prompt put before its completion: its text, ids and, where they were asked for,
+    each token's logprob and top logprobs (None for the first: nothing comes before it)."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[float | None]
+    top_logprobs: list[dict[int, float] | None]
+
+    @classmethod
+    def of(cls, text: str, token_ids: list[int], scored: CompletionOutput | None) -> Echo:
+        """scored: the teacher-forced scoring of token_ids[1:] (LLMEngine's), or None."""
+        if scored is None:
+            return cls(text, token_ids, [None] * len(token_ids), [None] * len(token_ids))
+        return cls(text, token_ids, [None, *scored.logprobs], [None, *scored.top_logprobs])
+
+
 def completion_choice(
     index: int,
     out: CompletionOutput,
     tokenizer,
     offsets: TextOffsets | None,
-    echo: tuple[str, list[int]] | None = None,
+    echo: Echo | None = None,
 ) -> dict:
     """A text_completion choice, with logprobs where `offsets` is given (the choice's, carried
-    from chunk to chunk); `echo` (prompt text, prompt ids) is prepended, its tokens with null
-    logprobs (prompt logprobs are not computed in this version)."""
+    from chunk to chunk); `echo`, the prompt, is prepended with its logprobs."""
     text, token_ids = out.text, list(out.token_ids)
     logprobs: list[float | None] = list(out.logprobs)
     tops: list[dict[int, float] | None] = list(out.top_logprobs)
     if echo is not None:
-        text, token_ids = echo[0] + text, list(echo[1]) + token_ids
-        logprobs, tops = [None] * len(echo[1]) + logprobs, [None] * len(echo[1]) + tops
+        text, token_ids = echo.text + text, [*echo.token_ids, *token_ids]
+        logprobs, tops = [*echo.logprobs, *logprobs], [*echo.top_logprobs, *tops]
     choice = {
         "index": index,
         "text": text,

@@ -184,6 +184,7 @@ class CompletionRequest(SamplingFields):
     """/v1/completions; `max_tokens` defaults to 16 as in OpenAI's API."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0)  # 0: the prompt alone, with echo
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: int | None = None

@@ -46,6 +46,7 @@ class _Submission:
     prompts: list[str | list[int]]
     params: list[SamplingParams]
     on_output: OutputCallback | None
+    prompt_lens: list[int] | None = None  # a scoring: prompts are the sequences to score
     future: Future = field(default_factory=Future)
     requests: list[Request] = field(default_factory=list)
 
@@ -80,6 +81,19 @@ class AsyncEngine:
         if len(prompts) != len(params) or not prompts:
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         submission = _Submission(list(prompts), list(params), on_output)
+        self._put(submission)
+        submission.future.add_done_callback(self._on_done)
+        return submission.future
+
+    def submit_scores(
+        self, sequences: list[list[int]], prompt_lens: list[int], logprobs: int | None = None
+    ) -> Future:
+        """Queue teacher-forced scorings (LLMEngine.add_score_requests), all or none; the Future
+        resolves to their whole RequestOutputs."""
+        if len(sequences) != len(prompt_lens) or not sequences:
+            raise ValueError(f"got {len(prompt_lens)} prompt_lens for {len(sequences)} sequences")
+        params = [SamplingParams(logprobs=logprobs)] * len(sequences)
+        submission = _Submission(list(sequences), params, None, list(prompt_lens))
         self._put(submission)
         submission.future.add_done_callback(self._on_done)
         return submission.future
@@ -230,7 +244,14 @@ class AsyncEngine:
             if submission.future.done():
                 return self._settle(submission, None)
             self._check_alive()
-            submission.requests = self._engine.add_requests(submission.prompts, submission.params)
+            if submission.prompt_lens is None:
+                submission.requests = self._engine.add_requests(
+                    submission.prompts, submission.params
+                )
+            else:
+                submission.requests = self._engine.add_score_requests(
+                    submission.prompts, submission.prompt_lens, submission.params[0].logprobs
+                )
         except Exception as exc:  # ValueError: a bad prompt; nothing of it was queued
             return self._settle(submission, exc)
         for prompt_idx, request in enumerate(submission.requests):
@@ -257,6 +278,10 @@ class AsyncEngine:
             owner = self._owner.get(delta.request_id)
             if owner is not None and all(r.is_finished for r in owner[0].requests):
                 self._settle(owner[0], None)
+        for submission in self._snapshot():  # scorings have no deltas: read whole when done
+            is_scoring = submission.prompt_lens is not None and submission.requests
+            if is_scoring and all(r.is_finished for r in submission.requests):
+                self._settle(submission, None)
 
     def _die(self, error: BaseException) -> None:
         """The engine died: every pending request (streams included) ends with the error at
