@@ -97,6 +97,8 @@ class ModelConfig:
             self.num_experts_per_tok,
             f"<= n_routed_experts ({self.n_routed_experts})",
         )
+        if self.topk_method != "greedy":
+            self._check_groups()
         _require(
             isinstance(self.n_shared_experts, int) and self.n_shared_experts >= 0,
             "n_shared_experts",
@@ -131,6 +133,26 @@ class ModelConfig:
                 key,
                 value,
                 f"null or in [0, vocab_size={self.vocab_size})",
+            )
+
+    def _check_groups(self) -> None:
+        """Group-limited routing the reference computes: top_k within the experts of the
+        eligible groups (transformers masks the others to a score of 0.0 and may pick them),
+        and noaux_tc's group score, the sum of a group's top 2, from groups of 2 or more."""
+        per_group = self.n_routed_experts // self.n_group
+        _require(
+            self.num_experts_per_tok <= self.topk_group * per_group,
+            "num_experts_per_tok",
+            self.num_experts_per_tok,
+            f"<= topk_group * n_routed_experts / n_group ({self.topk_group} * "
+            f"{self.n_routed_experts} / {self.n_group}) under topk_method {self.topk_method!r}",
+        )
+        if self.topk_method == "noaux_tc":
+            _require(
+                per_group >= 2,
+                "n_group",
+                self.n_group,
+                f"<= n_routed_experts / 2 ({self.n_routed_experts} / 2) under noaux_tc",
             )
 
     @property

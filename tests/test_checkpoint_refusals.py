@@ -206,3 +206,52 @@ def test_malformed_config_json_is_named(checkpoint, tmp_path, text):
         ValueError, match=r"ckpt/config\.json (is not valid JSON|holds a JSON list)"
     ):
         ModelConfig.from_dict({"path": str(path)})
+
+
+def _tied(hf: dict) -> dict:
+    return {**hf, "tie_word_embeddings": True}
+
+
+def test_tied_config_with_a_different_stored_head_is_refused(checkpoint, tmp_path):
+    """tie_word_embeddings with a stored lm_head.weight: transformers keeps a head that differs
+    from the embedding untied, the runtime dropped it; refused naming both. Control: a stored
+    head equal to the embedding loads, tied."""
+    path = rewrite_checkpoint(checkpoint, tmp_path / "differs", config=_tied)
+    with pytest.raises(
+        ValueError,
+        match=r"tie_word_embeddings=True but the stored lm_head\.weight differs from "
+        r"model\.embed_tokens\.weight",
+    ):
+        _load(path)
+    same = rewrite_checkpoint(
+        checkpoint,
+        tmp_path / "same",
+        config=_tied,
+        tensors=lambda state: {
+            **state,
+            "lm_head.weight": state["model.embed_tokens.weight"].clone(),
+        },
+    )
+    params = _load(same)
+    embed = load_file(str(same / "model.safetensors"))["model.embed_tokens.weight"]
+    assert "lm_head.weight" not in params and torch.equal(
+        params["model.embed_tokens.weight"], embed
+    )
+
+
+def test_empty_shared_experts_of_a_model_without_them_are_skipped(tmp_path):
+    """transformers saves n_shared_experts=0 as zero-element shared_experts tensors; they hold
+    nothing to load. Control: the same empty tensors with n_shared_experts=1 are refused."""
+    from tests.checkpoints import write_tiny_checkpoint
+
+    write_tiny_checkpoint(tmp_path / "ckpt", "v3", seed=3, q_lora_rank=None, n_shared_experts=0)
+    state = load_file(str(tmp_path / "ckpt" / "model.safetensors"))
+    empty = [key for key, value in state.items() if not value.numel()]
+    assert empty and all(".mlp.shared_experts." in key for key in empty)
+    params = _load(tmp_path / "ckpt")
+    _assert_file_bits(params, {k: v for k, v in state.items() if k not in empty})
+    with_shared = rewrite_checkpoint(
+        tmp_path / "ckpt", tmp_path / "shared1", config=lambda hf: {**hf, "n_shared_experts": 1}
+    )
+    with pytest.raises(ValueError, match=r"shared_experts"):
+        _load(with_shared)

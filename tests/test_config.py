@@ -228,9 +228,8 @@ def _hf_config(tmp_path, family: str, **fields) -> ModelConfig:
     from tests.checkpoints import TINY_HF
 
     model_type = {"v2": "deepseek_v2", "v3": "deepseek_v3"}[family]
-    (tmp_path / "config.json").write_text(
-        json.dumps({**TINY_HF, "model_type": model_type, **fields})
-    )
+    base = {**TINY_HF, "q_lora_rank": None, "routed_scaling_factor": 1.0}
+    (tmp_path / "config.json").write_text(json.dumps({**base, "model_type": model_type, **fields}))
     return ModelConfig.from_dict({"path": str(tmp_path)})
 
 
@@ -321,6 +320,91 @@ def test_v2_norm_topk_prob_follows_deepseek_gate(tmp_path, top_k, norm_in, norm,
         routed_scaling_factor=2.0,
     )
     assert (cfg.norm_topk_prob, cfg.routed_scaling_factor) == (norm, scale)
+
+
+def test_rope_scaling_wins_over_rope_parameters_as_in_transformers(tmp_path):
+    """Both set: transformers 5 runs rope_scaling (`rope_scaling or rope_parameters`); the
+    runtime ran rope_parameters. An empty rope_scaling leaves rope_parameters in force."""
+    transformers = pytest.importorskip("transformers")
+    default = {"rope_type": "default", "rope_theta": 10000.0}
+    for legacy, kind in (({**YARN, "type": "yarn"}, "yarn"), ({}, "default")):
+        cfg = _hf_config(tmp_path, "v3", rope_parameters=default, rope_scaling=legacy)
+        hf = transformers.DeepseekV3Config.from_pretrained(tmp_path)
+        assert hf.rope_parameters["rope_type"] == kind
+        assert (cfg.rope_scaling or {"rope_type": "default"})["rope_type"] == kind
+
+
+ROUTING_KEYS = ("n_shared_experts", "n_group", "topk_group", "norm_topk_prob", "rope_interleave")
+
+
+@pytest.mark.parametrize("family", ["v2", "v3"])
+def test_absent_key_is_transformers_default_or_refused(tmp_path, family):
+    """transformers runs a config.json without a key with its class default (V3's: top_k 8,
+    scale 2.5, 8 groups of which 4 eligible); the runtime ran its own. Each key of a file
+    transformers wrote, left out in turn: refused by name, or read as transformers' default."""
+    transformers = pytest.importorskip("transformers")
+    from moe_runtime.model.hf_config import MAPPED
+    from tests.checkpoints import TINY_HF
+
+    config_cls = {"v2": transformers.DeepseekV2Config, "v3": transformers.DeepseekV3Config}
+    config_cls[family](**TINY_HF, q_lora_rank=24).save_pretrained(tmp_path / "full")
+    full = json.loads((tmp_path / "full" / "config.json").read_text())
+    defaults = config_cls[family]()
+    for key in [*MAPPED, *ROUTING_KEYS]:
+        if key not in full:
+            continue
+        path = tmp_path / key
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps({k: v for k, v in full.items() if k != key}))
+        try:
+            value = getattr(ModelConfig.from_dict({"path": str(path)}), key)
+        except ValueError as exc:
+            assert f"field {key} is absent" in str(exc), exc
+            continue
+        assert value == getattr(defaults, key), key
+
+
+@pytest.mark.parametrize(
+    "key, named",
+    [("n_group", "n_group=8"), ("num_experts_per_tok", "num_experts_per_tok=8")]
+    + [("routed_scaling_factor", "routed_scaling_factor=2.5"), ("vocab_size", "vocab_size=129280")],
+)
+def test_absent_v3_key_is_refused_by_name(tmp_path, key, named):
+    from tests.checkpoints import TINY_HF
+
+    hf = {**TINY_HF, "model_type": "deepseek_v3", "q_lora_rank": None, "routed_scaling_factor": 1}
+    del hf[key]
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(ValueError, match=rf"field {key} is absent: .* default {named} "):
+        ModelConfig.from_dict({"path": str(tmp_path)})
+
+
+@pytest.mark.parametrize(
+    "fields, named",
+    [
+        (
+            dict(topk_method="group_limited_greedy", scoring_func="softmax", n_group=8),
+            "model.num_experts_per_tok must be <= topk_group * n_routed_experts / n_group "
+            "(1 * 16 / 8) under topk_method 'group_limited_greedy', got 4",
+        ),
+        (
+            dict(n_group=8),
+            "model.num_experts_per_tok must be <= topk_group * n_routed_experts / n_group "
+            "(1 * 16 / 8) under topk_method 'noaux_tc', got 4",
+        ),
+        (
+            dict(n_group=16, topk_group=4),
+            "model.n_group must be <= n_routed_experts / 2 (16 / 2) under noaux_tc, got 16",
+        ),
+    ],
+    ids=["glg_top_k_over_eligible", "noaux_top_k_over_eligible", "noaux_group_of_one"],
+)
+def test_group_limited_routing_the_reference_cannot_compute_is_refused(fields, named):
+    """top_k past the eligible groups' experts (transformers picks masked experts, the runtime
+    others), and noaux_tc's top-2 group score of one-expert groups (transformers raises)."""
+    with pytest.raises(ValueError, match=re.escape(named)):
+        ModelConfig(**{"num_experts_per_tok": 4, "topk_group": 1, **fields})
+    ModelConfig(num_experts_per_tok=2, topk_group=1, n_group=8)  # exactly the eligible experts
 
 
 def test_invariant_cuda_models_of_64_heads_or_more_need_bf16():

@@ -59,6 +59,7 @@ TINY_CONFIG_JSON = {
     "model_type": "deepseek_v3",
     "q_lora_rank": 32,
     "max_position_embeddings": 2048,
+    "routed_scaling_factor": 2.5,
 }
 NOT_SAFETENSORS = bytes(range(256)) * 16  # its first 8 bytes declare an absurd header length
 CORRUPT_CHECKPOINTS = {  # case -> (config.json text, the refusal it must give)

@@ -92,6 +92,29 @@ _JSON_TYPES = {
     **dict.fromkeys(("tie_word_embeddings", "norm_topk_prob", "rope_interleave"), "a bool"),
 }
 
+# transformers' default (DeepseekV2Config / DeepseekV3Config, 5.x) of each key the runtime reads
+# whose own default differs: mostly a full-size model's value, so a file without the key is
+# refused by name rather than run with either default.
+ABSENT_REFUSED = {
+    "deepseek_v2": {
+        **dict(vocab_size=102400, hidden_size=4096, intermediate_size=11008),
+        **dict(moe_intermediate_size=1407, num_hidden_layers=32, num_attention_heads=32),
+        **dict(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64),
+        **dict(v_head_dim=128, n_routed_experts=64, num_experts_per_tok=None),
+        **dict(first_k_dense_replace=0, n_shared_experts=2, n_group=None, topk_group=None),
+        **dict(bos_token_id=1, eos_token_id=2),
+    },
+    "deepseek_v3": {
+        **dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432),
+        **dict(moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128),
+        **dict(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64),
+        **dict(v_head_dim=128, n_routed_experts=256, num_experts_per_tok=8),
+        **dict(first_k_dense_replace=3, n_shared_experts=1, n_group=8, topk_group=4),
+        **dict(routed_scaling_factor=2.5, max_position_embeddings=4096),
+        **dict(bos_token_id=0, eos_token_id=1),
+    },
+}
+
 ROUTING = {  # model type -> (scoring_func it computes, topk_methods it computes, default method)
     "deepseek_v2": ("softmax", ("greedy", "group_limited_greedy"), "greedy"),
     "deepseek_v3": ("sigmoid", ("noaux_tc",), "noaux_tc"),
@@ -106,6 +129,12 @@ def read_hf_config(path: Path) -> dict[str, Any]:
     model_type = hf.get("model_type")
     if model_type not in MODEL_TYPES:
         raise ValueError(f"model.path: model_type {model_type!r} is not deepseek_v2 or deepseek_v3")
+    for key, default in ABSENT_REFUSED[model_type].items():
+        if key not in hf:
+            raise ValueError(
+                f"config.json field {key} is absent: refused, transformers would run "
+                f"{model_type} with its default {key}={default!r} and the runtime with another"
+            )
     out = {key: hf[key] for key in MAPPED if key in hf}
     out.update(_shape_keys(hf))
     out.update(_rope(hf))
@@ -182,8 +211,12 @@ def _shape_keys(hf: dict[str, Any]) -> dict[str, Any]:
 
 
 def _rope(hf: dict[str, Any]) -> dict[str, Any]:
-    """rope_parameters (transformers 5) or rope_scaling (DeepSeek's files, transformers 4)."""
-    key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+    """rope_scaling (DeepSeek's files, transformers 4) or rope_parameters (transformers 5).
+
+    A non-empty rope_scaling wins, as in transformers 5 (`rope_scaling or rope_parameters`):
+    the other mapping is then not read at all, by either side.
+    """
+    key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
     rope = hf.get(key) or {}
     problem = rope_problem(rope)
     if problem is not None:

@@ -39,6 +39,7 @@ _EXPERT_KEY = re.compile(
     r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$"
 )
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
+_SHARED_KEY = re.compile(r"^model\.layers\.\d+\.mlp\.shared_experts\.")
 _EXPERT_PARAMS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 _BIAS_BOUND = 0.1  # e_score_correction_bias is uniform in [-0.1, 0.1)
 _LOG_EVERY_S = 5.0
@@ -193,6 +194,7 @@ def load_hf_weights(
         for keys in _read_groups(handles, local_experts, cfg):
             tensors = {key: handles[key].get_tensor(key) for key in keys}
             _check_finite(tensors, str(path))
+            tensors = _drop_tied_head(tensors, cfg, str(path))
             stacked = _stack_experts(tensors, local_experts, cfg.first_k_dense_replace)
             assign_weights(model, {name: model.tp.shard(name, v) for name, v in stacked.items()})
             progress.update(keys[0])
@@ -250,7 +252,8 @@ def _open_checkpoint(path: Path, cfg: ModelConfig, device: torch.device | str) -
                         f"{num_layers} decoder and {num_stored - num_layers} "
                         "multi-token-prediction layers"
                     )
-                if layer_id < num_layers:
+                shape = handle.get_slice(key).get_shape()
+                if layer_id < num_layers and not _is_absent_shared_expert(key, shape, cfg):
                     handles[key] = handle
         yield handles
 
@@ -280,8 +283,6 @@ def _read_groups(
     local = [set(row) for row in local_experts]
     groups: dict[int, list[str]] = {}
     for key in keys:
-        if cfg.tie_word_embeddings and key == "lm_head.weight":
-            continue
         layer, expert = _LAYER_KEY.match(key), _EXPERT_KEY.match(key)
         layer_id = int(layer.group(1)) if layer else -1
         if expert and int(expert.group(2)) not in local[layer_id - cfg.first_k_dense_replace]:
@@ -299,8 +300,11 @@ def check_weights(
     """HF-named tensors (or meta tensors of their headers) -> this rank's value of every
     parameter, every name, shape and dtype checked, and every value finite (ValueError naming
     the first bad one); the model is not touched."""
-    _check_experts(tensors, model.config, source)
+    cfg = model.config
+    tensors = {k: v for k, v in tensors.items() if not _is_absent_shared_expert(k, v.shape, cfg)}
+    _check_experts(tensors, cfg, source)
     _check_finite(tensors, source)
+    tensors = _drop_tied_head(tensors, cfg, source)
     tensors = _stack_experts(tensors, local_experts, model.config.first_k_dense_replace)
     params = dict(model.named_parameters())
     if model.config.tie_word_embeddings:
@@ -317,6 +321,31 @@ def check_weights(
     for name, param in params.items():
         _check_tensor(values[name], param.shape, name, source)
     return values
+
+
+def _is_absent_shared_expert(key: str, shape: Sequence[int], cfg: ModelConfig) -> bool:
+    """An empty shared-expert tensor of a model without shared experts: transformers builds the
+    MLP at width 0 and saves its zero-element weights; there is nothing to load."""
+    return cfg.n_shared_experts == 0 and 0 in shape and _SHARED_KEY.match(key) is not None
+
+
+def _drop_tied_head(
+    tensors: dict[str, torch.Tensor], cfg: ModelConfig, source: str
+) -> dict[str, torch.Tensor]:
+    """`tensors` without a stored lm_head.weight that tie_word_embeddings makes the embedding:
+    dropped only if equal to it, since transformers keeps a different stored head untied
+    (ValueError). Meta tensors (headers) are kept here and compared once read."""
+    head = tensors.get("lm_head.weight")
+    if not cfg.tie_word_embeddings or head is None or head.is_meta:
+        return tensors
+    embed = tensors.get("model.embed_tokens.weight")
+    if embed is None or not torch.equal(head, embed):
+        raise ValueError(
+            f"weights {source!r}: config.json sets tie_word_embeddings=True but the stored "
+            "lm_head.weight differs from model.embed_tokens.weight (transformers would keep "
+            "it untied)"
+        )
+    return {key: value for key, value in tensors.items() if key != "lm_head.weight"}
 
 
 def _check_experts(tensors: dict[str, torch.Tensor], cfg: ModelConfig, source: str) -> None:
