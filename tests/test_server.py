@@ -322,6 +322,38 @@ def test_async_engine_worker_failure_fails_pending_and_reports_dead():
     async_engine.shutdown(drain_timeout_s=1)
 
 
+def test_async_engine_scorings_settle_with_score_bits_and_a_cancelled_one_is_aborted():
+    """Scorings have no deltas: each is settled when its requests finish, with LLM's bits; a
+    cancelled one is aborted (its long prefill is not run through), and a bad one refused."""
+    sequences, prompt_lens = [[5, 6, 7, 8, 9], [1, 2, 3]], [2, 1]
+    llm = LLM(TINY_CONFIG)
+    want = [fingerprint(o) for o in llm.score_outputs(sequences, prompt_lens, logprobs=3)]
+    llm.shutdown()
+    async_engine = AsyncEngine(LLMEngine(load_config(TINY_CONFIG)))
+    try:
+        got = async_engine.submit_scores(sequences, prompt_lens, logprobs=3).result(timeout=60)
+        assert [fingerprint(whole.outputs[0]) for whole in got] == want
+        # 8 x 1000 tokens at 512 a step: 16 steps at least, run through.
+        long = [[(i * k) % 250 + 1 for i in range(1000)] for k in range(1, 9)]
+        cancelled = async_engine.submit_scores(long, [1] * 8)
+        deadline = time.monotonic() + 30
+        while async_engine.stats().num_running == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        assert cancelled.cancel()
+        steps_at_cancel = async_engine.stats().num_steps
+        while num_running(async_engine):
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        num_after = async_engine.stats().num_steps - steps_at_cancel
+        assert num_after <= 3, f"the cancelled scoring ran {num_after} more steps"
+        with pytest.raises(ValueError, match="prompt_len"):
+            async_engine.submit_scores([[1, 2]], [2]).result(timeout=60)
+        assert async_engine.submit_scores([[1, 2]], [1]).result(timeout=60)[0].is_finished
+    finally:
+        async_engine.shutdown(drain_timeout_s=1)
+
+
 def test_async_engine_cancel_aborts_and_shutdown_drains():
     async_engine = AsyncEngine(LLMEngine(load_config(TINY_CONFIG)))
     long = SamplingParams(max_tokens=600, ignore_eos=True, temperature=0.0)

@@ -64,8 +64,10 @@ class AsyncEngine:
         self._error: BaseException | None = None
         self._given_up = False
         self._stats = engine.stats()
-        # Loop thread only: the submission and prompt index of each unfinished request.
+        # Loop thread only: the submission and prompt index of each unfinished request, and
+        # the scorings admitted (no deltas: each is settled when its requests are done).
         self._owner: dict[str, tuple[_Submission, int]] = {}
+        self._scorings: set[_Submission] = set()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -256,6 +258,8 @@ class AsyncEngine:
             return self._settle(submission, exc)
         for prompt_idx, request in enumerate(submission.requests):
             self._owner[request.request_id] = (submission, prompt_idx)
+        if submission.prompt_lens is not None:
+            self._scorings.add(submission)
 
     def _step(self) -> None:
         try:
@@ -278,9 +282,8 @@ class AsyncEngine:
             owner = self._owner.get(delta.request_id)
             if owner is not None and all(r.is_finished for r in owner[0].requests):
                 self._settle(owner[0], None)
-        for submission in self._snapshot():  # scorings have no deltas: read whole when done
-            is_scoring = submission.prompt_lens is not None and submission.requests
-            if is_scoring and all(r.is_finished for r in submission.requests):
+        for submission in list(self._scorings):  # no deltas: read whole once done
+            if all(r.is_finished for r in submission.requests):
                 self._settle(submission, None)
 
     def _die(self, error: BaseException) -> None:
@@ -316,6 +319,7 @@ class AsyncEngine:
     def _settle(self, submission: _Submission, error: BaseException | None) -> None:
         for request in submission.requests:
             self._owner.pop(request.request_id, None)
+        self._scorings.discard(submission)
         outputs = [self._engine.output(r) for r in submission.requests] if error is None else None
         _resolve(submission.future, error, outputs)
         with self._cond:
