@@ -20,9 +20,10 @@ import torch
 
 from moe_kernels import KernelConfig, build_op_table
 from moe_runtime.model.layers import GatedMLP
-from moe_runtime.model.loader import assign_weights, build_model, init_random_weights
+from moe_runtime.model.loader import build_model, init_random_weights
 from moe_runtime.model.random_weights import fill_uniform, uniform_from_index, weight_key
 from moe_runtime.model.tensor_parallel import TensorParallel
+from moe_runtime.model.weight_checks import assign_weights
 from moe_runtime.model_config import ModelConfig
 from tests.checkpoints import rewrite_checkpoint
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
@@ -31,15 +30,20 @@ from moe_runtime.model.hf_config import num_mtp_layers, read_config_json, read_h
 from moe_runtime.model.layers import NO_TP
 from moe_runtime.model.random_weights import CHUNK_NUMEL, fill_uniform, weight_key
 from moe_runtime.model.tensor_parallel import TensorParallel, shard_dim
+from moe_runtime.model.weight_checks import (
+    EXPERT_KEY,
+    LAYER_KEY,
+    assign_weights,
+    check_finite,
+    check_weights,
+    drop_tied_head,
+    is_absent_shared_expert,
+    stack_experts,
+)
 from moe_runtime.model_config import ModelConfig
 
 log = logging.getLogger("moe_runtime.loader")
 
-_EXPERT_KEY = re.compile(
-    r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$"
-)
-_LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
-_SHARED_KEY = re.compile(r"^model\.layers\.\d+\.mlp\.shared_experts\.")
 _EXPERT_PARAMS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 _BIAS_BOUND = 0.1  # e_score_correction_bias is uniform in [-0.1, 0.1)
 _LOG_EVERY_S = 5.0
@@ -136,7 +140,7 @@ def init_random_weights(
                 param.fill_(1.0)
             elif name.endswith(_EXPERT_PARAMS):
                 prefix, proj = name.rsplit(".", 1)
-                layer_id = int(_LAYER_KEY.match(name).group(1))
+                layer_id = int(LAYER_KEY.match(name).group(1))
                 for slot, logical in enumerate(local_experts[layer_id - first_moe]):
                     key = weight_key(seed, f"{prefix}.{logical}.{proj}")
                     fill_uniform(param[slot], key, bound, chunk_numel)
@@ -169,7 +173,7 @@ class _Progress:
 
     def update(self, name: str) -> None:
         now = time.monotonic()
-        layer = _LAYER_KEY.match(name)
+        layer = LAYER_KEY.match(name)
         if layer is None or now - self.last < _LOG_EVERY_S:
             return
         self.last = now
@@ -193,9 +197,9 @@ def load_hf_weights(
         check_weights(model, headers, local_experts, str(path))
         for keys in _read_groups(handles, local_experts, cfg):
             tensors = {key: handles[key].get_tensor(key) for key in keys}
-            _check_finite(tensors, str(path))
-            tensors = _drop_tied_head(tensors, cfg, str(path))
-            stacked = _stack_experts(tensors, local_experts, cfg.first_k_dense_replace)
+            check_finite(tensors, str(path))
+            tensors = drop_tied_head(tensors, cfg, str(path))
+            stacked = stack_experts(tensors, local_experts, cfg.first_k_dense_replace)
             assign_weights(model, {name: model.tp.shard(name, v) for name, v in stacked.items()})
             progress.update(keys[0])
 
@@ -244,7 +248,7 @@ def _open_checkpoint(path: Path, cfg: ModelConfig, device: torch.device | str) -
                         f"and {file.name}"
                     )
                 file_of[key] = file
-                layer = _LAYER_KEY.match(key)
+                layer = LAYER_KEY.match(key)
                 layer_id = int(layer.group(1)) if layer else -1
                 if layer_id >= num_stored:
                     raise ValueError(
@@ -253,7 +257,7 @@ def _open_checkpoint(path: Path, cfg: ModelConfig, device: torch.device | str) -
                         "multi-token-prediction layers"
                     )
                 shape = handle.get_slice(key).get_shape()
-                if layer_id < num_layers and not _is_absent_shared_expert(key, shape, cfg):
+                if layer_id < num_layers and not is_absent_shared_expert(key, shape, cfg):
                     handles[key] = handle
         yield handles
 
@@ -283,156 +287,9 @@ def _read_groups(
     local = [set(row) for row in local_experts]
     groups: dict[int, list[str]] = {}
     for key in keys:
-        layer, expert = _LAYER_KEY.match(key), _EXPERT_KEY.match(key)
+        layer, expert = LAYER_KEY.match(key), EXPERT_KEY.match(key)
         layer_id = int(layer.group(1)) if layer else -1
         if expert and int(expert.group(2)) not in local[layer_id - cfg.first_k_dense_replace]:
             continue
         groups.setdefault(layer_id, []).append(key)
     return [groups[layer_id] for layer_id in sorted(groups)]
-
-
-def check_weights(
-    model: DeepseekForCausalLM,
-    tensors: dict[str, torch.Tensor],
-    local_experts: list[list[int]],
-    source: str,
-) -> dict[str, torch.Tensor]:
-    """HF-named tensors (or meta tensors of their headers) -> this rank's value of every
-    parameter, every name, shape and dtype checked, and every value finite (ValueError naming
-    the first bad one); the model is not touched."""
-    cfg = model.config
-    tensors = {k: v for k, v in tensors.items() if not _is_absent_shared_expert(k, v.shape, cfg)}
-    _check_experts(tensors, cfg, source)
-    _check_finite(tensors, source)
-    tensors = _drop_tied_head(tensors, cfg, source)
-    tensors = _stack_experts(tensors, local_experts, model.config.first_k_dense_replace)
-    params = dict(model.named_parameters())
-    if model.config.tie_word_embeddings:
-        tensors.pop("lm_head.weight", None)
-        params.pop("lm_head.weight", None)
-    missing = sorted(set(params) - set(tensors))
-    unexpected = sorted(set(tensors) - set(params))
-    if missing or unexpected:
-        raise ValueError(
-            f"weights {source!r} do not match the model: missing {missing[:5]}, "
-            f"unexpected {unexpected[:5]}"
-        )
-    values = {name: model.tp.shard(name, tensors[name]) for name in params}
-    for name, param in params.items():
-        _check_tensor(values[name], param.shape, name, source)
-    return values
-
-
-def _is_absent_shared_expert(key: str, shape: Sequence[int], cfg: ModelConfig) -> bool:
-    """An empty shared-expert tensor of a model without shared experts: transformers builds the
-    MLP at width 0 and saves its zero-element weights; there is nothing to load."""
-    return cfg.n_shared_experts == 0 and 0 in shape and _SHARED_KEY.match(key) is not None
-
-
-def _drop_tied_head(
-    tensors: dict[str, torch.Tensor], cfg: ModelConfig, source: str
-) -> dict[str, torch.Tensor]:
-    """`tensors` without a stored lm_head.weight that tie_word_embeddings makes the embedding:
-    dropped only if equal to it, since transformers keeps a different stored head untied
-    (ValueError). Meta tensors (headers) are kept here and compared once read."""
-    head = tensors.get("lm_head.weight")
-    if not cfg.tie_word_embeddings or head is None or head.is_meta:
-        return tensors
-    embed = tensors.get("model.embed_tokens.weight")
-    if embed is None or not torch.equal(head, embed):
-        raise ValueError(
-            f"weights {source!r}: config.json sets tie_word_embeddings=True but the stored "
-            "lm_head.weight differs from model.embed_tokens.weight (transformers would keep "
-            "it untied)"
-        )
-    return {key: value for key, value in tensors.items() if key != "lm_head.weight"}
-
-
-def _check_experts(tensors: dict[str, torch.Tensor], cfg: ModelConfig, source: str) -> None:
-    """Every per-expert tensor, of every expert present (a restart may place them elsewhere),
-    one by one: a routed expert of a MoE layer, its HF shape, a floating dtype, and its
-    expert's other two projections present. Before stacking, because torch.cat promotes an
-    int tensor among float ones and torch.stack's shape error names no tensor."""
-    gate_up = (cfg.moe_intermediate_size, cfg.hidden_size)
-    shapes = {"gate_proj": gate_up, "up_proj": gate_up, "down_proj": gate_up[::-1]}
-    projs: dict[str, set[str]] = {}
-    for key, value in tensors.items():
-        match = _EXPERT_KEY.match(key)
-        if match is None:
-            continue
-        prefix, expert = match.group(1), int(match.group(2))
-        layer_id = int(_LAYER_KEY.match(key).group(1))
-        is_moe = cfg.first_k_dense_replace <= layer_id < cfg.num_hidden_layers
-        if not is_moe or expert >= cfg.n_routed_experts:
-            raise ValueError(
-                f"weights {source!r}: unexpected tensor {key} (the model has "
-                f"{cfg.n_routed_experts} routed experts in layers "
-                f"{cfg.first_k_dense_replace}..{cfg.num_hidden_layers - 1})"
-            )
-        _check_tensor(value, shapes[match.group(3)], key, source)
-        projs.setdefault(f"{prefix}.{expert}", set()).add(match.group(3))
-    for name, present in sorted(projs.items()):
-        absent = sorted(set(shapes) - present)
-        if absent:
-            raise ValueError(f"weights {source!r}: checkpoint lacks {name}.{absent[0]}.weight")
-
-
-def _check_tensor(value: torch.Tensor, shape: Sequence[int], name: str, source: str) -> None:
-    if tuple(value.shape) != tuple(shape) or not value.dtype.is_floating_point:
-        raise ValueError(
-            f"weights {source!r}: tensor {name} is {tuple(value.shape)} {value.dtype}, the "
-            f"model expects {tuple(shape)} floating point"
-        )
-
-
-def _check_finite(tensors: dict[str, torch.Tensor], source: str) -> None:
-    """ValueError naming the first tensor holding a NaN or an infinity (a diverged trainer's
-    update, a damaged file): served, it would give every request garbage or NaN logprobs with
-    no error. Meta tensors (headers) are skipped; one device sync a tensor. The test is the
-    tensor's min and max (both NaN if any value is; an infinity is one of them): one vectorized
-    pass, ~60x faster than isfinite on the CPU, where an update's tensors are read."""
-    for key, value in tensors.items():
-        if value.is_meta or not value.dtype.is_floating_point or not value.numel():
-            continue  # the dtype checks name a non-float tensor
-        # no float8 min/max kernels everywhere: widened, each value keeps its NaN-ness
-        wide = value.to(torch.bfloat16) if value.dtype.itemsize == 1 else value
-        if not bool(torch.isfinite(torch.stack(torch.aminmax(wide))).all()):
-            bad = int(wide.numel() - torch.isfinite(wide).sum())
-            raise ValueError(
-                f"weights {source!r}: tensor {key} holds {bad} non-finite value"
-                f"{'s' * (bad > 1)} (NaN or infinity) of {value.numel()}"
-            )
-
-
-def assign_weights(model: DeepseekForCausalLM, values: dict[str, torch.Tensor]) -> None:
-    """Copy checked values (check_weights) into the model's parameters; copy_ casts the dtype
-    and crosses devices itself, with no intermediate tensor."""
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for name, value in values.items():
-            params[name].copy_(value)
-
-
-def _stack_experts(
-    tensors: dict[str, torch.Tensor], local_experts: list[list[int]], first_moe: int
-) -> dict[str, torch.Tensor]:
-    """Per-expert checkpoint tensors -> stacked gate_up_proj / down_proj for the local slots."""
-    per_expert: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
-    out = {}
-    for key, value in tensors.items():
-        match = _EXPERT_KEY.match(key)
-        if match is None:
-            out[key] = value
-            continue
-        prefix, expert, proj = match.group(1), int(match.group(2)), match.group(3)
-        per_expert.setdefault(prefix, {}).setdefault(expert, {})[proj] = value
-    for prefix, experts in per_expert.items():
-        expert_ids = local_experts[int(prefix.split(".")[2]) - first_moe]
-        absent = [e for e in expert_ids if e not in experts]
-        if absent:
-            raise ValueError(f"checkpoint lacks {prefix}.{absent[0]}")
-        out[f"{prefix}.gate_up_proj"] = torch.stack(
-            [torch.cat([experts[e]["gate_proj"], experts[e]["up_proj"]]) for e in expert_ids]
-        )
-        out[f"{prefix}.down_proj"] = torch.stack([experts[e]["down_proj"] for e in expert_ids])
-    return out

@@ -29,13 +29,9 @@ from moe_kernels import build_op_table, pin_threads
 from moe_runtime.config import RuntimeConfig
 from moe_runtime.heap import freeze
 from moe_runtime.model.deepseek import TORCH_DTYPES
-from moe_runtime.model.loader import (
-    assign_weights,
-    build_model,
-    check_weights,
-    read_checkpoint,
-)
+from moe_runtime.model.loader import build_model, read_checkpoint
 from moe_runtime.model.tensor_parallel import TensorParallel
+from moe_runtime.model.weight_checks import assign_weights, check_weights
 from moe_runtime.worker.model_runner import ModelRunner
 from moe_runtime.worker.sequence_state import Chunk, SequenceState
 from moe_runtime.worker.step_input import StepInput, StepOutput
