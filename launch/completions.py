@@ -14,7 +14,9 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 
 from fastapi.responses import Response
 
@@ -27,6 +29,7 @@ from moe_runtime.config import RuntimeConfig
 from moe_runtime.engine.async_engine import AsyncEngine
 from moe_runtime.engine.engine import ContextLengthError, LLMEngine
 from moe_runtime.engine.outputs import CompletionOutput, RequestOutput
+from moe_runtime.sampling_params import SamplingParams
 
 DEFAULT_MAX_TOKENS = 16
 
@@ -38,22 +41,30 @@ async def complete(
     body.check_served(config.server.model_name, config.model.vocab_size)
     if body.max_tokens == 0 and not body.echo:
         raise FieldError("max_tokens", "max_tokens: 0 needs echo: true (else nothing comes back)")
-    prompts = body.prompts()
-    scored: list[CompletionOutput | None] = [None] * len(prompts)
-    if body.echo and body.logprobs is not None:
-        scored = await _score_prompts(backend.engine, prompts, body.logprobs)
-    if body.max_tokens == 0:  # echo alone (the schema refuses 0 without it)
-        answered = await _prompts_alone(backend.engine, prompts, body.n)
-        generation = Generation(answered, prompts, [], metrics)
-    else:
-        params = body.sampling_params(DEFAULT_MAX_TOKENS)
-        generation = Generation(backend.engine, prompts, [params] * len(prompts), metrics)
+    prompts, engine = body.prompts(), backend.engine
+    params = None if body.max_tokens == 0 else body.sampling_params(DEFAULT_MAX_TOKENS)
+    with _engine_checks():  # every prompt checked before anything runs: a refusal costs nothing
+        ids, version = await asyncio.wrap_future(
+            engine.call(lambda e: _checked(e, prompts, params))
+        )
+    # The scoring and the generation are queued back to back (a drain admits both or neither),
+    # and leave together: a failure or a client that goes cancels both.
+    scores = _PromptScores(engine, ids, body.logprobs if body.echo else None)
+    generation = None
     try:
-        await generation.start(body.stream)
-    except ContextLengthError as exc:
-        raise ContextLengthExceeded("max_tokens", str(exc)) from None
-    except ValueError as exc:  # the engine's prompt checks
-        raise FieldError("prompt", str(exc)) from None
+        with _engine_checks():
+            if params is not None:
+                generation = Generation(engine, prompts, [params] * len(prompts), metrics)
+            scored = await scores.outputs()
+            if generation is None:  # echo alone: nothing to generate
+                answered = _Answered(_prompts_alone(ids, scored, body.n, version))
+                generation = Generation(answered, prompts, [], metrics)
+            await generation.start(body.stream)
+    except BaseException:
+        scores.cancel()
+        if generation is not None:
+            generation.future.cancel()
+        raise
     head = {
         "id": f"cmpl-{uuid.uuid4().hex}",
         "object": "text_completion",
@@ -61,33 +72,73 @@ async def complete(
         "model": config.server.model_name,
     }
     choices = _Choices(body, prompts, backend.tokenizer, scored)
-    return generation.response(head, choices, body.include_usage)
+    also = [whole for whole in scored if whole is not None]
+    return generation.response(head, choices, body.include_usage, also)
 
 
-async def _score_prompts(
-    engine: AsyncEngine, prompts: list[str | list[int]], num_top: int
-) -> list[CompletionOutput | None]:
-    """Each prompt's tokens after its first, teacher-forced (their logprobs and top logprobs
-    as decoding them would report: LLMEngine.add_score_requests); None for a one-token one.
-    Cancelled with the route (a client that leaves): the scorings are aborted."""
+@contextmanager
+def _engine_checks() -> Iterator[None]:
+    """The engine's refusals of a request as the HTTP errors that name its field."""
     try:
-        ids = await asyncio.wrap_future(engine.call(lambda e: [e.encode(p) for p in prompts]))
-    except ValueError as exc:
+        yield
+    except ContextLengthError as exc:
+        raise ContextLengthExceeded("max_tokens", str(exc)) from None
+    except FieldError:
+        raise
+    except ValueError as exc:  # the engine's prompt checks
         raise FieldError("prompt", str(exc)) from None
-    scorable = [i for i, token_ids in enumerate(ids) if len(token_ids) >= 2]
-    scored: list[CompletionOutput | None] = [None] * len(prompts)
-    if scorable:
-        future = engine.submit_scores([ids[i] for i in scorable], [1] * len(scorable), num_top)
-        for i, whole in zip(scorable, await asyncio.wrap_future(future), strict=True):
-            scored[i] = whole.outputs[0]
-    return scored
 
 
-async def _prompts_alone(engine: AsyncEngine, prompts: list[str | list[int]], n: int) -> _Answered:
-    """The outputs of prompts with nothing generated (max_tokens 0): n empty samples each."""
+def _checked(
+    engine: LLMEngine, prompts: list[str | list[int]], params: SamplingParams | None
+) -> tuple[list[list[int]], int]:
+    """Each prompt's token ids, checked as the engine checks a request (with max_tokens when
+    generating), and the weights' version now."""
+    ids = engine.check_requests(prompts, None if params is None else [params] * len(prompts))
+    return ids, engine.weight_version
 
-    def outputs(e: LLMEngine) -> list[RequestOutput]:
-        version = e.weight_version
+
+class _PromptScores:
+    """Each prompt's tokens after its first, scored teacher-forced (LLMEngine's
+    add_score_requests): their logprobs and top logprobs as decoding them reports. None for a
+    one-token prompt, and for all when num_top is None (no logprobs asked)."""
+
+    def __init__(self, engine: AsyncEngine, ids: list[list[int]], num_top: int | None) -> None:
+        self._num_prompts = len(ids)
+        self._scorable = [] if num_top is None else [i for i, t in enumerate(ids) if len(t) >= 2]
+        self._future: Future | None = None
+        if self._scorable:
+            sequences, prompt_lens = [ids[i] for i in self._scorable], [1] * len(self._scorable)
+            self._future = engine.submit_scores(sequences, prompt_lens, num_top)
+
+    async def outputs(self) -> list[RequestOutput | None]:
+        scored: list[RequestOutput | None] = [None] * self._num_prompts
+        if self._future is not None:
+            whole = await asyncio.wrap_future(self._future)
+            for i, output in zip(self._scorable, whole, strict=True):
+                scored[i] = output
+        return scored
+
+    def cancel(self) -> None:
+        if self._future is not None:
+            self._future.cancel()
+
+
+def _prompts_alone(
+    ids: list[list[int]], scored: list[RequestOutput | None], n: int, version: int
+) -> list[RequestOutput]:
+    """The outputs of prompts with nothing generated (max_tokens 0): n empty samples each,
+    with the weight versions of its scoring (else of the check before it)."""
+    outputs = []
+    for token_ids, scoring in zip(ids, scored, strict=True):
+        last, first = (
+            (version, version)
+            if scoring is None
+            else (
+                scoring.weight_version,
+                scoring.first_weight_version,
+            )
+        )
         empty = [
             CompletionOutput(
                 index=i,
@@ -97,27 +148,22 @@ async def _prompts_alone(engine: AsyncEngine, prompts: list[str | list[int]], n:
                 text="",
                 finish_reason="length",
                 seed=0,
-                weight_version=version,
-                first_weight_version=version,
+                weight_version=last,
+                first_weight_version=first,
             )
             for i in range(n)
         ]
-        return [
+        outputs.append(
             RequestOutput(
                 request_id=f"echo-{uuid.uuid4().hex}",
-                prompt_token_ids=e.encode(p),
+                prompt_token_ids=token_ids,
                 outputs=empty,
                 is_finished=True,
-                weight_version=version,
-                first_weight_version=version,
+                weight_version=last,
+                first_weight_version=first,
             )
-            for p in prompts
-        ]
-
-    try:
-        return _Answered(await asyncio.wrap_future(engine.call(outputs)))
-    except ValueError as exc:
-        raise FieldError("prompt", str(exc)) from None
+        )
+    return outputs
 
 
 class _Answered:
@@ -143,7 +189,7 @@ class _Choices:
         body: CompletionRequest,
         prompts: list,
         tokenizer,
-        scored: list[CompletionOutput | None],
+        scored: list[RequestOutput | None],
     ) -> None:
         self._body, self._prompts, self._tokenizer = body, prompts, tokenizer
         self._scored = scored  # each prompt's scoring, for echo's logprobs
@@ -159,7 +205,8 @@ class _Choices:
         if self._body.echo and index not in self._offsets:  # its first chunk
             prompt, ids = self._prompts[prompt_idx], output.prompt_token_ids
             text = prompt if isinstance(prompt, str) else self._tokenizer.decode(ids)
-            echo = Echo.of(text, ids, self._scored[prompt_idx])
+            scoring = self._scored[prompt_idx]
+            echo = Echo.of(text, ids, None if scoring is None else scoring.outputs[0])
         offsets = self._offsets.setdefault(index, TextOffsets())
         return completion_choice(
             index, out, self._tokenizer, offsets if self._with_logprobs else None, echo

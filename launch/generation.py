@@ -83,11 +83,14 @@ class Generation:
         if self._first is _END:
             self.future.result()
 
-    def response(self, head: dict, choices: Choices, include_usage: bool) -> Response:
+    def response(
+        self, head: dict, choices: Choices, include_usage: bool, also: list[RequestOutput] = ()
+    ) -> Response:
         """After `start`: `head` and the choices of the whole outputs, usage and weight version
-        as one body; or, streamed, as server-sent events."""
+        as one body; or, streamed, as server-sent events. `also`: other requests run for the
+        same response (its prompts' scorings), whose weight versions count too."""
         if self._outputs is None:
-            chunks = self._events(head, choices, include_usage)
+            chunks = self._events(head, choices, include_usage, also)
             return StreamingResponse(chunks, media_type="text/event-stream")
         outputs = self._outputs
         num_in = sum(len(whole.prompt_token_ids) for whole in outputs)
@@ -97,19 +100,23 @@ class Generation:
                 **head,
                 "choices": [c for i, whole in enumerate(outputs) for c in choices(i, whole)],
                 "usage": usage(num_in, num_out),
-                "weight_version": max(whole.weight_version for whole in outputs),
-                "first_weight_version": min(whole.first_weight_version for whole in outputs),
+                "weight_version": max(whole.weight_version for whole in [*outputs, *also]),
+                "first_weight_version": min(
+                    whole.first_weight_version for whole in [*outputs, *also]
+                ),
             }
         )
 
     async def _events(
-        self, head: dict, choices: Choices, include_usage: bool
+        self, head: dict, choices: Choices, include_usage: bool, also: list[RequestOutput] = ()
     ) -> AsyncIterator[str]:
         """A chunk per choice of each delta, an optional usage chunk, then [DONE]; a failure
         mid-stream is sent as one error chunk. A client that leaves aborts the submission."""
         num_in: dict[int, int] = {}
-        num_out = weight_version = 0
-        first_weight_version: int | None = None
+        num_out = 0
+        weight_version = max((whole.weight_version for whole in also), default=0)
+        also_first = min((whole.first_weight_version for whole in also), default=None)
+        first_weight_version = also_first
         try:
             item = self._first
             while item is not _END:
@@ -118,12 +125,11 @@ class Generation:
                 num_out += sum(len(out.token_ids) for out in delta.outputs)
                 weight_version = max(weight_version, delta.weight_version)
                 first = delta.first_weight_version
+                if also_first is not None:
+                    first = min(first, also_first)
                 if first_weight_version is None or first < first_weight_version:
                     first_weight_version = first
-                versions = {
-                    "weight_version": delta.weight_version,
-                    "first_weight_version": delta.first_weight_version,
-                }
+                versions = {"weight_version": delta.weight_version, "first_weight_version": first}
                 for choice in choices(prompt_idx, delta):
                     yield sse({**head, "choices": [choice], **versions})
                 item = await self._queue.get()

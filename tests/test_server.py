@@ -21,12 +21,15 @@ import openai
 import pytest
 import torch
 
-from launch.generation import Backend
+from launch.completions import _Answered
+from launch.generation import Backend, Generation
+from launch.metrics import ServerMetrics
 from launch.server_app import create_app
 from moe_runtime import LLM, SamplingParams
 from moe_runtime.config import load_config
 from moe_runtime.engine import LLMEngine
 from moe_runtime.engine.async_engine import AsyncEngine, EngineUnavailableError
+from moe_runtime.engine.outputs import RequestOutput
 from moe_runtime.executor import WorkerError
 from moe_runtime.tokenizer import ByteTokenizer
 from tests.invariance import TINY_CONFIG, fingerprint, mixed_prompts
@@ -280,6 +283,71 @@ def test_echo_rescoring_control_fast_kernels_differ():
     assert (
         echoed["logprobs"]["token_logprobs"][len(prompt) :] != decoded["logprobs"]["token_logprobs"]
     )
+
+
+def test_echo_with_logprobs_zero_scores_the_prompt_with_empty_tops(server):
+    """logprobs 0: each scored prompt token gets its logprob and an empty top (decode's
+    report at 0); the scoring returned no tops at all and the choice failed to render."""
+    prompt = [1, 2, 3, 4, 5]
+    for max_tokens in (0, 2):
+        body = {"prompt": prompt, "max_tokens": max_tokens, "echo": True, "logprobs": 0}
+        response = post(server.http, body)
+        assert response.status_code == 200, response.text
+        logprobs = response.json()["choices"][0]["logprobs"]
+        assert logprobs["top_logprob_ids"][1 : len(prompt)] == [{}] * (len(prompt) - 1)
+        assert None not in logprobs["token_logprobs"][1:]
+
+
+def test_echo_past_the_context_is_refused_before_its_prompt_is_scored(server):
+    steps_before = server.async_engine.call(lambda e: e.stats().num_steps).result(timeout=30)
+    body = {"prompt": [7] * 1020, "max_tokens": 16, "echo": True, "logprobs": 1}
+    response = post(server.http, body)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "max_tokens"
+    steps_after = server.async_engine.call(lambda e: e.stats().num_steps).result(timeout=30)
+    assert steps_after == steps_before, "the prompt was scored before the refusal"
+
+
+@pytest.mark.parametrize("max_tokens", [0, 4])
+def test_a_drain_finishes_an_echo_request_whose_prompt_is_being_scored(max_tokens):
+    """Scoring and generation are queued together: a drain that begins while the prompt is
+    scored lets the request finish (it failed with 503 once its scoring was done)."""
+    prompt = [(i * 7) % 250 + 1 for i in range(900)]
+    with running_server() as running:
+        body = {"prompt": prompt, "max_tokens": max_tokens, "echo": True, "logprobs": 1}
+        with ThreadPoolExecutor(1) as pool:
+            sent = pool.submit(post, running.http, body)
+            deadline = time.monotonic() + 30
+            while running.async_engine.stats().num_running == 0:
+                assert time.monotonic() < deadline and not sent.done()
+                time.sleep(0.005)
+            running.async_engine.shutdown(drain_timeout_s=60)
+            response = sent.result(timeout=60)
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    assert len(choice["token_ids"]) == len(prompt) + max_tokens
+
+
+def test_weight_versions_count_the_prompts_scoring():
+    """A response's first_weight_version is the oldest over its prompts' scorings too: a weight
+    update between the scoring and the completion gave prompt logprobs of one version and
+    tokens of the next under the newer version alone."""
+    scoring = RequestOutput("score-1", [1, 2], [], True, weight_version=3, first_weight_version=2)
+    generated = RequestOutput("r", [1, 2], [], True, weight_version=4, first_weight_version=4)
+
+    async def respond(stream: bool) -> list[dict]:
+        generation = Generation(_Answered([generated]), [[1, 2]], [], ServerMetrics(lambda: None))
+        await generation.start(stream)
+        response = generation.response({}, lambda i, o: [{}], True, [scoring])
+        if not stream:
+            return [json.loads(response.body)]
+        events = [chunk async for chunk in response.body_iterator]
+        return [json.loads(e[6:]) for e in events if e.startswith("data: {")]
+
+    (whole,) = asyncio.run(respond(stream=False))
+    assert (whole["weight_version"], whole["first_weight_version"]) == (4, 2)
+    *chunks, usage_chunk = asyncio.run(respond(stream=True))
+    assert [c["first_weight_version"] for c in [*chunks, usage_chunk]] == [2, 2]
+    assert usage_chunk["weight_version"] == 4
 
 
 def test_max_tokens_zero_needs_echo_and_a_one_token_prompt_has_nothing_to_score(server):

@@ -167,12 +167,22 @@ class LLMEngine:
     ) -> list[Request]:
         """Queue several requests all or none: a bad prompt raises ValueError naming its index
         (when there are several) before any is queued."""
-        token_ids = _check_all(self.check_request, ("prompt", prompts), ("SamplingParams", params))
+        token_ids = self.check_requests(prompts, params)
         self._check_alive()
         return [
             self._enqueue(Request(f"req-{next(self._request_ids)}", ids, p, resolve_seed(p.seed)))
             for ids, p in zip(token_ids, params, strict=True)
         ]
+
+    def check_requests(
+        self, prompts: list[str | list[int]], params: list[SamplingParams] | None = None
+    ) -> list[list[int]]:
+        """Each prompt's token ids, checked as add_requests checks them (with params, their
+        max_tokens and logprobs too; without, the prompts alone); a ValueError names the bad
+        prompt's index when there are several. Queues nothing."""
+        if params is None:
+            return _check_all(lambda p, _: self.encode(p), ("prompt", prompts), ("", prompts))
+        return _check_all(self.check_request, ("prompt", prompts), ("SamplingParams", params))
 
     def check_request(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
         """A request's prompt token ids, or ValueError naming what the engine cannot run: a bad

@@ -155,17 +155,19 @@ class ModelRunner:
         """The scored rows' logprobs of their next tokens, and the top logprobs of those that
         ask, as decode reports them (Sampler.launch, raw mode: the same op and stable sort)."""
         logprobs = self.ops.log_softmax(logits[score_rows])
-        num_tops = [row_owners[i][0].seq.params.logprobs or 0 for i in score_rows]
-        if max(num_tops):
-            top_values, top_ids = torch.sort(logprobs, dim=-1, descending=True, stable=True)
-            top_values = top_values[:, : max(num_tops)].tolist()
-            top_ids = top_ids[:, : max(num_tops)].tolist()
+        num_tops = [row_owners[i][0].seq.params.logprobs for i in score_rows]  # None: not asked
+        most = max((num or 0 for num in num_tops), default=0)
+        top_values: list[list[float]] = [[] for _ in score_rows]
+        top_ids: list[list[int]] = [[] for _ in score_rows]
+        if most:
+            values, ids = torch.sort(logprobs, dim=-1, descending=True, stable=True)
+            top_values, top_ids = values[:, :most].tolist(), ids[:, :most].tolist()
         logprobs = logprobs.cpu()
         for row, i in enumerate(score_rows):
             chunk, position = row_owners[i]
             seq_id, next_token = chunk.seq.seq_id, chunk.seq.token_ids[position + 1]
             out.scored.setdefault(seq_id, []).append(logprobs[row, next_token].item())
-            if num := num_tops[row]:
+            if (num := num_tops[row]) is not None:  # 0 too: an empty top, as decode reports
                 top = dict(zip(top_ids[row][:num], top_values[row][:num], strict=True))
                 out.scored_top.setdefault(seq_id, []).append(top)
             chunk.seq.num_scored += 1
