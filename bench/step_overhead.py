@@ -35,13 +35,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from moe_runtime.config import RuntimeConfig, load_config  # noqa: E402
 from moe_runtime.engine.block_manager import BlockManager  # noqa: E402
-from moe_runtime.engine.engine import (  # noqa: E402
+from moe_runtime.engine.request import Request, Sequence, SequenceStatus  # noqa: E402
+from moe_runtime.engine.scheduler import ScheduledChunk, Scheduler  # noqa: E402
+from moe_runtime.engine.step_io import (  # noqa: E402
     build_step_input,
     record_results,
     request_output,
 )
-from moe_runtime.engine.request import Request, Sequence, SequenceStatus  # noqa: E402
-from moe_runtime.engine.scheduler import ScheduledChunk, Scheduler  # noqa: E402
 from moe_runtime.sampling_params import SamplingParams  # noqa: E402
 from moe_runtime.tokenizer import ByteTokenizer  # noqa: E402
 from moe_runtime.worker.step_input import SampleResult, StepInput, StepOutput  # noqa: E402

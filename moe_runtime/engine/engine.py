@@ -17,22 +17,20 @@ import operator
 import time
 from pathlib import Path
 
-import numpy as np
-
 from moe_runtime.config import RuntimeConfig
 from moe_runtime.config_fields import is_int
 from moe_runtime.engine.balancer import ExpertBalancer, RebalanceError, initial_placement
 from moe_runtime.engine.block_manager import BlockManager
-from moe_runtime.engine.outputs import CompletionOutput, EngineStats, RequestOutput
-from moe_runtime.engine.request import Request, Sequence, SequenceStatus
-from moe_runtime.engine.scheduler import ScheduledChunk, Scheduler
+from moe_runtime.engine.outputs import EngineStats, RequestOutput
+from moe_runtime.engine.request import Request, SequenceStatus
+from moe_runtime.engine.scheduler import Scheduler
+from moe_runtime.engine.step_io import build_step_input, record_results, request_output
 from moe_runtime.engine.weights_source import WeightsChangedError, WeightsSource
 from moe_runtime.executor import QUICK_CALL_TIMEOUT_S, WorkerError, create_executor
 from moe_runtime.heap import drop_frames, thawed
 from moe_runtime.sampling_params import SamplingParams
 from moe_runtime.seeds import resolve_seed
 from moe_runtime.tokenizer import load_tokenizer
-from moe_runtime.worker.step_input import NewSequence, ScheduledSeq, StepInput, StepOutput
 
 
 class ContextLengthError(ValueError):
@@ -434,114 +432,6 @@ class LLMEngine:
                 seq.status, seq.finish_reason, seq.error = SequenceStatus.FINISHED, "error", error
             scheduler.waiting.clear()
             scheduler.running.clear()
-
-
-def record_results(scheduler: Scheduler, chunks: list[ScheduledChunk], result: StepOutput) -> None:
-    """Outputs of one DP rank's step onto its sequences; ends samples at stop strings."""
-    for chunk in chunks:
-        seq = chunk.seq
-        seq.output_logprobs.extend(result.scored.get(seq.seq_id, ()))
-        seq.output_top_logprobs.extend(result.scored_top.get(seq.seq_id, ()))
-        if seq.seq_id in result.routed:
-            seq.routed_experts.append(result.routed[seq.seq_id])
-    scheduler.update(chunks, result.samples)
-    scheduler.is_ahead = result.is_ahead
-    for chunk in chunks:
-        seq = chunk.seq
-        if seq.detokenizer is None or seq.seq_id not in result.samples:
-            continue
-        stopped = seq.detokenizer.update(seq.output_token_ids, is_final=seq.is_finished)
-        if stopped and not seq.is_finished:
-            scheduler.finish(seq, "stop")
-        elif stopped and seq.finish_reason == "length":
-            seq.finish_reason = "stop"  # its last allowed token completed a stop string
-
-
-def request_output(request: Request, weight_version: int, is_delta: bool) -> RequestOutput:
-    """The whole result, or (is_delta) what changed since the last delta: the samples with
-    new tokens, only their new tokens and text. Values are copies."""
-    outputs = []
-    versions = [_versions(seq, weight_version) for seq in request.samples]
-    for seq, (last, first) in zip(request.samples, versions, strict=True):
-        start = seq.num_reported if is_delta else 0
-        if is_delta and seq.num_output_tokens == start:
-            continue
-        if is_delta:
-            seq.num_reported = seq.num_output_tokens
-            text = seq.detokenizer.delta(seq.is_finished)
-        else:
-            text = seq.detokenizer.text if seq.detokenizer else ""
-        routed = None
-        if seq.params.return_routed_experts:
-            routed = np.array(seq.routed_experts[start:], dtype=np.int32)  # [T, L_moe, K]
-        outputs.append(
-            CompletionOutput(
-                index=seq.sample_idx,
-                token_ids=seq.output_token_ids[start:],
-                logprobs=seq.output_logprobs[start:],
-                top_logprobs=seq.output_top_logprobs[start:],
-                text=text,
-                finish_reason=seq.finish_reason if seq.is_finished else None,
-                seed=seq.seed,
-                routed_experts=routed,
-                weight_version=last,
-                first_weight_version=first,
-            )
-        )
-    return RequestOutput(
-        request.request_id,
-        request.prompt_token_ids,
-        outputs,
-        request.is_finished,
-        max(last for last, _ in versions),
-        min(first for _, first in versions),
-    )
-
-
-def _versions(seq: Sequence, weight_version: int) -> tuple[int, int]:
-    """(latest, first) weight version of a sample's steps; the engine's now before its first."""
-    if seq.first_weight_version is None:
-        return weight_version, weight_version
-    return seq.last_weight_version, seq.first_weight_version
-
-
-def build_step_input(
-    released: list[Sequence], chunks: list[ScheduledChunk], lookahead: bool = False
-) -> StepInput:
-    """One DP rank's wire message: drop released sequences, send new ones whole and running
-    ones only the tokens and blocks their worker has not seen; lookahead: the next step is
-    likely the decode of these sequences (Scheduler.is_lookahead)."""
-    released_ids = []
-    for seq in released:
-        if seq.is_on_worker:
-            released_ids.append(seq.seq_id)
-            seq.num_sent_tokens = seq.num_sent_blocks = 0
-    new_seqs, scheduled = [], []
-    for chunk in chunks:
-        seq = chunk.seq
-        new_token_ids: list[int] = []
-        if not seq.is_on_worker:
-            new_seqs.append(
-                NewSequence(
-                    seq.seq_id,
-                    seq.token_ids,
-                    len(seq.prompt_token_ids),
-                    chunk.start,
-                    seq.params,
-                    seq.seed,
-                    seq.is_score,
-                    len(seq.output_logprobs) if seq.is_score else 0,
-                )
-            )
-        else:
-            new_token_ids = seq.tokens_from(seq.num_sent_tokens)
-        seq.num_sent_tokens = seq.num_tokens
-        new_block_ids = seq.block_table[seq.num_sent_blocks :]
-        seq.num_sent_blocks = len(seq.block_table)
-        scheduled.append(
-            ScheduledSeq(seq.seq_id, chunk.start, chunk.num_tokens, new_token_ids, new_block_ids)
-        )
-    return StepInput(released_ids, new_seqs, scheduled, lookahead)
 
 
 def _check_all(check, items: tuple[str, list], args: tuple[str, list]) -> list:
