@@ -43,7 +43,15 @@ async def complete(
         raise FieldError("max_tokens", "max_tokens: 0 needs echo: true (else nothing comes back)")
     prompts, engine = body.prompts(), backend.engine
     params = None if body.max_tokens == 0 else body.sampling_params(DEFAULT_MAX_TOKENS)
-    with _engine_checks():  # every prompt checked before anything runs: a refusal costs nothing
+    if params is not None and not (body.echo and body.logprobs is not None):
+        generation = Generation(engine, prompts, [params] * len(prompts), metrics)
+        with _engine_checks():
+            await generation.start(body.stream)
+        choices = _Choices(body, prompts, backend.tokenizer, [None] * len(prompts))
+        return generation.response(_head(config), choices, body.include_usage)
+    # The prompts are scored (echo with logprobs), or alone (max_tokens 0): every prompt is
+    # checked before anything runs, so a refusal costs no scoring.
+    with _engine_checks():
         ids, version = await asyncio.wrap_future(
             engine.call(lambda e: _checked(e, prompts, params))
         )
@@ -65,15 +73,18 @@ async def complete(
         if generation is not None:
             generation.future.cancel()
         raise
-    head = {
+    choices = _Choices(body, prompts, backend.tokenizer, scored)
+    also = [whole for whole in scored if whole is not None]
+    return generation.response(_head(config), choices, body.include_usage, also)
+
+
+def _head(config: RuntimeConfig) -> dict:
+    return {
         "id": f"cmpl-{uuid.uuid4().hex}",
         "object": "text_completion",
         "created": int(time.time()),
         "model": config.server.model_name,
     }
-    choices = _Choices(body, prompts, backend.tokenizer, scored)
-    also = [whole for whole in scored if whole is not None]
-    return generation.response(head, choices, body.include_usage, also)
 
 
 @contextmanager
@@ -201,13 +212,16 @@ class _Choices:
 
     def _choice(self, prompt_idx: int, output: RequestOutput, out: CompletionOutput) -> dict:
         index = prompt_idx * self._body.n + out.index
-        echo = None
+        echo, start = None, 0
         if self._body.echo and index not in self._offsets:  # its first chunk
             prompt, ids = self._prompts[prompt_idx], output.prompt_token_ids
             text = prompt if isinstance(prompt, str) else self._tokenizer.decode(ids)
             scoring = self._scored[prompt_idx]
             echo = Echo.of(text, ids, None if scoring is None else scoring.outputs[0])
-        offsets = self._offsets.setdefault(index, TextOffsets())
+            # The prompt's tokens may begin with what its text drops (a sentencepiece space).
+            pieces = b"".join(self._tokenizer.token_bytes(t) for t in ids)
+            start = len(text) - len(pieces.decode("utf-8", errors="replace"))
+        offsets = self._offsets.setdefault(index, TextOffsets(start))
         return completion_choice(
             index, out, self._tokenizer, offsets if self._with_logprobs else None, echo
         )

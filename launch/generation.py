@@ -13,7 +13,7 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi.responses import Response, StreamingResponse
 
@@ -26,6 +26,15 @@ from moe_runtime.sampling_params import SamplingParams
 
 _END = object()
 Choices = Callable[[int, RequestOutput], list[dict]]  # (prompt index, output) -> its choices
+OutputCallback = Callable[[int, RequestOutput], None]
+
+
+class Submitter(Protocol):
+    """What a Generation submits to: the AsyncEngine, or outputs known before anything runs."""
+
+    def submit(
+        self, prompts: list, params: list[SamplingParams], on_output: OutputCallback
+    ) -> Future: ...
 
 
 @dataclass(frozen=True)
@@ -48,7 +57,7 @@ class Generation:
 
     def __init__(
         self,
-        engine: AsyncEngine,
+        engine: Submitter,
         prompts: list[str | list[int]],
         params: list[SamplingParams],
         metrics: ServerMetrics,

@@ -44,6 +44,9 @@ class ByteTokenizer:
         """The bytes token_id stands for in decoded text (special tokens: none)."""
         return bytes([token_id]) if 0 <= token_id < 256 else b""
 
+    def is_byte_piece(self, token_id: int) -> bool:
+        return 0 <= token_id < 256
+
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of the prompt for `messages`, with the default template (bos first)."""
         return self.encode(render_chat(self.chat_template, messages))
@@ -95,7 +98,11 @@ class HFTokenizer:
         # the decoder is byte-level BPE's alone: DeepSeek's vocabularies. The detokenizer then
         # reads the bytes (engine/detokenizer.py).
         self.is_byte_exact = spec is not None and _is_only_byte_level(spec)
+        added = self._tokenizer.get_added_tokens_decoder()
+        self._special_ids = {i for i, token in added.items() if token.special}
+        self._bytes_of: dict[int, bytes] = {}
         self._context_id = self._pick_context_id()
+        self._context_text = self.decode([self._context_id])
 
     def encode(self, text: str) -> list[int]:
         ids = self._tokenizer.encode(text, add_special_tokens=False).ids
@@ -109,21 +116,29 @@ class HFTokenizer:
         character (decode gives "\ufffd" for those): a byte-level vocabulary's piece mapped
         back through the byte alphabet, a byte-fallback piece "<0xHH>" its byte, else the
         UTF-8 of its text after other text (a sentencepiece piece's leading space, which
-        decode strips at the text's start). Special tokens (skipped by decode): none."""
-        text = self._text_after_text(token_id)
-        if not text:
+        decode strips at the text's start). Special tokens (skipped by decode): none. Kept
+        per id once found (at most one entry a vocabulary id)."""
+        data = self._bytes_of.get(token_id)
+        if data is None:
+            data = self._bytes_of[token_id] = self._find_bytes(token_id)
+        return data
+
+    def is_byte_piece(self, token_id: int) -> bool:
+        """Whether token_id is a byte-fallback piece "<0xHH>" (a byte of a character)."""
+        return bool(_BYTE_PIECE.fullmatch(self._tokenizer.id_to_token(token_id) or ""))
+
+    def _find_bytes(self, token_id: int) -> bytes:
+        if token_id in self._special_ids:
             return b""
         piece = self._tokenizer.id_to_token(token_id) or ""
-        if self._is_byte_level and all(c in _BYTE_OF_CHAR for c in piece):
+        if self._is_byte_level and piece and all(c in _BYTE_OF_CHAR for c in piece):
             return bytes(_BYTE_OF_CHAR[c] for c in piece)
         if _BYTE_PIECE.fullmatch(piece):
             return bytes([int(piece[3:5], 16)])
-        return text.encode("utf-8")
-
-    def _text_after_text(self, token_id: int) -> str:
-        before = self.decode([self._context_id])
         text = self.decode([self._context_id, token_id])
-        return text[len(before) :] if text.startswith(before) else self.decode([token_id])
+        if text.startswith(self._context_text):
+            return text[len(self._context_text) :].encode("utf-8")
+        return self.decode([token_id]).encode("utf-8")
 
     def _pick_context_id(self) -> int:
         """A token that decodes to one letter or digit, twice to it twice: what token_bytes

@@ -146,6 +146,30 @@ def test_sentencepiece_spaces_after_the_prompt_are_kept(tmp_path):
         assert _streamed(tokenizer, ids, random.Random(3), prompt) == (expected, expected)
 
 
+def test_sentencepiece_window_keeps_context_after_a_special_token_and_holds_byte_runs(tmp_path):
+    """A window started at the tokens just read: after a special token (decode skips it) the
+    next piece came first in its window and lost its space (" theis"). A byte-fallback run is
+    held until it ends: the library turns a whole run to U+FFFD once it is invalid, and text
+    handed out before ("€") was kept and the run added again, so a stop string could fire on
+    text the final decode never shows."""
+    space = "\u2581"
+    vocab = write_sentencepiece_like(tmp_path, tuple(space + w for w in ("The", "the", "is")))
+    tokenizer = HFTokenizer(tmp_path, bos_token_id=1, eos_token_id=2)
+    prompt = [1, vocab[space + "The"]]
+    euro_then_bad = [vocab[f"<0x{b:02X}>"] for b in (0xE2, 0x82, 0xAC, 0x80)]
+    cases = [
+        [vocab[space + "the"], 2, vocab[space + "is"]],  # 2: </s>, special
+        [vocab[space + "the"], *euro_then_bad, vocab[space + "is"]],
+    ]
+    for ids in cases:
+        expected = tokenizer.decode(prompt + ids)[len(tokenizer.decode(prompt)) :]
+        assert _streamed(tokenizer, ids, _OneTokenAtATime(), prompt) == (expected, expected)
+        detok = IncrementalDetokenizer(tokenizer, ("€",), prompt)
+        for k in range(1, len(ids) + 1):
+            detok.update(ids[:k], is_final=k == len(ids))
+        assert detok.stop_index is None and detok.text == expected
+
+
 class _OneTokenAtATime(random.Random):
     def randint(self, a: int, b: int) -> int:
         return 1

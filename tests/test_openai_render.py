@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from types import SimpleNamespace
 
 import pytest
 from tokenizers import Tokenizer, decoders, models
 
+from launch.completions import _Choices
 from launch.openai.render import TextOffsets, chat_logprobs, completion_logprobs
-from moe_runtime.engine.outputs import CompletionOutput
+from moe_runtime.engine.outputs import CompletionOutput, RequestOutput
 from moe_runtime.tokenizer import ByteTokenizer, HFTokenizer
 from tests.checkpoints import write_byte_level_bpe, write_sentencepiece_like
 
@@ -94,6 +96,25 @@ def test_sentencepiece_tokens_joined_give_the_text(tmp_path):
     assert bytes(b for entry in entries for b in entry["bytes"]) == text.encode("utf-8")
 
 
+def test_echoed_sentencepiece_prompt_offsets_start_where_its_text_does(tmp_path):
+    """An echoed prompt's text drops its first piece's space; its tokens' bytes have it, and
+    every offset after it pointed one character late (" Paris" at 15 of "The capital is
+    Paris")."""
+    space = "\u2581"
+    words = tuple(space + w for w in ("The", "capital", "is", "Paris"))
+    vocab = write_sentencepiece_like(tmp_path, words)
+    tokenizer = HFTokenizer(tmp_path, bos_token_id=1, eos_token_id=2)
+    prompt = [1, *(vocab[w] for w in words[:3])]
+    body = SimpleNamespace(echo=True, n=1, logprobs=0)
+    choices = _Choices(body, ["The capital is"], tokenizer, [None])
+    out = dataclasses.replace(_output([vocab[space + "Paris"]]), text=" Paris", top_logprobs=[{}])
+    whole = RequestOutput("r", prompt, [out], True)
+    (choice,) = choices(0, whole)
+    assert choice["text"] == "The capital is Paris"
+    starts = [choice["text"].index(w) for w in ("The", "capital", "is P", "Paris")]
+    assert choice["logprobs"]["text_offset"] == [0, 0, starts[1] - 1, starts[2] - 1, starts[3] - 1]
+
+
 def _first_offsets(tokenizer, ids: list[int]) -> dict[int, int]:
     """Token index -> where its text starts, for tokens that start a character (or several)."""
     offsets, position = {}, 0
@@ -134,6 +155,7 @@ def test_text_offsets_point_into_the_text(tokenized, chunk):
         ([0xE4, 0xE4, 0xE4, 0xF0, 0x9F, 0x98, 0x80, 0x21], [0, 1, 2, 3, 3, 3, 3, 4]),
         ([0xF0, 0x80, 0x41], [0, 1, 2]),  # each byte invalid: a U+FFFD each
         ([0xE4, 0xB8, 0xAD, 0x61], [0, 0, 0, 1]),  # "中a"
+        ([0xED, 0xA0, 0x61], [0, 1, 2]),  # a surrogate's start: Python's decoder holds it
     ],
 )
 def test_a_token_after_invalid_bytes_points_past_their_replacement_characters(ids, expected):

@@ -55,35 +55,47 @@ def usage(num_in: int, num_out: int) -> dict:
 class TextOffsets:
     """Where each token of a choice starts in its text, in characters, carried across the
     chunks of a stream: the characters the bytes of the tokens before it decode to (UTF-8,
-    invalid bytes one U+FFFD each, as the text has them). A character split over tokens is
+    invalid bytes replaced by U+FFFD as the text has them). A character split over tokens is
     where each of its tokens starts; counting each token's own decoded text instead (a lone
-    piece of a character is a U+FFFD) drifted past the text's end on non-ASCII text."""
+    piece of a character is a U+FFFD) drifted past the text's end on non-ASCII text. `start`:
+    where the first token's bytes begin in the text (negative where the text drops what they
+    begin with: an echoed prompt's leading sentencepiece space); offsets stop at 0."""
 
-    def __init__(self) -> None:
+    def __init__(self, start: int = 0) -> None:
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._num_chars = 0
+        self._num_chars = start
 
     def take(self, token_ids: list[int], tokenizer) -> list[int]:
         """The offsets of the next tokens."""
         offsets = []
         for token_id in token_ids:
             data = tokenizer.token_bytes(token_id)
-            pending = self._decoder.getstate()[0]  # the start of a character, held
-            if not (data and pending):
-                offsets.append(self._num_chars)
-                self._num_chars += len(self._decoder.decode(data))
-                continue
-            # The token's first byte continues the held character (the token starts where
-            # that character does), or shows it invalid: its U+FFFDs come first, then the
-            # token's own characters (that byte's too, unless it starts one held in turn).
-            released = self._decoder.decode(data[:1])
-            now_pending = self._decoder.getstate()[0]
-            if now_pending == pending + data[:1] or (not now_pending and len(released) == 1):
-                offsets.append(self._num_chars)
-            else:
-                offsets.append(self._num_chars + len(released) - (0 if now_pending else 1))
-            self._num_chars += len(released) + len(self._decoder.decode(data[1:]))
+            held = self._decoder.getstate()[0]  # the start of a character, not yet complete
+            offset = self._num_chars
+            if data and held and not _can_begin_a_character(held + data[:1]):
+                offset += len(held.decode("utf-8", errors="replace"))  # its U+FFFDs first
+            offsets.append(max(0, offset))
+            self._num_chars += len(self._decoder.decode(data))
         return offsets
+
+
+def _can_begin_a_character(prefix: bytes) -> bool:
+    """Whether the bytes are the start of a well-formed UTF-8 character (Unicode's table of
+    well-formed byte sequences; Python's decoder holds ED A0.., a surrogate's, as if they
+    were)."""
+    lead = prefix[0]
+    if not 0xC2 <= lead <= 0xF4:
+        return False
+    length = 2 if lead < 0xE0 else 3 if lead < 0xF0 else 4
+    low, high = {0xE0: (0xA0, 0xBF), 0xED: (0x80, 0x9F), 0xF0: (0x90, 0xBF)}.get(
+        lead, (0x80, 0x8F) if lead == 0xF4 else (0x80, 0xBF)
+    )
+    rest = prefix[1:]
+    return (
+        len(prefix) <= length
+        and (not rest or low <= rest[0] <= high)
+        and all(0x80 <= b <= 0xBF for b in rest[1:])
+    )
 
 
 def token_text(token_id: int, tokenizer) -> str:

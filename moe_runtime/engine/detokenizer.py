@@ -28,7 +28,7 @@ _MAX_WAIT = 64  # tokens a window waits for a character; past that its text is t
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, stop: tuple[str, ...] = (), prompt_token_ids=()) -> None:
-        if getattr(tokenizer, "is_byte_exact", False):
+        if tokenizer.is_byte_exact:
             self._decoder: _ByteDecoder | _WindowDecoder = _ByteDecoder(tokenizer)
         else:
             self._decoder = _WindowDecoder(tokenizer, prompt_token_ids)
@@ -122,6 +122,7 @@ class _WindowDecoder:
 
     def __init__(self, tokenizer, prompt_token_ids) -> None:
         self._decode = tokenizer.decode
+        self._is_byte_piece = tokenizer.is_byte_piece
         self._window = list(prompt_token_ids[-_CONTEXT_TOKENS:])  # from the window's start
         self._num_read = len(self._window)  # of the window: tokens whose text is taken
         self._num_seen = 0  # output tokens in the window so far
@@ -133,18 +134,23 @@ class _WindowDecoder:
         if num_unread == 0:
             return ""
         window = self._decode(self._window)
-        if window.endswith(_REPLACEMENT) and num_unread < _MAX_WAIT and not is_final:
-            return ""  # the last character may still complete
+        # Wait while the last character may still complete, and while a run of byte pieces
+        # goes on: a byte-fallback decoder turns a whole run to U+FFFD once it is invalid.
+        may_grow = window.endswith(_REPLACEMENT) or self._is_byte_piece(self._window[-1])
+        if may_grow and num_unread < _MAX_WAIT and not is_final:
+            return ""
         prefix = self._decode(self._window[: self._num_read])
-        # The window moves on even when it added no text (special tokens decode to nothing),
-        # so it never grows with the output. Its start's text is a start of its own but where
-        # later tokens rewrite the text before them (a byte-fallback run that turned out
-        # invalid): then what follows the common start is new, nothing already given is lost.
+        # Its start's text is a start of its own but where later tokens rewrote the text
+        # before them (a byte run cut by _MAX_WAIT): then what follows the common start is
+        # new, and nothing already given is lost.
         start = (
             len(prefix)
             if window.startswith(prefix)
             else len(os.path.commonprefix([prefix, window]))
         )
-        self._window = self._window[self._num_read :]
+        # The next window starts in the last tokens read, so that a piece's leading space
+        # sees the text before it (also after tokens that decode to nothing, special ones),
+        # and never grows with the output.
+        self._window = self._window[-_CONTEXT_TOKENS:]
         self._num_read = len(self._window)
         return window[start:]

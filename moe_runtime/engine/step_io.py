@@ -17,8 +17,10 @@ def record_results(scheduler: Scheduler, chunks: list[ScheduledChunk], result: S
     """Outputs of one DP rank's step onto its sequences; ends samples at stop strings."""
     for chunk in chunks:
         seq = chunk.seq
-        seq.output_logprobs.extend(result.scored.get(seq.seq_id, ()))
-        seq.output_top_logprobs.extend(result.scored_top.get(seq.seq_id, ()))
+        scored = result.scored.get(seq.seq_id, ())
+        seq.output_logprobs.extend(scored)
+        # A top a scored token, empty when none was asked for, as decode reports them.
+        seq.output_top_logprobs.extend(result.scored_top.get(seq.seq_id) or [{}] * len(scored))
         if seq.seq_id in result.routed:
             seq.routed_experts.append(result.routed[seq.seq_id])
     scheduler.update(chunks, result.samples)

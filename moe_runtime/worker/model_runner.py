@@ -34,6 +34,8 @@ from moe_runtime.worker.sampler import SampleLaunch, Sampler
 from moe_runtime.worker.sequence_state import Chunk, SequenceState, sample_args_of
 from moe_runtime.worker.step_input import StepOutput
 
+_SORT_ROWS = 256  # scored rows a top-k sort takes at once (a decode step's batch at most)
+
 
 @dataclass(frozen=True)
 class _Routed:
@@ -159,9 +161,12 @@ class ModelRunner:
         most = max((num or 0 for num in num_tops), default=0)
         top_values: list[list[float]] = [[] for _ in score_rows]
         top_ids: list[list[int]] = [[] for _ in score_rows]
-        if most:
-            values, ids = torch.sort(logprobs, dim=-1, descending=True, stable=True)
-            top_values, top_ids = values[:, :most].tolist(), ids[:, :most].tolist()
+        if most:  # rows sorted a block at a time: a whole prefill's [T, V] sort could OOM
+            top_values, top_ids = [], []
+            for block in logprobs.split(_SORT_ROWS):
+                values, ids = torch.sort(block, dim=-1, descending=True, stable=True)
+                top_values += values[:, :most].tolist()
+                top_ids += ids[:, :most].tolist()
         logprobs = logprobs.cpu()
         for row, i in enumerate(score_rows):
             chunk, position = row_owners[i]
