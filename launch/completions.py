@@ -43,21 +43,19 @@ async def complete(
         raise FieldError("max_tokens", "max_tokens: 0 needs echo: true (else nothing comes back)")
     prompts, engine = body.prompts(), backend.engine
     params = None if body.max_tokens == 0 else body.sampling_params(DEFAULT_MAX_TOKENS)
-    if params is not None and not (body.echo and body.logprobs is not None):
-        generation = Generation(engine, prompts, [params] * len(prompts), metrics)
+    num_top = body.logprobs if body.echo else None  # the prompts are scored when not None
+    ids, version = [], 0
+    if num_top is not None or params is None:
+        # Scored, or alone (max_tokens 0): every prompt is checked on the engine's thread
+        # before anything runs, so a refusal costs no scoring. A plain completion skips this
+        # round trip (the engine checks it as it is admitted).
         with _engine_checks():
-            await generation.start(body.stream)
-        choices = _Choices(body, prompts, backend.tokenizer, [None] * len(prompts))
-        return generation.response(_head(config), choices, body.include_usage)
-    # The prompts are scored (echo with logprobs), or alone (max_tokens 0): every prompt is
-    # checked before anything runs, so a refusal costs no scoring.
-    with _engine_checks():
-        ids, version = await asyncio.wrap_future(
-            engine.call(lambda e: _checked(e, prompts, params))
-        )
+            ids, version = await asyncio.wrap_future(
+                engine.call(lambda e: _checked(e, prompts, params))
+            )
     # The scoring and the generation are queued back to back (a drain admits both or neither),
     # and leave together: a failure or a client that goes cancels both.
-    scores = _PromptScores(engine, ids, body.logprobs if body.echo else None)
+    scores = _PromptScores(engine, ids, num_top, len(prompts))
     generation = None
     try:
         with _engine_checks():
@@ -74,17 +72,14 @@ async def complete(
             generation.future.cancel()
         raise
     choices = _Choices(body, prompts, backend.tokenizer, scored)
-    also = [whole for whole in scored if whole is not None]
-    return generation.response(_head(config), choices, body.include_usage, also)
-
-
-def _head(config: RuntimeConfig) -> dict:
-    return {
+    head = {
         "id": f"cmpl-{uuid.uuid4().hex}",
         "object": "text_completion",
         "created": int(time.time()),
         "model": config.server.model_name,
     }
+    also = [whole for whole in scored if whole is not None]
+    return generation.response(head, choices, body.include_usage, also)
 
 
 @contextmanager
@@ -114,8 +109,10 @@ class _PromptScores:
     add_score_requests): their logprobs and top logprobs as decoding them reports. None for a
     one-token prompt, and for all when num_top is None (no logprobs asked)."""
 
-    def __init__(self, engine: AsyncEngine, ids: list[list[int]], num_top: int | None) -> None:
-        self._num_prompts = len(ids)
+    def __init__(
+        self, engine: AsyncEngine, ids: list[list[int]], num_top: int | None, num_prompts: int
+    ) -> None:
+        self._num_prompts = num_prompts
         self._scorable = [] if num_top is None else [i for i, t in enumerate(ids) if len(t) >= 2]
         self._future: Future | None = None
         if self._scorable:
@@ -142,14 +139,8 @@ def _prompts_alone(
     with the weight versions of its scoring (else of the check before it)."""
     outputs = []
     for token_ids, scoring in zip(ids, scored, strict=True):
-        last, first = (
-            (version, version)
-            if scoring is None
-            else (
-                scoring.weight_version,
-                scoring.first_weight_version,
-            )
-        )
+        last = version if scoring is None else scoring.weight_version
+        first = version if scoring is None else scoring.first_weight_version
         empty = [
             CompletionOutput(
                 index=i,

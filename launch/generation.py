@@ -104,15 +104,14 @@ class Generation:
         outputs = self._outputs
         num_in = sum(len(whole.prompt_token_ids) for whole in outputs)
         num_out = sum(len(out.token_ids) for whole in outputs for out in whole.outputs)
+        ran = [*outputs, *also]
         return ExactJSONResponse(
             {
                 **head,
                 "choices": [c for i, whole in enumerate(outputs) for c in choices(i, whole)],
                 "usage": usage(num_in, num_out),
-                "weight_version": max(whole.weight_version for whole in [*outputs, *also]),
-                "first_weight_version": min(
-                    whole.first_weight_version for whole in [*outputs, *also]
-                ),
+                "weight_version": max(whole.weight_version for whole in ran),
+                "first_weight_version": min(whole.first_weight_version for whole in ran),
             }
         )
 

@@ -82,10 +82,7 @@ class AsyncEngine:
         that changed a request; it must be quick and must not block."""
         if len(prompts) != len(params) or not prompts:
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
-        submission = _Submission(list(prompts), list(params), on_output)
-        self._put(submission)
-        submission.future.add_done_callback(self._on_done)
-        return submission.future
+        return self._queue_submission(_Submission(list(prompts), list(params), on_output))
 
     def submit_scores(
         self, sequences: list[list[int]], prompt_lens: list[int], logprobs: int | None = None
@@ -95,10 +92,7 @@ class AsyncEngine:
         if len(sequences) != len(prompt_lens) or not sequences:
             raise ValueError(f"got {len(prompt_lens)} prompt_lens for {len(sequences)} sequences")
         params = [SamplingParams(logprobs=logprobs)] * len(sequences)
-        submission = _Submission(list(sequences), params, None, list(prompt_lens))
-        self._put(submission)
-        submission.future.add_done_callback(self._on_done)
-        return submission.future
+        return self._queue_submission(_Submission(list(sequences), params, None, list(prompt_lens)))
 
     def call(self, fn: Callable[[LLMEngine], Any]) -> Future:
         """Run fn(engine) on the loop thread between two steps; the Future gets its result."""
@@ -154,6 +148,11 @@ class AsyncEngine:
         if self._thread.is_alive():  # stuck in a call that only a rank's timeout would end
             self._engine.shutdown()
             self._thread.join(stop_timeout_s)
+
+    def _queue_submission(self, submission: _Submission) -> Future:
+        self._put(submission)
+        submission.future.add_done_callback(self._on_done)
+        return submission.future
 
     def _put(self, item) -> None:
         with self._cond:

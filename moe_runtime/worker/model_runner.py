@@ -30,7 +30,7 @@ from moe_runtime.forward_batch import ForwardBatch, HostCopy, device_to_host, ho
 from moe_runtime.model.deepseek import DeepseekForCausalLM
 from moe_runtime.worker.cuda_graphs import DecodeGraphRunner
 from moe_runtime.worker.lookahead import Lookahead
-from moe_runtime.worker.sampler import SampleLaunch, Sampler
+from moe_runtime.worker.sampler import SampleLaunch, Sampler, top_logprobs
 from moe_runtime.worker.sequence_state import Chunk, SequenceState, sample_args_of
 from moe_runtime.worker.step_input import StepOutput
 
@@ -163,10 +163,10 @@ class ModelRunner:
         top_ids: list[list[int]] = [[] for _ in score_rows]
         if most:  # rows sorted a block at a time: a whole prefill's [T, V] sort could OOM
             top_values, top_ids = [], []
-            for block in logprobs.split(_SORT_ROWS):
-                values, ids = torch.sort(block, dim=-1, descending=True, stable=True)
-                top_values += values[:, :most].tolist()
-                top_ids += ids[:, :most].tolist()
+            for block in logprobs.split(_SORT_ROWS):  # each block's sort freed before the next
+                values, ids = top_logprobs(block, most)
+                top_values += values.tolist()
+                top_ids += ids.tolist()
         # The next tokens' logprobs gathered where they are: [S] to the host, not [S, V] (4 GB
         # for a step of 8k scored rows at V3's vocabulary).
         owners = [row_owners[i] for i in score_rows]

@@ -109,9 +109,8 @@ class Sampler:
         columns = [token_ids[:, None], chosen]
         num_top = max(p.logprobs or 0 for p in params)
         if num_top:
-            # Stable descending sort of each row: equal logprobs keep id order.
-            top_values, top_ids = torch.sort(reported, dim=-1, descending=True, stable=True)
-            columns += [top_ids[:, :num_top], top_values[:, :num_top]]
+            top_values, top_ids = top_logprobs(reported, num_top)
+            columns += [top_ids, top_values]
         # Read back in one device-to-host copy: fp64 holds ids < 2**53 and fp32 logprobs exactly.
         table = torch.cat([c.to(torch.float64) for c in columns], dim=1)
         return SampleLaunch(table, params, num_top, host=device_to_host(table))
@@ -180,6 +179,14 @@ class Sampler:
 
 ARGMAX_PART = 2048  # columns a part of a wide row's argmax covers
 ARGMAX_SPLIT_MIN = 32768  # rows at least this wide take the argmax in parts
+
+
+def top_logprobs(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's k largest logprobs and their ids, [R, k] each, by a stable descending sort:
+    equal logprobs keep id order. Decode (Sampler) and scoring (ModelRunner) both take their
+    tops here: the same selection, so the same bits."""
+    values, ids = torch.sort(logprobs, dim=-1, descending=True, stable=True)
+    return values[:, :k], ids[:, :k]
 
 
 def row_argmax(scores: torch.Tensor) -> torch.Tensor:
