@@ -86,12 +86,6 @@ class ModelConfig:
             f"a divisor of n_routed_experts ({self.n_routed_experts})",
         )
         _require(
-            self.topk_group <= self.n_group,
-            "topk_group",
-            self.topk_group,
-            f"<= n_group ({self.n_group})",
-        )
-        _require(
             self.num_experts_per_tok <= self.n_routed_experts,
             "num_experts_per_tok",
             self.num_experts_per_tok,
@@ -136,9 +130,16 @@ class ModelConfig:
             )
 
     def _check_groups(self) -> None:
-        """Group-limited routing the reference computes: top_k within the experts of the
+        """Group-limited routing the reference computes (plain `greedy` reads no group key but
+        n_group, for EPLB's hierarchical policy): topk_group of n_group groups, top_k within the experts of the
         eligible groups (transformers masks the others to a score of 0.0 and may pick them),
         and noaux_tc's group score, the sum of a group's top 2, from groups of 2 or more."""
+        _require(
+            self.topk_group <= self.n_group,
+            "topk_group",
+            self.topk_group,
+            f"<= n_group ({self.n_group}) under topk_method {self.topk_method!r}",
+        )
         per_group = self.n_routed_experts // self.n_group
         _require(
             self.num_experts_per_tok <= self.topk_group * per_group,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
@@ -341,7 +342,8 @@ ROUTING_KEYS = ("n_shared_experts", "n_group", "topk_group", "norm_topk_prob", "
 def test_absent_key_is_transformers_default_or_refused(tmp_path, family):
     """transformers runs a config.json without a key with its class default (V3's: top_k 8,
     scale 2.5, 8 groups of which 4 eligible); the runtime ran its own. Each key of a file
-    transformers wrote, left out in turn: refused by name, or read as transformers' default."""
+    transformers wrote, left out in turn: refused by name, or read as transformers' default;
+    V2's group keys under `greedy` (read by neither side) load as the whole file does."""
     transformers = pytest.importorskip("transformers")
     from moe_runtime.model.hf_config import MAPPED
     from tests.checkpoints import TINY_HF
@@ -350,6 +352,9 @@ def test_absent_key_is_transformers_default_or_refused(tmp_path, family):
     config_cls[family](**TINY_HF, q_lora_rank=24).save_pretrained(tmp_path / "full")
     full = json.loads((tmp_path / "full" / "config.json").read_text())
     defaults = config_cls[family]()
+    whole = ModelConfig.from_dict({"path": str(tmp_path / "full")})
+    unread = ("n_group", "topk_group") if family == "v2" else ()
+    assert family == "v3" or full.get("topk_method", "greedy") == "greedy"
     for key in [*MAPPED, *ROUTING_KEYS]:
         if key not in full:
             continue
@@ -357,11 +362,17 @@ def test_absent_key_is_transformers_default_or_refused(tmp_path, family):
         path.mkdir()
         (path / "config.json").write_text(json.dumps({k: v for k, v in full.items() if k != key}))
         try:
-            value = getattr(ModelConfig.from_dict({"path": str(path)}), key)
+            loaded = ModelConfig.from_dict({"path": str(path)})
         except ValueError as exc:
+            assert key not in unread, exc
             assert f"field {key} is absent" in str(exc), exc
             continue
-        assert value == getattr(defaults, key), key
+        if key in unread:  # greedy top-k: the same config but for the unread group keys
+            groups = dict(n_group=whole.n_group, topk_group=whole.topk_group)
+            assert loaded.topk_method == "greedy"
+            assert dataclasses.replace(loaded, path=whole.path, **groups) == whole, key
+            continue
+        assert getattr(loaded, key) == getattr(defaults, key), key
 
 
 @pytest.mark.parametrize(

@@ -129,8 +129,9 @@ def read_hf_config(path: Path) -> dict[str, Any]:
     model_type = hf.get("model_type")
     if model_type not in MODEL_TYPES:
         raise ValueError(f"model.path: model_type {model_type!r} is not deepseek_v2 or deepseek_v3")
+    unread = _unread_by_routing(hf, model_type)
     for key, default in ABSENT_REFUSED[model_type].items():
-        if key not in hf:
+        if key not in hf and key not in unread:
             raise ValueError(
                 f"config.json field {key} is absent: refused, transformers would run "
                 f"{model_type} with its default {key}={default!r} and the runtime with another"
@@ -255,6 +256,13 @@ def rope_problem(rope: object) -> tuple[str, object, str] | None:
             if rope[sub] <= 0:  # log(factor), log(original / ...) in the tables
                 return sub, rope[sub], "must be > 0"
     return None
+
+
+def _unread_by_routing(hf: dict[str, Any], model_type: str) -> tuple[str, ...]:
+    """The group keys when neither side reads them: V2's plain `greedy` top-k ignores groups
+    (an absent n_group / topk_group changes no output there, so it is no reason to refuse)."""
+    method = hf.get("topk_method") or ROUTING[model_type][2]
+    return ("n_group", "topk_group") if method == "greedy" else ()
 
 
 def _routing(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
