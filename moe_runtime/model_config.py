@@ -130,10 +130,11 @@ class ModelConfig:
             )
 
     def _check_groups(self) -> None:
-        """Group-limited routing the reference computes (plain `greedy` reads no group key but
-        n_group, for EPLB's hierarchical policy): topk_group of n_group groups, top_k within the experts of the
-        eligible groups (transformers masks the others to a score of 0.0 and may pick them),
-        and noaux_tc's group score, the sum of a group's top 2, from groups of 2 or more."""
+        """Group-limited routing the reference computes: topk_group of n_group groups, top_k
+        within the experts of the eligible groups (transformers masks the others to a score of
+        0.0 and may pick them), and noaux_tc's group score, the sum of a group's top 2, from
+        groups of 2 or more. (Plain `greedy` reads no group key; n_group only places experts,
+        for EPLB's hierarchical policy.)"""
         _require(
             self.topk_group <= self.n_group,
             "topk_group",
