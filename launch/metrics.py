@@ -147,17 +147,21 @@ class RequestTracker:
     def __init__(self, metrics: ServerMetrics) -> None:
         self._metrics = metrics
         self._submitted = time.monotonic()
-        self._last: dict[tuple[int, int], float] = {}  # (prompt idx, sample idx) -> time
+        # (prompt idx, sample idx) -> the time of its last token (None: seen, no token yet)
+        self._last: dict[tuple[int, int], float | None] = {}
 
     def observe(self, prompt_idx: int, delta: RequestOutput) -> None:
         now, m = time.monotonic(), self._metrics
         for out in delta.outputs:
             key = (prompt_idx, out.index)
+            if key not in self._last and out.index == 0:  # the prompt's first delta
+                m.prompt_tokens.inc(len(delta.prompt_token_ids))
+            if not out.token_ids:  # no token yet (echo with max_tokens 0 has none at all)
+                self._last.setdefault(key, None)
+                continue
             last = self._last.get(key)
             if last is None:
                 m.time_to_first_token.observe(now - self._submitted)
-                if out.index == 0:
-                    m.prompt_tokens.inc(len(delta.prompt_token_ids))
             else:
                 m.inter_token_latency.observe((now - last) / len(out.token_ids))
             self._last[key] = now

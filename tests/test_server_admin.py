@@ -127,16 +127,19 @@ def test_metrics_count_tokens_latencies_and_engine_state(server):
     assert server.http.post("/v1/completions", json=BODY).status_code == 200
     sse_events(server.http, "/v1/completions", {**BODY, "n": 2})
     assert server.http.post("/v1/completions", json={**BODY, "top_p": 7}).status_code == 400
+    # the prompt scored, nothing generated: its tokens count, no time to a first token
+    echo_alone = {**BODY, "max_tokens": 0, "echo": True, "logprobs": 1}
+    assert server.http.post("/v1/completions", json=echo_alone).status_code == 200
     after = metrics(server)
 
     def grew(name: str) -> float:
         return after[name] - before.get(name, 0.0)
 
-    assert grew("moe_prompt_tokens_total") == 2 * len(BODY["prompt"])
+    assert grew("moe_prompt_tokens_total") == 3 * len(BODY["prompt"])
     assert grew("moe_generation_tokens_total") == 3 * BODY["max_tokens"]
     assert grew("moe_time_to_first_token_seconds_count") == 3
     assert grew("moe_inter_token_latency_seconds_count") == 3 * (BODY["max_tokens"] - 1)
-    assert grew("moe_http_requests_total{route=/v1/completions,status=200}") == 2
+    assert grew("moe_http_requests_total{route=/v1/completions,status=200}") == 3
     assert grew("moe_http_requests_total{route=/v1/completions,status=400}") == 1
     for name in ("moe_num_requests_running", "moe_num_requests_waiting", "moe_weight_version"):
         assert name in after
