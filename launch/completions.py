@@ -27,8 +27,9 @@ from launch.openai.render import Echo, TextOffsets, chat_choice, completion_choi
 from launch.openai.schemas import ChatCompletionRequest, CompletionRequest
 from moe_runtime.config import RuntimeConfig
 from moe_runtime.engine.async_engine import AsyncEngine
-from moe_runtime.engine.engine import ContextLengthError, LLMEngine
+from moe_runtime.engine.engine import LLMEngine
 from moe_runtime.engine.outputs import CompletionOutput, RequestOutput
+from moe_runtime.engine.request_checks import ContextLengthError
 from moe_runtime.sampling_params import SamplingParams
 
 DEFAULT_MAX_TOKENS = 16

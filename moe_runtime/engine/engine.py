@@ -13,16 +13,15 @@ from __future__ import annotations
 import collections
 import contextlib
 import itertools
-import operator
 import time
 from pathlib import Path
 
 from moe_runtime.config import RuntimeConfig
-from moe_runtime.config_fields import is_int
 from moe_runtime.engine.balancer import ExpertBalancer, RebalanceError, initial_placement
 from moe_runtime.engine.block_manager import BlockManager
 from moe_runtime.engine.outputs import EngineStats, RequestOutput
 from moe_runtime.engine.request import Request, SequenceStatus
+from moe_runtime.engine.request_checks import RequestChecks
 from moe_runtime.engine.scheduler import Scheduler
 from moe_runtime.engine.step_io import build_step_input, record_results, request_output
 from moe_runtime.engine.weights_source import WeightsChangedError, WeightsSource
@@ -33,28 +32,11 @@ from moe_runtime.seeds import resolve_seed
 from moe_runtime.tokenizer import load_tokenizer
 
 
-class ContextLengthError(ValueError):
-    """A prompt that fits the context, but not with its max_tokens (as OpenAI and vLLM refuse).
-
-    `field` names the budget in the message, so a front end can speak of its own field."""
-
-    def __init__(
-        self, num_prompt_tokens: int, max_tokens: int, max_model_len: int, field: str = "max_tokens"
-    ) -> None:
-        self.num_prompt_tokens, self.max_tokens = num_prompt_tokens, max_tokens
-        self.max_model_len = max_model_len
-        super().__init__(
-            f"This model's maximum context length is {max_model_len} tokens; the prompt has "
-            f"{num_prompt_tokens} tokens and {field} is {max_tokens} "
-            f"({num_prompt_tokens + max_tokens} in all). The context is "
-            "scheduler.max_model_len."
-        )
-
-
 class LLMEngine:
     def __init__(self, config: RuntimeConfig) -> None:
         self.config = config
         self.tokenizer = load_tokenizer(config.model)
+        self.checks = RequestChecks(config, self.tokenizer)
         # model.path's weights as stamped before the workers read them: a rebuild checks that it
         # still holds them (and a rollout job's record names them).
         self.startup_weights = self._weights = WeightsSource.of(config.model.path)
@@ -178,59 +160,19 @@ class LLMEngine:
         """Each prompt's token ids, checked as add_requests checks them (with params, their
         max_tokens and logprobs too; without, the prompts alone); a ValueError names the bad
         prompt's index when there are several. Queues nothing."""
-        if params is None:
-            return _check_all(lambda p, _: self.encode(p), ("prompt", prompts), ("", prompts))
-        return _check_all(self.check_request, ("prompt", prompts), ("SamplingParams", params))
+        return self.checks.requests(prompts, params)
 
     def check_request(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
-        """A request's prompt token ids, or ValueError naming what the engine cannot run: a bad
-        prompt, a prompt and max_tokens past the context (ContextLengthError), more top
-        logprobs than the vocabulary has. Queues nothing: a job can check its requests ahead."""
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        token_ids = self.encode(prompt)
-        max_len, vocab = self.config.scheduler.max_model_len, self.config.model.vocab_size
-        if len(token_ids) + params.max_tokens > max_len:
-            raise ContextLengthError(len(token_ids), params.max_tokens, max_len)
-        self._check_num_top(params)
-        outside = [t for t in params.stop_token_ids if t >= vocab]
-        if outside:  # never sampled: a stop that could never end the sample
-            raise ValueError(
-                f"SamplingParams.stop_token_ids: token id {outside[0]} is outside the "
-                f"vocabulary [0, {vocab})"
-            )
-        return token_ids
-
-    def _check_num_top(self, params: SamplingParams) -> None:
-        vocab = self.config.model.vocab_size
-        if params.logprobs is not None and params.logprobs > vocab:
-            raise ValueError(
-                f"SamplingParams.logprobs={params.logprobs} asks for more top logprobs than the "
-                f"vocabulary's {vocab} tokens"
-            )
+        """A request's prompt token ids, or ValueError naming what the engine cannot run
+        (RequestChecks.request). Queues nothing: a job can check its requests ahead."""
+        return self.checks.request(prompt, params)
 
     def check_score_request(
         self, token_ids: list[int], prompt_len: int
     ) -> tuple[list[int], list[int]]:
         """A scoring's (prompt ids, ids to score), or ValueError naming what the engine cannot
-        run: bad ids, a sequence past the context, a prompt_len leaving nothing on either side.
-        Queues nothing: a job can check its scorings ahead."""
-        token_ids = _token_ids(token_ids)
-        self.validate_prompt(token_ids)
-        last = len(token_ids) - 1
-        if last < 1:
-            raise ValueError(
-                f"a scored sequence needs 2 tokens at least (a prompt and a token to score), "
-                f"got {len(token_ids)}"
-            )
-        if hasattr(prompt_len, "__index__") and not isinstance(prompt_len, bool):
-            prompt_len = operator.index(prompt_len)  # numpy's ints too
-        if not is_int(prompt_len) or not 1 <= prompt_len <= last:
-            raise ValueError(
-                f"prompt_len must be an int in [1, {last}] for a sequence of "
-                f"{len(token_ids)} tokens, got {prompt_len!r}"
-            )
-        return token_ids[:prompt_len], token_ids[prompt_len:]
+        run (RequestChecks.score). Queues nothing: a job can check its scorings ahead."""
+        return self.checks.score(token_ids, prompt_len)
 
     def add_score_request(
         self, token_ids: list[int], prompt_len: int, logprobs: int | None = None
@@ -245,9 +187,8 @@ class LLMEngine:
         """Queue several scorings all or none: a bad one raises ValueError naming its index
         (when there are several) before any is queued."""
         params = SamplingParams(logprobs=logprobs)
-        self._check_num_top(params)
-        named = ("sequence", sequences), ("prompt_lens", prompt_lens)
-        checked = _check_all(self.check_score_request, *named)
+        self.checks.num_top(logprobs)
+        checked = self.checks.scores(sequences, prompt_lens)
         self._check_alive()
         return [
             self._enqueue(Request(f"score-{next(self._request_ids)}", p, params, 0, s))
@@ -256,29 +197,7 @@ class LLMEngine:
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         """Token ids of a prompt (text through the tokenizer), validated."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty")
-            token_ids = self.tokenizer.encode(prompt)
-        else:
-            token_ids = _token_ids(prompt)
-        self.validate_prompt(token_ids)
-        return token_ids
-
-    def validate_prompt(self, token_ids: list[int]) -> None:
-        vocab = self.config.model.vocab_size
-        max_len = self.config.scheduler.max_model_len
-        if not token_ids:
-            raise ValueError("prompt is empty")
-        for t in token_ids:
-            if not is_int(t):
-                raise ValueError(f"token ids must be ints, got {t!r} ({type(t).__name__})")
-            if not 0 <= t < vocab:
-                raise ValueError(f"token id {t!r} is outside the vocabulary [0, {vocab})")
-        if len(token_ids) > max_len:
-            raise ValueError(
-                f"prompt has {len(token_ids)} tokens, more than scheduler.max_model_len={max_len}"
-            )
+        return self.checks.encode(prompt)
 
     def _enqueue(self, request: Request) -> Request:
         """All of a request's samples go to the DP rank with the fewest unfinished sequences
@@ -432,29 +351,3 @@ class LLMEngine:
                 seq.status, seq.finish_reason, seq.error = SequenceStatus.FINISHED, "error", error
             scheduler.waiting.clear()
             scheduler.running.clear()
-
-
-def _check_all(check, items: tuple[str, list], args: tuple[str, list]) -> list:
-    """check(item, arg) for every pair before any result is used; a ValueError (its type kept)
-    names the bad item's index when there are several. items / args: (name, values)."""
-    (what, values), (arg_name, arg_values) = items, args
-    if len(arg_values) != len(values):
-        raise ValueError(f"got {len(arg_values)} {arg_name} for {len(values)} {what}s")
-    results = []
-    for i, (value, arg) in enumerate(zip(values, arg_values, strict=True)):
-        try:
-            results.append(check(value, arg))
-        except ValueError as exc:
-            if len(values) > 1:
-                exc.args = (f"{what} {i}: {exc}",)
-            raise
-    return results
-
-
-def _token_ids(tokens) -> list[int]:
-    """A prompt's ids as Python ints: numpy's and torch's integer scalars (which index as
-    ints) converted; anything else kept for validate_prompt to name."""
-    try:
-        return [t if isinstance(t, (int, float, str)) else operator.index(t) for t in tokens]
-    except TypeError as exc:
-        raise ValueError(f"a prompt must be text or a list of token ids: {exc}") from None
