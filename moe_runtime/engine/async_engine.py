@@ -25,6 +25,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from moe_runtime.engine.engine import LLMEngine
@@ -43,10 +44,10 @@ class EngineUnavailableError(RuntimeError):
 
 @dataclass(eq=False)
 class _Submission:
-    prompts: list[str | list[int]]
-    params: list[SamplingParams]
+    admit: Callable[[LLMEngine], list[Request]]  # queues its requests on the loop thread
+    num_sequences: int  # sequences it will run (a request's n samples each)
     on_output: OutputCallback | None
-    prompt_lens: list[int] | None = None  # a scoring: prompts are the sequences to score
+    is_scoring: bool = False  # no deltas: settled whole once its requests are done
     future: Future = field(default_factory=Future)
     requests: list[Request] = field(default_factory=list)
 
@@ -82,7 +83,10 @@ class AsyncEngine:
         that changed a request; it must be quick and must not block."""
         if len(prompts) != len(params) or not prompts:
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
-        return self._queue_submission(_Submission(list(prompts), list(params), on_output))
+        prompts, params = list(prompts), list(params)
+        admit = partial(LLMEngine.add_requests, prompts=prompts, params=params)
+        num_sequences = sum(getattr(p, "n", 1) for p in params)  # a non-params: refused at admit
+        return self._queue_submission(_Submission(admit, num_sequences, on_output))
 
     def submit_scores(
         self, sequences: list[list[int]], prompt_lens: list[int], logprobs: int | None = None
@@ -91,8 +95,15 @@ class AsyncEngine:
         resolves to their whole RequestOutputs."""
         if len(sequences) != len(prompt_lens) or not sequences:
             raise ValueError(f"got {len(prompt_lens)} prompt_lens for {len(sequences)} sequences")
-        params = [SamplingParams(logprobs=logprobs)] * len(sequences)
-        return self._queue_submission(_Submission(list(sequences), params, None, list(prompt_lens)))
+        sequences, prompt_lens = list(sequences), list(prompt_lens)
+        admit = partial(
+            LLMEngine.add_score_requests,
+            sequences=sequences,
+            prompt_lens=prompt_lens,
+            logprobs=logprobs,
+        )
+        submission = _Submission(admit, len(sequences), None, is_scoring=True)
+        return self._queue_submission(submission)
 
     def call(self, fn: Callable[[LLMEngine], Any]) -> Future:
         """Run fn(engine) on the loop thread between two steps; the Future gets its result."""
@@ -120,7 +131,7 @@ class AsyncEngine:
         """The engine's counts after the last step; num_waiting includes queued prompts."""
         with self._cond:
             queued = sum(
-                p.n for item in self._queue if isinstance(item, _Submission) for p in item.params
+                item.num_sequences for item in self._queue if isinstance(item, _Submission)
             )
             return dataclasses.replace(self._stats, num_waiting=self._stats.num_waiting + queued)
 
@@ -245,19 +256,12 @@ class AsyncEngine:
             if submission.future.done():
                 return self._settle(submission, None)
             self._check_alive()
-            if submission.prompt_lens is None:
-                submission.requests = self._engine.add_requests(
-                    submission.prompts, submission.params
-                )
-            else:
-                submission.requests = self._engine.add_score_requests(
-                    submission.prompts, submission.prompt_lens, submission.params[0].logprobs
-                )
+            submission.requests = submission.admit(self._engine)
         except Exception as exc:  # ValueError: a bad prompt; nothing of it was queued
             return self._settle(submission, exc)
         for prompt_idx, request in enumerate(submission.requests):
             self._owner[request.request_id] = (submission, prompt_idx)
-        if submission.prompt_lens is not None:
+        if submission.is_scoring:
             self._scorings.add(submission)
 
     def _step(self) -> None:
