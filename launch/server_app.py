@@ -95,6 +95,9 @@ def create_app(config: RuntimeConfig, backend: Backend | None = None) -> FastAPI
         engine = backend.engine
         if not engine.is_healthy:
             return ExactJSONResponse({"status": "unavailable", "error": engine.error}, 503)
+        stalled = engine.stalled  # a rank silent inside a step or call: requests wait on it
+        if stalled is not None:
+            return ExactJSONResponse({"status": "stalled", "error": stalled}, 503)
         stats = engine.stats()
         counts = {"num_running": stats.num_running, "num_waiting": stats.num_waiting}
         return ExactJSONResponse({"status": "ok", **counts})

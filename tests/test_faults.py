@@ -7,9 +7,11 @@ rank before anything changes. A failure that kills the engine ends every request
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -50,6 +52,63 @@ def test_stalled_worker_is_named(ray_local):
     finally:
         os.kill(pids[1], signal.SIGCONT)
         llm.shutdown()
+
+
+def test_a_rank_stalled_inside_a_step_is_named_long_before_the_step_times_out(ray_local):
+    """A stopped rank answers nothing while its peer waits in a collective until
+    parallel.timeout_s (then the step fails, + 30 s at most). The watchdog names it after
+    server.health_check_interval_s, /health turns 503 "stalled", and rank 0, inside the same
+    collective, still answers its ping (a thread of its own). Control: a loop busy as long in a
+    call, every rank alive, is probed and reported as nothing. Resumed, the step and the
+    request finish and the finding ends."""
+    from launch.generation import Backend
+    from launch.server_app import create_app
+
+    overrides = {"parallel.timeout_s": 60, "server.health_check_interval_s": 1.0}
+    llm = LLM(TINY_CONFIG, **{"parallel.world_size": 2, **overrides})
+    probes, probe = [], llm.engine.silent_ranks
+
+    def spy(timeout_s):
+        probes.append(probe(timeout_s))
+        return probes[-1]
+
+    llm.engine.silent_ranks = spy
+    loop = AsyncEngine(llm.engine)
+    app = create_app(llm.engine.config, Backend(loop, llm.engine.tokenizer))
+    pids = llm.engine.executor.call_all("pid")
+    try:
+        loop.call(lambda engine: time.sleep(3.5)).result(timeout=30)
+        assert probes and all(silent == [] for silent in probes), probes  # probed: all answer
+        assert loop.stalled is None and _health(app) == (200, "ok")
+        first = threading.Event()
+        params = SamplingParams(max_tokens=600, ignore_eos=True)
+        future = loop.submit([[1, 2, 3, 4]], [params], lambda i, d: first.set())
+        assert first.wait(30)
+        os.kill(pids[1], signal.SIGSTOP)
+        stopped = time.monotonic()
+        while loop.stalled is None and time.monotonic() - stopped < 45:
+            time.sleep(0.1)
+        found_s = time.monotonic() - stopped
+        assert loop.stalled is not None and found_s < 30, found_s  # the step's bound: 60 + 30
+        assert re.fullmatch(
+            r"ranks \[1\] answered no ping in 10s while a step ran \d+s", loop.stalled
+        )
+        assert _health(app) == (503, "stalled") and loop.is_healthy  # not failed (yet)
+    finally:
+        os.kill(pids[1], signal.SIGCONT)
+    assert len(future.result(timeout=120)[0].outputs[0].token_ids) == 600
+    assert loop.stalled is None and _health(app) == (200, "ok")
+    loop.shutdown()
+
+
+def _health(app) -> tuple[int, str]:
+    async def get() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return await client.get("/health")
+
+    response = asyncio.run(get())
+    return response.status_code, response.json()["status"]
 
 
 # config.json of TINY_CONFIG's model: a directory with it passes the config check, so its

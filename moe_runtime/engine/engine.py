@@ -320,6 +320,11 @@ class LLMEngine:
         with self._fatal_on_error():
             self.executor.call_all("ping", timeout_s=QUICK_CALL_TIMEOUT_S)
 
+    def silent_ranks(self, timeout_s: float = QUICK_CALL_TIMEOUT_S) -> list[int]:
+        """The ranks that answer no ping within timeout_s, asked beside the step or call under
+        way: safe from another thread (the engine's watchdog). [] with one in-process rank."""
+        return self.executor.silent_ranks(timeout_s)
+
     def shutdown(self) -> None:
         with thawed():  # a rank in this process: its model is freed even from a frozen heap
             self.executor.shutdown()

@@ -36,6 +36,10 @@ class LocalExecutor:
     def call_all(self, method: str, *args, timeout_s: float | None = None) -> list:
         return self.call(method, [args], timeout_s)
 
+    def silent_ranks(self, timeout_s: float) -> list[int]:
+        """None: the rank runs in this process, so whatever asks runs beside it."""
+        return []
+
     def shutdown(self) -> None:
         """Shut the rank down and let go of it: its model, KV cache and graphs are freed here,
         so a rebuild's new rank sizes its cache (cache.num_blocks 0) from memory they no longer

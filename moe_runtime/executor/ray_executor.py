@@ -32,6 +32,9 @@ log = logging.getLogger(__name__)
 
 _MARGIN_S = 30.0
 _STALL_GRACE_S = 3.0
+# Each actor answers Worker.ping in a thread of its own (this concurrency group), so a rank busy
+# in a step or a collective still answers and only a frozen process (stopped, wedged) does not.
+_LIVENESS = "liveness"
 
 
 def connect_ray(num_cpus_needed: int) -> None:
@@ -69,7 +72,7 @@ class RayExecutor:
         """The placement group ready, a worker a rank in it, every rank joined."""
         parallel = config.parallel
         self._wait_for_placement(parallel.device)
-        actor_cls = ray.remote(Worker)
+        actor_cls = ray.remote(concurrency_groups={_LIVENESS: 1})(Worker)
         # NCCL reads its settings at communicator creation: pin them in the actors' environment.
         env = pinned_nccl_env() if parallel.device == "cuda" else {}
         self.workers = [
@@ -132,6 +135,20 @@ class RayExecutor:
 
     def call_all(self, method: str, *args, timeout_s: float | None = None) -> list:
         return self.call(method, [args] * self.world_size, timeout_s)
+
+    def silent_ranks(self, timeout_s: float) -> list[int]:
+        """The ranks that do not answer a ping within timeout_s (dead ones included), asked
+        beside whatever they run: safe from any thread, while a step or a call is under way."""
+        refs = [w.ping.options(concurrency_group=_LIVENESS).remote() for w in self.workers]
+        rank_of = {ref: rank for rank, ref in enumerate(refs)}
+        answered, silent = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        dead = []
+        for ref in answered:
+            try:
+                ray.get(ref)
+            except RayError:
+                dead.append(rank_of[ref])
+        return sorted(dead + [rank_of[ref] for ref in silent])
 
     def kill_worker(self, rank: int) -> None:
         """Fault injection for tests: the actor dies as if its process crashed."""
