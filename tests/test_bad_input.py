@@ -88,6 +88,9 @@ def test_bad_requests_fail_alone_while_others_finish():
         engine.add_request([1, 1.5], params)
     with pytest.raises(ValueError, match="sequence 1: token id 9999"):
         engine.add_score_requests([[1, 2, 3], [1, 9999]], [1, 1])  # all or none
+    long = r"scored sequence \(prompt and scored tokens\) has 130 tokens, more than scheduler"
+    with pytest.raises(ValueError, match=long):  # not "prompt has 130": its prompt has 20
+        engine.add_score_request(list(range(130)), 20)
     for prompt_len in (True, 1.5, "2", 0, 3):
         with pytest.raises(ValueError, match=r"prompt_len must be an int in \[1, 2\]"):
             engine.add_score_request([1, 2, 3], prompt_len)

@@ -89,7 +89,7 @@ class RequestChecks:
         """A scoring's (prompt ids, ids to score), or ValueError naming what the engine cannot
         run: bad ids, a sequence past the context, a prompt_len leaving nothing on either side."""
         token_ids = token_id_list(token_ids)
-        self.validate(token_ids)
+        self.validate(token_ids, what="scored sequence (prompt and scored tokens)")
         last = len(token_ids) - 1
         if last < 1:
             raise ValueError(
@@ -116,10 +116,11 @@ class RequestChecks:
         self.validate(token_ids)
         return token_ids
 
-    def validate(self, token_ids: list[int]) -> None:
-        """Refuse an empty prompt, a non-int or out-of-vocabulary id, a prompt past the context."""
+    def validate(self, token_ids: list[int], what: str = "prompt") -> None:
+        """Refuse an empty prompt, a non-int or out-of-vocabulary id, a prompt past the context.
+        `what` the ids are, for the message."""
         if not token_ids:
-            raise ValueError("prompt is empty")
+            raise ValueError(f"{what} is empty")
         for t in token_ids:
             if not is_int(t):
                 raise ValueError(f"token ids must be ints, got {t!r} ({type(t).__name__})")
@@ -127,7 +128,7 @@ class RequestChecks:
                 raise ValueError(f"token id {t!r} is outside the vocabulary [0, {self.vocab_size})")
         if len(token_ids) > self.max_model_len:
             raise ValueError(
-                f"prompt has {len(token_ids)} tokens, more than "
+                f"{what} has {len(token_ids)} tokens, more than "
                 f"scheduler.max_model_len={self.max_model_len}"
             )
 
