@@ -341,6 +341,8 @@ def test_sigterm_with_8_streams_in_flight_drains_them_all_and_exits_0(ray_head):
     output = "".join(lines.queue)
     assert "SIGTERM received" not in output and "*** " not in output, output[-3000:]
     assert "draining" in output and "serve_ep: stopped" in output, output[-3000:]
+    # a rank's INFO records reach serve_ep's output (Ray forwards the actor's stderr)
+    assert re.search(r"INFO moe_runtime\.loader \(rank [01]\): weights ready", output), output
     for chunks in events:
         choice = merge_completion_chunks(chunks)[0]
         assert choice["finish_reason"] == "length"

@@ -86,6 +86,9 @@ class RayExecutor:
             ).remote(config, rank)
             for rank in range(self.world_size)
         ]
+        # The driver's threshold for the runtime's records, so a rank's loading progress shows.
+        level = logging.getLogger("moe_runtime").getEffectiveLevel()
+        self._get([w.configure_logging.remote(level) for w in self.workers], "configure_logging")
         master_addr, master_port = self._get([self.workers[0].address.remote()], "address")[0]
         # Collective: every rank joins the rendezvous, so all init calls go out together.
         p2l = ray.put(physical_to_logical)

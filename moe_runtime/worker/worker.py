@@ -11,8 +11,10 @@ applies the step's deltas to it; it never sees the driver's objects. `rearrange`
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
+import sys
 from collections import deque
 from pathlib import Path
 
@@ -82,6 +84,19 @@ class Worker:
         """Keep this process's start-up objects out of the cyclic collector (moe_runtime/heap.py):
         for a worker in a process of its own (a Ray actor), after init; -> objects frozen."""
         return freeze()
+
+    def configure_logging(self, level: int) -> None:
+        """For a worker in a process of its own (a Ray actor): the runtime's records from
+        `level` up (the driver's threshold: loading progress, timings) on this process's
+        stderr, which Ray forwards to the driver's, prefixed with this rank. Without it Python's
+        default drops everything below WARNING there."""
+        logger = logging.getLogger("moe_runtime")
+        logger.setLevel(level)
+        if not logger.handlers:
+            handler = logging.StreamHandler(sys.stderr)
+            fmt = f"%(asctime)s %(levelname)s %(name)s (rank {self.rank}): %(message)s"
+            handler.setFormatter(logging.Formatter(fmt))
+            logger.addHandler(handler)
 
     def ping(self) -> int:
         """This worker's rank: the cheap call the engine makes to check an idle worker lives."""
