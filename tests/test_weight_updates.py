@@ -47,6 +47,36 @@ def test_update_to_self_then_other_then_back(checkpoints):
     assert _generate(llm, prompts) == original
 
 
+def test_a_directory_changed_while_the_ranks_read_it_is_refused(checkpoints, tmp_path):
+    """A trainer saving over the update's directory while the ranks read it (each rank reads
+    on its own, so they could hold different weights): refused, nothing changed. Simulated in
+    one rank: its read done, the directory's weights file is replaced before the check."""
+    import os
+    import shutil
+
+    first, second = checkpoints
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8]]
+    llm = LLM({"model": {"path": first}, "scheduler": {"max_model_len": 256}})
+    original = _generate(llm, prompts)
+    target = tmp_path / "saving"
+    shutil.copytree(second, target)
+    worker = llm.engine.executor.worker
+    read = worker.prepare_weights
+
+    def read_then_overwritten(source):
+        read(source)
+        shutil.copy(Path(first) / "model.safetensors", target / "next.tmp")
+        os.replace(target / "next.tmp", target / "model.safetensors")  # another step lands
+
+    worker.prepare_weights = read_then_overwritten
+    with pytest.raises(ValueError, match=r"'model.safetensors' in .* changed since .* read"):
+        llm.update_weights(target)
+    assert llm.engine.weight_version == 0 and worker.staged_weights is None
+    assert _generate(llm, prompts) == original
+    worker.prepare_weights = read
+    assert llm.update_weights(target) == 1  # once it stands still, it loads
+
+
 def test_state_dict_source_and_bad_sources(checkpoints):
     first, second = checkpoints
     llm = LLM({"model": {"path": first}, "scheduler": {"max_model_len": 256}})

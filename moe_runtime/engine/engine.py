@@ -268,6 +268,14 @@ class LLMEngine:
         # copies it in. A refusal in phase 1 changes nothing anywhere.
         try:
             self.executor.call_all("prepare_weights", source)
+            # Each rank read the source on its own: a file replaced meanwhile (a trainer saving
+            # over the directory) may have given ranks different weights. Refused as a whole.
+            changed = weights.changed()
+            if changed is not None:
+                raise ValueError(
+                    f"update_weights: {changed} (while the ranks read it, so they may hold "
+                    "different weights): nothing changed; save each update to a new directory"
+                )
         except ValueError:
             with self._fatal_on_error():
                 self.executor.call_all("discard_weights")
