@@ -87,12 +87,25 @@ def reclaim_stop_signals() -> None:
         signal.signal(sig, signal.getsignal(sig))
 
 
+async def connect_ray_first(config) -> None:
+    """Join (or start) the Ray cluster before the engine loads, on a worker thread, then take
+    the stop signals back at once: a SIGTERM during a long load must meet our handler (drain,
+    exit 0), not Ray's (a stack dump and an abort 3 s later)."""
+    if config.parallel.world_size > 1:
+        from moe_runtime.executor.ray_executor import connect_ray  # ray only where it is used
+
+        try:
+            await asyncio.to_thread(connect_ray, config.parallel.world_size)
+        finally:
+            reclaim_stop_signals()  # here, on the main thread: only it may set handlers
+
+
 async def load_engine(config) -> LLMEngine:
     """LLMEngine(config) on a worker thread, so that the server answers meanwhile."""
     try:
         return await asyncio.to_thread(LLMEngine, config)
     finally:
-        reclaim_stop_signals()  # here, on the main thread: signal handlers can only be set there
+        reclaim_stop_signals()  # a Ray started by the load itself (the rebuild path's too)
 
 
 async def stop_engine_with_server(
@@ -122,9 +135,10 @@ async def serve(
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started and not task.done():
         await asyncio.sleep(0.02)  # uvicorn has no started event; this runs only at start-up
-    log(f"listening on {url}; loading the engine (world_size={config.parallel.world_size})")
     started = time.perf_counter()
     try:
+        await connect_ray_first(config)
+        log(f"listening on {url}; loading the engine (world_size={config.parallel.world_size})")
         engine = await load_engine(config)
     except Exception as exc:  # a bad checkpoint, no Ray cluster, a worker that died ...
         log(f"error: the engine failed to load: {type(exc).__name__}: {exc}")

@@ -349,6 +349,36 @@ def test_sigterm_with_8_streams_in_flight_drains_them_all_and_exits_0(ray_head):
         assert len(choice["token_ids"]) == max_tokens
 
 
+def test_sigterm_while_the_engine_loads_exits_0_without_rays_handler(ray_head):
+    """serve_ep at world size 2: SIGTERM after Ray has started, while the ranks load. Ray's C++
+    handler (installed by ray.init) dumped the stack and aborted the process 3 s later."""
+    command = [sys.executable, "launch/serve_ep.py", "--config", str(TINY_CONFIG), "--port", "0"]
+    command += ["--set", "parallel.world_size=2"]
+    env = {**ray_head.env, "RAY_ADDRESS": ray_head.gcs_address}  # the private head, no other
+    proc = subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    lines: queue.Queue = queue.Queue()
+    reader = threading.Thread(target=_read_lines, args=(proc.stdout, lines), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 60
+        while "loading the engine" not in lines.get(timeout=max(0.1, deadline - time.monotonic())):
+            pass
+        time.sleep(1.0)  # into the ranks' start-up
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    reader.join(timeout=5)
+    output = "".join(lines.queue)
+    assert code == 0, output[-3000:]
+    assert "SIGTERM received" not in output and "*** " not in output, output[-3000:]
+    assert "ready on" not in output and "serve_ep: stopped (SIGTERM)" in output, output[-3000:]
+
+
 def _read_lines(stream, lines: queue.Queue) -> None:
     for line in stream:
         lines.put(line)
