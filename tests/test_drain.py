@@ -72,6 +72,31 @@ def test_shutdown_kills_the_workers_under_a_stuck_step_and_rebuilds_nothing():
     assert loop.stats().num_restarts == 0 and not loop.has_given_up
 
 
+def test_a_call_in_flight_is_drained_then_answered_with_the_drain_timeout():
+    """An admin call (a weight update) running when the drain starts is waited for like a
+    request; one still running at the drain timeout is answered then with a 503's error, not
+    later with whatever killing the workers makes it raise (a "rank died" 500, or uvicorn's
+    plain-text 500 once its own graceful timeout cut the response)."""
+    loop = AsyncEngine(LLM(TINY_CONFIG).engine)
+    quick = loop.call(lambda engine: time.sleep(0.5) or "done")
+    time.sleep(0.1)  # running
+    loop.shutdown(drain_timeout_s=5)
+    assert quick.result(timeout=0) == "done"  # waited for, not cut
+
+    loop = AsyncEngine(LLM(TINY_CONFIG).engine)
+    release = threading.Event()
+    stuck = loop.call(lambda engine: release.wait(30))
+    time.sleep(0.1)
+    started = time.monotonic()
+    stopping = threading.Thread(target=loop.shutdown, args=(0.5, 0.5), daemon=True)
+    stopping.start()
+    with pytest.raises(EngineUnavailableError, match=r"the call was still running when the drain"):
+        stuck.result(timeout=5)
+    assert time.monotonic() - started < 2
+    release.set()
+    stopping.join(10)
+
+
 @pytest.fixture
 def head(ray_head, monkeypatch):
     """The private head, its dashboard the state API's (which reads RAY_ADDRESS, "local" in

@@ -24,7 +24,7 @@ import httpx
 import pytest
 
 from moe_runtime import LLM, SamplingParams
-from moe_runtime.engine.async_engine import AsyncEngine
+from moe_runtime.engine.async_engine import AsyncEngine, EngineUnavailableError
 from moe_runtime.executor import WorkerError
 from tests.checkpoints import TINY_HF
 from tests.invariance import TINY_CONFIG, fingerprint
@@ -269,28 +269,41 @@ def test_a_rank_found_dead_outside_a_step_kills_the_engine_and_it_rebuilds(path)
 
 
 def test_requests_queued_behind_a_failing_step_fail_and_never_run():
-    """Two requests queued while a step hangs and then fails: they fail with it at once, and
-    after the rebuild they must not run (their callers already have the error): they would
-    take the rebuilt engine's capacity from the requests that follow."""
+    """Two requests queued while a step hangs and then fails: they fail at once (a 503's
+    error: they never ran), and after the rebuild they must not run (their callers already
+    have the error): they would take the rebuilt engine's capacity from the requests that
+    follow. Meanwhile the engine's counts no longer show the failed request running."""
     llm = LLM(TINY_CONFIG)
     engine = llm.engine
     entered, release = threading.Event(), threading.Event()
+    step, num_steps = engine.executor.execute, []
 
     def hanging_step(per_rank_inputs):
+        num_steps.append(1)
+        if len(num_steps) == 1:  # the first step runs: the counts show the request running
+            return step(per_rank_inputs)
         entered.set()
         release.wait(30)
-        raise WorkerError("ranks [1] stalled during step 1: injected")
+        raise WorkerError("ranks [1] stalled during step 2: injected")
 
     engine.executor.execute = hanging_step  # the rebuilt executor has its own
+    rebuild, rebuilding = threading.Event(), engine.restart
+    engine.restart = lambda: rebuild.wait(30) and rebuilding()
     loop = AsyncEngine(engine)
     long = SamplingParams(max_tokens=400, ignore_eos=True)
     first = loop.submit([[1, 2, 3]], [long])
     assert entered.wait(30)
+    assert loop.stats().num_running == 1
     queued = [loop.submit([[4, 5]], [long]), loop.submit([[6, 7, 8]], [long])]
     release.set()
-    for future in (first, *queued):
-        with pytest.raises(WorkerError, match="injected"):
+    with pytest.raises(WorkerError, match="injected"):
+        first.result(timeout=30)
+    for future in queued:  # never ran: a 503 a client may retry, not the step's 500
+        with pytest.raises(EngineUnavailableError, match=r"failed before the request ran .*inj"):
             future.result(timeout=30)
+    # during the rebuild /metrics reads no request still running (it read the last step's 1)
+    assert loop.stats().num_running == 0 and not loop.is_healthy
+    rebuild.set()
     _wait_healthy(loop)
     loop.submit([[9, 10]], [SamplingParams(max_tokens=2)]).result(timeout=30)
     # Queued after the failed ones: they would have been admitted before it.

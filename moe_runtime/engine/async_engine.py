@@ -71,6 +71,7 @@ class AsyncEngine:
         self._error: BaseException | None = None
         self._given_up = False
         self._busy: tuple[str, float] | None = None  # what the loop runs now, since (monotonic)
+        self._call: Future | None = None  # the call (`call`) running now
         self._stalled: str | None = None  # the watchdog's finding on the current step or call
         self._stats = engine.stats()
         # Loop thread only: the submission and prompt index of each unfinished request, and
@@ -163,16 +164,19 @@ class AsyncEngine:
         call more than once."""
         with self._cond:
             self._is_accepting = False
-            self._cond.wait_for(lambda: not self._live, drain_timeout_s)  # _die empties it too
+            # _die empties _live too; a call in flight (a weight update) is waited for as well
+            self._cond.wait_for(lambda: not self._live and self._call is None, drain_timeout_s)
             self._is_stopping = True
             unfinished, self._live = list(self._live), set()
+            call = self._call
             self._cond.notify_all()
-        late = EngineUnavailableError(
-            f"the engine is shutting down: the request was still running when the drain "
-            f"timeout ({drain_timeout_s:g}s) passed"
-        )
+        late = f"still running when the drain timeout ({drain_timeout_s:g}s) passed"
         for submission in unfinished:  # resolved here: the loop may be stuck in a step
-            _resolve(submission.future, late, None)
+            late_request = f"the engine is shutting down: the request was {late}"
+            _resolve(submission.future, EngineUnavailableError(late_request), None)
+        if call is not None:  # answered now, not when the workers' kill below fails it
+            late_call = f"the engine is shutting down: the call was {late}; it may not have run"
+            _resolve(call, EngineUnavailableError(late_call), None)
         self._thread.join(stop_timeout_s)
         if self._thread.is_alive():  # stuck in a call that only a rank's timeout would end
             self._engine.shutdown()
@@ -290,14 +294,23 @@ class AsyncEngine:
             raise EngineUnavailableError(f"the engine is {state}: {self.error}")
 
     def _run_call(self, fn: Callable, future: Future) -> None:
-        if future.set_running_or_notify_cancel():
-            try:
-                self._check_alive()
-                future.set_result(fn(self._engine))
-            except Exception as exc:  # the caller gets it; a refusal changes nothing else
-                future.set_exception(exc)
-                if self._engine.error is not None:  # but a failure killed the engine
-                    self._die(exc)
+        if not future.set_running_or_notify_cancel():
+            return
+        with self._cond:
+            self._call = future  # in flight: a drain waits for it
+        try:
+            self._check_alive()
+            result = fn(self._engine)
+        except Exception as exc:  # the caller gets it; a refusal changes nothing else
+            _resolve(future, exc, None)  # (unless a shutdown answered it first)
+            if self._engine.error is not None:  # but a failure killed the engine
+                self._die(exc)
+        else:
+            _resolve(future, None, result)
+        finally:
+            with self._cond:
+                self._call = None
+                self._cond.notify_all()
 
     def _check_workers(self) -> None:
         if self._error is None:  # not once the engine has given up
@@ -351,8 +364,14 @@ class AsyncEngine:
         never once stopping (a rebuild would outlast the drain, and nothing would use it)."""
         with self._cond:
             self._error = error
+        never_ran = EngineUnavailableError(  # queued, not admitted: a retry may run it
+            f"the engine failed before the request ran ({type(error).__name__}: {error}); it "
+            "is rebuilding its workers"
+        )
         for submission in self._snapshot():
-            self._settle(submission, error)
+            self._settle(submission, error if submission.requests else never_ran)
+        with self._cond:  # what /metrics reads meanwhile: the failed requests gone
+            self._stats = self._engine.stats()
         while True:
             with self._cond:
                 if self._is_stopping:
