@@ -9,8 +9,9 @@ Rows and seeds: launch.rollout_io. Each sample is its own request with its own s
 any batch. Batches are appended and fsynced: a rerun with the same --output resumes without
 losing or duplicating rows, and is refused if what a row's bits depend on changed (the settings
 record beside the output). Every row is checked as the engine would before anything runs; a bad
-one stops the job (--on-bad-row skip: report it, run the others). `--score`: teacher-forced
-logprobs (LLM.score) of rows' "token_ids".
+one stops the job (--on-bad-row skip: report it, run the others), and a bad run-wide flag
+stops it before any row is read. SIGINT / SIGTERM end it after the batches written so far (exit
+130 / 143); a rerun resumes. `--score`: teacher-forced logprobs (LLM.score) of rows' "token_ids".
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -30,16 +32,20 @@ from tqdm import tqdm  # noqa: E402
 
 from launch import cli  # noqa: E402
 from launch.rollout_io import (  # noqa: E402
+    STOP_SIGNALS,
+    Appender,
     RowError,
     Sample,
-    append_rows,
+    Stopped,
     check_settings,
+    cut_torn_line,
     lock_output,
     read_done,
     read_samples,
     record_settings,
 )
-from moe_runtime import LLM, RequestOutput, heap  # noqa: E402
+from moe_runtime import LLM, RequestOutput, SamplingParams, heap  # noqa: E402
+from moe_runtime.seeds import MAX_SEED, SEED_BITS  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -100,11 +106,9 @@ INVARIANT_FREE_KEYS = frozenset(
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.batch_size < 1:
-        print("error: --batch-size must be >= 1", file=sys.stderr)
-        return 2
     try:
-        output = _output_path(args.output)
+        _check_flags(args)
+        output = _output_path(args.output, args.input)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -114,38 +118,120 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    with lock:  # held while this run reads and appends to the output
-        return _run(args, output)
+    appender = Appender(output)
+    previous = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+    try:
+        with lock:  # held while this run reads and appends to the output
+            _stop_on_signals(appender)
+            return _run(args, appender)
+    except Stopped as stop:
+        print(
+            f"rollout: stopped by {stop.signum.name} after writing {appender.num_written} rows "
+            f"to {output} this run; rerun the same command to resume",
+            file=sys.stderr,
+        )
+        return 128 + stop.signum
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
-def _run(args: argparse.Namespace, output: Path) -> int:
+def _stop_on_signals(appender: Appender) -> None:
+    """Turn SIGINT and SIGTERM into Stopped. Set again once the engine has started: ray.init
+    replaces the SIGTERM handler with its own, which exits with no word of the output."""
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, appender.on_signal)
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """Refuse a run-wide flag no row could run with, naming it and its value, before anything
+    is read: left to the rows, it would be blamed on each of them (and each skipped)."""
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be an int >= 1, got {args.batch_size}")
+    if not 0 <= args.base_seed <= MAX_SEED:
+        raise ValueError(
+            f"--base-seed must be an int in [0, 2**{SEED_BITS} - 1], got {args.base_seed}"
+        )
+    # SamplingParams' own checks, one flag at a time so that an error is that flag's.
+    for name, value in {"n": args.n, **cli.sampling_args(args)}.items():
+        try:
+            SamplingParams(**{name: value})
+        except ValueError as exc:
+            problem = str(exc).removeprefix(f"SamplingParams.{name} ")
+            raise ValueError(f"--{name.replace('_', '-')} {problem}") from None
+
+
+def _check_model_flags(llm: LLM, args: argparse.Namespace) -> None:
+    """The flags whose bounds come from the model: as `_check_flags`, once it is loaded."""
+    vocab_size = llm.config.model.vocab_size
+    max_model_len = llm.config.scheduler.max_model_len
+    if args.logprobs > vocab_size:
+        raise ValueError(
+            f"--logprobs {args.logprobs} asks for more top logprobs than the vocabulary's "
+            f"{vocab_size} tokens"
+        )
+    if args.max_tokens >= max_model_len:  # a prompt has one token at least
+        raise ValueError(
+            f"--max-tokens {args.max_tokens} leaves no room for a prompt in "
+            f"scheduler.max_model_len={max_model_len}"
+        )
+
+
+def _run(args: argparse.Namespace, appender: Appender) -> int:
+    output = appender.output
     defaults = {"n": args.n, **cli.sampling_args(args)}
     defaults["return_routed_experts"] = not args.no_routed_experts
     skip_bad = args.on_bad_row == "skip"
     try:
         rows = read_samples(args.input, defaults, args.base_seed, args.score, skip_bad)
-        done = read_done(output)
+        existing = read_done(output)  # reads only: the file may not be this tool's
         llm = LLM(args.config, **cli.parse_overrides(args.set))
     except (ValueError, OSError) as exc:  # RowError is a ValueError
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    heap.freeze()  # no full collection of start-up's objects in the run (moe_runtime/heap.py)
-    settings = _run_settings(llm, args, defaults, rows.sha256)
     try:
-        if done:
-            check_settings(output, settings)
-        samples, bad_rows = _checked(llm, rows.samples, args)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        _stop_on_signals(appender)
+        heap.freeze()  # no full collection of start-up's objects in the run (moe_runtime/heap.py)
+        settings = _run_settings(llm, args, defaults, rows.sha256)
+        try:
+            if not args.score:  # scoring reads no sampling flag
+                _check_model_flags(llm, args)
+            if existing.num_bytes:
+                # Only an output this tool wrote with these settings is appended to or cut.
+                check_settings(output, settings)
+            samples, bad_rows = _checked(llm, rows.samples, args)
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        if existing.num_bytes:
+            cut_torn_line(output, existing)
+        else:  # before the first row, so a resume of this output can check its settings
+            record_settings(output, settings)
+        bad_rows = sorted(rows.bad_rows + bad_rows, key=lambda error: error.line_no)
+        for error in bad_rows:
+            print(f"skipped {error}", file=sys.stderr)
+        todo = [s for s in samples if s.key not in existing.done]
+        started = time.perf_counter()
+        _write(llm, args, appender, samples, todo)
+    finally:
         llm.shutdown()
-        return 2
-    bad_rows = sorted(rows.bad_rows + bad_rows, key=lambda error: error.line_no)
-    for error in bad_rows:
-        print(f"skipped {error}", file=sys.stderr)
-    if not done:  # before the first row, so a resume of this output can check its settings
-        record_settings(output, settings)
-    todo = [s for s in samples if s.key not in done]
-    started = time.perf_counter()
+    elapsed = time.perf_counter() - started
+    print(
+        f"rollout: wrote {len(todo)} rows ({len(samples) - len(todo)} already done, "
+        f"{len(bad_rows)} bad input rows skipped) in {elapsed:.2f}s to {output}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _write(
+    llm: LLM,
+    args: argparse.Namespace,
+    appender: Appender,
+    samples: list[Sample],
+    todo: list[Sample],
+) -> None:
+    """Run `todo` in batches of --batch-size, appending each batch's rows as it finishes."""
     progress = tqdm(
         total=len(samples),
         initial=len(samples) - len(todo),
@@ -155,18 +241,12 @@ def _run(args: argparse.Namespace, output: Path) -> int:
         desc="score" if args.score else "rollout",
     )
     run = _score_batch if args.score else _rollout_batch
-    for first in range(0, len(todo), args.batch_size):
-        batch = todo[first : first + args.batch_size]
-        append_rows(output, run(llm, batch, progress))
-    progress.close()
-    llm.shutdown()
-    elapsed = time.perf_counter() - started
-    print(
-        f"rollout: wrote {len(todo)} rows ({len(samples) - len(todo)} already done, "
-        f"{len(bad_rows)} bad input rows skipped) in {elapsed:.2f}s to {output}",
-        file=sys.stderr,
-    )
-    return 0
+    try:
+        for first in range(0, len(todo), args.batch_size):
+            batch = todo[first : first + args.batch_size]
+            appender.append(run(llm, batch, progress))
+    finally:
+        progress.close()  # the bar's line ended before anything else is printed
 
 
 def _run_settings(llm: LLM, args: argparse.Namespace, defaults: dict, input_sha256: str) -> dict:
@@ -192,8 +272,10 @@ def _run_settings(llm: LLM, args: argparse.Namespace, defaults: dict, input_sha2
     return settings
 
 
-def _output_path(output: Path) -> Path:
-    """The absolute path rows go to; a relative one is refused under `ray job submit`."""
+def _output_path(output: Path, input_path: Path) -> Path:
+    """The real path rows go to (links resolved: the lock and the settings record are named
+    after it, so every spelling of one file shares them). Refused: a relative one under `ray
+    job submit`, one in no directory, and the input file itself."""
     if RAY_JOB_ENV in os.environ and not output.is_absolute():
         # Ray does not expose the submitter's directory, and a relative path would land in the
         # job's temporary working-dir copy, which Ray deletes.
@@ -202,7 +284,17 @@ def _output_path(output: Path) -> Path:
             "Ray's temporary copy of the working dir and lost; pass an absolute path "
             f"(e.g. --output $PWD/{output})"
         )
-    return output.absolute()
+    path = output.resolve()
+    if not path.parent.is_dir():
+        raise ValueError(f"--output {output}: its directory {path.parent} does not exist")
+    if path.is_dir():
+        raise ValueError(f"--output {output} is a directory; name a file")
+    if path.exists() and input_path.exists() and os.path.samefile(path, input_path):
+        raise ValueError(
+            f"--output {output} is the same file as --input {input_path}: rows would be "
+            "appended to the prompts; write to another --output"
+        )
+    return path
 
 
 def _checked(
@@ -231,11 +323,16 @@ def _checked(
 
 
 def _rollout_batch(llm: LLM, batch: list[Sample], progress: tqdm) -> list[dict]:
-    """Generate the batch together (one request per sample); rows in batch order."""
+    """Generate the batch together (one request per sample); rows in batch order. The progress
+    bar counts finished samples and, between them, the batch's tokens so far."""
     engine = llm.engine
     requests = engine.add_requests([s.prompt for s in batch], [s.params for s in batch])
+    num_tokens = 0
     while engine.has_unfinished():
-        progress.update(sum(delta.is_finished for delta in engine.step()))
+        deltas = engine.step()
+        num_tokens += sum(len(out.token_ids) for delta in deltas for out in delta.outputs)
+        progress.set_postfix(batch_tokens=num_tokens, refresh=False)
+        progress.update(sum(delta.is_finished for delta in deltas))  # redrawn at most 10/s
     return [_rollout_row(s, engine.output(r)) for s, r in zip(batch, requests, strict=True)]
 
 

@@ -7,9 +7,11 @@ which is derive_seed(base seed, row index) when the row gives none), so a sample
 any batch, in any run, and be resumed alone. Bad rows raise `RowError` naming the line (or are
 returned, to be skipped); an (id, sample_idx) given twice refuses the whole file. The output
 file is only appended to; `read_done` returns the (id, sample_idx) pairs already written and
-cuts a torn last line off. Beside it, `<output>.settings.json` records what a row's bits depend
-on, so a resume with other settings is refused instead of mixing two runs in one file, and
-`lock_output` keeps a second run off an output while one writes it.
+where a torn last line starts, which `cut_torn_line` cuts only once the output is known to be
+this job's. Beside it, `<output>.settings.json` records what a row's bits depend on, so a resume
+with other settings (or of a file this tool did not write) is refused instead of mixing two runs
+in one file, and `lock_output` keeps a second run off an output while one writes it. `Appender`
+appends a run's batches, and turns SIGINT / SIGTERM into `Stopped` between them.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import fcntl
 import hashlib
 import json
 import os
+import signal
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -29,6 +33,10 @@ from moe_runtime.seeds import MAX_SEED, SEED_BITS, derive_seed, sample_seeds
 PARAM_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "logprobs")
 ROLLOUT_FIELDS = {"id", "prompt", "n", "seed", "seeds", *PARAM_FIELDS}
 SCORE_FIELDS = {"id", "sample_idx", "prompt_token_ids", "token_ids"}
+# Ctrl-C and `ray job stop` (or a scheduler's kill): the run ends saying what it wrote.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# How every output row opens (append_rows: id and sample_idx first, no spaces).
+ROW_START, ROW_SAMPLE_IDX = '{"id":', ',"sample_idx":'
 
 
 class RowError(ValueError):
@@ -79,11 +87,10 @@ def read_samples(
     bad_rows: list[RowError] = []
     first_line: dict[tuple[str, int], int] = {}
     parse = _score_samples if score else _rollout_samples
-    with open(path, encoding="utf-8") as f:
-        lines = [(line_no, line.strip()) for line_no, line in enumerate(f, start=1) if line.strip()]
+    lines = [(line_no, line) for line_no, line in _input_lines(path) if line]
     for row_idx, (line_no, line) in enumerate(lines):
         try:
-            row = json.loads(line)
+            row = json.loads(_checked_utf8(line))
             if not isinstance(row, dict):
                 raise ValueError("a row must be a JSON object")
             row_samples = parse(row, line_no, defaults, derive_seed(base_seed, row_idx))
@@ -98,8 +105,30 @@ def read_samples(
             raise RowError(path, line_no, f"{what} appears twice (first on line {first_line[key]})")
         first_line[key] = line_no
         samples.extend(row_samples)
-    digest = hashlib.sha256("\n".join(line for _, line in lines).encode()).hexdigest()
-    return InputRows(samples, bad_rows, digest)
+    joined = "\n".join(line for _, line in lines).encode("utf-8", "surrogateescape")
+    return InputRows(samples, bad_rows, hashlib.sha256(joined).hexdigest())
+
+
+def _input_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """(line number, stripped text) of each line, split as text mode splits (\\n, \\r\\n, \\r).
+    Each line is decoded alone, a byte that is not UTF-8 kept as a lone surrogate
+    (surrogateescape) for `_checked_utf8` to report as that line's error, so one bad line is a
+    bad row like any other; a UTF-8 BOM opening the file is dropped."""
+    with open(path, "rb") as f:
+        pieces = (piece for raw in f for piece in raw.splitlines())
+        for line_no, piece in enumerate(pieces, start=1):
+            encoding = "utf-8-sig" if line_no == 1 else "utf-8"
+            yield line_no, piece.decode(encoding, "surrogateescape").strip()
+
+
+def _checked_utf8(line: str) -> str:
+    """The line, or ValueError naming its first byte that is not UTF-8 (see _input_lines)."""
+    try:
+        line.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        byte = line[exc.start].encode("utf-8", "surrogateescape")
+        raise ValueError(f"not UTF-8 text (byte 0x{byte.hex()})") from None
+    return line
 
 
 def _rollout_samples(row: dict, line_no: int, defaults: dict, row_seed: int) -> list[Sample]:
@@ -177,34 +206,109 @@ def lock_output(output: Path) -> IO[str]:
     return lock
 
 
-def read_done(path: Path) -> set[tuple[str, int]]:
-    """Keys of the rows already in the output file. A torn last line (a run killed mid-write)
-    is cut off; a bad line before it is an error, since the file was not ours."""
+@dataclass(frozen=True)
+class OutputRows:
+    """What an output file holds, read without changing it."""
+
+    done: set[tuple[str, int]]  # the (id, sample_idx) keys of its complete rows
+    num_bytes: int  # its size; 0 when there is no file
+    num_whole_bytes: int  # up to the end of its last complete line: past it, a torn line
+
+
+def read_done(path: Path) -> OutputRows:
+    """The rows already in the output file and where its torn last line (a run killed
+    mid-write) starts. Streams the file a line at a time (a row's routed experts make it large).
+    A bad complete line is an error: the file was not this job's output."""
     if not path.exists():
-        return set()
-    data = path.read_bytes()
-    *lines, torn = data.split(b"\n")  # `torn`: written but not finished, or b""
+        return OutputRows(set(), 0, 0)
     done: set[tuple[str, int]] = set()
-    for i, raw in enumerate(lines):
+    num_whole_bytes = 0
+    with open(path, "rb") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.endswith(b"\n"):
+                break  # the last line, unfinished
+            try:
+                done.add(_row_key(line))
+            except (ValueError, KeyError, TypeError) as exc:
+                raise RowError(path, line_no, f"not a row of this job's output ({exc})") from None
+            num_whole_bytes += len(line)
+    return OutputRows(done, path.stat().st_size, num_whole_bytes)
+
+
+def _row_key(line: bytes) -> tuple[str, int]:
+    """done_key of an output line. append_rows writes `{"id":..,"sample_idx":..,` first, so
+    those two values are decoded alone and the rest (a row's bulk: tokens, logprobs, routed
+    experts) is not built; a line laid out otherwise is decoded whole."""
+    text = line.decode("utf-8")
+    decoder = json.JSONDecoder()
+    if text.startswith(ROW_START) and text.endswith("}\n"):
         try:
-            row = json.loads(raw)
-            done.add(done_key(row["id"], row["sample_idx"]))
-        except (ValueError, KeyError, TypeError) as exc:
-            raise RowError(path, i + 1, f"not a row of this job's output ({exc})") from None
-    if torn:
+            row_id, end = decoder.raw_decode(text, len(ROW_START))
+            if text.startswith(ROW_SAMPLE_IDX, end):
+                sample_idx, end = decoder.raw_decode(text, end + len(ROW_SAMPLE_IDX))
+                if is_int(sample_idx) and text[end] in ",}":
+                    return done_key(row_id, sample_idx)
+        except ValueError:
+            pass  # not laid out as append_rows writes it: decoded whole below
+    row = json.loads(text)
+    return done_key(row["id"], row["sample_idx"])
+
+
+def cut_torn_line(path: Path, rows: OutputRows) -> None:
+    """Cut the torn last line `read_done` found (call it only on this job's own output, under
+    its lock, so the file is as read)."""
+    if rows.num_whole_bytes < rows.num_bytes:
         with open(path, "r+b") as f:
-            f.truncate(len(data) - len(torn))
+            f.truncate(rows.num_whole_bytes)
             os.fsync(f.fileno())
-    return done
 
 
 def append_rows(path: Path, rows: list[dict]) -> None:
-    """Append rows as JSON lines in one write, then flush and fsync: a batch is on disk."""
+    """Append rows as JSON lines in one write, then flush and fsync: a batch is on disk. Rows
+    open with their id and sample_idx (_row_key reads them alone on a resume)."""
     text = "".join(json.dumps(row, separators=(",", ":")) + "\n" for row in rows)
     with open(path, "a", encoding="utf-8") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
+
+
+class Stopped(BaseException):
+    """Raised by SIGINT or SIGTERM. A BaseException, as KeyboardInterrupt is, so that no
+    `except Exception` on the way (the engine's) takes it for an error of its own."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signal.Signals(signum)
+
+
+class Appender:
+    """Appends batches of rows to the output and counts them. SIGINT and SIGTERM (its
+    `on_signal`) raise Stopped at once, but during an append only once it is done: a batch is
+    on disk whole and counted, or not written at all."""
+
+    def __init__(self, output: Path) -> None:
+        self.output = output
+        self.num_written = 0  # rows this run appended, all fsynced
+        self.is_appending = False
+        self.pending_signum: int | None = None
+
+    def append(self, rows: list[dict]) -> None:
+        self.is_appending = True
+        try:
+            append_rows(self.output, rows)
+            self.num_written += len(rows)
+        finally:
+            self.is_appending = False
+        if self.pending_signum is not None:
+            raise Stopped(self.pending_signum)
+
+    def on_signal(self, signum: int, frame: object) -> None:
+        # A flag, not a blocked signal: the signal may reach any of the process's threads.
+        if self.is_appending:
+            self.pending_signum = signum
+        else:
+            raise Stopped(signum)
 
 
 def settings_path(output: Path) -> Path:
@@ -219,8 +323,9 @@ def check_settings(output: Path, settings: dict[str, Any]) -> None:
         # Refused rather than accepted: rows do not record their settings, so a mix made now
         # could never be found later, while a refusal costs a rerun at most.
         raise ValueError(
-            f"{output} has rows but no settings record {path} (written by a rollout.py that "
-            "kept none, or removed): whether this run's settings match them cannot be checked. "
+            f"{output} is not empty but has no settings record {path} (not a rollout output, "
+            "or written by a rollout.py that kept none, or the record was removed): it is left "
+            "as it is, since whether this run's settings match its rows cannot be checked. "
             "Write to a new --output, or remove the old one to start over"
         )
     try:
