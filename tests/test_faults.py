@@ -311,6 +311,24 @@ def test_requests_queued_behind_a_failing_step_fail_and_never_run():
     loop.shutdown()
 
 
+def test_a_value_error_inside_a_step_fails_the_requests_as_a_fault_not_as_bad_input():
+    """A ValueError raised in a step (a bug, or a rank's check failing) is the engine's fault:
+    the requests end with a WorkerError (HTTP 500), not a ValueError (a 400 blaming them)."""
+    engine = LLM(TINY_CONFIG).engine
+
+    def failing_step(per_rank_inputs):
+        raise ValueError("injected: a check inside the step")
+
+    engine.executor.execute = failing_step  # the rebuilt executor has its own
+    loop = AsyncEngine(engine)
+    future = loop.submit([[1, 2, 3]], [SamplingParams(max_tokens=4)])
+    with pytest.raises(WorkerError, match="ValueError: injected") as failure:
+        future.result(timeout=30)
+    assert not isinstance(failure.value, ValueError)
+    _wait_healthy(loop)
+    loop.shutdown()
+
+
 def _wait_healthy(loop: AsyncEngine, timeout_s: float = 90) -> None:
     deadline = time.monotonic() + timeout_s
     while not loop.is_healthy:

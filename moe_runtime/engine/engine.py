@@ -351,9 +351,10 @@ class LLMEngine:
             raise  # every rank agreed to keep the old placement: still in step
         except Exception as exc:
             drop_frames(exc)  # a rank in this process: its model must not outlive the rebuild
-            self._fail_all(
-                f"{type(exc).__name__}: {exc}" if not isinstance(exc, WorkerError) else str(exc)
-            )
+            error = str(exc) if isinstance(exc, WorkerError) else f"{type(exc).__name__}: {exc}"
+            self._fail_all(error)
+            if isinstance(exc, ValueError):  # a fault, never the request's: not a 400
+                raise WorkerError(error) from exc
             raise
 
     def _fail_all(self, error: str) -> None:
