@@ -22,14 +22,15 @@ from fastapi.responses import Response
 
 from launch.generation import Backend, Generation, ready
 from launch.metrics import ServerMetrics
+from launch.openai.chat_schemas import ChatCompletionRequest
 from launch.openai.errors import ContextLengthExceeded, FieldError
 from launch.openai.render import Echo, TextOffsets, chat_choice, completion_choice
-from launch.openai.schemas import ChatCompletionRequest, CompletionRequest
+from launch.openai.schemas import CompletionRequest
 from moe_runtime.config import RuntimeConfig
 from moe_runtime.engine.async_engine import AsyncEngine
 from moe_runtime.engine.engine import LLMEngine
 from moe_runtime.engine.outputs import CompletionOutput, RequestOutput
-from moe_runtime.engine.request_checks import ContextLengthError
+from moe_runtime.engine.request_checks import ContextLengthError, PromptTooLongError
 from moe_runtime.sampling_params import SamplingParams
 
 DEFAULT_MAX_TOKENS = 16
@@ -90,10 +91,23 @@ def _engine_checks() -> Iterator[None]:
         yield
     except ContextLengthError as exc:
         raise ContextLengthExceeded("max_tokens", str(exc)) from None
+    except PromptTooLongError as exc:
+        raise _prompt_too_long(exc, "prompt") from None
     except FieldError:
         raise
     except ValueError as exc:  # the engine's prompt checks
         raise FieldError("prompt", str(exc)) from None
+
+
+def _prompt_too_long(exc: PromptTooLongError, param: str) -> ContextLengthExceeded:
+    """The engine's refusal of a prompt past the context, worded as OpenAI words it (clients
+    such as LiteLLM key on its code); a batch's bad prompt is named at the end."""
+    where = str(exc).removesuffix(exc.message).removesuffix(": ")  # "prompt 1" in a batch
+    message = (
+        f"This model's maximum context length is {exc.max_model_len} tokens; the prompt has "
+        f"{exc.num_tokens} tokens, more than scheduler.max_model_len={exc.max_model_len}"
+    )
+    return ContextLengthExceeded(param, f"{message} ({where})" if where else message)
 
 
 def _checked(
@@ -232,16 +246,18 @@ async def chat(
     prompt_ids = tokenizer.apply_chat_template(messages)
     max_model_len, budget = config.scheduler.max_model_len, body.token_budget()
     room = max(1, max_model_len - len(prompt_ids))  # too long fails below
-    params = body.sampling_params(budget or room)
+    params = body.sampling_params(room)
     generation = Generation(backend.engine, [prompt_ids], [params], metrics)
     try:
         await generation.start(body.stream)
     except ContextLengthError as exc:
         if budget is not None:  # the client's budget; else the prompt alone fills the context
-            param = "max_tokens" if body.max_tokens is not None else "max_completion_tokens"
+            param = body.token_budget_field()
             again = ContextLengthError(exc.num_prompt_tokens, budget, max_model_len, param)
             raise ContextLengthExceeded(param, str(again)) from None
         raise ContextLengthExceeded("messages", f"messages: {exc}") from None
+    except PromptTooLongError as exc:
+        raise _prompt_too_long(exc, "messages") from None
     except ValueError as exc:  # the engine's prompt checks
         raise FieldError("messages", f"messages: {exc}") from None
     head = {
@@ -257,6 +273,8 @@ async def chat(
         result = []
         for out in output.outputs:
             message = {"content": out.text}
+            if not body.stream:  # OpenAI's whole message always has it
+                message["refusal"] = None
             if out.index not in has_role:
                 message = {"role": "assistant", **message}
                 has_role.add(out.index)

@@ -33,6 +33,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from launch.completions import chat, complete
 from launch.generation import Backend, ready
 from launch.metrics import CONTENT_TYPE, ServerMetrics
+from launch.openai.chat_schemas import ChatCompletionRequest
 from launch.openai.errors import (
     AuthenticationError,
     FieldError,
@@ -41,12 +42,7 @@ from launch.openai.errors import (
     error_response,
 )
 from launch.openai.render import ExactJSONResponse
-from launch.openai.schemas import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    RebalanceRequest,
-    UpdateWeightsRequest,
-)
+from launch.openai.schemas import CompletionRequest, RebalanceRequest, UpdateWeightsRequest
 from moe_runtime.config import RuntimeConfig
 from moe_runtime.engine import LLMEngine
 

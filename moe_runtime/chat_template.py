@@ -2,14 +2,17 @@
 
 A model directory's tokenizer_config.json may carry a `chat_template` (HF's Jinja format), or,
 as transformers now saves it, a `chat_template.jinja` file beside it. It is rendered as
-transformers renders it: with `messages` (each message's fields as given), `add_generation_prompt
-=True`, `tools` and `documents` None (tool calls are not supported), the tokenizer's special
-token strings (`bos_token`, `eos_token`, `pad_token`, ...), `raise_exception`, Jinja's loop
-controls (`{% break %}`, `{% continue %}`) and a `tojson` that keeps non-ASCII text and key order.
+transformers renders it: with `messages` (each message's fields as given: an assistant's
+`tool_calls` and a null `content`, a tool message's `tool_call_id` too), `add_generation_prompt
+=True`, `tools` and `documents` None (no tools are offered), the tokenizer's special token
+strings (`bos_token`, `eos_token`, `pad_token`, ...), `raise_exception`, Jinja's loop controls
+(`{% break %}`, `{% continue %}`) and a `tojson` that keeps non-ASCII text and key order.
 Not given: `strftime_now` (a prompt would change with the date, so the same request would not
 give the same bits from one day to the next; a template that checks for it takes its own
 fallback). Without a template, `DEFAULT_CHAT_TEMPLATE` is used: each message as `<|role|>` on its
-own line followed by its content and a newline, then `<|assistant|>` and a newline.
+own line followed by its content and a newline (no content line for a null or empty content
+with tool calls), then each of its tool calls as `<|tool_call|>name(arguments)` and a newline;
+then `<|assistant|>` and a newline.
 """
 
 from __future__ import annotations
@@ -23,7 +26,13 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 DEFAULT_CHAT_TEMPLATE = (
     "{% for message in messages %}"
-    "<|{{ message['role'] }}|>\n{{ message['content'] }}\n"
+    "<|{{ message['role'] }}|>\n"
+    "{% if message['content'] or not message['tool_calls'] %}"
+    "{{ message['content'] or '' }}\n"
+    "{% endif %}"
+    "{% for call in message['tool_calls'] or [] %}"
+    "<|tool_call|>{{ call['function']['name'] }}({{ call['function']['arguments'] }})\n"
+    "{% endfor %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )

@@ -1,6 +1,7 @@
 """Chat prompts against transformers' `apply_chat_template`, the outside reference: the same
 token ids for templates that use what transformers gives a template (loop controls, its
-`tojson`, `tools` None, the special-token strings, a message's `name`), read from
+`tojson`, `tools` None, the special-token strings, a message's `name`, an assistant's
+`tool_calls` and a tool message's `tool_call_id`), read from
 tokenizer_config.json or from `chat_template.jinja` (where transformers saves it now), and the
 same refusals. The tokenizer is a byte-level BPE trained here with special tokens added; the
 templates are written for this test in the style of real ones.
@@ -74,6 +75,68 @@ def test_prompt_ids_equal_transformers(tmp_path, name, where):
     ours = HFTokenizer(directory, bos_token_id=None, eos_token_id=None)
     assert ours.has_chat_template, "engagement: the model's template, not the default"
     assert ours.apply_chat_template(MESSAGES) == _reference_ids(directory)
+
+
+# A tool-calling history read as templates read it: an assistant turn's tool calls (dicts), a
+# tool message's tool_call_id. Written to read a null content and an absent one alike.
+TOOL_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m['tool_calls'] is defined %}[{{ m['role'] }}]{{ m['content'] or '' }}"
+    "{% for t in m['tool_calls'] %}<User>{{ t['type'] }} {{ t['function']['name'] }} "
+    "{{ t['function']['arguments'] }} {{ t['id'] }}{% endfor %}{{ m['tool_calls'] | tojson }}"
+    "{% elif m['role'] == 'tool' %}<out {{ m['tool_call_id'] }}>{{ m['content'] }}"
+    "{% else %}[{{ m['role'] }}]{{ m['content'] }}{% endif %}"
+    "{% endfor %}<Assistant>"
+)
+# DeepSeek-V3's test for the tool-call turn.
+NULL_CONTENT_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' and m['content'] is none %}"
+    "{% for t in m['tool_calls'] %}<User>{{ t['function']['name'] }}{% endfor %}"
+    "{% else %}[{{ m['role'] }}]{{ m['content'] }}{% endif %}{% endfor %}<Assistant>"
+)
+TOOL_MESSAGES = [
+    {"role": "user", "content": "weather in Paris?"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "w", "arguments": '{"at": 1}'}}
+        ],
+    },
+    {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    {
+        "role": "assistant",
+        "content": "and more",
+        "tool_calls": [
+            {"id": "c2", "type": "function", "function": {"name": "v", "arguments": "{}"}}
+        ],
+    },
+]
+
+
+def test_a_tool_calling_history_renders_as_transformers_renders_it(tmp_path):
+    """The server's messages (ChatMessage.template_fields) give the ids transformers gives
+    the client's dicts: tool_calls as dicts, a null content as None, tool_call_id kept."""
+    from launch.openai.chat_schemas import ChatMessage
+
+    directory = _tokenizer_dir(tmp_path, {"chat_template": TOOL_TEMPLATE})
+    served = [ChatMessage.model_validate(m).template_fields() for m in TOOL_MESSAGES]
+    ours = HFTokenizer(directory, None, None).apply_chat_template(served)
+    reference = transformers.AutoTokenizer.from_pretrained(str(directory))
+    expected = reference.apply_chat_template(TOOL_MESSAGES, add_generation_prompt=True)
+    assert ours == list(expected["input_ids"])
+
+
+def test_a_null_content_reaches_the_template_as_none(tmp_path):
+    """DeepSeek-V3's template finds the tool-call turn by `message['content'] is none`, so
+    None is kept, as transformers 4 kept it (transformers 5 drops the key, and that template
+    then fails on the turn)."""
+    from launch.openai.chat_schemas import ChatMessage
+
+    directory = _tokenizer_dir(tmp_path, {"chat_template": NULL_CONTENT_TEMPLATE})
+    served = [ChatMessage.model_validate(m).template_fields() for m in TOOL_MESSAGES[:2]]
+    ours = HFTokenizer(directory, None, None)
+    assert ours.decode(ours.apply_chat_template(served)) == "[user]weather in Paris?w"
 
 
 def test_named_templates_without_a_default_are_refused_as_transformers_does(tmp_path):

@@ -565,11 +565,84 @@ def test_a_model_is_retrieved_by_its_id(server):
     assert other.json() == {
         "error": {
             "message": "model 'org/other' does not exist",
-            "type": "not_found_error",
+            "type": "invalid_request_error",
             "param": "model",
-            "code": None,
+            "code": "model_not_found",
         }
     }
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_an_unknown_model_is_coded_model_not_found_as_openai_does(server, path):
+    """OpenAI answers another model with a 404 coded "model_not_found" (its type an
+    invalid_request_error); clients key on the code."""
+    prompt = {"messages": [{"role": "user", "content": "a"}]} if "chat" in path else {"prompt": "a"}
+    response = server.http.post(path, json={**prompt, "model": "gpt-4"})
+    assert response.status_code == 404
+    error = response.json()["error"]
+    assert (error["type"], error["param"], error["code"]) == (
+        "invalid_request_error",
+        "model",
+        "model_not_found",
+    )
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    ("path", "body", "param", "num_tokens"),
+    [
+        ("/v1/completions", {"prompt": [7] * (MAX_MODEL_LEN + 1)}, "prompt", MAX_MODEL_LEN + 1),
+        ("/v1/completions", {"prompt": "x" * MAX_MODEL_LEN, "max_tokens": 1}, "prompt", 1025),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x" * MAX_MODEL_LEN}]},
+            "messages",
+            None,  # the template's
+        ),
+    ],
+)
+def test_a_prompt_past_the_whole_context_is_coded_context_length_exceeded(
+    server, path, body, param, num_tokens, stream
+):
+    """OpenAI's code for it, which clients such as LiteLLM key on (it was null): whole and
+    streamed (the refusal comes before the first event), worded as OpenAI words it."""
+    if num_tokens is None:
+        num_tokens = len(server.engine.tokenizer.apply_chat_template(body["messages"]))
+    response = server.http.post(path, json={**body, "stream": stream})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == ("context_length_exceeded", param)
+    assert error["message"] == (
+        f"This model's maximum context length is {MAX_MODEL_LEN} tokens; the prompt has "
+        f"{num_tokens} tokens, more than scheduler.max_model_len={MAX_MODEL_LEN}"
+    )
+
+
+def test_a_batch_prompt_past_the_context_is_named_by_its_index(server):
+    response = post(server.http, {"prompt": [[1, 2], [7] * (MAX_MODEL_LEN + 3)]})
+    error = response.json()["error"]
+    assert (response.status_code, error["code"], error["param"]) == (
+        400,
+        "context_length_exceeded",
+        "prompt",
+    )
+    assert error["message"].startswith("This model's maximum context length is 1024 tokens;")
+    assert error["message"].endswith(
+        "has 1027 tokens, more than scheduler.max_model_len=1024 (prompt 1)"
+    )
+
+
+@pytest.mark.parametrize(("value", "status"), [(False, 200), (None, 200), (True, 400)])
+def test_stream_options_include_obfuscation_is_accepted_off(server, value, status):
+    """OpenAI's stream_options.include_obfuscation (padding added to chunks): off changes
+    nothing, on is not supported."""
+    options = {"include_usage": True, "include_obfuscation": value}
+    body = {"prompt": "a", "max_tokens": 2, "stream": True, "stream_options": options}
+    response = post(server.http, body)
+    assert response.status_code == status, response.text
+    if status == 400:
+        error = response.json()["error"]
+        assert error["param"] == "stream_options" and "is not supported" in error["message"]
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])

@@ -82,7 +82,8 @@ def test_api_key_guards_every_route_but_health_and_metrics(server, method, path)
     for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": KEY}):
         response = httpx.request(method, f"{server.url}{path}", headers=headers, json={})
         assert response.status_code == 401, (headers, response.text)
-        assert response.json()["error"]["type"] == "authentication_error"
+        error = response.json()["error"]
+        assert (error["type"], error["code"]) == ("authentication_error", "invalid_api_key")
     assert httpx.get(f"{server.url}/health").status_code == 200
     assert httpx.get(f"{server.url}/metrics").status_code == 200
 

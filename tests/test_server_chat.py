@@ -204,7 +204,7 @@ def test_usage_chunk_carries_the_weight_version(server):
 def test_a_message_name_reaches_the_template():
     """transformers hands a template each message whole: `name` too (templates that name
     speakers write it); it was dropped."""
-    from launch.openai.schemas import ChatMessage
+    from launch.openai.chat_schemas import ChatMessage
 
     named = ChatMessage(role="user", content=[{"type": "text", "text": "hi"}], name="bob")
     assert named.template_fields() == {"role": "user", "content": "hi", "name": "bob"}
@@ -212,3 +212,180 @@ def test_a_message_name_reaches_the_template():
         "role": "user",
         "content": "hi",
     }
+
+
+TOOL_CALL = {"id": "call_1", "type": "function", "function": {"name": "w", "arguments": '{"a": 1}'}}
+TOOL_HISTORY = [
+    {"role": "user", "content": "weather?"},
+    {"role": "assistant", "content": None, "tool_calls": [TOOL_CALL]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+]
+
+
+def test_default_template_writes_tool_calls_a_line_each():
+    text = render_chat(
+        DEFAULT_CHAT_TEMPLATE,
+        [
+            *TOOL_HISTORY,
+            {"role": "assistant", "content": "two", "tool_calls": [TOOL_CALL, TOOL_CALL]},
+        ],
+    )
+    assert text == (
+        '<|user|>\nweather?\n<|assistant|>\n<|tool_call|>w({"a": 1})\n<|tool|>\nsunny\n'
+        '<|assistant|>\ntwo\n<|tool_call|>w({"a": 1})\n<|tool_call|>w({"a": 1})\n<|assistant|>\n'
+    )
+
+
+def test_tool_calls_reach_the_template_as_transformers_hands_them_over():
+    """The message dict as given: `tool_calls` a list of dicts, a null content kept as None
+    (DeepSeek-V3's template tests `message['content'] is none`), `tool_call_id` kept."""
+    from launch.openai.chat_schemas import ChatMessage
+
+    fields = [ChatMessage.model_validate(m).template_fields() for m in TOOL_HISTORY]
+    assert fields == TOOL_HISTORY
+    dumped = {"role": "assistant", "content": "ok", "refusal": None, "tool_calls": []}
+    assert ChatMessage.model_validate(dumped).template_fields() == {
+        "role": "assistant",
+        "content": "ok",
+    }
+
+
+def test_a_tool_calling_history_is_accepted(server):
+    """OpenAI accepts an assistant's tool calls (content null) and the tool's answer; they
+    were 400s. The prompt is the template's rendering of the messages as given."""
+    body = {"messages": TOOL_HISTORY, "max_tokens": 2, "temperature": 0}
+    response = server.http.post(CHAT, json=body)
+    assert response.status_code == 200, response.text
+    prompt_ids = server.engine.tokenizer.apply_chat_template(TOOL_HISTORY)
+    assert response.json()["usage"]["prompt_tokens"] == len(prompt_ids)
+    lenient = [{"role": "user", "content": "x"}, {"role": "tool", "content": "sunny"}]
+    assert server.http.post(CHAT, json={**body, "messages": lenient}).status_code == 200
+
+
+def test_an_openai_client_message_is_sent_back_as_it_dumps(server):
+    """A chat loop appends the reply as `message.model_dump()` (refusal, annotations, audio,
+    function_call and tool_calls null): the next request must be accepted."""
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+    message = (
+        client.chat.completions.create(model=server.model, messages=MESSAGES, max_tokens=2)
+        .choices[0]
+        .message
+    )
+    for reply in (message.model_dump(), {**message.model_dump(), "annotations": []}):
+        history = [*MESSAGES, reply, {"role": "user", "content": "more"}]
+        out = client.chat.completions.create(model=server.model, messages=history, max_tokens=2)
+        assert out.usage.completion_tokens >= 1
+
+
+@pytest.mark.parametrize(
+    ("message", "problem"),
+    [
+        ({"role": "assistant", "content": "x", "refusal": "no"}, "messages.0.refusal"),
+        ({"role": "assistant", "content": "x", "audio": {"id": "a"}}, "messages.0.audio"),
+        ({"role": "assistant", "content": "x", "annotations": [{"type": "url"}]}, "annotations"),
+        (
+            {"role": "assistant", "content": None, "function_call": TOOL_CALL["function"]},
+            "messages.0.function_call",
+        ),
+        ({"role": "assistant", "content": None}, "with tool_calls"),
+        ({"role": "user", "content": None}, "with tool_calls"),
+        ({"role": "user", "content": "x", "tool_calls": [TOOL_CALL]}, "only an assistant"),
+        ({"role": "user", "content": "x", "tool_call_id": "c"}, "only a tool message"),
+        (
+            {"role": "assistant", "tool_calls": [{**TOOL_CALL, "type": "code"}]},
+            "messages.0.tool_calls.0.type",
+        ),
+        (
+            {"role": "assistant", "tool_calls": [{**TOOL_CALL, "function": {"name": "w"}}]},
+            "messages.0.tool_calls.0.function.arguments",
+        ),
+    ],
+)
+def test_message_fields_that_would_carry_something_are_400s(server, message, problem):
+    response = server.http.post(CHAT, json={"messages": [message], "max_tokens": 2})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "messages" and problem in error["message"], error
+    if "refusal" in message or "audio" in message or "function_call" in message:
+        assert "is not supported" in error["message"]
+
+
+NO_TOOL_FIELDS = [
+    ("tools", None),
+    ("tools", []),
+    ("tool_choice", None),
+    ("tool_choice", "none"),
+    ("tool_choice", "auto"),
+    ("service_tier", None),
+    ("service_tier", "auto"),
+    ("service_tier", "default"),
+    ("modalities", None),
+    ("modalities", ["text"]),
+    ("reasoning_effort", None),
+    ("stream_options", {"include_obfuscation": False}),
+]
+
+
+@pytest.mark.parametrize(("field", "value"), NO_TOOL_FIELDS)
+def test_chat_fields_set_to_change_nothing_are_accepted(server, field, value):
+    """They were refused as "Extra inputs are not permitted"; the output is what it is
+    without them."""
+    body = {"messages": MESSAGES, "max_tokens": 3, "seed": 2, "ignore_eos": True}
+    if field == "stream_options":
+        body = {**body, "stream": True}
+    plain = server.http.post(CHAT, json=body)
+    given = server.http.post(CHAT, json={**body, field: value})
+    assert given.status_code == 200, given.text
+    if field != "stream_options":
+        assert given.json()["choices"] == plain.json()["choices"]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+        ("tool_choice", "required"),
+        ("tool_choice", {"type": "function", "function": {"name": "f"}}),
+        ("service_tier", "flex"),
+        ("modalities", ["text", "audio"]),
+        ("reasoning_effort", "low"),
+        ("stream_options", {"include_obfuscation": True}),
+    ],
+)
+def test_chat_fields_that_ask_for_something_are_not_supported(server, field, value):
+    body = {"messages": MESSAGES, "max_tokens": 2, field: value}
+    response = server.http.post(CHAT, json={**body, "stream": field == "stream_options"})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == field and "is not supported" in error["message"], error
+    if field.startswith("tool"):
+        assert "tool calls are not supported" in error["message"]
+
+
+def test_chat_only_fields_are_unknown_to_completions(server):
+    for field, value in NO_TOOL_FIELDS[:-1]:
+        body = {"prompt": "a", "max_tokens": 1, field: value}
+        error = server.http.post("/v1/completions", json=body).json()["error"]
+        assert error["param"] == field and "Extra inputs are not permitted" in error["message"]
+
+
+def test_max_completion_tokens_wins_over_max_tokens(server):
+    """OpenAI deprecated max_tokens for max_completion_tokens: where both are sent, the
+    latter is the budget (max_tokens won), and the context error names it."""
+    body = {"messages": MESSAGES, "max_tokens": 2, "max_completion_tokens": 5, "ignore_eos": True}
+    response = server.http.post(CHAT, json=body).json()
+    assert response["usage"]["completion_tokens"] == 5
+    over = server.http.post(CHAT, json={**body, "max_completion_tokens": 1024})
+    error = over.json()["error"]
+    assert (over.status_code, error["code"]) == (400, "context_length_exceeded")
+    assert error["param"] == "max_completion_tokens"
+    assert "max_completion_tokens is 1024" in error["message"]
+
+
+def test_a_whole_message_carries_a_null_refusal_as_openai_sends_it(server):
+    body = {"messages": MESSAGES, "max_tokens": 2}
+    (choice,) = server.http.post(CHAT, json=body).json()["choices"]
+    assert set(choice["message"]) == {"role", "content", "refusal"}
+    assert choice["message"]["refusal"] is None
+    chunks = sse_events(server.http, CHAT, body)
+    assert all("refusal" not in c["choices"][0]["delta"] for c in chunks)

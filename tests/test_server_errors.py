@@ -10,6 +10,7 @@ import pytest
 from starlette.exceptions import HTTPException
 
 from launch.openai.errors import (
+    AuthenticationError,
     ContextLengthExceeded,
     FieldError,
     UnknownModelError,
@@ -24,33 +25,42 @@ from tests.invariance import TINY_CONFIG
 
 
 @pytest.mark.parametrize(
-    ("exc", "status", "kind", "param"),
+    ("exc", "status", "kind", "param", "code"),
     [
         (
             FieldError("messages", "messages: prompt is empty"),
             400,
             "invalid_request_error",
             "messages",
+            None,
         ),
-        (ValueError("prompt is empty"), 400, "invalid_request_error", None),  # no word matching
-        (UnknownModelError("other"), 404, "not_found_error", "model"),
-        (EngineUnavailableError("the engine is dead"), 503, "unavailable", None),
-        (WorkerError("rank 1 failed"), 500, "internal_error", None),
-        (RuntimeError("invalid prompt token"), 500, "internal_error", None),
-        (HTTPException(405, "Method Not Allowed"), 405, "invalid_request_error", None),
+        (ValueError("prompt is empty"), 400, "invalid_request_error", None, None),  # no words
+        # OpenAI's type and codes for these, which clients key on (they were null)
+        (UnknownModelError("other"), 404, "invalid_request_error", "model", "model_not_found"),
+        (
+            AuthenticationError("wrong API key"),
+            401,
+            "authentication_error",
+            None,
+            "invalid_api_key",
+        ),
+        (EngineUnavailableError("the engine is dead"), 503, "unavailable", None, None),
+        (WorkerError("rank 1 failed"), 500, "internal_error", None, None),
+        (RuntimeError("invalid prompt token"), 500, "internal_error", None, None),
+        (HTTPException(405, "Method Not Allowed"), 405, "invalid_request_error", None, None),
     ],
 )
-def test_status_by_exception_type(exc, status, kind, param):
+def test_status_by_exception_type(exc, status, kind, param, code):
     """The status is the response's; the body's `code` is OpenAI's, a string or null, never
     the status."""
     response = error_response(exc)
     error = json.loads(response.body)["error"]
     assert response.status_code == status
-    assert (error["code"], error["type"], error["param"]) == (None, kind, param)
+    assert (error["code"], error["type"], error["param"]) == (code, kind, param)
     assert str(exc.detail if isinstance(exc, HTTPException) else exc) in error["message"]
 
 
-def test_only_the_context_length_error_has_a_code():
+def test_the_context_length_error_has_its_openai_code():
     exceeded = ContextLengthExceeded("max_tokens", "This model's maximum context length is 8")
     error = error_body(exceeded)["error"]
     assert (error["code"], error["param"]) == ("context_length_exceeded", "max_tokens")

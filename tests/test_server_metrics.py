@@ -125,7 +125,7 @@ def test_every_response_is_counted_and_openai_shaped(server):
     assert [r.status_code for r in answers] == [400, 400, 404, 405, 404]
     for response in answers:
         assert set(response.json()["error"]) == {"message", "type", "param", "code"}
-        assert response.json()["error"]["code"] is None
+    assert [r.json()["error"]["code"] for r in answers] == [None] * 4 + ["model_not_found"]
     after = scrape(server)
 
     def grew(route: str, status: int) -> float:

@@ -7,8 +7,9 @@ draining, dead), the framework's own `HTTPException` its status (404 no such rou
 method, 400 a body that is not UTF-8), 500 anything else (a worker failure). Never decided by
 a message's words.
 Bodies are OpenAI's {"error": {"message", "type", "param", "code"}}: `code` is a string or
-null as in OpenAI's API (never the HTTP status), "context_length_exceeded" for a prompt and a
-budget past the context (`ContextLengthExceeded`), else null.
+null as in OpenAI's API (never the HTTP status), chosen in the same table: "invalid_api_key"
+(401), "model_not_found" (404), "context_length_exceeded" for a prompt, or a prompt and its
+budget, past the context (`ContextLengthExceeded`), else null.
 """
 
 from __future__ import annotations
@@ -24,9 +25,7 @@ from moe_runtime.engine.async_engine import EngineUnavailableError
 
 
 class FieldError(ValueError):
-    """A bad value of the request field `param`; `code` is OpenAI's error code for it."""
-
-    code: str | None = None
+    """A bad value of the request field `param`."""
 
     def __init__(self, param: str, message: str) -> None:
         super().__init__(message)
@@ -34,9 +33,8 @@ class FieldError(ValueError):
 
 
 class ContextLengthExceeded(FieldError):
-    """The prompt and the token budget `param` do not fit the context together."""
-
-    code = "context_length_exceeded"
+    """The prompt (`param` the prompt's field), or the prompt and the token budget (`param`
+    the budget's field), do not fit the context."""
 
 
 class UnknownModelError(FieldError):
@@ -48,27 +46,30 @@ class AuthenticationError(Exception):
     """A missing or wrong API key."""
 
 
-_STATUS_BY_TYPE = (  # the first matching row wins
-    (AuthenticationError, 401, "authentication_error"),
-    (UnknownModelError, 404, "not_found_error"),
-    (RequestValidationError, 400, "invalid_request_error"),
-    (ValueError, 400, "invalid_request_error"),
-    (EngineUnavailableError, 503, "unavailable"),
-    (Exception, 500, "internal_error"),  # a worker failure
+# (type, HTTP status, OpenAI error type, OpenAI error code); the first matching row wins.
+# The types and codes are OpenAI's where it has the case (its 404 for a model is an
+# invalid_request_error coded model_not_found), so clients that key on them see the same.
+_STATUS_BY_TYPE = (
+    (AuthenticationError, 401, "authentication_error", "invalid_api_key"),
+    (UnknownModelError, 404, "invalid_request_error", "model_not_found"),
+    (ContextLengthExceeded, 400, "invalid_request_error", "context_length_exceeded"),
+    (RequestValidationError, 400, "invalid_request_error", None),
+    (ValueError, 400, "invalid_request_error", None),
+    (EngineUnavailableError, 503, "unavailable", None),
+    (Exception, 500, "internal_error", None),  # a worker failure
 )
 
 
-def error_status(exc: Exception) -> tuple[int, str]:
-    """(HTTP status, OpenAI error type) of an exception."""
+def error_status(exc: Exception) -> tuple[int, str, str | None]:
+    """(HTTP status, OpenAI error type, OpenAI error code or None) of an exception."""
     if isinstance(exc, HTTPException):  # raised before any route ran: its status is the answer
         status = exc.status_code
-        return status, "not_found_error" if status == 404 else "invalid_request_error"
-    return next((status, kind) for t, status, kind in _STATUS_BY_TYPE if isinstance(exc, t))
+        return status, "not_found_error" if status == 404 else "invalid_request_error", None
+    return next(row[1:] for row in _STATUS_BY_TYPE if isinstance(exc, row[0]))
 
 
 def error_body(exc: Exception) -> dict:
-    status, kind = error_status(exc)
-    code = exc.code if isinstance(exc, FieldError) else None
+    status, kind, code = error_status(exc)
     if isinstance(exc, HTTPException):
         message, param = str(exc.detail), None
     elif isinstance(exc, RequestValidationError):

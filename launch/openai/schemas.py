@@ -3,17 +3,19 @@
 Requests forbid unknown fields and coerce nothing (strict), so every mistake is a 400 whose
 message names the field. OpenAI's nullable fields take null as their default. OpenAI fields
 this server does not implement are accepted only with a value that changes no output (a zero
-penalty, an empty logit bias) and otherwise refused as not supported; `user` is accepted and
-ignored. Sampling fields are shared by completions and chat completions and map onto
-`SamplingParams` in one place (`sampling_params`), which therefore cannot refuse them. No
-routes or responses here.
+penalty, an empty logit bias, no tools) and otherwise refused as not supported; `user` is
+accepted and ignored. A chat history may hold tool calls (an assistant's `tool_calls`, a tool
+message's `tool_call_id`): they reach the chat template as transformers hands them over, though
+the server offers no tools. Sampling fields are shared by completions and chat completions and
+map onto `SamplingParams` in one place (`sampling_params`), which therefore cannot refuse them.
+No routes or responses here; the chat request and its messages are in launch.openai.chat_schemas.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from pydantic import (
     BaseModel,
@@ -60,32 +62,66 @@ def _is_text_format(value: Any) -> bool:
     return value is None or value == {"type": "text"}
 
 
+def is_null(value: Any) -> bool:
+    return value is None
+
+
+def is_no_list(value: Any) -> bool:
+    return value is None or value == []
+
+
+def _null_or(*names: str) -> Callable[[Any], bool]:
+    return lambda value: value is None or (isinstance(value, str) and value in names)
+
+
+NO_TOOLS = "tool calls are not supported"
 # OpenAI fields that are not implemented: {field: (the values accepted, as the error names
 # them; a test of a value)}. Only values under which the output is what it is without the
-# field pass, so nothing a client asks for is silently dropped. `parallel_tool_calls` changes
-# nothing without tools, which are refused; `best_of` is checked against `n` on its own.
+# field pass, so nothing a client asks for is silently dropped. `parallel_tool_calls` and
+# `tool_choice` change nothing without tools, which are refused; `best_of` is checked against
+# `n` on its own.
 NO_OP_VALUES: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "frequency_penalty": ("0 or null", _is_zero),
     "presence_penalty": ("0 or null", _is_zero),
     "logit_bias": ("null or {}", _is_empty),
-    "suffix": ("null", lambda value: value is None),
+    "suffix": ("null", is_null),
     "response_format": ('{"type": "text"} or null', _is_text_format),
     "parallel_tool_calls": ("true, false or null; no tools are supported", _is_bool),
     "metadata": ("null or {}; nothing is stored", _is_empty),
     "store": ("false or null; nothing is stored", _is_false),
+    "tools": (f"null or []; {NO_TOOLS}", is_no_list),
+    "tool_choice": (f'null, "none" or "auto"; {NO_TOOLS}', _null_or("none", "auto")),
+    "service_tier": ('null, "auto" or "default"', _null_or("auto", "default")),
+    "modalities": ('null or ["text"]', lambda value: value is None or value == ["text"]),
+    "reasoning_effort": ("null; the model does not reason", is_null),
+    "include_obfuscation": ("false or null", _is_false),
 }
 TokenId = Annotated[StrictInt, Field(ge=0)]
 
 
-class _Strict(BaseModel):
+def no_op_only(table: dict[str, tuple[str, Callable[[Any], bool]]], field: str, value: Any) -> Any:
+    """value, if it is a no-op value of `field` (its table's entry); ValueError otherwise."""
+    accepted, is_no_op = table[field]
+    if not is_no_op(value):
+        raise ValueError(f"{json.dumps(value)} is not supported (accepted: {accepted})")
+    return value
+
+
+class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
-class StreamOptions(_Strict):
+class StreamOptions(Strict):
     include_usage: bool = False
+    include_obfuscation: Any = None  # OpenAI's padding of stream chunks: none here
+
+    @field_validator("include_obfuscation", mode="before")
+    @classmethod
+    def _no_op_only(cls, value: Any, info) -> Any:
+        return no_op_only(NO_OP_VALUES, info.field_name, value)
 
 
-class SamplingFields(_Strict):
+class SamplingFields(Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
@@ -114,10 +150,7 @@ class SamplingFields(_Strict):
     @field_validator(*NO_OP_VALUES, mode="before", check_fields=False)
     @classmethod
     def _no_op_only(cls, value: Any, info) -> Any:
-        accepted, is_no_op = NO_OP_VALUES[info.field_name]
-        if not is_no_op(value):
-            raise ValueError(f"{json.dumps(value)} is not supported (accepted: {accepted})")
-        return value
+        return no_op_only(NO_OP_VALUES, info.field_name, value)
 
     @field_validator("stream_options")
     @classmethod
@@ -164,9 +197,14 @@ class SamplingFields(_Strict):
     def num_top_logprobs(self) -> int | None:
         raise NotImplementedError
 
+    def token_budget(self) -> int | None:
+        """The most tokens the client lets a sample generate, or None (the default)."""
+        return self.max_tokens
+
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        budget = self.token_budget()
         return SamplingParams(
-            max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
+            max_tokens=default_max_tokens if budget is None else budget,
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
@@ -226,70 +264,11 @@ class CompletionRequest(SamplingFields):
         return self.logprobs
 
 
-class TextPart(_Strict):
-    type: Literal["text"]
-    text: str
-
-    @field_validator("text")
-    @classmethod
-    def _encodable(cls, value: str) -> str:
-        return utf8_encodable(value)
-
-
-class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[TextPart]
-    name: str | None = None
-
-    @field_validator("content")
-    @classmethod
-    def _encodable(cls, value: str | list[TextPart]) -> str | list[TextPart]:
-        return utf8_encodable(value) if isinstance(value, str) else value
-
-    def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
-
-    def template_fields(self) -> dict[str, str]:
-        """The message as the chat template reads it: role, content (text parts joined) and
-        `name` when given (templates that name speakers write it)."""
-        fields = {"role": self.role, "content": self.text()}
-        return fields if self.name is None else {**fields, "name": self.name}
-
-
-class ChatCompletionRequest(SamplingFields):
-    """/v1/chat/completions; `max_tokens` (or `max_completion_tokens`) defaults to the room
-    left in the context."""
-
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    response_format: Any = None
-    parallel_tool_calls: Any = None
-    metadata: Any = None
-    store: Any = None
-
-    @field_validator("top_logprobs")
-    @classmethod
-    def _needs_logprobs(cls, value: int | None, info) -> int | None:
-        if value is not None and not info.data.get("logprobs"):  # info.data: fields above
-            raise ValueError("needs logprobs: true")
-        return value
-
-    def num_top_logprobs(self) -> int | None:
-        return (self.top_logprobs or 0) if self.logprobs else None
-
-    def token_budget(self) -> int | None:
-        return self.max_completion_tokens if self.max_tokens is None else self.max_tokens
-
-
-class UpdateWeightsRequest(_Strict):
+class UpdateWeightsRequest(Strict):
     path: str = Field(min_length=1)
 
 
-class RebalanceRequest(_Strict):
+class RebalanceRequest(Strict):
     """POST /admin/rebalance's body, optional (none: the defaults). `force` false skips the
     move when balancedness is at or above `eplb.balancedness_threshold`."""
 

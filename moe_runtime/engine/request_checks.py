@@ -1,12 +1,12 @@
 """RequestChecks: what the engine refuses before it queues anything, as a ValueError naming it.
 
 A prompt (text or token ids) must encode to a non-empty list of ints inside the vocabulary and
-fit the context (`scheduler.max_model_len`); with its max_tokens it must fit too
-(ContextLengthError, which names the budget); a request may not ask for more top logprobs than
-the vocabulary holds, nor stop on an id outside it. A scoring's sequence must hold a prompt and
-at least one token to score. Batches are checked all or none, the bad item named by its index.
-The checks read only the config and the tokenizer: the engine, a front end or a rollout job
-can run them ahead of anything else.
+fit the context (`scheduler.max_model_len`; PromptTooLongError); with its max_tokens it must
+fit too (ContextLengthError, which names the budget); a request may not ask for more top
+logprobs than the vocabulary holds, nor stop on an id outside it. A scoring's sequence must
+hold a prompt and at least one token to score. Batches are checked all or none, the bad item
+named by its index. The checks read only the config and the tokenizer: the engine, a front end
+or a rollout job can run them ahead of anything else.
 """
 
 from __future__ import annotations
@@ -36,6 +36,18 @@ class ContextLengthError(ValueError):
             f"({num_prompt_tokens + max_tokens} in all). The context is "
             "scheduler.max_model_len."
         )
+
+
+class PromptTooLongError(ValueError):
+    """A prompt (or scored sequence: `what`) longer than the whole context. `message` is the
+    text before `check_all` names the item of a batch (`str(exc)` then starts "prompt 1: ")."""
+
+    def __init__(self, num_tokens: int, max_model_len: int, what: str = "prompt") -> None:
+        self.num_tokens, self.max_model_len, self.what = num_tokens, max_model_len, what
+        self.message = (
+            f"{what} has {num_tokens} tokens, more than scheduler.max_model_len={max_model_len}"
+        )
+        super().__init__(self.message)
 
 
 class RequestChecks:
@@ -127,10 +139,7 @@ class RequestChecks:
             if not 0 <= t < self.vocab_size:
                 raise ValueError(f"token id {t!r} is outside the vocabulary [0, {self.vocab_size})")
         if len(token_ids) > self.max_model_len:
-            raise ValueError(
-                f"{what} has {len(token_ids)} tokens, more than "
-                f"scheduler.max_model_len={self.max_model_len}"
-            )
+            raise PromptTooLongError(len(token_ids), self.max_model_len, what)
 
 
 def check_all(
