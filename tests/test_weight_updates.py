@@ -77,6 +77,19 @@ def test_a_directory_changed_while_the_ranks_read_it_is_refused(checkpoints, tmp
     assert llm.update_weights(target) == 1  # once it stands still, it loads
 
 
+def test_a_relative_directory_reaches_the_ranks_resolved(checkpoints, monkeypatch):
+    """A rank on another node, or in another working directory, would read a relative path
+    against its own: the ranks get the directory resolved where the update was asked."""
+    first, second = checkpoints
+    llm = LLM({"model": {"path": first}, "scheduler": {"max_model_len": 256}})
+    worker, read = llm.engine.executor.worker, llm.engine.executor.worker.prepare_weights
+    sources = []
+    worker.prepare_weights = lambda source: sources.append(source) or read(source)
+    monkeypatch.chdir(Path(second).parent)
+    assert llm.update_weights(Path(second).name) == 1
+    assert sources == [str(Path(second).resolve())]
+
+
 def test_state_dict_source_and_bad_sources(checkpoints):
     first, second = checkpoints
     llm = LLM({"model": {"path": first}, "scheduler": {"max_model_len": 256}})

@@ -256,9 +256,12 @@ class LLMEngine:
         """Swap every rank's weights (HF checkpoint dir or HF-named state dict) between steps;
         requests in flight go on with them, cached prefixes are dropped. -> the new version."""
         self._check_alive()
-        source = str(source) if isinstance(source, Path) else source
-        if isinstance(source, str) and not Path(source).is_dir():
-            raise ValueError(f"update_weights: {source!r} is not a checkpoint directory")
+        if isinstance(source, (str, Path)):
+            if not Path(source).is_dir():
+                raise ValueError(f"update_weights: {str(source)!r} is not a checkpoint directory")
+            # Resolved here: a rank on another node (or in another directory) would read a
+            # relative path against its own working directory.
+            source = str(Path(source).resolve())
         try:
             weights = WeightsSource.of(source)  # stamped before any rank reads it
         except OSError as exc:
