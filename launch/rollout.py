@@ -22,6 +22,7 @@ import os
 import signal
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 if __name__ == "__main__":  # the checkout on the path, not launch/ (whose openai/ would shadow)
@@ -162,7 +163,8 @@ def _check_flags(args: argparse.Namespace) -> None:
 
 
 def _check_model_flags(llm: LLM, args: argparse.Namespace) -> None:
-    """The flags whose bounds come from the model: as `_check_flags`, once it is loaded."""
+    """The flags whose bounds come from the model: as `_check_flags`, once it is loaded
+    (with --score, --logprobs alone: scoring reads no other sampling flag)."""
     vocab_size = llm.config.model.vocab_size
     max_model_len = llm.config.scheduler.max_model_len
     if args.logprobs > vocab_size:
@@ -170,7 +172,7 @@ def _check_model_flags(llm: LLM, args: argparse.Namespace) -> None:
             f"--logprobs {args.logprobs} asks for more top logprobs than the vocabulary's "
             f"{vocab_size} tokens"
         )
-    if args.max_tokens >= max_model_len:  # a prompt has one token at least
+    if not args.score and args.max_tokens >= max_model_len:  # a prompt has one token at least
         raise ValueError(
             f"--max-tokens {args.max_tokens} leaves no room for a prompt in "
             f"scheduler.max_model_len={max_model_len}"
@@ -194,8 +196,7 @@ def _run(args: argparse.Namespace, appender: Appender) -> int:
         heap.freeze()  # no full collection of start-up's objects in the run (moe_runtime/heap.py)
         settings = _run_settings(llm, args, defaults, rows.sha256)
         try:
-            if not args.score:  # scoring reads no sampling flag
-                _check_model_flags(llm, args)
+            _check_model_flags(llm, args)
             if existing.num_bytes:
                 # Only an output this tool wrote with these settings is appended to or cut.
                 check_settings(output, settings)
@@ -240,7 +241,7 @@ def _write(
         disable=args.no_progress,
         desc="score" if args.score else "rollout",
     )
-    run = _score_batch if args.score else _rollout_batch
+    run = partial(_score_batch, num_top=args.logprobs) if args.score else _rollout_batch
     try:
         for first in range(0, len(todo), args.batch_size):
             batch = todo[first : first + args.batch_size]
@@ -256,8 +257,10 @@ def _run_settings(llm: LLM, args: argparse.Namespace, defaults: dict, input_sha2
     contract = config.kernels.is_invariant and not config.parallel.allow_multiple_reduction
     unrecorded = UNRECORDED_KEYS | (INVARIANT_FREE_KEYS if contract else frozenset())
     settings = {"score": args.score, "input_sha256": input_sha256}
-    if not args.score:  # scoring reads no sampling setting
+    if not args.score:  # scoring reads no sampling setting but --logprobs
         settings |= {"base_seed": args.base_seed, **defaults}
+    elif args.logprobs:  # (0, the rows without top logprobs, records nothing, as before it)
+        settings["logprobs"] = args.logprobs
     for section, values in dataclasses.asdict(config).items():
         for key, value in values.items():
             if section not in unrecorded and f"{section}.{key}" not in unrecorded:
@@ -345,27 +348,39 @@ def _rollout_row(sample: Sample, output: RequestOutput) -> dict:
         "prompt_token_ids": output.prompt_token_ids,
         "token_ids": out.token_ids,
         "logprobs": out.logprobs,
-        "top_logprobs": [{str(t): lp for t, lp in top.items()} for top in out.top_logprobs],
+        "top_logprobs": _json_tops(out.top_logprobs),
         "routed_experts": None if routed is None else np.asarray(routed).tolist(),
         "finish_reason": out.finish_reason,
         "seed": out.seed,
     }
 
 
-def _score_batch(llm: LLM, batch: list[Sample], progress: tqdm) -> list[dict]:
+def _json_tops(top_logprobs: list[dict[int, float]]) -> list[dict[str, float]]:
+    """Each position's top logprobs keyed by the token id as text (JSON's keys are strings)."""
+    return [{str(t): lp for t, lp in top.items()} for top in top_logprobs]
+
+
+def _score_batch(llm: LLM, batch: list[Sample], progress: tqdm, num_top: int) -> list[dict]:
+    """Rows of teacher-forced logprobs, with each position's `num_top` top logprobs (as a
+    rollout row writes them) when num_top > 0."""
     sequences = [list(s.prompt) + list(s.token_ids) for s in batch]
-    logprobs = llm.score(sequences, [len(s.prompt) for s in batch])
+    outputs = llm.score_outputs(sequences, [len(s.prompt) for s in batch], num_top or None)
     progress.update(len(batch))
-    return [
-        {
+    rows = []
+    for s, out in zip(batch, outputs, strict=True):
+        row = {
             "id": s.row_id,
             "sample_idx": s.sample_idx,
             "prompt_token_ids": list(s.prompt),
             "token_ids": list(s.token_ids),
-            "logprobs": lps,
+            "logprobs": out.logprobs,
         }
-        for s, lps in zip(batch, logprobs, strict=True)
-    ]
+        if num_top:
+            row["top_logprobs"] = [
+                {str(t): lp for t, lp in top.items()} for top in out.top_logprobs
+            ]
+        rows.append(row)
+    return rows
 
 
 if __name__ == "__main__":

@@ -139,6 +139,21 @@ def test_score_equals_rollout_logprobs(rollout_rows, tmp_path):
         assert list(map(float.hex, score["logprobs"])) == list(map(float.hex, row["logprobs"]))
 
 
+def test_score_with_logprobs_writes_the_rollouts_top_logprobs(rollout_rows, tmp_path):
+    """--score --logprobs 3: each position's top 3 as the rollout row of a 3-logprob sample
+    wrote them, bit for bit (JSON floats round-trip exactly)."""
+    out, rows = rollout_rows
+    scores = tmp_path / "scores.jsonl"
+    assert run("--input", out, "--output", scores, "--score", "--logprobs", "3") == 0
+    scored = {(r["id"], r["sample_idx"]): r for r in read_jsonl(scores)}
+    with_three = [row for row in rows if row["id"] == "text"]  # the rows asked logprobs 3
+    assert len(with_three) == 2 and all(len(t) >= 3 for t in with_three[0]["top_logprobs"])
+    for row in with_three:
+        score = scored[(row["id"], row["sample_idx"])]
+        assert score["top_logprobs"] == row["top_logprobs"]
+        assert list(map(float.hex, score["logprobs"])) == list(map(float.hex, row["logprobs"]))
+
+
 def test_fast_kernels_control(tmp_path):
     """With fast kernels the batched rollout differs from each request alone, and its --score
     from its own logprobs: the two comparisons above could fail."""
