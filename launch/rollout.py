@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
+import importlib.metadata
 import os
 import signal
 import sys
@@ -29,8 +31,10 @@ if __name__ == "__main__":  # the checkout on the path, not launch/ (whose opena
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 import numpy as np  # noqa: E402
+import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+import moe_runtime  # noqa: E402
 from launch import cli  # noqa: E402
 from launch.rollout_io import (  # noqa: E402
     STOP_SIGNALS,
@@ -250,13 +254,39 @@ def _write(
         progress.close()  # the bar's line ended before anything else is printed
 
 
+# The packages whose code a row's bits come from (launch/ only reads and writes rows).
+RUNTIME_PACKAGES = ("moe_kernels", "comm", "eplb", "moe_runtime")
+
+
+def runtime_stamp() -> dict[str, str | None]:
+    """The code a row's bits come from: a SHA-256 of the runtime packages' sources and the
+    versions of torch and triton. A resume under other code (an upgrade, an edited kernel) is
+    refused: a change there may change the bits, and the rows do not say which code made
+    them."""
+    root = Path(moe_runtime.__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    for package in RUNTIME_PACKAGES:
+        for source in sorted((root / package).rglob("*.py")):
+            digest.update(str(source.relative_to(root)).encode() + b"\0")
+            digest.update(source.read_bytes())
+    try:
+        triton = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        triton = None
+    return {
+        "runtime.source_sha256": digest.hexdigest(),
+        "runtime.torch": torch.__version__,
+        "runtime.triton": triton,
+    }
+
+
 def _run_settings(llm: LLM, args: argparse.Namespace, defaults: dict, input_sha256: str) -> dict:
     """What an output row's bits depend on, flat ("model.hidden_size": 64, ...), in the order a
     refused resume names them. `model.path`'s weights by their files' stamp (not hashed)."""
     config = llm.config
     contract = config.kernels.is_invariant and not config.parallel.allow_multiple_reduction
     unrecorded = UNRECORDED_KEYS | (INVARIANT_FREE_KEYS if contract else frozenset())
-    settings = {"score": args.score, "input_sha256": input_sha256}
+    settings = {"score": args.score, "input_sha256": input_sha256, **runtime_stamp()}
     if not args.score:  # scoring reads no sampling setting but --logprobs
         settings |= {"base_seed": args.base_seed, **defaults}
     elif args.logprobs:  # (0, the rows without top logprobs, records nothing, as before it)

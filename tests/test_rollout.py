@@ -418,6 +418,20 @@ def test_resume_with_changed_settings_is_refused_naming_the_setting(
     assert out.read_bytes() == before
 
 
+def test_resume_under_other_runtime_code_is_refused(tmp_path, capsys, monkeypatch):
+    """The record names the code the rows came from: a resume after the runtime's sources
+    changed (an upgrade, an edited kernel) is refused, naming the digest."""
+    source, out, _ = partial_run(tmp_path, 4)
+    recorded = rollout.runtime_stamp()
+    assert len(recorded["runtime.source_sha256"]) == 64 and recorded["runtime.torch"]
+    edited = {**recorded, "runtime.source_sha256": "0" * 64}
+    monkeypatch.setattr(rollout, "runtime_stamp", lambda: edited)
+    capsys.readouterr()
+    assert run("--input", source, "--output", out, *ARGS) == 2
+    err = capsys.readouterr().err
+    assert f'runtime.source_sha256="{recorded["runtime.source_sha256"]}"' in err, err
+
+
 def test_resume_with_the_same_settings_is_bitwise_an_uninterrupted_run(tmp_path):
     source, out, lines = partial_run(tmp_path, 3)
     # Batching and scheduling change no row's bits, so they may change between runs.
