@@ -50,6 +50,7 @@ from launch.rollout_io import (  # noqa: E402
     record_settings,
 )
 from moe_runtime import LLM, RequestOutput, SamplingParams, heap  # noqa: E402
+from moe_runtime.config import load_config  # noqa: E402
 from moe_runtime.seeds import MAX_SEED, SEED_BITS  # noqa: E402
 
 
@@ -191,7 +192,15 @@ def _run(args: argparse.Namespace, appender: Appender) -> int:
     try:
         rows = read_samples(args.input, defaults, args.base_seed, args.score, skip_bad)
         existing = read_done(output)  # reads only: the file may not be this tool's
-        llm = LLM(args.config, **cli.parse_overrides(args.set))
+        config = load_config(args.config, cli.parse_overrides(args.set))
+        if config.parallel.world_size > 1:
+            from moe_runtime.executor.ray_executor import connect_ray  # ray only where used
+
+            # ray.init sets a SIGTERM handler of its own (sys.exit): joined before the load
+            # and ours put back, so a SIGTERM during it ends the run as one after it does.
+            connect_ray(config.parallel.world_size)
+            _stop_on_signals(appender)
+        llm = LLM(config)
     except (ValueError, OSError) as exc:  # RowError is a ValueError
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -406,9 +415,7 @@ def _score_batch(llm: LLM, batch: list[Sample], progress: tqdm, num_top: int) ->
             "logprobs": out.logprobs,
         }
         if num_top:
-            row["top_logprobs"] = [
-                {str(t): lp for t, lp in top.items()} for top in out.top_logprobs
-            ]
+            row["top_logprobs"] = _json_tops(out.top_logprobs)
         rows.append(row)
     return rows
 

@@ -83,6 +83,11 @@ def test_a_call_in_flight_is_drained_then_answered_with_the_drain_timeout():
     loop.shutdown(drain_timeout_s=5)
     assert quick.result(timeout=0) == "done"  # waited for, not cut
 
+    loop = AsyncEngine(LLM(TINY_CONFIG).engine)  # a call still queued when the drain starts
+    queued = [loop.call(lambda engine, i=i: time.sleep(0.2) or i) for i in range(3)]
+    loop.shutdown(drain_timeout_s=5)
+    assert [call.result(timeout=0) for call in queued] == [0, 1, 2]
+
     loop = AsyncEngine(LLM(TINY_CONFIG).engine)
     release = threading.Event()
     stuck = loop.call(lambda engine: release.wait(30))
@@ -95,6 +100,32 @@ def test_a_call_in_flight_is_drained_then_answered_with_the_drain_timeout():
     assert time.monotonic() - started < 2
     release.set()
     stopping.join(10)
+
+
+def test_a_drain_after_a_call_that_killed_the_engine_does_not_wait_for_the_rebuild():
+    """A call that kills the engine is answered with its error, then the workers are rebuilt
+    on the loop thread: a drain starting then has nothing to wait for (the rebuild stops at
+    the drain; it used to hold the drain for its whole timeout)."""
+    engine = LLM(TINY_CONFIG).engine
+    rebuilding, release = threading.Event(), threading.Event()
+
+    def slow_restart():
+        rebuilding.set()
+        release.wait(30)
+
+    def failing_call(engine):  # as a weight update failing mid-copy leaves the engine
+        engine.error = "injected: copy failed"
+        raise RuntimeError(engine.error)
+
+    engine.restart = slow_restart
+    loop = AsyncEngine(engine)
+    with pytest.raises(RuntimeError, match="injected"):
+        loop.call(failing_call).result(timeout=30)
+    assert rebuilding.wait(30)
+    started = time.monotonic()
+    loop.shutdown(drain_timeout_s=3, stop_timeout_s=0.2)
+    assert time.monotonic() - started < 2
+    release.set()
 
 
 @pytest.fixture

@@ -682,3 +682,28 @@ def test_a_stop_signal_ends_with_one_line_and_a_rerun_resumes(tmp_path, signum):
     assert run(*args) == 0
     keys = [(r["id"], r["sample_idx"]) for r in read_jsonl(out)]
     assert len(keys) == len(set(keys)) == 40
+
+
+def test_sigterm_while_the_ranks_load_ends_the_run_as_after_it(ray_head, tmp_path):
+    """World size 2 on Ray: ray.init sets a SIGTERM handler of its own (sys.exit(15)); a
+    SIGTERM while the ranks load ended the run with exit code 15 and no word of the output."""
+    source = write_jsonl(tmp_path / "in.jsonl", [{"id": 0, "prompt": [1, 2, 3]}])
+    out = tmp_path / "out.jsonl"
+    cmd = [sys.executable, "launch/rollout.py", "--config", str(TINY_CONFIG), "--no-progress"]
+    cmd += ["--input", str(source), "--output", str(out), "--set", "parallel.world_size=2"]
+    env = {**ray_head.env, "RAY_ADDRESS": ray_head.gcs_address}  # the private head, no other
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stderr:  # Ray says so once ray.init has joined the head
+            if "Connected to Ray cluster" in line:
+                break
+        time.sleep(1.0)  # into the ranks' start-up
+        proc.send_signal(signal.SIGTERM)
+        err = proc.communicate(timeout=60)[1]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("rollout: stopped by SIGTERM after writing 0 rows"), err

@@ -97,7 +97,8 @@ class AsyncEngine:
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         prompts, params = list(prompts), list(params)
         admit = partial(LLMEngine.add_requests, prompts=prompts, params=params)
-        num_sequences = sum(getattr(p, "n", 1) for p in params)  # a non-params: refused at admit
+        # A value that is no SamplingParams is refused at admission, naming it; 1 until then.
+        num_sequences = sum(p.n if isinstance(p, SamplingParams) else 1 for p in params)
         return self._queue_submission(_Submission(admit, num_sequences, on_output))
 
     def submit_scores(
@@ -164,8 +165,7 @@ class AsyncEngine:
         call more than once."""
         with self._cond:
             self._is_accepting = False
-            # _die empties _live too; a call in flight (a weight update) is waited for as well
-            self._cond.wait_for(lambda: not self._live and self._call is None, drain_timeout_s)
+            self._cond.wait_for(self._drained, drain_timeout_s)
             self._is_stopping = True
             unfinished, self._live = list(self._live), set()
             call = self._call
@@ -181,6 +181,15 @@ class AsyncEngine:
         if self._thread.is_alive():  # stuck in a call that only a rank's timeout would end
             self._engine.shutdown()
             self._thread.join(stop_timeout_s)
+
+    def _drained(self) -> bool:
+        """Nothing accepted is left to answer: no live submission (_die empties them too), no
+        call running or queued (a weight update asked before the drain began). Under _cond."""
+        return (
+            not self._live
+            and self._call is None
+            and not any(isinstance(item, tuple) for item in self._queue)
+        )
 
     def _queue_submission(self, submission: _Submission) -> Future:
         self._put(submission)
@@ -275,7 +284,8 @@ class AsyncEngine:
             with self._cond:
                 if self._cond.wait_for(lambda: self._is_stopping, interval):
                     return
-                busy = self._busy
+                # (while it rebuilds its workers, inside the failed step: unhealthy already)
+                busy = self._busy if self._error is None else None
             if busy is None or time.monotonic() - busy[1] < interval:
                 continue
             try:
@@ -298,19 +308,21 @@ class AsyncEngine:
             return
         with self._cond:
             self._call = future  # in flight: a drain waits for it
+        failure = None
         try:
             self._check_alive()
             result = fn(self._engine)
         except Exception as exc:  # the caller gets it; a refusal changes nothing else
             _resolve(future, exc, None)  # (unless a shutdown answered it first)
-            if self._engine.error is not None:  # but a failure killed the engine
-                self._die(exc)
+            failure = exc
         else:
             _resolve(future, None, result)
         finally:
-            with self._cond:
+            with self._cond:  # answered: a drain no longer waits for it (nor for a rebuild)
                 self._call = None
                 self._cond.notify_all()
+        if failure is not None and self._engine.error is not None:  # it killed the engine
+            self._die(failure)
 
     def _check_workers(self) -> None:
         if self._error is None:  # not once the engine has given up

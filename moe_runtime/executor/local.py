@@ -37,7 +37,7 @@ class LocalExecutor:
         return self.call(method, [args], timeout_s)
 
     def silent_ranks(self, timeout_s: float) -> list[int]:
-        """None: the rank runs in this process, so whatever asks runs beside it."""
+        """[]: the one rank runs in this process, beside whatever asks: nothing to ping."""
         return []
 
     def shutdown(self) -> None:
