@@ -24,6 +24,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -206,6 +207,7 @@ def _run(args: argparse.Namespace, appender: Appender) -> int:
         return 2
     try:
         _stop_on_signals(appender)
+        appender.check()  # a stop signal during the load ends the run here
         heap.freeze()  # no full collection of start-up's objects in the run (moe_runtime/heap.py)
         settings = _run_settings(llm, args, defaults, rows.sha256)
         try:
@@ -254,7 +256,9 @@ def _write(
         disable=args.no_progress,
         desc="score" if args.score else "rollout",
     )
-    run = partial(_score_batch, num_top=args.logprobs) if args.score else _rollout_batch
+    run = partial(_score_batch if args.score else _rollout_batch, stop=appender.check)
+    if args.score:
+        run = partial(run, num_top=args.logprobs)
     try:
         for first in range(0, len(todo), args.batch_size):
             batch = todo[first : first + args.batch_size]
@@ -364,13 +368,17 @@ def _checked(
     return [s for s in good if s.line_no not in bad_rows], list(bad_rows.values())
 
 
-def _rollout_batch(llm: LLM, batch: list[Sample], progress: tqdm) -> list[dict]:
+def _rollout_batch(
+    llm: LLM, batch: list[Sample], progress: tqdm, stop: Callable[[], None]
+) -> list[dict]:
     """Generate the batch together (one request per sample); rows in batch order. The progress
-    bar counts finished samples and, between them, the batch's tokens so far."""
+    bar counts finished samples and, between them, the batch's tokens so far. `stop()` between
+    two steps raises Stopped once a stop signal came."""
     engine = llm.engine
     requests = engine.add_requests([s.prompt for s in batch], [s.params for s in batch])
     num_tokens = 0
     while engine.has_unfinished():
+        stop()
         deltas = engine.step()
         num_tokens += sum(len(out.token_ids) for delta in deltas for out in delta.outputs)
         progress.set_postfix(batch_tokens=num_tokens, refresh=False)
@@ -399,9 +407,12 @@ def _json_tops(top_logprobs: list[dict[int, float]]) -> list[dict[str, float]]:
     return [{str(t): lp for t, lp in top.items()} for top in top_logprobs]
 
 
-def _score_batch(llm: LLM, batch: list[Sample], progress: tqdm, num_top: int) -> list[dict]:
+def _score_batch(
+    llm: LLM, batch: list[Sample], progress: tqdm, stop: Callable[[], None], num_top: int
+) -> list[dict]:
     """Rows of teacher-forced logprobs, with each position's `num_top` top logprobs (as a
-    rollout row writes them) when num_top > 0."""
+    rollout row writes them) when num_top > 0. `stop()` before the batch, as between steps."""
+    stop()
     sequences = [list(s.prompt) + list(s.token_ids) for s in batch]
     outputs = llm.score_outputs(sequences, [len(s.prompt) for s in batch], num_top or None)
     progress.update(len(batch))

@@ -284,8 +284,10 @@ class Stopped(BaseException):
 
 class Appender:
     """Appends batches of rows to the output and counts them. SIGINT and SIGTERM (its
-    `on_signal`) raise Stopped at once, but during an append only once it is done: a batch is
-    on disk whole and counted, or not written at all."""
+    `on_signal`) are recorded and raise Stopped at the next `check` (between two engine steps,
+    after an append): never from inside a step, where Ray's waits would turn it into a
+    SystemError, nor mid-append, so a batch is on disk whole and counted or not written at
+    all. A second signal raises at once (the run is stuck, or the user insists)."""
 
     def __init__(self, output: Path) -> None:
         self.output = output
@@ -300,15 +302,18 @@ class Appender:
             self.num_written += len(rows)
         finally:
             self.is_appending = False
+        self.check()
+
+    def check(self) -> None:
+        """Raise Stopped if a stop signal came."""
         if self.pending_signum is not None:
             raise Stopped(self.pending_signum)
 
     def on_signal(self, signum: int, frame: object) -> None:
         # A flag, not a blocked signal: the signal may reach any of the process's threads.
-        if self.is_appending:
-            self.pending_signum = signum
-        else:
+        if self.pending_signum is not None and not self.is_appending:
             raise Stopped(signum)
+        self.pending_signum = signum
 
 
 def settings_path(output: Path) -> Path:
