@@ -8,18 +8,17 @@ Rows and seeds: launch.rollout_io. Each sample is its own request with its own s
 (the engine's CompletionOutput: token ids, logprobs, routed experts, seed) is the same bits in
 any batch. Batches are appended and fsynced: a rerun with the same --output resumes without
 losing or duplicating rows, and is refused if what a row's bits depend on changed (the settings
-record beside the output). Every row is checked as the engine would before anything runs; a bad
-one stops the job (--on-bad-row skip: report it, run the others), and a bad run-wide flag
-stops it before any row is read. SIGINT / SIGTERM end it after the batches written so far (exit
-130 / 143); a rerun resumes. `--score`: teacher-forced logprobs (LLM.score) of rows' "token_ids".
+record beside the output: launch.rollout_settings). Every row is checked as the engine would
+before anything runs; a bad one stops the job (--on-bad-row skip: report it, run the others),
+and a bad run-wide flag stops it before any row is read. SIGINT / SIGTERM end it at the next
+engine step, after the batches written so far (exit 130 / 143); a rerun resumes. `--score`:
+teacher-forced logprobs (LLM.score) of rows' "token_ids".
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
-import importlib.metadata
 import os
 import signal
 import sys
@@ -32,10 +31,8 @@ if __name__ == "__main__":  # the checkout on the path, not launch/ (whose opena
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 import numpy as np  # noqa: E402
-import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-import moe_runtime  # noqa: E402
 from launch import cli  # noqa: E402
 from launch.rollout_io import (  # noqa: E402
     STOP_SIGNALS,
@@ -43,13 +40,12 @@ from launch.rollout_io import (  # noqa: E402
     RowError,
     Sample,
     Stopped,
-    check_settings,
     cut_torn_line,
     lock_output,
     read_done,
     read_samples,
-    record_settings,
 )
+from launch.rollout_settings import check_settings, record_settings, run_settings  # noqa: E402
 from moe_runtime import LLM, RequestOutput, SamplingParams, heap  # noqa: E402
 from moe_runtime.config import load_config  # noqa: E402
 from moe_runtime.seeds import MAX_SEED, SEED_BITS  # noqa: E402
@@ -79,36 +75,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 # Set by Ray for the entrypoint of `ray job submit`, whose working dir is Ray's temporary copy.
 RAY_JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
-
-# Config keys left out of the settings record: they change no output bit in any mode.
-UNRECORDED_KEYS = frozenset(
-    {"server", "parallel.timeout_s", "parallel.max_restarts", "parallel.restart_window_s"}
-)
-# Left out too while the invariance contract holds (invariant kernels, no multiple reduction):
-# where rows run, how they are batched, cached, chunked and placed changes none of their bits
-# (README's config table). A key not named here is recorded, so a new one errs on refusing:
-# cache.block_size is (the attention's KV splits are runs of cache blocks), and so is
-# scheduler.max_model_len (it decides which rows run at all).
-INVARIANT_FREE_KEYS = frozenset(
-    {
-        "cache.num_blocks",
-        "cache.enable_prefix_caching",
-        "cache.gpu_memory_utilization",
-        "scheduler.max_num_seqs",
-        "scheduler.max_num_batched_tokens",
-        "scheduler.enable_chunked_prefill",
-        "scheduler.overlap_decode",
-        "eplb",
-        "parallel.world_size",
-        "parallel.tp_size",
-        "parallel.backend",
-        "parallel.ep_capacity_dispatch",
-        "parallel.ep_backend",
-        "kernels.cuda_graphs",
-        "kernels.cuda_graph_batch_sizes",
-        "kernels.side_stream_rows",
-    }
-)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -209,7 +175,7 @@ def _run(args: argparse.Namespace, appender: Appender) -> int:
         _stop_on_signals(appender)
         appender.check()  # a stop signal during the load ends the run here
         heap.freeze()  # no full collection of start-up's objects in the run (moe_runtime/heap.py)
-        settings = _run_settings(llm, args, defaults, rows.sha256)
+        settings = run_settings(llm, args, defaults, rows.sha256)
         try:
             _check_model_flags(llm, args)
             if existing.num_bytes:
@@ -265,57 +231,6 @@ def _write(
             appender.append(run(llm, batch, progress))
     finally:
         progress.close()  # the bar's line ended before anything else is printed
-
-
-# The packages whose code a row's bits come from (launch/ only reads and writes rows).
-RUNTIME_PACKAGES = ("moe_kernels", "comm", "eplb", "moe_runtime")
-
-
-def runtime_stamp() -> dict[str, str | None]:
-    """The code a row's bits come from: a SHA-256 of the runtime packages' sources and the
-    versions of torch and triton. A resume under other code (an upgrade, an edited kernel) is
-    refused: a change there may change the bits, and the rows do not say which code made
-    them."""
-    root = Path(moe_runtime.__file__).resolve().parent.parent
-    digest = hashlib.sha256()
-    for package in RUNTIME_PACKAGES:
-        for source in sorted((root / package).rglob("*.py")):
-            digest.update(str(source.relative_to(root)).encode() + b"\0")
-            digest.update(source.read_bytes())
-    try:
-        triton = importlib.metadata.version("triton")
-    except importlib.metadata.PackageNotFoundError:
-        triton = None
-    return {
-        "runtime.source_sha256": digest.hexdigest(),
-        "runtime.torch": torch.__version__,
-        "runtime.triton": triton,
-    }
-
-
-def _run_settings(llm: LLM, args: argparse.Namespace, defaults: dict, input_sha256: str) -> dict:
-    """What an output row's bits depend on, flat ("model.hidden_size": 64, ...), in the order a
-    refused resume names them. `model.path`'s weights by their files' stamp (not hashed)."""
-    config = llm.config
-    contract = config.kernels.is_invariant and not config.parallel.allow_multiple_reduction
-    unrecorded = UNRECORDED_KEYS | (INVARIANT_FREE_KEYS if contract else frozenset())
-    settings = {"score": args.score, "input_sha256": input_sha256, **runtime_stamp()}
-    if not args.score:  # scoring reads no sampling setting but --logprobs
-        settings |= {"base_seed": args.base_seed, **defaults}
-    elif args.logprobs:  # (0, the rows without top logprobs, records nothing, as before it)
-        settings["logprobs"] = args.logprobs
-    for section, values in dataclasses.asdict(config).items():
-        for key, value in values.items():
-            if section not in unrecorded and f"{section}.{key}" not in unrecorded:
-                settings[f"{section}.{key}"] = value
-    if config.model.path:
-        # The weights there as the engine stamped them before reading them (a trainer saving
-        # its next step over them would mix two policies in one output), and the directory
-        # however it is named.
-        settings["model.path"] = str(Path(config.model.path).resolve())
-        stamp = llm.engine.startup_weights.stamp
-        settings["model.weights"] = {name: list(values) for name, values in stamp}
-    return settings
 
 
 def _output_path(output: Path, input_path: Path) -> Path:

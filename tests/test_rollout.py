@@ -16,8 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from launch import rollout
-from launch.rollout_io import append_rows, lock_output, read_done, settings_path
+from launch import rollout, rollout_settings
+from launch.rollout_io import append_rows, lock_output, read_done
+from launch.rollout_settings import settings_path
 from moe_runtime import LLM, CompletionOutput, SamplingParams
 from moe_runtime.engine.engine import LLMEngine
 from moe_runtime.seeds import derive_seed
@@ -422,10 +423,10 @@ def test_resume_under_other_runtime_code_is_refused(tmp_path, capsys, monkeypatc
     """The record names the code the rows came from: a resume after the runtime's sources
     changed (an upgrade, an edited kernel) is refused, naming the digest."""
     source, out, _ = partial_run(tmp_path, 4)
-    recorded = rollout.runtime_stamp()
+    recorded = rollout_settings.runtime_stamp()
     assert len(recorded["runtime.source_sha256"]) == 64 and recorded["runtime.torch"]
     edited = {**recorded, "runtime.source_sha256": "0" * 64}
-    monkeypatch.setattr(rollout, "runtime_stamp", lambda: edited)
+    monkeypatch.setattr(rollout_settings, "runtime_stamp", lambda: edited)
     capsys.readouterr()
     assert run("--input", source, "--output", out, *ARGS) == 2
     err = capsys.readouterr().err
