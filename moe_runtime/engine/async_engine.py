@@ -10,10 +10,9 @@ parallel.restart_window_s it gives up (`has_given_up`), and at once where the se
 source changed since they were read (WeightsChangedError: a rebuild would serve other weights
 under the same version). An engine idle for `server.health_check_interval_s` checks that every
 rank still answers (`LLMEngine.check_workers`), so a rank that died between requests is rebuilt
-before a request meets it; an engine busy that long in one step or call asks its ranks for a
-ping answered beside the work (`LLMEngine.silent_ranks`), and `stalled` names the ranks that
-gave none (a /health 503 long before the step's own timeout fails it; the watchdog's pings are
-the one engine call made off the loop thread while it runs). `shutdown` is bounded whatever the
+before a request meets it; in a step or call that long, `stalled` names the ranks that answer
+no ping beside their work (engine/stall_watch.py: a /health 503 long before the step's own
+timeout fails it). `shutdown` is bounded whatever the
 ranks do: requests still running at the drain timeout end with EngineUnavailableError, a fault
 seen while stopping rebuilds nothing, and a loop stuck in a call to a rank that does not answer
 has the workers killed under it, which ends the call. Request semantics are the engine's; this
@@ -24,11 +23,10 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -36,8 +34,8 @@ from typing import Any
 from moe_runtime.engine.engine import LLMEngine
 from moe_runtime.engine.outputs import EngineStats, RequestOutput
 from moe_runtime.engine.request import Request
+from moe_runtime.engine.stall_watch import StallWatch
 from moe_runtime.engine.weights_source import WeightsChangedError
-from moe_runtime.executor import QUICK_CALL_TIMEOUT_S
 from moe_runtime.sampling_params import SamplingParams
 
 OutputCallback = Callable[[int, RequestOutput], None]  # (prompt index, delta)
@@ -70,9 +68,7 @@ class AsyncEngine:
         self._has_cancelled = False
         self._error: BaseException | None = None
         self._given_up = False
-        self._busy: tuple[str, float] | None = None  # what the loop runs now, since (monotonic)
         self._call: Future | None = None  # the call (`call`) running now
-        self._stalled: str | None = None  # the watchdog's finding on the current step or call
         self._stats = engine.stats()
         # Loop thread only: the submission and prompt index of each unfinished request, and
         # the scorings admitted (no deltas: each is settled when its requests are done).
@@ -80,9 +76,10 @@ class AsyncEngine:
         self._scorings: set[_Submission] = set()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
+        self._stall_watch = None  # what the loop waits on in a long step (server's interval)
         if self._check_interval_s is not None:
-            watch = threading.Thread(target=self._watch, name="engine-watchdog", daemon=True)
-            watch.start()
+            is_rebuilding = lambda: self.error is not None  # noqa: E731 (the loop's error)
+            self._stall_watch = StallWatch(engine, self._check_interval_s, is_rebuilding)
 
     def submit(
         self,
@@ -139,8 +136,7 @@ class AsyncEngine:
     def stalled(self) -> str | None:
         """Why the step or call under way looks stuck: the ranks that answered no ping after it
         had run server.health_check_interval_s; None when it is not (cleared when it ends)."""
-        with self._cond:
-            return self._stalled
+        return None if self._stall_watch is None else self._stall_watch.stalled
 
     @property
     def error(self) -> str | None:
@@ -168,6 +164,8 @@ class AsyncEngine:
             self._cond.wait_for(self._drained, drain_timeout_s)
             self._is_stopping = True
             unfinished, self._live = list(self._live), set()
+            if self._stall_watch is not None:
+                self._stall_watch.stop()
             call = self._call
             self._cond.notify_all()
         late = f"still running when the drain timeout ({drain_timeout_s:g}s) passed"
@@ -264,39 +262,9 @@ class AsyncEngine:
                 _resolve(future, stopped, None)
             self._engine.shutdown()
 
-    @contextmanager
-    def _running(self, what: str) -> Iterator[None]:
-        """Mark the loop busy with `what` for the watchdog; its finding ends with it."""
-        with self._cond:
-            self._busy = (what, time.monotonic())
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._busy, self._stalled = None, None
-
-    def _watch(self) -> None:
-        """Every health_check_interval_s: if the loop has been inside one step or call that
-        long, ping every rank beside its work (a rank computing or waiting in a collective
-        answers; a stopped or wedged process does not) and record the silent ones."""
-        interval = self._check_interval_s
-        while True:
-            with self._cond:
-                if self._cond.wait_for(lambda: self._is_stopping, interval):
-                    return
-                # (while it rebuilds its workers, inside the failed step: unhealthy already)
-                busy = self._busy if self._error is None else None
-            if busy is None or time.monotonic() - busy[1] < interval:
-                continue
-            try:
-                silent = self._engine.silent_ranks(QUICK_CALL_TIMEOUT_S)
-                found = silent and f"ranks {silent} answered no ping in {QUICK_CALL_TIMEOUT_S:g}s"
-            except Exception as exc:  # the executor itself failed: say so rather than nothing
-                found = f"the ranks could not be pinged: {type(exc).__name__}: {exc}"
-            with self._cond:
-                if self._busy is busy:  # else it ended meanwhile: nothing to report
-                    ran_s = time.monotonic() - busy[1]
-                    self._stalled = f"{found} while {busy[0]} ran {ran_s:.0f}s" if found else None
+    def _running(self, what: str) -> AbstractContextManager:
+        """Mark the loop busy with `what` for the stall watch."""
+        return nullcontext() if self._stall_watch is None else self._stall_watch.running(what)
 
     def _check_alive(self) -> None:
         if self._error is not None:

@@ -1,0 +1,77 @@
+"""StallWatch: names the ranks a step or call waits on while it is still under way.
+
+A rank that stalls inside a step (a stopped or wedged process) holds the step until the
+collective timeout, minutes by default, while everything looks healthy. The engine loop marks
+what it runs (`running`); a thread of the watch's own wakes every `interval_s` and, once the
+same step or call has run that long, pings every rank beside its work (`LLMEngine.silent_ranks`:
+a rank computing or waiting in a collective answers, a frozen one does not). `stalled` names
+the silent ranks until that step or call ends. The pings are the one engine call made off the
+loop thread while it runs.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from moe_runtime.engine.engine import LLMEngine
+from moe_runtime.executor import QUICK_CALL_TIMEOUT_S
+
+
+class StallWatch:
+    def __init__(
+        self, engine: LLMEngine, interval_s: float, is_rebuilding: Callable[[], bool]
+    ) -> None:
+        """is_rebuilding(): True while the engine rebuilds its workers (inside the failed step:
+        unhealthy already, and its old ranks are gone), when nothing is pinged."""
+        self._engine, self._interval_s, self._is_rebuilding = engine, interval_s, is_rebuilding
+        self._lock = threading.Condition()
+        self._busy: tuple[str, float] | None = None  # what the loop runs now, since (monotonic)
+        self._stalled: str | None = None  # the finding on it
+        self._is_stopped = False
+        threading.Thread(target=self._watch, name="engine-watchdog", daemon=True).start()
+
+    @property
+    def stalled(self) -> str | None:
+        """The silent ranks of the step or call under way, once it had run interval_s; None
+        when there are none (cleared when it ends)."""
+        with self._lock:
+            return self._stalled
+
+    @contextmanager
+    def running(self, what: str) -> Iterator[None]:
+        """Mark the loop busy with `what`; the finding on it ends with it."""
+        with self._lock:
+            self._busy = (what, time.monotonic())
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._busy, self._stalled = None, None
+
+    def stop(self) -> None:
+        with self._lock:
+            self._is_stopped = True
+            self._lock.notify_all()
+
+    def _watch(self) -> None:
+        while True:
+            with self._lock:
+                if self._lock.wait_for(lambda: self._is_stopped, self._interval_s):
+                    return
+                busy = self._busy
+            if busy is None or time.monotonic() - busy[1] < self._interval_s:
+                continue
+            if self._is_rebuilding():
+                continue
+            try:
+                silent = self._engine.silent_ranks(QUICK_CALL_TIMEOUT_S)
+                found = silent and f"ranks {silent} answered no ping in {QUICK_CALL_TIMEOUT_S:g}s"
+            except Exception as exc:  # the executor itself failed: say so rather than nothing
+                found = f"the ranks could not be pinged: {type(exc).__name__}: {exc}"
+            with self._lock:
+                if self._busy is busy:  # else it ended meanwhile: nothing to report
+                    ran_s = time.monotonic() - busy[1]
+                    self._stalled = f"{found} while {busy[0]} ran {ran_s:.0f}s" if found else None
