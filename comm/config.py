@@ -6,7 +6,7 @@ through its declared invariance: every layout must give the same bits.
 
 from __future__ import annotations
 
-import math
+import threading
 from dataclasses import dataclass
 
 BACKENDS = ("auto", "gloo", "nccl")
@@ -78,9 +78,13 @@ class ParallelConfig:
         for key in ("timeout_s", "restart_window_s"):
             value = getattr(self, key)
             is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
-            if not (is_number and 0 < value < math.inf):
-                # timeout_s bounds every collective and every call to a worker: never unbounded.
-                raise ValueError(f"parallel.{key} must be a finite number > 0, got {value!r}")
+            if not (is_number and 0 < value <= threading.TIMEOUT_MAX):
+                # timeout_s bounds every collective and every call to a worker: never unbounded
+                # (and a wait longer than the platform's longest overflows at its first use).
+                raise ValueError(
+                    f"parallel.{key} must be a number in (0, {threading.TIMEOUT_MAX:.3g}] "
+                    f"seconds, got {value!r}"
+                )
 
     @property
     def dp_size(self) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
+import threading
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -103,10 +103,11 @@ class ServerConfig:
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
             raise ValueError("server.api_key must be null or a non-empty string")
         interval = self.health_check_interval_s
-        if interval is not None and not 0 < interval < math.inf:
+        if interval is not None and not 0 < interval <= threading.TIMEOUT_MAX:
+            # (a wait longer than the platform's longest killed the engine loop at its first)
             raise ValueError(
-                f"server.health_check_interval_s must be null or a finite number > 0, "
-                f"got {interval!r}"
+                f"server.health_check_interval_s must be null or a number in "
+                f"(0, {threading.TIMEOUT_MAX:.3g}] seconds, got {interval!r}"
             )
 
 

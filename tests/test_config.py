@@ -451,7 +451,9 @@ def test_attention_group_splits_loads_below_64_heads_and_is_refused_from_64():
         ("parallel.timeout_s", "true", "a finite number"),
         ("parallel.world_size", "true", "an int"),  # Python counts a bool as the int 1
         ("parallel.max_restarts", "true", "an int"),
-        ("parallel.restart_window_s", "0", "a finite number > 0"),
+        ("parallel.restart_window_s", "0", r"a number in \(0, "),
+        # past the platform's longest wait: an OverflowError at its first use, the loop dead
+        ("parallel.timeout_s", "1.0e+30", r"a number in \(0, 9.22e\+09\] seconds"),
         ("parallel.restart_window_s", ".inf", "a finite number"),
         ("cache.enable_prefix_caching", "maybe", "true or false"),  # a word is truthy
         ("scheduler.enable_chunked_prefill", "1", "true or false"),
@@ -465,7 +467,8 @@ def test_attention_group_splits_loads_below_64_heads_and_is_refused_from_64():
         ("server.model_name", "null", "a string"),
         ("server.api_key", "5", "a string or null"),
         ("server.api_key", "''", "null or a non-empty string"),
-        ("server.health_check_interval_s", "0", "null or a finite number > 0"),
+        ("server.health_check_interval_s", "0", r"null or a number in \(0, "),
+        ("server.health_check_interval_s", "1.0e+10", r"null or a number in \(0, 9.22e\+09\]"),
         ("server.health_check_interval_s", ".inf", "a finite number or null"),
         ("model.rope_theta", "0", "> 0"),  # NaN rotations
         ("model.routed_scaling_factor", "-1", "> 0"),
@@ -486,7 +489,16 @@ def test_values_of_the_wrong_type_fail_at_load_naming_the_key(key, value, named)
         ("yarn", "rope_scaling='yarn' is refused: must be an object or null"),
         ("{type: linear, factor: 2}", "rope_scaling.rope_type='linear' is refused"),
         ("{type: yarn}", "rope_scaling.factor=None is refused: YaRN needs it set"),
-        ("{type: yarn, factor: x}", "rope_scaling.factor='x' is refused: must be a number"),
+        ("{type: yarn, factor: x}", "rope_scaling.factor='x' is refused: must be a finite"),
+        # NaN and infinity loaded, and the logits came out NaN (greedy gave token 0 throughout)
+        (
+            "{type: yarn, original_max_position_embeddings: 256, factor: .nan}",
+            "rope_scaling.factor=nan is refused: must be a finite number",
+        ),
+        (
+            "{type: yarn, original_max_position_embeddings: 256, factor: 2, mscale: .inf}",
+            "rope_scaling.mscale=inf is refused: must be a finite number",
+        ),
         ("{rope_type: default, foo: 1}", "rope_scaling.foo=1 is refused: not implemented"),
         (
             "{type: yarn, factor: 4, original_max_position_embeddings: 0}",

@@ -12,6 +12,7 @@ with; ModelConfig validates the values.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -88,7 +89,7 @@ _JSON_TYPES = {
         ).split(),
         "an int",
     ),
-    **dict.fromkeys(("routed_scaling_factor", "rms_norm_eps", "rope_theta"), "a number"),
+    **dict.fromkeys(("routed_scaling_factor", "rms_norm_eps", "rope_theta"), "a finite number"),
     **dict.fromkeys(("tie_word_embeddings", "norm_topk_prob", "rope_interleave"), "a bool"),
 }
 
@@ -190,9 +191,13 @@ def _check_json_types(hf: dict[str, Any]) -> None:
 
 
 def _has_type(value: Any, kind: str) -> bool:
+    """Whether value is of `kind` ("a bool", "an int", "a finite number"): JSON's Infinity and
+    NaN are no number here (they reached the rotary tables and the logits as NaN)."""
     if kind == "a bool":
         return isinstance(value, bool)
-    return is_int(value) or (kind == "a number" and isinstance(value, float))
+    if kind == "a finite number" and isinstance(value, float):
+        return math.isfinite(value)
+    return is_int(value)
 
 
 def _shape_keys(hf: dict[str, Any]) -> dict[str, Any]:
@@ -246,7 +251,7 @@ def rope_problem(rope: object) -> tuple[str, object, str] | None:
     for sub, value in rope.items():
         if sub not in ROPE_KEYS[kind]:
             return sub, value, f"not implemented for rope_type {kind!r}"
-        want = "a bool" if sub == "truncate" else "a number"
+        want = "a bool" if sub == "truncate" else "a finite number"
         if sub not in ("rope_type", "type") and value is not None and not _has_type(value, want):
             return sub, value, f"must be {want}"
     if kind == "yarn":
