@@ -339,8 +339,8 @@ def load_config(
         if not path.is_file():
             raise ValueError(f"config file {str(path)!r} does not exist")
         try:
-            raw = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as exc:
+            raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except (yaml.YAMLError, UnicodeDecodeError) as exc:
             raise ValueError(f"config file {str(path)!r} is not valid YAML: {exc}") from None
         if not isinstance(raw, dict):
             raise ValueError(f"config file {str(path)!r} must hold a mapping of sections")
@@ -352,6 +352,7 @@ def load_config(
         )
     for dotted, value in (overrides or {}).items():
         apply_override(raw, dotted, value)
+    _check_keys("config", raw)
     unknown = sorted(set(raw) - set(SECTIONS))
     if unknown:
         raise ValueError(f"unknown config section {unknown[0]!r} (known: {sorted(SECTIONS)})")
@@ -360,6 +361,7 @@ def load_config(
         section = raw.get(name) or {}
         if not isinstance(section, dict):
             raise ValueError(f"config section {name!r} must be a mapping, got {section!r}")
+        _check_keys(f"config section {name!r}", section)
         built[name] = (
             cls.from_dict(section) if hasattr(cls, "from_dict") else _build(name, cls, section)
         )
@@ -367,13 +369,19 @@ def load_config(
 
 
 def apply_override(raw: dict, dotted: str, value: Any) -> None:
-    """Set raw[section][key] from "section.key"; string values are parsed as YAML scalars."""
+    """Set raw[section][key] from "section.key"; string values are parsed as YAML scalars (an
+    empty one is refused: `key=` from an unset shell variable would have meant null, turning
+    server.api_key, and with it authentication, off without a word)."""
+    if not isinstance(dotted, str):
+        raise ValueError(f"override {dotted!r} must be a 'section.key' string")
     section, _, key = dotted.partition(".")
     if not key or section not in SECTIONS:
         raise ValueError(
             f"override {dotted!r} must be 'section.key' with section in {sorted(SECTIONS)}"
         )
     if isinstance(value, str):
+        if not value.strip():
+            raise ValueError(f"override {dotted}={value!r} has no value (write {dotted}=null)")
         try:
             value = yaml.safe_load(value)
         except yaml.YAMLError as exc:
@@ -381,7 +389,19 @@ def apply_override(raw: dict, dotted: str, value: Any) -> None:
     raw.setdefault(section, {})
     if raw[section] is None:
         raw[section] = {}
+    if not isinstance(raw[section], dict):
+        raise ValueError(
+            f"config section {section!r} must be a mapping, got {raw[section]!r} "
+            f"(so the override {dotted} has nowhere to go)"
+        )
     raw[section][key] = value
+
+
+def _check_keys(where: str, mapping: dict) -> None:
+    """Refuse a key that is no string (YAML reads `1:` as the int 1), naming it."""
+    odd = next((key for key in mapping if not isinstance(key, str)), None)
+    if odd is not None:
+        raise ValueError(f"{where}: key {odd!r} must be a name, got {type(odd).__name__}")
 
 
 def _build(name: str, cls: type, section: dict) -> Any:

@@ -543,3 +543,34 @@ def test_loose_values_that_mean_one_thing_still_load():
     assert config.parallel.timeout_s == 10 and config.cache.gpu_memory_utilization == 1
     assert config.parallel.ep_capacity_dispatch == "off"
     assert config.server.health_check_interval_s is None and config.model.q_lora_rank is None
+
+
+@pytest.mark.parametrize(
+    "yaml_text, overrides, named",
+    [
+        # an unset shell variable (`--set server.api_key=$KEY`) meant null: auth off, no word
+        ("", {"server.api_key": ""}, r"override server.api_key='' has no value"),
+        ("", {"server.api_key": " "}, r"override server.api_key=' ' has no value"),
+        ("kernels: 0\n", {"kernels.mode": "fast"}, r"section 'kernels' must be a mapping, got 0"),
+        ("model: [1]\n", {"model.seed": "1"}, r"section 'model' must be a mapping, got \[1\]"),
+        ("1: a\nfoo: b\n", {}, r"config: key 1 must be a name, got int"),  # a sort's TypeError
+        ("model:\n  1: a\n", {}, r"config section 'model': key 1 must be a name, got int"),
+        ("", {1: "x"}, r"override 1 must be a 'section.key' string"),
+    ],
+)
+def test_a_config_that_cannot_be_read_as_named_keys_is_refused_naming_it(
+    tmp_path, yaml_text, overrides, named
+):
+    """Each of these was a TypeError or AttributeError from inside the loader, or (the empty
+    override) silently null."""
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml_text)
+    with pytest.raises(ValueError, match=named):
+        load_config(path, overrides)
+
+
+def test_a_config_file_that_is_not_utf8_is_refused_naming_it(tmp_path):
+    path = tmp_path / "config.yaml"
+    path.write_bytes(b"\xff\xfe")
+    with pytest.raises(ValueError, match=r"config\.yaml' is not valid YAML: 'utf-8' codec"):
+        load_config(path)
