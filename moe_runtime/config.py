@@ -409,7 +409,7 @@ def _build(name: str, cls: type, section: dict) -> Any:
     unknown = sorted(set(section) - known)
     if unknown:
         raise ValueError(f"unknown key {name}.{unknown[0]} (known: {sorted(known)})")
-    check_field_types(name, cls, section)
+    check_field_types(name, cls, section, is_sized=True)
     try:
         return cls(**section)
     except TypeError as exc:

@@ -29,13 +29,20 @@ def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def check_field_types(section: str, cls: type, values: dict[str, Any]) -> None:
+def check_field_types(
+    section: str, cls: type, values: dict[str, Any], is_sized: bool = False
+) -> None:
     """Raise ValueError naming `section.key` for the first value its field's annotation does
     not allow. Annotations other than bool, int, float, str and their unions (with None, or
-    with each other) are left to the class's own checks."""
+    with each other) are left to the class's own checks. is_sized: an int must also fit in 64
+    bits (a config's sizes and counts; a class with ranges of its own says them itself)."""
     kinds_of = _field_kinds(cls)
     for key, value in values.items():
         kinds = kinds_of.get(key, ())
+        is_integer = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+        if is_sized and int in kinds and is_integer and not -(2**63) <= value < 2**63:
+            # torch's sizes and every counter are 64-bit: past that, an overflow deep inside
+            raise ValueError(f"{section}.{key} must be an int that fits in 64 bits, got {value}")
         if kinds and not any(_is_a(value, kind) for kind in kinds):
             names = [name for kind in kinds for name in _NAMES[kind]]
             expected = " or ".join([", ".join(names[:-1]), names[-1]] if names[1:] else names)

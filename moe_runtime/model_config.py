@@ -198,7 +198,8 @@ class ModelConfig:
         unknown = sorted(set(raw) - known)
         if unknown:
             raise ValueError(f"unknown key model.{unknown[0]} (known: {sorted(known)})")
-        check_field_types("model", cls, raw)  # the YAML's values; config.json's are read apart
+        # the YAML's values; config.json's are read apart
+        check_field_types("model", cls, raw, is_sized=True)
         raw = dict(raw)
         if raw.get("path"):
             hf = read_hf_config(Path(raw["path"]))

@@ -574,3 +574,18 @@ def test_a_config_file_that_is_not_utf8_is_refused_naming_it(tmp_path):
     path.write_bytes(b"\xff\xfe")
     with pytest.raises(ValueError, match=r"config\.yaml' is not valid YAML: 'utf-8' codec"):
         load_config(path)
+
+
+def test_an_int_past_64_bits_is_refused_naming_the_key():
+    """A TypeError from torch's size unpacking (or a later kernel) before."""
+    for key in ("cache.num_blocks", "model.vocab_size", "kernels.tile_rows"):
+        with pytest.raises(ValueError, match=rf"{key} must be an int that fits in 64 bits"):
+            load_config(CONFIGS / "tiny_cpu.yaml", {key: 10**30})
+
+
+def test_a_kv_cache_too_large_to_allocate_is_refused_naming_its_size():
+    """A bare DefaultCPUAllocator error before, naming no setting."""
+    from moe_runtime import LLM
+
+    with pytest.raises(ValueError, match=r"KV cache of cache.num_blocks=100000000000 blocks"):
+        LLM(CONFIGS / "tiny_cpu.yaml", **{"cache.num_blocks": 10**11})

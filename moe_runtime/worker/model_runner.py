@@ -20,6 +20,7 @@ slot next runs after it on the same stream.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -75,16 +76,19 @@ class ModelRunner:
         self.block_size, self.must_join = block_size, must_join
         self.num_blocks = num_blocks  # blocks the BlockManager may hand out
         num_scratch = 1 if graph_batch_sizes else 0
-        self.kv_caches = [
-            torch.zeros(
-                num_blocks + num_scratch,
-                block_size,
-                cfg.latent_dim,
-                dtype=model.dtype,
-                device=device,
-            )
-            for _ in range(cfg.num_hidden_layers)
-        ]
+        shape = (num_blocks + num_scratch, block_size, cfg.latent_dim)
+        try:
+            self.kv_caches = [
+                torch.zeros(shape, dtype=model.dtype, device=device)
+                for _ in range(cfg.num_hidden_layers)
+            ]
+        except (RuntimeError, MemoryError) as exc:  # torch's out-of-memory errors among them
+            size = math.prod(shape) * cfg.num_hidden_layers * model.dtype.itemsize
+            raise ValueError(
+                f"the KV cache of cache.num_blocks={num_blocks} blocks of cache.block_size="
+                f"{block_size} ({size / 2**30:.3g} GiB in {cfg.num_hidden_layers} layers) "
+                f"cannot be allocated on {device}: {str(exc).splitlines()[0]}"
+            ) from exc
         self.sampler = Sampler(ops.log_softmax, ops.cumsum)
         self.lookahead = Lookahead(
             self.sampler,
