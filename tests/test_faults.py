@@ -340,15 +340,7 @@ def test_sigterm_with_8_streams_in_flight_drains_them_all_and_exits_0(ray_head):
     """serve_ep at world size 2 on Ray: SIGTERM once 8 streams have started. Ray's own SIGTERM
     handler (a stack dump, then an abort 3 s later) must not be the one that answers."""
     max_tokens, drain_timeout_s = 256, 20
-    command = [sys.executable, "launch/serve_ep.py", "--config", str(TINY_CONFIG), "--port", "0"]
-    command += ["--set", "parallel.world_size=2", "--drain-timeout-s", str(drain_timeout_s)]
-    env = {**ray_head.env, "RAY_ADDRESS": ray_head.gcs_address}  # the private head, no other
-    proc = subprocess.Popen(
-        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    lines: queue.Queue = queue.Queue()
-    reader = threading.Thread(target=_read_lines, args=(proc.stdout, lines), daemon=True)
-    reader.start()
+    proc, lines, reader = _serve_ep_at_world_2(ray_head, "--drain-timeout-s", str(drain_timeout_s))
     try:
         url = _wait_ready(lines, timeout_s=60)
         first_chunks = threading.Semaphore(0)
@@ -383,15 +375,7 @@ def test_sigterm_with_8_streams_in_flight_drains_them_all_and_exits_0(ray_head):
 def test_sigterm_while_the_engine_loads_exits_0_without_rays_handler(ray_head):
     """serve_ep at world size 2: SIGTERM after Ray has started, while the ranks load. Ray's C++
     handler (installed by ray.init) dumped the stack and aborted the process 3 s later."""
-    command = [sys.executable, "launch/serve_ep.py", "--config", str(TINY_CONFIG), "--port", "0"]
-    command += ["--set", "parallel.world_size=2"]
-    env = {**ray_head.env, "RAY_ADDRESS": ray_head.gcs_address}  # the private head, no other
-    proc = subprocess.Popen(
-        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    lines: queue.Queue = queue.Queue()
-    reader = threading.Thread(target=_read_lines, args=(proc.stdout, lines), daemon=True)
-    reader.start()
+    proc, lines, reader = _serve_ep_at_world_2(ray_head)
     try:
         deadline = time.monotonic() + 60
         while "loading the engine" not in lines.get(timeout=max(0.1, deadline - time.monotonic())):
@@ -408,6 +392,23 @@ def test_sigterm_while_the_engine_loads_exits_0_without_rays_handler(ray_head):
     assert code == 0, output[-3000:]
     assert "SIGTERM received" not in output and "*** " not in output, output[-3000:]
     assert "ready on" not in output and "serve_ep: stopped (SIGTERM)" in output, output[-3000:]
+
+
+def _serve_ep_at_world_2(
+    ray_head, *args: str
+) -> tuple[subprocess.Popen, queue.Queue, threading.Thread]:
+    """serve_ep on the tiny config at world size 2 on the private head (no other), a free
+    port; its output's lines (stdout and stderr) queued by a reader thread."""
+    command = [sys.executable, "launch/serve_ep.py", "--config", str(TINY_CONFIG), "--port", "0"]
+    command += ["--set", "parallel.world_size=2", *args]
+    env = {**ray_head.env, "RAY_ADDRESS": ray_head.gcs_address}
+    proc = subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    lines: queue.Queue = queue.Queue()
+    reader = threading.Thread(target=_read_lines, args=(proc.stdout, lines), daemon=True)
+    reader.start()
+    return proc, lines, reader
 
 
 def _read_lines(stream, lines: queue.Queue) -> None:

@@ -143,15 +143,9 @@ class RayExecutor:
         """The ranks that do not answer a ping within timeout_s (dead ones included), asked
         beside whatever they run: safe from any thread, while a step or a call is under way."""
         refs = [w.ping.options(concurrency_group=_LIVENESS).remote() for w in self.workers]
-        rank_of = {ref: rank for rank, ref in enumerate(refs)}
-        answered, silent = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-        dead = []
-        for ref in answered:
-            try:
-                ray.get(ref)
-            except RayError:
-                dead.append(rank_of[ref])
-        return sorted(dead + [rank_of[ref] for ref in silent])
+        errors, silent = _outcomes(refs, timeout_s)
+        failed = {ref for ref, error in errors.items() if error is not None}
+        return sorted(rank for rank, ref in enumerate(refs) if ref in failed or ref in silent)
 
     def kill_worker(self, rank: int) -> None:
         """Fault injection for tests: the actor dies as if its process crashed."""
@@ -209,15 +203,9 @@ class RayExecutor:
         those still silent after it, are named first."""
         if not pending:
             return failure
-        answered, silent = ray.wait(pending, num_returns=len(pending), timeout=_STALL_GRACE_S)
-        died = []
-        for ref in answered:
-            try:
-                ray.get(ref)
-            except RayActorError:
-                died.append(rank_of[ref])
-            except RayError:
-                pass  # another peer failing the same way
+        errors, silent = _outcomes(pending, _STALL_GRACE_S)
+        # (a peer that failed otherwise fails the same way: it is no cause)
+        died = [rank_of[ref] for ref, error in errors.items() if isinstance(error, RayActorError)]
         if died:
             return f"rank {min(died)} died during {what} (all died: {sorted(died)}; {failure})"
         if silent:
@@ -227,6 +215,20 @@ class RayExecutor:
                 f"peer failed waiting for them ({failure})"
             )
         return failure
+
+
+def _outcomes(refs: list, timeout_s: float) -> tuple[dict, list]:
+    """Wait up to timeout_s for every ref: ({answered ref: its RayError, or None}, the refs
+    still silent)."""
+    answered, silent = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    errors = {}
+    for ref in answered:
+        try:
+            ray.get(ref)
+            errors[ref] = None
+        except RayError as exc:
+            errors[ref] = exc
+    return errors, silent
 
 
 _ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
