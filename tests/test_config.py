@@ -589,3 +589,15 @@ def test_a_kv_cache_too_large_to_allocate_is_refused_naming_its_size():
 
     with pytest.raises(ValueError, match=r"KV cache of cache.num_blocks=100000000000 blocks"):
         LLM(CONFIGS / "tiny_cpu.yaml", **{"cache.num_blocks": 10**11})
+
+
+@pytest.mark.parametrize("key", ["routed_scaling_factor", "rms_norm_eps", "first_k_dense_replace"])
+def test_a_null_config_json_size_or_scale_is_refused_naming_it(tmp_path, key):
+    """A TypeError from ModelConfig's range checks before ('>' between None and int): null
+    means nothing for these keys (it does for q_lora_rank, n_shared_experts, the groups)."""
+    from tests.checkpoints import TINY_HF
+
+    hf = {**TINY_HF, "model_type": "deepseek_v3", "q_lora_rank": None, "routed_scaling_factor": 1}
+    (tmp_path / "config.json").write_text(json.dumps({**hf, key: None}))
+    with pytest.raises(ValueError, match=rf"field {key}=None is refused: must be .*, not null"):
+        ModelConfig.from_dict({"path": str(tmp_path)})

@@ -180,10 +180,24 @@ def num_mtp_layers(hf: dict[str, Any]) -> int:
     return value
 
 
+# Keys with no null meaning (a size, a scale): null is refused as a wrong type, where it
+# reached ModelConfig's range checks as a TypeError.
+_NOT_NULL = frozenset(
+    (
+        "vocab_size hidden_size intermediate_size moe_intermediate_size num_hidden_layers "
+        "num_attention_heads kv_lora_rank qk_nope_head_dim qk_rope_head_dim v_head_dim "
+        "n_routed_experts first_k_dense_replace max_position_embeddings routed_scaling_factor "
+        "rms_norm_eps rope_theta"
+    ).split()
+)
+
+
 def _check_json_types(hf: dict[str, Any]) -> None:
-    """Keys read as numbers or switches must hold one (or null): refused here, before any
-    arithmetic on them; ModelConfig checks the values."""
+    """Keys read as numbers or switches must hold one (or null, where null means something):
+    refused here, before any arithmetic on them; ModelConfig checks the values."""
     for key, value in hf.items():
+        if value is None and key in _NOT_NULL:
+            _refuse(key, value, f"must be {_JSON_TYPES[key]}, not null")
         if value is None or key not in _JSON_TYPES:
             continue
         if not _has_type(value, _JSON_TYPES[key]):
