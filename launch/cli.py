@@ -14,18 +14,24 @@ def add_override_argument(parser: argparse.ArgumentParser) -> None:
         "--set",
         action="append",
         default=[],
+        type=_override_item,
         metavar="SECTION.KEY=VALUE",
         help="config override (repeatable), e.g. kernels.mode=fast",
     )
 
 
+def _override_item(item: str) -> str:
+    """argparse's check of one --set: a malformed item is a usage error (exit 2) naming it."""
+    if "=" not in item:
+        raise argparse.ArgumentTypeError(f"expected SECTION.KEY=VALUE, got {item!r}")
+    return item
+
+
 def parse_overrides(items: list[str]) -> dict[str, str]:
-    """["kernels.mode=fast", ...] -> {"kernels.mode": "fast"}; a malformed item exits naming it."""
+    """["kernels.mode=fast", ...] -> {"kernels.mode": "fast"} (items checked by argparse)."""
     overrides = {}
     for item in items:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise SystemExit(f"--set {item!r}: expected SECTION.KEY=VALUE")
+        key, _, value = item.partition("=")
         overrides[key.strip()] = value
     return overrides
 

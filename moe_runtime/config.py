@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import re
 import threading
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -27,6 +28,23 @@ from moe_runtime.config_fields import check_field_types
 from moe_runtime.model_config import ModelConfig
 
 log = logging.getLogger("moe_runtime.config")
+
+
+class _YamlLoader(yaml.SafeLoader):
+    """PyYAML's safe loader reading `1e-6` as a float, as YAML 1.2 does: YAML 1.1 wants a dot
+    (`1.0e-6`), and without one an epsilon or a learning-rate-like value arrived as the text
+    "1e-6" and was refused as not a float."""
+
+
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def _read_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_YamlLoader)  # noqa: S506 - a SafeLoader subclass
 
 
 @dataclass(frozen=True)
@@ -339,7 +357,7 @@ def load_config(
         if not path.is_file():
             raise ValueError(f"config file {str(path)!r} does not exist")
         try:
-            raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+            raw = _read_yaml(path.read_text(encoding="utf-8")) or {}
         except (yaml.YAMLError, UnicodeDecodeError) as exc:
             raise ValueError(f"config file {str(path)!r} is not valid YAML: {exc}") from None
         if not isinstance(raw, dict):
@@ -383,7 +401,7 @@ def apply_override(raw: dict, dotted: str, value: Any) -> None:
         if not value.strip():
             raise ValueError(f"override {dotted}={value!r} has no value (write {dotted}=null)")
         try:
-            value = yaml.safe_load(value)
+            value = _read_yaml(value)
         except yaml.YAMLError as exc:
             raise ValueError(f"override {dotted}={value!r} is not a YAML value: {exc}") from None
     raw.setdefault(section, {})

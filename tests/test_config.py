@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import logging
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from launch import cli
 from moe_runtime.config import RuntimeConfig, load_config
 from moe_runtime.llm import _flatten_overrides
 from moe_runtime.model_config import ModelConfig
@@ -36,6 +38,29 @@ def test_overrides_win_and_parse_yaml_scalars():
         CONFIGS / "tiny_cpu.yaml", {"kernels.mode": "fast", "cache.num_blocks": "64"}
     )
     assert config.kernels.mode == "fast" and config.cache.num_blocks == 64
+
+
+def test_exponent_floats_without_a_dot_read_as_floats(tmp_path):
+    """YAML 1.1 reads `1e-6` as text (it wants `1.0e-6`): a file's and an override's both load."""
+    path = tmp_path / "config.yaml"
+    path.write_text(
+        (CONFIGS / "tiny_cpu.yaml")
+        .read_text(encoding="utf-8")
+        .replace("  seed: 0\n", "  seed: 0\n  rms_norm_eps: 1e-5\n"),
+        encoding="utf-8",
+    )
+    config = load_config(path, {"model.routed_scaling_factor": "25E-1"})
+    assert config.model.rms_norm_eps == 1e-5 and config.model.routed_scaling_factor == 2.5
+    assert load_config(path, {"server.api_key": "'1e5'"}).server.api_key == "1e5"
+
+
+def test_override_without_equals_is_a_usage_error():
+    parser = argparse.ArgumentParser(prog="serve_ep")
+    cli.add_override_argument(parser)
+    assert parser.parse_args(["--set", "a.b=c=d"]).set == ["a.b=c=d"]
+    with pytest.raises(SystemExit) as exit_info:
+        parser.parse_args(["--set", "kernels.mode"])
+    assert exit_info.value.code == 2
 
 
 def test_override_spellings_agree():
