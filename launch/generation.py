@@ -84,11 +84,17 @@ class Generation:
     async def start(self, stream: bool) -> None:
         """Wait for the whole outputs (cancelling the awaiting task aborts them) or, to stream,
         for the first delta. Raises the submission's error (e.g. ValueError) if it failed before
-        producing anything, so a route can still answer with a status code."""
-        if not stream:
-            self._outputs = await asyncio.wrap_future(self.future)
-            return
-        self._first = await self._queue.get()
+        producing anything, so a route can still answer with a status code. Cancelled (its
+        client left before the first token), it cancels the submission: nothing runs for
+        nobody."""
+        try:
+            if not stream:
+                self._outputs = await asyncio.wrap_future(self.future)
+                return
+            self._first = await self._queue.get()
+        except BaseException:
+            self.future.cancel()
+            raise
         if self._first is _END:
             self.future.result()
 

@@ -158,6 +158,22 @@ def test_client_leaving_a_stream_aborts_its_request(server):
 
 
 @pytest.mark.parametrize("route", [COMPLETIONS, "/v1/chat/completions"])
+def test_client_leaving_a_stream_before_its_first_token_aborts_it(server, route):
+    """The engine's thread held by a call while the client waits for a stream's first token
+    and leaves: its request never runs. A chat stream left so stayed queued, then ran all its
+    tokens for nobody (its 499 counted all the same)."""
+    busy = server.async_engine.call(lambda engine: time.sleep(1.5))
+    prompt = {"prompt": [1, 2, 3]} if route == COMPLETIONS else {"messages": [MESSAGE]}
+    body = {**prompt, "max_tokens": 900, "temperature": 0, "ignore_eos": True, "stream": True}
+    with pytest.raises(httpx.ReadTimeout):
+        with server.http.stream("POST", route, json=body, timeout=0.5):
+            pass
+    assert not busy.done()  # engagement: the client left before the engine could admit it
+    busy.result(timeout=30)
+    assert num_running(server.async_engine) == 0  # asked after its admission: not admitted
+
+
+@pytest.mark.parametrize("route", [COMPLETIONS, "/v1/chat/completions"])
 def test_client_leaving_a_whole_completion_aborts_its_request(server, route):
     """Not streamed: the client gives up (a read timeout closes its connection) long before
     900 tokens; the request is aborted instead of running on for nobody."""
