@@ -7,12 +7,16 @@ name with a dict of keys, and win over the config file.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
 from moe_runtime.config import SECTIONS, RuntimeConfig, load_config
 from moe_runtime.engine import CompletionOutput, LLMEngine, RequestOutput
+from moe_runtime.engine.request import Request
 from moe_runtime.sampling_params import SamplingParams
+
+log = logging.getLogger("moe_runtime.llm")
 
 
 class LLM:
@@ -35,14 +39,15 @@ class LLM:
         params_list = (
             params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         )
-        requests = self.engine.add_requests(list(prompts), params_list)
-        self._run_until_done()
-        return [self.engine.output(request) for request in requests]
+        engine = self._live_engine()
+        requests = engine.add_requests(list(prompts), params_list)
+        self._run_until_done(requests)
+        return [engine.output(request) for request in requests]
 
     def score(self, sequences: list[list[int]], prompt_lens: list[int]) -> list[list[float]]:
         """Teacher-forced logprob of every token after the prompt, one list per sequence."""
-        requests = self.engine.add_score_requests(sequences, prompt_lens)  # all or none
-        self._run_until_done()
+        requests = self._live_engine().add_score_requests(sequences, prompt_lens)  # all or none
+        self._run_until_done(requests)
         return [list(r.samples[0].output_logprobs) for r in requests]
 
     def score_outputs(
@@ -50,17 +55,17 @@ class LLM:
     ) -> list[CompletionOutput]:
         """`score` with each position's top `logprobs` too: one CompletionOutput a sequence
         (token_ids: the scored tokens; logprobs, top_logprobs: as decoding them reports)."""
-        requests = self.engine.add_score_requests(sequences, prompt_lens, logprobs)
-        self._run_until_done()
+        requests = self._live_engine().add_score_requests(sequences, prompt_lens, logprobs)
+        self._run_until_done(requests)
         return [self.engine.output(r).outputs[0] for r in requests]
 
     def rebalance(self) -> dict:
         """Re-place the experts now from the recent load (EPLB); changes no output bit."""
-        return self.engine.rebalance(force=True)
+        return self._live_engine().rebalance(force=True)
 
     def update_weights(self, source: str | Path | dict) -> int:
         """New weights (HF checkpoint dir or HF-named state dict) on every rank; -> version."""
-        return self.engine.update_weights(source)
+        return self._live_engine().update_weights(source)
 
     def shutdown(self) -> None:
         """Release the engine; nothing is left running in this process."""
@@ -68,9 +73,26 @@ class LLM:
             self.engine.shutdown()
             self.engine = None
 
-    def _run_until_done(self) -> None:
-        while self.engine.has_unfinished():
-            self.engine.step()
+    def _live_engine(self) -> LLMEngine:
+        """The engine, rebuilt first if a fault (or a Ctrl-C mid-step) left it dead: the call
+        that met the fault raised it; this one runs on new workers (parallel.max_restarts
+        bounds how often, then RuntimeError)."""
+        if self.engine is None:
+            raise RuntimeError("this LLM was shut down: make a new LLM")
+        if self.engine.error is not None:
+            log.warning("the engine is dead (%s): rebuilding its workers", self.engine.error)
+            self.engine.restart()
+        return self.engine
+
+    def _run_until_done(self, requests: list[Request]) -> None:
+        """Step until nothing is left; on any exception (a Ctrl-C between steps too) this
+        call's requests are aborted, so a later call neither runs them nor waits for them."""
+        try:
+            while self.engine.has_unfinished():
+                self.engine.step()
+        except BaseException:
+            self.engine.abort(*(request.request_id for request in requests))
+            raise
 
 
 def _flatten_overrides(overrides: dict[str, Any]) -> dict[str, Any]:

@@ -8,9 +8,10 @@ temperature, top-k and top-p, the distribution actually sampled from).
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field, fields
 
-from moe_runtime.config_fields import check_field_types, is_int
+from moe_runtime.config_fields import check_field_types
 from moe_runtime.seeds import MAX_SEED, SEED_BITS
 
 LOGPROBS_MODES = ("raw", "processed")
@@ -72,9 +73,9 @@ class SamplingParams:
             f"one of {LOGPROBS_MODES}",
         )
         ids = self.stop_token_ids
-        ok = isinstance(ids, (list, tuple)) and all(is_int(t) and t >= 0 for t in ids)
-        _check(ok, "stop_token_ids", ids, "a list of token ids (ints >= 0)")
-        object.__setattr__(self, "stop_token_ids", tuple(ids))
+        converted = _token_ids(ids)
+        _check(converted is not None, "stop_token_ids", ids, "a list of token ids (ints >= 0)")
+        object.__setattr__(self, "stop_token_ids", converted)
         stop = self.stop
         is_strings = isinstance(stop, (list, tuple)) and all(isinstance(s, str) for s in stop)
         _check(isinstance(stop, str) or is_strings, "stop", stop, "a string or a list of strings")
@@ -124,3 +125,20 @@ _NUMBERS = {"temperature": float, "top_p": float} | dict.fromkeys(
 def _check(ok: bool, name: str, value: object, expected: str) -> None:
     if not ok:
         raise ValueError(f"SamplingParams.{name} must be {expected}, got {value!r}")
+
+
+def _token_ids(ids: object) -> tuple[int, ...] | None:
+    """A list of token ids as Python ints (numpy's and torch's integer scalars index as ints,
+    as a prompt's do), or None where one is no id: a bool, a float, a negative."""
+    if not isinstance(ids, (list, tuple)):
+        return None
+    try:
+        converted = tuple(operator.index(t) for t in ids if not _is_boolean(t))
+    except TypeError:
+        return None
+    ok = len(converted) == len(ids) and all(t >= 0 for t in converted)
+    return converted if ok else None
+
+
+def _is_boolean(value: object) -> bool:
+    return isinstance(value, bool) or str(getattr(value, "dtype", "")) in ("bool", "torch.bool")

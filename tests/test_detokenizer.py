@@ -160,6 +160,8 @@ def test_sentencepiece_window_keeps_context_after_a_special_token_and_holds_byte
     cases = [
         [vocab[space + "the"], 2, vocab[space + "is"]],  # 2: </s>, special
         [vocab[space + "the"], *euro_then_bad, vocab[space + "is"]],
+        # A special token inside a run: decode drops it, then joins the run ("A" turned U+FFFD).
+        [vocab["<0x41>"], 2, vocab["<0xF0>"], vocab[space + "is"]],
     ]
     for ids in cases:
         expected = tokenizer.decode(prompt + ids)[len(tokenizer.decode(prompt)) :]

@@ -166,3 +166,84 @@ def test_a_sample_waiting_for_its_siblings_prompt_wastes_no_lookahead():
     stats = llm.engine.worker_stats()[0]
     assert llm.engine.stats().num_prefix_hit_blocks > 0  # engagement: samples waited and hit
     assert stats["num_lookahead_hits"] > 0 and stats["num_lookahead_misses"] == 0, stats
+
+
+def test_a_ctrl_c_mid_step_kills_the_engine_and_the_next_generate_rebuilds_it():
+    """A KeyboardInterrupt after the rank ran a step the driver never recorded: the next step
+    found the rank ahead ("scheduled from position 7, but 8 are computed here") and the
+    interrupted call's requests stayed queued, their blocks counted in use. Now the engine
+    dies saying so, frees its queues, and LLM's next call rebuilds it: the same bits as ever."""
+    params = SamplingParams(max_tokens=8, seed=1, logprobs=2)
+    expected = fingerprint(LLM(TINY_CONFIG).generate([[5, 6, 7]], params)[0])
+    llm = LLM(TINY_CONFIG)
+    engine = llm.engine
+    real_execute, num_calls = engine.executor.execute, [0]
+
+    def interrupted_execute(inputs):
+        outputs = real_execute(inputs)  # the rank ran it
+        num_calls[0] += 1
+        if num_calls[0] == 3:
+            raise KeyboardInterrupt
+        return outputs
+
+    engine.executor.execute = interrupted_execute
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([[9, 10, 11]], SamplingParams(max_tokens=8, seed=2))
+    assert engine.error == "a call to the ranks was interrupted (KeyboardInterrupt)"
+    stats = engine.stats()
+    assert (stats.num_running, stats.num_waiting, stats.kv_cache_usage) == (0, 0, (0.0,))
+    assert fingerprint(llm.generate([[5, 6, 7]], params)[0]) == expected
+    assert engine.error is None and engine.num_restarts == 1  # engagement: it was rebuilt
+
+
+def test_a_ctrl_c_between_steps_aborts_the_calls_requests():
+    llm = LLM(TINY_CONFIG)
+    engine = llm.engine
+    real_step, num_steps = engine.step, [0]
+
+    def step_then_interrupt():
+        outputs = real_step()
+        num_steps[0] += 1
+        if num_steps[0] == 2:
+            raise KeyboardInterrupt  # after the step was recorded: the engine stays in step
+        return outputs
+
+    engine.step = step_then_interrupt
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([[9, 10, 11], [12, 13]], SamplingParams(max_tokens=8, seed=2))
+    assert engine.error is None and not engine.has_unfinished()
+    assert engine.stats().kv_cache_usage == (0.0,)
+    del engine.step
+    params = SamplingParams(max_tokens=4, seed=1)
+    assert llm.generate([[5, 6, 7]], params)[0].token_ids == (
+        LLM(TINY_CONFIG).generate([[5, 6, 7]], params)[0].token_ids
+    )
+
+
+def test_a_shut_down_llm_says_so():
+    llm = LLM(TINY_CONFIG)
+    llm.shutdown()
+    with pytest.raises(RuntimeError, match="this LLM was shut down"):
+        llm.generate([[5, 6]], SamplingParams(max_tokens=2))
+
+
+def test_outputs_are_copies_a_caller_may_change(llm):
+    params = SamplingParams(max_tokens=3, seed=1, logprobs=2)
+    request = llm.engine.add_request([5, 6, 7], params)
+    deltas = []
+    while llm.engine.has_unfinished():
+        deltas += llm.engine.step()
+    deltas[0].outputs[0].top_logprobs[0].clear()
+    assert len(llm.engine.output(request).top_logprobs[0]) == 2
+    (scored,) = llm.score_outputs([[5, 6, 7, 8]], [2])
+    scored.top_logprobs[0]["x"] = 1.0
+    assert scored.top_logprobs[1] == {}
+
+
+def test_stop_token_ids_may_be_numpy_or_torch_integer_scalars():
+    params = SamplingParams(stop_token_ids=[np.int64(257), torch.tensor(3), 4])
+    assert params.stop_token_ids == (257, 3, 4)
+    assert all(type(t) is int for t in params.stop_token_ids)
+    for bad in ([True], [np.float32(3)], [torch.tensor(3.0)], [-1]):
+        with pytest.raises(ValueError, match="stop_token_ids must be a list of token ids"):
+            SamplingParams(stop_token_ids=bad)

@@ -30,6 +30,8 @@ from moe_runtime.config import load_config
 from moe_runtime.engine import LLMEngine
 from moe_runtime.engine.async_engine import AsyncEngine, EngineUnavailableError
 from moe_runtime.engine.outputs import RequestOutput
+from moe_runtime.engine.request import Request
+from moe_runtime.engine.scheduler import Scheduler
 from moe_runtime.executor import WorkerError
 from moe_runtime.tokenizer import ByteTokenizer
 from tests.invariance import TINY_CONFIG, fingerprint, mixed_prompts
@@ -441,6 +443,48 @@ def test_async_engine_cancel_aborts_and_shutdown_drains():
     with pytest.raises(EngineUnavailableError):
         too_long.result(timeout=0)
     assert not async_engine.is_healthy
+
+
+def test_a_submission_of_many_prompts_costs_the_engine_thread_linear_work(monkeypatch):
+    """A request of N prompts: each delta asked whether all N had finished (O(N^2) in all:
+    8000 two-token prompts took 35 s, stalling every stream), and its abort scanned the
+    queues once a prompt (3 s). Counted, not timed: Request.is_finished evaluations and
+    Scheduler.abort passes."""
+    num_checks, num_aborts = [0], [0]
+    is_finished, abort = Request.is_finished, Scheduler.abort
+
+    def counted_is_finished(request):
+        num_checks[0] += 1
+        return is_finished.fget(request)
+
+    def counted_abort(scheduler, request_ids):
+        num_aborts[0] += 1
+        return abort(scheduler, request_ids)
+
+    monkeypatch.setattr(Request, "is_finished", property(counted_is_finished))
+    monkeypatch.setattr(Scheduler, "abort", counted_abort)
+    async_engine = AsyncEngine(LLMEngine(load_config(TINY_CONFIG)))
+    try:
+        n = 400
+        prompts = [[65 + i % 20, 66] for i in range(n)]
+        params = [SamplingParams(max_tokens=1, ignore_eos=True)] * n
+        outputs = async_engine.submit(prompts, params, lambda i, delta: None).result(timeout=120)
+        assert len(outputs) == n and all(o.is_finished for o in outputs)
+        assert num_checks[0] <= 8 * n, num_checks[0]  # was ~n^2 / 2 = 80,000
+        steps = async_engine.stats().num_steps
+        cancelled = async_engine.submit(prompts, [SamplingParams(max_tokens=50)] * n)
+        deadline = time.monotonic() + 30
+        while async_engine.stats().num_steps == steps:  # it runs
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        num_aborts[0] = 0
+        assert cancelled.cancel()
+        while num_running(async_engine):
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        assert num_aborts[0] == 1  # one pass for all n (was n)
+    finally:
+        async_engine.shutdown(drain_timeout_s=1)
 
 
 def test_serve_ep_subprocess_starts_answers_and_drains_on_sigterm():

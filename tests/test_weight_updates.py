@@ -102,6 +102,14 @@ def test_state_dict_source_and_bad_sources(checkpoints):
     assert _generate(llm, prompts) != original
     with pytest.raises(ValueError, match="not a checkpoint directory"):
         llm.update_weights("/nonexistent/weights")
+    with pytest.raises(ValueError, match="File name too long"):
+        llm.update_weights("/tmp/" + "x" * 5000)  # an OSError before: a 500 over HTTP
+    norm = state["model.norm.weight"]
+    for odd, named in [({1: norm}, "1"), ({"model.norm.weight": None}, "NoneType")]:
+        with pytest.raises(ValueError, match=f"maps HF weight names .* got .*{named}"):
+            llm.update_weights(odd)
+    with pytest.raises(ValueError, match="a checkpoint directory or an HF-named state dict"):
+        llm.update_weights([("model.norm.weight", state["model.norm.weight"])])
     broken = dict(state)
     broken.pop("lm_head.weight")
     with pytest.raises(ValueError, match="missing"):

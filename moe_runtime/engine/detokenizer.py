@@ -123,6 +123,7 @@ class _WindowDecoder:
     def __init__(self, tokenizer, prompt_token_ids) -> None:
         self._decode = tokenizer.decode
         self._is_byte_piece = tokenizer.is_byte_piece
+        self._token_bytes = tokenizer.token_bytes  # b"" for the special tokens decode skips
         self._window = list(prompt_token_ids[-_CONTEXT_TOKENS:])  # from the window's start
         self._num_read = len(self._window)  # of the window: tokens whose text is taken
         self._num_seen = 0  # output tokens in the window so far
@@ -136,7 +137,9 @@ class _WindowDecoder:
         window = self._decode(self._window)
         # Wait while the last character may still complete, and while a run of byte pieces
         # goes on: a byte-fallback decoder turns a whole run to U+FFFD once it is invalid.
-        may_grow = window.endswith(_REPLACEMENT) or self._is_byte_piece(self._window[-1])
+        # Special tokens do not end a run: decode drops them before it joins the bytes.
+        last = next((t for t in reversed(self._window) if self._token_bytes(t)), None)
+        may_grow = window.endswith(_REPLACEMENT) or (last is not None and self._is_byte_piece(last))
         if may_grow and num_unread < _MAX_WAIT and not is_final:
             return ""
         prefix = self._decode(self._window[: self._num_read])

@@ -16,6 +16,8 @@ import itertools
 import time
 from pathlib import Path
 
+import torch
+
 from moe_runtime.config import RuntimeConfig
 from moe_runtime.engine.balancer import ExpertBalancer, RebalanceError, initial_placement
 from moe_runtime.engine.block_manager import BlockManager
@@ -39,7 +41,10 @@ class LLMEngine:
         self.checks = RequestChecks(config, self.tokenizer)
         # model.path's weights as stamped before the workers read them: a rebuild checks that it
         # still holds them (and a rollout job's record names them).
-        self.startup_weights = self._weights = WeightsSource.of(config.model.path)
+        try:
+            self.startup_weights = self._weights = WeightsSource.of(config.model.path)
+        except OSError as exc:  # a dangling *.safetensors link, no permission
+            raise ValueError(f"model.path {config.model.path!r} cannot be read: {exc}") from exc
         placement = initial_placement(config)
         self.executor = create_executor(config, placement.physical_to_logical.tolist())
         try:
@@ -214,6 +219,10 @@ class LLMEngine:
         """Run one lockstep step on every rank; -> a delta per generation request that got new
         tokens or finished in it (scoring requests are read whole with `output`)."""
         self._check_alive()
+        with self._dead_if_interrupted("a step"):
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         per_dp_rank = [scheduler.schedule() for scheduler in self.schedulers]
         for chunks in per_dp_rank:
             for chunk in chunks:
@@ -257,11 +266,27 @@ class LLMEngine:
         requests in flight go on with them, cached prefixes are dropped. -> the new version."""
         self._check_alive()
         if isinstance(source, (str, Path)):
-            if not Path(source).is_dir():
+            try:
+                is_dir = Path(source).is_dir()
+            except OSError as exc:  # a name too long
+                raise ValueError(f"update_weights: {str(source)!r}: {exc}") from None
+            if not is_dir:
                 raise ValueError(f"update_weights: {str(source)!r} is not a checkpoint directory")
             # Resolved here: a rank on another node (or in another directory) would read a
             # relative path against its own working directory.
             source = str(Path(source).resolve())
+        elif isinstance(source, dict):
+            for name, value in source.items():
+                if not isinstance(name, str) or not isinstance(value, torch.Tensor):
+                    raise ValueError(
+                        "update_weights: a state dict maps HF weight names (str) to tensors, "
+                        f"got {name!r}: {type(value).__name__}"
+                    )
+        else:
+            raise ValueError(
+                "update_weights: a checkpoint directory or an HF-named state dict, got "
+                f"{type(source).__name__}"
+            )
         try:
             weights = WeightsSource.of(source)  # stamped before any rank reads it
         except OSError as exc:
@@ -283,7 +308,7 @@ class LLMEngine:
             with self._fatal_on_error():
                 self.executor.call_all("discard_weights")
             raise
-        except Exception as exc:  # a rank died or stalled: the ranks are out of step
+        except BaseException as exc:  # a rank died or stalled, or Ctrl-C: out of step
             self._fail_all(f"update_weights: {type(exc).__name__}: {exc}")
             raise
         with self._fatal_on_error():  # failing mid-copy leaves mixed weights: the engine dies
@@ -295,9 +320,12 @@ class LLMEngine:
         self.weight_version += 1
         return self.weight_version
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, *request_ids: str) -> None:
+        """End the requests now (finish_reason "abort"), freeing their blocks; an unknown or
+        finished id is ignored. Many at once cost one pass over the queues."""
+        ids = set(request_ids)
         for scheduler in self.schedulers:
-            scheduler.abort(request_id)
+            scheduler.abort(ids)
 
     def has_unfinished(self) -> bool:
         return any(s.has_unfinished() for s in self.schedulers)
@@ -348,23 +376,39 @@ class LLMEngine:
     def _fatal_on_error(self):
         """A worker that died, stalled or failed mid-collective leaves the ranks out of step:
         every request in flight ends with the error and the engine stays dead."""
+        with self._dead_if_interrupted("a call to the ranks"):
+            try:
+                yield
+            except RebalanceError:
+                raise  # every rank agreed to keep the old placement: still in step
+            except Exception as exc:
+                drop_frames(exc)  # a rank in this process: its model must not outlive the rebuild
+                error = str(exc) if isinstance(exc, WorkerError) else f"{type(exc).__name__}: {exc}"
+                self._fail_all(error)
+                if isinstance(exc, ValueError):  # a fault, never the request's: not a 400
+                    raise WorkerError(error) from exc
+                raise
+
+    @contextlib.contextmanager
+    def _dead_if_interrupted(self, what: str):
+        """A KeyboardInterrupt or SystemExit inside `what`: the ranks may have run it while the
+        driver recorded none of it (a Ctrl-C in a notebook's generate), so the next step would
+        find them out of step. The engine dies saying so; restart() rebuilds it."""
         try:
             yield
-        except RebalanceError:
-            raise  # every rank agreed to keep the old placement: still in step
-        except Exception as exc:
-            drop_frames(exc)  # a rank in this process: its model must not outlive the rebuild
-            error = str(exc) if isinstance(exc, WorkerError) else f"{type(exc).__name__}: {exc}"
-            self._fail_all(error)
-            if isinstance(exc, ValueError):  # a fault, never the request's: not a 400
-                raise WorkerError(error) from exc
+        except Exception:
+            raise
+        except BaseException as exc:
+            if self.error is None:
+                self._fail_all(f"{what} was interrupted ({type(exc).__name__})")
             raise
 
     def _fail_all(self, error: str) -> None:
-        """Every request in flight ends with the error; nothing is left waiting forever."""
+        """Every request in flight ends with the error; nothing is left waiting forever. The
+        queues and block tables start afresh (the ranks' caches are unknown now; a rebuild
+        gives new ones), so stats() shows no KV in use by the failed requests."""
         self.error = error
         for scheduler in self.schedulers:
             for seq in (*scheduler.waiting, *scheduler.running):
                 seq.status, seq.finish_reason, seq.error = SequenceStatus.FINISHED, "error", error
-            scheduler.waiting.clear()
-            scheduler.running.clear()
+        self._reset_queues()

@@ -15,6 +15,7 @@ waste the step launched ahead.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from moe_runtime.config import SchedulerConfig
@@ -242,16 +243,25 @@ class Scheduler:
         released, self.released = self.released, []
         return released
 
-    def abort(self, request_id: str) -> list[Sequence]:
-        """Drop every sequence of a request (e.g. a client went away); frees their blocks."""
-        dropped = [s for s in (*self.waiting, *self.running) if s.request.request_id == request_id]
+    def abort(self, request_ids: Collection[str]) -> list[Sequence]:
+        """Drop every sequence of the requests (e.g. clients went away); frees their blocks.
+        One pass over the queues, however many requests (a client leaving a request of
+        thousands of prompts must not hold the engine's thread for seconds)."""
+        ids = request_ids if isinstance(request_ids, (set, frozenset)) else set(request_ids)
+        dropped = [s for s in self.running if s.request.request_id in ids]
         for seq in dropped:
-            if seq in self.running:
-                self.finish(seq, "abort")
-            else:
-                if seq.block_table:  # a prefix match it never ran with: not a hit
-                    self.blocks.unmatch(seq.block_table)
-                    seq.block_table, seq.num_computed_tokens = [], 0
-                self.waiting.remove(seq)
-                seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+            self.finish(seq, "abort")
+        kept: list[Sequence] = []
+        for seq in self.waiting:
+            if seq.request.request_id not in ids:
+                kept.append(seq)
+                continue
+            if seq.block_table:  # a prefix match it never ran with: not a hit
+                self.blocks.unmatch(seq.block_table)
+                seq.block_table, seq.num_computed_tokens = [], 0
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+            dropped.append(seq)
+        if len(kept) < len(self.waiting):
+            self.waiting.clear()
+            self.waiting.extend(kept)
         return dropped

@@ -20,7 +20,7 @@ def record_results(scheduler: Scheduler, chunks: list[ScheduledChunk], result: S
         scored = result.scored.get(seq.seq_id, ())
         seq.output_logprobs.extend(scored)
         # A top a scored token, empty when none was asked for, as decode reports them.
-        seq.output_top_logprobs.extend(result.scored_top.get(seq.seq_id) or [{}] * len(scored))
+        seq.output_top_logprobs.extend(result.scored_top.get(seq.seq_id) or [{} for _ in scored])
         if seq.seq_id in result.routed:
             seq.routed_experts.append(result.routed[seq.seq_id])
     scheduler.update(chunks, result.samples)
@@ -58,7 +58,7 @@ def request_output(request: Request, weight_version: int, is_delta: bool) -> Req
                 index=seq.sample_idx,
                 token_ids=seq.output_token_ids[start:],
                 logprobs=seq.output_logprobs[start:],
-                top_logprobs=seq.output_top_logprobs[start:],
+                top_logprobs=[dict(top) for top in seq.output_top_logprobs[start:]],
                 text=text,
                 finish_reason=seq.finish_reason if seq.is_finished else None,
                 seed=seq.seed,
