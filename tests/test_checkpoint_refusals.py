@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from moe_kernels import KernelConfig, build_op_table
+from moe_runtime import LLM
 from moe_runtime.model.loader import build_model
 from moe_runtime.model_config import ModelConfig
 from tests.checkpoints import rewrite_checkpoint
@@ -112,6 +113,10 @@ BAD_EXPERTS = {
         _with({f"{EXPERT}.5.up_proj.weight": torch.ones(32, 64, dtype=torch.int64)}),
         r"experts\.5\.up_proj\.weight is \(32, 64\) torch\.int64",
     ),
+    "float8_up_proj": (
+        _with({f"{EXPERT}.5.up_proj.weight": torch.zeros(32, 64).to(torch.float8_e4m3fn)}),
+        r"experts\.5\.up_proj\.weight is \(32, 64\) torch\.float8_e4m3fn",
+    ),
     "missing_up_proj": (
         lambda state: {k: v for k, v in state.items() if k != f"{EXPERT}.3.up_proj.weight"},
         r"lacks model\.layers\.1\.mlp\.experts\.3\.up_proj\.weight",
@@ -177,6 +182,26 @@ def test_malformed_safetensors_file_is_named(checkpoint, tmp_path, damage):
     )
     with pytest.raises(ValueError, match=r"model\.safetensors' is not valid safetensors"):
         _load(path)
+
+
+@pytest.mark.parametrize("case", ["directory", "dangling_link"])
+def test_an_unreadable_weights_file_is_named(checkpoint, tmp_path, case):
+    """A directory named *.safetensors, a link to nothing: an OSError out of the loader (a raw
+    traceback from the CLIs) before; now a ValueError naming the file."""
+    path = rewrite_checkpoint(checkpoint, tmp_path / case)
+    odd = path / "model-00002.safetensors"
+    if case == "directory":
+        odd.mkdir()
+    else:
+        odd.symlink_to(tmp_path / "gone.safetensors")
+    with pytest.raises(ValueError, match=r"model-00002\.safetensors"):
+        LLM({"model": {"path": str(path)}, "scheduler": {"max_model_len": 256}})
+
+
+def test_a_model_path_too_long_to_open_is_named(tmp_path):
+    path = str(tmp_path / ("x" * 300))
+    with pytest.raises(ValueError, match="cannot be read: .*File name too long"):
+        LLM({"model": {"path": path}})
 
 
 BAD_CONFIGS = {

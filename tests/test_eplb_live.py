@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from moe_runtime import LLM
+from moe_runtime import LLM, SamplingParams
 from moe_runtime.engine.balancer import RebalanceError
 from tests.invariance import TINY_CONFIG, mixed_params, mixed_prompts, run_in_batches
 
@@ -135,5 +135,20 @@ def test_a_forced_rebalance_with_no_load_since_the_last_keeps_the_placement():
         llm.generate(mixed_prompts(6, 10, 40, seed=6), mixed_params(6, 8))
         third = llm.rebalance()  # load again: a plan from it
         assert not third["skipped"], third
+    finally:
+        llm.shutdown()
+
+
+def test_a_rebalance_of_a_model_without_moe_layers_is_skipped_naming_why():
+    """Every layer dense: the load's reshape failed inside the call, a worker fault that killed
+    the engine (each /admin/rebalance rebuilt the workers; the fourth gave up the server)."""
+    llm = LLM(TINY_CONFIG, **{"model.first_k_dense_replace": 3})
+    try:
+        params = SamplingParams(max_tokens=4, seed=1)
+        before = llm.generate([[5, 6, 7]], params)[0].token_ids
+        report = llm.rebalance()
+        assert report["skipped"] and report["reason"] == "the model has no MoE layers", report
+        assert llm.engine.error is None and llm.engine.num_restarts == 0
+        assert llm.generate([[5, 6, 7]], params)[0].token_ids == before
     finally:
         llm.shutdown()

@@ -59,6 +59,10 @@ class ExpertBalancer:
         """Plan and move; `force` skips the balancedness check. inject_failure=(rank, layer) is
         fault injection for tests: that rank fails while staging that layer."""
         started = time.perf_counter()
+        if self.num_moe_layers == 0:  # an all-dense model: no experts to place
+            report = _skipped_report("the model has no MoE layers", started)
+            self.history.append(report)
+            return report
         world = self.config.parallel.world_size
         logical_load = self._logical_load()
         p2l = self.placement.physical_to_logical[: self.num_moe_layers]
@@ -149,3 +153,15 @@ class ExpertBalancer:
 
 def _mean_balancedness(logical_load: torch.Tensor, p2l: torch.Tensor, num_ranks: int) -> float:
     return float(balancedness(load_per_rank(logical_load, p2l, num_ranks)).mean())
+
+
+def _skipped_report(reason: str, started: float) -> dict:
+    return {
+        "balancedness_before": None,
+        "balancedness_after": None,
+        "experts_moved": 0,
+        "bytes_moved": 0,
+        "seconds": time.perf_counter() - started,
+        "skipped": True,
+        "reason": reason,
+    }

@@ -154,9 +154,12 @@ def read_hf_config(path: Path) -> dict[str, Any]:
 def read_config_json(path: Path) -> dict[str, Any]:
     """The JSON object in `path`/config.json; a ValueError naming the file if it is absent or
     not a JSON object."""
-    if not (path / "config.json").is_file():
-        raise ValueError(f"checkpoint directory {str(path)!r} has no config.json")
-    return read_json_object(path / "config.json")
+    try:
+        if not (path / "config.json").is_file():
+            raise ValueError(f"checkpoint directory {str(path)!r} has no config.json")
+        return read_json_object(path / "config.json")
+    except OSError as exc:  # a name too long, no permission
+        raise ValueError(f"checkpoint directory {str(path)!r} cannot be read: {exc}") from exc
 
 
 def read_json_object(file: Path) -> dict[str, Any]:

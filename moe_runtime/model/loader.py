@@ -268,6 +268,8 @@ def _safe_open(file: Path, device: torch.device | str):
         return safe_open(str(file), framework="pt", device=str(device))
     except SafetensorError as exc:
         raise ValueError(f"weights file {str(file)!r} is not valid safetensors: {exc}") from exc
+    except OSError as exc:  # a directory named *.safetensors, a dangling link, no permission
+        raise ValueError(f"weights file {str(file)!r} cannot be read: {exc}") from exc
 
 
 def _header(handle, key: str, path: Path) -> torch.Tensor:

@@ -107,11 +107,17 @@ def _check_experts(tensors: dict[str, torch.Tensor], cfg: ModelConfig, source: s
             raise ValueError(f"weights {source!r}: checkpoint lacks {name}.{absent[0]}.weight")
 
 
+# The dtypes a weight may be stored in: cast exactly or rounded once to the model's dtype.
+# float8 needs the scales of a quantized checkpoint (not loaded); torch.cat of an expert's
+# projections refused to promote one among others, an error naming no tensor.
+WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 def _check_tensor(value: torch.Tensor, shape: Sequence[int], name: str, source: str) -> None:
-    if tuple(value.shape) != tuple(shape) or not value.dtype.is_floating_point:
+    if tuple(value.shape) != tuple(shape) or value.dtype not in WEIGHT_DTYPES:
         raise ValueError(
             f"weights {source!r}: tensor {name} is {tuple(value.shape)} {value.dtype}, the "
-            f"model expects {tuple(shape)} floating point"
+            f"model expects {tuple(shape)} float16, bfloat16, float32 or float64"
         )
 
 
