@@ -243,7 +243,9 @@ async def chat(
     body.check_served(config.server.model_name, config.model.vocab_size)
     tokenizer = backend.tokenizer
     messages = [m.template_fields() for m in body.messages]
-    prompt_ids = tokenizer.apply_chat_template(messages)
+    # Off the event loop: a long conversation's template and encoding take a while, and every
+    # stream's chunks go out through the loop.
+    prompt_ids = await asyncio.to_thread(tokenizer.apply_chat_template, messages)
     max_model_len, budget = config.scheduler.max_model_len, body.token_budget()
     room = max(1, max_model_len - len(prompt_ids))  # too long fails below
     params = body.sampling_params(room)

@@ -126,8 +126,54 @@ def create_app(config: RuntimeConfig, backend: Backend | None = None) -> FastAPI
     for route in app.routes:  # a series per route from the first scrape on (at 0)
         if isinstance(route, APIRoute):
             metrics.requests.labels(route.path, "200")
+    app.add_middleware(_LimitBody, max_bytes=config.server.max_request_bytes)
     app.add_middleware(_CountResponses, metrics=metrics, router=app.router)  # sees the 401s
     return app
+
+
+class _LimitBody:
+    """ASGI middleware reading a request's whole body before the app does, answering 413 (and
+    running nothing) past max_bytes: by its content-length at once, else as it arrives. Why:
+    a 50 MB prompt was parsed, encoded and checked token by token before being refused as
+    too long, holding the engine's thread and other streams for seconds."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            return await self._refuse(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left: nothing to answer
+                return None
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                return await self._refuse(scope, receive, send)
+            if not message.get("more_body", False):
+                break
+        body_sent = False
+
+        async def replay() -> dict:
+            nonlocal body_sent
+            if body_sent:
+                return await receive()  # what follows the body: the client leaving
+            body_sent = True
+            return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        too_large = HTTPException(
+            413,
+            f"the request body is larger than server.max_request_bytes={self.max_bytes}",
+        )
+        await error_response(too_large)(scope, receive, send)
 
 
 class _CountResponses:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from moe_runtime import LLM, SamplingParams
+from moe_runtime.engine.request_checks import PromptTooLongError
 from tests.invariance import TINY_CONFIG, fingerprint, mixed_prompts
 
 # 16 blocks of 4: a 44-token request with 12 generated needs 14, leaving 2.
@@ -247,3 +248,11 @@ def test_stop_token_ids_may_be_numpy_or_torch_integer_scalars():
     for bad in ([True], [np.float32(3)], [torch.tensor(3.0)], [-1]):
         with pytest.raises(ValueError, match="stop_token_ids must be a list of token ids"):
             SamplingParams(stop_token_ids=bad)
+
+
+def test_a_prompt_past_the_context_is_refused_before_its_ids_are_read(llm):
+    """Length first: a huge prompt was checked id by id (seconds on the engine's thread for
+    50 MB) before being refused as too long."""
+    too_long = [10**9] * (llm.config.scheduler.max_model_len + 1)  # and no id in the vocabulary
+    with pytest.raises(PromptTooLongError, match="more than scheduler.max_model_len"):
+        llm.generate([too_long], SamplingParams(max_tokens=1))

@@ -133,13 +133,13 @@ class RequestChecks:
         `what` the ids are, for the message."""
         if not token_ids:
             raise ValueError(f"{what} is empty")
+        if len(token_ids) > self.max_model_len:  # first: no id-by-id pass over a huge prompt
+            raise PromptTooLongError(len(token_ids), self.max_model_len, what)
         for t in token_ids:
             if not is_int(t):
                 raise ValueError(f"token ids must be ints, got {t!r} ({type(t).__name__})")
             if not 0 <= t < self.vocab_size:
                 raise ValueError(f"token id {t!r} is outside the vocabulary [0, {self.vocab_size})")
-        if len(token_ids) > self.max_model_len:
-            raise PromptTooLongError(len(token_ids), self.max_model_len, what)
 
 
 def check_all(
