@@ -291,6 +291,17 @@ class RuntimeConfig:
         model, parallel, eplb = self.model, self.parallel, self.eplb
         world, tp = parallel.world_size, parallel.tp_size
         num_physical = model.n_routed_experts + eplb.num_redundant_experts
+        # Each rank sends an expert's rows to one of its replicas (its own first): an expert
+        # serves from world_size copies at most, so slots past that would only hold memory.
+        most = model.n_routed_experts * max(world - 1, 1)
+        if eplb.num_redundant_experts > most:
+            raise ValueError(
+                f"eplb.num_redundant_experts={eplb.num_redundant_experts} is more than {most}: "
+                f"an expert serves rows from at most parallel.world_size={world} copies (each "
+                "rank sends its rows to one replica, its own first), so slots past "
+                "model.n_routed_experts x (world_size - 1) would only hold memory (world size "
+                "1, where no replica serves rows, accepts up to model.n_routed_experts)"
+            )
         if num_physical % world:
             raise ValueError(
                 f"parallel.world_size={world} must divide model.n_routed_experts + "

@@ -231,6 +231,10 @@ def test_multiple_reduction_with_invariant_kernels_warns(caplog, overrides, warn
             ["eplb.num_redundant_experts = 18", "valid world sizes: [1, 2, 3, 6, 9, 18]"],
         ),
         (
+            {"parallel.world_size": 2, "eplb.num_redundant_experts": 2**62},
+            ["eplb.num_redundant_experts=4611686018427387904 is more than 16", "world_size=2"],
+        ),
+        (
             {"parallel.world_size": 4, "parallel.tp_size": 4, "model.num_attention_heads": 6},
             ["parallel.tp_size=4", "model.num_attention_heads = 6", "valid tp sizes", "[1, 2]"],
         ),
@@ -240,7 +244,7 @@ def test_multiple_reduction_with_invariant_kernels_warns(caplog, overrides, warn
             ["model.tie_word_embeddings"],
         ),
     ],
-    ids=["experts", "redundant", "tp-heads", "nodes", "tied-embeddings"],
+    ids=["experts", "redundant", "unusable-replicas", "tp-heads", "nodes", "tied-embeddings"],
 )
 def test_layout_constraints_fail_at_load_naming_the_keys(overrides, names):
     """Checked when the config loads, before any worker starts (no Ray here)."""

@@ -152,3 +152,22 @@ def test_a_rebalance_of_a_model_without_moe_layers_is_skipped_naming_why():
         assert llm.generate([[5, 6, 7]], params)[0].token_ids == before
     finally:
         llm.shutdown()
+
+
+def test_balancedness_before_is_measured_from_the_rows_each_rank_served():
+    """Every expert with a copy on both ranks and one request (one DP rank's tokens): each rank
+    sends an expert's rows to its own copy, so rank 0 served every row. The report said 1.0,
+    an estimate splitting each expert's load over its replicas, and a periodic check skipped
+    as balanced; now it is the measured 0.5, and a plan no better in the planner's model (every
+    placement with a copy of each expert on each rank is as good there) is skipped."""
+    llm = LLM(TINY_CONFIG, **{"parallel.world_size": 2, "eplb.num_redundant_experts": 16})
+    try:
+        llm.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=8, seed=1))
+        per_rank = [sum(map(sum, load)) for load in llm.engine.executor.call_all("window_load")]
+        assert per_rank[0] > 0 and per_rank[1] == 0, per_rank  # engagement: all on rank 0
+        report = llm.engine.rebalance(force=False)
+        assert report["balancedness_before"] == 0.5, report
+        assert report["skipped"] and report["reason"].startswith("the plan would not raise")
+        assert llm.engine.balancer.last_balancedness == 0.5
+    finally:
+        llm.shutdown()

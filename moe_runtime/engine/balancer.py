@@ -64,9 +64,16 @@ class ExpertBalancer:
             self.history.append(report)
             return report
         world = self.config.parallel.world_size
-        logical_load = self._logical_load()
+        slot_load = self._slot_load()
         p2l = self.placement.physical_to_logical[: self.num_moe_layers]
-        before = _mean_balancedness(logical_load, p2l, world)
+        logical_load = torch.zeros(
+            self.num_moe_layers, self.config.model.n_routed_experts, dtype=torch.int64
+        ).scatter_add_(1, p2l, slot_load)  # integers: exact in any order
+        # Measured: the rows each rank's slots served. (An estimate that split each expert's
+        # load evenly over its replicas said 1.0 where one rank served every row: ranks send
+        # an expert's rows to one replica, their own first.)
+        per_rank = slot_load.view(self.num_moe_layers, world, -1).sum(dim=2)
+        before = float(balancedness(per_rank).mean())
         report = {
             "balancedness_before": before,
             "balancedness_after": before,
@@ -87,6 +94,24 @@ class ExpertBalancer:
             self.history.append(report)
             return report
         new_p2l = self._plan(logical_load)
+        # The planner's model splits each expert's load evenly over its replicas; a plan that
+        # does not raise its own figure would move experts for nothing (where replicas are
+        # local to every rank, the measured imbalance is the ranks' own tokens' and no
+        # placement changes it). A forced rebalance moves all the same, unless nothing moves.
+        planned = _mean_balancedness(logical_load, new_p2l, world)
+        reason = None
+        if new_p2l.equal(p2l):
+            reason = "the plan is the current placement"
+        elif not force and planned <= _mean_balancedness(logical_load, p2l, world):
+            reason = (
+                "the plan would not raise balancedness as the planner models it (each "
+                "expert's load split evenly over its replicas)"
+            )
+        if reason is not None:  # the window goes on
+            report.update(skipped=True, seconds=time.perf_counter() - started, reason=reason)
+            self.last_balancedness = before
+            self.history.append(report)
+            return report
         per_rank_args = [
             (
                 new_p2l.tolist(),
@@ -110,7 +135,7 @@ class ExpertBalancer:
         self.placement = ExpertPlacement.from_physical_to_logical(
             full, self.config.model.n_routed_experts
         )
-        report["balancedness_after"] = _mean_balancedness(logical_load, new_p2l, world)
+        report["balancedness_after"] = planned
         self.num_rebalances += 1
         self.last_balancedness = report["balancedness_after"]
         self.history.append(report)
@@ -125,18 +150,13 @@ class ExpertBalancer:
         )
         return report
 
-    def _logical_load(self) -> torch.Tensor:
-        """[L, E] int64 rows per logical expert over the window, summed over every rank."""
+    def _slot_load(self) -> torch.Tensor:
+        """[L, P] int64 rows each physical slot served over the window (slots in rank order)."""
         per_rank = self.executor.call_all("window_load", timeout_s=QUICK_CALL_TIMEOUT_S)
         physical = torch.tensor(
             [sum(col, []) for col in zip(*per_rank, strict=True)], dtype=torch.int64
         )
-        physical = physical.view(self.num_moe_layers, -1)
-        p2l = self.placement.physical_to_logical[: self.num_moe_layers]
-        logical = torch.zeros(
-            self.num_moe_layers, self.config.model.n_routed_experts, dtype=torch.int64
-        )
-        return logical.scatter_add_(1, p2l, physical)  # integers: exact in any order
+        return physical.view(self.num_moe_layers, -1)
 
     def _plan(self, logical_load: torch.Tensor) -> torch.Tensor:
         eplb, model = self.config.eplb, self.config.model
