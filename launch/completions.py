@@ -44,6 +44,13 @@ async def complete(
     if body.max_tokens == 0 and not body.echo:
         raise FieldError("max_tokens", "max_tokens: 0 needs echo: true (else nothing comes back)")
     prompts, engine = body.prompts(), backend.engine
+    most = config.server.max_sequences_per_request
+    if len(prompts) * body.n > most:
+        raise FieldError(
+            "prompt",
+            f"prompt: {len(prompts)} prompts x n={body.n} = {len(prompts) * body.n} sequences, "
+            f"more than server.max_sequences_per_request={most} in one request",
+        )
     params = None if body.max_tokens == 0 else body.sampling_params(DEFAULT_MAX_TOKENS)
     num_top = body.logprobs if body.echo else None  # the prompts are scored when not None
     ids, version = [], 0

@@ -112,6 +112,9 @@ class ServerConfig:
     # A request body past this many bytes is a 413, read no further (32 MiB: a prompt list of
     # ~4 million token ids).
     max_request_bytes: int = 32 * 1024 * 1024
+    # A completion of more prompts x n than this is a 400: each sequence holds engine state
+    # (~1 KB, and its prompt) while it waits, so one body could exhaust the server's memory.
+    max_sequences_per_request: int = 65536
 
     def __post_init__(self) -> None:
         port = self.port
@@ -123,10 +126,10 @@ class ServerConfig:
                 raise ValueError(f"server.{key} must be a non-empty string, got {value!r}")
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
             raise ValueError("server.api_key must be null or a non-empty string")
-        if not 1 <= self.max_request_bytes < 2**63:  # (its type checked at load)
-            raise ValueError(
-                f"server.max_request_bytes must be an int >= 1, got {self.max_request_bytes!r}"
-            )
+        for key in ("max_request_bytes", "max_sequences_per_request"):
+            value = getattr(self, key)
+            if not 1 <= value < 2**63:  # (its type checked at load)
+                raise ValueError(f"server.{key} must be an int >= 1, got {value!r}")
         interval = self.health_check_interval_s
         if interval is not None and not 0 < interval <= threading.TIMEOUT_MAX:
             # (a wait longer than the platform's longest killed the engine loop at its first)

@@ -676,6 +676,23 @@ def test_a_batch_prompt_past_the_context_is_named_by_its_index(server):
     )
 
 
+def test_more_sequences_than_server_max_sequences_per_request_is_a_400():
+    """prompts x n past the limit is refused before anything is queued (one body of a million
+    prompts held the engine's thread for an hour and GBs of sequence state); at it, served."""
+    with running_server({"server.max_sequences_per_request": 4}) as small:
+        body = {"prompt": [[1, 2], [3, 4], [5, 6]], "n": 2, "max_tokens": 1}
+        response = post(small.http, body)
+        error = response.json()["error"]
+        assert (response.status_code, error["param"]) == (400, "prompt"), response.text
+        assert error["message"] == (
+            "prompt: 3 prompts x n=2 = 6 sequences, more than "
+            "server.max_sequences_per_request=4 in one request"
+        )
+        assert small.engine.stats().num_steps == 0  # nothing ran
+        response = post(small.http, {**body, "prompt": [[1, 2], [3, 4]]})
+        assert response.status_code == 200 and len(response.json()["choices"]) == 4
+
+
 @pytest.mark.parametrize(("value", "status"), [(False, 200), (None, 200), (True, 400)])
 def test_stream_options_include_obfuscation_is_accepted_off(server, value, status):
     """OpenAI's stream_options.include_obfuscation (padding added to chunks): off changes
