@@ -54,13 +54,18 @@ async def complete(
     params = None if body.max_tokens == 0 else body.sampling_params(DEFAULT_MAX_TOKENS)
     num_top = body.logprobs if body.echo else None  # the prompts are scored when not None
     ids, version = [], 0
+    with _engine_checks():
+        # Text tokenized off the engine's thread and the event loop: a long prompt's encoding
+        # held every stream. The engine checks the ids as before (`prompts` keeps the text,
+        # for echo).
+        encoded = await asyncio.to_thread(_encode_texts, backend.tokenizer, prompts)
     if num_top is not None or params is None:
         # Scored, or alone (max_tokens 0): every prompt is checked on the engine's thread
         # before anything runs, so a refusal costs no scoring. A plain completion skips this
         # round trip (the engine checks it as it is admitted).
         with _engine_checks():
             ids, version = await asyncio.wrap_future(
-                engine.call(lambda e: _checked(e, prompts, params))
+                engine.call(lambda e: _checked(e, encoded, params))
             )
     # The scoring and the generation are queued back to back (a drain admits both or neither),
     # and leave together: a failure or a client that goes cancels both.
@@ -69,7 +74,7 @@ async def complete(
     try:
         with _engine_checks():
             if params is not None:
-                generation = Generation(engine, prompts, [params] * len(prompts), metrics)
+                generation = Generation(engine, encoded, [params] * len(prompts), metrics)
             scored = await scores.outputs()
             if generation is None:  # echo alone: nothing to generate
                 answered = _Answered(_prompts_alone(ids, scored, body.n, version))
@@ -115,6 +120,12 @@ def _prompt_too_long(exc: PromptTooLongError, param: str) -> ContextLengthExceed
         f"{exc.num_tokens} tokens, more than scheduler.max_model_len={exc.max_model_len}"
     )
     return ContextLengthExceeded(param, f"{message} ({where})" if where else message)
+
+
+def _encode_texts(tokenizer, prompts: list[str | list[int]]) -> list[str | list[int]]:
+    """Each non-empty text prompt as its token ids (an empty one stays, for the engine's
+    check to name); token-id prompts as they are."""
+    return [tokenizer.encode(p) if isinstance(p, str) and p else p for p in prompts]
 
 
 def _checked(

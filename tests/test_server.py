@@ -12,6 +12,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -674,6 +675,32 @@ def test_a_batch_prompt_past_the_context_is_named_by_its_index(server):
     assert error["message"].endswith(
         "has 1027 tokens, more than scheduler.max_model_len=1024 (prompt 1)"
     )
+
+
+def test_text_prompts_are_encoded_off_the_engine_thread():
+    """The engine's thread runs every step: a long text's tokenization there stalled every
+    stream (a 50 MB prompt: seconds). The engine's checks still see the ids."""
+    with running_server() as running:
+        tokenizer = running.engine.tokenizer
+        threads = []
+        encode = tokenizer.encode
+
+        def recording_encode(text):
+            threads.append(threading.current_thread().name)
+            return encode(text)
+
+        tokenizer.encode = recording_encode
+        body = {"prompt": ["ab", "cd"], "max_tokens": 2, "echo": True, "logprobs": 1}
+        response = post(running.http, body)
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["text"].startswith("ab")
+        assert len(threads) == 2 and "engine-loop" not in threads, threads
+        response = post(running.http, {"prompt": ["ab", "c" * 2000], "max_tokens": 2})
+        error = response.json()["error"]
+        assert (response.status_code, error["code"]) == (400, "context_length_exceeded")
+        assert error["message"].endswith(
+            "has 2001 tokens, more than scheduler.max_model_len=1024 (prompt 1)"
+        ), error
 
 
 def test_more_sequences_than_server_max_sequences_per_request_is_a_400():
