@@ -201,6 +201,13 @@ class ModelConfig:
         # the YAML's values; config.json's are read apart
         check_field_types("model", cls, raw, is_sized=True)
         raw = dict(raw)
+        if isinstance(raw.get("path"), str) and not raw["path"].strip():
+            # `path: ${CKPT}` with the variable unset: random weights served as if the
+            # checkpoint's, with no word
+            raise ValueError(
+                f"model.path is empty ({raw['path']!r}): a checkpoint directory, or null (or no "
+                "key) for random weights"
+            )
         if raw.get("path"):
             hf = read_hf_config(Path(raw["path"]))
             clash = sorted(set(raw) & set(hf))

@@ -630,3 +630,11 @@ def test_a_null_config_json_size_or_scale_is_refused_naming_it(tmp_path, key):
     (tmp_path / "config.json").write_text(json.dumps({**hf, key: None}))
     with pytest.raises(ValueError, match=rf"field {key}=None is refused: must be .*, not null"):
         ModelConfig.from_dict({"path": str(tmp_path)})
+
+
+@pytest.mark.parametrize("path", ["", "  "])
+def test_an_empty_model_path_is_refused_not_read_as_random_weights(path):
+    """`path: ${CKPT}` with the variable unset served random weights as the checkpoint's."""
+    with pytest.raises(ValueError, match=r"model\.path is empty .* or null \(or no key\)"):
+        load_config(CONFIGS / "tiny_cpu.yaml", {"model.path": repr(path)})
+    assert load_config(CONFIGS / "tiny_cpu.yaml", {"model.path": "null"}).model.path is None
