@@ -311,6 +311,39 @@ def test_requests_queued_behind_a_failing_step_fail_and_never_run():
     loop.shutdown()
 
 
+def test_a_request_admitted_but_never_scheduled_gets_the_retryable_error():
+    """Admitted behind a running request (scheduler.max_num_seqs 1) when a step fails: it
+    never reached a rank, so its client gets the 503 it may retry, not the step's 500."""
+    llm = LLM(TINY_CONFIG, **{"scheduler.max_num_seqs": 1})
+    engine = llm.engine
+    in_step, second_sent, waiting = threading.Event(), threading.Event(), []
+    step, num_steps = engine.executor.execute, []
+
+    def failing_step(per_rank_inputs):
+        num_steps.append(1)
+        if len(num_steps) == 1:
+            in_step.set()
+            assert second_sent.wait(30)
+            return step(per_rank_inputs)
+        waiting.append(len(engine.schedulers[0].waiting))
+        raise WorkerError("rank 0 failed during step 2: injected")
+
+    engine.executor.execute = failing_step
+    engine.restart = lambda: None  # no rebuild needed here
+    loop = AsyncEngine(engine)
+    long = SamplingParams(max_tokens=400, ignore_eos=True)
+    first = loop.submit([[1, 2, 3]], [long])
+    assert in_step.wait(30)
+    second = loop.submit([[4, 5]], [long])
+    second_sent.set()
+    with pytest.raises(WorkerError, match="injected"):
+        first.result(timeout=30)
+    assert waiting == [1]  # engagement: admitted, waiting, when the step failed
+    with pytest.raises(EngineUnavailableError, match=r"failed before the request ran .*inj"):
+        second.result(timeout=30)
+    loop.shutdown()
+
+
 def test_a_value_error_inside_a_step_fails_the_requests_as_a_fault_not_as_bad_input():
     """A ValueError raised in a step (a bug, or a rank's check failing) is the engine's fault:
     the requests end with a WorkerError (HTTP 500), not a ValueError (a 400 blaming them)."""

@@ -56,6 +56,15 @@ class _Submission:
     requests: list[Request] = field(default_factory=list)
     num_finished: int = 0  # requests[:num_finished] have finished
 
+    def has_run(self) -> bool:
+        """Whether a step (the failed one included) ran any of its sequences: queued or
+        admitted but never scheduled, it never reached a rank."""
+        return any(
+            seq.first_weight_version is not None
+            for request in self.requests
+            for seq in request.samples
+        )
+
     def is_finished(self) -> bool:
         """Whether every request has finished. Requests finish mostly in the order they were
         queued, so a pointer past the finished ones makes this O(1) a step amortized: asked on
@@ -354,12 +363,12 @@ class AsyncEngine:
         never once stopping (a rebuild would outlast the drain, and nothing would use it)."""
         with self._cond:
             self._error = error
-        never_ran = EngineUnavailableError(  # queued, not admitted: a retry may run it
+        never_ran = EngineUnavailableError(  # in no step yet, the failed one too: a retry may
             f"the engine failed before the request ran ({type(error).__name__}: {error}); it "
             "is rebuilding its workers"
         )
         for submission in self._snapshot():
-            self._settle(submission, error if submission.requests else never_ran)
+            self._settle(submission, error if submission.has_run() else never_ran)
         with self._cond:  # what /metrics reads meanwhile: the failed requests gone
             self._stats = self._engine.stats()
         while True:
