@@ -236,6 +236,8 @@ def test_outputs_are_copies_a_caller_may_change(llm):
         deltas += llm.engine.step()
     deltas[0].outputs[0].top_logprobs[0].clear()
     assert len(llm.engine.output(request).top_logprobs[0]) == 2
+    deltas[0].prompt_token_ids.append(10**9)  # an id the engine would die on
+    assert request.prompt_token_ids == [5, 6, 7]
     (scored,) = llm.score_outputs([[5, 6, 7, 8]], [2])
     scored.top_logprobs[0]["x"] = 1.0
     assert scored.top_logprobs[1] == {}

@@ -100,6 +100,14 @@ class Request:
     seed: int
     score_token_ids: list[int] | None = None
     samples: list[Sequence] = field(default_factory=list)
+    _prompt_copy: list[int] | None = field(default=None, repr=False)
+
+    def prompt_copy(self) -> list[int]:
+        """The prompt's ids for outputs: one copy made once (not one a delta), so a caller
+        who changes an output's list changes nothing the engine runs."""
+        if self._prompt_copy is None:
+            self._prompt_copy = list(self.prompt_token_ids)
+        return self._prompt_copy
 
     @property
     def is_score(self) -> bool:
