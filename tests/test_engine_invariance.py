@@ -143,11 +143,18 @@ def _shared_prefix_run(workload, mode: str) -> tuple[list[tuple], list[tuple]]:
     prompts, params = workload
     base = prompts[0]
     variants = [base[:100] + p[:30] for p in prompts[1:5]]
-    cold = LLM(TINY_CONFIG, **{"kernels.mode": mode, "cache.enable_prefix_caching": False})
-    warm = LLM(TINY_CONFIG, **{"kernels.mode": mode})
+    # One budget for all 4 variants (520 tokens): with the default 512 the cold run chunked
+    # one, so in fast mode the control differed for that reason alone.
+    whole = {"kernels.mode": mode, "scheduler.max_num_batched_tokens": WHOLE_BUDGET}
+    cold = LLM(TINY_CONFIG, **whole, **{"cache.enable_prefix_caching": False})
+    warm = LLM(TINY_CONFIG, **whole)
     warm.generate([base[:120]], params[0])
+    cold_steps, warm_steps = record_steps(cold), record_steps(warm)
     expected = [fingerprint(o) for o in cold.generate(variants, params[1:5])]
     got = [fingerprint(o) for o in warm.generate(variants, params[1:5])]
+    assert not any(c.start > 0 and c.num_tokens > 1 for step in cold_steps for c in step)
+    # the warm variants start past their cached blocks, in one piece each
+    assert all(c.num_tokens == 130 - c.start for c in warm_steps[0])
     # 100 shared tokens = 6 full blocks of 16 per variant, served from the warm-up's cache.
     assert warm.engine.stats().num_prefix_hit_blocks >= 6 * len(variants), (
         "the variants missed the cache"
@@ -162,13 +169,18 @@ def test_shared_prefix_across_requests(workload, mode):
 
 
 def _preempted_run(workload, mode: str) -> dict[int, tuple]:
-    """All prompts together in a cache too small for them; asserts a preemption happened."""
+    """All prompts together in a cache that holds their prompts but not their outputs;
+    asserts they ran as the references' one batch, then a preemption happened."""
     prompts, params = workload
-    llm = LLM(
-        TINY_CONFIG,
-        **{"kernels.mode": mode, "cache.num_blocks": 64, "scheduler.max_model_len": 512},
-    )
+    # The references' batch: every prompt whole in the first step (their 69 blocks fit; the
+    # output tokens do not). With a cache that admitted only some, or the default budget of
+    # 512, the fast control differed for those reasons alone.
+    small = {"cache.num_blocks": 70, "scheduler.max_model_len": 512}
+    overrides = {"kernels.mode": mode, "scheduler.max_num_batched_tokens": WHOLE_BUDGET}
+    llm = LLM(TINY_CONFIG, **small, **overrides)
+    steps = record_steps(llm)
     got = run_in_batches(llm, prompts, params, [list(range(NUM))])
+    assert sum(c.num_tokens for c in steps[0]) == sum(map(len, prompts))
     assert llm.engine.stats().num_preemptions > 0, "the small cache never forced a preemption"
     return got
 

@@ -169,15 +169,20 @@ def _small_workload():
 
 @pytest.mark.parametrize("mode", ["invariant", "fast"])
 def test_ep_matches_single_rank_on_fingerprints(mode):
-    """EP=2 equals one rank bit for bit; the control: with fast kernels (the combine sums a
-    token's rows in arrival order, which follows the placement) the same comparison differs."""
+    """EP=2 equals one rank bit for bit; the control: with fast kernels the same comparison
+    differs. Why it differs: EP=2 is DP=2, so each rank's batch holds some of the prompts, and
+    fast kernels' bits follow the batch (with one prompt, fast EP=2 gives one rank's bits: its
+    combine sums a token's rows in slot order too). The placement alone is shown to matter by
+    multiple reduction (test_layout_negative_control_multiple_reduction)."""
     prompts, params = _small_workload()
     single = LLM(TINY_CONFIG, **{"kernels.mode": mode}).generate(prompts, params)
     llm = _ep_llm(2, **{"kernels.mode": mode})
     try:
         got = [fingerprint(o) for o in llm.generate(prompts, params)]
+        sent = [s["num_rows_sent_remote"] for s in llm.engine.worker_stats()]
     finally:
         llm.shutdown()
+    assert sum(sent) > 0, "no row crossed ranks"
     if mode == "invariant":
         assert got == [fingerprint(o) for o in single]
     else:
