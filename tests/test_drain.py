@@ -78,8 +78,9 @@ def test_a_call_in_flight_is_drained_then_answered_with_the_drain_timeout():
     later with whatever killing the workers makes it raise (a "rank died" 500, or uvicorn's
     plain-text 500 once its own graceful timeout cut the response)."""
     loop = AsyncEngine(LLM(TINY_CONFIG).engine)
-    quick = loop.call(lambda engine: time.sleep(0.5) or "done")
-    time.sleep(0.1)  # running
+    running = threading.Event()
+    quick = loop.call(lambda engine: running.set() or time.sleep(0.5) or "done")
+    assert running.wait(30)  # running, not queued, when the drain starts
     loop.shutdown(drain_timeout_s=5)
     assert quick.result(timeout=0) == "done"  # waited for, not cut
 
@@ -89,15 +90,15 @@ def test_a_call_in_flight_is_drained_then_answered_with_the_drain_timeout():
     assert [call.result(timeout=0) for call in queued] == [0, 1, 2]
 
     loop = AsyncEngine(LLM(TINY_CONFIG).engine)
-    release = threading.Event()
-    stuck = loop.call(lambda engine: release.wait(30))
-    time.sleep(0.1)
+    release, running = threading.Event(), threading.Event()
+    stuck = loop.call(lambda engine: running.set() or release.wait(30))
+    assert running.wait(30)
     started = time.monotonic()
     stopping = threading.Thread(target=loop.shutdown, args=(0.5, 0.5), daemon=True)
     stopping.start()
     with pytest.raises(EngineUnavailableError, match=r"the call was still running when the drain"):
         stuck.result(timeout=5)
-    assert time.monotonic() - started < 2
+    assert time.monotonic() - started < 5  # the 0.5 s drain timeout, not the 30 s call
     release.set()
     stopping.join(10)
 
@@ -123,8 +124,8 @@ def test_a_drain_after_a_call_that_killed_the_engine_does_not_wait_for_the_rebui
         loop.call(failing_call).result(timeout=30)
     assert rebuilding.wait(30)
     started = time.monotonic()
-    loop.shutdown(drain_timeout_s=3, stop_timeout_s=0.2)
-    assert time.monotonic() - started < 2
+    loop.shutdown(drain_timeout_s=10, stop_timeout_s=0.2)
+    assert time.monotonic() - started < 5  # not the drain's 10 s
     release.set()
 
 

@@ -19,10 +19,12 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
 
+import moe_runtime.engine.engine as engine_module
 from moe_runtime import LLM, SamplingParams
 from moe_runtime.engine.async_engine import AsyncEngine, EngineUnavailableError
 from moe_runtime.executor import WorkerError
@@ -482,19 +484,24 @@ def _new_connection(url: str) -> str | int:
         return "refused"
 
 
-def test_restarts_are_counted_within_the_restart_window():
+def test_restarts_are_counted_within_the_restart_window(monkeypatch):
     """parallel.max_restarts rebuilds within parallel.restart_window_s, then the engine gives
     up; rebuilds older than the window no longer count, so rare faults over a long life are
-    each rebuilt (the count never fell before: the fourth fault in days ended the server)."""
-    window_s = 1.0
+    each rebuilt (the count never fell before: the fourth fault in days ended the server).
+    The engine's clock is the test's: a slow rebuild cannot leave the window early."""
+    window_s = 3600.0
+    now = [1000.0]
+    # engine.py reads only time.monotonic: its own `time`, not the process's clock
+    monkeypatch.setattr(engine_module, "time", SimpleNamespace(monotonic=lambda: now[0]))
     llm = LLM(TINY_CONFIG, **{"parallel.max_restarts": 1, "parallel.restart_window_s": window_s})
     engine = llm.engine
     try:
         engine.restart()
+        now[0] += window_s - 1
         assert not engine.can_restart()
         with pytest.raises(RuntimeError, match=r"gave up after parallel\.max_restarts=1 restarts "):
             engine.restart()
-        time.sleep(window_s + 0.2)
+        now[0] += 2  # the first rebuild is now past the window
         assert engine.can_restart()
         engine.restart()  # the first rebuild left the window
         assert engine.num_restarts == 2  # the metric counts every rebuild since start

@@ -28,7 +28,7 @@ from moe_runtime.config import load_config
 from moe_runtime.worker import lookahead
 from moe_runtime.worker.lookahead import Lookahead
 from moe_runtime.worker.sampler import Sampler
-from tests.invariance import TINY_CONFIG, fingerprint, mixed_prompts
+from tests.invariance import TINY_CONFIG, fingerprint, mixed_prompts, record_steps
 
 # Requests arrive in three groups, at these steps (each group waits a step or more, so the
 # lookahead launched before it is dropped).
@@ -193,6 +193,7 @@ def test_overlap_decode_with_preemption_chunked_prefill_and_scoring():
     def run(overlap: bool) -> tuple[list, list, dict]:
         llm = LLM(TINY_CONFIG, **overrides, **{"scheduler.overlap_decode": overlap})
         engine = llm.engine
+        steps = record_steps(llm)
         requests = engine.add_requests(prompts, params)
         scored = engine.add_score_request(prompts[0] + prompts[1][:20], len(prompts[0]))
         while engine.has_unfinished():
@@ -200,12 +201,14 @@ def test_overlap_decode_with_preemption_chunked_prefill_and_scoring():
         got = [fingerprint(engine.output(r).outputs[0]) for r in requests]
         logprobs = [float.hex(x) for x in scored.samples[0].output_logprobs]
         stats = {**engine.worker_stats()[0], "preemptions": engine.stats().num_preemptions}
+        # a prompt's prefill in pieces: a chunk of several tokens that starts past position 0
+        stats["chunked"] = any(c.start > 0 and c.num_tokens > 1 for s in steps for c in s)
         return got, logprobs, stats
 
     off, off_scored, _ = run(overlap=False)
     on, on_scored, stats = run(overlap=True)
     assert on == off and on_scored == off_scored
-    assert stats["preemptions"] > 0, stats["preemptions"]
+    assert stats["preemptions"] > 0 and stats["chunked"], stats
     assert stats["num_lookahead_hits"] >= 5, stats
 
 

@@ -426,10 +426,18 @@ def test_async_engine_scorings_settle_with_score_bits_and_a_cancelled_one_is_abo
 
 
 def test_async_engine_cancel_aborts_and_shutdown_drains():
-    async_engine = AsyncEngine(LLMEngine(load_config(TINY_CONFIG)))
+    engine = LLMEngine(load_config(TINY_CONFIG))
+    step = engine.step
+
+    def slow_step():  # >= 10 ms a step: 600 tokens cannot fit a 3 s drain, 5 fit it easily
+        time.sleep(0.01)
+        return step()
+
+    engine.step = slow_step
+    async_engine = AsyncEngine(engine)
     long = SamplingParams(max_tokens=600, ignore_eos=True, temperature=0.0)
     cancelled = async_engine.submit([[1, 2, 3]], [long])
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30
     while async_engine.stats().num_running == 0:
         assert time.monotonic() < deadline
         time.sleep(0.005)
@@ -439,7 +447,7 @@ def test_async_engine_cancel_aborts_and_shutdown_drains():
         time.sleep(0.005)
     short = async_engine.submit(["abc"], [SamplingParams(max_tokens=5, ignore_eos=True)])
     too_long = async_engine.submit([[4, 5]], [long])
-    async_engine.shutdown(drain_timeout_s=0.5)
+    async_engine.shutdown(drain_timeout_s=3.0)
     assert len(short.result(timeout=0)[0].token_ids) == 5
     with pytest.raises(EngineUnavailableError):
         too_long.result(timeout=0)
