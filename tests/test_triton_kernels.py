@@ -13,6 +13,7 @@ checked bitwise on the GPU (tests/test_gpu_kernels.py).
 
 from __future__ import annotations
 
+import functools
 import re
 
 import pytest
@@ -446,6 +447,17 @@ def check_expert_layout(generator: torch.Generator) -> None:
         assert torch.equal(row_of_slot, inverse), case
 
 
+def assert_rows_invariant(op, x: torch.Tensor, generator: torch.Generator, full=None) -> None:
+    """op's rows (full: op(x), where computed already) bitwise the same in the first m rows of
+    the batch, for every m of NORM_ROWS, and in a shuffled batch.
+    test_the_row_check_catches_a_batch_dependent_row_op is its negative control."""
+    full = op(x) if full is None else full
+    for m in NORM_ROWS:
+        assert torch.equal(op(x[:m]), full[:m]), m
+    perm = torch.randperm(x.shape[0], generator=generator)
+    assert torch.equal(op(x[perm]), full[perm])
+
+
 def check_rms_norm(generator: torch.Generator) -> None:
     from moe_kernels.rmsnorm import rms_norm_ref
     from moe_kernels.triton_rmsnorm import rms_norm_triton
@@ -459,10 +471,8 @@ def check_rms_norm(generator: torch.Generator) -> None:
             assert full.dtype == expected.dtype
             tol = FP32_TOL if dtype == torch.float32 else BF16_NORM_TOL
             torch.testing.assert_close(full, expected, **tol)
-            for m in NORM_ROWS:
-                assert torch.equal(rms_norm_triton(x[:m], weight, EPS), full[:m]), (dim, m)
-            perm = torch.randperm(33, generator=generator)
-            assert torch.equal(rms_norm_triton(x[perm], weight, EPS), full[perm])
+            norm = functools.partial(rms_norm_triton, weight=weight, eps=EPS)
+            assert_rows_invariant(norm, x, generator, full)
     # Mixed dtypes follow torch promotion (bf16 activations, fp32 weight -> fp32).
     x = torch.randn(3, 96, generator=generator).to(torch.bfloat16)
     weight = torch.rand(96, generator=generator)
@@ -481,10 +491,7 @@ def check_softmax(generator: torch.Generator) -> None:
                 expected = fp64_op(x.double(), dim=-1).float()
                 # fp32 exp/log and a V-term sum: a few fp32 ulps of the largest values.
                 torch.testing.assert_close(full, expected, atol=1e-5, rtol=1e-5)
-                for m in NORM_ROWS:
-                    assert torch.equal(op(x[:m]), full[:m]), (op.__name__, dim, m)
-                perm = torch.randperm(33, generator=generator)
-                assert torch.equal(op(x[perm]), full[perm])
+                assert_rows_invariant(op, x, generator, full)
         # -inf logits (masked vocab) give probability 0 / log-probability -inf, no NaN; in
         # the split launch whole parts are -inf.
         x = torch.randn(2, 300, generator=generator)
@@ -908,6 +915,20 @@ def interpreted_results() -> dict:
 @pytest.mark.parametrize("name", list(CHECKS))
 def test_triton_kernel_interpreted(interpreted_results, name):
     assert interpreted_results[name] == "", interpreted_results[name]
+
+
+def test_the_row_check_catches_a_batch_dependent_row_op(generator):
+    """The negative control of the row-invariance check the interpreted rms_norm and softmax
+    checks run: a softmax whose row sum is split at a column that follows the batch size."""
+
+    def split_sum_softmax(x: torch.Tensor) -> torch.Tensor:
+        e = x.float().exp()
+        split = 1 + x.shape[0] % (x.shape[1] - 1)
+        return e / (e[:, :split].sum(-1, keepdim=True) + e[:, split:].sum(-1, keepdim=True))
+
+    x = torch.randn(33, 1003, generator=generator) * 4
+    with pytest.raises(AssertionError):
+        assert_rows_invariant(split_sum_softmax, x, generator)
 
 
 def test_compiled_wrappers_refuse_cpu_and_bad_inputs(generator):
