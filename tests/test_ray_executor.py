@@ -38,7 +38,9 @@ def _held_groups(ray) -> set[str]:
     }
 
 
-def test_a_group_that_fails_to_start_frees_its_bundles_and_workers(ray_local, tmp_path):
+def test_a_group_that_fails_to_start_frees_its_placement_group(ray_local, tmp_path):
+    """The group's bundles go back (its workers go down with them, Ray's rule for a removed
+    placement group)."""
     import ray
 
     path = write_checkpoint(tmp_path / "ckpt", seed=1)
@@ -51,6 +53,7 @@ def test_a_group_that_fails_to_start_frees_its_bundles_and_workers(ray_local, tm
         }
     )
     groups_before = _held_groups(ray)
+    known_before = set(ray.util.placement_group_table())
     p2l = [list(range(config.model.n_routed_experts))] * 2  # unused: init fails first
     with pytest.raises(ValueError, match="not valid safetensors"):
         create_executor(config, p2l)
@@ -59,6 +62,10 @@ def test_a_group_that_fails_to_start_frees_its_bundles_and_workers(ray_local, tm
         time.sleep(0.5)
     # A removed placement group takes the workers placed in it down with it.
     assert not left, f"the failed group's placement group is still held: {left}"
+    # engagement: the call made a group (the failure came from its ranks, not before them)
+    table = ray.util.placement_group_table()
+    made = [info["state"] for group_id, info in table.items() if group_id not in known_before]
+    assert made == ["REMOVED"], made
 
 
 def _two_ranks(timeout_s: float):
