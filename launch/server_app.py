@@ -57,6 +57,9 @@ OptionalRebalanceBody = Annotated[RebalanceRequest, Body(default_factory=Rebalan
 def create_app(config: RuntimeConfig, backend: Backend | None = None) -> FastAPI:
     app = FastAPI(title="moe-runtime", default_response_class=ExactJSONResponse)
     app.state.backend = backend
+    # First, so that it runs inside the API-key check (middleware added later wraps it): a
+    # client without the key is refused before its body is read.
+    app.add_middleware(_LimitBody, max_bytes=config.server.max_request_bytes)
 
     def engine_stats():
         current = app.state.backend
@@ -126,7 +129,6 @@ def create_app(config: RuntimeConfig, backend: Backend | None = None) -> FastAPI
     for route in app.routes:  # a series per route from the first scrape on (at 0)
         if isinstance(route, APIRoute):
             metrics.requests.labels(route.path, "200")
-    app.add_middleware(_LimitBody, max_bytes=config.server.max_request_bytes)
     app.add_middleware(_CountResponses, metrics=metrics, router=app.router)  # sees the 401s
     return app
 
@@ -157,14 +159,16 @@ class _LimitBody:
                 return await self._refuse(scope, receive, send)
             if not message.get("more_body", False):
                 break
-        body_sent = False
+        body: bytes | None = b"".join(chunks)
+        chunks.clear()
 
         async def replay() -> dict:
-            nonlocal body_sent
-            if body_sent:
+            nonlocal body
+            if body is None:
                 return await receive()  # what follows the body: the client leaving
-            body_sent = True
-            return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            message = {"type": "http.request", "body": body, "more_body": False}
+            body = None  # held by the app now, not twice
+            return message
 
         await self.app(scope, replay, send)
 

@@ -31,15 +31,15 @@ log = logging.getLogger("moe_runtime.config")
 
 
 class _YamlLoader(yaml.SafeLoader):
-    """PyYAML's safe loader reading `1e-6` as a float, as YAML 1.2 does: YAML 1.1 wants a dot
-    (`1.0e-6`), and without one an epsilon or a learning-rate-like value arrived as the text
-    "1e-6" and was refused as not a float."""
+    """PyYAML's safe loader reading every exponent number (`1e-6`, `2.5e2`, `.5e3`) as a float,
+    as YAML 1.2 does: YAML 1.1's rule wants a dot and a signed exponent (`1.0e+6`), and an
+    epsilon written otherwise arrived as text and was refused as not a float."""
 
 
 _YamlLoader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$"),
-    list("-+0123456789"),
+    re.compile(r"^[-+]?(\.[0-9]+|[0-9][0-9_]*(\.[0-9_]*)?)[eE][-+]?[0-9]+$"),
+    list("-+.0123456789"),
 )
 
 

@@ -105,7 +105,7 @@ class HFTokenizer:
         self._context_text = self.decode([self._context_id])
 
     def encode(self, text: str) -> list[int]:
-        ids = self._tokenizer.encode(text, add_special_tokens=False).ids
+        ids = self._encode(text)
         return ids if self.bos_token_id is None else [self.bos_token_id, *ids]
 
     def decode(self, token_ids: list[int]) -> str:
@@ -162,7 +162,13 @@ class HFTokenizer:
             **self._special_tokens,
         }
         text = render_chat(self.chat_template, messages, **specials)
-        return self._tokenizer.encode(text, add_special_tokens=False).ids
+        return self._encode(text)
+
+    def _encode(self, text: str) -> list[int]:
+        """The text's ids. encode_batch, not encode: the library releases Python's lock only
+        there, so a long prompt tokenized in a worker thread no longer holds up the event loop
+        and the engine's thread for the whole encode (5 MB: 3.6 s)."""
+        return self._tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
 
     def _special_text(self, configured, token_id: int | None) -> str:
         if isinstance(configured, dict):

@@ -51,6 +51,8 @@ def test_exponent_floats_without_a_dot_read_as_floats(tmp_path):
     )
     config = load_config(path, {"model.routed_scaling_factor": "25E-1"})
     assert config.model.rms_norm_eps == 1e-5 and config.model.routed_scaling_factor == 2.5
+    for text, value in [("2.5e2", 250.0), (".5e1", 5.0), ("6.02E2", 602.0), ("1.0e1", 10.0)]:
+        assert load_config(path, {"model.init_std": text}).model.init_std == value, text
     assert load_config(path, {"server.api_key": "'1e5'"}).server.api_key == "1e5"
 
 

@@ -238,6 +238,9 @@ def test_outputs_are_copies_a_caller_may_change(llm):
     assert len(llm.engine.output(request).top_logprobs[0]) == 2
     deltas[0].prompt_token_ids.append(10**9)  # an id the engine would die on
     assert request.prompt_token_ids == [5, 6, 7]
+    whole = llm.engine.output(request)
+    whole.prompt_token_ids.append(8)
+    assert llm.engine.output(request).prompt_token_ids == [5, 6, 7]
     (scored,) = llm.score_outputs([[5, 6, 7, 8]], [2])
     scored.top_logprobs[0]["x"] = 1.0
     assert scored.top_logprobs[1] == {}

@@ -167,7 +167,7 @@ def test_balancedness_before_is_measured_from_the_rows_each_rank_served():
         assert per_rank[0] > 0 and per_rank[1] == 0, per_rank  # engagement: all on rank 0
         report = llm.engine.rebalance(force=False)
         assert report["balancedness_before"] == 0.5, report
-        assert report["skipped"] and report["reason"].startswith("the plan would not raise")
+        assert report["skipped"] and report["reason"].startswith("as the planner models it")
         assert llm.engine.balancer.last_balancedness == 0.5
     finally:
         llm.shutdown()

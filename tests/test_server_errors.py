@@ -123,3 +123,23 @@ def test_a_body_past_max_request_bytes_is_a_413_and_runs_nothing():
 def test_max_request_bytes_is_validated():
     with pytest.raises(ValueError, match="server.max_request_bytes must be an int >= 1, got 0"):
         load_config(TINY_CONFIG, {"server.max_request_bytes": 0})
+
+
+def test_a_client_without_the_key_is_refused_before_its_body_is_read():
+    """The body limit runs inside the API-key check: a keyless client gets its 401 without
+    the server buffering its body (up to server.max_request_bytes each, before)."""
+    config = load_config(TINY_CONFIG, {"server.max_request_bytes": 64, "server.api_key": "secret"})
+    app = create_app(config)
+    over = json.dumps({"prompt": "a" * 100}).encode()
+
+    async def send() -> list[int]:
+        transport = httpx.ASGITransport(app=app)
+        headers = {"content-type": "application/json"}
+        keyed = {**headers, "authorization": "Bearer secret"}
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return [
+                (await client.post("/v1/completions", content=over, headers=h)).status_code
+                for h in (headers, keyed)
+            ]
+
+    assert asyncio.run(send()) == [401, 413]

@@ -103,3 +103,37 @@ def test_malformed_tokenizer_file_is_named(model_config, tmp_path, file, text, m
     (tmp_path / file).write_text(text)
     with pytest.raises(ValueError, match=f"{re.escape(str(tmp_path / file))} {match}"):
         load_tokenizer(model_config)
+
+
+def test_a_long_text_is_encoded_without_holding_pythons_lock(tmp_path):
+    """Prompts are tokenized in a worker thread so that the event loop and the engine's thread
+    go on meanwhile; tokenizers' encode held Python's lock for the whole call (a 5 MB text:
+    3.6 s of every other thread stopped), its encode_batch releases it. Counted: a thread's
+    ticks during one encode. The ids are encode's."""
+    import threading
+    import time
+
+    from tests.checkpoints import write_byte_level_bpe
+
+    write_byte_level_bpe(tmp_path, "the cat sat on the mat. " * 50)
+    tokenizer = HFTokenizer(tmp_path, bos_token_id=None, eos_token_id=None)
+    text = "the cat sat on the mat, and the dog did not. " * 60_000  # 2.7 MB
+    ticks, stop = [0], threading.Event()
+
+    def tick():
+        while not stop.is_set():
+            ticks[0] += 1
+            time.sleep(0.001)
+
+    ticker = threading.Thread(target=tick, daemon=True)
+    ticker.start()
+    time.sleep(0.05)
+    before = ticks[0]
+    started = time.monotonic()
+    ids = tokenizer.encode(text)
+    seconds, during = time.monotonic() - started, ticks[0] - before
+    stop.set()
+    ticker.join(5)
+    assert ids == tokenizer._tokenizer.encode(text, add_special_tokens=False).ids
+    assert seconds > 0.2, f"the encode took {seconds:.3f} s: too short to tell"
+    assert during >= 20, f"{during} ticks in a {seconds:.2f} s encode: the lock was held"

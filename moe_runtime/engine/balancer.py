@@ -85,7 +85,8 @@ class ExpertBalancer:
         # No rows since the last move (each move starts the window afresh): a plan from zero
         # load is the start-up placement, so even a forced rebalance would undo the last one.
         has_load = bool(logical_load.any())
-        if not has_load or (not force and before >= self.config.eplb.balancedness_threshold):
+        eplb_threshold = self.config.eplb.balancedness_threshold
+        if not has_load or (not force and before >= eplb_threshold):
             report.update(skipped=True, seconds=time.perf_counter() - started)
             if has_load:
                 self.last_balancedness = before
@@ -99,13 +100,15 @@ class ExpertBalancer:
         # local to every rank, the measured imbalance is the ranks' own tokens' and no
         # placement changes it). A forced rebalance moves all the same, unless nothing moves.
         planned = _mean_balancedness(logical_load, new_p2l, world)
+        modelled = _mean_balancedness(logical_load, p2l, world)  # the placement now, so
         reason = None
         if new_p2l.equal(p2l):
             reason = "the plan is the current placement"
-        elif not force and planned <= _mean_balancedness(logical_load, p2l, world):
+        elif not force and (planned <= modelled or modelled >= eplb_threshold):
             reason = (
-                "the plan would not raise balancedness as the planner models it (each "
-                "expert's load split evenly over its replicas)"
+                "as the planner models it (each expert's load split evenly over its "
+                "replicas) the placement is balanced enough, or the plan would not raise "
+                "its balancedness"
             )
         if reason is not None:  # the window goes on
             report.update(skipped=True, seconds=time.perf_counter() - started, reason=reason)

@@ -309,6 +309,7 @@ class LLMEngine:
                 self.executor.call_all("discard_weights")
             raise
         except BaseException as exc:  # a rank died or stalled, or Ctrl-C: out of step
+            drop_frames(exc)
             self._fail_all(f"update_weights: {type(exc).__name__}: {exc}")
             raise
         with self._fatal_on_error():  # failing mid-copy leaves mixed weights: the engine dies
@@ -399,6 +400,7 @@ class LLMEngine:
         except Exception:
             raise
         except BaseException as exc:
+            drop_frames(exc)  # a rank in this process: its model must not outlive the rebuild
             if self.error is None:
                 self._fail_all(f"{what} was interrupted ({type(exc).__name__})")
             raise

@@ -34,7 +34,7 @@ class CompletionOutput:
 @dataclass(frozen=True)
 class RequestOutput:
     request_id: str
-    prompt_token_ids: list[int]  # one copy a request, shared by its outputs, not the engine
+    prompt_token_ids: list[int]  # a copy: a whole output's own, a request's deltas' shared
     outputs: list[CompletionOutput]  # a delta: the samples that changed; else all n
     is_finished: bool
     # Over all the request's samples (not only a delta's): the newest version any step of

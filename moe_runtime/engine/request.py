@@ -103,8 +103,9 @@ class Request:
     _prompt_copy: list[int] | None = field(default=None, repr=False)
 
     def prompt_copy(self) -> list[int]:
-        """The prompt's ids for outputs: one copy made once (not one a delta), so a caller
-        who changes an output's list changes nothing the engine runs."""
+        """The prompt's ids for deltas: one copy made once, shared by the request's deltas
+        (not one a delta: O(prompt) a step), so a caller who changes a delta's list changes
+        nothing the engine runs. A whole output gets a copy of its own."""
         if self._prompt_copy is None:
             self._prompt_copy = list(self.prompt_token_ids)
         return self._prompt_copy

@@ -69,7 +69,7 @@ def request_output(request: Request, weight_version: int, is_delta: bool) -> Req
         )
     return RequestOutput(
         request.request_id,
-        request.prompt_copy(),
+        request.prompt_copy() if is_delta else list(request.prompt_token_ids),
         outputs,
         request.is_finished,
         max(last for last, _ in versions),
