@@ -135,5 +135,5 @@ def test_a_long_text_is_encoded_without_holding_pythons_lock(tmp_path):
     stop.set()
     ticker.join(5)
     assert ids == tokenizer._tokenizer.encode(text, add_special_tokens=False).ids
-    assert seconds > 0.2, f"the encode took {seconds:.3f} s: too short to tell"
-    assert during >= 20, f"{during} ticks in a {seconds:.2f} s encode: the lock was held"
+    # ~900 ticks a second with the lock free; a held lock lets through one or two at most
+    assert during >= max(5, 200 * seconds), f"{during} ticks in a {seconds:.2f} s encode"
