@@ -20,6 +20,7 @@ import pytest
 from moe_runtime import SamplingParams
 from tests.serving import merge_completion_chunks, num_running, running_server, sse_events
 from tests.test_server import TARGETS, _background_requests, http_fingerprint, post
+from tests.test_server_metrics import scrape
 
 COMPLETIONS = "/v1/completions"
 MESSAGE = {"role": "user", "content": "hi"}
@@ -184,21 +185,15 @@ def test_client_leaving_a_whole_completion_aborts_its_request(server, route):
     900 tokens; the request is aborted instead of running on for nobody."""
     prompt = {"prompt": [1, 2, 3]} if route == COMPLETIONS else {"messages": [MESSAGE]}
     body = {**prompt, "max_tokens": 900, "temperature": 0, "ignore_eos": True}
-    left_before = _num_left(server, route)
+    left = f"moe_http_requests_total{{route={route},status=499}}"
+    left_before = scrape(server).get(left, 0)
     with pytest.raises(httpx.ReadTimeout):
         server.http.post(route, json=body, timeout=1.0)
     deadline = time.monotonic() + 20
     while num_running(server.async_engine):
         assert time.monotonic() < deadline, "the request kept running after its client left"
         time.sleep(0.01)
-    assert _num_left(server, route) == left_before + 1
-
-
-def _num_left(server, route: str) -> float:
-    """The 499s counted for route (0 before the first)."""
-    series = f'moe_http_requests_total{{route="{route}",status="499"}} '
-    lines = server.http.get("/metrics").text.splitlines()
-    return next((float(line.removeprefix(series)) for line in lines if line.startswith(series)), 0)
+    assert scrape(server).get(left, 0) == left_before + 1
 
 
 def test_openai_client_streams(server):

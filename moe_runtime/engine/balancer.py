@@ -59,10 +59,16 @@ class ExpertBalancer:
         """Plan and move; `force` skips the balancedness check. inject_failure=(rank, layer) is
         fault injection for tests: that rank fails while staging that layer."""
         started = time.perf_counter()
+        report = {
+            "balancedness_before": None,
+            "balancedness_after": None,
+            "experts_moved": 0,
+            "bytes_moved": 0,
+            "seconds": 0.0,
+            "skipped": False,
+        }
         if self.num_moe_layers == 0:  # an all-dense model: no experts to place
-            report = _skipped_report("the model has no MoE layers", started)
-            self.history.append(report)
-            return report
+            return self._skipped(report, started, "the model has no MoE layers")
         world = self.config.parallel.world_size
         slot_load = self._slot_load()
         p2l = self.placement.physical_to_logical[: self.num_moe_layers]
@@ -74,26 +80,16 @@ class ExpertBalancer:
         # an expert's rows to one replica, their own first.)
         per_rank = slot_load.view(self.num_moe_layers, world, -1).sum(dim=2)
         before = float(balancedness(per_rank).mean())
-        report = {
-            "balancedness_before": before,
-            "balancedness_after": before,
-            "experts_moved": 0,
-            "bytes_moved": 0,
-            "seconds": 0.0,
-            "skipped": False,
-        }
+        report.update(balancedness_before=before, balancedness_after=before)
         # No rows since the last move (each move starts the window afresh): a plan from zero
         # load is the start-up placement, so even a forced rebalance would undo the last one.
-        has_load = bool(logical_load.any())
+        if not logical_load.any():
+            no_load = "no expert load recorded since the last rebalance"
+            return self._skipped(report, started, no_load)
         eplb_threshold = self.config.eplb.balancedness_threshold
-        if not has_load or (not force and before >= eplb_threshold):
-            report.update(skipped=True, seconds=time.perf_counter() - started)
-            if has_load:
-                self.last_balancedness = before
-            else:
-                report["reason"] = "no expert load recorded since the last rebalance"
-            self.history.append(report)
-            return report
+        if not force and before >= eplb_threshold:
+            self.last_balancedness = before
+            return self._skipped(report, started)
         new_p2l = self._plan(logical_load)
         # The planner's model splits each expert's load evenly over its replicas; a plan that
         # does not raise its own figure would move experts for nothing (where replicas are
@@ -111,10 +107,8 @@ class ExpertBalancer:
                 "its balancedness"
             )
         if reason is not None:  # the window goes on
-            report.update(skipped=True, seconds=time.perf_counter() - started, reason=reason)
             self.last_balancedness = before
-            self.history.append(report)
-            return report
+            return self._skipped(report, started, reason)
         per_rank_args = [
             (
                 new_p2l.tolist(),
@@ -153,6 +147,15 @@ class ExpertBalancer:
         )
         return report
 
+    def _skipped(self, report: dict, started: float, reason: str | None = None) -> dict:
+        """The report of a rebalance that moved nothing, kept in the history; `reason` where
+        it was skipped for a reason other than balance."""
+        report.update(skipped=True, seconds=time.perf_counter() - started)
+        if reason is not None:
+            report["reason"] = reason
+        self.history.append(report)
+        return report
+
     def _slot_load(self) -> torch.Tensor:
         """[L, P] int64 rows each physical slot served over the window (slots in rank order)."""
         per_rank = self.executor.call_all("window_load", timeout_s=QUICK_CALL_TIMEOUT_S)
@@ -176,15 +179,3 @@ class ExpertBalancer:
 
 def _mean_balancedness(logical_load: torch.Tensor, p2l: torch.Tensor, num_ranks: int) -> float:
     return float(balancedness(load_per_rank(logical_load, p2l, num_ranks)).mean())
-
-
-def _skipped_report(reason: str, started: float) -> dict:
-    return {
-        "balancedness_before": None,
-        "balancedness_after": None,
-        "experts_moved": 0,
-        "bytes_moved": 0,
-        "seconds": time.perf_counter() - started,
-        "skipped": True,
-        "reason": reason,
-    }

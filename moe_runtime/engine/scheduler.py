@@ -15,7 +15,6 @@ waste the step launched ahead.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Collection
 from dataclasses import dataclass
 
 from moe_runtime.config import SchedulerConfig
@@ -243,17 +242,16 @@ class Scheduler:
         released, self.released = self.released, []
         return released
 
-    def abort(self, request_ids: Collection[str]) -> list[Sequence]:
+    def abort(self, request_ids: set[str]) -> list[Sequence]:
         """Drop every sequence of the requests (e.g. clients went away); frees their blocks.
         One pass over the queues, however many requests (a client leaving a request of
         thousands of prompts must not hold the engine's thread for seconds)."""
-        ids = request_ids if isinstance(request_ids, (set, frozenset)) else set(request_ids)
-        dropped = [s for s in self.running if s.request.request_id in ids]
+        dropped = [s for s in self.running if s.request.request_id in request_ids]
         for seq in dropped:
             self.finish(seq, "abort")
         kept: list[Sequence] = []
         for seq in self.waiting:
-            if seq.request.request_id not in ids:
+            if seq.request.request_id not in request_ids:
                 kept.append(seq)
                 continue
             if seq.block_table:  # a prefix match it never ran with: not a hit
