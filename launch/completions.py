@@ -275,7 +275,12 @@ async def chat(
             param = body.token_budget_field()
             again = ContextLengthError(exc.num_prompt_tokens, budget, max_model_len, param)
             raise ContextLengthExceeded(param, str(again)) from None
-        raise ContextLengthExceeded("messages", f"messages: {exc}") from None
+        raise ContextLengthExceeded(
+            "messages",
+            f"messages: This model's maximum context length is {max_model_len} tokens and the "
+            f"prompt has {exc.num_prompt_tokens}, which leaves no room to generate. The context "
+            "is scheduler.max_model_len.",
+        ) from None
     except PromptTooLongError as exc:
         raise _prompt_too_long(exc, "messages") from None
     except ValueError as exc:  # the engine's prompt checks

@@ -9,7 +9,10 @@ strings (`bos_token`, `eos_token`, `pad_token`, ...), `raise_exception`, Jinja's
 (`{% break %}`, `{% continue %}`) and a `tojson` that keeps non-ASCII text and key order.
 Not given: `strftime_now` (a prompt would change with the date, so the same request would not
 give the same bits from one day to the next; a template that checks for it takes its own
-fallback). Without a template, `DEFAULT_CHAT_TEMPLATE` is used: each message as `<|role|>` on its
+fallback). A `developer` message (OpenAI's newer name for the system instruction) reaches a
+template that never names that role as a `system` message: DeepSeek's templates know system,
+user, assistant and tool only, and skip any other role without a word, so the instruction would
+be lost. Without a template, `DEFAULT_CHAT_TEMPLATE` is used: each message as `<|role|>` on its
 own line followed by its content and a newline (no content line for a null or empty content
 with tool calls), then each of its tool calls as `<|tool_call|>name(arguments)` and a newline;
 then `<|assistant|>` and a newline.
@@ -65,12 +68,18 @@ def compile_chat_template(template: str):
         raise ValueError(f"the chat template is not valid Jinja: {exc}") from None
 
 
+def _developer_as_system(message: dict[str, Any]) -> dict[str, Any]:
+    return {**message, "role": "system"} if message.get("role") == "developer" else message
+
+
 def render_chat(
     template: str, messages: list[dict[str, Any]], **special_tokens: str | list[str]
 ) -> str:
     """The prompt text for `messages` ([{"role", "content", ...}]); ValueError if the template
     rejects them or fails on them (any exception it raises: a bad message is a bad request)."""
     compiled = compile_chat_template(template)
+    if template != DEFAULT_CHAT_TEMPLATE and "developer" not in template:
+        messages = [_developer_as_system(message) for message in messages]
     try:
         return compiled.render(
             messages=messages,

@@ -22,6 +22,15 @@ def derive_seed(*parts: int) -> int:
     return int(state) >> (64 - SEED_BITS)
 
 
+def from_signed_seed(seed: int) -> int:
+    """OpenAI's seed, a signed 64-bit int, as a request seed: one >= 0 as it is, a negative one
+    hashed from its two's complement (2**64 + seed), so each of the 2**63 negative seeds is a
+    seed of its own rather than folded onto a non-negative one."""
+    if not -(2**63) <= seed <= MAX_SEED:
+        raise ValueError(f"seed must be a signed 64-bit int, got {seed}")
+    return seed if seed >= 0 else derive_seed(2**64 + seed)
+
+
 def resolve_seed(seed: int | None) -> int:
     """The given seed as is; None draws a fresh one, which the engine records."""
     return secrets.randbits(SEED_BITS) if seed is None else seed

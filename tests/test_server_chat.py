@@ -389,3 +389,66 @@ def test_a_whole_message_carries_a_null_refusal_as_openai_sends_it(server):
     assert choice["message"]["refusal"] is None
     chunks = sse_events(server.http, CHAT, body)
     assert all("refusal" not in c["choices"][0]["delta"] for c in chunks)
+
+
+# As DeepSeek's templates: the roles it knows, any other skipped without a word.
+KNOWN_ROLES_ONLY = (
+    "{% for m in messages %}{% if m['role'] == 'system' %}S:{{ m['content'] }}\n"
+    "{% elif m['role'] == 'user' %}U:{{ m['content'] }}\n{% endif %}{% endfor %}A:"
+)
+
+
+def test_a_developer_message_reaches_a_template_without_that_role_as_system():
+    """OpenAI's developer message is the system instruction's newer name; DeepSeek's
+    templates skip the role, so the instruction was lost (the request still a 200). A template
+    that names the role, and the default template, get it as sent."""
+    developer = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    as_system = [{**developer[0], "role": "system"}, developer[1]]
+    assert render_chat(KNOWN_ROLES_ONLY, developer) == "S:Be brief.\nU:hi\nA:"
+    assert render_chat(KNOWN_ROLES_ONLY, as_system) == "S:Be brief.\nU:hi\nA:"
+    naming = "{# knows developer #}{% for m in messages %}{{ m['role'] }};{% endfor %}"
+    assert render_chat(naming, developer) == "developer;user;"
+    assert render_chat(DEFAULT_CHAT_TEMPLATE, developer).startswith("<|developer|>\nBe brief.")
+    assert developer[0]["role"] == "developer"  # the caller's messages are left as they were
+
+
+def test_a_negative_seed_is_a_seed_of_its_own(server):
+    """OpenAI's seed is a signed 64-bit int (a negative one was a 400): -1 samples as the seed
+    hashed from its two's complement, not as a seed it would fold onto (2**63 - 1)."""
+    from moe_runtime.seeds import MAX_SEED, derive_seed, from_signed_seed
+
+    def sampled(seed: int) -> tuple:
+        response = server.http.post(CHAT, json={**BODY, "seed": seed})
+        assert response.status_code == 200, response.text
+        (choice,) = response.json()["choices"]
+        return chat_fingerprint(choice["token_ids"], choice["logprobs"]["content"])
+
+    assert from_signed_seed(-1) == derive_seed(2**64 - 1) and from_signed_seed(7) == 7
+    assert sampled(-1) == sampled(derive_seed(2**64 - 1))
+    assert sampled(-1) != sampled(MAX_SEED)
+    assert sampled(-(2**63)) != sampled(-1)
+    for bad in (-(2**63) - 1, 2**63):
+        response = server.http.post(CHAT, json={**BODY, "seed": bad})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "seed"
+    with pytest.raises(ValueError, match="signed 64-bit"):
+        from_signed_seed(2**63)
+
+
+def test_a_chat_prompt_filling_the_context_names_no_max_tokens_it_was_not_sent(server):
+    """Without a budget the room left is the budget: a prompt that fills the context was told
+    "max_tokens is 1", a field the client never sent."""
+    tokenizer, room = server.engine.tokenizer, server.engine.config.scheduler.max_model_len
+    empty = len(tokenizer.apply_chat_template([{"role": "user", "content": ""}]))
+    messages = [{"role": "user", "content": "x" * (room - empty)}]
+    assert len(tokenizer.apply_chat_template(messages)) == room
+    response = server.http.post(CHAT, json={"messages": messages})
+    error = response.json()["error"]
+    assert (response.status_code, error["code"], error["param"]) == (
+        400,
+        "context_length_exceeded",
+        "messages",
+    )
+    assert error["message"] == (
+        f"messages: This model's maximum context length is {room} tokens and the prompt has "
+        f"{room}, which leaves no room to generate. The context is scheduler.max_model_len."
+    )

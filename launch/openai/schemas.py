@@ -29,7 +29,7 @@ from pydantic import (
 
 from launch.openai.errors import FieldError, UnknownModelError
 from moe_runtime.sampling_params import SamplingParams
-from moe_runtime.seeds import MAX_SEED
+from moe_runtime.seeds import MAX_SEED, from_signed_seed
 
 MAX_LOGPROBS = 20
 MAX_N = 128
@@ -129,7 +129,7 @@ class SamplingFields(Strict):
     temperature: float = Field(1.0, ge=0.0, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int = Field(-1, ge=-1)
-    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    seed: int | None = Field(None, ge=-(2**63), le=MAX_SEED)  # OpenAI's signed int64
     n: int = Field(1, ge=1, le=MAX_N)
     stop: str | list[StrictStr] | None = None
     stop_token_ids: list[TokenId] | None = None
@@ -208,7 +208,7 @@ class SamplingFields(Strict):
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
-            seed=self.seed,
+            seed=None if self.seed is None else from_signed_seed(self.seed),
             logprobs=self.num_top_logprobs(),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
