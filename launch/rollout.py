@@ -48,6 +48,7 @@ from launch.rollout_io import (  # noqa: E402
 from launch.rollout_settings import check_settings, record_settings, run_settings  # noqa: E402
 from moe_runtime import LLM, RequestOutput, SamplingParams, heap  # noqa: E402
 from moe_runtime.config import load_config  # noqa: E402
+from moe_runtime.engine.engine import LLMEngine  # noqa: E402
 from moe_runtime.seeds import MAX_SEED, SEED_BITS  # noqa: E402
 
 
@@ -286,11 +287,17 @@ def _checked(
 def _rollout_batch(
     llm: LLM, batch: list[Sample], progress: tqdm, stop: Callable[[], None]
 ) -> list[dict]:
-    """Generate the batch together (one request per sample); rows in batch order. The progress
-    bar counts finished samples and, between them, the batch's tokens so far. `stop()` between
-    two steps raises Stopped once a stop signal came."""
+    """Generate the batch together (one request per sample); rows in batch order. `stop()`
+    between two steps raises Stopped once a stop signal came."""
     engine = llm.engine
     requests = engine.add_requests([s.prompt for s in batch], [s.params for s in batch])
+    _step_until_done(engine, progress, stop)
+    return [_rollout_row(s, engine.output(r)) for s, r in zip(batch, requests, strict=True)]
+
+
+def _step_until_done(engine: LLMEngine, progress: tqdm, stop: Callable[[], None]) -> None:
+    """Step until the batch is done, `stop()` before each step. The progress bar counts
+    finished samples and, between them, the batch's tokens so far."""
     num_tokens = 0
     while engine.has_unfinished():
         stop()
@@ -298,7 +305,6 @@ def _rollout_batch(
         num_tokens += sum(len(out.token_ids) for delta in deltas for out in delta.outputs)
         progress.set_postfix(batch_tokens=num_tokens, refresh=False)
         progress.update(sum(delta.is_finished for delta in deltas))  # redrawn at most 10/s
-    return [_rollout_row(s, engine.output(r)) for s, r in zip(batch, requests, strict=True)]
 
 
 def _rollout_row(sample: Sample, output: RequestOutput) -> dict:
@@ -326,13 +332,14 @@ def _score_batch(
     llm: LLM, batch: list[Sample], progress: tqdm, stop: Callable[[], None], num_top: int
 ) -> list[dict]:
     """Rows of teacher-forced logprobs, with each position's `num_top` top logprobs (as a
-    rollout row writes them) when num_top > 0. `stop()` before the batch, as between steps."""
-    stop()
-    sequences = [list(s.prompt) + list(s.token_ids) for s in batch]
-    outputs = llm.score_outputs(sequences, [len(s.prompt) for s in batch], num_top or None)
-    progress.update(len(batch))
+    rollout row writes them) when num_top > 0. `stop()` between two steps, as a rollout's."""
+    engine = llm.engine
+    sequences = [[*s.prompt, *s.token_ids] for s in batch]
+    requests = engine.add_score_requests(sequences, [len(s.prompt) for s in batch], num_top or None)
+    _step_until_done(engine, progress, stop)
     rows = []
-    for s, out in zip(batch, outputs, strict=True):
+    for s, request in zip(batch, requests, strict=True):
+        (out,) = engine.output(request).outputs
         row = {
             "id": s.row_id,
             "sample_idx": s.sample_idx,

@@ -87,26 +87,55 @@ def read_samples(
     bad_rows: list[RowError] = []
     first_line: dict[tuple[str, int], int] = {}
     parse = _score_samples if score else _rollout_samples
-    lines = [(line_no, line) for line_no, line in _input_lines(path) if line]
+    digest = hashlib.sha256()  # of the non-empty lines joined by "\n", fed a line at a time
+    lines = ((line_no, line) for line_no, line in _input_lines(path) if line)
     for row_idx, (line_no, line) in enumerate(lines):
-        try:
-            row = json.loads(_checked_utf8(line))
-            if not isinstance(row, dict):
-                raise ValueError("a row must be a JSON object")
-            row_samples = parse(row, line_no, defaults, derive_seed(base_seed, row_idx))
-        except (ValueError, TypeError) as exc:
+        digest.update((b"\n" if row_idx else b"") + line.encode("utf-8", "surrogateescape"))
+        row, error = _json_row(line)
+        if row is not None:
+            # Before the row's own checks: a bad row with a good id takes its id too, so a
+            # skipped row and a good one of that id are a repeated id, not a silent choice.
+            _claim_key(first_line, row, score, path, line_no)
+            try:
+                row_samples = parse(row, line_no, defaults, derive_seed(base_seed, row_idx))
+            except (ValueError, TypeError) as exc:
+                error = exc
+        if error is not None:
             if not skip_bad:
-                raise RowError(path, line_no, exc) from None
-            bad_rows.append(RowError(path, line_no, exc))
+                raise RowError(path, line_no, error) from None
+            bad_rows.append(RowError(path, line_no, error))
             continue
-        key = row_samples[0].key  # a rollout row's first sample is (id, 0), as any other's
-        if key in first_line:
-            what = f"id {row['id']!r}" + (f" sample_idx {key[1]}" if score else "")
-            raise RowError(path, line_no, f"{what} appears twice (first on line {first_line[key]})")
-        first_line[key] = line_no
         samples.extend(row_samples)
-    joined = "\n".join(line for _, line in lines).encode("utf-8", "surrogateescape")
-    return InputRows(samples, bad_rows, hashlib.sha256(joined).hexdigest())
+    return InputRows(samples, bad_rows, digest.hexdigest())
+
+
+def _json_row(line: str) -> tuple[dict | None, ValueError | None]:
+    """The line as a JSON object, or None and why it is not one."""
+    try:
+        row = json.loads(_checked_utf8(line))
+    except ValueError as exc:
+        return None, exc
+    if not isinstance(row, dict):
+        return None, ValueError("a row must be a JSON object")
+    return row, None
+
+
+def _claim_key(
+    first_line: dict[tuple[str, int], int], row: dict, score: bool, path: Path, line_no: int
+) -> None:
+    """Record the output key the row claims (a rollout row's first sample is (id, 0), as any
+    other's), if its id (and, scoring, its sample_idx) can key one; RowError if an earlier
+    line claimed it."""
+    row_id, sample_idx = row.get("id"), row.get("sample_idx", 0) if score else 0
+    if not isinstance(row_id, str | int) or isinstance(row_id, bool):
+        return
+    if not is_int(sample_idx) or sample_idx < 0:
+        return
+    key = done_key(row_id, sample_idx)
+    if key in first_line:
+        what = f"id {row_id!r}" + (f" sample_idx {sample_idx}" if score else "")
+        raise RowError(path, line_no, f"{what} appears twice (first on line {first_line[key]})")
+    first_line[key] = line_no
 
 
 def _input_lines(path: Path) -> Iterator[tuple[int, str]]:

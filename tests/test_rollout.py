@@ -333,6 +333,43 @@ def test_duplicate_id_refuses_the_whole_file_even_with_skip(tmp_path, capsys):
     assert not out.exists()
 
 
+@pytest.mark.parametrize("bad_first", [True, False], ids=["bad-first", "bad-second"])
+def test_a_bad_row_takes_part_in_the_repeated_id_check(tmp_path, capsys, bad_first):
+    """A bad row left the check before its id was seen: under skip the other row of that id
+    ran, and the output's row for it matched one of two different inputs."""
+    bad, good = {"id": "a", "prompt": "one", "top_p": 5}, {"id": "a", "prompt": "two"}
+    rows = [bad, good] if bad_first else [good, bad]
+    source, out = write_jsonl(tmp_path / "in.jsonl", rows), tmp_path / "out.jsonl"
+    assert run("--input", source, "--output", out, "--on-bad-row", "skip", *ARGS) == 2
+    err = capsys.readouterr().err
+    assert f"error: {source}:2: id 'a' appears twice (first on line 1)" in err, err
+    assert not out.exists() or out.stat().st_size == 0
+
+
+def test_the_input_digest_is_read_a_line_at_a_time(tmp_path, monkeypatch):
+    """--score's input (a rollout's output, routed experts and all) was held whole a second
+    time, as text, to digest it: ~3x the file in memory. The digest is the same as of the
+    non-empty lines joined (resumes of earlier outputs still match)."""
+    import hashlib
+    import tracemalloc
+
+    from launch.rollout_io import read_samples
+
+    bulk = {"token_ids": list(range(400)), "routed_experts": [[[1, 2, 3, 4, 5, 6]] * 26] * 400}
+    rows = [{"id": i, "prompt_token_ids": [1, 2], **bulk} for i in range(30)]
+    source = write_jsonl(tmp_path / "in.jsonl", rows)
+    size = source.stat().st_size
+    assert size > 5_000_000
+    tracemalloc.start()
+    samples = read_samples(source, {}, 0, score=True)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert len(samples.samples) == 30
+    assert peak < size, f"read_samples held {peak} bytes at once for a {size} byte file"
+    lines = [line.strip() for line in source.read_text().splitlines() if line.strip()]
+    assert samples.sha256 == hashlib.sha256("\n".join(lines).encode()).hexdigest()
+
+
 @pytest.mark.parametrize("on_bad_row", ["stop", "skip"])
 def test_score_refuses_a_duplicate_id_and_sample_idx(tmp_path, capsys, on_bad_row):
     rows = [
@@ -708,3 +745,28 @@ def test_sigterm_while_the_ranks_load_ends_the_run_as_after_it(ray_head, tmp_pat
     assert proc.returncode == 128 + signal.SIGTERM, err
     last = err.strip().splitlines()[-1]
     assert last.startswith("rollout: stopped by SIGTERM after writing 0 rows"), err
+
+
+def test_a_stop_signal_during_score_is_acted_on_between_steps():
+    """--score asked once, before its batch, and then scored the whole batch (a batch of long
+    rows: 34 s past Ctrl-C, and the rows written). Now it asks between two steps, as a
+    rollout batch does, and the batch is dropped."""
+    from tqdm import tqdm
+
+    from launch.rollout_io import Sample, Stopped
+
+    llm = LLM(TINY_CONFIG, **{"scheduler.max_num_batched_tokens": 64})  # a few steps a batch
+    try:
+        batch = [Sample(i, 0, [i + 1] * 100, None, i + 1, token_ids=[5] * 100) for i in range(4)]
+        asked = []
+
+        def stop():
+            asked.append(llm.engine.has_unfinished())
+            if len(asked) == 3:
+                raise Stopped(signal.SIGINT)
+
+        with pytest.raises(Stopped), tqdm(disable=True) as progress:
+            rollout._score_batch(llm, batch, progress, stop, num_top=0)
+        assert asked == [True, True, True]  # asked with the batch in flight, three steps in
+    finally:
+        llm.shutdown()
