@@ -1,8 +1,9 @@
 """The settings record beside a rollout output: what its rows' bits depend on.
 
 `run_settings` lists them flat ("model.hidden_size": 64, ...): the input's digest, the code the
-bits come from (`runtime_stamp`), the sampling defaults when generating, the resolved config
-less the keys that change no bit, and the weights' stamp. `record_settings` writes them before
+bits come from (`runtime_stamp`), each kind of device the ranks ran on, the sampling defaults
+when generating, the resolved config less the keys that change no bit, and the weights' stamp
+and tokenizer files' digests. `record_settings` writes them before
 an output's first row; `check_settings` refuses a resume whose settings differ (or an output
 with rows and no record), naming the first difference, instead of mixing two runs in one file.
 """
@@ -22,6 +23,7 @@ import torch
 
 import moe_runtime
 from moe_runtime import LLM
+from moe_runtime.tokenizer import TOKENIZER_FILES
 
 # Config keys left out of the settings record: they change no output bit in any mode.
 UNRECORDED_KEYS = frozenset(
@@ -87,6 +89,7 @@ def run_settings(llm: LLM, args: argparse.Namespace, defaults: dict, input_sha25
     contract = config.kernels.is_invariant and not config.parallel.allow_multiple_reduction
     unrecorded = UNRECORDED_KEYS | (INVARIANT_FREE_KEYS if contract else frozenset())
     settings = {"score": args.score, "input_sha256": input_sha256, **runtime_stamp()}
+    settings["runtime.devices"] = llm.engine.device_identities()
     if not args.score:  # scoring reads no sampling setting but --logprobs
         settings |= {"base_seed": args.base_seed, **defaults}
     elif args.logprobs:  # (0, the rows without top logprobs, records nothing, as before it)
@@ -102,7 +105,19 @@ def run_settings(llm: LLM, args: argparse.Namespace, defaults: dict, input_sha25
         settings["model.path"] = str(Path(config.model.path).resolve())
         stamp = llm.engine.startup_weights.stamp
         settings["model.weights"] = {name: list(values) for name, values in stamp}
+        # Text prompts' ids, so their rows' bits, come from these (hashed: a tokenizer is
+        # small, and unlike the weights no engine stamp of them was taken).
+        settings["model.tokenizer_files"] = _file_digests(Path(config.model.path), TOKENIZER_FILES)
     return settings
+
+
+def _file_digests(directory: Path, names: tuple[str, ...]) -> dict[str, str]:
+    """A SHA-256 of each of `names` present in `directory`."""
+    return {
+        name: hashlib.sha256((directory / name).read_bytes()).hexdigest()
+        for name in names
+        if (directory / name).is_file()
+    }
 
 
 def settings_path(output: Path) -> Path:

@@ -207,6 +207,10 @@ def _is_only_byte_level(decoder: dict) -> bool:
     return bool(parts) and all(isinstance(d, dict) and d.get("type") == "ByteLevel" for d in parts)
 
 
+# The files of a model directory a tokenizer is read from (HFTokenizer, _chat_template).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
 def load_tokenizer(model_config: ModelConfig) -> ByteTokenizer | HFTokenizer:
     """HFTokenizer for a model directory with tokenizer.json, else the byte-level fallback."""
     bos, eos = model_config.bos_token_id, model_config.eos_token_id

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from launch import rollout, rollout_settings
 from launch.rollout_io import append_rows, lock_output, read_done
@@ -547,6 +548,83 @@ def test_resume_after_the_checkpoints_weights_were_overwritten_is_refused(tmp_pa
     assert out.read_text().splitlines(keepends=True) == rows[:2]
 
 
+def test_resume_after_the_tokenizer_changed_is_refused(tmp_path, capsys):
+    """tokenizer.json replaced between a killed run and its resume went unnoticed (only the
+    weights were stamped): one output held two tokenizations of the same prompt text."""
+    from tests.checkpoints import write_byte_level_bpe
+    from tests.serving import write_checkpoint
+
+    checkpoint = Path(write_checkpoint(tmp_path / "ckpt", seed=1))
+    write_byte_level_bpe(checkpoint, "hello world, hello there " * 8)
+    config = tmp_path / "config.yaml"
+    config.write_text("scheduler:\n  max_model_len: 256\n")
+    rows = [{"id": i, "prompt": f"hello {i}"} for i in range(3)]
+    source, out = write_jsonl(tmp_path / "in.jsonl", rows), tmp_path / "out.jsonl"
+    argv = ["--config", config, "--no-progress", "--input", source, "--output", out, *ARGS]
+    argv += ["--set", f"model.path={checkpoint}"]
+    assert rollout.main(list(map(str, argv))) == 0
+    recorded = json.loads(settings_path(out).read_text())["model.tokenizer_files"]
+    assert list(recorded) == ["tokenizer.json"]
+    written = out.read_text().splitlines(keepends=True)
+    out.write_text(written[0])
+    write_byte_level_bpe(checkpoint, "a different corpus entirely " * 8)
+    capsys.readouterr()
+    assert rollout.main(list(map(str, argv))) == 2
+    err = capsys.readouterr().err
+    assert f"error: {out} was written with model.tokenizer_files=" in err, err
+    assert out.read_text() == written[0]
+
+
+def test_the_settings_record_names_the_ranks_device_and_refuses_another(tmp_path, capsys):
+    """A resume on another kind of machine (another GPU, a CPU whose kernels or BLAS take
+    another instruction set) gave rows of other bits, accepted: the record held no hardware."""
+    from moe_runtime.worker import worker
+
+    source, out = write_jsonl(tmp_path / "in.jsonl", ROWS[:2]), tmp_path / "out.jsonl"
+    argv = ["--input", source, "--output", out]
+    assert run(*argv, *ARGS) == 0
+    (device,) = json.loads(settings_path(out).read_text())["runtime.devices"]
+    assert device == worker.device_identity(torch.device("cpu"))
+    assert device["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    written = out.read_text().splitlines(keepends=True)
+    out.write_text(written[0])
+    capsys.readouterr()
+    real = worker.device_identity
+    with pytest.MonkeyPatch.context() as patch:  # as MKL kept to AVX2 on an AVX-512 host
+        patch.setattr(worker, "device_identity", lambda d: {**real(d), "matmul_probe": "0" * 16})
+        assert run(*argv, *ARGS) == 2
+    err = capsys.readouterr().err
+    assert f"error: {out} was written with runtime.devices=" in err, err
+    assert run(*argv, *ARGS) == 0 and out.read_text().splitlines(keepends=True) == written
+
+
+def test_the_device_probe_tells_instruction_sets_apart():
+    """The identity's probe bits under torch's AVX2 and its default kernels with MKL kept to
+    AVX2 (a subprocess each: both are read at start-up) differ from this process's where its
+    instruction set is wider, as the rows' bits would."""
+    script = (
+        "import json, torch\n"
+        "from moe_runtime.worker.worker import device_identity\n"
+        "print(json.dumps(device_identity(torch.device('cpu'))))\n"
+    )
+    from moe_runtime.worker.worker import device_identity
+
+    native = device_identity(torch.device("cpu"))
+    seen = {native["cpu_capability"]: native}
+    for isa in ("avx2", "default"):
+        env = {**os.environ, "ATEN_CPU_CAPABILITY": isa, "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+        env["PYTHONPATH"] = str(ROOT)
+        done = subprocess.run(
+            [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
+        )
+        identity = json.loads(done.stdout)
+        seen.setdefault(identity["cpu_capability"], identity)
+    if len(seen) < 2:
+        pytest.skip(f"this CPU runs torch's kernels at {list(seen)} only")
+    probes = [identity["matmul_probe"] for identity in seen.values()]
+    assert len(set(probes)) == len(probes), seen
+
+
 @pytest.mark.parametrize(
     "content",
     [
@@ -745,6 +823,26 @@ def test_sigterm_while_the_ranks_load_ends_the_run_as_after_it(ray_head, tmp_pat
     assert proc.returncode == 128 + signal.SIGTERM, err
     last = err.strip().splitlines()[-1]
     assert last.startswith("rollout: stopped by SIGTERM after writing 0 rows"), err
+
+
+def test_a_run_at_world_size_2_resumes_at_world_size_1(ray_head, tmp_path):
+    """The record names each kind of device once, however many ranks ran (two Ray ranks of one
+    machine, then one rank in-process), so a resume at another EP degree, which changes no bit,
+    is accepted and writes the rows the first run wrote."""
+    source = write_jsonl(tmp_path / "in.jsonl", ROWS[:3])
+    out = tmp_path / "out.jsonl"
+    cmd = [sys.executable, "launch/rollout.py", "--config", str(TINY_CONFIG), "--no-progress"]
+    cmd += ["--input", str(source), "--output", str(out), *ARGS, "--set", "parallel.world_size=2"]
+    env = {**ray_head.env, "RAY_ADDRESS": ray_head.gcs_address}  # the private head, no other
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    (device,) = json.loads(settings_path(out).read_text())["runtime.devices"]
+    assert device["device"] == "cpu"
+    written = out.read_text().splitlines(keepends=True)
+    assert len(written) > 1
+    out.write_text(written[0])
+    assert run("--input", source, "--output", out, *ARGS) == 0
+    assert out.read_text().splitlines(keepends=True) == written
 
 
 def test_a_stop_signal_during_score_is_acted_on_between_steps():

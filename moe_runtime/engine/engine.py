@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import itertools
+import json
 import time
 from pathlib import Path
 
@@ -351,6 +352,16 @@ class LLMEngine:
         self._check_alive()
         with self._fatal_on_error():
             return self.executor.call_all("stats", timeout_s=QUICK_CALL_TIMEOUT_S)
+
+    def device_identities(self) -> list[dict[str, str]]:
+        """The ranks' distinct `device_identity`s (moe_runtime/worker/worker.py), each once,
+        in a fixed order: what of the hardware the bits may depend on, however many ranks run.
+        A rank that does not answer kills the engine, as in `worker_stats`."""
+        self._check_alive()
+        with self._fatal_on_error():
+            identities = self.executor.call_all("device_identity", timeout_s=QUICK_CALL_TIMEOUT_S)
+        unique = {json.dumps(identity, sort_keys=True): identity for identity in identities}
+        return [unique[key] for key in sorted(unique)]
 
     def check_workers(self) -> None:
         """Every rank answers a cheap call within QUICK_CALL_TIMEOUT_S, or the engine dies

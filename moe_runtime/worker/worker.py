@@ -11,6 +11,7 @@ applies the step's deltas to it; it never sees the driver's objects. `rearrange`
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import socket
@@ -60,6 +61,37 @@ def kv_cache_blocks(config: RuntimeConfig, device: torch.device) -> int:
             f"cache.gpu_memory_utilization={cache.gpu_memory_utilization}"
         )
     return num_blocks
+
+
+def device_identity(device: torch.device) -> dict[str, str]:
+    """What of this rank's hardware and libraries a row's bits may depend on: the device kind
+    (CUDA: its name and compute capability, and the CUDA torch was built for; CPU: the
+    instruction set torch's kernels dispatch to) and the bits of a fixed probe product (a
+    seeded fp32 and bf16 matmul on the device), which tells apart BLAS code paths the names
+    do not (e.g. MKL told to use AVX2 alone on an AVX-512 host)."""
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        identity = {
+            "device": "cuda",
+            "name": torch.cuda.get_device_name(device),
+            "capability": f"{major}.{minor}",
+            "cuda": str(torch.version.cuda),
+        }
+    else:
+        capability = torch.backends.cpu.get_cpu_capability()
+        identity = {"device": device.type, "cpu_capability": capability}
+    generator = torch.Generator().manual_seed(0)
+    a, b = torch.randn(33, 515, generator=generator), torch.randn(515, 67, generator=generator)
+    probe = hashlib.sha256()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the ranks of one machine may hold different thread counts
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            product = torch.matmul(a.to(device, dtype), b.to(device, dtype))
+            probe.update(product.float().cpu().numpy().tobytes())
+    finally:
+        torch.set_num_threads(threads)
+    return identity | {"matmul_probe": probe.hexdigest()[:16]}
 
 
 class Worker:
@@ -185,6 +217,10 @@ class Worker:
             device,
             moe_combine,
         )
+
+    def device_identity(self) -> dict[str, str]:
+        """This rank's `device_identity` (the device its model runs on)."""
+        return device_identity(self.runner.device)
 
     def num_kv_blocks(self) -> int:
         """KV blocks this rank's cache holds (found at start-up when cache.num_blocks is 0)."""
