@@ -45,7 +45,12 @@ from launch.rollout_io import (  # noqa: E402
     read_done,
     read_samples,
 )
-from launch.rollout_settings import check_settings, record_settings, run_settings  # noqa: E402
+from launch.rollout_settings import (  # noqa: E402
+    check_settings,
+    record_settings,
+    run_settings,
+    score_differences,
+)
 from moe_runtime import LLM, RequestOutput, SamplingParams, heap  # noqa: E402
 from moe_runtime.config import load_config  # noqa: E402
 from moe_runtime.engine.engine import LLMEngine  # noqa: E402
@@ -190,6 +195,8 @@ def _run(args: argparse.Namespace, appender: Appender) -> int:
             cut_torn_line(output, existing)
         else:  # before the first row, so a resume of this output can check its settings
             record_settings(output, settings)
+        if args.score:
+            _warn_of_score_differences(args.input, settings)
         bad_rows = sorted(rows.bad_rows + bad_rows, key=lambda error: error.line_no)
         for error in bad_rows:
             print(f"skipped {error}", file=sys.stderr)
@@ -205,6 +212,20 @@ def _run(args: argparse.Namespace, appender: Appender) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def _warn_of_score_differences(input_path: Path, settings: dict) -> None:
+    """Say so where a --score run's settings differ from those of the rollout that wrote its
+    input: its logprobs are then not that rollout's bits (scoring against a reference model
+    is a run of its own, so a warning, not a refusal)."""
+    differences = score_differences(input_path, settings)
+    if differences:
+        shown = "; ".join(differences[:5]) + ("; ..." if len(differences) > 5 else "")
+        print(
+            f"warning: {input_path} was generated with other settings than this --score run "
+            f"has ({shown}): its logprobs will not be bitwise the rollout's",
+            file=sys.stderr,
+        )
 
 
 def _write(

@@ -154,6 +154,29 @@ def check_settings(output: Path, settings: dict[str, Any]) -> None:
             )
 
 
+def score_differences(rollout_output: Path, settings: dict[str, Any]) -> list[str]:
+    """The bit-relevant settings ("key=recorded -> new") in which a --score run differs from
+    the rollout that wrote its input, as that rollout's record holds them; [] where it matches
+    or the input has no record. The config and runtime keys only (the sampling defaults,
+    seeds and the input's digest are the rollout's own), and not scheduler.max_model_len (it
+    decides which rows run, not their bits)."""
+    path = settings_path(rollout_output)
+    try:
+        recorded = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []
+    if not isinstance(recorded, dict) or recorded.get("score") is not False:
+        return []
+    new = _as_json(settings)
+    keys = [k for k in recorded if "." in k and k != "scheduler.max_model_len"]
+    keys += [k for k in new if "." in k and k not in recorded and k != "scheduler.max_model_len"]
+    return [
+        f"{key}={_shown(recorded, key)} -> {_shown(new, key)}"
+        for key in keys
+        if recorded.get(key, ...) != new.get(key, ...)
+    ]
+
+
 def record_settings(output: Path, settings: dict[str, Any]) -> None:
     """Write the settings record of an output that has no rows yet (replacing any older one:
     with no rows there is nothing to mix), atomically and fsynced, before its first row."""

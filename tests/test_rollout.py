@@ -141,6 +141,32 @@ def test_score_equals_rollout_logprobs(rollout_rows, tmp_path):
         assert list(map(float.hex, score["logprobs"])) == list(map(float.hex, row["logprobs"]))
 
 
+def test_score_under_other_settings_than_the_rollouts_says_so(rollout_rows, tmp_path, capsys):
+    """--score read no record of the rollout that wrote its input: under another
+    cache.block_size (the attention's KV splits) 40 of 238 logprobs differed, with no word.
+    Scoring with other settings (a reference model) is allowed: a warning, not a refusal."""
+    out, rows = rollout_rows
+    recorded = json.loads(settings_path(out).read_text())
+    other = recorded["cache.block_size"] * 2
+    capsys.readouterr()
+    assert run("--input", out, "--output", tmp_path / "same.jsonl", "--score") == 0
+    assert "warning" not in capsys.readouterr().err
+    scores = tmp_path / "other.jsonl"
+    argv = ["--input", out, "--output", scores, "--score", "--set", f"cache.block_size={other}"]
+    assert run(*argv) == 0
+    err = capsys.readouterr().err
+    assert (
+        f"warning: {out} was generated with other settings than this --score run has "
+        f"(cache.block_size={recorded['cache.block_size']} -> {other}): its logprobs will not "
+        "be bitwise the rollout's"
+    ) in err, err
+    differing = [
+        row["logprobs"] != score["logprobs"]
+        for row, score in zip(rows, read_jsonl(scores), strict=True)
+    ]
+    assert any(differing)  # the warning's reason: other bits
+
+
 def test_score_with_logprobs_writes_the_rollouts_top_logprobs(rollout_rows, tmp_path):
     """--score --logprobs 3: each position's top 3 as the rollout row of a 3-logprob sample
     wrote them, bit for bit (JSON floats round-trip exactly)."""
