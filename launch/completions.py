@@ -91,6 +91,7 @@ async def complete(
         "object": "text_completion",
         "created": int(time.time()),
         "model": config.server.model_name,
+        "system_fingerprint": backend.system_fingerprint,
     }
     also = [whole for whole in scored if whole is not None]
     return generation.response(head, choices, body.include_usage, also)
@@ -290,6 +291,7 @@ async def chat(
         "created": int(time.time()),
         "model": config.server.model_name,
         "object": "chat.completion.chunk" if body.stream else "chat.completion",
+        "system_fingerprint": backend.system_fingerprint,
     }
     key = "delta" if body.stream else "message"
     has_role: set[int] = set()  # samples whose first chunk (with the role) went out

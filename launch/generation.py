@@ -39,10 +39,13 @@ class Submitter(Protocol):
 
 @dataclass(frozen=True)
 class Backend:
-    """What the routes serve from: the engine's thread and the engine's own tokenizer."""
+    """What the routes serve from: the engine's thread, the engine's own tokenizer, and the
+    digest of what the bits depend on (launch/fingerprint.py) that responses carry as OpenAI's
+    `system_fingerprint` (null where none was taken)."""
 
     engine: AsyncEngine
     tokenizer: Any
+    system_fingerprint: str | None = None
 
 
 def ready(backend: Backend | None) -> Backend:

@@ -30,6 +30,7 @@ if __name__ == "__main__":  # the checkout on the path, not launch/ (whose opena
 import uvicorn  # noqa: E402
 
 from launch.cli import add_override_argument, parse_overrides  # noqa: E402
+from launch.fingerprint import system_fingerprint  # noqa: E402
 from launch.generation import Backend  # noqa: E402
 from launch.server_app import create_app  # noqa: E402
 from moe_runtime import heap  # noqa: E402
@@ -145,8 +146,9 @@ async def serve(
         server.should_exit = True
         await task
         return None
+    fingerprint = await asyncio.to_thread(system_fingerprint, engine)  # before its thread runs
     async_engine = AsyncEngine(engine)
-    app.state.backend = Backend(async_engine, engine.tokenizer)
+    app.state.backend = Backend(async_engine, engine.tokenizer, fingerprint)
     # Start-up's objects out of the cyclic collector: no full collection of them stalls the
     # requests (moe_runtime/heap.py; a rebuild thaws them and freezes again).
     num_frozen = heap.freeze()

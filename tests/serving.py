@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import httpx
 import uvicorn
 
+from launch.fingerprint import system_fingerprint
 from launch.generation import Backend
 from launch.server_app import create_app
 from moe_runtime.config import load_config
@@ -34,8 +35,9 @@ def running_server(overrides: dict | None = None, headers: dict | None = None, c
     (sending `headers` with every request)."""
     config = load_config(config, overrides)
     engine = LLMEngine(config)
+    fingerprint = system_fingerprint(engine)
     async_engine = AsyncEngine(engine)
-    app = create_app(config, Backend(async_engine, engine.tokenizer))
+    app = create_app(config, Backend(async_engine, engine.tokenizer, fingerprint))
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     uv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))

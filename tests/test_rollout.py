@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from launch import rollout, rollout_settings
+from launch import fingerprint, rollout
 from launch.rollout_io import append_rows, lock_output, read_done
 from launch.rollout_settings import settings_path
 from moe_runtime import LLM, CompletionOutput, SamplingParams
@@ -487,10 +487,10 @@ def test_resume_under_other_runtime_code_is_refused(tmp_path, capsys, monkeypatc
     """The record names the code the rows came from: a resume after the runtime's sources
     changed (an upgrade, an edited kernel) is refused, naming the digest."""
     source, out, _ = partial_run(tmp_path, 4)
-    recorded = rollout_settings.runtime_stamp()
+    recorded = fingerprint.runtime_stamp()
     assert len(recorded["runtime.source_sha256"]) == 64 and recorded["runtime.torch"]
     edited = {**recorded, "runtime.source_sha256": "0" * 64}
-    monkeypatch.setattr(rollout_settings, "runtime_stamp", lambda: edited)
+    monkeypatch.setattr(fingerprint, "runtime_stamp", lambda: edited)
     capsys.readouterr()
     assert run("--input", source, "--output", out, *ARGS) == 2
     err = capsys.readouterr().err

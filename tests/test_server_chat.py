@@ -452,3 +452,52 @@ def test_a_chat_prompt_filling_the_context_names_no_max_tokens_it_was_not_sent(s
         f"messages: This model's maximum context length is {room} tokens and the prompt has "
         f"{room}, which leaves no room to generate. The context is scheduler.max_model_len."
     )
+
+
+def test_responses_carry_a_system_fingerprint_of_what_the_bits_depend_on(server):
+    """OpenAI's system_fingerprint (it was absent): the same in whole and streamed responses of
+    both routes, and the digest of launch.fingerprint.bit_settings, so an engine of the same
+    config on the same code and machine has the same one."""
+    import re
+
+    from launch.fingerprint import system_fingerprint
+    from moe_runtime.config import load_config
+    from moe_runtime.engine.engine import LLMEngine
+
+    whole = server.http.post(CHAT, json=BODY).json()["system_fingerprint"]
+    assert re.fullmatch(r"fp_[0-9a-f]{16}", whole), whole
+    chunks = sse_events(server.http, CHAT, {**BODY, "stream_options": {"include_usage": True}})
+    assert {chunk["system_fingerprint"] for chunk in chunks} == {whole}
+    completion = server.http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert completion.json()["system_fingerprint"] == whole
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+    parsed = client.completions.create(model=server.model, prompt="hi", max_tokens=1)
+    assert parsed.system_fingerprint == whole
+    engine = LLMEngine(load_config(TINY_CONFIG))
+    try:
+        assert system_fingerprint(engine) == whole
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "same"),
+    [
+        ({"scheduler.max_num_seqs": 3, "cache.num_blocks": 300}, True),  # change no bit
+        ({"cache.block_size": 32}, False),  # the attention's KV splits
+        ({"kernels.mode": "fast"}, False),
+    ],
+)
+def test_the_system_fingerprint_changes_with_what_can_change_bits(overrides, same):
+    from launch.fingerprint import system_fingerprint
+    from moe_runtime.config import load_config
+    from moe_runtime.engine.engine import LLMEngine
+
+    fingerprints = []
+    for config in (load_config(TINY_CONFIG), load_config(TINY_CONFIG, overrides)):
+        engine = LLMEngine(config)
+        try:
+            fingerprints.append(system_fingerprint(engine))
+        finally:
+            engine.shutdown()
+    assert (fingerprints[0] == fingerprints[1]) is same, fingerprints
