@@ -257,12 +257,18 @@ def grouped_linear_cuda_fast(
     """grouped_linear_fast's contract on CUDA: torch's grouped GEMM (one launch, CUTLASS on
     sm90) over offsets computed on the device, so no host sync and CUDA graphs can capture
     it. Rows past the counts' sum are left unspecified. Shapes it cannot take (not bf16, or
-    feature sizes not multiples of 16) fall back to the per-group loop. row_index: gathered
-    first (torch's grouped GEMM reads contiguous rows only)."""
+    feature sizes not multiples of 16) take the Triton grouped GEMM, which reads the counts on
+    the device too (the per-group loop they took read them on the host, which fails inside a
+    graph's capture: fast mode with graphs on, fp32 or expert sizes such as 24, did not start).
+    row_index: gathered first (torch's grouped GEMM reads contiguous rows only)."""
     x = gathered_rows(x, row_index)
     out_dim, in_dim = weight.shape[1:]
-    if x.dtype != torch.bfloat16 or out_dim % 16 or in_dim % 16 or x.shape[0] == 0:
-        return grouped_linear_fast(x, weight, group_sizes)
+    if x.shape[0] == 0:
+        return x.new_empty((0, out_dim))
+    if x.dtype != torch.bfloat16 or out_dim % 16 or in_dim % 16:
+        from moe_kernels.triton_linear import grouped_linear_triton  # it imports this module
+
+        return grouped_linear_triton(x, weight, group_sizes)
     counts = torch.as_tensor(group_sizes, device=x.device)
     offsets = torch.cumsum(counts, 0).to(torch.int32)
     return torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets)

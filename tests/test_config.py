@@ -342,16 +342,21 @@ def test_hf_fields_without_numeric_effect_load(tmp_path):
     "top_k, norm_in, norm, scale",
     [(4, True, True, 1.0), (4, False, False, 2.0), (1, True, False, 2.0)],
 )
-def test_v2_norm_topk_prob_follows_deepseek_gate(tmp_path, top_k, norm_in, norm, scale):
-    """DeepSeek's V2 gate normalises (top_k > 1 and norm_topk_prob) or scales, never both."""
-    cfg = _hf_config(
-        tmp_path,
-        "v2",
-        num_experts_per_tok=top_k,
-        norm_topk_prob=norm_in,
-        routed_scaling_factor=2.0,
-    )
+def test_v2_norm_topk_prob_follows_deepseek_gate(tmp_path, caplog, top_k, norm_in, norm, scale):
+    """DeepSeek's V2 gate normalises (top_k > 1 and norm_topk_prob) or scales, never both.
+    Where it normalises, transformers' DeepseekV2 (which ignores the key) differs: said once."""
+    with caplog.at_level("WARNING", logger="moe_runtime.model.hf_config"):
+        cfg = _hf_config(
+            tmp_path,
+            "v2",
+            num_experts_per_tok=top_k,
+            norm_topk_prob=norm_in,
+            routed_scaling_factor=2.0,
+        )
     assert (cfg.norm_topk_prob, cfg.routed_scaling_factor) == (norm, scale)
+    warned = [r.getMessage() for r in caplog.records if "norm_topk_prob is true" in r.getMessage()]
+    assert len(warned) == int(norm), warned
+    assert not warned or "transformers' DeepseekV2 ignores the key" in warned[0]
 
 
 def test_rope_scaling_wins_over_rope_parameters_as_in_transformers(tmp_path):
@@ -419,6 +424,38 @@ def test_absent_v3_key_is_refused_by_name(tmp_path, key, named):
     (tmp_path / "config.json").write_text(json.dumps(hf))
     with pytest.raises(ValueError, match=rf"field {key} is absent: .* default {named} "):
         ModelConfig.from_dict({"path": str(tmp_path)})
+
+
+GLG = {"topk_method": "group_limited_greedy"}
+
+
+@pytest.mark.parametrize(
+    "family, fields, named",
+    [
+        ("v3", {"topk_group": None}, "topk_group=None"),
+        ("v3", {"topk_group": 0}, "topk_group=0"),
+        ("v3", {"n_group": 0}, "n_group=0"),
+        ("v3", {"n_group": None, "topk_group": None}, "n_group=None"),
+        ("v2", {**GLG, "topk_group": None}, "topk_group=None"),
+        ("v2", {**GLG, "topk_group": 0}, "topk_group=0"),
+        ("v2", {"topk_method": None}, "topk_method=None"),
+    ],
+)
+def test_a_null_or_zero_routing_key_the_method_reads_is_refused(tmp_path, family, fields, named):
+    """They loaded as 1 (one eligible group: logits 0.5-2.9 off transformers' for a 0), a null
+    topk_method as greedy, where transformers fails on a null; n_group 0 was refused naming a
+    topk_group bound of 1 the file does not hold. V2's plain greedy reads no group key."""
+    from tests.checkpoints import TINY_HF
+
+    hf = {**TINY_HF, "model_type": f"deepseek_{family}", "q_lora_rank": None}
+    hf |= {"routed_scaling_factor": 1} if family == "v3" else {"scoring_func": "softmax"}
+    (tmp_path / "config.json").write_text(json.dumps({**hf, **fields}))
+    with pytest.raises(ValueError, match=re.escape(f"config.json field {named} is refused")):
+        ModelConfig.from_dict({"path": str(tmp_path)})
+    if family == "v2":  # under greedy the group keys are read by neither side
+        (tmp_path / "config.json").write_text(json.dumps({**hf, **fields, "topk_method": "greedy"}))
+        loaded = ModelConfig.from_dict({"path": str(tmp_path)})
+        assert (loaded.topk_method, loaded.n_group, loaded.topk_group) == ("greedy", 1, 1)
 
 
 @pytest.mark.parametrize(

@@ -321,6 +321,38 @@ def test_batched_linear_tma_gives_the_pointer_kernel_bits(generator, monkeypatch
             assert torch.equal(got, want), (config, tuple(w.shape))
 
 
+@pytest.mark.parametrize(
+    ("dtype", "out_dim", "in_dim"),
+    [(torch.float32, 64, 64), (torch.bfloat16, 24, 64), (torch.bfloat16, 64, 40)],
+    ids=["fp32", "out24", "in40"],
+)
+def test_fast_grouped_linear_off_the_cutlass_shapes_is_captured(generator, dtype, out_dim, in_dim):
+    """Shapes torch's grouped GEMM cannot take (not bf16, or features not multiples of 16)
+    fell back to the per-group loop, whose host read of the counts failed inside a graph's
+    capture: fast mode with graphs on did not start for an fp32 model or expert sizes like 24.
+    Now captured, and replayed with other counts it gives the eager rows."""
+    from moe_kernels.linear import grouped_linear_cuda_fast, grouped_linear_ref
+
+    num_local, num_rows = 4, 24
+    w = (torch.randn(num_local, out_dim, in_dim, generator=generator) * in_dim**-0.5).cuda()
+    x = torch.randn(num_rows, in_dim, generator=generator).cuda()
+    w, x = w.to(dtype), x.to(dtype)
+    counts = torch.tensor([10, 0, 6, 8], device="cuda")
+    grouped_linear_cuda_fast(x, w, counts)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = grouped_linear_cuda_fast(x, w, counts)
+    for sizes in ([10, 0, 6, 8], [0, 24, 0, 0], [1, 2, 3, 18]):
+        counts.copy_(torch.tensor(sizes))
+        graph.replay()
+        eager = grouped_linear_cuda_fast(x, w, counts)
+        assert torch.equal(captured, eager), sizes
+        want = grouped_linear_ref(x.cpu().float(), w.cpu().float(), sizes, tile_rows=16)
+        tol = BF16_TOL if dtype == torch.bfloat16 else {"atol": 1e-4, "rtol": 1e-4}
+        torch.testing.assert_close(captured.float().cpu(), want, **tol)
+    assert grouped_linear_cuda_fast(x[:0], w, torch.zeros_like(counts)).shape == (0, out_dim)
+
+
 def test_grouped_linear_device_counts_same_bits_in_every_bucket_and_in_a_graph(generator):
     """The capturable grouped GEMM (counts on the device): expert 2's rows keep their bits
     whether the batch is decode-sized or prefill-sized (different tile buckets), equal the

@@ -12,11 +12,14 @@ with; ModelConfig validates the values.
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Any
 
 from moe_runtime.config_fields import is_int
+
+log = logging.getLogger(__name__)
 
 MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 
@@ -298,15 +301,13 @@ def _routing(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
     scoring, methods, default_method = ROUTING[model_type]
     if hf.get("scoring_func", scoring) != scoring:
         _refuse("scoring_func", hf["scoring_func"], f"{model_type} computes {scoring!r}")
+    if model_type == "deepseek_v2" and "topk_method" in hf and hf["topk_method"] is None:
+        # transformers' V2 reads it and fails on null; V3's computes noaux_tc whatever it says
+        _refuse("topk_method", None, f"{model_type} reads it: one of {methods}")
     method = hf.get("topk_method") or default_method
     if method not in methods:
         _refuse("topk_method", method, f"{model_type} computes one of {methods}")
-    out = {
-        "scoring_func": scoring,
-        "topk_method": method,
-        "n_group": hf.get("n_group") or 1,
-        "topk_group": hf.get("topk_group") or 1,
-    }
+    out = {"scoring_func": scoring, "topk_method": method, **_groups(hf, method)}
     if model_type == "deepseek_v3":
         out["norm_topk_prob"] = bool(hf.get("norm_topk_prob", True))
         out["rope_interleave"] = bool(hf.get("rope_interleave", True))
@@ -318,7 +319,25 @@ def _routing(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
     out["norm_topk_prob"] = bool(hf.get("norm_topk_prob")) and top_k > 1
     if out["norm_topk_prob"]:
         out["routed_scaling_factor"] = 1.0  # DeepSeek-V2: normalise *or* scale, never both
+        log.warning(
+            "config.json: norm_topk_prob is true for deepseek_v2: the chosen experts' weights "
+            "are normalised and not scaled, as DeepSeek's released V2 code does; transformers' "
+            "DeepseekV2 ignores the key, so its logits differ from these"
+        )
     return out
+
+
+def _groups(hf: dict[str, Any], method: str) -> dict[str, int]:
+    """n_group and topk_group: what the file says where the method reads them (an int >= 1;
+    a null or 0 was read as 1, one eligible group, where transformers fails on a null and
+    routes a 0 its own way), else 1 (plain greedy reads neither)."""
+    if method == "greedy":
+        return {"n_group": 1, "topk_group": 1}
+    for key in ("n_group", "topk_group"):  # absent: refused by read_hf_config already
+        value = hf.get(key)
+        if not is_int(value) or value < 1:
+            _refuse(key, value, f"{method} routing reads it: an int >= 1")
+    return {"n_group": hf["n_group"], "topk_group": hf["topk_group"]}
 
 
 def _eos(value: Any) -> Any:
