@@ -97,6 +97,10 @@ def create_app(config: RuntimeConfig, backend: Backend | None = None) -> FastAPI
         stalled = engine.stalled  # a rank silent inside a step or call: requests wait on it
         if stalled is not None:
             return ExactJSONResponse({"status": "stalled", "error": stalled}, 503)
+        dead = engine.dead_ranks  # died since the last step or check: the next request fails
+        if dead:
+            error = f"ranks {dead} died; the engine rebuilds them before its next step"
+            return ExactJSONResponse({"status": "unavailable", "error": error}, 503)
         stats = engine.stats()
         counts = {"num_running": stats.num_running, "num_waiting": stats.num_waiting}
         return ExactJSONResponse({"status": "ok", **counts})

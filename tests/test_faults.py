@@ -8,6 +8,7 @@ rank before anything changes. A failure that kills the engine ends every request
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import queue
@@ -232,6 +233,117 @@ def test_a_rank_that_dies_while_idle_is_rebuilt_before_a_request_meets_it(ray_lo
     after = fingerprint(loop.submit([[5, 6, 7]], [params]).result(timeout=60)[0])
     loop.shutdown()
     assert after == before and loop.stats().num_restarts == 1
+
+
+def test_a_rank_dead_between_checks_is_on_health_at_once_and_never_scheduled(ray_local):
+    """kill -9 of a rank while nothing runs, the idle check minutes away: /health said 200
+    until that check, and the next request was scheduled onto the dead rank and failed with a
+    500 (WorkerError, not retryable) though nothing of it ran. Now the death is known without
+    asking (each rank's outstanding liveness call fails): /health is 503 at once, and the
+    request gets the retryable 503 while the engine rebuilds; after it, the same bits."""
+    from launch.generation import Backend
+    from launch.server_app import create_app
+
+    overrides = {"parallel.world_size": 2, "server.health_check_interval_s": 600}
+    llm = LLM(TINY_CONFIG, **overrides)
+    pid = llm.engine.executor.call_all("pid")[1]  # before the loop thread calls the ranks
+    loop = AsyncEngine(llm.engine)
+    app = create_app(llm.engine.config, Backend(loop, llm.engine.tokenizer))
+    params = SamplingParams(max_tokens=8, temperature=0.8, seed=3, logprobs=2, ignore_eos=True)
+    try:
+        before = fingerprint(loop.submit([[5, 6, 7]], [params]).result(timeout=60)[0])
+        assert _health(app) == (200, "ok") and loop.dead_ranks == []
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while _health(app)[0] == 200:
+            assert time.monotonic() < deadline, "/health said 200 over the dead rank"
+            time.sleep(0.05)
+        assert _health(app) == (503, "unavailable") and loop.dead_ranks == [1]
+        assert loop.stats().num_restarts == 0  # found by /health, not by a check or a step
+        with pytest.raises(EngineUnavailableError, match="failed before the request ran"):
+            loop.submit([[5, 6, 7]], [params]).result(timeout=60)
+        _wait_healthy(loop)
+        after = fingerprint(loop.submit([[5, 6, 7]], [params]).result(timeout=60)[0])
+        assert after == before and loop.stats().num_restarts == 1
+    finally:
+        loop.shutdown()
+
+
+def test_a_rank_frozen_inside_a_step_is_killed_at_the_second_check(ray_local):
+    """SIGSTOP of a rank mid-generation: the watchdog named it but nothing acted, so the
+    stream and every request after it waited out parallel.timeout_s plus 30 s. Now new
+    submissions are refused (retryable) while it is named, and the same ranks silent at the
+    next check are killed: the step fails at once, naming why, and the engine rebuilds."""
+    overrides = {"parallel.timeout_s": 300, "server.health_check_interval_s": 1.0}
+    llm = LLM(TINY_CONFIG, **{"parallel.world_size": 2, **overrides})
+    pids = llm.engine.executor.call_all("pid")
+    loop = AsyncEngine(llm.engine)
+    params = SamplingParams(max_tokens=8, temperature=0.8, seed=3, logprobs=2, ignore_eos=True)
+    try:
+        before = fingerprint(loop.submit([[5, 6, 7]], [params]).result(timeout=60)[0])
+        first = threading.Event()
+        long = SamplingParams(max_tokens=1000, ignore_eos=True)
+        in_flight = loop.submit([[1, 2, 3, 4]], [long], lambda i, d: first.set())
+        assert first.wait(30)
+        os.kill(pids[1], signal.SIGSTOP)
+        stopped = time.monotonic()
+        while loop.stalled is None:
+            assert time.monotonic() - stopped < 45, "the stall was never named"
+            time.sleep(0.1)
+        with pytest.raises(EngineUnavailableError, match="the engine is stalled: ranks \\[1\\]"):
+            loop.submit([[5, 6, 7]], [params])
+        with pytest.raises(WorkerError, match="rank 1 died during step .*: killed, it answered"):
+            in_flight.result(timeout=60)
+        assert time.monotonic() - stopped < 60, "killed only at the step's own timeout"
+        _wait_healthy(loop)
+        after = fingerprint(loop.submit([[5, 6, 7]], [params]).result(timeout=60)[0])
+        assert after == before and loop.stats().num_restarts == 1
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pids[1], signal.SIGCONT)
+        loop.shutdown()
+
+
+def test_a_rank_that_dies_during_the_drain_rebuilds_nothing(ray_local):
+    """SIGTERM's drain under way, then a rank killed: the engine started a whole rebuild (new
+    actors), which the shutdown killed half done. The request in flight ends with the error,
+    the drain ends, and no rank is started again."""
+    llm = LLM(TINY_CONFIG, **{"parallel.world_size": 2, "parallel.timeout_s": 20})
+    pid = llm.engine.executor.call_all("pid")[1]
+    loop = AsyncEngine(llm.engine)
+    first = threading.Event()
+    long = SamplingParams(max_tokens=1000, ignore_eos=True)
+    in_flight = loop.submit([[1, 2, 3, 4]], [long], lambda i, d: first.set())
+    assert first.wait(30)
+    restarts = []
+    restart = llm.engine.restart
+    llm.engine.restart = lambda: restarts.append(1) or restart()
+    draining = threading.Thread(target=loop.shutdown, kwargs={"drain_timeout_s": 60})
+    draining.start()
+    time.sleep(0.5)  # into the drain: the stream is still running
+    assert not in_flight.done()
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(WorkerError, match="rank 1"):
+        in_flight.result(timeout=60)
+    draining.join(30)
+    assert not draining.is_alive() and restarts == [], restarts
+
+
+def test_a_rank_whose_own_code_fails_is_named_not_its_waiting_peer(ray_local):
+    """Rank 1 raising in a step (a KeyError from a step input only it gets; in production an
+    OOM, a CUDA error) while rank 0 waits in the step's first collective: the error named
+    rank 0 "stalled" (silent 3 s after the failure) and rank 1's fault only in brackets."""
+    from moe_runtime.worker.step_input import StepInput
+
+    llm = LLM(TINY_CONFIG, **{"parallel.world_size": 2, "parallel.timeout_s": 20})
+    try:
+        started = time.monotonic()
+        with pytest.raises(WorkerError) as failed:
+            llm.engine.executor.execute([StepInput(), StepInput(released_seq_ids=[12345])])
+        assert str(failed.value).startswith("rank 1 failed during step 1: KeyError"), failed.value
+        assert time.monotonic() - started < 3  # named at once, no grace waited for
+    finally:
+        llm.shutdown()
 
 
 def _failing_call(engine, method: str):

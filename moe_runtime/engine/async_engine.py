@@ -12,11 +12,13 @@ under the same version). An engine idle for `server.health_check_interval_s` che
 rank still answers (`LLMEngine.check_workers`), so a rank that died between requests is rebuilt
 before a request meets it; in a step or call that long, `stalled` names the ranks that answer
 no ping beside their work (engine/stall_watch.py: a /health 503 long before the step's own
-timeout fails it). `shutdown` is bounded whatever the
-ranks do: requests still running at the drain timeout end with EngineUnavailableError, a fault
-seen while stopping rebuilds nothing, and a loop stuck in a call to a rank that does not answer
-has the workers killed under it, which ends the call. Request semantics are the engine's; this
-module only moves work between threads.
+timeout fails it; new submissions are refused meanwhile, retryable; ranks silent at two checks
+in a row are killed, which fails the step at once). A rank found dead without asking it (its
+outstanding liveness call failed: `dead_ranks`) kills the engine before the next step.
+`shutdown` is bounded whatever the ranks do: requests still running at the drain timeout end
+with EngineUnavailableError, a fault seen while draining or stopping rebuilds nothing, and a
+loop stuck in a call to a rank that does not answer has the workers killed under it, which ends
+the call. Request semantics are the engine's; this module only moves work between threads.
 """
 
 from __future__ import annotations
@@ -158,6 +160,18 @@ class AsyncEngine:
         return None if self._stall_watch is None else self._stall_watch.stalled
 
     @property
+    def dead_ranks(self) -> list[int]:
+        """The ranks known dead now, without asking them (LLMEngine.dead_ranks; a died rank is
+        found here before the loop's next step or check); [] while rebuilding or stopping."""
+        with self._cond:
+            if self._error is not None or self._is_stopping:
+                return []
+        try:
+            return self._engine.dead_ranks()
+        except Exception:  # the executor is being replaced under this thread: not known
+            return []
+
+    @property
     def error(self) -> str | None:
         with self._cond:
             return None if self._error is None else f"{type(self._error).__name__}: {self._error}"
@@ -218,6 +232,10 @@ class AsyncEngine:
             self._check_alive()
             if not self._is_accepting:
                 raise EngineUnavailableError("the engine is shutting down")
+            stalled = self.stalled
+            if stalled is not None and isinstance(item, _Submission):
+                # It would wait behind the stuck step (then fail with it): retryable now.
+                raise EngineUnavailableError(f"the engine is stalled: {stalled}")
             self._queue.append(item)
             if isinstance(item, _Submission):
                 self._live.add(item)
@@ -251,6 +269,8 @@ class AsyncEngine:
                 if is_idle:
                     self._check_workers()
                     continue
+                if self._error is None:  # a rank that died since the last step: before a step
+                    self._check_workers(self._engine.check_dead_ranks)
                 for item in incoming:
                     if isinstance(item, _Submission):
                         self._admit(item)
@@ -311,10 +331,11 @@ class AsyncEngine:
         if failure is not None and self._engine.error is not None:  # it killed the engine
             self._die(failure)
 
-    def _check_workers(self) -> None:
+    def _check_workers(self, check: Callable[[], None] | None = None) -> None:
+        """check() (default: every rank answers a ping), the engine dying of what it finds."""
         if self._error is None:  # not once the engine has given up
             try:
-                self._engine.check_workers()
+                (check or self._engine.check_workers)()
             except Exception as exc:  # a rank died or stalled while nothing ran
                 self._die(exc)
 
@@ -360,7 +381,8 @@ class AsyncEngine:
     def _die(self, error: BaseException) -> None:
         """The engine died: every pending request (streams included) ends with the error at
         once, then the worker group is rebuilt, unhealthy meanwhile, until restarts run out;
-        never once stopping (a rebuild would outlast the drain, and nothing would use it)."""
+        never once draining or stopping (a rebuild would outlast the drain, and nothing would
+        use it)."""
         with self._cond:
             self._error = error
         never_ran = EngineUnavailableError(  # in no step yet, the failed one too: a retry may
@@ -373,8 +395,8 @@ class AsyncEngine:
             self._stats = self._engine.stats()
         while True:
             with self._cond:
-                if self._is_stopping:
-                    return
+                if self._is_stopping or not self._is_accepting:
+                    return  # draining: nothing new will run, and a rebuild would outlast it
             try:
                 self._engine.restart()
             except Exception as exc:

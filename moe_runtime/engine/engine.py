@@ -371,6 +371,26 @@ class LLMEngine:
         with self._fatal_on_error():
             self.executor.call_all("ping", timeout_s=QUICK_CALL_TIMEOUT_S)
 
+    def check_dead_ranks(self) -> None:
+        """The engine dies (WorkerError naming them) if any rank is known dead without asking
+        it (RayExecutor.dead_ranks: a died actor's outstanding call failed), so the step about
+        to run is not scheduled onto a rank that is gone. Costs no round trip."""
+        self._check_alive()
+        with self._fatal_on_error():
+            dead = self.dead_ranks()
+            if dead:
+                raise WorkerError(f"ranks {dead} died while no step ran (found before a step)")
+
+    def dead_ranks(self) -> list[int]:
+        """The ranks known dead now, without asking them: safe from any thread; [] with one
+        in-process rank."""
+        return self.executor.dead_ranks()
+
+    def kill_ranks(self, ranks: list[int], why: str) -> None:
+        """Kill these ranks (stalled ones): the step or call waiting on them fails at once,
+        naming `why`, and the engine dies as with any dead rank. Safe from any thread."""
+        self.executor.kill_ranks(ranks, why)
+
     def silent_ranks(self, timeout_s: float = QUICK_CALL_TIMEOUT_S) -> list[int]:
         """The ranks that answer no ping within timeout_s, asked beside the step or call under
         way: safe from another thread (the engine's watchdog). [] with one in-process rank."""

@@ -5,8 +5,12 @@ collective timeout, minutes by default, while everything looks healthy. The engi
 what it runs (`running`); a thread of the watch's own wakes every `interval_s` and, once the
 same step or call has run that long, pings every rank beside its work (`LLMEngine.silent_ranks`:
 a rank computing or waiting in a collective answers, a frozen one does not). `stalled` names
-the silent ranks until that step or call ends. The pings are the one engine call made off the
-loop thread while it runs.
+the silent ranks until that step or call ends. Ranks silent at two checks in a row of one step
+or call are frozen, not slow (a rank computing or waiting answers within milliseconds): they
+are killed (`LLMEngine.kill_ranks`), so the step fails at once and the engine rebuilds, instead
+of holding every request until the collective timeout (parallel.timeout_s plus a margin:
+minutes by default). The pings and that kill are the engine calls made off the loop thread
+while it runs.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ class StallWatch:
         self._lock = threading.Condition()
         self._busy: tuple[str, float] | None = None  # what the loop runs now, since (monotonic)
         self._stalled: str | None = None  # the finding on it
+        self._silent_before: tuple | None = None  # (busy, silent ranks) of the last check
         self._is_stopped = False
         threading.Thread(target=self._watch, name="engine-watchdog", daemon=True).start()
 
@@ -66,12 +71,20 @@ class StallWatch:
                 continue
             if self._is_rebuilding():
                 continue
+            silent: list[int] = []
             try:
                 silent = self._engine.silent_ranks(QUICK_CALL_TIMEOUT_S)
                 found = silent and f"ranks {silent} answered no ping in {QUICK_CALL_TIMEOUT_S:g}s"
             except Exception as exc:  # the executor itself failed: say so rather than nothing
                 found = f"the ranks could not be pinged: {type(exc).__name__}: {exc}"
             with self._lock:
-                if self._busy is busy:  # else it ended meanwhile: nothing to report
-                    ran_s = time.monotonic() - busy[1]
-                    self._stalled = f"{found} while {busy[0]} ran {ran_s:.0f}s" if found else None
+                if self._busy is not busy:  # it ended meanwhile: nothing to report
+                    continue
+                ran_s = time.monotonic() - busy[1]
+                self._stalled = f"{found} while {busy[0]} ran {ran_s:.0f}s" if found else None
+                # The same ranks silent at two checks in a row of one step: frozen, not slow.
+                is_again = bool(silent) and self._silent_before == (busy, silent)
+                self._silent_before = (busy, silent) if silent else None
+            if is_again:
+                why = f"it answered no ping at two checks in a row while {busy[0]} ran {ran_s:.0f}s"
+                self._engine.kill_ranks(silent, why)

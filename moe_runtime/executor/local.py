@@ -40,6 +40,10 @@ class LocalExecutor:
         """[]: the one rank runs in this process, beside whatever asks: nothing to ping."""
         return []
 
+    def dead_ranks(self) -> list[int]:
+        """[]: the one rank is this process."""
+        return []
+
     def shutdown(self) -> None:
         """Shut the rank down and let go of it: its model, KV cache and graphs are freed here,
         so a rebuild's new rank sizes its cache (cache.num_blocks 0) from memory they no longer

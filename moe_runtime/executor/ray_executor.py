@@ -23,6 +23,7 @@ from ray.exceptions import RayActorError, RayError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from comm.errors import CollectiveError
 from comm.nccl_env import pinned_nccl_env
 from moe_runtime.config import RuntimeConfig
 from moe_runtime.worker.step_input import StepInput, StepOutput, WorkerError
@@ -34,6 +35,8 @@ _MARGIN_S = 30.0
 _STALL_GRACE_S = 3.0
 # Each actor answers Worker.ping in a thread of its own (this concurrency group), so a rank busy
 # in a step or a collective still answers and only a frozen process (stopped, wedged) does not.
+# Its second thread holds Worker.hold, a call that never returns: the driver learns of the
+# actor's death from it without asking (dead_ranks).
 _LIVENESS = "liveness"
 
 
@@ -56,6 +59,8 @@ class RayExecutor:
         connect_ray(self.world_size)
         self.workers: list = []
         self.num_frozen: list[int] = []  # objects each rank's process froze after its init
+        self._sentinels: list = []  # each rank's Worker.hold call: done only once it died
+        self._killed: dict[int, str] = {}  # rank -> why the driver killed it
         self.placement_group = placement_group(
             _bundles(parallel.device, self.world_size), strategy="PACK"
         )
@@ -72,7 +77,7 @@ class RayExecutor:
         """The placement group ready, a worker a rank in it, every rank joined."""
         parallel = config.parallel
         self._wait_for_placement(parallel.device)
-        actor_cls = ray.remote(concurrency_groups={_LIVENESS: 1})(Worker)
+        actor_cls = ray.remote(concurrency_groups={_LIVENESS: 2})(Worker)
         # NCCL reads its settings at communicator creation: pin them in the actors' environment.
         env = pinned_nccl_env() if parallel.device == "cuda" else {}
         self.workers = [
@@ -96,6 +101,7 @@ class RayExecutor:
         # Each actor is a process of the runtime's own: its model and torch's objects leave
         # the cyclic collector's view (moe_runtime/heap.py), so no full collection stalls a step.
         self.num_frozen = self._get([w.freeze_heap.remote() for w in self.workers], "freeze_heap")
+        self._sentinels = self._beside_work("hold", range(self.world_size))
 
     def _wait_for_placement(self, device: str) -> None:
         """The placement group's bundles (one a rank) reserved, or WorkerError saying what the
@@ -142,13 +148,37 @@ class RayExecutor:
     def silent_ranks(self, timeout_s: float) -> list[int]:
         """The ranks that do not answer a ping within timeout_s (dead ones included), asked
         beside whatever they run: safe from any thread, while a step or a call is under way."""
-        refs = [w.ping.options(concurrency_group=_LIVENESS).remote() for w in self.workers]
+        refs = self._beside_work("ping", range(self.world_size))
         errors, silent = _outcomes(refs, timeout_s)
         failed = {ref for ref, error in errors.items() if error is not None}
         return sorted(rank for rank, ref in enumerate(refs) if ref in failed or ref in silent)
 
+    def _beside_work(self, method: str, ranks) -> list:
+        """Worker.<method> called on each of `ranks` in the liveness group's threads."""
+        return [
+            getattr(self.workers[r], method).options(concurrency_group=_LIVENESS).remote()
+            for r in ranks
+        ]
+
+    def dead_ranks(self) -> list[int]:
+        """The ranks whose actor has died (its Worker.hold call failed), without waiting or
+        asking them: safe from any thread, as often as a health probe comes."""
+        if not self._sentinels:
+            return []
+        ended, _ = ray.wait(self._sentinels, num_returns=len(self._sentinels), timeout=0)
+        ended = set(ended)
+        return [rank for rank, ref in enumerate(self._sentinels) if ref in ended]
+
+    def kill_ranks(self, ranks: list[int], why: str) -> None:
+        """Kill these ranks' actors (a stalled rank that no timeout would end soon): the call
+        waiting on them fails at once, naming `why`."""
+        for rank in ranks:
+            self._killed[rank] = why
+            log.error("killing rank %d: %s", rank, why)
+            self.kill_worker(rank)
+
     def kill_worker(self, rank: int) -> None:
-        """Fault injection for tests: the actor dies as if its process crashed."""
+        """The actor dies as if its process crashed (fault injection in tests, kill_ranks)."""
         ray.kill(self.workers[rank], no_restart=True)
 
     def shutdown(self) -> None:
@@ -184,23 +214,27 @@ class RayExecutor:
                     raise ValueError(f"rank {rank}: {exc.cause}") from exc
                 log.error("rank %d failed during %s: %s", rank, what, exc)
                 failure = f"rank {rank} failed during {what}: {_cause(exc)}"
+                if not isinstance(exc.cause, CollectiveError):  # its own fault, not a peer's
+                    raise WorkerError(failure) from exc
                 raise WorkerError(self._blame(pending, rank_of, what, failure)) from exc
             except RayActorError as exc:  # its pid, node and actor ids go to the log only
                 log.error("rank %d died during %s: %s", rank, what, exc)
-                raise WorkerError(f"rank {rank} died during {what}") from exc
+                why = f": killed, {self._killed[rank]}" if rank in self._killed else ""
+                raise WorkerError(f"rank {rank} died during {what}{why}") from exc
             except RayError as exc:
                 log.error("rank %d failed during %s: %s", rank, what, exc)
                 raise WorkerError(f"rank {rank} failed during {what}: {_cause(exc)}") from exc
         return ray.get(refs)
 
-    @staticmethod
-    def _blame(pending: list, rank_of: dict, what: str, failure: str) -> str:
-        """The message for a rank's failure, naming the rank that caused it when a peer did.
+    def _blame(self, pending: list, rank_of: dict, what: str, failure: str) -> str:
+        """The message for a rank's failed collective, naming the rank that caused it when a
+        peer did.
 
         Why: a rank whose peer died or stalled fails itself in a collective (a reset
         connection, a timeout), often before the driver hears of the death, and a stalled rank
         fails nobody itself. So the others get a grace period: the ranks that died in it, else
-        those still silent after it, are named first."""
+        those still silent after it that answer no ping either (a rank waiting in a collective
+        of its own answers one), are named first."""
         if not pending:
             return failure
         errors, silent = _outcomes(pending, _STALL_GRACE_S)
@@ -208,11 +242,14 @@ class RayExecutor:
         died = [rank_of[ref] for ref, error in errors.items() if isinstance(error, RayActorError)]
         if died:
             return f"rank {min(died)} died during {what} (all died: {sorted(died)}; {failure})"
-        if silent:
-            stalled = sorted(rank_of[ref] for ref in silent)
+        silent_ranks = sorted(rank_of[ref] for ref in silent)
+        pings = self._beside_work("ping", silent_ranks)
+        _, unanswered = _outcomes(pings, _STALL_GRACE_S) if pings else ({}, [])
+        stalled = [r for r, ping in zip(silent_ranks, pings, strict=True) if ping in unanswered]
+        if stalled:
             return (
-                f"ranks {stalled} stalled during {what}: no answer {_STALL_GRACE_S:.0f}s after a "
-                f"peer failed waiting for them ({failure})"
+                f"ranks {stalled} stalled during {what}: no answer to the step or a ping "
+                f"{_STALL_GRACE_S:.0f}s after a peer failed waiting for them ({failure})"
             )
         return failure
 

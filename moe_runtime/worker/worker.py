@@ -16,6 +16,7 @@ import logging
 import os
 import socket
 import sys
+import threading
 from collections import deque
 from pathlib import Path
 
@@ -133,6 +134,12 @@ class Worker:
     def ping(self) -> int:
         """This worker's rank: the cheap call the engine makes to check an idle worker lives."""
         return self.rank
+
+    def hold(self) -> None:
+        """Never returns. The Ray driver keeps one call of it running on each rank (beside the
+        ping, in the liveness concurrency group), so a rank's death fails that call at once and
+        the driver sees it without asking (RayExecutor.dead_ranks)."""
+        threading.Event().wait()
 
     def address(self) -> tuple[str, int]:
         """(ip, free port) of this worker's node: rank 0's is the rendezvous point."""
