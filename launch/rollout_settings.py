@@ -29,7 +29,10 @@ def run_settings(llm: LLM, args: argparse.Namespace, defaults: dict, input_sha25
         settings |= {"base_seed": args.base_seed, **defaults}
     elif args.logprobs:  # (0, the rows without top logprobs, records nothing, as before it)
         settings["logprobs"] = args.logprobs
-    return settings | bit_settings(llm.engine)
+    settings |= bit_settings(llm.engine)
+    if args.score:  # scoring reads token ids only: a tokenizer changes none of its bits
+        settings.pop("model.tokenizer_files", None)
+    return settings
 
 
 def settings_path(output: Path) -> Path:
@@ -70,8 +73,7 @@ def score_differences(rollout_output: Path, settings: dict[str, Any]) -> list[st
     """The bit-relevant settings ("key=recorded -> new") in which a --score run differs from
     the rollout that wrote its input, as that rollout's record holds them; [] where it matches
     or the input has no record. The config and runtime keys only (the sampling defaults,
-    seeds and the input's digest are the rollout's own), and not scheduler.max_model_len (it
-    decides which rows run, not their bits)."""
+    seeds and the input's digest are the rollout's own)."""
     path = settings_path(rollout_output)
     try:
         recorded = json.loads(path.read_text(encoding="utf-8"))
@@ -80,8 +82,11 @@ def score_differences(rollout_output: Path, settings: dict[str, Any]) -> list[st
     if not isinstance(recorded, dict) or recorded.get("score") is not False:
         return []
     new = as_json(settings)
-    keys = [k for k in recorded if "." in k and k != "scheduler.max_model_len"]
-    keys += [k for k in new if "." in k and k not in recorded and k != "scheduler.max_model_len"]
+    # Not the tokenizer (the rollout's text prompts are ids in its rows already) nor the
+    # context (it decides which rows run).
+    unread = ("scheduler.max_model_len", "model.tokenizer_files")
+    keys = [k for k in recorded if "." in k and k not in unread]
+    keys += [k for k in new if "." in k and k not in recorded and k not in unread]
     return [
         f"{key}={_shown(recorded, key)} -> {_shown(new, key)}"
         for key in keys

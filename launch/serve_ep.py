@@ -101,12 +101,23 @@ async def connect_ray_first(config) -> None:
             reclaim_stop_signals()  # here, on the main thread: only it may set handlers
 
 
-async def load_engine(config) -> LLMEngine:
-    """LLMEngine(config) on a worker thread, so that the server answers meanwhile."""
+async def load_engine(config) -> tuple[LLMEngine, str]:
+    """LLMEngine(config) and its system_fingerprint, on a worker thread, so that the server
+    answers meanwhile. The fingerprint asks every rank for its device: a rank that fails then
+    fails the load (the engine shut down), not the server's start."""
     try:
-        return await asyncio.to_thread(LLMEngine, config)
+        return await asyncio.to_thread(_engine_and_fingerprint, config)
     finally:
         reclaim_stop_signals()  # a Ray started by the load itself (the rebuild path's too)
+
+
+def _engine_and_fingerprint(config) -> tuple[LLMEngine, str]:
+    engine = LLMEngine(config)
+    try:
+        return engine, system_fingerprint(engine)
+    except BaseException:
+        engine.shutdown()
+        raise
 
 
 async def stop_engine_with_server(
@@ -140,13 +151,12 @@ async def serve(
     try:
         await connect_ray_first(config)
         log(f"listening on {url}; loading the engine (world_size={config.parallel.world_size})")
-        engine = await load_engine(config)
+        engine, fingerprint = await load_engine(config)
     except Exception as exc:  # a bad checkpoint, no Ray cluster, a worker that died ...
         log(f"error: the engine failed to load: {type(exc).__name__}: {exc}")
         server.should_exit = True
         await task
         return None
-    fingerprint = await asyncio.to_thread(system_fingerprint, engine)  # before its thread runs
     async_engine = AsyncEngine(engine)
     app.state.backend = Backend(async_engine, engine.tokenizer, fingerprint)
     # Start-up's objects out of the cyclic collector: no full collection of them stalls the

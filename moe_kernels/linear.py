@@ -260,6 +260,7 @@ def grouped_linear_cuda_fast(
     feature sizes not multiples of 16) take the Triton grouped GEMM, which reads the counts on
     the device too (the per-group loop they took read them on the host, which fails inside a
     graph's capture: fast mode with graphs on, fp32 or expert sizes such as 24, did not start).
+    That kernel happens to be the invariant one; fast mode promises nothing either way.
     row_index: gathered first (torch's grouped GEMM reads contiguous rows only)."""
     x = gathered_rows(x, row_index)
     out_dim, in_dim = weight.shape[1:]

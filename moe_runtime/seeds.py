@@ -24,8 +24,8 @@ def derive_seed(*parts: int) -> int:
 
 def from_signed_seed(seed: int) -> int:
     """OpenAI's seed, a signed 64-bit int, as a request seed: one >= 0 as it is, a negative one
-    hashed from its two's complement (2**64 + seed), so each of the 2**63 negative seeds is a
-    seed of its own rather than folded onto a non-negative one."""
+    hashed from its two's complement (derive_seed(2**64 + seed)) into the 63-bit seeds, rather
+    than folded onto the one it shares its low 63 bits with (-1 would be 2**63 - 1)."""
     if not -(2**63) <= seed <= MAX_SEED:
         raise ValueError(f"seed must be a signed 64-bit int, got {seed}")
     return seed if seed >= 0 else derive_seed(2**64 + seed)

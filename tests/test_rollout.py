@@ -5,6 +5,7 @@ on an output another run is writing."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -599,6 +600,12 @@ def test_resume_after_the_tokenizer_changed_is_refused(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"error: {out} was written with model.tokenizer_files=" in err, err
     assert out.read_text() == written[0]
+    # Scoring reads ids only: the rollout's rows score without a word of the tokenizer.
+    scores = tmp_path / "scores.jsonl"
+    argv = ["--config", config, "--no-progress", "--input", out, "--output", scores, "--score"]
+    assert rollout.main([*map(str, argv), "--set", f"model.path={checkpoint}"]) == 0
+    assert "warning" not in capsys.readouterr().err
+    assert "model.tokenizer_files" not in json.loads(settings_path(scores).read_text())
 
 
 def test_the_settings_record_names_the_ranks_device_and_refuses_another(tmp_path, capsys):
@@ -892,5 +899,9 @@ def test_a_stop_signal_during_score_is_acted_on_between_steps():
         with pytest.raises(Stopped), tqdm(disable=True) as progress:
             rollout._score_batch(llm, batch, progress, stop, num_top=0)
         assert asked == [True, True, True]  # asked with the batch in flight, three steps in
+        # Scoring has no deltas: its rows count on the bar as they finish (it stood at 0).
+        with tqdm(file=io.StringIO(), mininterval=0) as progress:
+            rows = rollout._score_batch(llm, batch, progress, lambda: None, num_top=0)
+            assert progress.n == len(rows) == len(batch)
     finally:
         llm.shutdown()

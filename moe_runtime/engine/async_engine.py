@@ -14,7 +14,8 @@ before a request meets it; in a step or call that long, `stalled` names the rank
 no ping beside their work (engine/stall_watch.py: a /health 503 long before the step's own
 timeout fails it; new submissions are refused meanwhile, retryable; ranks silent at two checks
 in a row are killed, which fails the step at once). A rank found dead without asking it (its
-outstanding liveness call failed: `dead_ranks`) kills the engine before the next step.
+outstanding liveness call failed: `dead_ranks`) kills the engine before new submissions are
+admitted.
 `shutdown` is bounded whatever the ranks do: requests still running at the drain timeout end
 with EngineUnavailableError, a fault seen while draining or stopping rebuilds nothing, and a
 loop stuck in a call to a rank that does not answer has the workers killed under it, which ends
@@ -269,7 +270,9 @@ class AsyncEngine:
                 if is_idle:
                     self._check_workers()
                     continue
-                if self._error is None:  # a rank that died since the last step: before a step
+                if self._error is None and any(isinstance(i, _Submission) for i in incoming):
+                    # A rank that died since the last step, before new requests are scheduled
+                    # onto it (they fail retryable then; running ones fail in the step anyway).
                     self._check_workers(self._engine.check_dead_ranks)
                 for item in incoming:
                     if isinstance(item, _Submission):

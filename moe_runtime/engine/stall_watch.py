@@ -15,6 +15,7 @@ while it runs.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -22,6 +23,8 @@ from contextlib import contextmanager
 
 from moe_runtime.engine.engine import LLMEngine
 from moe_runtime.executor import QUICK_CALL_TIMEOUT_S
+
+log = logging.getLogger(__name__)
 
 
 class StallWatch:
@@ -61,6 +64,19 @@ class StallWatch:
             self._is_stopped = True
             self._lock.notify_all()
 
+    def _kill(self, busy: tuple[str, float], silent: list[int], ran_s: float) -> None:
+        """Kill the frozen ranks if `busy` is still what the loop runs (not a rebuild's step):
+        a kill that fails is logged, and the watch goes on."""
+        with self._lock:
+            is_current = self._busy is busy
+        if not is_current or self._is_rebuilding():  # (the engine's lock: not under ours)
+            return
+        why = f"it answered no ping at two checks in a row while {busy[0]} ran {ran_s:.0f}s"
+        try:
+            self._engine.kill_ranks(silent, why)
+        except Exception:
+            log.exception("could not kill the stalled ranks %s", silent)
+
     def _watch(self) -> None:
         while True:
             with self._lock:
@@ -86,5 +102,4 @@ class StallWatch:
                 is_again = bool(silent) and self._silent_before == (busy, silent)
                 self._silent_before = (busy, silent) if silent else None
             if is_again:
-                why = f"it answered no ping at two checks in a row while {busy[0]} ran {ran_s:.0f}s"
-                self._engine.kill_ranks(silent, why)
+                self._kill(busy, silent, ran_s)

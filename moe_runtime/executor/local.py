@@ -44,6 +44,9 @@ class LocalExecutor:
         """[]: the one rank is this process."""
         return []
 
+    def kill_ranks(self, ranks: list[int], why: str) -> None:
+        """Nothing: the one rank is this process, and silent_ranks never names it."""
+
     def shutdown(self) -> None:
         """Shut the rank down and let go of it: its model, KV cache and graphs are freed here,
         so a rebuild's new rank sizes its cache (cache.num_blocks 0) from memory they no longer

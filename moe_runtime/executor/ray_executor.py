@@ -219,8 +219,7 @@ class RayExecutor:
                 raise WorkerError(self._blame(pending, rank_of, what, failure)) from exc
             except RayActorError as exc:  # its pid, node and actor ids go to the log only
                 log.error("rank %d died during %s: %s", rank, what, exc)
-                why = f": killed, {self._killed[rank]}" if rank in self._killed else ""
-                raise WorkerError(f"rank {rank} died during {what}{why}") from exc
+                raise WorkerError(self._death(rank, what)) from exc
             except RayError as exc:
                 log.error("rank %d failed during %s: %s", rank, what, exc)
                 raise WorkerError(f"rank {rank} failed during {what}: {_cause(exc)}") from exc
@@ -241,17 +240,22 @@ class RayExecutor:
         # (a peer that failed otherwise fails the same way: it is no cause)
         died = [rank_of[ref] for ref, error in errors.items() if isinstance(error, RayActorError)]
         if died:
-            return f"rank {min(died)} died during {what} (all died: {sorted(died)}; {failure})"
+            return f"{self._death(min(died), what)} (all died: {sorted(died)}; {failure})"
         silent_ranks = sorted(rank_of[ref] for ref in silent)
         pings = self._beside_work("ping", silent_ranks)
         _, unanswered = _outcomes(pings, _STALL_GRACE_S) if pings else ({}, [])
         stalled = [r for r, ping in zip(silent_ranks, pings, strict=True) if ping in unanswered]
+        grace = f"{_STALL_GRACE_S:.0f}s after a peer failed waiting for them ({failure})"
         if stalled:
-            return (
-                f"ranks {stalled} stalled during {what}: no answer to the step or a ping "
-                f"{_STALL_GRACE_S:.0f}s after a peer failed waiting for them ({failure})"
-            )
+            return f"ranks {stalled} stalled during {what}: no answer to the step or a ping {grace}"
+        if silent_ranks:  # alive, still in the step: hung in a kernel or a call off the GIL?
+            return f"ranks {silent_ranks} still in {what} (they answer pings) {grace}"
         return failure
+
+    def _death(self, rank: int, what: str) -> str:
+        """'rank r died during what', with why where the driver killed it (kill_ranks)."""
+        why = f": killed, {self._killed[rank]}" if rank in self._killed else ""
+        return f"rank {rank} died during {what}{why}"
 
 
 def _outcomes(refs: list, timeout_s: float) -> tuple[dict, list]:
