@@ -83,10 +83,7 @@ def test_a_rank_stalled_inside_a_step_is_named_long_before_the_step_times_out(ra
         loop.call(lambda engine: time.sleep(3.5)).result(timeout=30)
         assert probes and all(silent == [] for silent in probes), probes  # probed: all answer
         assert loop.stalled is None and _health(app) == (200, "ok")
-        first = threading.Event()
-        params = SamplingParams(max_tokens=600, ignore_eos=True)
-        future = loop.submit([[1, 2, 3, 4]], [params], lambda i, d: first.set())
-        assert first.wait(30)
+        future = _generating(loop, 600)
         os.kill(pids[1], signal.SIGSTOP)
         stopped = time.monotonic()
         while loop.stalled is None and time.monotonic() - stopped < 45:
@@ -102,6 +99,15 @@ def test_a_rank_stalled_inside_a_step_is_named_long_before_the_step_times_out(ra
     assert len(future.result(timeout=120)[0].outputs[0].token_ids) == 600
     assert loop.stalled is None and _health(app) == (200, "ok")
     loop.shutdown()
+
+
+def _generating(loop: AsyncEngine, max_tokens: int):
+    """The Future of one request of max_tokens (no stop), once its first token has come."""
+    first = threading.Event()
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    future = loop.submit([[1, 2, 3, 4]], [params], lambda i, d: first.set())
+    assert first.wait(30)
+    return future
 
 
 def _health(app) -> tuple[int, str]:
@@ -281,10 +287,7 @@ def test_a_rank_frozen_inside_a_step_is_killed_at_the_second_check(ray_local):
     params = SamplingParams(max_tokens=8, temperature=0.8, seed=3, logprobs=2, ignore_eos=True)
     try:
         before = fingerprint(loop.submit([[5, 6, 7]], [params]).result(timeout=60)[0])
-        first = threading.Event()
-        long = SamplingParams(max_tokens=1000, ignore_eos=True)
-        in_flight = loop.submit([[1, 2, 3, 4]], [long], lambda i, d: first.set())
-        assert first.wait(30)
+        in_flight = _generating(loop, 1000)
         os.kill(pids[1], signal.SIGSTOP)
         stopped = time.monotonic()
         while loop.stalled is None:
@@ -311,10 +314,7 @@ def test_a_rank_that_dies_during_the_drain_rebuilds_nothing(ray_local):
     llm = LLM(TINY_CONFIG, **{"parallel.world_size": 2, "parallel.timeout_s": 20})
     pid = llm.engine.executor.call_all("pid")[1]
     loop = AsyncEngine(llm.engine)
-    first = threading.Event()
-    long = SamplingParams(max_tokens=1000, ignore_eos=True)
-    in_flight = loop.submit([[1, 2, 3, 4]], [long], lambda i, d: first.set())
-    assert first.wait(30)
+    in_flight = _generating(loop, 1000)
     restarts = []
     restart = llm.engine.restart
     llm.engine.restart = lambda: restarts.append(1) or restart()
