@@ -62,8 +62,9 @@ def test_a_rank_stalled_inside_a_step_is_named_long_before_the_step_times_out(ra
     parallel.timeout_s (then the step fails, + 30 s at most). The watchdog names it after
     server.health_check_interval_s, /health turns 503 "stalled", and rank 0, inside the same
     collective, still answers its ping (a thread of its own). Control: a loop busy as long in a
-    call, every rank alive, is probed and reported as nothing. Resumed, the step and the
-    request finish and the finding ends."""
+    call, every rank alive, is probed and reported as nothing. Resumed after the first finding
+    (before the next check, which would kill it), the step and the request finish and the
+    finding ends."""
     from launch.generation import Backend
     from launch.server_app import create_app
 
