@@ -59,14 +59,15 @@ def check_settings(output: Path, settings: dict[str, Any]) -> None:
     except ValueError as exc:
         raise ValueError(f"{path}: not a settings record ({exc})") from None
     new = as_json(settings)
-    for key in [*recorded, *(k for k in new if k not in recorded)]:
-        if key not in recorded or key not in new or recorded[key] != new[key]:
-            old_value, new_value = (_shown(values, key) for values in (recorded, new))
-            raise ValueError(
-                f"{output} was written with {key}={old_value}, this run has {key}={new_value}: "
-                f"resuming would mix two runs' rows in one file. Rerun with the settings in "
-                f"{path}, or write to a new --output"
-            )
+    differing = _differing_keys(recorded, new)
+    if differing:
+        key = differing[0]
+        old_value, new_value = (_shown(values, key) for values in (recorded, new))
+        raise ValueError(
+            f"{output} was written with {key}={old_value}, this run has {key}={new_value}: "
+            f"resuming would mix two runs' rows in one file. Rerun with the settings in "
+            f"{path}, or write to a new --output"
+        )
 
 
 def score_differences(rollout_output: Path, settings: dict[str, Any]) -> list[str]:
@@ -85,13 +86,18 @@ def score_differences(rollout_output: Path, settings: dict[str, Any]) -> list[st
     # Not the tokenizer (the rollout's text prompts are ids in its rows already) nor the
     # context (it decides which rows run).
     unread = ("scheduler.max_model_len", "model.tokenizer_files")
-    keys = [k for k in recorded if "." in k and k not in unread]
-    keys += [k for k in new if "." in k and k not in recorded and k not in unread]
     return [
         f"{key}={_shown(recorded, key)} -> {_shown(new, key)}"
-        for key in keys
-        if recorded.get(key, ...) != new.get(key, ...)
+        for key in _differing_keys(recorded, new)
+        if "." in key and key not in unread
     ]
+
+
+def _differing_keys(recorded: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """The keys whose values differ or that one side lacks: the record's in its order, then
+    the new ones."""
+    keys = [*recorded, *(k for k in new if k not in recorded)]
+    return [k for k in keys if k not in recorded or k not in new or recorded[k] != new[k]]
 
 
 def record_settings(output: Path, settings: dict[str, Any]) -> None:
