@@ -462,6 +462,77 @@ def bench_value_split() -> None:
             print(f"| {batch} | {ctx} | {width} | {cells} | {same} |")
 
 
+def bench_wide_value_split() -> None:
+    """The 128-head Gluon kernel's value split (WIDE_VALUE_PARTS: each partition's 256 value
+    columns over 1 or 2 programs, every program computing all of its head block's scores)
+    at decode shapes, tables as wide as the engine's graph for the context, graph replay over
+    L2-missing caches (ATTENTION_GRAPH_CALLS calls a graph), µs, bits compared with one part;
+    the op's own launch; and fast mode's decode attention with one plan a step (FlashMLA where
+    installed) for the ratio."""
+    from moe_kernels.attention_launch import WIDE_LAUNCH
+    from moe_kernels.fast_attention import mla_decode_fast
+    from moe_kernels.gluon_attention import WIDE_VALUE_PARTS
+    from moe_kernels.triton_attention import _attend, mla_attention_triton
+
+    launch = (
+        WIDE_LAUNCH.split_blocks, WIDE_LAUNCH.num_warps, WIDE_LAUNCH.num_stages,
+        WIDE_LAUNCH.block_h,
+    )  # fmt: skip
+    print("\n## the 128-head Gluon kernel's value split (graph replay, µs)")
+    parts = " | ".join(f"{v} part{'s' * (v > 1)}" for v in WIDE_VALUE_PARTS)
+    print(f"| B | ctx | table width | {parts} | the op | fast, one plan | op / fast | same bits |")
+    print("|---|---|---|" + "---|" * (len(WIDE_VALUE_PARTS) + 4))
+    for ctx in (1024, 2048, 4096, 8000):  # 8000: a table of 126 blocks (the widest graph's 128)
+        blocks = ctx // 64 + 1  # the engine's decode: a context past a block's end
+        width = _graph_width(blocks)
+        for batch in (1, 2, 4, 8, 16, 32, 64):
+            read = batch * (ctx + 1) * 576 * 2
+            tables = torch.full((batch, width), -1, device="cuda", dtype=torch.int64)
+            tables[:, :blocks] = torch.randperm(batch * blocks, device="cuda").view(batch, -1)
+            step = (
+                torch.arange(batch, device="cuda"), tables,
+                torch.full((batch,), ctx, device="cuda"),
+            )  # fmt: skip
+
+            def make(op, batch=batch, blocks=blocks, step=step):
+                kv = torch.randn(batch * blocks, 64, 576, device="cuda").bfloat16()
+                q = torch.randn(batch, 128, 576, device="cuda").bfloat16()
+                return lambda: op(q, kv, *step)
+
+            def parted(v_parts):
+                return lambda q, kv, *rest: _attend(
+                    q, kv, *rest, 192**-0.5, 512, *launch, is_gluon=True,
+                    tail_blocks=WIDE_LAUNCH.tail_blocks, v_parts=v_parts,
+                )  # fmt: skip
+
+            def op(q, kv, *rest):
+                return mla_attention_triton(q, kv, *rest, scale=192**-0.5, v_dim=512)
+
+            def fast(q, kv, *rest):
+                return mla_decode_fast(q, kv, *rest, scale=192**-0.5, v_dim=512)
+
+            torch.manual_seed(batch * 7 + ctx)
+            one = make(parted(1))
+            torch.manual_seed(batch * 7 + ctx)
+            base = one()
+            same = True
+            for v_parts in WIDE_VALUE_PARTS[1:]:
+                torch.manual_seed(batch * 7 + ctx)
+                same &= torch.equal(make(parted(v_parts))(), base)
+            torch.manual_seed(batch * 7 + ctx)
+            same &= torch.equal(make(op)(), base)
+            calls = ATTENTION_GRAPH_CALLS
+            times = [_graph_ms(partial(make, parted(v)), read, calls) for v in WIDE_VALUE_PARTS] + [
+                _graph_ms(partial(make, op), read, calls)
+            ]
+            t_fast = _graph_ms(partial(make, fast), read, calls)
+            cells = " | ".join(f"{t * 1e3:.1f}" for t in times)
+            print(
+                f"| {batch} | {ctx} | {width} | {cells} | {t_fast * 1e3:.1f} | "
+                f"{times[-1] / t_fast:.2f} | {same} |"
+            )
+
+
 def bench_whole_query() -> None:
     """The invariant decode attention at 16 heads with each query's splits in one program
     (WHOLE_QUERY, two and three stages) against the split launch and its merge, engine-wide
@@ -1901,6 +1972,7 @@ def main() -> None:
             "prefill_linears": bench_prefill_linears,
             "split_prefill": bench_split_prefill,
             "value_split": bench_value_split,
+            "wide_value_split": bench_wide_value_split,
             "split_size": bench_split_size,
             "tail": bench_tail,
             "merge": bench_merge,

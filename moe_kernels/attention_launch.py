@@ -110,8 +110,9 @@ def head_launch(whole_heads: int) -> HeadLaunch:
 # parts gained at 4 to 32 pairs (one query at context 1024 15.0 -> 12.7 us, eight 17.8 ->
 # 16.4, one at 8192 19.4 -> 17.1) and lost 2x from 64 (eight queries at 8192: 36.2 -> 72.3;
 # one wave of programs either way); two parts gained nowhere (the earlier rule's two parts up to
-# eight queries made eight at 8192 73.8 us). NARROW_LAUNCH only: with 64-head blocks the parts
-# ran out of shared memory or lost (H200).
+# eight queries made eight at 8192 73.8 us). NARROW_LAUNCH only: with 64-head blocks the Triton
+# kernel's parts ran out of shared memory or lost (H200); the Gluon kernel has its own
+# (wide_value_parts).
 VALUE_SPLIT_MAX_PAIRS = 32
 VALUE_SPLIT = (4, 128)  # (v_parts, lat_chunk)
 MIN_PART_COLUMNS = 128  # value columns a program keeps at least (the measured 512 / 4)
@@ -145,6 +146,28 @@ WHOLE_QUERY_STAGES = ((256, 2), (128, 3))
 # 256 (sixteen at 4096: 34.5 -> 38.5; eight at 8192: 36.3 -> 41.0). (The rule before took it
 # at one query only, from tables 128 wide at every context.)
 TABLE_AHEAD_MAX_PAIRS = 128
+
+
+# The wide launch's Gluon kernel splits each partition's value columns over two programs in
+# launches of at most this many (query, KV split) pairs (the splits counted from the table's
+# width): the same bits (its docstring says why, checked on the GPU), so the choice may
+# follow the batch. It fills more SMs and does not shorten a program's walk, so it gains
+# while the doubled programs fit one wave. H200, graph replay, engine-wide tables
+# (BENCHMARKS.md, forty-second session): 0.91-0.99x the one-part time where the rule takes
+# it (B = 1 at context 1024: 42.2 -> 38.9 us), 1.56-1.72x where the doubled programs pass a
+# wave (B = 64 at 1024, B = 8 at 8000: 64 pairs); through the engine, 128 heads, B = 1
+# decode 4.34-4.41 -> 4.13-4.15 ms a step, B = 8 7.27-7.40 -> 7.09-7.12. The pairs are
+# counted from the table's width, not the queries' lengths (device values): B = 8 in a
+# table of 128 blocks would gain 4% at context 4096 and lose 62% at 8000. Four parts (N =
+# 64) were slower at every size on an H100 (spills; each program still walks every block).
+WIDE_VALUE_SPLIT_MAX_PAIRS = 32
+
+
+def wide_value_parts(num_tokens: int, num_splits: int) -> int:
+    """Programs each head block's value columns are split over in the Gluon kernel's launch
+    of num_tokens queries of at most num_splits KV splits: 2 up to WIDE_VALUE_SPLIT_MAX_PAIRS
+    (query, split) pairs, else 1."""
+    return 2 if num_tokens * num_splits <= WIDE_VALUE_SPLIT_MAX_PAIRS else 1
 
 
 def value_split(num_tokens: int, block_v: int, num_splits: int) -> tuple[int, int | None]:

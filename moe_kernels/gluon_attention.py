@@ -18,6 +18,13 @@ of one split has its output written here; longer ones' partials feed the Triton 
 queries or on the heads next to its own, so the bits hold across batches, chunkings and TP head
 subsets. H200, 128 heads (BENCHMARKS.md, thirty-first session): 0.84-0.92x the time of the
 kernel before it (two warpgroups splitting each score tile by key columns).
+
+A launch of few queries may split each partition's 256 value columns over two programs
+(V_PARTS, attention_launch.wide_value_parts): each still computes every score of its head
+block, the same products, so the same probabilities; its value products run at N = 128 on
+a slice of the stage, and a warpgroup MMA gives each column the same bits at N = 64, 128 and
+256 (bench/wgmma_width_probe.py, H100), so the choice may follow the batch. It fills more SMs,
+not a shorter walk: each program still waits on every block's copy in turn.
 """
 
 from __future__ import annotations
@@ -68,6 +75,8 @@ PE = gl.constexpr(2)
 # Registers a thread of partition 1 and of the loader; partition 0 gets the rest of the 168 x
 # 384 the launch's maxnreg gives (256): the split that left the fewest spills (sm_90 compile).
 CONSUMER_REGS = gl.constexpr(224)
+# The value splits the kernel has (each partition's 256 columns over this many programs).
+WIDE_VALUE_PARTS = (1, 2)
 LOADER_REGS = gl.constexpr(24)
 MAXNREG = 168
 
@@ -181,17 +190,20 @@ def _publish_probs(W: gl.constexpr, smem, p_bar, p, j, position):
 
 @gluon.jit
 def _write_half(W: gl.constexpr, acc, m_run, l_run, position, first_block, n, t, head_block,
-                split, num_heads, num_splits, ptrs, WRITE_OUT: gl.constexpr):  # fmt: skip
-    """Partition W's value columns of a finished split (acc, [BLOCK_H, HALF] fp32; its max and
-    sum m_run, l_run): acc / l_run into the output where the launch has one split (WRITE_OUT)
-    or the query has one, the merge kernel's one-split case, the same fp32 division, so the
-    same bits (the merge skips such queries: ONE_SPLIT_WRITTEN); else the split's partial acc
-    and (W = 0) its max and sum."""
+                split, num_heads, num_splits, ptrs, WRITE_OUT: gl.constexpr, vp):  # fmt: skip
+    """Partition W's value columns of a finished split (acc, [BLOCK_H, HALF / V_PARTS] fp32,
+    value part vp of its half; the split's max and sum m_run, l_run): acc / l_run into the
+    output where the launch has one split (WRITE_OUT) or the query has one, the merge kernel's
+    one-split case, the same fp32 division, so the same bits (the merge skips such queries:
+    ONE_SPLIT_WRITTEN); else the split's partial acc and (W = 0, value part 0) its max and
+    sum."""
     acc_ptr, stats_ptr, out_ptr = ptrs
     OROW: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
     ROW: gl.constexpr = m_run.type.layout
     heads = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=OROW)
-    cols = W * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, acc.type.layout))
+    part_cols: gl.constexpr = acc.type.shape[1]
+    cols = W * HALF + vp * part_cols
+    cols = cols + gl.arange(0, part_cols, layout=gl.SliceLayout(0, acc.type.layout))
     head_ok = (heads < num_heads)[:, None]
     is_one_split = (first_block == 0) & (n == position // BS + 1)
     if WRITE_OUT or is_one_split:
@@ -203,7 +215,7 @@ def _write_half(W: gl.constexpr, acc, m_run, l_run, position, first_block, n, t,
     else:
         slot = (t * num_splits + split) * num_heads + heads
         gl.store(acc_ptr + slot[:, None] * V + cols[None, :], acc, mask=head_ok)
-        if W == 0:
+        if W == 0 and vp == 0:
             heads_s = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROW)
             slot_s = (t * num_splits + split) * num_heads + heads_s
             stats_ok = heads_s < num_heads
@@ -212,22 +224,45 @@ def _write_half(W: gl.constexpr, acc, m_run, l_run, position, first_block, n, t,
 
 
 @gluon.jit
-def _consumer(W: gl.constexpr, smem, bars, scal, ptrs, WRITE_OUT: gl.constexpr):
+def _value_product(p, values, acc, vp, V_PARTS: gl.constexpr):
+    """acc + p @ values' columns of value part vp (of V_PARTS: each a slice of the half's
+    256 columns, taken in a static branch as a slice's start must be a constant); one MMA,
+    waited for."""
+    if V_PARTS == 1:
+        acc = warpgroup_mma(p, values, acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    else:
+        width: gl.constexpr = HALF // V_PARTS
+        for part in gl.static_range(V_PARTS):
+            if vp == part:
+                acc = warpgroup_mma(
+                    p, values.slice(part * width, width, dim=1), acc, is_async=True
+                )  # fmt: skip
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    return acc
+
+
+@gluon.jit
+def _consumer(W: gl.constexpr, smem, bars, scal, ptrs, WRITE_OUT: gl.constexpr,
+              V_PARTS: gl.constexpr):  # fmt: skip
     """Partition W: for each pair k of the split's blocks, the scores of block 2k + W (stage
     W), the pair's softmax step (one max for both blocks: the online softmax steps a pair at a
     time), its own block's probabilities (from registers) and then the other's (from shared
-    memory) times value columns [256 W, 256 W + 256). Each partition sums its own blocks'
-    probabilities; the split's sum is their sum, partition 0's first. Then its half of the
-    output (WRITE_OUT) or of the split's partial acc, and (W = 0) the partial's max and sum."""
+    memory) times value columns [256 W, 256 W + 256), or the program's value part vp of them
+    (V_PARTS > 1: every score still computed, the same sums a column). Each partition sums its
+    own blocks' probabilities; the split's sum is their sum, partition 0's first. Then its
+    columns of the output (WRITE_OUT) or of the split's partial acc, and (W = 0) the partial's
+    max and sum."""
     q_lo_s, q_hi_s, q_pe_s, k_lo_s, k_hi_s, k_pe_s, p_s, mx_s, l_s = smem
     q_bar, ready, free, mx_bar, p_bar, l_bar = bars
-    table, position, first_block, n, t, head_block, split, num_heads, num_splits, scale = scal
+    table, position, first_block, n, t, head_block, split, num_heads, num_splits, scale, vp = scal
     MY_HALF: gl.constexpr = LO if W == 0 else HI  # this partition's value columns
+    PART: gl.constexpr = HALF // V_PARTS  # the value columns it keeps
     S_L: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]
     )
     O_L: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16]
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, PART, 16]
     )
     P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
     ROW: gl.constexpr = gl.SliceLayout(1, S_L)
@@ -235,7 +270,7 @@ def _consumer(W: gl.constexpr, smem, bars, scal, ptrs, WRITE_OUT: gl.constexpr):
     k_half = (k_lo_s, k_hi_s)[W]
     m_run = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=ROW)
     l_own = gl.zeros([BLOCK_H], gl.float32, layout=ROW)
-    acc = gl.zeros([BLOCK_H, HALF], gl.float32, layout=O_L)
+    acc = gl.zeros([BLOCK_H, PART], gl.float32, layout=O_L)
     if n > 0:
         mbarrier.wait(q_bar, 0)
     for k in range((n + 1) // 2):
@@ -271,15 +306,13 @@ def _consumer(W: gl.constexpr, smem, bars, scal, ptrs, WRITE_OUT: gl.constexpr):
             p16 = p.to(gl.bfloat16)
             _publish_probs(W, smem, p_bar, p16, j, position)
             # Own block: probabilities from registers; then this half of the stage frees.
-            acc = warpgroup_mma(gl.convert_layout(p16, P_L), k_half.index(W), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            acc = _value_product(gl.convert_layout(p16, P_L), k_half.index(W), acc, vp, V_PARTS)
             gl.thread_barrier()
             mbarrier.arrive(free.index(MY_HALF * 2 + W), count=1)
         if W == 1 or has_b:  # the other partition's block: probabilities from shared memory
             mbarrier.wait(p_bar.index(1 - W), phase)
             other_p = (k_pe_s.index(1), p_s)[W]
-            acc = warpgroup_mma(other_p, k_half.index(1 - W), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            acc = _value_product(other_p, k_half.index(1 - W), acc, vp, V_PARTS)
             gl.thread_barrier()
             mbarrier.arrive(free.index(MY_HALF * 2 + 1 - W), count=1)
             if W == 0:  # partition 1's probabilities lie over stage 1's rope rows
@@ -292,30 +325,51 @@ def _consumer(W: gl.constexpr, smem, bars, scal, ptrs, WRITE_OUT: gl.constexpr):
         l_run = l_s[0].load(ROW) + l_s[1].load(ROW)
         _write_half(
             W, acc, m_run, l_run, position, first_block, n, t, head_block, split, num_heads,
-            num_splits, ptrs, WRITE_OUT,
+            num_splits, ptrs, WRITE_OUT, vp,
         )  # fmt: skip
 
 
-# Why four wrappers: W and WRITE_OUT must be constexprs inside a partition (gl.warp_specialize
-# passes constexpr arguments on as tensors in Gluon 3.6).
+# Why wrappers: W, WRITE_OUT and V_PARTS must be constexprs inside a partition
+# (gl.warp_specialize passes constexpr arguments on as tensors in Gluon 3.6). Named
+# _consumer_{W}_{partial | out}_{V_PARTS}.
 @gluon.jit
-def _consumer_0_partial(smem, bars, descs, scal, ptrs):
-    _consumer(0, smem, bars, scal, ptrs, False)
-
-
-@gluon.jit
-def _consumer_1_partial(smem, bars, descs, scal, ptrs):
-    _consumer(1, smem, bars, scal, ptrs, False)
+def _consumer_0_partial_1(smem, bars, descs, scal, ptrs):
+    _consumer(0, smem, bars, scal, ptrs, False, 1)
 
 
 @gluon.jit
-def _consumer_0_out(smem, bars, descs, scal, ptrs):
-    _consumer(0, smem, bars, scal, ptrs, True)
+def _consumer_1_partial_1(smem, bars, descs, scal, ptrs):
+    _consumer(1, smem, bars, scal, ptrs, False, 1)
 
 
 @gluon.jit
-def _consumer_1_out(smem, bars, descs, scal, ptrs):
-    _consumer(1, smem, bars, scal, ptrs, True)
+def _consumer_0_out_1(smem, bars, descs, scal, ptrs):
+    _consumer(0, smem, bars, scal, ptrs, True, 1)
+
+
+@gluon.jit
+def _consumer_1_out_1(smem, bars, descs, scal, ptrs):
+    _consumer(1, smem, bars, scal, ptrs, True, 1)
+
+
+@gluon.jit
+def _consumer_0_partial_2(smem, bars, descs, scal, ptrs):
+    _consumer(0, smem, bars, scal, ptrs, False, 2)
+
+
+@gluon.jit
+def _consumer_1_partial_2(smem, bars, descs, scal, ptrs):
+    _consumer(1, smem, bars, scal, ptrs, False, 2)
+
+
+@gluon.jit
+def _consumer_0_out_2(smem, bars, descs, scal, ptrs):
+    _consumer(0, smem, bars, scal, ptrs, True, 2)
+
+
+@gluon.jit
+def _consumer_1_out_2(smem, bars, descs, scal, ptrs):
+    _consumer(1, smem, bars, scal, ptrs, True, 2)
 
 
 @gluon.jit
@@ -335,7 +389,7 @@ def _loader(smem, bars, descs, scal, ptrs):
     then partition 0's second, then partition 1's), the pair's table entries read before the
     waits."""
     q_bar, ready, free, mx_bar, p_bar, l_bar = bars
-    table, position, first_block, n, t, head_block, split, num_heads, num_splits, scale = scal
+    table, position, first_block, n, t, head_block, split, num_heads, num_splits, scale, vp = scal
     tile_desc = descs
     for k in range(1, (n + 1) // 2):
         phase = (k - 1) & 1
@@ -357,7 +411,7 @@ def _mla_wide_split_kernel(
     q_desc, q_pe_desc, tile_desc, seq_ids_ptr, tables_ptr, positions_ptr, acc_ptr, stats_ptr,
     out_ptr, scale, num_heads, num_splits, table_width,
     SPLIT_BLOCKS: gl.constexpr, TAIL_BLOCKS: gl.constexpr, WRITE_OUT: gl.constexpr,
-    num_warps: gl.constexpr,
+    V_PARTS: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     """_mla_split_kernel's contract (moe_kernels/triton_attention.py) for one (head block of 64,
     query, KV split): the split's partial (max, sum, acc), an online softmax in fp32 a pair of
@@ -372,7 +426,8 @@ def _mla_wide_split_kernel(
     lat_s: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, HALF], gl.bfloat16)
     pe_s: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, R], gl.bfloat16)
     vec_s: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    head_block = gl.program_id(0)
+    head_block = gl.program_id(0) // V_PARTS
+    vp = gl.program_id(0) % V_PARTS  # the value part this program keeps
     t = gl.program_id(1).to(gl.int64)
     split = gl.program_id(2)
     position = gl.load(positions_ptr + t)
@@ -425,31 +480,48 @@ def _mla_wide_split_kernel(
                 _copy_part(tile_desc, block_id, HI, k_hi_s.index(b), ready, b)
                 _copy_part(tile_desc, block_id, PE, k_pe_s.index(b), ready, b)
     smem = (q_lo_s, q_hi_s, q_pe_s, k_lo_s, k_hi_s, k_pe_s, p_s, mx_s, l_s)
-    scal = (table, position, first_block, n, t, head_block, split, num_heads, num_splits, scale)
+    scal = (table, position, first_block, n, t, head_block, split, num_heads, num_splits, scale, vp)
     bars = (q_bar, ready, free, mx_bar, p_bar, l_bar)
     args = (smem, bars, tile_desc, scal, (acc_ptr, stats_ptr, out_ptr))
-    if WRITE_OUT:
+    if WRITE_OUT and V_PARTS == 1:
         gl.warp_specialize(
-            [(_consumer_0_out, args), (_consumer_1_out, args), (_loader, args)], [4, 1],
+            [(_consumer_0_out_1, args), (_consumer_1_out_1, args), (_loader, args)],
+            [4, 1],
             [CONSUMER_REGS, LOADER_REGS],
-        )  # fmt: skip
-    else:
+        )
+    elif WRITE_OUT and V_PARTS == 2:
         gl.warp_specialize(
-            [(_consumer_0_partial, args), (_consumer_1_partial, args), (_loader, args)],
-            [4, 1], [CONSUMER_REGS, LOADER_REGS],
-        )  # fmt: skip
+            [(_consumer_0_out_2, args), (_consumer_1_out_2, args), (_loader, args)],
+            [4, 1],
+            [CONSUMER_REGS, LOADER_REGS],
+        )
+    elif V_PARTS == 1:
+        gl.warp_specialize(
+            [(_consumer_0_partial_1, args), (_consumer_1_partial_1, args), (_loader, args)],
+            [4, 1],
+            [CONSUMER_REGS, LOADER_REGS],
+        )
+    elif V_PARTS == 2:
+        gl.warp_specialize(
+            [(_consumer_0_partial_2, args), (_consumer_1_partial_2, args), (_loader, args)],
+            [4, 1],
+            [CONSUMER_REGS, LOADER_REGS],
+        )
 
 
 def launch_wide_split(
     grid, q, kv_cache, seq_ids, block_tables, positions, acc, stats, out, scale, num_splits,
-    split_blocks, tail_blocks, is_direct,
+    split_blocks, tail_blocks, is_direct, v_parts=1,
 ) -> None:  # fmt: skip
-    """One launch of the Gluon split kernel over `grid` (head blocks, queries, splits) into
-    the split buffers acc / stats (or the output out, is_direct), as _attend launches the
-    Triton one. The query reaches it through TMA descriptors of 64-row boxes of its latent
-    halves and rope part, the cache through one of 64 x 64 tiles."""
+    """One launch of the Gluon split kernel over `grid` (head blocks x v_parts, queries,
+    splits) into the split buffers acc / stats (or the output out, is_direct), as _attend
+    launches the Triton one; v_parts (1 or 2): programs a head block's value columns are
+    split over (WIDE_VALUE_PARTS). The query reaches it through TMA descriptors of 64-row boxes
+    of its latent halves and rope part, the cache through one of 64 x 64 tiles."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+    if v_parts not in WIDE_VALUE_PARTS:
+        raise ValueError(f"v_parts {v_parts} must be one of {WIDE_VALUE_PARTS}")
     if split_blocks % 2:
         raise ValueError(f"split_blocks {split_blocks} must be even (the kernel pairs blocks)")
     num_tokens, num_heads, cache_dim = q.shape
@@ -470,5 +542,5 @@ def launch_wide_split(
         seq_ids, block_tables, positions, acc, stats, out,
         scale, num_heads, num_splits, block_tables.shape[1],
         SPLIT_BLOCKS=split_blocks, TAIL_BLOCKS=tail_blocks, WRITE_OUT=is_direct,
-        num_warps=GLUON_SHAPE["num_warps"], maxnreg=MAXNREG,
+        V_PARTS=v_parts, num_warps=GLUON_SHAPE["num_warps"], maxnreg=MAXNREG,
     )  # fmt: skip

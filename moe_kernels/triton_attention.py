@@ -29,6 +29,7 @@ from moe_kernels.attention_launch import (
     merge_warps,
     split_count,
     value_split,
+    wide_value_parts,
     with_groups,
 )
 from moe_kernels.gluon_attention import fits_gluon, launch_wide_split
@@ -316,6 +317,8 @@ def mla_attention_triton(
         v_parts, lat_chunk = value_split(q.shape[0], block_v, num_splits)
     is_wide = launch == WIDE_LAUNCH and not _is_interpreted()
     is_gluon = is_wide and fits_gluon(q, kv_cache, v_dim, launch.block_h)
+    if is_gluon:
+        v_parts = wide_value_parts(q.shape[0], num_splits)
     whole_stages = None
     if is_narrow_launch and v_parts == 1:  # a program a query or a query's group
         whole_stages = group_launch(launch, q.shape[0], q.shape[1], block_tables.shape[1])
@@ -396,7 +399,7 @@ def _attend(
         if is_gluon:
             launch_wide_split(
                 grid, q[rows], kv_cache, seq_ids, block_tables, pos, acc, stats, out[rows],
-                scale, num_splits, split_blocks, tail_blocks, is_direct,
+                scale, num_splits, split_blocks, tail_blocks, is_direct, v_parts=v_parts,
             )  # fmt: skip
         else:
             _mla_split_kernel[grid](

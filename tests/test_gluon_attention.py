@@ -17,22 +17,28 @@ from moe_kernels.attention_launch import WIDE_LAUNCH
 from moe_kernels.gluon_attention import (
     GLUON_SHAPE,
     MAXNREG,
+    WIDE_VALUE_PARTS,
     _mla_wide_split_kernel,
     fits_gluon,
 )
 
 SM90_SHARED_BYTES = 232448  # the H100/H200 limit on one block's dynamic shared memory
-# The local memory (register spills) a thread of each form takes, as compiled (write_out: the
-# bytes): the partials' form 8, the direct form none; more means something new stays live
-# through the walk.
-SPILL_BYTES = {False: 8, True: 0}
+# The local memory (register spills) a thread of each form takes, as compiled ((write_out,
+# v_parts): the bytes): the partials' form 8 (160 with the value split, whose products sit in
+# two branches), the direct form none; more means something new stays live through the walk.
+SPILL_BYTES = {(False, 1): 8, (True, 1): 0, (False, 2): 160, (True, 2): 0}
+# The MMA waits ptxas may leave, by v_parts: one per MMA chain (each partition's scores and
+# two value products; with the value split each value product's branch has its own).
+MMA_WAITS = {1: 6, 2: 10}
 
 
+@pytest.mark.parametrize("v_parts", WIDE_VALUE_PARTS)
 @pytest.mark.parametrize("write_out", (False, True))
-def test_gluon_split_kernel_compiles_for_sm90(tmp_path, write_out):
-    """Both forms (partials; the output of a launch's one split) compile for sm_90 as the GPU's
-    JIT specializes them, inside the GPU's shared memory, with TMA copies and warpgroup MMAs
-    that ptxas did not serialise, and spilling at most SPILL_BYTES a thread."""
+def test_gluon_split_kernel_compiles_for_sm90(tmp_path, write_out, v_parts):
+    """Both forms (partials; the output of a launch's one split), with and without the value
+    split, compile for sm_90 as the GPU's JIT specializes them, inside the GPU's shared
+    memory, with TMA copies and warpgroup MMAs of the value columns a program keeps (N = 256
+    / v_parts) that ptxas did not serialise, and spilling at most SPILL_BYTES a thread."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -49,7 +55,7 @@ def test_gluon_split_kernel_compiles_for_sm90(tmp_path, write_out):
     }  # fmt: skip
     consts = dict(
         SPLIT_BLOCKS=WIDE_LAUNCH.split_blocks, TAIL_BLOCKS=WIDE_LAUNCH.tail_blocks,
-        WRITE_OUT=write_out, num_warps=GLUON_SHAPE["num_warps"],
+        WRITE_OUT=write_out, V_PARTS=v_parts, num_warps=GLUON_SHAPE["num_warps"],
     )  # fmt: skip
     names = [*signature, *consts]
     aligned = [n for n in signature if n.endswith("_ptr")] + ["num_heads"]
@@ -64,15 +70,16 @@ def test_gluon_split_kernel_compiles_for_sm90(tmp_path, write_out):
     ptx = compiled.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx  # the MMAs, TMA copies
     assert "setmaxnreg" in ptx  # the warp-specialised partitions' registers
+    assert f"m64n{256 // v_parts}k16" in ptx  # the value products' width
     assert compiled.metadata.shared <= SM90_SHARED_BYTES, compiled.metadata.shared
-    assert _stack_bytes(compiled, tmp_path) <= SPILL_BYTES[write_out]
+    assert _stack_bytes(compiled, tmp_path) <= SPILL_BYTES[write_out, v_parts]
     # ptxas waits after every wgmma when it cannot prove an accumulator is not read in flight
     # (advisory C7514): the kernel keeps one wait per MMA chain (each partition's scores and
     # two value products), not one per wgmma.
     sass = _cuobjdump(compiled, tmp_path, "-sass")
     assert sass.count("HGMMA") >= 80, "the MMAs are missing from the SASS"
     assert "LDGSTS" not in sass, "cp.async copies are back beside TMA"
-    assert sass.count("WARPGROUP.DEPBAR") <= 6, "ptxas serialised the wgmmas"
+    assert sass.count("WARPGROUP.DEPBAR") <= MMA_WAITS[v_parts], "ptxas serialised the wgmmas"
 
 
 def test_only_the_mla_shape_on_cuda_takes_the_gluon_kernel():

@@ -7,7 +7,9 @@ shape (128 heads, latent 512, rope 64, cache blocks of 64) and prompts up to 140
 query has one or two KV splits (two from 19 blocks: tail_blocks). Alone, all 64 together and
 shuffled sub-batches give the same bits, as do decoded and re-scored logprobs. Engagement: the
 Gluon launches are counted, both forms (the output written directly where the table holds one
-split, partials and their merge over two-split tables) among them. Negative control: fast mode
+split, partials and their merge over two-split tables) among them, with and without the value
+split (a decode alone splits its value columns over two programs, the batch of 64 does not).
+Negative control: fast mode
 (cuBLAS, FlashMLA where installed) differs. Skipped without a Hopper GPU.
 """
 
@@ -54,13 +56,14 @@ def workload():
 
 
 @pytest.fixture
-def gluon_launches(monkeypatch) -> list[tuple[bool, int]]:
-    """(written directly, block-table width) of every Gluon launch, eager or captured."""
-    launches: list[tuple[bool, int]] = []
+def gluon_launches(monkeypatch) -> list[tuple[bool, int, int]]:
+    """(written directly, block-table width, value parts) of every Gluon launch, eager or
+    captured."""
+    launches: list[tuple[bool, int, int]] = []
     launch = triton_attention.launch_wide_split
 
     def spy(grid, q, kv_cache, seq_ids, block_tables, *args, **kwargs):
-        launches.append((bool(args[-1]), block_tables.shape[1]))
+        launches.append((bool(args[-1]), block_tables.shape[1], kwargs.get("v_parts", 1)))
         return launch(grid, q, kv_cache, seq_ids, block_tables, *args, **kwargs)
 
     monkeypatch.setattr(triton_attention, "launch_wide_split", spy)
@@ -85,9 +88,11 @@ def _runs(mode: str, workload, num_alone: int) -> tuple[dict, dict, dict]:
 
 def test_gpu_golden_128_heads(workload, gluon_launches):
     alone, together, shuffled = _runs("invariant", workload, NUM_PROMPTS)
-    forms = {(direct, width > 18) for direct, width in gluon_launches}
+    forms = {(direct, width > 18) for direct, width, _ in gluon_launches}
     assert (False, True) in forms, "no launch with partials over a two-split table ran"
     assert (True, False) in forms, "no launch writing the output directly ran"
+    parts = {v_parts for _, _, v_parts in gluon_launches}
+    assert parts == {1, 2}, f"value parts {parts}: both forms must run"
     assert all(len(alone[i][0]) == MAX_TOKENS for i in alone)
     for i in range(NUM_PROMPTS):
         assert together[i] == alone[i], f"prompt {i}: batched differs from alone"

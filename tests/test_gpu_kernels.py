@@ -639,12 +639,15 @@ def test_mla_attention_wide_launch_batch_and_tp_bitwise(generator):
         )
     finally:
         gluon_attention._mla_wide_split_kernel = kernel
-    # (head blocks, queries, splits): the prefill's launches and a decode batch of 5, each a
-    # split launch over the table's three splits.
+    # (head blocks x value parts, queries, splits): the prefill's launches and a decode batch
+    # of 5, each a split launch over the table's three splits; the decode batch and the one
+    # query launches with their value columns over two programs (wide_value_parts: at most 32
+    # (query, split) pairs), compared above with the whole call's one part.
     split, tail = WIDE_LAUNCH.split_blocks, WIDE_LAUNCH.tail_blocks
     assert split_count(tables.shape[1], split, tail) == 3
-    assert grids and all((g[0], g[2]) == (2, 3) for g in grids), grids
-    assert (2, len(seq_lens), 3) in grids, grids
+    assert grids and all(g[0] in (2, 4) and g[2] == 3 for g in grids), grids
+    assert (4, len(seq_lens), 3) in grids and (4, 1, 3) in grids, grids
+    assert (2, len(seq_lens), 3) not in grids and any(g[0] == 2 for g in grids), grids
     launch = (split, WIDE_LAUNCH.num_warps, WIDE_LAUNCH.num_stages, WIDE_LAUNCH.block_h)
     # Queries of one split: written directly from a table of one split (the launch's one
     # split) and from the table of three (the kernel writes them itself, the merge skips
@@ -722,6 +725,66 @@ def test_mla_value_split_launches_give_the_same_bits(generator, num_tokens):
         )  # fmt: skip
         assert torch.equal(got, whole), (v_parts, lat_chunk, "ahead")
     assert not torch.equal(_attend(*args, SPLIT_BLOCKS // 2, 4, 3), whole), "no control"
+
+
+@pytest.mark.parametrize("num_tokens", (1, 8, 32))
+def test_mla_wide_value_split_gives_the_same_bits(generator, num_tokens):
+    """The 128-head Gluon kernel with each partition's value columns over two programs gives
+    the one-part launch's bits at decode shapes: tables of one split (the kernel writes the
+    output) and engine-wide ones (partials and the merge), 64 and 32 heads of the 128 (a TP
+    rank's; 32 leave half the head block masked), NaN in unwritten slots; the op takes two
+    parts up to WIDE_VALUE_SPLIT_MAX_PAIRS (query, split) pairs (engagement: its grid); a
+    split of 8 blocks (part of the merge order) is the control that the comparison can
+    fail."""
+    import moe_kernels.gluon_attention as gluon_attention
+    from moe_kernels.attention_launch import (
+        WIDE_LAUNCH,
+        WIDE_VALUE_SPLIT_MAX_PAIRS,
+        split_count,
+        wide_value_parts,
+    )
+    from moe_kernels.triton_attention import _attend, mla_attention_triton
+
+    launch = (WIDE_LAUNCH.split_blocks, WIDE_LAUNCH.num_warps, WIDE_LAUNCH.num_stages, 64)
+    # 1 to 18 blocks: within one split and its tail
+    lengths = [1090] + [(97 * i) % 1150 + 1 for i in range(1, num_tokens)]
+    kernel, grids = gluon_attention._mla_wide_split_kernel, []
+
+    class Recorder:  # the op's Gluon launch grid, then the real launch
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return kernel[grid]
+
+    for width in (18, 128):
+        q, kv_cache, seq_ids, tables, positions = _decode_step(generator, lengths, 128, width)
+        num_splits = split_count(width, WIDE_LAUNCH.split_blocks, WIDE_LAUNCH.tail_blocks)
+        for heads in (slice(None), slice(0, 64), slice(64, 96)):
+            args = (q[:, heads].contiguous(), kv_cache, seq_ids, tables, positions, 192**-0.5, 512)
+            one = _attend(*args, *launch, is_gluon=True, tail_blocks=2, v_parts=1)
+            two = _attend(*args, *launch, is_gluon=True, tail_blocks=2, v_parts=2)
+            assert torch.equal(two, one), (width, heads)
+        grids.clear()
+        gluon_attention._mla_wide_split_kernel = Recorder()
+        try:
+            op = mla_attention_triton(
+                q, kv_cache, seq_ids, tables, positions, scale=192**-0.5, v_dim=512
+            )
+        finally:
+            gluon_attention._mla_wide_split_kernel = kernel
+        whole = _attend(
+            q, kv_cache, seq_ids, tables, positions, 192**-0.5, 512, *launch, is_gluon=True,
+            tail_blocks=2, v_parts=1,
+        )  # fmt: skip
+        assert torch.equal(op, whole), width
+        parts = wide_value_parts(num_tokens, num_splits)
+        assert parts == (2 if num_tokens * num_splits <= WIDE_VALUE_SPLIT_MAX_PAIRS else 1)
+        assert grids == [(2 * parts, num_tokens, num_splits)], grids
+    halved = (WIDE_LAUNCH.split_blocks // 2, *launch[1:])
+    control = _attend(
+        q, kv_cache, seq_ids, tables, positions, 192**-0.5, 512, *halved, is_gluon=True,
+        tail_blocks=2, v_parts=2,
+    )  # fmt: skip
+    assert not torch.equal(control, whole), "another split gave the same bits: no control"
 
 
 def _decode_step(generator, lengths, num_heads, width):
