@@ -165,14 +165,24 @@ def test_generate_names_the_bad_prompt():
 def test_stop_tokens_and_eos_end_generation():
     llm = LLM(TINY_CONFIG)
     prompt = [10, 20, 30, 40]
-    free = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
-    stop_at = free.token_ids[2]
+    free = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))[
+        0
+    ]
+    decode = llm.tokenizer.decode
+    # A stop id past the first token whose own text is printable (so leaving it out shows).
+    stop_at = next(t for t in free.token_ids[1:] if (c := decode([t]).strip()) and c.isprintable())
     stopped = llm.generate(
-        [prompt], SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=[stop_at])
+        [prompt], SamplingParams(max_tokens=16, temperature=0.0, stop_token_ids=[stop_at])
     )[0]
     assert stopped.finish_reason == "stop"
-    assert stopped.token_ids == free.token_ids[: free.token_ids.index(stop_at) + 1]
-    assert free.finish_reason == "length" and len(free.token_ids) == 8
+    cut = free.token_ids.index(stop_at)
+    assert stopped.token_ids == free.token_ids[: cut + 1]
+    assert free.finish_reason == "length" and len(free.token_ids) == 16
+    # The stop token's text is left out of text, as vLLM leaves it (the id stays in
+    # token_ids): the text is the decode of the tokens before it, and the free run's text
+    # did hold more there.
+    assert stopped.text == decode(free.token_ids[:cut])
+    assert decode(free.token_ids[: cut + 1]) != stopped.text
 
 
 def test_cache_too_small_for_the_context_fails_at_start():

@@ -29,7 +29,13 @@ def record_results(scheduler: Scheduler, chunks: list[ScheduledChunk], result: S
         seq = chunk.seq
         if seq.detokenizer is None or seq.seq_id not in result.samples:
             continue
-        stopped = seq.detokenizer.update(seq.output_token_ids, is_final=seq.is_finished)
+        # A sample ended by a stop token id or EOS this step (finish_reason's "stop"; stop
+        # strings are found below) keeps the id in token_ids and leaves its text out, as vLLM
+        # does (without include_stop_str_in_output): a stop on a newline id gives no trailing
+        # newline, the text a stop string on the same character gives.
+        is_id_stop = seq.is_finished and seq.finish_reason == "stop"
+        token_ids = seq.output_token_ids[:-1] if is_id_stop else seq.output_token_ids
+        stopped = seq.detokenizer.update(token_ids, is_final=seq.is_finished)
         if stopped and not seq.is_finished:
             scheduler.finish(seq, "stop")
         elif stopped and seq.finish_reason == "length":
