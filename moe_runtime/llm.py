@@ -8,6 +8,7 @@ name with a dict of keys, and win over the config file.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +31,12 @@ class LLM:
 
     def generate(
         self,
-        prompts: list[str | list[int]] | str,
+        prompts: list[str | list[int] | dict] | str | dict,
         params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in prompt order. Bad prompts raise before any work."""
+        """One RequestOutput per prompt, in prompt order. A prompt is text, token ids, or
+        vLLM's {"prompt": text} / {"prompt_token_ids": ids}. Bad prompts raise before any
+        work."""
         if _is_one_prompt(prompts):
             prompts = [prompts]
         params_list = (
@@ -106,9 +109,10 @@ def _flatten_overrides(overrides: dict[str, Any]) -> dict[str, Any]:
 
 
 def _is_one_prompt(prompts) -> bool:
-    """Whether `prompts` is one prompt, not a list of them: text, or token ids given as a
-    list of ints (numpy's and torch's integer scalars too) or a 1-d array or tensor."""
-    if isinstance(prompts, str):
+    """Whether `prompts` is one prompt, not a list of them: text, one of vLLM's prompt dicts,
+    or token ids given as a list of ints (numpy's and torch's integer scalars too) or a 1-d
+    array or tensor (bytes count as one prompt, so they are refused as one, not iterated)."""
+    if isinstance(prompts, (str, bytes, bytearray, Mapping)):
         return True
     if hasattr(prompts, "ndim"):  # a numpy array or a torch tensor
         return prompts.ndim == 1

@@ -221,6 +221,65 @@ def test_a_ctrl_c_between_steps_aborts_the_calls_requests():
     )
 
 
+@pytest.mark.parametrize("call", ("generate", "score"))
+def test_a_ctrl_c_while_a_call_queues_its_prompts_queues_none(call):
+    """A KeyboardInterrupt as the third request is queued (a Ctrl-C in the seconds a call of
+    50k prompts spends queueing): the two queued before it stayed waiting (engine healthy,
+    has_unfinished) and the next call ran them first, 5 steps for its 1. Now none stays."""
+    llm = LLM(TINY_CONFIG)
+    engine = llm.engine
+    real_enqueue, num_calls = engine._enqueue, [0]
+
+    def interrupted_enqueue(request):
+        num_calls[0] += 1
+        if num_calls[0] == 3:
+            raise KeyboardInterrupt
+        return real_enqueue(request)
+
+    engine._enqueue = interrupted_enqueue
+    with pytest.raises(KeyboardInterrupt):
+        if call == "generate":
+            llm.generate([[1, 2], [3, 4], [5, 6], [7, 8]], SamplingParams(max_tokens=5))
+        else:
+            llm.score([[1, 2, 3], [3, 4, 5], [5, 6, 7], [7, 8, 9]], [1, 1, 1, 1])
+    assert num_calls[0] == 3  # engagement: two were queued before the interrupt
+    assert engine.error is None and not engine.has_unfinished(), engine.stats()
+    del engine._enqueue
+    steps = engine.num_steps
+    llm.generate([[9]], SamplingParams(max_tokens=1))
+    assert engine.num_steps - steps == 1
+
+
+def test_vllm_prompt_dicts_are_prompts_and_other_forms_are_refused(llm):
+    """vLLM's {"prompt_token_ids": ids} and {"prompt": text} (alone or in a list; None-valued
+    optional keys ignored) give the bits of the ids or text they hold: a dict alone ran as the
+    text of its keys ("prompt_token_ids"), in a list it was refused as 'token ids must be
+    ints'. Other keys, both keys, bytes (iterated as ids) and sets (no order) are refused
+    naming what was given."""
+    params = SamplingParams(max_tokens=3, seed=4)
+    by_ids = fingerprint(llm.generate([5, 6, 7], params)[0])
+    by_text = fingerprint(llm.generate("Hello", params)[0])
+    assert fingerprint(llm.generate({"prompt_token_ids": [5, 6, 7]}, params)[0]) == by_ids
+    both = llm.generate(
+        [{"prompt": "Hello", "multi_modal_data": None}, {"prompt_token_ids": [5, 6, 7]}], params
+    )
+    assert [fingerprint(o) for o in both] == [by_text, by_ids]
+    refused = [
+        ({"prompt": "Hello", "multi_modal_data": {"image": 1}}, "'multi_modal_data'"),
+        ({"prompt": "Hello", "prompt_token_ids": [5]}, "exactly one"),
+        ({}, "neither"),
+        ({"prompt": [5, 6]}, "'prompt' must be text"),
+        (b"Hello", "got bytes"),
+        ({5, 6, 7}, "got a set"),
+    ]
+    for prompt, problem in refused:
+        with pytest.raises(ValueError, match=problem):
+            llm.generate(prompt, params)
+    with pytest.raises(ValueError, match="prompt 1: .*'multi_modal_data'"):
+        llm.generate([[5, 6], {"prompt": "x", "multi_modal_data": {"a": 1}}], params)
+    assert not llm.engine.has_unfinished()
+
+
 def test_a_shut_down_llm_says_so():
     llm = LLM(TINY_CONFIG)
     llm.shutdown()

@@ -12,7 +12,7 @@ or a rollout job can run them ahead of anything else.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from moe_runtime.config import RuntimeConfig
@@ -117,8 +117,10 @@ class RequestChecks:
             )
         return token_ids[:prompt_len], token_ids[prompt_len:]
 
-    def encode(self, prompt: str | list[int]) -> list[int]:
-        """Token ids of a prompt (text through the tokenizer), validated."""
+    def encode(self, prompt: str | list[int] | Mapping) -> list[int]:
+        """Token ids of a prompt (text through the tokenizer; vLLM's prompt dicts unwrapped:
+        prompt_text_or_ids), validated."""
+        prompt = prompt_text_or_ids(prompt)
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
@@ -161,6 +163,42 @@ def check_all(
                 exc.args = (f"{what} {i}: {exc}",)
             raise
     return results
+
+
+# vLLM's prompt dicts and what each key holds: TextPrompt's text, TokensPrompt's ids.
+PROMPT_KEYS = {"prompt": "text", "prompt_token_ids": "token ids"}
+
+
+def prompt_text_or_ids(prompt):
+    """A prompt as text or token ids: vLLM's {"prompt": text} and {"prompt_token_ids": ids}
+    unwrapped (keys with None values ignored, as vLLM's optional fields are); any other key,
+    both keys or neither, bytes (whose iteration gives ints: they were taken as ids) and sets
+    (no order) refused naming what was given."""
+    if isinstance(prompt, (bytes, bytearray)):
+        raise ValueError(
+            f"a prompt must be text or a list of token ids, got {type(prompt).__name__}"
+        )
+    if isinstance(prompt, (set, frozenset)):
+        raise ValueError("a prompt's token ids must be ordered (a list), got a set")
+    if not isinstance(prompt, Mapping):
+        return prompt
+    given = {key: value for key, value in prompt.items() if value is not None}
+    other = sorted(str(key) for key in given if key not in PROMPT_KEYS)
+    if other:
+        raise ValueError(
+            f"prompt dict keys {other} are not supported (only 'prompt' or 'prompt_token_ids')"
+        )
+    if len(given) != 1:
+        raise ValueError(
+            f"a prompt dict needs exactly one of 'prompt' (text) and 'prompt_token_ids', got "
+            f"{sorted(given) or 'neither'}"
+        )
+    ((key, value),) = given.items()
+    if key == "prompt" and not isinstance(value, str):
+        raise ValueError(f"'prompt' must be text, got {type(value).__name__}")
+    if key == "prompt_token_ids" and isinstance(value, (str, Mapping)):
+        raise ValueError(f"'prompt_token_ids' must be a list of ints, got {type(value).__name__}")
+    return prompt_text_or_ids(value)
 
 
 def token_id_list(tokens) -> list[int]:
