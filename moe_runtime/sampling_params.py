@@ -3,7 +3,8 @@
 Noise is a function of (seed, output position, vocab id) only, so a request samples the same
 tokens whatever else shares its step. `logprobs_mode` says what the reported logprobs are:
 "raw" (log_softmax of the model's logits, what `score()` returns) or "processed" (after
-temperature, top-k and top-p, the distribution actually sampled from).
+temperature, top-k and top-p, the distribution actually sampled from; a greedy sample, which
+samples from no distribution, reports raw logprobs, as vLLM's greedy path does).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ class SamplingParams:
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = -1
+    top_k: int = -1  # -1 or 0 (vLLM's two spellings): off
     seed: int | None = None
     logprobs: int | None = None
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
@@ -41,6 +42,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.stop is None:  # no stop strings
             object.__setattr__(self, "stop", ())
+        if self.stop_token_ids is None:  # no stop ids, as stop=None is no stop strings
+            object.__setattr__(self, "stop_token_ids", ())
         # Types first (a bool is an int, "no" is truthy): each message names its field. The
         # ranges below then compare Python numbers only.
         values = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -56,7 +59,9 @@ class SamplingParams:
             f"a finite number >= 0 (below {GREEDY_TEMPERATURE:g}: greedy)",
         )
         _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "in (0, 1]")
-        _check(self.top_k == -1 or self.top_k >= 1, "top_k", self.top_k, "-1 (off) or an int >= 1")
+        _check(self.top_k >= -1, "top_k", self.top_k, "-1 or 0 (off) or an int >= 1")
+        if self.top_k == 0:  # vLLM's off; one spelling here, so a request's record is one
+            object.__setattr__(self, "top_k", -1)
         _check(
             self.seed is None or 0 <= self.seed <= MAX_SEED,
             "seed",
@@ -80,7 +85,10 @@ class SamplingParams:
         is_strings = isinstance(stop, (list, tuple)) and all(isinstance(s, str) for s in stop)
         _check(isinstance(stop, str) or is_strings, "stop", stop, "a string or a list of strings")
         stop = (stop,) if isinstance(stop, str) else stop
-        object.__setattr__(self, "stop", tuple(s for s in stop if s))
+        # An empty string would stop every sample at once (as vLLM and the HTTP API refuse
+        # it; it was dropped without a word).
+        _check(all(stop), "stop", self.stop, "non-empty strings")
+        object.__setattr__(self, "stop", tuple(stop))
 
     @property
     def is_greedy(self) -> bool:

@@ -46,6 +46,19 @@ def test_bad_sampling_params_name_the_field():
         SamplingParams(max_tokens=0)
 
 
+def test_vllm_spellings_of_off_are_off_and_an_empty_stop_string_is_refused():
+    """top_k 0 is vLLM's off, as -1 (it was refused); stop_token_ids None is no stop ids, as
+    stop None is no stop strings (it was refused); an empty stop string is refused naming
+    the field, as the HTTP API and vLLM refuse it (it was dropped without a word)."""
+    assert SamplingParams(top_k=0) == SamplingParams(top_k=-1)
+    assert SamplingParams(stop_token_ids=None).stop_token_ids == ()
+    for stop in ("", ["x", ""]):
+        with pytest.raises(ValueError, match="stop must be non-empty strings"):
+            SamplingParams(stop=stop)
+    with pytest.raises(ValueError, match="top_k must be -1 or 0"):
+        SamplingParams(top_k=-2)
+
+
 def test_a_seed_past_63_bits_is_refused_before_it_reaches_a_step():
     """The sampler's noise takes a seed as an int64: 2**63 was accepted here and then failed
     the step it ran in, killing the engine and the requests beside it."""

@@ -128,7 +128,7 @@ class SamplingFields(Strict):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
-    top_k: int = Field(-1, ge=-1)
+    top_k: int = Field(-1, ge=-1)  # -1 or 0 (vLLM's): off
     seed: int | None = Field(None, ge=-(2**63), le=MAX_SEED)  # OpenAI's signed int64
     n: int = Field(1, ge=1, le=MAX_N)
     stop: str | list[StrictStr] | None = None
@@ -157,13 +157,6 @@ class SamplingFields(Strict):
     def _only_when_streaming(cls, value: StreamOptions | None, info) -> StreamOptions | None:
         if value is not None and info.data.get("stream") is False:  # info.data: fields above
             raise ValueError("needs stream: true")
-        return value
-
-    @field_validator("top_k")
-    @classmethod
-    def _top_k_off_or_positive(cls, value: int) -> int:
-        if value == 0:
-            raise ValueError("must be -1 (off) or an int >= 1")
         return value
 
     @field_validator("stop")
