@@ -261,8 +261,8 @@ def test_gumbel_noise_is_splitmix64_of_seed_position_and_id():
         key = mix((seed + 0x9E3779B97F4A7C15 * (position + 1)) & mask)
         for v in (0, 1, 69):
             bits = mix((key + 0x9E3779B97F4A7C15 * (v + 1)) & mask) >> 12
-            w = (bits + 0.5) * 2.0**-52  # 1 - u
-            expected = torch.tensor(-math.log(-math.log1p(-w)), dtype=torch.float32)
+            u = 1.0 - (bits + 0.5) * 2.0**-52  # exact in Python's float (fp64)
+            expected = torch.tensor(-math.log(-math.log(u)), dtype=torch.float32)
             assert noise[r, v] == expected, (r, v)
     assert torch.isfinite(noise).all()
     alone = gumbel_noise(seeds[1:2], positions[1:2], vocab, torch.device("cpu"))

@@ -878,7 +878,30 @@ def check_bad_inputs(generator: torch.Generator) -> None:
             raise AssertionError(f"no ValueError for {pattern}")
 
 
+def check_gumbel_noise(generator: torch.Generator) -> None:
+    """The Triton noise kernel (CUDA's form) gives the torch form's bits for rows of seeds and
+    positions at the ends of their ranges, at a vocabulary off the kernel's block, a row alone
+    the same as among others; the interpreter's fp64 logs are numpy's, as the CPU form's are
+    libm's (on the GPU libdevice's: within an fp32 ulp, tests/test_sampler.py)."""
+    from moe_kernels.triton_noise import NOISE_BLOCK, gumbel_noise_triton
+    from moe_runtime.worker import sampler
+
+    cpu, vocab = torch.device("cpu"), NOISE_BLOCK + 37
+    seeds = [0, 123456789, (1 << 63) - 1] + torch.randint(
+        1 << 62, (3,), generator=generator
+    ).tolist()
+    positions = [0, 5, 1000, 1, 2, 3]
+    keys = sampler._mix(
+        sampler.host_to_device(seeds, cpu)
+        + sampler._GOLDEN * (sampler.host_to_device(positions, cpu) + 1)
+    )
+    got = gumbel_noise_triton(keys, vocab, sampler.NOISE_BITS)
+    assert torch.equal(got, sampler.gumbel_noise(seeds, positions, vocab, cpu))
+    assert torch.equal(gumbel_noise_triton(keys[2:3], vocab, sampler.NOISE_BITS)[0], got[2])
+
+
 CHECKS = {
+    "gumbel_noise": check_gumbel_noise,
     "linear": check_linear,
     "linear_k_split": check_linear_k_split,
     "grouped_linear": check_grouped_linear,

@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from moe_kernels.triton_noise import gumbel_noise_triton
 from moe_runtime.forward_batch import HostCopy, device_to_host, host_to_device
 from moe_runtime.sampling_params import SamplingParams
 from moe_runtime.worker.step_input import SampleResult
@@ -217,7 +218,7 @@ def _is_filtered(params: SamplingParams) -> bool:
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
 _MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
 _MIX2 = 0x94D049BB133111EB - (1 << 64)
-_NOISE_ROWS = 32  # rows hashed at a time on CUDA: bounds the int64 temporaries
+_NOISE_ROWS = 32  # rows hashed at a time off the CPU without Triton: bounds the temporaries
 
 
 def _shift_right(z: torch.Tensor, bits: int) -> torch.Tensor:
@@ -239,11 +240,15 @@ def gumbel_noise(
     The key of a row is the splitmix64 output number position + 1 of the generator seeded with
     the seed; vocab id v draws output number v + 1 of the generator seeded with the key, whose
     top 52 bits make the noise (noise_from_bits). The integers are the same on every device;
-    the logs are one formula per element on CUDA. On CPU each row is hashed in its own tensor,
-    so a row's elements meet the same vectorised and scalar code paths whatever the batch.
+    on CUDA one Triton launch draws and transforms every element in registers
+    (moe_kernels/triton_noise.py: libdevice's logs, one formula per element). On CPU each row
+    is hashed in its own tensor, so a row's elements meet the same vectorised and scalar code
+    paths whatever the batch.
     """
     counters = host_to_device(positions, device) + 1
     keys = _mix(host_to_device(seeds, device) + _GOLDEN * counters)
+    if device.type == "cuda":  # one launch, the draws and logs in registers (the same integers)
+        return gumbel_noise_triton(keys, vocab_size, NOISE_BITS)
     vocab_steps = _GOLDEN * torch.arange(1, vocab_size + 1, device=device)
     step = 1 if device.type == "cpu" else _NOISE_ROWS
     parts = []
@@ -259,16 +264,16 @@ def gumbel_noise(
 # temperature) was never drawn and one 17 below at 0.72 of its probability, so sampling at
 # temperature 1 over a 100k vocabulary lost most of the far tail's mass (1.5e-3 a step at a
 # gap of 18 drawn as 2.4e-4: an RL trainer's importance ratios assume the model's own
-# distribution). With w = 1 - u on a grid of 2**-52 the noise reaches 36.7.
+# distribution). With u on a grid of 2**-52 (1 - u exact at every point) it reaches 36.7.
 NOISE_BITS = 52
 
 
 def noise_from_bits(bits: torch.Tensor) -> torch.Tensor:
-    """fp32 Gumbel noise of int64 draws of NOISE_BITS random bits: w = (k + 0.5) / 2**52 in
-    (0, 1), exact in fp64, is 1 - u for a uniform u, and the noise -log(-log(u)) is computed
-    as -log(-log1p(-w)) in fp64, then rounded to fp32 once: fine where the tail needs it (u
-    near 1, the noise's top, at w's own resolution rather than 1 - u's) and from -3.6 to
-    36.7 over the grid."""
-    # -w = -(2 k + 1) / 2**53, exact in fp64 (53 bits); the ops in place: one fp64 buffer.
-    noise = bits.double().mul_(-(2.0**-NOISE_BITS)).sub_(2.0 ** -(NOISE_BITS + 1))
-    return noise.log1p_().neg_().log_().neg_().float()
+    """fp32 Gumbel noise of int64 draws of NOISE_BITS random bits: u = 1 - (k + 0.5) / 2**52
+    in (0, 1), exact in fp64 (a multiple of 2**-53), and the noise -log(-log(u)) in fp64,
+    rounded to fp32 once: fine where the tail needs it (u near 1, the noise's top: 1 - u is
+    exact at any k, and fp64's log near 1 keeps its relative precision) and from -3.6 to 36.7
+    over the grid."""
+    # u = (1 - 2**-53) - k * 2**-52, each step exact in fp64; then the logs in place.
+    u = bits.double().mul_(-(2.0**-NOISE_BITS)).add_(1.0 - 2.0 ** -(NOISE_BITS + 1))
+    return u.log_().neg_().log_().neg_().float()
