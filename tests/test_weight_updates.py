@@ -128,9 +128,43 @@ def test_state_dict_source_and_bad_sources(checkpoints):
     nan_expert["model.layers.1.mlp.experts.3.up_proj.weight"][5, 6] = float("nan")
     with pytest.raises(ValueError, match=r"experts\.3\.up_proj\.weight holds 1 non-finite"):
         llm.update_weights(nan_expert)  # a diverged trainer's update: refused, nothing changes
+    meta = {**state, "model.norm.weight": torch.empty(64, device="meta")}
+    with pytest.raises(ValueError, match="model.norm.weight holds no values .*meta"):
+        llm.update_weights(meta)  # it passed the checks and failed the copy: the engine died
     assert llm.engine.weight_version == 1, "a refused update must not count"
     fresh = LLM({"model": {"path": second}, "scheduler": {"max_model_len": 256}})
     assert _generate(llm, prompts) == _generate(fresh, prompts), "a refused update changed weights"
+
+
+@pytest.mark.parametrize("redundant", (0, 4))
+def test_transformers_fused_experts_are_placed_by_logical_expert(checkpoints, redundant):
+    """transformers 5's in-memory state dict holds a layer's experts fused
+    (mlp.experts.gate_up_proj [E, 2I, D], row e logical expert e), under the names of the
+    runtime's own slot-indexed parameters: after a rebalance it loaded row e into slot e,
+    another expert's (outputs other than a fresh engine's, no error), and with redundant
+    experts it was refused quoting the runtime's slot shape. Now each row goes to its
+    expert's slots. Engagement: the rebalance moved experts, the dict is fused; a fused tensor
+    of the wrong expert count is refused naming it."""
+    first, second = checkpoints
+    fused = transformers.AutoModelForCausalLM.from_pretrained(second).state_dict()
+    if "model.layers.1.mlp.experts.gate_up_proj" not in fused:
+        pytest.skip("this transformers keeps experts apart in memory")
+    config = {
+        "model": {"path": first},
+        "scheduler": {"max_model_len": 256},
+        "eplb": {"num_redundant_experts": redundant},
+    }
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6] * 5, [2, 7, 1, 8, 2, 8]]
+    llm = LLM(config)
+    _generate(llm, [list(range(i, i + 30)) for i in range(0, 200, 20)])  # a load to balance
+    assert llm.rebalance()["experts_moved"] > 0
+    llm.update_weights(fused)
+    fresh = LLM({**config, "model": {"path": second}})
+    assert _generate(llm, prompts) == _generate(fresh, prompts)
+    short = {**fused, "model.layers.1.mlp.experts.down_proj": fused[
+        "model.layers.1.mlp.experts.down_proj"][:3]}  # fmt: skip
+    with pytest.raises(ValueError, match=r"experts\.down_proj is \(3, .*routed experts"):
+        llm.update_weights(short)
 
 
 CONFIG_EDITS = {

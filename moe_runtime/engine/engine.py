@@ -298,6 +298,11 @@ class LLMEngine:
                         "update_weights: a state dict maps HF weight names (str) to tensors, "
                         f"got {name!r}: {type(value).__name__}"
                     )
+                if value.is_meta or value.layout != torch.strided:  # no values to copy: it
+                    raise ValueError(  # passed the checks and failed the copy, every rank's
+                        f"update_weights: tensor {name} holds no values to load "
+                        f"({'meta' if value.is_meta else value.layout} tensor)"
+                    )
         else:
             raise ValueError(
                 "update_weights: a checkpoint directory or an HF-named state dict, got "

@@ -39,6 +39,7 @@ from moe_runtime.model.weight_checks import (
     drop_tied_head,
     is_absent_shared_expert,
     stack_experts,
+    unfuse_experts,
 )
 from moe_runtime.model_config import ModelConfig
 
@@ -197,6 +198,7 @@ def load_hf_weights(
         check_weights(model, headers, local_experts, str(path))
         for keys in _read_groups(handles, local_experts, cfg):
             tensors = {key: handles[key].get_tensor(key) for key in keys}
+            tensors = unfuse_experts(tensors, cfg, str(path))  # a layer's, read whole
             check_finite(tensors, str(path))
             tensors = drop_tied_head(tensors, cfg, str(path))
             stacked = stack_experts(tensors, local_experts, cfg.first_k_dense_replace)

@@ -17,6 +17,9 @@ from moe_runtime.model_config import ModelConfig
 EXPERT_KEY = re.compile(
     r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$"
 )
+# transformers' in-memory layout of a layer's routed experts (5.x: fused, one row a logical
+# expert, gate rows before up rows), by the names the runtime's own parameters have.
+FUSED_KEY = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
 SHARED_KEY = re.compile(r"^model\.layers\.\d+\.mlp\.shared_experts\.")
 
@@ -31,6 +34,7 @@ def check_weights(
     parameter, every name, shape and dtype checked, and every value finite (ValueError naming
     the first bad one); the model is not touched."""
     cfg = model.config
+    tensors = unfuse_experts(tensors, cfg, source)
     tensors = {k: v for k, v in tensors.items() if not is_absent_shared_expert(k, v.shape, cfg)}
     _check_experts(tensors, cfg, source)
     check_finite(tensors, source)
@@ -51,6 +55,43 @@ def check_weights(
     for name, param in params.items():
         _check_tensor(values[name], param.shape, name, source)
     return values
+
+
+def unfuse_experts(
+    tensors: dict[str, torch.Tensor], cfg: ModelConfig, source: str
+) -> dict[str, torch.Tensor]:
+    """`tensors` with transformers' fused expert tensors (a layer's `mlp.experts.gate_up_proj`
+    [E, 2I, D] and `down_proj` [E, D, I], row e logical expert e: its state_dict() from 5.x)
+    as per-expert tensors (views), so they are placed by logical expert like a checkpoint's.
+    Why: the runtime's parameters have the same names, indexed by local slot; copied as they
+    were, row e went to slot e, which after a rebalance (or with expert parallelism or
+    redundant experts) holds another expert: wrong weights with no error, or a refusal quoting
+    the runtime's slot shape. A fused tensor without a row for each of the model's
+    n_routed_experts is a ValueError naming it."""
+    if not any(FUSED_KEY.match(key) for key in tensors):
+        return tensors
+    inter, hidden, num = cfg.moe_intermediate_size, cfg.hidden_size, cfg.n_routed_experts
+    shapes = {"gate_up_proj": (num, 2 * inter, hidden), "down_proj": (num, hidden, inter)}
+    out = {}
+    for key, value in tensors.items():
+        match = FUSED_KEY.match(key)
+        if match is None:
+            out[key] = value
+            continue
+        prefix, name = match.groups()
+        if tuple(value.shape) != shapes[name]:
+            raise ValueError(
+                f"weights {source!r}: tensor {key} is {tuple(value.shape)}; as transformers' "
+                f"fused experts it must be {shapes[name]} (one row for each of the model's "
+                f"{num} routed experts)"
+            )
+        for expert in range(num):
+            if name == "down_proj":
+                out[f"{prefix}.{expert}.down_proj.weight"] = value[expert]
+            else:
+                out[f"{prefix}.{expert}.gate_proj.weight"] = value[expert, :inter]
+                out[f"{prefix}.{expert}.up_proj.weight"] = value[expert, inter:]
+    return out
 
 
 def is_absent_shared_expert(key: str, shape: Sequence[int], cfg: ModelConfig) -> bool:
