@@ -77,6 +77,40 @@ def test_a_directory_changed_while_the_ranks_read_it_is_refused(checkpoints, tmp
     assert llm.update_weights(target) == 1  # once it stands still, it loads
 
 
+def test_model_path_changed_while_the_ranks_read_it_at_start_is_refused(
+    checkpoints, tmp_path, monkeypatch
+):
+    """A trainer saving over model.path while the ranks read it at start-up: each rank may
+    hold other weights (at world size 2 the same request gave each DP rank other bits, equal
+    to neither checkpoint) and the engine started at version 0 with no error. Now the start
+    is refused as an update is. Simulated at world size 1: the ranks built, then the file
+    replaced before the check; once it stands still, the engine starts."""
+    import os
+    import shutil
+
+    import moe_runtime.engine.engine as engine_module
+
+    first, second = checkpoints
+    target = tmp_path / "saving"
+    shutil.copytree(first, target)
+    build = engine_module.create_executor
+
+    def built_then_overwritten(*args, **kwargs):
+        executor = build(*args, **kwargs)
+        shutil.copy(Path(second) / "model.safetensors", target / "next.tmp")
+        os.replace(target / "next.tmp", target / "model.safetensors")  # a step lands
+        return executor
+
+    monkeypatch.setattr(engine_module, "create_executor", built_then_overwritten)
+    config = {"model": {"path": str(target)}, "scheduler": {"max_model_len": 256}}
+    with pytest.raises(ValueError, match=r"model.path: 'model.safetensors' in .* changed"):
+        LLM(config)
+    monkeypatch.setattr(engine_module, "create_executor", build)
+    assert _generate(LLM(config), [[2, 7, 1, 8]]) == _generate(
+        LLM({**config, "model": {"path": second}}), [[2, 7, 1, 8]]
+    )
+
+
 def test_a_relative_directory_reaches_the_ranks_resolved(checkpoints, monkeypatch):
     """A rank on another node, or in another working directory, would read a relative path
     against its own: the ranks get the directory resolved where the update was asked."""

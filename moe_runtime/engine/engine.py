@@ -51,6 +51,15 @@ class LLMEngine:
         self.executor = create_executor(config, placement.physical_to_logical.tolist())
         try:
             self.num_kv_blocks = self._count_kv_blocks()
+            # Each rank read model.path on its own, as an update's ranks read its source: a
+            # checkpoint replaced meanwhile (a trainer saving over it) may have given ranks
+            # different weights, each rank's the same request other bits, and no error.
+            changed = self.startup_weights.changed()
+            if changed is not None:
+                raise ValueError(
+                    f"model.path: {changed} (while the ranks read it, so they may hold "
+                    "different weights); start again once it stands still"
+                )
         except BaseException:
             self.executor.shutdown()  # a group this engine will not use frees its workers
             raise
@@ -138,6 +147,16 @@ class LLMEngine:
                 if self.weight_version > 0:  # an update's weights, not model.path's
                     self.executor.call_all("prepare_weights", self._weights.source)
                     self.executor.call_all("commit_weights")
+                # Checked again now the new ranks have read: a change while they read could
+                # have given them different weights (the check above was before). The served
+                # source only: model.path's weights are replaced by an update's.
+                changed = self._weights.changed()
+                if changed is not None:
+                    raise WeightsChangedError(
+                        f"cannot rebuild the worker group: {changed} while its ranks read "
+                        f"the weights (they may hold different ones); restart the server, or "
+                        f"keep a checkpoint directory unchanged while it is served: {self.error}"
+                    )
             except BaseException:
                 self.executor.shutdown()  # its bundles and workers, free for the next one
                 raise
