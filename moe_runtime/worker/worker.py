@@ -312,10 +312,13 @@ class Worker:
         model, self.staged_weights = self.runner.model, None
         name = source if isinstance(source, str) else "the state dict"
         try:
+            local = self._local_experts()
             tensors = (
-                read_checkpoint(Path(source), model.config) if isinstance(source, str) else source
+                read_checkpoint(Path(source), model.config, local_experts=local)
+                if isinstance(source, str)
+                else source
             )
-            staged = check_weights(model, dict(tensors), self._local_experts(), name)
+            staged = check_weights(model, dict(tensors), local, name)
         except ValueError:
             raise
         except Exception as exc:  # unreadable files: a refusal too, since nothing changed
