@@ -940,6 +940,29 @@ def test_triton_kernel_interpreted(interpreted_results, name):
     assert interpreted_results[name] == "", interpreted_results[name]
 
 
+def test_the_noise_kernel_compiles_for_sm90_with_unsigned_shifts_and_fp64_logs():
+    """The sampler's CUDA noise kernel (checked above under the interpreter, whose numpy
+    integers wrap and shift as the hash wants) compiles for sm_90 from this machine's Triton
+    as the hash wants it too: logical shifts of unsigned 64-bit ints (an arithmetic shift
+    would smear the sign bit into the draw), the draw converted from unsigned to fp64, and
+    libdevice's fp64 log."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from moe_kernels.triton_noise import NOISE_BLOCK, _gumbel_noise_kernel
+    from moe_runtime.worker.sampler import NOISE_BITS
+
+    signature = {"keys_ptr": "*i64", "out_ptr": "*fp32", "vocab_size": "i32"}
+    consts = {"NOISE_BITS": NOISE_BITS, "BLOCK": NOISE_BLOCK}
+    source = ASTSource(
+        _gumbel_noise_kernel, {**signature, **dict.fromkeys(consts, "constexpr")}, consts, {}
+    )
+    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={}).asm["ptx"]
+    assert "shr.u64" in ptx and "shr.s64" not in ptx
+    assert "cvt.rn.f64.u64" in ptx and "__nv_log" in ptx and "cvt.rn.f32.f64" in ptx
+
+
 def test_the_row_check_catches_a_batch_dependent_row_op(generator):
     """The negative control of the row-invariance check the interpreted rms_norm and softmax
     checks run: a softmax whose row sum is split at a column that follows the batch size."""
