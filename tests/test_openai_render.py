@@ -187,3 +187,24 @@ def test_completion_top_logprobs_hold_the_sampled_token():
     assert block["top_logprob_ids"] == tops
     zero = completion_logprobs(ids, [-2.0, -0.1], [{}, {}], tokenizer, TextOffsets())
     assert zero["top_logprobs"] == [{"a": -2.0}, {"b": -0.1}]  # logprobs=0: the sampled alone
+
+
+def test_every_choice_carries_its_own_samples_weight_versions():
+    """A choice (completion or chat, whole or streamed) says the weight versions of its own
+    sample: the body's (and a streamed chunk's) are the newest and oldest over the request's
+    samples, so with n = 2 across an update a sample run wholly on version 1 was sent as
+    first_weight_version 0, and an RL client could not tell which sample mixed versions."""
+    from launch.openai.render import chat_choice, completion_choice
+
+    tokenizer = ByteTokenizer(vocab_size=300)
+    out = CompletionOutput(
+        index=1, token_ids=[104, 105], logprobs=[-0.5, -0.25], top_logprobs=[{}, {}],
+        text="hi", finish_reason=None, seed=4, weight_version=1, first_weight_version=1,
+    )  # fmt: skip
+    for choice in (
+        completion_choice(1, out, tokenizer, None),
+        chat_choice("delta", {"content": "hi"}, out, tokenizer, False),
+    ):
+        assert (choice["weight_version"], choice["first_weight_version"]) == (1, 1)
+    mixed = dataclasses.replace(out, first_weight_version=0)
+    assert completion_choice(1, mixed, tokenizer, None)["first_weight_version"] == 0

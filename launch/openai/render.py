@@ -146,7 +146,7 @@ def completion_choice(
         else None,
         "token_ids": token_ids,
     }
-    return _with_routed_experts(choice, out)
+    return _with_sample_fields(choice, out)
 
 
 def completion_logprobs(token_ids, logprobs, tops, tokenizer, offsets: TextOffsets) -> dict:
@@ -189,7 +189,7 @@ def chat_choice(
         "finish_reason": out.finish_reason,
         "token_ids": list(out.token_ids),
     }
-    return _with_routed_experts(choice, out)
+    return _with_sample_fields(choice, out)
 
 
 def chat_logprobs(out: CompletionOutput, tokenizer) -> dict:
@@ -218,9 +218,14 @@ def _entry(token_id: int, logprob: float, tokenizer) -> dict:
     }
 
 
-def _with_routed_experts(choice: dict, out: CompletionOutput) -> dict:
-    """Adds `routed_experts` when the request asked for them (the engine returns them only
-    then): {"data": base64 of little-endian int32, "shape": [T, MoE layers, K], "dtype"}."""
+def _with_sample_fields(choice: dict, out: CompletionOutput) -> dict:
+    """Adds the sample's own `weight_version` and `first_weight_version` (the body's are the
+    newest and oldest over all its samples: with n > 1 a client could not tell which sample
+    ran across an update), and `routed_experts` when the request asked for them (the engine
+    returns them only then): {"data": base64 of little-endian int32, "shape": [T, MoE
+    layers, K], "dtype"}."""
+    choice["weight_version"] = out.weight_version
+    choice["first_weight_version"] = out.first_weight_version
     if out.routed_experts is not None:
         routed = np.asarray(out.routed_experts, dtype="<i4")
         data = base64.b64encode(routed.tobytes()).decode("ascii")
