@@ -6,7 +6,8 @@ holding that expert's lowest-id old replica. Layers move one at a time (one all_
 weight rows each, so transfer buffers stay bounded by one layer) into staging tensors; a final
 MIN all-reduce of every rank's success flag decides, on all ranks at once, whether the staged
 weights are committed or dropped. The old weights stay in use until then, so a failure leaves
-the old placement serving. Staging holds one full copy of this rank's experts.
+the old placement serving; a rank whose own work fails (out of memory while staging, say) votes
+no but never leaves the collectives. Staging holds one full copy of this rank's experts.
 """
 
 from __future__ import annotations
@@ -30,10 +31,11 @@ class Transfer:
 
 @dataclass(frozen=True)
 class RearrangeResult:
-    ok: bool
+    ok: bool  # every rank staged every layer: the weights are to be committed
     weights: list[tuple[torch.Tensor, torch.Tensor]] | None  # per layer (gate_up, down) staged
     experts_moved: int  # (layer, slot) pairs whose logical expert changed, on this rank
     bytes_sent: int  # bytes this rank sent to other ranks
+    error: str | None = None  # this rank's local failure, if it had one
 
 
 def plan_transfers(old_p2l: torch.Tensor, new_p2l: torch.Tensor, num_ranks: int) -> list[Transfer]:
@@ -63,69 +65,133 @@ def rearrange_experts(
     """Stage this rank's experts under the new placement; collective over `group` when R > 1.
 
     experts: per MoE layer (gate_up_proj [S, 2I, D], down_proj [S, D, I]) of this rank's S slots
-    under old_p2l. fail_at_layer: fault injection — this rank marks itself failed at that layer
-    (it keeps joining every collective, as a rank with a real local error must).
+    under old_p2l. A local error (out of memory allocating the staging copy or a transfer
+    buffer, a failed copy) does not escape: this rank drops what it staged, still joins every
+    later collective with the sizes all ranks derived from the plan (had it left, its peers
+    would wait in the next exchange until the collective timeout, and the engine would die
+    though nothing had changed), and votes against the commit; `error` names the failure.
+    Only a failed collective raises (CollectiveError): then the ranks are out of step.
+    fail_at_layer: fault injection, a local error at that layer.
     """
     transfers = plan_transfers(old_p2l, new_p2l, num_ranks)
     slots = new_p2l.shape[1] // num_ranks
-    ok, staged, bytes_sent = True, [], 0
+    error, staged, bytes_sent = None, [], 0
     for layer, (gate_up, down) in enumerate(experts):
         mine = [t for t in transfers if t.layer == layer]
-        new_gate_up, new_down = torch.empty_like(gate_up), torch.empty_like(down)
-        received, sent = _exchange_layer(gate_up, down, mine, rank, num_ranks, group)
-        bytes_sent += sent
-        for t in mine:
-            if t.dst_rank != rank:
-                continue
-            is_local = t.src_rank == rank
-            rows = (gate_up[t.src_slot], down[t.src_slot]) if is_local else received.pop(0)
-            new_gate_up[t.dst_slot], new_down[t.dst_slot] = rows
-        if fail_at_layer == layer:
-            ok = False
-        staged.append((new_gate_up, new_down))
-    ok = _all_ok(ok, rank, num_ranks, group, experts[0][0].device if experts else "cpu")
+        exchange = _LayerExchange.of(mine, layer, rank, num_ranks, _row_width(gate_up, down))
+        if error is None:
+            try:
+                if fail_at_layer == layer:
+                    raise RuntimeError(f"injected failure at layer {layer}")
+                new_weights = torch.empty_like(gate_up), torch.empty_like(down)
+                send, recv = exchange.buffers(gate_up, down)
+            except Exception as exc:  # this rank's own: it fails, the ranks stay in step
+                error, staged = _local_error(layer, exc), []
+        if error is not None:
+            # Only the agreed sizes matter now: the commit will fail. The staging is freed, so
+            # one layer's transfer rows fit where they did before the move began.
+            send, recv = exchange.placeholders(gate_up)
+        bytes_sent += exchange.run(send, recv, group)
+        if error is None:
+            try:
+                exchange.unpack(gate_up, down, recv, new_weights)
+                staged.append(new_weights)
+            except Exception as exc:
+                error, staged = _local_error(layer, exc), []
+    ok = _all_ok(error is None, rank, num_ranks, group, experts[0][0].device if experts else "cpu")
     lo, hi = rank * slots, (rank + 1) * slots
     moved = int((old_p2l[:, lo:hi] != new_p2l[:, lo:hi]).sum())
-    return RearrangeResult(ok, staged if ok else None, moved, bytes_sent)
+    return RearrangeResult(ok, staged if ok else None, moved, bytes_sent, error)
 
 
-def _exchange_layer(
-    gate_up, down, transfers, rank, num_ranks, group
-) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
-    """One all_to_all_single of flattened expert weights for one layer's remote transfers.
-    Returns the received (gate_up, down) rows in `transfers` order and the bytes sent."""
-    remote = [t for t in transfers if t.src_rank != t.dst_rank]
-    if num_ranks == 1 or not remote:
-        # Every rank computes the same plan, so all skip this layer's collective together.
-        return [], 0
-    width = gate_up[0].numel() + down[0].numel()
-    sends = [t for t in remote if t.src_rank == rank]  # already in (dst_rank, dst_slot) order
-    recvs = sorted(
-        (t for t in remote if t.dst_rank == rank), key=lambda t: (t.src_rank, t.dst_slot)
-    )
-    rows = [
-        torch.cat([gate_up[t.src_slot].reshape(-1), down[t.src_slot].reshape(-1)]) for t in sends
-    ]
-    send = torch.cat(rows) if rows else gate_up.new_empty(0)
-    recv = gate_up.new_empty(len(recvs) * width)
-    send_splits = [width * sum(t.dst_rank == r for t in sends) for r in range(num_ranks)]
-    recv_splits = [width * sum(t.src_rank == r for t in recvs) for r in range(num_ranks)]
-    # Collective: every rank of the group exchanges this layer's weights at the same point.
-    with collective_guard(
-        rank, f"expert weight all_to_all (layer {len(transfers) and transfers[0].layer})"
-    ):
-        dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group)
-    rows_by_slot = {}
-    for i, t in enumerate(recvs):
-        flat = recv[i * width : (i + 1) * width]
-        rows_by_slot[t.dst_slot] = (
-            flat[: gate_up[0].numel()].view_as(gate_up[0]),
-            flat[gate_up[0].numel() :].view_as(down[0]),
+def _local_error(layer: int, exc: Exception) -> str:
+    return f"layer {layer}: {type(exc).__name__}: {exc}"
+
+
+def _row_width(gate_up: torch.Tensor, down: torch.Tensor) -> int:
+    """Elements of one slot's weights, gate_up then down, as they travel flattened."""
+    return gate_up[0].numel() + down[0].numel()
+
+
+@dataclass(frozen=True)
+class _LayerExchange:
+    """One layer's transfers as `rank` takes part in them: slots it copies locally, rows it
+    sends (in (dst_rank, dst_slot) order) and receives (in (src_rank, dst_slot) order, the
+    all_to_all's output order). Every rank derives them from the same plan, so the split sizes
+    of the exchange agree on all ranks."""
+
+    layer: int
+    rank: int
+    num_ranks: int
+    width: int  # elements of one slot's flattened rows
+    local: list[Transfer]
+    sends: list[Transfer]
+    recvs: list[Transfer]
+    is_collective: bool  # some row crosses ranks: every rank joins this layer's all_to_all
+
+    @classmethod
+    def of(
+        cls, transfers: list[Transfer], layer: int, rank: int, num_ranks: int, width: int
+    ) -> _LayerExchange:
+        """transfers: every rank's transfers of this layer, in plan_transfers order."""
+        remote = [t for t in transfers if t.src_rank != t.dst_rank]
+        return cls(
+            layer,
+            rank,
+            num_ranks,
+            width,
+            local=[t for t in transfers if t.src_rank == t.dst_rank == rank],
+            sends=[t for t in remote if t.src_rank == rank],  # already in (dst_rank, dst_slot)
+            recvs=sorted(
+                (t for t in remote if t.dst_rank == rank), key=lambda t: (t.src_rank, t.dst_slot)
+            ),
+            is_collective=num_ranks > 1 and bool(remote),
         )
-    ordered = [
-        rows_by_slot[t.dst_slot] for t in transfers if t.dst_rank == rank and t.src_rank != rank
-    ]
-    return ordered, send.numel() * send.element_size()
+
+    def buffers(self, gate_up, down) -> tuple[torch.Tensor, torch.Tensor]:
+        """(send: the rows this rank sends, flattened; recv: room for the rows it receives)."""
+        rows = [
+            torch.cat([gate_up[t.src_slot].reshape(-1), down[t.src_slot].reshape(-1)])
+            for t in self.sends
+        ]
+        send = torch.cat(rows) if rows else gate_up.new_empty(0)
+        return send, gate_up.new_empty(len(self.recvs) * self.width)
+
+    def placeholders(self, gate_up) -> tuple[torch.Tensor, torch.Tensor]:
+        """(send, recv) of the agreed sizes for a rank that failed; their contents go unused.
+        Empty where the layer has no exchange (run skips it)."""
+        num_sends, num_recvs = (len(self.sends), len(self.recvs)) if self.is_collective else (0, 0)
+        return gate_up.new_zeros(num_sends * self.width), gate_up.new_empty(num_recvs * self.width)
+
+    def run(self, send: torch.Tensor, recv: torch.Tensor, group) -> int:
+        """The layer's all_to_all_single, unless no row crosses ranks; -> bytes sent."""
+        if not self.is_collective:
+            # Every rank computes the same plan, so all skip this layer's collective together.
+            return 0
+        send_splits = [sum(t.dst_rank == r for t in self.sends) for r in range(self.num_ranks)]
+        recv_splits = [sum(t.src_rank == r for t in self.recvs) for r in range(self.num_ranks)]
+        # Collective: every rank of the group exchanges this layer's weights at the same point,
+        # a rank that failed too (with placeholders of the same sizes).
+        with collective_guard(self.rank, f"expert weight all_to_all (layer {self.layer})"):
+            dist.all_to_all_single(
+                recv,
+                send,
+                [n * self.width for n in recv_splits],
+                [n * self.width for n in send_splits],
+                group=group,
+            )
+        return send.numel() * send.element_size()
+
+    def unpack(self, gate_up, down, recv, new_weights) -> None:
+        """Fill this rank's new slots: local copies from gate_up / down, the rest from recv."""
+        new_gate_up, new_down = new_weights
+        for t in self.local:
+            new_gate_up[t.dst_slot], new_down[t.dst_slot] = gate_up[t.src_slot], down[t.src_slot]
+        num_gate_up = gate_up[0].numel()
+        for i, t in enumerate(self.recvs):
+            flat = recv[i * self.width : (i + 1) * self.width]
+            new_gate_up[t.dst_slot] = flat[:num_gate_up].view_as(gate_up[0])
+            new_down[t.dst_slot] = flat[num_gate_up:].view_as(down[0])
 
 
 def _all_ok(ok: bool, rank: int, num_ranks: int, group, device) -> bool:

@@ -4,13 +4,18 @@
   results of EPLB off; engagement: rebalances ran and many experts really moved.
 - Negative control: with multiple reduction on, the same rebalances change bits.
 - A failure injected while moving a plan that moves experts leaves the old placement serving
-  and every request intact.
+  and every request intact; so does a real local error (out of memory while staging), at world
+  size 1 and 2.
 - Load statistics count every (token, slot) row exactly.
 """
 
 from __future__ import annotations
 
+import time
+import types
+
 import pytest
+import torch
 
 from moe_runtime import LLM, SamplingParams
 from moe_runtime.engine.balancer import RebalanceError
@@ -44,7 +49,7 @@ def _ep8(**overrides) -> LLM:
 def _run(llm: LLM, workload) -> tuple[dict, list[dict]]:
     prompts, params = workload
     try:
-        got = run_in_batches(llm, prompts, params, [list(range(NUM))])
+        got = run_in_batches(llm, prompts, params, [list(range(len(prompts)))])
         return got, list(llm.engine.balancer.history)
     finally:
         llm.shutdown()
@@ -91,12 +96,97 @@ def test_failed_move_keeps_old_placement_and_requests(workload):
     finally:
         llm.shutdown()
     for i, seq in enumerate(seqs):
-        got = (
-            tuple(seq.output_token_ids),
-            tuple(map(float.hex, seq.output_logprobs)),
-            tuple(tuple((t, float.hex(v)) for t, v in d.items()) for d in seq.output_top_logprobs),
-        )
-        assert got == reference[i], f"request {i} altered by the failed rebalance"
+        assert _fingerprint(seq) == reference[i], f"request {i} altered by the failed rebalance"
+
+
+def _fingerprint(seq) -> tuple:
+    return (
+        tuple(seq.output_token_ids),
+        tuple(map(float.hex, seq.output_logprobs)),
+        tuple(tuple((t, float.hex(v)) for t, v in d.items()) for d in seq.output_top_logprobs),
+    )
+
+
+def _on_rank(engine, rank: int, fn, *args):
+    """fn(worker, *args) in the process of `rank`'s worker (a Ray actor above world size 1)."""
+    if engine.config.parallel.world_size == 1:
+        return fn(engine.executor.worker, *args)
+    return ray.get(engine.executor.workers[rank].__ray_call__.remote(fn, *args))
+
+
+def _arm_staging_oom(worker, layer: int) -> None:
+    """In the worker's process: eplb.rearrange's `torch.empty_like` of MoE layer `layer`'s
+    gate_up weights (the staging copy of this rank's experts, the one allocation a move adds)
+    raises torch.OutOfMemoryError; every other call is torch's. Each raise is counted on
+    `worker.staging_ooms` (the engagement check reads it)."""
+    import eplb.rearrange as rearrange
+
+    target = worker.runner.model.moe_layers[layer].experts.gate_up_proj.data
+    worker.staging_ooms = 0
+
+    class StagingOomTorch(types.ModuleType):
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        def empty_like(self, tensor, *args, **kwargs):
+            if tensor.data_ptr() == target.data_ptr() and tensor.shape == target.shape:
+                worker.staging_ooms += 1
+                raise torch.OutOfMemoryError("injected: staging allocation failed")
+            return torch.empty_like(tensor, *args, **kwargs)
+
+    rearrange.torch = StagingOomTorch("torch")
+
+
+def _disarm_staging_oom(worker) -> int:
+    """Undo _arm_staging_oom in the worker's process; -> the OOMs it raised."""
+    import eplb.rearrange as rearrange
+
+    rearrange.torch = torch
+    return worker.staging_ooms
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_local_error_while_staging_keeps_old_placement_and_requests(world_size):
+    """The last rank runs out of memory allocating the staging copy of MoE layer 1's experts.
+    The error escaped the worker: the engine died and every request in flight ended with it,
+    though nothing had changed (at world size 2 rank 0 first waited out the collective
+    timeout in the layer's exchange). A rank with a local error now reports failure and keeps
+    joining every collective with the agreed sizes: RebalanceError at once, the old placement
+    serving, the requests bitwise as in a run without the rebalance."""
+    prompts, params = mixed_prompts(4, 10, 40, seed=3), mixed_params(4, 12)
+    overrides = {
+        "parallel.world_size": world_size,
+        "eplb.num_redundant_experts": 2 * world_size,
+        "parallel.timeout_s": 30,
+    }
+    reference, _ = _run(LLM(TINY_CONFIG, **overrides), (prompts, params))
+    llm = LLM(TINY_CONFIG, **overrides)
+    engine, rank = llm.engine, world_size - 1
+    try:
+        seqs = [engine.add_request(p, sp).samples[0] for p, sp in zip(prompts, params, strict=True)]
+        for _ in range(4):
+            engine.step()
+        before = [s["physical_to_logical"] for s in engine.worker_stats()]
+        _on_rank(engine, rank, _arm_staging_oom, 1)
+        started = time.monotonic()
+        with pytest.raises(RebalanceError, match="old placement is in use"):
+            engine.rebalance()
+        assert time.monotonic() - started < 10, "a rank waited out a collective"
+        assert _on_rank(engine, rank, _disarm_staging_oom) == 1  # engagement: the OOM was raised
+        assert engine.error is None
+        assert [s["physical_to_logical"] for s in engine.worker_stats()] == before
+        failed = engine.balancer.history[-1]
+        assert failed.get("failed") and failed["experts_moved"] > 0, failed  # a real move
+        while engine.has_unfinished():
+            engine.step()
+        assert [s.finish_reason for s in seqs] == ["length"] * 4
+        assert {i: _fingerprint(s) for i, s in enumerate(seqs)} == reference
+        # Control: the same rebalance, nothing injected, moves the experts.
+        llm.generate(prompts, params)
+        assert not engine.rebalance()["skipped"]
+        assert [s["physical_to_logical"] for s in engine.worker_stats()] != before
+    finally:
+        llm.shutdown()
 
 
 @pytest.mark.parametrize("world_size", [1, 2])

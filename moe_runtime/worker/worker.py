@@ -40,6 +40,8 @@ from moe_runtime.worker.model_runner import ModelRunner
 from moe_runtime.worker.sequence_state import Chunk, SequenceState
 from moe_runtime.worker.step_input import StepInput, StepOutput
 
+log = logging.getLogger("moe_runtime.eplb")
+
 
 def kv_cache_blocks(config: RuntimeConfig, device: torch.device) -> int:
     """cache.num_blocks, or when it is 0 the blocks that fit in gpu_memory_utilization of the
@@ -293,6 +295,8 @@ class Worker:
         result = rearrange_experts(
             experts, old_p2l, new_p2l, self.rank, self.world_size, self.group, fail_at_layer
         )
+        if result.error is not None:  # this rank's own failure: every rank keeps the old placement
+            log.warning("rank %d: rebalance refused, %s", self.rank, result.error)
         if result.ok:
             for moe, (gate_up, down) in zip(layers, result.weights, strict=True):
                 moe.experts.gate_up_proj.data, moe.experts.down_proj.data = gate_up, down
