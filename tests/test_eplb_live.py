@@ -5,7 +5,7 @@
 - Negative control: with multiple reduction on, the same rebalances change bits.
 - A failure injected while moving a plan that moves experts leaves the old placement serving
   and every request intact; so does a real local error (out of memory while staging), at world
-  size 1 and 2.
+  size 1 and 2, and a plan that is no placement is refused before anything changes.
 - Load statistics count every (token, slot) row exactly.
 """
 
@@ -185,6 +185,36 @@ def test_a_local_error_while_staging_keeps_old_placement_and_requests(world_size
         llm.generate(prompts, params)
         assert not engine.rebalance()["skipped"]
         assert [s["physical_to_logical"] for s in engine.worker_stats()] != before
+    finally:
+        llm.shutdown()
+
+
+def test_a_plan_that_is_no_placement_is_refused_before_anything_changes():
+    """A plan that leaves logical expert 15 without a replica: Worker.rearrange installed the
+    moved weights, then failed building the placement, so the old placement routed tokens to
+    new weights (other bits, silently). Now the plan is checked first: ValueError naming the
+    expert (or the shape, for a plan of another size), weights, placement and bits unchanged."""
+    prompts, params = mixed_prompts(4, 10, 40, seed=3), mixed_params(4, 8)
+    overrides = {"eplb.num_redundant_experts": 4, "cache.enable_prefix_caching": False}
+    llm = LLM(TINY_CONFIG, **overrides)
+    try:
+        reference = run_in_batches(llm, prompts, params, [[0, 1, 2, 3]])
+        worker = llm.engine.executor.worker
+        layers = worker.runner.model.moe_layers
+        old = worker.placement.physical_to_logical.clone()
+        weights = [
+            (moe.experts.gate_up_proj.clone(), moe.experts.down_proj.clone()) for moe in layers
+        ]
+        bad = (torch.arange(20) % 15).expand_as(old)  # experts 0..14 only
+        assert not bad.equal(old)  # engagement: the plan would move experts
+        with pytest.raises(ValueError, match="logical expert 15 of layer 0 has no replica"):
+            llm.engine.executor.call("rearrange", [(bad.tolist(), None)])
+        with pytest.raises(ValueError, match=r"shape \(2, 19\), the placement in use \(2, 20\)"):
+            llm.engine.executor.call("rearrange", [(old[:, 1:].tolist(), None)])
+        assert worker.placement.physical_to_logical.equal(old)
+        for (gate_up, down), moe in zip(weights, layers, strict=True):
+            assert gate_up.equal(moe.experts.gate_up_proj) and down.equal(moe.experts.down_proj)
+        assert run_in_batches(llm, prompts, params, [[0, 1, 2, 3]]) == reference
     finally:
         llm.shutdown()
 

@@ -286,11 +286,17 @@ class Worker:
     def rearrange(
         self, new_physical_to_logical: list[list[int]], fail_at_layer: int | None = None
     ) -> dict:
-        """Collective: move experts to the new placement, committed on all ranks or on none."""
-        self.runner.lookahead.drop()  # launched with the old placement
+        """Collective: move experts to the new placement, committed on all ranks or on none.
+
+        The plan is checked first (it must be a placement of the current shape): a bad one
+        raises ValueError with nothing changed, on every rank alike since all get the same plan,
+        before any collective. A local failure while staging (rearrange_experts) is a refusal:
+        "ok" False on every rank, the old placement serving."""
         layers = self.runner.model.moe_layers
-        new_p2l = torch.tensor(new_physical_to_logical, dtype=torch.int64)
+        new_placement = self._checked_plan(new_physical_to_logical)
+        new_p2l = new_placement.physical_to_logical
         old_p2l = self.placement.physical_to_logical[: len(layers)]
+        self.runner.lookahead.drop()  # launched with the old placement
         experts = [(moe.experts.gate_up_proj.data, moe.experts.down_proj.data) for moe in layers]
         result = rearrange_experts(
             experts, old_p2l, new_p2l, self.rank, self.world_size, self.group, fail_at_layer
@@ -300,14 +306,23 @@ class Worker:
         if result.ok:
             for moe, (gate_up, down) in zip(layers, result.weights, strict=True):
                 moe.experts.gate_up_proj.data, moe.experts.down_proj.data = gate_up, down
-            self.placement = ExpertPlacement.from_physical_to_logical(
-                new_p2l, self.config.model.n_routed_experts
-            )
+            self.placement = new_placement
             self._bind_placement()  # the replica table switches with the weights, at once
             self.load_window.clear()
             if self.runner.graphs is not None:
                 self.runner.graphs.reset()  # captured MoE layers hold the old addresses
         return {key: getattr(result, key) for key in ("ok", "experts_moved", "bytes_sent")}
+
+    def _checked_plan(self, physical_to_logical: list[list[int]]) -> ExpertPlacement:
+        """The placement a rearrange plan describes; ValueError naming what is wrong with it."""
+        current = self.placement.physical_to_logical.shape
+        plan = torch.as_tensor(physical_to_logical, dtype=torch.int64)
+        if tuple(plan.shape) != tuple(current):
+            raise ValueError(
+                f"rearrange: the plan's physical_to_logical has shape {tuple(plan.shape)}, the "
+                f"placement in use {tuple(current)} (MoE layers x physical slots)"
+            )
+        return ExpertPlacement.from_physical_to_logical(plan, self.config.model.n_routed_experts)
 
     def prepare_weights(self, source: str | dict[str, torch.Tensor]) -> None:
         """Phase 1 of a weight update (HF names): read and check everything this rank needs,
