@@ -2,9 +2,15 @@
 
 DeepSeek EPLB semantics. Hierarchical policy (expert groups divide evenly over nodes): pack
 groups onto nodes, replicate experts within each node, pack the replicas onto the node's
-ranks. Global policy otherwise: one node, one group. Pure CPU tensor math, deterministic
-(stable sorts, ties go to the lower index), vectorized over layers; it neither reads
-runtime state nor moves weights.
+ranks. Global policy otherwise: one node, one group. Unlike DeepSeek's reference, an expert
+gets at most one copy per rank of its node and never two on one rank: our dispatch sends each
+source rank's rows for an expert to one copy, its own first (ExpertPlacement.replica_table),
+so at most R copies ever serve, and a rank's second copy serves no row of its own rank, only
+rows of ranks without a copy (see `replicate_experts`, `balanced_packing`). The plans equal
+the reference's wherever the reference makes no such copy (its README example among them).
+`load_per_rank` models that dispatch, not an even split over replicas.
+Pure CPU tensor math, deterministic (stable sorts, ties go to the lower index), vectorized
+over layers; it neither reads runtime state nor moves weights.
 Shapes: L_ rows (MoE layers, or layer x node), E logical experts, P physical slots, R ranks.
 """
 
@@ -13,13 +19,20 @@ from __future__ import annotations
 import torch
 
 from eplb.config import POLICIES
-from eplb.placement import build_logical_to_physical
+from eplb.placement import ExpertPlacement, build_logical_to_physical
 
 
-def balanced_packing(weight: torch.Tensor, num_packs: int) -> tuple[torch.Tensor, torch.Tensor]:
+def balanced_packing(
+    weight: torch.Tensor, num_packs: int, labels: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Split N items into num_packs packs of exactly N / num_packs items, balancing load.
 
-    weight: [X, N] float, one independent problem per row.
+    weight: [X, N] float, one independent problem per row. labels: None, or [X, N] int64 (the
+    expert an item is a copy of), each label on at most num_packs items of a row: then no pack
+    gets two items of one label (a rank's second copy of an expert would serve none of its own
+    rank's rows). An item goes to the lightest open pack without its label; where every open
+    pack has it (copies of one expert sorted apart by ties), `_swap_into` trades it for an item
+    of a full pack.
     Returns (pack_index [X, N] int64, rank_in_pack [X, N] int64: the item's position in its
     pack, in the order items were placed). With one item per pack, item i goes to pack i.
     """
@@ -29,39 +42,93 @@ def balanced_packing(weight: torch.Tensor, num_packs: int) -> tuple[torch.Tensor
         pack_index = torch.arange(num_items).expand(num_rows, -1).clone()
         return pack_index, torch.zeros_like(pack_index)
     rows = torch.arange(num_rows)
-    pack_index = torch.empty(num_rows, num_items, dtype=torch.int64)
+    if labels is None:
+        labels = torch.arange(num_items).expand(num_rows, -1)  # all distinct: no constraint
+    pack_index = torch.full((num_rows, num_items), -1, dtype=torch.int64)  # -1: not yet placed
     rank_in_pack = torch.empty_like(pack_index)
     pack_load = torch.zeros(num_rows, num_packs, dtype=weight.dtype)
     pack_size = torch.zeros(num_rows, num_packs, dtype=torch.int64)
+    num_labels = int(labels.max()) + 1 if labels.numel() else 0
+    has_label = torch.zeros(num_rows, num_packs, num_labels, dtype=torch.bool)
     # 1. Items heaviest first; the stable sort puts the lower item id first among equals.
     order = torch.sort(weight, dim=1, descending=True, stable=True).indices
     for j in range(num_items):
         item = order[:, j]
-        # 2. The lightest pack that still has room (argmin: first, i.e. lowest id, on ties).
-        open_load = pack_load.masked_fill(pack_size == items_per_pack, float("inf"))
-        pack = open_load.argmin(dim=1)
+        label = labels[rows, item]
+        # 2. The lightest open pack without the label (argmin: first, i.e. lowest id, on ties);
+        # where none is, the lightest open pack, and a swap below.
+        is_open = pack_size < items_per_pack
+        is_free = is_open & ~has_label[rows, :, label]
+        is_stuck = ~is_free.any(dim=1)
+        allowed = torch.where(is_stuck.unsqueeze(1), is_open, is_free)
+        pack = pack_load.masked_fill(~allowed, float("inf")).argmin(dim=1)
         # 3. Place the item and update that pack, for every row at once.
         pack_index[rows, item] = pack
         rank_in_pack[rows, item] = pack_size[rows, pack]
         pack_load[rows, pack] += weight[rows, item]
         pack_size[rows, pack] += 1
+        has_label[rows, pack, label] = True
+        for row in is_stuck.nonzero().flatten().tolist():
+            args = (weight, labels, pack_index, rank_in_pack, pack_load, has_label)
+            _swap_into(row, int(item[row]), *args)
     return pack_index, rank_in_pack
 
 
-def replicate_experts(weight: torch.Tensor, num_physical: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _swap_into(row, item, weight, labels, pack_index, rank_in_pack, pack_load, has_label) -> None:
+    """Item `item` was just placed in an open pack p that already held its label. Swap it with
+    the placed item y of a full pack q such that q lacks the label and p lacks y's label, y's
+    weight the closest to the item's (the least change of load; lowest (q, position) on ties).
+
+    Such a y exists: fewer than num_packs copies of the label were placed before, so some pack
+    q lacks it, and q is full (else it was open and free); p held at most items_per_pack - 2
+    other labels and q holds items_per_pack distinct ones, so two of q's labels are not in p."""
+    packs, positions = pack_index[row].tolist(), rank_in_pack[row].tolist()
+    item_labels, w = labels[row].tolist(), weight[row].tolist()
+    p, label = packs[item], item_labels[item]
+    candidates = [
+        (abs(w[y] - w[item]), packs[y], positions[y], y)
+        for y in range(len(packs))
+        if packs[y] >= 0
+        and packs[y] != p
+        and not has_label[row, p, item_labels[y]]
+        and not has_label[row, packs[y], label]
+    ]
+    *_, y = min(candidates)
+    q = packs[y]
+    pack_index[row, item], pack_index[row, y] = q, p
+    rank_in_pack[row, item], rank_in_pack[row, y] = positions[y], positions[item]
+    pack_load[row, p] += w[y] - w[item]
+    pack_load[row, q] += w[item] - w[y]
+    has_label[row, p, item_labels[y]] = True  # p keeps the label: it held a copy before
+    has_label[row, q, item_labels[y]] = False  # q's labels are distinct
+    has_label[row, q, label] = True
+
+
+def replicate_experts(
+    weight: torch.Tensor, num_physical: int, max_replicas: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Give num_physical slots to E experts, minimizing the largest load per replica.
 
-    weight: [X, E] float. Returns (physical_to_logical [X, num_physical] int64: slot e holds
-    expert e for e < E, later slots the extra replicas in creation order; replica_count
-    [X, E] int64).
+    weight: [X, E] float. max_replicas: the copies an expert can use (the ranks it may sit
+    on); an expert that has them gets no more while another can still take one, so a slot the
+    reference would give the hottest expert goes to the next in line. Only when every expert
+    has max_replicas (more slots than E x max_replicas: world size 1, where a rank holds every
+    expert and no second copy ever serves) do the extra slots go on as in the reference.
+    Returns (physical_to_logical [X, num_physical] int64: slot e holds expert e for e < E,
+    later slots the extra replicas in creation order; replica_count [X, E] int64).
     """
     num_rows, num_logical = weight.shape
     rows = torch.arange(num_rows)
     physical_to_logical = torch.arange(num_physical).expand(num_rows, -1).clone()
     replica_count = torch.ones(num_rows, num_logical, dtype=torch.int64)
-    # 1. Each extra slot goes to the expert with the largest load per replica (first on ties).
+    cap = num_physical if max_replicas is None else max_replicas
+    # 1. Each extra slot goes to the expert with the largest load per replica (first on ties)
+    # among those below the cap (all of them, once every one has reached it).
     for slot in range(num_logical, num_physical):
-        expert = (weight / replica_count).argmax(dim=1)
+        per_replica = weight / replica_count
+        is_capped = replica_count >= cap
+        is_capped &= ~is_capped.all(dim=1, keepdim=True)
+        expert = per_replica.masked_fill(is_capped, -1.0).argmax(dim=1)
         physical_to_logical[:, slot] = expert
         replica_count[rows, expert] += 1
     return physical_to_logical, replica_count
@@ -93,17 +160,43 @@ def _rebalance_hierarchical(
     group_base = (node_of_group * groups_per_node + rank_in_node) * group_size
     log_to_nodelog = (group_base.unsqueeze(2) + torch.arange(group_size)).flatten(1)
     nodelog_to_log = _inverse(log_to_nodelog)  # [L, E]
-    # 2. Replicate experts within each node: rows are (layer, node) pairs.
+    # 2. Replicate experts within each node, one copy per GPU of the node at most: rows are
+    # (layer, node) pairs.
+    gpus_per_node = num_gpus // num_nodes
     nodelog_load = weight.gather(1, nodelog_to_log).view(-1, logical_per_node)
-    phy_to_nodelog, nodelog_count = replicate_experts(nodelog_load, slots_per_node)
-    # 3. Pack each node's replicas onto its GPUs, a replica carrying load / replica_count.
-    replica_load = (nodelog_load / nodelog_count).gather(1, phy_to_nodelog)
-    gpu_of_phy, rank_in_gpu = balanced_packing(replica_load, num_gpus // num_nodes)
-    slot_to_phy = _inverse(gpu_of_phy * slots_per_gpu + rank_in_gpu)
-    slot_to_nodelog = phy_to_nodelog.gather(1, slot_to_phy).view(num_layers, num_nodes, -1)
+    phy_to_nodelog, nodelog_count = replicate_experts(nodelog_load, slots_per_node, gpus_per_node)
+    # 3. Pack each node's replicas onto its GPUs, a replica carrying load / replica_count, no
+    # GPU two copies of one expert; or, with more slots on a GPU than experts on its node,
+    # every GPU holds every one of them and the rest (rebalance_experts allows it on one node).
+    if slots_per_gpu > logical_per_node:
+        slot_to_nodelog = _every_gpu_holds_every_expert(
+            phy_to_nodelog, logical_per_node, gpus_per_node
+        )
+    else:
+        replica_load = (nodelog_load / nodelog_count).gather(1, phy_to_nodelog)
+        gpu_of_phy, rank_in_gpu = balanced_packing(replica_load, gpus_per_node, phy_to_nodelog)
+        slot_to_phy = _inverse(gpu_of_phy * slots_per_gpu + rank_in_gpu)
+        slot_to_nodelog = phy_to_nodelog.gather(1, slot_to_phy)
+    slot_to_nodelog = slot_to_nodelog.view(num_layers, num_nodes, -1)
     # 4. Back to logical ids: offset by the node's first node-logical id, then un-permute.
     node_offset = (torch.arange(num_nodes) * logical_per_node).view(1, -1, 1)
     return nodelog_to_log.gather(1, (slot_to_nodelog + node_offset).flatten(1))
+
+
+def _every_gpu_holds_every_expert(
+    physical_to_logical: torch.Tensor, num_logical: int, num_gpus: int
+) -> torch.Tensor:
+    """Slots for more slots per GPU than experts (world size 1 with redundant slots): every GPU
+    holds experts 0..E-1 in its first E slots, then its share of the copies past num_gpus per
+    expert, in creation order. No copy beyond a GPU's first of an expert serves a row, so these
+    only follow the load to give a move something to do.
+
+    physical_to_logical: [X, P] from replicate_experts with max_replicas=num_gpus (every expert
+    has num_gpus copies before any gets more) -> [X, P] slot -> expert."""
+    num_rows, num_physical = physical_to_logical.shape
+    beyond = physical_to_logical[:, num_logical * num_gpus :].view(num_rows, num_gpus, -1)
+    every = torch.arange(num_logical).expand(num_rows, num_gpus, -1)
+    return torch.cat([every, beyond], dim=2).flatten(1)
 
 
 def _check_args(
@@ -140,8 +233,11 @@ def rebalance_experts(
     """Plan replicas for every MoE layer from its per-expert load.
 
     weight: [L, E] load (float or int; any device). num_replicas = P physical slots; num_gpus
-    = R ranks, num_gpus / num_nodes per node. policy "auto" is hierarchical when
-    num_groups % num_nodes == 0, else global; "global" ignores groups and nodes.
+    = R ranks, num_gpus / num_nodes per node. An expert gets at most one copy per rank (of its
+    node), never two on one rank, while P / R <= E (E / num_nodes in the hierarchical policy);
+    past that (world size 1) every rank holds every expert once and then extra copies.
+    policy "auto" is hierarchical when num_groups % num_nodes == 0 and P / R <= E / num_nodes
+    (a node's ranks can hold distinct copies), else global; "global" ignores groups and nodes.
     Returns (physical_to_logical [L, P], logical_to_physical [L, E, P - E + 1] with replicas in
     increasing physical id and -1 padding, replica_count [L, E]), int64 on CPU.
     """
@@ -149,12 +245,22 @@ def rebalance_experts(
     _check_args(weight, num_replicas, num_groups, num_nodes, num_gpus)
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    num_logical = weight.shape[1]
     is_hierarchical = num_groups % num_nodes == 0
     if policy == "hierarchical" and not is_hierarchical:
         raise ValueError(
             f"hierarchical policy needs num_nodes | num_groups; got num_groups={num_groups}, "
             f"num_nodes={num_nodes}"
         )
+    if num_nodes > 1 and num_replicas // num_gpus > num_logical // num_nodes:
+        # A rank would need two copies of one of its node's experts, and only one serves.
+        if policy == "hierarchical":
+            raise ValueError(
+                f"hierarchical policy needs num_replicas / num_gpus <= num_logical / num_nodes "
+                f"(one copy of an expert per rank of its node); got num_replicas={num_replicas}"
+                f", num_gpus={num_gpus}, num_logical={num_logical}, num_nodes={num_nodes}"
+            )
+        is_hierarchical = False
     if policy == "global" or not is_hierarchical:
         num_groups, num_nodes = 1, 1
     p2l = _rebalance_hierarchical(weight, num_replicas, num_groups, num_nodes, num_gpus)
@@ -164,16 +270,26 @@ def rebalance_experts(
 def load_per_rank(
     weight: torch.Tensor, physical_to_logical: torch.Tensor, num_ranks: int
 ) -> torch.Tensor:
-    """[L, R] float64 load of each rank when each expert's load splits evenly over its replicas.
+    """[L, R] float64 rows each rank serves under the runtime's dispatch, when every source
+    rank sends an equal share (1/R) of each expert's rows.
 
+    A source rank sends all its rows for an expert to one copy: its own first, else copy
+    r % replica_count in physical order (ExpertPlacement.replica_table). DeepSeek's model,
+    each expert's load split evenly over its replicas, is not what runs: it gave a share to
+    copies no source rank uses (a rank's second copy where every rank has one, copies past R)
+    and c copies split an expert's rows in steps of 1/R (r % c), evenly only where that works
+    out (bench/eplb_plan.py's default global plan: 0.977 in that model, 0.851 in this one).
+    The source ranks' shares are unknown here; equal is the planner's assumption.
     weight: [L, E]; physical_to_logical: [L, P] with P % num_ranks == 0.
     """
     weight = torch.as_tensor(weight).to(device="cpu", dtype=torch.float64)
     p2l = physical_to_logical.to(torch.int64)
-    replica_count = torch.zeros_like(weight).scatter_add_(
-        1, p2l, torch.ones(p2l.shape, dtype=torch.float64)
-    )
-    slot_load = (weight / replica_count).gather(1, p2l)
+    placement = ExpertPlacement.from_physical_to_logical(p2l, weight.shape[1])
+    serving = placement.replica_table(num_ranks).flatten(1)  # [L, R * E] slot of (source, e)
+    num_sources = torch.zeros(p2l.shape, dtype=torch.int64).scatter_add_(
+        1, serving, torch.ones_like(serving)
+    )  # [L, P] source ranks each slot serves: integers, exact in any order
+    slot_load = weight.gather(1, p2l) * num_sources / num_ranks
     return slot_load.view(p2l.shape[0], num_ranks, -1).sum(dim=2)
 
 

@@ -305,6 +305,7 @@ class RuntimeConfig:
                 "model.n_routed_experts x (world_size - 1) would only hold memory (world size "
                 "1, where no replica serves rows, accepts up to model.n_routed_experts)"
             )
+        slots = num_physical // world
         if num_physical % world:
             raise ValueError(
                 f"parallel.world_size={world} must divide model.n_routed_experts + "
@@ -335,6 +336,19 @@ class RuntimeConfig:
             raise ValueError(
                 f"eplb.policy 'hierarchical' needs eplb.num_nodes={eplb.num_nodes} to divide "
                 f"model.n_group={model.n_group}; use eplb.policy 'auto' or 'global'"
+            )
+        node_experts = model.n_routed_experts // eplb.num_nodes
+        if eplb.policy == "hierarchical" and eplb.num_nodes > 1 and slots > node_experts:
+            # The planner keeps an expert on one node with one copy per rank of it at most (the
+            # dispatch uses one copy a rank): a rank's slots must not outnumber the node's experts.
+            raise ValueError(
+                f"eplb.policy 'hierarchical' keeps each expert's copies on one node, one a rank: "
+                f"each rank's {slots} slots (model.n_routed_experts + "
+                f"eplb.num_redundant_experts = {num_physical} over parallel.world_size={world}) "
+                f"outnumber the {node_experts} experts of a node (model.n_routed_experts="
+                f"{model.n_routed_experts} over eplb.num_nodes={eplb.num_nodes}); use at most "
+                f"{node_experts * world - model.n_routed_experts} redundant experts, or "
+                "eplb.policy 'auto' or 'global'"
             )
 
     def _check_tp_max(self) -> None:

@@ -242,11 +242,28 @@ def test_multiple_reduction_with_invariant_kernels_warns(caplog, overrides, warn
         ),
         ({"parallel.world_size": 4, "eplb.num_nodes": 3}, ["eplb.num_nodes=3", "[1, 2, 4]"]),
         (
+            {
+                "parallel.world_size": 4,
+                "eplb.num_nodes": 2,
+                "eplb.policy": "hierarchical",
+                "eplb.num_redundant_experts": 20,
+            },
+            ["each rank's 9 slots", "the 8 experts of a node", "at most 16 redundant experts"],
+        ),
+        (
             {"parallel.world_size": 2, "parallel.tp_size": 2, "model.tie_word_embeddings": True},
             ["model.tie_word_embeddings"],
         ),
     ],
-    ids=["experts", "redundant", "unusable-replicas", "tp-heads", "nodes", "tied-embeddings"],
+    ids=[
+        "experts",
+        "redundant",
+        "unusable-replicas",
+        "tp-heads",
+        "nodes",
+        "hierarchical-crowded",
+        "tied-embeddings",
+    ],
 )
 def test_layout_constraints_fail_at_load_naming_the_keys(overrides, names):
     """Checked when the config loads, before any worker starts (no Ray here)."""

@@ -91,8 +91,9 @@ class ExpertBalancer:
             self.last_balancedness = before
             return self._skipped(report, started)
         new_p2l = self._plan(logical_load)
-        # The planner's model splits each expert's load evenly over its replicas; a plan that
-        # does not raise its own figure would move experts for nothing (where replicas are
+        # The planner's model (load_per_rank) is the dispatch with every source rank sending
+        # an equal share of each expert's rows to the copy its replica table names; a plan
+        # that does not raise that figure would move experts for nothing (where replicas are
         # local to every rank, the measured imbalance is the ranks' own tokens' and no
         # placement changes it). A forced rebalance moves all the same, unless nothing moves.
         planned = _mean_balancedness(logical_load, new_p2l, world)
@@ -102,9 +103,9 @@ class ExpertBalancer:
             reason = "the plan is the current placement"
         elif not force and (planned <= modelled or modelled >= eplb_threshold):
             reason = (
-                "as the planner models it (each expert's load split evenly over its "
-                "replicas) the placement is balanced enough, or the plan would not raise "
-                "its balancedness"
+                "as the planner models it (every rank sending an equal share of each "
+                "expert's rows to the copy it uses) the placement is balanced enough, or the "
+                "plan would not raise its balancedness"
             )
         if reason is not None:  # the window goes on
             self.last_balancedness = before
