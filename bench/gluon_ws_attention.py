@@ -145,7 +145,7 @@ def _consumer(W: gl.constexpr, smem, bars, scal, ptrs, WRITE_OUT: gl.constexpr):
     if n > 0:
         _write_half(
             W, acc, m_run, l_run, position, first_block, n, t, head_block, split, num_heads,
-            num_splits, ptrs, WRITE_OUT,
+            num_splits, ptrs, WRITE_OUT, 0,  # one value part: the whole half
         )  # fmt: skip
 
 

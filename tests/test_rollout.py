@@ -707,7 +707,7 @@ def test_output_that_is_the_input_is_refused(tmp_path, capsys):
         (["--max-tokens", "0"], "--max-tokens must be an int >= 1, got 0"),
         (["--temperature", "-1"], "--temperature must be a finite number >= 0"),
         (["--top-p", "1.5"], "--top-p must be in (0, 1], got 1.5"),
-        (["--top-k", "0"], "--top-k must be -1 (off) or an int >= 1, got 0"),
+        (["--top-k", "-2"], "--top-k must be -1 or 0 (off) or an int >= 1, got -2"),
         (["--logprobs", "-2"], "--logprobs must be None or an int >= 0, got -2"),
     ],
 )
