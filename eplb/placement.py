@@ -164,10 +164,15 @@ class ExpertPlacement:
         r to logical expert e.
 
         Static rule, a function of the placement and (layer, r, e) only: the first replica (in
-        physical order) held by rank r itself if there is one; otherwise replica number
-        r % replica_count[layer, e] in physical order, which spreads source ranks evenly over
-        the replicas. It never looks at the batch, so a token's result does not depend on
-        which other tokens share the step (batch invariance).
+        physical order) held by rank r itself if there is one; otherwise replica number j %
+        replica_count[layer, e] in physical order, j being r's place among the ranks holding
+        no copy (r less the copies on ranks below it), so the ranks without a copy are dealt
+        round the copies in turn and each copy serves its own rank and an equal share of the
+        others (to one). (The rule before, r % replica_count, could deal them unevenly: copies
+        on ranks 1 and 3 of 4 took ranks 0 and 2 both on the first copy, 3 source ranks against
+        1; the planner's model of the dispatch, eplb.policy.load_per_rank, reads this table.)
+        It never looks at the batch, so a token's result does not depend on which other
+        tokens share the step (batch invariance).
         """
         _check_num_ranks(self.num_physical, num_ranks)
         slots_per_rank = self.num_physical // num_ranks
@@ -178,7 +183,8 @@ class ExpertPlacement:
             is_local = holder_rank == rank
             # argmax of a bool mask is the first True; only used where one exists.
             local_idx = is_local.to(torch.uint8).argmax(dim=2)
-            spread_idx = rank % self.replica_count
+            copies_below = ((holder_rank >= 0) & (holder_rank < rank)).sum(dim=2)  # [L, E]
+            spread_idx = (rank - copies_below) % self.replica_count
             replica_idx = torch.where(is_local.any(dim=2), local_idx, spread_idx)
             table[:, rank] = l2p.gather(2, replica_idx.unsqueeze(2)).squeeze(2)
         return table

@@ -273,12 +273,13 @@ def load_per_rank(
     """[L, R] float64 rows each rank serves under the runtime's dispatch, when every source
     rank sends an equal share (1/R) of each expert's rows.
 
-    A source rank sends all its rows for an expert to one copy: its own first, else copy
-    r % replica_count in physical order (ExpertPlacement.replica_table). DeepSeek's model,
-    each expert's load split evenly over its replicas, is not what runs: it gave a share to
-    copies no source rank uses (a rank's second copy where every rank has one, copies past R)
-    and c copies split an expert's rows in steps of 1/R (r % c), evenly only where that works
-    out (bench/eplb_plan.py's default global plan: 0.977 in that model, 0.851 in this one).
+    A source rank sends all its rows for an expert to one copy: its own first, else the
+    copies dealt round the ranks holding none (ExpertPlacement.replica_table). DeepSeek's
+    model, each expert's load split evenly over its replicas, is not what runs: it gave a share
+    to copies no source rank uses (a rank's second copy where every rank has one, copies past
+    R), and c copies split an expert's rows in steps of 1/R, evenly only where c divides R
+    (bench/eplb_plan.py's default global plan: 0.977 in that model, 0.851 in this one with
+    the table's rule before, r % c, which could also deal the ranks without a copy unevenly).
     The source ranks' shares are unknown here; equal is the planner's assumption.
     weight: [L, E]; physical_to_logical: [L, P] with P % num_ranks == 0.
     """

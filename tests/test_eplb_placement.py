@@ -60,11 +60,13 @@ def test_replica_table_rule():
     table = placement.replica_table(num_ranks=4)
     assert table.shape == (1, 4, 4)
     # Rows: source rank; columns: logical expert. Local replica first (lowest slot), else
-    # replica number (rank % replica_count) in physical order.
+    # replica number j % replica_count in physical order, j the rank's place among the ranks
+    # holding no copy: experts 1 and 2 (copies on ranks 1 and 3) deal ranks 0 and 2 one to
+    # each copy (rank % replica_count sent both to the first: 3 source ranks against 1).
     assert table[0].tolist() == [
         [0, 2, 3, 4],
         [1, 2, 3, 5],
-        [0, 2, 3, 4],
+        [0, 6, 7, 4],
         [1, 6, 7, 5],
     ]
 
