@@ -110,6 +110,14 @@ class LLMEngine:
             self._restart_times.popleft()
         return len(self._restart_times) < self.config.parallel.max_restarts
 
+    def _unrestorable(self, why: str) -> WeightsChangedError:
+        """The error of a rebuild that cannot serve weight_version's weights again."""
+        return WeightsChangedError(
+            f"cannot rebuild the worker group with weight_version {self.weight_version}'s "
+            f"weights: {why}; restart the server, or keep a checkpoint directory unchanged "
+            f"while it is served: {self.error}"
+        )
+
     def restart(self) -> None:
         """Rebuild a dead engine's worker group: new workers with the current expert placement
         and weights (the last update_weights source), fresh KV caches and queues. Requests in
@@ -126,11 +134,8 @@ class LLMEngine:
             # The new group builds its model from model.path before the update's weights.
             changed = self.startup_weights.missing()
         if changed is not None:
-            raise WeightsChangedError(
-                f"cannot rebuild the worker group with weight_version {self.weight_version}'s "
-                f"weights: {changed} (other weights under the same version would give other "
-                f"bits); restart the server, or keep a checkpoint directory unchanged while "
-                f"it is served: {self.error}"
+            raise self._unrestorable(
+                f"{changed} (other weights under the same version would give other bits)"
             )
         self.num_restarts += 1
         self._restart_times.append(time.monotonic())
@@ -152,10 +157,8 @@ class LLMEngine:
                 # source only: model.path's weights are replaced by an update's.
                 changed = self._weights.changed()
                 if changed is not None:
-                    raise WeightsChangedError(
-                        f"cannot rebuild the worker group: {changed} while its ranks read "
-                        f"the weights (they may hold different ones); restart the server, or "
-                        f"keep a checkpoint directory unchanged while it is served: {self.error}"
+                    raise self._unrestorable(
+                        f"{changed} while its ranks read them (they may hold different ones)"
                     )
             except BaseException:
                 self.executor.shutdown()  # its bundles and workers, free for the next one
@@ -219,10 +222,6 @@ class LLMEngine:
         return self._enqueue_all(
             Request(f"score-{next(self._request_ids)}", p, params, 0, s) for p, s in checked
         )
-
-    def encode(self, prompt: str | list[int]) -> list[int]:
-        """Token ids of a prompt (text through the tokenizer), validated."""
-        return self.checks.encode(prompt)
 
     def _enqueue_all(self, requests: Iterable[Request]) -> list[Request]:
         """Queue checked requests all or none: an exception part way, a KeyboardInterrupt

@@ -161,11 +161,7 @@ class Scheduler:
         return remaining if remaining <= budget else 0
 
     def _preempt(self, seq: Sequence) -> None:
-        self.running.remove(seq)
-        self.released.append(seq)
-        self.blocks.free(seq.block_table)
-        seq.block_table = []
-        seq.num_committed_blocks, seq.commit_parent = 0, ROOT_KEY_ID
+        self._release(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         # Why: only the queue's head may hold blocks as it waits (its prefix match, kept so it
@@ -232,6 +228,11 @@ class Scheduler:
         """End a running sequence now (a stop token or string, the length, an abort)."""
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        self._release(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        """Take a running sequence off the running list, its blocks freed and its commit chain
+        reset; the next step names it to the workers (collect_released)."""
         self.running.remove(seq)
         self.released.append(seq)
         self.blocks.free(seq.block_table)
