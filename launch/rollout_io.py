@@ -1,7 +1,8 @@
 """JSONL in and out for the rollout job: input rows to samples, and resuming a partial output.
 
 Input rows: {"id", "prompt" (text or token ids), "n", "seed" | "seeds", "max_tokens",
-"temperature", "top_p", "top_k", "logprobs"}; missing fields take the CLI defaults. A row
+"temperature", "top_p", "top_k", "logprobs", "stop", "stop_token_ids", "ignore_eos"}; missing
+fields take the CLI defaults (the last three: none, as SamplingParams' own). A row
 becomes one `Sample` per sample, each with its own seed (`sample_seeds` of the row's seed,
 which is derive_seed(base seed, row index) when the row gives none), so a sample can run in
 any batch, in any run, and be resumed alone. Bad rows raise `RowError` naming the line (or are
@@ -31,7 +32,9 @@ from moe_runtime.sampling_params import SamplingParams
 from moe_runtime.seeds import MAX_SEED, SEED_BITS, derive_seed, sample_seeds
 
 PARAM_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "logprobs")
-ROLLOUT_FIELDS = {"id", "prompt", "n", "seed", "seeds", *PARAM_FIELDS}
+# A row's own ends, with no CLI default: what ends its samples besides max_tokens.
+STOP_FIELDS = ("stop", "stop_token_ids", "ignore_eos")
+ROLLOUT_FIELDS = {"id", "prompt", "n", "seed", "seeds", *PARAM_FIELDS, *STOP_FIELDS}
 SCORE_FIELDS = {"id", "sample_idx", "prompt_token_ids", "token_ids"}
 # Ctrl-C and `ray job stop` (or a scheduler's kill): the run ends saying what it wrote.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -179,6 +182,7 @@ def _rollout_samples(row: dict, line_no: int, defaults: dict, row_seed: int) -> 
         if not is_int(seed) or not 0 <= seed <= MAX_SEED:
             raise ValueError(f"seed must be an int in [0, 2**{SEED_BITS} - 1], got {seed!r}")
     knobs = {k: row.get(k, defaults[k]) for k in PARAM_FIELDS}
+    knobs.update((k, row[k]) for k in STOP_FIELDS if k in row)
     knobs["return_routed_experts"] = defaults["return_routed_experts"]
     samples = []
     for i, seed in enumerate(seeds or sample_seeds(request_seed, n)):

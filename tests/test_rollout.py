@@ -124,6 +124,42 @@ def test_rows_equal_generate(rollout_rows):
     assert [(r["id"], r["sample_idx"]) for r in rows[:3]] == [("text", 0), ("text", 1), (1, 0)]
 
 
+def test_a_rows_own_stops_end_its_samples_as_generate_does(tmp_path, capsys):
+    """A row's stop_token_ids, stop and ignore_eos reach its samples (they were refused as
+    unknown fields: an RL job stopping on an id could not say so); its samples equal
+    LLM.generate's with the same settings; a bad one is the row's error, naming the field."""
+    prompt, greedy = [5, 6, 7, 8], {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True}
+    free = [
+        r["token_ids"] for r in _rollout(tmp_path / "free", [{"id": 0, "prompt": prompt, **greedy}])
+    ]
+    llm = LLM(TINY_CONFIG)
+    decode = llm.tokenizer.decode
+    stop_at = next(t for t in free[0][1:] if (c := decode([t]).strip()) and c.isprintable())
+    rows = [
+        {"id": "ids", "prompt": prompt, **greedy, "stop_token_ids": [stop_at]},
+        {"id": "text", "prompt": prompt, **greedy, "stop": [decode([stop_at]).strip()]},
+    ]
+    got = _rollout(tmp_path / "stops", rows)
+    assert got[0]["token_ids"] == free[0][: free[0].index(stop_at) + 1]
+    assert [out["finish_reason"] for out in got] == ["stop", "stop"]
+    for row, out in zip(rows, got, strict=True):
+        knobs = {k: v for k, v in row.items() if k not in ("id", "prompt")}
+        want = llm.generate([row["prompt"]], SamplingParams(seed=out["seed"], **knobs))[0]
+        assert exact(out)[:2] == (tuple(want.token_ids), tuple(map(float.hex, want.logprobs)))
+        assert out["finish_reason"] == want.finish_reason
+    llm.shutdown()
+    source = write_jsonl(tmp_path / "bad.jsonl", [{"id": 0, "prompt": prompt, "stop_token_ids": 5}])
+    assert run("--input", source, "--output", tmp_path / "bad.out.jsonl", *ARGS) == 2
+    assert "stop_token_ids must be a list of token ids" in capsys.readouterr().err
+
+
+def _rollout(directory: Path, rows: list[dict]) -> list[dict]:
+    directory.mkdir()
+    source, out = write_jsonl(directory / "in.jsonl", rows), directory / "out.jsonl"
+    assert run("--input", source, "--output", out, "--no-routed-experts", *ARGS) == 0
+    return read_jsonl(out)
+
+
 def test_no_routed_experts_flag(tmp_path):
     source, out = write_jsonl(tmp_path / "in.jsonl", ROWS[:1]), tmp_path / "out.jsonl"
     assert run("--input", source, "--output", out, "--no-routed-experts", *ARGS) == 0
