@@ -83,8 +83,9 @@ def test_failed_move_keeps_old_placement_and_requests(workload):
         for _ in range(5):
             engine.step()
         before = [s["physical_to_logical"] for s in engine.worker_stats()]
-        with pytest.raises(RebalanceError, match="old placement is in use"):
-            engine.rebalance(inject_failure=(3, 1))
+        cause = r"rank 3: layer 1: RuntimeError: injected failure at layer 1"
+        with pytest.raises(RebalanceError, match=rf"\({cause}\); the old placement is in use"):
+            engine.rebalance(inject_failure=(3, 1))  # the error names the rank and its cause
         assert [s["physical_to_logical"] for s in engine.worker_stats()] == before
         failed = engine.balancer.history[-1]
         assert failed.get("failed")
@@ -169,7 +170,7 @@ def test_a_local_error_while_staging_keeps_old_placement_and_requests(world_size
         before = [s["physical_to_logical"] for s in engine.worker_stats()]
         _on_rank(engine, rank, _arm_staging_oom, 1)
         started = time.monotonic()
-        with pytest.raises(RebalanceError, match="old placement is in use"):
+        with pytest.raises(RebalanceError, match=rf"rank {rank}: layer 1: OutOfMemoryError"):
             engine.rebalance()
         assert time.monotonic() - started < 10, "a rank waited out a collective"
         assert _on_rank(engine, rank, _disarm_staging_oom) == 1  # engagement: the OOM was raised

@@ -125,9 +125,21 @@ class ExpertBalancer:
             seconds=seconds,
         )
         if not all(r["ok"] for r in results):
-            self.history.append({**report, "failed": True})
-            log.warning("rebalance failed after %.3fs; the old placement stays in use", seconds)
-            raise RebalanceError("a rank failed while moving experts; the old placement is in use")
+            # Each rank that failed on its own says why (out of memory while staging, say);
+            # the others only voted against the commit with it.
+            causes = "; ".join(
+                f"rank {rank}: {r['error']}" for rank, r in enumerate(results) if r.get("error")
+            )
+            self.history.append({**report, "failed": True, "error": causes or None})
+            log.warning(
+                "rebalance failed after %.3fs (%s); the old placement stays in use",
+                seconds, causes or "no rank named a cause",
+            )  # fmt: skip
+            raise RebalanceError(
+                "a rank failed while moving experts"
+                + (f" ({causes})" if causes else "")
+                + "; the old placement is in use"
+            )
         full = self.placement.physical_to_logical.clone()
         full[: self.num_moe_layers] = new_p2l
         self.placement = ExpertPlacement.from_physical_to_logical(

@@ -311,7 +311,7 @@ class Worker:
             self.load_window.clear()
             if self.runner.graphs is not None:
                 self.runner.graphs.reset()  # captured MoE layers hold the old addresses
-        return {key: getattr(result, key) for key in ("ok", "experts_moved", "bytes_sent")}
+        return {key: getattr(result, key) for key in ("ok", "experts_moved", "bytes_sent", "error")}
 
     def _checked_plan(self, physical_to_logical: list[list[int]]) -> ExpertPlacement:
         """The placement a rearrange plan describes; ValueError naming what is wrong with it."""
