@@ -33,10 +33,16 @@ class LLM:
         self,
         prompts: list[str | list[int] | dict] | str | dict,
         params: SamplingParams | list[SamplingParams] | None = None,
+        *,
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in prompt order. A prompt is text, token ids, or
-        vLLM's {"prompt": text} / {"prompt_token_ids": ids}. Bad prompts raise before any
-        work."""
+        vLLM's {"prompt": text} / {"prompt_token_ids": ids}; `sampling_params` is vLLM's name
+        for `params`. Bad prompts raise before any work."""
+        if sampling_params is not None:
+            if params is not None:
+                raise ValueError("give params or sampling_params (vLLM's name for it), not both")
+            params = sampling_params
         if _is_one_prompt(prompts):
             prompts = [prompts]
         params_list = (

@@ -280,6 +280,16 @@ def test_vllm_prompt_dicts_are_prompts_and_other_forms_are_refused(llm):
     assert not llm.engine.has_unfinished()
 
 
+def test_sampling_params_is_vllms_name_for_params(llm):
+    """llm.generate(prompts, sampling_params=...) (vLLM's keyword) was a TypeError."""
+    params = SamplingParams(max_tokens=3, seed=4)
+    expected = [fingerprint(o) for o in llm.generate([[5, 6, 7], "Hi"], params)]
+    got = llm.generate([[5, 6, 7], "Hi"], sampling_params=params)
+    assert [fingerprint(o) for o in got] == expected
+    with pytest.raises(ValueError, match="not both"):
+        llm.generate([5, 6], params, sampling_params=params)
+
+
 def test_a_shut_down_llm_says_so():
     llm = LLM(TINY_CONFIG)
     llm.shutdown()
