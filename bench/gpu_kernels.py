@@ -511,16 +511,13 @@ def bench_wide_value_split() -> None:
             def fast(q, kv, *rest):
                 return mla_decode_fast(q, kv, *rest, scale=192**-0.5, v_dim=512)
 
-            torch.manual_seed(batch * 7 + ctx)
-            one = make(parted(1))
-            torch.manual_seed(batch * 7 + ctx)
-            base = one()
-            same = True
-            for v_parts in WIDE_VALUE_PARTS[1:]:
-                torch.manual_seed(batch * 7 + ctx)
-                same &= torch.equal(make(parted(v_parts))(), base)
-            torch.manual_seed(batch * 7 + ctx)
-            same &= torch.equal(make(op)(), base)
+            def seeded(fn, seed=batch * 7 + ctx):  # the same inputs for every form compared
+                torch.manual_seed(seed)
+                return make(fn)()
+
+            base = seeded(parted(1))
+            others = [*(parted(v) for v in WIDE_VALUE_PARTS[1:]), op]
+            same = all(torch.equal(seeded(fn), base) for fn in others)
             calls = ATTENTION_GRAPH_CALLS
             times = [_graph_ms(partial(make, parted(v)), read, calls) for v in WIDE_VALUE_PARTS] + [
                 _graph_ms(partial(make, op), read, calls)

@@ -165,8 +165,8 @@ def check_all(
     return results
 
 
-# vLLM's prompt dicts and what each key holds: TextPrompt's text, TokensPrompt's ids.
-PROMPT_KEYS = {"prompt": "text", "prompt_token_ids": "token ids"}
+# vLLM's prompt dicts' keys: TextPrompt's text, TokensPrompt's ids.
+PROMPT_KEYS = ("prompt", "prompt_token_ids")
 
 
 def prompt_text_or_ids(prompt):
@@ -186,11 +186,11 @@ def prompt_text_or_ids(prompt):
     other = sorted(str(key) for key in given if key not in PROMPT_KEYS)
     if other:
         raise ValueError(
-            f"prompt dict keys {other} are not supported (only 'prompt' or 'prompt_token_ids')"
+            f"prompt dict keys {other} are not supported (only one of {list(PROMPT_KEYS)})"
         )
     if len(given) != 1:
         raise ValueError(
-            f"a prompt dict needs exactly one of 'prompt' (text) and 'prompt_token_ids', got "
+            f"a prompt dict needs exactly one of {list(PROMPT_KEYS)}, got "
             f"{sorted(given) or 'neither'}"
         )
     ((key, value),) = given.items()
