@@ -317,6 +317,7 @@ def test_a_drain_finishes_an_echo_request_whose_prompt_is_being_scored(max_token
     prompt = [(i * 7) % 250 + 1 for i in range(900)]
     with running_server() as running:
         body = {"prompt": prompt, "max_tokens": max_tokens, "echo": True, "logprobs": 1}
+        body.update(seed=1, ignore_eos=True)  # unseeded, a draw could hit EOS (CI: 901 of 904)
         with ThreadPoolExecutor(1) as pool:
             sent = pool.submit(post, running.http, body)
             deadline = time.monotonic() + 30
@@ -328,6 +329,7 @@ def test_a_drain_finishes_an_echo_request_whose_prompt_is_being_scored(max_token
     assert response.status_code == 200, response.text
     choice = response.json()["choices"][0]
     assert len(choice["token_ids"]) == len(prompt) + max_tokens
+    assert choice["finish_reason"] == "length"
 
 
 def test_weight_versions_count_the_prompts_scoring():
