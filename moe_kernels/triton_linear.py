@@ -48,6 +48,31 @@ from moe_kernels.triton_pdl import pdl_launch, pdl_start
 from moe_kernels.triton_split_k import launch_split_k
 
 
+@triton.jit
+def _group_tiles(counts_ptr, num_groups, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The groups' row counts [BLOCK_G] from the device (0 past num_groups), their BLOCK_M-row
+    tile counts and the running ends of both: what _tile_rows reads."""
+    g = tl.arange(0, BLOCK_G)
+    counts = tl.load(counts_ptr + g, mask=g < num_groups, other=0).to(tl.int64)
+    tiles = (counts + BLOCK_M - 1) // BLOCK_M
+    return counts, tl.cumsum(counts, 0), tiles, tl.cumsum(tiles, 0)
+
+
+@triton.jit
+def _tile_rows(pid_m, counts, rows_end, tiles, tile_end, BLOCK_M: tl.constexpr):
+    """Row tile pid_m of the groups' tiles, from the device counts alone: its group (the number
+    of groups whose tiles end at or before it; >= num_groups past the last tile), its first row
+    (its group's first row + a multiple of BLOCK_M) and its end (at most its group's end).
+    Integer scans, exact."""
+    group_id = tl.sum((tile_end <= pid_m).to(tl.int64), 0)
+    first_tile = tile_end - tiles
+    is_mine = (first_tile <= pid_m) & (pid_m < tile_end)  # none past the last tile
+    row_start = tl.sum(tl.where(is_mine, rows_end - counts, 0), 0)
+    row_start += (pid_m - tl.sum(tl.where(is_mine, first_tile, 0), 0)) * BLOCK_M
+    row_end = tl.minimum(row_start + BLOCK_M, tl.sum(tl.where(is_mine, rows_end, 0), 0))
+    return group_id, row_start, row_end
+
+
 @triton.jit(do_not_specialize=["num_rows"])
 def _linear_kernel(
     x_ptr,
@@ -97,20 +122,8 @@ def _linear_kernel(
     pid_m, pid_n = tile_of(pid, num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
 
     if IS_GROUPED:
-        # Tile pid_m of the groups' row tiles, from the device counts alone: the group is the
-        # number of groups whose tiles end at or before it (integer scans, exact).
-        g = tl.arange(0, BLOCK_G)
-        g_ok = g < num_groups
-        counts = tl.load(counts_ptr + g, mask=g_ok, other=0).to(tl.int64)
-        tiles = (counts + BLOCK_M - 1) // BLOCK_M
-        tile_end = tl.cumsum(tiles, 0)
-        group_rows_end = tl.cumsum(counts, 0)
-        group_id = tl.sum(((tile_end <= pid_m) & g_ok).to(tl.int64), 0)
-        is_mine = g == group_id
-        first_tile = tl.sum(tl.where(is_mine, tile_end - tiles, 0), 0)
-        row_start = tl.sum(tl.where(is_mine, group_rows_end - counts, 0), 0)
-        row_start += (pid_m - first_tile) * BLOCK_M
-        row_end = tl.minimum(row_start + BLOCK_M, tl.sum(tl.where(is_mine, group_rows_end, 0), 0))
+        counts, rows_end, tiles, tile_end = _group_tiles(counts_ptr, num_groups, BLOCK_G, BLOCK_M)
+        group_id, row_start, row_end = _tile_rows(pid_m, counts, rows_end, tiles, tile_end, BLOCK_M)
         row_end = tl.where(group_id < num_groups, row_end, row_start)  # past the last tile
         w_ptr += group_id * N * K * (2 if IS_GATED else 1)
     else:
@@ -265,23 +278,14 @@ def _grouped_persistent_kernel(
     the column tiles. w_desc views the weight as [L * N, K]; a tile's rows past its group's
     end (the next group's rows, or TMA's zeros past x) are computed and never stored."""
     pdl_start(PDL)
-    g = tl.arange(0, BLOCK_G)
-    g_ok = g < num_groups
-    counts = tl.load(counts_ptr + g, mask=g_ok, other=0).to(tl.int64)
-    tiles = (counts + BLOCK_M - 1) // BLOCK_M
-    tile_end = tl.cumsum(tiles, 0)
-    rows_end = tl.cumsum(counts, 0)
+    counts, rows_end, tiles, tile_end = _group_tiles(counts_ptr, num_groups, BLOCK_G, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_k = tl.cdiv(K, BLOCK_K)
     for tile in tl.range(tl.program_id(0), tl.sum(tiles, 0) * num_pid_n, NUM_PROGRAMS):
         # Why n fastest: the programs running together share a row tile's x in L2.
         pid_m = tile // num_pid_n
         pid_n = tile % num_pid_n
-        group_id = tl.sum(((tile_end <= pid_m) & g_ok).to(tl.int64), 0)
-        is_mine = g == group_id
-        row_start = tl.sum(tl.where(is_mine, rows_end - counts, 0), 0)
-        row_start += (pid_m - tl.sum(tl.where(is_mine, tile_end - tiles, 0), 0)) * BLOCK_M
-        row_end = tl.minimum(row_start + BLOCK_M, tl.sum(tl.where(is_mine, rows_end, 0), 0))
+        group_id, row_start, row_end = _tile_rows(pid_m, counts, rows_end, tiles, tile_end, BLOCK_M)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         # Why: the pointer kernel's ascending K loop with its BLOCK_K, so its bits; TMA fills
         # K columns past the end with exact zeros, as its masked loads do.
