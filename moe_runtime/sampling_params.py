@@ -23,7 +23,7 @@ GREEDY_TEMPERATURE = 1e-5
 
 @dataclass(frozen=True)
 class SamplingParams:
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: to the context's end (vLLM's meaning)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1 or 0 (vLLM's two spellings): off
@@ -51,7 +51,12 @@ class SamplingParams:
         for name, value in values.items():
             if name in _NUMBERS and value is not None:  # numpy's scalars as Python's: they
                 object.__setattr__(self, name, _NUMBERS[name](value))  # reach JSON and hashes
-        _check(self.max_tokens >= 1, "max_tokens", self.max_tokens, "an int >= 1")
+        _check(
+            self.max_tokens is None or self.max_tokens >= 1,
+            "max_tokens",
+            self.max_tokens,
+            "an int >= 1 or None (to the context's end)",
+        )
         _check(
             self.temperature >= 0.0,
             "temperature",
@@ -121,7 +126,9 @@ def ends_by_length(
 ) -> bool:
     """Whether a sample of these counts ends whatever its newest token is (max_tokens or the
     context): known before the token is."""
-    return num_output_tokens >= params.max_tokens or num_tokens >= max_model_len
+    if params.max_tokens is not None and num_output_tokens >= params.max_tokens:
+        return True
+    return num_tokens >= max_model_len
 
 
 # The numeric fields, by the Python type each is stored as.

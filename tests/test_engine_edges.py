@@ -5,12 +5,14 @@ a stop; one prompt of numpy or torch integer ids is one prompt."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 
 from moe_runtime import LLM, SamplingParams
-from moe_runtime.engine.request_checks import PromptTooLongError
+from moe_runtime.engine.request_checks import ContextLengthError, PromptTooLongError
 from tests.invariance import TINY_CONFIG, fingerprint, mixed_prompts
 
 # 16 blocks of 4: a 44-token request with 12 generated needs 14, leaving 2.
@@ -330,3 +332,20 @@ def test_a_prompt_past_the_context_is_refused_before_its_ids_are_read(llm):
     too_long = [10**9] * (llm.config.scheduler.max_model_len + 1)  # and no id in the vocabulary
     with pytest.raises(PromptTooLongError, match="more than scheduler.max_model_len"):
         llm.generate([too_long], SamplingParams(max_tokens=1))
+
+
+def test_max_tokens_none_generates_to_the_contexts_end():
+    """vLLM's max_tokens=None: up to the context's end (it was refused as not an int). The
+    samples are those of the equal explicit budget; a prompt that leaves no room is refused
+    naming max_tokens."""
+    llm = LLM(TINY_CONFIG, **{"scheduler.max_model_len": 40})
+    to_end = SamplingParams(max_tokens=None, temperature=0.8, seed=3, ignore_eos=True, logprobs=2)
+    prompts = [list(range(1, 11)), list(range(1, 40))]
+    outputs = llm.generate(prompts, to_end)
+    assert [len(o.token_ids) for o in outputs] == [30, 1]
+    assert [o.outputs[0].finish_reason for o in outputs] == ["length", "length"]
+    for prompt, output in zip(prompts, outputs, strict=True):
+        budget = dataclasses.replace(to_end, max_tokens=40 - len(prompt))
+        assert fingerprint(output) == fingerprint(llm.generate([prompt], budget)[0])
+    with pytest.raises(ContextLengthError, match=r"max_tokens \(None: one token at least\)"):
+        llm.generate([list(range(1, 41))], to_end)

@@ -72,8 +72,11 @@ class RequestChecks:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         token_ids = self.encode(prompt)
-        if len(token_ids) + params.max_tokens > self.max_model_len:
-            raise ContextLengthError(len(token_ids), params.max_tokens, self.max_model_len)
+        budget, field = params.max_tokens, "max_tokens"
+        if budget is None:  # to the context's end: room for one token at least
+            budget, field = 1, "max_tokens (None: one token at least)"
+        if len(token_ids) + budget > self.max_model_len:
+            raise ContextLengthError(len(token_ids), budget, self.max_model_len, field)
         self.num_top(params.logprobs)
         outside = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if outside:  # never sampled: a stop that could never end the sample
