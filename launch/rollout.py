@@ -53,8 +53,7 @@ from launch.rollout_settings import (  # noqa: E402
 )
 from moe_runtime import LLM, RequestOutput, SamplingParams, heap  # noqa: E402
 from moe_runtime.config import load_config  # noqa: E402
-from moe_runtime.engine.engine import LLMEngine  # noqa: E402
-from moe_runtime.engine.request import Request  # noqa: E402
+from moe_runtime.llm import step_until_done  # noqa: E402
 from moe_runtime.seeds import MAX_SEED, SEED_BITS  # noqa: E402
 
 
@@ -313,26 +312,8 @@ def _rollout_batch(
     between two steps raises Stopped once a stop signal came."""
     engine = llm.engine
     requests = engine.add_requests([s.prompt for s in batch], [s.params for s in batch])
-    _step_until_done(engine, requests, progress, stop)
+    step_until_done(engine, requests, progress, stop)
     return [_rollout_row(s, engine.output(r)) for s, r in zip(batch, requests, strict=True)]
-
-
-def _step_until_done(
-    engine: LLMEngine, requests: list[Request], progress: tqdm, stop: Callable[[], None]
-) -> None:
-    """Step until the batch's requests are done, `stop()` before each step. The progress bar
-    counts finished requests (one a sample) and, between them, the tokens generated so far (a
-    scoring has no deltas: its rows count as they finish)."""
-    num_tokens = num_done = 0
-    while engine.has_unfinished():
-        stop()
-        deltas = engine.step()
-        num_tokens += sum(len(out.token_ids) for delta in deltas for out in delta.outputs)
-        if num_tokens:
-            progress.set_postfix(batch_tokens=num_tokens, refresh=False)
-        done = sum(request.is_finished for request in requests)
-        progress.update(done - num_done)  # redrawn at most 10/s
-        num_done = done
 
 
 def _rollout_row(sample: Sample, output: RequestOutput) -> dict:
@@ -364,7 +345,7 @@ def _score_batch(
     engine = llm.engine
     sequences = [[*s.prompt, *s.token_ids] for s in batch]
     requests = engine.add_score_requests(sequences, [len(s.prompt) for s in batch], num_top or None)
-    _step_until_done(engine, requests, progress, stop)
+    step_until_done(engine, requests, progress, stop)
     rows = []
     for s, request in zip(batch, requests, strict=True):
         (out,) = engine.output(request).outputs

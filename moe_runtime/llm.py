@@ -8,9 +8,11 @@ name with a dict of keys, and win over the config file.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
+
+from tqdm import tqdm
 
 from moe_runtime.config import SECTIONS, RuntimeConfig, load_config
 from moe_runtime.engine import CompletionOutput, LLMEngine, RequestOutput
@@ -35,10 +37,12 @@ class LLM:
         params: SamplingParams | list[SamplingParams] | None = None,
         *,
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in prompt order. A prompt is text, token ids, or
         vLLM's {"prompt": text} / {"prompt_token_ids": ids}; `sampling_params` is vLLM's name
-        for `params`. Bad prompts raise before any work."""
+        for `params`. Bad prompts raise before any work. use_tqdm: a progress bar of finished
+        prompts on stderr (as vLLM's)."""
         if sampling_params is not None:
             if params is not None:
                 raise ValueError("give params or sampling_params (vLLM's name for it), not both")
@@ -50,22 +54,29 @@ class LLM:
         )
         engine = self._live_engine()
         requests = engine.add_requests(list(prompts), params_list)
-        self._run_until_done(requests)
+        self._run_until_done(requests, "generate", use_tqdm)
         return [engine.output(request) for request in requests]
 
-    def score(self, sequences: list[list[int]], prompt_lens: list[int]) -> list[list[float]]:
+    def score(
+        self, sequences: list[list[int]], prompt_lens: list[int], *, use_tqdm: bool = True
+    ) -> list[list[float]]:
         """Teacher-forced logprob of every token after the prompt, one list per sequence."""
         requests = self._live_engine().add_score_requests(sequences, prompt_lens)  # all or none
-        self._run_until_done(requests)
+        self._run_until_done(requests, "score", use_tqdm)
         return [list(r.samples[0].output_logprobs) for r in requests]
 
     def score_outputs(
-        self, sequences: list[list[int]], prompt_lens: list[int], logprobs: int | None = None
+        self,
+        sequences: list[list[int]],
+        prompt_lens: list[int],
+        logprobs: int | None = None,
+        *,
+        use_tqdm: bool = True,
     ) -> list[CompletionOutput]:
         """`score` with each position's top `logprobs` too: one CompletionOutput a sequence
         (token_ids: the scored tokens; logprobs, top_logprobs: as decoding them reports)."""
         requests = self._live_engine().add_score_requests(sequences, prompt_lens, logprobs)
-        self._run_until_done(requests)
+        self._run_until_done(requests, "score", use_tqdm)
         return [self.engine.output(r).outputs[0] for r in requests]
 
     def rebalance(self) -> dict:
@@ -93,15 +104,39 @@ class LLM:
             self.engine.restart()
         return self.engine
 
-    def _run_until_done(self, requests: list[Request]) -> None:
-        """Step until nothing is left; on any exception (a Ctrl-C between steps too) this
-        call's requests are aborted, so a later call neither runs them nor waits for them."""
+    def _run_until_done(self, requests: list[Request], what: str, use_tqdm: bool) -> None:
+        """Step until nothing is left, on a progress bar when use_tqdm; on any exception (a
+        Ctrl-C between steps too) this call's requests are aborted, so a later call neither
+        runs them nor waits for them."""
         try:
-            while self.engine.has_unfinished():
-                self.engine.step()
+            with tqdm(total=len(requests), desc=what, unit="prompt", disable=not use_tqdm) as bar:
+                step_until_done(self.engine, requests, bar)
         except BaseException:
             self.engine.abort(*(request.request_id for request in requests))
             raise
+
+
+def step_until_done(
+    engine: LLMEngine,
+    requests: list[Request],
+    progress: tqdm,
+    before_step: Callable[[], None] = lambda: None,
+) -> None:
+    """Step until the engine has nothing left, before_step() before each step (it may raise to
+    stop). The progress bar counts the requests that finished and, between them, the tokens
+    generated so far (a scoring has no deltas: its requests count as they finish)."""
+    num_tokens = num_done = 0
+    while engine.has_unfinished():
+        before_step()
+        deltas = engine.step()
+        if progress.disable:  # no pass over the requests a step
+            continue
+        num_tokens += sum(len(out.token_ids) for delta in deltas for out in delta.outputs)
+        if num_tokens:
+            progress.set_postfix(tokens=num_tokens, refresh=False)
+        done = sum(request.is_finished for request in requests)
+        progress.update(done - num_done)  # redrawn at most 10/s
+        num_done = done
 
 
 def _flatten_overrides(overrides: dict[str, Any]) -> dict[str, Any]:

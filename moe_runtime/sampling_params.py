@@ -52,10 +52,10 @@ class SamplingParams:
             if name in _NUMBERS and value is not None:  # numpy's scalars as Python's: they
                 object.__setattr__(self, name, _NUMBERS[name](value))  # reach JSON and hashes
         _check(
-            self.max_tokens is None or self.max_tokens >= 1,
+            self.max_tokens is None or self.max_tokens >= 1,  # None: to the context's end
             "max_tokens",
             self.max_tokens,
-            "an int >= 1 or None (to the context's end)",
+            "an int >= 1",
         )
         _check(
             self.temperature >= 0.0,

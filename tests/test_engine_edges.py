@@ -349,3 +349,17 @@ def test_max_tokens_none_generates_to_the_contexts_end():
         assert fingerprint(output) == fingerprint(llm.generate([prompt], budget)[0])
     with pytest.raises(ContextLengthError, match=r"max_tokens \(None: one token at least\)"):
         llm.generate([list(range(1, 41))], to_end)
+
+
+def test_use_tqdm_is_vllms_progress_bar_of_finished_prompts(llm, capsys):
+    """generate / score take vLLM's use_tqdm (it was a TypeError): a bar on stderr counts the
+    finished prompts and the tokens generated; off, nothing is written."""
+    params = SamplingParams(max_tokens=4, seed=2, ignore_eos=True)
+    shown = llm.generate([[5, 6, 7], [8, 9]], params)
+    bar = capsys.readouterr().err
+    assert "generate: 100%" in bar and "2/2" in bar and "tokens=8" in bar
+    quiet = llm.generate([[5, 6, 7], [8, 9]], params, use_tqdm=False)
+    assert [fingerprint(o) for o in quiet] == [fingerprint(o) for o in shown]
+    assert llm.score([[5, 6, 7]], [1], use_tqdm=False) and capsys.readouterr().err == ""
+    llm.score_outputs([[5, 6, 7]], [1])
+    assert "score: 100%" in capsys.readouterr().err
