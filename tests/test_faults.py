@@ -378,7 +378,9 @@ def test_a_rank_found_dead_outside_a_step_kills_the_engine_and_it_rebuilds(path)
         time.sleep(0.02)
     _wait_healthy(loop)
     assert loop.call(lambda e: e.worker_stats()).result(timeout=30)[0]["rank"] == 0
-    done = loop.submit([[1, 2, 3]], [SamplingParams(max_tokens=3)]).result(timeout=30)
+    # Seeded, EOS ignored: an unseeded draw could sample EOS and end short of 3 tokens.
+    params = SamplingParams(max_tokens=3, seed=1, ignore_eos=True)
+    done = loop.submit([[1, 2, 3]], [params]).result(timeout=30)
     loop.shutdown()
     assert len(done[0].token_ids) == 3 and loop.stats().num_restarts == 1
 

@@ -309,11 +309,15 @@ def test_a_request_across_an_update_reports_both_versions(checkpoints):
     first, second = checkpoints
     llm = LLM({"model": {"path": first}, "scheduler": {"max_model_len": 256}})
     engine = llm.engine
-    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    # Seeded: unseeded, each request drew its own seed, so the control below compared two
+    # draws that differ whatever the weights (it could not fail).
+    params = SamplingParams(max_tokens=10, seed=7, ignore_eos=True)
+    old = llm.generate([[4, 5, 6]], params)[0]
     across = engine.add_request([4, 5, 6], params)
     engine.step()
     engine.step()
-    assert len(across.samples[0].output_token_ids) >= 1  # engagement: tokens before the update
+    num_before = len(across.samples[0].output_token_ids)
+    assert num_before >= 1  # engagement: tokens before the update
     engine.update_weights(second)
     after = engine.add_request([4, 5, 6], params)
     while engine.has_unfinished():
@@ -321,7 +325,9 @@ def test_a_request_across_an_update_reports_both_versions(checkpoints):
     mixed, fresh = engine.output(across), engine.output(after)
     assert (mixed.first_weight_version, mixed.weight_version) == (0, 1)
     assert (fresh.first_weight_version, fresh.weight_version) == (1, 1)
-    assert mixed.token_ids != fresh.token_ids  # control: the update reached the running request
+    assert mixed.token_ids[:num_before] == old.token_ids[:num_before]  # the old weights' start
+    assert mixed.token_ids != old.token_ids  # control: the update reached the running request
+    assert mixed.token_ids != fresh.token_ids  # and its start was the old weights'
     llm.shutdown()
 
 
