@@ -154,7 +154,7 @@ def test_sigterm_with_a_stalled_rank_ends_the_requests_and_exits_in_time(head):
             for _ in streams:
                 assert first_chunks.acquire(timeout=60), "a stream never started"
             whole = pool.submit(httpx.post, f"{url}/v1/completions", json=long, timeout=60)
-            time.sleep(0.5)  # the whole request is queued in the engine
+            _wait_until_queued(url, 3)  # the whole request is in the engine (a sleep was a guess)
             server.stall()
             time.sleep(0.5)
             elapsed = _sigterm(server)
@@ -237,6 +237,17 @@ def _wait_ready(proc: subprocess.Popen, lines: list[str], timeout_s: float = 120
         assert proc.poll() is None, "serve_ep exited:\n" + "".join(lines)
         time.sleep(0.1)
     raise AssertionError("serve_ep not ready:\n" + "".join(lines[-40:]))
+
+
+def _wait_until_queued(url: str, num: int, timeout_s: float = 60) -> None:
+    """Until the engine holds `num` sequences, running or waiting (/health counts both)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        health = httpx.get(f"{url}/health", timeout=10).json()
+        if health["num_running"] + health["num_waiting"] >= num:
+            return
+        assert time.monotonic() < deadline, f"{num} sequences never reached the engine: {health}"
+        time.sleep(0.05)
 
 
 def _new_worker_pids(before: set[str]) -> list[int]:

@@ -505,7 +505,10 @@ def test_serve_ep_subprocess_starts_answers_and_drains_on_sigterm():
         with httpx.Client(base_url=serve.ready_url(30), timeout=30) as http:
             assert http.get("/health").status_code == 200
             assert post(http, {"prompt": "hi", "max_tokens": 3}).status_code == 200
-            body = {"prompt": [1, 2], "max_tokens": 500, "temperature": 0, "ignore_eos": True}
+            # Long enough to be running when SIGTERM comes (it is sent the moment /health
+            # counts it), short enough to drain well inside the 30 s timeouts: 500 tokens
+            # took 10 s on a 2-core machine under load.
+            body = {"prompt": [1, 2], "max_tokens": 200, "temperature": 0, "ignore_eos": True}
             with ThreadPoolExecutor(1) as pool:
                 in_flight = pool.submit(post, http, body)
                 while http.get("/health").json()["num_running"] == 0:
@@ -513,7 +516,7 @@ def test_serve_ep_subprocess_starts_answers_and_drains_on_sigterm():
                 proc.send_signal(signal.SIGTERM)
                 response = in_flight.result(timeout=30)
         assert response.status_code == 200
-        assert len(response.json()["choices"][0]["token_ids"]) == 500
+        assert len(response.json()["choices"][0]["token_ids"]) == body["max_tokens"]
         assert proc.wait(timeout=15) == 0
     finally:
         serve.kill()
