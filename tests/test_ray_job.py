@@ -17,7 +17,7 @@ import pytest
 
 from moe_runtime import LLM, SamplingParams
 from tests.invariance import TINY_CONFIG
-from tests.ray_head import free_port, ray_cli
+from tests.ray_head import ray_cli
 
 pytest.importorskip("ray")
 
@@ -36,7 +36,6 @@ def _get_json(url: str, body: dict | None = None) -> tuple[int, dict]:
 
 def test_ray_job_submit_serves_and_stops(ray_head):
     env, address = ray_head.env, ray_head.dashboard_url
-    port = free_port()
     submitted = ray_cli(
         env,
         "job",
@@ -51,22 +50,24 @@ def test_ray_job_submit_serves_and_stops(ray_head):
         "launch/serve_ep.py",
         "--config",
         "launch/configs/tiny_cpu.yaml",
-        "--port",
-        str(port),
+        "--port",  # its own free port, read from its log: a port picked here and bound by
+        "0",  # the job seconds later could be taken meanwhile (Ray's own listeners pick theirs)
         "--set",
         "parallel.world_size=2",
     )
     assert submitted.returncode == 0, submitted.stdout + submitted.stderr
     job_id = re.search(r"raysubmit_[A-Za-z0-9]+", submitted.stdout + submitted.stderr).group(0)
-    deadline = time.monotonic() + 180
-    while _get_json(f"http://127.0.0.1:{port}/health")[0] != 200:
+    url, deadline = None, time.monotonic() + 180
+    while url is None or _get_json(f"{url}/health")[0] != 200:
         logs = ray_cli(env, "job", "logs", "--address", address, job_id).stdout
         assert time.monotonic() < deadline, f"server never became healthy:\n{logs[-3000:]}"
+        if (ready := re.search(r"ready on (http://\S+)", logs)) is not None:
+            url = ready.group(1)
         time.sleep(1)
 
     prompt = [72, 101, 108, 108, 111]
     status, body = _get_json(
-        f"http://127.0.0.1:{port}/v1/completions",
+        f"{url}/v1/completions",
         {
             "model": "moe-runtime",
             "prompt": prompt,
