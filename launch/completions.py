@@ -266,8 +266,7 @@ async def chat(
     # stream's chunks go out through the loop.
     prompt_ids = await asyncio.to_thread(tokenizer.apply_chat_template, messages)
     max_model_len, budget = config.scheduler.max_model_len, body.token_budget()
-    room = max(1, max_model_len - len(prompt_ids))  # too long fails below
-    params = body.sampling_params(room)
+    params = body.sampling_params(None)  # no budget: to the context's end
     generation = Generation(backend.engine, [prompt_ids], [params], metrics)
     try:
         await generation.start(body.stream)

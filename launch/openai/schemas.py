@@ -194,7 +194,9 @@ class SamplingFields(Strict):
         """The most tokens the client lets a sample generate, or None (the default)."""
         return self.max_tokens
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+    def sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
+        """The request's SamplingParams; default_max_tokens where it gives no budget (None: to
+        the context's end)."""
         budget = self.token_budget()
         return SamplingParams(
             max_tokens=default_max_tokens if budget is None else budget,
