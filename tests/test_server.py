@@ -427,6 +427,41 @@ def test_async_engine_scorings_settle_with_score_bits_and_a_cancelled_one_is_abo
         async_engine.shutdown(drain_timeout_s=1)
 
 
+def test_async_engine_stats_count_the_step_or_call_that_answered():
+    """`stats` (what /metrics and /health read) already counts the step that finished a
+    request when its last delta and its result are handed out, and a call's effect when its
+    result is: a scrape right after a response showed the finished request still running, its
+    KV blocks in use and its last step uncounted (a rebalance's answer, before its balancedness)."""
+    async_engine = AsyncEngine(LLMEngine(load_config(TINY_CONFIG)))
+    seen = {}
+
+    def on_output(_prompt_idx: int, delta: RequestOutput) -> None:  # on the loop thread
+        if delta.is_finished:
+            seen["last delta"] = async_engine.stats()
+
+    gate = threading.Event()
+
+    def rebalance(engine: LLMEngine) -> dict:
+        gate.wait()  # its done-callback is added first: it runs as the result is handed out
+        return engine.rebalance(force=False)  # one rank: balanced, skipped, measured
+
+    try:
+        params = SamplingParams(max_tokens=3, ignore_eos=True)
+        done = async_engine.submit([[1, 2, 3]], [params], on_output)
+        done.result(timeout=60)
+        call = async_engine.call(rebalance)
+        call.add_done_callback(lambda _future: seen.setdefault("call", async_engine.stats()))
+        gate.set()
+        report = call.result(timeout=60)
+        finished = seen["last delta"]
+        assert (finished.num_running, finished.num_waiting) == (0, 0)
+        assert finished.kv_cache_usage == (0.0,)
+        assert finished.num_steps == async_engine.stats().num_steps == 3
+        assert seen["call"].last_balancedness == report["balancedness_before"] == 1.0
+    finally:
+        async_engine.shutdown(drain_timeout_s=1)
+
+
 def test_async_engine_cancel_aborts_and_shutdown_drains():
     engine = LLMEngine(load_config(TINY_CONFIG))
     step = engine.step

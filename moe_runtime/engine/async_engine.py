@@ -287,8 +287,7 @@ class AsyncEngine:
                 if self._error is None and self._engine.has_unfinished():
                     with self._running("a step"):
                         self._step()
-                with self._cond:  # after calls and aborts too: a rebalance, a cancel
-                    self._stats = self._engine.stats()
+                self._publish_stats()  # after aborts too: nobody awaits a cancelled one
         except BaseException as exc:  # a bug here must not leave callers waiting forever
             with self._cond:
                 self._error = exc
@@ -318,15 +317,15 @@ class AsyncEngine:
             return
         with self._cond:
             self._call = future  # in flight: a drain waits for it
-        failure = None
+        failure, result = None, None
         try:
             self._check_alive()
             result = fn(self._engine)
         except Exception as exc:  # the caller gets it; a refusal changes nothing else
-            _resolve(future, exc, None)  # (unless a shutdown answered it first)
             failure = exc
-        else:
-            _resolve(future, None, result)
+        try:
+            self._publish_stats()  # before the answer: a scrape after it sees its effect
+            _resolve(future, failure, result)  # (unless a shutdown answered it first)
         finally:
             with self._cond:  # answered: a drain no longer waits for it (nor for a rebuild)
                 self._call = None
@@ -362,6 +361,7 @@ class AsyncEngine:
         except Exception as exc:  # a worker failure: every pending request ends with it
             self._die(exc)
             return
+        self._publish_stats()  # before the deltas and results: a scrape after them counts it
         failed: dict[int, tuple[_Submission, Exception]] = {}
         for delta in deltas:
             submission, prompt_idx = self._owner[delta.request_id]
@@ -392,10 +392,9 @@ class AsyncEngine:
             f"the engine failed before the request ran ({type(error).__name__}: {error}); it "
             "is rebuilding its workers"
         )
+        self._publish_stats()  # what /metrics reads meanwhile: the failed requests gone
         for submission in self._snapshot():
             self._settle(submission, error if submission.has_run() else never_ran)
-        with self._cond:  # what /metrics reads meanwhile: the failed requests gone
-            self._stats = self._engine.stats()
         while True:
             with self._cond:
                 if self._is_stopping or not self._is_accepting:
@@ -408,10 +407,18 @@ class AsyncEngine:
                 with self._cond:
                     self._error, self._given_up = exc, True
                 return
+            self._publish_stats()
             with self._cond:
                 self._error = None
-                self._stats = self._engine.stats()
             return
+
+    def _publish_stats(self) -> None:
+        """What `stats` reads, as of now. Why before a step's deltas and results, and a call's
+        answer: a scrape that follows a response must count what produced it (it showed the
+        finished request still running and its step uncounted)."""
+        stats = self._engine.stats()
+        with self._cond:
+            self._stats = stats
 
     def _abort(self, submission: _Submission) -> None:
         self._engine.abort(*(r.request_id for r in submission.requests if not r.is_finished))
