@@ -25,7 +25,9 @@ the call. Request semantics are the engine's; this module only moves work betwee
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
@@ -41,6 +43,7 @@ from moe_runtime.engine.stall_watch import StallWatch
 from moe_runtime.engine.weights_source import WeightsChangedError
 from moe_runtime.sampling_params import SamplingParams
 
+log = logging.getLogger(__name__)
 OutputCallback = Callable[[int, RequestOutput], None]  # (prompt index, delta)
 STOP_TIMEOUT_S = 2.0  # a healthy loop ends its step well inside this; a stuck one never does
 
@@ -90,6 +93,7 @@ class AsyncEngine:
         self._has_cancelled = False
         self._error: BaseException | None = None
         self._given_up = False
+        self._rebuild_failure: str | None = None  # the last failed rebuild attempt's error
         self._call: Future | None = None  # the call (`call`) running now
         self._stats = engine.stats()
         # Loop thread only: the submission and prompt index of each unfinished request, and
@@ -174,8 +178,15 @@ class AsyncEngine:
 
     @property
     def error(self) -> str | None:
+        """Why the engine is down (None when it is not), and why the last rebuild attempt
+        failed while the next one runs."""
         with self._cond:
-            return None if self._error is None else f"{type(self._error).__name__}: {self._error}"
+            if self._error is None:
+                return None
+            error = f"{type(self._error).__name__}: {self._error}"
+            if self._rebuild_failure is not None:
+                error += f"; rebuilding the workers failed ({self._rebuild_failure}), trying again"
+            return error
 
     def stats(self) -> EngineStats:
         """The engine's counts after the last step; num_waiting includes queued prompts."""
@@ -385,7 +396,8 @@ class AsyncEngine:
         """The engine died: every pending request (streams included) ends with the error at
         once, then the worker group is rebuilt, unhealthy meanwhile, until restarts run out;
         never once draining or stopping (a rebuild would outlast the drain, and nothing would
-        use it)."""
+        use it). Each step is logged; a rebuild attempt that fails is named by `error` (what
+        /health and the 503s say) while the next one runs."""
         with self._cond:
             self._error = error
         never_ran = EngineUnavailableError(  # in no step yet, the failed one too: a retry may
@@ -395,21 +407,30 @@ class AsyncEngine:
         self._publish_stats()  # what /metrics reads meanwhile: the failed requests gone
         for submission in self._snapshot():
             self._settle(submission, error if submission.has_run() else never_ran)
+        log.warning("the engine died (%s: %s)", type(error).__name__, error)
         while True:
             with self._cond:
                 if self._is_stopping or not self._is_accepting:
                     return  # draining: nothing new will run, and a rebuild would outlast it
+            log.warning("rebuilding the worker group")
+            started = time.monotonic()
             try:
                 self._engine.restart()
             except Exception as exc:
+                failed = f"{type(exc).__name__}: {exc}"
                 if self._engine.can_restart() and not isinstance(exc, WeightsChangedError):
+                    log.error("rebuilding the worker group failed (%s); trying again", failed)
+                    with self._cond:
+                        self._rebuild_failure = failed
                     continue  # this rebuild failed; the next one counts too
+                log.error("the engine gave up: %s", failed)
                 with self._cond:
-                    self._error, self._given_up = exc, True
+                    self._error, self._given_up, self._rebuild_failure = exc, True, None
                 return
+            log.warning("rebuilt the worker group in %.1fs", time.monotonic() - started)
             self._publish_stats()
             with self._cond:
-                self._error = None
+                self._error, self._rebuild_failure = None, None
             return
 
     def _publish_stats(self) -> None:

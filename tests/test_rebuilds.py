@@ -1,0 +1,92 @@
+"""What a serving engine says about its rebuilds (one in-process rank, faults injected).
+
+An operator reads the server's log and /health: a rank's death, each rebuild of the worker group
+and each rebuild attempt that fails must show there while it happens, not only once the engine
+has given up.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import pytest
+
+from moe_runtime import LLM, SamplingParams
+from moe_runtime.engine.async_engine import AsyncEngine, EngineUnavailableError
+from moe_runtime.executor import WorkerError
+from tests.invariance import TINY_CONFIG
+
+
+def _dead_at_the_idle_check(engine) -> None:
+    """engine.executor.call_all, but the idle check's ping raises as a dead rank's does (the
+    rebuilt executor has its own)."""
+    call_all = engine.executor.call_all
+
+    def call(name: str, *args, **bounds):
+        if name == "ping":
+            raise WorkerError("rank 0 died during ping: injected")
+        return call_all(name, *args, **bounds)
+
+    engine.executor.call_all = call
+
+
+def test_a_failed_rebuild_attempt_is_logged_and_named_while_the_next_one_runs(caplog):
+    """A rebuild attempt that failed (the cluster could not place the new group, a new rank
+    failed its start) was retried without a word: for as long as the retries took, /health and
+    every 503 named only the first fault, and the server's log held neither the failed attempt
+    nor that the engine died and rebuilt at all (the rank's own death at most). Now each step is
+    logged and the error names the failed attempt while the next one runs."""
+    llm = LLM(TINY_CONFIG, **{"server.health_check_interval_s": 0.2})
+    engine = llm.engine
+    _dead_at_the_idle_check(engine)
+    attempts, retried, release = [], threading.Event(), threading.Event()
+    rebuild = engine.restart
+
+    def restart():
+        attempts.append(1)
+        if len(attempts) == 1:
+            raise WorkerError("injected: the cluster could not place the ranks")
+        retried.set()
+        release.wait(30)
+        rebuild()
+
+    engine.restart = restart
+    caplog.set_level(logging.INFO, logger="moe_runtime")
+    loop = AsyncEngine(engine)
+    try:
+        assert retried.wait(30), "the rebuild was not tried again"
+        assert loop.error == (
+            "WorkerError: rank 0 died during ping: injected; rebuilding the workers failed "
+            "(WorkerError: injected: the cluster could not place the ranks), trying again"
+        )
+        with pytest.raises(EngineUnavailableError, match=r"recovering: .*could not place"):
+            loop.submit([[1, 2, 3]], [SamplingParams(max_tokens=3)])
+        release.set()
+        deadline = time.monotonic() + 60
+        while not loop.is_healthy:
+            assert time.monotonic() < deadline, f"no recovery: {loop.error}"
+            time.sleep(0.05)
+        assert loop.error is None
+        done = loop.submit([[1, 2, 3]], [SamplingParams(max_tokens=3)]).result(timeout=30)
+        assert len(done[0].token_ids) == 3
+    finally:
+        release.set()
+        loop.shutdown()
+    logged = [
+        (r.levelname, r.getMessage())
+        for r in caplog.records
+        if r.name == "moe_runtime.engine.async_engine"
+    ]
+    assert logged[:4] == [
+        ("WARNING", "the engine died (WorkerError: rank 0 died during ping: injected)"),
+        ("WARNING", "rebuilding the worker group"),
+        (
+            "ERROR",
+            "rebuilding the worker group failed (WorkerError: injected: the cluster could not "
+            "place the ranks); trying again",
+        ),
+        ("WARNING", "rebuilding the worker group"),
+    ]
+    assert logged[4][0] == "WARNING" and logged[4][1].startswith("rebuilt the worker group in ")
