@@ -2,17 +2,21 @@
 
 An operator reads the server's log and /health: a rank's death, each rebuild of the worker group
 and each rebuild attempt that fails must show there while it happens, not only once the engine
-has given up.
+has given up. A client reads the 503s meanwhile: they must say when a retry may be answered.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
 
+import httpx
 import pytest
 
+from launch.generation import Backend
+from launch.server_app import create_app
 from moe_runtime import LLM, SamplingParams
 from moe_runtime.engine.async_engine import AsyncEngine, EngineUnavailableError
 from moe_runtime.executor import WorkerError
@@ -90,3 +94,58 @@ def test_a_failed_rebuild_attempt_is_logged_and_named_while_the_next_one_runs(ca
         ("WARNING", "rebuilding the worker group"),
     ]
     assert logged[4][0] == "WARNING" and logged[4][1].startswith("rebuilt the worker group in ")
+
+
+def _post(app, path: str, body: dict) -> httpx.Response:
+    async def post() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return await client.post(path, json=body)
+
+    return asyncio.run(post())
+
+
+def test_a_503_while_the_engine_rebuilds_says_when_to_retry():
+    """The openai client retries a 503 twice, 0.5 s and 1 s apart, unless the response says
+    how long to wait (Retry-After, up to 60 s): its user got the 503 1.5 s into a rebuild that
+    takes about as long as the start (8 s at world size 2 on CPU; minutes for a large model).
+    Now a 503 of a rebuilding engine carries Retry-After: the last build's time less what this
+    rebuild has run, at least 1 s. A 503 no estimate fits carries none: an engine still loading
+    (nothing measured yet), or one shutting down (a retry should go elsewhere)."""
+    llm = LLM(TINY_CONFIG, **{"server.health_check_interval_s": 0.2})
+    engine = llm.engine
+    engine.build_s = 30.0  # as a large model's start would have measured
+    _dead_at_the_idle_check(engine)
+    rebuilding, release = threading.Event(), threading.Event()
+    rebuild = engine.restart
+
+    def restart():
+        rebuilding.set()
+        release.wait(30)
+        rebuild()
+
+    engine.restart = restart
+    loop = AsyncEngine(engine)
+    app = create_app(engine.config, Backend(loop, engine.tokenizer))
+    body = {"model": engine.config.server.model_name, "prompt": [1, 2, 3], "max_tokens": 3}
+    try:
+        assert rebuilding.wait(30)
+        started = time.monotonic()
+        refused = _post(app, "/v1/completions", body)
+        assert refused.status_code == 503, refused.text
+        assert "recovering" in refused.json()["error"]["message"]
+        waited_s = time.monotonic() - started
+        assert 30 - waited_s - 1 <= int(refused.headers["retry-after"]) <= 30
+        release.set()
+        deadline = time.monotonic() + 60
+        while not loop.is_healthy:
+            assert time.monotonic() < deadline, f"no recovery: {loop.error}"
+            time.sleep(0.05)
+        assert 0 < engine.build_s < 30  # the rebuild's own time now
+        assert _post(app, "/v1/completions", body).status_code == 200
+    finally:
+        release.set()
+        loop.shutdown()
+    for stopped in (app, create_app(engine.config)):  # shut down; loading
+        refused = _post(stopped, "/v1/completions", body)
+        assert refused.status_code == 503 and "retry-after" not in refused.headers

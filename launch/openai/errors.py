@@ -14,6 +14,7 @@ budget, past the context (`ContextLengthExceeded`), else null.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Awaitable
 
 from fastapi.exceptions import RequestValidationError
@@ -82,7 +83,12 @@ def error_body(exc: Exception) -> dict:
 
 
 def error_response(exc: Exception) -> JSONResponse:
-    return ExactJSONResponse(error_body(exc), status_code=error_status(exc)[0])
+    """The error's body and status; an engine that will serve again soon (rebuilding, stalled)
+    says when in Retry-After (whole seconds), which clients such as openai's honour."""
+    headers = None
+    if isinstance(exc, EngineUnavailableError) and exc.retry_after_s is not None:
+        headers = {"Retry-After": str(math.ceil(exc.retry_after_s))}
+    return ExactJSONResponse(error_body(exc), status_code=error_status(exc)[0], headers=headers)
 
 
 async def answer(response: Awaitable[Response]) -> Response:

@@ -41,6 +41,7 @@ from moe_runtime.engine.outputs import EngineStats, RequestOutput
 from moe_runtime.engine.request import Request
 from moe_runtime.engine.stall_watch import StallWatch
 from moe_runtime.engine.weights_source import WeightsChangedError
+from moe_runtime.executor import QUICK_CALL_TIMEOUT_S
 from moe_runtime.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -49,7 +50,12 @@ STOP_TIMEOUT_S = 2.0  # a healthy loop ends its step well inside this; a stuck o
 
 
 class EngineUnavailableError(RuntimeError):
-    """The engine is loading, draining, stopped or dead; the request was not run."""
+    """The engine is loading, draining, stopped or dead; the request was not run.
+    retry_after_s: when a retry may find it serving again (rebuilding or stalled), else None."""
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 @dataclass(eq=False)
@@ -94,6 +100,7 @@ class AsyncEngine:
         self._error: BaseException | None = None
         self._given_up = False
         self._rebuild_failure: str | None = None  # the last failed rebuild attempt's error
+        self._rebuild_started = 0.0  # monotonic, of the rebuild under way (while _error is set)
         self._call: Future | None = None  # the call (`call`) running now
         self._stats = engine.stats()
         # Loop thread only: the submission and prompt index of each unfinished request, and
@@ -247,7 +254,9 @@ class AsyncEngine:
             stalled = self.stalled
             if stalled is not None and isinstance(item, _Submission):
                 # It would wait behind the stuck step (then fail with it): retryable now.
-                raise EngineUnavailableError(f"the engine is stalled: {stalled}")
+                raise EngineUnavailableError(
+                    f"the engine is stalled: {stalled}", self._retry_after_stall_s()
+                )
             self._queue.append(item)
             if isinstance(item, _Submission):
                 self._live.add(item)
@@ -321,7 +330,20 @@ class AsyncEngine:
     def _check_alive(self) -> None:
         if self._error is not None:
             state = "dead" if self._given_up else "recovering"
-            raise EngineUnavailableError(f"the engine is {state}: {self.error}")
+            retry_after_s = None if self._given_up else self._retry_after_rebuild_s()
+            raise EngineUnavailableError(f"the engine is {state}: {self.error}", retry_after_s)
+
+    def _retry_after_rebuild_s(self) -> float:
+        """When the rebuild under way may be done: the engine's last start or rebuild took
+        `build_s`; less what this one has run, at least a second. Why: clients retry a 503 on
+        their own schedule unless told (the openai client: twice, 0.5 s and 1 s apart, far
+        inside a rebuild), and read Retry-After where it is sent."""
+        return max(1.0, self._engine.build_s - (time.monotonic() - self._rebuild_started))
+
+    def _retry_after_stall_s(self) -> float:
+        """A stalled rank is killed at the watchdog's next check (its interval, then a ping's
+        timeout), and the group rebuilt."""
+        return self._check_interval_s + QUICK_CALL_TIMEOUT_S + self._engine.build_s
 
     def _run_call(self, fn: Callable, future: Future) -> None:
         if not future.set_running_or_notify_cancel():
@@ -399,10 +421,11 @@ class AsyncEngine:
         use it). Each step is logged; a rebuild attempt that fails is named by `error` (what
         /health and the 503s say) while the next one runs."""
         with self._cond:
-            self._error = error
+            self._error, self._rebuild_started = error, time.monotonic()
         never_ran = EngineUnavailableError(  # in no step yet, the failed one too: a retry may
             f"the engine failed before the request ran ({type(error).__name__}: {error}); it "
-            "is rebuilding its workers"
+            "is rebuilding its workers",
+            self._retry_after_rebuild_s(),
         )
         self._publish_stats()  # what /metrics reads meanwhile: the failed requests gone
         for submission in self._snapshot():
@@ -412,8 +435,8 @@ class AsyncEngine:
             with self._cond:
                 if self._is_stopping or not self._is_accepting:
                     return  # draining: nothing new will run, and a rebuild would outlast it
+                started = self._rebuild_started = time.monotonic()  # this attempt's
             log.warning("rebuilding the worker group")
-            started = time.monotonic()
             try:
                 self._engine.restart()
             except Exception as exc:

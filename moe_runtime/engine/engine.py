@@ -48,6 +48,7 @@ class LLMEngine:
         except OSError as exc:  # a dangling *.safetensors link, no permission
             raise ValueError(f"model.path {config.model.path!r} cannot be read: {exc}") from exc
         placement = initial_placement(config)
+        started = time.monotonic()
         self.executor = create_executor(config, placement.physical_to_logical.tolist())
         try:
             self.num_kv_blocks = self._count_kv_blocks()
@@ -63,6 +64,9 @@ class LLMEngine:
         except BaseException:
             self.executor.shutdown()  # a group this engine will not use frees its workers
             raise
+        # How long the worker group took to start, then the last rebuild: what a client waits
+        # for while the engine rebuilds (AsyncEngine's Retry-After).
+        self.build_s = time.monotonic() - started
         self._reset_queues()
         self.balancer = ExpertBalancer(config, self.executor, placement)
         self.num_restarts = 0  # every rebuild since start (a metric)
@@ -138,7 +142,8 @@ class LLMEngine:
                 f"{changed} (other weights under the same version would give other bits)"
             )
         self.num_restarts += 1
-        self._restart_times.append(time.monotonic())
+        started = time.monotonic()
+        self._restart_times.append(started)
         # At world size 1 the old model lives in this process: a frozen heap would keep it.
         with thawed():
             with contextlib.suppress(Exception):  # the old group is broken; free what is left
@@ -164,6 +169,7 @@ class LLMEngine:
                 self.executor.shutdown()  # its bundles and workers, free for the next one
                 raise
         self.num_kv_blocks = num_kv_blocks
+        self.build_s = time.monotonic() - started
         self._reset_queues()
         self.error = None
 
