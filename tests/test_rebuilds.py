@@ -73,7 +73,8 @@ def test_a_failed_rebuild_attempt_is_logged_and_named_while_the_next_one_runs(ca
             assert time.monotonic() < deadline, f"no recovery: {loop.error}"
             time.sleep(0.05)
         assert loop.error is None
-        done = loop.submit([[1, 2, 3]], [SamplingParams(max_tokens=3)]).result(timeout=30)
+        params = SamplingParams(max_tokens=3, seed=1, ignore_eos=True)  # unseeded: EOS could end it
+        done = loop.submit([[1, 2, 3]], [params]).result(timeout=30)
         assert len(done[0].token_ids) == 3
     finally:
         release.set()
@@ -84,7 +85,11 @@ def test_a_failed_rebuild_attempt_is_logged_and_named_while_the_next_one_runs(ca
         if r.name == "moe_runtime.engine.async_engine"
     ]
     assert logged[:4] == [
-        ("WARNING", "the engine died (WorkerError: rank 0 died during ping: injected)"),
+        (
+            "ERROR",
+            "the engine died (WorkerError: rank 0 died during ping: injected); 0 request(s) in "
+            "flight ended with it",
+        ),
         ("WARNING", "rebuilding the worker group"),
         (
             "ERROR",

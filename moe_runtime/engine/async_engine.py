@@ -428,9 +428,17 @@ class AsyncEngine:
             self._retry_after_rebuild_s(),
         )
         self._publish_stats()  # what /metrics reads meanwhile: the failed requests gone
-        for submission in self._snapshot():
+        live = self._snapshot()
+        for submission in live:
             self._settle(submission, error if submission.has_run() else never_ran)
-        log.warning("the engine died (%s: %s)", type(error).__name__, error)
+        # The log holds the cause's traceback (a client gets one line).
+        log.error(
+            "the engine died (%s: %s); %d request(s) in flight ended with it",
+            type(error).__name__,
+            error,
+            len(live),
+            exc_info=error,
+        )
         while True:
             with self._cond:
                 if self._is_stopping or not self._is_accepting:
