@@ -25,6 +25,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
+import moe_runtime.engine.async_engine as async_engine_module
 import moe_runtime.engine.engine as engine_module
 from moe_runtime import LLM, SamplingParams
 from moe_runtime.engine.async_engine import AsyncEngine, EngineUnavailableError
@@ -242,15 +243,19 @@ def test_a_rank_that_dies_while_idle_is_rebuilt_before_a_request_meets_it(ray_lo
     assert after == before and loop.stats().num_restarts == 1
 
 
-def test_a_rank_dead_between_checks_is_on_health_at_once_and_never_scheduled(ray_local):
+def test_a_rank_dead_between_checks_is_on_health_at_once_and_never_scheduled(
+    ray_local, monkeypatch
+):
     """kill -9 of a rank while nothing runs, the idle check minutes away: /health said 200
     until that check, and the next request was scheduled onto the dead rank and failed with a
     500 (WorkerError, not retryable) though nothing of it ran. Now the death is known without
     asking (each rank's outstanding liveness call fails): /health is 503 at once, and the
-    request gets the retryable 503 while the engine rebuilds; after it, the same bits."""
+    request gets the retryable 503 while the engine rebuilds; after it, the same bits. (The
+    idle loop's own look for dead ranks is put off here: the request must be what finds it.)"""
     from launch.generation import Backend
     from launch.server_app import create_app
 
+    monkeypatch.setattr(async_engine_module, "DEAD_RANK_POLL_S", 600.0)
     overrides = {"parallel.world_size": 2, "server.health_check_interval_s": 600}
     llm = LLM(TINY_CONFIG, **overrides)
     pid = llm.engine.executor.call_all("pid")[1]  # before the loop thread calls the ranks
@@ -272,6 +277,31 @@ def test_a_rank_dead_between_checks_is_on_health_at_once_and_never_scheduled(ray
         _wait_healthy(loop)
         after = fingerprint(loop.submit([[5, 6, 7]], [params]).result(timeout=60)[0])
         assert after == before and loop.stats().num_restarts == 1
+    finally:
+        loop.shutdown()
+
+
+@pytest.mark.parametrize("interval", [600, None])
+def test_an_idle_engine_rebuilds_a_dead_rank_with_no_request_to_find_it(ray_local, interval):
+    """kill -9 of a rank while nothing runs, the ping check minutes away or off: /health said
+    503 until a request came to find the dead rank and set off the rebuild, so a load balancer
+    that sends nothing to a 503 server never got it back. Now the idle loop looks for ranks
+    known dead every DEAD_RANK_POLL_S and rebuilds by itself; after it, the same bits."""
+    overrides = {"parallel.world_size": 2, "server.health_check_interval_s": interval}
+    llm = LLM(TINY_CONFIG, **overrides)
+    pid = llm.engine.executor.call_all("pid")[1]  # before the loop thread calls the ranks
+    loop = AsyncEngine(llm.engine)
+    params = SamplingParams(max_tokens=8, temperature=0.8, seed=3, logprobs=2, ignore_eos=True)
+    try:
+        before = fingerprint(loop.submit([[5, 6, 7]], [params]).result(timeout=60)[0])
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while loop.stats().num_restarts == 0 or not loop.is_healthy:
+            assert time.monotonic() < deadline, f"not rebuilt without a request: {loop.error}"
+            time.sleep(0.05)
+        assert loop.stats().num_restarts == 1 and loop.dead_ranks == []
+        after = fingerprint(loop.submit([[5, 6, 7]], [params]).result(timeout=60)[0])
+        assert after == before
     finally:
         loop.shutdown()
 

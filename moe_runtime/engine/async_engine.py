@@ -10,7 +10,10 @@ parallel.restart_window_s it gives up (`has_given_up`), and at once where the se
 source changed since they were read (WeightsChangedError: a rebuild would serve other weights
 under the same version). An engine idle for `server.health_check_interval_s` checks that every
 rank still answers (`LLMEngine.check_workers`), so a rank that died between requests is rebuilt
-before a request meets it; in a step or call that long, `stalled` names the ranks that answer
+before a request meets it; every DEAD_RANK_POLL_S an idle loop also looks for ranks known dead
+without asking them (`dead_ranks`) and rebuilds at once, with no request or check needed to set
+it off (a load balancer that sends nothing to a 503 would otherwise wait on it forever). In a
+step or call that long, `stalled` names the ranks that answer
 no ping beside their work (engine/stall_watch.py: a /health 503 long before the step's own
 timeout fails it; new submissions are refused meanwhile, retryable; ranks silent at two checks
 in a row are killed, which fails the step at once). A rank found dead without asking it (its
@@ -47,6 +50,7 @@ from moe_runtime.sampling_params import SamplingParams
 log = logging.getLogger(__name__)
 OutputCallback = Callable[[int, RequestOutput], None]  # (prompt index, delta)
 STOP_TIMEOUT_S = 2.0  # a healthy loop ends its step well inside this; a stuck one never does
+DEAD_RANK_POLL_S = 1.0  # how often an idle loop looks for ranks known dead (no round trip)
 
 
 class EngineUnavailableError(RuntimeError):
@@ -91,6 +95,7 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self._engine = engine
         self._check_interval_s = engine.config.server.health_check_interval_s  # None: never
+        self._quiet_since = time.monotonic()  # since when the loop has had no work
         self._cond = threading.Condition()  # guards the queue, _live, flags and the snapshot
         self._queue: deque[_Submission | tuple[Callable, Future]] = deque()
         self._live: set[_Submission] = set()
@@ -280,15 +285,19 @@ class AsyncEngine:
         try:
             while True:
                 with self._cond:
-                    # Idle: sleep until submit/cancel/stop, or until the workers are due a check.
-                    is_idle = not self._cond.wait_for(self._has_work, self._check_interval_s)
+                    # Idle: sleep until submit/cancel/stop, or until the workers are due a look.
+                    is_idle = not self._cond.wait_for(self._has_work, self._idle_wait_s())
                     if self._is_stopping:
                         break
                     incoming, has_cancelled = list(self._queue), self._has_cancelled
                     self._queue.clear()
                     self._has_cancelled = False
-                if is_idle:
+                if is_idle and self._is_check_due():
                     self._check_workers()
+                    self._quiet_since = time.monotonic()
+                    continue
+                if is_idle:  # a died rank's group is rebuilt now, not when a request finds it
+                    self._check_workers(self._engine.check_dead_ranks)
                     continue
                 if self._error is None and any(isinstance(i, _Submission) for i in incoming):
                     # A rank that died since the last step, before new requests are scheduled
@@ -308,6 +317,7 @@ class AsyncEngine:
                     with self._running("a step"):
                         self._step()
                 self._publish_stats()  # after aborts too: nobody awaits a cancelled one
+                self._quiet_since = time.monotonic()
         except BaseException as exc:  # a bug here must not leave callers waiting forever
             with self._cond:
                 self._error = exc
@@ -365,6 +375,20 @@ class AsyncEngine:
                 self._cond.notify_all()
         if failure is not None and self._engine.error is not None:  # it killed the engine
             self._die(failure)
+
+    def _idle_wait_s(self) -> float:
+        """How long an idle loop sleeps: until its workers are due a check, DEAD_RANK_POLL_S at
+        most. Under _cond."""
+        if not self._is_check_due(DEAD_RANK_POLL_S):
+            return DEAD_RANK_POLL_S
+        return max(0.0, self._quiet_since + self._check_interval_s - time.monotonic())
+
+    def _is_check_due(self, within_s: float = 0.0) -> bool:
+        """Whether the loop will have been idle for server.health_check_interval_s within_s
+        from now (never without an interval)."""
+        if self._check_interval_s is None:
+            return False
+        return time.monotonic() + within_s >= self._quiet_since + self._check_interval_s
 
     def _check_workers(self, check: Callable[[], None] | None = None) -> None:
         """check() (default: every rank answers a ping), the engine dying of what it finds."""
