@@ -120,6 +120,22 @@ def test_a_scored_sequence_of_one_token_is_refused_saying_why(llm):
         llm.score([[1]], [1])
 
 
+@pytest.mark.parametrize(
+    ("call", "named"),
+    [
+        (lambda llm: llm.score([[1, 2, 3]], 2), "prompt_lens must be a list, got int"),
+        (lambda llm: llm.score_outputs([[1, 2]], None), "prompt_lens must be a list, got NoneType"),
+        (lambda llm: llm.score(7, [1]), "sequences must be a list, got int"),
+    ],
+)
+def test_a_score_call_without_lists_is_refused_naming_the_argument(llm, call, named):
+    """score(seqs, 2) (one length where a list of them belongs) met len() and raised a bare
+    TypeError, "object of type 'int' has no len()", naming nothing."""
+    with pytest.raises(ValueError, match=named):
+        call(llm)
+    assert llm.score([[1, 2, 3]], [2]) == llm.score([(1, 2, 3)], (2,))  # any sized sequences
+
+
 @pytest.mark.parametrize("mode", ["invariant", "fast"])  # fast: the negative control
 def test_a_requests_samples_compute_its_prompt_once(mode):
     """n samples admitted in one step each computed the whole prompt (n times the prefill);

@@ -154,8 +154,13 @@ def check_all(
     (its type kept) names the bad item's index when there are several. items / args: (name,
     values)."""
     what, values = items
-    if args is not None and len(args[1]) != len(values):
-        raise ValueError(f"got {len(args[1])} {args[0]} for {len(values)} {what}s")
+    if args is not None:
+        # Paired one to one, so both are counted: score(seqs, 3) met len()'s bare TypeError.
+        for name, given in ((f"{what}s", values), args):
+            if not hasattr(given, "__len__"):
+                raise ValueError(f"{name} must be a list, got {type(given).__name__}")
+        if len(args[1]) != len(values):
+            raise ValueError(f"got {len(args[1])} {args[0]} for {len(values)} {what}s")
     calls = [(v,) for v in values] if args is None else list(zip(values, args[1], strict=True))
     results = []
     for i, call in enumerate(calls):
