@@ -33,7 +33,29 @@ log = logging.getLogger("moe_runtime.config")
 class _YamlLoader(yaml.SafeLoader):
     """PyYAML's safe loader reading every exponent number (`1e-6`, `2.5e2`, `.5e3`) as a float,
     as YAML 1.2 does: YAML 1.1's rule wants a dot and a signed exponent (`1.0e+6`), and an
-    epsilon written otherwise arrived as text and was refused as not a float."""
+    epsilon written otherwise arrived as text and was refused as not a float. A key given twice
+    in one mapping is refused, as YAML requires (PyYAML kept the last: a second `scheduler:`
+    section appended to a file dropped every key of the first without a word)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        first_line: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *anchor`: its keys may be overridden, as YAML means them to be
+            key = self.construct_object(key_node, deep=True)
+            try:
+                line = first_line.get(key)
+            except TypeError:
+                continue  # an unhashable key: the base class refuses it
+            if line is not None:
+                raise yaml.constructor.ConstructorError(
+                    None,
+                    None,
+                    f"key {key!r} appears twice in one mapping (first on line {line})",
+                    key_node.start_mark,
+                )
+            first_line[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep)
 
 
 _YamlLoader.add_implicit_resolver(
@@ -389,12 +411,7 @@ def load_config(
         return source
     if isinstance(source, (str, Path)):
         path = Path(source)
-        if not path.is_file():
-            raise ValueError(f"config file {str(path)!r} does not exist")
-        try:
-            raw = _read_yaml(path.read_text(encoding="utf-8")) or {}
-        except (yaml.YAMLError, UnicodeDecodeError) as exc:
-            raise ValueError(f"config file {str(path)!r} is not valid YAML: {exc}") from None
+        raw = _read_yaml_file(path)
         if not isinstance(raw, dict):
             raise ValueError(f"config file {str(path)!r} must hold a mapping of sections")
     elif isinstance(source, dict):
@@ -419,6 +436,25 @@ def load_config(
             cls.from_dict(section) if hasattr(cls, "from_dict") else _build(name, cls, section)
         )
     return RuntimeConfig(**built)
+
+
+def _read_yaml_file(path: Path) -> Any:
+    """The file's YAML ({} when empty), or ValueError naming it. Read whatever it is that can be
+    read (a pipe such as bash's `<(...)` too), so the message says what failed."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ValueError(f"config file {str(path)!r} does not exist") from None
+    except IsADirectoryError:
+        raise ValueError(f"config file {str(path)!r} is a directory; name a YAML file") from None
+    except OSError as exc:
+        raise ValueError(f"config file {str(path)!r} cannot be read: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"config file {str(path)!r} is not valid YAML: {exc}") from None
+    try:
+        return _read_yaml(text) or {}
+    except yaml.YAMLError as exc:
+        raise ValueError(f"config file {str(path)!r} is not valid YAML: {exc}") from None
 
 
 def apply_override(raw: dict, dotted: str, value: Any) -> None:

@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import re
 from pathlib import Path
 
@@ -54,6 +55,50 @@ def test_exponent_floats_without_a_dot_read_as_floats(tmp_path):
     for text, value in [("2.5e2", 250.0), (".5e1", 5.0), ("6.02E2", 602.0), ("1.0e1", 10.0)]:
         assert load_config(path, {"model.init_std": text}).model.init_std == value, text
     assert load_config(path, {"server.api_key": "'1e5'"}).server.api_key == "1e5"
+
+
+@pytest.mark.parametrize(
+    ("edit", "named"),
+    [
+        (lambda text: text + "scheduler:\n  max_num_seqs: 4\n", r"key 'scheduler' .*line 40"),
+        (lambda text: text.replace("  seed: 0\n", "  seed: 0\n  seed: 1\n"), r"key 'seed'"),
+        (
+            lambda text: text.replace(
+                "eplb:\n  enabled: false", "eplb: {enabled: false, enabled: 1}"
+            ),
+            r"key 'enabled'",
+        ),
+    ],
+    ids=["section", "key", "flow"],
+)
+def test_a_key_given_twice_is_refused_naming_it(tmp_path, edit, named):
+    """PyYAML keeps a repeated key's last value: a second `scheduler:` section appended to a
+    config dropped every key of the first (max_model_len, max_num_batched_tokens ...) silently.
+    A `<<:` merge's keys may still be overridden."""
+    path = tmp_path / "config.yaml"
+    path.write_text(edit((CONFIGS / "tiny_cpu.yaml").read_text(encoding="utf-8")), "utf-8")
+    with pytest.raises(ValueError, match=rf"config\.yaml' is not valid YAML: {named}"):
+        load_config(path)
+    merged = "base: &base {block_size: 16, num_blocks: 64}\ncache:\n  <<: *base\n  num_blocks: 8\n"
+    path.write_text(merged, encoding="utf-8")
+    with pytest.raises(ValueError, match="unknown config section 'base'"):  # it parsed
+        load_config(path)
+
+
+def test_a_config_path_names_what_is_wrong_with_it_and_a_pipe_is_read(tmp_path):
+    """A directory was 'does not exist', and so was a pipe (bash's `--config <(...)`), which is
+    now read."""
+    with pytest.raises(ValueError, match=r"is a directory; name a YAML file"):
+        load_config(tmp_path)
+    with pytest.raises(ValueError, match=r"absent\.yaml' does not exist"):
+        load_config(tmp_path / "absent.yaml")
+    read_end, write_end = os.pipe()
+    with os.fdopen(write_end, "w") as f:
+        f.write("cache:\n  num_blocks: 8\n")
+    try:
+        assert load_config(f"/dev/fd/{read_end}").cache.num_blocks == 8
+    finally:
+        os.close(read_end)
 
 
 def test_override_without_equals_is_a_usage_error():
