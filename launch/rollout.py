@@ -115,6 +115,10 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(signum, handler)
 
 
+class WriteError(Exception):
+    """Appending a batch to the output failed (its OSError is the cause)."""
+
+
 def _stop_on_signals(appender: Appender) -> None:
     """Turn SIGINT and SIGTERM into Stopped. Set again once the engine has started: ray.init
     replaces the SIGTERM handler with its own, which exits with no word of the output."""
@@ -191,10 +195,14 @@ def _run(args: argparse.Namespace, appender: Appender) -> int:
         except ValueError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-        if existing.num_bytes:
-            cut_torn_line(output, existing)
-        else:  # before the first row, so a resume of this output can check its settings
-            record_settings(output, settings)
+        try:
+            if existing.num_bytes:
+                cut_torn_line(output, existing)
+            else:  # before the first row, so a resume of this output can check its settings
+                record_settings(output, settings)
+        except OSError as exc:
+            print(f"error: cannot write {output} or its settings record: {exc}", file=sys.stderr)
+            return 2
         if args.score:
             _warn_of_score_differences(args.input, settings)
         bad_rows = sorted(rows.bad_rows + bad_rows, key=lambda error: error.line_no)
@@ -202,7 +210,15 @@ def _run(args: argparse.Namespace, appender: Appender) -> int:
             print(f"skipped {error}", file=sys.stderr)
         todo = [s for s in samples if s.key not in existing.done]
         started = time.perf_counter()
-        _write(llm, args, appender, samples, todo)
+        try:
+            _write(llm, args, appender, samples, todo)
+        except WriteError as exc:  # a full disk, a quota, an I/O error: what was written stays
+            print(
+                f"error: cannot append to {output}: {exc.__cause__}; the {appender.num_written} "
+                "rows written this run are kept: rerun the same command to resume",
+                file=sys.stderr,
+            )
+            return 1
     finally:
         llm.shutdown()
     elapsed = time.perf_counter() - started
@@ -250,7 +266,11 @@ def _write(
     try:
         for first in range(0, len(todo), args.batch_size):
             batch = todo[first : first + args.batch_size]
-            appender.append(run(llm, batch, progress))
+            rows = run(llm, batch, progress)
+            try:
+                appender.append(rows)
+            except OSError as exc:
+                raise WriteError from exc
     finally:
         progress.close()  # the bar's line ended before anything else is printed
 
@@ -272,6 +292,12 @@ def _output_path(output: Path, input_path: Path) -> Path:
         raise ValueError(f"--output {output}: its directory {path.parent} does not exist")
     if path.is_dir():
         raise ValueError(f"--output {output} is a directory; name a file")
+    if path.exists() and not path.is_file():
+        # /dev/null cannot be fsynced (after the whole batch ran), /dev/zero or a pipe is read
+        # without end by the resume check: rows go to a file, read back on a resume.
+        raise ValueError(
+            f"--output {output} is not a regular file (a device or a pipe); name a file"
+        )
     if path.exists() and input_path.exists() and os.path.samefile(path, input_path):
         raise ValueError(
             f"--output {output} is the same file as --input {input_path}: rows would be "

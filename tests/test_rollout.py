@@ -5,6 +5,7 @@ on an output another run is writing."""
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
@@ -18,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from launch import fingerprint, rollout
+from launch import fingerprint, rollout, rollout_io
 from launch.rollout_io import append_rows, lock_output, read_done
 from launch.rollout_settings import settings_path
 from moe_runtime import LLM, CompletionOutput, SamplingParams
@@ -794,6 +795,43 @@ def test_missing_output_directory_is_named(tmp_path, capsys):
     assert run("--input", source, "--output", out, *ARGS) == 2
     err = capsys.readouterr().err
     assert f"error: --output {out}: its directory {out.parent} does not exist" in err, err
+
+
+def test_an_output_that_is_not_a_regular_file_is_refused(tmp_path, capsys):
+    """A pipe hung the run (the resume check read it for rows without end), /dev/null ran the
+    whole first batch and then failed fsyncing it with a traceback: refused before anything."""
+    source, fifo = write_jsonl(tmp_path / "in.jsonl", ROWS[:1]), tmp_path / "fifo"
+    os.mkfifo(fifo)
+    assert run("--input", source, "--output", fifo, *ARGS) == 2
+    err = capsys.readouterr().err
+    assert f"error: --output {fifo} is not a regular file (a device or a pipe)" in err, err
+    assert not settings_path(fifo).exists() and not fifo.with_name("fifo.lock").exists()
+
+
+def test_a_failed_append_is_named_and_a_rerun_resumes(rollout_rows, tmp_path, capsys, monkeypatch):
+    """A full disk at the second batch: a traceback before (and no word of what was kept); now
+    exit 1 naming the output and the error, the first batch kept, and a rerun completes the file
+    as an uninterrupted run writes it."""
+    num_appends = []
+
+    def full_disk(path: Path, rows: list[dict]) -> None:
+        num_appends.append(len(rows))
+        if len(num_appends) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        append_rows(path, rows)
+
+    monkeypatch.setattr(rollout_io, "append_rows", full_disk)
+    source, out = write_jsonl(tmp_path / "in.jsonl", ROWS), tmp_path / "out.jsonl"
+    assert run("--input", source, "--output", out, *ARGS) == 1
+    err = capsys.readouterr().err
+    assert (
+        f"error: cannot append to {out.resolve()}: [Errno 28] No space left on device; the 3 "
+        "rows written this run are kept: rerun the same command to resume"
+    ) in err, err
+    assert "Traceback" not in err and len(read_jsonl(out)) == 3
+    monkeypatch.undo()
+    assert run("--input", source, "--output", out, *ARGS) == 0
+    assert read_jsonl(out) == rollout_rows[1]
 
 
 def test_read_done_streams_and_decodes_only_the_keys(tmp_path, monkeypatch):
