@@ -118,6 +118,8 @@ def _json_row(line: str) -> tuple[dict | None, ValueError | None]:
         row = json.loads(_checked_utf8(line))
     except ValueError as exc:
         return None, exc
+    except RecursionError:  # json's decoder recurses once per level of [ or {
+        return None, ValueError("JSON nested too deeply to read")
     if not isinstance(row, dict):
         return None, ValueError("a row must be a JSON object")
     return row, None

@@ -362,6 +362,20 @@ def test_skip_reports_a_bad_row_and_runs_the_others(tmp_path, capsys, bad, probl
     assert [(r["id"], r["sample_idx"]) for r in read_jsonl(out)] == [(1, 0), ("after", 0)]
 
 
+@pytest.mark.parametrize("on_bad_row", ["stop", "skip"])
+def test_a_row_nested_too_deeply_is_a_bad_row(tmp_path, capsys, on_bad_row):
+    """json's decoder recurses a level a bracket: a RecursionError traceback ended the run
+    before, even with --on-bad-row skip (and its other rows unwritten)."""
+    source = write_with_bad_row(tmp_path / "in.jsonl", "[" * 100_000 + "]" * 100_000)
+    out = tmp_path / "out.jsonl"
+    args = ["--max-tokens", "2", "--on-bad-row", on_bad_row]
+    assert run("--input", source, "--output", out, *args) == (2 if on_bad_row == "stop" else 0)
+    err = capsys.readouterr().err
+    assert f"{source}:3: JSON nested too deeply to read" in err, err[-500:]
+    if on_bad_row == "skip":
+        assert [(r["id"], r["sample_idx"]) for r in read_jsonl(out)] == [(1, 0), ("after", 0)]
+
+
 def test_skip_runs_the_good_rows_as_a_clean_input_would(tmp_path, capsys):
     good = [
         {"id": "a", "prompt": "first", "seed": 3},
