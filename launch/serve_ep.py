@@ -45,6 +45,8 @@ STOP_POLL_S = 0.1  # uvicorn's own tick for should_exit
 RESPONSE_GRACE_S = 2
 RUNTIME_LOGGER = "moe_runtime"  # the parent of every logger the runtime's packages log to
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+# uvicorn's levels: another word was a KeyError traceback from inside uvicorn.Config.
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -59,7 +61,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=30.0,
         help="on SIGTERM/SIGINT, how long requests in flight may take to finish",
     )
-    parser.add_argument("--log-level", default="warning", help="uvicorn's log level")
+    parser.add_argument(
+        "--log-level",
+        default="warning",
+        type=str.lower,  # as uvicorn reads it: INFO is info
+        choices=LOG_LEVELS,
+        help="uvicorn's log level",
+    )
     return parser.parse_args(argv)
 
 

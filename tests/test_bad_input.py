@@ -214,3 +214,16 @@ def test_serve_ep_refuses_a_drain_timeout_that_is_not_a_finite_duration(value, c
     config = str(Path(__file__).resolve().parent.parent / "launch/configs/tiny_cpu.yaml")
     assert main(["--config", config, "--drain-timeout-s", value]) == 2
     assert "--drain-timeout-s must be a finite number >= 0" in capsys.readouterr().err
+
+
+def test_serve_ep_refuses_a_log_level_uvicorn_does_not_know(capsys):
+    """A usage error (exit 2) naming the choices, before anything loads: it was a KeyError
+    traceback out of uvicorn.Config."""
+    from launch.serve_ep import parse_args
+
+    config = str(Path(__file__).resolve().parent.parent / "launch/configs/tiny_cpu.yaml")
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--config", config, "--log-level", "verbose"])
+    assert exit_info.value.code == 2
+    assert "--log-level: invalid choice: 'verbose'" in capsys.readouterr().err
+    assert parse_args(["--config", config, "--log-level", "INFO"]).log_level == "info"
