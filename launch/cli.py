@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from moe_runtime.sampling_params import SamplingParams
+
 SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "logprobs")
 
 
@@ -49,3 +51,14 @@ def add_sampling_arguments(
 def sampling_args(args: argparse.Namespace) -> dict[str, Any]:
     """The sampling flags' values, keyed as SamplingParams' fields."""
     return {name: getattr(args, name) for name in SAMPLING_FLAGS}
+
+
+def check_sampling_flags(values: dict[str, Any]) -> None:
+    """SamplingParams' own checks, one flag at a time, so that an error names the flag a user
+    typed (`--max-tokens must be ...`) rather than the field. values: {field name: value}."""
+    for name, value in values.items():
+        try:
+            SamplingParams(**{name: value})
+        except ValueError as exc:
+            problem = str(exc).removeprefix(f"SamplingParams.{name} ")
+            raise ValueError(f"--{name.replace('_', '-')} {problem}") from None

@@ -36,6 +36,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
+        cli.check_sampling_flags({"seed": args.seed, **cli.sampling_args(args)})
         params = SamplingParams(seed=args.seed, **cli.sampling_args(args))
         started = time.perf_counter()
         llm = LLM(args.config, **cli.parse_overrides(args.set))

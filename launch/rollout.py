@@ -51,7 +51,7 @@ from launch.rollout_settings import (  # noqa: E402
     run_settings,
     score_differences,
 )
-from moe_runtime import LLM, RequestOutput, SamplingParams, heap  # noqa: E402
+from moe_runtime import LLM, RequestOutput, heap  # noqa: E402
 from moe_runtime.config import load_config  # noqa: E402
 from moe_runtime.llm import step_until_done  # noqa: E402
 from moe_runtime.seeds import MAX_SEED, SEED_BITS  # noqa: E402
@@ -135,13 +135,7 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise ValueError(
             f"--base-seed must be an int in [0, 2**{SEED_BITS} - 1], got {args.base_seed}"
         )
-    # SamplingParams' own checks, one flag at a time so that an error is that flag's.
-    for name, value in {"n": args.n, **cli.sampling_args(args)}.items():
-        try:
-            SamplingParams(**{name: value})
-        except ValueError as exc:
-            problem = str(exc).removeprefix(f"SamplingParams.{name} ")
-            raise ValueError(f"--{name.replace('_', '-')} {problem}") from None
+    cli.check_sampling_flags({"n": args.n, **cli.sampling_args(args)})
 
 
 def _check_model_flags(llm: LLM, args: argparse.Namespace) -> None:

@@ -227,3 +227,22 @@ def test_serve_ep_refuses_a_log_level_uvicorn_does_not_know(capsys):
     assert exit_info.value.code == 2
     assert "--log-level: invalid choice: 'verbose'" in capsys.readouterr().err
     assert parse_args(["--config", config, "--log-level", "INFO"]).log_level == "info"
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "error"),
+    [
+        ("--max-tokens", "-1", "--max-tokens must be an int >= 1, got -1"),
+        ("--temperature", "nan", "--temperature must be a finite number, got nan"),
+        ("--top-p", "0", "--top-p must be in (0, 1], got 0.0"),
+        ("--seed", "-1", "--seed must be None or an int in [0, 2**63 - 1], got -1"),
+    ],
+)
+def test_generate_names_a_bad_flag_as_typed(flag, value, error, capsys):
+    """Exit 2 naming the flag, as rollout.py does; it named SamplingParams' field instead
+    ('SamplingParams.max_tokens must be ...' for --max-tokens)."""
+    from launch.generate import main
+
+    config = str(Path(__file__).resolve().parent.parent / "launch/configs/tiny_cpu.yaml")
+    assert main(["--config", config, flag, value]) == 2
+    assert f"error: {error}\n" in capsys.readouterr().err
