@@ -35,6 +35,7 @@ from tqdm import tqdm  # noqa: E402
 
 from launch import cli  # noqa: E402
 from launch.rollout_io import (  # noqa: E402
+    MAX_N_KEY,
     STOP_SIGNALS,
     Appender,
     RowError,
@@ -161,9 +162,12 @@ def _run(args: argparse.Namespace, appender: Appender) -> int:
     defaults["return_routed_experts"] = not args.no_routed_experts
     skip_bad = args.on_bad_row == "skip"
     try:
-        rows = read_samples(args.input, defaults, args.base_seed, args.score, skip_bad)
-        existing = read_done(output)  # reads only: the file may not be this tool's
         config = load_config(args.config, cli.parse_overrides(args.set))
+        max_n = config.server.max_sequences_per_request
+        if args.n > max_n:
+            raise ValueError(f"--n {args.n} is more samples than {MAX_N_KEY}={max_n} allows a row")
+        rows = read_samples(args.input, defaults, args.base_seed, args.score, skip_bad, max_n)
+        existing = read_done(output)  # reads only: the file may not be this tool's
         if config.parallel.world_size > 1:
             from moe_runtime.executor.ray_executor import connect_ray  # ray only where used
 

@@ -24,6 +24,7 @@ import os
 import signal
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import IO, Any
 
@@ -40,6 +41,8 @@ SCORE_FIELDS = {"id", "sample_idx", "prompt_token_ids", "token_ids"}
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # How every output row opens (append_rows: id and sample_idx first, no spaces).
 ROW_START, ROW_SAMPLE_IDX = '{"id":', ',"sample_idx":'
+# The bound on a row's n (and --n): a row is held to what one completion request may ask.
+MAX_N_KEY = "server.max_sequences_per_request"
 
 
 class RowError(ValueError):
@@ -79,17 +82,24 @@ class InputRows:
 
 
 def read_samples(
-    path: Path, defaults: dict[str, Any], base_seed: int, score: bool, skip_bad: bool = False
+    path: Path,
+    defaults: dict[str, Any],
+    base_seed: int,
+    score: bool,
+    skip_bad: bool = False,
+    max_n: int | None = None,
 ) -> InputRows:
     """The input file's samples. A bad row raises RowError, or with `skip_bad` is returned in
     `bad_rows` and its samples left out (the rows after it keep their index, so their derived
     seeds). An (id, sample_idx) of two rows raises RowError either way: output rows are keyed
     by it, so the file does not say which row is meant. `defaults`: the value of each of
-    PARAM_FIELDS and "n" for rows without it, and "return_routed_experts" for every row."""
+    PARAM_FIELDS and "n" for rows without it, and "return_routed_experts" for every row. max_n:
+    the most samples a row may ask for (its samples are built at once: an n of 10**9 filled the
+    memory before anything was said)."""
     samples: list[Sample] = []
     bad_rows: list[RowError] = []
     first_line: dict[tuple[str, int], int] = {}
-    parse = _score_samples if score else _rollout_samples
+    parse = _score_samples if score else partial(_rollout_samples, max_n=max_n)
     digest = hashlib.sha256()  # of the non-empty lines joined by "\n", fed a line at a time
     lines = ((line_no, line) for line_no, line in _input_lines(path) if line)
     for row_idx, (line_no, line) in enumerate(lines):
@@ -165,7 +175,9 @@ def _checked_utf8(line: str) -> str:
     return line
 
 
-def _rollout_samples(row: dict, line_no: int, defaults: dict, row_seed: int) -> list[Sample]:
+def _rollout_samples(
+    row: dict, line_no: int, defaults: dict, row_seed: int, max_n: int | None = None
+) -> list[Sample]:
     _check_fields(row, ROLLOUT_FIELDS, ("id", "prompt"))
     prompt = row["prompt"]
     is_ids = isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt)
@@ -175,6 +187,8 @@ def _rollout_samples(row: dict, line_no: int, defaults: dict, row_seed: int) -> 
     n = row.get("n", len(seeds) if isinstance(seeds, list) else defaults["n"])
     if not is_int(n) or n < 1:
         raise ValueError(f"n must be an int >= 1, got {n!r}")
+    if max_n is not None and n > max_n:
+        raise ValueError(f"n={n} is more samples than {MAX_N_KEY}={max_n} allows a row")
     if seeds is not None and "seed" in row:
         raise ValueError("give seed or seeds, not both")
     if seeds is not None and (not isinstance(seeds, list) or len(seeds) != n):

@@ -376,6 +376,24 @@ def test_a_row_nested_too_deeply_is_a_bad_row(tmp_path, capsys, on_bad_row):
         assert [(r["id"], r["sample_idx"]) for r in read_jsonl(out)] == [(1, 0), ("after", 0)]
 
 
+def test_a_row_asking_more_samples_than_a_request_may_is_a_bad_row(tmp_path, capsys, monkeypatch):
+    """A row's samples are built at once: an n of 10**9 (a typo) filled the memory for minutes
+    before anything was said. n, a row's or --n's, is held to
+    server.max_sequences_per_request, as a completion's prompts x n are."""
+    bound = ["--set", "server.max_sequences_per_request=4", "--max-tokens", "2"]
+    source = write_with_bad_row(tmp_path / "in.jsonl", {"id": "x", "prompt": "a", "n": 5})
+    out = tmp_path / "out.jsonl"
+    assert run("--input", source, "--output", out, *bound, "--on-bad-row", "skip") == 0
+    err = capsys.readouterr().err
+    expected = "n=5 is more samples than server.max_sequences_per_request=4 allows a row"
+    assert f"skipped {source}:3: {expected}" in err, err
+    assert [(r["id"], r["sample_idx"]) for r in read_jsonl(out)] == [(1, 0), ("after", 0)]
+    monkeypatch.setattr(rollout, "LLM", None)  # refused before the model loads
+    assert run("--input", source, "--output", tmp_path / "o2.jsonl", *bound, "--n", "5") == 2
+    err = capsys.readouterr().err
+    assert "error: --n 5 is more samples than server.max_sequences_per_request=4" in err, err
+
+
 def test_skip_runs_the_good_rows_as_a_clean_input_would(tmp_path, capsys):
     good = [
         {"id": "a", "prompt": "first", "seed": 3},
