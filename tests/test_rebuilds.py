@@ -15,6 +15,7 @@ import time
 import httpx
 import pytest
 
+import moe_runtime.engine.async_engine as async_engine_module
 from launch.generation import Backend
 from launch.server_app import create_app
 from moe_runtime import LLM, SamplingParams
@@ -94,7 +95,7 @@ def test_a_failed_rebuild_attempt_is_logged_and_named_while_the_next_one_runs(ca
         (
             "ERROR",
             "rebuilding the worker group failed (WorkerError: injected: the cluster could not "
-            "place the ranks); trying again",
+            "place the ranks); trying again in 1s",
         ),
         ("WARNING", "rebuilding the worker group"),
     ]
@@ -154,3 +155,50 @@ def test_a_503_while_the_engine_rebuilds_says_when_to_retry():
     for stopped in (app, create_app(engine.config)):  # shut down; loading
         refused = _post(stopped, "/v1/completions", body)
         assert refused.status_code == 503 and "retry-after" not in refused.headers
+
+
+def test_failed_rebuild_attempts_back_off_and_a_shutdown_ends_the_pause(monkeypatch):
+    """Failed rebuild attempts were retried at once, so a cause that clears in seconds (a dead
+    rank's GPU memory not yet freed) could spend every restart within a second. Now the k-th
+    failure in a row pauses REBUILD_BACKOFF_S * 2**(k-1) before the next attempt, and a
+    shutdown during a pause ends it (rebuilding nothing)."""
+    monkeypatch.setattr(async_engine_module, "REBUILD_BACKOFF_S", 0.3)
+    overrides = {"server.health_check_interval_s": 0.2, "parallel.max_restarts": 10}
+    llm = LLM(TINY_CONFIG, **overrides)
+    engine = llm.engine
+    _dead_at_the_idle_check(engine)
+    attempts, rebuild = [], engine.restart
+
+    def restart():
+        attempts.append(time.monotonic())
+        if len(attempts) <= 3:
+            raise WorkerError(f"injected: attempt {len(attempts)} could not place the ranks")
+        rebuild()
+
+    engine.restart = restart
+    loop = AsyncEngine(engine)
+    try:
+        deadline = time.monotonic() + 60
+        while loop.stats().num_restarts == 0 or not loop.is_healthy:
+            assert time.monotonic() < deadline, f"not rebuilt: {loop.error}"
+            time.sleep(0.05)
+    finally:
+        loop.shutdown()
+    gaps = [later - earlier for earlier, later in zip(attempts, attempts[1:], strict=False)]
+    assert len(gaps) == 3 and all(gap >= 0.3 * 2**k for k, gap in enumerate(gaps)), gaps
+
+    monkeypatch.setattr(async_engine_module, "REBUILD_BACKOFF_S", 600.0)
+    engine = LLM(TINY_CONFIG, **overrides).engine
+    _dead_at_the_idle_check(engine)
+    tried = threading.Event()
+
+    def never(*_):
+        tried.set()
+        raise WorkerError("injected: the cluster could not place the ranks")
+
+    engine.restart = never
+    loop = AsyncEngine(engine)
+    assert tried.wait(30)
+    started = time.monotonic()
+    loop.shutdown(drain_timeout_s=5)
+    assert time.monotonic() - started < 10 and not loop.is_healthy

@@ -51,6 +51,11 @@ log = logging.getLogger(__name__)
 OutputCallback = Callable[[int, RequestOutput], None]  # (prompt index, delta)
 STOP_TIMEOUT_S = 2.0  # a healthy loop ends its step well inside this; a stuck one never does
 DEAD_RANK_POLL_S = 1.0  # how often an idle loop looks for ranks known dead (no round trip)
+# After the k-th failed rebuild attempt in a row the next waits REBUILD_BACKOFF_S * 2**(k-1),
+# REBUILD_BACKOFF_MAX_S at most. Why: a cause that clears in seconds (a dead rank's GPU memory
+# not yet freed, its Ray resources not yet returned) would otherwise spend every restart at once.
+REBUILD_BACKOFF_S = 1.0
+REBUILD_BACKOFF_MAX_S = 30.0
 
 
 class EngineUnavailableError(RuntimeError):
@@ -218,6 +223,7 @@ class AsyncEngine:
         call more than once."""
         with self._cond:
             self._is_accepting = False
+            self._cond.notify_all()  # a rebuild's pause between attempts ends now
             self._cond.wait_for(self._drained, drain_timeout_s)
             self._is_stopping = True
             unfinished, self._live = list(self._live), set()
@@ -446,6 +452,7 @@ class AsyncEngine:
         /health and the 503s say) while the next one runs."""
         with self._cond:
             self._error, self._rebuild_started = error, time.monotonic()
+        num_failed = 0  # rebuild attempts failed in a row
         never_ran = EngineUnavailableError(  # in no step yet, the failed one too: a retry may
             f"the engine failed before the request ran ({type(error).__name__}: {error}); it "
             "is rebuilding its workers",
@@ -474,9 +481,18 @@ class AsyncEngine:
             except Exception as exc:
                 failed = f"{type(exc).__name__}: {exc}"
                 if self._engine.can_restart() and not isinstance(exc, WeightsChangedError):
-                    log.error("rebuilding the worker group failed (%s); trying again", failed)
+                    num_failed += 1
+                    pause_s = min(REBUILD_BACKOFF_S * 2 ** (num_failed - 1), REBUILD_BACKOFF_MAX_S)
+                    log.error(
+                        "rebuilding the worker group failed (%s); trying again in %gs",
+                        failed,
+                        pause_s,
+                    )
                     with self._cond:
                         self._rebuild_failure = failed
+                        self._rebuild_started = time.monotonic() + pause_s  # for Retry-After
+                        # A drain or stop ends the pause (and rebuilds nothing).
+                        self._cond.wait_for(lambda: not self._is_accepting, pause_s)
                     continue  # this rebuild failed; the next one counts too
                 log.error("the engine gave up: %s", failed)
                 with self._cond:
