@@ -6,6 +6,7 @@ a stop; one prompt of numpy or torch integer ids is one prompt."""
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import numpy as np
 import pytest
@@ -379,3 +380,18 @@ def test_use_tqdm_is_vllms_progress_bar_of_finished_prompts(llm, capsys):
     assert llm.score([[5, 6, 7]], [1], use_tqdm=False) and capsys.readouterr().err == ""
     llm.score_outputs([[5, 6, 7]], [1])
     assert "score: 100%" in capsys.readouterr().err
+
+
+def test_an_n_past_the_sequence_cap_is_refused_before_any_sample_is_made(llm):
+    """SamplingParams(n=2**40) hung, then ran out of memory, making the samples' seeds one by
+    one (the HTTP API and rollout rows cap n at server.max_sequences_per_request; the Python
+    API did not). Now it is refused at once, naming n and the key; nothing was queued."""
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=r"n=1099511627776 .*server\.max_sequences_per_request"):
+        llm.generate([[1, 2]], SamplingParams(max_tokens=2, n=2**40))
+    assert time.monotonic() - started < 5 and not llm.engine.has_unfinished()
+    small = LLM(TINY_CONFIG, **{"server.max_sequences_per_request": 3})
+    (output,) = small.generate([[1, 2]], SamplingParams(max_tokens=2, n=3, seed=1))
+    assert len(output.outputs) == 3
+    with pytest.raises(ValueError, match="n=4 is more samples"):
+        small.generate([[1, 2]], SamplingParams(max_tokens=2, n=4))

@@ -54,6 +54,7 @@ class RequestChecks:
     def __init__(self, config: RuntimeConfig, tokenizer) -> None:
         self.vocab_size = config.model.vocab_size
         self.max_model_len = config.scheduler.max_model_len
+        self.max_n = config.server.max_sequences_per_request
         self.tokenizer = tokenizer
 
     def requests(
@@ -68,9 +69,15 @@ class RequestChecks:
     def request(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
         """A request's prompt token ids, or ValueError naming what the engine cannot run: a bad
         prompt, a prompt and max_tokens past the context (ContextLengthError), more top
-        logprobs than the vocabulary has, a stop id outside it."""
+        logprobs than the vocabulary has, a stop id outside it, more samples than
+        server.max_sequences_per_request (each holds engine state: an n of 2**40 hung)."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        if params.n > self.max_n:
+            raise ValueError(
+                f"SamplingParams.n={params.n} is more samples of one prompt than "
+                f"server.max_sequences_per_request={self.max_n}"
+            )
         token_ids = self.encode(prompt)
         budget, field = params.max_tokens, "max_tokens"
         if budget is None:  # to the context's end: room for one token at least
