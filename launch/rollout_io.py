@@ -28,7 +28,7 @@ from functools import partial
 from pathlib import Path
 from typing import IO, Any
 
-from moe_runtime.config_fields import is_int
+from moe_runtime.config_fields import is_int, unique_keys
 from moe_runtime.sampling_params import SamplingParams
 from moe_runtime.seeds import MAX_SEED, SEED_BITS, derive_seed, sample_seeds
 
@@ -125,7 +125,7 @@ def read_samples(
 def _json_row(line: str) -> tuple[dict | None, ValueError | None]:
     """The line as a JSON object, or None and why it is not one."""
     try:
-        row = json.loads(_checked_utf8(line))
+        row = json.loads(_checked_utf8(line), object_pairs_hook=unique_keys)
     except ValueError as exc:
         return None, exc
     except RecursionError:  # json's decoder recurses once per level of [ or {

@@ -223,7 +223,11 @@ def test_config_field_of_wrong_type_is_named(checkpoint, tmp_path, case):
         ModelConfig.from_dict({"path": str(path)})
 
 
-@pytest.mark.parametrize("text", ["{not json", "[1, 2]", "\xff"], ids=["syntax", "list", "bytes"])
+@pytest.mark.parametrize(
+    "text",
+    ["{not json", "[1, 2]", "\xff", '{"num_hidden_layers": 2, "num_hidden_layers": 3}'],
+    ids=["syntax", "list", "bytes", "a key twice"],
+)
 def test_malformed_config_json_is_named(checkpoint, tmp_path, text):
     path = rewrite_checkpoint(checkpoint, tmp_path / "ckpt")
     (path / "config.json").write_bytes(text.encode("latin-1"))

@@ -313,6 +313,7 @@ time.sleep(600)
 
 BAD_ROWS = [
     ("{not json", "Expecting property name"),
+    ('{"id": "x", "prompt": "a", "prompt": "b"}', "key 'prompt' appears twice"),
     ({"id": "x", "prompt": "a", "temprature": 1.0}, "unknown field 'temprature'"),
     ({"prompt": "a"}, "missing field 'id'"),
     ({"id": "x", "prompt": []}, "prompt must be"),

@@ -17,7 +17,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from moe_runtime.config_fields import is_int
+from moe_runtime.config_fields import is_int, unique_keys
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +168,7 @@ def read_config_json(path: Path) -> dict[str, Any]:
 def read_json_object(file: Path) -> dict[str, Any]:
     """The JSON object `file` holds (an HF config or tokenizer file); ValueError naming it."""
     try:
-        value = json.loads(file.read_text(encoding="utf-8"))
+        value = json.loads(file.read_text(encoding="utf-8"), object_pairs_hook=unique_keys)
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
         raise ValueError(f"{file} is not valid JSON: {exc}") from exc
     if not isinstance(value, dict):
