@@ -92,8 +92,9 @@ def create_app(config: RuntimeConfig, backend: Backend | None = None) -> FastAPI
         if backend is None:
             return ExactJSONResponse({"status": "loading"}, status_code=503)
         engine = backend.engine
-        if not engine.is_healthy:
-            return ExactJSONResponse({"status": "unavailable", "error": engine.error}, 503)
+        if not engine.is_healthy:  # dead, rebuilding, or draining (no error of its own)
+            error = engine.error or "the server is shutting down: it takes no new requests"
+            return ExactJSONResponse({"status": "unavailable", "error": error}, 503)
         stalled = engine.stalled  # a rank silent inside a step or call: requests wait on it
         if stalled is not None:
             return ExactJSONResponse({"status": "stalled", "error": stalled}, 503)

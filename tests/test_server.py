@@ -823,3 +823,25 @@ def test_a_body_that_is_not_json_content_says_so(server, content_type, content):
     assert response.status_code == 400
     message = response.json()["error"]["message"]
     assert "must be JSON" in message and "application/json" in message, message
+
+
+def test_health_while_shutting_down_says_so():
+    """/health of a draining or stopped engine was 503 with "error": null."""
+    config = load_config(TINY_CONFIG)
+    engine = LLMEngine(config)
+    async_engine = AsyncEngine(engine)
+    app = create_app(config, Backend(async_engine, engine.tokenizer))
+
+    async def health() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return await client.get("/health")
+
+    assert asyncio.run(health()).status_code == 200
+    async_engine.shutdown(drain_timeout_s=1)
+    response = asyncio.run(health())
+    assert response.status_code == 503
+    assert response.json() == {
+        "status": "unavailable",
+        "error": "the server is shutting down: it takes no new requests",
+    }
