@@ -37,8 +37,13 @@ DEFAULT_MAX_TOKENS = 16
 
 
 async def complete(
-    body: CompletionRequest, backend: Backend | None, config: RuntimeConfig, metrics: ServerMetrics
+    body: CompletionRequest,
+    backend: Backend | None,
+    config: RuntimeConfig,
+    metrics: ServerMetrics,
+    received: float,
 ) -> Response:
+    """/v1/completions; `received` (time.monotonic) is when the request came, for its metrics."""
     backend = ready(backend)
     body.check_served(config.server.model_name, config.model.vocab_size)
     if body.max_tokens == 0 and not body.echo:
@@ -74,11 +79,11 @@ async def complete(
     try:
         with _engine_checks():
             if params is not None:
-                generation = Generation(engine, encoded, [params] * len(prompts), metrics)
+                generation = Generation(engine, encoded, [params] * len(prompts), metrics, received)
             scored = await scores.outputs()
             if generation is None:  # echo alone: nothing to generate
                 answered = _Answered(_prompts_alone(ids, scored, body.n, version))
-                generation = Generation(answered, prompts, [], metrics)
+                generation = Generation(answered, prompts, [], metrics, received)
             await generation.start(body.stream)
     except BaseException:
         scores.cancel()
@@ -257,7 +262,9 @@ async def chat(
     backend: Backend | None,
     config: RuntimeConfig,
     metrics: ServerMetrics,
+    received: float,
 ) -> Response:
+    """/v1/chat/completions; `received` as `complete`'s."""
     backend = ready(backend)
     body.check_served(config.server.model_name, config.model.vocab_size)
     tokenizer = backend.tokenizer
@@ -267,7 +274,7 @@ async def chat(
     prompt_ids = await asyncio.to_thread(tokenizer.apply_chat_template, messages)
     max_model_len, budget = config.scheduler.max_model_len, body.token_budget()
     params = body.sampling_params(None)  # no budget: to the context's end
-    generation = Generation(backend.engine, [prompt_ids], [params], metrics)
+    generation = Generation(backend.engine, [prompt_ids], [params], metrics, received)
     try:
         await generation.start(body.stream)
     except ContextLengthError as exc:

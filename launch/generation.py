@@ -64,12 +64,13 @@ class Generation:
         prompts: list[str | list[int]],
         params: list[SamplingParams],
         metrics: ServerMetrics,
+        received: float,
     ) -> None:
         self._queue: asyncio.Queue = asyncio.Queue()
         self._first: Any = None  # the first delta (or the end), which `start` waited for
         self._outputs: list[RequestOutput] | None = None  # None: streamed
         aio_loop = asyncio.get_running_loop()
-        tracker = RequestTracker(metrics)
+        tracker = RequestTracker(metrics, received)
 
         def on_output(prompt_idx: int, delta: RequestOutput) -> None:  # on the engine thread
             tracker.observe(prompt_idx, delta)

@@ -48,7 +48,8 @@ class ServerMetrics:
         )
         latency = functools.partial(Histogram, buckets=LATENCY_BUCKETS_S, registry=r)
         self.time_to_first_token = latency(
-            "moe_time_to_first_token_seconds", "From submission to a sample's first token"
+            "moe_time_to_first_token_seconds",
+            "From the request's arrival to a sample's first token",
         )
         self.inter_token_latency = latency(
             "moe_inter_token_latency_seconds", "Between consecutive tokens of one sample"
@@ -142,11 +143,13 @@ class ServerMetrics:
 
 
 class RequestTracker:
-    """Timings of one submission's samples. `observe` runs on the engine thread."""
+    """Timings of one submission's samples, from `received` (time.monotonic: when its HTTP
+    request came, so a first token's time holds tokenization, the chat template and the prompt
+    checks). `observe` runs on the engine thread."""
 
-    def __init__(self, metrics: ServerMetrics) -> None:
+    def __init__(self, metrics: ServerMetrics, received: float) -> None:
         self._metrics = metrics
-        self._submitted = time.monotonic()
+        self._received = received
         # (prompt idx, sample idx) -> the time of its last token (None: seen, no token yet)
         self._last: dict[tuple[int, int], float | None] = {}
 
@@ -161,7 +164,7 @@ class RequestTracker:
                 continue
             last = self._last.get(key)
             if last is None:
-                m.time_to_first_token.observe(now - self._submitted)
+                m.time_to_first_token.observe(now - self._received)
             else:
                 m.inter_token_latency.observe((now - last) / len(out.token_ids))
             self._last[key] = now

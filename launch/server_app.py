@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import time
 from collections.abc import Awaitable, Callable
 from typing import Annotated
 
@@ -242,12 +243,14 @@ async def _until_disconnected(request: Request) -> None:
 def _add_post_routes(app: FastAPI, config: RuntimeConfig, metrics: ServerMetrics) -> None:
     @app.post(COMPLETIONS)
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        completion = complete(body, app.state.backend, config, metrics)
+        received = time.monotonic()  # its time to first token counts from here
+        completion = complete(body, app.state.backend, config, metrics, received)
         return await unless_disconnected(request, completion)
 
     @app.post(CHAT)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        completion = chat(body, app.state.backend, config, metrics)
+        received = time.monotonic()
+        completion = chat(body, app.state.backend, config, metrics, received)
         return await unless_disconnected(request, completion)
 
     async def on_engine(fn: Callable[[LLMEngine], dict]) -> Response:

@@ -340,7 +340,9 @@ def test_weight_versions_count_the_prompts_scoring():
     generated = RequestOutput("r", [1, 2], [], True, weight_version=4, first_weight_version=4)
 
     async def respond(stream: bool) -> list[dict]:
-        generation = Generation(_Answered([generated]), [[1, 2]], [], ServerMetrics(lambda: None))
+        generation = Generation(
+            _Answered([generated]), [[1, 2]], [], ServerMetrics(lambda: None), 0.0
+        )
         await generation.start(stream)
         response = generation.response({}, lambda i, o: [{}], True, [scoring])
         if not stream:

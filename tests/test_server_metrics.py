@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -138,3 +139,26 @@ def test_every_response_is_counted_and_openai_shaped(server):
     assert grew("unmatched", 404) == 1
     assert grew("/metrics", 200) == 1  # the first scrape above
     assert server.http.get("/health").status_code == 200
+
+
+def test_time_to_first_token_counts_from_the_requests_arrival(server, monkeypatch):
+    """The time to first token started when the engine was handed the prompt, so a chat's
+    template and tokenization (seconds for a long conversation) were left out of it."""
+    tokenizer = server.engine.tokenizer
+    template = tokenizer.apply_chat_template
+
+    def slow_template(messages):
+        time.sleep(0.5)
+        return template(messages)
+
+    monkeypatch.setattr(tokenizer, "apply_chat_template", slow_template)
+    before = scrape(server)
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    assert server.http.post("/v1/chat/completions", json=body).status_code == 200
+    after = scrape(server)
+    grown = {
+        key: after[key] - before[key]
+        for key in ("moe_time_to_first_token_seconds_count", "moe_time_to_first_token_seconds_sum")
+    }
+    assert grown["moe_time_to_first_token_seconds_count"] == 1
+    assert grown["moe_time_to_first_token_seconds_sum"] >= 0.5
