@@ -71,6 +71,7 @@ class Generation:
         self._outputs: list[RequestOutput] | None = None  # None: streamed
         aio_loop = asyncio.get_running_loop()
         tracker = RequestTracker(metrics, received)
+        self._metrics = metrics
 
         def on_output(prompt_idx: int, delta: RequestOutput) -> None:  # on the engine thread
             tracker.observe(prompt_idx, delta)
@@ -162,6 +163,7 @@ class Generation:
                 }
                 yield sse({**head, "choices": [], "usage": totals, **versions})
         except Exception as exc:
+            self._metrics.stream_errors.inc()
             yield sse(error_body(exc))
         finally:
             self.future.cancel()  # no-op once finished

@@ -46,6 +46,10 @@ class ServerMetrics:
         self.requests = Counter(
             "moe_http_requests", "HTTP responses", ["route", "status"], registry=r
         )
+        # Why apart: a stream's status is counted as it starts (200), before its failure.
+        self.stream_errors = Counter(
+            "moe_stream_errors", "Streams ended by an error chunk after their 200", registry=r
+        )
         latency = functools.partial(Histogram, buckets=LATENCY_BUCKETS_S, registry=r)
         self.time_to_first_token = latency(
             "moe_time_to_first_token_seconds",

@@ -162,3 +162,30 @@ def test_time_to_first_token_counts_from_the_requests_arrival(server, monkeypatc
     }
     assert grown["moe_time_to_first_token_seconds_count"] == 1
     assert grown["moe_time_to_first_token_seconds_sum"] >= 0.5
+
+
+def test_a_stream_ended_by_a_fault_is_counted_as_a_stream_error():
+    """A stream's status is counted as its 200 starts, so one that a fault ended with an error
+    chunk showed nowhere in the metrics; moe_stream_errors_total counts it."""
+    from moe_runtime.executor import WorkerError
+
+    with running_server() as running:
+        before = scrape(running)
+        body = {"prompt": [1, 2, 3], "max_tokens": 300, "ignore_eos": True, "stream": True}
+        events = []
+        with running.http.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if not events:  # the stream has begun: its next step fails
+
+                    def broken(per_rank_chunks):
+                        raise WorkerError("rank 0 failed: injected")
+
+                    running.engine.executor.execute = broken
+                if line.startswith("data: "):
+                    events.append(line[6:])
+        assert events[-1] == "[DONE]" and "injected" in events[-2]
+        after = scrape(running)
+    assert after["moe_stream_errors_total"] - before["moe_stream_errors_total"] == 1
+    name = "moe_http_requests_total{route=/v1/completions,status=200}"
+    assert after[name] - before.get(name, 0.0) == 1
