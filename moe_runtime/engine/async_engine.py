@@ -259,9 +259,9 @@ class AsyncEngine:
 
     def _put(self, item) -> None:
         with self._cond:
-            self._check_alive()
-            if not self._is_accepting:
+            if not self._is_accepting:  # first: a death while draining rebuilds nothing
                 raise EngineUnavailableError("the engine is shutting down")
+            self._check_alive()
             stalled = self.stalled
             if stalled is not None and isinstance(item, _Submission):
                 # It would wait behind the stuck step (then fail with it): retryable now.
@@ -325,8 +325,8 @@ class AsyncEngine:
                 self._publish_stats()  # after aborts too: nobody awaits a cancelled one
                 self._quiet_since = time.monotonic()
         except BaseException as exc:  # a bug here must not leave callers waiting forever
-            with self._cond:
-                self._error = exc
+            with self._cond:  # nothing will rebuild: "dead", no Retry-After
+                self._error, self._given_up = exc, True
             raise
         finally:
             stopped = EngineUnavailableError("the engine loop stopped first")
@@ -374,8 +374,8 @@ class AsyncEngine:
             failure = exc
         try:
             self._publish_stats()  # before the answer: a scrape after it sees its effect
-            _resolve(future, failure, result)  # (unless a shutdown answered it first)
         finally:
+            _resolve(future, failure, result)  # (unless a shutdown answered it first)
             with self._cond:  # answered: a drain no longer waits for it (nor for a rebuild)
                 self._call = None
                 self._cond.notify_all()
@@ -452,11 +452,15 @@ class AsyncEngine:
         /health and the 503s say) while the next one runs."""
         with self._cond:
             self._error, self._rebuild_started = error, time.monotonic()
+            will_rebuild = self._is_accepting and not self._is_stopping
         num_failed = 0  # rebuild attempts failed in a row
-        never_ran = EngineUnavailableError(  # in no step yet, the failed one too: a retry may
-            f"the engine failed before the request ran ({type(error).__name__}: {error}); it "
-            "is rebuilding its workers",
-            self._retry_after_rebuild_s(),
+        failed_first = f"the engine failed before the request ran ({type(error).__name__}: {error})"
+        never_ran = (  # in no step yet, the failed one too: a retry may run it
+            EngineUnavailableError(
+                f"{failed_first}; it is rebuilding its workers", self._retry_after_rebuild_s()
+            )
+            if will_rebuild
+            else EngineUnavailableError(f"{failed_first}; the engine is shutting down")
         )
         self._publish_stats()  # what /metrics reads meanwhile: the failed requests gone
         live = self._snapshot()
@@ -473,6 +477,7 @@ class AsyncEngine:
         while True:
             with self._cond:
                 if self._is_stopping or not self._is_accepting:
+                    self._rebuild_failure = None  # no attempt follows it
                     return  # draining: nothing new will run, and a rebuild would outlast it
                 started = self._rebuild_started = time.monotonic()  # this attempt's
             log.warning("rebuilding the worker group")
@@ -480,8 +485,15 @@ class AsyncEngine:
                 self._engine.restart()
             except Exception as exc:
                 failed = f"{type(exc).__name__}: {exc}"
-                if self._engine.can_restart() and not isinstance(exc, WeightsChangedError):
-                    num_failed += 1
+                num_failed += 1
+                # Why the count in a row too: paused attempts can fall out of the restart
+                # window one by one, and the engine would then never give up.
+                in_a_row = num_failed < self._engine.config.parallel.max_restarts
+                if (
+                    in_a_row
+                    and self._engine.can_restart()
+                    and not isinstance(exc, WeightsChangedError)
+                ):
                     pause_s = min(REBUILD_BACKOFF_S * 2 ** (num_failed - 1), REBUILD_BACKOFF_MAX_S)
                     log.error(
                         "rebuilding the worker group failed (%s); trying again in %gs",
