@@ -123,20 +123,25 @@ def step_until_done(
     before_step: Callable[[], None] = lambda: None,
 ) -> None:
     """Step until the engine has nothing left, before_step() before each step (it may raise to
-    stop). The progress bar counts the requests that finished and, between them, the tokens
-    generated so far (a scoring has no deltas: its requests count as they finish)."""
+    stop). The progress bar counts the requests that finished (in order) and, between them,
+    the tokens generated so far (a scoring has no deltas: its requests count as they finish)."""
     num_tokens = num_done = 0
     while engine.has_unfinished():
         before_step()
         deltas = engine.step()
-        if progress.disable:  # no pass over the requests a step
+        if progress.disable:
             continue
         num_tokens += sum(len(out.token_ids) for delta in deltas for out in delta.outputs)
         if num_tokens:
             progress.set_postfix(tokens=num_tokens, refresh=False)
-        done = sum(request.is_finished for request in requests)
+        # Why the finished prefix, not every request: a pass over all of them each step cost
+        # 0.16 s a step at 50k prompts. The bar may lag a request finished out of order.
+        done = num_done
+        while done < len(requests) and requests[done].is_finished:
+            done += 1
         progress.update(done - num_done)  # redrawn at most 10/s
         num_done = done
+    progress.update(len(requests) - num_done)  # nothing is left: every request finished
 
 
 def _flatten_overrides(overrides: dict[str, Any]) -> dict[str, Any]:
