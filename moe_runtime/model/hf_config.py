@@ -14,10 +14,11 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from moe_runtime.config_fields import is_int, unique_keys
+from moe_runtime.config_fields import is_int
 
 log = logging.getLogger(__name__)
 
@@ -166,9 +167,18 @@ def read_config_json(path: Path) -> dict[str, Any]:
 
 
 def read_json_object(file: Path) -> dict[str, Any]:
-    """The JSON object `file` holds (an HF config or tokenizer file); ValueError naming it."""
+    """The JSON object `file` holds (an HF config or tokenizer file); ValueError naming it. A
+    key given twice in one object takes its last value, as transformers reads the file, with a
+    warning naming it (refusing it would refuse checkpoints transformers and vLLM load)."""
+
+    def last_value_wins(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        repeated = {key for key, count in Counter(key for key, _ in pairs).items() if count > 1}
+        for key in sorted(repeated):
+            log.warning("%s: key %r appears twice in one object; the last value is used", file, key)
+        return dict(pairs)
+
     try:
-        value = json.loads(file.read_text(encoding="utf-8"), object_pairs_hook=unique_keys)
+        value = json.loads(file.read_text(encoding="utf-8"), object_pairs_hook=last_value_wins)
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
         raise ValueError(f"{file} is not valid JSON: {exc}") from exc
     if not isinstance(value, dict):
