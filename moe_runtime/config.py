@@ -438,11 +438,21 @@ def load_config(
     return RuntimeConfig(**built)
 
 
+MAX_CONFIG_BYTES = 16 << 20
+
+
 def _read_yaml_file(path: Path) -> Any:
     """The file's YAML ({} when empty), or ValueError naming it. Read whatever it is that can be
-    read (a pipe such as bash's `<(...)` too), so the message says what failed."""
+    read (a pipe such as bash's `<(...)` too), so the message says what failed; at most
+    MAX_CONFIG_BYTES (`--config /dev/zero` read until the memory ran out)."""
     try:
-        text = path.read_text(encoding="utf-8")
+        with path.open("rb") as file:
+            data = file.read(MAX_CONFIG_BYTES + 1)
+        if len(data) > MAX_CONFIG_BYTES:
+            raise ValueError(
+                f"config file {str(path)!r} holds more than {MAX_CONFIG_BYTES} bytes: not a config"
+            )
+        text = data.decode("utf-8")
     except FileNotFoundError:
         raise ValueError(f"config file {str(path)!r} does not exist") from None
     except IsADirectoryError:

@@ -92,6 +92,8 @@ def test_a_config_path_names_what_is_wrong_with_it_and_a_pipe_is_read(tmp_path):
         load_config(tmp_path)
     with pytest.raises(ValueError, match=r"absent\.yaml' does not exist"):
         load_config(tmp_path / "absent.yaml")
+    with pytest.raises(ValueError, match=r"'/dev/zero' holds more than 16777216 bytes"):
+        load_config("/dev/zero")  # it was read until the memory ran out
     read_end, write_end = os.pipe()
     with os.fdopen(write_end, "w") as f:
         f.write("cache:\n  num_blocks: 8\n")
