@@ -61,4 +61,5 @@ def check_sampling_flags(values: dict[str, Any]) -> None:
             SamplingParams(**{name: value})
         except ValueError as exc:
             problem = str(exc).removeprefix(f"SamplingParams.{name} ")
+            problem = problem.replace("must be None or ", "must be ")  # no flag gives None
             raise ValueError(f"--{name.replace('_', '-')} {problem}") from None

@@ -235,7 +235,7 @@ def test_serve_ep_refuses_a_log_level_uvicorn_does_not_know(capsys):
         ("--max-tokens", "-1", "--max-tokens must be an int >= 1, got -1"),
         ("--temperature", "nan", "--temperature must be a finite number, got nan"),
         ("--top-p", "0", "--top-p must be in (0, 1], got 0.0"),
-        ("--seed", "-1", "--seed must be None or an int in [0, 2**63 - 1], got -1"),
+        ("--seed", "-1", "--seed must be an int in [0, 2**63 - 1], got -1"),
     ],
 )
 def test_generate_names_a_bad_flag_as_typed(flag, value, error, capsys):

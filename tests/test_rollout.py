@@ -778,7 +778,7 @@ def test_output_that_is_the_input_is_refused(tmp_path, capsys):
         (["--temperature", "-1"], "--temperature must be a finite number >= 0"),
         (["--top-p", "1.5"], "--top-p must be in (0, 1], got 1.5"),
         (["--top-k", "-2"], "--top-k must be -1 or 0 (off) or an int >= 1, got -2"),
-        (["--logprobs", "-2"], "--logprobs must be None or an int >= 0, got -2"),
+        (["--logprobs", "-2"], "--logprobs must be an int >= 0, got -2"),
     ],
 )
 def test_a_bad_flag_is_refused_before_any_row_is_read(tmp_path, capsys, monkeypatch, flag, error):
