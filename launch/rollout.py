@@ -166,7 +166,10 @@ def _run(args: argparse.Namespace, appender: Appender) -> int:
         max_n = config.server.max_sequences_per_request
         if args.n > max_n:
             raise ValueError(f"--n {args.n} is more samples than {MAX_N_KEY}={max_n} allows a row")
-        rows = read_samples(args.input, defaults, args.base_seed, args.score, skip_bad, max_n)
+        try:
+            rows = read_samples(args.input, defaults, args.base_seed, args.score, skip_bad, max_n)
+        except OSError as exc:  # named by its flag ("[Errno 2] ..." named neither)
+            raise ValueError(f"--input {str(args.input)!r}: {exc.strerror}") from None
         existing = read_done(output)  # reads only: the file may not be this tool's
         if config.parallel.world_size > 1:
             from moe_runtime.executor.ray_executor import connect_ray  # ray only where used

@@ -1012,3 +1012,15 @@ def test_a_stop_signal_during_score_is_acted_on_between_steps():
             assert progress.n == len(rows) == len(batch)
     finally:
         llm.shutdown()
+
+
+def test_an_unreadable_input_is_named_by_its_flag(tmp_path, capsys):
+    """A missing --input printed "error: [Errno 2] No such file or directory: '...'", naming
+    neither the flag nor, for a directory, what was wrong in words."""
+    out = tmp_path / "out.jsonl"
+    assert run("--input", tmp_path / "absent.jsonl", "--output", out) == 2
+    err = capsys.readouterr().err
+    assert f"error: --input '{tmp_path / 'absent.jsonl'}': No such file or directory" in err, err
+    assert run("--input", tmp_path, "--output", out) == 2
+    assert f"error: --input '{tmp_path}': Is a directory" in capsys.readouterr().err
+    assert not out.exists()
