@@ -84,7 +84,7 @@ class ExpertBalancer:
         # No rows since the last move (each move starts the window afresh): a plan from zero
         # load is the start-up placement, so even a forced rebalance would undo the last one.
         if not logical_load.any():
-            no_load = "no expert load recorded since the last rebalance"
+            no_load = "no expert load recorded since the last rebalance or worker start"
             return self._skipped(report, started, no_load)
         eplb_threshold = self.config.eplb.balancedness_threshold
         if not force and before >= eplb_threshold:
