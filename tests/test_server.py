@@ -382,8 +382,12 @@ def test_async_engine_worker_failure_fails_pending_and_reports_dead():
     for future in futures:
         with pytest.raises(WorkerError, match="injected"):
             future.result(timeout=10)
+    # The requests fail first, then the rebuild is tried and refused (max_restarts 0).
+    deadline = time.monotonic() + 30
+    while not async_engine.has_given_up:
+        assert time.monotonic() < deadline, f"never gave up: {async_engine.error}"
+        time.sleep(0.01)
     assert not async_engine.is_healthy and "injected" in async_engine.error
-    assert async_engine.has_given_up
     with pytest.raises(EngineUnavailableError, match="dead"):
         async_engine.submit([[1, 2, 3]], [params])
 
