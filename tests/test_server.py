@@ -372,16 +372,24 @@ def test_async_engine_worker_failure_fails_pending_and_reports_dead():
     config = load_config(TINY_CONFIG, {"parallel.max_restarts": 0})  # no rebuild: stays dead
     engine = LLMEngine(config)
 
+    all_queued = threading.Event()
+
     def broken(per_rank_chunks):
+        all_queued.wait(30)  # the step fails with the other two submissions queued behind it
         raise WorkerError("rank 0 failed step 1: injected")
 
     engine.executor.execute = broken  # before the engine thread exists: no race
     async_engine = AsyncEngine(engine)
     params = SamplingParams(max_tokens=4)
     futures = [async_engine.submit([[1, 2, 3]], [params]) for _ in range(3)]
-    for future in futures:
-        with pytest.raises(WorkerError, match="injected"):
+    all_queued.set()
+    with pytest.raises(WorkerError, match="injected"):  # in the failed step
+        futures[0].result(timeout=10)
+    for future in futures[1:]:  # in the failed step too, or still queued (retryable then)
+        with pytest.raises((WorkerError, EngineUnavailableError), match="injected") as failed:
             future.result(timeout=10)
+        if isinstance(failed.value, EngineUnavailableError):
+            assert "failed before the request ran" in str(failed.value)
     # The requests fail first, then the rebuild is tried and refused (max_restarts 0).
     deadline = time.monotonic() + 30
     while not async_engine.has_given_up:
