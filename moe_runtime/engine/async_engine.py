@@ -321,8 +321,9 @@ class AsyncEngine:
                         self._settle(submission, None)
                 if self._error is None and self._engine.has_unfinished():
                     with self._running("a step"):
-                        self._step()
-                self._publish_stats()  # after aborts too: nobody awaits a cancelled one
+                        self._step()  # publishes the stats (or its death does)
+                else:  # admissions, aborts and calls without a step: nobody awaits an abort
+                    self._publish_stats()
                 self._quiet_since = time.monotonic()
         except BaseException as exc:  # a bug here must not leave callers waiting forever
             with self._cond:  # nothing will rebuild: "dead", no Retry-After
@@ -436,6 +437,8 @@ class AsyncEngine:
         for submission, exc in failed.values():
             self._abort(submission)
             self._settle(submission, exc)
+        if failed:  # their aborts freed sequences after the stats above
+            self._publish_stats()
         for delta in deltas:
             owner = self._owner.get(delta.request_id)
             if owner is not None and delta.is_finished and owner[0].is_finished():
