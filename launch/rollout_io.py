@@ -28,7 +28,7 @@ from functools import partial
 from pathlib import Path
 from typing import IO, Any
 
-from moe_runtime.config_fields import is_int, unique_keys
+from moe_runtime.config_fields import is_int
 from moe_runtime.sampling_params import SamplingParams
 from moe_runtime.seeds import MAX_SEED, SEED_BITS, derive_seed, sample_seeds
 
@@ -122,10 +122,22 @@ def read_samples(
     return InputRows(samples, bad_rows, digest.hexdigest())
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json.loads' object_pairs_hook refusing an object with a key twice, naming it: json keeps
+    the last value without a word, so a row {"prompt": "a", "prompt": "b"} ran "b" (the config
+    loader refuses YAML's repeated keys the same way)."""
+    value: dict[str, Any] = {}
+    for key, item in pairs:
+        if key in value:
+            raise ValueError(f"key {key!r} appears twice in one JSON object")
+        value[key] = item
+    return value
+
+
 def _json_row(line: str) -> tuple[dict | None, ValueError | None]:
     """The line as a JSON object, or None and why it is not one."""
     try:
-        row = json.loads(_checked_utf8(line), object_pairs_hook=unique_keys)
+        row = json.loads(_checked_utf8(line), object_pairs_hook=_unique_keys)
     except ValueError as exc:
         return None, exc
     except RecursionError:  # json's decoder recurses once per level of [ or {

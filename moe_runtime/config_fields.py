@@ -29,18 +29,6 @@ def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """json.loads' object_pairs_hook refusing an object with a key twice, naming it: json keeps
-    the last value without a word, so a rollout row {"prompt": "a", "prompt": "b"} ran "b" (the
-    config loader refuses YAML's repeated keys the same way)."""
-    value: dict[str, Any] = {}
-    for key, item in pairs:
-        if key in value:
-            raise ValueError(f"key {key!r} appears twice in one JSON object")
-        value[key] = item
-    return value
-
-
 def check_field_types(
     section: str, cls: type, values: dict[str, Any], is_sized: bool = False
 ) -> None:
