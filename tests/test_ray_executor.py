@@ -11,6 +11,7 @@
   QUICK_CALL_TIMEOUT_S, not after the collective timeout plus its margin.
 - A worker's exception reaches the client as its type and first line: no terminal colours, no
   Ray traceback, pids or ids (those go to the log).
+- Bad input every rank refuses is raised once every rank has answered, each answer read.
 """
 
 from __future__ import annotations
@@ -130,3 +131,28 @@ def test_a_world_larger_than_the_cluster_says_what_it_lacked(ray_local):
     message = str(failure.value)
     assert "could not place parallel.world_size=16 ranks of {'CPU': 1} each" in message, message
     assert "it has 8 CPU in all" in message and "ranks [" not in message, message
+
+
+def test_a_refusal_on_every_rank_reads_every_rank_s_answer(ray_local, monkeypatch):
+    """A state dict that fits no rank is refused by each: the driver raised the first rank's
+    ValueError and dropped the others' answers unread, which Ray logs as 'Unhandled error'
+    with the rank's traceback (one per refused update, at every world size > 1)."""
+    import gc
+
+    import ray._private.worker as ray_worker
+    import torch
+
+    unhandled = []
+    monkeypatch.setattr(ray_worker, "_unhandled_error_handler", unhandled.append)
+    llm = _two_ranks(10)
+    try:
+        with pytest.raises(ValueError, match=r"rank [01]: weights 'the state dict' do not"):
+            llm.update_weights({"model.embed_tokens.weight": torch.zeros(3, 3)})
+        gc.collect()
+        time.sleep(3)  # Ray reports a dropped error from its own thread
+        gc.collect()
+        assert not unhandled, [str(error)[:200] for error in unhandled]
+        out = llm.generate(["still serving"], SamplingParams(max_tokens=2, seed=1))[0]
+        assert len(out.token_ids) == 2
+    finally:
+        llm.shutdown()

@@ -211,6 +211,7 @@ class RayExecutor:
                 ray.get(done[0])
             except RayTaskError as exc:
                 if isinstance(exc.cause, ValueError):  # bad input, identical on every rank
+                    self._settle(pending, rank_of, what, deadline)
                     raise ValueError(f"rank {rank}: {exc.cause}") from exc
                 log.error("rank %d failed during %s: %s", rank, what, exc)
                 failure = f"rank {rank} failed during {what}: {_cause(exc)}"
@@ -224,6 +225,23 @@ class RayExecutor:
                 log.error("rank %d failed during %s: %s", rank, what, exc)
                 raise WorkerError(f"rank {rank} failed during {what}: {_cause(exc)}") from exc
         return ray.get(refs)
+
+    def _settle(self, pending: list, rank_of: dict, what: str, deadline: float) -> None:
+        """After one rank refused bad input: the other ranks' answers, read before the refusal
+        is raised. Why: the engine's next call (discarding staged weights, the next step)
+        assumes every rank got past this one; a peer that died or stalled meanwhile is a
+        WorkerError, and a peer's refusal read here is not logged by Ray as unhandled."""
+        errors, silent = _outcomes(pending, max(0.0, deadline - time.monotonic()))
+        if silent:
+            ranks = sorted(rank_of[ref] for ref in silent)
+            raise WorkerError(f"ranks {ranks} did not finish {what} after a peer refused it")
+        for ref, error in sorted(errors.items(), key=lambda item: rank_of[item[0]]):
+            if error is None or isinstance(getattr(error, "cause", None), ValueError):
+                continue
+            log.error("rank %d failed during %s: %s", rank_of[ref], what, error)
+            if isinstance(error, RayActorError):
+                raise WorkerError(self._death(rank_of[ref], what)) from error
+            raise WorkerError(f"rank {rank_of[ref]} failed during {what}: {_cause(error)}")
 
     def _blame(self, pending: list, rank_of: dict, what: str, failure: str) -> str:
         """The message for a rank's failed collective, naming the rank that caused it when a
