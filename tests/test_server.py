@@ -369,32 +369,37 @@ def test_max_tokens_zero_needs_echo_and_a_one_token_prompt_has_nothing_to_score(
 
 
 def test_async_engine_worker_failure_fails_pending_and_reports_dead():
-    config = load_config(TINY_CONFIG, {"parallel.max_restarts": 0})  # no rebuild: stays dead
+    """max_restarts 0: the engine is dead for good as its requests fail. The ones that never
+    ran were told 'it is rebuilding its workers' with a Retry-After, and /health said
+    'recovering', a moment before the rebuild was refused."""
+    config = load_config(TINY_CONFIG, {"parallel.max_restarts": 0, "scheduler.max_num_seqs": 1})
     engine = LLMEngine(config)
-
+    run_step = engine.executor.execute
     all_queued = threading.Event()
+    calls = []
 
     def broken(per_rank_chunks):
-        all_queued.wait(30)  # the step fails with the other two submissions queued behind it
-        raise WorkerError("rank 0 failed step 1: injected")
+        calls.append(1)
+        if len(calls) == 1:
+            all_queued.wait(30)  # the other two are queued, then admitted behind the first
+            return run_step(per_rank_chunks)
+        raise WorkerError("rank 0 failed step 2: injected")
 
     engine.executor.execute = broken  # before the engine thread exists: no race
     async_engine = AsyncEngine(engine)
-    params = SamplingParams(max_tokens=4)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
     futures = [async_engine.submit([[1, 2, 3]], [params]) for _ in range(3)]
     all_queued.set()
     with pytest.raises(WorkerError, match="injected"):  # in the failed step
         futures[0].result(timeout=10)
-    for future in futures[1:]:  # in the failed step too, or still queued (retryable then)
-        with pytest.raises((WorkerError, EngineUnavailableError), match="injected") as failed:
+    for future in futures[1:]:  # admitted, never run: one sequence a step
+        with pytest.raises(EngineUnavailableError, match="injected") as failed:
             future.result(timeout=10)
-        if isinstance(failed.value, EngineUnavailableError):
-            assert "failed before the request ran" in str(failed.value)
-    # The requests fail first, then the rebuild is tried and refused (max_restarts 0).
-    deadline = time.monotonic() + 30
-    while not async_engine.has_given_up:
-        assert time.monotonic() < deadline, f"never gave up: {async_engine.error}"
-        time.sleep(0.01)
+        assert "failed before the request ran" in str(failed.value), failed.value
+        assert "max_restarts=0" in str(failed.value), failed.value
+        # no rebuild is coming, so none is promised
+        assert "rebuilding" not in str(failed.value) and failed.value.retry_after_s is None
+    assert async_engine.has_given_up, async_engine.error
     assert not async_engine.is_healthy and "injected" in async_engine.error
     with pytest.raises(EngineUnavailableError, match="dead"):
         async_engine.submit([[1, 2, 3]], [params])

@@ -453,18 +453,26 @@ class AsyncEngine:
         never once draining or stopping (a rebuild would outlast the drain, and nothing would
         use it). Each step is logged; a rebuild attempt that fails is named by `error` (what
         /health and the 503s say) while the next one runs."""
+        # Restarts already spent: the engine is dead for good before any request hears of
+        # it, so /health and a new submission say so as the failures arrive, and requests that
+        # never ran are not told to retry a rebuild that will not come.
+        refusal = self._engine.restart_refusal()
         with self._cond:
             self._error, self._rebuild_started = error, time.monotonic()
             will_rebuild = self._is_accepting and not self._is_stopping
+            gives_up = will_rebuild and refusal is not None
+            if gives_up:
+                self._error, self._given_up, will_rebuild = refusal, True, False
         num_failed = 0  # rebuild attempts failed in a row
         failed_first = f"the engine failed before the request ran ({type(error).__name__}: {error})"
-        never_ran = (  # in no step yet, the failed one too: a retry may run it
-            EngineUnavailableError(
+        if will_rebuild:  # in no step yet, the failed one too: a retry may run it
+            never_ran = EngineUnavailableError(
                 f"{failed_first}; it is rebuilding its workers", self._retry_after_rebuild_s()
             )
-            if will_rebuild
-            else EngineUnavailableError(f"{failed_first}; the engine is shutting down")
-        )
+        elif gives_up:
+            never_ran = EngineUnavailableError(f"{failed_first}; the engine {refusal}")
+        else:
+            never_ran = EngineUnavailableError(f"{failed_first}; the engine is shutting down")
         self._publish_stats()  # what /metrics reads meanwhile: the failed requests gone
         live = self._snapshot()
         for submission in live:
@@ -477,6 +485,9 @@ class AsyncEngine:
             len(live),
             exc_info=error,
         )
+        if gives_up:
+            log.error("the engine gave up: %s", refusal)
+            return
         while True:
             with self._cond:
                 if self._is_stopping or not self._is_accepting:

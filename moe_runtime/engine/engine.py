@@ -114,6 +114,16 @@ class LLMEngine:
             self._restart_times.popleft()
         return len(self._restart_times) < self.config.parallel.max_restarts
 
+    def restart_refusal(self) -> RuntimeError | None:
+        """Why `restart` would refuse at once (its restarts spent), else None."""
+        if self.can_restart():
+            return None
+        parallel = self.config.parallel
+        return RuntimeError(
+            f"gave up after parallel.max_restarts={parallel.max_restarts} restarts within "
+            f"parallel.restart_window_s={parallel.restart_window_s:g}s: {self.error}"
+        )
+
     def _unrestorable(self, why: str) -> WeightsChangedError:
         """The error of a rebuild that cannot serve weight_version's weights again."""
         return WeightsChangedError(
@@ -127,12 +137,9 @@ class LLMEngine:
         and weights (the last update_weights source), fresh KV caches and queues. Requests in
         flight were failed already. Raises RuntimeError once parallel.max_restarts rebuilds
         fell within parallel.restart_window_s."""
-        if not self.can_restart():
-            parallel = self.config.parallel
-            raise RuntimeError(
-                f"gave up after parallel.max_restarts={parallel.max_restarts} restarts within "
-                f"parallel.restart_window_s={parallel.restart_window_s:g}s: {self.error}"
-            )
+        refusal = self.restart_refusal()
+        if refusal is not None:
+            raise refusal
         changed = self._weights.changed()
         if changed is None and self.weight_version > 0:
             # The new group builds its model from model.path before the update's weights.
