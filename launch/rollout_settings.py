@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from launch.fingerprint import as_json, bit_settings
+from launch.rollout_io import MAX_N_KEY
 from moe_runtime import LLM
 
 
@@ -27,6 +28,8 @@ def run_settings(llm: LLM, args: argparse.Namespace, defaults: dict, input_sha25
     settings = {"score": args.score, "input_sha256": input_sha256}
     if not args.score:  # scoring reads no sampling setting but --logprobs
         settings |= {"base_seed": args.base_seed, **defaults}
+        # It decides which rows run (a row's n past it is a bad row), though no row's bits.
+        settings[MAX_N_KEY] = llm.config.server.max_sequences_per_request
     elif args.logprobs:  # (0, the rows without top logprobs, records nothing, as before it)
         settings["logprobs"] = args.logprobs
     settings |= bit_settings(llm.engine)
@@ -84,8 +87,8 @@ def score_differences(rollout_output: Path, settings: dict[str, Any]) -> list[st
         return []
     new = as_json(settings)
     # Not the tokenizer (the rollout's text prompts are ids in its rows already) nor the
-    # context (it decides which rows run).
-    unread = ("scheduler.max_model_len", "model.tokenizer_files")
+    # context and the bound on n (they decide which rows run).
+    unread = ("scheduler.max_model_len", "model.tokenizer_files", MAX_N_KEY)
     return [
         f"{key}={_shown(recorded, key)} -> {_shown(new, key)}"
         for key in _differing_keys(recorded, new)

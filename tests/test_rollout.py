@@ -535,6 +535,12 @@ def partial_run(tmp_path: Path, num_kept: int) -> tuple[Path, Path, list[str]]:
             "scheduler.max_model_len=1024",
             "scheduler.max_model_len=2048",
         ),
+        # Decides which rows run too (a row's n past it is a bad row).
+        (
+            ["--set", "server.max_sequences_per_request=64"],
+            "server.max_sequences_per_request=65536",
+            "server.max_sequences_per_request=64",
+        ),
         (["--edit-input"], "input_sha256=", "input_sha256="),
     ],
 )
