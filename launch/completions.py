@@ -99,7 +99,7 @@ async def complete(
         "system_fingerprint": backend.system_fingerprint,
     }
     also = [whole for whole in scored if whole is not None]
-    return generation.response(head, choices, body.include_usage, also)
+    return await generation.response(head, choices, body.include_usage, also)
 
 
 @contextmanager
@@ -314,4 +314,4 @@ async def chat(
             result.append(chat_choice(key, message, out, tokenizer, body.logprobs))
         return result
 
-    return generation.response(head, choices, body.include_usage)
+    return await generation.response(head, choices, body.include_usage)

@@ -19,7 +19,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from launch.metrics import RequestTracker, ServerMetrics
 from launch.openai.errors import error_body
-from launch.openai.render import ExactJSONResponse, sse, usage
+from launch.openai.render import dumps_by_item, sse, usage
 from moe_runtime.engine.async_engine import AsyncEngine, EngineUnavailableError
 from moe_runtime.engine.outputs import RequestOutput
 from moe_runtime.sampling_params import SamplingParams
@@ -103,7 +103,7 @@ class Generation:
         if self._first is _END:
             self.future.result()
 
-    def response(
+    async def response(
         self, head: dict, choices: Choices, include_usage: bool, also: list[RequestOutput] = ()
     ) -> Response:
         """After `start`: `head` and the choices of the whole outputs, usage and weight version
@@ -112,19 +112,24 @@ class Generation:
         if self._outputs is None:
             chunks = self._events(head, choices, include_usage, also)
             return StreamingResponse(chunks, media_type="text/event-stream")
+        # Built and encoded on a thread: a body of many samples with logprobs takes seconds,
+        # and on the event loop no stream got a chunk and /health no answer meanwhile.
+        body = await asyncio.to_thread(self._whole_body, head, choices, also)
+        return Response(body, media_type="application/json")
+
+    def _whole_body(self, head: dict, choices: Choices, also: list[RequestOutput]) -> bytes:
         outputs = self._outputs
         num_in = sum(len(whole.prompt_token_ids) for whole in outputs)
         num_out = sum(len(out.token_ids) for whole in outputs for out in whole.outputs)
         ran = [*outputs, *also]
-        return ExactJSONResponse(
-            {
-                **head,
-                "choices": [c for i, whole in enumerate(outputs) for c in choices(i, whole)],
-                "usage": usage(num_in, num_out),
-                "weight_version": max(whole.weight_version for whole in ran),
-                "first_weight_version": min(whole.first_weight_version for whole in ran),
-            }
-        )
+        body = {
+            **head,
+            "choices": [c for i, whole in enumerate(outputs) for c in choices(i, whole)],
+            "usage": usage(num_in, num_out),
+            "weight_version": max(whole.weight_version for whole in ran),
+            "first_weight_version": min(whole.first_weight_version for whole in ran),
+        }
+        return dumps_by_item(body, "choices").encode("utf-8")
 
     async def _events(
         self, head: dict, choices: Choices, include_usage: bool, also: list[RequestOutput] = ()

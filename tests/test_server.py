@@ -344,7 +344,7 @@ def test_weight_versions_count_the_prompts_scoring():
             _Answered([generated]), [[1, 2]], [], ServerMetrics(lambda: None), 0.0
         )
         await generation.start(stream)
-        response = generation.response({}, lambda i, o: [{}], True, [scoring])
+        response = await generation.response({}, lambda i, o: [{}], True, [scoring])
         if not stream:
             return [json.loads(response.body)]
         events = [chunk async for chunk in response.body_iterator]

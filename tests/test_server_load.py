@@ -1,14 +1,19 @@
 """A quick version of bench/serve_load.py: good and bad requests mixed under concurrency.
 
 Every good request (completions, streamed completions, chat) must be answered in full, every
-bad one must be a 400, and the server must stay healthy.
+bad one must be a 400, and the server must stay healthy; a whole response being rendered holds
+no other request.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
+import launch.completions
 from bench.serve_load import make_requests, run_load
+from launch.openai.render import dumps, dumps_by_item
 from tests.serving import running_server
 
 
@@ -20,3 +25,45 @@ def test_mixed_load_loses_nothing():
     assert report["num_answered"] == len(requests)
     assert report["num_failures"] == 0, report["failures"]
     assert report["num_bad"] > 20 and report["num_good"] > 60
+
+
+def test_other_requests_are_answered_while_a_whole_response_is_rendered(monkeypatch):
+    """A whole (not streamed) body of many samples with logprobs takes seconds to build and
+    encode (11 MB for 512 samples x 30 tokens x 20 logprobs); built on the event loop, it held
+    every stream's chunks and /health meanwhile. Here its rendering waits until /health has
+    answered: on the event loop that wait held /health until its client gave up."""
+    rendering, answered = threading.Event(), threading.Event()
+    render_choice = launch.completions.completion_choice
+
+    def held_choice(*args, **kwargs):
+        if not rendering.is_set():
+            rendering.set()
+            answered.wait(timeout=60)
+        return render_choice(*args, **kwargs)
+
+    monkeypatch.setattr(launch.completions, "completion_choice", held_choice)
+    body = {"prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0, "logprobs": 2}
+    with running_server() as server, ThreadPoolExecutor(1) as pool:
+        whole = pool.submit(server.http.post, "/v1/completions", json=body)
+        assert rendering.wait(timeout=60)
+        try:
+            health = server.http.get("/health", timeout=20)
+        finally:
+            answered.set()
+        assert health.status_code == 200
+        response = whole.result(timeout=60)
+    assert response.status_code == 200
+    assert response.headers["content-type"] == "application/json"
+    (choice,) = response.json()["choices"]
+    assert len(choice["token_ids"]) == 4 and len(choice["logprobs"]["token_logprobs"]) == 4
+
+
+def test_a_body_encoded_by_item_is_the_same_text():
+    body = {
+        "id": "x",
+        "choices": [{"text": "a\u00e9\n", "lp": [-0.1, float("-inf")]}, {"n": None}],
+        "usage": {"prompt_tokens": 3},
+        "weight_version": 0,
+    }
+    assert dumps_by_item(body, "choices") == dumps(body)
+    assert dumps_by_item({**body, "choices": []}, "choices") == dumps({**body, "choices": []})

@@ -30,6 +30,19 @@ def dumps(content: Any) -> str:
     return json.dumps(content, ensure_ascii=False, separators=(",", ":"), default=_plain)
 
 
+def dumps_by_item(body: dict, key: str) -> str:
+    """`dumps(body)`, the list under `key` encoded an item at a time: the same text. Why: json's
+    C encoder holds the GIL for a whole call, so one call on a large body (11 MB: 512 samples x
+    30 tokens x 20 logprobs) held the event loop for as long even from another thread."""
+    fields = (
+        f"{dumps(name)}:[{','.join(dumps(item) for item in value)}]"
+        if name == key
+        else f"{dumps(name)}:{dumps(value)}"
+        for name, value in body.items()
+    )
+    return "{" + ",".join(fields) + "}"
+
+
 def _plain(value: Any) -> Any:
     """numpy/torch scalars and arrays in engine reports, as plain JSON values."""
     if hasattr(value, "tolist"):
