@@ -56,6 +56,18 @@ def test_first_scrape_exports_every_listed_and_queried_metric(server):
     assert all(w in PROMQL_WORDS for q in queries for w in re.findall(r"\b[a-z_]+(?=\s*\()", q))
 
 
+def test_the_dashboard_s_balancedness_is_each_server_s_own():
+    """Every grouping of the live balancedness keeps the scraped server (`instance`): grouped
+    by rank alone, two servers' rank 0 rows were summed into one rank, a figure of neither."""
+    panels = json.loads(DASHBOARD.read_text())["panels"]
+    (panel,) = [p for p in panels if p["title"].startswith("Expert balancedness")]
+    live = panel["targets"][0]["expr"]
+    groupings = re.findall(r"\bby \(([^)]*)\)", live)
+    assert len(groupings) == 4 and "moe_expert_rows_total" in live, live
+    for labels in groupings:
+        assert "instance" in {label.strip() for label in labels.split(",")}, live
+
+
 def test_expert_rows_count_each_routed_row(server, monkeypatch):
     monkeypatch.setattr("launch.metrics.RANK_STATS_MAX_AGE_S", 0.0)  # every scrape asks
     before = scrape(server)
