@@ -79,12 +79,14 @@ async def complete(
     try:
         with _engine_checks():
             if params is not None:
-                generation = Generation(engine, encoded, [params] * len(prompts), metrics, received)
+                generation = Generation(
+                    engine, encoded, [params] * len(prompts), metrics, received, body.stream
+                )
             scored = await scores.outputs()
             if generation is None:  # echo alone: nothing to generate
                 answered = _Answered(_prompts_alone(ids, scored, body.n, version))
-                generation = Generation(answered, prompts, [], metrics, received)
-            await generation.start(body.stream)
+                generation = Generation(answered, prompts, [], metrics, received, body.stream)
+            await generation.start()
     except BaseException:
         scores.cancel()
         if generation is not None:
@@ -274,9 +276,9 @@ async def chat(
     prompt_ids = await asyncio.to_thread(tokenizer.apply_chat_template, messages)
     max_model_len, budget = config.scheduler.max_model_len, body.token_budget()
     params = body.sampling_params(None)  # no budget: to the context's end
-    generation = Generation(backend.engine, [prompt_ids], [params], metrics, received)
+    generation = Generation(backend.engine, [prompt_ids], [params], metrics, received, body.stream)
     try:
-        await generation.start(body.stream)
+        await generation.start()
     except ContextLengthError as exc:
         if budget is not None:  # the client's budget; else the prompt alone fills the context
             param = body.token_budget_field()

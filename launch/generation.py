@@ -65,8 +65,10 @@ class Generation:
         params: list[SamplingParams],
         metrics: ServerMetrics,
         received: float,
+        stream: bool,
     ) -> None:
         self._queue: asyncio.Queue = asyncio.Queue()
+        self._stream = stream
         self._first: Any = None  # the first delta (or the end), which `start` waited for
         self._outputs: list[RequestOutput] | None = None  # None: streamed
         aio_loop = asyncio.get_running_loop()
@@ -75,7 +77,10 @@ class Generation:
 
         def on_output(prompt_idx: int, delta: RequestOutput) -> None:  # on the engine thread
             tracker.observe(prompt_idx, delta)
-            aio_loop.call_soon_threadsafe(self._queue.put_nowait, (prompt_idx, delta))
+            # A whole response is built from the Future's outputs: its deltas, queued, were held
+            # unread until it ended (its output twice over).
+            if stream:
+                aio_loop.call_soon_threadsafe(self._queue.put_nowait, (prompt_idx, delta))
 
         def on_done(_future: Future) -> None:  # on whichever thread settled it
             try:
@@ -86,14 +91,14 @@ class Generation:
         self.future = engine.submit(prompts, params, on_output)
         self.future.add_done_callback(on_done)
 
-    async def start(self, stream: bool) -> None:
+    async def start(self) -> None:
         """Wait for the whole outputs (cancelling the awaiting task aborts them) or, to stream,
         for the first delta. Raises the submission's error (e.g. ValueError) if it failed before
         producing anything, so a route can still answer with a status code. Cancelled (its
         client left before the first token), it cancels the submission: nothing runs for
         nobody."""
         try:
-            if not stream:
+            if not self._stream:
                 self._outputs = await asyncio.wrap_future(self.future)
                 return
             self._first = await self._queue.get()

@@ -341,9 +341,9 @@ def test_weight_versions_count_the_prompts_scoring():
 
     async def respond(stream: bool) -> list[dict]:
         generation = Generation(
-            _Answered([generated]), [[1, 2]], [], ServerMetrics(lambda: None), 0.0
+            _Answered([generated]), [[1, 2]], [], ServerMetrics(lambda: None), 0.0, stream
         )
-        await generation.start(stream)
+        await generation.start()
         response = await generation.response({}, lambda i, o: [{}], True, [scoring])
         if not stream:
             return [json.loads(response.body)]
@@ -355,6 +355,23 @@ def test_weight_versions_count_the_prompts_scoring():
     *chunks, usage_chunk = asyncio.run(respond(stream=True))
     assert [c["first_weight_version"] for c in [*chunks, usage_chunk]] == [2, 2]
     assert usage_chunk["weight_version"] == 4
+
+
+def test_a_whole_response_holds_no_deltas():
+    """A whole (not streamed) response is built from the submission's outputs; its deltas were
+    also queued for the event loop and held unread until it ended: a large response's output
+    twice over in memory. A stream still gets every delta."""
+    outputs = [RequestOutput(f"r{i}", [1, 2], [], True) for i in range(3)]
+
+    async def queued(stream: bool) -> int:
+        metrics = ServerMetrics(lambda: None)
+        generation = Generation(_Answered(outputs), [[1, 2]] * 3, [], metrics, 0.0, stream)
+        await generation.start()
+        await asyncio.sleep(0)  # the end marker's callback has run too
+        return generation._queue.qsize() + (generation._first is not None)
+
+    assert asyncio.run(queued(stream=False)) <= 1  # the end marker alone
+    assert asyncio.run(queued(stream=True)) == 4  # three deltas and the end
 
 
 def test_max_tokens_zero_needs_echo_and_a_one_token_prompt_has_nothing_to_score(server):
