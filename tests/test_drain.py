@@ -60,6 +60,7 @@ def test_shutdown_kills_the_workers_under_a_stuck_step_and_rebuilds_nothing():
     loop = AsyncEngine(llm.engine)
     in_flight = loop.submit([[1, 2, 3]], [SamplingParams(max_tokens=400, ignore_eos=True)])
     assert entered.wait(30)
+    queued = loop.submit([[4, 5]], [SamplingParams(max_tokens=4)])  # behind the stuck step
     stopping = threading.Thread(target=loop.shutdown, args=(0.5,), daemon=True)
     started = time.monotonic()
     stopping.start()
@@ -69,6 +70,10 @@ def test_shutdown_kills_the_workers_under_a_stuck_step_and_rebuilds_nothing():
     assert time.monotonic() - started < 5
     with pytest.raises(EngineUnavailableError, match=r"drain timeout \(0.5s\) passed"):
         in_flight.result(timeout=0)
+    assert "the request was still running when" in str(in_flight.exception(timeout=0))
+    # It never ran: said so (it was 'still running' too).
+    with pytest.raises(EngineUnavailableError, match=r"still waiting to run when the drain"):
+        queued.result(timeout=0)
     assert loop.stats().num_restarts == 0 and not loop.has_given_up
 
 

@@ -231,12 +231,17 @@ class AsyncEngine:
                 self._stall_watch.stop()
             call = self._call
             self._cond.notify_all()
-        late = f"still running when the drain timeout ({drain_timeout_s:g}s) passed"
+        late = f"when the drain timeout ({drain_timeout_s:g}s) passed"
         for submission in unfinished:  # resolved here: the loop may be stuck in a step
-            late_request = f"the engine is shutting down: the request was {late}"
+            # (read beside the loop: a request in the step under way may read as waiting)
+            state = "still running" if submission.has_run() else "still waiting to run"
+            late_request = f"the engine is shutting down: the request was {state} {late}"
             _resolve(submission.future, EngineUnavailableError(late_request), None)
         if call is not None:  # answered now, not when the workers' kill below fails it
-            late_call = f"the engine is shutting down: the call was {late}; it may not have run"
+            late_call = (
+                f"the engine is shutting down: the call was still running {late}; it may not "
+                "have run"
+            )
             _resolve(call, EngineUnavailableError(late_call), None)
         self._thread.join(stop_timeout_s)
         if self._thread.is_alive():  # stuck in a call that only a rank's timeout would end
