@@ -12,7 +12,7 @@ record beside the output: launch.rollout_settings). Every row is checked as the 
 before anything runs; a bad one stops the job (--on-bad-row skip: report it, run the others),
 and a bad run-wide flag stops it before any row is read. SIGINT / SIGTERM end it at the next
 engine step, after the batches written so far (exit 130 / 143); a rerun resumes. `--score`:
-teacher-forced logprobs (LLM.score) of rows' "token_ids".
+teacher-forced logprobs (LLM.score) of rows' "token_ids", and their routed experts.
 """
 
 from __future__ import annotations
@@ -69,7 +69,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--base-seed", type=int, default=0, help="seeds rows that give none")
     parser.add_argument("--n", type=int, default=1)
     cli.add_sampling_arguments(parser, max_tokens=64, temperature=1.0, logprobs=0)
-    parser.add_argument("--no-routed-experts", action="store_true", help="routed_experts: null")
+    parser.add_argument(
+        "--no-routed-experts",
+        action="store_true",
+        help="routed_experts: null (--score: no routed_experts)",
+    )
     parser.add_argument(
         "--on-bad-row",
         choices=("stop", "skip"),
@@ -263,7 +267,7 @@ def _write(
     )
     run = partial(_score_batch if args.score else _rollout_batch, stop=appender.check)
     if args.score:
-        run = partial(run, num_top=args.logprobs)
+        run = partial(run, num_top=args.logprobs, routed=not args.no_routed_experts)
     try:
         for first in range(0, len(todo), args.batch_size):
             batch = todo[first : first + args.batch_size]
@@ -365,13 +369,20 @@ def _json_tops(top_logprobs: list[dict[int, float]]) -> list[dict[str, float]]:
 
 
 def _score_batch(
-    llm: LLM, batch: list[Sample], progress: tqdm, stop: Callable[[], None], num_top: int
+    llm: LLM,
+    batch: list[Sample],
+    progress: tqdm,
+    stop: Callable[[], None],
+    num_top: int,
+    routed: bool,
 ) -> list[dict]:
     """Rows of teacher-forced logprobs, with each position's `num_top` top logprobs (as a
-    rollout row writes them) when num_top > 0. `stop()` between two steps, as a rollout's."""
+    rollout row writes them) when num_top > 0, and its routed experts when `routed`. `stop()`
+    between two steps, as a rollout's."""
     engine = llm.engine
     sequences = [[*s.prompt, *s.token_ids] for s in batch]
-    requests = engine.add_score_requests(sequences, [len(s.prompt) for s in batch], num_top or None)
+    prompt_lens = [len(s.prompt) for s in batch]
+    requests = engine.add_score_requests(sequences, prompt_lens, num_top or None, routed)
     step_until_done(engine, requests, progress, stop)
     rows = []
     for s, request in zip(batch, requests, strict=True):
@@ -385,6 +396,8 @@ def _score_batch(
         }
         if num_top:
             row["top_logprobs"] = _json_tops(out.top_logprobs)
+        if routed:
+            row["routed_experts"] = np.asarray(out.routed_experts).tolist()
         rows.append(row)
     return rows
 

@@ -30,8 +30,11 @@ def run_settings(llm: LLM, args: argparse.Namespace, defaults: dict, input_sha25
         settings |= {"base_seed": args.base_seed, **defaults}
         # It decides which rows run (a row's n past it is a bad row), though no row's bits.
         settings[MAX_N_KEY] = llm.config.server.max_sequences_per_request
-    elif args.logprobs:  # (0, the rows without top logprobs, records nothing, as before it)
-        settings["logprobs"] = args.logprobs
+    else:
+        if args.logprobs:  # (0, the rows without top logprobs, records nothing, as before it)
+            settings["logprobs"] = args.logprobs
+        if not args.no_routed_experts:  # (off: the rows without them, as before they came)
+            settings["return_routed_experts"] = True
     settings |= bit_settings(llm.engine)
     if args.score:  # scoring reads token ids only: a tokenizer changes none of its bits
         settings.pop("model.tokenizer_files", None)

@@ -71,11 +71,16 @@ class LLM:
         prompt_lens: list[int],
         logprobs: int | None = None,
         *,
+        return_routed_experts: bool = False,
         use_tqdm: bool = True,
     ) -> list[CompletionOutput]:
         """`score` with each position's top `logprobs` too: one CompletionOutput a sequence
-        (token_ids: the scored tokens; logprobs, top_logprobs: as decoding them reports)."""
-        requests = self._live_engine().add_score_requests(sequences, prompt_lens, logprobs)
+        (token_ids: the scored tokens; logprobs, top_logprobs and, with return_routed_experts,
+        routed_experts: as decoding them reports). With prompt_lens of 1, routed_experts holds
+        every position but the last: a whole sequence's routing for a trainer to replay."""
+        requests = self._live_engine().add_score_requests(
+            sequences, prompt_lens, logprobs, return_routed_experts
+        )
         self._run_until_done(requests, "score", use_tqdm)
         return [self.engine.output(r).outputs[0] for r in requests]
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 from moe_runtime import LLM, SamplingParams
@@ -242,38 +243,59 @@ def test_a_request_waiting_for_blocks_matches_its_cached_prefix_once(monkeypatch
     assert len(calls) == 3 and engine.stats().num_preemptions == 0
 
 
-def _decode_vs_score(mode: str, workload) -> list[tuple[tuple, tuple, list[float]]]:
+def _decode_vs_score(mode: str, workload) -> list[tuple]:
     """-> per prompt (decode's fingerprint, score_outputs' with the same top-k, score's
-    logprobs). Decode reports the raw distribution (logprobs_mode "raw"), sampled or greedy:
-    what scoring reports."""
+    logprobs, and the routed experts: decode's, score_outputs', and those of the whole
+    sequence scored from its first token). Decode reports the raw distribution
+    (logprobs_mode "raw"), sampled or greedy: what scoring reports."""
     prompts, params = workload
+    params = [dataclasses.replace(p, return_routed_experts=True) for p in params]
     llm = LLM(TINY_CONFIG, **{"kernels.mode": mode})
     outputs = llm.generate(prompts, params)
     sequences = [p + o.token_ids for p, o in zip(prompts, outputs, strict=True)]
     prompt_lens = [len(p) for p in prompts]
     scored = llm.score(sequences, prompt_lens)
     num_top = params[0].logprobs
-    with_top = llm.score_outputs(sequences, prompt_lens, logprobs=num_top)
+    with_top = llm.score_outputs(
+        sequences, prompt_lens, logprobs=num_top, return_routed_experts=True
+    )
+    whole = llm.score_outputs(sequences, [1] * NUM, return_routed_experts=True)
+    llm.shutdown()
     assert all(len(o.top_logprobs) == len(o.token_ids) == 12 for o in with_top)
     return [
-        (fingerprint(o), fingerprint(t), s)
-        for o, t, s in zip(outputs, with_top, scored, strict=True)
+        (fingerprint(o), fingerprint(t), s, (o.routed_experts, t.routed_experts, w.routed_experts))
+        for o, t, s, w in zip(outputs, with_top, scored, whole, strict=True)
     ]
 
 
 def test_decode_logprobs_equal_score(workload):
-    """score's logprobs, and score_outputs' logprobs and top logprobs, are decode's bits."""
-    for decoded, scored_top, scored in _decode_vs_score("invariant", workload):
+    """score's logprobs, and score_outputs' logprobs, top logprobs and routed experts, are
+    decode's bits; a whole sequence scored from its first token routes its generated part as
+    decode did (its prompt part: every position but the last, for a trainer to replay)."""
+    prompts, _ = workload
+    shifted = 0
+    for prompt, (decoded, scored_top, scored, routed) in zip(
+        prompts, _decode_vs_score("invariant", workload), strict=True
+    ):
         assert decoded[1] == tuple(float.hex(x) for x in scored)
         assert decoded == scored_top
+        decode_routed, score_routed, whole_routed = (np.asarray(r) for r in routed)
+        assert decode_routed.shape == (12, *whole_routed.shape[1:]) and decode_routed.size
+        assert whole_routed.shape[0] == len(prompt) + 12 - 1
+        assert np.array_equal(score_routed, decode_routed)
+        assert np.array_equal(whole_routed[len(prompt) - 1 :], decode_routed)
+        # alignment: one position off differs (top-k ids of this fp32 model do not flip under
+        # fast mode's rounding, so the control of these comparisons is the logprobs' below)
+        shifted += not np.array_equal(whole_routed[len(prompt) - 2 : -1], decode_routed)
+    assert shifted == NUM
 
 
 def test_decode_vs_score_negative_control(workload):
-    triples = _decode_vs_score("fast", workload)
-    assert any(d[1] != tuple(float.hex(x) for x in s) for d, _, s in triples), (
+    runs = _decode_vs_score("fast", workload)
+    assert any(d[1] != tuple(float.hex(x) for x in s) for d, _, s, _ in runs), (
         "fast mode matched too: control cannot fail"
     )
-    assert any(d[2] != t[2] for d, t, _ in triples), "fast mode's top logprobs matched too"
+    assert any(d[2] != t[2] for d, t, _, _ in runs), "fast mode's top logprobs matched too"
 
 
 def test_n_samples_use_distinct_derived_seeds():

@@ -167,7 +167,9 @@ def test_no_routed_experts_flag(tmp_path):
     assert [r["routed_experts"] for r in read_jsonl(out)] == [None, None]
 
 
-def test_score_equals_rollout_logprobs(rollout_rows, tmp_path):
+def test_score_equals_rollout_logprobs_and_routed_experts(rollout_rows, tmp_path, capsys):
+    """--score writes the rollout's logprobs and, unless --no-routed-experts, its routed
+    experts: each scored token's, those of the position whose logits scored it."""
     out, rows = rollout_rows
     scores = tmp_path / "scores.jsonl"
     assert run("--input", out, "--output", scores, "--score", "--batch-size", "4") == 0
@@ -177,6 +179,19 @@ def test_score_equals_rollout_logprobs(rollout_rows, tmp_path):
     ]
     for row, score in zip(rows, scored, strict=True):
         assert list(map(float.hex, score["logprobs"])) == list(map(float.hex, row["logprobs"]))
+        assert score["routed_experts"] == row["routed_experts"]
+        assert len(score["routed_experts"]) == len(row["token_ids"])
+    # engagement: the rows route tokens to several expert sets, so a shifted position differs
+    assert any(r["routed_experts"][1:] != r["routed_experts"][:-1] for r in scored)
+    none = tmp_path / "none.jsonl"
+    assert run("--input", out, "--output", none, "--score", "--no-routed-experts") == 0
+    assert all("routed_experts" not in r for r in read_jsonl(none))
+    # rows with and without them are not mixed in one output: a part of its record
+    capsys.readouterr()
+    lines = none.read_text().splitlines(keepends=True)
+    none.write_text("".join(lines[:2]))
+    assert run("--input", out, "--output", none, "--score") == 2
+    assert "this run has return_routed_experts=true" in capsys.readouterr().err
 
 
 def test_score_under_other_settings_than_the_rollouts_says_so(rollout_rows, tmp_path, capsys):
@@ -1010,11 +1025,11 @@ def test_a_stop_signal_during_score_is_acted_on_between_steps():
                 raise Stopped(signal.SIGINT)
 
         with pytest.raises(Stopped), tqdm(disable=True) as progress:
-            rollout._score_batch(llm, batch, progress, stop, num_top=0)
+            rollout._score_batch(llm, batch, progress, stop, num_top=0, routed=False)
         assert asked == [True, True, True]  # asked with the batch in flight, three steps in
         # Scoring has no deltas: its rows count on the bar as they finish (it stood at 0).
         with tqdm(file=io.StringIO(), mininterval=0) as progress:
-            rows = rollout._score_batch(llm, batch, progress, lambda: None, num_top=0)
+            rows = rollout._score_batch(llm, batch, progress, lambda: None, num_top=0, routed=False)
             assert progress.n == len(rows) == len(batch)
     finally:
         llm.shutdown()

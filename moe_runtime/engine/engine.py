@@ -217,18 +217,30 @@ class LLMEngine:
         return self.checks.score(token_ids, prompt_len)
 
     def add_score_request(
-        self, token_ids: list[int], prompt_len: int, logprobs: int | None = None
+        self,
+        token_ids: list[int],
+        prompt_len: int,
+        logprobs: int | None = None,
+        return_routed_experts: bool = False,
     ) -> Request:
         """Queue a teacher-forced scoring of token_ids[prompt_len:] given everything before;
-        `logprobs`: also each position's top logprobs, as a decode step reports them."""
-        return self.add_score_requests([token_ids], [prompt_len], logprobs)[0]
+        `logprobs`: also each position's top logprobs, as a decode step reports them;
+        `return_routed_experts`: each scored token's routed experts, as a decode step's."""
+        (request,) = self.add_score_requests(
+            [token_ids], [prompt_len], logprobs, return_routed_experts
+        )
+        return request
 
     def add_score_requests(
-        self, sequences: list[list[int]], prompt_lens: list[int], logprobs: int | None = None
+        self,
+        sequences: list[list[int]],
+        prompt_lens: list[int],
+        logprobs: int | None = None,
+        return_routed_experts: bool = False,
     ) -> list[Request]:
         """Queue several scorings all or none: a bad one raises ValueError naming its index
         (when there are several) before any is queued."""
-        params = SamplingParams(logprobs=logprobs)
+        params = SamplingParams(logprobs=logprobs, return_routed_experts=return_routed_experts)
         self.checks.num_top(logprobs)
         checked = self.checks.scores(sequences, prompt_lens)
         self._check_alive()

@@ -23,6 +23,8 @@ def record_results(scheduler: Scheduler, chunks: list[ScheduledChunk], result: S
         seq.output_top_logprobs.extend(result.scored_top.get(seq.seq_id) or [{} for _ in scored])
         if seq.seq_id in result.routed:
             seq.routed_experts.append(result.routed[seq.seq_id])
+        if seq.seq_id in result.scored_routed:  # one [L_moe, K] a scored token
+            seq.routed_experts.extend(result.scored_routed[seq.seq_id])
     scheduler.update(chunks, result.samples)
     scheduler.is_ahead = result.is_ahead
     for chunk in chunks:

@@ -154,6 +154,7 @@ class ModelRunner:
         score_rows = [i for i, (chunk, _) in enumerate(row_owners) if chunk.seq.is_score]
         if score_rows:  # never a lookahead's step: it has no scoring rows
             self._score(logits, score_rows, row_owners, out)
+            self._scored_routed_experts(batch, score_rows, row_owners, out)
         out.is_ahead = self.lookahead.is_launched
         return out
 
@@ -184,6 +185,23 @@ class ModelRunner:
                 top = dict(zip(top_ids[row][:num], top_values[row][:num], strict=True))
                 out.scored_top.setdefault(seq_id, []).append(top)
             chunk.seq.num_scored += 1
+
+    def _scored_routed_experts(
+        self, batch: ForwardBatch, score_rows: list[int], row_owners, out: StepOutput
+    ) -> None:
+        """The logical experts [L_moe, K] of each scored position whose scoring asked for
+        them, as `_queue_routed_experts` reads a sampled position's: a sequence scored after
+        it was generated gets the generation's experts at the same positions."""
+        moe_layers = self.model.moe_layers
+        asking = [i for i in score_rows if row_owners[i][0].seq.params.return_routed_experts]
+        if not moe_layers or not asking:
+            return
+        token_rows = host_to_device(batch.logits_indices[asking], self.device)
+        ids = torch.stack([moe.last_topk_ids[token_rows] for moe in moe_layers], dim=1)
+        ids = device_to_host(ids.to(torch.int32)).wait().numpy()  # [S, L_moe, K]
+        seq_ids = np.array([row_owners[i][0].seq.seq_id for i in asking])
+        for seq_id in dict.fromkeys(seq_ids.tolist()):  # rows in order, a sequence's together
+            out.scored_routed[seq_id] = ids[seq_ids == seq_id]
 
     def _queue_slot_counts(self) -> None:
         """Queue the copy of every MoE layer's slot counts of this step to the host (page-

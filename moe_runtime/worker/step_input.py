@@ -76,5 +76,8 @@ class StepOutput:
     # [L_moe, K] int32 logical experts of the sampled position; only for sequences that ask.
     # Arrays, not nested lists: one object per token on the driver, not L_moe * (K + 1).
     routed: dict[int, np.ndarray] = field(default_factory=dict)
+    # [S, L_moe, K] int32 logical experts of each new scored position, in order (the position
+    # whose logits scored the token); only for scorings that ask (params.return_routed_experts).
+    scored_routed: dict[int, np.ndarray] = field(default_factory=dict)
     # The rank launched the next decode step of this step's samples ahead (overlap_decode).
     is_ahead: bool = False
