@@ -57,14 +57,16 @@ async def complete(
             f"more than server.max_sequences_per_request={most} in one request",
         )
     params = None if body.max_tokens == 0 else body.sampling_params(DEFAULT_MAX_TOKENS)
-    num_top = body.logprobs if body.echo else None  # the prompts are scored when not None
+    num_top = body.logprobs if body.echo else None
+    # The prompts are scored for echo's logprobs or routed experts.
+    is_scored = body.echo and (num_top is not None or body.return_routed_experts)
     ids, version = [], 0
     with _engine_checks():
         # Text tokenized off the engine's thread and the event loop: a long prompt's encoding
         # held every stream. The engine checks the ids as before (`prompts` keeps the text,
         # for echo).
         encoded = await asyncio.to_thread(_encode_texts, backend.tokenizer, prompts)
-    if num_top is not None or params is None:
+    if is_scored or params is None:
         # Scored, or alone (max_tokens 0): every prompt is checked on the engine's thread
         # before anything runs, so a refusal costs no scoring. A plain completion skips this
         # round trip (the engine checks it as it is admitted).
@@ -74,7 +76,9 @@ async def complete(
             )
     # The scoring and the generation are queued back to back (a drain admits both or neither),
     # and leave together: a failure or a client that goes cancels both.
-    scores = _PromptScores(engine, ids, num_top, len(prompts))
+    scores = _PromptScores(
+        engine, ids if is_scored else [], num_top, body.return_routed_experts, len(prompts)
+    )
     generation = None
     try:
         with _engine_checks():
@@ -147,18 +151,25 @@ def _checked(
 
 class _PromptScores:
     """Each prompt's tokens after its first, scored teacher-forced (LLMEngine's
-    add_score_requests): their logprobs and top logprobs as decoding them reports. None for a
-    one-token prompt, and for all when num_top is None (no logprobs asked)."""
+    add_score_requests): their logprobs, top logprobs and (asked) routed experts as decoding
+    them reports. None for a one-token prompt, and for all when `ids` is empty (nothing asked)."""
 
     def __init__(
-        self, engine: AsyncEngine, ids: list[list[int]], num_top: int | None, num_prompts: int
+        self,
+        engine: AsyncEngine,
+        ids: list[list[int]],
+        num_top: int | None,
+        return_routed_experts: bool,
+        num_prompts: int,
     ) -> None:
         self._num_prompts = num_prompts
-        self._scorable = [] if num_top is None else [i for i, t in enumerate(ids) if len(t) >= 2]
+        self._scorable = [i for i, t in enumerate(ids) if len(t) >= 2]
         self._future: Future | None = None
         if self._scorable:
             sequences, prompt_lens = [ids[i] for i in self._scorable], [1] * len(self._scorable)
-            self._future = engine.submit_scores(sequences, prompt_lens, num_top)
+            self._future = engine.submit_scores(
+                sequences, prompt_lens, num_top, return_routed_experts
+            )
 
     async def outputs(self) -> list[RequestOutput | None]:
         scored: list[RequestOutput | None] = [None] * self._num_prompts

@@ -88,3 +88,44 @@ def test_absent_unless_asked(server):
     assert "routed_experts" not in choice
     bad = server.http.post("/v1/completions", json={**body, "return_routed_experts": 1})
     assert bad.status_code == 400 and "return_routed_experts" in bad.json()["error"]["message"]
+
+
+@pytest.fixture(scope="module")
+def whole_routing() -> list[list]:
+    """Per completion choice index, the routed experts of its whole sequence (the prompt's and
+    the generated tokens', every position but the last): LLM.score_outputs from its first
+    token, of what LLM.generate gave."""
+    llm = LLM(TINY_CONFIG)
+    outputs = llm.generate(PROMPTS, SamplingParams(**SAMPLING), use_tqdm=False)
+    pairs = zip(PROMPTS, outputs, strict=True)
+    sequences = [p + o.token_ids for p, r in pairs for o in r.outputs]
+    scored = llm.score_outputs(
+        sequences, [1] * len(sequences), return_routed_experts=True, use_tqdm=False
+    )
+    llm.shutdown()
+    return [listed(o) for o in scored]
+
+
+@pytest.mark.parametrize("logprobs", [None, 2])
+def test_echo_carries_the_prompt_s_routed_experts(server, whole_routing, logprobs):
+    """With echo, a choice's routed experts start with the echoed prompt's (each token's but
+    the first: the position before it routed it), so they are the whole sequence's routing a
+    trainer replays, [prompt + generated - 1, L, K]; they reported the generated tokens' only.
+    Whole and streamed, with or without logprobs (which scored the prompt before)."""
+    body = {"prompt": PROMPTS, **SAMPLING, "return_routed_experts": True, "echo": True}
+    body["logprobs"] = logprobs
+    whole = server.http.post("/v1/completions", json=body).json()
+    for choice, expected in zip(whole["choices"], whole_routing, strict=True):
+        experts = decode(choice["routed_experts"])
+        assert experts.shape[0] == len(choice["token_ids"]) - 1 == len(expected)
+        assert experts.tolist() == expected
+    parts: dict[int, list[np.ndarray]] = {}
+    for chunk in sse_events(server.http, "/v1/completions", body):
+        for choice in chunk["choices"]:
+            parts.setdefault(choice["index"], []).append(decode(choice["routed_experts"]))
+    streamed = [np.concatenate(parts[i]).tolist() for i in range(len(whole_routing))]
+    assert streamed == whole_routing
+    # the prompt alone (max_tokens 0): its rows
+    alone = {**body, "max_tokens": 0, "n": 1, "prompt": PROMPTS[0]}
+    (choice,) = server.http.post("/v1/completions", json=alone).json()["choices"]
+    assert decode(choice["routed_experts"]).tolist() == whole_routing[0][: len(PROMPTS[0]) - 1]

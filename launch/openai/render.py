@@ -126,13 +126,17 @@ class Echo:
     token_ids: list[int]
     logprobs: list[float | None]
     top_logprobs: list[dict[int, float] | None]
+    # [len - 1, MoE layers, K]: the routed experts of each token but the first (those of the
+    # position before it), where they were asked for and the prompt was scored.
+    routed_experts: np.ndarray | None = None
 
     @classmethod
     def of(cls, text: str, token_ids: list[int], scored: CompletionOutput | None) -> Echo:
         """scored: the teacher-forced scoring of token_ids[1:] (LLMEngine's), or None."""
         if scored is None:
             return cls(text, token_ids, [None] * len(token_ids), [None] * len(token_ids))
-        return cls(text, token_ids, [None, *scored.logprobs], [None, *scored.top_logprobs])
+        tops = [None, *scored.top_logprobs]
+        return cls(text, token_ids, [None, *scored.logprobs], tops, scored.routed_experts)
 
 
 def completion_choice(
@@ -147,9 +151,13 @@ def completion_choice(
     text, token_ids = out.text, list(out.token_ids)
     logprobs: list[float | None] = list(out.logprobs)
     tops: list[dict[int, float] | None] = list(out.top_logprobs)
+    routed = out.routed_experts
     if echo is not None:
         text, token_ids = echo.text + text, [*echo.token_ids, *token_ids]
         logprobs, tops = [*echo.logprobs, *logprobs], [*echo.top_logprobs, *tops]
+        if echo.routed_experts is not None:  # the prompt's rows, then the generated tokens'
+            generated = [] if routed is None or not len(routed) else [np.asarray(routed)]
+            routed = np.concatenate([np.asarray(echo.routed_experts), *generated])
     choice = {
         "index": index,
         "text": text,
@@ -159,7 +167,7 @@ def completion_choice(
         else None,
         "token_ids": token_ids,
     }
-    return _with_sample_fields(choice, out)
+    return _with_sample_fields(choice, out, routed)
 
 
 def completion_logprobs(token_ids, logprobs, tops, tokenizer, offsets: TextOffsets) -> dict:
@@ -231,16 +239,19 @@ def _entry(token_id: int, logprob: float, tokenizer) -> dict:
     }
 
 
-def _with_sample_fields(choice: dict, out: CompletionOutput) -> dict:
+def _with_sample_fields(
+    choice: dict, out: CompletionOutput, routed: np.ndarray | None = None
+) -> dict:
     """Adds the sample's own `weight_version` and `first_weight_version` (the body's are the
     newest and oldest over all its samples: with n > 1 a client could not tell which sample
     ran across an update), and `routed_experts` when the request asked for them (the engine
-    returns them only then): {"data": base64 of little-endian int32, "shape": [T, MoE
-    layers, K], "dtype"}."""
+    returns them only then; `routed`, the sample's with an echoed prompt's before them):
+    {"data": base64 of little-endian int32, "shape": [T, MoE layers, K], "dtype"}."""
     choice["weight_version"] = out.weight_version
     choice["first_weight_version"] = out.first_weight_version
-    if out.routed_experts is not None:
-        routed = np.asarray(out.routed_experts, dtype="<i4")
+    routed = out.routed_experts if routed is None else routed
+    if routed is not None:
+        routed = np.asarray(routed, dtype="<i4")
         data = base64.b64encode(routed.tobytes()).decode("ascii")
         choice["routed_experts"] = {"data": data, "shape": list(routed.shape), "dtype": "int32"}
     return choice

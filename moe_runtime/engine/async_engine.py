@@ -142,7 +142,11 @@ class AsyncEngine:
         return self._queue_submission(_Submission(admit, num_sequences, on_output))
 
     def submit_scores(
-        self, sequences: list[list[int]], prompt_lens: list[int], logprobs: int | None = None
+        self,
+        sequences: list[list[int]],
+        prompt_lens: list[int],
+        logprobs: int | None = None,
+        return_routed_experts: bool = False,
     ) -> Future:
         """Queue teacher-forced scorings (LLMEngine.add_score_requests), all or none; the Future
         resolves to their whole RequestOutputs."""
@@ -154,6 +158,7 @@ class AsyncEngine:
             sequences=sequences,
             prompt_lens=prompt_lens,
             logprobs=logprobs,
+            return_routed_experts=return_routed_experts,
         )
         submission = _Submission(admit, len(sequences), None, is_scoring=True)
         return self._queue_submission(submission)
