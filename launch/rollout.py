@@ -54,6 +54,8 @@ from launch.rollout_settings import (  # noqa: E402
 )
 from moe_runtime import LLM, RequestOutput, heap  # noqa: E402
 from moe_runtime.config import load_config  # noqa: E402
+from moe_runtime.engine.engine import LLMEngine  # noqa: E402
+from moe_runtime.engine.request import Request  # noqa: E402
 from moe_runtime.llm import step_until_done  # noqa: E402
 from moe_runtime.seeds import MAX_SEED, SEED_BITS  # noqa: E402
 
@@ -73,6 +75,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--no-routed-experts",
         action="store_true",
         help="routed_experts: null (--score: no routed_experts)",
+    )
+    parser.add_argument(
+        "--prompt-routed-experts",
+        action="store_true",
+        help="prompt_routed_experts: the prompt's routed experts too (for routing replay)",
     )
     parser.add_argument(
         "--on-bad-row",
@@ -141,6 +148,8 @@ def _check_flags(args: argparse.Namespace) -> None:
             f"--base-seed must be an int in [0, 2**{SEED_BITS} - 1], got {args.base_seed}"
         )
     cli.check_sampling_flags({"n": args.n, **cli.sampling_args(args)})
+    if args.prompt_routed_experts and args.no_routed_experts:
+        raise ValueError("--prompt-routed-experts asks for routed experts: drop one of the two")
 
 
 def _check_model_flags(llm: LLM, args: argparse.Namespace) -> None:
@@ -265,7 +274,11 @@ def _write(
         disable=args.no_progress,
         desc="score" if args.score else "rollout",
     )
-    run = partial(_score_batch if args.score else _rollout_batch, stop=appender.check)
+    run = partial(
+        _score_batch if args.score else _rollout_batch,
+        stop=appender.check,
+        prompt_routed=args.prompt_routed_experts,
+    )
     if args.score:
         run = partial(run, num_top=args.logprobs, routed=not args.no_routed_experts)
     try:
@@ -337,14 +350,50 @@ def _checked(
 
 
 def _rollout_batch(
-    llm: LLM, batch: list[Sample], progress: tqdm, stop: Callable[[], None]
+    llm: LLM,
+    batch: list[Sample],
+    progress: tqdm,
+    stop: Callable[[], None],
+    prompt_routed: bool = False,
 ) -> list[dict]:
     """Generate the batch together (one request per sample); rows in batch order. `stop()`
-    between two steps raises Stopped once a stop signal came."""
+    between two steps raises Stopped once a stop signal came. prompt_routed: each row's
+    prompt routed experts too (`_queue_prompt_routing`)."""
     engine = llm.engine
+    prompt_routing = _queue_prompt_routing(engine, batch) if prompt_routed else None
     requests = engine.add_requests([s.prompt for s in batch], [s.params for s in batch])
     step_until_done(engine, requests, progress, stop)
-    return [_rollout_row(s, engine.output(r)) for s, r in zip(batch, requests, strict=True)]
+    rows = [_rollout_row(s, engine.output(r)) for s, r in zip(batch, requests, strict=True)]
+    return _with_prompt_routing(rows, batch, engine, prompt_routing)
+
+
+def _queue_prompt_routing(engine: LLMEngine, batch: list[Sample]) -> dict[int, Request]:
+    """Queue, for each input row of the batch (its samples share the prompt), the scoring of
+    its prompt from the first token with routed experts: the prompt's routing, each token's
+    but the first (the position before it), which generation does not report. Queued before
+    the batch, whose prefills then hit its cached blocks. -> {line_no: scoring}; a one-token
+    prompt has none (nothing before its only token)."""
+    prompts = {}
+    for sample in batch:
+        if len(sample.prompt) >= 2:
+            prompts.setdefault(sample.line_no, sample.prompt)
+    if not prompts:
+        return {}
+    scorings = engine.add_score_requests(list(prompts.values()), [1] * len(prompts), None, True)
+    return dict(zip(prompts, scorings, strict=True))
+
+
+def _with_prompt_routing(
+    rows: list[dict], batch: list[Sample], engine: LLMEngine, scorings: dict[int, Request] | None
+) -> list[dict]:
+    """Each row with its prompt's routed experts ([prompt - 1, MoE layers, K]) where asked."""
+    if scorings is None:
+        return rows
+    for row, sample in zip(rows, batch, strict=True):
+        scoring = scorings.get(sample.line_no)
+        routed = [] if scoring is None else engine.output(scoring).outputs[0].routed_experts
+        row["prompt_routed_experts"] = np.asarray(routed).tolist()
+    return rows
 
 
 def _rollout_row(sample: Sample, output: RequestOutput) -> dict:
@@ -375,11 +424,14 @@ def _score_batch(
     stop: Callable[[], None],
     num_top: int,
     routed: bool,
+    prompt_routed: bool = False,
 ) -> list[dict]:
     """Rows of teacher-forced logprobs, with each position's `num_top` top logprobs (as a
-    rollout row writes them) when num_top > 0, and its routed experts when `routed`. `stop()`
-    between two steps, as a rollout's."""
+    rollout row writes them) when num_top > 0, its routed experts when `routed`, and the
+    prompt's when `prompt_routed` (as a rollout's). `stop()` between two steps, as a
+    rollout's."""
     engine = llm.engine
+    prompt_routing = _queue_prompt_routing(engine, batch) if prompt_routed else None
     sequences = [[*s.prompt, *s.token_ids] for s in batch]
     prompt_lens = [len(s.prompt) for s in batch]
     requests = engine.add_score_requests(sequences, prompt_lens, num_top or None, routed)
@@ -399,7 +451,7 @@ def _score_batch(
         if routed:
             row["routed_experts"] = np.asarray(out.routed_experts).tolist()
         rows.append(row)
-    return rows
+    return _with_prompt_routing(rows, batch, engine, prompt_routing)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,8 @@ def run_settings(llm: LLM, args: argparse.Namespace, defaults: dict, input_sha25
             settings["logprobs"] = args.logprobs
         if not args.no_routed_experts:  # (off: the rows without them, as before they came)
             settings["return_routed_experts"] = True
+    if args.prompt_routed_experts:  # (off: the rows without them, as before they came)
+        settings["prompt_routed_experts"] = True
     settings |= bit_settings(llm.engine)
     if args.score:  # scoring reads token ids only: a tokenizer changes none of its bits
         settings.pop("model.tokenizer_files", None)

@@ -194,6 +194,40 @@ def test_score_equals_rollout_logprobs_and_routed_experts(rollout_rows, tmp_path
     assert "this run has return_routed_experts=true" in capsys.readouterr().err
 
 
+def test_prompt_routed_experts_complete_each_row_s_routing(rollout_rows, tmp_path, capsys):
+    """--prompt-routed-experts: each row's prompt_routed_experts, then its routed_experts, are
+    its whole sequence's routing (every position but the last), bitwise LLM.score_outputs
+    from the first token; the rows are otherwise the run's without it. --score writes the same
+    prompt rows. The prompt's routing is what a trainer replaying routing needs besides the
+    generated tokens' (generation reports those only)."""
+    out, rows = rollout_rows
+    source = write_jsonl(tmp_path / "in.jsonl", [*ROWS, {"id": "one", "prompt": [4]}])
+    with_prompt = tmp_path / "with_prompt.jsonl"
+    argv = ["--input", source, "--output", with_prompt, "--prompt-routed-experts", *ARGS]
+    assert run(*argv) == 0
+    got = read_jsonl(with_prompt)
+    assert [{k: v for k, v in r.items() if k != "prompt_routed_experts"} for r in got[:-1]] == rows
+    llm = LLM(TINY_CONFIG)
+    sequences = [r["prompt_token_ids"] + r["token_ids"] for r in got]
+    whole = llm.score_outputs(sequences, [1] * len(got), return_routed_experts=True, use_tqdm=False)
+    llm.shutdown()
+    for row, scored in zip(got, whole, strict=True):
+        assert len(row["prompt_routed_experts"]) == len(row["prompt_token_ids"]) - 1
+        joined = row["prompt_routed_experts"] + row["routed_experts"]
+        assert joined == np.asarray(scored.routed_experts).tolist()
+    assert got[-1]["prompt_routed_experts"] == []  # a one-token prompt: nothing before it
+    scores = tmp_path / "scores.jsonl"
+    assert (
+        run("--input", with_prompt, "--output", scores, "--score", "--prompt-routed-experts") == 0
+    )
+    for row, score in zip(got, read_jsonl(scores), strict=True):
+        assert score["prompt_routed_experts"] == row["prompt_routed_experts"]
+    capsys.readouterr()
+    both = ["--prompt-routed-experts", "--no-routed-experts"]
+    assert run("--input", source, "--output", tmp_path / "x.jsonl", *both) == 2
+    assert "--prompt-routed-experts asks for routed experts" in capsys.readouterr().err
+
+
 def test_score_under_other_settings_than_the_rollouts_says_so(rollout_rows, tmp_path, capsys):
     """--score read no record of the rollout that wrote its input: under another
     cache.block_size (the attention's KV splits) 40 of 238 logprobs differed, with no word.
