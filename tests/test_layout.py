@@ -2,8 +2,9 @@
 
 Layering `moe_kernels -> comm -> eplb -> moe_runtime -> launch`: a package may import only those to
 its left. Only `launch/` and the driver's Ray executor import ray; only `launch/` reads environment
-variables. Inside moe_runtime, the engine reaches the worker only through the wire format and the
-executors, the worker never imports the engine, and no modules import each other in a cycle.
+variables and command-line flags (argparse, sys.argv). Inside moe_runtime, the engine reaches the
+worker only through the wire format and the executors, the worker never imports the engine, and no
+modules import each other in a cycle.
 """
 
 from __future__ import annotations
@@ -36,9 +37,13 @@ def _imports(path: Path) -> set[str]:
 
 
 def _reads_environment(path: Path) -> bool:
+    """Whether the file reads os.environ / os.getenv, sys.argv or imports argparse."""
+    if "argparse" in _imports(path):
+        return True
+    read = {"os": ("environ", "getenv"), "sys": ("argv", "orig_argv")}
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv"):
-            if isinstance(node.value, ast.Name) and node.value.id == "os":
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            if node.attr in read.get(node.value.id, ()):
                 return True
     return False
 
@@ -52,7 +57,9 @@ def test_layering(package):
         if package != "launch" and path != RAY_DRIVER:
             assert "ray" not in _imports(path), f"{path.relative_to(ROOT)} imports ray"
         if package != "launch":
-            assert not _reads_environment(path), f"{path.relative_to(ROOT)} reads the environment"
+            assert not _reads_environment(path), (
+                f"{path.relative_to(ROOT)} reads the environment or command-line flags"
+            )
 
 
 def _module_name(path: Path) -> str:
