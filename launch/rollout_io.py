@@ -28,11 +28,13 @@ from functools import partial
 from pathlib import Path
 from typing import IO, Any
 
+from launch.cli import SAMPLING_FLAGS
 from moe_runtime.config_fields import is_int
 from moe_runtime.sampling_params import SamplingParams
 from moe_runtime.seeds import MAX_SEED, SEED_BITS, derive_seed, sample_seeds
 
-PARAM_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "logprobs")
+# A row's sampling fields, each defaulting to its CLI flag: the flags' own list, so the two agree.
+PARAM_FIELDS = SAMPLING_FLAGS
 # A row's own ends, with no CLI default: what ends its samples besides max_tokens.
 STOP_FIELDS = ("stop", "stop_token_ids", "ignore_eos")
 ROLLOUT_FIELDS = {"id", "prompt", "n", "seed", "seeds", *PARAM_FIELDS, *STOP_FIELDS}
