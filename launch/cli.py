@@ -1,5 +1,5 @@
-"""The command-line pieces the launch scripts share: `--set SECTION.KEY=VALUE` overrides and
-the sampling flags of generate.py and rollout.py."""
+"""The command-line pieces the launch scripts share: `--set SECTION.KEY=VALUE` overrides, the
+sampling flags of generate.py and rollout.py, and how their JSON lines write top logprobs."""
 
 from __future__ import annotations
 
@@ -63,3 +63,8 @@ def check_sampling_flags(values: dict[str, Any]) -> None:
             problem = str(exc).removeprefix(f"SamplingParams.{name} ")
             problem = problem.replace("must be None or ", "must be ")  # no flag gives None
             raise ValueError(f"--{name.replace('_', '-')} {problem}") from None
+
+
+def json_top_logprobs(top_logprobs: list[dict[int, float]]) -> list[dict[str, float]]:
+    """Each position's top logprobs keyed by the token id as text (JSON's keys are strings)."""
+    return [{str(token_id): lp for token_id, lp in top.items()} for top in top_logprobs]

@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
             "text": out.text,
             "token_ids": out.token_ids,
             "logprobs": out.logprobs,
-            "top_logprobs": [{str(k): v for k, v in top.items()} for top in out.top_logprobs],
+            "top_logprobs": cli.json_top_logprobs(out.top_logprobs),
             "finish_reason": out.finish_reason,
         }
         print(json.dumps(row))

@@ -405,16 +405,11 @@ def _rollout_row(sample: Sample, output: RequestOutput) -> dict:
         "prompt_token_ids": output.prompt_token_ids,
         "token_ids": out.token_ids,
         "logprobs": out.logprobs,
-        "top_logprobs": _json_tops(out.top_logprobs),
+        "top_logprobs": cli.json_top_logprobs(out.top_logprobs),
         "routed_experts": None if routed is None else np.asarray(routed).tolist(),
         "finish_reason": out.finish_reason,
         "seed": out.seed,
     }
-
-
-def _json_tops(top_logprobs: list[dict[int, float]]) -> list[dict[str, float]]:
-    """Each position's top logprobs keyed by the token id as text (JSON's keys are strings)."""
-    return [{str(t): lp for t, lp in top.items()} for top in top_logprobs]
 
 
 def _score_batch(
@@ -447,7 +442,7 @@ def _score_batch(
             "logprobs": out.logprobs,
         }
         if num_top:
-            row["top_logprobs"] = _json_tops(out.top_logprobs)
+            row["top_logprobs"] = cli.json_top_logprobs(out.top_logprobs)
         if routed:
             row["routed_experts"] = np.asarray(out.routed_experts).tolist()
         rows.append(row)
