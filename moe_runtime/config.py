@@ -12,7 +12,7 @@ import copy
 import logging
 import re
 import threading
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ from comm.groups import select_backend
 from eplb.config import EplbConfig
 from moe_kernels.attention_launch import WIDE_HEADS, WIDE_LAUNCH, head_launch
 from moe_kernels.config import KernelConfig, graph_batch_sizes
-from moe_runtime.config_fields import check_field_types
+from moe_runtime.config_fields import check_section
 from moe_runtime.model_config import ModelConfig
 
 log = logging.getLogger("moe_runtime.config")
@@ -504,11 +504,7 @@ def _check_keys(where: str, mapping: dict) -> None:
 
 
 def _build(name: str, cls: type, section: dict) -> Any:
-    known = {f.name for f in fields(cls)}
-    unknown = sorted(set(section) - known)
-    if unknown:
-        raise ValueError(f"unknown key {name}.{unknown[0]} (known: {sorted(known)})")
-    check_field_types(name, cls, section, is_sized=True)
+    check_section(name, cls, section)
     try:
         return cls(**section)
     except TypeError as exc:

@@ -1,13 +1,14 @@
-"""The types a config section's values may take, read from its dataclass's annotations.
+"""The keys a config section may hold and the types of their values, read from its dataclass.
 
 A section's own checks cover ranges and choices; this covers what YAML and `--set` hand over
-loosely, the same way for every section: `true` where an int or a float is meant (Python counts
-a bool as an int), a word where an on/off key is meant (any non-empty string is truthy), `.inf`
-or `.nan` for a number, a number where text is meant.
+loosely, the same way for every section (`check_section`): a key with no field, `true` where an
+int or a float is meant (Python counts a bool as an int), a word where an on/off key is meant
+(any non-empty string is truthy), `.inf` or `.nan` for a number, a number where text is meant.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import numbers
@@ -27,6 +28,17 @@ _NAMES = {
 def is_int(value: Any) -> bool:
     """A Python int that is not a bool (Python counts True as the int 1)."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_section(section: str, cls: type, values: dict[str, Any]) -> None:
+    """A config section's keys and value types: a key `cls` has no field for, then a value its
+    field does not allow (check_field_types, ints sized), each a ValueError naming
+    `section.key`."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"unknown key {section}.{unknown[0]} (known: {sorted(known)})")
+    check_field_types(section, cls, values, is_sized=True)
 
 
 def check_field_types(

@@ -7,11 +7,11 @@ fields refused, by `moe_runtime.model.hf_config`). Field names follow the HF con
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from moe_runtime.config_fields import check_field_types
+from moe_runtime.config_fields import check_section
 from moe_runtime.model.hf_config import read_hf_config, rope_problem
 
 SCORING_FUNCS = ("softmax", "sigmoid")
@@ -194,12 +194,7 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         """Build from the YAML section; with `path`, the architecture comes from config.json."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise ValueError(f"unknown key model.{unknown[0]} (known: {sorted(known)})")
-        # the YAML's values; config.json's are read apart
-        check_field_types("model", cls, raw, is_sized=True)
+        check_section("model", cls, raw)  # the YAML's values; config.json's are read apart
         raw = dict(raw)
         if isinstance(raw.get("path"), str) and not raw["path"].strip():
             # `path: ${CKPT}` with the variable unset: random weights served as if the
