@@ -134,8 +134,8 @@ class DeepseekForCausalLM(nn.Module):
                 module.join_gate_up()
 
     @property
-    def moe_layers(self) -> list[nn.Module]:
-        return [layer.mlp for layer in self.model.layers if hasattr(layer.mlp, "dispatcher")]
+    def moe_layers(self) -> list[MoE]:
+        return [layer.mlp for layer in self.model.layers if layer.is_moe]
 
     def bind_expert_parallel(self, dispatcher, replica_rows: torch.Tensor) -> None:
         """replica_rows [L_moe, E]: this rank's static logical -> physical map per MoE layer."""
