@@ -1,10 +1,10 @@
 """BlockManager: the paged KV cache's block pool, reference counts and prefix cache.
 
-It hands out block ids and maps token positions to cache slots; it never touches KV tensors
-and knows nothing of requests beyond the block tables and token ids it is given. A full,
-computed block is cached under an exact key, (parent block's key id, its tokens), so two
-prefixes can share a block only if they are equal token for token: a cache hit then reuses
-KV that the request would have computed itself.
+It hands out block ids; it never touches KV tensors (the worker maps a step's positions to
+cache slots through the block tables) and knows nothing of requests beyond the block tables and
+token ids it is given. A full, computed block is cached under an exact key, (parent block's key
+id, its tokens), so two prefixes can share a block only if they are equal token for token: a
+cache hit then reuses KV that the request would have computed itself.
 """
 
 from __future__ import annotations
@@ -45,11 +45,6 @@ class BlockManager:
     @property
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks
-
-    def slot(self, block_table: Sequence[int], position: int) -> int:
-        return (
-            block_table[position // self.block_size] * self.block_size + position % self.block_size
-        )
 
     def match_prefix(self, token_ids: Sequence[int]) -> list[int]:
         """Cached blocks holding the longest run of leading full blocks of token_ids, with one
