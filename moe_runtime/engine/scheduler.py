@@ -182,11 +182,8 @@ class Scheduler:
         head.block_table, head.num_computed_tokens = [], 0
         return True
 
-    def update(
-        self, chunks: list[ScheduledChunk], samples: dict[int, SampleResult]
-    ) -> list[Sequence]:
-        """Advance the scheduled sequences past this step; returns those that finished."""
-        finished = []
+    def update(self, chunks: list[ScheduledChunk], samples: dict[int, SampleResult]) -> None:
+        """Advance the scheduled sequences past this step, ending those that finish."""
         for chunk in chunks:
             seq = chunk.seq
             seq.num_computed_tokens += chunk.num_tokens
@@ -203,7 +200,6 @@ class Scheduler:
             if seq.is_score:
                 if seq.num_computed_tokens == seq.num_tokens:
                     self.finish(seq, "scored")
-                    finished.append(seq)
                 continue
             sample = samples.get(seq.seq_id)
             if sample is None:
@@ -221,8 +217,6 @@ class Scheduler:
             )
             if reason is not None:
                 self.finish(seq, reason)
-                finished.append(seq)
-        return finished
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """End a running sequence now (a stop token or string, the length, an abort)."""
@@ -243,12 +237,11 @@ class Scheduler:
         released, self.released = self.released, []
         return released
 
-    def abort(self, request_ids: set[str]) -> list[Sequence]:
+    def abort(self, request_ids: set[str]) -> None:
         """Drop every sequence of the requests (e.g. clients went away); frees their blocks.
         One pass over the queues, however many requests (a client leaving a request of
         thousands of prompts must not hold the engine's thread for seconds)."""
-        dropped = [s for s in self.running if s.request.request_id in request_ids]
-        for seq in dropped:
+        for seq in [s for s in self.running if s.request.request_id in request_ids]:
             self.finish(seq, "abort")
         kept: list[Sequence] = []
         for seq in self.waiting:
@@ -259,8 +252,6 @@ class Scheduler:
                 self.blocks.unmatch(seq.block_table)
                 seq.block_table, seq.num_computed_tokens = [], 0
             seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
-            dropped.append(seq)
         if len(kept) < len(self.waiting):
             self.waiting.clear()
             self.waiting.extend(kept)
-        return dropped
