@@ -5,8 +5,9 @@ The driver creates one per rank (in-process for a single rank, a Ray actor other
 placement it owns, then `execute` on all of them every step, in lockstep: every MoE layer is a
 collective, so a rank with no requests still runs the step on zero tokens. Each step arrives as
 a `StepInput` (the wire format): the worker keeps its own copy of every sequence it serves and
-applies the step's deltas to it; it never sees the driver's objects. `rearrange` and
-`update_weights` run between steps, on all ranks together. This module never imports ray.
+applies the step's deltas to it; it never sees the driver's objects. `rearrange` and a weight
+update's `prepare_weights` / `commit_weights` (or `discard_weights`) run between steps, on all
+ranks together. This module never imports ray.
 """
 
 from __future__ import annotations
