@@ -4,11 +4,10 @@ Requests forbid unknown fields and coerce nothing (strict), so every mistake is 
 message names the field. OpenAI's nullable fields take null as their default. OpenAI fields
 this server does not implement are accepted only with a value that changes no output (a zero
 penalty, an empty logit bias, no tools) and otherwise refused as not supported; `user` is
-accepted and ignored. A chat history may hold tool calls (an assistant's `tool_calls`, a tool
-message's `tool_call_id`): they reach the chat template as transformers hands them over, though
-the server offers no tools. Sampling fields are shared by completions and chat completions and
-map onto `SamplingParams` in one place (`sampling_params`), which therefore cannot refuse them.
-No routes or responses here; the chat request and its messages are in launch.openai.chat_schemas.
+accepted and ignored. Sampling fields are shared by completions and chat completions and map
+onto `SamplingParams` in one place (`sampling_params`), which therefore cannot refuse them.
+No routes or responses here; the chat request and its messages (tool calls in a history among
+them) are in launch.openai.chat_schemas.
 """
 
 from __future__ import annotations
