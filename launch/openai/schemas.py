@@ -27,6 +27,7 @@ from pydantic import (
 )
 
 from launch.openai.errors import FieldError, UnknownModelError
+from moe_runtime.config_fields import is_int
 from moe_runtime.sampling_params import SamplingParams
 from moe_runtime.seeds import MAX_SEED, from_signed_seed
 
@@ -237,9 +238,9 @@ class CompletionRequest(SamplingFields):
             isinstance(value, list)
             and value
             and (
-                all(is_token_id(t) for t in value)
+                all(is_int(t) for t in value)
                 or all(isinstance(p, str) and p for p in value)
-                or all(isinstance(p, list) and p and all(map(is_token_id, p)) for p in value)
+                or all(isinstance(p, list) and p and all(map(is_int, p)) for p in value)
             )
         )
         if not ok:
@@ -250,7 +251,7 @@ class CompletionRequest(SamplingFields):
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: a string or a list of token ids."""
-        if isinstance(self.prompt, str) or is_token_id(self.prompt[0]):
+        if isinstance(self.prompt, str) or is_int(self.prompt[0]):
             return [self.prompt]
         return list(self.prompt)
 
@@ -281,7 +282,3 @@ def utf8_encodable(text: str) -> str:
             f"({exc.reason})"
         ) from None
     return text
-
-
-def is_token_id(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
