@@ -117,12 +117,13 @@ class AsyncEngine:
         # the scorings admitted (no deltas: each is settled when its requests are done).
         self._owner: dict[str, tuple[_Submission, int]] = {}
         self._scorings: set[_Submission] = set()
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-        self._thread.start()
         self._stall_watch = None  # what the loop waits on in a long step (server's interval)
         if self._check_interval_s is not None:
             is_rebuilding = lambda: self.error is not None  # noqa: E731 (the loop's error)
             self._stall_watch = StallWatch(engine, self._check_interval_s, is_rebuilding)
+        # Last: the loop thread may read any attribute above from its first instruction on.
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
 
     def submit(
         self,
