@@ -259,6 +259,11 @@ class RuntimeConfig:
             )
 
     @property
+    def max_blocks_per_seq(self) -> int:
+        """KV blocks a sequence of scheduler.max_model_len tokens holds."""
+        return -(-self.scheduler.max_model_len // self.cache.block_size)
+
+    @property
     def uses_capacity_dispatch(self) -> bool:
         """Whether the EP ranks exchange rows with FixedCapacityDispatcher (capturable):
         parallel.ep_capacity_dispatch, its 'auto' resolved; never with one rank."""

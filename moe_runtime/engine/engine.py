@@ -83,8 +83,7 @@ class LLMEngine:
         memory, so a rebuilt group may hold another count). ValueError if a sequence of
         scheduler.max_model_len does not fit."""
         num_blocks = min(self.executor.call_all("num_kv_blocks"))
-        max_len = self.config.scheduler.max_model_len
-        needed = -(-max_len // self.config.cache.block_size)
+        max_len, needed = self.config.scheduler.max_model_len, self.config.max_blocks_per_seq
         if needed > num_blocks:
             raise ValueError(
                 f"a sequence of scheduler.max_model_len={max_len} needs {needed} KV blocks; the "

@@ -193,7 +193,7 @@ class Worker:
             device,
             must_join=self.world_size > 1,
             graph_batch_sizes=cfg.kernels.cuda_graph_batch_sizes if cfg.kernels.cuda_graphs else (),
-            max_blocks_per_seq=-(-cfg.scheduler.max_model_len // cfg.cache.block_size),
+            max_blocks_per_seq=cfg.max_blocks_per_seq,
             overlap=bool(cfg.scheduler.overlap_decode),
             max_model_len=cfg.scheduler.max_model_len,
         )
