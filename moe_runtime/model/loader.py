@@ -207,18 +207,15 @@ def load_hf_weights(
 
 
 def read_checkpoint(
-    path: Path,
-    cfg: ModelConfig,
-    device: torch.device | str = "cpu",
-    local_experts: list[list[int]] | None = None,
+    path: Path, cfg: ModelConfig, local_experts: list[list[int]] | None = None
 ) -> dict[str, torch.Tensor]:
     """Every tensor of another HF checkpoint directory for the running model `cfg`, by HF name,
-    read onto `device`; with `local_experts` (a rank's logical experts a MoE layer), other
-    ranks' per-expert tensors are meta tensors of their headers, checked by name, shape and
-    dtype but not read (every rank read the whole checkpoint: ~31 GB a rank of V2-Lite, 250 GB
-    of host memory on a node of EP = 8, where start-up reads each rank's share). Its
-    config.json must give every field it sets the value `cfg` holds: the weights are served
-    under `cfg`, which a weight update does not change."""
+    read into host memory (a weight update stages it there); with `local_experts` (a rank's
+    logical experts a MoE layer), other ranks' per-expert tensors are meta tensors of their
+    headers, checked by name, shape and dtype but not read (every rank read the whole
+    checkpoint: ~31 GB a rank of V2-Lite, 250 GB of host memory on a node of EP = 8, where
+    start-up reads each rank's share). Its config.json must give every field it sets the value
+    `cfg` holds: the weights are served under `cfg`, which a weight update does not change."""
     try:
         new = read_hf_config(path)
     except ValueError as exc:
@@ -229,7 +226,7 @@ def read_checkpoint(
             f"weights {str(path)!r}: config.json has {differs}={new[differs]!r}, the running "
             f"model has {getattr(cfg, differs)!r}"
         )
-    with _open_checkpoint(path, cfg, device) as handles:
+    with _open_checkpoint(path, cfg, "cpu") as handles:
         if local_experts is None:
             return {key: handle.get_tensor(key) for key, handle in handles.items()}
         read = {key for keys in _read_groups(handles, local_experts, cfg) for key in keys}
