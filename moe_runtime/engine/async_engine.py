@@ -212,7 +212,8 @@ class AsyncEngine:
             return error
 
     def stats(self) -> EngineStats:
-        """The engine's counts after the last step; num_waiting includes queued prompts."""
+        """The engine's counts after the last step; num_waiting includes the sequences (each
+        prompt's n samples) of submissions not admitted yet."""
         with self._cond:
             queued = sum(
                 item.num_sequences for item in self._queue if isinstance(item, _Submission)
