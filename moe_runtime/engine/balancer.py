@@ -69,47 +69,88 @@ class ExpertBalancer:
         }
         if self.num_moe_layers == 0:  # an all-dense model: no experts to place
             return self._skipped(report, started, "the model has no MoE layers")
-        world = self.config.parallel.world_size
-        slot_load = self._slot_load()
         p2l = self.placement.physical_to_logical[: self.num_moe_layers]
-        logical_load = torch.zeros(
-            self.num_moe_layers, self.config.model.n_routed_experts, dtype=torch.int64
-        ).scatter_add_(1, p2l, slot_load)  # integers: exact in any order
-        # Measured: the rows each rank's slots served. (An estimate that split each expert's
-        # load evenly over its replicas said 1.0 where one rank served every row: ranks send
-        # an expert's rows to one replica, their own first.)
-        per_rank = slot_load.view(self.num_moe_layers, world, -1).sum(dim=2)
-        before = float(balancedness(per_rank).mean())
+        logical_load, before = self._measure(p2l)
         report.update(balancedness_before=before, balancedness_after=before)
         # No rows since the last move (each move starts the window afresh): a plan from zero
         # load is the start-up placement, so even a forced rebalance would undo the last one.
         if not logical_load.any():
             no_load = "no expert load recorded since the last rebalance or worker start"
             return self._skipped(report, started, no_load)
-        eplb_threshold = self.config.eplb.balancedness_threshold
-        if not force and before >= eplb_threshold:
+        if not force and before >= self.config.eplb.balancedness_threshold:
             self.last_balancedness = before
             return self._skipped(report, started)
         new_p2l = self._plan(logical_load)
+        planned, reason = self._judge(logical_load, p2l, new_p2l, force)
+        if reason is not None:  # the window goes on
+            self.last_balancedness = before
+            return self._skipped(report, started, reason)
+        self._move(new_p2l, inject_failure, report, started)
+        report["balancedness_after"] = planned
+        self.num_rebalances += 1
+        self.last_balancedness = report["balancedness_after"]
+        self.history.append(report)
+        log.info(
+            "rebalance %d: balancedness %.3f -> %.3f (planned), %d experts moved, %d bytes, %.3fs",
+            self.num_rebalances,
+            before,
+            report["balancedness_after"],
+            report["experts_moved"],
+            report["bytes_moved"],
+            report["seconds"],
+        )
+        return report
+
+    def _measure(self, p2l: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """p2l [L, P], the placement now -> ([L, E] int64 rows each logical expert served over
+        the window, the mean balancedness of the rows each rank's slots served)."""
+        slot_load = self._slot_load()
+        logical_load = torch.zeros(
+            self.num_moe_layers, self.config.model.n_routed_experts, dtype=torch.int64
+        ).scatter_add_(1, p2l, slot_load)  # integers: exact in any order
+        # Measured: the rows each rank's slots served. (An estimate that split each expert's
+        # load evenly over its replicas said 1.0 where one rank served every row: ranks send
+        # an expert's rows to one replica, their own first.)
+        world = self.config.parallel.world_size
+        per_rank = slot_load.view(self.num_moe_layers, world, -1).sum(dim=2)
+        return logical_load, float(balancedness(per_rank).mean())
+
+    def _judge(
+        self, logical_load: torch.Tensor, p2l: torch.Tensor, new_p2l: torch.Tensor, force: bool
+    ) -> tuple[float, str | None]:
+        """(the plan's mean balancedness as the planner models it, why not to move to it or
+        None)."""
         # The planner's model (load_per_rank) is the dispatch with every source rank sending
         # an equal share of each expert's rows to the copy its replica table names; a plan
         # that does not raise that figure would move experts for nothing (where replicas are
         # local to every rank, the measured imbalance is the ranks' own tokens' and no
         # placement changes it). A forced rebalance moves all the same, unless nothing moves.
+        world = self.config.parallel.world_size
         planned = _mean_balancedness(logical_load, new_p2l, world)
         modelled = _mean_balancedness(logical_load, p2l, world)  # the placement now, so
-        reason = None
         if new_p2l.equal(p2l):
-            reason = "the plan is the current placement"
-        elif not force and (planned <= modelled or modelled >= eplb_threshold):
-            reason = (
+            return planned, "the plan is the current placement"
+        threshold = self.config.eplb.balancedness_threshold
+        if not force and (planned <= modelled or modelled >= threshold):
+            return planned, (
                 "as the planner models it (every rank sending an equal share of each "
                 "expert's rows to the copy it uses) the placement is balanced enough, or the "
                 "plan would not raise its balancedness"
             )
-        if reason is not None:  # the window goes on
-            self.last_balancedness = before
-            return self._skipped(report, started, reason)
+        return planned, None
+
+    def _move(
+        self,
+        new_p2l: torch.Tensor,
+        inject_failure: tuple[int, int] | None,
+        report: dict,
+        started: float,
+    ) -> None:
+        """Collective: every rank moves its experts to new_p2l [L, P] (Worker.rearrange),
+        committed on all ranks or on none; `report` gets what moved and the time since
+        `started`. A failed move is kept in the history and raised as RebalanceError, the old
+        placement still serving; else new_p2l is this balancer's placement."""
+        world = self.config.parallel.world_size
         per_rank_args = [
             (
                 new_p2l.tolist(),
@@ -145,20 +186,6 @@ class ExpertBalancer:
         self.placement = ExpertPlacement.from_physical_to_logical(
             full, self.config.model.n_routed_experts
         )
-        report["balancedness_after"] = planned
-        self.num_rebalances += 1
-        self.last_balancedness = report["balancedness_after"]
-        self.history.append(report)
-        log.info(
-            "rebalance %d: balancedness %.3f -> %.3f (planned), %d experts moved, %d bytes, %.3fs",
-            self.num_rebalances,
-            before,
-            report["balancedness_after"],
-            report["experts_moved"],
-            report["bytes_moved"],
-            seconds,
-        )
-        return report
 
     def _skipped(self, report: dict, started: float, reason: str | None = None) -> dict:
         """The report of a rebalance that moved nothing, kept in the history; `reason` where
