@@ -323,33 +323,7 @@ class LLMEngine:
         """Swap every rank's weights (HF checkpoint dir or HF-named state dict) between steps;
         requests in flight go on with them, cached prefixes are dropped. -> the new version."""
         self._check_alive()
-        if isinstance(source, (str, Path)):
-            try:
-                is_dir = Path(source).is_dir()
-            except OSError as exc:  # a name too long
-                raise ValueError(f"update_weights: {str(source)!r}: {exc}") from None
-            if not is_dir:
-                raise ValueError(f"update_weights: {str(source)!r} is not a checkpoint directory")
-            # Resolved here: a rank on another node (or in another directory) would read a
-            # relative path against its own working directory.
-            source = str(Path(source).resolve())
-        elif isinstance(source, dict):
-            for name, value in source.items():
-                if not isinstance(name, str) or not isinstance(value, torch.Tensor):
-                    raise ValueError(
-                        "update_weights: a state dict maps HF weight names (str) to tensors, "
-                        f"got {name!r}: {type(value).__name__}"
-                    )
-                if value.is_meta or value.layout != torch.strided:  # no values to copy: it
-                    raise ValueError(  # passed the checks and failed the copy, every rank's
-                        f"update_weights: tensor {name} holds no values to load "
-                        f"({'meta' if value.is_meta else value.layout} tensor)"
-                    )
-        else:
-            raise ValueError(
-                "update_weights: a checkpoint directory or an HF-named state dict, got "
-                f"{type(source).__name__}"
-            )
+        source = _checked_update_source(source)
         try:
             weights = WeightsSource.of(source)  # stamped before any rank reads it
         except OSError as exc:
@@ -507,3 +481,35 @@ class LLMEngine:
             for seq in (*scheduler.waiting, *scheduler.running):
                 seq.status, seq.finish_reason, seq.error = SequenceStatus.FINISHED, "error", error
         self._reset_queues()
+
+
+def _checked_update_source(source: str | Path | dict) -> str | dict[str, torch.Tensor]:
+    """An update_weights source as the ranks read it: a checkpoint directory's resolved path,
+    or a state dict of HF names to tensors holding values; else ValueError naming the problem."""
+    if isinstance(source, (str, Path)):
+        try:
+            is_dir = Path(source).is_dir()
+        except OSError as exc:  # a name too long
+            raise ValueError(f"update_weights: {str(source)!r}: {exc}") from None
+        if not is_dir:
+            raise ValueError(f"update_weights: {str(source)!r} is not a checkpoint directory")
+        # Resolved here: a rank on another node (or in another directory) would read a
+        # relative path against its own working directory.
+        return str(Path(source).resolve())
+    if not isinstance(source, dict):
+        raise ValueError(
+            "update_weights: a checkpoint directory or an HF-named state dict, got "
+            f"{type(source).__name__}"
+        )
+    for name, value in source.items():
+        if not isinstance(name, str) or not isinstance(value, torch.Tensor):
+            raise ValueError(
+                "update_weights: a state dict maps HF weight names (str) to tensors, "
+                f"got {name!r}: {type(value).__name__}"
+            )
+        if value.is_meta or value.layout != torch.strided:  # no values to copy: it
+            raise ValueError(  # passed the checks and failed the copy, every rank's
+                f"update_weights: tensor {name} holds no values to load "
+                f"({'meta' if value.is_meta else value.layout} tensor)"
+            )
+    return source
