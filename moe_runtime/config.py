@@ -188,21 +188,7 @@ class RuntimeConfig:
                 f"scheduler.max_model_len ({self.scheduler.max_model_len}) exceeds "
                 f"model.max_position_embeddings ({self.model.max_position_embeddings})"
             )
-        if self.kernels.cuda_graphs is None:  # the default: on where graphs passed the tests
-            parallel = self.parallel
-            # Why not with NCCL between ranks yet: NCCL ranks may turn them on (the MoE layers
-            # are then captured with FixedCapacityDispatcher; tests/test_gpu_ep_graphs.py passed
-            # at EP=2 on two H200s), but the eager steps' switch to the uneven exchange came
-            # after that run: on by default once that test passes again.
-            is_nccl = parallel.world_size > 1 and select_backend(parallel) == "nccl"
-            is_on = parallel.device == "cuda" and parallel.tp_size == 1 and not is_nccl
-            object.__setattr__(self, "kernels", replace(self.kernels, cuda_graphs=is_on))
-        if self.kernels.cuda_graph_batch_sizes is None:  # every batch the scheduler forms
-            sizes = graph_batch_sizes(self.scheduler.max_num_seqs)
-            object.__setattr__(self, "kernels", replace(self.kernels, cuda_graph_batch_sizes=sizes))
-        if self.scheduler.overlap_decode is None:
-            is_on = bool(self.kernels.cuda_graphs) and self.parallel.world_size == 1
-            object.__setattr__(self, "scheduler", replace(self.scheduler, overlap_decode=is_on))
+        self._resolve_defaults()
         if self.scheduler.overlap_decode and self.parallel.world_size > 1:
             # Every MoE layer is a collective: a step launched ahead on one rank alone would
             # leave the ranks out of step when the engine asks for another.
@@ -229,23 +215,7 @@ class RuntimeConfig:
                 f"nccl backend, got parallel.backend {parallel.backend!r} (gloo)"
             )
         self._check_layout()
-        model = self.model
-        is_wide = head_launch(model.num_attention_heads) == WIDE_LAUNCH
-        is_gpu_invariant = self.kernels.is_invariant and parallel.device == "cuda"
-        if is_gpu_invariant and is_wide and model.dtype != "bfloat16":
-            # (moe_kernels/triton_attention.py refuses it too)
-            raise ValueError(
-                f"kernels.mode 'invariant' on parallel.device 'cuda' with "
-                f"model.num_attention_heads={model.num_attention_heads} (>= {WIDE_HEADS}: "
-                f"64 heads an attention program) needs model.dtype 'bfloat16', got "
-                f"{model.dtype!r} (fp32 cache blocks do not fit in shared memory)"
-            )
-        if self.kernels.attention_group_splits and is_wide:
-            raise ValueError(
-                f"kernels.attention_group_splits={self.kernels.attention_group_splits} applies "
-                f"to models below {WIDE_HEADS} attention heads (16 heads a program), got "
-                f"model.num_attention_heads={model.num_attention_heads}: set it to 0"
-            )
+        self._check_attention_launch()
         if parallel.ep_backend == "deepep":
             self._check_deepep()
         if self.kernels.is_invariant and self.parallel.allow_multiple_reduction:
@@ -257,6 +227,25 @@ class RuntimeConfig:
                 "per rank before they return, so its bits depend on where its experts sit "
                 "(EP degree, redundant replicas, EPLB rebalances)"
             )
+
+    def _resolve_defaults(self) -> None:
+        """The keys whose null default depends on other sections, resolved once, here:
+        kernels.cuda_graphs, kernels.cuda_graph_batch_sizes, scheduler.overlap_decode."""
+        if self.kernels.cuda_graphs is None:  # the default: on where graphs passed the tests
+            parallel = self.parallel
+            # Why not with NCCL between ranks yet: NCCL ranks may turn them on (the MoE layers
+            # are then captured with FixedCapacityDispatcher; tests/test_gpu_ep_graphs.py passed
+            # at EP=2 on two H200s), but the eager steps' switch to the uneven exchange came
+            # after that run: on by default once that test passes again.
+            is_nccl = parallel.world_size > 1 and select_backend(parallel) == "nccl"
+            is_on = parallel.device == "cuda" and parallel.tp_size == 1 and not is_nccl
+            object.__setattr__(self, "kernels", replace(self.kernels, cuda_graphs=is_on))
+        if self.kernels.cuda_graph_batch_sizes is None:  # every batch the scheduler forms
+            sizes = graph_batch_sizes(self.scheduler.max_num_seqs)
+            object.__setattr__(self, "kernels", replace(self.kernels, cuda_graph_batch_sizes=sizes))
+        if self.scheduler.overlap_decode is None:
+            is_on = bool(self.kernels.cuda_graphs) and self.parallel.world_size == 1
+            object.__setattr__(self, "scheduler", replace(self.scheduler, overlap_decode=is_on))
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -283,6 +272,27 @@ class RuntimeConfig:
         deep_ep imports, the device is cuda, the backend nccl, world_size > 1, without multiple
         reduction and without ep_capacity_dispatch 'on'."""
         return self.parallel.world_size > 1 and self.parallel.ep_backend == "deepep"
+
+    def _check_attention_launch(self) -> None:
+        """The kernel keys that depend on the attention launch the model's head count picks
+        (moe_kernels/attention_launch.py)."""
+        model = self.model
+        is_wide = head_launch(model.num_attention_heads) == WIDE_LAUNCH
+        is_gpu_invariant = self.kernels.is_invariant and self.parallel.device == "cuda"
+        if is_gpu_invariant and is_wide and model.dtype != "bfloat16":
+            # (moe_kernels/triton_attention.py refuses it too)
+            raise ValueError(
+                f"kernels.mode 'invariant' on parallel.device 'cuda' with "
+                f"model.num_attention_heads={model.num_attention_heads} (>= {WIDE_HEADS}: "
+                f"64 heads an attention program) needs model.dtype 'bfloat16', got "
+                f"{model.dtype!r} (fp32 cache blocks do not fit in shared memory)"
+            )
+        if self.kernels.attention_group_splits and is_wide:
+            raise ValueError(
+                f"kernels.attention_group_splits={self.kernels.attention_group_splits} applies "
+                f"to models below {WIDE_HEADS} attention heads (16 heads a program), got "
+                f"model.num_attention_heads={model.num_attention_heads}: set it to 0"
+            )
 
     def _check_deepep(self) -> None:
         """parallel.ep_backend 'deepep': every condition DeepEP needs, each failure naming it."""
