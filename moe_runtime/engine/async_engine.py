@@ -475,7 +475,6 @@ class AsyncEngine:
             gives_up = will_rebuild and refusal is not None
             if gives_up:
                 self._error, self._given_up, will_rebuild = refusal, True, False
-        num_failed = 0  # rebuild attempts failed in a row
         failed_first = f"the engine failed before the request ran ({type(error).__name__}: {error})"
         if will_rebuild:  # in no step yet, the failed one too: a retry may run it
             never_ran = EngineUnavailableError(
@@ -500,6 +499,14 @@ class AsyncEngine:
         if gives_up:
             log.error("the engine gave up: %s", refusal)
             return
+        self._rebuild()
+
+    def _rebuild(self) -> None:
+        """Rebuild the dead engine's worker group, attempt after attempt with a growing pause,
+        until one works (healthy again), max_restarts attempts failed in a row or the engine's
+        restarts are spent or its weights' source changed (given up), or a drain or stop comes
+        (nothing rebuilt)."""
+        num_failed = 0  # rebuild attempts failed in a row
         while True:
             with self._cond:
                 if self._is_stopping or not self._is_accepting:
