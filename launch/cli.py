@@ -1,14 +1,17 @@
 """The command-line pieces the launch scripts share: `--set SECTION.KEY=VALUE` overrides, the
-sampling flags of generate.py and rollout.py, and how their JSON lines write top logprobs."""
+sampling flags of generate.py and rollout.py, how their JSON lines write top logprobs, and the
+Ray cluster a run of several ranks joins."""
 
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
 from moe_runtime.sampling_params import SamplingParams
 
 SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "logprobs")
+RAY_ADDRESS_VARIABLE = "RAY_ADDRESS"  # Ray's own; `ray job submit` sets it for its job's driver
 
 
 def add_override_argument(parser: argparse.ArgumentParser) -> None:
@@ -68,3 +71,13 @@ def check_sampling_flags(values: dict[str, Any]) -> None:
 def json_top_logprobs(top_logprobs: list[dict[int, float]]) -> list[dict[str, float]]:
     """Each position's top logprobs keyed by the token id as text (JSON's keys are strings)."""
     return [{str(token_id): lp for token_id, lp in top.items()} for top in top_logprobs]
+
+
+def connect_ray(world_size: int) -> None:
+    """Ray for a run of world_size > 1 ranks, before its engine loads: the cluster RAY_ADDRESS
+    names (a `ray job submit` job's own, or one the user names), else a new local instance;
+    never a cluster that merely runs on this machine."""
+    if world_size > 1:
+        from moe_runtime.executor.ray_executor import connect_ray as connect  # ray only if used
+
+        connect(world_size, os.environ.get(RAY_ADDRESS_VARIABLE) or None)

@@ -19,6 +19,7 @@ if __name__ == "__main__":  # the checkout on the path, not launch/ (whose opena
 
 from launch import cli  # noqa: E402
 from moe_runtime import LLM, SamplingParams  # noqa: E402
+from moe_runtime.config import load_config  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -39,7 +40,9 @@ def main(argv: list[str] | None = None) -> int:
         cli.check_sampling_flags({"seed": args.seed, **cli.sampling_args(args)})
         params = SamplingParams(seed=args.seed, **cli.sampling_args(args))
         started = time.perf_counter()
-        llm = LLM(args.config, **cli.parse_overrides(args.set))
+        config = load_config(args.config, cli.parse_overrides(args.set))
+        cli.connect_ray(config.parallel.world_size)
+        llm = LLM(config)
         print(f"loaded {args.config} in {time.perf_counter() - started:.1f}s", file=sys.stderr)
         prompts = args.prompt or ["The quick brown fox"]
         started = time.perf_counter()

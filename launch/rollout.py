@@ -185,11 +185,9 @@ def _run(args: argparse.Namespace, appender: Appender) -> int:
             raise ValueError(f"--input {str(args.input)!r}: {exc.strerror}") from None
         existing = read_done(output)  # reads only: the file may not be this tool's
         if config.parallel.world_size > 1:
-            from moe_runtime.executor.ray_executor import connect_ray  # ray only where used
-
             # ray.init sets a SIGTERM handler of its own (sys.exit): joined before the load
             # and ours put back, so a SIGTERM during it ends the run as one after it does.
-            connect_ray(config.parallel.world_size)
+            cli.connect_ray(config.parallel.world_size)
             _stop_on_signals(appender)
         llm = LLM(config)
     except (ValueError, OSError) as exc:  # RowError is a ValueError

@@ -29,7 +29,7 @@ if __name__ == "__main__":  # the checkout on the path, not launch/ (whose opena
 
 import uvicorn  # noqa: E402
 
-from launch.cli import add_override_argument, parse_overrides  # noqa: E402
+from launch.cli import add_override_argument, connect_ray, parse_overrides  # noqa: E402
 from launch.fingerprint import system_fingerprint  # noqa: E402
 from launch.generation import Backend  # noqa: E402
 from launch.server_app import create_app  # noqa: E402
@@ -97,12 +97,10 @@ def reclaim_stop_signals() -> None:
 
 
 async def connect_ray_first(config) -> None:
-    """Join (or start) the Ray cluster before the engine loads, on a worker thread, then take
-    the stop signals back at once: a SIGTERM during a long load must meet our handler (drain,
-    exit 0), not Ray's (a stack dump and an abort 3 s later)."""
+    """Join the Ray cluster RAY_ADDRESS names (or start a local one) before the engine loads, on
+    a worker thread, then take the stop signals back at once: a SIGTERM during a long load must
+    meet our handler (drain, exit 0), not Ray's (a stack dump and an abort 3 s later)."""
     if config.parallel.world_size > 1:
-        from moe_runtime.executor.ray_executor import connect_ray  # ray only where it is used
-
         try:
             await asyncio.to_thread(connect_ray, config.parallel.world_size)
         finally:

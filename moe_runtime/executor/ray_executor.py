@@ -1,12 +1,12 @@
 """RayExecutor: one worker actor per rank in a Ray placement group, driven in lockstep.
 
-Joins the running cluster (under `ray job submit`, or after `ray start`) or starts a local one
-with enough logical CPUs for one single-CPU actor per rank. Bundles: one per rank, CPU bundles
-for `device: cpu`, GPU bundles for `device: cuda` (fractional when ranks share a GPU). Rank r
-runs in bundle r; rank 0's node and a free port there are the rendezvous point. Every remote
-call is bounded by the collective timeout plus a margin; a dead or stuck worker becomes a
-WorkerError naming its rank and the step. This is the one module besides launch/ that
-imports ray.
+Uses the Ray this process already joined, else joins the cluster its caller names (launch/ passes
+RAY_ADDRESS, which `ray job submit` sets for its driver), else starts a local one with enough
+logical CPUs for one single-CPU actor per rank. Bundles: one per rank, CPU bundles for
+`device: cpu`, GPU bundles for `device: cuda` (fractional when ranks share a GPU). Rank r runs in
+bundle r; rank 0's node and a free port there are the rendezvous point. Every remote call is
+bounded by the collective timeout plus a margin; a dead or stuck worker becomes a WorkerError
+naming its rank and the step. This is the one module besides launch/ that imports ray.
 """
 
 from __future__ import annotations
@@ -40,14 +40,21 @@ _STALL_GRACE_S = 3.0
 _LIVENESS = "liveness"
 
 
-def connect_ray(num_cpus_needed: int) -> None:
-    """Join a running cluster if there is one, else start a local one big enough."""
+def connect_ray(num_cpus_needed: int, address: str | None = None) -> None:
+    """Ray for this driver: the cluster this process already joined, else the one at `address`
+    (as ray.init takes it; "local" is none), else a new local instance big enough.
+
+    Why never a cluster found on the machine (Ray's address="auto"): with no address named,
+    "auto" joins any GCS process it sees, another user's cluster or a test's private head
+    (each with a temp dir of its own), and runs this driver's ranks there.
+    """
     if ray.is_initialized():
         return
-    try:
-        ray.init(address="auto", log_to_driver=True)
-    except (ConnectionError, RuntimeError):
-        ray.init(num_cpus=max(num_cpus_needed, os.cpu_count() or 1), log_to_driver=True)
+    if address not in (None, "", "local"):
+        ray.init(address=address, log_to_driver=True)
+    else:
+        num_cpus = max(num_cpus_needed, os.cpu_count() or 1)
+        ray.init(address="local", num_cpus=num_cpus, log_to_driver=True)
 
 
 class RayExecutor:

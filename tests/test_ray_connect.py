@@ -1,0 +1,59 @@
+"""Which Ray the driver uses (`connect_ray`), each check in a process of its own.
+
+- With no address named it starts a local Ray of its own: it joins no cluster that merely runs
+  on the machine (Ray's address="auto" joined any GCS process it found, a test's private head
+  with its own temp dir among them, and ran the driver's ranks there).
+- With an address named (launch/ passes RAY_ADDRESS; `ray job submit` sets it) it joins that one.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.ray_head import ray_env
+
+pytest.importorskip("ray")
+ROOT = Path(__file__).resolve().parent.parent
+
+CONNECT = """
+import sys, ray
+from moe_runtime.executor.ray_executor import connect_ray
+connect_ray(1, *sys.argv[1:])
+print(ray.get_runtime_context().gcs_address, flush=True)
+"""
+
+
+def _connected_to(*address: str) -> str:
+    """The GCS address a fresh process's connect_ray(1, *address) joined or started."""
+    env = ray_env()  # a user's shell: no RAY_ADDRESS (the session's private RAY_TMPDIR stays)
+    run = subprocess.run(
+        [sys.executable, "-c", CONNECT, *address],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    return run.stdout.split()[-1]
+
+
+def _driver_logs(head) -> set[Path]:
+    """One log per driver that ever connected to the head."""
+    return set(head.temp_dir.glob("session_[0-9]*/logs/python-core-driver-*"))
+
+
+def test_no_address_starts_a_local_ray_and_joins_no_running_cluster(ray_head):
+    drivers = _driver_logs(ray_head)
+    assert _connected_to() != ray_head.gcs_address
+    assert _driver_logs(ray_head) == drivers, "connect_ray joined a cluster it was not given"
+
+
+def test_a_named_address_is_joined(ray_head):
+    drivers = _driver_logs(ray_head)
+    assert _connected_to(ray_head.gcs_address) == ray_head.gcs_address
+    assert len(_driver_logs(ray_head) - drivers) == 1
