@@ -4,6 +4,9 @@
   on the machine (Ray's address="auto" joined any GCS process it found, a test's private head
   with its own temp dir among them, and ran the driver's ranks there).
 - With an address named (launch/ passes RAY_ADDRESS; `ray job submit` sets it) it joins that one.
+- A local Ray started from a thread that then ends keeps running: Ray binds its GCS and raylet
+  to the starting thread's life (Linux's parent-death signal), and serve_ep connects on a worker
+  thread, so its local Ray died at asyncio.run's end, under the driver's own shutdown.
 """
 
 from __future__ import annotations
@@ -24,6 +27,15 @@ import sys, ray
 from moe_runtime.executor.ray_executor import connect_ray
 connect_ray(1, *sys.argv[1:])
 print(ray.get_runtime_context().gcs_address, flush=True)
+"""
+
+THREAD_STARTED = """
+import concurrent.futures, ray
+from moe_runtime.executor.ray_executor import connect_ray
+with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    pool.submit(connect_ray, 1).result()
+# the thread that started the local instance has ended
+print(ray.get(ray.remote(lambda: "served").remote(), timeout=120), flush=True)
 """
 
 
@@ -57,3 +69,16 @@ def test_a_named_address_is_joined(ray_head):
     drivers = _driver_logs(ray_head)
     assert _connected_to(ray_head.gcs_address) == ray_head.gcs_address
     assert len(_driver_logs(ray_head) - drivers) == 1
+
+
+def test_a_local_ray_started_on_a_thread_outlives_the_thread():
+    run = subprocess.run(
+        [sys.executable, "-c", THREAD_STARTED],
+        cwd=ROOT,
+        env=ray_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.stdout.split() == ["served"], run.stdout + run.stderr[-3000:]
+    assert run.returncode == 0, run.stderr[-3000:]

@@ -15,6 +15,7 @@ import contextlib
 import logging
 import os
 import re
+import threading
 import time
 from collections import Counter
 
@@ -53,8 +54,40 @@ def connect_ray(num_cpus_needed: int, address: str | None = None) -> None:
     if address not in (None, "", "local"):
         ray.init(address=address, log_to_driver=True)
     else:
-        num_cpus = max(num_cpus_needed, os.cpu_count() or 1)
+        _start_local_ray(max(num_cpus_needed, os.cpu_count() or 1))
+
+
+def _start_local_ray(num_cpus: int) -> None:
+    """ray.init of a new local instance, called on a thread that lives as long as the process:
+    the main thread (there Ray also sets its SIGTERM handler, which exits through its shutdown),
+    else a daemon thread of its own.
+
+    Why: Ray starts its GCS and raylet with Linux's parent-death signal (fate sharing), which the
+    kernel ties to the thread that started them, not to the process. Started on a worker thread
+    (serve_ep connects on one so that it answers meanwhile; a caller's thread pool), the local
+    cluster was killed when that thread ended (at asyncio.run's end, a pool's shutdown): the
+    driver then waited on a dead GCS at exit, Ray's agents outlived the process by a minute, and
+    a caller's pool that ended before its last Ray call left that call hanging.
+    """
+    if threading.current_thread() is threading.main_thread():
         ray.init(address="local", num_cpus=num_cpus, log_to_driver=True)
+        return
+    done = threading.Event()
+    failures: list[BaseException] = []
+
+    def own_ray() -> None:
+        try:
+            ray.init(address="local", num_cpus=num_cpus, log_to_driver=True)
+        except BaseException as exc:  # raised on the caller's thread below
+            failures.append(exc)
+        done.set()
+        if not failures:
+            threading.Event().wait()  # never set: the thread (a daemon) ends with the process
+
+    threading.Thread(target=own_ray, name="ray-local-instance", daemon=True).start()
+    done.wait()
+    if failures:
+        raise failures[0]
 
 
 class RayExecutor:
