@@ -3,7 +3,9 @@
 - With no address named it starts a local Ray of its own: it joins no cluster that merely runs
   on the machine (Ray's address="auto" joined any GCS process it found, a test's private head
   with its own temp dir among them, and ran the driver's ranks there).
-- With an address named (launch/ passes RAY_ADDRESS; `ray job submit` sets it) it joins that one.
+- With an address named (launch/ passes RAY_ADDRESS; `ray job submit` sets it) it joins that one;
+  a host:port where nothing listens fails at once, naming it (ray.init retried it for some 13
+  minutes, and serve_ep deferred Ctrl-C and SIGTERM meanwhile).
 - A local Ray started from a thread that then ends keeps running: Ray binds its GCS and raylet
   to the starting thread's life (Linux's parent-death signal), and serve_ep connects on a worker
   thread, so its local Ray died at asyncio.run's end, under the driver's own shutdown.
@@ -17,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.ray_head import ray_env
+from tests.ray_head import free_port, ray_env
 
 pytest.importorskip("ray")
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,17 +41,22 @@ print(ray.get(ray.remote(lambda: "served").remote(), timeout=120), flush=True)
 """
 
 
-def _connected_to(*address: str) -> str:
-    """The GCS address a fresh process's connect_ray(1, *address) joined or started."""
+def _connect(*address: str, timeout_s: float = 300) -> subprocess.CompletedProcess:
+    """A fresh process's connect_ray(1, *address), printing the GCS address it joined or
+    started."""
     env = ray_env()  # a user's shell: no RAY_ADDRESS (the session's private RAY_TMPDIR stays)
-    run = subprocess.run(
+    return subprocess.run(
         [sys.executable, "-c", CONNECT, *address],
         cwd=ROOT,
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=timeout_s,
     )
+
+
+def _connected_to(*address: str) -> str:
+    run = _connect(*address)
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     return run.stdout.split()[-1]
 
@@ -69,6 +76,15 @@ def test_a_named_address_is_joined(ray_head):
     drivers = _driver_logs(ray_head)
     assert _connected_to(ray_head.gcs_address) == ray_head.gcs_address
     assert len(_driver_logs(ray_head) - drivers) == 1
+
+
+def test_an_address_where_nothing_listens_fails_at_once_naming_it():
+    address = f"127.0.0.1:{free_port()}"  # closed again: nothing listens there
+    # Generous against a loaded machine: the check takes well under a second, ray.init minutes.
+    run = _connect(address, timeout_s=120)
+    assert run.returncode == 1, run.stdout + run.stderr[-3000:]
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"ConnectionError: no Ray cluster answers at {address}"), last
 
 
 def test_a_local_ray_started_on_a_thread_outlives_the_thread():

@@ -15,6 +15,7 @@ import contextlib
 import logging
 import os
 import re
+import socket
 import threading
 import time
 from collections import Counter
@@ -39,6 +40,8 @@ _STALL_GRACE_S = 3.0
 # Its second thread holds Worker.hold, a call that never returns: the driver learns of the
 # actor's death from it without asking (dead_ranks).
 _LIVENESS = "liveness"
+# How long a named cluster's GCS address has to accept a TCP connection before ray.init is tried.
+_REACH_TIMEOUT_S = 10.0
 
 
 def connect_ray(num_cpus_needed: int, address: str | None = None) -> None:
@@ -52,9 +55,27 @@ def connect_ray(num_cpus_needed: int, address: str | None = None) -> None:
     if ray.is_initialized():
         return
     if address not in (None, "", "local"):
+        _check_reachable(address)
         ray.init(address=address, log_to_driver=True)
     else:
         _start_local_ray(max(num_cpus_needed, os.cpu_count() or 1))
+
+
+def _check_reachable(address: str) -> None:
+    """ConnectionError at once where a plain host:port address accepts no TCP connection (other
+    forms, "auto" or "ray://...", are left to ray.init).
+
+    Why: ray.init retries an address that nobody listens on for some 13 minutes (20 tries of
+    about 40 s each) before it fails, and a server joining it acts on a stop signal only after.
+    """
+    host, colon, port = address.rpartition(":")
+    if not colon or not port.isdigit() or "/" in host:
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), _REACH_TIMEOUT_S).close()
+    except OSError as exc:
+        why = exc.strerror or type(exc).__name__
+        raise ConnectionError(f"no Ray cluster answers at {address} ({why})") from None
 
 
 def _start_local_ray(num_cpus: int) -> None:
