@@ -80,4 +80,4 @@ def connect_ray(world_size: int) -> None:
     if world_size > 1:
         from moe_runtime.executor.ray_executor import connect_ray as connect  # ray only if used
 
-        connect(world_size, os.environ.get(RAY_ADDRESS_VARIABLE) or None)
+        connect(world_size, os.environ.get(RAY_ADDRESS_VARIABLE) or "local")

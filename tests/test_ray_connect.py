@@ -1,8 +1,9 @@
 """Which Ray the driver uses (`connect_ray`), each check in a process of its own.
 
-- With no address named it starts a local Ray of its own: it joins no cluster that merely runs
-  on the machine (Ray's address="auto" joined any GCS process it found, a test's private head
-  with its own temp dir among them, and ran the driver's ranks there).
+- With no address named (the Python API: Ray's default, RAY_ADDRESS or the cluster `ray start`
+  recorded) or "local" (launch/ without RAY_ADDRESS) it joins no cluster that merely runs on
+  the machine (Ray's address="auto" joined any GCS process it found, a test's private head with
+  its own temp dir among them, and ran the driver's ranks there).
 - With an address named (launch/ passes RAY_ADDRESS; `ray job submit` sets it) it joins that one;
   a host:port where nothing listens fails at once, naming it (ray.init retried it for some 13
   minutes, and serve_ep deferred Ctrl-C and SIGTERM meanwhile).
@@ -41,10 +42,14 @@ print(ray.get(ray.remote(lambda: "served").remote(), timeout=120), flush=True)
 """
 
 
-def _connect(*address: str, timeout_s: float = 300) -> subprocess.CompletedProcess:
+def _connect(
+    *address: str, timeout_s: float = 300, ray_address: str | None = None
+) -> subprocess.CompletedProcess:
     """A fresh process's connect_ray(1, *address), printing the GCS address it joined or
-    started."""
+    started; ray_address: its RAY_ADDRESS, as `ray job submit` sets it for a job's driver."""
     env = ray_env()  # a user's shell: no RAY_ADDRESS (the session's private RAY_TMPDIR stays)
+    if ray_address is not None:
+        env["RAY_ADDRESS"] = ray_address
     return subprocess.run(
         [sys.executable, "-c", CONNECT, *address],
         cwd=ROOT,
@@ -55,8 +60,8 @@ def _connect(*address: str, timeout_s: float = 300) -> subprocess.CompletedProce
     )
 
 
-def _connected_to(*address: str) -> str:
-    run = _connect(*address)
+def _connected_to(*address: str, ray_address: str | None = None) -> str:
+    run = _connect(*address, ray_address=ray_address)
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     return run.stdout.split()[-1]
 
@@ -66,10 +71,19 @@ def _driver_logs(head) -> set[Path]:
     return set(head.temp_dir.glob("session_[0-9]*/logs/python-core-driver-*"))
 
 
-def test_no_address_starts_a_local_ray_and_joins_no_running_cluster(ray_head):
+@pytest.mark.parametrize("address", [(), ("local",)])
+def test_no_address_starts_a_local_ray_and_joins_no_running_cluster(ray_head, address):
     drivers = _driver_logs(ray_head)
-    assert _connected_to() != ray_head.gcs_address
+    assert _connected_to(*address) != ray_head.gcs_address
     assert _driver_logs(ray_head) == drivers, "connect_ray joined a cluster it was not given"
+
+
+def test_the_python_api_joins_the_job_s_cluster_as_ray_does(ray_head):
+    """LLM (no address) under `ray job submit`: Ray's default reads the job's RAY_ADDRESS and
+    joins its cluster (a local Ray there would run a second instance beside the job's)."""
+    drivers = _driver_logs(ray_head)
+    assert _connected_to(ray_address=ray_head.gcs_address) == ray_head.gcs_address
+    assert len(_driver_logs(ray_head) - drivers) == 1
 
 
 def test_a_named_address_is_joined(ray_head):

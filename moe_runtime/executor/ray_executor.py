@@ -45,20 +45,28 @@ _REACH_TIMEOUT_S = 10.0
 
 
 def connect_ray(num_cpus_needed: int, address: str | None = None) -> None:
-    """Ray for this driver: the cluster this process already joined, else the one at `address`
-    (as ray.init takes it; "local" is none), else a new local instance big enough.
+    """Ray for this driver: the cluster this process already joined; else, `address` None (the
+    Python API), Ray's own default: the cluster RAY_ADDRESS names or the one `ray start`
+    recorded under Ray's temp dir, else a new local instance big enough; "local" (or "") a new
+    local instance; else the cluster at `address`, as ray.init takes it.
 
-    Why never a cluster found on the machine (Ray's address="auto"): with no address named,
-    "auto" joins any GCS process it sees, another user's cluster or a test's private head
-    (each with a temp dir of its own), and runs this driver's ranks there.
+    Why never Ray's address="auto": with no address named, it also joins any GCS process it
+    sees on the machine, another user's cluster or a test's private head (each with a temp dir
+    of its own), and runs this driver's ranks there.
     """
     if ray.is_initialized():
         return
-    if address not in (None, "", "local"):
+    num_cpus = max(num_cpus_needed, os.cpu_count() or 1)
+    if address in ("", "local"):
+        _start_local_ray(num_cpus, "local")
+    elif address is None:
+        try:
+            _start_local_ray(num_cpus, None)
+        except ValueError:  # a cluster was found: joined as it is (it takes no num_cpus)
+            ray.init(log_to_driver=True)
+    else:
         _check_reachable(address)
         ray.init(address=address, log_to_driver=True)
-    else:
-        _start_local_ray(max(num_cpus_needed, os.cpu_count() or 1))
 
 
 def _check_reachable(address: str) -> None:
@@ -78,10 +86,11 @@ def _check_reachable(address: str) -> None:
         raise ConnectionError(f"no Ray cluster answers at {address} ({why})") from None
 
 
-def _start_local_ray(num_cpus: int) -> None:
-    """ray.init of a new local instance, called on a thread that lives as long as the process:
-    the main thread (there Ray also sets its SIGTERM handler, which exits through its shutdown),
-    else a daemon thread of its own.
+def _start_local_ray(num_cpus: int, address: str | None) -> None:
+    """ray.init(address, num_cpus) of a new local instance ("local"; None: unless Ray finds a
+    cluster to join, which raises ValueError for the num_cpus), called on a thread that lives
+    as long as the process: the main thread (there Ray also sets its SIGTERM handler, which
+    exits through its shutdown), else a daemon thread of its own.
 
     Why: Ray starts its GCS and raylet with Linux's parent-death signal (fate sharing), which the
     kernel ties to the thread that started them, not to the process. Started on a worker thread
@@ -91,14 +100,14 @@ def _start_local_ray(num_cpus: int) -> None:
     a caller's pool that ended before its last Ray call left that call hanging.
     """
     if threading.current_thread() is threading.main_thread():
-        ray.init(address="local", num_cpus=num_cpus, log_to_driver=True)
+        ray.init(address=address, num_cpus=num_cpus, log_to_driver=True)
         return
     done = threading.Event()
     failures: list[BaseException] = []
 
     def own_ray() -> None:
         try:
-            ray.init(address="local", num_cpus=num_cpus, log_to_driver=True)
+            ray.init(address=address, num_cpus=num_cpus, log_to_driver=True)
         except BaseException as exc:  # raised on the caller's thread below
             failures.append(exc)
         done.set()
