@@ -185,10 +185,14 @@ def _run(args: argparse.Namespace, appender: Appender) -> int:
             raise ValueError(f"--input {str(args.input)!r}: {exc.strerror}") from None
         existing = read_done(output)  # reads only: the file may not be this tool's
         if config.parallel.world_size > 1:
-            # ray.init sets a SIGTERM handler of its own (sys.exit): joined before the load
-            # and ours put back, so a SIGTERM during it ends the run as one after it does.
+            # ray.init sets a SIGTERM handler of its own (sys.exit) as it starts: joined before
+            # the load and ours put back, so a SIGTERM during the load ends the run as one after
+            # it does (one while Ray itself is joined still ends it with Ray's exit code 15).
             cli.connect_ray(config.parallel.world_size)
             _stop_on_signals(appender)
+        print(
+            f"rollout: loading the model on {config.parallel.world_size} rank(s)", file=sys.stderr
+        )
         llm = LLM(config)
     except (ValueError, OSError) as exc:  # RowError is a ValueError
         print(f"error: {exc}", file=sys.stderr)

@@ -1005,8 +1005,10 @@ def test_sigterm_while_the_ranks_load_ends_the_run_as_after_it(ray_head, tmp_pat
     env = {**ray_head.env, "RAY_ADDRESS": ray_head.gcs_address}  # the private head, no other
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
     try:
-        for line in proc.stderr:  # Ray says so once ray.init has joined the head
-            if "Connected to Ray cluster" in line:
+        # Said once Ray is joined and the run's handler is back (waiting for Ray's own
+        # "Connected" line raced ray.init's end on a loaded machine: exit code 15).
+        for line in proc.stderr:
+            if line.startswith("rollout: loading the model on 2 rank(s)"):
                 break
         time.sleep(1.0)  # into the ranks' start-up
         proc.send_signal(signal.SIGTERM)
