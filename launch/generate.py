@@ -50,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except ConnectionError as exc:  # the Ray cluster RAY_ADDRESS names does not answer
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     elapsed = time.perf_counter() - started
     num_tokens = sum(len(o.token_ids) for o in outputs)
     for prompt, out in zip(prompts, outputs, strict=True):

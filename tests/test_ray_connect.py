@@ -112,3 +112,15 @@ def test_a_local_ray_started_on_a_thread_outlives_the_thread():
     )
     assert run.stdout.split() == ["served"], run.stdout + run.stderr[-3000:]
     assert run.returncode == 0, run.stderr[-3000:]
+
+
+def test_generate_names_a_cluster_that_does_not_answer():
+    """generate.py with RAY_ADDRESS where nothing listens: one error line and exit 1 (it
+    printed the ConnectionError's traceback)."""
+    env = {**ray_env(), "RAY_ADDRESS": f"127.0.0.1:{free_port()}"}
+    cmd = [sys.executable, "launch/generate.py", "--config", "launch/configs/tiny_cpu.yaml"]
+    cmd += ["--set", "parallel.world_size=2"]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith("error: no Ray cluster answers at")
+    assert "Traceback" not in done.stderr, done.stderr
