@@ -1,0 +1,161 @@
+"""The Scheduler in plain Python (no model, no worker): each step's chunks are checked against
+its budget and limits, and a fake worker hands back one token for every chunk that ends a
+generating sequence's known tokens, as the engine's step does.
+
+- Chunked prefill: chunks of a prompt are contiguous and fit the step's token budget; running
+  sequences are served before waiting ones; at most max_num_seqs run.
+- Preemption: with too few KV blocks the newest running sequence goes back to the head of the
+  queue with its blocks freed, and is recomputed from position 0; every sequence still ends
+  with all its tokens.
+- Prefix caching: a prompt whose full blocks are cached starts past them; a scoring sequence
+  matches its prompt only (it must compute every position it scores); a request's second
+  sample waits for the first to compute the prompt's full blocks, then starts past them.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from moe_runtime.config import SchedulerConfig
+from moe_runtime.engine.block_manager import BlockManager
+from moe_runtime.engine.request import Request, Sequence, SequenceStatus
+from moe_runtime.engine.scheduler import ScheduledChunk, Scheduler
+from moe_runtime.sampling_params import SamplingParams
+from moe_runtime.tokenizer import ByteTokenizer
+from moe_runtime.worker.step_input import SampleResult
+
+BLOCK_SIZE = 4
+TOKENIZER = ByteTokenizer(512)
+_seq_ids = itertools.count()
+
+
+def _scheduler(
+    num_blocks: int = 64, budget: int = 16, max_num_seqs: int = 8, caching: bool = True
+) -> Scheduler:
+    config = SchedulerConfig(
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=256
+    )
+    return Scheduler(config, BlockManager(num_blocks, BLOCK_SIZE, caching), eos_token_id=None)
+
+
+def _add(scheduler: Scheduler, prompt: list[int], max_tokens: int = 3, n: int = 1) -> Request:
+    params = SamplingParams(max_tokens=max_tokens, n=n, ignore_eos=True, temperature=0.0)
+    request = Request(f"r{next(_seq_ids)}", prompt, params, seed=1)
+    for seq in request.expand_samples(next(_seq_ids) * 100, TOKENIZER):
+        scheduler.add(seq)
+    return request
+
+
+def _add_score(scheduler: Scheduler, prompt: list[int], scored: list[int]) -> Sequence:
+    request = Request(
+        f"s{next(_seq_ids)}", prompt, SamplingParams(), seed=0, score_token_ids=scored
+    )
+    (seq,) = request.expand_samples(next(_seq_ids) * 100, TOKENIZER)
+    scheduler.add(seq)
+    return seq
+
+
+def _step(scheduler: Scheduler) -> list[ScheduledChunk]:
+    """One step: schedule, then a token (7) for each chunk that ends its sequence's known
+    tokens, as a worker samples them."""
+    chunks = scheduler.schedule()
+    samples = {
+        c.seq.seq_id: SampleResult(7, 0.0, {})
+        for c in chunks
+        if not c.seq.is_score and c.start + c.num_tokens == c.seq.num_tokens
+    }
+    scheduler.update(chunks, samples)
+    return chunks
+
+
+def _run(scheduler: Scheduler, max_steps: int = 500) -> list[list[ScheduledChunk]]:
+    steps = []
+    while scheduler.has_unfinished():
+        assert len(steps) < max_steps, "the scheduler made no progress"
+        steps.append(_step(scheduler))
+    return steps
+
+
+def test_chunks_fit_the_budget_and_a_prompt_s_chunks_are_contiguous():
+    scheduler = _scheduler(budget=16)
+    long, short = _add(scheduler, list(range(50))), _add(scheduler, [1, 2, 3])
+    steps = _run(scheduler)
+    for chunks in steps:
+        assert sum(c.num_tokens for c in chunks) <= 16
+        assert len({c.seq.seq_id for c in chunks}) == len(chunks)  # one chunk a sequence
+    first = [c for chunks in steps for c in chunks if c.seq is long.samples[0]]
+    prefill = [(c.start, c.num_tokens) for c in first if c.start < 50]
+    assert prefill == [(0, 16), (16, 16), (32, 16), (48, 2)]  # engagement: chunked
+    for request in (long, short):
+        (seq,) = request.samples
+        assert seq.output_token_ids == [7, 7, 7] and seq.finish_reason == "length"
+
+
+def test_running_sequences_are_served_before_waiting_ones():
+    scheduler = _scheduler(budget=16)
+    first = _add(scheduler, list(range(40)))
+    _step(scheduler)  # the first takes the whole budget
+    second = _add(scheduler, list(range(100, 110)))
+    chunks = _step(scheduler)
+    assert chunks[0].seq is first.samples[0] and chunks[0].start == 16
+    assert [c.seq for c in chunks[1:]] == []  # the budget went to the running one first
+    assert second.samples[0].status is SequenceStatus.WAITING
+
+
+def test_at_most_max_num_seqs_run():
+    scheduler = _scheduler(budget=64, max_num_seqs=2)
+    requests = [_add(scheduler, [i, i + 1, i + 2], max_tokens=4) for i in range(5)]
+    for chunks in _run(scheduler):
+        assert len(chunks) <= 2
+        assert len(scheduler.running) <= 2
+    assert all(r.samples[0].output_token_ids == [7] * 4 for r in requests)
+
+
+def test_preemption_recomputes_the_newest_and_loses_nothing():
+    # 6 blocks of 4: two sequences of 10 + 8 tokens each cannot both hold their 5 blocks.
+    scheduler = _scheduler(num_blocks=6, budget=32, caching=False)
+    a, b = _add(scheduler, list(range(10)), max_tokens=8), _add(scheduler, list(range(20, 30)), 8)
+    steps = _run(scheduler)
+    assert scheduler.num_preemptions > 0  # engagement
+    restarts = [c for chunks in steps for c in chunks if c.seq is b.samples[0] and c.start == 0]
+    assert len(restarts) >= 2, "the newest was not preempted and recomputed from 0"
+    for request in (a, b):
+        (seq,) = request.samples
+        assert seq.output_token_ids == [7] * 8 and seq.finish_reason == "length"
+    assert scheduler.blocks.num_free_blocks == 6  # everything freed at the end
+
+
+def test_a_cached_prompt_starts_past_its_full_blocks():
+    scheduler = _scheduler(budget=64)
+    prompt = list(range(30, 43))  # 13 tokens: 3 full blocks
+    _run_one = _add(scheduler, prompt)
+    _run(scheduler)
+    again = _add(scheduler, prompt)
+    (chunk,) = _step(scheduler)
+    assert chunk.seq is again.samples[0] and (chunk.start, chunk.num_tokens) == (12, 1)
+    assert _run_one.samples[0].output_token_ids == [7, 7, 7]
+
+
+def test_a_scoring_matches_its_prompt_only():
+    """The scored tokens' positions are computed even where the whole sequence is cached."""
+    scheduler = _scheduler(budget=64)
+    tokens = list(range(60, 77))  # 17 tokens: 4 full blocks
+    _add(scheduler, tokens)
+    _run(scheduler)
+    seq = _add_score(scheduler, tokens[:5], tokens[5:])
+    (chunk,) = _step(scheduler)
+    assert chunk.seq is seq and chunk.start == 4  # the prompt's one full block, no more
+    _run(scheduler)
+    assert seq.finish_reason == "scored"
+
+
+def test_a_second_sample_waits_for_the_prompt_then_starts_past_it():
+    """A budget that fits both: admitted beside the first, the second computed the prompt."""
+    scheduler = _scheduler(budget=64)
+    request = _add(scheduler, list(range(200, 217)), n=2)  # 17 tokens: 4 full blocks
+    first, second = request.samples
+    steps = _run(scheduler)
+    assert [c.seq for c in steps[0]] == [first]  # the second waited
+    second_chunks = [c for chunks in steps for c in chunks if c.seq is second]
+    assert (second_chunks[0].start, second_chunks[0].num_tokens) == (16, 1)
+    assert first.output_token_ids == second.output_token_ids == [7, 7, 7]
