@@ -156,13 +156,16 @@ class RequestTracker:
         self._received = received
         # (prompt idx, sample idx) -> the time of its last token (None: seen, no token yet)
         self._last: dict[tuple[int, int], float | None] = {}
+        self._counted: set[int] = set()  # prompts whose tokens are counted
 
     def observe(self, prompt_idx: int, delta: RequestOutput) -> None:
         now, m = time.monotonic(), self._metrics
+        if delta.outputs and prompt_idx not in self._counted:  # the prompt's first delta
+            # Any sample's: with n > 1, sample 0's may never come (its client left first).
+            self._counted.add(prompt_idx)
+            m.prompt_tokens.inc(len(delta.prompt_token_ids))
         for out in delta.outputs:
             key = (prompt_idx, out.index)
-            if key not in self._last and out.index == 0:  # the prompt's first delta
-                m.prompt_tokens.inc(len(delta.prompt_token_ids))
             if not out.token_ids:  # no token yet (echo with max_tokens 0 has none at all)
                 self._last.setdefault(key, None)
                 continue

@@ -201,3 +201,24 @@ def test_a_stream_ended_by_a_fault_is_counted_as_a_stream_error():
     assert after["moe_stream_errors_total"] - before["moe_stream_errors_total"] == 1
     name = "moe_http_requests_total{route=/v1/completions,status=200}"
     assert after[name] - before.get(name, 0.0) == 1
+
+
+def test_a_prompt_s_tokens_count_once_at_any_sample_s_first_delta():
+    """With n > 1 the prompt was counted at sample 0's first delta only: a request whose
+    sample 0 never reported (preempted, then its client left) added no prompt tokens."""
+    from launch.metrics import RequestTracker, ServerMetrics
+    from moe_runtime.engine.outputs import CompletionOutput, RequestOutput
+
+    def delta(sample_idx: int) -> RequestOutput:
+        out = CompletionOutput(sample_idx, [5], [-1.0], [{}], "x", None, 0)
+        return RequestOutput("r", [1, 2, 3], [out], False)
+
+    metrics = ServerMetrics(lambda: None)
+    tracker = RequestTracker(metrics, time.monotonic())
+    total = metrics.registry.get_sample_value
+    tracker.observe(0, delta(1))
+    assert total("moe_prompt_tokens_total") == 3
+    tracker.observe(0, delta(0))
+    tracker.observe(0, delta(1))
+    assert total("moe_prompt_tokens_total") == 3  # once a prompt
+    assert total("moe_generation_tokens_total") == 3
