@@ -74,6 +74,7 @@ class Generation:
         aio_loop = asyncio.get_running_loop()
         tracker = RequestTracker(metrics, received)
         self._metrics = metrics
+        num_samples = sum(p.n for p in params)
 
         def on_output(prompt_idx: int, delta: RequestOutput) -> None:  # on the engine thread
             tracker.observe(prompt_idx, delta)
@@ -82,7 +83,11 @@ class Generation:
             if stream:
                 aio_loop.call_soon_threadsafe(self._queue.put_nowait, (prompt_idx, delta))
 
-        def on_done(_future: Future) -> None:  # on whichever thread settled it
+        def on_done(future: Future) -> None:  # on whichever thread settled it
+            if future.cancelled():  # the client left before the end
+                tracker.end(num_samples, "abort")
+            elif future.exception() is not None:
+                tracker.end(num_samples, "error")
             try:
                 aio_loop.call_soon_threadsafe(self._queue.put_nowait, _END)
             except RuntimeError:

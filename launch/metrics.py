@@ -30,6 +30,7 @@ LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1,
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 RANK_STATS_MAX_AGE_S = 5.0
 RANK_STATS_WAIT_S = 2.0
+FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
 class ServerMetrics:
@@ -50,6 +51,15 @@ class ServerMetrics:
         self.stream_errors = Counter(
             "moe_stream_errors", "Streams ended by an error chunk after their 200", registry=r
         )
+        self.samples_finished = Counter(
+            "moe_samples_finished",
+            "Generated samples by how they ended: stop, length, abort (the client left), "
+            "error (a fault, or the drain timeout)",
+            ["finish_reason"],
+            registry=r,
+        )
+        for reason in FINISH_REASONS:  # every series from the first scrape
+            self.samples_finished.labels(reason)
         latency = functools.partial(Histogram, buckets=LATENCY_BUCKETS_S, registry=r)
         self.time_to_first_token = latency(
             "moe_time_to_first_token_seconds",
@@ -157,6 +167,12 @@ class RequestTracker:
         # (prompt idx, sample idx) -> the time of its last token (None: seen, no token yet)
         self._last: dict[tuple[int, int], float | None] = {}
         self._counted: set[int] = set()  # prompts whose tokens are counted
+        self._num_finished = 0  # samples that ended with a finish_reason
+
+    def end(self, num_samples: int, reason: str) -> None:
+        """The submission of num_samples ended without finishing the ones not finished yet:
+        its client left ("abort") or it failed ("error")."""
+        self._metrics.samples_finished.labels(reason).inc(max(0, num_samples - self._num_finished))
 
     def observe(self, prompt_idx: int, delta: RequestOutput) -> None:
         now, m = time.monotonic(), self._metrics
@@ -166,6 +182,9 @@ class RequestTracker:
             m.prompt_tokens.inc(len(delta.prompt_token_ids))
         for out in delta.outputs:
             key = (prompt_idx, out.index)
+            if out.finish_reason is not None:
+                self._num_finished += 1
+                m.samples_finished.labels(out.finish_reason).inc()
             if not out.token_ids:  # no token yet (echo with max_tokens 0 has none at all)
                 self._last.setdefault(key, None)
                 continue

@@ -201,6 +201,8 @@ def test_a_stream_ended_by_a_fault_is_counted_as_a_stream_error():
     assert after["moe_stream_errors_total"] - before["moe_stream_errors_total"] == 1
     name = "moe_http_requests_total{route=/v1/completions,status=200}"
     assert after[name] - before.get(name, 0.0) == 1
+    error = "moe_samples_finished_total{finish_reason=error}"  # its one sample
+    assert after[error] - before[error] == 1
 
 
 def test_a_prompt_s_tokens_count_once_at_any_sample_s_first_delta():

@@ -149,7 +149,11 @@ def test_stop_string_ends_stream_early_and_is_never_sent(server):
 
 
 def test_client_leaving_a_stream_aborts_its_request(server):
-    body = {"prompt": [1, 2, 3], "max_tokens": 900, "temperature": 0, "ignore_eos": True}
+    """...and its samples count as finished by 'abort' (the metrics had no word of them);
+    samples that end count by their own finish_reason."""
+    finished = "moe_samples_finished_total{{finish_reason={}}}".format
+    before = scrape(server)
+    body = {"prompt": [1, 2, 3], "max_tokens": 900, "temperature": 0, "ignore_eos": True, "n": 2}
     with server.http.stream("POST", COMPLETIONS, json={**body, "stream": True}) as response:
         lines = response.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))
@@ -157,6 +161,10 @@ def test_client_leaving_a_stream_aborts_its_request(server):
     while num_running(server.async_engine):  # aborted long before 900 tokens
         assert time.monotonic() < deadline, "the request kept running after its client left"
         time.sleep(0.01)
+    assert post(server.http, {**body, "max_tokens": 2}).status_code == 200
+    after = scrape(server)
+    assert after[finished("abort")] == before[finished("abort")] + 2
+    assert after[finished("length")] == before[finished("length")] + 2
 
 
 @pytest.mark.parametrize("route", [COMPLETIONS, "/v1/chat/completions"])
