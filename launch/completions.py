@@ -96,7 +96,12 @@ async def complete(
         if generation is not None:
             generation.future.cancel()
         raise
-    choices = _Choices(body, prompts, backend.tokenizer, scored)
+    # (MoE layers, K) of a routed-experts row: a prompt with no rows of its own has [0, L, K]
+    model = config.model
+    width = (model.num_moe_layers, model.num_experts_per_tok)
+    choices = _Choices(
+        body, prompts, backend.tokenizer, scored, width if body.return_routed_experts else None
+    )
     head = {
         "id": f"cmpl-{uuid.uuid4().hex}",
         "object": "text_completion",
@@ -244,9 +249,12 @@ class _Choices:
         prompts: list,
         tokenizer,
         scored: list[RequestOutput | None],
+        routed_width: tuple[int, int] | None = None,
     ) -> None:
+        """routed_width: (MoE layers, K) where routed experts were asked (`Echo.of`)."""
         self._body, self._prompts, self._tokenizer = body, prompts, tokenizer
         self._scored = scored  # each prompt's scoring, for echo's logprobs
+        self._routed_width = routed_width
         self._with_logprobs = body.logprobs is not None
         self._offsets: dict[int, TextOffsets] = {}  # choice index -> its tokens' text offsets
 
@@ -260,7 +268,8 @@ class _Choices:
             prompt, ids = self._prompts[prompt_idx], output.prompt_token_ids
             text = prompt if isinstance(prompt, str) else self._tokenizer.decode(ids)
             scoring = self._scored[prompt_idx]
-            echo = Echo.of(text, ids, None if scoring is None else scoring.outputs[0])
+            scored = None if scoring is None else scoring.outputs[0]
+            echo = Echo.of(text, ids, scored, self._routed_width)
             # The prompt's tokens may begin with what its text drops (a sentencepiece space).
             pieces = b"".join(self._tokenizer.token_bytes(t) for t in ids)
             start = len(text) - len(pieces.decode("utf-8", errors="replace"))

@@ -129,3 +129,24 @@ def test_echo_carries_the_prompt_s_routed_experts(server, whole_routing, logprob
     alone = {**body, "max_tokens": 0, "n": 1, "prompt": PROMPTS[0]}
     (choice,) = server.http.post("/v1/completions", json=alone).json()["choices"]
     assert decode(choice["routed_experts"]).tolist() == whole_routing[0][: len(PROMPTS[0]) - 1]
+
+
+def test_echo_of_a_one_token_prompt_has_its_empty_rows(server, whole_routing):
+    """A one-token prompt has no routed experts of its own (nothing comes before its token),
+    so with echo and max_tokens 0 its choice carries [0, L, K] rows, as every other choice of
+    the request does [P - 1, L, K]: the field was missing from that choice alone (a client
+    decoding each choice's routed_experts failed on it), streamed or not."""
+    body = {"prompt": [[7], PROMPTS[0]], "max_tokens": 0, "echo": True}
+    body["return_routed_experts"] = True
+    whole = server.http.post("/v1/completions", json=body).json()["choices"]
+    streamed = [c for e in sse_events(server.http, "/v1/completions", body) for c in e["choices"]]
+    for choices in (whole, streamed):
+        one, other = (
+            decode(c["routed_experts"]) for c in sorted(choices, key=lambda c: c["index"])
+        )
+        check_shape(one, 0)
+        assert other.tolist() == whole_routing[0][: len(PROMPTS[0]) - 1]
+    # generated tokens after it: their rows alone, as before
+    body = {**body, "prompt": [7], **SAMPLING, "n": 1}
+    (choice,) = server.http.post("/v1/completions", json=body).json()["choices"]
+    check_shape(decode(choice["routed_experts"]), SAMPLING["max_tokens"])

@@ -4,7 +4,8 @@ A whole result and a streamed delta are the same `CompletionOutput` type, so one
 renders a choice of either, and streamed bits equal whole ones. Floats are written by Python's
 json (shortest round-tripping repr, -Infinity allowed), so each logprob reaches the client with
 its exact bits. Routed experts travel as base64 of little-endian int32 [T, MoE layers, K], one
-row per generated token. Pure formatting: no engine calls, no error mapping.
+row per generated token (with echo, the prompt's rows first). Pure formatting: no engine
+calls, no error mapping.
 """
 
 from __future__ import annotations
@@ -131,10 +132,20 @@ class Echo:
     routed_experts: np.ndarray | None = None
 
     @classmethod
-    def of(cls, text: str, token_ids: list[int], scored: CompletionOutput | None) -> Echo:
-        """scored: the teacher-forced scoring of token_ids[1:] (LLMEngine's), or None."""
+    def of(
+        cls,
+        text: str,
+        token_ids: list[int],
+        scored: CompletionOutput | None,
+        routed_width: tuple[int, int] | None = None,
+    ) -> Echo:
+        """scored: the teacher-forced scoring of token_ids[1:] (LLMEngine's), or None (a
+        one-token prompt, or nothing asked). routed_width: (MoE layers, K) where routed experts
+        were asked: an unscored prompt then has no rows, [0, MoE layers, K]."""
         if scored is None:
-            return cls(text, token_ids, [None] * len(token_ids), [None] * len(token_ids))
+            nothing = [None] * len(token_ids)
+            rows = None if routed_width is None else np.zeros((0, *routed_width), np.int32)
+            return cls(text, token_ids, nothing, list(nothing), rows)
         tops = [None, *scored.top_logprobs]
         return cls(text, token_ids, [None, *scored.logprobs], tops, scored.routed_experts)
 
