@@ -1,7 +1,8 @@
 """Batch-invariant RL rollouts as a Ray job: JSONL prompts in, one JSONL row per sample out.
 
     python launch/rollout.py --config X.yaml --input prompts.jsonl --output out.jsonl \
-        [--set section.key=value ...] [--batch-size 64] [--base-seed 0] [--no-routed-experts]
+        [--set section.key=value ...] [--batch-size 64] [--base-seed 0]
+        [--no-routed-experts | --prompt-routed-experts]
     python launch/rollout.py --config X.yaml --input out.jsonl --output scores.jsonl --score
 
 Rows and seeds: launch.rollout_io. Each sample is its own request with its own seed, so its row
