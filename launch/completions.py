@@ -45,17 +45,8 @@ async def complete(
 ) -> Response:
     """/v1/completions; `received` (time.monotonic) is when the request came, for its metrics."""
     backend = ready(backend)
-    body.check_served(config.server.model_name, config.model.vocab_size)
-    if body.max_tokens == 0 and not body.echo:
-        raise FieldError("max_tokens", "max_tokens: 0 needs echo: true (else nothing comes back)")
     prompts, engine = body.prompts(), backend.engine
-    most = config.server.max_sequences_per_request
-    if len(prompts) * body.n > most:
-        raise FieldError(
-            "prompt",
-            f"prompt: {len(prompts)} prompts x n={body.n} = {len(prompts) * body.n} sequences, "
-            f"more than server.max_sequences_per_request={most} in one request",
-        )
+    _check_completion(body, config, len(prompts))
     params = None if body.max_tokens == 0 else body.sampling_params(DEFAULT_MAX_TOKENS)
     num_top = body.logprobs if body.echo else None
     # The prompts are scored for echo's logprobs or routed experts.
@@ -102,15 +93,36 @@ async def complete(
     choices = _Choices(
         body, prompts, backend.tokenizer, scored, width if body.return_routed_experts else None
     )
-    head = {
-        "id": f"cmpl-{uuid.uuid4().hex}",
-        "object": "text_completion",
+    head = _head("cmpl", "text_completion", config, backend)
+    also = [whole for whole in scored if whole is not None]
+    return await generation.response(head, choices, body.include_usage, also)
+
+
+def _check_completion(body: CompletionRequest, config: RuntimeConfig, num_prompts: int) -> None:
+    """The completion's refusals that need no engine: the model and ids it names, max_tokens 0
+    without echo, more sequences than server.max_sequences_per_request."""
+    body.check_served(config.server.model_name, config.model.vocab_size)
+    if body.max_tokens == 0 and not body.echo:
+        raise FieldError("max_tokens", "max_tokens: 0 needs echo: true (else nothing comes back)")
+    most = config.server.max_sequences_per_request
+    if num_prompts * body.n > most:
+        raise FieldError(
+            "prompt",
+            f"prompt: {num_prompts} prompts x n={body.n} = {num_prompts * body.n} sequences, "
+            f"more than server.max_sequences_per_request={most} in one request",
+        )
+
+
+def _head(id_prefix: str, kind: str, config: RuntimeConfig, backend: Backend) -> dict:
+    """The fields every response and chunk of a request opens with (OpenAI's `object` is
+    `kind`)."""
+    return {
+        "id": f"{id_prefix}-{uuid.uuid4().hex}",
+        "object": kind,
         "created": int(time.time()),
         "model": config.server.model_name,
         "system_fingerprint": backend.system_fingerprint,
     }
-    also = [whole for whole in scored if whole is not None]
-    return await generation.response(head, choices, body.include_usage, also)
 
 
 @contextmanager
@@ -314,13 +326,8 @@ async def chat(
         raise _prompt_too_long(exc, "messages") from None
     except ValueError as exc:  # the engine's prompt checks
         raise FieldError("messages", f"messages: {exc}") from None
-    head = {
-        "id": f"chatcmpl-{uuid.uuid4().hex}",
-        "created": int(time.time()),
-        "model": config.server.model_name,
-        "object": "chat.completion.chunk" if body.stream else "chat.completion",
-        "system_fingerprint": backend.system_fingerprint,
-    }
+    kind = "chat.completion.chunk" if body.stream else "chat.completion"
+    head = _head("chatcmpl", kind, config, backend)
     key = "delta" if body.stream else "message"
     has_role: set[int] = set()  # samples whose first chunk (with the role) went out
 
