@@ -11,6 +11,9 @@
 - A step replays the graph of the narrowest block-table width that holds its tables; a batch
   padded to a wider table, and one whose longest context needs the next width, give the eager
   model's bits.
+- Scoring a generated sequence from its first token routes it as generation did (decode's
+  routed experts from graph replays with lookaheads, scoring's from an eager prefill), its
+  logprobs bitwise decode's.
 Skipped without CUDA.
 """
 
@@ -189,3 +192,30 @@ def test_gpu_graph_table_width_follows_the_batch_and_changes_no_bit():
     for name in got:
         assert torch.equal(got[name], want[name]), f"{name}: graph replay differs from eager"
     assert torch.equal(got["padded"], got["short"]), "a wider table moved the bits"
+
+
+def test_gpu_scoring_routes_a_sequence_as_its_generation_did(workload):
+    """LLM.score_outputs(..., return_routed_experts=True) from the first token: the rows after
+    the prompt are generation's routed experts (graphs and lookaheads on), bit for bit."""
+    import numpy as np
+
+    prompts, params = workload
+    prompts, params = (
+        prompts[:8],
+        [dataclasses.replace(p, return_routed_experts=True) for p in params[:8]],
+    )
+    llm = LLM(TINY_GPU, **BASE)
+    assert llm.config.kernels.cuda_graphs
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    sequences = [p + o.outputs[0].token_ids for p, o in zip(prompts, outputs, strict=True)]
+    whole = llm.score_outputs(
+        sequences, [1] * len(sequences), return_routed_experts=True, use_tqdm=False
+    )
+    scored = llm.score_outputs(sequences, [len(p) for p in prompts], use_tqdm=False)
+    llm.shutdown()
+    for prompt, out, row, score in zip(prompts, outputs, whole, scored, strict=True):
+        generated = np.asarray(out.outputs[0].routed_experts)
+        assert generated.shape[0] == MAX_TOKENS and generated.size
+        assert np.array_equal(np.asarray(row.routed_experts)[len(prompt) - 1 :], generated)
+        hexed = [float.hex(x) for x in out.outputs[0].logprobs]
+        assert hexed == [float.hex(x) for x in score.logprobs]
