@@ -374,7 +374,8 @@ def _queue_prompt_routing(engine: LLMEngine, batch: list[Sample]) -> dict[int, R
     """Queue, for each input row of the batch (its samples share the prompt), the scoring of
     its prompt from the first token with routed experts: the prompt's routing, each token's
     but the first (the position before it), which generation does not report. Queued before
-    the batch, whose prefills then hit its cached blocks. -> {line_no: scoring}; a one-token
+    the batch: a sample admitted after it computed the prompt's full blocks hits them (one
+    admitted beside it computes them again; the same bits). -> {line_no: scoring}; a one-token
     prompt has none (nothing before its only token)."""
     prompts = {}
     for sample in batch:

@@ -196,9 +196,7 @@ class ModelRunner:
         asking = [i for i in score_rows if row_owners[i][0].seq.params.return_routed_experts]
         if not moe_layers or not asking:
             return
-        token_rows = host_to_device(batch.logits_indices[asking], self.device)
-        ids = torch.stack([moe.last_topk_ids[token_rows] for moe in moe_layers], dim=1)
-        ids = device_to_host(ids.to(torch.int32)).wait().numpy()  # [S, L_moe, K]
+        ids = self._copy_routed(batch.logits_indices[asking]).wait().numpy()  # [S, L_moe, K]
         seq_ids = np.array([row_owners[i][0].seq.seq_id for i in asking])
         for seq_id in dict.fromkeys(seq_ids.tolist()):  # rows in order, a sequence's together
             out.scored_routed[seq_id] = ids[seq_ids == seq_id]
@@ -252,10 +250,15 @@ class ModelRunner:
             rows = [launched.rows[i] for i in asking]
         else:
             rows = batch.logits_indices[[gen_rows[i] for i in asking]]
-        token_rows = host_to_device(rows, self.device)
-        ids = torch.stack([moe.last_topk_ids[token_rows] for moe in moe_layers], dim=1)
-        # [R, L_moe, K] int32: one compact copy
-        return _Routed([seqs[i].seq_id for i in asking], device_to_host(ids.to(torch.int32)))
+        return _Routed([seqs[i].seq_id for i in asking], self._copy_routed(rows))
+
+    def _copy_routed(self, token_rows) -> HostCopy:
+        """Queue the copy to the host of the last forward's logical experts [R, L_moe, K]
+        int32 (one compact copy) at its token rows (host indices): what sampled and scored
+        positions report alike."""
+        rows = host_to_device(token_rows, self.device)
+        ids = torch.stack([moe.last_topk_ids[rows] for moe in self.model.moe_layers], dim=1)
+        return device_to_host(ids.to(torch.int32))
 
     def _build_batch(self, chunks: list[Chunk]) -> tuple[ForwardBatch, list[tuple[Chunk, int]]]:
         """The step's host batch (per-chunk work and array ops, no loop over positions: a
