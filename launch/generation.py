@@ -86,8 +86,8 @@ class Generation:
         def on_done(future: Future) -> None:  # on whichever thread settled it
             if future.cancelled():  # the client left before the end
                 tracker.end(num_samples, "abort")
-            elif future.exception() is not None:
-                tracker.end(num_samples, "error")
+            elif not isinstance(future.exception(), (ValueError, type(None))):
+                tracker.end(num_samples, "error")  # a refused prompt (ValueError) never ran
             try:
                 aio_loop.call_soon_threadsafe(self._queue.put_nowait, _END)
             except RuntimeError:

@@ -205,6 +205,18 @@ def test_a_stream_ended_by_a_fault_is_counted_as_a_stream_error():
     assert after[error] - before[error] == 1
 
 
+def test_a_refused_prompt_ends_no_sample(server):
+    """A prompt the engine refuses as it is admitted (a 400: it never ran) counted its
+    samples as ended by 'error', which README keeps for faults and the drain."""
+    before = scrape(server)
+    body = {"prompt": [1] * 1000, "max_tokens": 100, "n": 2}  # past the context with its tokens
+    assert server.http.post("/v1/completions", json=body).status_code == 400
+    after = scrape(server)
+    for reason in ("stop", "length", "abort", "error"):
+        name = f"moe_samples_finished_total{{finish_reason={reason}}}"
+        assert after[name] == before[name], name
+
+
 def test_a_prompt_s_tokens_count_once_at_any_sample_s_first_delta():
     """With n > 1 the prompt was counted at sample 0's first delta only: a request whose
     sample 0 never reported (preempted, then its client left) added no prompt tokens."""
