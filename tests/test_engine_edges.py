@@ -395,3 +395,23 @@ def test_an_n_past_the_sequence_cap_is_refused_before_any_sample_is_made(llm):
     assert len(output.outputs) == 3
     with pytest.raises(ValueError, match="n=4 is more samples"):
         small.generate([[1, 2]], SamplingParams(max_tokens=2, n=4))
+
+
+def test_a_sample_with_no_tokens_has_routed_experts_of_the_rows_shape(llm):
+    """An output's routed experts are [T, MoE layers, K] at every T: a request aborted before
+    its first token has [0, L, K] (it had shape (0,), which a caller concatenating samples' rows
+    cannot stack)."""
+    engine, model = llm.engine, llm.engine.config.model
+    params = SamplingParams(max_tokens=3, seed=5, return_routed_experts=True)
+    ran = engine.add_request([5, 6, 7], params)
+    while engine.has_unfinished():
+        engine.step()
+    width = (model.num_moe_layers, model.num_experts_per_tok)
+    assert model.num_moe_layers > 0
+    assert np.asarray(engine.output(ran).routed_experts).shape == (3, *width)  # engagement
+    aborted = engine.add_request([5, 6, 7], params)
+    engine.abort(aborted.request_id)
+    out = engine.output(aborted)
+    assert out.outputs[0].finish_reason == "abort" and out.outputs[0].token_ids == []
+    assert out.routed_experts.shape == (0, *width)
+    assert out.routed_experts.dtype == np.int32

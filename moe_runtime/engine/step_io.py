@@ -44,9 +44,12 @@ def record_results(scheduler: Scheduler, chunks: list[ScheduledChunk], result: S
             seq.finish_reason = "stop"  # its last allowed token completed a stop string
 
 
-def request_output(request: Request, weight_version: int, is_delta: bool) -> RequestOutput:
+def request_output(
+    request: Request, weight_version: int, is_delta: bool, routed_width: tuple[int, int]
+) -> RequestOutput:
     """The whole result, or (is_delta) what changed since the last delta: the samples with
-    new tokens, only their new tokens and text. Values are copies."""
+    new tokens, only their new tokens and text. Values are copies. routed_width: (MoE layers,
+    K) of a routed-experts row, so a sample with no tokens has [0, L_moe, K]."""
     outputs = []
     versions = [_versions(seq, weight_version) for seq in request.samples]
     for seq, (last, first) in zip(request.samples, versions, strict=True):
@@ -60,7 +63,8 @@ def request_output(request: Request, weight_version: int, is_delta: bool) -> Req
             text = seq.detokenizer.text if seq.detokenizer else ""
         routed = None
         if seq.params.return_routed_experts:
-            routed = np.array(seq.routed_experts[start:], dtype=np.int32)  # [T, L_moe, K]
+            rows = seq.routed_experts[start:]
+            routed = np.array(rows, dtype=np.int32).reshape(len(rows), *routed_width)
         outputs.append(
             CompletionOutput(
                 index=seq.sample_idx,
