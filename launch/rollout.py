@@ -39,6 +39,8 @@ from launch.rollout_io import (  # noqa: E402
     MAX_N_KEY,
     STOP_SIGNALS,
     Appender,
+    InputRows,
+    OutputRows,
     RowError,
     Sample,
     Stopped,
@@ -171,73 +173,92 @@ def _check_model_flags(llm: LLM, args: argparse.Namespace) -> None:
 
 
 def _run(args: argparse.Namespace, appender: Appender) -> int:
-    output = appender.output
     defaults = {"n": args.n, **cli.sampling_args(args)}
     defaults["return_routed_experts"] = not args.no_routed_experts
-    skip_bad = args.on_bad_row == "skip"
     try:
-        config = load_config(args.config, cli.parse_overrides(args.set))
-        max_n = config.server.max_sequences_per_request
-        if args.n > max_n:
-            raise ValueError(f"--n {args.n} is more samples than {MAX_N_KEY}={max_n} allows a row")
-        try:
-            rows = read_samples(args.input, defaults, args.base_seed, args.score, skip_bad, max_n)
-        except OSError as exc:  # named by its flag ("[Errno 2] ..." named neither)
-            raise ValueError(f"--input {str(args.input)!r}: {exc.strerror}") from None
-        existing = read_done(output)  # reads only: the file may not be this tool's
-        if config.parallel.world_size > 1:
-            # ray.init sets a SIGTERM handler of its own (sys.exit) as it starts: joined before
-            # the load and ours put back, so a SIGTERM during the load ends the run as one after
-            # it does (one while Ray itself is joined still ends it with Ray's exit code 15).
-            cli.connect_ray(config.parallel.world_size)
-            _stop_on_signals(appender)
-        print(
-            f"rollout: loading the model on {config.parallel.world_size} rank(s)", file=sys.stderr
-        )
-        llm = LLM(config)
+        rows, existing, llm = _load(args, appender, defaults)
     except (ValueError, OSError) as exc:  # RowError is a ValueError
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
-        _stop_on_signals(appender)
-        appender.check()  # a stop signal during the load ends the run here
-        heap.freeze()  # no full collection of start-up's objects in the run (moe_runtime/heap.py)
-        settings = run_settings(llm, args, defaults, rows.sha256)
-        try:
-            _check_model_flags(llm, args)
-            if existing.num_bytes:
-                # Only an output this tool wrote with these settings is appended to or cut.
-                check_settings(output, settings)
-            samples, bad_rows = _checked(llm, rows.samples, args)
-        except ValueError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-        try:
-            if existing.num_bytes:
-                cut_torn_line(output, existing)
-            else:  # before the first row, so a resume of this output can check its settings
-                record_settings(output, settings)
-        except OSError as exc:
-            print(f"error: cannot write {output} or its settings record: {exc}", file=sys.stderr)
-            return 2
-        if args.score:
-            _warn_of_score_differences(args.input, settings)
-        bad_rows = sorted(rows.bad_rows + bad_rows, key=lambda error: error.line_no)
-        for error in bad_rows:
-            print(f"skipped {error}", file=sys.stderr)
-        todo = [s for s in samples if s.key not in existing.done]
-        started = time.perf_counter()
-        try:
-            _write(llm, args, appender, samples, todo)
-        except WriteError as exc:  # a full disk, a quota, an I/O error: what was written stays
-            print(
-                f"error: cannot append to {output}: {exc.__cause__}; the {appender.num_written} "
-                "rows written this run are kept: rerun the same command to resume",
-                file=sys.stderr,
-            )
-            return 1
+        return _run_loaded(llm, args, appender, defaults, rows, existing)
     finally:
         llm.shutdown()
+
+
+def _load(
+    args: argparse.Namespace, appender: Appender, defaults: dict
+) -> tuple[InputRows, OutputRows, LLM]:
+    """The input's rows, what the output already holds, and the loaded model: everything a
+    refusal (exit 2) may come from before a row is written."""
+    config = load_config(args.config, cli.parse_overrides(args.set))
+    max_n = config.server.max_sequences_per_request
+    if args.n > max_n:
+        raise ValueError(f"--n {args.n} is more samples than {MAX_N_KEY}={max_n} allows a row")
+    skip_bad = args.on_bad_row == "skip"
+    try:
+        rows = read_samples(args.input, defaults, args.base_seed, args.score, skip_bad, max_n)
+    except OSError as exc:  # named by its flag ("[Errno 2] ..." named neither)
+        raise ValueError(f"--input {str(args.input)!r}: {exc.strerror}") from None
+    existing = read_done(appender.output)  # reads only: the file may not be this tool's
+    if config.parallel.world_size > 1:
+        # ray.init sets a SIGTERM handler of its own (sys.exit) as it starts: joined before
+        # the load and ours put back, so a SIGTERM during the load ends the run as one after
+        # it does (one while Ray itself is joined still ends it with Ray's exit code 15).
+        cli.connect_ray(config.parallel.world_size)
+        _stop_on_signals(appender)
+    print(f"rollout: loading the model on {config.parallel.world_size} rank(s)", file=sys.stderr)
+    return rows, existing, LLM(config)
+
+
+def _run_loaded(
+    llm: LLM,
+    args: argparse.Namespace,
+    appender: Appender,
+    defaults: dict,
+    rows: InputRows,
+    existing: OutputRows,
+) -> int:
+    """The run once the model is loaded: checks that need it, the settings record, then the
+    rows not yet done, in batches. The exit code."""
+    output = appender.output
+    _stop_on_signals(appender)
+    appender.check()  # a stop signal during the load ends the run here
+    heap.freeze()  # no full collection of start-up's objects in the run (moe_runtime/heap.py)
+    settings = run_settings(llm, args, defaults, rows.sha256)
+    try:
+        _check_model_flags(llm, args)
+        if existing.num_bytes:
+            # Only an output this tool wrote with these settings is appended to or cut.
+            check_settings(output, settings)
+        samples, bad_rows = _checked(llm, rows.samples, args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        if existing.num_bytes:
+            cut_torn_line(output, existing)
+        else:  # before the first row, so a resume of this output can check its settings
+            record_settings(output, settings)
+    except OSError as exc:
+        print(f"error: cannot write {output} or its settings record: {exc}", file=sys.stderr)
+        return 2
+    if args.score:
+        _warn_of_score_differences(args.input, settings)
+    bad_rows = sorted(rows.bad_rows + bad_rows, key=lambda error: error.line_no)
+    for error in bad_rows:
+        print(f"skipped {error}", file=sys.stderr)
+    todo = [s for s in samples if s.key not in existing.done]
+    started = time.perf_counter()
+    try:
+        _write(llm, args, appender, samples, todo)
+    except WriteError as exc:  # a full disk, a quota, an I/O error: what was written stays
+        print(
+            f"error: cannot append to {output}: {exc.__cause__}; the {appender.num_written} "
+            "rows written this run are kept: rerun the same command to resume",
+            file=sys.stderr,
+        )
+        return 1
     elapsed = time.perf_counter() - started
     print(
         f"rollout: wrote {len(todo)} rows ({len(samples) - len(todo)} already done, "
