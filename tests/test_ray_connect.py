@@ -124,3 +124,26 @@ def test_generate_names_a_cluster_that_does_not_answer():
     assert done.returncode == 1, done.stderr
     assert done.stderr.strip().splitlines()[-1].startswith("error: no Ray cluster answers at")
     assert "Traceback" not in done.stderr, done.stderr
+
+
+def test_only_rays_refusal_of_num_cpus_means_a_cluster_was_found(monkeypatch):
+    """With no address named, a local start that Ray refuses because it found a cluster to join
+    (it takes no num_cpus there) joins that cluster; any other ValueError of the start is raised
+    as it is (it was taken for "a cluster was found" and a second ray.init tried, hiding it)."""
+    from moe_runtime.executor import ray_executor
+
+    joined: list[dict] = []
+    monkeypatch.setattr(ray_executor.ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray_executor.ray, "init", lambda **kwargs: joined.append(kwargs))
+
+    def refused(*_):
+        raise ValueError(refusal)
+
+    monkeypatch.setattr(ray_executor, "_start_local_ray", refused)
+    refusal = "When connecting to an existing cluster, num_cpus and num_gpus must not be provided."
+    ray_executor.connect_ray(2)
+    assert joined == [{"log_to_driver": True}]  # joined as it is
+    refusal = "some other bad argument"
+    with pytest.raises(ValueError, match="some other bad argument"):
+        ray_executor.connect_ray(2)
+    assert len(joined) == 1

@@ -62,8 +62,10 @@ def connect_ray(num_cpus_needed: int, address: str | None = None) -> None:
     elif address is None:
         try:
             _start_local_ray(num_cpus, None)
-        except ValueError:  # a cluster was found: joined as it is (it takes no num_cpus)
-            ray.init(log_to_driver=True)
+        except ValueError as exc:
+            if "existing cluster" not in str(exc):  # not Ray's refusal of num_cpus
+                raise
+            ray.init(log_to_driver=True)  # a cluster was found: joined as it is
     else:
         _check_reachable(address)
         ray.init(address=address, log_to_driver=True)
