@@ -20,6 +20,7 @@ from launch.generation import Backend
 from launch.server_app import create_app
 from moe_runtime import LLM, SamplingParams
 from moe_runtime.engine.async_engine import AsyncEngine, EngineUnavailableError
+from moe_runtime.engine.weights_source import WeightsChangedError
 from moe_runtime.executor import WorkerError
 from tests.invariance import TINY_CONFIG
 
@@ -237,4 +238,44 @@ def test_failed_rebuild_attempts_in_a_row_give_up(monkeypatch):
             time.sleep(0.05)
         assert len(attempts) == 3 and "could not place" in loop.error
     finally:
+        loop.shutdown()
+
+
+def test_a_call_queued_behind_one_that_killed_the_engine_is_refused_and_rebuilds_nothing():
+    """Admin calls queued together, the first killing the engine (a weight update failing
+    mid-copy) and its rebuild giving up (the served weights' source changed). Those behind it
+    were refused, as they should be, but the loop took each refusal for a call killing the
+    engine: it logged another death, overwrote the reason with "the engine is dead: ...", and
+    rebuilt the given-up engine again, once a queued call. Now a call refused because the
+    engine was already down leaves it as it was; only the first call's failure rebuilds."""
+    engine = LLM(TINY_CONFIG).engine
+    attempts, gate = [], threading.Event()
+
+    def restart():
+        attempts.append(1)
+        raise WeightsChangedError("injected: model.path was overwritten")
+
+    def failing_call(engine):  # as a weight update failing mid-copy leaves the engine
+        engine.error = "injected: copy failed"
+        raise RuntimeError(engine.error)
+
+    engine.restart = restart
+    loop = AsyncEngine(engine)
+    try:
+        loop.call(lambda engine: gate.wait(30))  # holds the loop: the rest queue together
+        killer = loop.call(failing_call)
+        # Answered in turn: the last is answered once the loop has dealt with the one before.
+        refused = [loop.call(lambda engine: engine.rebalance()) for _ in range(2)]
+        gate.set()
+        with pytest.raises(RuntimeError, match="injected: copy failed"):
+            killer.result(timeout=30)
+        for call in refused:
+            with pytest.raises(EngineUnavailableError, match="the engine is dead") as caught:
+                call.result(timeout=30)
+            assert caught.value.retry_after_s is None  # given up: no rebuild to wait for
+        assert loop.has_given_up
+        assert loop.error.startswith("WeightsChangedError: injected"), loop.error
+        assert len(attempts) == 1, f"{len(attempts)} rebuilds of an engine that had given up"
+    finally:
+        gate.set()
         loop.shutdown()

@@ -379,12 +379,16 @@ class AsyncEngine:
             return
         with self._cond:
             self._call = future  # in flight: a drain waits for it
-        failure, result = None, None
+        failure, result, has_killed = None, None, False
         try:
-            self._check_alive()
-            result = fn(self._engine)
-        except Exception as exc:  # the caller gets it; a refusal changes nothing else
+            self._check_alive()  # down before the call (queued behind the one that killed it)
+        except EngineUnavailableError as exc:  # refused: the engine stays as it is
             failure = exc
+        else:
+            try:
+                result = fn(self._engine)
+            except Exception as exc:  # the caller gets it; a refusal changes nothing else
+                failure, has_killed = exc, self._engine.error is not None
         try:
             self._publish_stats()  # before the answer: a scrape after it sees its effect
         finally:
@@ -392,7 +396,7 @@ class AsyncEngine:
             with self._cond:  # answered: a drain no longer waits for it (nor for a rebuild)
                 self._call = None
                 self._cond.notify_all()
-        if failure is not None and self._engine.error is not None:  # it killed the engine
+        if has_killed:
             self._die(failure)
 
     def _idle_wait_s(self) -> float:
