@@ -17,13 +17,14 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
 import pytest
 
+import moe_runtime.engine.async_engine as async_engine_module
 from moe_runtime import LLM, SamplingParams
 from moe_runtime.engine.async_engine import AsyncEngine, EngineUnavailableError
 from moe_runtime.executor import WorkerError
@@ -106,6 +107,63 @@ def test_a_call_in_flight_is_drained_then_answered_with_the_drain_timeout():
     assert time.monotonic() - started < 5  # the 0.5 s drain timeout, not the 30 s call
     release.set()
     stopping.join(10)
+
+
+def test_a_call_the_loop_has_taken_but_not_started_is_drained(monkeypatch):
+    """The drain waited for the calls in the queue and the one running, but not for one the
+    loop had taken from the queue and not yet started (between the two, under the stall watch's
+    lock and the Future's): a drain that looked then found nothing to wait for, and killed the
+    workers under the call 2 s later (the stop timeout), far inside its own timeout. The window
+    is widened here by a Future that is slow to start; every accepted call now counts until it
+    is answered."""
+
+    class SlowToStart(Future):
+        def set_running_or_notify_cancel(self) -> bool:
+            time.sleep(0.5)
+            return super().set_running_or_notify_cancel()
+
+    monkeypatch.setattr(async_engine_module, "Future", SlowToStart)
+    engine = LLM(TINY_CONFIG).engine
+    events, stop = [], engine.shutdown
+
+    def shutdown():
+        events.append("workers shut down")
+        stop()
+
+    def update(engine):  # as long as a weight update: past the stop timeout
+        time.sleep(1.5)
+        events.append("call finished")
+        return "updated"
+
+    engine.shutdown = shutdown
+    loop = AsyncEngine(engine)
+    gate = threading.Event()
+    loop.call(lambda engine: gate.wait(30))  # running when the drain starts
+    call = loop.call(update)  # queued, then taken by the loop once the first ends
+    threading.Timer(0.2, gate.set).start()
+    loop.shutdown(drain_timeout_s=30, stop_timeout_s=0.5)
+    assert call.result(timeout=0) == "updated"
+    assert events == ["call finished", "workers shut down"]
+
+
+def test_a_call_still_queued_at_the_drain_timeout_is_answered_then_and_never_runs():
+    """Behind a call still running at the drain timeout, a queued one is answered at the
+    timeout too (it used to wait for the loop's end), and the loop never runs it afterwards:
+    an update the client was told did not run must not apply later."""
+    loop = AsyncEngine(LLM(TINY_CONFIG).engine)
+    release, running, ran = threading.Event(), threading.Event(), []
+    stuck = loop.call(lambda engine: running.set() or release.wait(30))
+    assert running.wait(30)
+    queued = loop.call(lambda engine: ran.append(1))
+    stopping = threading.Thread(target=loop.shutdown, args=(0.5, 5), daemon=True)
+    stopping.start()
+    with pytest.raises(EngineUnavailableError, match=r"still waiting to run .*it did not run"):
+        queued.result(timeout=5)
+    with pytest.raises(EngineUnavailableError, match=r"the call was still running when"):
+        stuck.result(timeout=5)
+    release.set()
+    stopping.join(30)
+    assert not stopping.is_alive() and not ran
 
 
 def test_a_drain_after_a_call_that_killed_the_engine_does_not_wait_for_the_rebuild():

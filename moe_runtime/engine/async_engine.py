@@ -112,6 +112,9 @@ class AsyncEngine:
         self._rebuild_failure: str | None = None  # the last failed rebuild attempt's error
         self._rebuild_started = 0.0  # monotonic, of the rebuild under way (while _error is set)
         self._call: Future | None = None  # the call (`call`) running now
+        # Every call accepted and not answered yet, queued, taken by the loop or running: what
+        # a drain waits for besides _live.
+        self._calls: set[Future] = set()
         self._stats = engine.stats()
         # Loop thread only: the submission and prompt index of each unfinished request, and
         # the scorings admitted (no deltas: each is settled when its requests are done).
@@ -236,9 +239,13 @@ class AsyncEngine:
             unfinished, self._live = list(self._live), set()
             if self._stall_watch is not None:
                 self._stall_watch.stop()
-            call = self._call
+            call, waiting = self._call, [c for c in self._calls if c is not self._call]
+            self._calls = set()
             self._cond.notify_all()
         late = f"when the drain timeout ({drain_timeout_s:g}s) passed"
+        for future in waiting:  # never run now: _run_call skips them once stopping
+            late_call = f"the engine is shutting down: the call was still waiting to run {late}"
+            _resolve(future, EngineUnavailableError(f"{late_call}; it did not run"), None)
         for submission in unfinished:  # resolved here: the loop may be stuck in a step
             # (read beside the loop: a request in the step under way may read as waiting)
             state = "still running" if submission.has_run() else "still waiting to run"
@@ -257,12 +264,9 @@ class AsyncEngine:
 
     def _drained(self) -> bool:
         """Nothing accepted is left to answer: no live submission (_die empties them too), no
-        call running or queued (a weight update asked before the drain began). Under _cond."""
-        return (
-            not self._live
-            and self._call is None
-            and not any(isinstance(item, tuple) for item in self._queue)
-        )
+        call unanswered (a weight update asked before the drain began: queued, taken by the
+        loop or running). Under _cond."""
+        return not self._live and not self._calls
 
     def _queue_submission(self, submission: _Submission) -> Future:
         self._put(submission)
@@ -283,6 +287,8 @@ class AsyncEngine:
             self._queue.append(item)
             if isinstance(item, _Submission):
                 self._live.add(item)
+            else:
+                self._calls.add(item[1])
             self._cond.notify_all()
 
     def _on_done(self, future: Future) -> None:
@@ -347,8 +353,12 @@ class AsyncEngine:
                 self._settle(submission, stopped)
             with self._cond:
                 leftover, self._queue = list(self._queue), deque()
+                calls, self._calls = list(self._calls), set()  # taken from the queue, not run
+                self._cond.notify_all()
             for item in leftover:
                 future = item.future if isinstance(item, _Submission) else item[1]
+                _resolve(future, stopped, None)
+            for future in calls:
                 _resolve(future, stopped, None)
             self._engine.shutdown()
 
@@ -375,10 +385,16 @@ class AsyncEngine:
         return self._check_interval_s + QUICK_CALL_TIMEOUT_S + self._engine.build_s
 
     def _run_call(self, fn: Callable, future: Future) -> None:
-        if not future.set_running_or_notify_cancel():
-            return
         with self._cond:
-            self._call = future  # in flight: a drain waits for it
+            # Not once stopping: the drain timed out before it started, and answered it so.
+            is_started = not self._is_stopping and future.set_running_or_notify_cancel()
+            if is_started:
+                self._call = future  # running: what a drain's timeout answers as such
+            else:
+                self._calls.discard(future)
+                self._cond.notify_all()
+        if not is_started:
+            return
         failure, result, has_killed = None, None, False
         try:
             self._check_alive()  # down before the call (queued behind the one that killed it)
@@ -395,6 +411,7 @@ class AsyncEngine:
             _resolve(future, failure, result)  # (unless a shutdown answered it first)
             with self._cond:  # answered: a drain no longer waits for it (nor for a rebuild)
                 self._call = None
+                self._calls.discard(future)
                 self._cond.notify_all()
         if has_killed:
             self._die(failure)
