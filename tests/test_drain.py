@@ -166,6 +166,37 @@ def test_a_call_still_queued_at_the_drain_timeout_is_answered_then_and_never_run
     assert not stopping.is_alive() and not ran
 
 
+def test_a_call_behind_one_that_killed_the_engine_during_the_drain_is_not_told_to_retry():
+    """A call queued before the drain, behind one that kills the engine during it: nothing is
+    rebuilt while draining, yet its 503 said "the engine is recovering" with a Retry-After (the
+    README: draining 503s carry none), sending the client back to a server about to exit."""
+    engine = LLM(TINY_CONFIG).engine
+    rebuilds = []
+    engine.restart = lambda: rebuilds.append(1)
+
+    def failing_call(engine):  # as a weight update failing mid-copy leaves the engine
+        engine.error = "injected: copy failed"
+        raise RuntimeError(engine.error)
+
+    loop = AsyncEngine(engine)
+    gate, running = threading.Event(), threading.Event()
+    loop.call(lambda engine: running.set() or gate.wait(30))
+    assert running.wait(30)
+    killer, behind = loop.call(failing_call), loop.call(lambda engine: "ran")
+    stopping = threading.Thread(target=loop.shutdown, args=(30,), daemon=True)
+    stopping.start()
+    while loop.is_healthy:  # draining: accepts nothing more
+        time.sleep(0.01)
+    gate.set()
+    with pytest.raises(RuntimeError, match="injected"):
+        killer.result(timeout=30)
+    with pytest.raises(EngineUnavailableError, match="shutting down") as refused:
+        behind.result(timeout=30)
+    assert refused.value.retry_after_s is None
+    stopping.join(30)
+    assert not rebuilds
+
+
 def test_a_drain_after_a_call_that_killed_the_engine_does_not_wait_for_the_rebuild():
     """A call that kills the engine is answered with its error, then the workers are rebuilt
     on the loop thread: a drain starting then has nothing to wait for (the rebuild stops at

@@ -367,10 +367,14 @@ class AsyncEngine:
         return nullcontext() if self._stall_watch is None else self._stall_watch.running(what)
 
     def _check_alive(self) -> None:
-        if self._error is not None:
-            state = "dead" if self._given_up else "recovering"
-            retry_after_s = None if self._given_up else self._retry_after_rebuild_s()
-            raise EngineUnavailableError(f"the engine is {state}: {self.error}", retry_after_s)
+        if self._error is None:
+            return
+        if self._given_up or not self._is_accepting:  # nothing rebuilds: no retry to wait for
+            state = "dead" if self._given_up else "shutting down"
+            raise EngineUnavailableError(f"the engine is {state}: {self.error}")
+        raise EngineUnavailableError(
+            f"the engine is recovering: {self.error}", self._retry_after_rebuild_s()
+        )
 
     def _retry_after_rebuild_s(self) -> float:
         """When the rebuild under way may be done: the engine's last start or rebuild took
