@@ -415,6 +415,30 @@ def test_a_rank_found_dead_outside_a_step_kills_the_engine_and_it_rebuilds(path)
     assert len(done[0].token_ids) == 3 and loop.stats().num_restarts == 1
 
 
+def test_an_admin_call_after_a_rank_died_runs_on_the_rebuilt_group():
+    """A rank known dead (its actor gone: RayExecutor.dead_ranks, no round trip) is found
+    before new requests are scheduled onto it, and the group rebuilt first; an admin call
+    (a rebalance, a weight update) was not so checked: it ran on the dead group, failed with a
+    500 naming the dead rank, and only then did the engine rebuild. Now the loop looks before
+    a call too, and the call runs on the rebuilt group."""
+    engine = LLM(TINY_CONFIG, **{"server.health_check_interval_s": None}).engine
+    loop = AsyncEngine(engine)
+    gate, running = threading.Event(), threading.Event()
+    try:
+        loop.call(lambda e: running.set() or gate.wait(30))  # busy: no idle poll finds it
+        assert running.wait(30)
+        engine.executor.dead_ranks = lambda: [0]  # as Ray's sentinel reports a died actor
+        engine.executor.call_all = _failing_call(engine, "window_load")
+        rebalance = loop.call(lambda e: e.rebalance())
+        gate.set()
+        report = rebalance.result(timeout=60)
+        assert report["skipped"], report  # the new group has served nothing yet
+        assert loop.stats().num_restarts == 1
+    finally:
+        gate.set()
+        loop.shutdown()
+
+
 def test_requests_queued_behind_a_failing_step_fail_and_never_run():
     """Two requests queued while a step hangs and then fails: they fail at once (a 503's
     error: they never ran), and after the rebuild they must not run (their callers already

@@ -18,7 +18,7 @@ no ping beside their work (engine/stall_watch.py: a /health 503 long before the 
 timeout fails it; new submissions are refused meanwhile, retryable; ranks silent at two checks
 in a row are killed, which fails the step at once). A rank found dead without asking it (its
 outstanding liveness call failed: `dead_ranks`) kills the engine before new submissions are
-admitted.
+admitted or a call runs (it runs on the rebuilt group).
 `shutdown` is bounded whatever the ranks do: requests still running at the drain timeout end
 with EngineUnavailableError, a fault seen while draining or stopping rebuilds nothing, and a
 loop stuck in a call to a rank that does not answer has the workers killed under it, which ends
@@ -323,9 +323,10 @@ class AsyncEngine:
                 if is_idle:  # a died rank's group is rebuilt now, not when a request finds it
                     self._check_workers(self._engine.check_dead_ranks)
                     continue
-                if self._error is None and any(isinstance(i, _Submission) for i in incoming):
+                if self._error is None and incoming:
                     # A rank that died since the last step, before new requests are scheduled
-                    # onto it (they fail retryable then; running ones fail in the step anyway).
+                    # onto it (they fail retryable then; running ones fail in the step anyway)
+                    # or a call runs on it (it runs on the rebuilt group instead).
                     self._check_workers(self._engine.check_dead_ranks)
                 for item in incoming:
                     if isinstance(item, _Submission):
