@@ -49,7 +49,7 @@ DEEPEP = {
 
 @pytest.fixture
 def deepep_installed(monkeypatch):
-    monkeypatch.setattr("moe_runtime.config.is_deepep_installed", lambda: True)
+    monkeypatch.setattr("moe_runtime.config_checks.is_deepep_installed", lambda: True)
 
 
 def test_ep_backend_value_is_checked():
@@ -75,7 +75,7 @@ def test_deepep_refusals_name_the_condition(deepep_installed, overrides, message
 
 
 def test_deepep_refused_when_not_installed(monkeypatch):
-    monkeypatch.setattr("moe_runtime.config.is_deepep_installed", lambda: False)
+    monkeypatch.setattr("moe_runtime.config_checks.is_deepep_installed", lambda: False)
     with pytest.raises(ValueError, match="deep_ep package, which is not installed"):
         load_config(TINY_GPU, DEEPEP)
 
