@@ -159,3 +159,30 @@ def test_a_second_sample_waits_for_the_prompt_then_starts_past_it():
     second_chunks = [c for chunks in steps for c in chunks if c.seq is second]
     assert (second_chunks[0].start, second_chunks[0].num_tokens) == (16, 1)
     assert first.output_token_ids == second.output_token_ids == [7, 7, 7]
+
+
+def test_a_decode_step_commits_no_more_than_a_block_of_tokens(monkeypatch):
+    """Each decode step hands the block manager only the tokens from its first open block on,
+    with prefix caching off and after the cache was cleared under a running sequence (a weight
+    update) too: there the first open block stood still, and every step copied the whole
+    sequence from it (O(context) a token). The cleared case still caches none of its blocks."""
+    taken: list[int] = []
+    tokens_from = Sequence.tokens_from
+
+    def spy(seq, start):
+        tokens = tokens_from(seq, start)
+        taken.append(len(tokens))
+        return tokens
+
+    monkeypatch.setattr(Sequence, "tokens_from", spy)
+    for caching, clears in ((False, False), (True, True)):
+        scheduler = _scheduler(num_blocks=128, caching=caching)
+        (seq,) = _add(scheduler, list(range(200, 206)), max_tokens=200).samples
+        _step(scheduler)  # the prompt
+        if clears:
+            scheduler.blocks.clear_cache()  # its blocks so far now hold the old weights' KV
+        taken.clear()
+        _run(scheduler)
+        assert taken and max(taken) <= BLOCK_SIZE, (caching, max(taken))
+        # Nothing it computed after the old weights' blocks is cached: its KV attended to them.
+        assert scheduler.blocks.match_prefix(seq.token_ids) == []

@@ -13,6 +13,8 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 
 ROOT_KEY_ID = 0
+# A commit chain that can cache nothing more: it passed a block computed under other weights.
+BROKEN_KEY_ID = -1
 
 BlockKey = tuple[int, tuple[int, ...]]
 
@@ -98,15 +100,21 @@ class BlockManager:
         """Caches every block of block_table that is full and computed (within the first
         num_computed_tokens) and not cached yet, from block `first_block` on: token_ids then
         start at that block and `parent` is the key id the blocks before it end with. Returns
-        (first block not committed, its parent key id), where the next call may start."""
-        if not self.enable_prefix_caching:
-            return first_block, parent
+        (first block not committed, its parent key id), where the next call may start.
+
+        Why the first block moves on even where nothing is cached (caching off, a chain
+        broken by a stale block): the caller hands in the tokens from that block on, and a
+        first block left behind made each decode step copy the sequence's whole tail."""
         num_full = num_computed_tokens // self.block_size
+        if not self.enable_prefix_caching or parent == BROKEN_KEY_ID:
+            return max(first_block, num_full), parent
         offset = first_block * self.block_size
         for i in range(first_block, num_full):
             block = block_table[i]
             if block in self._stale:
-                return i, parent  # computed under other weights: nothing from here is reusable
+                # Computed under other weights: nothing from here on is reusable, the blocks
+                # this table gets later included (their KV attended to this one's).
+                return num_full, BROKEN_KEY_ID
             if block in self._block_key:
                 parent = self._block_key_id[block]
                 continue
