@@ -8,12 +8,14 @@ Results are compared bit for bit (float.hex) with each other and with `LLM.gener
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import signal
 import subprocess
 import sys
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -565,6 +567,46 @@ def test_a_submission_of_many_prompts_costs_the_engine_thread_linear_work(monkey
             assert time.monotonic() < deadline
             time.sleep(0.005)
         assert num_aborts[0] == 1  # one pass for all n (was n)
+    finally:
+        async_engine.shutdown(drain_timeout_s=1)
+
+
+def test_an_idle_engine_keeps_no_answered_or_cancelled_request_alive(monkeypatch):
+    """Once a request is answered, or cancelled and aborted, nothing of the engine holds it
+    while the engine sits idle. Before, the scheduler listed its released sequences until the
+    next step, and the loop thread's locals held the last submission admitted and the last
+    cancelled, each with its requests' whole outputs (tokens, logprobs dicts, routed experts:
+    hundreds of MB for a large request with logprobs), until another request came."""
+    refs: list[weakref.ref] = []
+    enqueue = LLMEngine._enqueue
+
+    def spy(engine, request):
+        refs.append(weakref.ref(request))
+        return enqueue(engine, request)
+
+    monkeypatch.setattr(LLMEngine, "_enqueue", spy)
+    async_engine = AsyncEngine(LLMEngine(load_config(TINY_CONFIG)))
+    try:
+        short = SamplingParams(max_tokens=3, ignore_eos=True, logprobs=2)
+        async_engine.submit([[1, 2, 3]], [short], lambda i, delta: None).result(timeout=60)
+        long = SamplingParams(max_tokens=600, ignore_eos=True)
+        cancelled = async_engine.submit([[4, 5]], [long])
+        deadline = time.monotonic() + 60
+        while async_engine.stats().num_running == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        assert cancelled.cancel()
+        while num_running(async_engine):
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        assert len(refs) == 2
+        # The loop settles a request before its pass ends: a bounded wait, then none is left.
+        deadline = time.monotonic() + 10
+        gc.collect()
+        while any(ref() is not None for ref in refs):
+            assert time.monotonic() < deadline, [ref() for ref in refs]
+            time.sleep(0.05)
+            gc.collect()
     finally:
         async_engine.shutdown(drain_timeout_s=1)
 

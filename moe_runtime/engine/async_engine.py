@@ -307,43 +307,8 @@ class AsyncEngine:
 
     def _run(self) -> None:
         try:
-            while True:
-                with self._cond:
-                    # Idle: sleep until submit/cancel/stop, or until the workers are due a look.
-                    is_idle = not self._cond.wait_for(self._has_work, self._idle_wait_s())
-                    if self._is_stopping:
-                        break
-                    incoming, has_cancelled = list(self._queue), self._has_cancelled
-                    self._queue.clear()
-                    self._has_cancelled = False
-                if is_idle and self._is_check_due():
-                    self._check_workers()
-                    self._quiet_since = time.monotonic()
-                    continue
-                if is_idle:  # a died rank's group is rebuilt now, not when a request finds it
-                    self._check_workers(self._engine.check_dead_ranks)
-                    continue
-                if self._error is None and incoming:
-                    # A rank that died since the last step, before new requests are scheduled
-                    # onto it (they fail retryable then; running ones fail in the step anyway)
-                    # or a call runs on it (it runs on the rebuilt group instead).
-                    self._check_workers(self._engine.check_dead_ranks)
-                for item in incoming:
-                    if isinstance(item, _Submission):
-                        self._admit(item)
-                        continue
-                    with self._running("a call between steps (a rebalance or weight update)"):
-                        self._run_call(*item)
-                if has_cancelled:
-                    for submission in [s for s in self._snapshot() if s.future.cancelled()]:
-                        self._abort(submission)
-                        self._settle(submission, None)
-                if self._error is None and self._engine.has_unfinished():
-                    with self._running("a step"):
-                        self._step()  # publishes the stats (or its death does)
-                else:  # admissions, aborts and calls without a step: nobody awaits an abort
-                    self._publish_stats()
-                self._quiet_since = time.monotonic()
+            while self._turn():
+                pass
         except BaseException as exc:  # a bug here must not leave callers waiting forever
             with self._cond:  # nothing will rebuild: "dead", no Retry-After
                 self._error, self._given_up = exc, True
@@ -362,6 +327,49 @@ class AsyncEngine:
             for future in calls:
                 _resolve(future, stopped, None)
             self._engine.shutdown()
+
+    def _turn(self) -> bool:
+        """One pass of the loop: wait for work, then admit, call, abort and step; -> False once
+        stopping. Why a method of its own: the loop's locals (the last submission admitted or
+        cancelled, with its requests, outputs and response) die with each pass; held by a
+        loop that then sat idle, they kept a finished request's whole result alive."""
+        with self._cond:
+            # Idle: sleep until submit/cancel/stop, or until the workers are due a look.
+            is_idle = not self._cond.wait_for(self._has_work, self._idle_wait_s())
+            if self._is_stopping:
+                return False
+            incoming, has_cancelled = list(self._queue), self._has_cancelled
+            self._queue.clear()
+            self._has_cancelled = False
+        if is_idle and self._is_check_due():
+            self._check_workers()
+            self._quiet_since = time.monotonic()
+            return True
+        if is_idle:  # a died rank's group is rebuilt now, not when a request finds it
+            self._check_workers(self._engine.check_dead_ranks)
+            return True
+        if self._error is None and incoming:
+            # A rank that died since the last step, before new requests are scheduled onto it
+            # (they fail retryable then; running ones fail in the step anyway) or a call runs
+            # on it (it runs on the rebuilt group instead).
+            self._check_workers(self._engine.check_dead_ranks)
+        for item in incoming:
+            if isinstance(item, _Submission):
+                self._admit(item)
+                continue
+            with self._running("a call between steps (a rebalance or weight update)"):
+                self._run_call(*item)
+        if has_cancelled:
+            for submission in [s for s in self._snapshot() if s.future.cancelled()]:
+                self._abort(submission)
+                self._settle(submission, None)
+        if self._error is None and self._engine.has_unfinished():
+            with self._running("a step"):
+                self._step()  # publishes the stats (or its death does)
+        else:  # admissions, aborts and calls without a step: nobody awaits an abort
+            self._publish_stats()
+        self._quiet_since = time.monotonic()
+        return True
 
     def _running(self, what: str) -> AbstractContextManager:
         """Mark the loop busy with `what` for the stall watch."""

@@ -89,6 +89,13 @@ class Sequence:
     def is_on_worker(self) -> bool:
         return self.num_sent_tokens > 0
 
+    def leave_worker(self) -> bool:
+        """Count the worker's copy as dropped (released: the next step names it), so a
+        preempted sequence is sent whole again; -> whether the worker held one."""
+        was_on_worker = self.is_on_worker
+        self.num_sent_tokens = self.num_sent_blocks = 0
+        return was_on_worker
+
 
 @dataclass(eq=False)
 class Request:

@@ -5,7 +5,7 @@ running sequences first (a decode token, or the next chunk of their prefill), th
 in arrival order. When KV blocks run out, the newest running sequence is preempted: its blocks
 are freed and it goes back to the front of the queue with every token it has, to be recomputed
 later (which gives the same bits, since every kernel is batch-invariant). Nothing is dropped.
-Every sequence that leaves the running set (finished, aborted, preempted) is listed in
+Every sequence that leaves the running set (finished, aborted, preempted) has its id listed in
 `released` until the engine collects it, so the worker can drop its copy. `is_lookahead` tells
 the worker the next step is likely the decode of this one's sequences (overlap_decode); with
 `can_hold_admission` a waiting sequence is then held back one step where admitting it would
@@ -48,7 +48,9 @@ class Scheduler:
         self.can_hold_admission = can_hold_admission
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.released: list[Sequence] = []
+        # Ids, not sequences: an idle engine collects none, and a finished request's whole
+        # output (its tokens, logprobs, routed experts) would live on until the next step.
+        self.released: list[int] = []
         self.num_preemptions = 0
         self.num_held_admissions = 0  # steps that held the waiting sequences back
         # Whether the last step's worker may launch the next decode step ahead (its input's
@@ -228,12 +230,15 @@ class Scheduler:
         """Take a running sequence off the running list, its blocks freed and its commit chain
         reset; the next step names it to the workers (collect_released)."""
         self.running.remove(seq)
-        self.released.append(seq)
+        if seq.leave_worker():
+            self.released.append(seq.seq_id)
         self.blocks.free(seq.block_table)
         seq.block_table = []
         seq.num_committed_blocks, seq.commit_parent = 0, ROOT_KEY_ID
 
-    def collect_released(self) -> list[Sequence]:
+    def collect_released(self) -> list[int]:
+        """The ids of the sequences released since the last call, whose worker copies the next
+        step drops."""
         released, self.released = self.released, []
         return released
 

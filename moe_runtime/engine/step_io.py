@@ -97,16 +97,11 @@ def _versions(seq: Sequence, weight_version: int) -> tuple[int, int]:
 
 
 def build_step_input(
-    released: list[Sequence], chunks: list[ScheduledChunk], lookahead: bool = False
+    released_ids: list[int], chunks: list[ScheduledChunk], lookahead: bool = False
 ) -> StepInput:
-    """One DP rank's wire message: drop released sequences, send new ones whole and running
-    ones only the tokens and blocks their worker has not seen; lookahead: the next step is
-    likely the decode of these sequences (Scheduler.is_lookahead)."""
-    released_ids = []
-    for seq in released:
-        if seq.is_on_worker:
-            released_ids.append(seq.seq_id)
-            seq.num_sent_tokens = seq.num_sent_blocks = 0
+    """One DP rank's wire message: drop the released sequences' copies (Scheduler.released),
+    send new ones whole and running ones only the tokens and blocks their worker has not seen;
+    lookahead: the next step is likely the decode of these sequences (Scheduler.is_lookahead)."""
     new_seqs, scheduled = [], []
     for chunk in chunks:
         seq = chunk.seq
