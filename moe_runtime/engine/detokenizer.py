@@ -13,12 +13,13 @@ output on each token:
 Each stop string is matched by an automaton fed every new character once
 (Knuth-Morris-Pratt), so neither its length nor the text's makes a token dearer; its state is
 also the tail that may still grow into it, which `delta()` holds back when it hands out unsent
-text.
+text. The text grows in a buffer and deltas come from its unsent tail: neither copies the text.
 """
 
 from __future__ import annotations
 
 import codecs
+import io
 import os
 
 _REPLACEMENT = "\ufffd"
@@ -33,14 +34,17 @@ class IncrementalDetokenizer:
         else:
             self._decoder = _WindowDecoder(tokenizer, prompt_token_ids)
         self._stop = [_StopMatcher(s) for s in stop]
-        self._text = ""
-        self._num_sent_chars = 0
+        # Why a buffer: `str +=` on an attribute copies the whole text, O(text) a token.
+        self._text = io.StringIO()
+        self._num_chars = 0
+        self._unsent = ""  # the text's tail that delta() has not handed out
         self.stop_index: int | None = None  # where the first stop string starts
 
     @property
     def text(self) -> str:
-        """The text so far, cut before a stop string."""
-        return self._text if self.stop_index is None else self._text[: self.stop_index]
+        """The text so far, cut before a stop string (a new string, O(text): whole outputs)."""
+        text = self._text.getvalue()
+        return text if self.stop_index is None else text[: self.stop_index]
 
     def update(self, token_ids: list[int], is_final: bool = False) -> bool:
         """token_ids: every output token so far (new ones at the end). -> whether a stop
@@ -51,24 +55,27 @@ class IncrementalDetokenizer:
         new = self._decoder.take(token_ids, is_final)
         # Where each stop string found whole in the new text starts; the first is kept.
         hits = [
-            len(self._text) + end + 1 - len(matcher.stop)
+            self._num_chars + end + 1 - len(matcher.stop)
             for end, char in enumerate(new)
             for matcher in self._stop
             if matcher.feed(char)
         ]
-        self._text += new
+        self._text.write(new)
+        self._num_chars += len(new)
+        self._unsent += new
         if hits:
             self.stop_index = min(hits)
         return self.stop_index is not None
 
     def delta(self, is_final: bool) -> str:
         """Text not handed out yet; before the end, a possible stop-string start is held."""
-        text = self.text
+        end = self._num_chars if self.stop_index is None else self.stop_index
         if not is_final and self.stop_index is None:
-            text = text[: len(text) - max((m.num_matched for m in self._stop), default=0)]
-        if len(text) <= self._num_sent_chars:
+            end -= max((m.num_matched for m in self._stop), default=0)
+        num_sent = self._num_chars - len(self._unsent)
+        if end <= num_sent:
             return ""
-        delta, self._num_sent_chars = text[self._num_sent_chars :], len(text)
+        delta, self._unsent = self._unsent[: end - num_sent], self._unsent[end - num_sent :]
         return delta
 
 
