@@ -282,13 +282,12 @@ class ModelRunner:
         # Only the blocks the step's positions reach: with overlap_decode the scheduler may
         # have appended the block of the next position already, which this step never reads
         # and which would make its batch differ from the lookahead launched without it.
-        used = [c.seq.block_table[: (c.start + c.num_tokens - 1) // bs + 1] for c in chunks]
+        used = [c.seq.block_table.head((c.start + c.num_tokens - 1) // bs + 1) for c in chunks]
         lengths = np.fromiter(map(len, used), np.int64, len(used))
         width = int(lengths.max()) if len(used) else 1
         tables = np.full((len(chunks), width), -1, dtype=np.int64)
-        tables[np.arange(width)[None, :] < lengths[:, None]] = np.fromiter(
-            itertools.chain.from_iterable(used), np.int64, int(lengths.sum())
-        )
+        if used:
+            tables[np.arange(width)[None, :] < lengths[:, None]] = np.concatenate(used)
         slots = tables[seq_rows, positions // bs] * bs + positions % bs
         logit_rows: list[int] = []
         row_owners: list[tuple[Chunk, int]] = []
