@@ -102,6 +102,7 @@ class DriverState:
 
     schedulers: list[Scheduler]
     tp_size: int
+    routed_width: tuple[int, int]  # (MoE layers, K): LLMEngine's, for request_output
     scheduled: list[list[ScheduledChunk]] = field(default_factory=list)
     # Per worker rank: its copy of the sequences it serves (Worker.seqs).
     workers: list[Worker] = field(default_factory=list)
@@ -148,7 +149,7 @@ def apply_replies(state: DriverState, replies: list[StepOutput]) -> list[Sequenc
     for scheduler, chunks, result in zip(state.schedulers, state.scheduled, results, strict=True):
         record_results(scheduler, chunks, result)
         for chunk in chunks:
-            request_output(chunk.seq.request, 0, True)
+            request_output(chunk.seq.request, 0, True, state.routed_width)
             finished.extend([chunk.seq] if chunk.seq.is_finished else [])
     return finished
 
@@ -227,7 +228,8 @@ def build_state(
         seq.status = SequenceStatus.RUNNING
         scheduler.running.append(seq)
     workers = [Worker(config, rank) for rank in range(config.parallel.world_size)]
-    return DriverState(schedulers, config.parallel.tp_size, workers=workers)
+    routed_width = (config.model.num_moe_layers, config.model.num_experts_per_tok)
+    return DriverState(schedulers, config.parallel.tp_size, routed_width, workers=workers)
 
 
 def time_step(state: DriverState, source: TokenSource) -> tuple[dict[str, float], int, int]:
