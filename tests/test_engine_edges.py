@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import types
 
 import numpy as np
 import pytest
 import torch
 
 from moe_runtime import LLM, SamplingParams
+from moe_runtime.config import load_config
+from moe_runtime.engine.balancer import HISTORY_LEN, ExpertBalancer, initial_placement
 from moe_runtime.engine.request_checks import ContextLengthError, PromptTooLongError
 from tests.invariance import TINY_CONFIG, fingerprint, mixed_prompts
 
@@ -415,3 +418,17 @@ def test_a_sample_with_no_tokens_has_routed_experts_of_the_rows_shape(llm):
     assert out.outputs[0].finish_reason == "abort" and out.outputs[0].token_ids == []
     assert out.routed_experts.shape == (0, *width)
     assert out.routed_experts.dtype == np.int32
+
+
+def test_the_rebalance_history_keeps_the_newest_reports_only():
+    """Each eplb.interval_steps steps adds a report, skipped ones too: a list grew without end
+    on a server under load for days. A balancer whose ranks report no load skips every call."""
+    config = load_config(TINY_CONFIG)
+    placement = initial_placement(config)
+    slots = [[0] * placement.num_physical for _ in range(config.model.num_moe_layers)]
+    ranks = types.SimpleNamespace(call_all=lambda method, timeout_s=None: [slots])
+    balancer = ExpertBalancer(config, ranks, placement)
+    for _ in range(HISTORY_LEN + 5):
+        assert balancer.rebalance()["skipped"]
+    assert len(balancer.history) == HISTORY_LEN
+    assert balancer.history[-1]["reason"].startswith("no expert load")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 
 import torch
 
@@ -21,6 +22,9 @@ from moe_runtime.config import RuntimeConfig
 from moe_runtime.executor import QUICK_CALL_TIMEOUT_S
 
 log = logging.getLogger("moe_runtime.eplb")
+# Rebalance reports kept (the newest). Why a bound: every eplb.interval_steps steps adds one,
+# skipped ones too, so a server under load for days grew the list without end.
+HISTORY_LEN = 1000
 
 
 def initial_placement(config: RuntimeConfig) -> ExpertPlacement:
@@ -47,7 +51,8 @@ class ExpertBalancer:
         self.placement = placement
         self.num_rebalances = 0
         self.last_balancedness: float | None = None
-        self.history: list[dict] = []  # every report, skipped and failed ones too
+        # The last HISTORY_LEN reports, skipped and failed ones too; oldest first.
+        self.history: deque[dict] = deque(maxlen=HISTORY_LEN)
 
     def maybe_rebalance(self, step: int) -> dict | None:
         eplb = self.config.eplb
