@@ -117,11 +117,17 @@ class FixedCapacityDispatcher(RankExchange):
         rank holds when every rank is ready, else (-1, -1). The graph runner calls it once per
         step, before the model, to pick one graph for all ranks (a first capture runs the
         step's collectives eagerly once, so every rank must capture the same one together)."""
-        step = torch.tensor([num_tokens, table_width, int(not is_ready)], device=self.device)
-        with collective_guard(self.rank, "graph step all_reduce"):
-            dist.all_reduce(step, op=dist.ReduceOp.MAX, group=self.group)
-        most, widest, any_not_ready = step.tolist()
+        step = [num_tokens, table_width, int(not is_ready)]
+        most, widest, any_not_ready = self._most_of_any_rank(step, "graph step all_reduce")
         return (-1, -1) if any_not_ready else (most, widest)
+
+    def _most_of_any_rank(self, values: list[int], op: str) -> list[int]:
+        """Collective (all ranks, the same call; a host sync): each value's maximum over the
+        ranks. `op` names the call in a CollectiveError (a timeout says which step it was)."""
+        values = torch.tensor(values, device=self.device)
+        with collective_guard(self.rank, op):
+            dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.group)
+        return values.tolist()
 
     def count_served_rows(self, topk_phys_ids: torch.Tensor) -> torch.Tensor:
         """Collective (all ranks together, once per graph replay): [M, n] physical ids of this
@@ -134,8 +140,9 @@ class FixedCapacityDispatcher(RankExchange):
     def _capacity_tokens(self, x: torch.Tensor) -> int:
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             return x.shape[0]  # every rank replays the same agreed bucket size
-        # Eager: each rank has its own batch, so the blocks are sized by the largest.
-        return max(self.agree_num_tokens(x.shape[0], True), 0)
+        # Eager: each rank has its own batch, so the blocks are sized by the largest. Named as
+        # the dispatch's first collective: a peer that never dispatches times out here.
+        return self._most_of_any_rank([x.shape[0]], "dispatch token count all_reduce")[0]
 
     def _all_to_all(self, send: torch.Tensor, op: str) -> torch.Tensor:
         recv = torch.empty_like(send)

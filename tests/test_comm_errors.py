@@ -1,4 +1,5 @@
-"""A collective whose peer never shows up fails with CollectiveError naming the rank, in time."""
+"""A collective whose peer never shows up fails with CollectiveError naming the rank and the
+op, in time: AllToAllDispatcher's and FixedCapacityDispatcher's eager dispatch alike."""
 
 from __future__ import annotations
 
@@ -7,15 +8,27 @@ import time
 import pytest
 import torch
 
-from comm import AllToAllDispatcher, CollectiveError, all_reduce, init_process_groups
+from comm import (
+    AllToAllDispatcher,
+    CollectiveError,
+    FixedCapacityDispatcher,
+    all_reduce,
+    init_process_groups,
+)
 from comm.errors import collective_guard
 from moe_kernels.combine import moe_combine_ref, sum_over_ranks_ref
 from tests.test_comm_groups import MASTER_ADDR, gloo_config, run_ranks
 
 TIMEOUT_S = 3.0
+# Dispatcher -> the op its dispatch runs first, which a peer that never dispatches leaves
+# waiting: the capacity one first agrees the block size (eager, as on CPU).
+FIRST_OPS = {
+    AllToAllDispatcher: "dispatch counts all_to_all",
+    FixedCapacityDispatcher: "dispatch token count all_reduce",
+}
 
 
-def _absent_peer_worker(rank: int, world_size: int, port: int) -> dict:
+def _absent_peer_worker(rank: int, world_size: int, port: int, dispatcher_cls: type) -> dict:
     groups = init_process_groups(
         gloo_config(world_size, timeout_s=TIMEOUT_S), rank, MASTER_ADDR, port
     )
@@ -23,9 +36,7 @@ def _absent_peer_worker(rank: int, world_size: int, port: int) -> dict:
         # The peer that never shows up: alive, connected, but never joins the collective.
         time.sleep(TIMEOUT_S + 1.5)
         return {}
-    dispatcher = AllToAllDispatcher(
-        groups.ep_group, rank, world_size, 2, False, "cpu", moe_combine_ref
-    )
+    dispatcher = dispatcher_cls(groups.ep_group, rank, world_size, 2, False, "cpu", moe_combine_ref)
     start = time.monotonic()
     try:
         dispatcher.dispatch(torch.zeros(1, 4), torch.tensor([[3]]), torch.ones(1, 1))
@@ -34,12 +45,16 @@ def _absent_peer_worker(rank: int, world_size: int, port: int) -> dict:
     return {"error": None}
 
 
-def test_absent_peer_raises_collective_error_within_timeout(tmp_path):
-    result = run_ranks(_absent_peer_worker, 2, tmp_path)[0]
+@pytest.mark.parametrize("dispatcher_cls", list(FIRST_OPS), ids=lambda cls: cls.__name__)
+def test_absent_peer_raises_collective_error_within_timeout(tmp_path, dispatcher_cls):
+    result = run_ranks(_absent_peer_worker, 2, tmp_path, dispatcher_cls)[0]
     assert result["error"] is not None, "dispatch returned although rank 1 never joined"
-    assert result["error"].startswith("rank 0: dispatch counts all_to_all failed:")
-    # It was the group timeout that fired, not a closed connection, and it fired in time.
-    assert TIMEOUT_S - 0.5 < result["elapsed"] < TIMEOUT_S + 1.5
+    # The error names the rank and the dispatch's own collective (the capacity dispatcher's
+    # used to say "graph step all_reduce" for an eager dispatch: the graph runner's call).
+    assert result["error"].startswith(f"rank 0: {FIRST_OPS[dispatcher_cls]} failed:")
+    if dispatcher_cls is AllToAllDispatcher:
+        # It was the group timeout that fired, not a closed connection, and it fired in time.
+        assert TIMEOUT_S - 0.5 < result["elapsed"] < TIMEOUT_S + 1.5
 
 
 def test_collective_guard_wraps_runtime_errors_only():
