@@ -6,8 +6,10 @@ ranks. Global policy otherwise: one node, one group. Unlike DeepSeek's reference
 gets at most one copy per rank of its node and never two on one rank: our dispatch sends each
 source rank's rows for an expert to one copy, its own first (ExpertPlacement.replica_table),
 so at most R copies ever serve, and a rank's second copy serves no row of its own rank, only
-rows of ranks without a copy (see `replicate_experts`, `balanced_packing`). The plans equal
-the reference's wherever the reference makes no such copy (its README example among them).
+rows of ranks without a copy (see `replicate_experts`, `balanced_packing`). Replicas are packed
+a second time with the shares that dispatch gives them (`_pack_replicas`), kept where that
+lightens a domain's heaviest rank. The plans equal the reference's wherever the reference makes
+no such copy and the second packing is no lighter (its README example among them).
 `load_per_rank` models that dispatch, not an even split over replicas.
 Pure CPU tensor math, deterministic (stable sorts, ties go to the lower index), vectorized
 over layers; it neither reads runtime state nor moves weights.
@@ -173,14 +175,70 @@ def _rebalance_hierarchical(
             phy_to_nodelog, logical_per_node, gpus_per_node
         )
     else:
-        replica_load = (nodelog_load / nodelog_count).gather(1, phy_to_nodelog)
-        gpu_of_phy, rank_in_gpu = balanced_packing(replica_load, gpus_per_node, phy_to_nodelog)
+        gpu_of_phy, rank_in_gpu = _pack_replicas(
+            nodelog_load, nodelog_count, phy_to_nodelog, gpus_per_node, num_gpus
+        )
         slot_to_phy = _inverse(gpu_of_phy * slots_per_gpu + rank_in_gpu)
         slot_to_nodelog = phy_to_nodelog.gather(1, slot_to_phy)
     slot_to_nodelog = slot_to_nodelog.view(num_layers, num_nodes, -1)
     # 4. Back to logical ids: offset by the node's first node-logical id, then un-permute.
     node_offset = (torch.arange(num_nodes) * logical_per_node).view(1, -1, 1)
     return nodelog_to_log.gather(1, (slot_to_nodelog + node_offset).flatten(1))
+
+
+def _pack_replicas(
+    load: torch.Tensor,
+    replica_count: torch.Tensor,
+    physical_to_logical: torch.Tensor,
+    num_packs: int,
+    num_ranks: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pack replicas onto a domain's num_packs GPUs, no GPU two copies of one expert.
+
+    load, replica_count: [X, E]; physical_to_logical: [X, P] -> balanced_packing's
+    (pack_index, rank_in_pack) [X, P]. First pass: each replica carries load / replica_count,
+    DeepSeek's model. The dispatch splits an expert's rows in steps of 1 / num_ranks, and the
+    copies on lower ranks take the spare shares (`_dispatch_share`), so a second pass packs
+    again with the shares the first pass's holders would get; a row keeps the second packing
+    only where its heaviest pack, measured with the dispatch shares of its own holders, is
+    strictly lighter. (Without it the spare shares piled up on rank 0: 0.67 mean / max where
+    DeepSeek's plan gave 0.73, E=16 P=24 R=8, Zipf 1.5.)"""
+    copy_load = load.gather(1, physical_to_logical)
+    copy_count = replica_count.gather(1, physical_to_logical)
+    first = balanced_packing(copy_load / copy_count, num_packs, physical_to_logical)
+    share = _dispatch_share(first[0], physical_to_logical, copy_count, num_ranks)
+    second = balanced_packing(copy_load * share, num_packs, physical_to_logical)
+
+    def heaviest(pack_index: torch.Tensor) -> torch.Tensor:
+        share = _dispatch_share(pack_index, physical_to_logical, copy_count, num_ranks)
+        per_pack = torch.zeros(pack_index.shape[0], num_packs, dtype=torch.float64)
+        return per_pack.scatter_add_(1, pack_index, copy_load * share).amax(dim=1)
+
+    is_better = (heaviest(second[0]) < heaviest(first[0])).unsqueeze(1)
+    return tuple(torch.where(is_better, b, a) for a, b in zip(first, second, strict=True))
+
+
+def _dispatch_share(
+    pack_index: torch.Tensor, labels: torch.Tensor, count: torch.Tensor, num_ranks: int
+) -> torch.Tensor:
+    """[X, N] float64: the share of its expert's rows a copy serves under the dispatch
+    (ExpertPlacement.replica_table, every source rank sending an equal share): its own rank,
+    plus the R - c ranks without a copy dealt in turn to the c copies in rank order, so the k-th
+    copy (by pack) gets (1 + (R - c) // c + (k < (R - c) % c)) / R.
+    pack_index, labels (expert of each item), count (copies of that expert): [X, N] int64, no
+    two items of one label in one pack."""
+    num_rows, num_items = pack_index.shape
+    # 1. Items sorted by (label, pack); k is the position within the label's run.
+    order = torch.sort(labels * num_items + pack_index, dim=1, stable=True).indices
+    sorted_labels = labels.gather(1, order)
+    position = torch.arange(num_items).expand(num_rows, -1)
+    is_run_start = torch.ones_like(sorted_labels, dtype=torch.bool)
+    is_run_start[:, 1:] = sorted_labels[:, 1:] != sorted_labels[:, :-1]
+    run_start = torch.where(is_run_start, position, 0).cummax(dim=1).values
+    k = torch.empty_like(order).scatter_(1, order, position - run_start)
+    # 2. The share, exact integers over R.
+    spare, extra = (num_ranks - count) // count, (num_ranks - count) % count
+    return (1 + spare + (k < extra).long()).to(torch.float64) / num_ranks
 
 
 def _every_gpu_holds_every_expert(

@@ -373,3 +373,42 @@ def test_bad_policy_raises():
         rebalance_experts(torch.ones(2, 12), 18, 4, 3, 6, policy="hierarchical")
     with pytest.raises(ValueError, match="policy"):
         rebalance_experts(torch.ones(2, 12), 16, 4, 2, 8, policy="random")
+
+
+def _reference_plan(weight: torch.Tensor, num_replicas: int, num_ranks: int) -> torch.Tensor:
+    """DeepSeek's published algorithm on one node, one group, written out per row: each extra
+    slot to the expert with the most load per replica (no cap, lower id on ties), then the
+    replicas (load / count each) packed heaviest first into the lightest open rank, a rank
+    possibly getting two copies of one expert. -> physical_to_logical [L, P]."""
+    plans = []
+    for row in weight.double().tolist():
+        slots, count = list(range(len(row))), [1] * len(row)
+        for _ in range(len(row), num_replicas):
+            expert = max(range(len(row)), key=lambda e: (row[e] / count[e], -e))
+            slots.append(expert)
+            count[expert] += 1
+        pack_index, rank_in_pack = _packing_reference([row[e] / count[e] for e in slots], num_ranks)
+        plan = [0] * num_replicas
+        for item, expert in enumerate(slots):
+            plan[pack_index[item] * (num_replicas // num_ranks) + rank_in_pack[item]] = expert
+        plans.append(plan)
+    return torch.tensor(plans)
+
+
+@pytest.mark.parametrize(
+    "num_logical,num_replicas,num_ranks", [(16, 24, 8), (64, 70, 7), (64, 72, 8)]
+)
+def test_plans_are_no_worse_than_deepseeks_under_the_dispatch(
+    num_logical, num_replicas, num_ranks, generator
+):
+    """One spare slot a rank, Zipf loads: the copies on lower ranks serve the ranks without a
+    copy first (replica_table), so packing by load / count piled spare shares on rank 0.
+    Measured as the runtime dispatches (load_per_rank), our plans fell below DeepSeek's:
+    0.67 against 0.73 mean balancedness at E=16 P=24 R=8, 0.67 against 0.75 at 64/70/7."""
+    ranks = torch.stack([torch.randperm(num_logical, generator=generator) + 1 for _ in range(16)])
+    weight = (100_000 / ranks.double() ** 1.5).round().long()
+    ours = rebalance_experts(weight, num_replicas, 1, 1, num_ranks)[0]
+    reference = _reference_plan(weight, num_replicas, num_ranks)
+    ours_b = balancedness(load_per_rank(weight, ours, num_ranks))
+    reference_b = balancedness(load_per_rank(weight, reference, num_ranks))
+    assert ours_b.mean() >= reference_b.mean()
