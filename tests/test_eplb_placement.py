@@ -3,6 +3,8 @@ and validation errors."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -146,3 +148,27 @@ def test_validate_inconsistent_maps():
         ExpertPlacement(p2l.int(), l2p, count)
     with pytest.raises(ValueError, match=r"\[0, 4\)"):
         ExpertPlacement.from_physical_to_logical(p2l + 1, num_logical=4)
+
+
+@pytest.mark.parametrize(
+    "num_logical,num_physical,num_ranks", [(8, 16, 4), (6, 12, 1), (12, 20, 5)]
+)
+def test_replica_table_matches_its_rule_written_per_entry(
+    num_logical, num_physical, num_ranks, generator
+):
+    """The vectorized table against its docstring's rule, one (layer, rank, expert) at a time,
+    on random placements (several copies of an expert on one rank among them)."""
+    extra = torch.randint(0, num_logical, (4, num_physical - num_logical), generator=generator)
+    p2l = torch.cat([torch.arange(num_logical).expand(4, -1), extra], dim=1)
+    p2l = p2l.gather(
+        1, torch.stack([torch.randperm(num_physical, generator=generator) for _ in range(4)])
+    )
+    placement = ExpertPlacement.from_physical_to_logical(p2l, num_logical)
+    slots = num_physical // num_ranks
+    table = placement.replica_table(num_ranks)
+    for layer, rank, expert in itertools.product(range(4), range(num_ranks), range(num_logical)):
+        copies = [p for p in range(num_physical) if p2l[layer, p] == expert]
+        own = [p for p in copies if p // slots == rank]
+        below = sum(p // slots < rank for p in copies)
+        expected = own[0] if own else copies[(rank - below) % len(copies)]
+        assert table[layer, rank, expert] == expected
