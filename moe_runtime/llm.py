@@ -3,11 +3,18 @@
 `LLM(config, **overrides)` -> `generate(prompts, params)`, `score(sequences, prompt_lens)`,
 `shutdown()`. Overrides are "section.key" (or "section__key") keyword arguments, or a section
 name with a dict of keys, and win over the config file.
+
+Calls from several threads run one at a time: each waits for the call running. Why: a call
+steps the engine until nothing is left, so two at once stepped each other's requests from two
+threads, which killed the engine ("scheduled from position 0, but 4 are computed here") and
+gave some of the calls other bits. Concurrent serving is AsyncEngine's (launch/serve_ep.py).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -22,15 +29,28 @@ from moe_runtime.sampling_params import SamplingParams
 log = logging.getLogger("moe_runtime.llm")
 
 
+def _one_at_a_time(method: Callable) -> Callable:
+    """The method under the LLM's lock (module docstring: calls from several threads)."""
+
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return locked
+
+
 class LLM:
     def __init__(self, config: str | Path | dict | RuntimeConfig, **overrides: Any) -> None:
         self.config = load_config(config, _flatten_overrides(overrides))
         self.engine = LLMEngine(self.config)
+        self._lock = threading.Lock()  # held by the call running (_one_at_a_time)
 
     @property
     def tokenizer(self):
         return self.engine.tokenizer
 
+    @_one_at_a_time
     def generate(
         self,
         prompts: list[str | list[int] | dict] | str | dict,
@@ -57,6 +77,7 @@ class LLM:
         self._run_until_done(requests, "generate", use_tqdm)
         return [engine.output(request) for request in requests]
 
+    @_one_at_a_time
     def score(
         self, sequences: list[list[int]], prompt_lens: list[int], *, use_tqdm: bool = True
     ) -> list[list[float]]:
@@ -65,6 +86,7 @@ class LLM:
         self._run_until_done(requests, "score", use_tqdm)
         return [list(r.samples[0].output_logprobs) for r in requests]
 
+    @_one_at_a_time
     def score_outputs(
         self,
         sequences: list[list[int]],
@@ -84,14 +106,17 @@ class LLM:
         self._run_until_done(requests, "score", use_tqdm)
         return [self.engine.output(r).outputs[0] for r in requests]
 
+    @_one_at_a_time
     def rebalance(self) -> dict:
         """Re-place the experts now from the recent load (EPLB); changes no output bit."""
         return self._live_engine().rebalance(force=True)
 
+    @_one_at_a_time
     def update_weights(self, source: str | Path | dict) -> int:
         """New weights (HF checkpoint dir or HF-named state dict) on every rank; -> version."""
         return self._live_engine().update_weights(source)
 
+    @_one_at_a_time
     def shutdown(self) -> None:
         """Release the engine; nothing is left running in this process."""
         if self.engine is not None:

@@ -6,6 +6,7 @@ a stop; one prompt of numpy or torch integer ids is one prompt."""
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 import types
 
@@ -432,3 +433,30 @@ def test_the_rebalance_history_keeps_the_newest_reports_only():
         assert balancer.rebalance()["skipped"]
     assert len(balancer.history) == HISTORY_LEN
     assert balancer.history[-1]["reason"].startswith("no expert load")
+
+
+def test_calls_from_several_threads_run_one_at_a_time_and_give_each_its_bits(llm):
+    """Three threads calling generate at once on one LLM: each gets the bits of the same call
+    alone. Before, each call stepped the others' requests from its own thread: the engine died
+    ("scheduled from position 0, but 4 are computed here") and some calls got other bits."""
+    prompts = [[5 + i, 6, 7, 8 + i] for i in range(16)]
+    params = SamplingParams(max_tokens=24, seed=3, ignore_eos=True, logprobs=2)
+    alone = [fingerprint(o) for o in llm.generate(prompts, params, use_tqdm=False)]
+    results, errors = [], []
+
+    def call() -> None:
+        try:
+            for _ in range(3):
+                outs = llm.generate(prompts, params, use_tqdm=False)
+                results.append([fingerprint(o) for o in outs])
+        except Exception as exc:  # raised in the thread: reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=call) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == [] and len(results) == 9
+    assert all(got == alone for got in results)
+    assert llm.engine.error is None and not llm.engine.has_unfinished()
