@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -60,18 +60,22 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in prompt order. A prompt is text, token ids, or
-        vLLM's {"prompt": text} / {"prompt_token_ids": ids}; `sampling_params` is vLLM's name
-        for `params`. Bad prompts raise before any work. use_tqdm: a progress bar of finished
-        prompts on stderr (as vLLM's)."""
+        vLLM's {"prompt": text} / {"prompt_token_ids": ids}; prompts a list, tuple or generator
+        of them (or one); params one SamplingParams or a list or tuple of one a prompt;
+        `sampling_params` is vLLM's name for `params`. Bad prompts raise before any work.
+        use_tqdm: a progress bar of finished prompts on stderr (as vLLM's)."""
         if sampling_params is not None:
             if params is not None:
                 raise ValueError("give params or sampling_params (vLLM's name for it), not both")
             params = sampling_params
+        if isinstance(prompts, Iterator):  # a generator: read once, before it is inspected
+            prompts = list(prompts)
         if _is_one_prompt(prompts):
             prompts = [prompts]
-        params_list = (
-            params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
-        )
+        if isinstance(params, (list, tuple)):
+            params_list = list(params)
+        else:
+            params_list = [params or SamplingParams()] * len(prompts)
         engine = self._live_engine()
         requests = engine.add_requests(list(prompts), params_list)
         self._run_until_done(requests, "generate", use_tqdm)

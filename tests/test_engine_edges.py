@@ -460,3 +460,18 @@ def test_calls_from_several_threads_run_one_at_a_time_and_give_each_its_bits(llm
     assert errors == [] and len(results) == 9
     assert all(got == alone for got in results)
     assert llm.engine.error is None and not llm.engine.has_unfinished()
+
+
+def test_prompts_may_come_from_a_generator_and_params_as_a_tuple(llm):
+    """A generator of prompts was read once by the one-prompt check (its first prompt lost)
+    and then refused ("object of type 'generator' has no len()"); a tuple of params was
+    refused as not a SamplingParams."""
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    params = SamplingParams(max_tokens=3, seed=4, ignore_eos=True)
+    expected = [fingerprint(o) for o in llm.generate(prompts, params, use_tqdm=False)]
+    from_generator = llm.generate((p for p in prompts), params, use_tqdm=False)
+    assert [fingerprint(o) for o in from_generator] == expected
+    as_tuple = llm.generate(prompts, (params,) * 3, use_tqdm=False)
+    assert [fingerprint(o) for o in as_tuple] == expected
+    one = llm.generate(iter(prompts[0]), params, use_tqdm=False)  # one prompt's ids
+    assert [fingerprint(o) for o in one] == expected[:1]
