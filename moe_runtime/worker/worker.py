@@ -402,4 +402,7 @@ class Worker:
         }
 
     def shutdown(self) -> None:
-        destroy_process_groups()
+        """Leave the process groups this rank joined. A single rank joined none (it runs in
+        the caller's process): the caller's own torch.distributed group, a trainer's, stays."""
+        if self.world_size > 1:
+            destroy_process_groups()
