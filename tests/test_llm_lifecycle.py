@@ -4,10 +4,16 @@ thread, Ctrl-C, a forked child, and llm.engine stepped from a second thread."""
 
 from __future__ import annotations
 
+import gc
+import time
+
 import torch.distributed as dist
 
 from moe_runtime import LLM, SamplingParams
 from tests.invariance import TINY_CONFIG, fingerprint
+
+# Two Ray ranks; a short collective timeout, so a step that waits on a rank fails in seconds.
+WORLD_2 = {"parallel.world_size": 2, "parallel.timeout_s": 10}
 
 
 def test_shutdown_at_world_size_1_leaves_the_callers_process_group(tmp_path):
@@ -26,3 +32,35 @@ def test_shutdown_at_world_size_1_leaves_the_callers_process_group(tmp_path):
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _wait_until(predicate, timeout_s: float = 60.0) -> bool:
+    """Poll predicate until it holds or timeout_s passes (a hang guard, not a timing)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.2)
+    return predicate()
+
+
+def _generate_at_world_size_2(params: SamplingParams) -> tuple[tuple, object]:
+    """Run one prompt on a world-size-2 LLM dropped without shutdown, in a scope that ends;
+    -> (its fingerprint, its placement group)."""
+    llm = LLM(TINY_CONFIG, **WORLD_2)
+    group = llm.engine.executor.placement_group
+    return fingerprint(llm.generate([[5, 6, 7]], params, use_tqdm=False)[0]), group
+
+
+def test_an_llm_dropped_without_shutdown_frees_its_ray_workers_and_bundles(ray_local):
+    """A world-size-2 LLM gone out of scope kept its placement group until the process ended:
+    on a cluster sized to the world (the local Ray a 2-core machine starts), the next LLM
+    waited parallel.timeout_s for room and failed. Now the group is removed as the LLM goes."""
+    import ray
+
+    params = SamplingParams(max_tokens=3, seed=1)
+    expected, group = _generate_at_world_size_2(params)
+    gc.collect()
+    assert _wait_until(lambda: ray.util.placement_group_table(group)["state"] == "REMOVED")
+    again, _ = _generate_at_world_size_2(params)
+    assert again == expected

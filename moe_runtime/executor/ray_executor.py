@@ -18,6 +18,7 @@ import re
 import socket
 import threading
 import time
+import weakref
 from collections import Counter
 
 import ray
@@ -129,13 +130,21 @@ class RayExecutor:
         self.timeout_s = parallel.timeout_s + _MARGIN_S
         self.num_steps = 0
         connect_ray(self.world_size)
-        self.workers: list = []
+        self.workers: list = []  # filled in place: the release below holds this list
         self.num_frozen: list[int] = []  # objects each rank's process froze after its init
         self._sentinels: list = []  # each rank's Worker.hold call: done only once it died
         self._killed: dict[int, str] = {}  # rank -> why the driver killed it
         self.placement_group = placement_group(
             _bundles(parallel.device, self.world_size), strategy="PACK"
         )
+        # Why: a placement group outlives every handle to it until the job ends, so an
+        # executor dropped without shutdown (an LLM deleted or gone out of scope) kept its
+        # bundles, and the next LLM of the process waited for room that never came. Not at
+        # exit: the driver's end frees its actors and groups.
+        self._release = weakref.finalize(
+            self, _release, os.getpid(), self.workers, self.placement_group
+        )
+        self._release.atexit = False
         try:
             self._start_workers(config, physical_to_logical)
         except BaseException:
@@ -152,7 +161,7 @@ class RayExecutor:
         actor_cls = ray.remote(concurrency_groups={_LIVENESS: 2})(Worker)
         # NCCL reads its settings at communicator creation: pin them in the actors' environment.
         env = pinned_nccl_env() if parallel.device == "cuda" else {}
-        self.workers = [
+        self.workers[:] = [
             actor_cls.options(
                 num_cpus=1,
                 num_gpus=_gpu_share(parallel.device, self.world_size),
@@ -254,12 +263,9 @@ class RayExecutor:
         ray.kill(self.workers[rank], no_restart=True)
 
     def shutdown(self) -> None:
-        """Kill every worker and free the placement group; safe on a broken or half-started
-        group (a worker already dead, the group never ready)."""
-        for worker in self.workers:
-            with contextlib.suppress(Exception):
-                ray.kill(worker, no_restart=True)
-        remove_placement_group(self.placement_group)
+        """Kill every worker and free the placement group, once (later calls do nothing); safe
+        on a broken or half-started group (a worker already dead, the group never ready)."""
+        self._release()
 
     def _get(self, refs: list, what: str, timeout_s: float | None = None) -> list:
         """ray.get bounded by the timeout; the first failure is raised at once, naming its rank.
@@ -346,6 +352,19 @@ class RayExecutor:
         """'rank r died during what', with why where the driver killed it (kill_ranks)."""
         why = f": killed, {self._killed[rank]}" if rank in self._killed else ""
         return f"rank {rank} died during {what}{why}"
+
+
+def _release(owner_pid: int, workers: list, group) -> None:
+    """RayExecutor.shutdown's work, also run when an executor is dropped without it: every
+    worker killed, the placement group removed. Nothing in a process forked from the owner:
+    the workers are the owner's, still serving it. Nothing once Ray is shut down (the user's
+    ray.shutdown() before the LLM went): the workers and the group went with it."""
+    if os.getpid() != owner_pid or not ray.is_initialized():
+        return
+    for worker in workers:
+        with contextlib.suppress(Exception):
+            ray.kill(worker, no_restart=True)
+    remove_placement_group(group)
 
 
 def _outcomes(refs: list, timeout_s: float) -> tuple[dict, list]:
