@@ -5,6 +5,7 @@ thread, Ctrl-C, a forked child, and llm.engine stepped from a second thread."""
 from __future__ import annotations
 
 import gc
+import multiprocessing
 import time
 
 import torch.distributed as dist
@@ -64,3 +65,34 @@ def test_an_llm_dropped_without_shutdown_frees_its_ray_workers_and_bundles(ray_l
     assert _wait_until(lambda: ray.util.placement_group_table(group)["state"] == "REMOVED")
     again, _ = _generate_at_world_size_2(params)
     assert again == expected
+
+
+def _generate_in_forked_child(llm: LLM, params: SamplingParams, answers) -> None:
+    try:
+        llm.generate([[5, 6, 7]], params, use_tqdm=False)
+        answers.put("no error")
+    except Exception as exc:
+        answers.put(f"{type(exc).__name__}: {exc}")
+    del llm
+    gc.collect()  # the child's copy of the LLM goes: the parent's workers must not
+
+
+def test_a_forked_child_is_told_it_cannot_drive_the_parents_ray_workers(ray_local):
+    """A child forked from a process with a world-size-2 LLM (a fork-method data loader) that
+    called generate waited the step's timeout (minutes by default) and then blamed the ranks.
+    Now it raises at once, saying why; its copy going away leaves the parent's LLM working."""
+    params = SamplingParams(max_tokens=3, seed=1)
+    llm = LLM(TINY_CONFIG, **WORLD_2)
+    try:
+        expected = fingerprint(llm.generate([[5, 6, 7]], params, use_tqdm=False)[0])
+        context = multiprocessing.get_context("fork")
+        answers = context.Queue()
+        child = context.Process(target=_generate_in_forked_child, args=(llm, params, answers))
+        child.start()
+        answer = answers.get(timeout=120)  # hang guard: before the fix it came after 40 s
+        child.join(120)
+        assert answer.startswith("RuntimeError: this engine's Ray workers belong to process")
+        assert "forked" in answer, answer
+        assert fingerprint(llm.generate([[5, 6, 7]], params, use_tqdm=False)[0]) == expected
+    finally:
+        llm.shutdown()

@@ -14,6 +14,7 @@ import collections
 import contextlib
 import itertools
 import json
+import os
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -78,6 +79,7 @@ class LLMEngine:
         self.weight_version = 0
         self._next_seq_id = 0
         self._request_ids = itertools.count()
+        self._owner_pid = os.getpid()  # a forked child cannot reach the Ray workers
 
     def _count_kv_blocks(self) -> int:
         """The KV blocks every DP rank's scheduler may use: the smallest cache any worker of
@@ -138,6 +140,7 @@ class LLMEngine:
         and weights (the last update_weights source), fresh KV caches and queues. Requests in
         flight were failed already. Raises RuntimeError once parallel.max_restarts rebuilds
         fell within parallel.restart_window_s."""
+        self._check_process()
         refusal = self.restart_refusal()
         if refusal is not None:
             raise refusal
@@ -440,8 +443,21 @@ class LLMEngine:
             self.executor.shutdown()
 
     def _check_alive(self) -> None:
+        self._check_process()
         if self.error is not None:
             raise RuntimeError(f"the engine is dead: {self.error}")
+
+    def _check_process(self) -> None:
+        """RuntimeError in a process forked from the engine's (a data loader's worker, a
+        multiprocessing pool with the fork start method) when its ranks are Ray actors: the
+        child's copy of the driver cannot reach them (a call waited for the step's timeout,
+        minutes, then blamed the ranks). One rank runs in the process: the child has a copy."""
+        if self.config.parallel.world_size > 1 and os.getpid() != self._owner_pid:
+            raise RuntimeError(
+                f"this engine's Ray workers belong to process {self._owner_pid}; process "
+                f"{os.getpid()} was forked from it and cannot drive them: make the LLM in the "
+                "child, or start children with the 'spawn' or 'forkserver' method"
+            )
 
     @contextlib.contextmanager
     def _fatal_on_error(self):
