@@ -8,6 +8,7 @@ import gc
 import multiprocessing
 import time
 
+import pytest
 import torch.distributed as dist
 
 from moe_runtime import LLM, SamplingParams
@@ -96,3 +97,33 @@ def test_a_forked_child_is_told_it_cannot_drive_the_parents_ray_workers(ray_loca
         assert fingerprint(llm.generate([[5, 6, 7]], params, use_tqdm=False)[0]) == expected
     finally:
         llm.shutdown()
+
+
+def test_a_ctrl_c_mid_step_does_not_spend_the_restart_budget():
+    """Each Ctrl-C inside a step kills the engine and the next call rebuilds it; those rebuilds
+    counted against parallel.max_restarts (3 an hour by default), so a notebook's fourth Ctrl-C
+    left the LLM refusing every call ('gave up after ... restarts'). An interrupt is the user's,
+    not a crash loop: with max_restarts 0 the LLM still comes back, with the same bits."""
+    params = SamplingParams(max_tokens=8, seed=1, logprobs=2)
+    expected = fingerprint(LLM(TINY_CONFIG).generate([[5, 6, 7]], params)[0])
+    llm = LLM(TINY_CONFIG, **{"parallel.max_restarts": 0})
+    engine = llm.engine
+    for _ in range(2):
+        real_execute, num_calls = engine.executor.execute, [0]
+
+        def interrupted_execute(inputs, real_execute=real_execute, num_calls=num_calls):
+            outputs = real_execute(inputs)  # the rank ran it; the driver records none of it
+            num_calls[0] += 1
+            if num_calls[0] == 2:
+                raise KeyboardInterrupt
+            return outputs
+
+        engine.executor.execute = interrupted_execute
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate([[9, 10, 11]], SamplingParams(max_tokens=8, seed=2), use_tqdm=False)
+        assert engine.error == "a call to the ranks was interrupted (KeyboardInterrupt)"
+        assert fingerprint(llm.generate([[5, 6, 7]], params, use_tqdm=False)[0]) == expected
+    assert engine.num_restarts == 2  # engagement: rebuilt twice, each a new executor
+    with pytest.raises(RuntimeError, match="max_restarts=0"):  # a fault still counts
+        engine._fail_all("a rank died")
+        llm.generate([[5, 6, 7]], params, use_tqdm=False)

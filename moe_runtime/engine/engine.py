@@ -75,6 +75,7 @@ class LLMEngine:
         self.num_restarts = 0  # every rebuild since start (a metric)
         self._restart_times: collections.deque[float] = collections.deque()  # monotonic
         self.error: str | None = None
+        self._is_interrupted = False  # whether error is a Ctrl-C's (its rebuild is not a fault's)
         self.num_steps = 0
         self.weight_version = 0
         self._next_seq_id = 0
@@ -139,9 +140,11 @@ class LLMEngine:
         """Rebuild a dead engine's worker group: new workers with the current expert placement
         and weights (the last update_weights source), fresh KV caches and queues. Requests in
         flight were failed already. Raises RuntimeError once parallel.max_restarts rebuilds
-        fell within parallel.restart_window_s."""
+        fell within parallel.restart_window_s. A rebuild after a Ctrl-C (or SystemExit) inside
+        a step neither counts nor is refused: the bound stops a crash loop, and an interrupt is
+        the user's, not a fault (a notebook's fourth Ctrl-C in an hour left the LLM unusable)."""
         self._check_process()
-        refusal = self.restart_refusal()
+        refusal = None if self._is_interrupted else self.restart_refusal()
         if refusal is not None:
             raise refusal
         changed = self._weights.changed()
@@ -154,7 +157,8 @@ class LLMEngine:
             )
         self.num_restarts += 1
         started = time.monotonic()
-        self._restart_times.append(started)
+        if not self._is_interrupted:
+            self._restart_times.append(started)
         # At world size 1 the old model lives in this process: a frozen heap would keep it.
         with thawed():
             with contextlib.suppress(Exception):  # the old group is broken; free what is left
@@ -182,7 +186,7 @@ class LLMEngine:
         self.num_kv_blocks = num_kv_blocks
         self.build_s = time.monotonic() - started
         self._reset_queues()
-        self.error = None
+        self.error, self._is_interrupted = None, False
 
     def add_request(self, prompt: str | list[int], params: SamplingParams) -> Request:
         """Queue one request (n samples); raises ValueError naming the problem if it is bad."""
@@ -488,14 +492,15 @@ class LLMEngine:
         except BaseException as exc:
             drop_frames(exc)  # a rank in this process: its model must not outlive the rebuild
             if self.error is None:
-                self._fail_all(f"{what} was interrupted ({type(exc).__name__})")
+                self._fail_all(f"{what} was interrupted ({type(exc).__name__})", interrupted=True)
             raise
 
-    def _fail_all(self, error: str) -> None:
+    def _fail_all(self, error: str, interrupted: bool = False) -> None:
         """Every request in flight ends with the error; nothing is left waiting forever. The
         queues and block tables start afresh (the ranks' caches are unknown now; a rebuild
-        gives new ones), so stats() shows no KV in use by the failed requests."""
-        self.error = error
+        gives new ones), so stats() shows no KV in use by the failed requests. interrupted:
+        the error is a Ctrl-C's (restart)."""
+        self.error, self._is_interrupted = error, interrupted
         for scheduler in self.schedulers:
             for seq in (*scheduler.waiting, *scheduler.running):
                 seq.status, seq.finish_reason, seq.error = SequenceStatus.FINISHED, "error", error
