@@ -8,6 +8,7 @@ Calls from several threads run one at a time: each waits for the call running. W
 steps the engine until nothing is left, so two at once stepped each other's requests from two
 threads, which killed the engine ("scheduled from position 0, but 4 are computed here") and
 gave some of the calls other bits. Concurrent serving is AsyncEngine's (launch/serve_ep.py).
+`shutdown` from another thread ends the running call before its next step.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class LLM:
         self.config = load_config(config, _flatten_overrides(overrides))
         self.engine = LLMEngine(self.config)
         self._lock = threading.Lock()  # held by the call running (_one_at_a_time)
+        self._is_closing = threading.Event()  # set by shutdown before it waits for the lock
 
     @property
     def tokenizer(self):
@@ -120,31 +122,40 @@ class LLM:
         """New weights (HF checkpoint dir or HF-named state dict) on every rank; -> version."""
         return self._live_engine().update_weights(source)
 
-    @_one_at_a_time
     def shutdown(self) -> None:
-        """Release the engine; nothing is left running in this process."""
-        if self.engine is not None:
-            self.engine.shutdown()
-            self.engine = None
+        """Release the engine; nothing is left running in this process. Safe from any thread
+        and more than once: a call running in another thread ends before its next step with
+        RuntimeError (its requests aborted), as do calls waiting for it; then the engine goes.
+        Why not wait for the call: shutdown from a watchdog or a signal handler's thread waited
+        for the whole generate, however long."""
+        self._is_closing.set()
+        with self._lock:
+            if self.engine is not None:
+                self.engine.shutdown()
+                self.engine = None
 
     def _live_engine(self) -> LLMEngine:
         """The engine, rebuilt first if a fault (or a Ctrl-C mid-step) left it dead: the call
         that met the fault raised it; this one runs on new workers (parallel.max_restarts
         bounds how often, then RuntimeError)."""
-        if self.engine is None:
-            raise RuntimeError("this LLM was shut down: make a new LLM")
+        self._check_open()
         if self.engine.error is not None:
             log.warning("the engine is dead (%s): rebuilding its workers", self.engine.error)
             self.engine.restart()
         return self.engine
 
+    def _check_open(self) -> None:
+        """RuntimeError once shutdown() was called (it may still wait for the running call)."""
+        if self._is_closing.is_set() or self.engine is None:
+            raise RuntimeError("this LLM was shut down: make a new LLM")
+
     def _run_until_done(self, requests: list[Request], what: str, use_tqdm: bool) -> None:
         """Step until nothing is left, on a progress bar when use_tqdm; on any exception (a
-        Ctrl-C between steps too) this call's requests are aborted, so a later call neither
-        runs them nor waits for them."""
+        Ctrl-C between steps too, shutdown() from another thread) this call's requests are
+        aborted, so a later call neither runs them nor waits for them."""
         try:
             with tqdm(total=len(requests), desc=what, unit="prompt", disable=not use_tqdm) as bar:
-                step_until_done(self.engine, requests, bar)
+                step_until_done(self.engine, requests, bar, self._check_open)
         except BaseException:
             self.engine.abort(*(request.request_id for request in requests))
             raise

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import multiprocessing
+import threading
 import time
 
 import pytest
@@ -127,3 +128,40 @@ def test_a_ctrl_c_mid_step_does_not_spend_the_restart_budget():
     with pytest.raises(RuntimeError, match="max_restarts=0"):  # a fault still counts
         engine._fail_all("a rank died")
         llm.generate([[5, 6, 7]], params, use_tqdm=False)
+
+
+def test_shutdown_from_another_thread_ends_the_running_generate_with_an_error():
+    """shutdown() from a second thread (a watchdog, a signal handler's) waited for the running
+    generate to finish, however long, and the generate returned as if nothing happened. Now
+    the generate raises before its next step, and shutdown returns once it has."""
+    llm = LLM(TINY_CONFIG)
+    real_step, num_steps = llm.engine.step, [0]
+
+    def step_then_wait_for_shutdown():
+        outputs = real_step()
+        num_steps[0] += 1
+        assert llm._is_closing.wait(60)  # hang guard: shutdown() is called meanwhile
+        return outputs
+
+    llm.engine.step = step_then_wait_for_shutdown
+    failures: list[BaseException] = []
+
+    def generate():
+        params = SamplingParams(max_tokens=50, seed=1, ignore_eos=True)
+        try:
+            llm.generate([[5, 6, 7], [8, 9]], params, use_tqdm=False)
+        except BaseException as exc:
+            failures.append(exc)
+
+    caller = threading.Thread(target=generate)
+    caller.start()
+    llm.shutdown()
+    caller.join(60)
+    assert not caller.is_alive()
+    assert len(failures) == 1 and isinstance(failures[0], RuntimeError), failures
+    assert "shut down" in str(failures[0])
+    assert num_steps[0] <= 1  # engagement: it stopped at once, not after its 50 tokens
+    assert llm.engine is None
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=1), use_tqdm=False)
+    llm.shutdown()  # twice: nothing left to do
