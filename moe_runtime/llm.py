@@ -159,6 +159,11 @@ class LLM:
         except BaseException:
             self.engine.abort(*(request.request_id for request in requests))
             raise
+        # A fault in a step run by another thread's llm.engine call ended these requests with
+        # it: raised here too, never returned as if they had finished.
+        failure = next((s.error for r in requests for s in r.samples if s.error), None)
+        if failure is not None:
+            raise RuntimeError(f"the engine died while this call ran: {failure}")
 
 
 def step_until_done(

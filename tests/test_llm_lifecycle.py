@@ -165,3 +165,55 @@ def test_shutdown_from_another_thread_ends_the_running_generate_with_an_error():
     with pytest.raises(RuntimeError, match="shut down"):
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=1), use_tqdm=False)
     llm.shutdown()  # twice: nothing left to do
+
+
+def test_llm_engine_stepped_from_another_thread_during_generate_waits_for_the_step():
+    """A thread stepping llm.engine while another's llm.generate stepped it ran two steps at
+    once: the engine died ('scheduled from position 3, but 4 are computed here') and generate
+    returned its requests cut short with finish_reason 'error', raising nothing. Now a step is
+    whole before another begins, and both get the bits each would alone."""
+    params = SamplingParams(max_tokens=12, seed=3, temperature=0.8, ignore_eos=True)
+    reference = LLM(TINY_CONFIG)
+    expected = [fingerprint(o) for o in reference.generate([[5, 6, 7], [8, 9]], params)]
+    llm = LLM(TINY_CONFIG)
+    engine = llm.engine
+    # The other thread's request, queued first: generate runs it too (it steps until the
+    # engine has nothing left), the other thread steps beside it.
+    side_request = engine.add_request([8, 9], params)
+    side_stepping = threading.Event()
+    generate_thread: list[threading.Thread] = []
+    real_execute = engine.executor.execute
+
+    def execute_once_the_side_steps(inputs):
+        if threading.current_thread() in generate_thread:
+            assert side_stepping.wait(60)  # hang guard: the side thread is in step() now
+        return real_execute(inputs)
+
+    engine.executor.execute = execute_once_the_side_steps
+    failures: list[BaseException] = []
+    results = {}
+
+    def generate():
+        try:
+            results["generate"] = llm.generate([[5, 6, 7]], params, use_tqdm=False)
+        except BaseException as exc:
+            failures.append(exc)
+
+    def step_beside():
+        try:
+            while not side_request.is_finished:
+                side_stepping.set()
+                engine.step()
+        except BaseException as exc:
+            failures.append(exc)
+
+    generate_thread.append(threading.Thread(target=generate))
+    side = threading.Thread(target=step_beside)
+    generate_thread[0].start()
+    side.start()
+    generate_thread[0].join(120)
+    side.join(120)
+    assert not failures, failures
+    assert engine.error is None
+    assert fingerprint(results["generate"][0]) == expected[0]
+    assert fingerprint(engine.output(side_request)) == expected[1]

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import itertools
 import json
 import os
+import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -37,9 +39,26 @@ from moe_runtime.seeds import resolve_seed
 from moe_runtime.tokenizer import load_tokenizer
 
 
+def _serialized(method: Callable) -> Callable:
+    """The method under the engine's lock: a step, a queue change or a call to the ranks runs
+    whole before another thread's begins. Why: llm.engine stepped from a second thread while
+    llm.generate stepped it from the first ran two steps at once, which killed the engine
+    ("scheduled from position 80, but 81 are computed here") and ended generate's requests
+    silently. Not under it, so any thread can use them meanwhile: shutdown, stats, output,
+    has_unfinished and the liveness calls (dead_ranks, silent_ranks, kill_ranks)."""
+
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return locked
+
+
 class LLMEngine:
     def __init__(self, config: RuntimeConfig) -> None:
         self.config = config
+        self._lock = threading.RLock()  # _serialized; reentrant: add_request -> add_requests
         # (MoE layers, K) of one token's routed experts: an output's rows are [T, L_moe, K]
         self._routed_width = (config.model.num_moe_layers, config.model.num_experts_per_tok)
         self.tokenizer = load_tokenizer(config.model)
@@ -136,6 +155,7 @@ class LLMEngine:
             f"while it is served: {self.error}"
         )
 
+    @_serialized
     def restart(self) -> None:
         """Rebuild a dead engine's worker group: new workers with the current expert placement
         and weights (the last update_weights source), fresh KV caches and queues. Requests in
@@ -192,6 +212,7 @@ class LLMEngine:
         """Queue one request (n samples); raises ValueError naming the problem if it is bad."""
         return self.add_requests([prompt], [params])[0]
 
+    @_serialized
     def add_requests(
         self, prompts: list[str | list[int]], params: list[SamplingParams]
     ) -> list[Request]:
@@ -239,6 +260,7 @@ class LLMEngine:
         )
         return request
 
+    @_serialized
     def add_score_requests(
         self,
         sequences: list[list[int]],
@@ -282,6 +304,7 @@ class LLMEngine:
         self._next_seq_id += len(request.samples)
         return request
 
+    @_serialized
     def step(self) -> list[RequestOutput]:
         """Run one lockstep step on every rank; -> a delta per generation request that got new
         tokens or finished in it (scoring requests are read whole with `output`)."""
@@ -323,12 +346,14 @@ class LLMEngine:
         """The request's whole result so far (every sample, every token)."""
         return request_output(request, self.weight_version, False, self._routed_width)
 
+    @_serialized
     def rebalance(self, force: bool = True, inject_failure: tuple[int, int] | None = None) -> dict:
         """Re-place the experts from the recent load, between steps; see ExpertBalancer."""
         self._check_alive()
         with self._fatal_on_error():
             return self.balancer.rebalance(force=force, inject_failure=inject_failure)
 
+    @_serialized
     def update_weights(self, source: str | Path | dict) -> int:
         """Swap every rank's weights (HF checkpoint dir or HF-named state dict) between steps;
         requests in flight go on with them, cached prefixes are dropped. -> the new version."""
@@ -368,6 +393,7 @@ class LLMEngine:
         self.weight_version += 1
         return self.weight_version
 
+    @_serialized
     def abort(self, *request_ids: str) -> None:
         """End the requests now (finish_reason "abort"), freeing their blocks; an unknown or
         finished id is ignored. Many at once cost one pass over the queues."""
@@ -392,6 +418,7 @@ class LLMEngine:
             num_restarts=self.num_restarts,
         )
 
+    @_serialized
     def worker_stats(self) -> list[dict]:
         """Each rank's counters (Worker.stats), in rank order. A rank that does not answer
         (dead, stalled) kills the engine, as a step would: it could not serve the next one."""
@@ -399,6 +426,7 @@ class LLMEngine:
         with self._fatal_on_error():
             return self.executor.call_all("stats", timeout_s=QUICK_CALL_TIMEOUT_S)
 
+    @_serialized
     def device_identities(self) -> list[dict[str, str]]:
         """The ranks' distinct `device_identity`s (moe_runtime/worker/worker.py), each once,
         in a fixed order: what of the hardware the bits may depend on, however many ranks run.
@@ -409,6 +437,7 @@ class LLMEngine:
         unique = {json.dumps(identity, sort_keys=True): identity for identity in identities}
         return [unique[key] for key in sorted(unique)]
 
+    @_serialized
     def check_workers(self) -> None:
         """Every rank answers a cheap call within QUICK_CALL_TIMEOUT_S, or the engine dies
         (WorkerError naming the rank) as if a step had found it: an idle server learns of a
@@ -417,6 +446,7 @@ class LLMEngine:
         with self._fatal_on_error():
             self.executor.call_all("ping", timeout_s=QUICK_CALL_TIMEOUT_S)
 
+    @_serialized
     def check_dead_ranks(self) -> None:
         """The engine dies (WorkerError naming them) if any rank is known dead without asking
         it (RayExecutor.dead_ranks: a died actor's outstanding call failed), so the step about
