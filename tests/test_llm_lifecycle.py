@@ -10,6 +10,7 @@ import threading
 import time
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from moe_runtime import LLM, SamplingParams
@@ -217,3 +218,28 @@ def test_llm_engine_stepped_from_another_thread_during_generate_waits_for_the_st
     assert engine.error is None
     assert fingerprint(results["generate"][0]) == expected[0]
     assert fingerprint(engine.output(side_request)) == expected[1]
+
+
+def test_an_in_process_rank_runs_at_its_thread_count_and_leaves_the_callers(restore_num_threads):
+    """torch's thread count is the process's: an LLM at world size 1 pinned it to
+    kernels.num_threads once, at init, cutting the caller's own count (a trainer's) for good,
+    and a second LLM of another count changed the first one's steps. Now each rank call runs
+    at its own count and the caller's comes back after it."""
+    torch.set_num_threads(2)
+    params = SamplingParams(max_tokens=4, seed=1)
+    first = LLM(TINY_CONFIG)  # kernels.num_threads: 1
+    assert torch.get_num_threads() == 2
+    second = LLM(TINY_CONFIG, **{"kernels.num_threads": 2})
+    seen: list[int] = []
+    worker = first.engine.executor.worker
+    real_execute = worker.execute
+
+    def execute_seeing_threads(step):
+        seen.append(torch.get_num_threads())
+        return real_execute(step)
+
+    worker.execute = execute_seeing_threads
+    outputs = [fingerprint(llm.generate([[5, 6, 7]], params)[0]) for llm in (first, second)]
+    assert seen and set(seen) == {1}
+    assert torch.get_num_threads() == 2
+    assert outputs[0] == outputs[1]  # the tiny model's bits hold at either count

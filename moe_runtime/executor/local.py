@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
+from collections.abc import Iterator
 
 import torch
 
+from moe_kernels import pin_threads
 from moe_runtime.config import RuntimeConfig
 from moe_runtime.worker.step_input import StepInput, StepOutput, WorkerError
 from moe_runtime.worker.worker import Worker
@@ -17,8 +20,26 @@ class LocalExecutor:
             raise ValueError(
                 f"LocalExecutor runs one rank, parallel.world_size is {config.parallel.world_size}"
             )
-        self.worker: Worker | None = Worker(config, rank=0)
-        self.worker.init("127.0.0.1", 0, physical_to_logical)
+        self.config = config
+        with self._own_threads():
+            self.worker: Worker | None = Worker(config, rank=0)
+            self.worker.init("127.0.0.1", 0, physical_to_logical)
+
+    @contextlib.contextmanager
+    def _own_threads(self) -> Iterator[None]:
+        """The rank's kernels.num_threads for the block, the caller's count back after it.
+
+        Why: torch's intra-op thread count is the process's, and this rank runs in the
+        caller's. Pinned once at init, it cut a caller's count (a trainer's 8 threads) to the
+        rank's for good, and a second LLM of another count changed the first one's steps. Two
+        such LLMs called from two threads at once still share the one count meanwhile."""
+        caller = torch.get_num_threads()
+        pin_threads(self.config.kernels)
+        try:
+            yield
+        finally:
+            if torch.get_num_threads() != caller:
+                torch.set_num_threads(caller)
 
     def _rank(self) -> Worker:
         if self.worker is None:
@@ -26,12 +47,14 @@ class LocalExecutor:
         return self.worker
 
     def execute(self, per_rank_inputs: list[StepInput]) -> list[StepOutput]:
-        return [self._rank().execute(per_rank_inputs[0])]
+        with self._own_threads():
+            return [self._rank().execute(per_rank_inputs[0])]
 
     def call(self, method: str, per_rank_args: list[tuple], timeout_s: float | None = None) -> list:
         """Run Worker.<method> on every rank with its own arguments; results in rank order.
         timeout_s is the Ray executor's bound; a call in this process has none to keep."""
-        return [getattr(self._rank(), method)(*per_rank_args[0])]
+        with self._own_threads():
+            return [getattr(self._rank(), method)(*per_rank_args[0])]
 
     def call_all(self, method: str, *args, timeout_s: float | None = None) -> list:
         return self.call(method, [args], timeout_s)
