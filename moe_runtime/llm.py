@@ -45,7 +45,10 @@ class LLM:
     def __init__(self, config: str | Path | dict | RuntimeConfig, **overrides: Any) -> None:
         self.config = load_config(config, _flatten_overrides(overrides))
         self.engine = LLMEngine(self.config)
-        self._lock = threading.Lock()  # held by the call running (_one_at_a_time)
+        # Held by the call running (_one_at_a_time). Reentrant: a signal handler calling
+        # shutdown() runs in the thread of the call it interrupted, which holds the lock (a
+        # plain lock deadlocked there, and the process ignored every later SIGTERM).
+        self._lock = threading.RLock()
         self._is_closing = threading.Event()  # set by shutdown before it waits for the lock
 
     @property
@@ -153,11 +156,12 @@ class LLM:
         """Step until nothing is left, on a progress bar when use_tqdm; on any exception (a
         Ctrl-C between steps too, shutdown() from another thread) this call's requests are
         aborted, so a later call neither runs them nor waits for them."""
+        engine = self.engine  # (a shutdown in a signal handler of this thread drops it)
         try:
             with tqdm(total=len(requests), desc=what, unit="prompt", disable=not use_tqdm) as bar:
-                step_until_done(self.engine, requests, bar, self._check_open)
+                step_until_done(engine, requests, bar, self._check_open)
         except BaseException:
-            self.engine.abort(*(request.request_id for request in requests))
+            engine.abort(*(request.request_id for request in requests))
             raise
         # A fault in a step run by another thread's llm.engine call ended these requests with
         # it: raised here too, never returned as if they had finished.

@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import gc
 import multiprocessing
+import os
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -243,3 +247,35 @@ def test_an_in_process_rank_runs_at_its_thread_count_and_leaves_the_callers(rest
     assert seen and set(seen) == {1}
     assert torch.get_num_threads() == 2
     assert outputs[0] == outputs[1]  # the tiny model's bits hold at either count
+
+
+SHUTDOWN_IN_HANDLER = """
+import os, signal, sys, threading
+from moe_runtime import LLM, SamplingParams
+from tests.invariance import TINY_CONFIG
+llm = LLM(TINY_CONFIG)
+def on_term(signum, frame):
+    llm.shutdown()
+    sys.exit(3)
+signal.signal(signal.SIGTERM, on_term)
+threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+params = SamplingParams(max_tokens=400, ignore_eos=True)
+while True:
+    llm.generate([[5, 6, 7]] * 8, params, use_tqdm=False)
+"""
+
+
+def test_shutdown_in_a_signal_handler_of_the_calls_thread_ends_the_process():
+    """A SIGTERM handler calling llm.shutdown() runs in the main thread, inside the generate it
+    interrupted, which holds the LLM's lock: with a plain lock the handler waited for itself
+    forever, and every later SIGTERM found it still waiting."""
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run(
+        [sys.executable, "-c", SHUTDOWN_IN_HANDLER],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 3, done.stderr[-2000:]

@@ -34,12 +34,14 @@ class LocalExecutor:
         rank's for good, and a second LLM of another count changed the first one's steps. Two
         such LLMs called from two threads at once still share the one count meanwhile."""
         caller = torch.get_num_threads()
+        if caller == self.config.kernels.num_threads:  # the usual case: nothing to switch
+            yield
+            return
         pin_threads(self.config.kernels)
         try:
             yield
         finally:
-            if torch.get_num_threads() != caller:
-                torch.set_num_threads(caller)
+            torch.set_num_threads(caller)
 
     def _rank(self) -> Worker:
         if self.worker is None:
