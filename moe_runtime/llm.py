@@ -45,6 +45,7 @@ class LLM:
     def __init__(self, config: str | Path | dict | RuntimeConfig, **overrides: Any) -> None:
         self.config = load_config(config, _flatten_overrides(overrides))
         self.engine = LLMEngine(self.config)
+        self._tokenizer = self.engine.tokenizer
         # Held by the call running (_one_at_a_time). Reentrant: a signal handler calling
         # shutdown() runs in the thread of the call it interrupted, which holds the lock (a
         # plain lock deadlocked there, and the process ignored every later SIGTERM).
@@ -53,7 +54,9 @@ class LLM:
 
     @property
     def tokenizer(self):
-        return self.engine.tokenizer
+        """The model's tokenizer; still there after shutdown(), to decode what was generated
+        (it was read through the engine, and raised AttributeError once that was gone)."""
+        return self._tokenizer
 
     @_one_at_a_time
     def generate(

@@ -475,3 +475,12 @@ def test_prompts_may_come_from_a_generator_and_params_as_a_tuple(llm):
     assert [fingerprint(o) for o in as_tuple] == expected
     one = llm.generate(iter(prompts[0]), params, use_tqdm=False)  # one prompt's ids
     assert [fingerprint(o) for o in one] == expected[:1]
+
+
+def test_the_tokenizer_outlives_shutdown_to_decode_what_was_generated():
+    llm = LLM(TINY_CONFIG)
+    out = llm.generate([[72, 101, 108]], SamplingParams(max_tokens=4, seed=2), use_tqdm=False)[0]
+    llm.shutdown()
+    assert llm.tokenizer.decode(out.token_ids) == out.text
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.generate([[72, 101, 108]], use_tqdm=False)
