@@ -130,7 +130,8 @@ def test_a_world_larger_than_the_cluster_says_what_it_lacked(ray_local):
         LLM(TINY_CONFIG, **{"parallel.world_size": 16, "parallel.timeout_s": 1})
     message = str(failure.value)
     assert "could not place parallel.world_size=16 ranks of {'CPU': 1} each" in message, message
-    assert "it has 8 CPU in all" in message and "ranks [" not in message, message
+    assert "it has 8 CPU (" in message and "free); the rest is held by" in message, message
+    assert "another engine of this process" in message and "ranks [" not in message, message
 
 
 def test_a_refusal_on_every_rank_reads_every_rank_s_answer(ray_local, monkeypatch):

@@ -191,12 +191,13 @@ class RayExecutor:
         if ready:
             return
         bundle = _bundles(device, 1)[0]
-        total = ray.cluster_resources()
-        have = ", ".join(f"{total.get(k, 0):g} {k}" for k in bundle)
+        total, free = ray.cluster_resources(), ray.available_resources()
+        have = ", ".join(f"{total.get(k, 0):g} {k} ({free.get(k, 0):g} free)" for k in bundle)
         raise WorkerError(
             f"the Ray cluster could not place parallel.world_size={self.world_size} ranks of "
-            f"{bundle} each within {self.timeout_s:.0f}s: it has {have} in all, less what "
-            "other jobs hold"
+            f"{bundle} each within {self.timeout_s:.0f}s: it has {have}; the rest is held by "
+            "other jobs, or by another engine of this process (an LLM at world size > 1 holds "
+            "its ranks until its shutdown())"
         )
 
     def execute(self, per_rank_inputs: list[StepInput]) -> list[StepOutput]:
