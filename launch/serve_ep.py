@@ -41,8 +41,11 @@ from moe_runtime.engine.async_engine import AsyncEngine  # noqa: E402
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 STOP_POLL_S = 0.1  # uvicorn's own tick for should_exit
 # After the drain timeout, how long the requests the engine ended have to send their error
-# before uvicorn cancels what is left (a client that stopped reading).
+# before the connections still sending are closed (a client that stopped reading).
 RESPONSE_GRACE_S = 2
+# uvicorn's own graceful timeout, past that close: a backstop that cancels what is left, each
+# cancelled response an "Exception in ASGI application" traceback in the log.
+UVICORN_BACKSTOP_S = 2 * RESPONSE_GRACE_S
 RUNTIME_LOGGER = "moe_runtime"  # the parent of every logger the runtime's packages log to
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # uvicorn's levels: another word was a KeyError traceback from inside uvicorn.Config.
@@ -142,7 +145,31 @@ async def stop_engine_with_server(
         await asyncio.sleep(STOP_POLL_S)
     if not engine.has_given_up:
         log(f"draining requests in flight (up to {drain_timeout_s:g}s)")
+    closing = asyncio.create_task(close_unsent(server, drain_timeout_s + RESPONSE_GRACE_S))
     await asyncio.to_thread(engine.shutdown, drain_timeout_s)
+    await closing
+
+
+async def close_unsent(server: uvicorn.Server, after_s: float) -> None:
+    """Close the connections still open `after_s` after the server began stopping: responses
+    their clients stopped reading (a full socket buffer), which no drain can finish. Each is
+    aborted (its unsent bytes dropped: the client sees the connection close) with one line
+    here. Why not uvicorn's graceful timeout: it cancels such a response's task, and each logs
+    an "Exception in ASGI application" traceback. Aborted, the response's writes return and it
+    ends as for a client that left. `server_state.connections` holds uvicorn's open connections
+    (its protocols, each with its asyncio transport)."""
+    deadline = time.monotonic() + after_s
+    while server.server_state.connections and time.monotonic() < deadline:
+        await asyncio.sleep(STOP_POLL_S)
+    for connection in list(server.server_state.connections):
+        transport = connection.transport
+        host, port = transport.get_extra_info("peername", ("?", "?"))[:2]
+        unsent = transport.get_write_buffer_size()
+        log(
+            f"closed the connection to {host}:{port}, still open {after_s:g}s after the stop "
+            f"with {unsent} bytes unsent (a client that stopped reading)"
+        )
+        transport.abort()
 
 
 async def serve(
@@ -210,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     port = sock.getsockname()[1]
 
     app = create_app(config)
-    graceful_s = math.ceil(args.drain_timeout_s) + RESPONSE_GRACE_S
+    graceful_s = math.ceil(args.drain_timeout_s) + RESPONSE_GRACE_S + UVICORN_BACKSTOP_S
     server = uvicorn.Server(
         uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=graceful_s)
     )
