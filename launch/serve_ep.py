@@ -162,7 +162,9 @@ async def close_unsent(server: uvicorn.Server, after_s: float) -> None:
     while server.server_state.connections and time.monotonic() < deadline:
         await asyncio.sleep(STOP_POLL_S)
     for connection in list(server.server_state.connections):
-        transport = connection.transport
+        transport = getattr(connection, "transport", None)  # (not uvicorn's documented API)
+        if transport is None or transport.is_closing():
+            continue
         host, port = transport.get_extra_info("peername", ("?", "?"))[:2]
         unsent = transport.get_write_buffer_size()
         log(
