@@ -84,3 +84,18 @@ def record_steps(llm) -> list[list]:
 
     llm.engine.executor.execute = spy
     return steps
+
+
+def interrupt_at_call(engine, call: int) -> None:
+    """Make the engine's executor raise KeyboardInterrupt after its `call`-th step (1-based),
+    once the rank ran it: a Ctrl-C inside a step, which the driver records none of."""
+    execute, num_calls = engine.executor.execute, [0]
+
+    def interrupted(per_rank):
+        outputs = execute(per_rank)
+        num_calls[0] += 1
+        if num_calls[0] == call:
+            raise KeyboardInterrupt
+        return outputs
+
+    engine.executor.execute = interrupted

@@ -18,7 +18,7 @@ from moe_runtime import LLM, SamplingParams
 from moe_runtime.config import load_config
 from moe_runtime.engine.balancer import HISTORY_LEN, ExpertBalancer, initial_placement
 from moe_runtime.engine.request_checks import ContextLengthError, PromptTooLongError
-from tests.invariance import TINY_CONFIG, fingerprint, mixed_prompts
+from tests.invariance import TINY_CONFIG, fingerprint, interrupt_at_call, mixed_prompts
 
 # 16 blocks of 4: a 44-token request with 12 generated needs 14, leaving 2.
 CRAMPED = {"cache.block_size": 4, "cache.num_blocks": 16, "scheduler.max_model_len": 64}
@@ -201,16 +201,7 @@ def test_a_ctrl_c_mid_step_kills_the_engine_and_the_next_generate_rebuilds_it():
     expected = fingerprint(LLM(TINY_CONFIG).generate([[5, 6, 7]], params)[0])
     llm = LLM(TINY_CONFIG)
     engine = llm.engine
-    real_execute, num_calls = engine.executor.execute, [0]
-
-    def interrupted_execute(inputs):
-        outputs = real_execute(inputs)  # the rank ran it
-        num_calls[0] += 1
-        if num_calls[0] == 3:
-            raise KeyboardInterrupt
-        return outputs
-
-    engine.executor.execute = interrupted_execute
+    interrupt_at_call(engine, 3)
     with pytest.raises(KeyboardInterrupt):
         llm.generate([[9, 10, 11]], SamplingParams(max_tokens=8, seed=2))
     assert engine.error == "a call to the ranks was interrupted (KeyboardInterrupt)"

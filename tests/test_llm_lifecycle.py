@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from moe_runtime import LLM, SamplingParams
-from tests.invariance import TINY_CONFIG, fingerprint
+from tests.invariance import TINY_CONFIG, fingerprint, interrupt_at_call
 
 # Two Ray ranks; a short collective timeout, so a step that waits on a rank fails in seconds.
 WORLD_2 = {"parallel.world_size": 2, "parallel.timeout_s": 10}
@@ -115,16 +115,7 @@ def test_a_ctrl_c_mid_step_does_not_spend_the_restart_budget():
     llm = LLM(TINY_CONFIG, **{"parallel.max_restarts": 0})
     engine = llm.engine
     for _ in range(2):
-        real_execute, num_calls = engine.executor.execute, [0]
-
-        def interrupted_execute(inputs, real_execute=real_execute, num_calls=num_calls):
-            outputs = real_execute(inputs)  # the rank ran it; the driver records none of it
-            num_calls[0] += 1
-            if num_calls[0] == 2:
-                raise KeyboardInterrupt
-            return outputs
-
-        engine.executor.execute = interrupted_execute
+        interrupt_at_call(engine, 2)
         with pytest.raises(KeyboardInterrupt):
             llm.generate([[9, 10, 11]], SamplingParams(max_tokens=8, seed=2), use_tqdm=False)
         assert engine.error == "a call to the ranks was interrupted (KeyboardInterrupt)"
