@@ -228,8 +228,9 @@ def build_state(
         seq.status = SequenceStatus.RUNNING
         scheduler.running.append(seq)
     workers = [Worker(config, rank) for rank in range(config.parallel.world_size)]
-    routed_width = (config.model.num_moe_layers, config.model.num_experts_per_tok)
-    return DriverState(schedulers, config.parallel.tp_size, routed_width, workers=workers)
+    return DriverState(
+        schedulers, config.parallel.tp_size, config.model.routed_width, workers=workers
+    )
 
 
 def time_step(state: DriverState, source: TokenSource) -> tuple[dict[str, float], int, int]:

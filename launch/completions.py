@@ -88,11 +88,8 @@ async def complete(
             generation.future.cancel()
         raise
     # (MoE layers, K) of a routed-experts row: a prompt with no rows of its own has [0, L, K]
-    model = config.model
-    width = (model.num_moe_layers, model.num_experts_per_tok)
-    choices = _Choices(
-        body, prompts, backend.tokenizer, scored, width if body.return_routed_experts else None
-    )
+    width = config.model.routed_width if body.return_routed_experts else None
+    choices = _Choices(body, prompts, backend.tokenizer, scored, width)
     head = _head("cmpl", "text_completion", config, backend)
     also = [whole for whole in scored if whole is not None]
     return await generation.response(head, choices, body.include_usage, also)

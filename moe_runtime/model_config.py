@@ -191,6 +191,12 @@ class ModelConfig:
         """Layers whose MLP is the routed MoE (every layer after the first dense ones)."""
         return max(self.num_hidden_layers - self.first_k_dense_replace, 0)
 
+    @property
+    def routed_width(self) -> tuple[int, int]:
+        """(MoE layers, K): the shape of one token's routed experts, an output's rows being
+        [T, MoE layers, K]."""
+        return self.num_moe_layers, self.num_experts_per_tok
+
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         """Build from the YAML section; with `path`, the architecture comes from config.json."""

@@ -59,8 +59,6 @@ class LLMEngine:
     def __init__(self, config: RuntimeConfig) -> None:
         self.config = config
         self._lock = threading.RLock()  # _serialized; reentrant: add_request -> add_requests
-        # (MoE layers, K) of one token's routed experts: an output's rows are [T, L_moe, K]
-        self._routed_width = (config.model.num_moe_layers, config.model.num_experts_per_tok)
         self.tokenizer = load_tokenizer(config.model)
         self.checks = RequestChecks(config, self.tokenizer)
         # model.path's weights as stamped before the workers read them: a rebuild checks that it
@@ -339,12 +337,12 @@ class LLMEngine:
         # A refused move is logged; the old placement keeps serving, nothing in flight changed.
         with contextlib.suppress(RebalanceError), self._fatal_on_error():
             self.balancer.maybe_rebalance(self.num_steps)  # between steps
-        version, width = self.weight_version, self._routed_width
+        version, width = self.weight_version, self.config.model.routed_width
         return [request_output(r, version, True, width) for r in changed.values()]
 
     def output(self, request: Request) -> RequestOutput:
         """The request's whole result so far (every sample, every token)."""
-        return request_output(request, self.weight_version, False, self._routed_width)
+        return request_output(request, self.weight_version, False, self.config.model.routed_width)
 
     @_serialized
     def rebalance(self, force: bool = True, inject_failure: tuple[int, int] | None = None) -> dict:
