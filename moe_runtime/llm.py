@@ -13,7 +13,6 @@ gave some of the calls other bits. Concurrent serving is AsyncEngine's (launch/s
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -24,21 +23,11 @@ from tqdm import tqdm
 
 from moe_runtime.config import SECTIONS, RuntimeConfig, load_config
 from moe_runtime.engine import CompletionOutput, LLMEngine, RequestOutput
+from moe_runtime.engine.engine import under_lock
 from moe_runtime.engine.request import Request
 from moe_runtime.sampling_params import SamplingParams
 
 log = logging.getLogger("moe_runtime.llm")
-
-
-def _one_at_a_time(method: Callable) -> Callable:
-    """The method under the LLM's lock (module docstring: calls from several threads)."""
-
-    @functools.wraps(method)
-    def locked(self, *args, **kwargs):
-        with self._lock:
-            return method(self, *args, **kwargs)
-
-    return locked
 
 
 class LLM:
@@ -46,9 +35,9 @@ class LLM:
         self.config = load_config(config, _flatten_overrides(overrides))
         self.engine = LLMEngine(self.config)
         self._tokenizer = self.engine.tokenizer
-        # Held by the call running (_one_at_a_time). Reentrant: a signal handler calling
-        # shutdown() runs in the thread of the call it interrupted, which holds the lock (a
-        # plain lock deadlocked there, and the process ignored every later SIGTERM).
+        # Held by the call running (under_lock; module docstring). Reentrant: a signal handler
+        # calling shutdown() runs in the thread of the call it interrupted, which holds the
+        # lock (a plain lock deadlocked there, and the process ignored every later SIGTERM).
         self._lock = threading.RLock()
         self._is_closing = threading.Event()  # set by shutdown before it waits for the lock
 
@@ -58,7 +47,7 @@ class LLM:
         (it was read through the engine, and raised AttributeError once that was gone)."""
         return self._tokenizer
 
-    @_one_at_a_time
+    @under_lock
     def generate(
         self,
         prompts: list[str | list[int] | dict] | str | dict,
@@ -89,7 +78,7 @@ class LLM:
         self._run_until_done(requests, "generate", use_tqdm)
         return [engine.output(request) for request in requests]
 
-    @_one_at_a_time
+    @under_lock
     def score(
         self, sequences: list[list[int]], prompt_lens: list[int], *, use_tqdm: bool = True
     ) -> list[list[float]]:
@@ -98,7 +87,7 @@ class LLM:
         self._run_until_done(requests, "score", use_tqdm)
         return [list(r.samples[0].output_logprobs) for r in requests]
 
-    @_one_at_a_time
+    @under_lock
     def score_outputs(
         self,
         sequences: list[list[int]],
@@ -118,12 +107,12 @@ class LLM:
         self._run_until_done(requests, "score", use_tqdm)
         return [self.engine.output(r).outputs[0] for r in requests]
 
-    @_one_at_a_time
+    @under_lock
     def rebalance(self) -> dict:
         """Re-place the experts now from the recent load (EPLB); changes no output bit."""
         return self._live_engine().rebalance(force=True)
 
-    @_one_at_a_time
+    @under_lock
     def update_weights(self, source: str | Path | dict) -> int:
         """New weights (HF checkpoint dir or HF-named state dict) on every rank; -> version."""
         return self._live_engine().update_weights(source)

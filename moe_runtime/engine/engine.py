@@ -39,13 +39,8 @@ from moe_runtime.seeds import resolve_seed
 from moe_runtime.tokenizer import load_tokenizer
 
 
-def _serialized(method: Callable) -> Callable:
-    """The method under the engine's lock: a step, a queue change or a call to the ranks runs
-    whole before another thread's begins. Why: llm.engine stepped from a second thread while
-    llm.generate stepped it from the first ran two steps at once, which killed the engine
-    ("scheduled from position 80, but 81 are computed here") and ended generate's requests
-    silently. Not under it, so any thread can use them meanwhile: shutdown, stats, output,
-    has_unfinished and the liveness calls (dead_ranks, silent_ranks, kill_ranks)."""
+def under_lock(method: Callable) -> Callable:
+    """The method run under its object's `_lock` (the engine's here, the LLM's in llm.py)."""
 
     @functools.wraps(method)
     def locked(self, *args, **kwargs):
@@ -58,7 +53,14 @@ def _serialized(method: Callable) -> Callable:
 class LLMEngine:
     def __init__(self, config: RuntimeConfig) -> None:
         self.config = config
-        self._lock = threading.RLock()  # _serialized; reentrant: add_request -> add_requests
+        # Held by a step, a queue change or a call to the ranks (under_lock), so each runs whole
+        # before another thread's begins. Why: llm.engine stepped from a second thread while
+        # llm.generate stepped it from the first ran two steps at once, which killed the engine
+        # ("scheduled from position 80, but 81 are computed here") and ended generate's requests
+        # silently. Not under it, so any thread can use them meanwhile: shutdown, stats, output,
+        # has_unfinished and the liveness calls (dead_ranks, silent_ranks, kill_ranks).
+        # Reentrant: add_request -> add_requests.
+        self._lock = threading.RLock()
         self.tokenizer = load_tokenizer(config.model)
         self.checks = RequestChecks(config, self.tokenizer)
         # model.path's weights as stamped before the workers read them: a rebuild checks that it
@@ -153,7 +155,7 @@ class LLMEngine:
             f"while it is served: {self.error}"
         )
 
-    @_serialized
+    @under_lock
     def restart(self) -> None:
         """Rebuild a dead engine's worker group: new workers with the current expert placement
         and weights (the last update_weights source), fresh KV caches and queues. Requests in
@@ -210,7 +212,7 @@ class LLMEngine:
         """Queue one request (n samples); raises ValueError naming the problem if it is bad."""
         return self.add_requests([prompt], [params])[0]
 
-    @_serialized
+    @under_lock
     def add_requests(
         self, prompts: list[str | list[int]], params: list[SamplingParams]
     ) -> list[Request]:
@@ -258,7 +260,7 @@ class LLMEngine:
         )
         return request
 
-    @_serialized
+    @under_lock
     def add_score_requests(
         self,
         sequences: list[list[int]],
@@ -302,7 +304,7 @@ class LLMEngine:
         self._next_seq_id += len(request.samples)
         return request
 
-    @_serialized
+    @under_lock
     def step(self) -> list[RequestOutput]:
         """Run one lockstep step on every rank; -> a delta per generation request that got new
         tokens or finished in it (scoring requests are read whole with `output`)."""
@@ -344,14 +346,14 @@ class LLMEngine:
         """The request's whole result so far (every sample, every token)."""
         return request_output(request, self.weight_version, False, self.config.model.routed_width)
 
-    @_serialized
+    @under_lock
     def rebalance(self, force: bool = True, inject_failure: tuple[int, int] | None = None) -> dict:
         """Re-place the experts from the recent load, between steps; see ExpertBalancer."""
         self._check_alive()
         with self._fatal_on_error():
             return self.balancer.rebalance(force=force, inject_failure=inject_failure)
 
-    @_serialized
+    @under_lock
     def update_weights(self, source: str | Path | dict) -> int:
         """Swap every rank's weights (HF checkpoint dir or HF-named state dict) between steps;
         requests in flight go on with them, cached prefixes are dropped. -> the new version."""
@@ -391,7 +393,7 @@ class LLMEngine:
         self.weight_version += 1
         return self.weight_version
 
-    @_serialized
+    @under_lock
     def abort(self, *request_ids: str) -> None:
         """End the requests now (finish_reason "abort"), freeing their blocks; an unknown or
         finished id is ignored. Many at once cost one pass over the queues."""
@@ -416,7 +418,7 @@ class LLMEngine:
             num_restarts=self.num_restarts,
         )
 
-    @_serialized
+    @under_lock
     def worker_stats(self) -> list[dict]:
         """Each rank's counters (Worker.stats), in rank order. A rank that does not answer
         (dead, stalled) kills the engine, as a step would: it could not serve the next one."""
@@ -424,7 +426,7 @@ class LLMEngine:
         with self._fatal_on_error():
             return self.executor.call_all("stats", timeout_s=QUICK_CALL_TIMEOUT_S)
 
-    @_serialized
+    @under_lock
     def device_identities(self) -> list[dict[str, str]]:
         """The ranks' distinct `device_identity`s (moe_runtime/worker/worker.py), each once,
         in a fixed order: what of the hardware the bits may depend on, however many ranks run.
@@ -435,7 +437,7 @@ class LLMEngine:
         unique = {json.dumps(identity, sort_keys=True): identity for identity in identities}
         return [unique[key] for key in sorted(unique)]
 
-    @_serialized
+    @under_lock
     def check_workers(self) -> None:
         """Every rank answers a cheap call within QUICK_CALL_TIMEOUT_S, or the engine dies
         (WorkerError naming the rank) as if a step had found it: an idle server learns of a
@@ -444,7 +446,7 @@ class LLMEngine:
         with self._fatal_on_error():
             self.executor.call_all("ping", timeout_s=QUICK_CALL_TIMEOUT_S)
 
-    @_serialized
+    @under_lock
     def check_dead_ranks(self) -> None:
         """The engine dies (WorkerError naming them) if any rank is known dead without asking
         it (RayExecutor.dead_ranks: a died actor's outstanding call failed), so the step about
