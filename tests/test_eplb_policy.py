@@ -412,3 +412,36 @@ def test_plans_are_no_worse_than_deepseeks_under_the_dispatch(
     ours_b = balancedness(load_per_rank(weight, ours, num_ranks))
     reference_b = balancedness(load_per_rank(weight, reference, num_ranks))
     assert ours_b.mean() >= reference_b.mean()
+
+
+def _random_layer(num_ranks: int, num_logical: int, slots: int, gen) -> list[int]:
+    """One layer's physical_to_logical: every expert at least once, no rank two copies."""
+    ranks: list[list[int]] = [[] for _ in range(num_ranks)]
+    for i, expert in enumerate(torch.randperm(num_logical, generator=gen).tolist()):
+        ranks[i % num_ranks].append(expert)
+    for held in ranks:
+        spare = [e for e in range(num_logical) if e not in held]
+        picks = torch.randperm(len(spare), generator=gen)[: slots - len(held)].tolist()
+        held.extend(spare[k] for k in picks)
+    return [expert for held in ranks for expert in held]
+
+
+def test_the_packers_dispatch_shares_are_the_replica_tables():
+    """`policy._dispatch_share` restates ExpertPlacement.replica_table's rule in closed form (the
+    k-th copy of an expert by rank serves its own rank plus its turn of the ranks without a
+    copy) for packs before any placement exists: on random placements with at most one copy a
+    rank, each copy's share equals the source ranks the table sends to it, over R."""
+    gen = torch.Generator().manual_seed(0)
+    for num_ranks, num_logical, extra in [(4, 6, 2), (8, 16, 8), (8, 12, 12), (6, 6, 0)]:
+        slots = (num_logical + extra) // num_ranks
+        p2l = torch.tensor([_random_layer(num_ranks, num_logical, slots, gen) for _ in range(20)])
+        placement = ExpertPlacement.from_physical_to_logical(p2l, num_logical)
+        serving = placement.replica_table(num_ranks).flatten(1)
+        num_sources = torch.zeros(p2l.shape, dtype=torch.int64).scatter_add_(
+            1, serving, torch.ones_like(serving)
+        )
+        count = placement.replica_count.gather(1, p2l)
+        assert bool((count > 1).any()) == (extra > 0)  # engagement: copies share rows
+        pack = torch.arange(p2l.shape[1]).expand_as(p2l) // slots
+        share = policy._dispatch_share(pack, p2l, count, num_ranks)
+        assert torch.equal(share, num_sources.to(torch.float64) / num_ranks)
