@@ -26,7 +26,7 @@ import httpx
 import pytest
 
 import moe_runtime.engine.async_engine as async_engine_module
-import moe_runtime.engine.engine as engine_module
+import moe_runtime.engine.worker_group as worker_group_module
 from moe_runtime import LLM, SamplingParams
 from moe_runtime.engine.async_engine import AsyncEngine, EngineUnavailableError
 from moe_runtime.executor import WorkerError
@@ -662,18 +662,18 @@ def test_restarts_are_counted_within_the_restart_window(monkeypatch):
     The engine's clock is the test's: a slow rebuild cannot leave the window early."""
     window_s = 3600.0
     now = [1000.0]
-    # engine.py reads only time.monotonic: its own `time`, not the process's clock
-    monkeypatch.setattr(engine_module, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    # worker_group.py reads only time.monotonic: its own `time`, not the process's clock
+    monkeypatch.setattr(worker_group_module, "time", SimpleNamespace(monotonic=lambda: now[0]))
     llm = LLM(TINY_CONFIG, **{"parallel.max_restarts": 1, "parallel.restart_window_s": window_s})
     engine = llm.engine
     try:
         engine.restart()
         now[0] += window_s - 1
-        assert not engine.can_restart()
+        assert engine.restart_refusal() is not None
         with pytest.raises(RuntimeError, match=r"gave up after parallel\.max_restarts=1 restarts "):
             engine.restart()
         now[0] += 2  # the first rebuild is now past the window
-        assert engine.can_restart()
+        assert engine.restart_refusal() is None
         engine.restart()  # the first rebuild left the window
         assert engine.num_restarts == 2  # the metric counts every rebuild since start
     finally:

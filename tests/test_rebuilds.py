@@ -121,7 +121,7 @@ def test_a_503_while_the_engine_rebuilds_says_when_to_retry():
     (nothing measured yet), or one shutting down (a retry should go elsewhere)."""
     llm = LLM(TINY_CONFIG, **{"server.health_check_interval_s": 0.2})
     engine = llm.engine
-    engine.build_s = 30.0  # as a large model's start would have measured
+    engine.group.build_s = 30.0  # as a large model's start would have measured
     _dead_at_the_idle_check(engine)
     rebuilding, release = threading.Event(), threading.Event()
     rebuild, began = engine.restart, []

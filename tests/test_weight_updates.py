@@ -88,12 +88,12 @@ def test_model_path_changed_while_the_ranks_read_it_at_start_is_refused(
     import os
     import shutil
 
-    import moe_runtime.engine.engine as engine_module
+    import moe_runtime.engine.worker_group as worker_group_module
 
     first, second = checkpoints
     target = tmp_path / "saving"
     shutil.copytree(first, target)
-    build = engine_module.create_executor
+    build = worker_group_module.create_executor
 
     def built_then_overwritten(*args, **kwargs):
         executor = build(*args, **kwargs)
@@ -101,11 +101,11 @@ def test_model_path_changed_while_the_ranks_read_it_at_start_is_refused(
         os.replace(target / "next.tmp", target / "model.safetensors")  # a step lands
         return executor
 
-    monkeypatch.setattr(engine_module, "create_executor", built_then_overwritten)
+    monkeypatch.setattr(worker_group_module, "create_executor", built_then_overwritten)
     config = {"model": {"path": str(target)}, "scheduler": {"max_model_len": 256}}
     with pytest.raises(ValueError, match=r"model.path: 'model.safetensors' in .* changed"):
         LLM(config)
-    monkeypatch.setattr(engine_module, "create_executor", build)
+    monkeypatch.setattr(worker_group_module, "create_executor", build)
     assert _generate(LLM(config), [[2, 7, 1, 8]]) == _generate(
         LLM({**config, "model": {"path": second}}), [[2, 7, 1, 8]]
     )

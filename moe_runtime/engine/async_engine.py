@@ -558,7 +558,7 @@ class AsyncEngine:
                 in_a_row = num_failed < self._engine.config.parallel.max_restarts
                 if (
                     in_a_row
-                    and self._engine.can_restart()
+                    and self._engine.restart_refusal() is None
                     and not isinstance(exc, WeightsChangedError)
                 ):
                     pause_s = min(REBUILD_BACKOFF_S * 2 ** (num_failed - 1), REBUILD_BACKOFF_MAX_S)

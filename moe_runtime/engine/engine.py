@@ -5,23 +5,20 @@ balancer), every request's sequences and outputs. A step sends each rank a `Step
 what changed since its last step), runs all ranks at once, records the results, detokenizes
 incrementally, ends samples at stop strings and returns a `RequestOutput` delta per request
 that changed. A bad request raises at `add_request` and never disturbs those in flight; a
-worker failure fails every request in flight and leaves the engine dead, never hung.
+worker failure fails every request in flight and leaves the engine dead, never hung, until
+`restart` has its WorkerGroup (the ranks and the weights they serve) rebuild the ranks.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import functools
 import itertools
 import json
 import os
 import threading
-import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-
-import torch
 
 from moe_runtime.config import RuntimeConfig
 from moe_runtime.engine.balancer import ExpertBalancer, RebalanceError, initial_placement
@@ -31,8 +28,9 @@ from moe_runtime.engine.request import Request, SequenceStatus
 from moe_runtime.engine.request_checks import RequestChecks
 from moe_runtime.engine.scheduler import Scheduler
 from moe_runtime.engine.step_io import build_step_input, record_results, request_output
-from moe_runtime.engine.weights_source import WeightsChangedError, WeightsSource
-from moe_runtime.executor import QUICK_CALL_TIMEOUT_S, WorkerError, create_executor
+from moe_runtime.engine.weights_source import WeightsSource
+from moe_runtime.engine.worker_group import WorkerGroup
+from moe_runtime.executor import QUICK_CALL_TIMEOUT_S, WorkerError
 from moe_runtime.heap import drop_frames, thawed
 from moe_runtime.sampling_params import SamplingParams
 from moe_runtime.seeds import resolve_seed
@@ -63,57 +61,16 @@ class LLMEngine:
         self._lock = threading.RLock()
         self.tokenizer = load_tokenizer(config.model)
         self.checks = RequestChecks(config, self.tokenizer)
-        # model.path's weights as stamped before the workers read them: a rebuild checks that it
-        # still holds them (and a rollout job's record names them).
-        try:
-            self.startup_weights = self._weights = WeightsSource.of(config.model.path)
-        except OSError as exc:  # a dangling *.safetensors link, no permission
-            raise ValueError(f"model.path {config.model.path!r} cannot be read: {exc}") from exc
         placement = initial_placement(config)
-        started = time.monotonic()
-        self.executor = create_executor(config, placement.physical_to_logical.tolist())
-        try:
-            self.num_kv_blocks = self._count_kv_blocks()
-            # Each rank read model.path on its own, as an update's ranks read its source: a
-            # checkpoint replaced meanwhile (a trainer saving over it) may have given ranks
-            # different weights, each rank's the same request other bits, and no error.
-            changed = self.startup_weights.changed()
-            if changed is not None:
-                raise ValueError(
-                    f"model.path: {changed} (while the ranks read it, so they may hold "
-                    "different weights); start again once it stands still"
-                )
-        except BaseException:
-            self.executor.shutdown()  # a group this engine will not use frees its workers
-            raise
-        # How long the worker group took to start, then the last rebuild: what a client waits
-        # for while the engine rebuilds (AsyncEngine's Retry-After).
-        self.build_s = time.monotonic() - started
+        self.group = WorkerGroup(config, placement.physical_to_logical.tolist())
         self._reset_queues()
         self.balancer = ExpertBalancer(config, self.executor, placement)
-        self.num_restarts = 0  # every rebuild since start (a metric)
-        self._restart_times: collections.deque[float] = collections.deque()  # monotonic
         self.error: str | None = None
         self._is_interrupted = False  # whether error is a Ctrl-C's (its rebuild is not a fault's)
         self.num_steps = 0
-        self.weight_version = 0
         self._next_seq_id = 0
         self._request_ids = itertools.count()
         self._owner_pid = os.getpid()  # a forked child cannot reach the Ray workers
-
-    def _count_kv_blocks(self) -> int:
-        """The KV blocks every DP rank's scheduler may use: the smallest cache any worker of
-        the group holds (found by the workers when cache.num_blocks is 0: sized from free GPU
-        memory, so a rebuilt group may hold another count). ValueError if a sequence of
-        scheduler.max_model_len does not fit."""
-        num_blocks = min(self.executor.call_all("num_kv_blocks"))
-        max_len, needed = self.config.scheduler.max_model_len, self.config.max_blocks_per_seq
-        if needed > num_blocks:
-            raise ValueError(
-                f"a sequence of scheduler.max_model_len={max_len} needs {needed} KV blocks; the "
-                f"cache holds {num_blocks} (cache.num_blocks)"
-            )
-        return num_blocks
 
     def _reset_queues(self) -> None:
         cache = self.config.cache
@@ -129,31 +86,36 @@ class LLMEngine:
             for blocks in self.block_managers
         ]
 
-    def can_restart(self) -> bool:
-        """Whether fewer than parallel.max_restarts rebuilds fell in the last
-        parallel.restart_window_s seconds."""
-        window_start = time.monotonic() - self.config.parallel.restart_window_s
-        while self._restart_times and self._restart_times[0] < window_start:
-            self._restart_times.popleft()
-        return len(self._restart_times) < self.config.parallel.max_restarts
+    @property
+    def executor(self):
+        """The ranks' executor (the group's; a rebuild replaces it)."""
+        return self.group.executor
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.group.num_kv_blocks
+
+    @property
+    def build_s(self) -> float:
+        """How long the worker group took to start, then the last rebuild: what a client waits
+        for while the engine rebuilds (AsyncEngine's Retry-After)."""
+        return self.group.build_s
+
+    @property
+    def weight_version(self) -> int:
+        return self.group.weight_version
+
+    @property
+    def num_restarts(self) -> int:
+        return self.group.num_restarts
+
+    @property
+    def startup_weights(self) -> WeightsSource:
+        return self.group.startup_weights
 
     def restart_refusal(self) -> RuntimeError | None:
         """Why `restart` would refuse at once (its restarts spent), else None."""
-        if self.can_restart():
-            return None
-        parallel = self.config.parallel
-        return RuntimeError(
-            f"gave up after parallel.max_restarts={parallel.max_restarts} restarts within "
-            f"parallel.restart_window_s={parallel.restart_window_s:g}s: {self.error}"
-        )
-
-    def _unrestorable(self, why: str) -> WeightsChangedError:
-        """The error of a rebuild that cannot serve weight_version's weights again."""
-        return WeightsChangedError(
-            f"cannot rebuild the worker group with weight_version {self.weight_version}'s "
-            f"weights: {why}; restart the server, or keep a checkpoint directory unchanged "
-            f"while it is served: {self.error}"
-        )
+        return self.group.restart_refusal(self.error)
 
     @under_lock
     def restart(self) -> None:
@@ -164,47 +126,11 @@ class LLMEngine:
         a step neither counts nor is refused: the bound stops a crash loop, and an interrupt is
         the user's, not a fault (a notebook's fourth Ctrl-C in an hour left the LLM unusable)."""
         self._check_process()
-        refusal = None if self._is_interrupted else self.restart_refusal()
-        if refusal is not None:
-            raise refusal
-        changed = self._weights.changed()
-        if changed is None and self.weight_version > 0:
-            # The new group builds its model from model.path before the update's weights.
-            changed = self.startup_weights.missing()
-        if changed is not None:
-            raise self._unrestorable(
-                f"{changed} (other weights under the same version would give other bits)"
-            )
-        self.num_restarts += 1
-        started = time.monotonic()
-        if not self._is_interrupted:
-            self._restart_times.append(started)
-        # At world size 1 the old model lives in this process: a frozen heap would keep it.
-        with thawed():
-            with contextlib.suppress(Exception):  # the old group is broken; free what is left
-                self.executor.shutdown()
-            p2l = self.balancer.placement.physical_to_logical.tolist()
-            self.executor = self.balancer.executor = create_executor(self.config, p2l)
-            try:
-                # The new group's caches, sized afresh where cache.num_blocks is 0 (the old
-                # group's memory may not all be back): the schedulers follow its count.
-                num_kv_blocks = self._count_kv_blocks()
-                if self.weight_version > 0:  # an update's weights, not model.path's
-                    self.executor.call_all("prepare_weights", self._weights.source)
-                    self.executor.call_all("commit_weights")
-                # Checked again now the new ranks have read: a change while they read could
-                # have given them different weights (the check above was before). The served
-                # source only: model.path's weights are replaced by an update's.
-                changed = self._weights.changed()
-                if changed is not None:
-                    raise self._unrestorable(
-                        f"{changed} while its ranks read them (they may hold different ones)"
-                    )
-            except BaseException:
-                self.executor.shutdown()  # its bundles and workers, free for the next one
-                raise
-        self.num_kv_blocks = num_kv_blocks
-        self.build_s = time.monotonic() - started
+        p2l = self.balancer.placement.physical_to_logical.tolist()
+        try:
+            self.group.rebuild(p2l, self.error, is_counted=not self._is_interrupted)
+        finally:
+            self.balancer.executor = self.group.executor
         self._reset_queues()
         self.error, self._is_interrupted = None, False
 
@@ -358,24 +284,11 @@ class LLMEngine:
         """Swap every rank's weights (HF checkpoint dir or HF-named state dict) between steps;
         requests in flight go on with them, cached prefixes are dropped. -> the new version."""
         self._check_alive()
-        source = _checked_update_source(source)
-        try:
-            weights = WeightsSource.of(source)  # stamped before any rank reads it
-        except OSError as exc:
-            raise ValueError(f"update_weights: {source!r} cannot be read: {exc}") from exc
-        source = weights.source
+        weights = WeightsSource.for_update(source)
         # Two phases: every rank reads and checks its part; only when all have, every rank
         # copies it in. A refusal in phase 1 changes nothing anywhere.
         try:
-            self.executor.call_all("prepare_weights", source)
-            # Each rank read the source on its own: a file replaced meanwhile (a trainer saving
-            # over the directory) may have given ranks different weights. Refused as a whole.
-            changed = weights.changed()
-            if changed is not None:
-                raise ValueError(
-                    f"update_weights: {changed} (while the ranks read it, so they may hold "
-                    "different weights): nothing changed; save each update to a new directory"
-                )
+            self.group.prepare_weights(weights)
         except ValueError:
             with self._fatal_on_error():
                 self.executor.call_all("discard_weights")
@@ -385,13 +298,11 @@ class LLMEngine:
             self._fail_all(f"update_weights: {type(exc).__name__}: {exc}")
             raise
         with self._fatal_on_error():  # failing mid-copy leaves mixed weights: the engine dies
-            self.executor.call_all("commit_weights")
-        self._weights = weights
+            version = self.group.commit_weights(weights)
         for blocks, scheduler in zip(self.block_managers, self.schedulers, strict=True):
             scheduler.release_head_match()  # old weights' KV; it matches again when it runs
             blocks.clear_cache()
-        self.weight_version += 1
-        return self.weight_version
+        return version
 
     @under_lock
     def abort(self, *request_ids: str) -> None:
@@ -535,35 +446,3 @@ class LLMEngine:
             for seq in (*scheduler.waiting, *scheduler.running):
                 seq.status, seq.finish_reason, seq.error = SequenceStatus.FINISHED, "error", error
         self._reset_queues()
-
-
-def _checked_update_source(source: str | Path | dict) -> str | dict[str, torch.Tensor]:
-    """An update_weights source as the ranks read it: a checkpoint directory's resolved path,
-    or a state dict of HF names to tensors holding values; else ValueError naming the problem."""
-    if isinstance(source, (str, Path)):
-        try:
-            is_dir = Path(source).is_dir()
-        except OSError as exc:  # a name too long
-            raise ValueError(f"update_weights: {str(source)!r}: {exc}") from None
-        if not is_dir:
-            raise ValueError(f"update_weights: {str(source)!r} is not a checkpoint directory")
-        # Resolved here: a rank on another node (or in another directory) would read a
-        # relative path against its own working directory.
-        return str(Path(source).resolve())
-    if not isinstance(source, dict):
-        raise ValueError(
-            "update_weights: a checkpoint directory or an HF-named state dict, got "
-            f"{type(source).__name__}"
-        )
-    for name, value in source.items():
-        if not isinstance(name, str) or not isinstance(value, torch.Tensor):
-            raise ValueError(
-                "update_weights: a state dict maps HF weight names (str) to tensors, "
-                f"got {name!r}: {type(value).__name__}"
-            )
-        if value.is_meta or value.layout != torch.strided:  # no values to copy: it
-            raise ValueError(  # passed the checks and failed the copy, every rank's
-                f"update_weights: tensor {name} holds no values to load "
-                f"({'meta' if value.is_meta else value.layout} tensor)"
-            )
-    return source

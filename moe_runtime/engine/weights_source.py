@@ -44,6 +44,17 @@ class WeightsSource:
             source = dict(source)  # entries the caller later replaces are not ours
         return cls(source, _stamp(source))
 
+    @classmethod
+    def for_update(cls, source: str | Path | dict) -> WeightsSource:
+        """An update_weights source checked and stamped, as the ranks will read it: a
+        checkpoint directory's resolved path, or a state dict of HF names to tensors holding
+        values; else ValueError naming the problem."""
+        checked = _checked_update_source(source)
+        try:
+            return cls.of(checked)  # stamped before any rank reads it
+        except OSError as exc:
+            raise ValueError(f"update_weights: {checked!r} cannot be read: {exc}") from exc
+
     def changed(self) -> str | None:
         """What differs from the stamp now (the first file or tensor by name), or None."""
         try:
@@ -101,3 +112,35 @@ def _tensor_version(tensor) -> int | None:
 def _file_stamp(file: Path) -> tuple[int, int, int]:
     info = os.stat(file)
     return info.st_size, info.st_mtime_ns, info.st_ino
+
+
+def _checked_update_source(source: str | Path | dict) -> str | dict[str, torch.Tensor]:
+    """An update_weights source as the ranks read it: a checkpoint directory's resolved path,
+    or a state dict of HF names to tensors holding values; else ValueError naming the problem."""
+    if isinstance(source, (str, Path)):
+        try:
+            is_dir = Path(source).is_dir()
+        except OSError as exc:  # a name too long
+            raise ValueError(f"update_weights: {str(source)!r}: {exc}") from None
+        if not is_dir:
+            raise ValueError(f"update_weights: {str(source)!r} is not a checkpoint directory")
+        # Resolved here: a rank on another node (or in another directory) would read a
+        # relative path against its own working directory.
+        return str(Path(source).resolve())
+    if not isinstance(source, dict):
+        raise ValueError(
+            "update_weights: a checkpoint directory or an HF-named state dict, got "
+            f"{type(source).__name__}"
+        )
+    for name, value in source.items():
+        if not isinstance(name, str) or not isinstance(value, torch.Tensor):
+            raise ValueError(
+                "update_weights: a state dict maps HF weight names (str) to tensors, "
+                f"got {name!r}: {type(value).__name__}"
+            )
+        if value.is_meta or value.layout != torch.strided:  # no values to copy: it
+            raise ValueError(  # passed the checks and failed the copy, every rank's
+                f"update_weights: tensor {name} holds no values to load "
+                f"({'meta' if value.is_meta else value.layout} tensor)"
+            )
+    return source
