@@ -12,8 +12,9 @@ losing or duplicating rows, and is refused if what a row's bits depend on change
 record beside the output: launch.rollout_settings). Every row is checked as the engine would
 before anything runs; a bad one stops the job (--on-bad-row skip: report it, run the others),
 and a bad run-wide flag stops it before any row is read. SIGINT / SIGTERM end it at the next
-engine step, after the batches written so far (exit 130 / 143); a rerun resumes. `--score`:
-teacher-forced logprobs (LLM.score) of rows' "token_ids", and their routed experts.
+engine step, after the batches written so far (exit 130 / 143); a rerun resumes. A rank that
+dies or stalls has the workers rebuilt and its batch run again (parallel.max_restarts; then exit
+1). `--score`: teacher-forced logprobs (LLM.score) of rows' "token_ids", and their routed experts.
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ from moe_runtime import LLM, RequestOutput, heap  # noqa: E402
 from moe_runtime.config import load_config  # noqa: E402
 from moe_runtime.engine.engine import LLMEngine  # noqa: E402
 from moe_runtime.engine.request import Request  # noqa: E402
+from moe_runtime.engine.weights_source import WeightsChangedError  # noqa: E402
+from moe_runtime.executor import WorkerError  # noqa: E402
 from moe_runtime.llm import step_until_done  # noqa: E402
 from moe_runtime.seeds import MAX_SEED, SEED_BITS  # noqa: E402
 
@@ -132,6 +135,11 @@ def main(argv: list[str] | None = None) -> int:
 
 class WriteError(Exception):
     """Appending a batch to the output failed (its OSError is the cause)."""
+
+
+class RanksFailed(Exception):
+    """A rank died or stalled and no rebuild is left (parallel.max_restarts spent, or the
+    weights' source changed): the message says why."""
 
 
 def _stop_on_signals(appender: Appender) -> None:
@@ -252,10 +260,11 @@ def _run_loaded(
     started = time.perf_counter()
     try:
         _write(llm, args, appender, samples, todo)
-    except WriteError as exc:  # a full disk, a quota, an I/O error: what was written stays
+    except (WriteError, RanksFailed) as exc:  # a full disk; ranks lost: what was written stays
+        why = f"cannot append to {output}: {exc.__cause__}" if isinstance(exc, WriteError) else exc
         print(
-            f"error: cannot append to {output}: {exc.__cause__}; the {appender.num_written} "
-            "rows written this run are kept: rerun the same command to resume",
+            f"error: {why}; the {appender.num_written} rows written this run are kept: rerun "
+            "the same command to resume",
             file=sys.stderr,
         )
         return 1
@@ -308,13 +317,48 @@ def _write(
     try:
         for first in range(0, len(todo), args.batch_size):
             batch = todo[first : first + args.batch_size]
-            rows = run(llm, batch, progress)
+            rows = _run_rebuilding(run, llm, batch, progress)
             try:
                 appender.append(rows)
             except OSError as exc:
                 raise WriteError from exc
     finally:
         progress.close()  # the bar's line ended before anything else is printed
+
+
+def _run_rebuilding(run: Callable, llm: LLM, batch: list[Sample], progress: tqdm) -> list[dict]:
+    """run(llm, batch, progress), run again on rebuilt workers after a rank died or stalled (a
+    WorkerError), as a server rebuilds them: none of the batch's rows was written, and each
+    sample's own seed makes the rerun's rows the same bits."""
+    num_done = progress.n
+    while True:
+        try:
+            return run(llm, batch, progress)
+        except WorkerError as exc:
+            _rebuild(llm.engine, exc)
+        progress.n = num_done  # the failed try's finished samples are run again
+        progress.refresh()
+
+
+def _rebuild(engine: LLMEngine, failure: WorkerError) -> None:
+    """The dead engine's workers rebuilt, one line said; attempts that fail to start are tried
+    again. RanksFailed once parallel.max_restarts rebuilds fell within
+    parallel.restart_window_s (a group that keeps failing), or the weights changed."""
+    while True:
+        refusal = engine.restart_refusal()
+        if refusal is not None:
+            raise RanksFailed(str(refusal)) from failure
+        print(
+            f"rollout: {failure}; rebuilding the workers (restart {engine.num_restarts + 1}) and "
+            "running the batch again",
+            file=sys.stderr,
+        )
+        try:
+            return engine.restart()
+        except WeightsChangedError as exc:  # other weights would serve the same run
+            raise RanksFailed(str(exc)) from exc
+        except WorkerError as exc:  # the new group failed to start: it counts as a restart
+            failure = exc
 
 
 def _output_path(output: Path, input_path: Path) -> Path:

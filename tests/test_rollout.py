@@ -922,6 +922,68 @@ def test_a_failed_append_is_named_and_a_rerun_resumes(rollout_rows, tmp_path, ca
     assert read_jsonl(out) == rollout_rows[1]
 
 
+def _rank_dies_in_batch(monkeypatch, batch_no: int) -> list[int]:
+    """The first step of the batch_no-th batch (1-based) fails as a dead rank's does (the
+    rebuilt executor has its own execute: it does not fail); -> the batches started so far."""
+    from moe_runtime.executor import WorkerError
+
+    started, run_batch = [], rollout._rollout_batch
+
+    def dying_batch(llm, batch, *args, **kwargs):
+        started.append(len(batch))
+        if len(started) == batch_no:
+
+            def dead(per_rank_inputs):
+                raise WorkerError("rank 0 died during step 9: injected")
+
+            llm.engine.executor.execute = dead
+        return run_batch(llm, batch, *args, **kwargs)
+
+    monkeypatch.setattr(rollout, "_rollout_batch", dying_batch)
+    return started
+
+
+def test_a_rank_that_dies_mid_run_is_rebuilt_and_its_batch_run_again(
+    rollout_rows, tmp_path, capsys, monkeypatch
+):
+    """A rank dying in the second batch ended the run with the engine's traceback, though the
+    server rebuilds its workers for such a fault by itself. Now the workers are rebuilt
+    (parallel.max_restarts) and the batch run again, with one line: the file is bitwise an
+    uninterrupted run's, nothing lost or written twice."""
+    started = _rank_dies_in_batch(monkeypatch, 2)
+    source, out = write_jsonl(tmp_path / "in.jsonl", ROWS), tmp_path / "out.jsonl"
+    assert run("--input", source, "--output", out, *ARGS) == 0
+    err = capsys.readouterr().err
+    assert (
+        "rollout: rank 0 died during step 9: injected; rebuilding the workers (restart 1) and "
+        "running the batch again"
+    ) in err, err
+    assert "Traceback" not in err and started == [3, 3, 3, 2]
+    assert read_jsonl(out) == rollout_rows[1]
+
+
+def test_a_rank_that_dies_with_no_restart_left_ends_the_run_with_one_line(
+    rollout_rows, tmp_path, capsys, monkeypatch
+):
+    """parallel.max_restarts=0: the death ends the run with exit 1 and one line naming it (a
+    traceback before), the batches before it kept; a rerun completes the file as an
+    uninterrupted run writes it."""
+    _rank_dies_in_batch(monkeypatch, 2)
+    source, out = write_jsonl(tmp_path / "in.jsonl", ROWS), tmp_path / "out.jsonl"
+    no_restart = ("--set", "parallel.max_restarts=0")
+    assert run("--input", source, "--output", out, *ARGS, *no_restart) == 1
+    err = capsys.readouterr().err
+    assert (
+        "error: gave up after parallel.max_restarts=0 restarts within "
+        "parallel.restart_window_s=3600s: rank 0 died during step 9: injected; the 3 rows "
+        "written this run are kept: rerun the same command to resume"
+    ) in err, err
+    assert "Traceback" not in err and len(read_jsonl(out)) == 3
+    monkeypatch.undo()
+    assert run("--input", source, "--output", out, *ARGS, *no_restart) == 0
+    assert read_jsonl(out) == rollout_rows[1]
+
+
 def test_read_done_streams_and_decodes_only_the_keys(tmp_path, monkeypatch):
     """It read the whole file and decoded every row whole: 21 s and 600 MB for 121 MB of
     rows. Now one line at a time, the keys alone where the row is laid out as append_rows
