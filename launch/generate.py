@@ -20,6 +20,7 @@ if __name__ == "__main__":  # the checkout on the path, not launch/ (whose opena
 from launch import cli  # noqa: E402
 from moe_runtime import LLM, SamplingParams  # noqa: E402
 from moe_runtime.config import load_config  # noqa: E402
+from moe_runtime.executor import WorkerError  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except ConnectionError as exc:  # the Ray cluster RAY_ADDRESS names does not answer
+    except (ConnectionError, WorkerError) as exc:  # no Ray cluster answers; a rank failed
         print(f"error: {exc}", file=sys.stderr)
         return 1
     elapsed = time.perf_counter() - started

@@ -678,3 +678,18 @@ def test_restarts_are_counted_within_the_restart_window(monkeypatch):
         assert engine.num_restarts == 2  # the metric counts every rebuild since start
     finally:
         llm.shutdown()
+
+
+def test_generate_cli_ends_a_rank_failure_with_one_line(monkeypatch, capsys):
+    """launch/generate.py with a rank that dies in the step: the engine's traceback ended the
+    command; now one line naming the rank, exit 1, as the rollout tool's give-up does."""
+    from launch.generate import main
+    from moe_runtime.executor.local import LocalExecutor
+
+    def dead(self, per_rank_inputs):
+        raise WorkerError("rank 0 died during step 1: injected")
+
+    monkeypatch.setattr(LocalExecutor, "execute", dead)
+    assert main(["--config", str(TINY_CONFIG), "--max-tokens", "4"]) == 1
+    err = capsys.readouterr().err
+    assert "error: rank 0 died during step 1: injected\n" in err and "Traceback" not in err, err
