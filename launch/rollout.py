@@ -188,6 +188,9 @@ def _run(args: argparse.Namespace, appender: Appender) -> int:
     except (ValueError, OSError) as exc:  # RowError is a ValueError
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except WorkerError as exc:  # a rank died or stalled while the ranks loaded
+        print(f"error: the model failed to load: {exc}", file=sys.stderr)
+        return 1
     try:
         return _run_loaded(llm, args, appender, defaults, rows, existing)
     finally:

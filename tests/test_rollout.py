@@ -984,6 +984,24 @@ def test_a_rank_that_dies_with_no_restart_left_ends_the_run_with_one_line(
     assert read_jsonl(out) == rollout_rows[1]
 
 
+def test_a_rank_that_fails_while_the_model_loads_ends_the_run_with_one_line(
+    tmp_path, capsys, monkeypatch
+):
+    """A rank dying while the ranks load (before any row): a traceback before; now one line
+    and exit 1, no output written."""
+    from moe_runtime.executor import WorkerError
+
+    def dying_load(config):
+        raise WorkerError("rank 1 died during init: injected")
+
+    monkeypatch.setattr(rollout, "LLM", dying_load)
+    source, out = write_jsonl(tmp_path / "in.jsonl", ROWS), tmp_path / "out.jsonl"
+    assert run("--input", source, "--output", out, *ARGS) == 1
+    err = capsys.readouterr().err
+    assert "error: the model failed to load: rank 1 died during init: injected\n" in err, err
+    assert "Traceback" not in err and not out.exists()
+
+
 def test_read_done_streams_and_decodes_only_the_keys(tmp_path, monkeypatch):
     """It read the whole file and decoded every row whole: 21 s and 600 MB for 121 MB of
     rows. Now one line at a time, the keys alone where the row is laid out as append_rows
