@@ -13,6 +13,7 @@ gave some of the calls other bits. Concurrent serving is AsyncEngine's (launch/s
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -25,6 +26,7 @@ from moe_runtime.config import SECTIONS, RuntimeConfig, load_config
 from moe_runtime.engine import CompletionOutput, LLMEngine, RequestOutput
 from moe_runtime.engine.engine import under_lock
 from moe_runtime.engine.request import Request
+from moe_runtime.executor import WorkerError
 from moe_runtime.sampling_params import SamplingParams
 
 log = logging.getLogger("moe_runtime.llm")
@@ -132,8 +134,13 @@ class LLM:
     def _live_engine(self) -> LLMEngine:
         """The engine, rebuilt first if a fault (or a Ctrl-C mid-step) left it dead: the call
         that met the fault raised it; this one runs on new workers (parallel.max_restarts
-        bounds how often, then RuntimeError)."""
+        bounds how often, then RuntimeError). A rank known dead without asking it (one that
+        died between two calls) kills the engine first: the call would be scheduled onto it
+        and fail with requests that never ran."""
         self._check_open()
+        if self.engine.error is None:
+            with contextlib.suppress(WorkerError):  # the engine is dead now, saying why
+                self.engine.check_dead_ranks()
         if self.engine.error is not None:
             log.warning("the engine is dead (%s): rebuilding its workers", self.engine.error)
             self.engine.restart()

@@ -693,3 +693,24 @@ def test_generate_cli_ends_a_rank_failure_with_one_line(monkeypatch, capsys):
     assert main(["--config", str(TINY_CONFIG), "--max-tokens", "4"]) == 1
     err = capsys.readouterr().err
     assert "error: rank 0 died during step 1: injected\n" in err and "Traceback" not in err, err
+
+
+def test_an_llm_call_after_a_rank_died_while_idle_runs_on_the_rebuilt_group(ray_local):
+    """kill -9 of a rank between two LLM calls: the death was known without asking (its
+    outstanding liveness call failed), yet the next generate was scheduled onto the dead rank
+    and raised WorkerError for requests that never ran; only the call after it rebuilt. The
+    server looked first (a 503 to retry); now LLM does too: the call runs on the rebuilt group,
+    with the same bits."""
+    llm = LLM(TINY_CONFIG, **{"parallel.world_size": 2, "parallel.timeout_s": 20})
+    params = SamplingParams(max_tokens=8, temperature=0.8, seed=3, logprobs=2, ignore_eos=True)
+    try:
+        before = fingerprint(llm.generate([[5, 6, 7]], params, use_tqdm=False)[0])
+        os.kill(llm.engine.executor.call_all("pid")[1], signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while llm.engine.dead_ranks() != [1]:
+            assert time.monotonic() < deadline, "the death was never known"
+            time.sleep(0.05)
+        after = fingerprint(llm.generate([[5, 6, 7]], params, use_tqdm=False)[0])
+        assert after == before and llm.engine.num_restarts == 1
+    finally:
+        llm.shutdown()
