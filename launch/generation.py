@@ -22,11 +22,11 @@ from launch.openai.errors import error_body
 from launch.openai.render import dumps_by_item, sse, usage
 from moe_runtime.engine.async_engine import AsyncEngine, EngineUnavailableError
 from moe_runtime.engine.outputs import RequestOutput
+from moe_runtime.engine.submission import OutputCallback
 from moe_runtime.sampling_params import SamplingParams
 
 _END = object()
 Choices = Callable[[int, RequestOutput], list[dict]]  # (prompt index, output) -> its choices
-OutputCallback = Callable[[int, RequestOutput], None]
 
 
 class Submitter(Protocol):

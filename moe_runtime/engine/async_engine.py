@@ -33,22 +33,25 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 from moe_runtime.engine.engine import LLMEngine
-from moe_runtime.engine.outputs import EngineStats, RequestOutput
-from moe_runtime.engine.request import Request
+from moe_runtime.engine.outputs import EngineStats
 from moe_runtime.engine.stall_watch import StallWatch
+from moe_runtime.engine.submission import (
+    EngineUnavailableError,
+    OutputCallback,
+    Submission,
+    resolve,
+)
 from moe_runtime.engine.weights_source import WeightsChangedError
 from moe_runtime.executor import QUICK_CALL_TIMEOUT_S
 from moe_runtime.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
-OutputCallback = Callable[[int, RequestOutput], None]  # (prompt index, delta)
 STOP_TIMEOUT_S = 2.0  # a healthy loop ends its step well inside this; a stuck one never does
 DEAD_RANK_POLL_S = 1.0  # how often an idle loop looks for ranks known dead (no round trip)
 # After the k-th failed rebuild attempt in a row the next waits REBUILD_BACKOFF_S * 2**(k-1),
@@ -58,52 +61,14 @@ REBUILD_BACKOFF_S = 1.0
 REBUILD_BACKOFF_MAX_S = 30.0
 
 
-class EngineUnavailableError(RuntimeError):
-    """The engine is loading, draining, stopped or dead; the request was not run.
-    retry_after_s: when a retry may find it serving again (rebuilding or stalled), else None."""
-
-    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
-
-@dataclass(eq=False)
-class _Submission:
-    admit: Callable[[LLMEngine], list[Request]]  # queues its requests on the loop thread
-    num_sequences: int  # sequences it will run (a request's n samples each)
-    on_output: OutputCallback | None
-    is_scoring: bool = False  # no deltas: settled whole once its requests are done
-    future: Future = field(default_factory=Future)
-    requests: list[Request] = field(default_factory=list)
-    num_finished: int = 0  # requests[:num_finished] have finished
-
-    def has_run(self) -> bool:
-        """Whether a step (the failed one included) ran any of its sequences: queued or
-        admitted but never scheduled, it never reached a rank."""
-        return any(
-            seq.first_weight_version is not None
-            for request in self.requests
-            for seq in request.samples
-        )
-
-    def is_finished(self) -> bool:
-        """Whether every request has finished. Requests finish mostly in the order they were
-        queued, so a pointer past the finished ones makes this O(1) a step amortized: asked on
-        every delta, a scan of all requests made a submission of N prompts cost O(N^2)."""
-        requests = self.requests
-        while self.num_finished < len(requests) and requests[self.num_finished].is_finished:
-            self.num_finished += 1
-        return self.num_finished == len(requests)
-
-
 class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self._engine = engine
         self._check_interval_s = engine.config.server.health_check_interval_s  # None: never
         self._quiet_since = time.monotonic()  # since when the loop has had no work
         self._cond = threading.Condition()  # guards the queue, _live, flags and the snapshot
-        self._queue: deque[_Submission | tuple[Callable, Future]] = deque()
-        self._live: set[_Submission] = set()
+        self._queue: deque[Submission | tuple[Callable, Future]] = deque()
+        self._live: set[Submission] = set()
         self._is_accepting = True
         self._is_stopping = False
         self._has_cancelled = False
@@ -118,8 +83,8 @@ class AsyncEngine:
         self._stats = engine.stats()
         # Loop thread only: the submission and prompt index of each unfinished request, and
         # the scorings admitted (no deltas: each is settled when its requests are done).
-        self._owner: dict[str, tuple[_Submission, int]] = {}
-        self._scorings: set[_Submission] = set()
+        self._owner: dict[str, tuple[Submission, int]] = {}
+        self._scorings: set[Submission] = set()
         self._stall_watch = None  # what the loop waits on in a long step (server's interval)
         if self._check_interval_s is not None:
             is_rebuilding = lambda: self.error is not None  # noqa: E731 (the loop's error)
@@ -143,7 +108,7 @@ class AsyncEngine:
         admit = partial(LLMEngine.add_requests, prompts=prompts, params=params)
         # A value that is no SamplingParams is refused at admission, naming it; 1 until then.
         num_sequences = sum(p.n if isinstance(p, SamplingParams) else 1 for p in params)
-        return self._queue_submission(_Submission(admit, num_sequences, on_output))
+        return self._queue_submission(Submission(admit, num_sequences, on_output))
 
     def submit_scores(
         self,
@@ -164,7 +129,7 @@ class AsyncEngine:
             logprobs=logprobs,
             return_routed_experts=return_routed_experts,
         )
-        submission = _Submission(admit, len(sequences), None, is_scoring=True)
+        submission = Submission(admit, len(sequences), None, is_scoring=True)
         return self._queue_submission(submission)
 
     def call(self, fn: Callable[[LLMEngine], Any]) -> Future:
@@ -218,9 +183,7 @@ class AsyncEngine:
         """The engine's counts after the last step; num_waiting includes the sequences (each
         prompt's n samples) of submissions not admitted yet."""
         with self._cond:
-            queued = sum(
-                item.num_sequences for item in self._queue if isinstance(item, _Submission)
-            )
+            queued = sum(item.num_sequences for item in self._queue if isinstance(item, Submission))
             return dataclasses.replace(self._stats, num_waiting=self._stats.num_waiting + queued)
 
     def shutdown(
@@ -245,18 +208,18 @@ class AsyncEngine:
         late = f"when the drain timeout ({drain_timeout_s:g}s) passed"
         for future in waiting:  # never run now: _run_call skips them once stopping
             late_call = f"the engine is shutting down: the call was still waiting to run {late}"
-            _resolve(future, EngineUnavailableError(f"{late_call}; it did not run"), None)
+            resolve(future, EngineUnavailableError(f"{late_call}; it did not run"), None)
         for submission in unfinished:  # resolved here: the loop may be stuck in a step
             # (read beside the loop: a request in the step under way may read as waiting)
             state = "still running" if submission.has_run() else "still waiting to run"
             late_request = f"the engine is shutting down: the request was {state} {late}"
-            _resolve(submission.future, EngineUnavailableError(late_request), None)
+            resolve(submission.future, EngineUnavailableError(late_request), None)
         if call is not None:  # answered now, not when the workers' kill below fails it
             late_call = (
                 f"the engine is shutting down: the call was still running {late}; it may not "
                 "have run"
             )
-            _resolve(call, EngineUnavailableError(late_call), None)
+            resolve(call, EngineUnavailableError(late_call), None)
         self._thread.join(stop_timeout_s)
         if self._thread.is_alive():  # stuck in a call that only a rank's timeout would end
             self._engine.shutdown()
@@ -268,7 +231,7 @@ class AsyncEngine:
         loop or running). Under _cond."""
         return not self._live and not self._calls
 
-    def _queue_submission(self, submission: _Submission) -> Future:
+    def _queue_submission(self, submission: Submission) -> Future:
         self._put(submission)
         submission.future.add_done_callback(self._on_done)
         return submission.future
@@ -279,13 +242,13 @@ class AsyncEngine:
                 raise EngineUnavailableError("the engine is shutting down")
             self._check_alive()
             stalled = self.stalled
-            if stalled is not None and isinstance(item, _Submission):
+            if stalled is not None and isinstance(item, Submission):
                 # It would wait behind the stuck step (then fail with it): retryable now.
                 raise EngineUnavailableError(
                     f"the engine is stalled: {stalled}", self._retry_after_stall_s()
                 )
             self._queue.append(item)
-            if isinstance(item, _Submission):
+            if isinstance(item, Submission):
                 self._live.add(item)
             else:
                 self._calls.add(item[1])
@@ -322,10 +285,10 @@ class AsyncEngine:
                 calls, self._calls = list(self._calls), set()  # taken from the queue, not run
                 self._cond.notify_all()
             for item in leftover:
-                future = item.future if isinstance(item, _Submission) else item[1]
-                _resolve(future, stopped, None)
+                future = item.future if isinstance(item, Submission) else item[1]
+                resolve(future, stopped, None)
             for future in calls:
-                _resolve(future, stopped, None)
+                resolve(future, stopped, None)
             self._engine.shutdown()
 
     def _turn(self) -> bool:
@@ -354,7 +317,7 @@ class AsyncEngine:
             # on it (it runs on the rebuilt group instead).
             self._check_workers(self._engine.check_dead_ranks)
         for item in incoming:
-            if isinstance(item, _Submission):
+            if isinstance(item, Submission):
                 self._admit(item)
                 continue
             with self._running("a call between steps (a rebalance or weight update)"):
@@ -421,7 +384,7 @@ class AsyncEngine:
         try:
             self._publish_stats()  # before the answer: a scrape after it sees its effect
         finally:
-            _resolve(future, failure, result)  # (unless a shutdown answered it first)
+            resolve(future, failure, result)  # (unless a shutdown answered it first)
             with self._cond:  # answered: a drain no longer waits for it (nor for a rebuild)
                 self._call = None
                 self._calls.discard(future)
@@ -451,7 +414,7 @@ class AsyncEngine:
             except Exception as exc:  # a rank died or stalled while nothing ran
                 self._die(exc)
 
-    def _admit(self, submission: _Submission) -> None:
+    def _admit(self, submission: Submission) -> None:
         try:
             # Done already: cancelled, or failed with an engine that died while it was queued.
             if submission.future.done():
@@ -472,7 +435,7 @@ class AsyncEngine:
             self._die(exc)
             return
         self._publish_stats()  # before the deltas and results: a scrape after them counts it
-        failed: dict[int, tuple[_Submission, Exception]] = {}
+        failed: dict[int, tuple[Submission, Exception]] = {}
         for delta in deltas:
             submission, prompt_idx = self._owner[delta.request_id]
             if submission.on_output is not None and id(submission) not in failed:
@@ -591,29 +554,19 @@ class AsyncEngine:
         with self._cond:
             self._stats = stats
 
-    def _abort(self, submission: _Submission) -> None:
+    def _abort(self, submission: Submission) -> None:
         self._engine.abort(*(r.request_id for r in submission.requests if not r.is_finished))
 
-    def _settle(self, submission: _Submission, error: BaseException | None) -> None:
+    def _settle(self, submission: Submission, error: BaseException | None) -> None:
         for request in submission.requests:
             self._owner.pop(request.request_id, None)
         self._scorings.discard(submission)
         outputs = [self._engine.output(r) for r in submission.requests] if error is None else None
-        _resolve(submission.future, error, outputs)
+        resolve(submission.future, error, outputs)
         with self._cond:
             self._live.discard(submission)
             self._cond.notify_all()
 
-    def _snapshot(self) -> list[_Submission]:
+    def _snapshot(self) -> list[Submission]:
         with self._cond:
             return list(self._live)
-
-
-def _resolve(future: Future, error: BaseException | None, result: Any) -> None:
-    try:
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)
-    except InvalidStateError:
-        pass  # cancelled by its caller meanwhile
