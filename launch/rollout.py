@@ -332,36 +332,33 @@ def _write(
 def _run_rebuilding(run: Callable, llm: LLM, batch: list[Sample], progress: tqdm) -> list[dict]:
     """run(llm, batch, progress), run again on rebuilt workers after a rank died or stalled (a
     WorkerError), as a server rebuilds them: none of the batch's rows was written, and each
-    sample's own seed makes the rerun's rows the same bits."""
-    num_done = progress.n
+    sample's own seed makes the rerun's rows the same bits. RanksFailed once
+    parallel.max_restarts rebuilds fell within parallel.restart_window_s, or the batch (or a
+    rebuild) failed more than max_restarts times in a row (a rank that fails on the batch's own
+    inputs would fail it forever), or the weights' source changed."""
+    engine, num_done, num_failed = llm.engine, progress.n, 0
     while True:
         try:
+            if engine.error is not None:  # the last try, or the rebuild after it, failed
+                engine.restart()
             return run(llm, batch, progress)
+        except WeightsChangedError as exc:  # a rebuild would serve other weights
+            raise RanksFailed(str(exc)) from exc
         except WorkerError as exc:
-            _rebuild(llm.engine, exc)
+            num_failed += 1
+            max_restarts = engine.config.parallel.max_restarts
+            refusal = engine.restart_refusal()
+            if refusal is None and num_failed > max_restarts:
+                refusal = f"gave up after {num_failed} failures in a row of one batch: {exc}"
+            if refusal is not None:
+                raise RanksFailed(str(refusal)) from exc
+            print(
+                f"rollout: {exc}; rebuilding the workers (restart {engine.num_restarts + 1}) and "
+                "running the batch again",
+                file=sys.stderr,
+            )
         progress.n = num_done  # the failed try's finished samples are run again
         progress.refresh()
-
-
-def _rebuild(engine: LLMEngine, failure: WorkerError) -> None:
-    """The dead engine's workers rebuilt, one line said; attempts that fail to start are tried
-    again. RanksFailed once parallel.max_restarts rebuilds fell within
-    parallel.restart_window_s (a group that keeps failing), or the weights changed."""
-    while True:
-        refusal = engine.restart_refusal()
-        if refusal is not None:
-            raise RanksFailed(str(refusal)) from failure
-        print(
-            f"rollout: {failure}; rebuilding the workers (restart {engine.num_restarts + 1}) and "
-            "running the batch again",
-            file=sys.stderr,
-        )
-        try:
-            return engine.restart()
-        except WeightsChangedError as exc:  # other weights would serve the same run
-            raise RanksFailed(str(exc)) from exc
-        except WorkerError as exc:  # the new group failed to start: it counts as a restart
-            failure = exc
 
 
 def _output_path(output: Path, input_path: Path) -> Path:

@@ -922,16 +922,17 @@ def test_a_failed_append_is_named_and_a_rerun_resumes(rollout_rows, tmp_path, ca
     assert read_jsonl(out) == rollout_rows[1]
 
 
-def _rank_dies_in_batch(monkeypatch, batch_no: int) -> list[int]:
-    """The first step of the batch_no-th batch (1-based) fails as a dead rank's does (the
-    rebuilt executor has its own execute: it does not fail); -> the batches started so far."""
+def _rank_dies_in_batch(monkeypatch, batch_no: int, num_tries: int = 1) -> list[int]:
+    """The first step of the batch_no-th batch (1-based) fails as a dead rank's does, in its
+    first num_tries tries (the rebuilt executor has its own execute: it does not fail); -> the
+    batch runs started so far."""
     from moe_runtime.executor import WorkerError
 
     started, run_batch = [], rollout._rollout_batch
 
     def dying_batch(llm, batch, *args, **kwargs):
         started.append(len(batch))
-        if len(started) == batch_no:
+        if batch_no <= len(started) < batch_no + num_tries:
 
             def dead(per_rank_inputs):
                 raise WorkerError("rank 0 died during step 9: injected")
@@ -982,6 +983,22 @@ def test_a_rank_that_dies_with_no_restart_left_ends_the_run_with_one_line(
     monkeypatch.undo()
     assert run("--input", source, "--output", out, *ARGS, *no_restart) == 0
     assert read_jsonl(out) == rollout_rows[1]
+
+
+def test_a_batch_that_fails_on_every_rebuilt_group_ends_the_run(tmp_path, capsys, monkeypatch):
+    """A batch that fails on each new group too (a rank failing on the batch's own inputs) was
+    rebuilt and rerun for as long as the restart window let rebuilds fall out of it (forever
+    with a short window); now parallel.max_restarts failures in a row end the run."""
+    started = _rank_dies_in_batch(monkeypatch, 2, num_tries=5)
+    source, out = write_jsonl(tmp_path / "in.jsonl", ROWS), tmp_path / "out.jsonl"
+    window = ("--set", "parallel.restart_window_s=0.001")  # no rebuild stays in it
+    assert run("--input", source, "--output", out, *ARGS, *window) == 1
+    err = capsys.readouterr().err
+    assert (
+        "error: gave up after 4 failures in a row of one batch: rank 0 died during step 9: "
+        "injected; the 3 rows written this run are kept"
+    ) in err, err
+    assert started == [3, 3, 3, 3, 3] and len(read_jsonl(out)) == 3
 
 
 def test_a_rank_that_fails_while_the_model_loads_ends_the_run_with_one_line(
