@@ -928,7 +928,7 @@ def _rank_dies_in_batch(monkeypatch, batch_no: int, num_tries: int = 1) -> list[
     batch runs started so far."""
     from moe_runtime.executor import WorkerError
 
-    started, run_batch = [], rollout._rollout_batch
+    started, run_batch = [], rollout.rollout_batch
 
     def dying_batch(llm, batch, *args, **kwargs):
         started.append(len(batch))
@@ -940,7 +940,7 @@ def _rank_dies_in_batch(monkeypatch, batch_no: int, num_tries: int = 1) -> list[
             llm.engine.executor.execute = dead
         return run_batch(llm, batch, *args, **kwargs)
 
-    monkeypatch.setattr(rollout, "_rollout_batch", dying_batch)
+    monkeypatch.setattr(rollout, "rollout_batch", dying_batch)
     return started
 
 
@@ -1158,11 +1158,11 @@ def test_a_stop_signal_during_score_is_acted_on_between_steps():
                 raise Stopped(signal.SIGINT)
 
         with pytest.raises(Stopped), tqdm(disable=True) as progress:
-            rollout._score_batch(llm, batch, progress, stop, num_top=0, routed=False)
+            rollout.score_batch(llm, batch, progress, stop, num_top=0, routed=False)
         assert asked == [True, True, True]  # asked with the batch in flight, three steps in
         # Scoring has no deltas: its rows count on the bar as they finish (it stood at 0).
         with tqdm(file=io.StringIO(), mininterval=0) as progress:
-            rows = rollout._score_batch(llm, batch, progress, lambda: None, num_top=0, routed=False)
+            rows = rollout.score_batch(llm, batch, progress, lambda: None, num_top=0, routed=False)
             assert progress.n == len(rows) == len(batch)
     finally:
         llm.shutdown()
