@@ -32,12 +32,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 from bench.hbm_floor import copy_bandwidth  # noqa: E402
 from moe_kernels.attention_launch import NARROW_LAUNCH, WIDE_HEADS  # noqa: E402
 from moe_kernels.rmsnorm import rms_norm_fast  # noqa: E402
-from moe_kernels.triton_linear import (  # noqa: E402
-    _launch,
-    grouped_config,
-    grouped_linear_triton,
-    linear_triton,
-)
+from moe_kernels.triton_grouped_linear import grouped_config, grouped_linear_triton  # noqa: E402
+from moe_kernels.triton_linear import _launch, linear_triton  # noqa: E402
 from moe_kernels.triton_linear_config import LinearConfig, batched_config, linear_config  # noqa: E402
 from moe_kernels.triton_rmsnorm import rms_norm_triton  # noqa: E402
 from moe_kernels.triton_softmax import log_softmax_triton  # noqa: E402
@@ -188,7 +184,7 @@ def bench_grouped_sweep() -> None:
 
 def _grouped_sweep_row(name: str, out_dim: int, in_dim: int, tokens: int, gen) -> str:
     from moe_kernels.linear import grouped_linear_cuda_fast
-    from moe_kernels.triton_linear import _grouped, grouped_config
+    from moe_kernels.triton_grouped_linear import _grouped, grouped_config
 
     ids = torch.stack([torch.randperm(64, generator=gen)[:6] for _ in range(tokens)])
     flat = ids.reshape(-1)
@@ -259,11 +255,11 @@ def bench_config_sweep() -> None:
     for name, in_dim, out_dim in LINEAR_SHAPES:
         w = torch.randn(out_dim, in_dim, device="cuda", dtype=torch.bfloat16) * in_dim**-0.5
         x600 = torch.randn(600, in_dim, device="cuda", dtype=torch.bfloat16)
-        ref = _launch(x600, w, x600.new_empty((600, out_dim)), None, 600, SWEEP_SMALL[8])
+        ref = _launch(x600, w, x600.new_empty((600, out_dim)), 600, SWEEP_SMALL[8])
         same = {}
         for c in dict.fromkeys(SWEEP_SMALL + SWEEP_LARGE):
             try:
-                out = _launch(x600, w, x600.new_empty((600, out_dim)), None, 600, c)
+                out = _launch(x600, w, x600.new_empty((600, out_dim)), 600, c)
                 same[c] = "=" if torch.equal(out, ref) else "x"
             except Exception as err:  # out of shared memory etc.: report, keep sweeping
                 same[c] = f"fail:{type(err).__name__}"
@@ -276,7 +272,7 @@ def bench_config_sweep() -> None:
             for c in SWEEP_SMALL if m <= 64 else SWEEP_LARGE:
                 if same[c].startswith("fail"):
                     continue
-                t = _ms(lambda x=x, w=w, out=out, c=c, m=m: _launch(x, w, out, None, m, c))
+                t = _ms(lambda x=x, w=w, out=out, c=c, m=m: _launch(x, w, out, m, c))
                 cells.append((t / t_cublas, c))
             cells.sort(key=lambda item: item[0])
             print(
@@ -317,11 +313,11 @@ def bench_prefill_linears() -> None:
             for c in SWEEP_LARGE[1:] + [LinearConfig(256, 128, 64, 8, 8, 3, True)]:
                 out = x.new_empty((m, out_dim))
                 try:
-                    same = torch.equal(_launch(x, w, out, None, m, c), want)
+                    same = torch.equal(_launch(x, w, out, m, c), want)
                 except Exception as err:  # out of shared memory etc.: report, keep sweeping
                     cells.append(f"{_tag(c)}:fail:{type(err).__name__}")
                     continue
-                t = _ms(lambda x=x, w=w, out=out, c=c, m=m: _launch(x, w, out, None, m, c))
+                t = _ms(lambda x=x, w=w, out=out, c=c, m=m: _launch(x, w, out, m, c))
                 cells.append(f"{_tag(c)}{'=' if same else 'x'}{t * 1e3:.1f}")
             print(
                 f"{name:15} M={m:5} cublas {t_cublas * 1e3:6.1f} default {t_default * 1e3:6.1f} "
@@ -1559,7 +1555,7 @@ def bench_decode_tiles() -> None:
 
 
 def _sweep_decode_linear(name, out_dim, in_dim, top_k, arrivals) -> None:
-    from moe_kernels.triton_linear import _grouped
+    from moe_kernels.triton_grouped_linear import _grouped
 
     rows = max(top_k, 1)
     counts = torch.zeros(64, dtype=torch.int64)
@@ -1571,7 +1567,7 @@ def _sweep_decode_linear(name, out_dim, in_dim, top_k, arrivals) -> None:
         if top_k:
             return _grouped(x, w, counts, None, is_gated=out_dim > 2048, config=c)
         out = x.new_empty((x.shape[0], out_dim))
-        return _launch(x, w, out, None, x.shape[0], c, arrivals=arrivals)
+        return _launch(x, w, out, x.shape[0], c, arrivals=arrivals)
 
     def make(c, gen=None):
         w = torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -1665,7 +1661,7 @@ def bench_heads() -> None:
                 return lambda: op(x, w, out)
 
             def triton_op(c, rows=rows):
-                return lambda x, w, out: _launch(x, w, out, None, rows, c, arrivals=arrivals)
+                return lambda x, w, out: _launch(x, w, out, rows, c, arrivals=arrivals)
 
             def cublas(x, w, out):
                 return torch.matmul(x, w.transpose(-1, -2), out=out)
@@ -1737,7 +1733,7 @@ def bench_heads_prefill() -> None:
                     return lambda: op(x, w, out)
 
                 def triton_op(c, rows=rows):
-                    return lambda x, w, out: _launch(x, w, out, None, rows, c)
+                    return lambda x, w, out: _launch(x, w, out, rows, c)
 
                 def cublas(x, w, out):
                     return torch.bmm(x, w.transpose(1, 2), out=out)

@@ -267,7 +267,8 @@ def grouped_linear_cuda_fast(
     if x.shape[0] == 0:
         return x.new_empty((0, out_dim))
     if x.dtype != torch.bfloat16 or out_dim % 16 or in_dim % 16:
-        from moe_kernels.triton_linear import grouped_linear_triton  # it imports this module
+        # Imported here: triton_grouped_linear imports this module.
+        from moe_kernels.triton_grouped_linear import grouped_linear_triton
 
         return grouped_linear_triton(x, weight, group_sizes)
     counts = torch.as_tensor(group_sizes, device=x.device)

@@ -291,7 +291,7 @@ def _grouped_gated_linear(
     if device.type != "cuda":
         return composed
     from moe_kernels.linear import grouped_linear_cuda_fast
-    from moe_kernels.triton_linear import grouped_gated_linear_triton
+    from moe_kernels.triton_grouped_linear import grouped_gated_linear_triton
 
     if is_invariant:
         return grouped_gated_linear_triton
@@ -320,12 +320,9 @@ def _triton_kernels(arrivals: torch.Tensor | StreamBuffers | None) -> dict[str, 
     from moe_kernels.triton_activation import silu_mul_triton
     from moe_kernels.triton_attention import mla_attention_triton
     from moe_kernels.triton_combine import moe_combine_triton
+    from moe_kernels.triton_grouped_linear import grouped_linear_triton
     from moe_kernels.triton_latent_cache import write_latent_cache_triton
-    from moe_kernels.triton_linear import (
-        batched_linear_triton,
-        grouped_linear_triton,
-        linear_triton,
-    )
+    from moe_kernels.triton_linear import batched_linear_triton, linear_triton
     from moe_kernels.triton_moe_output import moe_output_triton
     from moe_kernels.triton_rmsnorm import add_rms_norm_triton, rms_norm_triton
     from moe_kernels.triton_router import router_logits_triton, router_topk_triton

@@ -1,12 +1,15 @@
 """What every invariant matmul kernel shares: one K step of fp32 accumulation (`dot_step`),
 the K loops over whole steps (`dot_k_range`) and over a 64-column grid fixed in the whole
 weight's columns (`dot_k_grid`), the tile order, the fixed binary tree of chunk sums
-(`tree_push`, `sum_parts`), and the launch side's input checks and kernel constants. The
-plain, chunk-launch and in-program kernels (triton_linear, triton_split_k, triton_chunk_tree)
+(`tree_push`, `sum_parts`), and the launch side's input checks, kernel constants and
+persistent-launch checks (`tma_ok`, `num_persistent_programs`). The pointer, chunk-launch
+and in-program kernels (triton_pointer_linear, triton_split_k, triton_chunk_tree)
 all sum a chunk through these, so a chunk's sum is the same sequence of steps on every path.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -64,6 +67,28 @@ def kernel_consts(config: LinearConfig, x_dtype: torch.dtype, w_dtype: torch.dty
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
+
+
+def tma_ok(*tensors: torch.Tensor) -> bool:
+    """TMA needs 16-byte aligned base addresses and strides (all but the last, which is 1)."""
+    return all(
+        t.data_ptr() % 16 == 0
+        and t.stride(-1) == 1
+        and all(t.stride(d) * t.element_size() % 16 == 0 for d in range(t.dim() - 1))
+        for t in tensors
+    )
+
+
+def num_persistent_programs(num_tiles: int, device: torch.device) -> int:
+    """A persistent kernel's program count: one a tile, at most one an SM (4 interpreted).
+    Which program computes a tile follows it; a tile's sums never do."""
+    sms = 4 if is_interpreted() else _num_sms(device.index or 0)
+    return min(num_tiles, sms)
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 @triton.jit

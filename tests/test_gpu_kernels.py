@@ -130,7 +130,7 @@ def test_linear_every_bucket_config_gives_the_same_bits(generator, name, in_dim,
     configs = {linear_config(out_dim, in_dim, x.dtype, m) for m in BUCKET_PROBE_ROWS}
     configs.add(POINTER_CONFIG_16BIT)  # batched/grouped launches' stand-in for TMA
     assert len({c.block_k for c in configs}) == 1, configs
-    outs = {c: _launch(x, w, x.new_empty((600, out_dim)), None, 600, c) for c in configs}
+    outs = {c: _launch(x, w, x.new_empty((600, out_dim)), 600, c) for c in configs}
     first = next(iter(outs.values()))
     for config, out in outs.items():
         assert torch.equal(out, first), (name, config)
@@ -198,7 +198,8 @@ def test_linear_prefill_chain_gives_the_chunk_launch_bits(generator, monkeypatch
 
 def test_grouped_linear_rows_independent_of_expert_load(generator):
     from moe_kernels.linear import grouped_linear_fast
-    from moe_kernels.triton_linear import grouped_linear_triton, linear_triton
+    from moe_kernels.triton_grouped_linear import grouped_linear_triton
+    from moe_kernels.triton_linear import linear_triton
 
     hidden, inter, num_local = 2048, 1408, 8
     w = _randn(generator, num_local, 2 * inter, hidden, scale=hidden**-0.5)
@@ -247,7 +248,7 @@ def test_fp32_router_linear_every_bucket_config_gives_the_same_bits(generator, n
     assert k_split_chunks_per_program(w.dtype, num_chunks, FP32_PREFILL_ROWS - 1) == 1
     configs = {linear_config(num_experts, hidden, x.dtype, m) for m in BUCKET_PROBE_ROWS}
     assert len(configs) == 4 and len({c.block_k for c in configs}) == 1, configs
-    outs = [_launch(x, w, x.new_empty((rows, num_experts)), None, rows, c) for c in configs]
+    outs = [_launch(x, w, x.new_empty((rows, num_experts)), rows, c) for c in configs]
     for config, out in zip(configs, outs, strict=True):
         assert torch.equal(out, outs[0]), config
     torch.testing.assert_close(outs[0], x @ w.t(), atol=1e-4, rtol=1e-4)
@@ -314,9 +315,9 @@ def test_batched_linear_tma_gives_the_pointer_kernel_bits(generator, monkeypatch
             (latent.transpose(0, 1), w_uv, uv_out),
         )
         for x, w, out in cases:
-            want = _launch(x, w, torch.empty_like(out), None, rows, POINTER_CONFIG_16BIT)
+            want = _launch(x, w, torch.empty_like(out), rows, POINTER_CONFIG_16BIT)
             tma_launches.clear()
-            got = _launch(x, w, out, None, rows, config)
+            got = _launch(x, w, out, rows, config)
             assert tma_launches == [3]  # engagement: the TMA kernel's batched form ran
             assert torch.equal(got, want), (config, tuple(w.shape))
 
@@ -358,7 +359,7 @@ def test_grouped_linear_device_counts_same_bits_in_every_bucket_and_in_a_graph(g
     whether the batch is decode-sized or prefill-sized (different tile buckets), equal the
     host-count path, and a CUDA graph replayed with new counts gives the eager bits."""
     from moe_kernels.linear import grouped_linear_cuda_fast
-    from moe_kernels.triton_linear import grouped_config, grouped_linear_triton
+    from moe_kernels.triton_grouped_linear import grouped_config, grouped_linear_triton
 
     hidden, inter, num_local = 2048, 1408, 64
     w = _randn(generator, num_local, 2 * inter, hidden, scale=hidden**-0.5)

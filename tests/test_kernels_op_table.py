@@ -200,7 +200,7 @@ def test_fast_cuda_grouped_gemm_takes_the_triton_kernel_only_where_it_is_faster(
     from moe_kernels.linear import FAST_TRITON_GROUPED_MAX_MEAN_ROWS as MAX_MEAN
     from moe_kernels.linear import FAST_TRITON_GROUPED_MIN_IN as MIN_IN
     from moe_kernels.linear import grouped_linear_cuda_fast
-    from moe_kernels.triton_linear import grouped_linear_triton
+    from moe_kernels.triton_grouped_linear import grouped_linear_triton
 
     op = build_op_table(KernelConfig(mode="fast"), "cuda").grouped_linear
     assert op.keywords == {"few_rows": grouped_linear_triton, "many_rows": grouped_linear_cuda_fast}

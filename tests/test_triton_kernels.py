@@ -74,12 +74,12 @@ def check_linear_k_split(generator: torch.Generator) -> None:
     assert k_split_count(2048, 10944, w.dtype) == 8 and k_split_chunk(10944, 8) == 1408
     assert k_split_count(3072, 2048, w.dtype) == 1  # wider than SPLIT_MAX_OUT: no split
     config = LinearConfig(16, 32, 64, 8, 4, 4)
-    full = _launch(x, w, x.new_empty((130, 96)), None, 130, config)
-    assert torch.equal(_launch(x[:64], w, x.new_empty((64, 96)), None, 64, config), full[:64])
+    full = _launch(x, w, x.new_empty((130, 96)), 130, config)
+    assert torch.equal(_launch(x[:64], w, x.new_empty((64, 96)), 64, config), full[:64])
     chunk = triton_split_k.SPLIT_ROW_CHUNK
     try:
         triton_split_k.SPLIT_ROW_CHUNK = 48  # three launches of 48, 48 and 34 rows
-        assert torch.equal(_launch(x, w, x.new_empty((130, 96)), None, 130, config), full)
+        assert torch.equal(_launch(x, w, x.new_empty((130, 96)), 130, config), full)
     finally:
         triton_split_k.SPLIT_ROW_CHUNK = chunk
     expected = (x.double() @ w.double().t()).to(torch.bfloat16)
@@ -106,7 +106,7 @@ def check_linear_k_split(generator: torch.Generator) -> None:
 
 def check_grouped_linear(generator: torch.Generator) -> None:
     from moe_kernels.linear import grouped_linear_ref
-    from moe_kernels.triton_linear import grouped_linear_triton
+    from moe_kernels.triton_grouped_linear import grouped_linear_triton
 
     sizes = [9, 0, 70, 1]
     for dtype in DTYPES:
@@ -130,7 +130,7 @@ def check_grouped_linear_device_counts(generator: torch.Generator) -> None:
     rows past the counts' sum never written, and the reference's values for many groups
     (empty ones included) over several tile sizes and tile bounds."""
     from moe_kernels.linear import grouped_linear_ref
-    from moe_kernels.triton_linear import grouped_linear_triton, grouped_tile_bound
+    from moe_kernels.triton_grouped_linear import grouped_linear_triton, grouped_tile_bound
 
     sizes = [9, 0, 70, 1]
     for dtype in DTYPES:
@@ -157,7 +157,7 @@ def check_grouped_linear_gather(generator: torch.Generator) -> None:
     """Rows read through an index (the MoE layer's token_of_row): the bits of the gathered
     copy's GEMM, host and device counts, repeated and unsorted tokens, the reference too."""
     from moe_kernels.linear import grouped_linear_ref
-    from moe_kernels.triton_linear import grouped_linear_triton
+    from moe_kernels.triton_grouped_linear import grouped_linear_triton
 
     sizes = [9, 0, 70, 1]
     for dtype in DTYPES:
@@ -181,7 +181,7 @@ def check_grouped_linear_tma(generator: torch.Generator) -> None:
     pointer kernel are the GPU's to check: tests/test_gpu_kernels.py), rows read through an
     index, counts short of x's rows."""
     from moe_kernels.linear import grouped_linear_ref
-    from moe_kernels.triton_linear import _grouped
+    from moe_kernels.triton_grouped_linear import _grouped
     from moe_kernels.triton_linear_config import LinearConfig
 
     config = LinearConfig(16, 32, 64, 8, 4, 3, is_persistent=True)
@@ -234,7 +234,8 @@ def check_batched_linear_tma(generator: torch.Generator) -> None:
     the fp64 products, each product's rows keep their bits with other rows around them, and
     each product is its own (a batch of one gives product b's bits). Its bits against the
     pointer kernel are the GPU's to check (tests/test_gpu_kernels.py)."""
-    from moe_kernels.triton_linear import _launch, _tma_ok
+    from moe_kernels.triton_dot import tma_ok
+    from moe_kernels.triton_linear import _launch
     from moe_kernels.triton_linear_config import LinearConfig, block_k_of
 
     heads, rows, nope, width = 3, 37, 64, 96
@@ -245,15 +246,15 @@ def check_batched_linear_tma(generator: torch.Generator) -> None:
         w = (torch.randn(heads, 48, nope, generator=generator) / nope**0.5).to(dtype)
         buffer = torch.zeros(rows, heads, 80, dtype=dtype)
         out = buffer[..., :48].transpose(0, 1)  # [H, T, 48] inside a wider row
-        assert _tma_ok(x, w, out)  # engagement: the TMA kernel takes these views
-        _launch(x, w, out, None, rows, tma)
+        assert tma_ok(x, w, out)  # engagement: the TMA kernel takes these views
+        _launch(x, w, out, rows, tma)
         want = torch.einsum("htk,hnk->htn", x.double(), w.double())
         torch.testing.assert_close(out, want.to(dtype), **_tol(dtype))
         assert not buffer[..., 48:].any()  # nothing written past the view
         moved = x[:, 5:].contiguous()
-        got = _launch(moved, w, moved.new_empty((heads, rows - 5, 48)), None, rows - 5, tma)
+        got = _launch(moved, w, moved.new_empty((heads, rows - 5, 48)), rows - 5, tma)
         assert torch.equal(got, out[:, 5:]), dtype
-        one = _launch(x[1:2], w[1:2], x.new_empty((1, rows, 48)), None, rows, tma)
+        one = _launch(x[1:2], w[1:2], x.new_empty((1, rows, 48)), rows, tma)
         assert torch.equal(one[0], out[1]), dtype
 
 
@@ -262,7 +263,7 @@ def check_grouped_gated_linear(generator: torch.Generator) -> None:
     through the silu kernel (here; on the GPU in tests/test_gpu_kernels.py), host and device
     counts, rows through an index; a swapped gate / up half gives other values."""
     from moe_kernels.triton_activation import silu_mul_triton
-    from moe_kernels.triton_linear import (
+    from moe_kernels.triton_grouped_linear import (
         GATED_MAX_MEAN_ROWS,
         grouped_gated_linear_triton,
         grouped_linear_triton,
@@ -819,12 +820,9 @@ def check_router_topk(generator: torch.Generator) -> None:
 def check_bad_inputs(generator: torch.Generator) -> None:
     from moe_kernels.triton_attention import mla_attention_triton
     from moe_kernels.triton_combine import moe_combine_output_triton, moe_combine_triton
+    from moe_kernels.triton_grouped_linear import grouped_gated_linear_triton, grouped_linear_triton
     from moe_kernels.triton_layout import expert_layout_triton
-    from moe_kernels.triton_linear import (
-        grouped_gated_linear_triton,
-        grouped_linear_triton,
-        linear_triton,
-    )
+    from moe_kernels.triton_linear import linear_triton
     from moe_kernels.triton_moe_output import moe_output_triton
     from moe_kernels.triton_rmsnorm import rms_norm_triton
     from moe_kernels.triton_router import router_topk_triton
@@ -979,7 +977,8 @@ def test_the_row_check_catches_a_batch_dependent_row_op(generator):
 
 def test_compiled_wrappers_refuse_cpu_and_bad_inputs(generator):
     # In this process the kernels are compiled (no interpreter), so CPU tensors are refused.
-    from moe_kernels.triton_linear import grouped_linear_triton, linear_triton
+    from moe_kernels.triton_grouped_linear import grouped_linear_triton
+    from moe_kernels.triton_linear import linear_triton
     from moe_kernels.triton_moe_output import moe_output_triton
     from moe_kernels.triton_rmsnorm import rms_norm_triton
     from moe_kernels.triton_softmax import softmax_triton
