@@ -160,62 +160,82 @@ def build_op_table(config: KernelConfig, device: torch.device | str) -> OpTable:
         side = SideStream(device, config.side_stream_rows)
     # The split-K arrival counts of the Triton linears (None: each launch makes its own).
     arrivals = _arrival_counts(device, side) if is_present else None
-    row_wise = {name: ref for name, (_, ref) in _ROW_WISE_OPS.items()}
-    if not config.is_invariant:
-        ops = {name: fast for name, (fast, _) in (_TILED_OPS | _ROW_WISE_OPS).items()}
-        if device.type == "cuda":
-            # Why: fast mode is the best path a user could run, so each op whose one-launch
-            # Triton kernel beats torch's several launches takes it (invariance costs nothing
-            # there; the price of invariance is measured on the reducing GEMMs and attention),
-            # and the linears take it at the sizes where it beat cuBLAS (moe_kernels/linear.py).
-            triton_ops = _triton_kernels(arrivals)
-            ops |= {name: triton_ops[name] for name in _FASTEST_ON_CUDA}
-            triton_linear = triton_ops["linear"]
-            narrow_or_cublas = ByRows(
-                triton_linear, linear_fast, FAST_TRITON_LINEAR_MAX_ROWS,
-                max_out=FAST_TRITON_LINEAR_MAX_OUT,
-            )  # fmt: skip
-            ops["linear"] = ByRows(
-                triton_linear, narrow_or_cublas, FAST_TRITON_LINEAR_ANY_OUT_ROWS,
-                max_in=FAST_TRITON_LINEAR_ANY_OUT_MAX_IN,
-            )  # fmt: skip
-            ops["batched_linear"] = ByRows(
-                triton_ops["batched_linear"], batched_linear_fast, FAST_TRITON_BATCHED_MAX_ROWS,
-                rows_dim=1,  # [heads, tokens, features]
-                max_batch=FAST_TRITON_BATCHED_MAX_HEADS,
-            )  # fmt: skip
-            ops["router_logits"] = ByRows(
-                triton_ops["router_logits"], router_logits_fast, FAST_TRITON_ROUTER_MAX_ROWS
-            )  # fmt: skip
-            # Why: the per-expert loop needs host counts; a graph-captured step can't have
-            # them. Torch's grouped GEMM, or the Triton one where it is the faster (few rows
-            # an expert: decode).
-            ops["grouped_linear"] = partial(
-                grouped_linear_by_rows,
-                few_rows=triton_ops["grouped_linear"],
-                many_rows=grouped_linear_cuda_fast,
-            )
-            ops["mla_attention"] = _fast_decode_attention()
-            ops["mla_prefill"] = MhaPrefill()
-    elif device.type == "cuda":
-        ops = row_wise | _triton_kernels(arrivals)
-        if config.attention_group_splits:  # part of the bits: the config's, not the launch's
-            ops["mla_attention"] = partial(
-                ops["mla_attention"], group_splits=config.attention_group_splits
-            )
-    elif device.type == "cpu":
-        tile = partial(partial, tile_rows=config.tile_rows)
-        ops = {name: tile(ref) for name, (_, ref) in _TILED_OPS.items()} | row_wise
+    if config.is_invariant:
+        ops = _invariant_ops(config, device, arrivals)
     else:
-        raise ValueError(
-            f"kernels.mode='invariant' supports devices cpu and cuda, got device {device}"
-        )
+        ops = _fast_ops(device, arrivals)
     ops["row_parallel_linear"] = _row_parallel_linear(config, device, arrivals)
     ops["moe_combine_output"] = _moe_combine_output(ops, device)
     ops["grouped_gated_linear"] = _grouped_gated_linear(ops, device, config.is_invariant)
     if side is not None:
         ops |= {"branch": side.branch, "side_stream": side}
     return OpTable(**ops, mode=config.mode)
+
+
+def _invariant_ops(
+    config: KernelConfig, device: torch.device, arrivals: torch.Tensor | StreamBuffers | None
+) -> dict[str, Callable]:
+    """Invariant mode's ops: the Triton kernels on CUDA, the torch references on the CPU (the
+    tiled ones at config.tile_rows)."""
+    row_wise = {name: ref for name, (_, ref) in _ROW_WISE_OPS.items()}
+    if device.type == "cuda":
+        ops = row_wise | _triton_kernels(arrivals)
+        if config.attention_group_splits:  # part of the bits: the config's, not the launch's
+            ops["mla_attention"] = partial(
+                ops["mla_attention"], group_splits=config.attention_group_splits
+            )
+        return ops
+    if device.type == "cpu":
+        tile = partial(partial, tile_rows=config.tile_rows)
+        return {name: tile(ref) for name, (_, ref) in _TILED_OPS.items()} | row_wise
+    raise ValueError(f"kernels.mode='invariant' supports devices cpu and cuda, got device {device}")
+
+
+def _fast_ops(
+    device: torch.device, arrivals: torch.Tensor | StreamBuffers | None
+) -> dict[str, Callable]:
+    """Fast mode's ops: torch's, and on CUDA the Triton kernels where they are faster."""
+    ops = {name: fast for name, (fast, _) in (_TILED_OPS | _ROW_WISE_OPS).items()}
+    if device.type == "cuda":
+        # Why: fast mode is the best path a user could run, so each op whose one-launch
+        # Triton kernel beats torch's several launches takes it (invariance costs nothing
+        # there; the price of invariance is measured on the reducing GEMMs and attention),
+        # and the linears take it at the sizes where it beat cuBLAS (moe_kernels/linear.py).
+        ops |= _fast_cuda_ops(_triton_kernels(arrivals))
+    return ops
+
+
+def _fast_cuda_ops(triton_ops: dict[str, Callable]) -> dict[str, Callable]:
+    """Fast mode's CUDA ops over torch's: the one-launch kernels, and the linears by rows."""
+    ops = {name: triton_ops[name] for name in _FASTEST_ON_CUDA}
+    triton_linear = triton_ops["linear"]
+    narrow_or_cublas = ByRows(
+        triton_linear, linear_fast, FAST_TRITON_LINEAR_MAX_ROWS,
+        max_out=FAST_TRITON_LINEAR_MAX_OUT,
+    )  # fmt: skip
+    ops["linear"] = ByRows(
+        triton_linear, narrow_or_cublas, FAST_TRITON_LINEAR_ANY_OUT_ROWS,
+        max_in=FAST_TRITON_LINEAR_ANY_OUT_MAX_IN,
+    )  # fmt: skip
+    ops["batched_linear"] = ByRows(
+        triton_ops["batched_linear"], batched_linear_fast, FAST_TRITON_BATCHED_MAX_ROWS,
+        rows_dim=1,  # [heads, tokens, features]
+        max_batch=FAST_TRITON_BATCHED_MAX_HEADS,
+    )  # fmt: skip
+    ops["router_logits"] = ByRows(
+        triton_ops["router_logits"], router_logits_fast, FAST_TRITON_ROUTER_MAX_ROWS
+    )  # fmt: skip
+    # Why: the per-expert loop needs host counts; a graph-captured step can't have
+    # them. Torch's grouped GEMM, or the Triton one where it is the faster (few rows
+    # an expert: decode).
+    ops["grouped_linear"] = partial(
+        grouped_linear_by_rows,
+        few_rows=triton_ops["grouped_linear"],
+        many_rows=grouped_linear_cuda_fast,
+    )
+    ops["mla_attention"] = _fast_decode_attention()
+    ops["mla_prefill"] = MhaPrefill()
+    return ops
 
 
 def _is_present(device: torch.device) -> bool:

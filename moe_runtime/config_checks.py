@@ -72,6 +72,19 @@ def check_layout(
     any worker starts; each message names the keys and the values that would work."""
     world, tp = parallel.world_size, parallel.tp_size
     num_physical = model.n_routed_experts + eplb.num_redundant_experts
+    _check_expert_slots(model, eplb, world, num_physical)
+    _check_tp_splits(model, world, tp)
+    if kernels.is_invariant:
+        _check_tp_max(model, parallel.tp_size, kernels.tp_max)
+    if tp > 1 and model.tie_word_embeddings:
+        raise ValueError("model.tie_word_embeddings needs parallel.tp_size 1 (not supported)")
+    _check_eplb_nodes(model, eplb, world, num_physical)
+
+
+def _check_expert_slots(
+    model: ModelConfig, eplb: EplbConfig, world: int, num_physical: int
+) -> None:
+    """The redundant experts' bound, and num_physical expert slots shared equally by ranks."""
     # Each rank sends an expert's rows to one of its replicas (its own first): an expert
     # serves from world_size copies at most, so slots past that would only hold memory.
     most = model.n_routed_experts * max(world - 1, 1)
@@ -83,13 +96,16 @@ def check_layout(
             "model.n_routed_experts x (world_size - 1) would only hold memory (world size "
             "1, where no replica serves rows, accepts up to model.n_routed_experts)"
         )
-    slots = num_physical // world
     if num_physical % world:
         raise ValueError(
             f"parallel.world_size={world} must divide model.n_routed_experts + "
             f"eplb.num_redundant_experts = {num_physical} (each rank holds as many expert "
             f"slots); valid world sizes: {_divisors(num_physical)}"
         )
+
+
+def _check_tp_splits(model: ModelConfig, world: int, tp: int) -> None:
+    """tp_size divides every dimension TP splits: heads, vocab, the dense MLP's width."""
     splits = {"model.num_attention_heads": model.num_attention_heads}
     splits["model.vocab_size"] = model.vocab_size
     if model.first_k_dense_replace:
@@ -101,10 +117,11 @@ def check_layout(
                 f"parallel.tp_size={tp} must divide {key} = {total}; valid tp sizes for "
                 f"parallel.world_size={world}: {valid}"
             )
-    if kernels.is_invariant:
-        _check_tp_max(model, parallel.tp_size, kernels.tp_max)
-    if tp > 1 and model.tie_word_embeddings:
-        raise ValueError("model.tie_word_embeddings needs parallel.tp_size 1 (not supported)")
+
+
+def _check_eplb_nodes(model: ModelConfig, eplb: EplbConfig, world: int, num_physical: int) -> None:
+    """eplb.num_nodes against the world and, for the hierarchical policy, the expert groups
+    and each rank's slots."""
     if world % eplb.num_nodes:
         raise ValueError(
             f"eplb.num_nodes={eplb.num_nodes} must divide parallel.world_size={world}; "
@@ -115,6 +132,7 @@ def check_layout(
             f"eplb.policy 'hierarchical' needs eplb.num_nodes={eplb.num_nodes} to divide "
             f"model.n_group={model.n_group}; use eplb.policy 'auto' or 'global'"
         )
+    slots = num_physical // world
     node_experts = model.n_routed_experts // eplb.num_nodes
     if eplb.policy == "hierarchical" and eplb.num_nodes > 1 and slots > node_experts:
         # The planner keeps an expert on one node with one copy per rank of it at most (the

@@ -61,6 +61,14 @@ class ModelConfig:
     tie_word_embeddings: bool = False
 
     def __post_init__(self) -> None:
+        self._check_keys()
+        self._check_experts()
+        self._check_scales()
+        self._check_rope_scaling()
+        self._check_token_ids()
+
+    def _check_keys(self) -> None:
+        """Each key on its own: positive ints, q_lora_rank, the named choices, an even rope dim."""
         for key in _POSITIVE_INTS:
             value = getattr(self, key)
             _require(isinstance(value, int) and value >= 1, key, value, "an int >= 1")
@@ -79,6 +87,10 @@ class ModelConfig:
             value = getattr(self, key)
             _require(value in choices, key, value, f"one of {choices}")
         _require(self.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim", self.qk_rope_head_dim, "even")
+
+    def _check_experts(self) -> None:
+        """The routed experts against their groups and top-k, the shared experts, and the
+        dense layers before the first MoE one."""
         _require(
             self.n_routed_experts % self.n_group == 0,
             "n_group",
@@ -105,6 +117,8 @@ class ModelConfig:
             self.first_k_dense_replace,
             f"in [0, num_hidden_layers={self.num_hidden_layers}]",
         )
+
+    def _check_scales(self) -> None:
         _require(self.rms_norm_eps > 0, "rms_norm_eps", self.rms_norm_eps, "> 0")
         # Why: a rope_theta <= 0 gives NaN rotations, a negative scale flips every routed
         # expert's sign, a negative std is no distribution: each ran before, to noise.
@@ -112,14 +126,19 @@ class ModelConfig:
         scale = self.routed_scaling_factor
         _require(scale > 0, "routed_scaling_factor", scale, "> 0")
         _require(self.init_std >= 0, "init_std", self.init_std, ">= 0")
-        if self.rope_scaling is not None:
-            problem = rope_problem(self.rope_scaling)
-            if problem is None and "rope_theta" in self.rope_scaling:  # read from model.rope_theta
-                problem = ("rope_theta", self.rope_scaling["rope_theta"], "set model.rope_theta")
-            if problem is not None:
-                sub, value, why = problem
-                name = f"rope_scaling.{sub}" if sub else "rope_scaling"
-                raise ValueError(f"model.{name}={value!r} is refused: {why}")
+
+    def _check_rope_scaling(self) -> None:
+        if self.rope_scaling is None:
+            return
+        problem = rope_problem(self.rope_scaling)
+        if problem is None and "rope_theta" in self.rope_scaling:  # read from model.rope_theta
+            problem = ("rope_theta", self.rope_scaling["rope_theta"], "set model.rope_theta")
+        if problem is not None:
+            sub, value, why = problem
+            name = f"rope_scaling.{sub}" if sub else "rope_scaling"
+            raise ValueError(f"model.{name}={value!r} is refused: {why}")
+
+    def _check_token_ids(self) -> None:
         for key in ("bos_token_id", "eos_token_id"):
             value = getattr(self, key)
             _require(
