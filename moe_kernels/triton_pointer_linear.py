@@ -3,9 +3,9 @@ grouped (rows sorted by group, counts on the device), gathered and gated product
 kernel, plus the group-tile scans the grouped kernels share (`group_tiles`, `tile_rows`).
 
 A program per [BLOCK_M, BLOCK_N] tile walks K in BLOCK_K steps from 0 (dot_k_range),
-accumulating in fp32. The launch runs the tile config it is given and must not choose one:
-its callers (triton_linear.py, triton_grouped_linear.py) pick tiles from host shapes only,
-never from the row count, so a row's bits never follow the batch.
+accumulating in fp32. The launch runs the config its callers (triton_linear.py,
+triton_grouped_linear.py) chose and must not choose one itself: the tile shape may follow
+the row count, BLOCK_K and the K order never do, so a row's bits never follow the batch.
 """
 
 from __future__ import annotations
