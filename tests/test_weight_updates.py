@@ -387,3 +387,41 @@ def test_weight_versions_are_each_samples_own(checkpoints):
     assert (before.weight_version, before.first_weight_version) == (0, 0)
     assert before.outputs[0].weight_version == 0
     llm.shutdown()
+
+
+def test_a_state_dict_of_views_into_one_buffer_ships_each_tensor_alone(checkpoints):
+    """A trainer's state dict of views into one flat buffer (a usual layout of its parameters),
+    at world size 2: Ray pickled each view with its whole storage, once a rank, so an update
+    shipped the buffer once per tensor (133 views of the 1.3 MB model: 179 MB a rank, 20x the
+    plain update's time; a real model's buffer times its tensor count does not fit in memory).
+    Now each tensor ships alone, once for all ranks, with the plain state dict's bits."""
+    import time
+
+    from safetensors.torch import load_file
+
+    first, second = checkpoints
+    state = load_file(f"{second}/model.safetensors")
+    filler = torch.zeros(6 * 2**20 // 4)  # the buffer's other contents: 6 MB behind each view
+    flat = torch.cat([t.reshape(-1) for t in state.values()] + [filler])
+    views, start = {}, 0
+    for name, tensor in state.items():
+        views[name] = flat[start : start + tensor.numel()].view(tensor.shape)
+        start += tensor.numel()
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8]]
+    config = {"model": {"path": first}, "scheduler": {"max_model_len": 256}}
+    llm = LLM(config, **{"parallel.world_size": 2})
+    try:
+        original = _generate(llm, prompts)
+        started = time.perf_counter()
+        llm.update_weights(state)
+        plain_s = time.perf_counter() - started
+        expected = _generate(llm, prompts)
+        assert expected != original  # control: the update changed the weights
+        llm.update_weights(first)
+        started = time.perf_counter()
+        llm.update_weights(views)
+        views_s = time.perf_counter() - started
+        assert _generate(llm, prompts) == expected
+        assert views_s < 3 * plain_s + 0.5, f"views {views_s:.2f} s, plain {plain_s:.2f} s"
+    finally:
+        llm.shutdown()

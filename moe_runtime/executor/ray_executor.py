@@ -22,6 +22,7 @@ import weakref
 from collections import Counter
 
 import ray
+import torch
 from ray.exceptions import RayActorError, RayError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -225,7 +226,10 @@ class RayExecutor:
         return self._get(refs, method, timeout_s)
 
     def call_all(self, method: str, *args, timeout_s: float | None = None) -> list:
-        return self.call(method, [args] * self.world_size, timeout_s)
+        # The same arguments for every rank: a state dict (prepare_weights) is put once, its
+        # tensors compacted (_compact), where each rank's .remote() serialized it again.
+        shared = tuple(ray.put(_compact(arg)) if isinstance(arg, dict) else arg for arg in args)
+        return self.call(method, [shared] * self.world_size, timeout_s)
 
     def silent_ranks(self, timeout_s: float) -> list[int]:
         """The ranks that do not answer a ping within timeout_s (dead ones included), asked
@@ -366,6 +370,23 @@ def _release(owner_pid: int, workers: list, group) -> None:
         with contextlib.suppress(Exception):
             ray.kill(worker, no_restart=True)
     remove_placement_group(group)
+
+
+def _compact(state: dict) -> dict:
+    """A state dict whose tensors each ship alone: a view pickles its whole storage, so a
+    trainer's views into one flat buffer shipped the buffer once per tensor (133 views of a
+    1.3 MB model: 179 MB a rank, 20x the update's time). A view is copied; others go as they
+    are. Values that are no tensors are left for the rank's checks to name."""
+    return {
+        name: _alone(value) if isinstance(value, torch.Tensor) else value
+        for name, value in state.items()
+    }
+
+
+def _alone(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size():
+        return tensor.detach().clone(memory_format=torch.contiguous_format)
+    return tensor
 
 
 def _outcomes(refs: list, timeout_s: float) -> tuple[dict, list]:
