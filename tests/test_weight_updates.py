@@ -425,3 +425,63 @@ def test_a_state_dict_of_views_into_one_buffer_ships_each_tensor_alone(checkpoin
         assert views_s < 3 * plain_s + 0.5, f"views {views_s:.2f} s, plain {plain_s:.2f} s"
     finally:
         llm.shutdown()
+
+
+def test_each_rank_is_sent_only_its_own_experts_of_a_state_dict(checkpoints, monkeypatch):
+    """At world size R every rank was sent the whole state dict, every routed expert of it,
+    and read and checked all of it: R copies of the model in host memory at once (V2-Lite at
+    R=8: 8 x 31 GB). Now a rank is sent the tensors it holds: every other tensor, its own
+    slots' experts; the bits are those of the whole state dict at world size 1, a bad tensor
+    of any expert is still refused, and after a rebalance (and in a rebuild) each rank is sent
+    the experts it holds then."""
+    import ray
+    from safetensors.torch import load_file
+
+    from moe_runtime.model.weight_checks import EXPERT_KEY
+
+    first, second = checkpoints
+    state = load_file(f"{second}/model.safetensors")
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8]]
+    config = {"model": {"path": first}, "scheduler": {"max_model_len": 256}}
+    alone = LLM(config)
+    alone.update_weights(state)
+    expected = _generate(alone, prompts)
+    alone.shutdown()
+    sent: list[set[str]] = []
+    real_put = ray.put
+
+    def put(value, *args, **kwargs):
+        if isinstance(value, dict):
+            sent.append({EXPERT_KEY.match(k).group(0) for k in value if EXPERT_KEY.match(k)})
+        return real_put(value, *args, **kwargs)
+
+    monkeypatch.setattr(ray, "put", put)
+    llm = LLM(config, **{"parallel.world_size": 2})
+    try:
+        llm.update_weights(state)
+        num_experts = sum(1 for k in state if EXPERT_KEY.match(k))
+        assert len(sent) == 2 and all(len(keys) == num_experts // 2 for keys in sent), [
+            len(keys) for keys in sent
+        ]
+        assert sent[0] | sent[1] == {k for k in state if EXPERT_KEY.match(k)}
+        assert _generate(llm, prompts) == expected
+        bad = dict(state)
+        name = "model.layers.2.mlp.experts.15.down_proj.weight"
+        bad[name] = state[name].clone().fill_(float("nan"))
+        with pytest.raises(ValueError, match=r"experts\.15\.down_proj\.weight holds"):
+            llm.update_weights(bad)
+        assert _generate(llm, prompts) == expected  # refused: nothing changed
+        llm.generate([[7, 7, 7, 7, 7, 7, 7, 7, 7]] * 8, SamplingParams(max_tokens=8))
+        assert llm.rebalance()["experts_moved"] > 0  # engagement: the ranks' experts changed
+        placement = llm.engine.balancer.placement.physical_to_logical
+        sent.clear()
+        llm.update_weights(state)
+        for rank, keys in enumerate(sent):
+            slots = placement[:, rank * 8 : rank * 8 + 8]
+            held = {(1 + layer, int(e)) for layer in range(2) for e in slots[layer]}
+            assert {(int(k.split(".")[2]), int(k.split(".")[5])) for k in keys} == held
+        assert _generate(llm, prompts) == expected
+        llm.engine.restart()  # a rebuild sends each rank its part of the state dict again
+        assert _generate(llm, prompts) == expected
+    finally:
+        llm.shutdown()

@@ -288,7 +288,9 @@ class LLMEngine:
         # Two phases: every rank reads and checks its part; only when all have, every rank
         # copies it in. A refusal in phase 1 changes nothing anywhere.
         try:
-            self.group.prepare_weights(weights)
+            self.group.prepare_weights(
+                weights, self.balancer.placement.physical_to_logical.tolist()
+            )
         except ValueError:
             with self._fatal_on_error():
                 self.executor.call_all("discard_weights")

@@ -14,10 +14,14 @@ import collections
 import contextlib
 import time
 
+import torch
+
+from eplb.placement import ExpertPlacement
 from moe_runtime.config import RuntimeConfig
 from moe_runtime.engine.weights_source import WeightsChangedError, WeightsSource
 from moe_runtime.executor import create_executor
 from moe_runtime.heap import thawed
+from moe_runtime.model.weight_checks import rank_share
 
 
 class WorkerGroup:
@@ -115,7 +119,7 @@ class WorkerGroup:
                 # group's memory may not all be back): the schedulers follow its count.
                 num_kv_blocks = self._count_kv_blocks()
                 if self.weight_version > 0:  # an update's weights, not model.path's
-                    self.executor.call_all("prepare_weights", self.weights.source)
+                    self._prepare(self.weights.source, physical_to_logical)
                     self.executor.call_all("commit_weights")
                 # Checked again now the new ranks have read: a change while they read could
                 # have given them different weights (the check above was before). The served
@@ -140,10 +144,11 @@ class WorkerGroup:
             f"while it is served: {error}"
         )
 
-    def prepare_weights(self, weights: WeightsSource) -> None:
-        """Phase 1 of an update: every rank reads and checks its part of `weights`, changing
-        nothing it serves. ValueError: refused (the caller discards what the ranks staged)."""
-        self.executor.call_all("prepare_weights", weights.source)
+    def prepare_weights(self, weights: WeightsSource, physical_to_logical: list[list[int]]):
+        """Phase 1 of an update: every rank reads and checks its part of `weights` (its slots'
+        experts in the placement `physical_to_logical`), changing nothing it serves.
+        ValueError: refused (the caller discards what the ranks staged)."""
+        self._prepare(weights.source, physical_to_logical)
         # Each rank read the source on its own: a file replaced meanwhile (a trainer saving
         # over the directory) may have given ranks different weights. Refused as a whole.
         changed = weights.changed()
@@ -152,6 +157,26 @@ class WorkerGroup:
                 f"update_weights: {changed} (while the ranks read it, so they may hold "
                 "different weights): nothing changed; save each update to a new directory"
             )
+
+    def _prepare(self, source: str | dict | None, physical_to_logical: list[list[int]]) -> None:
+        """Worker.prepare_weights on every rank. A directory: each rank reads its own part. A
+        state dict: each rank is sent its part (rank_share), where every rank was sent, read and
+        checked all of it: R copies of the model in host memory at once."""
+        world_size, model = self.config.parallel.world_size, self.config.model
+        if not isinstance(source, dict) or world_size == 1:
+            self.executor.call_all("prepare_weights", source)
+            return
+        plan = torch.as_tensor(physical_to_logical, dtype=torch.int64)
+        placement = ExpertPlacement.from_physical_to_logical(plan, model.n_routed_experts)
+        parts = [
+            rank_share(
+                source,
+                placement.local_experts(r, world_size)[: model.num_moe_layers].tolist(),
+                model,
+            )
+            for r in range(world_size)
+        ]
+        self.executor.call("prepare_weights", [(part,) for part in parts])
 
     def commit_weights(self, weights: WeightsSource) -> int:
         """Phase 2: every rank copies its staged part in. -> the new weight_version. A failure

@@ -219,17 +219,25 @@ class RayExecutor:
         """Worker.<method> on every rank at once (collective methods need that), rank order;
         bounded by timeout_s where given (a call with no collective in it: a live rank answers
         at once), else by the collective timeout plus the margin."""
+        # A state dict (prepare_weights) is put once for the ranks it is for, its tensors
+        # compacted (_compact), where each rank's .remote() serialized it again.
+        puts: dict[int, ray.ObjectRef] = {}
+
+        def shipped(arg):
+            if not isinstance(arg, dict):
+                return arg
+            if id(arg) not in puts:
+                puts[id(arg)] = ray.put(_compact(arg))
+            return puts[id(arg)]
+
         refs = [
-            getattr(w, method).remote(*args)
+            getattr(w, method).remote(*(shipped(arg) for arg in args))
             for w, args in zip(self.workers, per_rank_args, strict=True)
         ]
         return self._get(refs, method, timeout_s)
 
     def call_all(self, method: str, *args, timeout_s: float | None = None) -> list:
-        # The same arguments for every rank: a state dict (prepare_weights) is put once, its
-        # tensors compacted (_compact), where each rank's .remote() serialized it again.
-        shared = tuple(ray.put(_compact(arg)) if isinstance(arg, dict) else arg for arg in args)
-        return self.call(method, [shared] * self.world_size, timeout_s)
+        return self.call(method, [args] * self.world_size, timeout_s)
 
     def silent_ranks(self, timeout_s: float) -> list[int]:
         """The ranks that do not answer a ping within timeout_s (dead ones included), asked

@@ -1,7 +1,8 @@
 """Checks of HF-named weights before they reach a model: names, shapes, dtypes and finite
 values (ValueError naming the first bad tensor and the source), the per-expert tensors stacked
 by local slot, and the copy into the model's parameters. Used at load (model/loader.py) and by
-weight updates, which check every rank's tensors before any rank changes anything.
+weight updates, which check every rank's tensors before any rank changes anything (a state
+dict's tensors cut per rank first: rank_share).
 """
 
 from __future__ import annotations
@@ -55,6 +56,30 @@ def check_weights(
     for name, param in params.items():
         _check_tensor(values[name], param.shape, name, source)
     return values
+
+
+def rank_share(
+    tensors: dict[str, torch.Tensor], local_experts: list[list[int]], cfg: ModelConfig
+) -> dict[str, torch.Tensor]:
+    """The part of an HF-named state dict that a rank holding `local_experts` ([MoE layers]
+    [slots] logical ids) reads: every tensor but the per-expert ones of the experts it holds
+    no slot of. Names no rank holds (an expert past the model's, a dense layer's) stay in every
+    rank's part, for its checks to refuse; every expert is held by some rank, which checks it."""
+    held = [set(experts) for experts in local_experts]
+
+    def is_elsewhere(key: str) -> bool:
+        match = EXPERT_KEY.match(key)
+        if match is None:
+            return False
+        layer, expert = (
+            int(LAYER_KEY.match(key).group(1)) - cfg.first_k_dense_replace,
+            int(match.group(2)),
+        )
+        return (
+            0 <= layer < len(held) and expert < cfg.n_routed_experts and expert not in held[layer]
+        )
+
+    return {key: value for key, value in tensors.items() if not is_elsewhere(key)}
 
 
 def unfuse_experts(
