@@ -152,7 +152,10 @@ def test_a_refusal_on_every_rank_reads_every_rank_s_answer(ray_local, monkeypatc
         gc.collect()
         time.sleep(3)  # Ray reports a dropped error from its own thread
         gc.collect()
-        assert not unhandled, [str(error)[:200] for error in unhandled]
+        # This update's answers only: an earlier test's dropped answer (a rank's own failure
+        # raised before its peers answered) may be collected, and reported, meanwhile.
+        dropped = [str(error) for error in unhandled if "prepare_weights" in str(error)]
+        assert not dropped, [error[:200] for error in dropped]
         out = llm.generate(["still serving"], SamplingParams(max_tokens=2, seed=1))[0]
         assert len(out.token_ids) == 2
     finally:
