@@ -4,8 +4,7 @@
 `shutdown()`. Overrides are "section.key" (or "section__key") keyword arguments, or a section
 name with a dict of keys, and win over the config file.
 
-Calls from several threads run one at a time, in the order they came: each waits for the call
-running (and the calls that were waiting before it). Why one at a time: a call
+Calls from several threads run one at a time: each waits for the call running. Why: a call
 steps the engine until nothing is left, so two at once stepped each other's requests from two
 threads, which killed the engine ("scheduled from position 0, but 4 are computed here") and
 gave some of the calls other bits. Concurrent serving is AsyncEngine's (launch/serve_ep.py).
@@ -28,7 +27,6 @@ from moe_runtime.engine import CompletionOutput, LLMEngine, RequestOutput
 from moe_runtime.engine.engine import under_lock
 from moe_runtime.engine.request import Request
 from moe_runtime.executor import WorkerError
-from moe_runtime.fair_lock import FairRLock
 from moe_runtime.sampling_params import SamplingParams
 
 log = logging.getLogger("moe_runtime.llm")
@@ -42,8 +40,7 @@ class LLM:
         # Held by the call running (under_lock; module docstring). Reentrant: a signal handler
         # calling shutdown() runs in the thread of the call it interrupted, which holds the
         # lock (a plain lock deadlocked there, and the process ignored every later SIGTERM).
-        # Fair: a thread waiting goes before the running thread's next call (FairRLock).
-        self._lock = FairRLock()
+        self._lock = threading.RLock()
         self._is_closing = threading.Event()  # set by shutdown before it waits for the lock
 
     @property
