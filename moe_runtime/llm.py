@@ -4,7 +4,7 @@
 `shutdown()`. Overrides are "section.key" (or "section__key") keyword arguments, or a section
 name with a dict of keys, and win over the config file.
 
-Calls from several threads run one at a time: each waits for the call running. Why: a call
+Calls from several threads run one at a time (in no guaranteed order). Why: a call
 steps the engine until nothing is left, so two at once stepped each other's requests from two
 threads, which killed the engine ("scheduled from position 0, but 4 are computed here") and
 gave some of the calls other bits. Concurrent serving is AsyncEngine's (launch/serve_ep.py).
