@@ -62,7 +62,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config.model)
         self.checks = RequestChecks(config, self.tokenizer)
         placement = initial_placement(config)
-        self.group = WorkerGroup(config, placement.physical_to_logical.tolist())
+        self.group = WorkerGroup(config, placement)
         self._reset_queues()
         self.balancer = ExpertBalancer(config, self.executor, placement)
         self.error: str | None = None
@@ -126,9 +126,10 @@ class LLMEngine:
         a step neither counts nor is refused: the bound stops a crash loop, and an interrupt is
         the user's, not a fault (a notebook's fourth Ctrl-C in an hour left the LLM unusable)."""
         self._check_process()
-        p2l = self.balancer.placement.physical_to_logical.tolist()
         try:
-            self.group.rebuild(p2l, self.error, is_counted=not self._is_interrupted)
+            self.group.rebuild(
+                self.balancer.placement, self.error, is_counted=not self._is_interrupted
+            )
         finally:
             self.balancer.executor = self.group.executor
         self._reset_queues()
@@ -288,9 +289,7 @@ class LLMEngine:
         # Two phases: every rank reads and checks its part; only when all have, every rank
         # copies it in. A refusal in phase 1 changes nothing anywhere.
         try:
-            self.group.prepare_weights(
-                weights, self.balancer.placement.physical_to_logical.tolist()
-            )
+            self.group.prepare_weights(weights, self.balancer.placement)
         except ValueError:
             with self._fatal_on_error():
                 self.executor.call_all("discard_weights")

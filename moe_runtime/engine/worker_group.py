@@ -14,8 +14,6 @@ import collections
 import contextlib
 import time
 
-import torch
-
 from eplb.placement import ExpertPlacement
 from moe_runtime.config import RuntimeConfig
 from moe_runtime.engine.weights_source import WeightsChangedError, WeightsSource
@@ -25,7 +23,7 @@ from moe_runtime.model.weight_checks import rank_share
 
 
 class WorkerGroup:
-    def __init__(self, config: RuntimeConfig, physical_to_logical: list[list[int]]) -> None:
+    def __init__(self, config: RuntimeConfig, placement: ExpertPlacement) -> None:
         self.config = config
         # model.path's weights as stamped before the workers read them: a rebuild checks that it
         # still holds them (and a rollout job's record names them).
@@ -37,7 +35,7 @@ class WorkerGroup:
         self.num_restarts = 0  # every rebuild since start (a metric)
         self._restart_times: collections.deque[float] = collections.deque()  # monotonic
         started = time.monotonic()
-        self.executor = create_executor(config, physical_to_logical)
+        self.executor = create_executor(config, placement.physical_to_logical.tolist())
         try:
             self.num_kv_blocks = self._count_kv_blocks()
             # Each rank read model.path on its own, as an update's ranks read its source: a
@@ -89,7 +87,7 @@ class WorkerGroup:
             f"parallel.restart_window_s={parallel.restart_window_s:g}s: {error}"
         )
 
-    def rebuild(self, physical_to_logical: list[list[int]], error: str | None, is_counted: bool):
+    def rebuild(self, placement: ExpertPlacement, error: str | None, is_counted: bool) -> None:
         """New ranks for the placement, serving the weights the old ones served, with fresh KV
         caches. `error`: what killed the old group (named in a refusal); is_counted: whether
         this rebuild counts toward (and may be refused by) parallel.max_restarts. Raises
@@ -113,13 +111,13 @@ class WorkerGroup:
         with thawed():
             with contextlib.suppress(Exception):  # the old group is broken; free what is left
                 self.executor.shutdown()
-            self.executor = create_executor(self.config, physical_to_logical)
+            self.executor = create_executor(self.config, placement.physical_to_logical.tolist())
             try:
                 # The new group's caches, sized afresh where cache.num_blocks is 0 (the old
                 # group's memory may not all be back): the schedulers follow its count.
                 num_kv_blocks = self._count_kv_blocks()
                 if self.weight_version > 0:  # an update's weights, not model.path's
-                    self._prepare(self.weights.source, physical_to_logical)
+                    self._prepare(self.weights.source, placement)
                     self.executor.call_all("commit_weights")
                 # Checked again now the new ranks have read: a change while they read could
                 # have given them different weights (the check above was before). The served
@@ -144,11 +142,11 @@ class WorkerGroup:
             f"while it is served: {error}"
         )
 
-    def prepare_weights(self, weights: WeightsSource, physical_to_logical: list[list[int]]):
+    def prepare_weights(self, weights: WeightsSource, placement: ExpertPlacement) -> None:
         """Phase 1 of an update: every rank reads and checks its part of `weights` (its slots'
-        experts in the placement `physical_to_logical`), changing nothing it serves.
+        experts in `placement`, the one it serves), changing nothing it serves.
         ValueError: refused (the caller discards what the ranks staged)."""
-        self._prepare(weights.source, physical_to_logical)
+        self._prepare(weights.source, placement)
         # Each rank read the source on its own: a file replaced meanwhile (a trainer saving
         # over the directory) may have given ranks different weights. Refused as a whole.
         changed = weights.changed()
@@ -158,7 +156,7 @@ class WorkerGroup:
                 "different weights): nothing changed; save each update to a new directory"
             )
 
-    def _prepare(self, source: str | dict | None, physical_to_logical: list[list[int]]) -> None:
+    def _prepare(self, source: str | dict | None, placement: ExpertPlacement) -> None:
         """Worker.prepare_weights on every rank. A directory: each rank reads its own part. A
         state dict: each rank is sent its part (rank_share), where every rank was sent, read and
         checked all of it: R copies of the model in host memory at once."""
@@ -166,8 +164,6 @@ class WorkerGroup:
         if not isinstance(source, dict) or world_size == 1:
             self.executor.call_all("prepare_weights", source)
             return
-        plan = torch.as_tensor(physical_to_logical, dtype=torch.int64)
-        placement = ExpertPlacement.from_physical_to_logical(plan, model.n_routed_experts)
         parts = [
             rank_share(
                 source,
