@@ -447,12 +447,17 @@ def test_each_rank_is_sent_only_its_own_experts_of_a_state_dict(checkpoints, mon
     alone.update_weights(state)
     expected = _generate(alone, prompts)
     alone.shutdown()
-    sent: list[set[str]] = []
+    sent: list[set[str]] = []  # the experts of each dict put for the ranks, in order
+    common_puts: list[int] = []  # the tensors past the experts each put carried
     real_put = ray.put
 
     def put(value, *args, **kwargs):
         if isinstance(value, dict):
-            sent.append({EXPERT_KEY.match(k).group(0) for k in value if EXPERT_KEY.match(k)})
+            experts = {k for k in value if EXPERT_KEY.match(k)}
+            if len(experts) < len(value):
+                common_puts.append(len(value) - len(experts))
+            else:
+                sent.append(experts)
         return real_put(value, *args, **kwargs)
 
     monkeypatch.setattr(ray, "put", put)
@@ -464,6 +469,8 @@ def test_each_rank_is_sent_only_its_own_experts_of_a_state_dict(checkpoints, mon
             len(keys) for keys in sent
         ]
         assert sent[0] | sent[1] == {k for k in state if EXPERT_KEY.match(k)}
+        # The tensors every rank reads are serialized once for both ranks, not once a rank.
+        assert common_puts == [len(state) - num_experts], common_puts
         assert _generate(llm, prompts) == expected
         bad = dict(state)
         name = "model.layers.2.mlp.experts.15.down_proj.weight"
@@ -475,7 +482,9 @@ def test_each_rank_is_sent_only_its_own_experts_of_a_state_dict(checkpoints, mon
         assert llm.rebalance()["experts_moved"] > 0  # engagement: the ranks' experts changed
         placement = llm.engine.balancer.placement.physical_to_logical
         sent.clear()
+        common_puts.clear()
         llm.update_weights(state)
+        assert len(sent) == 2 and len(common_puts) == 1, (len(sent), common_puts)
         for rank, keys in enumerate(sent):
             slots = placement[:, rank * 8 : rank * 8 + 8]
             held = {(1 + layer, int(e)) for layer in range(2) for e in slots[layer]}

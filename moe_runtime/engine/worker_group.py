@@ -19,7 +19,7 @@ from moe_runtime.config import RuntimeConfig
 from moe_runtime.engine.weights_source import WeightsChangedError, WeightsSource
 from moe_runtime.executor import create_executor
 from moe_runtime.heap import thawed
-from moe_runtime.model.weight_checks import rank_share
+from moe_runtime.model.weight_checks import rank_shares
 
 
 class WorkerGroup:
@@ -158,21 +158,20 @@ class WorkerGroup:
 
     def _prepare(self, source: str | dict | None, placement: ExpertPlacement) -> None:
         """Worker.prepare_weights on every rank. A directory: each rank reads its own part. A
-        state dict: each rank is sent its part (rank_share), where every rank was sent, read and
-        checked all of it: R copies of the model in host memory at once."""
+        state dict: the part every rank reads is shipped once for all of them, and each rank
+        its own experts beside it (rank_shares), where each rank was sent the whole dict (R
+        copies of the model in host memory at once), then its part with the common tensors
+        serialized once a rank."""
         world_size, model = self.config.parallel.world_size, self.config.model
         if not isinstance(source, dict) or world_size == 1:
             self.executor.call_all("prepare_weights", source)
             return
-        parts = [
-            rank_share(
-                source,
-                placement.local_experts(r, world_size)[: model.num_moe_layers].tolist(),
-                model,
-            )
+        local = [
+            placement.local_experts(r, world_size)[: model.num_moe_layers].tolist()
             for r in range(world_size)
         ]
-        self.executor.call("prepare_weights", [(part,) for part in parts])
+        common, own = rank_shares(source, local, model)
+        self.executor.call("prepare_weights", [(common, experts) for experts in own])
 
     def commit_weights(self, weights: WeightsSource) -> int:
         """Phase 2: every rank copies its staged part in. -> the new weight_version. A failure

@@ -2,7 +2,7 @@
 values (ValueError naming the first bad tensor and the source), the per-expert tensors stacked
 by local slot, and the copy into the model's parameters. Used at load (model/loader.py) and by
 weight updates, which check every rank's tensors before any rank changes anything (a state
-dict's tensors cut per rank first: rank_share).
+dict's tensors cut per rank first: rank_shares).
 """
 
 from __future__ import annotations
@@ -58,28 +58,39 @@ def check_weights(
     return values
 
 
-def rank_share(
-    tensors: dict[str, torch.Tensor], local_experts: list[list[int]], cfg: ModelConfig
-) -> dict[str, torch.Tensor]:
-    """The part of an HF-named state dict that a rank holding `local_experts` ([MoE layers]
-    [slots] logical ids) reads: every tensor but the per-expert ones of the experts it holds
-    no slot of. Names no rank holds (an expert past the model's, a dense layer's) stay in every
-    rank's part, for its checks to refuse; every expert is held by some rank, which checks it."""
-    held = [set(experts) for experts in local_experts]
+def rank_shares(
+    tensors: dict[str, torch.Tensor], local_experts: list[list[list[int]]], cfg: ModelConfig
+) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
+    """An HF-named state dict cut for ranks holding `local_experts` ([ranks][MoE layers][slots]
+    logical ids): (the part every rank reads, each rank's own). Every rank reads all but the
+    per-expert tensors; each also reads the experts it holds a slot of. So the common part
+    can be shipped once for all ranks, and no rank is sent an expert it does not hold. Names no
+    rank holds (an expert past the model's, a dense layer's) go in the common part, for every
+    rank's checks to refuse; every expert is held by some rank, which checks it."""
+    common, own = {}, [{} for _ in local_experts]
+    held = [[set(layer) for layer in rank] for rank in local_experts]
+    for key, value in tensors.items():
+        slot = _routed_expert(key, cfg)
+        if slot is None:
+            common[key] = value
+            continue
+        layer, expert = slot
+        for rank, layers in enumerate(held):
+            if expert in layers[layer]:
+                own[rank][key] = value
+    return common, own
 
-    def is_elsewhere(key: str) -> bool:
-        match = EXPERT_KEY.match(key)
-        if match is None:
-            return False
-        layer, expert = (
-            int(LAYER_KEY.match(key).group(1)) - cfg.first_k_dense_replace,
-            int(match.group(2)),
-        )
-        return (
-            0 <= layer < len(held) and expert < cfg.n_routed_experts and expert not in held[layer]
-        )
 
-    return {key: value for key, value in tensors.items() if not is_elsewhere(key)}
+def _routed_expert(key: str, cfg: ModelConfig) -> tuple[int, int] | None:
+    """(MoE layer, logical expert) of a routed expert's tensor of the model, else None."""
+    match = EXPERT_KEY.match(key)
+    if match is None:
+        return None
+    layer = int(LAYER_KEY.match(key).group(1)) - cfg.first_k_dense_replace
+    expert = int(match.group(2))
+    if 0 <= layer < cfg.num_moe_layers and expert < cfg.n_routed_experts:
+        return layer, expert
+    return None
 
 
 def unfuse_experts(

@@ -325,10 +325,14 @@ class Worker:
             )
         return ExpertPlacement.from_physical_to_logical(plan, self.config.model.n_routed_experts)
 
-    def prepare_weights(self, source: str | dict[str, torch.Tensor]) -> None:
+    def prepare_weights(
+        self, source: str | dict[str, torch.Tensor], experts: dict | None = None
+    ) -> None:
         """Phase 1 of a weight update (HF names): read and check everything this rank needs,
         in host memory; nothing in use changes. A directory's config.json must describe the
-        running model (read_checkpoint). Any problem is a ValueError (a refusal)."""
+        running model (read_checkpoint). A state dict may come cut in two (WorkerGroup: the
+        part every rank reads, and `experts`, this rank's own). Any problem is a ValueError
+        (a refusal)."""
         model, self.staged_weights = self.runner.model, None
         name = source if isinstance(source, str) else "the state dict"
         try:
@@ -336,7 +340,7 @@ class Worker:
             tensors = (
                 read_checkpoint(Path(source), model.config, local_experts=local)
                 if isinstance(source, str)
-                else source
+                else {**source, **(experts or {})}
             )
             staged = check_weights(model, dict(tensors), local, name)
         except ValueError:
