@@ -228,6 +228,50 @@ def test_transformers_fused_experts_are_placed_by_logical_expert(checkpoints, re
         llm.update_weights(short)
 
 
+def test_transformers_fused_experts_are_cut_per_rank(checkpoints, monkeypatch):
+    """Over Ray the fused expert tensors went whole to every rank (every expert's rows, R
+    times); they are cut into each rank's own experts like per-expert tensors, with the bits
+    of a fresh engine on the new weights, and a fused tensor of the wrong expert count is
+    still refused naming it."""
+    import ray
+
+    from moe_runtime.model.weight_checks import EXPERT_KEY, FUSED_KEY
+
+    first, second = checkpoints
+    fused = transformers.AutoModelForCausalLM.from_pretrained(second).state_dict()
+    if "model.layers.1.mlp.experts.gate_up_proj" not in fused:
+        pytest.skip("this transformers keeps experts apart in memory")
+    config = {"model": {"path": first}, "scheduler": {"max_model_len": 256}}
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6] * 5, [2, 7, 1, 8, 2, 8]]
+    fresh = LLM({**config, "model": {"path": second}})
+    expected = _generate(fresh, prompts)
+    fresh.shutdown()
+    puts: list[dict] = []
+    real_put = ray.put
+
+    def put(value, *args, **kwargs):
+        if isinstance(value, dict):
+            puts.append(value)
+        return real_put(value, *args, **kwargs)
+
+    monkeypatch.setattr(ray, "put", put)
+    llm = LLM(config, **{"parallel.world_size": 2})
+    try:
+        llm.update_weights(fused)
+        assert not any(FUSED_KEY.match(k) for part in puts for k in part)
+        experts = [sum(1 for k in part if EXPERT_KEY.match(k)) for part in puts]
+        num_experts = 2 * 16 * 3  # MoE layers x routed experts x projections
+        assert sorted(experts) == [0, num_experts // 2, num_experts // 2], experts
+        assert _generate(llm, prompts) == expected
+        short = {**fused, "model.layers.1.mlp.experts.down_proj": fused[
+            "model.layers.1.mlp.experts.down_proj"][:3]}  # fmt: skip
+        with pytest.raises(ValueError, match=r"experts\.down_proj is \(3, .*routed experts"):
+            llm.update_weights(short)
+        assert _generate(llm, prompts) == expected  # refused: nothing changed
+    finally:
+        llm.shutdown()
+
+
 CONFIG_EDITS = {
     "hidden_act": ({"hidden_act": "gelu"}, r"hidden_act='gelu'"),
     "model_type_v2": (

@@ -19,7 +19,7 @@ from moe_runtime.config import RuntimeConfig
 from moe_runtime.engine.weights_source import WeightsChangedError, WeightsSource
 from moe_runtime.executor import create_executor
 from moe_runtime.heap import thawed
-from moe_runtime.model.weight_checks import rank_shares
+from moe_runtime.model.weight_checks import rank_shares, unfuse_experts
 
 
 class WorkerGroup:
@@ -170,6 +170,8 @@ class WorkerGroup:
             placement.local_experts(r, world_size)[: model.num_moe_layers].tolist()
             for r in range(world_size)
         ]
+        # transformers' fused expert tensors as per-expert views first, so they are cut too.
+        source = unfuse_experts(source, model, "the state dict")
         common, own = rank_shares(source, local, model)
         self.executor.call("prepare_weights", [(common, experts) for experts in own])
 
