@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -217,19 +218,56 @@ def check_finite(tensors: dict[str, torch.Tensor], source: str) -> None:
             )
 
 
-def assign_weights(model: DeepseekForCausalLM, values: dict[str, torch.Tensor]) -> None:
+def assign_weights(model: DeepseekForCausalLM, values: dict[str, torch.Tensor | SlotRows]) -> None:
     """Copy checked values (check_weights) into the model's parameters; copy_ casts the dtype
-    and crosses devices itself, with no intermediate tensor."""
+    and crosses devices itself, with no intermediate tensor (a SlotRows value row by row)."""
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name, value in values.items():
-            params[name].copy_(value)
+            if isinstance(value, SlotRows):
+                value.copy_into(params[name])
+            else:
+                params[name].copy_(value)
+
+
+@dataclass(frozen=True)
+class SlotRows:
+    """A stacked expert parameter's value (gate_up_proj or down_proj, [slots, rows, cols]) as
+    each slot's source tensors, to be copied in place (assign_weights): slot s's rows are its
+    parts' rows in order (gate then up; down). Why not torch.stack: that staged a copy of
+    every routed expert on the source's device, ~29 GB at V2-Lite beside the served model and
+    the caller's state dict (an update from a trainer's device tensors ran out of memory on an
+    80 GB GPU), and a pass over them all before the copy in."""
+
+    parts: tuple[tuple[torch.Tensor, ...], ...]  # [slot][part], each [rows, cols]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        first = self.parts[0]
+        return (len(self.parts), sum(p.shape[0] for p in first), *first[0].shape[1:])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The first part's (every part's dtype is checked one by one: _check_experts)."""
+        return self.parts[0][0].dtype
+
+    def copy_into(self, param: torch.Tensor) -> None:
+        for slot, parts in enumerate(self.parts):
+            start = 0
+            for part in parts:
+                param[slot, start : start + part.shape[0]].copy_(part)
+                start += part.shape[0]
+
+    def stacked(self) -> torch.Tensor:
+        """The value as one tensor (a copy)."""
+        return torch.stack([torch.cat(parts) for parts in self.parts])
 
 
 def stack_experts(
     tensors: dict[str, torch.Tensor], local_experts: list[list[int]], first_moe: int
-) -> dict[str, torch.Tensor]:
-    """Per-expert checkpoint tensors -> stacked gate_up_proj / down_proj for the local slots."""
+) -> dict[str, torch.Tensor | SlotRows]:
+    """Per-expert checkpoint tensors -> gate_up_proj / down_proj for the local slots, as
+    SlotRows (no copy)."""
     per_expert: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
     out = {}
     for key, value in tensors.items():
@@ -244,8 +282,8 @@ def stack_experts(
         absent = [e for e in expert_ids if e not in experts]
         if absent:
             raise ValueError(f"checkpoint lacks {prefix}.{absent[0]}")
-        out[f"{prefix}.gate_up_proj"] = torch.stack(
-            [torch.cat([experts[e]["gate_proj"], experts[e]["up_proj"]]) for e in expert_ids]
+        out[f"{prefix}.gate_up_proj"] = SlotRows(
+            tuple((experts[e]["gate_proj"], experts[e]["up_proj"]) for e in expert_ids)
         )
-        out[f"{prefix}.down_proj"] = torch.stack([experts[e]["down_proj"] for e in expert_ids])
+        out[f"{prefix}.down_proj"] = SlotRows(tuple((experts[e]["down_proj"],) for e in expert_ids))
     return out
