@@ -11,7 +11,8 @@ router top-k, combine, MoE output and latent cache write. Invariant
 mode on CUDA binds the Triton kernels; other devices are refused.
 Building a table has no side effects beyond its own CUDA buffers and side stream
 (moe_kernels/streams.py); `pin_threads` is the one call that touches process
-state (torch's intra-op thread count) and each worker makes it once, at start-up.
+state (torch's intra-op thread count, fp32 matmul precision and default dtype) and each worker
+makes it once, at start-up (a rank in the caller's process around each call: `process_state`).
 """
 
 from __future__ import annotations
@@ -373,6 +374,45 @@ def _triton_kernels(arrivals: torch.Tensor | StreamBuffers | None) -> dict[str, 
 
 
 def pin_threads(config: KernelConfig) -> None:
-    """Fix torch's intra-op thread count for this process: part of the layout, not the load."""
-    # Why: reduction plans (e.g. splitting one long row across threads) depend on it.
+    """Fix torch's process-wide settings a row's bits depend on: the intra-op thread count
+    (part of the layout, not the load), IEEE fp32 matmuls and a float32 default dtype (torch's
+    defaults: what a fresh process, a Ray rank, has)."""
+    # Why: reduction plans (e.g. splitting one long row across threads) depend on the count;
+    # a "medium" / "bf16" fp32 precision lets oneDNN (and TF32 on CUDA) round the operands; the
+    # default dtype is that of every float tensor made from Python floats (the sampler's
+    # temperatures and top_p). A caller of a world-size-1 LLM may have set any of them.
     torch.set_num_threads(config.num_threads)
+    torch.backends.mkldnn.matmul.fp32_precision = "ieee"
+    torch.backends.cuda.matmul.fp32_precision = "ieee"
+    torch.set_default_dtype(torch.float32)
+
+
+def process_state() -> tuple:
+    """The settings `pin_threads` fixes, as they are now (for `restore_process_state`)."""
+    return (
+        torch.get_num_threads(),
+        torch.backends.mkldnn.matmul.fp32_precision,
+        torch.backends.cuda.matmul.fp32_precision,
+        torch.get_default_dtype(),
+    )
+
+
+def is_pinned(state: tuple, config: KernelConfig) -> bool:
+    """Whether `state` (process_state) computes as `pin_threads(config)` would: "none" defers
+    to torch.backends.fp32_precision, whose own "none" is IEEE."""
+
+    def ieee(precision: str) -> bool:
+        if precision == "none":
+            precision = torch.backends.fp32_precision
+        return precision in ("none", "ieee")
+
+    threads, mkldnn, cuda, dtype = state
+    return threads == config.num_threads and ieee(mkldnn) and ieee(cuda) and dtype == torch.float32
+
+
+def restore_process_state(state: tuple) -> None:
+    threads, mkldnn, cuda, dtype = state
+    torch.set_num_threads(threads)
+    torch.backends.mkldnn.matmul.fp32_precision = mkldnn
+    torch.backends.cuda.matmul.fp32_precision = cuda
+    torch.set_default_dtype(dtype)

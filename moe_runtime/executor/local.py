@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import torch
 
 from moe_kernels import pin_threads
+from moe_kernels.op_table import is_pinned, process_state, restore_process_state
 from moe_runtime.config import RuntimeConfig
 from moe_runtime.worker.step_input import StepInput, StepOutput, WorkerError
 from moe_runtime.worker.worker import Worker
@@ -27,21 +28,25 @@ class LocalExecutor:
 
     @contextlib.contextmanager
     def _own_threads(self) -> Iterator[None]:
-        """The rank's kernels.num_threads for the block, the caller's count back after it.
+        """The rank's kernels.num_threads (and torch's default fp32 matmul precision and
+        dtype: pin_threads) for the block, the caller's settings back after it.
 
         Why: torch's intra-op thread count is the process's, and this rank runs in the
         caller's. Pinned once at init, it cut a caller's count (a trainer's 8 threads) to the
         rank's for good, and a second LLM of another count changed the first one's steps. Two
-        such LLMs called from two threads at once still share the one count meanwhile."""
-        caller = torch.get_num_threads()
-        if caller == self.config.kernels.num_threads:  # the usual case: nothing to switch
+        such LLMs called from two threads at once still share the one count meanwhile. The
+        caller's `torch.set_float32_matmul_precision("medium")` (bf16 oneDNN matmuls) or
+        `torch.set_default_dtype(torch.bfloat16)` changed this rank's bits likewise, unlike a
+        Ray rank's, the CLI's or the server's (tests/test_process_state.py)."""
+        caller = process_state()
+        if is_pinned(caller, self.config.kernels):  # the usual case: nothing to switch
             yield
             return
         pin_threads(self.config.kernels)
         try:
             yield
         finally:
-            torch.set_num_threads(caller)
+            restore_process_state(caller)
 
     def _rank(self) -> Worker:
         if self.worker is None:

@@ -1,0 +1,86 @@
+"""World size 1 runs its rank in the caller's process: torch's process-wide settings other than
+the thread count (the fp32 matmul precision, the default dtype) must change no bit either.
+
+A trainer that calls `torch.set_float32_matmul_precision("medium")` (or `"high"`; Lightning
+suggests it) or `torch.set_default_dtype(torch.bfloat16)` and then builds an `LLM` of world size
+1 for its rollouts got other bits than the same request served by a Ray rank, the CLI or the
+HTTP server (fresh processes, at torch's defaults): "medium" lets oneDNN run fp32 matmuls in
+bf16 (on a CPU with bf16 support), and a bf16 default dtype turned the sampler's per-row
+temperatures into bf16 (0.7 became 0.69921875: other processed logprobs), a float64 one failed
+the step outright.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_runtime import LLM, SamplingParams
+from tests.invariance import TINY_CONFIG, fingerprint
+
+PROMPTS = [[5, 17, 99, 3, 42, 7, 250, 11], [72, 101, 108, 108, 111]]
+PARAMS = [
+    SamplingParams(max_tokens=6, temperature=0.0, logprobs=3, ignore_eos=True),
+    SamplingParams(
+        max_tokens=6,
+        temperature=0.7,
+        top_k=10,
+        seed=3,
+        logprobs=3,
+        ignore_eos=True,
+        logprobs_mode="processed",
+    ),
+]
+
+
+def _state() -> tuple:
+    return (
+        torch.get_default_dtype(),
+        torch.backends.mkldnn.matmul.fp32_precision,
+        torch.backends.cuda.matmul.fp32_precision,
+    )
+
+
+@pytest.fixture
+def restore_process_state(restore_num_threads):
+    state = _state()
+    yield
+    torch.set_default_dtype(state[0])
+    torch.backends.mkldnn.matmul.fp32_precision = state[1]
+    torch.backends.cuda.matmul.fp32_precision = state[2]
+
+
+def _run() -> tuple:
+    llm = LLM(str(TINY_CONFIG))
+    try:
+        outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        seqs = [o.prompt_token_ids + o.token_ids for o in outs]
+        scored = llm.score(seqs, [len(p) for p in PROMPTS], use_tqdm=False)
+    finally:
+        llm.shutdown()
+    return [fingerprint(o) for o in outs], [[float.hex(x) for x in s] for s in scored]
+
+
+@pytest.fixture(scope="module")
+def baseline() -> tuple:
+    return _run()
+
+
+def test_caller_fp32_matmul_precision_changes_no_bit(baseline, restore_process_state):
+    a = torch.randn(16, 64, generator=torch.Generator().manual_seed(0))
+    b = torch.randn(64, 64, generator=torch.Generator().manual_seed(1))
+    exact = a @ b
+    torch.set_float32_matmul_precision("medium")
+    if torch.equal(a @ b, exact):  # the negative control: the setting must bite on this CPU
+        pytest.skip("this CPU runs fp32 matmuls in fp32 under 'medium' precision")
+    assert _run() == baseline
+    assert torch.backends.mkldnn.matmul.fp32_precision == "bf16"  # the caller's, given back
+    assert torch.get_float32_matmul_precision() == "medium"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_caller_default_dtype_changes_no_bit(baseline, restore_process_state, dtype):
+    torch.set_default_dtype(dtype)
+    assert torch.tensor([0.7]).dtype == dtype  # the negative control: floats follow it
+    assert _run() == baseline
+    assert torch.get_default_dtype() == dtype  # the caller's, given back
