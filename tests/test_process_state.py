@@ -84,3 +84,21 @@ def test_caller_default_dtype_changes_no_bit(baseline, restore_process_state, dt
     assert torch.tensor([0.7]).dtype == dtype  # the negative control: floats follow it
     assert _run() == baseline
     assert torch.get_default_dtype() == dtype  # the caller's, given back
+
+
+def test_the_callers_random_stream_is_left_alone():
+    """Building, calling and updating a world-size-1 LLM draws nothing from torch's global
+    generator: a trainer's own random stream (dropout, shuffling) must not depend on whether
+    its rollout engine runs in its process or over Ray. nn.Embedding's init drew vocab x hidden
+    normals from it at every build (a rebuild after a fault too)."""
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    llm = LLM(str(TINY_CONFIG))
+    try:
+        llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        llm.score([PROMPTS[0]], [1], use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert torch.equal(torch.get_rng_state(), before)
+    torch.rand(1)  # the negative control: a draw does show
+    assert not torch.equal(torch.get_rng_state(), before)

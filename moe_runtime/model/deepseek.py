@@ -79,7 +79,12 @@ class DeepseekModel(nn.Module):
             cfg.rope_scaling,
             cfg.rope_interleave,
         )
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        # Given its (uninitialised) weight, nn.Embedding skips its own init, which drew vocab x
+        # hidden normals from torch's global generator: the caller's at world size 1, whose
+        # stream then depended on whether (and how often: rebuilds) an LLM was built in its
+        # process. Every loader path writes the weight anyway.
+        embedding = torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=embedding)
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, i, ops, rope, dtype, num_local_slots, tp)
