@@ -6,13 +6,14 @@ the config (+ `--set` overrides, `kernels.mode` set per mode; whether CUDA graph
 config's resolved `kernels.cuda_graphs`, shown per mode), random prompt ids from `--seed`,
 greedy sampling with ignore_eos. Decode, per B in `--batches`: B prompts of `--context` tokens,
 stepped until every one has its first token (prefill excluded), `--warmup-steps` steps, then
-`--repeats` blocks of `--decode-steps` steps, each `engine.step()` (synchronous: it returns
-host data) timed with perf_counter; every timed step must return one new token for each of the
-B requests. ms/step = median over blocks [min, max]. Prefill: `--prefill-prompts` fresh random
-prompts of `--context` tokens submitted together, the steps until all have a first token timed,
-median of `--repeats` after one warm-up. Floor: the bytes a decode step reads
-(bench/hbm_floor.py) over a device copy's bandwidth measured in the same run. One engine at a
-time: each is shut down and its memory freed before the next mode's is built.
+`--repeats` blocks of `--decode-steps` steps run back to back, timed with perf_counter from
+one block's last `engine.step()` return to the next's (no synchronize between blocks: with
+overlap_decode a step returns with the next one in flight); every timed step must return one
+new token for each of the B requests. ms/step = median over blocks [min, max]. Prefill:
+`--prefill-prompts` fresh random prompts of `--context` tokens submitted together, the steps
+until all have a first token timed, median of `--repeats` after one warm-up. Floor: the bytes a
+decode step reads (bench/hbm_floor.py) over a device copy's bandwidth measured in the same run.
+One engine at a time: each is shut down and its memory freed before the next mode's is built.
 
 Without `--engine` the model forward is timed directly (ForwardBatch in, logits out; no
 scheduler, no sampler): prefill = P prompts of L tokens in one step; decode = B sequences, one

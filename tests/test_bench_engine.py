@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from bench.hbm_floor import decode_step_bytes, expected_experts_touched, weight_bytes
 from moe_runtime.config import load_config
@@ -44,6 +46,38 @@ def test_decode_step_bytes_matches_hand_count():
     assert step.routed_experts == pytest.approx(2 * 16 * (1 - (12 / 16) ** 2) * expert)  # 7 each
     assert step.kv_cache == 2 * 10 * 3 * 40 * 2
     assert step.total == pytest.approx(non_expert + 256 + 14 * expert + 4800)
+
+
+def test_decode_step_bytes_v2_lite_by_hand():
+    """The shipped V2-Lite config (27 layers, the first dense; 64 routed experts top-6 and 2
+    shared of intermediate 1408; dense intermediate 10944; no q_lora; kv_lora 512 + rope 64;
+    16 heads of nope 128 / v 128; vocab 102400; bf16) at B = 1 and 64, context 1024."""
+    cfg = load_config(ROOT / "launch" / "configs" / "v2_lite_gpu.yaml").model
+    d, heads = 2048, 16
+    attention = (
+        d * heads * (128 + 64)  # q_proj
+        + d * 576  # kv_a_proj_with_mqa
+        + 512  # kv_a_layernorm
+        + 512 * heads * (128 + 128)  # kv_b_proj (read as the absorbed W_UK / W_UV)
+        + heads * 128 * d  # o_proj
+        + 2 * d  # the two residual norms
+    )
+    moe_non_expert = 64 * d + 3 * d * 2 * 1408  # router + the 2 shared experts as one MLP
+    params = 27 * attention + 3 * d * 10944 + 26 * moe_non_expert + d + 102400 * d  # + lm_head
+    expert = 3 * d * 1408 * 2
+    weights = weight_bytes(cfg)
+    assert weights.non_expert == 2 * params == 2_203_835_392
+    assert (weights.routed_expert, weights.num_moe_layers) == (expert, 26)
+    kv_per_seq = 1024 * 27 * 576 * 2
+    one = decode_step_bytes(cfg, num_seqs=1, context=1024)
+    assert (one.embedding, one.kv_cache) == (d * 2, kv_per_seq)
+    assert one.routed_experts == pytest.approx(26 * 6 * expert)
+    assert one.total == pytest.approx(4_934_724_608)  # 1.17 ms at 4.2 TB/s
+    touched = 64 * (1 - (58 / 64) ** 64)  # 63.88 of 64
+    many = decode_step_bytes(cfg, num_seqs=64, context=1024)
+    assert (many.embedding, many.kv_cache) == (64 * d * 2, 64 * kv_per_seq)
+    assert many.routed_experts == pytest.approx(26 * touched * expert)
+    assert many.total == pytest.approx(32.979e9, rel=1e-4)  # 7.85 ms at 4.2 TB/s
 
 
 def test_expected_experts_touched():
@@ -159,3 +193,74 @@ def test_gc_pause_bench_smoke_on_cpu():
     rows = [line.split(" | ") for line in run.stdout.splitlines() if line.startswith("| ")]
     walked = {row[0].strip("| ").split(" ")[0]: int(row[1].replace(",", "")) for row in rows[1:]}
     assert walked["as"] > 100_000 and walked["frozen"] < 1_000, walked
+
+
+class _PipelinedEngine:
+    """LLMEngine.step as it runs with scheduler.overlap_decode (graphs at world size 1): each
+    call launches the next decode step on a device modelled by a clock, then returns once its
+    own step is done, so a step's GPU time is `step_s` and its host time ~0. `drain` is what
+    torch.cuda.synchronize does to it: wait for the step launched ahead."""
+
+    def __init__(self, step_s: float) -> None:
+        from types import SimpleNamespace
+
+        self.step_s, self.ahead_done, self.ids = step_s, None, []
+        self.config = SimpleNamespace(
+            scheduler=SimpleNamespace(max_num_batched_tokens=512),
+            model=SimpleNamespace(vocab_size=100),
+        )
+
+    def add_requests(self, prompts, params):
+        from types import SimpleNamespace
+
+        new = [SimpleNamespace(request_id=str(len(self.ids) + i)) for i in range(len(prompts))]
+        self.ids += [r.request_id for r in new]
+        return new
+
+    def step(self):
+        from types import SimpleNamespace
+
+        now = time.perf_counter()
+        done = self.ahead_done if self.ahead_done is not None else now + self.step_s
+        self.ahead_done = max(now, done) + self.step_s  # the next step, launched ahead
+        self._sleep_until(done)
+        return [SimpleNamespace(request_id=r, token_ids=[1], is_finished=False) for r in self.ids]
+
+    def drain(self) -> None:
+        if self.ahead_done is not None:
+            self._sleep_until(self.ahead_done)
+
+    @staticmethod
+    def _sleep_until(t: float) -> None:
+        while (left := t - time.perf_counter()) > 0:
+            time.sleep(left)
+
+    def stats(self):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(num_running=len(self.ids), num_waiting=0, num_preemptions=0)
+
+    def abort(self, request_id: str) -> None:
+        self.ids.remove(request_id)
+
+
+def test_engine_decode_blocks_time_every_step_of_a_pipelined_engine(monkeypatch):
+    """With overlap_decode, step() returns with the next step in flight: a synchronize (or any
+    wait) between timed blocks let that step finish outside every timer, so a block of S steps
+    timed S - 1 steps' device work (blocks of 2 read half a step). Each block must time S."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from bench import engine_bench
+
+    step_s = 0.02
+    engine = _PipelinedEngine(step_s)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: engine.drain())
+    args = SimpleNamespace(
+        context=16, temperature=0.0, top_p=1.0, repeats=3, decode_steps=2, warmup_steps=2
+    )
+    run = engine_bench.bench_engine_decode(engine, 2, args, np.random.default_rng(0))
+    assert len(run.block_ms) == 3
+    assert all(0.9 * step_s * 1e3 <= ms <= 1.5 * step_s * 1e3 for ms in run.block_ms), run
