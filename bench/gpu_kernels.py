@@ -1937,46 +1937,61 @@ def bench_fast_choice(model: str = "v2_lite") -> None:
             ))  # fmt: skip
 
 
+def sections() -> dict:
+    """Each section's name (the command-line words) and its function."""
+    return {
+        "rows": bench_rows,
+        "linear": bench_linear,
+        "grouped": bench_grouped,
+        "grouped_sweep": bench_grouped_sweep,
+        "sweep": bench_config_sweep,
+        "attention": bench_attention,
+        "whole_query": bench_whole_query,
+        "groups": bench_groups,
+        "layer": bench_layer,
+        "layer_kernels": bench_layer_kernels,
+        "row_parallel": bench_row_parallel,
+        "tree_crossover": bench_tree_crossover,
+        "tree_loops": bench_tree_loops,
+        "tree_split": bench_tree_split,
+        "chain_tma": bench_chain_tma,
+        "tree_pairs": bench_tree_pairs,
+        "router": bench_router,
+        "prefill_linears": bench_prefill_linears,
+        "split_prefill": bench_split_prefill,
+        "value_split": bench_value_split,
+        "wide_value_split": bench_wide_value_split,
+        "split_size": bench_split_size,
+        "tail": bench_tail,
+        "merge": bench_merge,
+        "split_sweep": bench_split_sweep,
+        "read_floor": bench_read_floor,
+        "decode_tiles": bench_decode_tiles,
+        "heads": bench_heads,
+        "heads_prefill": bench_heads_prefill,
+        "fast_choice": bench_fast_choice,
+        "fast_choice_v3": partial(bench_fast_choice, "v3"),
+    }
+
+
 def main() -> None:
+    table = sections()
+    names = sys.argv[1:] or ["rows", "linear", "grouped", "attention"]
+    # Why before the device: `--help` or a mistyped name answered with the list, not a CUDA
+    # error (no device) or a KeyError after the device line.
+    if {"-h", "--help"} & set(names) or not set(names) <= set(table):
+        unknown = [n for n in names if n not in table and n not in ("-h", "--help")]
+        print(__doc__.split("\n")[0] + "\n\nusage: python bench/gpu_kernels.py [SECTION ...]")
+        print("sections (default: rows linear grouped attention): " + " ".join(table))
+        if unknown:
+            print(f"unknown section(s): {' '.join(unknown)}", file=sys.stderr)
+        sys.exit(2 if unknown else 0)
     print(
         f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  "
         f"triton {triton.__version__}"
     )
-    sections = sys.argv[1:] or ["rows", "linear", "grouped", "attention"]
-    for section in sections:
-        {
-            "rows": bench_rows,
-            "linear": bench_linear,
-            "grouped": bench_grouped,
-            "grouped_sweep": bench_grouped_sweep,
-            "sweep": bench_config_sweep,
-            "attention": bench_attention,
-            "whole_query": bench_whole_query,
-            "groups": bench_groups,
-            "layer": bench_layer,
-            "layer_kernels": bench_layer_kernels,
-            "row_parallel": bench_row_parallel,
-            "tree_crossover": bench_tree_crossover,
-            "tree_loops": bench_tree_loops,
-            "tree_split": bench_tree_split,
-            "chain_tma": bench_chain_tma,
-            "tree_pairs": bench_tree_pairs,
-            "router": bench_router,
-            "prefill_linears": bench_prefill_linears,
-            "split_prefill": bench_split_prefill,
-            "value_split": bench_value_split,
-            "wide_value_split": bench_wide_value_split,
-            "split_size": bench_split_size,
-            "tail": bench_tail,
-            "merge": bench_merge,
-            "split_sweep": bench_split_sweep,
-            "read_floor": bench_read_floor,
-            "decode_tiles": bench_decode_tiles,
-            "heads": bench_heads,
-            "heads_prefill": bench_heads_prefill,
-            "fast_choice": bench_fast_choice,
-            "fast_choice_v3": partial(bench_fast_choice, "v3"),
-        }[section]()
+    for name in names:
+        table[name]()
 
 
 if __name__ == "__main__":
