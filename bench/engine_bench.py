@@ -262,6 +262,21 @@ def print_engine_tables(args, results: dict, bandwidth: float) -> None:
     print("\nengine start: " + ", ".join(f"{m} {results[m]['start_s']:.1f} s" for m in modes))
 
 
+def fast_decode_attention() -> str:
+    """Which decode attention fast mode can take here. Why printed: FlashMLA is an optional
+    wheel; without it fast mode falls back to the split-KV Triton kernel with no word, and the
+    baseline every invariant / fast ratio is read against is a weaker one."""
+    from moe_kernels import fast_attention
+
+    if not fast_attention.HAS_FLASH_MLA:
+        return "FlashMLA not importable: the split-KV Triton kernel (a weaker baseline)"
+    version = getattr(fast_attention.flash_mla, "__version__", "?")
+    capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+    if capability != fast_attention.FLASH_MLA_CAPABILITY:
+        return f"FlashMLA {version} present but needs SM90, device is {capability}: split-KV"
+    return f"FlashMLA {version} (dense bf16 decode where it fits, else the split-KV kernel)"
+
+
 def bench_engine(args) -> None:
     """Every mode through the engine, one after the other in this process."""
     # Every mode's config is checked before the first (slow) engine start.
@@ -277,6 +292,8 @@ def bench_engine(args) -> None:
         f"{cfg.model.n_routed_experts} experts top-{cfg.model.num_experts_per_tok}, "
         f"{cfg.model.dtype}; budget {cfg.scheduler.max_num_batched_tokens} tokens/step"
     )
+    if "fast" in args.modes and device.type == "cuda":
+        print(f"fast mode's decode attention: {fast_decode_attention()}")
     # Measured first, on an empty device: a 1 GiB buffer there, 64 MiB on the host.
     nbytes = 2**30 if device.type == "cuda" else 2**26
     bandwidth = copy_bandwidth(device, nbytes)

@@ -264,3 +264,22 @@ def test_engine_decode_blocks_time_every_step_of_a_pipelined_engine(monkeypatch)
     run = engine_bench.bench_engine_decode(engine, 2, args, np.random.default_rng(0))
     assert len(run.block_ms) == 3
     assert all(0.9 * step_s * 1e3 <= ms <= 1.5 * step_s * 1e3 for ms in run.block_ms), run
+
+
+def test_engine_bench_names_fast_modes_decode_attention(monkeypatch):
+    """The header says whether fast mode's baseline has FlashMLA (an optional wheel whose
+    absence silently leaves it on the split-KV kernel)."""
+    from types import SimpleNamespace
+
+    from bench.engine_bench import fast_decode_attention
+    from moe_kernels import fast_attention
+
+    monkeypatch.setattr(fast_attention, "HAS_FLASH_MLA", False)
+    assert fast_decode_attention().startswith("FlashMLA not importable")
+    monkeypatch.setattr(fast_attention, "HAS_FLASH_MLA", True)
+    monkeypatch.setattr(fast_attention, "flash_mla", SimpleNamespace(__version__="1.0.0"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    assert fast_decode_attention().startswith("FlashMLA 1.0.0 (dense bf16 decode")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    assert "needs SM90" in fast_decode_attention()
