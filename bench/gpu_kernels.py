@@ -337,7 +337,8 @@ ATTENTION_SHAPES = (
 def bench_attention() -> None:
     """Decode attention (latent 512 + rope 64, blocks of 64) at 16 heads (V2-Lite) and 128
     (V3): the invariant op (Triton; its Gluon split kernel from 64 heads) vs fast mode's
-    decode attention (FlashMLA where it is installed, else the split-KV Triton kernel), each
+    decode attention (mla_decode_fast: FlashMLA only where its host rules pick it, else the
+    invariant launch or the split-KV Triton kernel; the last column names it), each
     replayed in a CUDA graph over enough caches to miss L2. Bytes = the KV cache read once.
     Fast mode is timed twice: each call with its own step (FlashMLA plans its schedule every
     call) and all of the graph's calls sharing one step's positions and tables (one plan for
@@ -349,13 +350,16 @@ def bench_attention() -> None:
     from moe_kernels.triton_attention import mla_attention_triton
 
     ceiling = copy_bandwidth(torch.device("cuda")) / 1e12  # TB/s, read + write of 1 GiB
-    fast_name = "FlashMLA" if HAS_FLASH_MLA else "split-KV Triton (FlashMLA not installed)"
-    print(f"\n## decode attention: invariant vs {fast_name}; copy ceiling {ceiling:.2f} TB/s")
+    flash = "FlashMLA installed" if HAS_FLASH_MLA else "FlashMLA not installed"
+    print(
+        f"\n## decode attention: invariant vs fast mode's op ({flash}; the path it takes at "
+        f"each shape in the last column); copy ceiling {ceiling:.2f} TB/s"
+    )
     print(
         "| heads | B | ctx | invariant us | % of copy | fast us | % of copy | invariant / fast "
-        "| fast, one plan a step, us | invariant / that |"
+        "| fast, one plan a step, us | invariant / that | fast path |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for heads in (16, 128):
         for batch, ctx in ATTENTION_SHAPES:
             blocks = -(-ctx // 64)
@@ -385,8 +389,24 @@ def bench_attention() -> None:
             print(
                 f"| {heads} | {batch} | {ctx} | {times[0] * 1e3:.1f} | {pct[0]:.0%} | "
                 f"{times[1] * 1e3:.1f} | {pct[1]:.0%} | {times[0] / times[1]:.2f} | "
-                f"{times[2] * 1e3:.1f} | {times[0] / times[2]:.2f} |"
+                f"{times[2] * 1e3:.1f} | {times[0] / times[2]:.2f} | "
+                f"{fast_decode_path(batch, blocks, heads, HAS_FLASH_MLA)} |"
             )
+
+
+def fast_decode_path(batch: int, table_width: int, heads: int, has_flash_mla: bool) -> str:
+    """Which kernel fast mode's decode attention (mla_decode_fast) runs for a decode batch of
+    `batch` queries over tables `table_width` blocks wide at `heads` heads (SM90, bf16, blocks
+    of 64), by its own host rules. Why: it is FlashMLA only where those rules leave it there;
+    elsewhere the "fast" columns time the invariant launch or the split-KV Triton kernel, not
+    FlashMLA."""
+    from moe_kernels.fast_attention import takes_invariant_launch, takes_split_kv
+
+    if not has_flash_mla or takes_split_kv(batch, heads):
+        return "split-KV Triton"
+    if takes_invariant_launch(batch, table_width, heads):
+        return "invariant launch"
+    return "FlashMLA"
 
 
 def _graph_width(blocks: int) -> int:

@@ -29,3 +29,24 @@ def test_an_unknown_section_is_refused_by_name():
     assert run.returncode == 2
     assert "unknown section(s): atention" in run.stderr
     assert "device:" not in run.stdout
+
+
+def test_attention_rows_name_the_kernel_fast_mode_ran():
+    """`bench/gpu_kernels.py attention` times fast mode's op, which is FlashMLA only where its
+    rules leave it: at 16 heads the invariant launch up to 256 (query, split) pairs or from 256
+    queries, at 128 heads the split-KV kernel up to 4 queries. The forty-sixth session's table
+    headed all of them 'FlashMLA'."""
+    from bench.gpu_kernels import ATTENTION_SHAPES, fast_decode_path
+
+    paths = {
+        (heads, b, ctx): fast_decode_path(b, -(-ctx // 64), heads, True)
+        for heads in (16, 128)
+        for b, ctx in ATTENTION_SHAPES
+    }
+    flash = {key for key, path in paths.items() if path == "FlashMLA"}
+    assert flash == {(16, 64, 1056), (16, 64, 4096)} | {
+        (128, b, ctx) for b, ctx in ATTENTION_SHAPES if b > 4
+    }
+    assert paths[(128, 1, 4096)] == "split-KV Triton"
+    assert paths[(16, 8, 8192)] == paths[(16, 256, 1024)] == "invariant launch"
+    assert fast_decode_path(64, 17, 16, False) == "split-KV Triton"  # FlashMLA not installed
