@@ -78,6 +78,6 @@ def connect_ray(world_size: int) -> None:
     names (a `ray job submit` job's own, or one the user names), else a new local instance;
     never a cluster that merely runs on this machine."""
     if world_size > 1:
-        from moe_runtime.executor.ray_executor import connect_ray as connect  # ray only if used
+        from moe_runtime.executor.ray_connect import connect_ray as connect  # ray only if used
 
         connect(world_size, os.environ.get(RAY_ADDRESS_VARIABLE) or "local")

@@ -27,14 +27,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 CONNECT = """
 import sys, ray
-from moe_runtime.executor.ray_executor import connect_ray
+from moe_runtime.executor.ray_connect import connect_ray
 connect_ray(1, *sys.argv[1:])
 print(ray.get_runtime_context().gcs_address, flush=True)
 """
 
 THREAD_STARTED = """
 import concurrent.futures, ray
-from moe_runtime.executor.ray_executor import connect_ray
+from moe_runtime.executor.ray_connect import connect_ray
 with concurrent.futures.ThreadPoolExecutor(1) as pool:
     pool.submit(connect_ray, 1).result()
 # the thread that started the local instance has ended
@@ -130,20 +130,20 @@ def test_only_rays_refusal_of_num_cpus_means_a_cluster_was_found(monkeypatch):
     """With no address named, a local start that Ray refuses because it found a cluster to join
     (it takes no num_cpus there) joins that cluster; any other ValueError of the start is raised
     as it is (it was taken for "a cluster was found" and a second ray.init tried, hiding it)."""
-    from moe_runtime.executor import ray_executor
+    from moe_runtime.executor import ray_connect
 
     joined: list[dict] = []
-    monkeypatch.setattr(ray_executor.ray, "is_initialized", lambda: False)
-    monkeypatch.setattr(ray_executor.ray, "init", lambda **kwargs: joined.append(kwargs))
+    monkeypatch.setattr(ray_connect.ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray_connect.ray, "init", lambda **kwargs: joined.append(kwargs))
 
     def refused(*_):
         raise ValueError(refusal)
 
-    monkeypatch.setattr(ray_executor, "_start_local_ray", refused)
+    monkeypatch.setattr(ray_connect, "_start_local_ray", refused)
     refusal = "When connecting to an existing cluster, num_cpus and num_gpus must not be provided."
-    ray_executor.connect_ray(2)
+    ray_connect.connect_ray(2)
     assert joined == [{"log_to_driver": True}]  # joined as it is
     refusal = "some other bad argument"
     with pytest.raises(ValueError, match="some other bad argument"):
-        ray_executor.connect_ray(2)
+        ray_connect.connect_ray(2)
     assert len(joined) == 1

@@ -1,8 +1,8 @@
 """Executors: how the driver reaches its workers.
 
-`LocalExecutor` runs the single rank in this process; `RayExecutor` (the only driver module
-that imports ray) one actor per rank. Both take a `StepInput` per rank each step and return a
-`StepOutput` per rank, or raise WorkerError.
+`LocalExecutor` runs the single rank in this process; `RayExecutor` (with ray_connect.py, the
+only driver modules that import ray) one actor per rank. Both take a `StepInput` per rank each
+step and return a `StepOutput` per rank, or raise WorkerError.
 """
 
 from __future__ import annotations
