@@ -25,7 +25,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-import moe_runtime.engine.async_engine as async_engine_module
+import moe_runtime.engine.recovery as recovery_module
 import moe_runtime.engine.worker_group as worker_group_module
 from moe_runtime import LLM, SamplingParams
 from moe_runtime.engine.async_engine import AsyncEngine, EngineUnavailableError
@@ -255,7 +255,7 @@ def test_a_rank_dead_between_checks_is_on_health_at_once_and_never_scheduled(
     from launch.generation import Backend
     from launch.server_app import create_app
 
-    monkeypatch.setattr(async_engine_module, "DEAD_RANK_POLL_S", 600.0)
+    monkeypatch.setattr(recovery_module, "DEAD_RANK_POLL_S", 600.0)
     overrides = {"parallel.world_size": 2, "server.health_check_interval_s": 600}
     llm = LLM(TINY_CONFIG, **overrides)
     pid = llm.engine.executor.call_all("pid")[1]  # before the loop thread calls the ranks

@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-import moe_runtime.engine.async_engine as async_engine_module
+import moe_runtime.engine.recovery as recovery_module
 from launch.generation import Backend
 from launch.server_app import create_app
 from moe_runtime import LLM, SamplingParams
@@ -164,7 +164,7 @@ def test_failed_rebuild_attempts_back_off_and_a_shutdown_ends_the_pause(monkeypa
     rank's GPU memory not yet freed) could spend every restart within a second. Now the k-th
     failure in a row pauses REBUILD_BACKOFF_S * 2**(k-1) before the next attempt, and a
     shutdown during a pause ends it (rebuilding nothing)."""
-    monkeypatch.setattr(async_engine_module, "REBUILD_BACKOFF_S", 0.3)
+    monkeypatch.setattr(recovery_module, "REBUILD_BACKOFF_S", 0.3)
     overrides = {"server.health_check_interval_s": 0.2, "parallel.max_restarts": 10}
     llm = LLM(TINY_CONFIG, **overrides)
     engine = llm.engine
@@ -189,7 +189,7 @@ def test_failed_rebuild_attempts_back_off_and_a_shutdown_ends_the_pause(monkeypa
     gaps = [later - earlier for earlier, later in zip(attempts, attempts[1:], strict=False)]
     assert len(gaps) == 3 and all(gap >= 0.3 * 2**k for k, gap in enumerate(gaps)), gaps
 
-    monkeypatch.setattr(async_engine_module, "REBUILD_BACKOFF_S", 600.0)
+    monkeypatch.setattr(recovery_module, "REBUILD_BACKOFF_S", 600.0)
     engine = LLM(TINY_CONFIG, **overrides).engine
     _dead_at_the_idle_check(engine)
     tried = threading.Event()
@@ -215,7 +215,7 @@ def test_failed_rebuild_attempts_in_a_row_give_up(monkeypatch):
     """Paused attempts fell out of a short parallel.restart_window_s one by one, so an engine
     whose rebuilds always failed retried for ever (/health 503, the server never exiting).
     Now max_restarts failed attempts in a row give up too."""
-    monkeypatch.setattr(async_engine_module, "REBUILD_BACKOFF_S", 0.2)
+    monkeypatch.setattr(recovery_module, "REBUILD_BACKOFF_S", 0.2)
     overrides = {
         "server.health_check_interval_s": 0.2,
         "parallel.max_restarts": 3,
