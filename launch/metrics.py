@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import functools
 import math
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -168,13 +169,26 @@ class RequestTracker:
         self._last: dict[tuple[int, int], float | None] = {}
         self._counted: set[int] = set()  # prompts whose tokens are counted
         self._num_finished = 0  # samples that ended with a finish_reason
+        # `end` runs on whichever thread settled the submission (the event loop, when its client
+        # left) while `observe` may be recording a step's delta on the engine thread: each
+        # sample must end once. A C lock, not reentrant, held for a few counter increments.
+        self._lock = threading.Lock()
+        self._is_ended = False
 
     def end(self, num_samples: int, reason: str) -> None:
         """The submission of num_samples ended without finishing the ones not finished yet:
-        its client left ("abort") or it failed ("error")."""
-        self._metrics.samples_finished.labels(reason).inc(max(0, num_samples - self._num_finished))
+        its client left ("abort") or it failed ("error"). Deltas observed after it end no
+        sample: a step under way when the client left still hands them over."""
+        with self._lock:
+            self._is_ended = True
+            num_unfinished = max(0, num_samples - self._num_finished)
+        self._metrics.samples_finished.labels(reason).inc(num_unfinished)
 
     def observe(self, prompt_idx: int, delta: RequestOutput) -> None:
+        with self._lock:
+            self._observe(prompt_idx, delta)
+
+    def _observe(self, prompt_idx: int, delta: RequestOutput) -> None:
         now, m = time.monotonic(), self._metrics
         if delta.outputs and prompt_idx not in self._counted:  # the prompt's first delta
             # Any sample's: with n > 1, sample 0's may never come (its client left first).
@@ -182,7 +196,7 @@ class RequestTracker:
             m.prompt_tokens.inc(len(delta.prompt_token_ids))
         for out in delta.outputs:
             key = (prompt_idx, out.index)
-            if out.finish_reason is not None:
+            if out.finish_reason is not None and not self._is_ended:
                 self._num_finished += 1
                 m.samples_finished.labels(out.finish_reason).inc()
             if not out.token_ids:  # no token yet (echo with max_tokens 0 has none at all)
