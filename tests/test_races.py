@@ -61,3 +61,26 @@ def test_a_sample_cancelled_during_its_last_step_ends_once_in_the_metrics():
     value = metrics.registry.get_sample_value
     ended = {r: value("moe_samples_finished_total", {"finish_reason": r}) for r in FINISH_REASONS}
     assert sum(ended.values()) == 1, ended
+
+
+def test_a_request_in_its_first_step_is_counted_in_the_stats():
+    """stats() is the last step's counts plus the submissions still queued; the loop takes the
+    queue before it admits and steps, and publishes only after the step: a request in its first
+    step (a prefill: seconds on a long prompt) was counted nowhere, so /health and /metrics
+    showed an idle engine (0 running, 0 waiting) while it ran."""
+    engine = LLMEngine(load_config(TINY_CONFIG, {}))
+    entered, release = held_steps(engine)
+    loop = AsyncEngine(engine)
+    try:
+        params = SamplingParams(max_tokens=4, ignore_eos=True, n=2)
+        future = loop.submit([[1, 2, 3]], [params])
+        assert entered.wait(30)  # its first step ran; its stats are not published yet
+        stats = loop.stats()
+        assert stats.num_running + stats.num_waiting == 2, stats
+        release.set()
+        assert future.result(timeout=30)[0].outputs[1].finish_reason == "length"
+    finally:
+        release.set()
+        loop.shutdown(drain_timeout_s=5)
+    stats = loop.stats()
+    assert stats.num_running + stats.num_waiting == 0, stats

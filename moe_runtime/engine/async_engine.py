@@ -62,6 +62,11 @@ class AsyncEngine(Recovery):
         # a drain waits for besides _live.
         self._calls: set[Future] = set()
         self._stats = engine.stats()
+        # Sequences of submissions taken from the queue that the published stats do not count
+        # yet: not admitted, or admitted since (`stats` adds them). Loop thread: the part of them
+        # not admitted yet.
+        self._num_unpublished = 0
+        self._num_unadmitted = 0
         # Loop thread only: the submission and prompt index of each unfinished request, and
         # the scorings admitted (no deltas: each is settled when its requests are done).
         self._owner: dict[str, tuple[Submission, int]] = {}
@@ -121,9 +126,11 @@ class AsyncEngine(Recovery):
 
     def stats(self) -> EngineStats:
         """The engine's counts after the last step; num_waiting includes the sequences (each
-        prompt's n samples) of submissions not admitted yet."""
+        prompt's n samples) of submissions not admitted yet, or admitted since (in the step
+        under way)."""
         with self._cond:
             queued = sum(item.num_sequences for item in self._queue if isinstance(item, Submission))
+            queued += self._num_unpublished  # taken by the loop: admitted or stepped, unpublished
             return dataclasses.replace(self._stats, num_waiting=self._stats.num_waiting + queued)
 
     def shutdown(
@@ -222,6 +229,7 @@ class AsyncEngine(Recovery):
                 self._settle(submission, stopped)
             with self._cond:
                 leftover, self._queue = list(self._queue), deque()
+                self._num_unpublished = 0  # every submission taken is answered above
                 calls, self._calls = list(self._calls), set()  # taken from the queue, not run
                 self._cond.notify_all()
             for item in leftover:
@@ -244,6 +252,10 @@ class AsyncEngine(Recovery):
             incoming, has_cancelled = list(self._queue), self._has_cancelled
             self._queue.clear()
             self._has_cancelled = False
+            # Counted by `stats` until published after their admission (at the step's end).
+            self._num_unadmitted = self._num_unpublished = sum(
+                item.num_sequences for item in incoming if isinstance(item, Submission)
+            )
         if is_idle and self._is_check_due():
             self._check_workers()
             self._quiet_since = time.monotonic()
@@ -259,6 +271,7 @@ class AsyncEngine(Recovery):
         for item in incoming:
             if isinstance(item, Submission):
                 self._admit(item)
+                self._num_unadmitted -= item.num_sequences
                 continue
             with self._running("a call between steps (a rebalance or weight update)"):
                 self._run_call(*item)
@@ -358,7 +371,7 @@ class AsyncEngine(Recovery):
         finished request still running and its step uncounted)."""
         stats = self._engine.stats()
         with self._cond:
-            self._stats = stats
+            self._stats, self._num_unpublished = stats, self._num_unadmitted
 
     def _abort(self, submission: Submission) -> None:
         self._engine.abort(*(r.request_id for r in submission.requests if not r.is_finished))
