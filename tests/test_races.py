@@ -11,12 +11,15 @@ import asyncio
 import threading
 import time
 
+import pytest
+
 from launch.generation import Generation
 from launch.metrics import FINISH_REASONS, ServerMetrics
 from moe_runtime import SamplingParams
 from moe_runtime.config import load_config
 from moe_runtime.engine import LLMEngine
-from moe_runtime.engine.async_engine import AsyncEngine
+from moe_runtime.engine.async_engine import AsyncEngine, EngineUnavailableError
+from moe_runtime.executor import WorkerError
 from tests.invariance import TINY_CONFIG
 
 
@@ -84,3 +87,36 @@ def test_a_request_in_its_first_step_is_counted_in_the_stats():
         loop.shutdown(drain_timeout_s=5)
     stats = loop.stats()
     assert stats.num_running + stats.num_waiting == 0, stats
+
+
+def test_a_call_that_kills_the_engine_answers_with_the_engine_down():
+    """A call that met a dead rank (an /admin/update_weights or /admin/rebalance) was answered
+    first and the engine marked dead after: at the moment its caller had the failure, /health
+    still said healthy and a new request was queued, to fail later as 'failed before it ran'.
+    A step's failure marks the engine dead before any request hears of it; a call's now does
+    too. The call's done callback sees the state its caller can find first."""
+    engine = LLMEngine(load_config(TINY_CONFIG, {}))
+
+    def dead_rank(**_kwargs):
+        raise WorkerError("rank 0 died during rebalance: injected")
+
+    engine.balancer.rebalance = dead_rank
+    loop = AsyncEngine(engine)
+    seen = {}
+
+    def on_answer(_future) -> None:  # on the loop thread, as the answer is set
+        seen["is_healthy"] = loop.is_healthy
+        try:
+            loop.submit([[1, 2, 3]], [SamplingParams(max_tokens=2)])
+        except EngineUnavailableError as exc:
+            seen["refused"] = exc
+
+    try:
+        future = loop.call(lambda e: e.rebalance(force=True))
+        future.add_done_callback(on_answer)
+        with pytest.raises(WorkerError, match="injected"):
+            future.result(timeout=30)
+    finally:
+        loop.shutdown(drain_timeout_s=5)
+    assert seen["is_healthy"] is False
+    assert seen["refused"].retry_after_s is not None  # recovering: a retry may run it

@@ -312,16 +312,20 @@ class AsyncEngine(Recovery):
                 result = fn(self._engine)
             except Exception as exc:  # the caller gets it; a refusal changes nothing else
                 failure, has_killed = exc, self._engine.error is not None
+        will_rebuild = False
         try:
-            self._publish_stats()  # before the answer: a scrape after it sees its effect
+            if has_killed:  # dead before the answer: its caller then finds the engine down
+                will_rebuild = self._fail(failure)  # (the stats published too)
+            else:
+                self._publish_stats()  # before the answer: a scrape after it sees its effect
         finally:
             resolve(future, failure, result)  # (unless a shutdown answered it first)
             with self._cond:  # answered: a drain no longer waits for it (nor for a rebuild)
                 self._call = None
                 self._calls.discard(future)
                 self._cond.notify_all()
-        if has_killed:
-            self._die(failure)
+        if will_rebuild:  # after the answer: its caller need not wait for the new workers
+            self._rebuild()
 
     def _admit(self, submission: Submission) -> None:
         try:

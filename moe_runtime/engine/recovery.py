@@ -152,6 +152,12 @@ class Recovery:
         never once draining or stopping (a rebuild would outlast the drain, and nothing would
         use it). Each step is logged; a rebuild attempt that fails is named by `error` (what
         /health and the 503s say) while the next one runs."""
+        if self._fail(error):
+            self._rebuild()
+
+    def _fail(self, error: BaseException) -> bool:
+        """`_die` up to the rebuild: the engine marked dead (or given up), every pending request
+        ended with the error, logged. -> whether a rebuild follows."""
         # Restarts already spent: the engine is dead for good before any request hears of
         # it, so /health and a new submission say so as the failures arrive, and requests that
         # never ran are not told to retry a rebuild that will not come.
@@ -185,8 +191,7 @@ class Recovery:
         )
         if gives_up:
             log.error("the engine gave up: %s", refusal)
-            return
-        self._rebuild()
+        return will_rebuild
 
     def _rebuild(self) -> None:
         """Rebuild the dead engine's worker group, attempt after attempt with a growing pause,
