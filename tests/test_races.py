@@ -120,3 +120,46 @@ def test_a_call_that_kills_the_engine_answers_with_the_engine_down():
         loop.shutdown(drain_timeout_s=5)
     assert seen["is_healthy"] is False
     assert seen["refused"].retry_after_s is not None  # recovering: a retry may run it
+
+
+class _PausingList(list):
+    """A sample's logprobs list whose next append waits, once `armed`, until `resume` is set:
+    a step recording its results held between the token and its logprob."""
+
+    def __init__(self, armed: threading.Event, paused: threading.Event, resume: threading.Event):
+        super().__init__()
+        self._armed, self._paused, self._resume = armed, paused, resume
+
+    def append(self, value) -> None:
+        if self._armed.is_set():
+            self._armed.clear()
+            self._paused.set()
+            assert self._resume.wait(30)
+        super().append(value)
+
+
+def test_output_read_beside_a_step_is_a_whole_state():
+    """LLMEngine.output is read from any thread (README: a request added through llm.engine
+    runs in another thread's generate; read it whole with engine.output), while that step
+    appends a sample's token, then its logprob, then its top logprobs: a read in between gave
+    2 token ids with 1 logprob (a trainer zipping them misaligns every later pair)."""
+    engine = LLMEngine(load_config(TINY_CONFIG, {}))
+    request = engine.add_request([1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))
+    armed, paused, resume = threading.Event(), threading.Event(), threading.Event()
+    (seq,) = request.samples
+    seq.output_logprobs = _PausingList(armed, paused, resume)
+    engine.step()  # one token, recorded whole
+    armed.set()
+    stepping = threading.Thread(target=engine.step, daemon=True)
+    stepping.start()
+    assert paused.wait(30)  # the second token appended, its logprob not yet
+    read: list = []
+    reader = threading.Thread(target=lambda: read.append(engine.output(request)), daemon=True)
+    reader.start()
+    reader.join(1.0)  # a reader that waits for the step is let go below
+    resume.set()
+    stepping.join(30)
+    reader.join(30)
+    (out,) = read[0].outputs
+    assert len(out.token_ids) == len(out.logprobs) == len(out.top_logprobs), out
+    engine.shutdown()

@@ -55,8 +55,9 @@ class LLMEngine:
         # before another thread's begins. Why: llm.engine stepped from a second thread while
         # llm.generate stepped it from the first ran two steps at once, which killed the engine
         # ("scheduled from position 80, but 81 are computed here") and ended generate's requests
-        # silently. Not under it, so any thread can use them meanwhile: shutdown, stats, output,
-        # has_unfinished and the liveness calls (dead_ranks, silent_ranks, kill_ranks).
+        # silently. Not under it, so any thread can use them meanwhile: shutdown, stats,
+        # has_unfinished and the liveness calls (dead_ranks, silent_ranks, kill_ranks). `output`
+        # is under it: read beside a step, it gave a sample's new token without its logprob.
         # Reentrant: add_request -> add_requests.
         self._lock = threading.RLock()
         self.tokenizer = load_tokenizer(config.model)
@@ -269,8 +270,11 @@ class LLMEngine:
         version, width = self.weight_version, self.config.model.routed_width
         return [request_output(r, version, True, width) for r in changed.values()]
 
+    @under_lock
     def output(self, request: Request) -> RequestOutput:
-        """The request's whole result so far (every sample, every token)."""
+        """The request's whole result so far (every sample, every token), as of the last step:
+        from another thread it waits for the step under way (which appends a token, its
+        logprobs and its text one after another)."""
         return request_output(request, self.weight_version, False, self.config.model.routed_width)
 
     @under_lock
