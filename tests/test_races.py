@@ -15,7 +15,7 @@ import pytest
 
 from launch.generation import Generation
 from launch.metrics import FINISH_REASONS, ServerMetrics
-from moe_runtime import SamplingParams
+from moe_runtime import LLM, SamplingParams
 from moe_runtime.config import load_config
 from moe_runtime.engine import LLMEngine
 from moe_runtime.engine.async_engine import AsyncEngine, EngineUnavailableError
@@ -163,3 +163,66 @@ def test_output_read_beside_a_step_is_a_whole_state():
     (out,) = read[0].outputs
     assert len(out.token_ids) == len(out.logprobs) == len(out.top_logprobs), out
     engine.shutdown()
+
+
+class _PausingRunning(list):
+    """A scheduler's running list whose next append waits, once `armed`, until `resume` is
+    set: a step held between taking a sequence off the waiting queue and running it."""
+
+    def __init__(self, armed: threading.Event, paused: threading.Event, resume: threading.Event):
+        super().__init__()
+        self._armed, self._paused, self._resume = armed, paused, resume
+
+    def append(self, value) -> None:
+        if self._armed.is_set():
+            self._armed.clear()
+            self._paused.set()
+            assert self._resume.wait(30)
+        super().append(value)
+
+
+def test_generate_does_not_stop_while_another_thread_s_step_admits_its_prompt():
+    """llm.generate steps while the engine has unfinished sequences, read without the engine
+    lock. Another thread's llm.engine.step (README: they run one at a time, each request's bits
+    its own) admits a sequence by taking it off the waiting queue, then onto the running list:
+    read in between, the engine looked empty, and generate returned its prompt unfinished
+    (1 token of 2, finish_reason None) raising nothing."""
+    llm = LLM(TINY_CONFIG, **{"scheduler.max_num_seqs": 1})
+    engine = llm.engine
+    armed, paused, resume = threading.Event(), threading.Event(), threading.Event()
+    (scheduler,) = engine.schedulers
+    scheduler.running = _PausingRunning(armed, paused, resume)
+    other = engine.add_request([9, 9], SamplingParams(max_tokens=2, ignore_eos=True))
+    engine.step()  # the other thread's request holds the one sequence slot
+    a_stepped, b_paused = threading.Event(), threading.Event()
+    step = engine.step
+
+    def first_step_then_wait():  # generate's first step: `other` ends, its prompt still waits
+        engine.step = step
+        deltas = step()
+        a_stepped.set()
+        assert b_paused.wait(30)
+        return deltas
+
+    engine.step = first_step_then_wait
+    result: list = []
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    generating = threading.Thread(
+        target=lambda: result.append(llm.generate([[1, 2, 3]], params, use_tqdm=False)),
+        daemon=True,
+    )
+    generating.start()
+    assert a_stepped.wait(30) and other.is_finished
+    armed.set()
+    stepping = threading.Thread(target=step, daemon=True)  # the other thread's step
+    stepping.start()
+    assert paused.wait(30)  # generate's prompt is off the waiting queue, not running yet
+    b_paused.set()
+    generating.join(1.0)  # generate reads the engine meanwhile
+    resume.set()
+    stepping.join(30)
+    generating.join(30)
+    llm.shutdown()
+    (output,) = result[0]
+    assert output.outputs[0].finish_reason == "length", output
+    assert len(output.outputs[0].token_ids) == 2

@@ -55,10 +55,11 @@ class LLMEngine:
         # before another thread's begins. Why: llm.engine stepped from a second thread while
         # llm.generate stepped it from the first ran two steps at once, which killed the engine
         # ("scheduled from position 80, but 81 are computed here") and ended generate's requests
-        # silently. Not under it, so any thread can use them meanwhile: shutdown, stats,
-        # has_unfinished and the liveness calls (dead_ranks, silent_ranks, kill_ranks). `output`
-        # is under it: read beside a step, it gave a sample's new token without its logprob.
-        # Reentrant: add_request -> add_requests.
+        # silently. Not under it, so any thread can use them meanwhile: shutdown, stats and the
+        # liveness calls (dead_ranks, silent_ranks, kill_ranks). `output` and `has_unfinished`
+        # are under it: read beside a step, output gave a sample's new token without its
+        # logprob, and has_unfinished False for a sequence the step moved from waiting to
+        # running (generate returned it unfinished). Reentrant: add_request -> add_requests.
         self._lock = threading.RLock()
         self.tokenizer = load_tokenizer(config.model)
         self.checks = RequestChecks(config, self.tokenizer)
@@ -317,7 +318,10 @@ class LLMEngine:
         for scheduler in self.schedulers:
             scheduler.abort(ids)
 
+    @under_lock
     def has_unfinished(self) -> bool:
+        """Whether any sequence waits or runs, as of the last step (from another thread it
+        waits for the step under way, which moves sequences between the two queues)."""
         return any(s.has_unfinished() for s in self.schedulers)
 
     def stats(self) -> EngineStats:
