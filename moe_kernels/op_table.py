@@ -382,6 +382,10 @@ def pin_threads(config: KernelConfig) -> None:
     # default dtype is that of every float tensor made from Python floats (the sampler's
     # temperatures and top_p). A caller of a world-size-1 LLM may have set any of them.
     torch.set_num_threads(config.num_threads)
+    # By the legacy API too: it sets the matmul ones below and its own, which the new ones
+    # alone left at a caller's "high" (set_float32_matmul_precision, allow_tf32 = True), a mix
+    # torch refuses to read (allowTF32CuBLAS raises) and that reads "high" while IEEE runs.
+    torch.set_float32_matmul_precision("highest")
     torch.backends.mkldnn.matmul.fp32_precision = "ieee"
     torch.backends.cuda.matmul.fp32_precision = "ieee"
     torch.set_default_dtype(torch.float32)
@@ -391,28 +395,46 @@ def process_state() -> tuple:
     """The settings `pin_threads` fixes, as they are now (for `restore_process_state`)."""
     return (
         torch.get_num_threads(),
+        _legacy_matmul_precision(),
         torch.backends.mkldnn.matmul.fp32_precision,
         torch.backends.cuda.matmul.fp32_precision,
         torch.get_default_dtype(),
     )
 
 
+def _legacy_matmul_precision() -> str | None:
+    """torch.get_float32_matmul_precision(), or None where torch refuses to read it (settings
+    of the legacy and the new API that already disagree)."""
+    try:
+        return torch.get_float32_matmul_precision()
+    except RuntimeError:
+        return None
+
+
 def is_pinned(state: tuple, config: KernelConfig) -> bool:
-    """Whether `state` (process_state) computes as `pin_threads(config)` would: "none" defers
-    to torch.backends.fp32_precision, whose own "none" is IEEE."""
+    """Whether `state` (process_state) is what `pin_threads(config)` sets, as torch computes
+    and reads it: "none" defers to torch.backends.fp32_precision, whose own "none" is IEEE."""
 
     def ieee(precision: str) -> bool:
         if precision == "none":
             precision = torch.backends.fp32_precision
         return precision in ("none", "ieee")
 
-    threads, mkldnn, cuda, dtype = state
-    return threads == config.num_threads and ieee(mkldnn) and ieee(cuda) and dtype == torch.float32
+    threads, legacy, mkldnn, cuda, dtype = state
+    return (
+        threads == config.num_threads
+        and legacy == "highest"
+        and ieee(mkldnn)
+        and ieee(cuda)
+        and dtype == torch.float32
+    )
 
 
 def restore_process_state(state: tuple) -> None:
-    threads, mkldnn, cuda, dtype = state
+    threads, legacy, mkldnn, cuda, dtype = state
     torch.set_num_threads(threads)
+    if legacy is not None:  # first: it sets the matmul ones too, which then get theirs back
+        torch.set_float32_matmul_precision(legacy)
     torch.backends.mkldnn.matmul.fp32_precision = mkldnn
     torch.backends.cuda.matmul.fp32_precision = cuda
     torch.set_default_dtype(dtype)

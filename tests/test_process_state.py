@@ -36,6 +36,7 @@ PARAMS = [
 def _state() -> tuple:
     return (
         torch.get_default_dtype(),
+        torch.get_float32_matmul_precision(),
         torch.backends.mkldnn.matmul.fp32_precision,
         torch.backends.cuda.matmul.fp32_precision,
     )
@@ -46,8 +47,11 @@ def restore_process_state(restore_num_threads):
     state = _state()
     yield
     torch.set_default_dtype(state[0])
-    torch.backends.mkldnn.matmul.fp32_precision = state[1]
-    torch.backends.cuda.matmul.fp32_precision = state[2]
+    # The legacy setting first: it sets the per-backend ones too, which then get theirs back
+    # (the new ones alone left the legacy one behind, a mix torch refuses to read).
+    torch.set_float32_matmul_precision(state[1])
+    torch.backends.mkldnn.matmul.fp32_precision = state[2]
+    torch.backends.cuda.matmul.fp32_precision = state[3]
 
 
 def _run() -> tuple:
@@ -76,6 +80,54 @@ def test_caller_fp32_matmul_precision_changes_no_bit(baseline, restore_process_s
     assert _run() == baseline
     assert torch.backends.mkldnn.matmul.fp32_precision == "bf16"  # the caller's, given back
     assert torch.get_float32_matmul_precision() == "medium"
+
+
+def _legacy_tf32_state() -> tuple:
+    """What torch's legacy API reads now: its fp32 matmul precision and whether cuBLAS may use
+    TF32 (the C++ allowTF32CuBLAS), or the RuntimeError torch raises for a mix of the legacy
+    and the new API's settings."""
+    try:
+        return torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32
+    except RuntimeError as exc:
+        return ("RuntimeError", str(exc)[:60])
+
+
+@pytest.mark.parametrize("legacy", ["set_float32_matmul_precision", "allow_tf32"])
+def test_a_caller_on_the_legacy_tf32_api_gets_no_mixed_state(
+    restore_process_state, monkeypatch, legacy
+):
+    """A caller that asked for TF32 through torch's legacy API (`set_float32_matmul_precision(
+    "high")`, as Lightning suggests, or `torch.backends.cuda.matmul.allow_tf32 = True`): the
+    rank pinned IEEE through the new per-backend API alone, so during each call the legacy
+    setting still said "high" while the new one said "ieee", a mix torch refuses to read:
+    `torch.backends.cuda.matmul.allow_tf32` (C++ allowTF32CuBLAS, which torch code and CUDA
+    extensions consult) raised RuntimeError inside the rank, and the legacy precision read
+    "high" while the rank computed in IEEE. Now the call runs at "highest" by both APIs, and
+    the caller's settings come back by both."""
+    from moe_runtime.worker.worker import Worker
+
+    seen = []
+    execute = Worker.execute
+
+    def recording(self, step):
+        seen.append(_legacy_tf32_state())
+        return execute(self, step)
+
+    if legacy == "allow_tf32":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    else:
+        torch.set_float32_matmul_precision("high")
+    caller = _legacy_tf32_state()
+    assert caller == ("high", True)  # the negative control: the caller's TF32 shows
+    monkeypatch.setattr(Worker, "execute", recording)
+    llm = LLM(str(TINY_CONFIG))
+    try:
+        llm.generate(PROMPTS[:1], PARAMS[0], use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert seen and set(seen) == {("highest", False)}, set(seen)
+    assert _legacy_tf32_state() == caller  # the caller's, given back
+    assert torch.backends.cuda.matmul.fp32_precision == "tf32"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
