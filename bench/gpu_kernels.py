@@ -351,6 +351,7 @@ def bench_attention() -> None:
 
     ceiling = copy_bandwidth(torch.device("cuda")) / 1e12  # TB/s, read + write of 1 GiB
     flash = "FlashMLA installed" if HAS_FLASH_MLA else "FlashMLA not installed"
+    capability = torch.cuda.get_device_capability()
     print(
         f"\n## decode attention: invariant vs fast mode's op ({flash}; the path it takes at "
         f"each shape in the last column); copy ceiling {ceiling:.2f} TB/s"
@@ -390,19 +391,27 @@ def bench_attention() -> None:
                 f"| {heads} | {batch} | {ctx} | {times[0] * 1e3:.1f} | {pct[0]:.0%} | "
                 f"{times[1] * 1e3:.1f} | {pct[1]:.0%} | {times[0] / times[1]:.2f} | "
                 f"{times[2] * 1e3:.1f} | {times[0] / times[2]:.2f} | "
-                f"{fast_decode_path(batch, blocks, heads, HAS_FLASH_MLA)} |"
+                f"{fast_decode_path(batch, blocks, heads, HAS_FLASH_MLA, capability)} |"
             )
 
 
-def fast_decode_path(batch: int, table_width: int, heads: int, has_flash_mla: bool) -> str:
+def fast_decode_path(
+    batch: int, table_width: int, heads: int, has_flash_mla: bool, capability: tuple[int, int]
+) -> str:
     """Which kernel fast mode's decode attention (mla_decode_fast) runs for a decode batch of
-    `batch` queries over tables `table_width` blocks wide at `heads` heads (SM90, bf16, blocks
-    of 64), by its own host rules. Why: it is FlashMLA only where those rules leave it there;
-    elsewhere the "fast" columns time the invariant launch or the split-KV Triton kernel, not
-    FlashMLA."""
-    from moe_kernels.fast_attention import takes_invariant_launch, takes_split_kv
+    `batch` queries over tables `table_width` blocks wide at `heads` heads (bf16, blocks of 64)
+    on a device of compute `capability`, by its own host rules. Why: it is FlashMLA only where
+    those rules leave it there (an importable FlashMLA on a device other than SM90 runs the
+    split-KV kernel: uses_flash_mla); elsewhere the "fast" columns time the invariant launch or
+    the split-KV Triton kernel, not FlashMLA."""
+    from moe_kernels.fast_attention import (
+        FLASH_MLA_CAPABILITY,
+        takes_invariant_launch,
+        takes_split_kv,
+    )
 
-    if not has_flash_mla or takes_split_kv(batch, heads):
+    uses_flash_mla = has_flash_mla and tuple(capability) == FLASH_MLA_CAPABILITY
+    if not uses_flash_mla or takes_split_kv(batch, heads):
         return "split-KV Triton"
     if takes_invariant_launch(batch, table_width, heads):
         return "invariant launch"

@@ -39,7 +39,7 @@ def test_attention_rows_name_the_kernel_fast_mode_ran():
     from bench.gpu_kernels import ATTENTION_SHAPES, fast_decode_path
 
     paths = {
-        (heads, b, ctx): fast_decode_path(b, -(-ctx // 64), heads, True)
+        (heads, b, ctx): fast_decode_path(b, -(-ctx // 64), heads, True, (9, 0))
         for heads in (16, 128)
         for b, ctx in ATTENTION_SHAPES
     }
@@ -49,4 +49,10 @@ def test_attention_rows_name_the_kernel_fast_mode_ran():
     }
     assert paths[(128, 1, 4096)] == "split-KV Triton"
     assert paths[(16, 8, 8192)] == paths[(16, 256, 1024)] == "invariant launch"
-    assert fast_decode_path(64, 17, 16, False) == "split-KV Triton"  # FlashMLA not installed
+    assert fast_decode_path(64, 17, 16, False, (9, 0)) == "split-KV Triton"  # not installed
+    # Importable on a device other than SM90 (a Blackwell card): uses_flash_mla says no, so the
+    # op runs the split-KV kernel at every shape; the column said FlashMLA or the invariant
+    # launch there.
+    assert {fast_decode_path(b, -(-ctx // 64), h, True, (10, 0)) for h, b, ctx in paths} == {
+        "split-KV Triton"
+    }
