@@ -4,11 +4,12 @@ one on the model's device, at one rank (the model in this process).
 The update's sources are the running model's own weights in HF names (the routed experts in
 transformers' fused form, which the runtime takes), so every update leaves the bits as they
 were: a few greedy completions are compared before and after (engagement: weight_version
-counts every update). Per source, `--repeats` updates timed with perf_counter (the call
-returns once every weight is in place), the median [min, max], GB/s of the model's bytes, and
-on CUDA the peak device memory an update allocates above what was allocated before it (the
-staged copy of the weights, for a source on the device). A source that does not fit (a device
-copy of the model beside it) is reported as such and the rest still run.
+counts every update). Per source, `--repeats` updates timed with perf_counter to a
+synchronize after the call (a copy from a device source is queued, not waited for), the median
+[min, max], GB/s of the model's bytes, and on CUDA the peak device memory an update allocates
+above what was allocated before it (the stacked copy of the experts, for a source on the
+device, before SlotRows: 75503d1). A source that does not fit (a device copy of the model
+beside it) is reported as such and the rest still run.
 
     PYTHONUNBUFFERED=1 python bench/weight_update.py [--sources host device] [--repeats 5]
     python bench/weight_update.py --config launch/configs/tiny_cpu.yaml   # CPU smoke test

@@ -222,7 +222,8 @@ def assign_weights(model: DeepseekForCausalLM, values: dict[str, torch.Tensor | 
     """Copy checked values (check_weights) into the model's parameters (a SlotRows value row by
     row): host tensors of the parameter's dtype into GPU ones through pinned buffers
     (HostToDevice), any other through copy_, which casts the dtype and crosses devices itself.
-    Returns once every copy is done."""
+    Returns once every copy from the host is done; one from a device tensor is queued on the
+    current stream, as copy_ queues it (the model's next kernels there run after it)."""
     params = dict(model.named_parameters())
     to_device = HostToDevice()
     with torch.no_grad():
