@@ -392,14 +392,36 @@ def pin_threads(config: KernelConfig) -> None:
 
 
 def process_state() -> tuple:
-    """The settings `pin_threads` fixes, as they are now (for `restore_process_state`)."""
+    """The settings `pin_threads` fixes, as they are now (for `restore_process_state`): the
+    matmuls' fp32 precisions as set on them ("none" where they defer to a parent's)."""
     return (
         torch.get_num_threads(),
         _legacy_matmul_precision(),
-        torch.backends.mkldnn.matmul.fp32_precision,
-        torch.backends.cuda.matmul.fp32_precision,
+        _own_fp32_precision("mkldnn", "matmul"),
+        _own_fp32_precision("cuda", "matmul"),
         torch.get_default_dtype(),
     )
+
+
+def _own_fp32_precision(backend: str, op: str) -> str:
+    """The fp32 precision set on (backend, op) itself: "none" where it defers to its parent's
+    ((backend, "all"), then torch.backends.fp32_precision). Why: torch's getter answers the
+    value it defers to, and that value written back made it the op's own, which then stopped
+    following the caller's parent setting (its later torch.backends.fp32_precision = "ieee"
+    left the matmuls in TF32). Where the two agree, the parent is moved to another value and
+    back to tell them apart."""
+    get, put = torch._C._get_fp32_precision_getter, torch._C._set_fp32_precision_setter
+    now = get(backend, op)
+    parent = ("generic", "all") if op == "all" else (backend, "all")
+    if backend == "generic" or now == "none" or now != get(*parent):
+        return now  # the root, torch's default, or set on the op itself
+    parents_own = _own_fp32_precision(*parent)
+    probe = "tf32" if now == "ieee" else "ieee"  # accepted by every backend
+    put(*parent, probe)
+    try:
+        return "none" if get(backend, op) == probe else now
+    finally:
+        put(*parent, parents_own)
 
 
 def _legacy_matmul_precision() -> str | None:
@@ -413,19 +435,20 @@ def _legacy_matmul_precision() -> str | None:
 
 def is_pinned(state: tuple, config: KernelConfig) -> bool:
     """Whether `state` (process_state) is what `pin_threads(config)` sets, as torch computes
-    and reads it: "none" defers to torch.backends.fp32_precision, whose own "none" is IEEE."""
+    and reads it: an op's "none" defers to its backend's, then to torch.backends.fp32_precision,
+    whose own "none" is IEEE."""
 
-    def ieee(precision: str) -> bool:
-        if precision == "none":
-            precision = torch.backends.fp32_precision
-        return precision in ("none", "ieee")
+    def ieee(backend: str, own: str) -> bool:
+        if own == "none":  # what it defers to
+            own = torch._C._get_fp32_precision_getter(backend, "all")
+        return own in ("none", "ieee")
 
     threads, legacy, mkldnn, cuda, dtype = state
     return (
         threads == config.num_threads
         and legacy == "highest"
-        and ieee(mkldnn)
-        and ieee(cuda)
+        and ieee("mkldnn", mkldnn)
+        and ieee("cuda", cuda)
         and dtype == torch.float32
     )
 

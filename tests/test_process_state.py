@@ -39,6 +39,7 @@ def _state() -> tuple:
         torch.get_float32_matmul_precision(),
         torch.backends.mkldnn.matmul.fp32_precision,
         torch.backends.cuda.matmul.fp32_precision,
+        torch.backends.fp32_precision,
     )
 
 
@@ -52,6 +53,7 @@ def restore_process_state(restore_num_threads):
     torch.set_float32_matmul_precision(state[1])
     torch.backends.mkldnn.matmul.fp32_precision = state[2]
     torch.backends.cuda.matmul.fp32_precision = state[3]
+    torch.backends.fp32_precision = state[4]
 
 
 def _run() -> tuple:
@@ -128,6 +130,33 @@ def test_a_caller_on_the_legacy_tf32_api_gets_no_mixed_state(
     assert seen and set(seen) == {("highest", False)}, set(seen)
     assert _legacy_tf32_state() == caller  # the caller's, given back
     assert torch.backends.cuda.matmul.fp32_precision == "tf32"
+
+
+def _generate_once() -> None:
+    llm = LLM(str(TINY_CONFIG))
+    try:
+        llm.generate(PROMPTS[:1], PARAMS[0], use_tqdm=False)
+    finally:
+        llm.shutdown()
+
+
+def test_a_callers_matmuls_still_follow_its_global_fp32_precision_after_a_call(
+    restore_process_state,
+):
+    """A caller that set torch's global fp32 precision (`torch.backends.fp32_precision`,
+    which transformers' enable_tf32 sets) has matmul settings of "none" that defer to it.
+    torch's getters answer the value they defer to, so the rank read "tf32" and wrote it back
+    as the matmuls' own setting after each call: from then on they no longer followed the
+    caller's global knob, and its later `torch.backends.fp32_precision = "ieee"` left its
+    matmuls in TF32 (bf16 oneDNN matmuls likewise on the CPU). A matmul setting the caller made
+    itself, equal to the global one, is still its own after the call."""
+    torch.backends.fp32_precision = "tf32"
+    torch.backends.mkldnn.matmul.fp32_precision = "tf32"  # its own, equal to the global one
+    assert torch.backends.cuda.matmul.fp32_precision == "tf32"  # deferring to it
+    _generate_once()
+    torch.backends.fp32_precision = "ieee"
+    assert torch.backends.cuda.matmul.fp32_precision == "ieee"  # follows the global one
+    assert torch.backends.mkldnn.matmul.fp32_precision == "tf32"  # the caller's own setting
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
