@@ -123,8 +123,9 @@ def test_a_call_that_kills_the_engine_answers_with_the_engine_down():
 
 
 class _PausingList(list):
-    """A sample's logprobs list whose next append waits, once `armed`, until `resume` is set:
-    a step recording its results held between the token and its logprob."""
+    """A list whose next append waits, once `armed`, until `resume` is set: a sample's logprobs
+    (a step held between a token and its logprob) or a scheduler's running list (a step held
+    between taking a sequence off the waiting queue and running it)."""
 
     def __init__(self, armed: threading.Event, paused: threading.Event, resume: threading.Event):
         super().__init__()
@@ -165,22 +166,6 @@ def test_output_read_beside_a_step_is_a_whole_state():
     engine.shutdown()
 
 
-class _PausingRunning(list):
-    """A scheduler's running list whose next append waits, once `armed`, until `resume` is
-    set: a step held between taking a sequence off the waiting queue and running it."""
-
-    def __init__(self, armed: threading.Event, paused: threading.Event, resume: threading.Event):
-        super().__init__()
-        self._armed, self._paused, self._resume = armed, paused, resume
-
-    def append(self, value) -> None:
-        if self._armed.is_set():
-            self._armed.clear()
-            self._paused.set()
-            assert self._resume.wait(30)
-        super().append(value)
-
-
 def test_generate_does_not_stop_while_another_thread_s_step_admits_its_prompt():
     """llm.generate steps while the engine has unfinished sequences, read without the engine
     lock. Another thread's llm.engine.step (README: they run one at a time, each request's bits
@@ -191,7 +176,7 @@ def test_generate_does_not_stop_while_another_thread_s_step_admits_its_prompt():
     engine = llm.engine
     armed, paused, resume = threading.Event(), threading.Event(), threading.Event()
     (scheduler,) = engine.schedulers
-    scheduler.running = _PausingRunning(armed, paused, resume)
+    scheduler.running = _PausingList(armed, paused, resume)
     other = engine.add_request([9, 9], SamplingParams(max_tokens=2, ignore_eos=True))
     engine.step()  # the other thread's request holds the one sequence slot
     a_stepped, b_paused = threading.Event(), threading.Event()

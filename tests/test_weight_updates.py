@@ -237,7 +237,6 @@ def test_transformers_fused_experts_are_cut_per_rank(checkpoints, monkeypatch):
     times); they are cut into each rank's own experts like per-expert tensors, with the bits
     of a fresh engine on the new weights, and a fused tensor of the wrong expert count is
     still refused naming it."""
-    import ray
 
     from moe_runtime.model.weight_checks import EXPERT_KEY, FUSED_KEY
 
@@ -250,15 +249,7 @@ def test_transformers_fused_experts_are_cut_per_rank(checkpoints, monkeypatch):
     fresh = LLM({**config, "model": {"path": second}})
     expected = _generate(fresh, prompts)
     fresh.shutdown()
-    puts: list[dict] = []
-    real_put = ray.put
-
-    def put(value, *args, **kwargs):
-        if isinstance(value, dict):
-            puts.append(value)
-        return real_put(value, *args, **kwargs)
-
-    monkeypatch.setattr(ray, "put", put)
+    puts = _record_dict_puts(monkeypatch)
     llm = LLM(config, **{"parallel.world_size": 2})
     try:
         llm.update_weights(fused)
@@ -475,6 +466,22 @@ def test_a_state_dict_of_views_into_one_buffer_ships_each_tensor_alone(checkpoin
         llm.shutdown()
 
 
+def _record_dict_puts(monkeypatch) -> list[dict]:
+    """Every dict ray.put from here on (over Ray: the state-dict parts shipped to the ranks)."""
+    import ray
+
+    puts: list[dict] = []
+    real_put = ray.put
+
+    def put(value, *args, **kwargs):
+        if isinstance(value, dict):
+            puts.append(value)
+        return real_put(value, *args, **kwargs)
+
+    monkeypatch.setattr(ray, "put", put)
+    return puts
+
+
 def test_each_rank_is_sent_only_its_own_experts_of_a_state_dict(checkpoints, monkeypatch):
     """At world size R every rank was sent the whole state dict, every routed expert of it,
     and read and checked all of it: R copies of the model in host memory at once (V2-Lite at
@@ -482,7 +489,6 @@ def test_each_rank_is_sent_only_its_own_experts_of_a_state_dict(checkpoints, mon
     slots' experts; the bits are those of the whole state dict at world size 1, a bad tensor
     of any expert is still refused, and after a rebalance (and in a rebuild) each rank is sent
     the experts it holds then."""
-    import ray
     from safetensors.torch import load_file
 
     from moe_runtime.model.weight_checks import EXPERT_KEY
@@ -495,23 +501,23 @@ def test_each_rank_is_sent_only_its_own_experts_of_a_state_dict(checkpoints, mon
     alone.update_weights(state)
     expected = _generate(alone, prompts)
     alone.shutdown()
-    sent: list[set[str]] = []  # the experts of each dict put for the ranks, in order
-    common_puts: list[int] = []  # the tensors past the experts each put carried
-    real_put = ray.put
+    puts = _record_dict_puts(monkeypatch)
 
-    def put(value, *args, **kwargs):
-        if isinstance(value, dict):
-            experts = {k for k in value if EXPERT_KEY.match(k)}
-            if len(experts) < len(value):
-                common_puts.append(len(value) - len(experts))
-            else:
-                sent.append(experts)
-        return real_put(value, *args, **kwargs)
+    def shipped() -> tuple[list[set[str]], list[int]]:
+        """Of the dicts put since the last call: the experts of each holding only experts (a
+        rank's own), in order, and how many other tensors each other one carried."""
+        parts = list(puts)
+        puts.clear()
+        keys = [{k for k in part if EXPERT_KEY.match(k)} for part in parts]
+        pairs = list(zip(parts, keys, strict=True))
+        return [k for p, k in pairs if len(k) == len(p)], [
+            len(p) - len(k) for p, k in pairs if len(k) < len(p)
+        ]
 
-    monkeypatch.setattr(ray, "put", put)
     llm = LLM(config, **{"parallel.world_size": 2})
     try:
         llm.update_weights(state)
+        sent, common_puts = shipped()
         num_experts = sum(1 for k in state if EXPERT_KEY.match(k))
         assert len(sent) == 2 and all(len(keys) == num_experts // 2 for keys in sent), [
             len(keys) for keys in sent
@@ -529,9 +535,9 @@ def test_each_rank_is_sent_only_its_own_experts_of_a_state_dict(checkpoints, mon
         llm.generate([[7, 7, 7, 7, 7, 7, 7, 7, 7]] * 8, SamplingParams(max_tokens=8))
         assert llm.rebalance()["experts_moved"] > 0  # engagement: the ranks' experts changed
         placement = llm.engine.balancer.placement.physical_to_logical
-        sent.clear()
-        common_puts.clear()
+        puts.clear()
         llm.update_weights(state)
+        sent, common_puts = shipped()
         assert len(sent) == 2 and len(common_puts) == 1, (len(sent), common_puts)
         for rank, keys in enumerate(sent):
             slots = placement[:, rank * 8 : rank * 8 + 8]
