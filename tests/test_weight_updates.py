@@ -230,6 +230,13 @@ def test_transformers_fused_experts_are_placed_by_logical_expert(checkpoints, re
         "model.layers.1.mlp.experts.down_proj"][:3]}  # fmt: skip
     with pytest.raises(ValueError, match=r"experts\.down_proj is \(3, .*routed experts"):
         llm.update_weights(short)
+    # An expert given twice, fused and apart, kept one of the two values with no error.
+    gate = "model.layers.1.mlp.experts.3.gate_proj.weight"
+    inter = fused["model.layers.1.mlp.experts.down_proj"].shape[2]
+    both = {**fused, gate: fused["model.layers.1.mlp.experts.gate_up_proj"][3, :inter] + 1}
+    with pytest.raises(ValueError, match=r"both the fused tensor .*experts\.3\.gate_proj"):
+        llm.update_weights(both)
+    assert _generate(llm, prompts) == _generate(fresh, prompts)  # refused: nothing changed
 
 
 def test_transformers_fused_experts_are_cut_per_rank(checkpoints, monkeypatch):

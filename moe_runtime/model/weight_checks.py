@@ -116,6 +116,14 @@ def unfuse_experts(
             out[key] = value
             continue
         prefix, name = match.groups()
+        both = next(
+            (k for k in tensors if k.startswith(f"{prefix}.") and EXPERT_KEY.match(k)), None
+        )
+        if both is not None:
+            raise ValueError(
+                f"weights {source!r}: both the fused tensor {key} and the per-expert {both}: "
+                "one expert would have two values (give each expert's weights once)"
+            )
         if tuple(value.shape) != shapes[name]:
             raise ValueError(
                 f"weights {source!r}: tensor {key} is {tuple(value.shape)}; as transformers' "
