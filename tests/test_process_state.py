@@ -150,6 +150,10 @@ def test_a_callers_matmuls_still_follow_its_global_fp32_precision_after_a_call(
     caller's global knob, and its later `torch.backends.fp32_precision = "ieee"` left its
     matmuls in TF32 (bf16 oneDNN matmuls likewise on the CPU). A matmul setting the caller made
     itself, equal to the global one, is still its own after the call."""
+    # From torch's defaults: an earlier test's pin_threads (a worker built in this process)
+    # leaves the matmuls' own precisions set, which then do not defer.
+    torch.backends.cuda.matmul.fp32_precision = "none"
+    torch.backends.mkldnn.matmul.fp32_precision = "none"
     torch.backends.fp32_precision = "tf32"
     torch.backends.mkldnn.matmul.fp32_precision = "tf32"  # its own, equal to the global one
     assert torch.backends.cuda.matmul.fp32_precision == "tf32"  # deferring to it
