@@ -109,6 +109,12 @@ def unfuse_experts(
         return tensors
     inter, hidden, num = cfg.moe_intermediate_size, cfg.hidden_size, cfg.n_routed_experts
     shapes = {"gate_up_proj": (num, 2 * inter, hidden), "down_proj": (num, hidden, inter)}
+    # A layer's first per-expert tensor: with its fused one too, an expert has two values.
+    apart = {}
+    for key in tensors:
+        match = EXPERT_KEY.match(key)
+        if match is not None:
+            apart.setdefault(match.group(1), key)
     out = {}
     for key, value in tensors.items():
         match = FUSED_KEY.match(key)
@@ -116,9 +122,7 @@ def unfuse_experts(
             out[key] = value
             continue
         prefix, name = match.groups()
-        both = next(
-            (k for k in tensors if k.startswith(f"{prefix}.") and EXPERT_KEY.match(k)), None
-        )
+        both = apart.get(prefix)
         if both is not None:
             raise ValueError(
                 f"weights {source!r}: both the fused tensor {key} and the per-expert {both}: "
