@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import threading
 import traceback
 from collections.abc import Iterator
 
@@ -26,6 +27,11 @@ from collections.abc import Iterator
 # gc.get_freeze_count(): CPython 3.12.1 reports a few hundred frozen objects after any full
 # collection, so every process would look frozen and a rebuild would freeze a user's heap.
 _is_frozen = False
+# The thawed blocks open now (threads may overlap them: a shutdown beside a rebuild), and
+# whether the first of them found the process frozen; under _thaw_lock.
+_thaw_lock = threading.Lock()
+_num_thawed = 0
+_refreeze = False
 
 
 def freeze() -> int:
@@ -50,16 +56,26 @@ def thawed() -> Iterator[None]:
     """Frozen objects back in the collector's view for the block (a rebuild or a shutdown
     drops a model); after it, if freeze() had frozen the process, a collection (the dropped
     objects' cycles freed) and a freeze again. (Unfrozen, the block's own code collects what
-    it must: LocalExecutor.shutdown, before a rebuild sizes its cache.)"""
-    global _is_frozen
-    was_frozen, _is_frozen = _is_frozen, False
-    if was_frozen:
-        gc.unfreeze()
+    it must: LocalExecutor.shutdown, before a rebuild sizes its cache.) Blocks that overlap in
+    several threads thaw once and freeze again when the last one ends.
+
+    Why the count: each block restored the freeze it found, so of two overlapping blocks the
+    first to end froze again while the other was still dropping its model: the objects that
+    one dropped were frozen with their cycles, never collected."""
+    global _is_frozen, _num_thawed, _refreeze
+    with _thaw_lock:
+        if not _num_thawed:
+            _refreeze, _is_frozen = _is_frozen, False
+            if _refreeze:
+                gc.unfreeze()
+        _num_thawed += 1
     try:
         yield
     finally:
-        if was_frozen:
-            freeze()
+        with _thaw_lock:
+            _num_thawed -= 1
+            if not _num_thawed and _refreeze:
+                freeze()
 
 
 def drop_frames(error: BaseException) -> None:

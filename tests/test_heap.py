@@ -70,6 +70,30 @@ def test_thawed_collects_a_cycle_dropped_inside_it(unfrozen):
     assert gc.get_freeze_count() > 0
 
 
+def test_overlapping_thawed_blocks_collect_what_the_later_one_drops(unfrozen):
+    """A shutdown in one thread beside a rebuild in another: two thawed blocks that overlap.
+    The first to end froze the process again while the other was still to drop its model,
+    whose cycles then stayed frozen for good. Now the last block to end freezes, after a
+    collection that frees them."""
+
+    class Node:
+        pass
+
+    node = Node()
+    node.self_ref = node  # a cycle: only the collector frees it
+    alive = weakref.ref(node)
+    heap.freeze()
+    first, second = heap.thawed(), heap.thawed()
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)  # the first block ends: the second is still open
+    assert gc.get_freeze_count() == 0  # nothing frozen again yet
+    del node  # the second block drops its model
+    second.__exit__(None, None, None)
+    assert alive() is None
+    assert gc.get_freeze_count() > 0  # frozen again after the last block
+
+
 def test_rebuild_frees_the_old_model_with_the_heap_frozen(unfrozen):
     """serve_ep freezes after start-up; a rebuild at world size 1 builds the new model in the
     same process. The model sits in reference cycles, so with its objects frozen it was never
