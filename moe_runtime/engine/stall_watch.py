@@ -66,16 +66,19 @@ class StallWatch:
 
     def _kill(self, busy: tuple[str, float], silent: list[int], ran_s: float) -> None:
         """Kill the frozen ranks if `busy` is still what the loop runs (not a rebuild's step):
-        a kill that fails is logged, and the watch goes on."""
-        with self._lock:
-            is_current = self._busy is busy
-        if not is_current or self._is_rebuilding():  # (the engine's lock: not under ours)
+        a kill that fails is logged, and the watch goes on. The check and the kill are made
+        under the watch's lock, so the loop cannot end `busy` and start the next step between
+        them (the kill would fail that one, a spurious rebuild of ranks that had answered)."""
+        if self._is_rebuilding():  # (the engine's state: read before our lock, not under it)
             return
         why = f"it answered no ping at two checks in a row while {busy[0]} ran {ran_s:.0f}s"
-        try:
-            self._engine.kill_ranks(silent, why)
-        except Exception:
-            log.exception("could not kill the stalled ranks %s", silent)
+        with self._lock:
+            if self._busy is not busy:
+                return
+            try:
+                self._engine.kill_ranks(silent, why)  # a quick call: the actors' kill is queued
+            except Exception:
+                log.exception("could not kill the stalled ranks %s", silent)
 
     def _watch(self) -> None:
         while True:
