@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from moe_runtime.config import SECTIONS, RuntimeConfig, load_config
 from moe_runtime.engine import CompletionOutput, LLMEngine, RequestOutput
-from moe_runtime.engine.engine import under_lock
+from moe_runtime.engine.rank_faults import under_lock
 from moe_runtime.engine.request import Request
 from moe_runtime.executor import WorkerError
 from moe_runtime.sampling_params import SamplingParams
