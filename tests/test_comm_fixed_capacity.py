@@ -60,7 +60,12 @@ def _exchange(dispatcher, x, ids, weights, expert_weight, rank) -> dict:
     before = dispatcher.num_rows_sent_remote
     before_eager = getattr(dispatcher, "num_eager_rows_sent_remote", 0)
     recv_x, group_sizes, handle = dispatcher.dispatch(x, ids, weights)
-    y = grouped_linear_ref(recv_x, local, group_sizes, tile_rows=TILE_ROWS)
+    # On CUDA the capacity dispatcher returns every row of its padded blocks and the grouped
+    # GEMM stops at the group sizes' sum, leaving the padding rows' results unspecified: the
+    # reference GEMM takes the real rows, NaN stands in for the rest (combine must not read it).
+    num_real = int(group_sizes.sum())
+    y = grouped_linear_ref(recv_x[:num_real], local, group_sizes, tile_rows=TILE_ROWS)
+    y = torch.cat([y, y.new_full((recv_x.shape[0] - num_real, y.shape[1]), float("nan"))])
     out = dispatcher.combine(y, handle, weights)
     return {
         "recv_x": recv_x,
@@ -85,6 +90,16 @@ class SourceOrderDispatcher(FixedCapacityDispatcher):
         return torch.sort(keys, stable=True).indices
 
 
+class CudaShapedDispatcher(FixedCapacityDispatcher):
+    """FixedCapacityDispatcher returning what its CUDA path returns on the CPU too: all R*C rows
+    of the padded blocks (real rows first, zero padding rows after), not the real rows only."""
+
+    def dispatch(self, x, topk_phys_ids, topk_weights, layout=None):
+        rows, group_sizes, handle = super().dispatch(x, topk_phys_ids, topk_weights, layout)
+        padding = rows.new_zeros(handle.recv_order.numel() - rows.shape[0], rows.shape[1])
+        return torch.cat([rows, padding]), group_sizes, handle
+
+
 def _fixed_capacity_worker(rank: int, world_size: int, port: int, backend: str) -> dict:
     config = backend_config(world_size, backend)
     if config.device == "cuda":
@@ -100,6 +115,7 @@ def _fixed_capacity_worker(rank: int, world_size: int, port: int, backend: str) 
         "capacity": FixedCapacityDispatcher(*args, moe_combine_ref),
         "capacity_fast": FixedCapacityDispatcher(*args, moe_combine_fast),
         "capacity_eager_step": eager,
+        "capacity_cuda_shaped": CudaShapedDispatcher(*args, moe_combine_ref),
     }
     result = {}
     # Collectives: every rank runs the same calls in the same order, rank 1 with 0 tokens.
@@ -130,7 +146,7 @@ def test_fixed_capacity_equals_all_to_all_bitwise(tmp_path, world_size, backend)
         pytest.skip(f"needs {world_size} CUDA devices")
     results = run_ranks(_fixed_capacity_worker, world_size, tmp_path, backend)
     names = [key[1] for key in results[0] if key[0] == "all_to_all"]
-    num_fast_differ = num_unsorted_differ = 0
+    num_fast_differ = num_unsorted_differ = num_padded = 0
     for rank, res in enumerate(results):
         for name in names:
             ref, got = res["all_to_all", name], res["capacity", name]
@@ -142,6 +158,11 @@ def test_fixed_capacity_equals_all_to_all_bitwise(tmp_path, world_size, backend)
             assert torch.equal(got["out"], ref["out"]), (rank, name)
             # Engagement: the same rows crossed ranks, counted alike, without a host int.
             assert got["sent_remote"] == ref["sent_remote"], (rank, name)
+            # The CUDA path's shapes: padding rows after the real ones, their results unread.
+            shaped = res["capacity_cuda_shaped", name]
+            num_padded += shaped["recv_x"].shape[0] > num_real
+            assert torch.equal(shaped["recv_x"][:num_real], ref["recv_x"]), (rank, name)
+            assert torch.equal(shaped["out"], ref["out"]), (rank, name)
             fast = res["capacity_fast", name]["out"]
             torch.testing.assert_close(fast, ref["out"])
             # An eager step of a graph-running worker: AllToAllDispatcher's exchange ran (its
@@ -166,6 +187,7 @@ def test_fixed_capacity_equals_all_to_all_bitwise(tmp_path, world_size, backend)
     # Every row of "all_remote" left its rank, in dispatch and again in combine.
     sent = sum(res["all_to_all", "all_remote"]["sent_remote"] for res in results)
     assert sent == 2 * TOP_K * sum(len(x) for x in make_case(world_size)["x"])
+    assert num_padded > 0  # engagement: some CUDA-shaped dispatch had padding rows
     # Negative controls: arrival-order sums move with the placement; unsorted rows differ.
     assert num_fast_differ > 0 and num_unsorted_differ > 0, (num_fast_differ, num_unsorted_differ)
 
