@@ -88,8 +88,11 @@ def rearrange_experts(
             except Exception as exc:  # this rank's own: it fails, the ranks stay in step
                 error, staged = _local_error(layer, exc), []
         if error is not None:
-            # Only the agreed sizes matter now: the commit will fail. The staging is freed, so
-            # one layer's transfer rows fit where they did before the move began.
+            # Only the agreed sizes matter now: the commit will fail. Every staged tensor is
+            # dropped first (this layer's copy too), so one layer's transfer rows fit where
+            # they did before the move began: a placeholder that ran out of memory as well
+            # would leave the collectives, and the peers would wait out the timeout.
+            new_weights = None
             send, recv = exchange.placeholders(gate_up)
         bytes_sent += exchange.run(send, recv, group)
         if error is None:
@@ -98,6 +101,9 @@ def rearrange_experts(
                 staged.append(new_weights)
             except Exception as exc:
                 error, staged = _local_error(layer, exc), []
+        # Why: the next layer's buffers are allocated with this layer's gone (one layer's
+        # transfer rows at a time, not two).
+        send = recv = new_weights = None
     ok = _all_ok(error is None, rank, num_ranks, group, experts[0][0].device if experts else "cpu")
     lo, hi = rank * slots, (rank + 1) * slots
     moved = int((old_p2l[:, lo:hi] != new_p2l[:, lo:hi]).sum())
