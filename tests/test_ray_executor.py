@@ -160,3 +160,23 @@ def test_a_refusal_on_every_rank_reads_every_rank_s_answer(ray_local, monkeypatc
         assert len(out.token_ids) == 2
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("backend", ["nccl", "auto", "gloo"])
+def test_nccl_ranks_sharing_gpus_are_refused_before_any_worker(monkeypatch, backend):
+    """parallel.device cuda over NCCL ('auto' resolves to it) with more ranks than the cluster
+    has GPUs: the bundles took fractional GPUs, the ranks shared them, and NCCL refused the
+    communicator ("Duplicate GPU detected") at the first collective, after the workers had
+    loaded their weights. Refused at once now, naming the backend; gloo may share them."""
+    from moe_runtime.executor import ray_executor
+    from tests.invariance import TINY_CONFIG
+
+    monkeypatch.setattr(ray_executor.ray, "cluster_resources", lambda: {"GPU": 1.0, "CPU": 8.0})
+    overrides = {"parallel.device": "cuda", "parallel.world_size": 2, "parallel.backend": backend}
+    config = load_config(TINY_CONFIG, overrides)
+    if backend == "gloo":
+        ray_executor._check_nccl_ranks(config)  # ranks sharing a GPU over gloo: allowed
+        assert ray_executor._gpu_share("cuda", 2) == 0.5
+        return
+    with pytest.raises(WorkerError, match=r"need a GPU each; the Ray cluster has 1.*backend: gloo"):
+        ray_executor._check_nccl_ranks(config)

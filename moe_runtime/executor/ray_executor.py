@@ -25,6 +25,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from comm.errors import CollectiveError
+from comm.groups import select_backend
 from comm.nccl_env import pinned_nccl_env
 from moe_runtime.config import RuntimeConfig
 from moe_runtime.executor.ray_connect import connect_ray
@@ -49,6 +50,7 @@ class RayExecutor:
         self.timeout_s = parallel.timeout_s + _MARGIN_S
         self.num_steps = 0
         connect_ray(self.world_size)
+        _check_nccl_ranks(config)
         self.workers: list = []  # filled in place: the release below holds this list
         self.num_frozen: list[int] = []  # objects each rank's process froze after its init
         self._sentinels: list = []  # each rank's Worker.hold call: done only once it died
@@ -345,6 +347,22 @@ def _cause(exc: RayError) -> str:
 def _bundles(device: str, world_size: int) -> list[dict[str, float]]:
     gpu = _gpu_share(device, world_size)
     return [{"CPU": 1, "GPU": gpu} if gpu else {"CPU": 1} for _ in range(world_size)]
+
+
+def _check_nccl_ranks(config: RuntimeConfig) -> None:
+    """WorkerError where the ranks would talk over NCCL with fewer GPUs than ranks: their
+    bundles would share GPUs (_gpu_share), and NCCL refuses two ranks of one communicator on
+    one GPU ("Duplicate GPU detected") at its first collective, after every rank loaded."""
+    parallel = config.parallel
+    if parallel.device != "cuda" or parallel.world_size == 1 or select_backend(parallel) != "nccl":
+        return
+    num_gpus = int(ray.cluster_resources().get("GPU", 0))
+    if 0 < num_gpus < parallel.world_size:
+        raise WorkerError(
+            f"parallel.world_size={parallel.world_size} ranks over NCCL need a GPU each; the Ray "
+            f"cluster has {num_gpus}, so ranks would share GPUs, which NCCL refuses: set "
+            f"parallel.backend: gloo to share them (got {parallel.backend!r})"
+        )
 
 
 def _gpu_share(device: str, world_size: int) -> float:
