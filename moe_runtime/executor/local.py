@@ -25,6 +25,16 @@ class LocalExecutor:
         with self._own_threads():
             self.worker: Worker | None = Worker(config, rank=0)
             self.worker.init("127.0.0.1", 0, physical_to_logical)
+        self._device = self.worker.runner.device
+
+    @contextlib.contextmanager
+    def _on_rank(self) -> Iterator[None]:
+        """_own_threads, and the rank's CUDA device current for the block (the caller's back
+        after it). Why: Triton launches its kernels, torch records events and CUDA graphs
+        capture on the current device, so a caller that made another GPU current after
+        building the LLM had the rank's kernels launched there on this device's memory."""
+        with self._own_threads(), _current_device(self._device):
+            yield
 
     @contextlib.contextmanager
     def _own_threads(self) -> Iterator[None]:
@@ -54,13 +64,13 @@ class LocalExecutor:
         return self.worker
 
     def execute(self, per_rank_inputs: list[StepInput]) -> list[StepOutput]:
-        with self._own_threads():
+        with self._on_rank():
             return [self._rank().execute(per_rank_inputs[0])]
 
     def call(self, method: str, per_rank_args: list[tuple], timeout_s: float | None = None) -> list:
         """Run Worker.<method> on every rank with its own arguments; results in rank order.
         timeout_s is the Ray executor's bound; a call in this process has none to keep."""
-        with self._own_threads():
+        with self._on_rank():
             return [getattr(self._rank(), method)(*per_rank_args[0])]
 
     def call_all(self, method: str, *args, timeout_s: float | None = None) -> list:
@@ -89,3 +99,8 @@ class LocalExecutor:
         gc.collect()  # the model's reference cycles (modules, graphs)
         if torch.cuda.is_initialized():
             torch.cuda.empty_cache()  # free to mem_get_info, not only to this allocator
+
+
+def _current_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """torch.cuda.device(device) for a CUDA device, else nothing to switch."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()

@@ -98,6 +98,9 @@ class DecodeGraphRunner:
         self.segments: list[_Segment] = []  # planned at the first capture (see _plan)
         self.captured_moe: list = []
         self.pool = torch.cuda.graph_pool_handle()
+        # Why a stream of our own: torch.cuda.graph's default capture stream is made once per
+        # process, on whichever device was current then (another LLM's, a trainer's GPU).
+        self.capture_stream = torch.cuda.Stream(self.device)
         self._graphs: dict[tuple[int, int], _SizeGraphs] = {}  # by (size, table width)
         self.num_replays = 0  # steps served by graphs (tests check the path really ran)
         self.num_captures = 0
@@ -283,7 +286,9 @@ class DecodeGraphRunner:
         torch.cuda.current_stream(dev).wait_stream(stream)
         for j in range(len(self.segments)):
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            with torch.cuda.graph(
+                graph, pool=self.pool, stream=self.capture_stream, capture_error_mode="thread_local"
+            ):
                 graphs.outputs.append(self._run_segment(j, graphs))
             graphs.graphs.append(graph)
         graphs.moe_topk_ids = [moe.last_topk_ids for moe in self.captured_moe]

@@ -168,8 +168,11 @@ class Worker:
                     f"parallel.device is 'cuda' but rank {self.rank} sees no CUDA device "
                     f"(torch {torch.__version__}, built for CUDA {torch.version.cuda})"
                 )
-            torch.cuda.set_device(0)  # Ray exposes this rank's GPU as device 0
-            device = torch.device("cuda", 0)
+            # The current device, never set here: a Ray rank's is its one visible GPU (device
+            # 0), and a rank in the caller's process (world size 1) runs on the caller's GPU
+            # and leaves its current device alone (set_device(0) moved a trainer's on GPU k
+            # to GPU 0, and its model with it).
+            device = torch.device("cuda", torch.cuda.current_device())
         ops = build_op_table(cfg.kernels, device)
         slots = self.placement.num_physical // self.world_size
         tp = TensorParallel()
