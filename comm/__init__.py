@@ -21,7 +21,7 @@ from comm.groups import (
     get_process_groups,
     init_process_groups,
 )
-from comm.nccl_env import pinned_nccl_env
+from comm.nccl_env import worker_nccl_env
 
 __all__ = [
     "AllToAllDispatcher",
@@ -37,6 +37,6 @@ __all__ = [
     "destroy_process_groups",
     "get_process_groups",
     "init_process_groups",
-    "pinned_nccl_env",
+    "worker_nccl_env",
     "sort_rows_by_destination",
 ]

@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from comm import all_reduce, destroy_process_groups, init_process_groups, pinned_nccl_env
+from comm import all_reduce, destroy_process_groups, init_process_groups, worker_nccl_env
 from moe_kernels.combine import sum_over_ranks_fast, sum_over_ranks_ref
 from tests.test_comm_groups import BACKENDS, MASTER_ADDR, backend_config, run_ranks
 
@@ -37,7 +37,7 @@ def _windows(x: torch.Tensor) -> list[torch.Tensor]:
 def _all_reduce_worker(rank: int, world_size: int, port: int, backend: str) -> dict:
     config = backend_config(world_size, backend)
     if config.device == "cuda":
-        os.environ.update(pinned_nccl_env())  # this test process stands in for launch/
+        os.environ.update(worker_nccl_env())  # this test process stands in for launch/
         torch.cuda.set_device(rank)
     groups = init_process_groups(config, rank, MASTER_ADDR, port)
     result = {}
@@ -89,3 +89,12 @@ def test_pinned_all_reduce_ignores_message_size(tmp_path, backend):
         for short, long in zip(plain["plain_short"], _windows(plain["plain_long"]), strict=True)
     )
     assert num_diff > 0, "gloo all_reduce was size-independent: the control found nothing"
+
+
+def test_the_workers_nccl_env_leaves_nccl_its_channels():
+    """No bit of invariant mode goes through an NCCL reduction (the pinned sum above all-gathers),
+    so the workers' NCCL keeps its own algorithm, protocol and channel count: pinned to one
+    channel, every all_to_all of the MoE exchange ran on one NVLink channel."""
+    env = worker_nccl_env()
+    assert not {"NCCL_ALGO", "NCCL_PROTO", "NCCL_MIN_NCHANNELS", "NCCL_MAX_NCHANNELS"} & set(env)
+    assert env["NCCL_NVLS_ENABLE"] == "0" and env["NCCL_COLLNET_ENABLE"] == "0"

@@ -27,7 +27,7 @@ from comm import (
     all_reduce,
     destroy_process_groups,
     init_process_groups,
-    pinned_nccl_env,
+    worker_nccl_env,
 )
 from moe_kernels import KernelConfig, build_op_table
 from moe_kernels.combine import sum_over_ranks_ref
@@ -217,7 +217,7 @@ def _row_parallel_worker(rank: int, world_size: int, port: int, backend: str) ->
         world_size=world_size, tp_size=world_size, backend=backend, device=device, timeout_s=60.0
     )
     if device == "cuda":
-        os.environ.update(pinned_nccl_env())  # this test process stands in for launch/
+        os.environ.update(worker_nccl_env())  # this test process stands in for launch/
         torch.cuda.set_device(rank)
     groups = init_process_groups(config, rank, MASTER_ADDR, port)
     op = build_op_table(KernelConfig(tp_max=TP_MAX, tile_rows=TILE), device).row_parallel_linear

@@ -26,7 +26,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from comm.errors import CollectiveError
 from comm.groups import select_backend
-from comm.nccl_env import pinned_nccl_env
+from comm.nccl_env import worker_nccl_env
 from moe_runtime.config import RuntimeConfig
 from moe_runtime.executor.ray_connect import connect_ray
 from moe_runtime.worker.step_input import StepInput, StepOutput, WorkerError
@@ -80,8 +80,8 @@ class RayExecutor:
         parallel = config.parallel
         self._wait_for_placement(parallel.device)
         actor_cls = ray.remote(concurrency_groups={_LIVENESS: 2})(Worker)
-        # NCCL reads its settings at communicator creation: pin them in the actors' environment.
-        env = pinned_nccl_env() if parallel.device == "cuda" else {}
+        # NCCL reads its settings at communicator creation: set them in the actors' environment.
+        env = worker_nccl_env() if parallel.device == "cuda" else {}
         self.workers[:] = [
             actor_cls.options(
                 num_cpus=1,
