@@ -175,8 +175,26 @@ def test_nccl_ranks_sharing_gpus_are_refused_before_any_worker(monkeypatch, back
     overrides = {"parallel.device": "cuda", "parallel.world_size": 2, "parallel.backend": backend}
     config = load_config(TINY_CONFIG, overrides)
     if backend == "gloo":
-        ray_executor._check_nccl_ranks(config)  # ranks sharing a GPU over gloo: allowed
+        ray_executor._check_gpu_sharing(config)  # ranks sharing a GPU over gloo: allowed
         assert ray_executor._gpu_share("cuda", 2) == 0.5
         return
-    with pytest.raises(WorkerError, match=r"need a GPU each; the Ray cluster has 1.*backend: gloo"):
-        ray_executor._check_nccl_ranks(config)
+    with pytest.raises(ValueError, match=r"ranks share the Ray cluster's 1 GPU.*backend: gloo"):
+        ray_executor._check_gpu_sharing(config)
+
+
+def test_ranks_sharing_a_gpu_refuse_a_cache_sized_from_free_memory(monkeypatch):
+    """Gloo ranks sharing one GPU with cache.num_blocks 0: each rank measured the memory free
+    on the GPU and took its fraction of it, every rank counting the same memory. Refused at
+    once, naming cache.num_blocks; with a GPU a rank, or a fixed cache, allowed."""
+    from moe_runtime.executor import ray_executor
+    from tests.invariance import TINY_CONFIG
+
+    gpus = {"GPU": 1.0}
+    monkeypatch.setattr(ray_executor.ray, "cluster_resources", lambda: gpus)
+    overrides = {"parallel.device": "cuda", "parallel.world_size": 2, "parallel.backend": "gloo"}
+    sized = load_config(TINY_CONFIG, {**overrides, "cache.num_blocks": 0})
+    with pytest.raises(ValueError, match=r"share the Ray cluster's 1 GPU.*set cache.num_blocks"):
+        ray_executor._check_gpu_sharing(sized)
+    ray_executor._check_gpu_sharing(load_config(TINY_CONFIG, overrides))  # a fixed cache
+    gpus["GPU"] = 2.0
+    ray_executor._check_gpu_sharing(sized)  # a GPU a rank

@@ -50,7 +50,7 @@ class RayExecutor:
         self.timeout_s = parallel.timeout_s + _MARGIN_S
         self.num_steps = 0
         connect_ray(self.world_size)
-        _check_nccl_ranks(config)
+        _check_gpu_sharing(config)
         self.workers: list = []  # filled in place: the release below holds this list
         self.num_frozen: list[int] = []  # objects each rank's process froze after its init
         self._sentinels: list = []  # each rank's Worker.hold call: done only once it died
@@ -349,19 +349,28 @@ def _bundles(device: str, world_size: int) -> list[dict[str, float]]:
     return [{"CPU": 1, "GPU": gpu} if gpu else {"CPU": 1} for _ in range(world_size)]
 
 
-def _check_nccl_ranks(config: RuntimeConfig) -> None:
-    """WorkerError where the ranks would talk over NCCL with fewer GPUs than ranks: their
-    bundles would share GPUs (_gpu_share), and NCCL refuses two ranks of one communicator on
-    one GPU ("Duplicate GPU detected") at its first collective, after every rank loaded."""
+def _check_gpu_sharing(config: RuntimeConfig) -> None:
+    """ValueError where more ranks than the cluster has GPUs (their bundles would share GPUs,
+    _gpu_share) would fail later: over NCCL, which refuses two ranks of one communicator on one
+    GPU ("Duplicate GPU detected") at its first collective, after every rank loaded; or with
+    cache.num_blocks 0, where each rank sizes its cache from the memory free on its GPU, which
+    the ranks sharing it all count (the later ones run out of memory, or find no block fits)."""
     parallel = config.parallel
-    if parallel.device != "cuda" or parallel.world_size == 1 or select_backend(parallel) != "nccl":
+    if parallel.device != "cuda" or parallel.world_size == 1:
         return
     num_gpus = int(ray.cluster_resources().get("GPU", 0))
-    if 0 < num_gpus < parallel.world_size:
-        raise WorkerError(
-            f"parallel.world_size={parallel.world_size} ranks over NCCL need a GPU each; the Ray "
-            f"cluster has {num_gpus}, so ranks would share GPUs, which NCCL refuses: set "
-            f"parallel.backend: gloo to share them (got {parallel.backend!r})"
+    if not 0 < num_gpus < parallel.world_size:
+        return
+    sharing = f"parallel.world_size={parallel.world_size} ranks share the Ray cluster's {num_gpus}"
+    if select_backend(parallel) == "nccl":
+        raise ValueError(
+            f"{sharing} GPU(s), which NCCL refuses (a GPU each): set parallel.backend: gloo to "
+            f"share them (got {parallel.backend!r})"
+        )
+    if config.cache.is_sized_from_memory:
+        raise ValueError(
+            f"{sharing} GPU(s), and cache.num_blocks: 0 would size each rank's cache from the "
+            "memory free on its GPU, which the ranks sharing it all count: set cache.num_blocks"
         )
 
 
