@@ -12,6 +12,7 @@ rank runs with the rank's device current and gives the caller's back.
 from __future__ import annotations
 
 import contextlib
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -98,7 +99,7 @@ def test_every_call_runs_on_the_rank_s_device_and_gives_the_caller_s_back(fake_c
     executor = LocalExecutor.__new__(LocalExecutor)
     executor.config = load_config(TINY_CONFIG, {"parallel.device": "cuda"})
     executor.worker = worker = _RecordingWorker(fake_cuda)
-    executor._device = torch.device("cuda", 1)  # the rank's GPU; the caller's is 3
+    executor.device = torch.device("cuda", 1)  # the rank's GPU; the caller's is 3
     executor.execute(["step"])
     executor.call_all("stats")
     assert worker.seen == [("execute", 1), ("stats", 1)], worker.seen
@@ -164,3 +165,41 @@ def test_gpu_two_llms_on_two_gpus_of_one_process_capture_their_own_graphs():
         for llm in llms:
             llm.shutdown()
         torch.cuda.set_device(0)
+
+
+class _FakeRank:
+    """A world-size-1 rank's stand-in for WorkerGroup: built on the current device."""
+
+    def __init__(self, fake: _FakeCuda) -> None:
+        self.fake = fake
+
+    def init(self, master_addr, master_port, physical_to_logical) -> None:
+        self.runner = SimpleNamespace(device=torch.device("cuda", self.fake.current))
+
+    def num_kv_blocks(self) -> int:
+        return 1 << 20
+
+    def shutdown(self) -> None:
+        pass
+
+
+def test_a_rebuilt_rank_stays_on_the_device_of_the_rank_it_replaces(monkeypatch, fake_cuda):
+    """A rebuild (LLM.restart, the server's after a fault) ran on whichever device the thread
+    calling it had current: AsyncEngine's loop thread, CUDA's device 0; a caller that made
+    another GPU current since. The rank built on GPU 1 came back on GPU 0 (or 3), beside
+    another process's memory. Now it is rebuilt on its own device."""
+    from eplb.placement import ExpertPlacement
+    from moe_runtime.engine.worker_group import WorkerGroup
+    from moe_runtime.executor import local as local_module
+
+    monkeypatch.setattr(local_module, "Worker", lambda config, rank: _FakeRank(fake_cuda))
+    config = load_config(TINY_CONFIG, {"parallel.device": "cuda"})
+    model = config.model
+    placement = ExpertPlacement.default(model.num_moe_layers, model.n_routed_experts, 0, 1)
+    fake_cuda.current = 1  # the caller's GPU when it built the LLM
+    group = WorkerGroup(config, placement)
+    assert group.executor.worker.runner.device == torch.device("cuda", 1)
+    fake_cuda.current = 0  # the loop thread's device, or the caller moved on
+    group.rebuild(placement, "rank 0 died", is_counted=True)
+    assert group.executor.worker.runner.device == torch.device("cuda", 1)
+    assert fake_cuda.current == 0  # the rebuilding thread's device is given back

@@ -108,10 +108,14 @@ class WorkerGroup:
         if is_counted:
             self._restart_times.append(started)
         # At world size 1 the old model lives in this process: a frozen heap would keep it.
+        # Its rank is rebuilt on its device, not on the one this thread has current (the
+        # server's loop thread: CUDA's device 0; a caller that moved to another GPU since).
+        device = self.executor.device
         with thawed():
             with contextlib.suppress(Exception):  # the old group is broken; free what is left
                 self.executor.shutdown()
-            self.executor = create_executor(self.config, placement.physical_to_logical.tolist())
+            p2l = placement.physical_to_logical.tolist()
+            self.executor = create_executor(self.config, p2l, device)
             try:
                 # The new group's caches, sized afresh where cache.num_blocks is 0 (the old
                 # group's memory may not all be back): the schedulers follow its count.

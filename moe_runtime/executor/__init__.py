@@ -7,6 +7,8 @@ step and return a `StepOutput` per rank, or raise WorkerError.
 
 from __future__ import annotations
 
+import torch
+
 from moe_runtime.config import RuntimeConfig
 from moe_runtime.executor.local import LocalExecutor
 from moe_runtime.worker.step_input import WorkerError
@@ -18,11 +20,14 @@ from moe_runtime.worker.step_input import WorkerError
 QUICK_CALL_TIMEOUT_S = 10.0
 
 
-def create_executor(config: RuntimeConfig, physical_to_logical: list[list[int]]):
+def create_executor(
+    config: RuntimeConfig, physical_to_logical: list[list[int]], device: torch.device | None = None
+):
     """In-process for one rank; Ray actors for more (imported lazily: only the driver needs
-    ray). physical_to_logical: the placement the workers start with."""
+    ray). physical_to_logical: the placement the workers start with; device: where an
+    in-process rank is built (LocalExecutor), None for the current device."""
     if config.parallel.world_size == 1:
-        return LocalExecutor(config, physical_to_logical)
+        return LocalExecutor(config, physical_to_logical, device)
     from moe_runtime.executor.ray_executor import RayExecutor
 
     return RayExecutor(config, physical_to_logical)

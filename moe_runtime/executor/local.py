@@ -16,16 +16,23 @@ from moe_runtime.worker.worker import Worker
 
 
 class LocalExecutor:
-    def __init__(self, config: RuntimeConfig, physical_to_logical: list[list[int]]) -> None:
+    def __init__(
+        self,
+        config: RuntimeConfig,
+        physical_to_logical: list[list[int]],
+        device: torch.device | None = None,
+    ) -> None:
+        """device: the CUDA device to build the rank on (a rebuild's: the old rank's, whatever
+        the rebuilding thread has current); None: the current one, the caller's."""
         if config.parallel.world_size != 1:
             raise ValueError(
                 f"LocalExecutor runs one rank, parallel.world_size is {config.parallel.world_size}"
             )
         self.config = config
-        with self._own_threads():
+        with self._own_threads(), _current_device(device):
             self.worker: Worker | None = Worker(config, rank=0)
             self.worker.init("127.0.0.1", 0, physical_to_logical)
-        self._device = self.worker.runner.device
+        self.device = self.worker.runner.device  # the rank's, current during every call
 
     @contextlib.contextmanager
     def _on_rank(self) -> Iterator[None]:
@@ -33,7 +40,7 @@ class LocalExecutor:
         after it). Why: Triton launches its kernels, torch records events and CUDA graphs
         capture on the current device, so a caller that made another GPU current after
         building the LLM had the rank's kernels launched there on this device's memory."""
-        with self._own_threads(), _current_device(self._device):
+        with self._own_threads(), _current_device(self.device):
             yield
 
     @contextlib.contextmanager
@@ -101,6 +108,7 @@ class LocalExecutor:
             torch.cuda.empty_cache()  # free to mem_get_info, not only to this allocator
 
 
-def _current_device(device: torch.device) -> contextlib.AbstractContextManager:
+def _current_device(device: torch.device | None) -> contextlib.AbstractContextManager:
     """torch.cuda.device(device) for a CUDA device, else nothing to switch."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    is_cuda = device is not None and device.type == "cuda"
+    return torch.cuda.device(device) if is_cuda else contextlib.nullcontext()

@@ -44,6 +44,9 @@ _LIVENESS = "liveness"
 
 
 class RayExecutor:
+    # No device of the driver's: each rank's is its own actor's one visible GPU (or CPU).
+    device = None
+
     def __init__(self, config: RuntimeConfig, physical_to_logical: list[list[int]]) -> None:
         parallel = config.parallel
         self.world_size = parallel.world_size
