@@ -163,6 +163,27 @@ def test_a_callers_matmuls_still_follow_its_global_fp32_precision_after_a_call(
     assert torch.backends.mkldnn.matmul.fp32_precision == "tf32"  # the caller's own setting
 
 
+def _without_pinning(monkeypatch) -> None:
+    """The negative controls' rank: it pins none of torch's process-wide settings, neither at
+    init (Worker.init's pin_threads) nor around each call (LocalExecutor._own_threads)."""
+    import moe_runtime.executor.local as local
+    import moe_runtime.worker.worker as worker
+
+    monkeypatch.setattr(local, "is_pinned", lambda state, config: True)
+    monkeypatch.setattr(worker, "pin_threads", lambda kernels: None)
+
+
+def test_without_the_pinning_a_callers_default_dtype_changes_bits(
+    baseline, restore_process_state, monkeypatch
+):
+    """The negative control of the tests above and of the GPU one below: the pinning is what
+    keeps the bits. Turning off only the per-call switch (is_pinned) left Worker.init pinning
+    the process for good, so the control ran pinned and found no difference."""
+    _without_pinning(monkeypatch)
+    torch.set_default_dtype(torch.bfloat16)
+    assert _run() != baseline
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
 def test_caller_default_dtype_changes_no_bit(baseline, restore_process_state, dtype):
     torch.set_default_dtype(dtype)
@@ -209,8 +230,6 @@ def test_gpu_caller_tf32_and_default_dtype_change_no_bit(restore_process_state, 
     """The same on the GPU, with torch's CUDA API: a caller with TF32 on through the legacy
     API and a bf16 default dtype gets the bits of a caller at torch's defaults, its settings
     come back readable by both APIs, and without the pinning its bits differ (the control)."""
-    import moe_runtime.executor.local as local
-
     baseline = _run_gpu()
     a = torch.randn(256, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     exact = a @ a
@@ -220,5 +239,5 @@ def test_gpu_caller_tf32_and_default_dtype_change_no_bit(restore_process_state, 
     assert _run_gpu() == baseline
     assert _legacy_tf32_state() == ("high", True)  # the caller's, given back, readable
     assert torch.get_default_dtype() == torch.bfloat16
-    monkeypatch.setattr(local, "is_pinned", lambda state, config: True)  # no pinning
+    _without_pinning(monkeypatch)
     assert _run_gpu() != baseline
