@@ -62,7 +62,8 @@ def init_process_groups(
     """Join the job's default group over TCP and build the TP/DP groups; fill the registry.
 
     Every rank of the job must call this once, with the same config, address and port. On
-    CUDA the caller selects this worker's device (torch.cuda.set_device) beforehand.
+    CUDA the groups' device is the current one (a Ray rank's: its one visible GPU, device 0;
+    Worker.init sets none).
     """
     global _registry
     if _registry is not None:

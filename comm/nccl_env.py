@@ -1,5 +1,5 @@
-"""The NCCL environment of the runtime's GPU workers; launch/ (and the Ray executor, for its
-actors) sets it before a communicator is made.
+"""The NCCL environment of the runtime's GPU workers: the Ray executor sets it in its actors'
+environment (runtime_env), before they make a communicator.
 
 No NCCL reduction decides a bit in invariant mode: the TP sums all-gather every rank's part and
 add them in rank order (comm/allreduce.py), the MoE exchange and the all-gathers move bytes
@@ -8,8 +8,7 @@ algorithm, protocol and channel count, which sets the all_to_all's and all-gathe
 Why not pinned to one channel, the Simple protocol and Tree (an earlier choice, for the
 backend's own all-reduce): that cut every collective to one NVLink channel, the MoE exchange
 too, and slowed fast mode's all-reduce, the baseline invariance is priced against, for no bit
-of invariant mode. This module only returns the values; it never reads or writes os.environ
-(launch/ owns the environment).
+of invariant mode. This module only returns the values; it never reads or writes os.environ.
 """
 
 from __future__ import annotations
