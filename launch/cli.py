@@ -5,13 +5,30 @@ Ray cluster a run of several ranks joins."""
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+import sys
 from typing import Any
 
 from moe_runtime.sampling_params import SamplingParams
 
 SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "logprobs")
 RAY_ADDRESS_VARIABLE = "RAY_ADDRESS"  # Ray's own; `ray job submit` sets it for its job's driver
+RUNTIME_LOGGER = "moe_runtime"  # the parent of every logger the runtime's packages log to
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def configure_logging() -> None:
+    """The runtime's records (weight loading progress, each rebalance, a rebuild) from INFO up
+    on stderr, prefixed with time, level and logger name; each Ray rank's too (RayExecutor
+    passes the threshold on). Every other logger keeps Python's default WARNING threshold:
+    uvicorn's and Ray's configure their own, httpx's would log every request. Set here: only
+    launch/ sets process-wide state.
+
+    Why in every script: without it Python drops records below WARNING, and generate.py and
+    rollout.py loaded a large checkpoint with no word between "loading" and their first row."""
+    logging.basicConfig(level=logging.WARNING, format=LOG_FORMAT, stream=sys.stderr)
+    logging.getLogger(RUNTIME_LOGGER).setLevel(logging.INFO)
 
 
 def add_override_argument(parser: argparse.ArgumentParser) -> None:

@@ -75,4 +75,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    cli.configure_logging()  # here, not in main(): a caller of main() keeps its logging
     sys.exit(main())

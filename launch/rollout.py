@@ -415,4 +415,5 @@ def _checked(
 
 
 if __name__ == "__main__":
+    cli.configure_logging()  # here, not in main(): a caller of main() keeps its logging
     sys.exit(main())

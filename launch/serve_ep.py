@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import math
 import signal
 import socket
@@ -29,7 +28,12 @@ if __name__ == "__main__":  # the checkout on the path, not launch/ (whose opena
 
 import uvicorn  # noqa: E402
 
-from launch.cli import add_override_argument, connect_ray, parse_overrides  # noqa: E402
+from launch.cli import (  # noqa: E402
+    add_override_argument,
+    configure_logging,
+    connect_ray,
+    parse_overrides,
+)
 from launch.fingerprint import system_fingerprint  # noqa: E402
 from launch.generation import Backend  # noqa: E402
 from launch.server_app import create_app  # noqa: E402
@@ -46,8 +50,6 @@ RESPONSE_GRACE_S = 2
 # uvicorn's own graceful timeout, past that close: a backstop that cancels what is left, each
 # cancelled response an "Exception in ASGI application" traceback in the log.
 UVICORN_BACKSTOP_S = 2 * RESPONSE_GRACE_S
-RUNTIME_LOGGER = "moe_runtime"  # the parent of every logger the runtime's packages log to
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # uvicorn's levels: another word was a KeyError traceback from inside uvicorn.Config.
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
@@ -76,15 +78,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def log(message: str) -> None:
     print(f"serve_ep: {message}", flush=True)
-
-
-def configure_logging() -> None:
-    """The runtime's records (each rebalance, checkpoint loading progress) from INFO up on
-    stderr, prefixed with time, level and logger name. Every other logger keeps Python's
-    default WARNING threshold, as before: uvicorn's and Ray's configure their own, httpx's
-    would log every request. Set here: only launch/ sets process-wide state."""
-    logging.basicConfig(level=logging.WARNING, format=LOG_FORMAT, stream=sys.stderr)
-    logging.getLogger(RUNTIME_LOGGER).setLevel(logging.INFO)
 
 
 def reclaim_stop_signals() -> None:
