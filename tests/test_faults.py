@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import queue
 import re
@@ -29,6 +30,7 @@ import moe_runtime.engine.recovery as recovery_module
 import moe_runtime.engine.worker_group as worker_group_module
 from moe_runtime import LLM, SamplingParams
 from moe_runtime.engine.async_engine import AsyncEngine, EngineUnavailableError
+from moe_runtime.engine.stall_watch import StallWatch
 from moe_runtime.executor import WorkerError
 from tests.checkpoints import TINY_HF
 from tests.invariance import TINY_CONFIG, fingerprint
@@ -714,3 +716,34 @@ def test_an_llm_call_after_a_rank_died_while_idle_runs_on_the_rebuilt_group(ray_
         assert after == before and llm.engine.num_restarts == 1
     finally:
         llm.shutdown()
+
+
+def test_a_stall_is_logged_once_when_first_found_not_only_at_the_kill(caplog):
+    """The watchdog's finding reached /health but not the log: a server's log said nothing
+    from a rank's stall until the kill (34 s into a step with the default interval)."""
+
+    class Engine:
+        def __init__(self) -> None:
+            self.num_kills = 0
+
+        def silent_ranks(self, timeout_s: float) -> list[int]:
+            return [1]
+
+        def kill_ranks(self, ranks: list[int], why: str) -> None:
+            self.num_kills += 1
+
+    engine = Engine()
+    watch = StallWatch(engine, 0.05, is_rebuilding=lambda: False)
+    try:
+        with caplog.at_level(logging.WARNING, logger=StallWatch.__module__):
+            with watch.running("step 7"):
+                deadline = time.monotonic() + 30
+                while engine.num_kills < 3:  # three more checks of the same finding
+                    assert time.monotonic() < deadline, "the stalled rank was never killed"
+                    time.sleep(0.01)
+    finally:
+        watch.stop()
+    logged = [r.getMessage() for r in caplog.records if r.name == StallWatch.__module__]
+    assert len(logged) == 1, logged
+    assert logged[0].startswith("stalled: ranks [1] answered no ping in "), logged
+    assert " while step 7 ran " in logged[0], logged

@@ -38,6 +38,7 @@ class StallWatch:
         self._busy: tuple[str, float] | None = None  # what the loop runs now, since (monotonic)
         self._stalled: str | None = None  # the finding on it
         self._silent_before: tuple | None = None  # (busy, silent ranks) of the last check
+        self._logged: tuple | None = None  # (busy, finding) last logged: each once
         self._is_stopped = False
         threading.Thread(target=self._watch, name="engine-watchdog", daemon=True).start()
 
@@ -104,5 +105,9 @@ class StallWatch:
                 # The same ranks silent at two checks in a row of one step: frozen, not slow.
                 is_again = bool(silent) and self._silent_before == (busy, silent)
                 self._silent_before = (busy, silent) if silent else None
+                news = self._stalled if found and self._logged != (busy, found) else None
+                self._logged = (busy, found) if news else self._logged
+            if news:  # once a finding: else the log said nothing from the stall until the kill
+                log.warning("stalled: %s", news)
             if is_again:
                 self._kill(busy, silent, ran_s)
