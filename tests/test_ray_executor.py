@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
@@ -120,14 +121,23 @@ def test_each_rank_freezes_its_start_up_objects(ray_local):
         llm.shutdown()
 
 
-def test_a_world_larger_than_the_cluster_says_what_it_lacked(ray_local):
+def test_a_world_larger_than_the_cluster_says_what_it_lacked(ray_local, monkeypatch, caplog):
     """16 ranks of one CPU on the private head's 8: the placement group waits for room that
-    never comes; the error named 'ranks [0]' as if a worker had stalled."""
+    never comes; the error named 'ranks [0]' as if a worker had stalled. The wait is logged
+    once it runs long, with what the cluster has: the start-up said nothing for the whole
+    bound (parallel.timeout_s + 30 s)."""
     from moe_runtime import LLM
+    from moe_runtime.executor import ray_executor
     from tests.invariance import TINY_CONFIG
 
-    with pytest.raises(WorkerError) as failure:
+    monkeypatch.setattr(ray_executor, "_PLACEMENT_NOTICE_S", 0.5, raising=False)
+    with pytest.raises(WorkerError) as failure, caplog.at_level(logging.WARNING):
         LLM(TINY_CONFIG, **{"parallel.world_size": 16, "parallel.timeout_s": 1})
+    waits = [r.getMessage() for r in caplog.records if "waiting for the Ray" in r.getMessage()]
+    assert waits == [
+        "waiting for the Ray cluster to place parallel.world_size=16 ranks of {'CPU': 1} each "
+        "(up to 30s more): it has 8 CPU (8 free)"
+    ], waits
     message = str(failure.value)
     assert "could not place parallel.world_size=16 ranks of {'CPU': 1} each" in message, message
     assert "it has 8 CPU (" in message and "free); the rest is held by" in message, message

@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 
 _MARGIN_S = 30.0
 _STALL_GRACE_S = 3.0
+_PLACEMENT_NOTICE_S = 10.0  # a placement wait longer than this is logged
 # Each actor answers Worker.ping in a thread of its own (this concurrency group), so a rank busy
 # in a step or a collective still answers and only a frozen process (stopped, wedged) does not.
 # Its second thread holds Worker.hold, a call that never returns: the driver learns of the
@@ -110,13 +111,22 @@ class RayExecutor:
 
     def _wait_for_placement(self, device: str) -> None:
         """The placement group's bundles (one a rank) reserved, or WorkerError saying what the
-        cluster lacked: a world larger than the cluster waits for room that never comes."""
-        ready, _ = ray.wait([self.placement_group.ready()], timeout=self.timeout_s)
+        cluster lacked: a world larger than the cluster waits for room that never comes. A wait
+        past _PLACEMENT_NOTICE_S is logged with what the cluster has (else the start-up said
+        nothing for the whole bound, minutes by default)."""
+        bundle, ready_ref = _bundles(device, 1)[0], self.placement_group.ready()
+        ready, _ = ray.wait([ready_ref], timeout=min(_PLACEMENT_NOTICE_S, self.timeout_s))
+        if not ready and self.timeout_s > _PLACEMENT_NOTICE_S:
+            log.warning(
+                "waiting for the Ray cluster to place parallel.world_size=%d ranks of %s each "
+                "(up to %.0fs more): it has %s",
+                self.world_size, bundle, self.timeout_s - _PLACEMENT_NOTICE_S,
+                _cluster_has(bundle),
+            )  # fmt: skip
+            ready, _ = ray.wait([ready_ref], timeout=self.timeout_s - _PLACEMENT_NOTICE_S)
         if ready:
             return
-        bundle = _bundles(device, 1)[0]
-        total, free = ray.cluster_resources(), ray.available_resources()
-        have = ", ".join(f"{total.get(k, 0):g} {k} ({free.get(k, 0):g} free)" for k in bundle)
+        have = _cluster_has(bundle)
         raise WorkerError(
             f"the Ray cluster could not place parallel.world_size={self.world_size} ranks of "
             f"{bundle} each within {self.timeout_s:.0f}s: it has {have}; the rest is held by "
@@ -345,6 +355,12 @@ def _cause(exc: RayError) -> str:
     cause = getattr(exc, "cause", None) or exc
     text = _ANSI_ESCAPE.sub("", f"{type(cause).__name__}: {cause}").strip().splitlines()[0]
     return text if len(text) <= _MAX_CAUSE_CHARS else text[: _MAX_CAUSE_CHARS - 3] + "..."
+
+
+def _cluster_has(bundle: dict[str, float]) -> str:
+    """The cluster's total and free amounts of each resource a bundle asks for."""
+    total, free = ray.cluster_resources(), ray.available_resources()
+    return ", ".join(f"{total.get(k, 0):g} {k} ({free.get(k, 0):g} free)" for k in bundle)
 
 
 def _bundles(device: str, world_size: int) -> list[dict[str, float]]:
