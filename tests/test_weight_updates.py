@@ -5,6 +5,7 @@ Checkpoints are tiny DeepSeek-V3 models written with transformers."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -555,3 +556,18 @@ def test_each_rank_is_sent_only_its_own_experts_of_a_state_dict(checkpoints, mon
         assert _generate(llm, prompts) == expected
     finally:
         llm.shutdown()
+
+
+def test_an_update_is_logged_with_its_version_source_and_time(checkpoints, caplog):
+    """A server's log said nothing of a weight update (a rebalance is logged): which weights
+    served a request, and how long the swap took, could be read from no record."""
+    first, second = checkpoints
+    llm = LLM({"model": {"path": first}, "scheduler": {"max_model_len": 256}})
+    try:
+        with caplog.at_level(logging.INFO, logger="moe_runtime"):
+            assert llm.update_weights(second) == 1
+    finally:
+        llm.shutdown()
+    updates = [r.getMessage() for r in caplog.records if "weights updated" in r.getMessage()]
+    assert len(updates) == 1, updates
+    assert updates[0].startswith(f"weights updated to version 1 from {str(second)!r} in "), updates

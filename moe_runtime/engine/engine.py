@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import os
 import threading
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -33,6 +35,8 @@ from moe_runtime.heap import drop_frames, thawed
 from moe_runtime.sampling_params import SamplingParams
 from moe_runtime.seeds import resolve_seed
 from moe_runtime.tokenizer import load_tokenizer
+
+log = logging.getLogger(__name__)
 
 
 class LLMEngine(RankFaults):
@@ -277,7 +281,7 @@ class LLMEngine(RankFaults):
         """Swap every rank's weights (HF checkpoint dir or HF-named state dict) between steps;
         requests in flight go on with them, cached prefixes are dropped. -> the new version."""
         self._check_alive()
-        weights = WeightsSource.for_update(source)
+        started, weights = time.monotonic(), WeightsSource.for_update(source)
         # Two phases: every rank reads and checks its part; only when all have, every rank
         # copies it in. A refusal in phase 1 changes nothing anywhere.
         try:
@@ -295,6 +299,10 @@ class LLMEngine(RankFaults):
         for blocks, scheduler in zip(self.block_managers, self.schedulers, strict=True):
             scheduler.release_head_match()  # old weights' KV; it matches again when it runs
             blocks.clear_cache()
+        log.info(
+            "weights updated to version %d from %s in %.1fs",
+            version, weights.name(), time.monotonic() - started,
+        )  # fmt: skip
         return version
 
     @under_lock

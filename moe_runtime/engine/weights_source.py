@@ -64,11 +64,11 @@ class WeightsSource:
         before = dict(self.stamp)
         for name in sorted(before.keys() | now.keys()):
             if name not in now:
-                return f"{name!r} in {self._name()} was removed since the weights were read"
+                return f"{name!r} in {self.name()} was removed since the weights were read"
             if name not in before:
-                return f"{name!r} in {self._name()} was added since the weights were read"
+                return f"{name!r} in {self.name()} was added since the weights were read"
             if before[name] != now[name]:
-                return f"{name!r} in {self._name()} changed since the weights were read"
+                return f"{name!r} in {self.name()} changed since the weights were read"
         return None
 
     def missing(self) -> str | None:
@@ -83,7 +83,8 @@ class WeightsSource:
             return f"{self.source!r} holds no *.safetensors files now"
         return None
 
-    def _name(self) -> str:
+    def name(self) -> str:
+        """The source for a message: the directory (quoted), or "the state dict"."""
         return repr(self.source) if isinstance(self.source, str) else "the state dict"
 
 
