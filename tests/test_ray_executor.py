@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import re
@@ -208,3 +209,38 @@ def test_ranks_sharing_a_gpu_refuse_a_cache_sized_from_free_memory(monkeypatch):
     ray_executor._check_gpu_sharing(load_config(TINY_CONFIG, overrides))  # a fixed cache
     gpus["GPU"] = 2.0
     ray_executor._check_gpu_sharing(sized)  # a GPU a rank
+
+
+def test_a_peer_that_fails_after_the_raised_failure_is_not_reported_again(ray_local, monkeypatch):
+    """Rank 1 fails in a step and the driver raises that at once; rank 0, waiting for it in the
+    step's collective, fails parallel.timeout_s later. Its result was never read, and Ray
+    logged it as an "Unhandled error" with its whole traceback: a second report of the fault,
+    long after the first, in the console of an LLM user or a rollout."""
+    import ray._private.worker as ray_worker
+
+    from moe_runtime import LLM
+    from moe_runtime.worker.step_input import StepInput
+    from tests.invariance import TINY_CONFIG
+
+    unhandled: list = []
+    monkeypatch.setattr(ray_worker, "_unhandled_error_handler", unhandled.append)
+    # pytest keeps log records, and the failure's in them its frames and so the calls' refs
+    logger = logging.getLogger("moe_runtime.executor.ray_executor")
+    monkeypatch.setattr(logger, "disabled", True)
+    llm = LLM(TINY_CONFIG, **{"parallel.world_size": 2, "parallel.timeout_s": 2})
+    try:
+        try:  # (not pytest.raises: its traceback would keep the calls' refs alive)
+            llm.engine.executor.execute([StepInput(), StepInput(released_seq_ids=[12345])])
+            message = "no failure"
+        except WorkerError as exc:
+            message = str(exc)
+        assert message.startswith("rank 1 failed during step 1: KeyError"), message
+        gc.collect()  # the failure's frames are gone, as a caller's are once it has handled it
+        # A rank runs its calls in order: rank 0 answers this once its step has failed.
+        llm.engine.executor.call_all("pid")
+        deadline = time.monotonic() + 5
+        while not unhandled and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        llm.shutdown()
+    assert unhandled == [], unhandled

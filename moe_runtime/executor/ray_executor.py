@@ -223,31 +223,36 @@ class RayExecutor:
         pending = list(refs)
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
-        while pending:
-            done, pending = ray.wait(
-                pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic())
-            )
-            if not done:
-                ranks = sorted(rank_of[ref] for ref in pending)
-                raise WorkerError(f"ranks {ranks} did not finish {what} within {timeout_s:.0f}s")
-            rank = rank_of[done[0]]
-            try:
-                ray.get(done[0])
-            except RayTaskError as exc:
-                if isinstance(exc.cause, ValueError):  # bad input, identical on every rank
-                    self._settle(pending, rank_of, what, deadline)
-                    raise ValueError(f"rank {rank}: {exc.cause}") from exc
-                log.error("rank %d failed during %s: %s", rank, what, exc)
-                failure = f"rank {rank} failed during {what}: {_cause(exc)}"
-                if not isinstance(exc.cause, CollectiveError):  # its own fault, not a peer's
-                    raise WorkerError(failure) from exc
-                raise WorkerError(self._blame(pending, rank_of, what, failure)) from exc
-            except RayActorError as exc:  # its pid, node and actor ids go to the log only
-                log.error("rank %d died during %s: %s", rank, what, exc)
-                raise WorkerError(self._death(rank, what)) from exc
-            except RayError as exc:
-                log.error("rank %d failed during %s: %s", rank, what, exc)
-                raise WorkerError(f"rank {rank} failed during {what}: {_cause(exc)}") from exc
+        try:
+            while pending:
+                done, pending = ray.wait(
+                    pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic())
+                )
+                if not done:
+                    ranks = sorted(rank_of[ref] for ref in pending)
+                    late = f"did not finish {what} within {timeout_s:.0f}s"
+                    raise WorkerError(f"ranks {ranks} {late}")
+                rank = rank_of[done[0]]
+                try:
+                    ray.get(done[0])
+                except RayTaskError as exc:
+                    if isinstance(exc.cause, ValueError):  # bad input, identical on every rank
+                        self._settle(pending, rank_of, what, deadline)
+                        raise ValueError(f"rank {rank}: {exc.cause}") from exc
+                    log.error("rank %d failed during %s: %s", rank, what, exc)
+                    failure = f"rank {rank} failed during {what}: {_cause(exc)}"
+                    if not isinstance(exc.cause, CollectiveError):  # its own fault, not a peer's
+                        raise WorkerError(failure) from exc
+                    raise WorkerError(self._blame(pending, rank_of, what, failure)) from exc
+                except RayActorError as exc:  # its pid, node and actor ids go to the log only
+                    log.error("rank %d died during %s: %s", rank, what, exc)
+                    raise WorkerError(self._death(rank, what)) from exc
+                except RayError as exc:
+                    log.error("rank %d failed during %s: %s", rank, what, exc)
+                    raise WorkerError(f"rank {rank} failed during {what}: {_cause(exc)}") from exc
+        except BaseException:
+            _read_when_done(pending)  # the calls not read yet (their peers' failures)
+            raise
         return ray.get(refs)
 
     def _settle(self, pending: list, rank_of: dict, what: str, deadline: float) -> None:
@@ -311,6 +316,15 @@ def _release(owner_pid: int, workers: list, group) -> None:
         with contextlib.suppress(Exception):
             ray.kill(worker, no_restart=True)
     remove_placement_group(group)
+
+
+def _read_when_done(refs: list) -> None:
+    """Have each of these calls' results read when it comes, and dropped. Why: after one
+    rank's failure is raised, its peers fail too (their collective times out, parallel.timeout_s
+    later), and Ray logs a failure nobody read as an "Unhandled error" with its whole traceback:
+    a second report, minutes after the first, of a fault already raised and logged."""
+    for ref in refs:
+        ref.future()
 
 
 def _compact(state: dict) -> dict:
