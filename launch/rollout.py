@@ -96,6 +96,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 # Set by Ray for the entrypoint of `ray job submit`, whose working dir is Ray's temporary copy.
 RAY_JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
+# The progress bar's redraws into a log (stderr not a terminal: a Ray job's, a redirect), where
+# each is a line (Ray reads a job's log a line at a time, '\r' ending one), at most this often.
+LOG_REDRAW_S = 30.0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -299,6 +302,9 @@ def _write(
     todo: list[Sample],
 ) -> None:
     """Run `todo` in batches of --batch-size, appending each batch's rows as it finishes."""
+    # tqdm's own pace: up to 10 redraws a second, and one every 10 s (maxinterval) if slower
+    redraw_s = {"mininterval": LOG_REDRAW_S, "maxinterval": LOG_REDRAW_S}
+    redraw_s = {} if sys.stderr.isatty() else redraw_s
     progress = tqdm(
         total=len(samples),
         initial=len(samples) - len(todo),
@@ -306,6 +312,7 @@ def _write(
         file=sys.stderr,
         disable=args.no_progress,
         desc="score" if args.score else "rollout",
+        **redraw_s,
     )
     run = partial(
         score_batch if args.score else rollout_batch,

@@ -5,6 +5,7 @@ rollout.py too, which loaded a checkpoint with no word until their first result.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -28,3 +29,20 @@ def test_a_script_shows_the_runtime_s_loading_records(tmp_path, script):
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert " INFO moe_runtime.loader: weights ready in " in done.stderr, done.stderr
+
+
+def test_a_rollout_s_progress_bar_redraws_seldom_into_a_log(tmp_path):
+    """stderr not a terminal (a Ray job's log, a redirect): each redraw of the bar is a line
+    there (Ray reads a job's log a line at a time, '\\r' ending one), and tqdm redrew ten times
+    a second: some 36,000 lines an hour of a rollout job. At most one each LOG_REDRAW_S now,
+    beside the first and the last."""
+    prompts = tmp_path / "in.jsonl"
+    rows = [{"id": i, "prompt": [i % 200 + 1, 5, 7], "n": 4, "max_tokens": 24} for i in range(64)]
+    prompts.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    cmd = [sys.executable, "launch/rollout.py", "--config", str(TINY_CONFIG), "--input"]
+    cmd += [str(prompts), "--output", str(tmp_path / "out.jsonl"), "--batch-size", "32"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    redraws = re.findall(r"rollout: +\d+%\|[^\r\n]*", done.stderr)
+    assert 2 <= len(redraws) <= 3, redraws
+    assert redraws[-1].startswith("rollout: 100%|") and "256/256" in redraws[-1], redraws
