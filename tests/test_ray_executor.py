@@ -244,3 +244,24 @@ def test_a_peer_that_fails_after_the_raised_failure_is_not_reported_again(ray_lo
     finally:
         llm.shutdown()
     assert unhandled == [], unhandled
+
+
+def test_a_call_past_the_collective_bound_names_the_key_that_sets_it(ray_local):
+    """A rank's load (init) or step that outran the driver's bound read "did not finish init
+    within 150s": a number no config key holds, where a slow checkpoint needs a larger
+    parallel.timeout_s."""
+    from moe_runtime import LLM
+    from tests.invariance import TINY_CONFIG
+
+    llm = LLM(TINY_CONFIG, **{"parallel.world_size": 2, "parallel.timeout_s": 20})
+    executor = llm.engine.executor
+    pids = executor.call_all("pid")
+    os.kill(pids[1], signal.SIGSTOP)
+    try:
+        executor.timeout_s = 2  # (the bound parallel.timeout_s + 30 s sets, cut for the test)
+        expected = r"ranks \[1\] did not finish pid within 2s \(parallel.timeout_s \+ 30s\)$"
+        with pytest.raises(WorkerError, match=expected):
+            executor.call_all("pid")
+    finally:
+        os.kill(pids[1], signal.SIGCONT)
+        llm.shutdown()

@@ -221,6 +221,8 @@ class RayExecutor:
         """
         rank_of = {ref: rank for rank, ref in enumerate(refs)}
         pending = list(refs)
+        # The bound's source, for a message: else "within 150s" named no key to raise.
+        bound = f" (parallel.timeout_s + {_MARGIN_S:.0f}s)" if timeout_s is None else ""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
         try:
@@ -230,7 +232,7 @@ class RayExecutor:
                 )
                 if not done:
                     ranks = sorted(rank_of[ref] for ref in pending)
-                    late = f"did not finish {what} within {timeout_s:.0f}s"
+                    late = f"did not finish {what} within {timeout_s:.0f}s{bound}"
                     raise WorkerError(f"ranks {ranks} {late}")
                 rank = rank_of[done[0]]
                 try:
