@@ -22,6 +22,7 @@ import os
 import re
 import signal
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -265,3 +266,23 @@ def test_a_call_past_the_collective_bound_names_the_key_that_sets_it(ray_local):
     finally:
         os.kill(pids[1], signal.SIGCONT)
         llm.shutdown()
+
+
+def test_a_placement_that_never_comes_names_each_rank_s_share_of_a_gpu(monkeypatch):
+    """8 ranks sharing one GPU each ask for 1/8 of it; the refusal said "{'CPU': 1, 'GPU': 1}
+    each" (the bundle of a world of one), as if each rank wanted a GPU of its own. A cluster
+    with one GPU and 4 CPUs: the ranks' CPUs are what it lacks."""
+    import ray
+
+    from moe_runtime.executor.ray_executor import RayExecutor
+
+    resources = {"CPU": 4.0, "GPU": 1.0}
+    monkeypatch.setattr(ray, "cluster_resources", lambda: resources)
+    monkeypatch.setattr(ray, "available_resources", lambda: resources)
+    monkeypatch.setattr(ray, "wait", lambda refs, timeout=None: ([], refs))  # never placed
+    executor = RayExecutor.__new__(RayExecutor)  # (no cluster: only the placement wait runs)
+    executor.world_size, executor.timeout_s = 8, 1.0
+    executor.placement_group = SimpleNamespace(ready=lambda: "the group's ready ref")
+    expected = r"place parallel.world_size=8 ranks of \{'CPU': 1, 'GPU': 0.125\} each within 1s"
+    with pytest.raises(WorkerError, match=expected):
+        executor._wait_for_placement("cuda")

@@ -114,7 +114,7 @@ class RayExecutor:
         cluster lacked: a world larger than the cluster waits for room that never comes. A wait
         past _PLACEMENT_NOTICE_S is logged with what the cluster has (else the start-up said
         nothing for the whole bound, minutes by default)."""
-        bundle, ready_ref = _bundles(device, 1)[0], self.placement_group.ready()
+        bundle, ready_ref = _bundles(device, self.world_size)[0], self.placement_group.ready()
         ready, _ = ray.wait([ready_ref], timeout=min(_PLACEMENT_NOTICE_S, self.timeout_s))
         if not ready and self.timeout_s > _PLACEMENT_NOTICE_S:
             log.warning(
