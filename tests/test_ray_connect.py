@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -99,6 +100,29 @@ def test_an_address_where_nothing_listens_fails_at_once_naming_it():
     assert run.returncode == 1, run.stdout + run.stderr[-3000:]
     last = run.stderr.strip().splitlines()[-1]
     assert last.startswith(f"ConnectionError: no Ray cluster answers at {address}"), last
+
+
+def test_a_recorded_cluster_that_died_fails_at_once_naming_it(tmp_path):
+    """The Python API (no address) where `ray start` recorded a cluster that has since died
+    (killed, crashed: its record stays): Ray's default joins the recorded address, and ray.init
+    retried it for some 13 minutes, LLM() hanging meanwhile with no word of why."""
+    address = f"127.0.0.1:{free_port()}"  # closed again: nothing listens there
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "ray" / "ray_current_cluster").write_text(address)
+    env = {**ray_env(), "RAY_TMPDIR": str(tmp_path)}
+    run = subprocess.run(
+        [sys.executable, "-c", CONNECT],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,  # generous against a loaded machine: the check takes well under a second
+    )
+    assert run.returncode == 1, run.stdout + run.stderr[-3000:]
+    last = run.stderr.strip().splitlines()[-1]
+    port = address.rsplit(":", 1)[1]  # (Ray names this machine's address for 127.0.0.1)
+    expected = rf"ConnectionError: no Ray cluster answers at [0-9.]+:{port} \(RAY_ADDRESS, else"
+    assert re.match(expected, last), last
 
 
 def test_a_local_ray_started_on_a_thread_outlives_the_thread():

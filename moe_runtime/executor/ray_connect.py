@@ -13,6 +13,7 @@ import socket
 import threading
 
 import ray
+from ray._private import services  # (Ray's own lookup of the cluster to join)
 
 # How long a named cluster's GCS address has to accept a TCP connection before ray.init is tried.
 _REACH_TIMEOUT_S = 10.0
@@ -39,15 +40,21 @@ def connect_ray(num_cpus_needed: int, address: str | None = None) -> None:
         except ValueError as exc:
             if "existing cluster" not in str(exc):  # not Ray's refusal of num_cpus
                 raise
-            ray.init(log_to_driver=True)  # a cluster was found: joined as it is
+            # A cluster was found (RAY_ADDRESS, or the one `ray start` recorded): joined as it
+            # is, once it answers. Why check: a recorded cluster that has since died (killed,
+            # crashed) had ray.init retry it for some 13 minutes, an LLM() hanging meanwhile.
+            found = services.canonicalize_bootstrap_address(None)
+            if found is not None:
+                _check_reachable(found, "RAY_ADDRESS, else the cluster `ray start` recorded")
+            ray.init(log_to_driver=True)
     else:
         _check_reachable(address)
         ray.init(address=address, log_to_driver=True)
 
 
-def _check_reachable(address: str) -> None:
+def _check_reachable(address: str, named_by: str = "") -> None:
     """ConnectionError at once where a plain host:port address accepts no TCP connection (other
-    forms, "auto" or "ray://...", are left to ray.init).
+    forms, "auto" or "ray://...", are left to ray.init); `named_by` says where it came from.
 
     Why: ray.init retries an address that nobody listens on for some 13 minutes (20 tries of
     about 40 s each) before it fails, and a server joining it acts on a stop signal only after.
@@ -59,7 +66,8 @@ def _check_reachable(address: str) -> None:
         socket.create_connection((host.strip("[]"), int(port)), _REACH_TIMEOUT_S).close()
     except OSError as exc:
         why = exc.strerror or type(exc).__name__
-        raise ConnectionError(f"no Ray cluster answers at {address} ({why})") from None
+        where = f" ({named_by})" if named_by else ""
+        raise ConnectionError(f"no Ray cluster answers at {address}{where} ({why})") from None
 
 
 def _start_local_ray(num_cpus: int, address: str | None) -> None:
