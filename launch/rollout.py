@@ -207,6 +207,7 @@ def _load(
     if args.n > max_n:
         raise ValueError(f"--n {args.n} is more samples than {MAX_N_KEY}={max_n} allows a row")
     skip_bad = args.on_bad_row == "skip"
+    print(f"rollout: reading {args.input}", file=sys.stderr)  # (a large file takes a while)
     try:
         rows = read_samples(args.input, defaults, args.base_seed, args.score, skip_bad, max_n)
     except OSError as exc:  # named by its flag ("[Errno 2] ..." named neither)

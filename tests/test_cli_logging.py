@@ -46,3 +46,20 @@ def test_a_rollout_s_progress_bar_redraws_seldom_into_a_log(tmp_path):
     redraws = re.findall(r"rollout: +\d+%\|[^\r\n]*", done.stderr)
     assert 2 <= len(redraws) <= 3, redraws
     assert redraws[-1].startswith("rollout: 100%|") and "256/256" in redraws[-1], redraws
+
+
+def test_a_rollout_says_it_reads_its_input_before_reading_it(tmp_path):
+    """Between "writing to" and "loading the model" a rollout read its whole input file (and
+    the output's rows, to resume) with no word: 9 s for 200,000 short text rows."""
+    prompts = tmp_path / "in.jsonl"
+    prompts.write_text(json.dumps({"id": 1, "prompt": [1, 2, 3], "max_tokens": 2}) + "\n")
+    cmd = [sys.executable, "launch/rollout.py", "--config", str(TINY_CONFIG), "--no-progress"]
+    cmd += ["--input", str(prompts), "--output", str(tmp_path / "out.jsonl")]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    said = [line for line in done.stderr.splitlines() if line.startswith("rollout: ")]
+    assert said[:3] == [
+        f"rollout: writing to {tmp_path / 'out.jsonl'}",
+        f"rollout: reading {prompts}",
+        "rollout: loading the model on 1 rank(s)",
+    ], said
