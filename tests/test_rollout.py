@@ -756,31 +756,46 @@ def test_the_settings_record_names_the_ranks_device_and_refuses_another(tmp_path
     assert run(*argv, *ARGS) == 0 and out.read_text().splitlines(keepends=True) == written
 
 
+_IDENTITY_AND_ROWS = """
+import hashlib, json, sys, torch
+from moe_runtime.worker.worker import device_identity
+torch.set_num_threads(1)
+rows = hashlib.sha256()
+generator = torch.Generator().manual_seed(1)
+for m, k, n in ((1, 64, 256), (7, 256, 64), (64, 1024, 96), (3, 2048, 17)):
+    a, b = torch.randn(m, k, generator=generator), torch.randn(k, n, generator=generator)
+    for dtype in (torch.float32, torch.bfloat16):
+        rows.update((a.to(dtype) @ b.to(dtype)).float().numpy().tobytes())
+print(json.dumps([device_identity(torch.device("cpu")), rows.hexdigest()[:16]]))
+"""
+
+
 def test_the_device_probe_tells_instruction_sets_apart():
     """The identity's probe bits under torch's AVX2 and its default kernels with MKL kept to
-    AVX2 (a subprocess each: both are read at start-up) differ from this process's where its
-    instruction set is wider, as the rows' bits would."""
-    script = (
-        "import json, torch\n"
-        "from moe_runtime.worker.worker import device_identity\n"
-        "print(json.dumps(device_identity(torch.device('cpu'))))\n"
-    )
-    from moe_runtime.worker.worker import device_identity
-
-    native = device_identity(torch.device("cpu"))
-    seen = {native["cpu_capability"]: native}
-    for isa in ("avx2", "default"):
-        env = {**os.environ, "ATEN_CPU_CAPABILITY": isa, "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
-        env["PYTHONPATH"] = str(ROOT)
+    AVX2 (a subprocess each: both are read at start-up) differ from this process's wherever
+    products of other shapes (rows' stand-ins) differ there: a rollout file written at one
+    instruction set is never taken for one of another whose bits differ. Where the BLAS runs
+    the same code at each (MKL on an AMD CPU keeps to AVX2 whatever it is told), the bits and
+    so the probes agree, and nothing is there to tell apart."""
+    runs = {}
+    for isa in (None, "avx2", "default"):
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        if isa is not None:
+            env |= {"ATEN_CPU_CAPABILITY": isa, "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
         done = subprocess.run(
-            [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
+            [sys.executable, "-c", _IDENTITY_AND_ROWS],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
         )
-        identity = json.loads(done.stdout)
-        seen.setdefault(identity["cpu_capability"], identity)
-    if len(seen) < 2:
-        pytest.skip(f"this CPU runs torch's kernels at {list(seen)} only")
-    probes = [identity["matmul_probe"] for identity in seen.values()]
-    assert len(set(probes)) == len(probes), seen
+        identity, rows = json.loads(done.stdout)
+        runs.setdefault(identity["cpu_capability"], (identity["matmul_probe"], rows))
+    pairs = [(a, b) for a in runs for b in runs if a < b and runs[a][1] != runs[b][1]]
+    if not pairs:
+        pytest.skip(f"the products' bits are the same at {list(runs)}: nothing to tell apart")
+    for a, b in pairs:  # products that differ: the probes must too
+        assert runs[a][0] != runs[b][0], (a, b, runs)
 
 
 @pytest.mark.parametrize(
