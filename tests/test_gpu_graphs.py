@@ -56,9 +56,10 @@ def _generate(workload, use_graphs: bool, overlap: bool | None = None):
     return results, runner.graphs, runner
 
 
-def test_gpu_graph_decode_bitwise_equals_eager(workload):
+def test_gpu_graph_decode_bitwise_equals_eager(workload, caplog):
     eager, no_graphs, _ = _generate(workload, use_graphs=False)
-    graphed, graphs, _ = _generate(workload, use_graphs=True, overlap=False)
+    with caplog.at_level("INFO", logger="moe_runtime.worker.cuda_graphs"):
+        graphed, graphs, _ = _generate(workload, use_graphs=True, overlap=False)
     assert no_graphs is None
     for got, want in zip(graphed, eager, strict=True):
         for i, fingerprint in want.items():
@@ -67,6 +68,8 @@ def test_gpu_graph_decode_bitwise_equals_eager(workload):
     # Engagement: every pure decode step of every batch went through a replay.
     assert graphs.num_replays >= len(BATCHES) * (MAX_TOKENS - 1) // 2, graphs.num_replays
     assert graphs.num_captures >= 5, f"only {graphs.num_captures} bucket sizes were captured"
+    captured = [r for r in caplog.records if r.getMessage().startswith("captured the decode")]
+    assert len(captured) == graphs.num_captures  # each capture logged (the first step waits)
 
 
 def test_gpu_overlap_decode_bitwise_equals_off(workload):

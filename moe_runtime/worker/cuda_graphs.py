@@ -26,6 +26,8 @@ follow the batch.
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +36,8 @@ from comm.capacity_dispatch import FixedCapacityDispatcher
 from moe_kernels.attention_launch import WIDE_LAUNCH, head_launch
 from moe_runtime.forward_batch import ForwardBatch, host_to_device
 from moe_runtime.model.deepseek import DeepseekForCausalLM
+
+log = logging.getLogger(__name__)
 
 
 def table_widths(max_blocks_per_seq: int, tail_blocks: int = 0) -> tuple[int, ...]:
@@ -257,8 +261,9 @@ class DecodeGraphRunner:
 
     def _capture(self, num_rows: int, width: int, batch: ForwardBatch) -> _SizeGraphs:
         """Warm up (compiles this size's kernels), then capture every segment of size N with
-        tables of `width` columns."""
-        cfg, dev = self.model.config, self.device
+        tables of `width` columns. Logged: the first step of a new size or width waits for it
+        (kernel compiles and captures, seconds on a full-size model) and said nothing."""
+        cfg, dev, started = self.model.config, self.device, time.monotonic()
         loaded = torch.zeros(num_rows * (3 + width), dtype=torch.int64, device=dev)
         token_ids, positions, slot_mapping, block_tables = self._input_views(loaded, width)
         static = ForwardBatch(
@@ -294,4 +299,8 @@ class DecodeGraphRunner:
         graphs.moe_topk_ids = [moe.last_topk_ids for moe in self.captured_moe]
         self._graphs[num_rows, width] = graphs
         self.num_captures += 1
+        log.info(
+            "captured the decode step for %d rows, tables %d blocks wide, as %d graph(s) in %.1fs",
+            num_rows, width, len(graphs.graphs), time.monotonic() - started,
+        )  # fmt: skip
         return graphs
