@@ -286,3 +286,23 @@ def test_a_placement_that_never_comes_names_each_rank_s_share_of_a_gpu(monkeypat
     expected = r"place parallel.world_size=8 ranks of \{'CPU': 1, 'GPU': 0.125\} each within 1s"
     with pytest.raises(WorkerError, match=expected):
         executor._wait_for_placement("cuda")
+
+
+def test_a_placement_past_the_collective_bound_names_the_key_that_sets_it(monkeypatch):
+    """The placement wait is bounded by parallel.timeout_s + 30 s, as a call is, and its refusal
+    read "within 150s": a number no config key holds, where a cluster that adds nodes on demand
+    (an autoscaler) needs a larger parallel.timeout_s to place the world."""
+    import ray
+
+    from moe_runtime.executor.ray_executor import RayExecutor
+
+    resources = {"CPU": 4.0}
+    monkeypatch.setattr(ray, "cluster_resources", lambda: resources)
+    monkeypatch.setattr(ray, "available_resources", lambda: resources)
+    monkeypatch.setattr(ray, "wait", lambda refs, timeout=None: ([], refs))  # never placed
+    executor = RayExecutor.__new__(RayExecutor)  # (no cluster: only the placement wait runs)
+    executor.world_size, executor.timeout_s = 8, 1.0
+    executor.placement_group = SimpleNamespace(ready=lambda: "the group's ready ref")
+    expected = r"each within 1s \(parallel.timeout_s \+ 30s\): it has 4 CPU"
+    with pytest.raises(WorkerError, match=expected):
+        executor._wait_for_placement("cpu")

@@ -35,6 +35,8 @@ from moe_runtime.worker.worker import Worker
 log = logging.getLogger(__name__)
 
 _MARGIN_S = 30.0
+# The driver's bound (timeout_s) as a message names it: "within 150s" named no key to raise.
+_BOUND = f"parallel.timeout_s + {_MARGIN_S:.0f}s"
 _STALL_GRACE_S = 3.0
 _PLACEMENT_NOTICE_S = 10.0  # a placement wait longer than this is logged
 # Each actor answers Worker.ping in a thread of its own (this concurrency group), so a rank busy
@@ -129,9 +131,9 @@ class RayExecutor:
         have = _cluster_has(bundle)
         raise WorkerError(
             f"the Ray cluster could not place parallel.world_size={self.world_size} ranks of "
-            f"{bundle} each within {self.timeout_s:.0f}s: it has {have}; the rest is held by "
-            "other jobs, or by another engine of this process (an LLM at world size > 1 holds "
-            "its ranks until its shutdown())"
+            f"{bundle} each within {self.timeout_s:.0f}s ({_BOUND}): it has {have}; the rest is "
+            "held by other jobs, or by another engine of this process (an LLM at world size > 1 "
+            "holds its ranks until its shutdown())"
         )
 
     def execute(self, per_rank_inputs: list[StepInput]) -> list[StepOutput]:
@@ -221,8 +223,7 @@ class RayExecutor:
         """
         rank_of = {ref: rank for rank, ref in enumerate(refs)}
         pending = list(refs)
-        # The bound's source, for a message: else "within 150s" named no key to raise.
-        bound = f" (parallel.timeout_s + {_MARGIN_S:.0f}s)" if timeout_s is None else ""
+        bound = f" ({_BOUND})" if timeout_s is None else ""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
         try:
