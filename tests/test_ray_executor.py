@@ -129,10 +129,10 @@ def test_a_world_larger_than_the_cluster_says_what_it_lacked(ray_local, monkeypa
     once it runs long, with what the cluster has: the start-up said nothing for the whole
     bound (parallel.timeout_s + 30 s)."""
     from moe_runtime import LLM
-    from moe_runtime.executor import ray_executor
+    from moe_runtime.executor import ray_placement
     from tests.invariance import TINY_CONFIG
 
-    monkeypatch.setattr(ray_executor, "_PLACEMENT_NOTICE_S", 0.5, raising=False)
+    monkeypatch.setattr(ray_placement, "PLACEMENT_NOTICE_S", 0.5)
     with pytest.raises(WorkerError) as failure, caplog.at_level(logging.WARNING):
         LLM(TINY_CONFIG, **{"parallel.world_size": 16, "parallel.timeout_s": 1})
     waits = [r.getMessage() for r in caplog.records if "waiting for the Ray" in r.getMessage()]
@@ -180,36 +180,36 @@ def test_nccl_ranks_sharing_gpus_are_refused_before_any_worker(monkeypatch, back
     has GPUs: the bundles took fractional GPUs, the ranks shared them, and NCCL refused the
     communicator ("Duplicate GPU detected") at the first collective, after the workers had
     loaded their weights. Refused at once now, naming the backend; gloo may share them."""
-    from moe_runtime.executor import ray_executor
+    from moe_runtime.executor import ray_placement
     from tests.invariance import TINY_CONFIG
 
-    monkeypatch.setattr(ray_executor.ray, "cluster_resources", lambda: {"GPU": 1.0, "CPU": 8.0})
+    monkeypatch.setattr(ray_placement.ray, "cluster_resources", lambda: {"GPU": 1.0, "CPU": 8.0})
     overrides = {"parallel.device": "cuda", "parallel.world_size": 2, "parallel.backend": backend}
     config = load_config(TINY_CONFIG, overrides)
     if backend == "gloo":
-        ray_executor._check_gpu_sharing(config)  # ranks sharing a GPU over gloo: allowed
-        assert ray_executor._gpu_share("cuda", 2) == 0.5
+        ray_placement.check_gpu_sharing(config)  # ranks sharing a GPU over gloo: allowed
+        assert ray_placement.gpu_share("cuda", 2) == 0.5
         return
     with pytest.raises(ValueError, match=r"ranks share the Ray cluster's 1 GPU.*backend: gloo"):
-        ray_executor._check_gpu_sharing(config)
+        ray_placement.check_gpu_sharing(config)
 
 
 def test_ranks_sharing_a_gpu_refuse_a_cache_sized_from_free_memory(monkeypatch):
     """Gloo ranks sharing one GPU with cache.num_blocks 0: each rank measured the memory free
     on the GPU and took its fraction of it, every rank counting the same memory. Refused at
     once, naming cache.num_blocks; with a GPU a rank, or a fixed cache, allowed."""
-    from moe_runtime.executor import ray_executor
+    from moe_runtime.executor import ray_placement
     from tests.invariance import TINY_CONFIG
 
     gpus = {"GPU": 1.0}
-    monkeypatch.setattr(ray_executor.ray, "cluster_resources", lambda: gpus)
+    monkeypatch.setattr(ray_placement.ray, "cluster_resources", lambda: gpus)
     overrides = {"parallel.device": "cuda", "parallel.world_size": 2, "parallel.backend": "gloo"}
     sized = load_config(TINY_CONFIG, {**overrides, "cache.num_blocks": 0})
     with pytest.raises(ValueError, match=r"share the Ray cluster's 1 GPU.*set cache.num_blocks"):
-        ray_executor._check_gpu_sharing(sized)
-    ray_executor._check_gpu_sharing(load_config(TINY_CONFIG, overrides))  # a fixed cache
+        ray_placement.check_gpu_sharing(sized)
+    ray_placement.check_gpu_sharing(load_config(TINY_CONFIG, overrides))  # a fixed cache
     gpus["GPU"] = 2.0
-    ray_executor._check_gpu_sharing(sized)  # a GPU a rank
+    ray_placement.check_gpu_sharing(sized)  # a GPU a rank
 
 
 def test_a_peer_that_fails_after_the_raised_failure_is_not_reported_again(ray_local, monkeypatch):

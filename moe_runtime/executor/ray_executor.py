@@ -25,10 +25,15 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from comm.errors import CollectiveError
-from comm.groups import select_backend
 from comm.nccl_env import worker_nccl_env
 from moe_runtime.config import RuntimeConfig
 from moe_runtime.executor.ray_connect import connect_ray
+from moe_runtime.executor.ray_placement import (
+    bundles,
+    check_gpu_sharing,
+    gpu_share,
+    wait_for_placement,
+)
 from moe_runtime.worker.step_input import StepInput, StepOutput, WorkerError
 from moe_runtime.worker.worker import Worker
 
@@ -38,7 +43,6 @@ _MARGIN_S = 30.0
 # The driver's bound (timeout_s) as a message names it: "within 150s" named no key to raise.
 _BOUND = f"parallel.timeout_s + {_MARGIN_S:.0f}s"
 _STALL_GRACE_S = 3.0
-_PLACEMENT_NOTICE_S = 10.0  # a placement wait longer than this is logged
 # Each actor answers Worker.ping in a thread of its own (this concurrency group), so a rank busy
 # in a step or a collective still answers and only a frozen process (stopped, wedged) does not.
 # Its second thread holds Worker.hold, a call that never returns: the driver learns of the
@@ -56,13 +60,13 @@ class RayExecutor:
         self.timeout_s = parallel.timeout_s + _MARGIN_S
         self.num_steps = 0
         connect_ray(self.world_size)
-        _check_gpu_sharing(config)
+        check_gpu_sharing(config)
         self.workers: list = []  # filled in place: the release below holds this list
         self.num_frozen: list[int] = []  # objects each rank's process froze after its init
         self._sentinels: list = []  # each rank's Worker.hold call: done only once it died
         self._killed: dict[int, str] = {}  # rank -> why the driver killed it
         self.placement_group = placement_group(
-            _bundles(parallel.device, self.world_size), strategy="PACK"
+            bundles(parallel.device, self.world_size), strategy="PACK"
         )
         # Why: a placement group outlives every handle to it until the job ends, so an
         # executor dropped without shutdown (an LLM deleted or gone out of scope) kept its
@@ -91,7 +95,7 @@ class RayExecutor:
         self.workers[:] = [
             actor_cls.options(
                 num_cpus=1,
-                num_gpus=_gpu_share(parallel.device, self.world_size),
+                num_gpus=gpu_share(parallel.device, self.world_size),
                 runtime_env={"env_vars": env},
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=self.placement_group, placement_group_bundle_index=rank
@@ -112,29 +116,8 @@ class RayExecutor:
         self._sentinels = self._beside_work("hold", range(self.world_size))
 
     def _wait_for_placement(self, device: str) -> None:
-        """The placement group's bundles (one a rank) reserved, or WorkerError saying what the
-        cluster lacked: a world larger than the cluster waits for room that never comes. A wait
-        past _PLACEMENT_NOTICE_S is logged with what the cluster has (else the start-up said
-        nothing for the whole bound, minutes by default)."""
-        bundle, ready_ref = _bundles(device, self.world_size)[0], self.placement_group.ready()
-        ready, _ = ray.wait([ready_ref], timeout=min(_PLACEMENT_NOTICE_S, self.timeout_s))
-        if not ready and self.timeout_s > _PLACEMENT_NOTICE_S:
-            log.warning(
-                "waiting for the Ray cluster to place parallel.world_size=%d ranks of %s each "
-                "(up to %.0fs more): it has %s",
-                self.world_size, bundle, self.timeout_s - _PLACEMENT_NOTICE_S,
-                _cluster_has(bundle),
-            )  # fmt: skip
-            ready, _ = ray.wait([ready_ref], timeout=self.timeout_s - _PLACEMENT_NOTICE_S)
-        if ready:
-            return
-        have = _cluster_has(bundle)
-        raise WorkerError(
-            f"the Ray cluster could not place parallel.world_size={self.world_size} ranks of "
-            f"{bundle} each within {self.timeout_s:.0f}s ({_BOUND}): it has {have}; the rest is "
-            "held by other jobs, or by another engine of this process (an LLM at world size > 1 "
-            "holds its ranks until its shutdown())"
-        )
+        """The placement group's bundles reserved (ray_placement.wait_for_placement)."""
+        wait_for_placement(self.placement_group, self.world_size, device, self.timeout_s, _BOUND)
 
     def execute(self, per_rank_inputs: list[StepInput]) -> list[StepOutput]:
         self.num_steps += 1
@@ -372,51 +355,3 @@ def _cause(exc: RayError) -> str:
     cause = getattr(exc, "cause", None) or exc
     text = _ANSI_ESCAPE.sub("", f"{type(cause).__name__}: {cause}").strip().splitlines()[0]
     return text if len(text) <= _MAX_CAUSE_CHARS else text[: _MAX_CAUSE_CHARS - 3] + "..."
-
-
-def _cluster_has(bundle: dict[str, float]) -> str:
-    """The cluster's total and free amounts of each resource a bundle asks for."""
-    total, free = ray.cluster_resources(), ray.available_resources()
-    return ", ".join(f"{total.get(k, 0):g} {k} ({free.get(k, 0):g} free)" for k in bundle)
-
-
-def _bundles(device: str, world_size: int) -> list[dict[str, float]]:
-    gpu = _gpu_share(device, world_size)
-    return [{"CPU": 1, "GPU": gpu} if gpu else {"CPU": 1} for _ in range(world_size)]
-
-
-def _check_gpu_sharing(config: RuntimeConfig) -> None:
-    """ValueError where more ranks than the cluster has GPUs (their bundles would share GPUs,
-    _gpu_share) would fail later: over NCCL, which refuses two ranks of one communicator on one
-    GPU ("Duplicate GPU detected") at its first collective, after every rank loaded; or with
-    cache.num_blocks 0, where each rank sizes its cache from the memory free on its GPU, which
-    the ranks sharing it all count (the later ones run out of memory, or find no block fits)."""
-    parallel = config.parallel
-    if parallel.device != "cuda" or parallel.world_size == 1:
-        return
-    num_gpus = int(ray.cluster_resources().get("GPU", 0))
-    if not 0 < num_gpus < parallel.world_size:
-        return
-    sharing = f"parallel.world_size={parallel.world_size} ranks share the Ray cluster's {num_gpus}"
-    if select_backend(parallel) == "nccl":
-        raise ValueError(
-            f"{sharing} GPU(s), which NCCL refuses (a GPU each): set parallel.backend: gloo to "
-            f"share them (got {parallel.backend!r})"
-        )
-    if config.cache.is_sized_from_memory:
-        raise ValueError(
-            f"{sharing} GPU(s), and cache.num_blocks: 0 would size each rank's cache from the "
-            "memory free on its GPU, which the ranks sharing it all count: set cache.num_blocks"
-        )
-
-
-def _gpu_share(device: str, world_size: int) -> float:
-    """One GPU per rank when there are enough; otherwise ranks share them evenly."""
-    if device != "cuda":
-        return 0
-    num_gpus = int(ray.cluster_resources().get("GPU", 0))
-    if num_gpus == 0:
-        raise WorkerError("parallel.device is 'cuda' but the Ray cluster has no GPU")
-    if num_gpus >= world_size:
-        return 1
-    return 1 / -(-world_size // num_gpus)

@@ -1,0 +1,89 @@
+"""Where a Ray executor's ranks go: one bundle a rank (a CPU, and a GPU or a share of one),
+refused at once where GPU sharing cannot work, and the wait for the cluster to place them."""
+
+from __future__ import annotations
+
+import logging
+
+import ray
+
+from comm.groups import select_backend
+from moe_runtime.config import RuntimeConfig
+from moe_runtime.worker.step_input import WorkerError
+
+log = logging.getLogger(__name__)
+
+PLACEMENT_NOTICE_S = 10.0  # a placement wait longer than this is logged
+
+
+def wait_for_placement(group, world_size: int, device: str, timeout_s: float, bound: str) -> None:
+    """The placement group's bundles (one a rank) reserved, or WorkerError saying what the
+    cluster lacked: a world larger than the cluster waits for room that never comes. A wait
+    past PLACEMENT_NOTICE_S is logged with what the cluster has (else the start-up said
+    nothing for the whole bound, minutes by default). bound: how timeout_s is set, named in
+    the refusal."""
+    bundle, ready_ref = bundles(device, world_size)[0], group.ready()
+    ready, _ = ray.wait([ready_ref], timeout=min(PLACEMENT_NOTICE_S, timeout_s))
+    if not ready and timeout_s > PLACEMENT_NOTICE_S:
+        log.warning(
+            "waiting for the Ray cluster to place parallel.world_size=%d ranks of %s each "
+            "(up to %.0fs more): it has %s",
+            world_size, bundle, timeout_s - PLACEMENT_NOTICE_S, cluster_has(bundle),
+        )  # fmt: skip
+        ready, _ = ray.wait([ready_ref], timeout=timeout_s - PLACEMENT_NOTICE_S)
+    if ready:
+        return
+    raise WorkerError(
+        f"the Ray cluster could not place parallel.world_size={world_size} ranks of "
+        f"{bundle} each within {timeout_s:.0f}s ({bound}): it has {cluster_has(bundle)}; the "
+        "rest is held by other jobs, or by another engine of this process (an LLM at world "
+        "size > 1 holds its ranks until its shutdown())"
+    )
+
+
+def cluster_has(bundle: dict[str, float]) -> str:
+    """The cluster's total and free amounts of each resource a bundle asks for."""
+    total, free = ray.cluster_resources(), ray.available_resources()
+    return ", ".join(f"{total.get(k, 0):g} {k} ({free.get(k, 0):g} free)" for k in bundle)
+
+
+def bundles(device: str, world_size: int) -> list[dict[str, float]]:
+    gpu = gpu_share(device, world_size)
+    return [{"CPU": 1, "GPU": gpu} if gpu else {"CPU": 1} for _ in range(world_size)]
+
+
+def check_gpu_sharing(config: RuntimeConfig) -> None:
+    """ValueError where more ranks than the cluster has GPUs (their bundles would share GPUs,
+    gpu_share) would fail later: over NCCL, which refuses two ranks of one communicator on one
+    GPU ("Duplicate GPU detected") at its first collective, after every rank loaded; or with
+    cache.num_blocks 0, where each rank sizes its cache from the memory free on its GPU, which
+    the ranks sharing it all count (the later ones run out of memory, or find no block fits)."""
+    parallel = config.parallel
+    if parallel.device != "cuda" or parallel.world_size == 1:
+        return
+    num_gpus = int(ray.cluster_resources().get("GPU", 0))
+    if not 0 < num_gpus < parallel.world_size:
+        return
+    sharing = f"parallel.world_size={parallel.world_size} ranks share the Ray cluster's {num_gpus}"
+    if select_backend(parallel) == "nccl":
+        raise ValueError(
+            f"{sharing} GPU(s), which NCCL refuses (a GPU each): set parallel.backend: gloo to "
+            f"share them (got {parallel.backend!r})"
+        )
+    if config.cache.is_sized_from_memory:
+        raise ValueError(
+            f"{sharing} GPU(s), and cache.num_blocks: 0 would size each rank's cache from the "
+            "memory free on its GPU, which the ranks sharing it all count: set cache.num_blocks"
+        )
+
+
+def gpu_share(device: str, world_size: int) -> float:
+    """One GPU per rank when there are enough; otherwise ranks share them evenly."""
+    if device != "cuda":
+        return 0
+    num_gpus = int(ray.cluster_resources().get("GPU", 0))
+    if num_gpus == 0:
+        raise WorkerError("parallel.device is 'cuda' but the Ray cluster has no GPU")
+    if num_gpus >= world_size:
+        return 1
+    return 1 / -(-world_size // num_gpus)
