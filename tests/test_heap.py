@@ -56,13 +56,19 @@ def test_thawed_restores_the_freeze_it_found(unfrozen, monkeypatch):
     assert len(freezes) == 2, "a rebuild froze a heap the runtime had not frozen"
 
 
-def test_thawed_collects_a_cycle_dropped_inside_it(unfrozen):
-    class Node:
-        pass
+class _Node:
+    pass
 
-    node = Node()
-    node.self_ref = node  # a cycle: only the collector frees it
-    alive = weakref.ref(node)
+
+def _cycle() -> tuple[_Node, weakref.ref]:
+    """An object in a cycle (only the collector frees it), and a weak reference to it."""
+    node = _Node()
+    node.self_ref = node
+    return node, weakref.ref(node)
+
+
+def test_thawed_collects_a_cycle_dropped_inside_it(unfrozen):
+    node, alive = _cycle()
     heap.freeze()
     with heap.thawed():
         del node
@@ -75,13 +81,7 @@ def test_overlapping_thawed_blocks_collect_what_the_later_one_drops(unfrozen):
     The first to end froze the process again while the other was still to drop its model,
     whose cycles then stayed frozen for good. Now the last block to end freezes, after a
     collection that frees them."""
-
-    class Node:
-        pass
-
-    node = Node()
-    node.self_ref = node  # a cycle: only the collector frees it
-    alive = weakref.ref(node)
+    node, alive = _cycle()
     heap.freeze()
     first, second = heap.thawed(), heap.thawed()
     first.__enter__()

@@ -12,6 +12,8 @@ the step outright.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -56,8 +58,8 @@ def restore_process_state(restore_num_threads):
     torch.backends.fp32_precision = state[4]
 
 
-def _run() -> tuple:
-    llm = LLM(str(TINY_CONFIG))
+def _run(config: Path = TINY_CONFIG) -> tuple:
+    llm = LLM(str(config))
     try:
         outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
         seqs = [o.prompt_token_ids + o.token_ids for o in outs]
@@ -213,31 +215,20 @@ def test_the_callers_random_stream_is_left_alone():
 TINY_GPU = TINY_CONFIG.parent / "tiny_gpu.yaml"
 
 
-def _run_gpu() -> tuple:
-    llm = LLM(str(TINY_GPU))
-    try:
-        outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
-        seqs = [o.prompt_token_ids + o.token_ids for o in outs]
-        scored = llm.score(seqs, [len(p) for p in PROMPTS], use_tqdm=False)
-    finally:
-        llm.shutdown()
-    return [fingerprint(o) for o in outs], [[float.hex(x) for x in s] for s in scored]
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_gpu_caller_tf32_and_default_dtype_change_no_bit(restore_process_state, monkeypatch):
     """The same on the GPU, with torch's CUDA API: a caller with TF32 on through the legacy
     API and a bf16 default dtype gets the bits of a caller at torch's defaults, its settings
     come back readable by both APIs, and without the pinning its bits differ (the control)."""
-    baseline = _run_gpu()
+    baseline = _run(TINY_GPU)
     a = torch.randn(256, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     exact = a @ a
     torch.set_float32_matmul_precision("high")
     assert not torch.equal(a @ a, exact)  # TF32 bites on this GPU
     torch.set_default_dtype(torch.bfloat16)
-    assert _run_gpu() == baseline
+    assert _run(TINY_GPU) == baseline
     assert _legacy_tf32_state() == ("high", True)  # the caller's, given back, readable
     assert torch.get_default_dtype() == torch.bfloat16
     _without_pinning(monkeypatch)
-    assert _run_gpu() != baseline
+    assert _run(TINY_GPU) != baseline

@@ -268,41 +268,36 @@ def test_a_call_past_the_collective_bound_names_the_key_that_sets_it(ray_local):
         llm.shutdown()
 
 
+def _never_placed(monkeypatch, resources: dict[str, float], world_size: int, device: str) -> str:
+    """The refusal of a placement that never comes on a cluster of `resources` (no cluster:
+    only the wait runs, Ray's calls stood in for)."""
+    from moe_runtime.executor import ray_placement
+
+    monkeypatch.setattr(ray_placement.ray, "cluster_resources", lambda: resources)
+    monkeypatch.setattr(ray_placement.ray, "available_resources", lambda: resources)
+    monkeypatch.setattr(ray_placement.ray, "wait", lambda refs, timeout=None: ([], refs))
+    group = SimpleNamespace(ready=lambda: "the group's ready ref")
+    with pytest.raises(WorkerError) as failure:
+        ray_placement.wait_for_placement(group, world_size, device, 1.0, "parallel.timeout_s + 30s")
+    return str(failure.value)
+
+
 def test_a_placement_that_never_comes_names_each_rank_s_share_of_a_gpu(monkeypatch):
     """8 ranks sharing one GPU each ask for 1/8 of it; the refusal said "{'CPU': 1, 'GPU': 1}
     each" (the bundle of a world of one), as if each rank wanted a GPU of its own. A cluster
     with one GPU and 4 CPUs: the ranks' CPUs are what it lacks."""
-    import ray
-
-    from moe_runtime.executor.ray_executor import RayExecutor
-
-    resources = {"CPU": 4.0, "GPU": 1.0}
-    monkeypatch.setattr(ray, "cluster_resources", lambda: resources)
-    monkeypatch.setattr(ray, "available_resources", lambda: resources)
-    monkeypatch.setattr(ray, "wait", lambda refs, timeout=None: ([], refs))  # never placed
-    executor = RayExecutor.__new__(RayExecutor)  # (no cluster: only the placement wait runs)
-    executor.world_size, executor.timeout_s = 8, 1.0
-    executor.placement_group = SimpleNamespace(ready=lambda: "the group's ready ref")
-    expected = r"place parallel.world_size=8 ranks of \{'CPU': 1, 'GPU': 0.125\} each within 1s"
-    with pytest.raises(WorkerError, match=expected):
-        executor._wait_for_placement("cuda")
+    message = _never_placed(monkeypatch, {"CPU": 4.0, "GPU": 1.0}, 8, "cuda")
+    expected = "place parallel.world_size=8 ranks of {'CPU': 1, 'GPU': 0.125} each within 1s"
+    assert expected in message, message
 
 
 def test_a_placement_past_the_collective_bound_names_the_key_that_sets_it(monkeypatch):
     """The placement wait is bounded by parallel.timeout_s + 30 s, as a call is, and its refusal
     read "within 150s": a number no config key holds, where a cluster that adds nodes on demand
-    (an autoscaler) needs a larger parallel.timeout_s to place the world."""
-    import ray
+    (an autoscaler) needs a larger parallel.timeout_s to place the world. RayExecutor passes
+    that bound's phrase."""
+    from moe_runtime.executor import ray_executor
 
-    from moe_runtime.executor.ray_executor import RayExecutor
-
-    resources = {"CPU": 4.0}
-    monkeypatch.setattr(ray, "cluster_resources", lambda: resources)
-    monkeypatch.setattr(ray, "available_resources", lambda: resources)
-    monkeypatch.setattr(ray, "wait", lambda refs, timeout=None: ([], refs))  # never placed
-    executor = RayExecutor.__new__(RayExecutor)  # (no cluster: only the placement wait runs)
-    executor.world_size, executor.timeout_s = 8, 1.0
-    executor.placement_group = SimpleNamespace(ready=lambda: "the group's ready ref")
-    expected = r"each within 1s \(parallel.timeout_s \+ 30s\): it has 4 CPU"
-    with pytest.raises(WorkerError, match=expected):
-        executor._wait_for_placement("cpu")
+    message = _never_placed(monkeypatch, {"CPU": 4.0}, 8, "cpu")
+    assert "each within 1s (parallel.timeout_s + 30s): it has 4 CPU" in message, message
+    assert ray_executor._BOUND == "parallel.timeout_s + 30s"
