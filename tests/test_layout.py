@@ -18,7 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 LAYERS = ["moe_kernels", "comm", "eplb", "moe_runtime", "launch"]
 EXECUTORS = ROOT / "moe_runtime" / "executor"
-RAY_DRIVER = {EXECUTORS / "ray_executor.py", EXECUTORS / "ray_connect.py"}
+RAY_DRIVER = {EXECUTORS / f"{name}.py" for name in ("ray_executor", "ray_connect", "ray_placement")}
 
 
 @pytest.mark.parametrize("package", LAYERS)
