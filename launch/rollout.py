@@ -303,9 +303,9 @@ def _write(
     todo: list[Sample],
 ) -> None:
     """Run `todo` in batches of --batch-size, appending each batch's rows as it finishes."""
-    # tqdm's own pace: up to 10 redraws a second, and one every 10 s (maxinterval) if slower
-    redraw_s = {"mininterval": LOG_REDRAW_S, "maxinterval": LOG_REDRAW_S}
-    redraw_s = {} if sys.stderr.isatty() else redraw_s
+    # A terminal keeps tqdm's own pace (a redraw at most every 0.1 s).
+    log_pace = {"mininterval": LOG_REDRAW_S, "maxinterval": LOG_REDRAW_S}
+    redraw_s = {} if sys.stderr.isatty() else log_pace
     progress = tqdm(
         total=len(samples),
         initial=len(samples) - len(todo),

@@ -88,14 +88,17 @@ class RayExecutor:
     def _start_workers(self, config: RuntimeConfig, physical_to_logical: list[list[int]]) -> None:
         """The placement group ready, a worker a rank in it, every rank joined."""
         parallel = config.parallel
-        self._wait_for_placement(parallel.device)
+        wait_for_placement(
+            self.placement_group, self.world_size, parallel.device, self.timeout_s, _BOUND
+        )
         actor_cls = ray.remote(concurrency_groups={_LIVENESS: 2})(Worker)
         # NCCL reads its settings at communicator creation: set them in the actors' environment.
         env = worker_nccl_env() if parallel.device == "cuda" else {}
+        share = gpu_share(parallel.device, self.world_size)  # (one cluster query, not a rank's)
         self.workers[:] = [
             actor_cls.options(
                 num_cpus=1,
-                num_gpus=gpu_share(parallel.device, self.world_size),
+                num_gpus=share,
                 runtime_env={"env_vars": env},
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=self.placement_group, placement_group_bundle_index=rank
@@ -114,10 +117,6 @@ class RayExecutor:
         # the cyclic collector's view (moe_runtime/heap.py), so no full collection stalls a step.
         self.num_frozen = self._get([w.freeze_heap.remote() for w in self.workers], "freeze_heap")
         self._sentinels = self._beside_work("hold", range(self.world_size))
-
-    def _wait_for_placement(self, device: str) -> None:
-        """The placement group's bundles reserved (ray_placement.wait_for_placement)."""
-        wait_for_placement(self.placement_group, self.world_size, device, self.timeout_s, _BOUND)
 
     def execute(self, per_rank_inputs: list[StepInput]) -> list[StepOutput]:
         self.num_steps += 1

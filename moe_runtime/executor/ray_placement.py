@@ -61,7 +61,7 @@ def check_gpu_sharing(config: RuntimeConfig) -> None:
     parallel = config.parallel
     if parallel.device != "cuda" or parallel.world_size == 1:
         return
-    num_gpus = int(ray.cluster_resources().get("GPU", 0))
+    num_gpus = cluster_gpus()
     if not 0 < num_gpus < parallel.world_size:
         return
     sharing = f"parallel.world_size={parallel.world_size} ranks share the Ray cluster's {num_gpus}"
@@ -81,9 +81,14 @@ def gpu_share(device: str, world_size: int) -> float:
     """One GPU per rank when there are enough; otherwise ranks share them evenly."""
     if device != "cuda":
         return 0
-    num_gpus = int(ray.cluster_resources().get("GPU", 0))
+    num_gpus = cluster_gpus()
     if num_gpus == 0:
         raise WorkerError("parallel.device is 'cuda' but the Ray cluster has no GPU")
     if num_gpus >= world_size:
         return 1
     return 1 / -(-world_size // num_gpus)
+
+
+def cluster_gpus() -> int:
+    """The whole GPUs the Ray cluster has (a fractional total rounded down)."""
+    return int(ray.cluster_resources().get("GPU", 0))
