@@ -171,3 +171,24 @@ def test_only_rays_refusal_of_num_cpus_means_a_cluster_was_found(monkeypatch):
     with pytest.raises(ValueError, match="some other bad argument"):
         ray_connect.connect_ray(2)
     assert len(joined) == 1
+
+
+def test_a_ray_without_the_private_lookup_still_joins(monkeypatch):
+    """The recorded cluster's reachability check uses a lookup in Ray's private module, which
+    may move between Ray releases: without it the driver joins as Ray's default would (it
+    raised AttributeError, and on a Ray without the module the executor failed to import)."""
+    from ray._private import services
+
+    from moe_runtime.executor import ray_connect
+
+    joined: list[dict] = []
+    monkeypatch.setattr(ray_connect.ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray_connect.ray, "init", lambda **kwargs: joined.append(kwargs))
+
+    def found_a_cluster(*_):
+        raise ValueError("When connecting to an existing cluster, num_cpus must not be provided.")
+
+    monkeypatch.setattr(ray_connect, "_start_local_ray", found_a_cluster)
+    monkeypatch.delattr(services, "canonicalize_bootstrap_address")
+    ray_connect.connect_ray(2)
+    assert joined == [{"log_to_driver": True}]

@@ -13,7 +13,6 @@ import socket
 import threading
 
 import ray
-from ray._private import services  # (Ray's own lookup of the cluster to join)
 
 # How long a named cluster's GCS address has to accept a TCP connection before ray.init is tried.
 _REACH_TIMEOUT_S = 10.0
@@ -43,13 +42,26 @@ def connect_ray(num_cpus_needed: int, address: str | None = None) -> None:
             # A cluster was found (RAY_ADDRESS, or the one `ray start` recorded): joined as it
             # is, once it answers. Why check: a recorded cluster that has since died (killed,
             # crashed) had ray.init retry it for some 13 minutes, an LLM() hanging meanwhile.
-            found = services.canonicalize_bootstrap_address(None)
+            found = _recorded_address()
             if found is not None:
                 _check_reachable(found, "RAY_ADDRESS, else the cluster `ray start` recorded")
             ray.init(log_to_driver=True)
     else:
         _check_reachable(address)
         ray.init(address=address, log_to_driver=True)
+
+
+def _recorded_address() -> str | None:
+    """The cluster ray.init(address=None) joins (RAY_ADDRESS, else the one `ray start`
+    recorded), by Ray's own lookup; None where this Ray has no such lookup: its private module
+    may move between releases, and the reachability check is a courtesy (ray.init then retries
+    a dead cluster as before), not something to refuse to start over."""
+    try:
+        from ray._private import services
+    except ImportError:
+        return None
+    lookup = getattr(services, "canonicalize_bootstrap_address", None)
+    return None if lookup is None else lookup(None)
 
 
 def _check_reachable(address: str, named_by: str = "") -> None:
