@@ -204,3 +204,64 @@ def _walk_run(
             done_max, done_sum, done_acc, row_max, row_sum, acc, is_one_split, True
         )
     return row_max, row_sum, acc
+
+
+@triton.jit
+def _merge_splits(
+    acc_ptr, stats_ptr, t, num_splits, num_heads, heads, head_ok, offs_v, ok, num_blocks,
+    BLOCK_V: tl.constexpr, SPLIT_BLOCKS: tl.constexpr, TAIL_BLOCKS: tl.constexpr,
+    GROUP_SLOTS: tl.constexpr, GROUP_TAIL: tl.constexpr,
+):  # fmt: skip
+    """acc / sum of query t's heads `heads`, columns offs_v (ok: the valid [heads, columns]),
+    from its fp32 partials (acc [T, num_splits, num_heads, BLOCK_V], stats [.., 2]: max, sum):
+    partials 0, 1, ... of its own (SPLIT_BLOCKS cache blocks each, the last taking up to
+    TAIL_BLOCKS more) folded in that order. GROUP_SLOTS > 0: the partials are KV splits in
+    groups of GROUP_SLOTS (the last taking up to GROUP_TAIL blocks more), folded in order
+    within a group, the groups' folds in group order. The merge kernel and a split launch's
+    finishing programs both call it; each column's fold is the same fp32 operations whatever
+    heads and columns a caller takes. The partials are read past L1 (.cg): a finishing
+    program reads what other SMs wrote."""
+    num_own_splits = _own_splits(num_blocks, SPLIT_BLOCKS, TAIL_BLOCKS)
+    first = t * num_splits * num_heads + heads
+    row_max = tl.load(stats_ptr + first * 2, mask=head_ok, other=0.0, cache_modifier=".cg")
+    row_sum = tl.load(stats_ptr + first * 2 + 1, mask=head_ok, other=1.0, cache_modifier=".cg")
+    acc = tl.load(
+        acc_ptr + first[:, None] * BLOCK_V + offs_v[None, :], mask=ok, other=0.0,
+        cache_modifier=".cg",
+    )  # fmt: skip
+    GROUP_BLOCKS: tl.constexpr = GROUP_SLOTS * SPLIT_BLOCKS
+    if GROUP_SLOTS > 0:  # the groups folded so far (valid from the second group on)
+        done_max = tl.full(row_max.shape, float("-inf"), dtype=tl.float32)
+        done_sum = tl.zeros(row_sum.shape, dtype=tl.float32)
+        done_acc = tl.zeros(acc.shape, dtype=tl.float32)
+    # Why: a fixed merge order (split ascending) over splits fixed by the position alone.
+    for split in range(1, num_own_splits):
+        slot = (t * num_splits + split) * num_heads + heads
+        part_max = tl.load(stats_ptr + slot * 2, mask=head_ok, other=0.0, cache_modifier=".cg")
+        part_sum = tl.load(
+            stats_ptr + slot * 2 + 1, mask=head_ok, other=1.0, cache_modifier=".cg"
+        )  # fmt: skip
+        part_acc = tl.load(
+            acc_ptr + slot[:, None] * BLOCK_V + offs_v[None, :], mask=ok, other=0.0,
+            cache_modifier=".cg",
+        )  # fmt: skip
+        if GROUP_SLOTS > 0:
+            # At a group's start the finished group folds in and a new one starts.
+            if _starts_run(split * SPLIT_BLOCKS, GROUP_BLOCKS, GROUP_TAIL, num_blocks):
+                done_max, done_sum, done_acc = _fold(
+                    done_max, done_sum, done_acc, row_max, row_sum, acc, split == GROUP_SLOTS,
+                    True,
+                )  # fmt: skip
+                # A fresh state: the fold below takes the split as it is (alpha 0, beta 1).
+                row_max = tl.full(row_max.shape, float("-inf"), dtype=tl.float32)
+                row_sum = tl.zeros(row_sum.shape, dtype=tl.float32)
+                acc = tl.zeros(acc.shape, dtype=tl.float32)
+        row_max, row_sum, acc = _fold(
+            row_max, row_sum, acc, part_max, part_sum, part_acc, False, True
+        )
+    if GROUP_SLOTS > 0:  # the last group folded in (taken as it is if it is the only one)
+        is_one_group = num_blocks <= GROUP_BLOCKS + GROUP_TAIL
+        _, row_sum, acc = _fold(
+            done_max, done_sum, done_acc, row_max, row_sum, acc, is_one_group, True
+        )
+    return acc / row_sum[:, None]
