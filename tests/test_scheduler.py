@@ -125,6 +125,25 @@ def test_preemption_recomputes_the_newest_and_loses_nothing():
     assert scheduler.blocks.num_free_blocks == 6  # everything freed at the end
 
 
+def test_a_preempted_sequence_waits_until_all_its_tokens_fit():
+    """A preempted sequence was readmitted as soon as its first chunk fit, the same step, and
+    preempted again at the next chunk, step after step while the older one grew: each time its
+    recompute was thrown away (5 preemptions here). It now waits until every token it has fits
+    the free blocks, which only a sequence's end brings."""
+    # 8 blocks of 4: the older grows to 30 tokens (8 blocks); the newer needs 4 more.
+    scheduler = _scheduler(num_blocks=8, budget=8, caching=False)
+    older = _add(scheduler, list(range(20)), max_tokens=11)
+    _step(scheduler)
+    newer = _add(scheduler, list(range(50, 62)), max_tokens=2)
+    steps = _run(scheduler)
+    (seq,) = newer.samples
+    restarts = [c for chunks in steps for c in chunks if c.seq is seq and c.start == 0]
+    assert scheduler.num_preemptions == 1, scheduler.num_preemptions
+    assert len(restarts) == 2  # its first admission, and one after its preemption
+    assert older.samples[0].output_token_ids == [7] * 11
+    assert seq.output_token_ids == [7, 7] and scheduler.blocks.num_free_blocks == 8
+
+
 def test_a_cached_prompt_starts_past_its_full_blocks():
     scheduler = _scheduler(budget=64)
     prompt = list(range(30, 43))  # 13 tokens: 3 full blocks

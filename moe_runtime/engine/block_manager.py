@@ -76,9 +76,13 @@ class BlockManager:
         self.free(blocks)
         self.num_hit_blocks -= len(blocks)
 
+    def can_allocate(self, block_table: list[int], num_tokens: int) -> bool:
+        """Whether `allocate(block_table, num_tokens)` would succeed now (it allocates nothing)."""
+        return self._num_needed(block_table, num_tokens) <= self.num_free_blocks
+
     def allocate(self, block_table: list[int], num_tokens: int) -> bool:
         """Appends blocks so block_table covers num_tokens slots; all or nothing."""
-        num_needed = -(-num_tokens // self.block_size) - len(block_table)
+        num_needed = self._num_needed(block_table, num_tokens)
         if num_needed <= 0:
             return True
         if num_needed > self.num_free_blocks:
@@ -157,6 +161,9 @@ class BlockManager:
         self._block_key.clear()
         self._block_key_id.clear()
         self._stale = {b for b, refs in enumerate(self._ref_counts) if refs > 0}
+
+    def _num_needed(self, block_table: list[int], num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size) - len(block_table)
 
     def _evict(self) -> int:
         block, _ = self._evictable.popitem(last=False)

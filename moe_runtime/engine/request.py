@@ -43,6 +43,7 @@ class Sequence:
     num_committed_blocks: int = 0
     commit_parent: int = ROOT_KEY_ID
     status: SequenceStatus = SequenceStatus.WAITING
+    is_preempted: bool = False  # preempted once at least: it resumes only once it fits whole
     finish_reason: str | None = None
     error: str | None = None
     dp_rank: int = 0

@@ -4,7 +4,8 @@ Each step packs up to `max_num_batched_tokens` tokens from at most `max_num_seqs
 running sequences first (a decode token, or the next chunk of their prefill), then waiting ones
 in arrival order. When KV blocks run out, the newest running sequence is preempted: its blocks
 are freed and it goes back to the front of the queue with every token it has, to be recomputed
-later (which gives the same bits, since every kernel is batch-invariant). Nothing is dropped.
+once blocks for all of them are free (which gives the same bits, since every kernel is
+batch-invariant). Nothing is dropped.
 Every sequence that leaves the running set (finished, aborted, preempted) has its id listed in
 `released` until the engine collects it, so the worker can drop its copy. `is_lookahead` tells
 the worker the next step is likely the decode of this one's sequences (overlap_decode); with
@@ -109,7 +110,11 @@ class Scheduler:
                 seq.block_table = self.blocks.match_prefix(known)
                 seq.num_computed_tokens = len(seq.block_table) * self.blocks.block_size
             chunk = self._chunk_for(seq, budget)
-            if chunk == 0 or not self._allocate(seq, seq.num_computed_tokens + chunk):
+            if (
+                chunk == 0
+                or not self._can_resume(seq)
+                or not self._allocate(seq, seq.num_computed_tokens + chunk)
+            ):
                 break  # it keeps its prefix match while it heads the queue (see _preempt)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
@@ -141,6 +146,14 @@ class Scheduler:
             if sibling is not seq
         )
 
+    def _can_resume(self, seq: Sequence) -> bool:
+        """Whether seq, if it was preempted, finds blocks for every token it has. Why: let in
+        as soon as its first chunk fit, it took the blocks the older sequences grow into and
+        was preempted again at its next chunk, step after step, its recompute thrown away each
+        time. What it needs whole comes free only as a sequence ends (or is preempted): no
+        request behind it is admitted meanwhile, and each fits an empty cache (engine start)."""
+        return not seq.is_preempted or self.blocks.can_allocate(seq.block_table, seq.num_tokens)
+
     def _allocate(self, seq: Sequence, num_slots: int) -> bool:
         """Blocks for num_slots of seq, all or nothing. With overlap_decode, a chunk that ends
         a generating sequence's known tokens also gets the slot of its next decode position
@@ -165,7 +178,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self._release(seq)
         seq.num_computed_tokens = 0
-        seq.status = SequenceStatus.WAITING
+        seq.status, seq.is_preempted = SequenceStatus.WAITING, True
         # Why: only the queue's head may hold blocks as it waits (its prefix match, kept so it
         # is not walked again every step). Behind `seq` it would starve it, with nothing
         # running to free a block: it gives the match back and matches again when first.
