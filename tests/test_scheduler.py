@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
+
 from moe_runtime.config import SchedulerConfig
 from moe_runtime.engine.block_manager import BlockManager
 from moe_runtime.engine.request import Request, Sequence, SequenceStatus
@@ -142,6 +144,44 @@ def test_a_preempted_sequence_waits_until_all_its_tokens_fit():
     assert len(restarts) == 2  # its first admission, and one after its preemption
     assert older.samples[0].output_token_ids == [7] * 11
     assert seq.output_token_ids == [7, 7] and scheduler.blocks.num_free_blocks == 8
+
+
+@pytest.mark.parametrize("older_max_tokens", [4, 5], ids=["older ends", "newer ends"])
+def test_a_lookahead_slot_never_costs_a_preemption(older_max_tokens):
+    """With overlap_decode a chunk that ends a sequence's known tokens also takes the block of
+    its next position when one is free. The older sequence took the last free block for it
+    before the newer one's chunk was served, which then found none and was preempted and
+    recomputed: in the step that sampled the older one's last token (max_tokens, known before
+    the step: a block nobody writes), or the newer one's (which then freed all of its own)."""
+    config = SchedulerConfig(
+        max_num_seqs=8, max_num_batched_tokens=6, max_model_len=32, overlap_decode=True
+    )
+    scheduler = Scheduler(config, BlockManager(8, BLOCK_SIZE, False), eos_token_id=None)
+    older = _add(scheduler, list(range(9)), max_tokens=older_max_tokens)
+    newer = _add(scheduler, list(range(100, 117)), max_tokens=1)  # 17: all 5 other blocks
+    steps = _run(scheduler)
+    assert scheduler.num_preemptions == 0
+    newer_chunks = [c.num_tokens for chunks in steps for c in chunks if c.seq is newer.samples[0]]
+    assert newer_chunks == [3, 5, 5, 4]  # its prompt once, nothing recomputed
+    assert older.samples[0].output_token_ids == [7] * older_max_tokens
+    assert newer.samples[0].output_token_ids == [7]
+    assert scheduler.blocks.num_free_blocks == 8
+
+
+@pytest.mark.parametrize("max_tokens", [1, None], ids=["max_tokens", "context end"])
+def test_no_lookahead_slot_for_a_sample_its_step_ends(max_tokens):
+    """A sample whose step's token ends it by length (max_tokens, or the context's end) has no
+    next decode position: the lookahead leaves it out, so no block is taken for its slot."""
+    for max_model_len, expected_blocks in ((9, 2), (10, 3)):  # control: one that goes on
+        config = SchedulerConfig(
+            max_num_batched_tokens=16, max_model_len=max_model_len, overlap_decode=True
+        )
+        scheduler = Scheduler(config, BlockManager(8, BLOCK_SIZE, False), eos_token_id=None)
+        limit = max_tokens if max_model_len == 9 else None
+        (seq,) = _add(scheduler, list(range(8)), max_tokens=limit).samples
+        (chunk,) = scheduler.schedule()
+        assert (chunk.start, chunk.num_tokens) == (0, 8)
+        assert len(seq.block_table) == expected_blocks, max_model_len
 
 
 def test_a_cached_prompt_starts_past_its_full_blocks():

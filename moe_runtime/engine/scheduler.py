@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from moe_runtime.config import SchedulerConfig
 from moe_runtime.engine.block_manager import ROOT_KEY_ID, BlockManager
 from moe_runtime.engine.request import Sequence, SequenceStatus
-from moe_runtime.sampling_params import finish_reason
+from moe_runtime.sampling_params import ends_by_length, finish_reason
 from moe_runtime.worker.step_input import SampleResult
 
 
@@ -83,7 +83,7 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
             chunk = self._chunk_for(seq, budget)
-            while not self._allocate(seq, seq.num_computed_tokens + chunk):
+            while not self.blocks.allocate(seq.block_table, seq.num_computed_tokens + chunk):
                 if self.release_head_match():
                     continue  # a match that could not run is cache, not work: it goes first
                 victim = self.running[-1]
@@ -93,6 +93,10 @@ class Scheduler:
             if seq.status is SequenceStatus.RUNNING:
                 chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, chunk))
                 budget -= chunk
+        # Why after every running chunk has its blocks: a lookahead slot taken first could take
+        # the block a later sequence's chunk needed, which cost that one a preemption.
+        for scheduled in chunks:
+            self._take_lookahead_slot(scheduled.seq, scheduled.start + scheduled.num_tokens)
         waits_for_sibling = False
         while (
             not is_held
@@ -113,9 +117,10 @@ class Scheduler:
             if (
                 chunk == 0
                 or not self._can_resume(seq)
-                or not self._allocate(seq, seq.num_computed_tokens + chunk)
+                or not self.blocks.allocate(seq.block_table, seq.num_computed_tokens + chunk)
             ):
                 break  # it keeps its prefix match while it heads the queue (see _preempt)
+            self._take_lookahead_slot(seq, seq.num_computed_tokens + chunk)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -154,20 +159,22 @@ class Scheduler:
         request behind it is admitted meanwhile, and each fits an empty cache (engine start)."""
         return not seq.is_preempted or self.blocks.can_allocate(seq.block_table, seq.num_tokens)
 
-    def _allocate(self, seq: Sequence, num_slots: int) -> bool:
-        """Blocks for num_slots of seq, all or nothing. With overlap_decode, a chunk that ends
-        a generating sequence's known tokens also gets the slot of its next decode position
-        when a block is free (never a preemption for it): the worker's lookahead writes there
-        before this scheduler sees the step's token."""
+    def _take_lookahead_slot(self, seq: Sequence, num_slots: int) -> None:
+        """With overlap_decode, a chunk of seq that ends a generating sequence's known tokens
+        (its slots: num_slots) also gets the slot of its next decode position when a block is
+        free, never by a preemption: the worker's lookahead writes there before this scheduler
+        sees the step's token. Not where the step's token ends it by length (the lookahead
+        leaves it out): that block, taken for nothing, cost a newer sequence its next chunk."""
         config = self.config
         if (
             config.overlap_decode
             and not seq.is_score
-            and num_slots == seq.num_tokens < config.max_model_len
-            and self.blocks.allocate(seq.block_table, num_slots + 1)
+            and num_slots == seq.num_tokens
+            and not ends_by_length(
+                seq.params, seq.num_output_tokens + 1, num_slots + 1, config.max_model_len
+            )
         ):
-            return True
-        return self.blocks.allocate(seq.block_table, num_slots)
+            self.blocks.allocate(seq.block_table, num_slots + 1)
 
     def _chunk_for(self, seq: Sequence, budget: int) -> int:
         remaining = seq.num_tokens - seq.num_computed_tokens
