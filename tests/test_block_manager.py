@@ -179,3 +179,14 @@ def test_incremental_commit_caches_what_one_commit_caches():
         assert first == computed // BLOCK_SIZE
     for manager in (whole, step):
         assert len(manager.match_prefix(tokens + [1])) == 4  # every full block is a hit
+
+
+def test_can_allocate_answers_as_allocate_would_and_takes_nothing():
+    manager = _manager(num_blocks=8)
+    table: list[int] = []
+    assert manager.allocate(table, 6 * BLOCK_SIZE)  # 2 blocks left
+    assert manager.can_allocate(table, 5) and manager.can_allocate(table, 8 * BLOCK_SIZE)
+    assert not manager.can_allocate(table, 8 * BLOCK_SIZE + 1)
+    assert not manager.can_allocate([], 8 * BLOCK_SIZE)  # a table of its own: 8 blocks
+    assert manager.num_free_blocks == 2 and len(table) == 6  # nothing was taken
+    assert not manager.allocate(table, 8 * BLOCK_SIZE + 1) and manager.allocate(table, 32)
