@@ -75,6 +75,25 @@ class Scheduler:
         is_held = self.can_hold_admission and self.is_ahead
         is_held = is_held and bool(self.released and self.waiting and self.running)
         self.num_held_admissions += is_held
+        chunks = self._schedule_running()
+        # Why after every running chunk has its blocks: a lookahead slot taken first could take
+        # the block a later sequence's chunk needed, which cost that one a preemption.
+        for scheduled in chunks:
+            self._take_lookahead_slot(scheduled.seq, scheduled.start + scheduled.num_tokens)
+        waits_for_sibling = not is_held and self._admit_waiting(chunks)
+        # What still waits could not be admitted, and nothing but a sequence's end changes that
+        # (a sample waiting for its sibling's prompt is admitted as soon as that is in).
+        self.is_lookahead = (
+            bool(self.config.overlap_decode)
+            and not is_held
+            and not waits_for_sibling
+            and (not self.waiting or self.can_hold_admission)
+        )
+        return chunks
+
+    def _schedule_running(self) -> list[ScheduledChunk]:
+        """A chunk for each running sequence, oldest first, while the budget lasts; one that
+        finds no blocks preempts the newest (itself, if it is the newest)."""
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         for seq in list(self.running):
@@ -93,21 +112,17 @@ class Scheduler:
             if seq.status is SequenceStatus.RUNNING:
                 chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, chunk))
                 budget -= chunk
-        # Why after every running chunk has its blocks: a lookahead slot taken first could take
-        # the block a later sequence's chunk needed, which cost that one a preemption.
-        for scheduled in chunks:
-            self._take_lookahead_slot(scheduled.seq, scheduled.start + scheduled.num_tokens)
-        waits_for_sibling = False
-        while (
-            not is_held
-            and self.waiting
-            and budget > 0
-            and len(self.running) < self.config.max_num_seqs
-        ):
+        return chunks
+
+    def _admit_waiting(self, chunks: list[ScheduledChunk]) -> bool:
+        """Admit waiting sequences in arrival order with the budget the running ones left,
+        appending their chunks; the first that cannot be admitted stops the rest (FCFS).
+        -> whether the head waits for its sibling's prompt."""
+        budget = self.config.max_num_batched_tokens - sum(c.num_tokens for c in chunks)
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             if self._waits_for_sibling(seq):
-                waits_for_sibling = True  # admitted once the sibling's prompt is in: no end
-                break
+                return True  # admitted once the sibling's prompt is in: no end
             if not seq.block_table:
                 # A scoring sequence must compute every position it scores: match its prompt only.
                 known = seq.prompt_token_ids if seq.is_score else seq.token_ids
@@ -126,15 +141,7 @@ class Scheduler:
             self.running.append(seq)
             chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, chunk))
             budget -= chunk
-        # What still waits could not be admitted, and nothing but a sequence's end changes that
-        # (a sample waiting for its sibling's prompt is admitted as soon as that is in).
-        self.is_lookahead = (
-            bool(self.config.overlap_decode)
-            and not is_held
-            and not waits_for_sibling
-            and (not self.waiting or self.can_hold_admission)
-        )
-        return chunks
+        return False
 
     def _waits_for_sibling(self, seq: Sequence) -> bool:
         """Whether seq, a sample of a request of n, waits until a sibling running now has
