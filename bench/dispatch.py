@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> None:
     if any(t < 1 for t in args.tokens) or args.repeats < 1 or args.warmup < 0:
         parser.error("--tokens and --repeats must be >= 1, --warmup >= 0")
     print(f"command: bench/dispatch.py {' '.join(argv if argv is not None else sys.argv[1:])}")
-    print(f"date: {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}")
+    print(f"date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}")
     device_name = torch.cuda.get_device_name() if backend == "nccl" else "CPU processes"
     print(f"backend: {backend}, world {world}, {device_name}; torch {torch.__version__}")
     ctx = mp.get_context("spawn")
