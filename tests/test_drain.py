@@ -225,9 +225,11 @@ def test_a_drain_after_a_call_that_killed_the_engine_does_not_wait_for_the_rebui
 
 @pytest.fixture
 def head(ray_head, monkeypatch):
-    """The private head, its dashboard the state API's (which reads RAY_ADDRESS, "local" in
-    the tests, before its own address argument)."""
+    """The private head, named to the state API, which reads the environment before its own
+    address argument: RAY_API_SERVER_ADDRESS first where Ray knows it; Ray 2.40 reads only
+    RAY_ADDRESS ("local" in the tests: it scans the machine for heads and refuses two)."""
     monkeypatch.setenv("RAY_API_SERVER_ADDRESS", ray_head.dashboard_url)
+    monkeypatch.setenv("RAY_ADDRESS", ray_head.gcs_address)
     return ray_head
 
 
