@@ -27,7 +27,9 @@ def unfrozen():
 def test_freeze_moves_tracked_objects_out_of_the_collectors_view(unfrozen):
     held = [[i] for i in range(1000)]  # tracked containers made before the freeze
     num_frozen = heap.freeze()
-    assert num_frozen == gc.get_freeze_count() >= len(held)
+    # Not equal to a later count: another thread of the process (one an earlier test left)
+    # may free frozen objects in between, which leave the frozen generation (CI: 2 fewer).
+    assert num_frozen >= gc.get_freeze_count() >= len(held)
     in_view = {id(obj) for obj in gc.get_objects()}  # every generation the collector walks
     assert not any(id(obj) in in_view for obj in held)
     gc.unfreeze()
