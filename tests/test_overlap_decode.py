@@ -342,3 +342,31 @@ def test_lookaheads_serve_while_requests_wait(workload):
     fast_held, _ = _run(workload, True, forced)
     assert forced.engine.schedulers[0].num_held_admissions >= 2
     assert fast_held != fast_off, "holding admissions left fast mode's output unchanged"
+
+
+def test_a_sample_ending_by_length_at_a_block_boundary_keeps_the_unread_launch():
+    """A sample whose last token is sampled where its next position would open a new KV block
+    gets no block for it (the scheduler gives none to a sample its step's token ends by
+    length), and the lookahead leaves it out: the other sample's lookahead is still queued
+    before the read, so every served lookahead was. Here 10 prompt tokens + 6 outputs fill
+    the first 16-token block as the 7th and last output is sampled. Bits: those with the
+    lookahead off."""
+    prompts = (list(range(3, 13)), list(range(20, 25)))
+    params = (
+        SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
+    )
+    config = load_config(TINY_CONFIG)
+    assert config.cache.block_size == 16, config.cache.block_size
+    outputs, stats = [], None
+    for overlap in (False, True):
+        engine = LLM(TINY_CONFIG, **{"scheduler.overlap_decode": overlap}).engine
+        requests = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        while engine.has_unfinished():
+            engine.step()
+        outputs.append([fingerprint(o) for r in requests for o in engine.output(r).outputs])
+        stats = engine.worker_stats()[0]
+    assert outputs[0] == outputs[1]
+    assert [len(o[0]) for o in outputs[1]] == [7, 20], outputs[1]
+    assert stats["num_lookahead_hits"] >= 15, stats
+    assert stats["num_unread_launches"] == stats["num_lookahead_hits"], stats

@@ -85,15 +85,20 @@ class Lookahead:
         return self._step is not None
 
     def prepare(self, chunks: list[Chunk]) -> Prepared | None:
-        """The next decode step of every sequence of `chunks` but its tokens (placeholders
-        in batch.token_ids, chunk order), or None where `launch` would not take it whole: a
-        sequence scores, or its next position needs a block the table lacks."""
+        """The next decode step of the sequences of `chunks` that go on whatever they sample
+        (not ended by length: those `launch_unread` leaves out) but its tokens (placeholders in
+        batch.token_ids, chunk order), or None where none would be launched from it: a
+        sequence scores, none goes on, or one that goes on needs a block its table lacks. Why
+        not the ones ending by length: the scheduler gives them no next block."""
         if not self.is_enabled or not chunks:
             return None
         seqs = [chunk.seq for chunk in chunks]
-        if any(seq.is_score or not self._holds_next_block(seq) for seq in seqs):
+        going_on = [seq for seq in seqs if not self._ends_by_length(seq)]
+        if any(seq.is_score for seq in seqs) or not going_on:
             return None
-        return Prepared(*self._decode_batch(seqs, [0] * len(seqs)))
+        if not all(self._holds_next_block(seq) for seq in going_on):
+            return None
+        return Prepared(*self._decode_batch(going_on, [0] * len(going_on)))
 
     def _holds_next_block(self, seq: SequenceState) -> bool:
         """Whether seq's table has the block of the position after its last token (the one
@@ -123,21 +128,21 @@ class Lookahead:
     ) -> list[int] | None:
         """Before this step's samples are read: launch the next decode step of the sequences
         of `chunks` that go on whatever they sampled, fed the sampled ids where they are, so
-        the GPU needs no host between the steps (prepared: the step of all of them, placeholder
-        tokens; a sample that ends by length with this token is left out). -> the rows of seqs
-        it covers, or None when none was launched. seqs: the sampled rows' sequences, which
-        must be the chunks' in order (a chunk that leaves its prompt unfinished samples
-        nothing)."""
+        the GPU needs no host between the steps (prepared: prepare(chunks), their step with
+        placeholder tokens, which leaves out a sample that ends by length with this token). ->
+        the rows of seqs it covers, or None when none was launched. seqs: the sampled rows'
+        sequences, which must be the chunks' in order (a chunk that leaves its prompt
+        unfinished samples nothing)."""
         if [s.seq_id for s in seqs] != [c.seq.seq_id for c in chunks]:
             return None
         rows = [i for i, seq in enumerate(seqs) if not self._ends_by_length(seq)]
         if not rows:
             return None
-        batch, sample_args, fed = prepared.batch, prepared.sample_args, launched
-        if len(rows) < len(seqs):
-            batch, sample_args = self._decode_batch([seqs[i] for i in rows], [0] * len(rows))
-            fed = Sampler.rows_of(launched, rows)
-        self._run_ahead(batch, sample_args, [seqs[i] for i in rows], self._sampler.token_ids(fed))
+        fed = launched if len(rows) == len(seqs) else Sampler.rows_of(launched, rows)
+        self._run_ahead(
+            prepared.batch, prepared.sample_args, [seqs[i] for i in rows],
+            self._sampler.token_ids(fed),
+        )  # fmt: skip
         self.num_unread_launches += 1
         return rows
 
