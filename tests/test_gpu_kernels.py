@@ -815,25 +815,37 @@ def test_mla_fused_merge_gives_the_merge_launch_bits(generator, batch, ctx):
     eagerly and replayed 20 times in a CUDA graph (which program arrives last changes from
     run to run: the arrival count's release and acquire keep the partials it reads whole; the
     interpreter runs programs one at a time and cannot show it), with whole head blocks, the
-    value split and groups of 8 splits; the counts it is handed are left at zero. Control: a
-    halved KV split (part of the merge order) makes other bits."""
+    value split, groups of 8 splits (split partials, and a program a group: group partials),
+    32 heads (two head blocks), and the op's own launch (mla_attention_triton); the counts it
+    is handed are left at zero. Control: a halved KV split (part of the merge order) makes
+    other bits."""
     from moe_kernels.attention_launch import NARROW_LAUNCH, SPLIT_BLOCKS, VALUE_SPLIT
-    from moe_kernels.triton_attention import _attend
+    from moe_kernels.triton_attention import _attend, mla_attention_triton
     from moe_kernels.triton_split_k import arrival_counts
 
     lengths = [ctx - 37 * (i % 5) for i in range(batch)]
     args = (*_decode_step(generator, lengths, 16, 128), 192**-0.5, 512, SPLIT_BLOCKS, 4, 3)
+    wide = (*_decode_step(generator, lengths, 32, 128), 192**-0.5, 512, SPLIT_BLOCKS, 4, 3)
     arrivals = arrival_counts("cuda")
+    groups = dict(group_splits=8, group_tail=NARROW_LAUNCH.split_blocks)
     launches = (
-        {}, dict(v_parts=VALUE_SPLIT[0], lat_chunk=VALUE_SPLIT[1]),
-        dict(group_splits=8, group_tail=NARROW_LAUNCH.split_blocks),
+        (args, {}), (args, dict(v_parts=VALUE_SPLIT[0], lat_chunk=VALUE_SPLIT[1])),
+        (args, groups), (args, dict(**groups, is_whole_query=True)), (wide, {}),
     )  # fmt: skip
-    for launch in launches:
-        expected = _attend(*args, **launch)
+
+    def op(*, fused_merge):
+        return mla_attention_triton(
+            *args[:5], scale=192**-0.5, v_dim=512, fused_merge=fused_merge, arrivals=arrivals
+        )  # fmt: skip
+
+    expected = op(fused_merge=False)
+    assert torch.equal(op(fused_merge=True), expected), "the op's launch"
+    for step, launch in launches:
+        expected = _attend(*step, **launch)
         assert not expected.isnan().any(), launch
 
-        def fused(launch=launch):
-            return _attend(*args, **launch, is_fused_merge=True, arrivals=arrivals)
+        def fused(step=step, launch=launch):
+            return _attend(*step, **launch, is_fused_merge=True, arrivals=arrivals)
 
         assert torch.equal(fused(), expected), launch  # (compiles outside the capture)
         graph = torch.cuda.CUDAGraph()

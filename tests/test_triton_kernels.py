@@ -693,7 +693,23 @@ def check_mla_attention_fused_merge(generator: torch.Generator) -> None:
     value parts (the parts' arrivals counted together) and two head blocks. Engagement: no
     merge launch runs, and the arrival counts it was handed are used and left at zero (a
     second call through them gives the same bits). Without the merge nothing writes the
-    output: compared against a NaN-filled output, every row is finished."""
+    output: torch's uninitialised memory is NaN-filled for the check, so an output row that no
+    program finished cannot pass for the merge launch's (whose rows hold no NaN). The
+    interpreter runs programs one at a time, so the arrival count's ordering (release and
+    acquire across SMs) is the GPU test's to prove (tests/test_gpu_kernels.py)."""
+    import torch.utils.deterministic as deterministic
+
+    was = torch.are_deterministic_algorithms_enabled(), deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True)
+    deterministic.fill_uninitialized_memory = True
+    try:
+        _check_fused_merge(generator)
+    finally:
+        torch.use_deterministic_algorithms(was[0])
+        deterministic.fill_uninitialized_memory = was[1]
+
+
+def _check_fused_merge(generator: torch.Generator) -> None:
     import moe_kernels.triton_attention as attention
 
     _attend = attention._attend
@@ -722,6 +738,7 @@ def check_mla_attention_fused_merge(generator: torch.Generator) -> None:
             split_blocks = launch.pop("split_blocks")
             launch.setdefault("block_h", 32)  # 20 heads: one head block, or two of 16
             expected = _attend(*args, split_blocks, 4, 3, **launch)
+            assert not expected.isnan().any(), (dtype, split_blocks, launch)
             arrivals = torch.zeros(64, dtype=torch.int32)
             attention._mla_merge_kernel, merges[:] = Counted(), []
             try:
