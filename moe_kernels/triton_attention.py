@@ -211,7 +211,7 @@ def _finish(
             ok = head_ok[:, None] & (offs_c < V)[None, :]
             out = _merge_splits(
                 acc_ptr, stats_ptr, t, num_splits, num_heads, heads, head_ok, offs_c, ok,
-                num_blocks, BLOCK_V, RUN, RUN_TAIL, GROUP_SLOTS, GROUP_TAIL,
+                num_blocks, BLOCK_V, RUN, RUN_TAIL, GROUP_SLOTS, GROUP_TAIL, ".cg",
             )  # fmt: skip
             tl.store(out_ptr + (t * num_heads + heads)[:, None] * V + offs_c[None, :], out, mask=ok)
         tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")
@@ -257,7 +257,7 @@ def _mla_merge_kernel(
     ok = head_ok[:, None] & (offs_v < V)[None, :]
     out = _merge_splits(
         acc_ptr, stats_ptr, t, num_splits, num_heads, heads, head_ok, offs_v, ok, num_blocks,
-        BLOCK_V, SPLIT_BLOCKS, TAIL_BLOCKS, GROUP_SLOTS, GROUP_TAIL,
+        BLOCK_V, SPLIT_BLOCKS, TAIL_BLOCKS, GROUP_SLOTS, GROUP_TAIL, "",
     )  # fmt: skip
     tl.store(out_ptr + (t * num_heads + heads)[:, None] * V + offs_v[None, :], out, mask=ok)
 

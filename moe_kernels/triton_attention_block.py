@@ -210,7 +210,7 @@ def _walk_run(
 def _merge_splits(
     acc_ptr, stats_ptr, t, num_splits, num_heads, heads, head_ok, offs_v, ok, num_blocks,
     BLOCK_V: tl.constexpr, SPLIT_BLOCKS: tl.constexpr, TAIL_BLOCKS: tl.constexpr,
-    GROUP_SLOTS: tl.constexpr, GROUP_TAIL: tl.constexpr,
+    GROUP_SLOTS: tl.constexpr, GROUP_TAIL: tl.constexpr, CACHE: tl.constexpr,
 ):  # fmt: skip
     """acc / sum of query t's heads `heads`, columns offs_v (ok: the valid [heads, columns]),
     from its fp32 partials (acc [T, num_splits, num_heads, BLOCK_V], stats [.., 2]: max, sum):
@@ -219,15 +219,15 @@ def _merge_splits(
     groups of GROUP_SLOTS (the last taking up to GROUP_TAIL blocks more), folded in order
     within a group, the groups' folds in group order. The merge kernel and a split launch's
     finishing programs both call it; each column's fold is the same fp32 operations whatever
-    heads and columns a caller takes. The partials are read past L1 (.cg): a finishing
-    program reads what other SMs wrote."""
+    heads and columns a caller takes. CACHE: the loads' cache modifier (".cg", past L1, for a
+    finishing program, which reads what other SMs wrote; "" for the merge kernel)."""
     num_own_splits = _own_splits(num_blocks, SPLIT_BLOCKS, TAIL_BLOCKS)
     first = t * num_splits * num_heads + heads
-    row_max = tl.load(stats_ptr + first * 2, mask=head_ok, other=0.0, cache_modifier=".cg")
-    row_sum = tl.load(stats_ptr + first * 2 + 1, mask=head_ok, other=1.0, cache_modifier=".cg")
+    row_max = tl.load(stats_ptr + first * 2, mask=head_ok, other=0.0, cache_modifier=CACHE)
+    row_sum = tl.load(stats_ptr + first * 2 + 1, mask=head_ok, other=1.0, cache_modifier=CACHE)
     acc = tl.load(
         acc_ptr + first[:, None] * BLOCK_V + offs_v[None, :], mask=ok, other=0.0,
-        cache_modifier=".cg",
+        cache_modifier=CACHE,
     )  # fmt: skip
     GROUP_BLOCKS: tl.constexpr = GROUP_SLOTS * SPLIT_BLOCKS
     if GROUP_SLOTS > 0:  # the groups folded so far (valid from the second group on)
@@ -237,13 +237,13 @@ def _merge_splits(
     # Why: a fixed merge order (split ascending) over splits fixed by the position alone.
     for split in range(1, num_own_splits):
         slot = (t * num_splits + split) * num_heads + heads
-        part_max = tl.load(stats_ptr + slot * 2, mask=head_ok, other=0.0, cache_modifier=".cg")
+        part_max = tl.load(stats_ptr + slot * 2, mask=head_ok, other=0.0, cache_modifier=CACHE)
         part_sum = tl.load(
-            stats_ptr + slot * 2 + 1, mask=head_ok, other=1.0, cache_modifier=".cg"
+            stats_ptr + slot * 2 + 1, mask=head_ok, other=1.0, cache_modifier=CACHE
         )  # fmt: skip
         part_acc = tl.load(
             acc_ptr + slot[:, None] * BLOCK_V + offs_v[None, :], mask=ok, other=0.0,
-            cache_modifier=".cg",
+            cache_modifier=CACHE,
         )  # fmt: skip
         if GROUP_SLOTS > 0:
             # At a group's start the finished group folds in and a new one starts.
