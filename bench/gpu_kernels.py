@@ -964,55 +964,6 @@ def bench_merge() -> None:
         print(f"| {heads} | {batch} | {ctx} | {width} | {splits} | {cells} |")
 
 
-def bench_fused_merge() -> None:
-    """The 16-head split launch (B < 128) with its partials merged by each query's last
-    program (the kernel's FINISH, attention_launch.FUSED_MERGE) against the merge launch, and
-    FlashMLA with one plan a step (fast mode's decode attention as the engine runs it), graph
-    replay (ATTENTION_GRAPH_CALLS calls a graph) over L2-missing caches, queries at one
-    context in their own shuffled blocks, tables padded with -1 to the engine's graph width.
-    The fused launch's bits are checked against the merge launch's on every shape."""
-    from moe_kernels.fast_attention import HAS_FLASH_MLA, mla_decode_fast
-    from moe_kernels.triton_attention import mla_attention_triton
-
-    ceiling = copy_bandwidth(torch.device("cuda")) / 1e12
-    flash = "FlashMLA" if HAS_FLASH_MLA else "fast op (FlashMLA not installed)"
-    print(f"\n## 16-head split launch: merge launch vs fused merge, µs a call (graph replay); "
-          f"copy ceiling {ceiling:.2f} TB/s")  # fmt: skip
-    print(f"| B | ctx | table | merge launch | fused | fused / merge | {flash}, one plan "
-          "| merge / it | fused / it | fused % of copy |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    arrivals = arrival_counts("cuda")
-    shapes = ((8, 8192), (16, 4096), (32, 2048), (32, 4096), (64, 1024), (64, 2048),
-              (64, 4096), (64, 8192))  # fmt: skip
-    for batch, ctx in shapes:
-        blocks = -(-ctx // 64)
-        width = _graph_width(blocks)
-        read = batch * ctx * 576 * 2
-        step = _decode_cache(batch, ctx, width=width)[2:]
-
-        def make(op, shared=None, batch=batch, ctx=ctx, width=width, **kwargs):
-            q, kv, seq_ids, tables, positions = _decode_cache(batch, ctx, width=width)
-            if shared is not None:
-                seq_ids, tables, positions = shared
-            args = (q, kv, seq_ids, tables, positions)
-            return lambda: op(*args, scale=192**-0.5, v_dim=512, **kwargs)
-
-        fused = partial(make, mla_attention_triton, fused_merge=True, arrivals=arrivals)
-        merged = partial(make, mla_attention_triton, fused_merge=False)
-        same = torch.equal(fused()(), merged()())
-        times = [
-            _graph_ms(merged, read, ATTENTION_GRAPH_CALLS),
-            _graph_ms(fused, read, ATTENTION_GRAPH_CALLS),
-            _graph_ms(partial(make, mla_decode_fast, step), read, ATTENTION_GRAPH_CALLS),
-        ]
-        us = [t * 1e3 for t in times]
-        print(
-            f"| {batch} | {ctx} | {width} | {us[0]:.1f} | {us[1]:.1f}"
-            f"{'' if same else ' (OTHER BITS)'} | {us[1] / us[0]:.2f} | {us[2]:.1f} "
-            f"| {us[0] / us[2]:.2f} | {us[1] / us[2]:.2f} | {read / times[1] / 1e9 / ceiling:.0%} |"
-        )
-
-
 def _linear_graph_us(op, num_rows: int, in_dim: int, out_dim: int) -> float:
     """µs of op(x [num_rows, in_dim], w [out_dim, in_dim]) in bf16 under graph replay, each
     copy on its own random x and w (~1/sqrt(K) weights): _graph_ms's L2-missing copies."""
@@ -2042,7 +1993,6 @@ def sections() -> dict:
         "split_size": bench_split_size,
         "tail": bench_tail,
         "merge": bench_merge,
-        "fused_merge": bench_fused_merge,
         "split_sweep": bench_split_sweep,
         "read_floor": bench_read_floor,
         "decode_tiles": bench_decode_tiles,

@@ -228,13 +228,6 @@ def whole_query_stages(num_programs: int) -> int | None:
     return None
 
 
-# A split launch of the Triton kernel may leave the merge to each query's last program to
-# store its partial (the kernel's FINISH: an arrival count a query head block, the partials
-# read back while in L2, no merge launch): the same bits (checked on the GPU), so the choice
-# may follow the batch. Off until timed (`bench/gpu_kernels.py fused_merge`).
-FUSED_MERGE = False
-
-
 # The merge launch (split partials folded into the output) gives a query MERGE_PROGRAMS
 # programs, each taking that share of its heads (a power of two): each head's columns fold by
 # the same fp32 operations whichever heads share a program (the same bits, checked on the GPU),

@@ -159,7 +159,7 @@ def build_op_table(config: KernelConfig, device: torch.device | str) -> OpTable:
     is_present = device.type == "cuda" and _is_present(device)
     if is_present and config.side_stream_rows:
         side = SideStream(device, config.side_stream_rows)
-    # The arrival counts of the Triton linears and attention (None: each launch makes its own).
+    # The split-K arrival counts of the Triton linears (None: each launch makes its own).
     arrivals = _arrival_counts(device, side) if is_present else None
     if config.is_invariant:
         ops = _invariant_ops(config, device, arrivals)
@@ -246,8 +246,8 @@ def _is_present(device: torch.device) -> bool:
 
 
 def _arrival_counts(device: torch.device, side: SideStream | None) -> torch.Tensor | StreamBuffers:
-    """The arrival counts of the table's split-K Triton linears (moe_kernels/triton_split_k.py)
-    and fused attention merge, on a present device: one buffer a stream."""
+    """The split-K arrival counts of the table's Triton linears (moe_kernels/triton_split_k.py) on
+    a present device: one buffer a stream."""
     from moe_kernels.triton_split_k import arrival_counts
 
     # Why one buffer a stream: a folded split-K launch leaves its arrival counts at zero, so
@@ -335,8 +335,8 @@ def _fast_decode_attention() -> Callable:
 
 
 def _triton_kernels(arrivals: torch.Tensor | StreamBuffers | None) -> dict[str, Callable]:
-    """The CUDA Triton kernels of each op, the split-K linears and the attention bound to the
-    table's arrival counts (_with_arrivals)."""
+    """The CUDA Triton kernels of each op, the split-K linears bound to the table's arrival
+    counts (_with_arrivals)."""
     # Imported here so CPU-only workers never load Triton's compiler front end.
     from moe_kernels.triton_activation import silu_mul_triton
     from moe_kernels.triton_attention import mla_attention_triton
@@ -357,8 +357,7 @@ def _triton_kernels(arrivals: torch.Tensor | StreamBuffers | None) -> dict[str, 
         "add_rms_norm": add_rms_norm_triton,  # one launch for the add and the norm
         "softmax": softmax_triton,
         "log_softmax": log_softmax_triton,
-        # The arrival counts of its fused merge (attention_launch.FUSED_MERGE), else unread.
-        "mla_attention": _with_arrivals(mla_attention_triton, arrivals),
+        "mla_attention": mla_attention_triton,
         # No x.float() launch: upcast in registers.
         "router_logits": _with_arrivals(router_logits_triton, arrivals),
         # Why a kernel and not torch: torch.softmax over experts and the weight-normalising

@@ -20,7 +20,6 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from moe_kernels.attention_launch import (
     BLOCK_H,
-    FUSED_MERGE,
     TABLE_AHEAD_MAX_PAIRS,
     WIDE_LAUNCH,
     check_runs,
@@ -35,9 +34,10 @@ from moe_kernels.attention_launch import (
 )
 from moe_kernels.gluon_attention import fits_gluon, launch_wide_split
 from moe_kernels.triton_attention_block import (
+    _fold,
     _load_query,
-    _merge_splits,
     _own_splits,
+    _starts_run,
     _walk_run,
 )
 from moe_kernels.triton_pdl import pdl_launch, pdl_start
@@ -58,8 +58,6 @@ def _mla_split_kernel(
     positions_ptr,
     acc_ptr,
     stats_ptr,
-    out_ptr,
-    counts_ptr,
     scale,
     num_heads,
     num_splits,
@@ -82,14 +80,10 @@ def _mla_split_kernel(
     TABLE_AHEAD: tl.constexpr,
     GROUP_BLOCKS: tl.constexpr = 0,
     GROUP_TAIL: tl.constexpr = 0,
-    FINISH: tl.constexpr = False,
-    MERGE_GROUP_SLOTS: tl.constexpr = 0,
-    MERGE_GROUP_TAIL: tl.constexpr = 0,
     PDL: tl.constexpr = False,
 ):
     """Partial (max, sum, acc) of one query's heads over one split of its cache blocks; with
-    WRITE_OUT (the launch has one split) the finished acc / sum into acc_ptr (out_ptr and
-    counts_ptr unread).
+    WRITE_OUT (the launch has one split) the finished acc / sum into out_ptr (= acc_ptr).
 
     WHOLE_QUERY (grid axis 2 of size 1, WRITE_OUT): the program walks every split of its
     query, each from a fresh state as above, and folds them in split order with the merge
@@ -103,31 +97,16 @@ def _mla_split_kernel(
 
     Many heads (V_PARTS > 1): a program keeps only its 1 / V_PARTS of the value columns (the
     scores are recomputed by each part) and walks the latent in LAT_CHUNK-column dots, so a
-    wide head block fits in registers.
-
-    FINISH (a launch of partials, not WRITE_OUT; a 2-D grid, axis 0 a query's splits, each its
-    head blocks and value parts): the last of a query head block's programs to store its
-    partial (an arrival count a query head block, counts_ptr, zero before the launch and left
-    at zero) merges the query's partials into out_ptr as the merge kernel does (_merge_splits;
-    MERGE_GROUP_*: its GROUP_*), so no merge launch runs and the partials are read back while
-    they are in L2. Which program merges depends on timing; which folds it makes, and their
-    order, do not."""
+    wide head block fits in registers."""
     pdl_start(PDL)
     # Why head blocks on the fastest grid axis: the programs of one query's head blocks run
     # side by side and read the same latent blocks, so HBM serves them once and L2 the rest.
-    # FINISH: a query's splits next, so its partials are written close together in time.
-    if FINISH:
-        programs_a_split = tl.cdiv(num_heads, BLOCK_H) * V_PARTS
-        lane = tl.program_id(0) % programs_a_split
-        split = tl.program_id(0) // programs_a_split
-    else:
-        lane = tl.program_id(0)
-        split = tl.program_id(2)  # a KV split, or with WHOLE_QUERY and GROUP_BLOCKS a group
-    head_block = lane // V_PARTS
-    v_part = lane % V_PARTS
+    head_block = tl.program_id(0) // V_PARTS
+    v_part = tl.program_id(0) % V_PARTS
     BLOCK_PV: tl.constexpr = BLOCK_V // V_PARTS
     IS_WHOLE: tl.constexpr = V_PARTS == 1 and LAT_CHUNK == BLOCK_V
     t = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)  # a KV split, or with WHOLE_QUERY and GROUP_BLOCKS a group
     position = tl.load(positions_ptr + t)
     # The blocks a program walks from its first: a split's, a group's, or every block (0),
     # and the blocks its last run takes on past RUN (its tail).
@@ -179,42 +158,6 @@ def _mla_split_kernel(
         stats_ok = head_ok & (v_part == 0)  # every part has the same stats: part 0 writes them
         tl.store(stats_ptr + slot * 2, row_max, mask=stats_ok)
         tl.store(stats_ptr + slot * 2 + 1, row_sum, mask=stats_ok)
-        if FINISH:
-            _finish(
-                acc_ptr, stats_ptr, out_ptr, counts_ptr, t, head_block, heads, head_ok,
-                num_heads, num_splits, num_blocks, V, BLOCK_H, BLOCK_V, V_PARTS, RUN, RUN_TAIL,
-                MERGE_GROUP_SLOTS, MERGE_GROUP_TAIL,
-            )  # fmt: skip
-
-
-@triton.jit
-def _finish(
-    acc_ptr, stats_ptr, out_ptr, counts_ptr, t, head_block, heads, head_ok, num_heads,
-    num_splits, num_blocks, V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_V: tl.constexpr,
-    V_PARTS: tl.constexpr, RUN: tl.constexpr, RUN_TAIL: tl.constexpr,
-    GROUP_SLOTS: tl.constexpr, GROUP_TAIL: tl.constexpr,
-):  # fmt: skip
-    """The split kernel's FINISH: count this program's partial in; the last of the query head
-    block's programs (its runs x V_PARTS) merges them all into out_ptr, 128 value columns at a
-    time, and zeroes the count for the next launch. Why 128 columns: the [heads, columns] fp32
-    tiles of the merge stay within the split kernel's registers (a whole 16 x 512 merge is the
-    merge kernel's 8 warps)."""
-    # Every thread's partial is in memory before the count says so (release); the finisher
-    # reads the others' partials after its count (acquire), past the SM's L1.
-    tl.debug_barrier()
-    count = counts_ptr + t * tl.cdiv(num_heads, BLOCK_H) + head_block
-    arrived = tl.atomic_add(count, 1, sem="acq_rel", scope="gpu")
-    if arrived == _own_splits(num_blocks, RUN, RUN_TAIL) * V_PARTS - 1:
-        COLUMNS: tl.constexpr = 128 if BLOCK_V > 128 else BLOCK_V
-        for c in tl.static_range(BLOCK_V // COLUMNS):
-            offs_c = c * COLUMNS + tl.arange(0, COLUMNS)
-            ok = head_ok[:, None] & (offs_c < V)[None, :]
-            out = _merge_splits(
-                acc_ptr, stats_ptr, t, num_splits, num_heads, heads, head_ok, offs_c, ok,
-                num_blocks, BLOCK_V, RUN, RUN_TAIL, GROUP_SLOTS, GROUP_TAIL, ".cg",
-            )  # fmt: skip
-            tl.store(out_ptr + (t * num_heads + heads)[:, None] * V + offs_c[None, :], out, mask=ok)
-        tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -255,10 +198,43 @@ def _mla_merge_kernel(
         return
     offs_v = tl.arange(0, BLOCK_V)
     ok = head_ok[:, None] & (offs_v < V)[None, :]
-    out = _merge_splits(
-        acc_ptr, stats_ptr, t, num_splits, num_heads, heads, head_ok, offs_v, ok, num_blocks,
-        BLOCK_V, SPLIT_BLOCKS, TAIL_BLOCKS, GROUP_SLOTS, GROUP_TAIL, "",
-    )  # fmt: skip
+    first = t * num_splits * num_heads + heads
+    row_max = tl.load(stats_ptr + first * 2, mask=head_ok, other=0.0)
+    row_sum = tl.load(stats_ptr + first * 2 + 1, mask=head_ok, other=1.0)
+    acc = tl.load(acc_ptr + first[:, None] * BLOCK_V + offs_v[None, :], mask=ok, other=0.0)
+    GROUP_BLOCKS: tl.constexpr = GROUP_SLOTS * SPLIT_BLOCKS
+    if GROUP_SLOTS > 0:  # the groups folded so far (valid from the second group on)
+        done_max = tl.full(row_max.shape, float("-inf"), dtype=tl.float32)
+        done_sum = tl.zeros(row_sum.shape, dtype=tl.float32)
+        done_acc = tl.zeros(acc.shape, dtype=tl.float32)
+    # Why: a fixed merge order (split ascending) over splits fixed by the position alone.
+    for split in range(1, num_own_splits):
+        slot = (t * num_splits + split) * num_heads + heads
+        part_max = tl.load(stats_ptr + slot * 2, mask=head_ok, other=0.0)
+        part_sum = tl.load(stats_ptr + slot * 2 + 1, mask=head_ok, other=1.0)
+        part_acc = tl.load(
+            acc_ptr + slot[:, None] * BLOCK_V + offs_v[None, :], mask=ok, other=0.0
+        )  # fmt: skip
+        if GROUP_SLOTS > 0:
+            # At a group's start the finished group folds in and a new one starts.
+            if _starts_run(split * SPLIT_BLOCKS, GROUP_BLOCKS, GROUP_TAIL, num_blocks):
+                done_max, done_sum, done_acc = _fold(
+                    done_max, done_sum, done_acc, row_max, row_sum, acc, split == GROUP_SLOTS,
+                    True,
+                )  # fmt: skip
+                # A fresh state: the fold below takes the split as it is (alpha 0, beta 1).
+                row_max = tl.full(row_max.shape, float("-inf"), dtype=tl.float32)
+                row_sum = tl.zeros(row_sum.shape, dtype=tl.float32)
+                acc = tl.zeros(acc.shape, dtype=tl.float32)
+        row_max, row_sum, acc = _fold(
+            row_max, row_sum, acc, part_max, part_sum, part_acc, False, True
+        )
+    if GROUP_SLOTS > 0:  # the last group folded in (taken as it is if it is the only one)
+        is_one_group = num_blocks <= GROUP_BLOCKS + GROUP_TAIL
+        _, row_sum, acc = _fold(
+            done_max, done_sum, done_acc, row_max, row_sum, acc, is_one_group, True
+        )
+    out = acc / row_sum[:, None]
     tl.store(out_ptr + (t * num_heads + heads)[:, None] * V + offs_v[None, :], out, mask=ok)
 
 
@@ -309,18 +285,13 @@ def mla_attention_triton(
     v_dim: int,
     whole_heads: int | None = None,
     group_splits: int | None = None,
-    fused_merge: bool | None = None,
-    arrivals: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [T, H, C], kv_cache [NB, BS, C] (q's dtype), query_seq_ids/positions [T] int64,
     block_tables [B, MB] int64 (-1 padding past a sequence's end) -> [T, H, v_dim] q.dtype.
     whole_heads: the model's head count at TP 1 (None: H), whose launch (head_launch) a TP
     rank holding H of them keeps, so every TP degree gives the same bits. group_splits
     (models below 64 heads; None: the launch's): a query's splits folded in groups of this
-    many, then the groups (attention_launch.with_groups; part of the bits). fused_merge (None:
-    attention_launch.FUSED_MERGE): a split launch of the Triton kernel has each query's last
-    program merge its partials (no merge launch; the same bits), counting arrivals in
-    `arrivals` where given (zeroed int32, left at zero: triton_split_k.arrival_counts).
+    many, then the groups (attention_launch.with_groups; part of the bits).
     """
     _check(q, kv_cache, query_seq_ids, block_tables, positions, v_dim)
     if whole_heads is not None and whole_heads < q.shape[1]:
@@ -363,8 +334,6 @@ def mla_attention_triton(
         is_table_ahead=is_ahead or (whole_stages is not None and is_ahead_ok),
         tail_blocks=launch.tail_blocks, group_splits=launch.group_splits,
         group_tail=launch.group_tail,
-        is_fused_merge=(FUSED_MERGE if fused_merge is None else fused_merge) and not is_gluon,
-        arrivals=arrivals,
     )  # fmt: skip
 
 
@@ -372,7 +341,7 @@ def _attend(
     q, kv_cache, query_seq_ids, block_tables, positions, scale, v_dim,
     split_blocks, num_warps, num_stages, block_h=BLOCK_H, v_parts=1, lat_chunk=None,
     is_gluon=False, is_whole_query=False, is_table_ahead=None, tail_blocks=0, group_splits=0,
-    group_tail=0, merge_heads_per_program=None, is_fused_merge=False, arrivals=None,
+    group_tail=0, merge_heads_per_program=None,
 ) -> torch.Tensor:  # fmt: skip
     """The launches; the launch parameters are arguments so bench/ can sweep them (tail_blocks:
     HeadLaunch's, the blocks a query's last split takes on past its whole splits). is_gluon:
@@ -383,17 +352,12 @@ def _attend(
     group_splits and group_tail (HeadLaunch's): a query's splits fold in groups of this many
     (0: one group), the last taking up to group_tail blocks more, then the groups; a
     whole-query launch then has a program a query's group. merge_heads_per_program: the merge
-    launch's heads a program (default merge_heads's; no bit depends on it). is_fused_merge
-    (the Triton kernel): a query's partials merged by its last split program (FINISH), no
-    merge launch; the same bits. arrivals: zeroed int32 counts it may use and leaves at zero
-    (triton_split_k.arrival_counts; None or too few: a fresh zeroed buffer, a memset)."""
+    launch's heads a program (default merge_heads's; no bit depends on it)."""
     check_runs(split_blocks, tail_blocks, group_splits, group_tail)
     if group_splits and is_gluon:
         raise ValueError(f"group_splits {group_splits} needs the Triton kernel, not the Gluon one")
     if is_whole_query and is_gluon:
         raise ValueError("the whole-query launch needs the Triton kernel, not the Gluon one")
-    if is_fused_merge and is_gluon:
-        raise ValueError("the fused merge needs the Triton kernel, not the Gluon one")
     group_blocks = group_splits * split_blocks
     num_tokens, num_heads, cache_dim = q.shape
     out = q.new_empty((num_tokens, num_heads, v_dim))
@@ -421,27 +385,18 @@ def _attend(
     group = min(max(1, PARTIAL_BYTES // per_token), MAX_GRID_Y)
     is_fp32 = q.dtype == torch.float32
     is_direct = num_splits == 1
-    is_finish = is_fused_merge and not is_direct
     heads_a_merge = merge_heads_per_program or merge_heads(num_heads)
-    head_programs = triton.cdiv(num_heads, block_h) * v_parts
     for start in range(0, num_tokens, group):  # launch boundaries only: rows are independent
         rows = slice(start, min(start + group, num_tokens))
         count = rows.stop - rows.start
         if is_direct:
             acc, stats = out[rows], out  # stats never written: WRITE_OUT returns first
-        else:
-            acc = torch.empty((count, num_splits, num_heads, block_v), device=q.device)
-            stats = torch.empty((count, num_splits, num_heads, 2), device=q.device)
+        else:  # fp32 whatever torch's default dtype is (a caller may have set bf16)
+            f32 = torch.float32
+            acc = torch.empty((count, num_splits, num_heads, block_v), dtype=f32, device=q.device)
+            stats = torch.empty((count, num_splits, num_heads, 2), dtype=f32, device=q.device)
         seq_ids, pos = query_seq_ids[rows].contiguous(), positions[rows].contiguous()
-        grid = (head_programs, count, num_splits)
-        counts = pos  # unread unless is_finish
-        if is_finish:  # a query's splits on axis 0 (FINISH), an arrival count a query head block
-            grid = (num_splits * head_programs, count)
-            num_counts = count * triton.cdiv(num_heads, block_h)
-            is_usable = arrivals is not None and arrivals.device == q.device
-            counts = arrivals if is_usable and arrivals.numel() >= num_counts else None
-            if counts is None:
-                counts = torch.zeros(num_counts, dtype=torch.int32, device=q.device)
+        grid = (triton.cdiv(num_heads, block_h) * v_parts, count, num_splits)
         if is_gluon:
             launch_wide_split(
                 grid, q[rows], kv_cache, seq_ids, block_tables, pos, acc, stats, out[rows],
@@ -456,8 +411,6 @@ def _attend(
                 pos,
                 acc,
                 stats,
-                out[rows],
-                counts,
                 scale,
                 num_heads,
                 num_splits,
@@ -482,14 +435,11 @@ def _attend(
                 TABLE_AHEAD=is_whole_query if is_table_ahead is None else is_table_ahead,
                 GROUP_BLOCKS=group_blocks if is_whole_query else 0,
                 GROUP_TAIL=group_tail if is_whole_query else 0,
-                FINISH=is_finish,
-                MERGE_GROUP_SLOTS=merge_groups,
-                MERGE_GROUP_TAIL=group_tail if merge_groups else 0,
                 num_warps=num_warps if block_v >= 256 else 4,
                 num_stages=num_stages,
                 **pdl_launch(q.device),
             )
-        if is_direct or is_finish:
+        if is_direct:
             continue
         _mla_merge_kernel[(count, triton.cdiv(num_heads, heads_a_merge))](
             acc,

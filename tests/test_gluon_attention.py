@@ -253,32 +253,3 @@ def test_the_ops_triton_launches_fit_sm90_shared_memory(tmp_path, monkeypatch, g
         if args[0].dtype == torch.bfloat16 and not kwargs["WHOLE_QUERY"]:
             stack = _stack_bytes(compiled, tmp_path)
             assert stack == 0, (kwargs, f"{stack} bytes spilled a thread")
-
-
-@pytest.mark.parametrize("tokens", (1, 8, 64))
-def test_the_fused_merge_split_launch_compiles_for_sm90_without_spills(
-    tmp_path, monkeypatch, tokens
-):
-    """The 16-head split launch with each query's last program merging its partials
-    (fused_merge: the kernel's FINISH, its merge 128 value columns at a time) compiles for
-    sm_90 within its shared memory and, in bf16, spills no register, at the op's own launch
-    choices (the value split at one query, whole head blocks from eight); the launch has a
-    query's splits on grid axis 0 and no merge launch. Engagement: FINISH is set."""
-    import moe_kernels.triton_attention as attention
-
-    kernel = attention._mla_split_kernel
-    launches = _recorded_launches(monkeypatch)
-    q = torch.zeros(tokens, 16, 576, dtype=torch.bfloat16)
-    tables = torch.zeros(tokens, 128, dtype=torch.int64)
-    rows = torch.zeros(tokens, dtype=torch.int64)
-    attention.mla_attention_triton(
-        q, torch.zeros(4, 64, 576, dtype=torch.bfloat16), rows, tables, rows, scale=0.1,
-        v_dim=512, fused_merge=True,
-    )  # fmt: skip
-    (grid, args, kwargs), *more = launches
-    assert more == [] and kwargs["FINISH"], (more, kwargs)
-    assert grid == (32 * kwargs["V_PARTS"], tokens), grid  # 128 blocks: 32 splits of 4
-    compiled = _sm90_compiled(kernel, args, kwargs)
-    assert compiled.metadata.shared <= SM90_SHARED_BYTES, compiled.metadata.shared
-    stack = _stack_bytes(compiled, tmp_path)
-    assert stack == 0, f"{stack} bytes spilled a thread"

@@ -807,60 +807,6 @@ def _decode_step(generator, lengths, num_heads, width):
     return q, kv_cache, torch.arange(len(lengths), device="cuda"), tables, (seq_lens - 1).cuda()
 
 
-@pytest.mark.parametrize("batch, ctx", ((64, 4096), (8, 8192), (32, 1100)))
-def test_mla_fused_merge_gives_the_merge_launch_bits(generator, batch, ctx):
-    """16 heads (V2-Lite) at decode, engine-wide tables (128 columns, -1 padding), NaN in
-    every unwritten slot: the split launch whose last program of each query merges the
-    query's partials (is_fused_merge) gives the bits of the split launch and its merge kernel,
-    eagerly and replayed 20 times in a CUDA graph (which program arrives last changes from
-    run to run: the arrival count's release and acquire keep the partials it reads whole; the
-    interpreter runs programs one at a time and cannot show it), with whole head blocks, the
-    value split, groups of 8 splits (split partials, and a program a group: group partials),
-    32 heads (two head blocks), and the op's own launch (mla_attention_triton); the counts it
-    is handed are left at zero. Control: a halved KV split (part of the merge order) makes
-    other bits."""
-    from moe_kernels.attention_launch import NARROW_LAUNCH, SPLIT_BLOCKS, VALUE_SPLIT
-    from moe_kernels.triton_attention import _attend, mla_attention_triton
-    from moe_kernels.triton_split_k import arrival_counts
-
-    lengths = [ctx - 37 * (i % 5) for i in range(batch)]
-    args = (*_decode_step(generator, lengths, 16, 128), 192**-0.5, 512, SPLIT_BLOCKS, 4, 3)
-    wide = (*_decode_step(generator, lengths, 32, 128), 192**-0.5, 512, SPLIT_BLOCKS, 4, 3)
-    arrivals = arrival_counts("cuda")
-    groups = dict(group_splits=8, group_tail=NARROW_LAUNCH.split_blocks)
-    launches = (
-        (args, {}), (args, dict(v_parts=VALUE_SPLIT[0], lat_chunk=VALUE_SPLIT[1])),
-        (args, groups), (args, dict(**groups, is_whole_query=True)), (wide, {}),
-    )  # fmt: skip
-
-    def op(*, fused_merge):
-        return mla_attention_triton(
-            *args[:5], scale=192**-0.5, v_dim=512, fused_merge=fused_merge, arrivals=arrivals
-        )  # fmt: skip
-
-    expected = op(fused_merge=False)
-    assert torch.equal(op(fused_merge=True), expected), "the op's launch"
-    for step, launch in launches:
-        expected = _attend(*step, **launch)
-        assert not expected.isnan().any(), launch
-
-        def fused(step=step, launch=launch):
-            return _attend(*step, **launch, is_fused_merge=True, arrivals=arrivals)
-
-        assert torch.equal(fused(), expected), launch  # (compiles outside the capture)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = fused()
-        for replay in range(20):
-            captured.zero_()
-            graph.replay()
-            assert torch.equal(captured, expected), (launch, replay)
-        torch.cuda.synchronize()
-        assert not arrivals.any(), launch
-    halved = _attend(*args[:7], SPLIT_BLOCKS // 2, 4, 3)
-    assert not torch.equal(halved, _attend(*args)), "no control"
-
-
 def test_mla_whole_query_launch_gives_the_split_bits(generator):
     """16 heads (V2-Lite) at decode, engine-wide tables (128 columns, -1 padding), NaN in
     every unwritten slot: 256 queries at positions on both sides of every split boundary up to

@@ -315,26 +315,8 @@ def test_attention_group_splits_binds_the_invariant_cuda_attention_only():
     group_splits (part of the bits); 0 leaves the op as it is; CPU and fast tables ignore it."""
     grouped = build_op_table(KernelConfig(attention_group_splits=8), "cuda:1").mla_attention
     assert grouped.func.__name__ == "mla_attention_triton"
-    assert grouped.keywords == {"group_splits": 8, "arrivals": None}  # no device here
+    assert grouped.keywords == {"group_splits": 8}
     plain = build_op_table(KernelConfig(), "cuda:1").mla_attention
-    assert plain.func.__name__ == "mla_attention_triton" and plain.keywords == {"arrivals": None}
+    assert plain.__name__ == "mla_attention_triton"
     cpu = build_op_table(KernelConfig(attention_group_splits=8), "cpu").mla_attention
     assert "group_splits" not in getattr(cpu, "keywords", {})
-
-
-def test_the_invariant_cuda_attention_shares_the_linears_arrival_counts(monkeypatch):
-    """The attention's fused merge (attention_launch.FUSED_MERGE) counts arrivals in the
-    table's buffer, as the split-K linears do (one stream's launches leave it at zero), not in
-    fresh zeros a call (a memset launch where the merge launch was); with a side stream, in
-    the current stream's."""
-    from moe_kernels import op_table
-
-    counts = torch.zeros(4, dtype=torch.int32)
-    monkeypatch.setattr(op_table, "_is_present", lambda device: True)
-    monkeypatch.setattr(op_table, "_arrival_counts", lambda device, side: counts)
-    table = build_op_table(KernelConfig(side_stream_rows=0), "cuda:1")
-    assert table.linear.keywords["arrivals"] is counts
-    assert table.mla_attention.func.__name__ == "mla_attention_triton"
-    assert table.mla_attention.keywords["arrivals"] is counts
-    grouped = build_op_table(KernelConfig(side_stream_rows=0, attention_group_splits=8), "cuda:1")
-    assert grouped.mla_attention.keywords == {"arrivals": counts, "group_splits": 8}

@@ -685,84 +685,6 @@ def check_mla_attention_groups(generator: torch.Generator) -> None:
         raise AssertionError("no ValueError for group_splits with tail blocks")
 
 
-def check_mla_attention_fused_merge(generator: torch.Generator) -> None:
-    """The split launch whose last program of each query head block merges the partials
-    (is_fused_merge: FINISH) gives the bits of the split launch and its merge kernel: one to
-    four splits a query (blocks of 16, splits of 2 and 4), fp32 and bf16, with a tail, with
-    groups (split partials folded in two levels), a program a group (group partials), two
-    value parts (the parts' arrivals counted together) and two head blocks. Engagement: no
-    merge launch runs, and the arrival counts it was handed are used and left at zero (a
-    second call through them gives the same bits). Without the merge nothing writes the
-    output: torch's uninitialised memory is NaN-filled for the check, so an output row that no
-    program finished cannot pass for the merge launch's (whose rows hold no NaN). The
-    interpreter runs programs one at a time, so the arrival count's ordering (release and
-    acquire across SMs) is the GPU test's to prove (tests/test_gpu_kernels.py)."""
-    import torch.utils.deterministic as deterministic
-
-    was = torch.are_deterministic_algorithms_enabled(), deterministic.fill_uninitialized_memory
-    torch.use_deterministic_algorithms(True)
-    deterministic.fill_uninitialized_memory = True
-    try:
-        _check_fused_merge(generator)
-    finally:
-        torch.use_deterministic_algorithms(was[0])
-        deterministic.fill_uninitialized_memory = was[1]
-
-
-def _check_fused_merge(generator: torch.Generator) -> None:
-    import moe_kernels.triton_attention as attention
-
-    _attend = attention._attend
-    q, kv_cache, seq_ids, tables, positions = _paged_cache(generator, (140, 30), 20, 40, 8, 16)
-    rows = torch.tensor([0, 31, 32, 63, 64, 65, 127, 128, 139, 150, 169])
-    q, seq_ids, positions = q[rows], seq_ids[rows], positions[rows]
-    wide = torch.full((tables.shape[0], 12), -1, dtype=tables.dtype)
-    wide[:, : tables.shape[1]] = tables
-    merges = []
-    merge_kernel = attention._mla_merge_kernel
-
-    class Counted:
-        def __getitem__(self, grid):
-            merges.append(grid)
-            return merge_kernel[grid]
-
-    launches = (
-        dict(split_blocks=4), dict(split_blocks=2), dict(split_blocks=4, tail_blocks=2),
-        dict(split_blocks=2, group_splits=2, group_tail=2),
-        dict(split_blocks=2, group_splits=2, is_whole_query=True),
-        dict(split_blocks=4, v_parts=2), dict(split_blocks=4, block_h=16),
-    )  # fmt: skip
-    for dtype in DTYPES:
-        args = (q.to(dtype), kv_cache.to(dtype), seq_ids, wide, positions, 40**-0.5, 32)
-        for launch in launches:
-            split_blocks = launch.pop("split_blocks")
-            launch.setdefault("block_h", 32)  # 20 heads: one head block, or two of 16
-            expected = _attend(*args, split_blocks, 4, 3, **launch)
-            assert not expected.isnan().any(), (dtype, split_blocks, launch)
-            arrivals = torch.zeros(64, dtype=torch.int32)
-            attention._mla_merge_kernel, merges[:] = Counted(), []
-            try:
-                for _ in range(2):  # the second through the counts the first left
-                    got = _attend(
-                        *args, split_blocks, 4, 3, **launch, is_fused_merge=True,
-                        arrivals=arrivals,
-                    )  # fmt: skip
-                    assert torch.equal(got, expected), (dtype, split_blocks, launch)
-            finally:
-                attention._mla_merge_kernel = merge_kernel
-            assert merges == [], (dtype, launch, merges)
-            assert not arrivals.any(), (dtype, launch, arrivals)
-            launch["split_blocks"] = split_blocks
-    # Fresh counts when none are handed over (or too few: one count a query head block).
-    args = (q, kv_cache, seq_ids, wide, positions, 40**-0.5, 32, 2, 4, 3)
-    expected = _attend(*args, block_h=16)
-    few = torch.zeros(3, dtype=torch.int32)
-    got = _attend(*args, block_h=16, is_fused_merge=True, arrivals=few)
-    assert torch.equal(got, expected) and not few.any()
-    assert torch.equal(_attend(*args, block_h=16, is_fused_merge=True), expected)
-    assert not torch.isnan(expected).any()
-
-
 def check_mla_attention_wide_launch(generator: torch.Generator) -> None:
     """A model of 64 heads takes the wide launch (64 heads a program, WIDE_LAUNCH's split and
     tail: with 2 tail blocks the second sequence's 17 and 18 blocks of 16 are one split, its
@@ -1000,7 +922,6 @@ CHECKS = {
     "mla_attention_wide_launch": check_mla_attention_wide_launch,
     "mla_attention_whole_query": check_mla_attention_whole_query,
     "mla_attention_groups": check_mla_attention_groups,
-    "mla_attention_fused_merge": check_mla_attention_fused_merge,
     "router_logits": check_router_logits,
     "router_topk": check_router_topk,
     "bad_inputs": check_bad_inputs,
