@@ -565,6 +565,25 @@ def check_mla_attention(generator: torch.Generator) -> None:
         ).shape == (0, 4, 32)
 
 
+def check_mla_attention_default_dtype(generator: torch.Generator) -> None:
+    """The split partials are fp32 whatever torch's default dtype is: a caller with a bf16
+    default gets the bits of one at torch's default (they were allocated in the default dtype:
+    bf16 partials here, a merge kernel that failed to compile on the GPU)."""
+    from moe_kernels.triton_attention import mla_attention_triton
+
+    # 70 positions at block size 16: two KV splits, so the partials and the merge run.
+    q, kv_cache, seq_ids, tables, positions = _paged_cache(generator, (70, 5), 4, 32, 8, 16)
+    args = (q, kv_cache, seq_ids, tables, positions)
+    expected = mla_attention_triton(*args, scale=40**-0.5, v_dim=32)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        got = mla_attention_triton(*args, scale=40**-0.5, v_dim=32)
+    finally:
+        torch.set_default_dtype(default)
+    assert torch.equal(got, expected)
+
+
 def check_mla_attention_whole_query(generator: torch.Generator) -> None:
     """A program a query (its splits folded in the program) gives the bits of the split
     launch and its merge kernel: queries at the first and last positions of one to three
@@ -922,6 +941,7 @@ CHECKS = {
     "mla_attention_wide_launch": check_mla_attention_wide_launch,
     "mla_attention_whole_query": check_mla_attention_whole_query,
     "mla_attention_groups": check_mla_attention_groups,
+    "mla_attention_default_dtype": check_mla_attention_default_dtype,
     "router_logits": check_router_logits,
     "router_topk": check_router_topk,
     "bad_inputs": check_bad_inputs,
