@@ -278,7 +278,8 @@ def _never_placed(monkeypatch, resources: dict[str, float], world_size: int, dev
     monkeypatch.setattr(ray_placement.ray, "wait", lambda refs, timeout=None: ([], refs))
     group = SimpleNamespace(ready=lambda: "the group's ready ref")
     with pytest.raises(WorkerError) as failure:
-        ray_placement.wait_for_placement(group, world_size, device, 1.0, "parallel.timeout_s + 30s")
+        bundle = ray_placement.bundles(device, world_size)[0]  # as RayExecutor passes it
+        ray_placement.wait_for_placement(group, world_size, bundle, 1.0, "parallel.timeout_s + 30s")
     return str(failure.value)
 
 

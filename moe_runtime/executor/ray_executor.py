@@ -31,7 +31,6 @@ from moe_runtime.executor.ray_connect import connect_ray
 from moe_runtime.executor.ray_placement import (
     bundles,
     check_gpu_sharing,
-    gpu_share,
     wait_for_placement,
 )
 from moe_runtime.worker.step_input import StepInput, StepOutput, WorkerError
@@ -65,9 +64,8 @@ class RayExecutor:
         self.num_frozen: list[int] = []  # objects each rank's process froze after its init
         self._sentinels: list = []  # each rank's Worker.hold call: done only once it died
         self._killed: dict[int, str] = {}  # rank -> why the driver killed it
-        self.placement_group = placement_group(
-            bundles(parallel.device, self.world_size), strategy="PACK"
-        )
+        rank_bundles = bundles(parallel.device, self.world_size)
+        self.placement_group = placement_group(rank_bundles, strategy="PACK")
         # Why: a placement group outlives every handle to it until the job ends, so an
         # executor dropped without shutdown (an LLM deleted or gone out of scope) kept its
         # bundles, and the next LLM of the process waited for room that never came. Not at
@@ -77,7 +75,7 @@ class RayExecutor:
         )
         self._release.atexit = False
         try:
-            self._start_workers(config, physical_to_logical)
+            self._start_workers(config, physical_to_logical, rank_bundles[0])
         except BaseException:
             # A group that failed to start (a worker died or stalled in it, the cluster lacked
             # room) must not keep its bundles and live workers: on a cluster sized to the
@@ -85,20 +83,22 @@ class RayExecutor:
             self.shutdown()
             raise
 
-    def _start_workers(self, config: RuntimeConfig, physical_to_logical: list[list[int]]) -> None:
-        """The placement group ready, a worker a rank in it, every rank joined."""
+    def _start_workers(
+        self, config: RuntimeConfig, physical_to_logical: list[list[int]], bundle: dict
+    ) -> None:
+        """The placement group ready, a worker a rank in it (each asking for its `bundle`),
+        every rank joined."""
         parallel = config.parallel
-        wait_for_placement(
-            self.placement_group, self.world_size, parallel.device, self.timeout_s, _BOUND
-        )
+        wait_for_placement(self.placement_group, self.world_size, bundle, self.timeout_s, _BOUND)
         actor_cls = ray.remote(concurrency_groups={_LIVENESS: 2})(Worker)
         # NCCL reads its settings at communicator creation: set them in the actors' environment.
         env = worker_nccl_env() if parallel.device == "cuda" else {}
-        share = gpu_share(parallel.device, self.world_size)  # (one cluster query, not a rank's)
+        # Why the bundle's own numbers, not the cluster asked again: a cluster whose GPU count
+        # changed meanwhile (an autoscaler) gave actors a share their bundles do not hold.
         self.workers[:] = [
             actor_cls.options(
-                num_cpus=1,
-                num_gpus=share,
+                num_cpus=bundle["CPU"],
+                num_gpus=bundle.get("GPU", 0),
                 runtime_env={"env_vars": env},
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=self.placement_group, placement_group_bundle_index=rank

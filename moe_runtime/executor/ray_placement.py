@@ -16,13 +16,15 @@ log = logging.getLogger(__name__)
 PLACEMENT_NOTICE_S = 10.0  # a placement wait longer than this is logged
 
 
-def wait_for_placement(group, world_size: int, device: str, timeout_s: float, bound: str) -> None:
-    """The placement group's bundles (one a rank) reserved, or WorkerError saying what the
-    cluster lacked: a world larger than the cluster waits for room that never comes. A wait
-    past PLACEMENT_NOTICE_S is logged with what the cluster has (else the start-up said
-    nothing for the whole bound, minutes by default). bound: how timeout_s is set, named in
-    the refusal."""
-    bundle, ready_ref = bundles(device, world_size)[0], group.ready()
+def wait_for_placement(
+    group, world_size: int, bundle: dict[str, float], timeout_s: float, bound: str
+) -> None:
+    """The placement group's bundles (one a rank, each `bundle`) reserved, or WorkerError
+    saying what the cluster lacked: a world larger than the cluster waits for room that never
+    comes. A wait past PLACEMENT_NOTICE_S is logged with what the cluster has (else the
+    start-up said nothing for the whole bound, minutes by default). bound: how timeout_s is
+    set, named in the refusal."""
+    ready_ref = group.ready()
     ready, _ = ray.wait([ready_ref], timeout=min(PLACEMENT_NOTICE_S, timeout_s))
     if not ready and timeout_s > PLACEMENT_NOTICE_S:
         log.warning(
