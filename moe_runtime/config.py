@@ -129,6 +129,8 @@ class ServerConfig:
     model_name: str = "moe-runtime"
     # An engine idle this long checks that every rank still answers (null: never), so a rank
     # that died between requests turns /health to 503 and is rebuilt before a request meets it.
+    # A step or call running this long pings every rank; ranks silent twice in a row are
+    # killed (the server's and the LLM calls' watchdog: engine/stall_watch.py).
     health_check_interval_s: float | None = 5.0
     # A request body past this many bytes is a 413, read no further (32 MiB: a prompt list of
     # ~4 million token ids).

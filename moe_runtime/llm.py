@@ -9,6 +9,11 @@ steps the engine until nothing is left, so two at once stepped each other's requ
 threads, which killed the engine ("scheduled from position 0, but 4 are computed here") and
 gave some of the calls other bits. Concurrent serving is AsyncEngine's (launch/serve_ep.py).
 `shutdown` from another thread ends the running call before its next step.
+
+A rank frozen inside a call's step or collective (a stopped or wedged process) is found by the
+server's watchdog (engine/stall_watch.py, every server.health_check_interval_s): silent at two
+checks in a row, it is killed and the call raises WorkerError within seconds, not after the
+collective timeout (parallel.timeout_s plus a margin: minutes); the next call rebuilds.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from moe_runtime.config import SECTIONS, RuntimeConfig, load_config
 from moe_runtime.engine import CompletionOutput, LLMEngine, RequestOutput
 from moe_runtime.engine.rank_faults import under_lock
 from moe_runtime.engine.request import Request
+from moe_runtime.engine.stall_watch import watching
 from moe_runtime.executor import WorkerError
 from moe_runtime.sampling_params import SamplingParams
 
@@ -112,12 +118,16 @@ class LLM:
     @under_lock
     def rebalance(self) -> dict:
         """Re-place the experts now from the recent load (EPLB); changes no output bit."""
-        return self._live_engine().rebalance(force=True)
+        engine = self._live_engine()
+        with watching(engine) as running, running("a rebalance"):
+            return engine.rebalance(force=True)
 
     @under_lock
     def update_weights(self, source: str | Path | dict) -> int:
         """New weights (HF checkpoint dir or HF-named state dict) on every rank; -> version."""
-        return self._live_engine().update_weights(source)
+        engine = self._live_engine()
+        with watching(engine) as running, running("an update of the weights"):
+            return engine.update_weights(source)
 
     def shutdown(self) -> None:
         """Release the engine; nothing is left running in this process. Safe from any thread
@@ -177,24 +187,35 @@ def step_until_done(
 ) -> None:
     """Step until the engine has nothing left, before_step() before each step (it may raise to
     stop). The progress bar counts the requests that finished (in order) and, between them,
-    the tokens generated so far (a scoring has no deltas: its requests count as they finish)."""
+    the tokens generated so far (a scoring has no deltas: its requests count as they finish).
+    A rank frozen in a step is killed at the watchdog's second check (`watching`): the step
+    raises WorkerError then, not after the collective timeout."""
     num_tokens = num_done = 0
-    while engine.has_unfinished():
-        before_step()
-        deltas = engine.step()
-        if progress.disable:
-            continue
-        num_tokens += sum(len(out.token_ids) for delta in deltas for out in delta.outputs)
-        if num_tokens:
-            progress.set_postfix(tokens=num_tokens, refresh=False)
-        # Why the finished prefix, not every request: a pass over all of them each step cost
-        # 0.16 s a step at 50k prompts. The bar may lag a request finished out of order.
-        done = num_done
-        while done < len(requests) and requests[done].is_finished:
-            done += 1
-        progress.update(done - num_done)  # redrawn at most 10/s
-        num_done = done
+    with watching(engine) as running:
+        while engine.has_unfinished():
+            before_step()
+            with running("a step"):
+                deltas = engine.step()
+            if progress.disable:
+                continue
+            num_tokens, num_done = _advance(progress, deltas, requests, num_tokens, num_done)
     progress.update(len(requests) - num_done)  # nothing is left: every request finished
+
+
+def _advance(
+    progress: tqdm, deltas: list, requests: list[Request], num_tokens: int, num_done: int
+) -> tuple[int, int]:
+    """Move the bar past a step's deltas: -> (tokens generated, requests finished) so far."""
+    num_tokens += sum(len(out.token_ids) for delta in deltas for out in delta.outputs)
+    if num_tokens:
+        progress.set_postfix(tokens=num_tokens, refresh=False)
+    # Why the finished prefix, not every request: a pass over all of them each step cost
+    # 0.16 s a step at 50k prompts. The bar may lag a request finished out of order.
+    done = num_done
+    while done < len(requests) and requests[done].is_finished:
+        done += 1
+    progress.update(done - num_done)  # redrawn at most 10/s
+    return num_tokens, done
 
 
 def _flatten_overrides(overrides: dict[str, Any]) -> dict[str, Any]:

@@ -718,6 +718,38 @@ def test_an_llm_call_after_a_rank_died_while_idle_runs_on_the_rebuilt_group(ray_
         llm.shutdown()
 
 
+def test_an_llm_call_with_a_rank_frozen_mid_step_fails_at_the_second_check(ray_local):
+    """SIGSTOP of a rank while LLM.generate steps: the server's watchdog killed a frozen rank at
+    its second check, but an LLM call (and a rollout's batch, the same stepping) had no
+    watchdog and waited out parallel.timeout_s plus 30 s. Now the call raises WorkerError at
+    the second check, naming the kill, and the next call runs on a rebuilt group with the
+    same bits."""
+    overrides = {"parallel.timeout_s": 300, "server.health_check_interval_s": 1.0}
+    llm = LLM(TINY_CONFIG, **{"parallel.world_size": 2, **overrides})
+    params = SamplingParams(max_tokens=8, temperature=0.8, seed=3, logprobs=2, ignore_eos=True)
+    long_params = SamplingParams(max_tokens=1000, ignore_eos=True)
+    pids = llm.engine.executor.call_all("pid")
+    try:
+        before = fingerprint(llm.generate([[5, 6, 7]], params, use_tqdm=False)[0])
+        first_step = llm.engine.num_steps
+        with ThreadPoolExecutor(1) as pool:
+            call = pool.submit(llm.generate, [[5, 6, 7]], long_params, use_tqdm=False)
+            while llm.engine.num_steps < first_step + 3:  # the call is stepping
+                assert not call.done(), call.exception()
+                time.sleep(0.01)
+            os.kill(pids[1], signal.SIGSTOP)
+            stopped = time.monotonic()
+            with pytest.raises(WorkerError, match=r"rank 1 died during step .*: killed, it answe"):
+                call.result(timeout=60)
+        assert time.monotonic() - stopped < 60, "failed only at the step's own timeout"
+        after = fingerprint(llm.generate([[5, 6, 7]], params, use_tqdm=False)[0])
+        assert after == before and llm.engine.num_restarts == 1
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pids[1], signal.SIGCONT)
+        llm.shutdown()
+
+
 def test_a_stall_is_logged_once_when_first_found_not_only_at_the_kill(caplog):
     """The watchdog's finding reached /health but not the log: a server's log said nothing
     from a rank's stall until the kill (34 s into a step with the default interval)."""

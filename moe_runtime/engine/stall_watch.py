@@ -11,6 +11,10 @@ are killed (`LLMEngine.kill_ranks`), so the step fails at once and the engine re
 of holding every request until the collective timeout (parallel.timeout_s plus a margin:
 minutes by default). The pings and that kill are the engine calls made off the loop thread
 while it runs.
+
+`watching(engine)` gives the same watch to a caller that steps the engine itself (LLM's calls,
+the rollout's batches): a rank frozen inside one of its steps fails that step after two checks,
+as in the server, instead of after the collective timeout.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 from moe_runtime.engine.engine import LLMEngine
 from moe_runtime.executor import QUICK_CALL_TIMEOUT_S
@@ -111,3 +115,21 @@ class StallWatch:
                 log.warning("stalled: %s", news)
             if is_again:
                 self._kill(busy, silent, ran_s)
+
+
+@contextmanager
+def watching(engine: LLMEngine) -> Iterator[Callable[[str], AbstractContextManager]]:
+    """A StallWatch over `engine` for the calling thread's steps and calls while the block
+    runs: yields `running(what)` to mark each (the watch's, or one that marks nothing where
+    there is nothing to ping: one in-process rank, or server.health_check_interval_s null).
+    The watch's thread ends with the block. The engine rebuilds outside the block (the next
+    call's), so nothing is pinged while it does; a failed step leaves it dead (engine.error)."""
+    interval_s = engine.config.server.health_check_interval_s
+    if interval_s is None or engine.config.parallel.world_size == 1:
+        yield lambda what: nullcontext()
+        return
+    watch = StallWatch(engine, interval_s, lambda: engine.error is not None)
+    try:
+        yield watch.running
+    finally:
+        watch.stop()
