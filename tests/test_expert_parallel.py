@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from moe_runtime import LLM
+from moe_runtime import LLM, SamplingParams
 from moe_runtime.executor import WorkerError
 from tests.invariance import (
     TINY_CONFIG,
@@ -183,6 +183,32 @@ def test_ep_matches_single_rank_on_fingerprints(mode):
     finally:
         llm.shutdown()
     assert sum(sent) > 0, "no row crossed ranks"
+    if mode == "invariant":
+        assert got == [fingerprint(o) for o in single]
+    else:
+        assert got != [fingerprint(o) for o in single], "fast EP=2 matched: no control"
+
+
+@pytest.mark.parametrize("mode", ["invariant", "fast"])
+def test_requests_an_idle_dp_rank_took_over_keep_their_bits(mode):
+    """EP=2 is DP=2: requests are placed alternately as they arrive, the long ones (even) all
+    on DP rank 0, and rank 1, its short ones done, takes rank 0's waiting requests
+    (share_waiting, tests/test_share_waiting.py). They give one rank's bits; the control: with
+    fast kernels the comparison differs (the batch decides their bits there)."""
+    prompts = mixed_prompts(8, 8, 40, seed=5)
+    params = [
+        SamplingParams(max_tokens=24 if i % 2 == 0 else 2, temperature=0.9, seed=i, logprobs=3)
+        for i in range(8)
+    ]
+    overrides = {"kernels.mode": mode, "scheduler.max_num_seqs": 2}
+    single = LLM(TINY_CONFIG, **overrides).generate(prompts, params, use_tqdm=False)
+    llm = _ep_llm(2, **overrides)
+    try:
+        got = [fingerprint(o) for o in llm.generate(prompts, params, use_tqdm=False)]
+        num_shared = llm.engine.stats().num_shared
+    finally:
+        llm.shutdown()
+    assert num_shared > 0, "no request moved to the idle DP rank"
     if mode == "invariant":
         assert got == [fingerprint(o) for o in single]
     else:

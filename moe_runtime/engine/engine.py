@@ -27,7 +27,7 @@ from moe_runtime.engine.outputs import EngineStats, RequestOutput
 from moe_runtime.engine.rank_faults import RankFaults, under_lock
 from moe_runtime.engine.request import Request
 from moe_runtime.engine.request_checks import RequestChecks
-from moe_runtime.engine.scheduler import Scheduler
+from moe_runtime.engine.scheduler import Scheduler, share_waiting
 from moe_runtime.engine.step_io import build_step_input, record_results, request_output
 from moe_runtime.engine.weights_source import WeightsSource
 from moe_runtime.engine.worker_group import WorkerGroup
@@ -61,6 +61,7 @@ class LLMEngine(RankFaults):
         self.error: str | None = None
         self._is_interrupted = False  # whether error is a Ctrl-C's (its rebuild is not a fault's)
         self.num_steps = 0
+        self.num_shared = 0  # waiting sequences moved between DP ranks
         self._next_seq_id = 0
         self._request_ids = itertools.count()
         self._owner_pid = os.getpid()  # a forked child cannot reach the Ray workers
@@ -215,7 +216,8 @@ class LLMEngine(RankFaults):
 
     def _enqueue(self, request: Request) -> Request:
         """All of a request's samples go to the DP rank with the fewest unfinished sequences
-        (lowest rank on ties); which rank serves it changes no bit of its result."""
+        (lowest rank on ties), until a rank with nothing waiting takes it over while it waits
+        (share_waiting); which rank serves it changes no bit of its result."""
         loads = [len(s.waiting) + len(s.running) for s in self.schedulers]
         dp_rank = loads.index(min(loads))
         for seq in request.expand_samples(self._next_seq_id, self.tokenizer):
@@ -233,6 +235,8 @@ class LLMEngine(RankFaults):
             return self._step()
 
     def _step(self) -> list[RequestOutput]:
+        if len(self.schedulers) > 1:
+            self.num_shared += share_waiting(self.schedulers)  # an idle DP rank takes work
         per_dp_rank = [scheduler.schedule() for scheduler in self.schedulers]
         for chunks in per_dp_rank:
             for chunk in chunks:
@@ -331,6 +335,7 @@ class LLMEngine(RankFaults):
             num_preemptions=sum(s.num_preemptions for s in self.schedulers),
             num_prefix_hit_blocks=sum(b.num_hit_blocks for b in self.block_managers),
             num_restarts=self.num_restarts,
+            num_shared=self.num_shared,
         )
 
     def shutdown(self) -> None:

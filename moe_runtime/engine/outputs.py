@@ -81,3 +81,4 @@ class EngineStats:
     num_preemptions: int = 0
     num_prefix_hit_blocks: int = 0
     num_restarts: int = 0  # worker-group rebuilds after a rank died or stalled
+    num_shared: int = 0  # waiting sequences moved to an idler DP rank (share_waiting)

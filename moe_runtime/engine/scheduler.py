@@ -269,6 +269,29 @@ class Scheduler:
         released, self.released = self.released, []
         return released
 
+    def untouched_tail(self) -> list[Sequence]:
+        """The samples of the request at the queue's tail (in arrival order) if none of them
+        has run or holds a block: what another DP rank may take over (share_waiting); else
+        []. A request whose sibling runs, or a preempted sequence, stays where its blocks are."""
+        if not self.waiting:
+            return []
+        samples = self.waiting[-1].request.samples
+        if len(samples) > len(self.waiting):
+            return []
+        tail = [self.waiting[-i] for i in range(len(samples), 0, -1)]
+        is_untouched = all(
+            seq is sample
+            and seq.status is SequenceStatus.WAITING
+            and not (seq.is_preempted or seq.block_table or seq.output_token_ids)
+            and seq.num_computed_tokens == 0
+            for seq, sample in zip(tail, samples, strict=True)
+        )
+        return tail if is_untouched else []
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
     def abort(self, request_ids: set[str]) -> None:
         """Drop every sequence of the requests (e.g. clients went away); frees their blocks.
         One pass over the queues, however many requests (a client leaving a request of
@@ -287,3 +310,34 @@ class Scheduler:
         if len(kept) < len(self.waiting):
             self.waiting.clear()
             self.waiting.extend(kept)
+
+
+def share_waiting(schedulers: list[Scheduler]) -> int:
+    """Move untouched requests (Scheduler.untouched_tail) from the tail of the queue of the DP
+    rank with the most unfinished sequences to each rank that has nothing waiting, while the
+    move narrows the gap and the taker stays within max_num_seqs; -> sequences moved. Why: a
+    request's DP rank is chosen as it arrives (LLMEngine._enqueue), so a rank whose requests
+    ended early ran empty lockstep steps while another's queue still held work it could have
+    taken (a rollout's last requests waited behind one rank's long ones). The newest move
+    (FCFS kept: the taker's queue was empty, and takes them in arrival order), nothing that
+    has run or holds blocks moves, and which rank serves a request changes no bit of it."""
+    num_moved = 0
+    by_load = sorted(enumerate(schedulers), key=lambda p: p[1].num_unfinished)  # stable
+    for dp_rank, taker in by_load:
+        if taker.waiting:
+            continue
+        taken: list[Sequence] = []
+        while True:
+            giver = max(schedulers, key=lambda s: s.num_unfinished)  # the first of the busiest
+            tail = giver.untouched_tail() if giver is not taker else []
+            load = taker.num_unfinished + len(taken) + len(tail)
+            if not tail or load >= giver.num_unfinished or load > taker.config.max_num_seqs:
+                break
+            for _ in tail:
+                giver.waiting.pop()
+            taken[:0] = tail  # older than those taken before it
+        for seq in taken:
+            seq.dp_rank = dp_rank
+        taker.waiting.extend(taken)
+        num_moved += len(taken)
+    return num_moved
