@@ -152,6 +152,27 @@ def test_kv_cache_sized_from_memory_needs_cuda():
     assert kv_cache_blocks(load_config(CONFIGS / "tiny_cpu.yaml"), torch.device("cpu")) == 512
 
 
+def test_a_cache_sized_from_free_memory_leaves_the_largest_steps_logits(monkeypatch):
+    """The cache took gpu_memory_utilization of all the free memory: a scoring step of
+    max_num_batched_tokens rows needs their fp32 logits (rows x vocabulary x 4 bytes) beside
+    it, and ran out of memory on an H100 at V2-Lite's shape. Now they come off first; a
+    device whose free memory they exceed is refused naming both keys."""
+    from moe_runtime.worker import worker
+
+    overrides = {"cache.num_blocks": 0, "scheduler.max_num_batched_tokens": 256}
+    config = load_config(CONFIGS / "tiny_cpu.yaml", overrides)
+    model = config.model
+    logits = 256 * model.vocab_size * 4
+    block = model.num_hidden_layers * config.cache.block_size * model.latent_dim * 4  # fp32
+    free = {"bytes": logits + 1000 * block}
+    monkeypatch.setattr(worker.torch.cuda, "mem_get_info", lambda device: (free["bytes"], 0))
+    utilization = config.cache.gpu_memory_utilization
+    assert worker.kv_cache_blocks(config, torch.device("cuda")) == int(1000 * utilization)
+    free["bytes"] = logits
+    with pytest.raises(ValueError, match="max_num_batched_tokens 256 x model.vocab_size"):
+        worker.kv_cache_blocks(config, torch.device("cuda"))
+
+
 def test_cuda_graphs_default_on_where_they_run_and_keys_parse():
     assert load_config(CONFIGS / "tiny_cpu.yaml").kernels.cuda_graphs is False
     assert load_config(CONFIGS / "tiny_gpu.yaml").kernels.cuda_graphs is True

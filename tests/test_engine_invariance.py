@@ -17,7 +17,9 @@ import pytest
 
 from moe_runtime import LLM, SamplingParams
 from moe_runtime.engine.block_manager import BlockManager
+from moe_runtime.model import deepseek
 from moe_runtime.seeds import sample_seeds
+from moe_runtime.worker import model_runner
 from tests.invariance import (
     TINY_CONFIG,
     fingerprint,
@@ -312,3 +314,55 @@ def test_n_samples_use_distinct_derived_seeds():
         alone = dataclasses.replace(params, n=1, seed=seed)
         (replayed,) = llm.generate([[1, 2, 3, 4, 5, 6, 7, 8]], alone)[0].outputs
         assert fingerprint(replayed) == fingerprint(sample)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_scores_in_row_blocks_beside_sampled_rows_keep_their_bits(workload, monkeypatch, mode):
+    """The runner's _score takes _SCORE_ROWS scored rows at a time and the LM head LOGIT_ROWS
+    (a step of 8k scored rows held their fp32 logits three times over at once, 10 GB at
+    V2-Lite's vocabulary: out of memory on an H100 with the cache sized from free memory). In
+    blocks of 5 and 7 rows, cut inside and across sequences, with sampled rows in the same
+    steps (scored rows then not consecutive: copied, not viewed), the logprobs and top
+    logprobs are the bits of the sequences scored alone. Control: fast kernels differ."""
+    prompts, params = workload
+    sequences = [p[:40] for p in prompts[:6]]
+    prompt_lens = [len(s) // 2 for s in sequences]
+    alone_llm = LLM(TINY_CONFIG, **{"kernels.mode": "invariant"})
+    alone = [
+        fingerprint(alone_llm.score_outputs([s], [n], logprobs=3)[0])
+        for s, n in zip(sequences, prompt_lens, strict=True)
+    ]
+    alone_llm.shutdown()
+    blocks: list[list[int]] = []
+    score_block = model_runner.ModelRunner._score_block
+
+    def spy(self, logits, score_rows, row_owners, out):
+        blocks.append(list(score_rows))
+        return score_block(self, logits, score_rows, row_owners, out)
+
+    monkeypatch.setattr(model_runner, "_SCORE_ROWS", 5)
+    monkeypatch.setattr(deepseek, "LOGIT_ROWS", 7)
+    monkeypatch.setattr(model_runner.ModelRunner, "_score_block", spy)
+    llm = LLM(TINY_CONFIG, **{"kernels.mode": mode, "scheduler.max_num_batched_tokens": 64})
+    engine = llm.engine
+    head, head_rows = engine.executor.worker.runner.model.lm_head, []
+    head_forward = head.forward
+    head.forward = lambda x: head_rows.append(x.shape[0]) or head_forward(x)
+    try:
+        scored = []
+        for i, (sequence, prompt_len) in enumerate(zip(sequences, prompt_lens, strict=True)):
+            scored += engine.add_score_requests([sequence], [prompt_len], 3)
+            # a decoding sequence's row between two scorings' rows in their steps
+            engine.add_requests([prompts[6 + i][:8]], [params[6 + i]])
+        while engine.has_unfinished():
+            engine.step()
+        got = [fingerprint(engine.output(r).outputs[0]) for r in scored]
+    finally:
+        llm.shutdown()
+    assert any(len(b) == 5 for b in blocks) and len(blocks) > engine.num_steps  # blocks cut
+    assert 7 in head_rows and max(head_rows) <= 7, head_rows
+    assert any(b[-1] - b[0] + 1 != len(b) for b in blocks), "no block beside sampled rows"
+    if mode == "invariant":
+        assert got == alone
+    else:
+        assert got != alone, "fast mode matched the scorings alone: no control"

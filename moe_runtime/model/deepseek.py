@@ -20,6 +20,7 @@ from moe_runtime.model.tensor_parallel import TensorParallel
 from moe_runtime.model_config import ModelConfig
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+LOGIT_ROWS = 1024  # rows the LM head runs on at once (DeepseekForCausalLM.logits)
 
 
 class DecoderLayer(nn.Module):
@@ -159,6 +160,21 @@ class DeepseekForCausalLM(nn.Module):
         return self.logits(hidden[batch.logits_indices])
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm and LM head: residual stream [R, D] -> fp32 logits [R, V]."""
-        logits = self.lm_head(self.model.norm(hidden)).float()
+        """Final norm and LM head: residual stream [R, D] -> fp32 logits [R, V], the head run
+        on LOGIT_ROWS rows at a time. Why: a step of 8k scored rows held its logits in the
+        model's dtype and in fp32 at once (4.6 GB at V2-Lite's vocabulary), past what a cache
+        sized from free memory left on an H100. A row's logits are its own (the head's kernels
+        are batch-invariant in invariant mode), so the blocks change no bit there."""
+        normed = self.model.norm(hidden)
+        if normed.shape[0] <= LOGIT_ROWS:  # every decode step, graphs included
+            logits = self.lm_head(normed).float()
+        else:
+            blocks = normed.split(LOGIT_ROWS)
+            first = self.lm_head(blocks[0])
+            logits = first.new_empty(normed.shape[0], first.shape[1], dtype=torch.float32)
+            logits[: first.shape[0]] = first  # copy_ rounds nothing: bf16 -> fp32 is exact
+            start = first.shape[0]
+            for block in blocks[1:]:
+                logits[start : start + block.shape[0]] = self.lm_head(block)
+                start += block.shape[0]
         return self.tp.all_gather_last(logits)  # vocab-parallel head: slices in rank order

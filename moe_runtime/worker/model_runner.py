@@ -36,6 +36,7 @@ from moe_runtime.worker.sequence_state import Chunk, SequenceState, sample_args_
 from moe_runtime.worker.step_input import StepOutput
 
 _SORT_ROWS = 256  # scored rows a top-k sort takes at once (a decode step's batch at most)
+_SCORE_ROWS = 1024  # scored rows whose logprobs are computed at once (_score)
 
 
 @dataclass(frozen=True)
@@ -160,8 +161,20 @@ class ModelRunner:
 
     def _score(self, logits, score_rows: list[int], row_owners, out: StepOutput) -> None:
         """The scored rows' logprobs of their next tokens, and the top logprobs of those that
-        ask, as decode reports them (Sampler.launch, raw mode: the same op and stable sort)."""
-        logprobs = self.ops.log_softmax(logits[score_rows])
+        ask, as decode reports them (Sampler.launch, raw mode: the same op and stable sort),
+        _SCORE_ROWS rows at a time. Why: a step of 8k scored rows held its [R, V] fp32
+        logits, their copy and their logprobs at once (10 GB at V2-Lite's vocabulary), in the
+        memory a cache sized from free memory leaves; a row's logprobs are its own, so the
+        blocks change no bit."""
+        for first in range(0, len(score_rows), _SCORE_ROWS):
+            self._score_block(logits, score_rows[first : first + _SCORE_ROWS], row_owners, out)
+
+    def _score_block(self, logits, score_rows: list[int], row_owners, out: StepOutput) -> None:
+        first, last = score_rows[0], score_rows[-1]
+        if last - first + 1 == len(score_rows):  # consecutive rows (a scoring's chunk): a view
+            logprobs = self.ops.log_softmax(logits[first : last + 1])
+        else:
+            logprobs = self.ops.log_softmax(logits[score_rows])
         num_tops = [row_owners[i][0].seq.params.logprobs for i in score_rows]  # None: not asked
         most = max((num or 0 for num in num_tops), default=0)
         top_values: list[list[float]] = [[] for _ in score_rows]

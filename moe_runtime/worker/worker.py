@@ -46,7 +46,11 @@ log = logging.getLogger("moe_runtime.eplb")
 
 def kv_cache_blocks(config: RuntimeConfig, device: torch.device) -> int:
     """cache.num_blocks, or when it is 0 the blocks that fit in gpu_memory_utilization of the
-    device memory free now (after the weights), over all layers' latent caches."""
+    device memory free now (after the weights) less the largest step's fp32 logits, over all
+    layers' latent caches. Why the logits first: a scoring step's every row has them
+    (max_num_batched_tokens x the vocabulary, whole on every TP rank), 3.1 GiB at V2-Lite's
+    8192 x 102400, while 0.9 of the free memory left 4.8 GiB on an H100 for every activation:
+    a score of 8000 tokens ran out of memory there (BENCHMARKS.md, fiftieth session)."""
     cache, model = config.cache, config.model
     if not cache.is_sized_from_memory:
         return cache.num_blocks
@@ -58,10 +62,14 @@ def kv_cache_blocks(config: RuntimeConfig, device: torch.device) -> int:
     free_bytes, _ = torch.cuda.mem_get_info(device)
     elem_bytes = torch.finfo(TORCH_DTYPES[model.dtype]).bits // 8
     block_bytes = model.num_hidden_layers * cache.block_size * model.latent_dim * elem_bytes
-    num_blocks = int(free_bytes * cache.gpu_memory_utilization) // block_bytes
+    logits_bytes = config.scheduler.max_num_batched_tokens * model.vocab_size * 4
+    num_blocks = int((free_bytes - logits_bytes) * cache.gpu_memory_utilization) // block_bytes
     if num_blocks < 1:
         raise ValueError(
             f"no KV block fits: {free_bytes / 2**30:.2f} GiB free on {device} after the weights, "
+            f"{logits_bytes / 2**30:.2f} GiB of it kept for a step's logits "
+            f"(scheduler.max_num_batched_tokens {config.scheduler.max_num_batched_tokens} x "
+            f"model.vocab_size {model.vocab_size} x 4 bytes), "
             f"cache.gpu_memory_utilization={cache.gpu_memory_utilization}"
         )
     return num_blocks
