@@ -244,3 +244,19 @@ def test_the_bench_runs_and_sharing_fills_the_slots_left_free():
     placed, shared = (int(x) for x in cells[5].split(" -> "))
     assert shared < placed and int(cells[6]) > 0, row
     assert int(cells[2]) <= int(cells[1]), row  # steps: shared <= placed on arrival
+
+
+def test_a_taker_served_by_two_givers_keeps_arrival_order():
+    """Each tail taken was put before those taken earlier, as if it were older: right while
+    one rank gives, but the giver is the busiest again at each move, and with three DP ranks
+    the two busiest took turns, so the taker's queue got rank 1's newest before rank 0's
+    older one ([r7, r6]): its FCFS broken. Now what it takes is queued in arrival order."""
+    ranks = Ranks(3, max_num_seqs=2, budget=64)
+    for i, dp_rank in enumerate([0, 0, 1, 1, 0, 1, 0, 1]):
+        ranks.add_on(dp_rank, [i + 1] * 5, 30)
+    for scheduler in ranks.schedulers[:2]:
+        scheduler.schedule()  # two run on each; r4, r6 wait on rank 0, r5, r7 on rank 1
+    assert share_waiting(ranks.schedulers) == 2
+    taken = [s.request.request_id for s in ranks.schedulers[2].waiting]
+    assert taken == ["r6", "r7"], taken
+    ranks.check()

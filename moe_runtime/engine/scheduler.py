@@ -335,7 +335,10 @@ def share_waiting(schedulers: list[Scheduler]) -> int:
                 break
             for _ in tail:
                 giver.waiting.pop()
-            taken[:0] = tail  # older than those taken before it
+            taken += tail
+        # Arrival order (seq ids are given in it): the busiest rank may change between two
+        # moves, so a later tail is not always older than the ones taken before it.
+        taken.sort(key=lambda seq: seq.seq_id)
         for seq in taken:
             seq.dp_rank = dp_rank
         taker.waiting.extend(taken)
