@@ -260,3 +260,26 @@ def test_a_taker_served_by_two_givers_keeps_arrival_order():
     taken = [s.request.request_id for s in ranks.schedulers[2].waiting]
     assert taken == ["r6", "r7"], taken
     ranks.check()
+
+
+def test_waiting_scorings_move_too():
+    """A scoring's sequence holds the tokens it scores as its outputs from the start, and
+    untouched_tail read any output as a sequence that had run: no scoring ever moved (an
+    LLM.score or a rollout's score batch at DP > 1 got nothing from sharing), and one at the
+    busiest rank's tail kept every request before it where it was. Now an untouched scoring
+    moves as a generation does, and every one is scored whole where it lands."""
+    ranks = Ranks(2, max_num_seqs=2, budget=64)
+    giver, taker = ranks.schedulers
+    for i in range(6):
+        request = Request(f"s{i}", [i + 1] * 5, SamplingParams(), 0, [7] * 6)
+        for seq in request.expand_samples(next(ranks.ids), TOKENIZER):
+            giver.add(seq)
+        ranks.requests.append(request)
+    giver.schedule()  # two run; four wait
+    assert [s.request.request_id for s in giver.untouched_tail()] == ["s5"]
+    assert share_waiting(ranks.schedulers) == 2  # 6 against 0 -> 4 against 2
+    assert [s.request.request_id for s in taker.waiting] == ["s4", "s5"]
+    while any(s.has_unfinished() for s in ranks.schedulers):
+        assert ranks.num_steps < 100, "no progress"
+        ranks.step(share=True)
+    assert all(r.samples[0].finish_reason == "scored" for r in ranks.requests)

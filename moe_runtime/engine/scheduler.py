@@ -282,7 +282,9 @@ class Scheduler:
         is_untouched = all(
             seq is sample
             and seq.status is SequenceStatus.WAITING
-            and not (seq.is_preempted or seq.block_table or seq.output_token_ids)
+            # (a scoring's outputs are the tokens it scores, there before it runs)
+            and not (seq.is_preempted or seq.block_table)
+            and not (seq.output_token_ids and not seq.is_score)
             and seq.num_computed_tokens == 0
             for seq, sample in zip(tail, samples, strict=True)
         )
