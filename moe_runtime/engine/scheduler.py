@@ -271,12 +271,15 @@ class Scheduler:
 
     def untouched_tail(self) -> list[Sequence]:
         """The samples of the request at the queue's tail (in arrival order) if none of them
-        has run or holds a block: what another DP rank may take over (share_waiting); else
-        []. A request whose sibling runs, or a preempted sequence, stays where its blocks are."""
+        has run or holds a block, and they are no more than max_num_seqs: what another DP
+        rank may take over (share_waiting); else []. A request whose sibling runs, or a
+        preempted sequence, stays where its blocks are."""
         if not self.waiting:
             return []
         samples = self.waiting[-1].request.samples
-        if len(samples) > len(self.waiting):
+        # Why max_num_seqs: no rank may take more; each of their samples was read first, for
+        # each rank with nothing waiting at every step (n = 50,000: 185 ms a step at DP 8).
+        if len(samples) > min(len(self.waiting), self.config.max_num_seqs):
             return []
         tail = [self.waiting[-i] for i in range(len(samples), 0, -1)]
         is_untouched = all(
