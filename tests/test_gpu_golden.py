@@ -187,6 +187,28 @@ def test_gpu_kv_cache_sized_from_free_memory():
     assert len(out.token_ids) == 4
 
 
+def test_gpu_a_full_budget_scoring_fits_a_cache_sized_from_free_memory():
+    """V2-Lite's 27 layers, cache.num_blocks 0: a score of max_num_batched_tokens - 192
+    tokens (one step, every row scored) ran out of memory on an H100, its fp32 logits held
+    three times over (10 GB) in the 10% a fraction of 0.9 left. Now it runs, its logprobs the
+    bits of the same sequence scored in chunks of 1024 tokens (scheduler budget)."""
+    v2_lite = TINY_GPU.parent / "v2_lite_gpu.yaml"
+    llm = LLM(v2_lite, **{"cache.num_blocks": 0})
+    budget = llm.config.scheduler.max_num_batched_tokens
+    sequence = [(i * 7919) % 100000 + 1 for i in range(budget - 192)]
+    try:
+        whole = llm.score([sequence], [1], use_tqdm=False)[0]
+    finally:
+        llm.shutdown()
+    llm = LLM(v2_lite, **{"scheduler.max_num_batched_tokens": 1024})
+    try:
+        chunked = llm.score([sequence], [1], use_tqdm=False)[0]
+    finally:
+        llm.shutdown()
+    assert len(whole) == len(sequence) - 1
+    assert [float.hex(x) for x in whole] == [float.hex(x) for x in chunked]
+
+
 @pytest.fixture(scope="module")
 def ray_on_gpu():
     ray = pytest.importorskip("ray")

@@ -205,6 +205,29 @@ def test_what_ran_or_holds_blocks_never_moves(case):
     assert share_waiting(ranks.schedulers) == 0
 
 
+def test_a_busiest_rank_whose_tail_cannot_move_holds_back_no_other_rank():
+    """Rank 0, the busiest, has at its tail a sample waiting for its sibling's prompt (it
+    cannot move); rank 1 queues untouched requests. Only the busiest rank gave, so rank 2, with
+    nothing, took nothing; now it takes rank 1's two waiting (4 against 0 -> 2 against 2)."""
+    ranks = Ranks(3, max_num_seqs=4, budget=64)
+    for i in range(4):
+        ranks.add_on(0, [i + 1] * 5, 30)
+    request = ranks.add_on(0, [9] * 5, 30, n=2)
+    ranks.schedulers[0].schedule()  # 4 run; the pair waits (no slot)
+    ranks.schedulers[0].running[-1].status = SequenceStatus.FINISHED  # a slot for the first
+    ranks.schedulers[0]._release(ranks.schedulers[0].running[-1])
+    ranks.schedulers[0].schedule()  # the first sample runs, its sibling waits for its prompt
+    assert list(ranks.schedulers[0].waiting) == [request.samples[1]]
+    for i in range(2):
+        ranks.add_on(1, [i + 20] * 5, 30)
+    ranks.schedulers[1].schedule()  # 2 run
+    newest = [ranks.add_on(1, [i + 30] * 5, 30).samples[0] for i in range(2)]
+    assert ranks.schedulers[0].num_unfinished == 5 and ranks.schedulers[1].num_unfinished == 4
+    assert ranks.schedulers[0].untouched_tail() == []
+    assert share_waiting(ranks.schedulers) == 2
+    assert list(ranks.schedulers[2].waiting) == newest and not ranks.schedulers[1].waiting
+
+
 @pytest.mark.parametrize("seed", range(40))
 def test_random_mixes_finish_and_keep_every_rule(seed):
     rng = random.Random(seed)

@@ -318,9 +318,10 @@ class Scheduler:
 
 
 def share_waiting(schedulers: list[Scheduler]) -> int:
-    """Move untouched requests (Scheduler.untouched_tail) from the tail of the queue of the DP
-    rank with the most unfinished sequences to each rank that has nothing waiting, while the
-    move narrows the gap and the taker stays within max_num_seqs; -> sequences moved. Why: a
+    """Move untouched requests (Scheduler.untouched_tail) from the tail of the queue of the
+    busiest DP rank that has one (the most unfinished sequences) to each rank that has nothing
+    waiting, while the move narrows the gap and the taker stays within max_num_seqs; ->
+    sequences moved. Why: a
     request's DP rank is chosen as it arrives (LLMEngine._enqueue), so a rank whose requests
     ended early ran empty lockstep steps while another's queue still held work it could have
     taken (a rollout's last requests waited behind one rank's long ones). The newest move
@@ -332,12 +333,8 @@ def share_waiting(schedulers: list[Scheduler]) -> int:
         if taker.waiting:
             continue
         taken: list[Sequence] = []
-        while True:
-            giver = max(schedulers, key=lambda s: s.num_unfinished)  # the first of the busiest
-            tail = giver.untouched_tail() if giver is not taker else []
-            load = taker.num_unfinished + len(taken) + len(tail)
-            if not tail or load >= giver.num_unfinished or load > taker.config.max_num_seqs:
-                break
+        while (move := _next_move(schedulers, taker, len(taken))) is not None:
+            giver, tail = move
             for _ in tail:
                 giver.waiting.pop()
             taken += tail
@@ -349,3 +346,21 @@ def share_waiting(schedulers: list[Scheduler]) -> int:
         taker.waiting.extend(taken)
         num_moved += len(taken)
     return num_moved
+
+
+def _next_move(
+    schedulers: list[Scheduler], taker: Scheduler, num_taken: int
+) -> tuple[Scheduler, list[Sequence]] | None:
+    """(giver, its untouched tail) for the taker, which has taken num_taken sequences this
+    step: the busiest rank (the lowest on ties) whose tail narrows the gap and fits the taker,
+    or None. Why not the busiest alone: a busiest rank whose tail cannot move (a sample waiting
+    for its sibling's prompt, a preempted sequence) held back every other rank's queue."""
+    load = taker.num_unfinished + num_taken
+    for giver in sorted(schedulers, key=lambda s: -s.num_unfinished):  # stable
+        if giver.num_unfinished <= load + 1:
+            return None  # no busier rank left: no move narrows a gap
+        tail = giver.untouched_tail()  # (never the taker's: it is busier)
+        after = load + len(tail)
+        if tail and after < giver.num_unfinished and after <= taker.config.max_num_seqs:
+            return giver, tail
+    return None
