@@ -104,6 +104,10 @@ class SchedulerConfig:
     # engine asks for it, and uses it only if the engine's step is exactly that one (see
     # moe_runtime/worker/lookahead.py). null: on with CUDA graphs on one rank; needs world_size 1.
     overlap_decode: bool | None = None
+    # Free KV blocks a waiting sequence's admission must leave for each running sequence (0:
+    # admit into the last free block), so the running ones grow into them rather than
+    # preempting the newcomer a few steps later (engine/scheduler.py, _can_admit).
+    admission_reserve: int = 1
 
     def __post_init__(self) -> None:
         if self.overlap_decode is not None and not isinstance(self.overlap_decode, bool):
@@ -113,6 +117,7 @@ class SchedulerConfig:
         _int_at_least("scheduler", "max_num_seqs", self.max_num_seqs)
         _int_at_least("scheduler", "max_num_batched_tokens", self.max_num_batched_tokens)
         _int_at_least("scheduler", "max_model_len", self.max_model_len)
+        _int_at_least("scheduler", "admission_reserve", self.admission_reserve, 0)
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 "scheduler.max_num_batched_tokens must be >= scheduler.max_model_len "

@@ -133,6 +133,7 @@ def test_configs_are_frozen():
     "key, value",
     [
         ("cache.num_blocks", -1),
+        ("scheduler.admission_reserve", -1),
         ("cache.gpu_memory_utilization", 0),
         ("cache.gpu_memory_utilization", 1.5),
     ],

@@ -178,7 +178,10 @@ def _preempted_run(workload, mode: str) -> dict[int, tuple]:
     # The references' batch: every prompt whole in the first step (their 69 blocks fit; the
     # output tokens do not). With a cache that admitted only some, or the default budget of
     # 512, the fast control differed for those reasons alone.
+    # No admission reserve: every prompt admitted into the last free blocks, as the batch
+    # of the references, so the outputs' blocks must come from a preemption.
     small = {"cache.num_blocks": 70, "scheduler.max_model_len": 512}
+    small["scheduler.admission_reserve"] = 0
     overrides = {"kernels.mode": mode, "scheduler.max_num_batched_tokens": WHOLE_BUDGET}
     llm = LLM(TINY_CONFIG, **small, **overrides)
     steps = record_steps(llm)

@@ -15,6 +15,9 @@ generating sequence's known tokens, as the engine's step does.
 from __future__ import annotations
 
 import itertools
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -114,8 +117,9 @@ def test_at_most_max_num_seqs_run():
 
 
 def test_preemption_recomputes_the_newest_and_loses_nothing():
-    # 6 blocks of 4: two sequences of 10 + 8 tokens each cannot both hold their 5 blocks.
-    scheduler = _scheduler(num_blocks=6, budget=32, caching=False)
+    # 7 blocks of 4: both admitted (3 blocks each, one left free for the running one), but
+    # at 10 + 8 tokens each they cannot both hold their 5 blocks.
+    scheduler = _scheduler(num_blocks=7, budget=32, caching=False)
     a, b = _add(scheduler, list(range(10)), max_tokens=8), _add(scheduler, list(range(20, 30)), 8)
     steps = _run(scheduler)
     assert scheduler.num_preemptions > 0  # engagement
@@ -124,7 +128,29 @@ def test_preemption_recomputes_the_newest_and_loses_nothing():
     for request in (a, b):
         (seq,) = request.samples
         assert seq.output_token_ids == [7] * 8 and seq.finish_reason == "length"
-    assert scheduler.blocks.num_free_blocks == 6  # everything freed at the end
+    assert scheduler.blocks.num_free_blocks == 7  # everything freed at the end
+
+
+@pytest.mark.parametrize("reserve", [0, 1])
+def test_an_admission_leaves_a_free_block_for_each_running_sequence(reserve):
+    """4 blocks of 4; the older sequence (5 tokens, 2 blocks) grows to 11 (3 blocks). Admitted
+    into the last 2 free blocks (admission_reserve 0, the rule before), the newer took the one
+    the older grows into and was preempted at the older's next block, its prompt computed
+    again. With the default reserve of one block a running sequence it waits, and nothing is
+    preempted; both end with all their tokens either way."""
+    config = SchedulerConfig(
+        max_num_seqs=8, max_num_batched_tokens=32, max_model_len=256, admission_reserve=reserve
+    )
+    scheduler = Scheduler(config, BlockManager(4, BLOCK_SIZE, False), eos_token_id=None)
+    older = _add(scheduler, list(range(5)), max_tokens=6)
+    newer = _add(scheduler, list(range(50, 55)), max_tokens=6)
+    steps = _run(scheduler)
+    restarts = [c for chunks in steps for c in chunks if c.seq is newer.samples[0] and c.start == 0]
+    assert scheduler.num_preemptions == (1 if reserve == 0 else 0)
+    assert len(restarts) == (2 if reserve == 0 else 1)
+    for request in (older, newer):
+        assert request.samples[0].output_token_ids == [7] * 6
+    assert scheduler.blocks.num_free_blocks == 4
 
 
 def test_a_preempted_sequence_waits_until_all_its_tokens_fit():
@@ -245,3 +271,17 @@ def test_a_decode_step_commits_no_more_than_a_block_of_tokens(monkeypatch):
         assert taken and max(taken) <= BLOCK_SIZE, (caching, max(taken))
         # Nothing it computed after the old weights' blocks is cached: its KV attended to them.
         assert scheduler.blocks.match_prefix(seq.token_ids) == []
+
+
+def test_the_admission_bench_runs_and_the_reserve_cuts_the_recompute():
+    """bench/admission.py end to end at a small size: its rows, and fewer tokens computed
+    again with a reserve of one block a running sequence than with none."""
+    bench = Path(__file__).resolve().parent.parent / "bench" / "admission.py"
+    args = ["--blocks", "300", "--requests", "60", "--max-num-seqs", "16", "--seeds", "0"]
+    out = subprocess.run(
+        [sys.executable, str(bench), *args], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| 300 |")]
+    waste = [float(row.split("|")[3].split("%")[0]) for row in rows]
+    assert len(waste) == 3 and waste[1] < waste[0], out.stdout

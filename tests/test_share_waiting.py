@@ -179,8 +179,8 @@ def test_the_taker_stays_within_max_num_seqs():
 
 @pytest.mark.parametrize("case", ["preempted", "sibling_running", "prefix_match"])
 def test_what_ran_or_holds_blocks_never_moves(case):
-    # 4 blocks: two prompts of 5 tokens fill the cache (prefix_match)
-    ranks = Ranks(2, num_blocks=4 if case == "prefix_match" else 64, max_num_seqs=8, budget=64)
+    # 5 blocks: two prompts of 5 tokens leave one (prefix_match)
+    ranks = Ranks(2, num_blocks=5 if case == "prefix_match" else 64, max_num_seqs=8, budget=64)
     giver = ranks.schedulers[0]
     if case == "preempted":
         for i in range(3):
@@ -197,9 +197,10 @@ def test_what_ran_or_holds_blocks_never_moves(case):
     else:  # the only waiting sequence, at the head, holding the prefix match it found
         ranks.add_on(0, [1] * 5, 30)
         ranks.add_on(0, [2] * 5, 30)
-        ranks.step(share=False)  # both run, filling the cache's 4 blocks
+        ranks.step(share=False)  # both run in 4 of the cache's 5 blocks
         late = ranks.add_on(0, [1] * 5, 30).samples[0]
-        giver.schedule()  # it matches [1] * 4, finds no block for its last token, waits
+        giver.schedule()  # it matches [1] * 4; a block for its last token would leave none free
+        # for the two running: it waits
         assert late.block_table and list(giver.waiting) == [late]
     assert giver.untouched_tail() == []
     assert share_waiting(ranks.schedulers) == 0

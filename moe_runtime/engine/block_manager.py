@@ -76,9 +76,10 @@ class BlockManager:
         self.free(blocks)
         self.num_hit_blocks -= len(blocks)
 
-    def can_allocate(self, block_table: list[int], num_tokens: int) -> bool:
-        """Whether `allocate(block_table, num_tokens)` would succeed now (it allocates nothing)."""
-        return self._num_needed(block_table, num_tokens) <= self.num_free_blocks
+    def can_allocate(self, block_table: list[int], num_tokens: int, keep_free: int = 0) -> bool:
+        """Whether `allocate(block_table, num_tokens)` would succeed now and leave keep_free
+        blocks free (it allocates nothing)."""
+        return self._num_needed(block_table, num_tokens) <= self.num_free_blocks - keep_free
 
     def allocate(self, block_table: list[int], num_tokens: int) -> bool:
         """Appends blocks so block_table covers num_tokens slots; all or nothing."""

@@ -131,7 +131,7 @@ class Scheduler:
             chunk = self._chunk_for(seq, budget)
             if (
                 chunk == 0
-                or not self._can_resume(seq)
+                or not self._can_admit(seq, chunk)
                 or not self.blocks.allocate(seq.block_table, seq.num_computed_tokens + chunk)
             ):
                 break  # it keeps its prefix match while it heads the queue (see _preempt)
@@ -158,13 +158,21 @@ class Scheduler:
             if sibling is not seq
         )
 
-    def _can_resume(self, seq: Sequence) -> bool:
-        """Whether seq, if it was preempted, finds blocks for every token it has. Why: let in
-        as soon as its first chunk fit, it took the blocks the older sequences grow into and
-        was preempted again at its next chunk, step after step, its recompute thrown away each
-        time. What it needs whole comes free only as a sequence ends (or is preempted): no
-        request behind it is admitted meanwhile, and each fits an empty cache (engine start)."""
-        return not seq.is_preempted or self.blocks.can_allocate(seq.block_table, seq.num_tokens)
+    def _can_admit(self, seq: Sequence, chunk: int) -> bool:
+        """Whether admitting seq's chunk (all its tokens if it was preempted) leaves
+        scheduler.admission_reserve free blocks (default 1) for each running sequence. Why the
+        reserve: admitted into the last free blocks, a sequence took the ones the running
+        sequences grow into next, and the newest was preempted a few steps later, its whole
+        context computed again (bench/admission.py: with a cache too small for the load,
+        20-42% more tokens computed than the sequences hold; 1-10% with a block each). Why
+        all of a preempted one's tokens: let in as soon as its first chunk fit, it was
+        preempted again at its next chunk, step after step.
+        What either needs comes free only as sequences end (or are preempted): no request
+        behind it is admitted meanwhile, and with nothing running there is nothing to reserve
+        for (an empty cache holds a sequence of max_model_len: checked at start)."""
+        num_tokens = seq.num_tokens if seq.is_preempted else seq.num_computed_tokens + chunk
+        keep_free = self.config.admission_reserve * len(self.running)
+        return self.blocks.can_allocate(seq.block_table, num_tokens, keep_free)
 
     def _take_lookahead_slot(self, seq: Sequence, num_slots: int) -> None:
         """With overlap_decode, a chunk of seq that ends a generating sequence's known tokens
