@@ -2,8 +2,9 @@
 
 Each mix draws a cache of a few blocks (a sequence of max_model_len always fits: the engine
 refuses a smaller cache at start), a budget, chunked prefill on or off, prefix caching,
-overlap_decode with held admissions, arrivals over time (prompts sharing prefixes, n up to 3,
-scorings, max_tokens to the context's end), aborts and weight updates (the cache cleared).
+overlap_decode with held admissions, admission reserves of 0-2 blocks, arrivals over time
+(prompts sharing prefixes, n up to 3, scorings, max_tokens to the context's end), aborts and
+weight updates (the cache cleared).
 After every step:
 - each block's reference count is the number of block tables holding it, and only the queue's
   head holds blocks while it waits (its prefix match);
@@ -43,6 +44,7 @@ def _scheduler(rng: random.Random) -> Scheduler:
         max_model_len=max_model_len,
         enable_chunked_prefill=is_chunked,
         overlap_decode=overlap,
+        admission_reserve=rng.choice([0, 1, 1, 2]),
     )
     blocks = BlockManager(num_blocks, block_size, rng.random() < 0.6)
     return Scheduler(config, blocks, None, can_hold_admission=overlap and rng.random() < 0.5)
