@@ -22,13 +22,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.scheduler_sim import finish_step  # noqa: E402
 from moe_runtime.config import SchedulerConfig  # noqa: E402
 from moe_runtime.engine.block_manager import BlockManager  # noqa: E402
 from moe_runtime.engine.request import Request  # noqa: E402
 from moe_runtime.engine.scheduler import Scheduler  # noqa: E402
 from moe_runtime.sampling_params import SamplingParams  # noqa: E402
 from moe_runtime.tokenizer import ByteTokenizer  # noqa: E402
-from moe_runtime.worker.step_input import SampleResult  # noqa: E402
 
 BLOCK_SIZE = 16
 TOKENIZER = ByteTokenizer(512)
@@ -55,13 +55,7 @@ def run(args: argparse.Namespace, num_blocks: int, reserve: int, seed: int) -> d
     while scheduler.has_unfinished():
         chunks = scheduler.schedule()
         computed += sum(c.num_tokens for c in chunks)
-        samples = {
-            c.seq.seq_id: SampleResult(7, 0.0, {})
-            for c in chunks
-            if c.start + c.num_tokens == c.seq.num_tokens
-        }
-        scheduler.update(chunks, samples)
-        scheduler.collect_released()
+        finish_step(scheduler, chunks)
         steps += 1
     return {
         "steps": steps,

@@ -22,13 +22,13 @@ from pathlib import Path
 
 import pytest
 
+from bench.scheduler_sim import finish_step
 from moe_runtime.config import SchedulerConfig
 from moe_runtime.engine.block_manager import BlockManager
 from moe_runtime.engine.request import Request, SequenceStatus
 from moe_runtime.engine.scheduler import Scheduler, share_waiting
 from moe_runtime.sampling_params import SamplingParams
 from moe_runtime.tokenizer import ByteTokenizer
-from moe_runtime.worker.step_input import SampleResult
 
 TOKENIZER = ByteTokenizer(512)
 BLOCK_SIZE = 4
@@ -86,13 +86,7 @@ class Ranks:
                     f"seq {seq.seq_id} ran on DP rank {self.ran_on[seq.seq_id]}, then {dp_rank}"
                 )
             assert len(scheduler.running) <= scheduler.config.max_num_seqs
-            samples = {
-                c.seq.seq_id: SampleResult(7, 0.0, {})
-                for c in chunks
-                if c.start + c.num_tokens == c.seq.num_tokens
-            }
-            scheduler.update(chunks, samples)
-            scheduler.collect_released()
+            finish_step(scheduler, chunks)
         self.num_steps += 1
 
     def check(self) -> None:
