@@ -53,7 +53,10 @@ def engine_config(args, mode: str) -> tuple[RuntimeConfig, list[str]]:
     lengths = [(args.prefill_prompts, args.context + 1)] + [
         (b, args.context + fill_bound(b, args.context, budget) + timed) for b in args.batches
     ]
-    blocks = max(n * -(-length // block_size) for n, length in lengths)
+    # Each of n sequences' blocks, and the free blocks scheduler.admission_reserve keeps for
+    # each running one as the next is admitted: without them the last prompts waited.
+    reserve = cfg.scheduler.admission_reserve
+    blocks = max(n * (-(-length // block_size) + reserve) for n, length in lengths)
     if 0 < cfg.cache.num_blocks < blocks:
         overrides["cache.num_blocks"] = blocks
         notes.append(f"cache.num_blocks {cfg.cache.num_blocks} -> {blocks}")

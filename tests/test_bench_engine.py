@@ -266,6 +266,42 @@ def test_engine_decode_blocks_time_every_step_of_a_pipelined_engine(monkeypatch)
     assert all(0.9 * step_s * 1e3 <= ms <= 1.5 * step_s * 1e3 for ms in run.block_ms), run
 
 
+def test_engine_bench_raises_the_cache_for_the_admission_reserve():
+    """engine_config raised cache.num_blocks to B sequences' blocks exactly, as if a waiting
+    sequence whose blocks are free were admitted; scheduler.admission_reserve (default 1)
+    keeps a block free for each running sequence, so with no spare block in a sequence's
+    last one (8 x 96-token prompts, 6 more tokens, blocks of 16) the last prompts waited and
+    the fill took 9 steps against its bound of 3 (AssertionError). The raised cache now holds
+    the reserve too, and every sequence starts within the bound."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from bench import engine_bench
+    from moe_runtime.engine import LLMEngine
+
+    args = SimpleNamespace(
+        config=str(TINY),
+        set=["cache.num_blocks=16", "scheduler.max_model_len=256"],
+        prefill_prompts=2,
+        batches=[8],
+        context=96,
+        warmup_steps=1,
+        repeats=1,
+        decode_steps=4,
+        temperature=0.0,
+        top_p=1.0,
+    )
+    cfg, notes = engine_bench.engine_config(args, "invariant")
+    assert cfg.scheduler.admission_reserve == 1 and notes
+    engine = LLMEngine(cfg)
+    try:
+        run = engine_bench.bench_engine_decode(engine, 8, args, np.random.default_rng(0))
+    finally:
+        engine.shutdown()
+    assert len(run.block_ms) == 1
+
+
 def test_engine_bench_names_fast_modes_decode_attention(monkeypatch):
     """The header says whether fast mode's baseline has FlashMLA (an optional wheel whose
     absence silently leaves it on the split-KV kernel)."""
