@@ -14,6 +14,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+import torch
 
 from moe_runtime import LLM, SamplingParams
 from moe_runtime.engine.block_manager import BlockManager
@@ -369,3 +370,39 @@ def test_scores_in_row_blocks_beside_sampled_rows_keep_their_bits(workload, monk
         assert got == alone
     else:
         assert got != alone, "fast mode matched the scorings alone: no control"
+
+
+def test_a_tp_lm_head_gathers_its_vocabulary_slices_a_block_at_a_time(monkeypatch):
+    """At TP > 1 the LM head ran on LOGIT_ROWS rows at a time, but the whole [R, V / tp]
+    slice was then all-gathered at once: the ranks' parts (R x V fp32) and their
+    concatenation (R x V again) beside the slice, 2 + 1 / tp times the fp32 logits that a
+    cache sized from free memory leaves room for (worker.kv_cache_blocks): a step of 8k
+    scored rows at V2-Lite's vocabulary still held 7.8 GiB at TP 2. Now each block's slice
+    is gathered and copied into the one fp32 tensor; the logits keep their bits (two ranks
+    simulated: each gather returns the rank's slice twice)."""
+    from moe_runtime.model import tensor_parallel
+
+    gathered: list[int] = []
+
+    def two_ranks(x, group=None):
+        gathered.append(x.shape[0])
+        return [x, x]
+
+    monkeypatch.setattr(tensor_parallel, "all_gather", two_ranks)
+    llm = LLM(TINY_CONFIG, **{"kernels.mode": "invariant"})
+    try:
+        model = llm.engine.executor.worker.runner.model
+        generator = torch.Generator().manual_seed(0)
+        hidden = torch.randn(20, model.config.hidden_size, generator=generator).to(model.dtype)
+        model.tp = tensor_parallel.TensorParallel(size=2)
+        with torch.inference_mode():
+            whole = model.logits(hidden)  # 20 rows: one block
+            gathered.clear()
+            monkeypatch.setattr(deepseek, "LOGIT_ROWS", 7)
+            blocked = model.logits(hidden)
+    finally:
+        llm.shutdown()
+    assert whole.dtype == blocked.dtype == torch.float32
+    assert whole.shape == (20, 2 * model.lm_head.weight.shape[0])
+    assert gathered == [7, 7, 6], gathered
+    assert torch.equal(blocked, whole)

@@ -166,15 +166,17 @@ class DeepseekForCausalLM(nn.Module):
         sized from free memory left on an H100. A row's logits are its own (the head's kernels
         are batch-invariant in invariant mode), so the blocks change no bit there."""
         normed = self.model.norm(hidden)
+        gather = self.tp.all_gather_last  # vocab-parallel head: slices in rank order
         if normed.shape[0] <= LOGIT_ROWS:  # every decode step, graphs included
-            logits = self.lm_head(normed).float()
-        else:
-            blocks = normed.split(LOGIT_ROWS)
-            first = self.lm_head(blocks[0])
-            logits = first.new_empty(normed.shape[0], first.shape[1], dtype=torch.float32)
-            logits[: first.shape[0]] = first  # copy_ rounds nothing: bf16 -> fp32 is exact
-            start = first.shape[0]
-            for block in blocks[1:]:
-                logits[start : start + block.shape[0]] = self.lm_head(block)
-                start += block.shape[0]
-        return self.tp.all_gather_last(logits)  # vocab-parallel head: slices in rank order
+            return gather(self.lm_head(normed).float())
+        # Each block's slices gathered on their own: the whole [R, V / tp] gathered at once
+        # held its parts and their concatenation, two [R, V] fp32 beside the slice.
+        blocks = normed.split(LOGIT_ROWS)
+        first = gather(self.lm_head(blocks[0]))
+        logits = first.new_empty(normed.shape[0], first.shape[1], dtype=torch.float32)
+        logits[: first.shape[0]] = first  # copy_ rounds nothing: bf16 -> fp32 is exact
+        start = first.shape[0]
+        for block in blocks[1:]:
+            logits[start : start + block.shape[0]] = gather(self.lm_head(block))
+            start += block.shape[0]
+        return logits
