@@ -43,6 +43,7 @@ INVARIANT_FREE_KEYS = frozenset(
         "scheduler.max_num_batched_tokens",
         "scheduler.enable_chunked_prefill",
         "scheduler.overlap_decode",
+        "scheduler.admission_reserve",
         "eplb",
         "parallel.world_size",
         "parallel.tp_size",
