@@ -50,8 +50,8 @@ def kv_cache_blocks(config: RuntimeConfig, device: torch.device) -> int:
     layers' latent caches. Why the logits first: a scoring step's every row has them
     (max_num_batched_tokens x the vocabulary, whole on every TP rank), 3.1 GiB at V2-Lite's
     8192 x 102400, while 0.9 of the free memory left 4.8 GiB on an H100 for every activation:
-    a score of 8000 tokens ran out of memory there (tests/test_gpu_golden.py, the full-budget
-    scoring; BENCHMARKS.md has no entry for it)."""
+    a score of 8000 tokens ran out of memory there (BENCHMARKS.md, fiftieth session: the
+    scoring step's logits; tests/test_gpu_golden.py, the full-budget scoring)."""
     cache, model = config.cache, config.model
     if not cache.is_sized_from_memory:
         return cache.num_blocks
