@@ -166,10 +166,10 @@ class Scheduler:
         context computed again (bench/admission.py: with a cache too small for the load,
         20-42% more tokens computed than the sequences hold; 1-10% with a block each). Why
         all of a preempted one's tokens: let in as soon as its first chunk fit, it was
-        preempted again at its next chunk, step after step.
-        What either needs comes free only as sequences end (or are preempted): no request
-        behind it is admitted meanwhile, and with nothing running there is nothing to reserve
-        for (an empty cache holds a sequence of max_model_len: checked at start)."""
+        preempted again at its next chunk, step after step. What either needs comes free only
+        as sequences end (or are preempted): no request behind it is admitted meanwhile, and
+        with nothing running there is nothing to reserve for (an empty cache holds a sequence
+        of max_model_len: checked at start)."""
         num_tokens = seq.num_tokens if seq.is_preempted else seq.num_computed_tokens + chunk
         keep_free = self.config.admission_reserve * len(self.running)
         return self.blocks.can_allocate(seq.block_table, num_tokens, keep_free)
@@ -329,12 +329,12 @@ def share_waiting(schedulers: list[Scheduler]) -> int:
     """Move untouched requests (Scheduler.untouched_tail) from the tail of the queue of the
     busiest DP rank that has one (the most unfinished sequences) to each rank that has nothing
     waiting, while the move narrows the gap and the taker stays within max_num_seqs; ->
-    sequences moved. Why: a
-    request's DP rank is chosen as it arrives (LLMEngine._enqueue), so a rank whose requests
-    ended early ran empty lockstep steps while another's queue still held work it could have
-    taken (a rollout's last requests waited behind one rank's long ones). The newest move
-    (FCFS kept: the taker's queue was empty, and takes them in arrival order), nothing that
-    has run or holds blocks moves, and which rank serves a request changes no bit of it."""
+    sequences moved. Why: a request's DP rank is chosen as it arrives (LLMEngine._enqueue), so
+    a rank whose requests ended early ran empty lockstep steps while another's queue still
+    held work it could have taken (a rollout's last requests waited behind one rank's long
+    ones). The newest move (FCFS kept: the taker's queue was empty, and takes them in arrival
+    order), nothing that has run or holds blocks moves, and in invariant mode which rank
+    serves a request changes no bit of it."""
     num_moved = 0
     by_load = sorted(enumerate(schedulers), key=lambda p: p[1].num_unfinished)  # stable
     for dp_rank, taker in by_load:
