@@ -11,6 +11,7 @@ import asyncio
 import logging
 import threading
 import time
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -110,6 +111,17 @@ def _post(app, path: str, body: dict) -> httpx.Response:
             return await client.post(path, json=body)
 
     return asyncio.run(post())
+
+
+@pytest.mark.parametrize("ran_s, expected", [(10, 20), (29.5, 1), (40, 10), (100, 30)])
+def test_a_rebuild_past_its_estimate_asks_for_a_retry_as_late_as_it_overran(ran_s, expected):
+    """Retry-After is the last build's time less what this rebuild has run (at least 1 s). Past
+    it, it said 1 s however long the rebuild went on, and every client retried each second;
+    now it is as long as the rebuild has overrun, at most the last build's time."""
+    recovery = SimpleNamespace(
+        _engine=SimpleNamespace(build_s=30.0), _rebuild_started=time.monotonic() - ran_s
+    )
+    assert AsyncEngine._retry_after_rebuild_s(recovery) == pytest.approx(expected, abs=0.5)
 
 
 def test_a_503_while_the_engine_rebuilds_says_when_to_retry():

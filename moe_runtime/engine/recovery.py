@@ -116,8 +116,12 @@ class Recovery:
         """When the rebuild under way may be done: the engine's last start or rebuild took
         `build_s`; less what this one has run, at least a second. Why: clients retry a 503 on
         their own schedule unless told (the openai client: twice, 0.5 s and 1 s apart, far
-        inside a rebuild), and read Retry-After where it is sent."""
-        return max(1.0, self._engine.build_s - (time.monotonic() - self._rebuild_started))
+        inside a rebuild), and read Retry-After where it is sent. A rebuild past build_s is
+        given as long again as it has overrun (at most build_s): told 1 s, every client
+        retried each second for the rest of a rebuild that had outlasted its estimate."""
+        build_s = self._engine.build_s
+        left_s = build_s - (time.monotonic() - self._rebuild_started)
+        return max(1.0, left_s if left_s >= 0 else min(-left_s, build_s))
 
     def _retry_after_stall_s(self) -> float:
         """A stalled rank is killed at the watchdog's next check (its interval, then a ping's
