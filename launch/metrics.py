@@ -130,6 +130,16 @@ class ServerMetrics:
         yield CounterMetricFamily(
             "moe_engine_restarts", "Worker-group rebuilds after a rank died", stats.num_restarts
         )
+        yield CounterMetricFamily(
+            "moe_preemptions",
+            "Running sequences preempted (their KV freed, recomputed later)",
+            stats.num_preemptions,
+        )
+        yield CounterMetricFamily(
+            "moe_dp_shared_sequences",
+            "Waiting sequences an idle DP rank took over from a busier one",
+            stats.num_shared,
+        )
         yield from self._collect_ranks()
 
     def _collect_ranks(self) -> Iterator[Metric]:
