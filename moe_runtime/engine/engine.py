@@ -218,7 +218,7 @@ class LLMEngine(RankFaults):
         """All of a request's samples go to the DP rank with the fewest unfinished sequences
         (lowest rank on ties), until a rank with nothing waiting takes it over while it waits
         (share_waiting); which rank serves it changes no bit of its result."""
-        loads = [len(s.waiting) + len(s.running) for s in self.schedulers]
+        loads = [s.num_unfinished for s in self.schedulers]
         dp_rank = loads.index(min(loads))
         for seq in request.expand_samples(self._next_seq_id, self.tokenizer):
             seq.dp_rank = dp_rank

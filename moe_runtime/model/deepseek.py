@@ -171,12 +171,10 @@ class DeepseekForCausalLM(nn.Module):
             return gather(self.lm_head(normed).float())
         # Each block's slices gathered on their own: the whole [R, V / tp] gathered at once
         # held its parts and their concatenation, two [R, V] fp32 beside the slice.
-        blocks = normed.split(LOGIT_ROWS)
-        first = gather(self.lm_head(blocks[0]))
-        logits = first.new_empty(normed.shape[0], first.shape[1], dtype=torch.float32)
-        logits[: first.shape[0]] = first  # copy_ rounds nothing: bf16 -> fp32 is exact
-        start = first.shape[0]
-        for block in blocks[1:]:
-            logits[start : start + block.shape[0]] = gather(self.lm_head(block))
-            start += block.shape[0]
+        logits = None
+        for start in range(0, normed.shape[0], LOGIT_ROWS):
+            block = gather(self.lm_head(normed[start : start + LOGIT_ROWS]))
+            if logits is None:  # the gathered width known from the first block
+                logits = block.new_empty(normed.shape[0], block.shape[1], dtype=torch.float32)
+            logits[start : start + block.shape[0]] = block  # bf16 -> fp32 copy_ is exact
         return logits
