@@ -175,6 +175,13 @@ def test_generate_names_the_bad_prompt():
     assert not llm.engine.has_unfinished(), "a rejected batch must not leave requests queued"
 
 
+def test_generate_names_the_item_whose_params_are_not_sampling_params():
+    llm = LLM(TINY_CONFIG)
+    with pytest.raises(TypeError, match="prompt 1: params must be SamplingParams, got dict"):
+        llm.generate([[1, 2], [3, 4]], [SamplingParams(max_tokens=2), {"max_tokens": 2}])
+    assert not llm.engine.has_unfinished(), "a rejected batch must not leave requests queued"
+
+
 def test_stop_tokens_and_eos_end_generation():
     llm = LLM(TINY_CONFIG)
     prompt = [10, 20, 30, 40]

@@ -158,8 +158,8 @@ def check_all(
     check: Callable[..., Any], items: tuple[str, list], args: tuple[str, list] | None = None
 ) -> list:
     """check(item[, arg]) for every item (and its arg) before any result is used; a ValueError
-    (its type kept) names the bad item's index when there are several. items / args: (name,
-    values)."""
+    or TypeError (its type kept) names the bad item's index when there are several. items /
+    args: (name, values)."""
     what, values = items
     if args is not None:
         # Paired one to one, so both are counted: score(seqs, 3) met len()'s bare TypeError.
@@ -173,7 +173,7 @@ def check_all(
     for i, call in enumerate(calls):
         try:
             results.append(check(*call))
-        except ValueError as exc:
+        except (ValueError, TypeError) as exc:
             if len(values) > 1:
                 exc.args = (f"{what} {i}: {exc}",)
             raise
