@@ -779,3 +779,39 @@ def test_a_stall_is_logged_once_when_first_found_not_only_at_the_kill(caplog):
     assert len(logged) == 1, logged
     assert logged[0].startswith("stalled: ranks [1] answered no ping in "), logged
     assert " while step 7 ran " in logged[0], logged
+
+
+def test_a_stalled_rank_killed_while_its_peer_is_blamed_is_named_killed_not_answering(ray_local):
+    """A stopped rank's peer times out in the collective, and the driver pings the silent rank
+    to name the cause; the stall watch's kill of that frozen rank lands meanwhile (its second
+    check), so the ping fails with the actor's death. The step's error then said "ranks [1]
+    still in step N (they answer pings)": the one rank that answered nothing was reported alive
+    and busy to every stream it ended. A ping that fails with a death is no answer: the rank
+    died, and the error says why it was killed."""
+    llm = LLM(TINY_CONFIG, **{"parallel.world_size": 2, "parallel.timeout_s": TIMEOUT_S})
+    engine = llm.engine
+    executor = engine.executor
+    pids = executor.call_all("pid")
+    beside_work = executor._beside_work
+
+    def ping_then_watchdog_kill(method, ranks):
+        refs = beside_work(method, ranks)
+        if method == "ping" and list(ranks) == [1]:  # _blame's ping of the silent rank
+            executor.kill_ranks([1], "it answered no ping at two checks in a row")
+        return refs
+
+    executor._beside_work = ping_then_watchdog_kill
+    try:
+        engine.add_request([1, 2, 3, 4], SamplingParams(max_tokens=50, ignore_eos=True))
+        engine.step()
+        os.kill(pids[1], signal.SIGSTOP)
+        with pytest.raises(WorkerError) as failure:
+            while engine.has_unfinished():
+                engine.step()
+        message = str(failure.value)
+        assert "answer pings" not in message, message
+        assert re.match(r"rank 1 died during step \d+: killed, it answered no ping", message)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pids[1], signal.SIGCONT)
+        llm.shutdown()

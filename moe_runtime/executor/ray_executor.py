@@ -275,8 +275,21 @@ class RayExecutor:
             return f"{self._death(min(died), what)} (all died: {sorted(died)}; {failure})"
         silent_ranks = sorted(rank_of[ref] for ref in silent)
         pings = self._beside_work("ping", silent_ranks)
-        _, unanswered = _outcomes(pings, _STALL_GRACE_S) if pings else ({}, [])
-        stalled = [r for r, ping in zip(silent_ranks, pings, strict=True) if ping in unanswered]
+        answers, unanswered = _outcomes(pings, _STALL_GRACE_S) if pings else ({}, [])
+        # A ping that fails is no answer; one failed by the rank's death (the stall watch's
+        # kill of a frozen rank, landing meanwhile) names the death and why it was killed.
+        died = [
+            r
+            for r, ping in zip(silent_ranks, pings, strict=True)
+            if isinstance(answers.get(ping), RayActorError)
+        ]
+        if died:
+            return f"{self._death(min(died), what)} (all died: {sorted(died)}; {failure})"
+        stalled = [
+            r
+            for r, ping in zip(silent_ranks, pings, strict=True)
+            if ping in unanswered or answers.get(ping) is not None
+        ]
         grace = f"{_STALL_GRACE_S:.0f}s after a peer failed waiting for them ({failure})"
         if stalled:
             return f"ranks {stalled} stalled during {what}: no answer to the step or a ping {grace}"
