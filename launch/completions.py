@@ -298,6 +298,13 @@ async def chat(
     """/v1/chat/completions; `received` as `complete`'s."""
     backend = ready(backend)
     body.check_served(config.server.model_name, config.model.vocab_size)
+    most = config.server.max_sequences_per_request
+    if body.n > most:  # (else the engine's refusal, named as a fault of `messages`)
+        raise FieldError(
+            "n",
+            f"n: {body.n} samples, more than server.max_sequences_per_request={most} in "
+            "one request",
+        )
     tokenizer = backend.tokenizer
     messages = [m.template_fields() for m in body.messages]
     # Off the event loop: a long conversation's template and encoding take a while, and every

@@ -844,6 +844,18 @@ def test_more_sequences_than_server_max_sequences_per_request_is_a_400():
         assert small.engine.stats().num_steps == 0  # nothing ran
         response = post(small.http, {**body, "prompt": [[1, 2], [3, 4]]})
         assert response.status_code == 200 and len(response.json()["choices"]) == 4
+        # A chat's n past it named `messages` ("messages: SamplingParams.n=8 ..."): it is n.
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+        num_steps = small.engine.stats().num_steps
+        response = small.http.post("/v1/chat/completions", json={**chat, "n": 5})
+        error = response.json()["error"]
+        assert (response.status_code, error["param"]) == (400, "n"), response.text
+        assert error["message"] == (
+            "n: 5 samples, more than server.max_sequences_per_request=4 in one request"
+        )
+        assert small.engine.stats().num_steps == num_steps  # nothing more ran
+        response = small.http.post("/v1/chat/completions", json={**chat, "n": 4})
+        assert response.status_code == 200 and len(response.json()["choices"]) == 4
 
 
 @pytest.mark.parametrize(("value", "status"), [(False, 200), (None, 200), (True, 400)])
