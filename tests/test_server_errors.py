@@ -123,6 +123,36 @@ def test_a_body_past_max_request_bytes_is_a_413_and_runs_nothing():
 def test_max_request_bytes_is_validated():
     with pytest.raises(ValueError, match="server.max_request_bytes must be an int >= 1, got 0"):
         load_config(TINY_CONFIG, {"server.max_request_bytes": 0})
+    with pytest.raises(ValueError, match="server.max_request_json_containers must be an int >= 1"):
+        load_config(TINY_CONFIG, {"server.max_request_json_containers": 0})
+
+
+def test_a_body_opening_more_json_containers_than_the_limit_is_a_413_and_runs_nothing():
+    """Arrays and objects outside strings count, brackets inside a string do not (a text
+    prompt of them goes on to the route: a 503 here, no engine). A body of 6 million one-token
+    prompts under the byte limit was parsed and validated for 9 s on the event loop
+    (test_server_load has the live server's case)."""
+    app = create_app(load_config(TINY_CONFIG, {"server.max_request_json_containers": 8}))
+    eight = json.dumps({"prompt": [[1]] * 6}).encode()  # the outer object, its list, 6 prompts
+    nine = json.dumps({"prompt": [[1]] * 7}).encode()
+    text = json.dumps({"prompt": '[{"a": [1]}]' * 20 + '\\"[[\\"'}).encode()
+    assert text.count(b"[") + text.count(b"{") > 8  # the exact count runs (it is 1)
+
+    async def send() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=app)
+        headers = {"content-type": "application/json"}
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return [
+                await client.post("/v1/completions", content=body, headers=headers)
+                for body in (nine, eight, text)
+            ]
+
+    responses = asyncio.run(send())
+    assert [r.status_code for r in responses] == [413, 503, 503]
+    assert responses[0].json()["error"]["message"] == (
+        "the request body opens more JSON arrays and objects than "
+        "server.max_request_json_containers=8"
+    )
 
 
 def test_a_client_without_the_key_is_refused_before_its_body_is_read():

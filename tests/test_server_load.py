@@ -8,8 +8,12 @@ no other request.
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
+
+import httpx
 
 import launch.completions
 from bench.serve_load import make_requests, run_load
@@ -67,3 +71,36 @@ def test_a_body_encoded_by_item_is_the_same_text():
     }
     assert dumps_by_item(body, "choices") == dumps(body)
     assert dumps_by_item({**body, "choices": []}, "choices") == dumps({**body, "choices": []})
+
+
+def test_a_body_of_millions_of_prompts_under_the_byte_limit_holds_no_other_request():
+    """A 29 MB body (under the 32 MiB server.max_request_bytes) of 6 million one-token prompts
+    was refused (more than server.max_sequences_per_request) only after JSON parsing and
+    pydantic validation of its 6 million lists on the event loop, holding the GIL: every
+    stream got no token and /health no answer for 7 s on a 2-core machine (a load balancer's
+    probe timed out over a healthy server). Now its brackets are counted first, a 413."""
+    body = json.dumps({"prompt": [[1]] * 6_000_000, "max_tokens": 1}).encode()
+    assert len(body) < 32 * 1024 * 1024
+    with running_server() as server:
+        latencies: list[float] = []
+        done = threading.Event()
+
+        def probe() -> None:
+            with httpx.Client(base_url=server.url, timeout=60) as client:
+                while not done.is_set():
+                    started = time.monotonic()
+                    assert client.get("/health").status_code == 200
+                    latencies.append(time.monotonic() - started)
+                    time.sleep(0.02)
+
+        prober = threading.Thread(target=probe, daemon=True)
+        prober.start()
+        time.sleep(0.3)
+        headers = {"content-type": "application/json"}
+        response = server.http.post("/v1/completions", content=body, headers=headers)
+        done.set()
+        prober.join(timeout=60)
+    assert response.status_code == 413, response.text
+    assert "server.max_request_json_containers=262144" in response.json()["error"]["message"]
+    assert len(latencies) >= 5  # engagement: /health was probed while the body was handled
+    assert max(latencies) < 1.0, f"/health waited {max(latencies):.1f}s behind one request body"
