@@ -316,7 +316,9 @@ def load_config(
         raise ValueError(f"unknown config section {unknown[0]!r} (known: {sorted(SECTIONS)})")
     built = {}
     for name, cls in SECTIONS.items():
-        section = raw.get(name) or {}
+        section = raw.get(name)
+        if section is None:  # `kernels:` with nothing under it; `kernels: []` is refused below
+            section = {}
         if not isinstance(section, dict):
             raise ValueError(f"config section {name!r} must be a mapping, got {section!r}")
         _check_keys(f"config section {name!r}", section)
@@ -350,9 +352,12 @@ def _read_yaml_file(path: Path) -> Any:
     except UnicodeDecodeError as exc:
         raise ValueError(f"config file {str(path)!r} is not valid YAML: {exc}") from None
     try:
-        return _read_yaml(text) or {}
+        raw = _read_yaml(text)
     except yaml.YAMLError as exc:
         raise ValueError(f"config file {str(path)!r} is not valid YAML: {exc}") from None
+    # Only an empty file (or a comment, `---`) is no sections: `[]`, `0` or `false` is no
+    # mapping, refused as `[1]` is (`or {}` read them as a config of every default).
+    return {} if raw is None else raw
 
 
 def apply_override(raw: dict, dotted: str, value: Any) -> None:

@@ -723,6 +723,25 @@ def test_a_config_that_cannot_be_read_as_named_keys_is_refused_naming_it(
         load_config(path, overrides)
 
 
+@pytest.mark.parametrize("falsy", ["[]", "0", "false", "''"])
+def test_a_falsy_value_that_is_no_mapping_is_refused_as_a_file_or_a_section(tmp_path, falsy):
+    """`[]`, `0`, `false` or `''` as the whole file or as a section loaded as every default
+    (`or {}`), where `[1]` and `kernels: 5` were refused (and `kernels: 0` only when an override
+    touched the section). An empty file and a section with nothing under it are defaults."""
+    path = tmp_path / "config.yaml"
+    path.write_text(f"{falsy}\n")
+    with pytest.raises(ValueError, match=r"config\.yaml' must hold a mapping of sections"):
+        load_config(path)
+    tiny = (CONFIGS / "tiny_cpu.yaml").read_text()
+    path.write_text(tiny.replace("eplb:\n  enabled: false\n", f"eplb: {falsy}\n"))
+    with pytest.raises(ValueError, match=r"config section 'eplb' must be a mapping, got"):
+        load_config(path)
+    path.write_text("")
+    assert load_config(path) == load_config({})
+    path.write_text(tiny.replace("eplb:\n  enabled: false\n", "eplb:\n"))
+    assert load_config(path).eplb == load_config({}).eplb
+
+
 def test_a_config_file_that_is_not_utf8_is_refused_naming_it(tmp_path):
     path = tmp_path / "config.yaml"
     path.write_bytes(b"\xff\xfe")
