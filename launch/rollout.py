@@ -185,6 +185,9 @@ def _run(args: argparse.Namespace, appender: Appender) -> int:
     defaults["return_routed_experts"] = not args.no_routed_experts
     try:
         rows, existing, llm = _load(args, appender, defaults)
+    except ConnectionError as exc:  # no Ray cluster answers: not the command's fault (an OSError)
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     except (ValueError, OSError) as exc:  # RowError is a ValueError
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -1194,3 +1194,17 @@ def test_an_unreadable_input_is_named_by_its_flag(tmp_path, capsys):
     assert run("--input", tmp_path, "--output", out) == 2
     assert f"error: --input '{tmp_path}': Is a directory" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_a_cluster_that_does_not_answer_ends_the_run_with_exit_1(tmp_path, capsys, monkeypatch):
+    """RAY_ADDRESS where nothing listens is a failure to load, as generate.py (exit 1) and the
+    server (exit 1) have it: a ConnectionError is an OSError, and the rollout took it for a
+    refused input (exit 2), which a retrying wrapper must not retry."""
+    from tests.ray_head import free_port
+
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{free_port()}")
+    source, out = write_jsonl(tmp_path / "in.jsonl", ROWS[:1]), tmp_path / "out.jsonl"
+    assert run("--input", source, "--output", out, "--set", "parallel.world_size=2") == 1
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("error: no Ray cluster answers at 127.0.0.1:"), last
+    assert not out.exists() and not settings_path(out).exists()
