@@ -83,7 +83,7 @@ def score_differences(rollout_output: Path, settings: dict[str, Any]) -> list[st
     the rollout that wrote its input, as that rollout's record holds them; [] where it matches
     or the input has no record. The config and runtime keys only (the sampling defaults,
     seeds and the input's digest are the rollout's own)."""
-    path = settings_path(rollout_output)
+    path = settings_path(rollout_output.resolve())  # named after the output's real path
     try:
         recorded = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):

@@ -254,6 +254,20 @@ def test_score_under_other_settings_than_the_rollouts_says_so(rollout_rows, tmp_
     assert any(differing)  # the warning's reason: other bits
 
 
+def test_score_of_a_rollout_read_through_a_link_finds_its_record(rollout_rows, tmp_path, capsys):
+    """The record is named after the rollout's resolved --output (every spelling of it shares
+    one); --score looked for it beside the --input as spelled, so through a link it found none
+    and said nothing of other settings."""
+    out, _ = rollout_rows
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(out)
+    other = json.loads(settings_path(out).read_text())["cache.block_size"] * 2
+    capsys.readouterr()
+    argv = ["--input", link, "--output", tmp_path / "scores.jsonl", "--score"]
+    assert run(*argv, "--set", f"cache.block_size={other}") == 0
+    assert f"warning: {link} was generated with other settings" in capsys.readouterr().err
+
+
 def test_score_with_logprobs_writes_the_rollouts_top_logprobs(rollout_rows, tmp_path):
     """--score --logprobs 3: each position's top 3 as the rollout row of a 3-logprob sample
     wrote them, bit for bit (JSON floats round-trip exactly)."""
