@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -54,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConnectionError, WorkerError) as exc:  # no Ray cluster answers; a rank failed
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: one line, as rollout.py and serve_ep.py end
+        print("generate: interrupted (SIGINT); nothing was printed", file=sys.stderr)
+        return 128 + signal.SIGINT
     elapsed = time.perf_counter() - started
     num_tokens = sum(len(o.token_ids) for o in outputs)
     for prompt, out in zip(prompts, outputs, strict=True):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -253,3 +256,24 @@ def test_generate_names_a_bad_flag_as_typed(flag, value, error, capsys):
     config = str(Path(__file__).resolve().parent.parent / "launch/configs/tiny_cpu.yaml")
     assert main(["--config", config, flag, value]) == 2
     assert f"error: {error}\n" in capsys.readouterr().err
+
+
+def test_generate_ends_on_ctrl_c_with_one_line_and_exit_130():
+    """A Ctrl-C during generation printed a KeyboardInterrupt traceback from inside a kernel
+    (rollout.py and serve_ep.py end on it with one line)."""
+    root = Path(__file__).resolve().parent.parent
+    cmd = [sys.executable, "launch/generate.py", "--config", str(TINY_CONFIG)]
+    cmd += ["--max-tokens", "1000", "--prompt", "a"]
+    proc = subprocess.Popen(cmd, cwd=root, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stderr:  # once the model has loaded: the generation runs for seconds
+            if line.startswith("loaded "):
+                break
+        proc.send_signal(signal.SIGINT)
+        err = proc.communicate(timeout=60)[1]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == "generate: interrupted (SIGINT); nothing was printed"
