@@ -571,3 +571,35 @@ def test_an_update_is_logged_with_its_version_source_and_time(checkpoints, caplo
     updates = [r.getMessage() for r in caplog.records if "weights updated" in r.getMessage()]
     assert len(updates) == 1, updates
     assert updates[0].startswith(f"weights updated to version 1 from {str(second)!r} in "), updates
+
+
+def test_a_ctrl_c_while_the_ranks_read_an_update_does_not_spend_the_restart_budget(checkpoints):
+    """A Ctrl-C while the ranks read an update's weights (phase 1: seconds to minutes for a
+    large checkpoint) kills the engine, and the next call rebuilds it with the old weights.
+    That rebuild counted against parallel.max_restarts, as a crash's does, so with the
+    default 3 an hour a notebook's fourth interrupted update left the LLM refusing every
+    call ('gave up after ... restarts'); a Ctrl-C inside a step does not count. Now neither
+    does one inside an update: with max_restarts 0 the LLM comes back, with the old bits."""
+    first, second = checkpoints
+    config = {"model": {"path": first}, "scheduler": {"max_model_len": 256}}
+    llm = LLM(config, **{"parallel.max_restarts": 0})
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6]]
+    try:
+        original = _generate(llm, prompts)
+        engine = llm.engine
+        for _ in range(2):
+            call_all = engine.executor.call_all
+
+            def interrupted(method, *args, _call_all=call_all, **kwargs):
+                if method == "prepare_weights":
+                    raise KeyboardInterrupt
+                return _call_all(method, *args, **kwargs)
+
+            engine.executor.call_all = interrupted
+            with pytest.raises(KeyboardInterrupt):
+                llm.update_weights(second)
+            assert engine.error is not None  # the ranks may be out of step: rebuilt next
+            assert _generate(llm, prompts) == original  # the old weights, rebuilt
+        assert engine.num_restarts == 2 and engine.weight_version == 0  # engagement
+    finally:
+        llm.shutdown()

@@ -296,7 +296,10 @@ class LLMEngine(RankFaults):
             raise
         except BaseException as exc:  # a rank died or stalled, or Ctrl-C: out of step
             drop_frames(exc)
-            self._fail_all(f"update_weights: {type(exc).__name__}: {exc}")
+            # A Ctrl-C (or SystemExit) is the user's, not a fault: its rebuild is not counted
+            # against parallel.max_restarts, as one inside a step is not (_dead_if_interrupted).
+            interrupted = not isinstance(exc, Exception)
+            self._fail_all(f"update_weights: {type(exc).__name__}: {exc}", interrupted)
             raise
         with self._fatal_on_error():  # failing mid-copy leaves mixed weights: the engine dies
             version = self.group.commit_weights(weights)
