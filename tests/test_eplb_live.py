@@ -19,7 +19,14 @@ import torch
 
 from moe_runtime import LLM, SamplingParams
 from moe_runtime.engine.balancer import RebalanceError
-from tests.invariance import TINY_CONFIG, mixed_params, mixed_prompts, run_in_batches
+from moe_runtime.executor import WorkerError
+from tests.invariance import (
+    TINY_CONFIG,
+    fingerprint,
+    mixed_params,
+    mixed_prompts,
+    run_in_batches,
+)
 
 ray = pytest.importorskip("ray")
 NUM = 16
@@ -291,5 +298,55 @@ def test_balancedness_before_is_measured_from_the_rows_each_rank_served():
         assert report["balancedness_before"] == 0.5, report
         assert report["skipped"] and report["reason"].startswith("as the planner models it")
         assert llm.engine.balancer.last_balancedness == 0.5
+    finally:
+        llm.shutdown()
+
+
+def _arm_death_while_staging(worker, layer: int) -> None:
+    """In the worker's process: its process exits (a crash) at eplb.rearrange's staging
+    allocation of MoE layer `layer`'s experts, the next time a move stages it."""
+    import os
+
+    import eplb.rearrange as rearrange
+
+    target = worker.runner.model.moe_layers[layer].experts.gate_up_proj.data
+
+    class CrashingTorch(types.ModuleType):
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        def empty_like(self, tensor, *args, **kwargs):
+            if tensor.data_ptr() == target.data_ptr():
+                os._exit(1)
+            return torch.empty_like(tensor, *args, **kwargs)
+
+    rearrange.torch = CrashingTorch("torch")
+
+
+def test_a_rank_dying_in_a_periodic_move_fails_no_request_that_had_finished():
+    """A periodic rebalance ran right after the step that counted to eplb.interval_steps,
+    inside that step's call: a rank dying in its move raised out of the step, so the
+    requests that step had just finished (every token computed) failed with the rank's
+    death, and their outputs were never returned (a whole generate raised, a server's
+    completion got a 500). The move now runs before the next step: the finished requests
+    come back, and the death fails the next call, whose requests never ran."""
+    overrides = {
+        "parallel.world_size": 2,
+        "eplb.num_redundant_experts": 2,
+        "parallel.timeout_s": 30,
+        **EPLB_ON,  # a move every 4 steps; one prompt of max_tokens 4 is 4 steps
+    }
+    params = SamplingParams(max_tokens=4, seed=1, ignore_eos=True, logprobs=2)
+    llm = LLM(TINY_CONFIG, **overrides)
+    engine = llm.engine
+    try:
+        _on_rank(engine, 1, _arm_death_while_staging, 1)
+        finished = llm.generate([[5, 6, 7, 8, 9, 10]], params, use_tqdm=False)[0]
+        assert engine.num_steps == 4 and finished.outputs[0].finish_reason == "length"
+        with pytest.raises(WorkerError, match="rank 1 died during rearrange"):
+            llm.generate([[50, 61, 7, 200]], params, use_tqdm=False)  # the move, first
+        again = llm.generate([[5, 6, 7, 8, 9, 10]], params, use_tqdm=False)[0]
+        assert engine.num_restarts == 1  # engagement: the move really killed the rank
+        assert fingerprint(again) == fingerprint(finished)
     finally:
         llm.shutdown()

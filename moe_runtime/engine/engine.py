@@ -61,6 +61,7 @@ class LLMEngine(RankFaults):
         self.error: str | None = None
         self._is_interrupted = False  # whether error is a Ctrl-C's (its rebuild is not a fault's)
         self.num_steps = 0
+        self._num_steps_checked = 0  # the step count the periodic rebalance last looked at
         self.num_shared = 0  # waiting sequences moved between DP ranks
         self._next_seq_id = 0
         self._request_ids = itertools.count()
@@ -235,6 +236,7 @@ class LLMEngine(RankFaults):
             return self._step()
 
     def _step(self) -> list[RequestOutput]:
+        self._rebalance_if_due()
         if len(self.schedulers) > 1:
             self.num_shared += share_waiting(self.schedulers)  # an idle DP rank takes work
         per_dp_rank = [scheduler.schedule() for scheduler in self.schedulers]
@@ -260,11 +262,20 @@ class LLMEngine(RankFaults):
                 if chunk.seq.seq_id in result.samples and not chunk.seq.is_score:
                     changed[id(chunk.seq.request)] = chunk.seq.request
         self.num_steps += 1
-        # A refused move is logged; the old placement keeps serving, nothing in flight changed.
-        with contextlib.suppress(RebalanceError), self._fatal_on_error():
-            self.balancer.maybe_rebalance(self.num_steps)  # between steps
         version, width = self.weight_version, self.config.model.routed_width
         return [request_output(r, version, True, width) for r in changed.values()]
+
+    def _rebalance_if_due(self) -> None:
+        """The periodic rebalance due after the last step (eplb.interval_steps), between it and
+        the next one. Why here, not at the end of the last step: a rank dying in the move
+        raised out of that step, failing the requests it had just finished, their outputs
+        never returned; now the move's fault fails only requests still to run. Once a count."""
+        if self.num_steps == self._num_steps_checked:
+            return
+        self._num_steps_checked = self.num_steps
+        # A refused move is logged; the old placement keeps serving, nothing in flight changed.
+        with contextlib.suppress(RebalanceError), self._fatal_on_error():
+            self.balancer.maybe_rebalance(self.num_steps)
 
     @under_lock
     def output(self, request: Request) -> RequestOutput:
