@@ -6,7 +6,7 @@ runtime state.
 """
 
 from eplb.config import EplbConfig
-from eplb.placement import ExpertPlacement, build_logical_to_physical
+from eplb.placement import ExpertPlacement, build_logical_to_physical, keep_held_slots
 from eplb.policy import (
     balanced_packing,
     balancedness,
@@ -21,6 +21,7 @@ __all__ = [
     "balanced_packing",
     "balancedness",
     "build_logical_to_physical",
+    "keep_held_slots",
     "load_per_rank",
     "rebalance_experts",
     "replicate_experts",

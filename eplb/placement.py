@@ -11,6 +11,7 @@ done here.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +43,44 @@ def build_logical_to_physical(
     logical_to_physical = torch.full((num_layers, num_logical * max_replicas), -1)
     logical_to_physical.scatter_(1, sorted_logical * max_replicas + replica_idx, physical_ids)
     return logical_to_physical.view(num_layers, num_logical, max_replicas), replica_count
+
+
+def keep_held_slots(old_p2l: torch.Tensor, new_p2l: torch.Tensor, num_ranks: int) -> torch.Tensor:
+    """new_p2l [L, P] with each rank's experts reordered among that rank's own slots so that an
+    expert the rank held under old_p2l [L, P] stays in the slot that held it; the rest fill
+    the freed slots in new_p2l's order. Every rank holds the same experts as in new_p2l (the
+    same dispatch between ranks), a move copies only what a rank did not hold, and a plan
+    that only reorders ranks' slots is old_p2l itself (a policy's slot order is arbitrary:
+    it re-sorts experts it keeps)."""
+    _check_num_ranks(new_p2l.shape[1], num_ranks)
+    if old_p2l.shape != new_p2l.shape:
+        raise ValueError(f"old {tuple(old_p2l.shape)} and new {tuple(new_p2l.shape)} differ")
+    slots = new_p2l.shape[1] // num_ranks
+    rows = []
+    for old_row, new_row in zip(old_p2l.tolist(), new_p2l.tolist(), strict=True):
+        row = []
+        for lo in range(0, len(new_row), slots):
+            old, new = old_row[lo : lo + slots], new_row[lo : lo + slots]
+            row += _held_first(old, new)
+        rows.append(row)
+    return torch.tensor(rows, dtype=new_p2l.dtype)
+
+
+def _held_first(old: list[int], new: list[int]) -> list[int]:
+    """One rank's slots: new's experts, each one old held kept in old's slot (a copy per
+    slot that held it), the others in new's order in the slots left."""
+    left = Counter(new)
+    kept: list[int | None] = []
+    for expert in old:
+        kept.append(expert if left[expert] > 0 else None)
+        left[expert] -= kept[-1] is not None
+    fresh = []
+    for expert in new:
+        if left[expert] > 0:
+            fresh.append(expert)
+            left[expert] -= 1
+    into = iter(fresh)
+    return [next(into) if expert is None else expert for expert in kept]
 
 
 def _check_num_ranks(num_physical: int, num_ranks: int) -> None:

@@ -17,8 +17,10 @@ import types
 import pytest
 import torch
 
+from eplb import ExpertPlacement
 from moe_runtime import LLM, SamplingParams
-from moe_runtime.engine.balancer import RebalanceError
+from moe_runtime.config import load_config
+from moe_runtime.engine.balancer import ExpertBalancer, RebalanceError
 from moe_runtime.executor import WorkerError
 from tests.invariance import (
     TINY_CONFIG,
@@ -287,8 +289,8 @@ def test_balancedness_before_is_measured_from_the_rows_each_rank_served():
     """Every expert with a copy on both ranks and one request (one DP rank's tokens): each rank
     sends an expert's rows to its own copy, so rank 0 served every row. The report said 1.0,
     an estimate splitting each expert's load over its replicas, and a periodic check skipped
-    as balanced; now it is the measured 0.5, and a plan no better in the planner's model (every
-    placement with a copy of each expert on each rank is as good there) is skipped."""
+    as balanced; now it is the measured 0.5, and the plan (a copy of each expert on each rank,
+    as now: only its slot order differed, which keep_held_slots undoes) is skipped."""
     llm = LLM(TINY_CONFIG, **{"parallel.world_size": 2, "eplb.num_redundant_experts": 16})
     try:
         llm.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=8, seed=1))
@@ -296,10 +298,24 @@ def test_balancedness_before_is_measured_from_the_rows_each_rank_served():
         assert per_rank[0] > 0 and per_rank[1] == 0, per_rank  # engagement: all on rank 0
         report = llm.engine.rebalance(force=False)
         assert report["balancedness_before"] == 0.5, report
-        assert report["skipped"] and report["reason"].startswith("as the planner models it")
+        assert report["skipped"] and report["reason"] == "the plan is the current placement"
         assert llm.engine.balancer.last_balancedness == 0.5
     finally:
         llm.shutdown()
+
+
+def test_a_plan_no_better_in_the_planners_model_is_skipped_unless_forced():
+    """Two ranks, four experts, no copies: a plan giving each rank other experts (so not the
+    current placement) that the planner's model rates no better is skipped, naming why; a
+    forced rebalance takes it."""
+    config = load_config(TINY_CONFIG, {"parallel.world_size": 2})
+    balancer = ExpertBalancer(config, None, ExpertPlacement.default(1, 4, 0, 2))
+    load = torch.tensor([[10, 10, 10, 10]])
+    now, plan = torch.tensor([[0, 1, 2, 3]]), torch.tensor([[0, 2, 1, 3]])
+    planned, reason = balancer._judge(load, now, plan, force=False)
+    assert planned == 1.0 and reason.startswith("as the planner models it"), reason
+    assert balancer._judge(load, now, plan, force=True) == (1.0, None)
+    assert balancer._judge(load, now, now, force=True)[1] == "the plan is the current placement"
 
 
 def _arm_death_while_staging(worker, layer: int) -> None:

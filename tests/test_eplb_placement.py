@@ -8,7 +8,7 @@ import itertools
 import pytest
 import torch
 
-from eplb import ExpertPlacement, rebalance_experts
+from eplb import ExpertPlacement, keep_held_slots, rebalance_experts
 
 
 def test_default_without_redundancy():
@@ -172,3 +172,38 @@ def test_replica_table_matches_its_rule_written_per_entry(
         below = sum(p // slots < rank for p in copies)
         expected = own[0] if own else copies[(rank - below) % len(copies)]
         assert table[layer, rank, expert] == expected
+
+
+def test_keep_held_slots_leaves_what_a_rank_keeps_in_its_slot():
+    old = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7]])
+    # A plan that only reorders each rank's slots is the old placement itself.
+    assert keep_held_slots(old, torch.tensor([[3, 2, 1, 0, 7, 6, 5, 4]]), 2).equal(old)
+    # Rank 0 keeps 0, 2, 3 and gains 9 in the slot 1 left; rank 1 keeps 5, 6, 7, gains 1.
+    new = torch.tensor([[3, 2, 9, 0, 7, 6, 5, 1]])
+    assert keep_held_slots(old, new, 2).tolist() == [[0, 9, 2, 3, 1, 5, 6, 7]]
+    # Copies of one expert on one rank (world size 1's extra copies) are kept a slot each.
+    assert keep_held_slots(
+        torch.tensor([[0, 0, 1, 2]]), torch.tensor([[2, 0, 3, 0]]), 1
+    ).tolist() == [[0, 0, 3, 2]]
+
+
+@pytest.mark.parametrize("num_ranks", [1, 2, 4])
+def test_keep_held_slots_keeps_each_ranks_experts_and_moves_no_more_than_the_plan(
+    num_ranks, generator
+):
+    """Random plans from rebalance_experts: every rank holds the plan's experts (as a
+    multiset), and no more slots change than in the plan as it came."""
+    old = ExpertPlacement.default(2, 16, 8, num_ranks).physical_to_logical
+    for _ in range(20):
+        load = torch.randint(0, 100, (2, 16), generator=generator)
+        plan, _, _ = rebalance_experts(load, 24, 4, 1, num_ranks)
+        kept = keep_held_slots(old, plan, num_ranks)
+        slots = 24 // num_ranks
+        for layer in range(2):
+            for lo in range(0, 24, slots):
+                assert sorted(kept[layer, lo : lo + slots].tolist()) == sorted(
+                    plan[layer, lo : lo + slots].tolist()
+                )
+        assert (kept != old).sum() <= (plan != old).sum()
+        ExpertPlacement.from_physical_to_logical(kept, 16)  # validates
+        old = kept

@@ -16,7 +16,7 @@ from collections import deque
 
 import torch
 
-from eplb.placement import ExpertPlacement
+from eplb.placement import ExpertPlacement, keep_held_slots
 from eplb.policy import balancedness, load_per_rank, rebalance_experts
 from moe_runtime.config import RuntimeConfig
 from moe_runtime.executor import QUICK_CALL_TIMEOUT_S
@@ -85,7 +85,9 @@ class ExpertBalancer:
         if not force and before >= self.config.eplb.balancedness_threshold:
             self.last_balancedness = before
             return self._skipped(report, started)
-        new_p2l = self._plan(logical_load)
+        # Each rank's kept experts stay in their slots: only what a rank newly holds moves,
+        # and a plan that only reorders ranks' slots is the current placement (skipped below).
+        new_p2l = keep_held_slots(p2l, self._plan(logical_load), self.config.parallel.world_size)
         planned, reason = self._judge(logical_load, p2l, new_p2l, force)
         if reason is not None:  # the window goes on
             self.last_balancedness = before
