@@ -116,6 +116,11 @@ class ServerMetrics:
             usage.add_metric([str(dp_rank)], value)
         yield usage
         yield CounterMetricFamily("moe_rebalances", "Expert rebalances done", stats.num_rebalances)
+        yield CounterMetricFamily(
+            "moe_rebalances_failed",
+            "Expert moves a rank refused (the old placement kept serving)",
+            stats.num_failed_rebalances,
+        )
         balancedness = stats.last_balancedness
         yield GaugeMetricFamily(
             "moe_last_balancedness",

@@ -98,6 +98,7 @@ def test_failed_move_keeps_old_placement_and_requests(workload):
         assert [s["physical_to_logical"] for s in engine.worker_stats()] == before
         failed = engine.balancer.history[-1]
         assert failed.get("failed")
+        assert engine.stats().num_failed_rebalances == 1  # /metrics' moe_rebalances_failed_total
         # Engagement: the refused plan would have moved experts, so the unchanged placement
         # above was kept, not merely left with nothing to move.
         assert failed["experts_moved"] > 0 and failed["bytes_moved"] > 0, failed

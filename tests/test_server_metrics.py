@@ -51,7 +51,7 @@ def test_first_scrape_exports_every_listed_and_queried_metric(server):
     for name in names | queried:
         assert name in exported, name
     assert math.isnan(exported["moe_last_balancedness"])  # no rebalance yet
-    assert exported["moe_engine_restarts_total"] == 0
+    assert exported["moe_engine_restarts_total"] == exported["moe_rebalances_failed_total"] == 0
     assert exported["moe_preemptions_total"] == exported["moe_dp_shared_sequences_total"] == 0
     assert exported["moe_rank_load_ratio{rank=0}"] == 1.0
     assert all(w in PROMQL_WORDS for q in queries for w in re.findall(r"\b[a-z_]+(?=\s*\()", q))
@@ -240,12 +240,14 @@ def test_a_prompt_s_tokens_count_once_at_any_sample_s_first_delta():
 
 
 def test_preemptions_and_dp_moves_are_the_engine_s_counts():
-    """moe_preemptions_total and moe_dp_shared_sequences_total are the engine's own counts
-    (EngineStats.num_preemptions, num_shared), read at the scrape."""
+    """moe_preemptions_total, moe_dp_shared_sequences_total and moe_rebalances_failed_total
+    are the engine's own counts (EngineStats.num_preemptions, num_shared,
+    num_failed_rebalances), read at the scrape."""
     from launch.metrics import ServerMetrics
     from moe_runtime.engine.outputs import EngineStats
 
-    stats = EngineStats(num_preemptions=7, num_shared=3)
+    stats = EngineStats(num_preemptions=7, num_shared=3, num_failed_rebalances=2)
     families = {f.name: f for f in ServerMetrics(lambda: stats).collect()}
     assert families["moe_preemptions"].samples[0].value == 7
     assert families["moe_dp_shared_sequences"].samples[0].value == 3
+    assert families["moe_rebalances_failed"].samples[0].value == 2

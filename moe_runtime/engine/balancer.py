@@ -50,6 +50,7 @@ class ExpertBalancer:
         self.num_moe_layers = config.model.num_moe_layers
         self.placement = placement
         self.num_rebalances = 0
+        self.num_failed = 0  # moves refused by a rank (RebalanceError), the old placement kept
         self.last_balancedness: float | None = None
         # The last HISTORY_LEN reports, skipped and failed ones too; oldest first.
         self.history: deque[dict] = deque(maxlen=HISTORY_LEN)
@@ -179,6 +180,7 @@ class ExpertBalancer:
                 f"rank {rank}: {r['error']}" for rank, r in enumerate(results) if r.get("error")
             )
             self.history.append({**report, "failed": True, "error": causes or None})
+            self.num_failed += 1
             log.warning(
                 "rebalance failed after %.3fs (%s); the old placement stays in use",
                 seconds, causes or "no rank named a cause",

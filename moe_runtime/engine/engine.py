@@ -345,6 +345,7 @@ class LLMEngine(RankFaults):
             kv_cache_usage=tuple(b.usage for b in self.block_managers),
             weight_version=self.weight_version,
             num_rebalances=self.balancer.num_rebalances,
+            num_failed_rebalances=self.balancer.num_failed,
             last_balancedness=self.balancer.last_balancedness,
             num_preemptions=sum(s.num_preemptions for s in self.schedulers),
             num_prefix_hit_blocks=sum(b.num_hit_blocks for b in self.block_managers),

@@ -77,6 +77,7 @@ class EngineStats:
     kv_cache_usage: tuple[float, ...] = ()  # per DP rank, fraction of KV blocks in use
     weight_version: int = 0
     num_rebalances: int = 0
+    num_failed_rebalances: int = 0  # moves a rank refused, the old placement kept serving
     last_balancedness: float | None = None
     num_preemptions: int = 0
     num_prefix_hit_blocks: int = 0
