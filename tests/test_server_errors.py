@@ -89,6 +89,22 @@ def test_every_engine_route_is_503_while_loading():
     assert responses[-1].json() == {"status": "loading"}
 
 
+def _post_completions(app, bodies: list) -> list[httpx.Response]:
+    """Each body (bytes, or an async iterator: sent chunked) POSTed to /v1/completions in
+    turn, in process."""
+
+    async def send() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=app)
+        headers = {"content-type": "application/json"}
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return [
+                await client.post("/v1/completions", content=body, headers=headers)
+                for body in bodies
+            ]
+
+    return asyncio.run(send())
+
+
 def test_a_body_past_max_request_bytes_is_a_413_and_runs_nothing():
     """By its content-length, or counted as it comes (chunked); one byte under the limit goes
     on to the route (a 503 here: no engine). A 50 MB prompt was encoded and checked token by
@@ -102,16 +118,7 @@ def test_a_body_past_max_request_bytes_is_a_413_and_runs_nothing():
         for i in range(0, len(data), 10):
             yield data[i : i + 10]
 
-    async def send() -> list[httpx.Response]:
-        transport = httpx.ASGITransport(app=app)
-        headers = {"content-type": "application/json"}
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-            return [
-                await client.post("/v1/completions", content=body, headers=headers)
-                for body in (over, chunked(over), under, chunked(under))
-            ]
-
-    responses = asyncio.run(send())
+    responses = _post_completions(app, [over, chunked(over), under, chunked(under)])
     assert [r.status_code for r in responses] == [413, 413, 503, 503]
     error = responses[0].json()["error"]
     assert error["message"] == ("the request body is larger than server.max_request_bytes=64"), (
@@ -138,16 +145,7 @@ def test_a_body_opening_more_json_containers_than_the_limit_is_a_413_and_runs_no
     text = json.dumps({"prompt": '[{"a": [1]}]' * 20 + '\\"[[\\"'}).encode()
     assert text.count(b"[") + text.count(b"{") > 8  # the exact count runs (it is 1)
 
-    async def send() -> list[httpx.Response]:
-        transport = httpx.ASGITransport(app=app)
-        headers = {"content-type": "application/json"}
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-            return [
-                await client.post("/v1/completions", content=body, headers=headers)
-                for body in (nine, eight, text)
-            ]
-
-    responses = asyncio.run(send())
+    responses = _post_completions(app, [nine, eight, text])
     assert [r.status_code for r in responses] == [413, 503, 503]
     assert responses[0].json()["error"]["message"] == (
         "the request body opens more JSON arrays and objects than "
