@@ -45,7 +45,9 @@ def server(checkpoints):
         "model": {"path": checkpoints[0]},
         "scheduler": {"max_model_len": 256},
         "server": {"api_key": KEY},
-        "eplb": {"balancedness_threshold": THRESHOLD},
+        # Extra copies: at world size 1 a plan moves only which experts they copy (the one
+        # rank holds every expert, in the slots it held them in: keep_held_slots).
+        "eplb": {"balancedness_threshold": THRESHOLD, "num_redundant_experts": 4},
     }
     with running_server(headers=AUTH, config=config) as running:
         yield running
@@ -208,7 +210,7 @@ def test_admin_rebalance_bad_body(server, content, content_type, problem):
 def test_serve_ep_logs_each_rebalance_at_info():
     """The README's rebalance log line (moe_runtime.eplb, INFO) reaches serve_ep's stderr; it
     was dropped, logging never being configured. No other library logs at INFO there."""
-    serve = ServeEp()
+    serve = ServeEp("--set", "eplb.num_redundant_experts=4")  # something to move at world 1
     try:
         with httpx.Client(base_url=serve.ready_url(), timeout=30) as http:
             assert http.post("/v1/completions", json=BODY).status_code == 200  # some load
