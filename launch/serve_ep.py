@@ -7,9 +7,9 @@
 Listens first (/health answers 503 while the engine loads), loads the engine and starts its
 AsyncEngine thread, prints "ready on http://host:port", then serves until SIGTERM or SIGINT: new
 connections are refused, requests in flight are answered (up to the drain timeout; the rest end
-with an error response), the engine shuts down (bounded even with a stalled rank) and the
-process exits 0. An engine that fails to load, or that gives up (its restarts exhausted) while
-serving, exits 1.
+with an error response; a second Ctrl-C ends them at once), the engine shuts down (bounded even
+with a stalled rank) and the process exits 0. An engine that fails to load, or that gives up
+(its restarts exhausted) while serving, exits 1.
 """
 
 from __future__ import annotations
@@ -76,6 +76,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+class StoppingServer(uvicorn.Server):
+    """uvicorn's Server, where a Ctrl-C while it stops already (a second SIGINT) cuts the drain
+    short (`is_drain_cut`): the requests in flight end now with an error saying so.
+
+    Why not uvicorn's own force_exit, which its log offers ("CTRL+C to force quit"): it only
+    stopped waiting for the connections, so the engine's drain still ran its whole course, and
+    it skipped the app's shutdown, whose task was then cancelled with an ERROR traceback."""
+
+    is_drain_cut = False
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if self.should_exit and sig == signal.SIGINT:
+            self.is_drain_cut = True
+            return
+        super().handle_exit(sig, frame)
+
+
 def log(message: str) -> None:
     print(f"serve_ep: {message}", flush=True)
 
@@ -123,13 +140,13 @@ def _engine_and_fingerprint(config) -> tuple[LLMEngine, str]:
 
 
 async def stop_engine_with_server(
-    server: uvicorn.Server, engine: AsyncEngine, drain_timeout_s: float
+    server: StoppingServer, engine: AsyncEngine, drain_timeout_s: float
 ) -> None:
     """Stop the server once the engine is dead for good (its restarts exhausted). Once the server
     is stopping (a signal, or that), drain the engine alongside uvicorn's own graceful shutdown
     and shut it down: requests still running at the drain timeout end with an error that their
     responses send (a stream's error chunk and [DONE], a 503) before uvicorn's longer timeout
-    would cut them."""
+    would cut them. A second Ctrl-C meanwhile ends the drain at once."""
     while not server.should_exit:
         if engine.has_given_up:
             log(f"error: the engine gave up: {engine.error}; exiting")
@@ -139,7 +156,13 @@ async def stop_engine_with_server(
     if not engine.has_given_up:
         log(f"draining requests in flight (up to {drain_timeout_s:g}s)")
     closing = asyncio.create_task(close_unsent(server, drain_timeout_s + RESPONSE_GRACE_S))
-    await asyncio.to_thread(engine.shutdown, drain_timeout_s)
+    stopped = asyncio.create_task(asyncio.to_thread(engine.shutdown, drain_timeout_s))
+    while not stopped.done() and not server.is_drain_cut:
+        await asyncio.sleep(STOP_POLL_S)
+    if server.is_drain_cut and not stopped.done():
+        log("a second Ctrl-C: ending the requests in flight now")
+        engine.cut_drain()
+    await stopped
     await closing
 
 
@@ -168,7 +191,7 @@ async def close_unsent(server: uvicorn.Server, after_s: float) -> None:
 
 
 async def serve(
-    server: uvicorn.Server, sock: socket.socket, url: str, app, config, drain_timeout_s: float
+    server: StoppingServer, sock: socket.socket, url: str, app, config, drain_timeout_s: float
 ) -> AsyncEngine | None:
     """Serve; load the engine meanwhile; drain and stop it with the server. -> its (stopped)
     AsyncEngine, or None if the engine failed."""
@@ -233,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
 
     app = create_app(config)
     graceful_s = math.ceil(args.drain_timeout_s) + RESPONSE_GRACE_S + UVICORN_BACKSTOP_S
-    server = uvicorn.Server(
+    server = StoppingServer(
         uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=graceful_s)
     )
     # uvicorn re-raises a captured signal after its graceful shutdown; with these handlers

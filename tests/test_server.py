@@ -635,6 +635,52 @@ def test_serve_ep_subprocess_starts_answers_and_drains_on_sigterm():
         serve.kill()
 
 
+def test_a_second_ctrl_c_ends_the_drain_at_once_without_a_traceback():
+    """Ctrl-C twice (uvicorn's log offers "CTRL+C to force quit"): the second one only made
+    uvicorn stop waiting for the connections, so the drain still ran its whole course (two
+    2000-token requests: some 20 s), and the app's shutdown, skipped, was cancelled with an
+    ERROR traceback. Now the requests in flight end at once saying so, and the exit is 0."""
+    serve = ServeEp("--drain-timeout-s", "120", "--set", "scheduler.max_model_len=2048")
+    proc = serve.proc
+    body = {"prompt": [1, 2], "max_tokens": 2000, "ignore_eos": True}
+    try:
+        url = serve.ready_url(30)
+        with httpx.Client(base_url=url, timeout=60) as http, ThreadPoolExecutor(2) as pool:
+            stream = pool.submit(_stream_until_done, url, body)
+            whole = pool.submit(post, http, body)
+            while http.get("/health").json()["num_running"] < 2:
+                assert not whole.done(), whole.result()
+            proc.send_signal(signal.SIGINT)
+            serve.wait_for("draining requests in flight", 10)
+            proc.send_signal(signal.SIGINT)
+            started = time.monotonic()
+            assert proc.wait(timeout=60) == 0
+            elapsed = time.monotonic() - started
+            last_event, answer = stream.result(timeout=10), whole.result(timeout=10)
+    finally:
+        serve.kill()
+    output = "".join(serve.rest("stdout") + serve.rest("stderr"))
+    assert elapsed < 8, f"exited {elapsed:.1f}s after the second Ctrl-C:\n{output[-3000:]}"
+    assert "drain was cut short" in last_event["error"]["message"], last_event
+    assert answer.status_code == 503, answer.text
+    assert "drain was cut short" in answer.json()["error"]["message"]
+    assert "Traceback" not in output, output[-3000:]
+
+
+def _stream_until_done(url: str, body: dict) -> dict:
+    """A streamed completion read up to data: [DONE] (asserted): its last event."""
+    events = []
+    with httpx.Client(base_url=url, timeout=60) as http:
+        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+            assert response.status_code == 200, response.read()
+            for line in response.iter_lines():
+                if line == "data: [DONE]":
+                    return events[-1]
+                if line.startswith("data: "):
+                    events.append(json.loads(line[len("data: ") :]))
+    raise AssertionError(f"the stream ended without data: [DONE] after {len(events)} events")
+
+
 def test_serve_ep_listens_while_loading_and_exits_1_when_the_engine_fails():
     # device cuda on a machine without one: the config is valid, the engine load is not.
     if torch.cuda.is_available():

@@ -52,6 +52,7 @@ class AsyncEngine(Recovery):
         self._live: set[Submission] = set()
         self._is_accepting = True
         self._is_stopping = False
+        self._is_drain_cut = False  # cut_drain(): the drain ends now, not at its timeout
         self._has_cancelled = False
         self._error: BaseException | None = None
         self._given_up = False
@@ -144,7 +145,7 @@ class AsyncEngine(Recovery):
         with self._cond:
             self._is_accepting = False
             self._cond.notify_all()  # a rebuild's pause between attempts ends now
-            self._cond.wait_for(self._drained, drain_timeout_s)
+            self._cond.wait_for(lambda: self._drained() or self._is_drain_cut, drain_timeout_s)
             self._is_stopping = True
             unfinished, self._live = list(self._live), set()
             if self._stall_watch is not None:
@@ -153,6 +154,8 @@ class AsyncEngine(Recovery):
             self._calls = set()
             self._cond.notify_all()
         late = f"when the drain timeout ({drain_timeout_s:g}s) passed"
+        if self._is_drain_cut:
+            late = "when the drain was cut short (a second stop signal)"
         for future in waiting:  # never run now: _run_call skips them once stopping
             late_call = f"the engine is shutting down: the call was still waiting to run {late}"
             resolve(future, EngineUnavailableError(f"{late_call}; it did not run"), None)
@@ -171,6 +174,13 @@ class AsyncEngine(Recovery):
         if self._thread.is_alive():  # stuck in a call that only a rank's timeout would end
             self._engine.shutdown()
             self._thread.join(stop_timeout_s)
+
+    def cut_drain(self) -> None:
+        """End a shutdown's drain now (the operator's second Ctrl-C): what is still in flight
+        fails as at the drain timeout, saying the drain was cut short. Safe from any thread."""
+        with self._cond:
+            self._is_drain_cut = True
+            self._cond.notify_all()
 
     def _drained(self) -> bool:
         """Nothing accepted is left to answer: no live submission (_die empties them too), no
