@@ -38,7 +38,7 @@ from moe_runtime.engine.scheduler import Scheduler
 from moe_runtime.executor import WorkerError
 from moe_runtime.tokenizer import ByteTokenizer
 from tests.invariance import TINY_CONFIG, fingerprint, mixed_prompts
-from tests.serving import ServeEp, num_running, running_server
+from tests.serving import ServeEp, num_running, running_server, sse_events
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_MODEL_LEN = 1024  # scheduler.max_model_len of the tiny config
@@ -669,16 +669,8 @@ def test_a_second_ctrl_c_ends_the_drain_at_once_without_a_traceback():
 
 def _stream_until_done(url: str, body: dict) -> dict:
     """A streamed completion read up to data: [DONE] (asserted): its last event."""
-    events = []
     with httpx.Client(base_url=url, timeout=60) as http:
-        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
-            assert response.status_code == 200, response.read()
-            for line in response.iter_lines():
-                if line == "data: [DONE]":
-                    return events[-1]
-                if line.startswith("data: "):
-                    events.append(json.loads(line[len("data: ") :]))
-    raise AssertionError(f"the stream ended without data: [DONE] after {len(events)} events")
+        return sse_events(http, "/v1/completions", body)[-1]
 
 
 def test_serve_ep_listens_while_loading_and_exits_1_when_the_engine_fails():
