@@ -72,8 +72,11 @@ def _held_first(old: list[int], new: list[int]) -> list[int]:
     left = Counter(new)
     kept: list[int | None] = []
     for expert in old:
-        kept.append(expert if left[expert] > 0 else None)
-        left[expert] -= kept[-1] is not None
+        if left[expert] > 0:
+            kept.append(expert)
+            left[expert] -= 1
+        else:
+            kept.append(None)
     fresh = []
     for expert in new:
         if left[expert] > 0:

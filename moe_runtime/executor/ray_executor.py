@@ -270,24 +270,19 @@ class RayExecutor:
             return failure
         errors, silent = _outcomes(pending, _STALL_GRACE_S)
         # (a peer that failed otherwise fails the same way: it is no cause)
-        died = [rank_of[ref] for ref, error in errors.items() if isinstance(error, RayActorError)]
-        if died:
-            return f"{self._death(min(died), what)} (all died: {sorted(died)}; {failure})"
+        if died := _dead_ranks(errors, rank_of):
+            return f"{self._death(died[0], what)} (all died: {died}; {failure})"
         silent_ranks = sorted(rank_of[ref] for ref in silent)
         pings = self._beside_work("ping", silent_ranks)
+        rank_of_ping = dict(zip(pings, silent_ranks, strict=True))
         answers, unanswered = _outcomes(pings, _STALL_GRACE_S) if pings else ({}, [])
         # A ping that fails is no answer; one failed by the rank's death (the stall watch's
         # kill of a frozen rank, landing meanwhile) names the death and why it was killed.
-        died = [
-            r
-            for r, ping in zip(silent_ranks, pings, strict=True)
-            if isinstance(answers.get(ping), RayActorError)
-        ]
-        if died:
-            return f"{self._death(min(died), what)} (all died: {sorted(died)}; {failure})"
+        if died := _dead_ranks(answers, rank_of_ping):
+            return f"{self._death(died[0], what)} (all died: {died}; {failure})"
         stalled = [
-            r
-            for r, ping in zip(silent_ranks, pings, strict=True)
+            rank_of_ping[ping]
+            for ping in pings
             if ping in unanswered or answers.get(ping) is not None
         ]
         grace = f"{_STALL_GRACE_S:.0f}s after a peer failed waiting for them ({failure})"
@@ -340,6 +335,11 @@ def _alone(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size():
         return tensor.detach().clone(memory_format=torch.contiguous_format)
     return tensor
+
+
+def _dead_ranks(errors: dict, rank_of: dict) -> list[int]:
+    """The ranks, ascending, whose call in `errors` (_outcomes') failed with their death."""
+    return sorted(rank_of[ref] for ref, error in errors.items() if isinstance(error, RayActorError))
 
 
 def _outcomes(refs: list, timeout_s: float) -> tuple[dict, list]:
