@@ -30,7 +30,11 @@ from moe_runtime.config import RuntimeConfig
 from moe_runtime.engine.async_engine import AsyncEngine
 from moe_runtime.engine.engine import LLMEngine
 from moe_runtime.engine.outputs import CompletionOutput, RequestOutput
-from moe_runtime.engine.request_checks import ContextLengthError, PromptTooLongError
+from moe_runtime.engine.request_checks import (
+    ContextLengthError,
+    PromptTooLongError,
+    RequestChecks,
+)
 from moe_runtime.sampling_params import SamplingParams
 
 DEFAULT_MAX_TOKENS = 16
@@ -54,9 +58,12 @@ async def complete(
     ids, version = [], 0
     with _engine_checks():
         # Text tokenized off the engine's thread and the event loop: a long prompt's encoding
-        # held every stream. The engine checks the ids as before (`prompts` keeps the text,
-        # for echo).
-        encoded = await asyncio.to_thread(_encode_texts, backend.tokenizer, prompts)
+        # held every stream. Each prompt is checked here as the engine checks it alone (ids in
+        # the vocabulary, inside the context), needing no engine: a rebuilding engine's 503
+        # hid the 400 of a request no engine runs. The engine checks the ids again with their
+        # params (`prompts` keeps the text, for echo).
+        checks = RequestChecks(config, backend.tokenizer)
+        encoded = await asyncio.to_thread(checks.requests, prompts)
     if is_scored or params is None:
         # Scored, or alone (max_tokens 0): every prompt is checked on the engine's thread
         # before anything runs, so a refusal costs no scoring. A plain completion skips this
@@ -146,12 +153,6 @@ def _prompt_too_long(exc: PromptTooLongError, param: str) -> ContextLengthExceed
         f"{exc.num_tokens} tokens, more than scheduler.max_model_len={exc.max_model_len}"
     )
     return ContextLengthExceeded(param, f"{message} ({where})" if where else message)
-
-
-def _encode_texts(tokenizer, prompts: list[str | list[int]]) -> list[str | list[int]]:
-    """Each non-empty text prompt as its token ids (an empty one stays, for the engine's
-    check to name); token-id prompts as they are."""
-    return [tokenizer.encode(p) if isinstance(p, str) and p else p for p in prompts]
 
 
 def _checked(

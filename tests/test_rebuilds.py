@@ -113,6 +113,23 @@ def _post(app, path: str, body: dict) -> httpx.Response:
     return asyncio.run(post())
 
 
+def _held_rebuilds(engine) -> tuple[threading.Event, threading.Event, list[float]]:
+    """The engine's idle check finds rank 0 dead, and each rebuild waits for `release` before
+    it runs. -> (rebuilding: set once one began, release, the monotonic times they began)."""
+    _dead_at_the_idle_check(engine)
+    rebuilding, release, began = threading.Event(), threading.Event(), []
+    rebuild = engine.restart
+
+    def restart():
+        began.append(time.monotonic())  # at or after the loop's own start of the attempt
+        rebuilding.set()
+        release.wait(30)
+        rebuild()
+
+    engine.restart = restart
+    return rebuilding, release, began
+
+
 @pytest.mark.parametrize("ran_s, expected", [(10, 20), (29.5, 1), (40, 10), (100, 30)])
 def test_a_rebuild_past_its_estimate_asks_for_a_retry_as_late_as_it_overran(ran_s, expected):
     """Retry-After is the last build's time less what this rebuild has run (at least 1 s). Past
@@ -134,17 +151,7 @@ def test_a_503_while_the_engine_rebuilds_says_when_to_retry():
     llm = LLM(TINY_CONFIG, **{"server.health_check_interval_s": 0.2})
     engine = llm.engine
     engine.group.build_s = 30.0  # as a large model's start would have measured
-    _dead_at_the_idle_check(engine)
-    rebuilding, release = threading.Event(), threading.Event()
-    rebuild, began = engine.restart, []
-
-    def restart():
-        began.append(time.monotonic())  # at or after the loop's own start of the attempt
-        rebuilding.set()
-        release.wait(30)
-        rebuild()
-
-    engine.restart = restart
+    rebuilding, release, began = _held_rebuilds(engine)
     loop = AsyncEngine(engine)
     app = create_app(engine.config, Backend(loop, engine.tokenizer))
     body = {"model": engine.config.server.model_name, "prompt": [1, 2, 3], "max_tokens": 3}
@@ -169,6 +176,47 @@ def test_a_503_while_the_engine_rebuilds_says_when_to_retry():
     for stopped in (app, create_app(engine.config)):  # shut down; loading
         refused = _post(stopped, "/v1/completions", body)
         assert refused.status_code == 503 and "retry-after" not in refused.headers
+
+
+def test_a_prompt_outside_the_vocabulary_is_a_400_while_the_engine_rebuilds():
+    """A completion whose token ids lie outside the vocabulary got the engine's 400 while it
+    served, but 503 "recovering" while it rebuilt (the engine checked the ids; the route only
+    what needs no engine), so a client retried a request no engine would ever run. The route
+    now checks each prompt as the engine does (RequestChecks: the config and the tokenizer):
+    the same 400 with the engine's message, rebuilding or not."""
+    llm = LLM(TINY_CONFIG, **{"server.health_check_interval_s": 0.2})
+    engine = llm.engine
+    vocab, name = engine.config.model.vocab_size, engine.config.server.model_name
+    bad_prompts = [[1, 2, vocab], [[1, 2], [3, 10**6]]]
+    expected = []  # the engine's own refusals, as the route words them
+    for prompt in bad_prompts:
+        with pytest.raises(ValueError) as refused:
+            engine.checks.requests(prompt if isinstance(prompt[0], list) else [prompt])
+        error = {"message": str(refused.value), "type": "invalid_request_error"}
+        expected.append({"error": {**error, "param": "prompt", "code": None}})
+    assert expected[1]["error"]["message"].startswith("prompt 1: token id 1000000 is outside")
+    bodies = [{"model": name, "prompt": prompt, "max_tokens": 3} for prompt in bad_prompts]
+    bodies[1]["stream"] = True
+    good = {"model": name, "prompt": [1, 2, vocab - 1], "max_tokens": 3}
+    rebuilding, release, _ = _held_rebuilds(engine)
+    loop = AsyncEngine(engine)
+    app = create_app(engine.config, Backend(loop, engine.tokenizer))
+    try:
+        assert rebuilding.wait(30)
+        during = [_post(app, "/v1/completions", body) for body in bodies]
+        assert _post(app, "/v1/completions", good).status_code == 503  # still rebuilding
+        release.set()
+        deadline = time.monotonic() + 60
+        while not loop.is_healthy:
+            assert time.monotonic() < deadline, f"no recovery: {loop.error}"
+            time.sleep(0.05)
+        served = [_post(app, "/v1/completions", body) for body in bodies]
+        assert _post(app, "/v1/completions", good).status_code == 200
+    finally:
+        release.set()
+        loop.shutdown()
+    for responses in (during, served):
+        assert [(r.status_code, r.json()) for r in responses] == [(400, e) for e in expected]
 
 
 def test_failed_rebuild_attempts_back_off_and_a_shutdown_ends_the_pause(monkeypatch):
