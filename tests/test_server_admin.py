@@ -180,6 +180,42 @@ def test_admin_rebalance_force_false_skips_a_balanced_enough_load(server):
     assert metrics(server)["moe_rebalances_total"] == count + 2
 
 
+def test_a_refused_rebalance_is_a_409_naming_why_and_the_old_placement_serves(server):
+    """A move every rank refused together (rank 0 fails staging layer 0, as out of memory
+    would) raised RebalanceError, which the server answered 500 internal_error, though nothing
+    had changed and the old placement still served: a client took the server for broken. It
+    is a 409 now (a state change refused), typed and coded, its message naming the cause."""
+    engine = server.engine
+    placement = engine.balancer.placement.physical_to_logical.clone()
+    rebalance = engine.rebalance  # the bound method the admin route's call runs
+
+    def refused(force: bool = True) -> dict:
+        return rebalance(force=force, inject_failure=(0, 0))
+
+    load = {**BODY, "prompt": "a refused move"}  # a window's load that a plan moves
+    assert server.http.post("/v1/completions", json=load).status_code == 200
+    engine.rebalance = refused
+    try:
+        response = server.http.post("/admin/rebalance")
+    finally:
+        del engine.rebalance
+    assert response.status_code == 409, response.text
+    error = response.json()["error"]
+    assert (error["type"], error["code"], error["param"]) == (
+        "conflict_error",
+        "rebalance_refused",
+        None,
+    )
+    assert error["message"] == (
+        "a rank failed while moving experts (rank 0: layer 0: RuntimeError: injected failure "
+        "at layer 0); the old placement is in use"
+    )
+    assert engine.balancer.history[-1].get("failed"), "no move was tried"
+    assert engine.balancer.placement.physical_to_logical.equal(placement)
+    assert server.http.get("/health").status_code == 200
+    assert server.http.post("/v1/completions", json=BODY).status_code == 200
+
+
 JSON = "application/json"
 
 

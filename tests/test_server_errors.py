@@ -20,6 +20,7 @@ from launch.openai.errors import (
 from launch.server_app import create_app
 from moe_runtime.config import load_config
 from moe_runtime.engine.async_engine import EngineUnavailableError
+from moe_runtime.engine.balancer import RebalanceError
 from moe_runtime.executor import WorkerError
 from tests.invariance import TINY_CONFIG
 
@@ -45,6 +46,14 @@ from tests.invariance import TINY_CONFIG
             "invalid_api_key",
         ),
         (EngineUnavailableError("the engine is dead"), 503, "unavailable", None, None),
+        # every rank refused the move: nothing changed, the old placement serves
+        (
+            RebalanceError("a rank failed while moving experts; the old placement is in use"),
+            409,
+            "conflict_error",
+            None,
+            "rebalance_refused",
+        ),
         (WorkerError("rank 1 failed"), 500, "internal_error", None, None),
         (RuntimeError("invalid prompt token"), 500, "internal_error", None, None),
         (HTTPException(405, "Method Not Allowed"), 405, "invalid_request_error", None, None),

@@ -2,14 +2,15 @@
 
 A bad request is a ValueError: pydantic's validation errors, a `FieldError` raised where the
 field is known (its `param` names it), the engine's prompt checks. Statuses: 400 for those,
-401 `AuthenticationError`, 404 `UnknownModelError`, 503 `EngineUnavailableError` (loading,
-draining, dead), the framework's own `HTTPException` its status (404 no such route, 405 no such
-method, 400 a body that is not UTF-8), 500 anything else (a worker failure). Never decided by
-a message's words.
+401 `AuthenticationError`, 404 `UnknownModelError`, 409 `RebalanceError` (a move every rank
+refused together: nothing changed, the old placement serves), 503 `EngineUnavailableError`
+(loading, draining, dead), the framework's own `HTTPException` its status (404 no such route,
+405 no such method, 400 a body that is not UTF-8), 500 anything else (a worker failure). Never
+decided by a message's words.
 Bodies are OpenAI's {"error": {"message", "type", "param", "code"}}: `code` is a string or
 null as in OpenAI's API (never the HTTP status), chosen in the same table: "invalid_api_key"
 (401), "model_not_found" (404), "context_length_exceeded" for a prompt, or a prompt and its
-budget, past the context (`ContextLengthExceeded`), else null.
+budget, past the context (`ContextLengthExceeded`), "rebalance_refused" (409), else null.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from starlette.exceptions import HTTPException
 
 from launch.openai.render import ExactJSONResponse
 from moe_runtime.engine.async_engine import EngineUnavailableError
+from moe_runtime.engine.balancer import RebalanceError
 
 
 class FieldError(ValueError):
@@ -56,6 +58,11 @@ _STATUS_BY_TYPE = (
     (ContextLengthExceeded, 400, "invalid_request_error", "context_length_exceeded"),
     (RequestValidationError, 400, "invalid_request_error", None),
     (ValueError, 400, "invalid_request_error", None),
+    # A rank's own failure while staging (out of memory, say) votes the move down on every
+    # rank: the engine is whole and serving, the state change refused (a retry may pass). A
+    # move that broke the ranks (a failed collective) raises another type: a 500, the engine
+    # rebuilding. openai's client raises its ConflictError for a 409.
+    (RebalanceError, 409, "conflict_error", "rebalance_refused"),
     (EngineUnavailableError, 503, "unavailable", None),
     (Exception, 500, "internal_error", None),  # a worker failure
 )
