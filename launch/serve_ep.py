@@ -7,9 +7,9 @@
 Listens first (/health answers 503 while the engine loads), loads the engine and starts its
 AsyncEngine thread, prints "ready on http://host:port", then serves until SIGTERM or SIGINT: new
 connections are refused, requests in flight are answered (up to the drain timeout; the rest end
-with an error response; a second Ctrl-C ends them at once), the engine shuts down (bounded even
-with a stalled rank) and the process exits 0. An engine that fails to load, or that gives up
-(its restarts exhausted) while serving, exits 1.
+with an error response; a second SIGINT or SIGTERM ends them at once), the engine shuts down
+(bounded even with a stalled rank) and the process exits 0. An engine that fails to load, or
+that gives up (its restarts exhausted) while serving, exits 1.
 """
 
 from __future__ import annotations
@@ -77,18 +77,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 class StoppingServer(uvicorn.Server):
-    """uvicorn's Server, where a Ctrl-C while it stops already (a second SIGINT) cuts the drain
-    short (`is_drain_cut`): the requests in flight end now with an error saying so.
+    """uvicorn's Server, where a stop signal while it stops already (a second SIGINT or SIGTERM)
+    cuts the drain short (`drain_cut_by`: that signal's name): the requests in flight end now
+    with an error saying so.
 
     Why not uvicorn's own force_exit, which its log offers ("CTRL+C to force quit"): it only
     stopped waiting for the connections, so the engine's drain still ran its whole course, and
-    it skipped the app's shutdown, whose task was then cancelled with an ERROR traceback."""
+    it skipped the app's shutdown, whose task was then cancelled with an ERROR traceback. Why
+    SIGTERM too: uvicorn ignores a second one, so a supervisor's second SIGTERM (or a `kill`
+    sent again) left a client that stopped reading holding the exit until the drain timeout."""
 
-    is_drain_cut = False
+    drain_cut_by: str | None = None
 
     def handle_exit(self, sig: int, frame) -> None:
-        if self.should_exit and sig == signal.SIGINT:
-            self.is_drain_cut = True
+        if self.should_exit:
+            self.drain_cut_by = signal.Signals(sig).name
             return
         super().handle_exit(sig, frame)
 
@@ -146,7 +149,7 @@ async def stop_engine_with_server(
     is stopping (a signal, or that), drain the engine alongside uvicorn's own graceful shutdown
     and shut it down: requests still running at the drain timeout end with an error that their
     responses send (a stream's error chunk and [DONE], a 503) before uvicorn's longer timeout
-    would cut them. A second Ctrl-C meanwhile ends the drain at once."""
+    would cut them. A second stop signal meanwhile ends the drain at once."""
     while not server.should_exit:
         if engine.has_given_up:
             log(f"error: the engine gave up: {engine.error}; exiting")
@@ -157,10 +160,11 @@ async def stop_engine_with_server(
         log(f"draining requests in flight (up to {drain_timeout_s:g}s)")
     closing = asyncio.create_task(close_unsent(server, drain_timeout_s + RESPONSE_GRACE_S))
     stopped = asyncio.create_task(asyncio.to_thread(engine.shutdown, drain_timeout_s))
-    while not stopped.done() and not server.is_drain_cut:
+    while not stopped.done() and server.drain_cut_by is None:
         await asyncio.sleep(STOP_POLL_S)
-    if server.is_drain_cut and not stopped.done():
-        log("a second Ctrl-C: ending the requests in flight now")
+    if server.drain_cut_by is not None and not stopped.done():
+        cut = f"a second stop signal ({server.drain_cut_by}): the drain was cut short"
+        log(f"{cut}, ending the requests in flight now")
         engine.cut_drain()
     await stopped
     await closing
