@@ -41,13 +41,21 @@ log = logging.getLogger("moe_runtime.llm")
 class LLM:
     def __init__(self, config: str | Path | dict | RuntimeConfig, **overrides: Any) -> None:
         self.config = load_config(config, _flatten_overrides(overrides))
-        self.engine = LLMEngine(self.config)
-        self._tokenizer = self.engine.tokenizer
+        self._engine: LLMEngine | None = LLMEngine(self.config)  # None once shut down
+        self._tokenizer = self._engine.tokenizer
         # Held by the call running (under_lock; module docstring). Reentrant: a signal handler
         # calling shutdown() runs in the thread of the call it interrupted, which holds the
         # lock (a plain lock deadlocked there, and the process ignored every later SIGTERM).
         self._lock = threading.RLock()
         self._is_closing = threading.Event()  # set by shutdown before it waits for the lock
+
+    @property
+    def engine(self) -> LLMEngine:
+        """The engine, for step-by-step use (add_request, step, output); RuntimeError once
+        shutdown() was called, as this LLM's own calls raise (it was None after shutdown, and
+        llm.engine.add_request raised AttributeError on NoneType)."""
+        self._check_open()
+        return self._engine
 
     @property
     def tokenizer(self):
@@ -109,11 +117,12 @@ class LLM:
         (token_ids: the scored tokens; logprobs, top_logprobs and, with return_routed_experts,
         routed_experts: as decoding them reports). With prompt_lens of 1, routed_experts holds
         every position but the last: a whole sequence's routing for a trainer to replay."""
-        requests = self._live_engine().add_score_requests(
+        engine = self._live_engine()
+        requests = engine.add_score_requests(
             sequences, prompt_lens, logprobs, return_routed_experts
         )
         self._run_until_done(requests, "score", use_tqdm)
-        return [self.engine.output(r).outputs[0] for r in requests]
+        return [engine.output(r).outputs[0] for r in requests]
 
     @under_lock
     def rebalance(self) -> dict:
@@ -137,9 +146,9 @@ class LLM:
         for the whole generate, however long."""
         self._is_closing.set()
         with self._lock:
-            if self.engine is not None:
-                self.engine.shutdown()
-                self.engine = None
+            if self._engine is not None:
+                self._engine.shutdown()
+                self._engine = None
 
     def _live_engine(self) -> LLMEngine:
         """The engine, rebuilt first if a fault (or a Ctrl-C mid-step) left it dead: the call
@@ -148,24 +157,24 @@ class LLM:
         died between two calls) kills the engine first: the call would be scheduled onto it
         and fail with requests that never ran."""
         self._check_open()
-        if self.engine.error is None:
+        if self._engine.error is None:
             with contextlib.suppress(WorkerError):  # the engine is dead now, saying why
-                self.engine.check_dead_ranks()
-        if self.engine.error is not None:
-            log.warning("the engine is dead (%s): rebuilding its workers", self.engine.error)
-            self.engine.restart()
-        return self.engine
+                self._engine.check_dead_ranks()
+        if self._engine.error is not None:
+            log.warning("the engine is dead (%s): rebuilding its workers", self._engine.error)
+            self._engine.restart()
+        return self._engine
 
     def _check_open(self) -> None:
         """RuntimeError once shutdown() was called (it may still wait for the running call)."""
-        if self._is_closing.is_set() or self.engine is None:
+        if self._is_closing.is_set() or self._engine is None:
             raise RuntimeError("this LLM was shut down: make a new LLM")
 
     def _run_until_done(self, requests: list[Request], what: str, use_tqdm: bool) -> None:
         """Step until nothing is left, on a progress bar when use_tqdm; on any exception (a
         Ctrl-C between steps too, shutdown() from another thread) this call's requests are
         aborted, so a later call neither runs them nor waits for them."""
-        engine = self.engine  # (a shutdown in a signal handler of this thread drops it)
+        engine = self._engine  # (a shutdown in a signal handler of this thread drops it)
         try:
             with tqdm(total=len(requests), desc=what, unit="prompt", disable=not use_tqdm) as bar:
                 step_until_done(engine, requests, bar, self._check_open)

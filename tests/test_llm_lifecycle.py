@@ -157,9 +157,25 @@ def test_shutdown_from_another_thread_ends_the_running_generate_with_an_error():
     assert len(failures) == 1 and isinstance(failures[0], RuntimeError), failures
     assert "shut down" in str(failures[0])
     assert num_steps[0] <= 1  # engagement: it stopped at once, not after its 50 tokens
-    assert llm.engine is None
     with pytest.raises(RuntimeError, match="shut down"):
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=1), use_tqdm=False)
+    llm.shutdown()  # twice: nothing left to do
+
+
+def test_llm_engine_after_shutdown_raises_the_shut_down_error():
+    """llm.engine was None after shutdown(), so step-by-step use (llm.engine.add_request)
+    raised AttributeError on NoneType, where the LLM's own calls say it was shut down."""
+    llm = LLM(TINY_CONFIG)
+    request = llm.engine.add_request([5, 6, 7], SamplingParams(max_tokens=2, seed=1))
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    assert request.is_finished  # engagement: step-by-step use worked before the shutdown
+    llm.shutdown()
+    with pytest.raises(RuntimeError, match="this LLM was shut down: make a new LLM"):
+        llm.engine.add_request([5, 6, 7], SamplingParams(max_tokens=2))
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=1), use_tqdm=False)
+    assert llm.tokenizer is not None  # still there, to decode what was generated
     llm.shutdown()  # twice: nothing left to do
 
 
