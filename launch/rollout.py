@@ -10,11 +10,12 @@ Rows and seeds: launch.rollout_io. Each sample is its own request with its own s
 any batch. Batches are appended and fsynced: a rerun with the same --output resumes without
 losing or duplicating rows, and is refused if what a row's bits depend on changed (the settings
 record beside the output: launch.rollout_settings). Every row is checked as the engine would
-before anything runs; a bad one stops the job (--on-bad-row skip: report it, run the others),
-and a bad run-wide flag stops it before any row is read. SIGINT / SIGTERM end it at the next
-engine step, after the batches written so far (exit 130 / 143); a rerun resumes. A rank that
-dies or stalls has the workers rebuilt and its batch run again (parallel.max_restarts; then exit
-1). `--score`: teacher-forced logprobs (LLM.score) of rows' "token_ids", and their routed experts.
+before anything runs; a bad one stops the job (--on-bad-row skip: report it, run the others;
+exit 1 if every row is bad), and a bad run-wide flag stops it before any row is read. SIGINT /
+SIGTERM end it at the next engine step, after the batches written so far (exit 130 / 143); a
+rerun resumes. A rank that dies or stalls has the workers rebuilt and its batch run again
+(parallel.max_restarts; then exit 1). `--score`: teacher-forced logprobs (LLM.score) of rows'
+"token_ids", and their routed experts.
 """
 
 from __future__ import annotations
@@ -88,7 +89,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--on-bad-row",
         choices=("stop", "skip"),
         default="stop",
-        help="stop: exit 2 before generating anything; skip: report the row and go on",
+        help="stop: exit 2 before generating anything; skip: report the row and go on "
+        "(exit 1 if every row is bad)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     return parser.parse_args(argv)
@@ -250,6 +252,17 @@ def _run_loaded(
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.score:
+        _warn_of_score_differences(args.input, settings)
+    bad_rows = sorted(rows.bad_rows + bad_rows, key=lambda error: error.line_no)
+    for error in bad_rows:
+        print(f"skipped {error}", file=sys.stderr)
+    if bad_rows and not samples:  # a job that can write no row failed, though skip let it run
+        print(
+            f"error: every row of {args.input} is bad ({len(bad_rows)} skipped): no row to run",
+            file=sys.stderr,
+        )
+        return 1
     try:
         if existing.num_bytes:
             cut_torn_line(output, existing)
@@ -258,11 +271,6 @@ def _run_loaded(
     except OSError as exc:
         print(f"error: cannot write {output} or its settings record: {exc}", file=sys.stderr)
         return 2
-    if args.score:
-        _warn_of_score_differences(args.input, settings)
-    bad_rows = sorted(rows.bad_rows + bad_rows, key=lambda error: error.line_no)
-    for error in bad_rows:
-        print(f"skipped {error}", file=sys.stderr)
     todo = [s for s in samples if s.key not in existing.done]
     started = time.perf_counter()
     try:

@@ -485,6 +485,24 @@ def test_skip_runs_the_good_rows_as_a_clean_input_would(tmp_path, capsys):
     assert read_jsonl(mixed) == read_jsonl(clean)
 
 
+def test_skip_with_every_row_bad_fails_naming_the_file(tmp_path, capsys):
+    """It wrote no row and exited 0, as a job that did its work. Rows bad when read and rows
+    the engine refuses count alike; nothing is written, not even the settings record."""
+    lines = [
+        "[1, 2",
+        {"id": "u", "prompt": "a", "colour": 1},
+        {"id": "w", "prompt": "a", "logprobs": 600},
+    ]
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in lines))
+    assert run("--input", source, "--output", out, "--max-tokens", "2", "--on-bad-row", "skip") == 1
+    err = capsys.readouterr().err
+    assert err.count("skipped ") == 3, err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert errors == [f"error: every row of {source} is bad (3 skipped): no row to run"], err
+    assert not out.exists() and not settings_path(out).exists()
+
+
 def test_duplicate_id_refuses_the_whole_file_even_with_skip(tmp_path, capsys):
     source = write_with_bad_row(tmp_path / "in.jsonl", {"id": 1, "prompt": "dup"})
     out = tmp_path / "out.jsonl"
