@@ -3,11 +3,13 @@
 Every rank derives the same transfer plan from (old, new) physical_to_logical alone: a new slot
 whose logical expert this rank already holds is copied locally; any other is sent by the rank
 holding that expert's lowest-id old replica. Layers move one at a time (one all_to_all_single of
-weight rows each, so transfer buffers stay bounded by one layer) into staging tensors; a final
-MIN all-reduce of every rank's success flag decides, on all ranks at once, whether the staged
-weights are committed or dropped. The old weights stay in use until then, so a failure leaves
-the old placement serving; a rank whose own work fails (out of memory while staging, say) votes
-no but never leaves the collectives. Staging holds one full copy of this rank's experts.
+weight rows each, so transfer buffers stay bounded by one layer) into staging tensors. Before
+each exchange, and once after the last layer, a MIN all-reduce of every rank's success flag
+decides on all ranks at once whether to go on (and at the end, to commit); the old weights stay
+in use until then, so a failure leaves the old placement serving. A rank whose own work fails
+(out of memory while staging, say) votes no at the next vote and all ranks stop there together:
+it allocates nothing more and never leaves the collectives. Staging holds one full copy of this
+rank's experts.
 """
 
 from __future__ import annotations
@@ -66,19 +68,20 @@ def rearrange_experts(
 
     experts: per MoE layer (gate_up_proj [S, 2I, D], down_proj [S, D, I]) of this rank's S slots
     under old_p2l. A local error (out of memory allocating the staging copy or a transfer
-    buffer, a failed copy) does not escape: this rank drops what it staged, still joins every
-    later collective with the sizes all ranks derived from the plan (had it left, its peers
-    would wait in the next exchange until the collective timeout, and the engine would die
-    though nothing had changed), and votes against the commit; `error` names the failure.
-    Only a failed collective raises (CollectiveError): then the ranks are out of step.
-    fail_at_layer: fault injection, a local error at that layer.
+    buffer, a failed copy) does not escape: this rank drops what it staged and votes no at the
+    next vote, where every rank stops (had it left, its peers would wait in the next exchange
+    until the collective timeout, and the engine would die though nothing had changed); `error`
+    names the failure. Only a failed collective raises (CollectiveError): then the ranks are out
+    of step. fail_at_layer: fault injection, a local error at that layer.
     """
     transfers = plan_transfers(old_p2l, new_p2l, num_ranks)
     slots = new_p2l.shape[1] // num_ranks
-    error, staged, bytes_sent = None, [], 0
+    device = experts[0][0].device if experts else "cpu"
+    error, staged, bytes_sent, is_stopped = None, [], 0, False
     for layer, (gate_up, down) in enumerate(experts):
         mine = [t for t in transfers if t.layer == layer]
         exchange = _LayerExchange.of(mine, layer, rank, num_ranks, _row_width(gate_up, down))
+        new_weights = send = recv = None
         if error is None:
             try:
                 if fail_at_layer == layer:
@@ -86,25 +89,26 @@ def rearrange_experts(
                 new_weights = torch.empty_like(gate_up), torch.empty_like(down)
                 send, recv = exchange.buffers(gate_up, down)
             except Exception as exc:  # this rank's own: it fails, the ranks stay in step
-                error, staged = _local_error(layer, exc), []
-        if error is not None:
-            # Only the agreed sizes matter now: the commit will fail. Every staged tensor is
-            # dropped first (this layer's copy too), so one layer's transfer rows fit where
-            # they did before the move began: a placeholder that ran out of memory as well
-            # would leave the collectives, and the peers would wait out the timeout.
-            new_weights = None
-            send, recv = exchange.placeholders(gate_up)
+                error, staged, new_weights = _local_error(layer, exc), [], None
+        # Why a vote before each exchange, not placeholders of the agreed sizes for a rank that
+        # failed: a placeholder as large as the buffers that just ran out of memory could run
+        # out too, and escape the collectives. Every rank derives is_collective from the same
+        # plan, so all vote here together; one no and every rank stops before the exchange.
+        if exchange.is_collective and not _all_ok(error is None, rank, num_ranks, group, device):
+            is_stopped = True
+            break
+        if error is not None:  # no exchange in this layer: the next vote tells the peers
+            continue
         bytes_sent += exchange.run(send, recv, group)
-        if error is None:
-            try:
-                exchange.unpack(gate_up, down, recv, new_weights)
-                staged.append(new_weights)
-            except Exception as exc:
-                error, staged = _local_error(layer, exc), []
+        try:
+            exchange.unpack(gate_up, down, recv, new_weights)
+            staged.append(new_weights)
+        except Exception as exc:
+            error, staged = _local_error(layer, exc), []
         # Why: the next layer's buffers are allocated with this layer's gone (one layer's
         # transfer rows at a time, not two).
         send = recv = new_weights = None
-    ok = _all_ok(error is None, rank, num_ranks, group, experts[0][0].device if experts else "cpu")
+    ok = not is_stopped and _all_ok(error is None, rank, num_ranks, group, device)
     lo, hi = rank * slots, (rank + 1) * slots
     moved = int((old_p2l[:, lo:hi] != new_p2l[:, lo:hi]).sum())
     return RearrangeResult(ok, staged if ok else None, moved, bytes_sent, error)
@@ -163,12 +167,6 @@ class _LayerExchange:
         send = torch.cat(rows) if rows else gate_up.new_empty(0)
         return send, gate_up.new_empty(len(self.recvs) * self.width)
 
-    def placeholders(self, gate_up) -> tuple[torch.Tensor, torch.Tensor]:
-        """(send, recv) of the agreed sizes for a rank that failed; their contents go unused.
-        Empty where the layer has no exchange (run skips it)."""
-        num_sends, num_recvs = (len(self.sends), len(self.recvs)) if self.is_collective else (0, 0)
-        return gate_up.new_zeros(num_sends * self.width), gate_up.new_empty(num_recvs * self.width)
-
     def run(self, send: torch.Tensor, recv: torch.Tensor, group) -> int:
         """The layer's all_to_all_single, unless no row crosses ranks; -> bytes sent."""
         if not self.is_collective:
@@ -176,8 +174,8 @@ class _LayerExchange:
             return 0
         send_splits = [sum(t.dst_rank == r for t in self.sends) for r in range(self.num_ranks)]
         recv_splits = [sum(t.src_rank == r for t in self.recvs) for r in range(self.num_ranks)]
-        # Collective: every rank of the group exchanges this layer's weights at the same point,
-        # a rank that failed too (with placeholders of the same sizes).
+        # Collective: every rank of the group exchanges this layer's weights at the same point
+        # (each voted before it that it has its buffers).
         with collective_guard(self.rank, f"expert weight all_to_all (layer {self.layer})"):
             dist.all_to_all_single(
                 recv,
@@ -204,7 +202,8 @@ def _all_ok(ok: bool, rank: int, num_ranks: int, group, device) -> bool:
     if num_ranks == 1:
         return ok
     flag = torch.tensor([1 if ok else 0], dtype=torch.int64, device=device)
-    # Collective: the commit decision; every rank joins after its last layer.
-    with collective_guard(rank, "rebalance commit all_reduce"):
+    # Collective: a vote, before a layer's exchange or after the last layer (the commit); every
+    # rank joins each at the same point of the same plan. Host sync: the ranks branch on it.
+    with collective_guard(rank, "rebalance vote all_reduce"):
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     return bool(flag.item())

@@ -32,6 +32,7 @@ from tests.invariance import (
 
 ray = pytest.importorskip("ray")
 NUM = 16
+TENSOR_ALLOCATORS = ("new_empty", "new_zeros")  # the Tensor methods _arm_full_gpu guards
 EPLB_ON = {
     "eplb.enabled": True,
     "eplb.interval_steps": 4,
@@ -156,14 +157,79 @@ def _disarm_staging_oom(worker) -> int:
     return worker.staging_ooms
 
 
+def _arm_full_gpu(worker, layer: int) -> None:
+    """In the worker's process: the GPU is full from MoE layer `layer`'s transfer buffers on.
+    The first allocation from that layer's gate_up weights (the buffers') raises
+    torch.OutOfMemoryError, and so does every later one eplb.rearrange makes (torch.empty_like,
+    torch.cat, and new_empty / new_zeros of any expert weights); each raise is counted on
+    `worker.staging_ooms`. Other tensors' allocations are torch's."""
+    import eplb.rearrange as rearrange
+
+    experts = [moe.experts for moe in worker.runner.model.moe_layers]
+    weights = {w.data_ptr() for e in experts for w in (e.gate_up_proj.data, e.down_proj.data)}
+    target = experts[layer].gate_up_proj.data.data_ptr()
+    worker.staging_ooms, worker.is_gpu_full = 0, False
+    worker.tensor_allocators = {name: getattr(torch.Tensor, name) for name in TENSOR_ALLOCATORS}
+
+    def out_of_memory(what: str):
+        worker.staging_ooms += 1
+        worker.is_gpu_full = True
+        raise torch.OutOfMemoryError(f"injected: {what} (the GPU is full)")
+
+    def guarded(name: str):
+        allocate = worker.tensor_allocators[name]
+
+        def allocate_unless_full(tensor, *args, **kwargs):
+            if tensor.data_ptr() in weights and (worker.is_gpu_full or tensor.data_ptr() == target):
+                out_of_memory(f"Tensor.{name}")
+            return allocate(tensor, *args, **kwargs)
+
+        return allocate_unless_full
+
+    class FullGpuTorch(types.ModuleType):
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        def empty_like(self, tensor, *args, **kwargs):
+            if worker.is_gpu_full:
+                out_of_memory("torch.empty_like")
+            return torch.empty_like(tensor, *args, **kwargs)
+
+        def cat(self, tensors, *args, **kwargs):
+            if worker.is_gpu_full:
+                out_of_memory("torch.cat")
+            return torch.cat(tensors, *args, **kwargs)
+
+    for name in TENSOR_ALLOCATORS:
+        setattr(torch.Tensor, name, guarded(name))
+    rearrange.torch = FullGpuTorch("torch")
+
+
+def _disarm_full_gpu(worker) -> int:
+    """Undo _arm_full_gpu in the worker's process; -> the OOMs it raised."""
+    import eplb.rearrange as rearrange
+
+    rearrange.torch = torch
+    for name, allocate in worker.tensor_allocators.items():
+        setattr(torch.Tensor, name, allocate)
+    return worker.staging_ooms
+
+
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_a_local_error_while_staging_keeps_old_placement_and_requests(world_size):
-    """The last rank runs out of memory allocating the staging copy of MoE layer 1's experts.
-    The error escaped the worker: the engine died and every request in flight ended with it,
-    though nothing had changed (at world size 2 rank 0 first waited out the collective
-    timeout in the layer's exchange). A rank with a local error now reports failure and keeps
-    joining every collective with the agreed sizes: RebalanceError at once, the old placement
-    serving, the requests bitwise as in a run without the rebalance."""
+@pytest.mark.parametrize(
+    ("arm", "disarm"),
+    [(_arm_staging_oom, _disarm_staging_oom), (_arm_full_gpu, _disarm_full_gpu)],
+    ids=["staging", "full_gpu"],
+)
+def test_a_local_error_while_staging_keeps_old_placement_and_requests(world_size, arm, disarm):
+    """The last rank runs out of memory while staging MoE layer 1's experts: allocating their
+    staging copy, or (full_gpu) their transfer buffers and everything after. The error escaped
+    the worker: the engine died and every request in flight ended with it, though nothing had
+    changed (at world size 2 rank 0 first waited out the collective timeout in the layer's
+    exchange). With a full GPU it still did: the failed rank's placeholders of the agreed sizes,
+    allocated outside the try, ran out of memory too. A rank with a local error now votes no
+    before the next exchange and every rank stops there: RebalanceError at once, the failure
+    counted, the old placement serving, the requests bitwise as in a run without the move."""
     prompts, params = mixed_prompts(4, 10, 40, seed=3), mixed_params(4, 12)
     overrides = {
         "parallel.world_size": world_size,
@@ -178,13 +244,17 @@ def test_a_local_error_while_staging_keeps_old_placement_and_requests(world_size
         for _ in range(4):
             engine.step()
         before = [s["physical_to_logical"] for s in engine.worker_stats()]
-        _on_rank(engine, rank, _arm_staging_oom, 1)
+        _on_rank(engine, rank, arm, 1)
         started = time.monotonic()
-        with pytest.raises(RebalanceError, match=rf"rank {rank}: layer 1: OutOfMemoryError"):
-            engine.rebalance()
+        try:
+            with pytest.raises(RebalanceError, match=rf"rank {rank}: layer 1: OutOfMemoryError"):
+                engine.rebalance()
+        finally:
+            num_ooms = _on_rank(engine, rank, disarm)
         assert time.monotonic() - started < 10, "a rank waited out a collective"
-        assert _on_rank(engine, rank, _disarm_staging_oom) == 1  # engagement: the OOM was raised
+        assert num_ooms == 1  # engagement: the OOM was raised, and nothing allocated after it
         assert engine.error is None
+        assert engine.stats().num_failed_rebalances == 1
         assert [s["physical_to_logical"] for s in engine.worker_stats()] == before
         failed = engine.balancer.history[-1]
         assert failed.get("failed") and failed["experts_moved"] > 0, failed  # a real move

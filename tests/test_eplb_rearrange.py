@@ -2,9 +2,9 @@
 
 A rearrange runs where the experts' weights already fill most of the GPU, so what it keeps alive
 decides whether it fits: one layer's transfer buffers at a time, and after a local failure
-(out of memory while staging) nothing staged when the placeholders of the agreed sizes are
-allocated, since a placeholder that runs out of memory too escapes the rank's collectives and
-its peers wait out the timeout. Checked in one process (world size 1): which tensors are still
+(out of memory while staging) nothing more allocated and nothing staged kept, since an
+allocation that runs out of memory too would escape the rank's collectives and its peers
+would wait out the timeout. Checked in one process (world size 1): which tensors are still
 alive when the next allocation is made.
 """
 
@@ -82,33 +82,38 @@ def test_one_layer_of_transfer_buffers_at_a_time(monkeypatch, recorder):
 
 
 @pytest.mark.parametrize("fail_layer", [0, 1, 2])
-def test_nothing_staged_survives_a_local_failure(monkeypatch, recorder, fail_layer):
-    """Out of memory allocating layer `fail_layer`'s transfer buffers: the placeholders of the
-    agreed sizes (as large as what just failed) were allocated with that layer's staging copy
-    and the layer before's buffers still alive; at layer 0 nothing else had been freed, so on
-    a full GPU the placeholder ran out of memory too and left the collectives."""
-    buffers, placeholders = _LayerExchange.buffers, _LayerExchange.placeholders
-    alive_at_placeholders: list[tuple[int, int]] = []
+def test_nothing_is_allocated_or_kept_after_a_local_failure(monkeypatch, recorder, fail_layer):
+    """Out of memory allocating layer `fail_layer`'s transfer buffers: the rank then allocated
+    placeholders of the agreed sizes (as large as what just failed) for that layer and every
+    later one, outside the try, so on a full GPU the placeholder ran out of memory too and left
+    the collectives. Now it allocates nothing after the failure (every later allocation here
+    raises, as on a full GPU) and returns a refusal holding nothing staged."""
+    buffers = _LayerExchange.buffers
+    is_full = [False]
 
     def failing_buffers(self, gate_up, down):
-        if self.layer == fail_layer:
+        if is_full[0] or self.layer == fail_layer:
+            is_full[0] = True
             raise torch.OutOfMemoryError("injected: transfer buffers")
         send, recv = buffers(self, gate_up, down)
         recorder.buffers += [weakref.ref(send), weakref.ref(recv)]
         return send, recv
 
-    def recording_placeholders(self, gate_up):
-        alive = (_Recorder.alive(recorder.staging), _Recorder.alive(recorder.buffers))
-        alive_at_placeholders.append(alive)
-        return placeholders(self, gate_up)
+    def full_gpu(allocate):
+        def allocate_unless_full(*args, **kwargs):
+            if is_full[0]:
+                raise torch.OutOfMemoryError("injected: the GPU is full")
+            return allocate(*args, **kwargs)
+
+        return allocate_unless_full
 
     monkeypatch.setattr(_LayerExchange, "buffers", failing_buffers)
-    monkeypatch.setattr(_LayerExchange, "placeholders", recording_placeholders)
+    for name in ("new_empty", "new_zeros"):
+        monkeypatch.setattr(torch.Tensor, name, full_gpu(getattr(torch.Tensor, name)))
     old, new = _plans()
     result = rearrange_experts(_experts(), old, new, 0, 1, None)
-    assert not result.ok and "OutOfMemoryError" in result.error
-    assert result.weights is None
-    # Engagement: the failed layer and every later one took placeholders; staging was made.
-    assert len(alive_at_placeholders) == NUM_LAYERS - fail_layer
-    assert len(recorder.staging) >= 2
-    assert alive_at_placeholders == [(0, 0)] * (NUM_LAYERS - fail_layer)
+    assert not result.ok and result.weights is None
+    assert result.error == f"layer {fail_layer}: OutOfMemoryError: injected: transfer buffers"
+    # Engagement: every layer up to the failed one was staged (two copies a layer).
+    assert len(recorder.staging) == 2 * (fail_layer + 1)
+    assert _Recorder.alive(recorder.staging) == _Recorder.alive(recorder.buffers) == 0
