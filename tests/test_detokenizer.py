@@ -28,22 +28,29 @@ def _held_back(text: str, stop: tuple[str, ...]) -> int:
 
 def _run(text: str, stop: tuple[str, ...], rng: random.Random) -> tuple[list[str], int | None]:
     """Feed text's bytes one to three tokens at a time; -> each update's delta, checked at
-    every update against the definitions (before the first stop string appears in the whole
-    text, every occurrence of one ends in the new characters: the first such start is where
-    the text stops)."""
+    every update against the definitions (the text stops before the stop string that is whole
+    first, reading the whole text a character at a time; of those whole at one character, the
+    longest)."""
     detok, ids, deltas = IncrementalDetokenizer(TOKENIZER, stop), [], []
     while len(ids) < len(text):
         ids += [ord(c) for c in text[len(ids) : len(ids) + rng.randint(1, 3)]]
         is_stopped = detok.update(ids)
         seen = text[: len(ids)]
-        starts = [i for i in (seen.find(s) for s in stop) if i >= 0]
-        assert is_stopped == bool(starts) and detok.stop_index == min(starts, default=None)
+        assert is_stopped == any(s in seen for s in stop)
+        assert detok.stop_index == _first_stop(seen, stop)
         deltas.append(detok.delta(is_final=is_stopped))
         if is_stopped:
             assert "".join(deltas) == seen[: detok.stop_index]
             return deltas, detok.stop_index
         assert "".join(deltas) == seen[: len(seen) - _held_back(seen, stop)]
     return deltas, None
+
+
+def _first_stop(text: str, stop: tuple[str, ...]) -> int | None:
+    """Where text stops: before the stop string whose first occurrence ends first (the longest
+    of those ending there), or None."""
+    ends = [(text.find(s) + len(s), -len(s)) for s in stop if s in text]
+    return sum(min(ends)) if ends else None
 
 
 def test_stops_and_held_back_text_follow_their_definitions():
@@ -62,6 +69,19 @@ def test_stops_and_held_back_text_follow_their_definitions():
 def test_text_is_held_until_it_cannot_start_a_stop_string_then_cut_before_it():
     deltas, stop_index = _run("xyabcabcdz", ("abcd",), _OneTokenAtATime())
     assert deltas == ["x", "y", "", "", "", "abc", "", "", ""] and stop_index == 5
+
+
+@pytest.mark.parametrize("tokens", [["abc", "d"], ["ab", "cd"], ["abcd"], list("abcd")])
+def test_where_text_stops_does_not_depend_on_how_it_was_cut_into_tokens(tokens):
+    """The earliest start of every stop string found in a token's new text was the cut: "abcd"
+    against ("bc", "abcd") gave "a" read as "abc", "d" but "" read as one token ("bc" is whole
+    first, at "c", where one character at a time stops)."""
+    detok, ids = IncrementalDetokenizer(TOKENIZER, ("bc", "abcd")), []
+    for token in tokens:
+        ids += [ord(c) for c in token]  # a token of several characters
+        if detok.update(ids):
+            break
+    assert detok.stop_index == 1 and detok.text == "a" and detok.delta(is_final=True) == "a"
 
 
 def test_long_stop_strings_cost_time_linear_in_the_text():

@@ -53,18 +53,19 @@ class IncrementalDetokenizer:
         if self.stop_index is not None:
             return True
         new = self._decoder.take(token_ids, is_final)
-        # Where each stop string found whole in the new text starts; the first is kept.
-        hits = [
-            self._num_chars + end + 1 - len(matcher.stop)
-            for end, char in enumerate(new)
-            for matcher in self._stop
-            if matcher.feed(char)
-        ]
+        for end, char in enumerate(new):
+            # The text stops at the first character that completes a stop string (of those
+            # completing there, the longest): where a reader of one character at a time
+            # stops. Why not the earliest start of any found in the new text: that cut
+            # depended on how the text was split into tokens (stop ("bc", "abcd") cut
+            # "abcd" to "a" read as "abc", "d" and to "" read as one token).
+            lengths = [len(m.stop) for m in self._stop if m.feed(char)]  # every matcher fed
+            if lengths:
+                self.stop_index = self._num_chars + end + 1 - max(lengths)
+                break
         self._text.write(new)
         self._num_chars += len(new)
         self._unsent += new
-        if hits:
-            self.stop_index = min(hits)
         return self.stop_index is not None
 
     def delta(self, is_final: bool) -> str:
