@@ -119,7 +119,7 @@ def test_rows_equal_generate(rollout_rows):
         assert got[2] == tuple(
             tuple((t, lp.hex()) for t, lp in top.items()) for top in want.top_logprobs
         )
-        assert row["finish_reason"] == want.finish_reason
+        assert row["finish_reason"] == want.finish_reason and row["text"] == want.text
         assert row["routed_experts"] == np.asarray(want.routed_experts).tolist()
         assert len(row["routed_experts"]) == len(row["token_ids"])  # one entry per token
     assert [(r["id"], r["sample_idx"]) for r in rows[:3]] == [("text", 0), ("text", 1), (1, 0)]
@@ -148,6 +148,9 @@ def test_a_rows_own_stops_end_its_samples_as_generate_does(tmp_path, capsys):
         want = llm.generate([row["prompt"]], SamplingParams(seed=out["seed"], **knobs))[0]
         assert exact(out)[:2] == (tuple(want.token_ids), tuple(map(float.hex, want.logprobs)))
         assert out["finish_reason"] == want.finish_reason
+        # The text, cut before the stop string: the row said nothing of where it stops, and
+        # its token ids decode to the stop string too.
+        assert out["text"] == want.text == decode(out["token_ids"][:-1])
     llm.shutdown()
     source = write_jsonl(tmp_path / "bad.jsonl", [{"id": 0, "prompt": prompt, "stop_token_ids": 5}])
     assert run("--input", source, "--output", tmp_path / "bad.out.jsonl", *ARGS) == 2
