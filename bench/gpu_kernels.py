@@ -806,6 +806,74 @@ def bench_split_size() -> None:
             print(f"| {batch} | {ctx} | " + " | ".join(f"{u:.1f}" for u in us) + " |")
 
 
+def bench_split_larger() -> None:
+    """The 16-head invariant decode attention with KV splits of 4 cache blocks (the op's
+    SPLIT_BLOCKS) against 8 and 16, each with the launch rules the op applies to its own
+    splits (value split and table read ahead by (query, split) pairs, a program a whole query
+    from 128 queries), against FlashMLA with one plan a step. A split size that follows the
+    query's own length (never the batch) keeps the contract, so this table is what such a rule
+    could gain where. Tables as wide as the engine's graph, graph replay over L2-missing
+    caches, µs (/ FlashMLA)."""
+    from moe_kernels.attention_launch import (
+        TABLE_AHEAD_MAX_PAIRS,
+        split_count,
+        value_split,
+        whole_query_stages,
+    )
+    from moe_kernels.fast_attention import _decode_flash_mla
+    from moe_kernels.triton_attention import _attend, mla_attention_triton
+
+    sizes = (8, 16)
+    print(
+        "\n## 16-head decode attention, KV splits of 4 (the op) vs 8 and 16 blocks (graph replay)"
+    )
+    print(
+        "| B | ctx | FlashMLA µs | op (4) µs | "
+        + " | ".join(f"{s} blocks µs" for s in sizes)
+        + " |"
+    )
+    print("|---|---|---|---|" + "---|" * len(sizes))
+    shapes = (
+        (1, 1024), (1, 4096), (8, 1024), (8, 4096), (8, 8192), (16, 4096), (32, 2048),
+        (32, 4096), (64, 1024), (64, 2048), (64, 4096), (64, 8192), (128, 4096), (256, 4096),
+    )  # fmt: skip
+    for batch, ctx in shapes:
+        blocks = -(-ctx // 64)
+        width = _graph_width(blocks)
+        read = batch * ctx * 576 * 2
+        step = _decode_cache(batch, ctx, width=width)
+        flash_step = (step[3][:, :blocks].contiguous(), step[4])
+
+        def make(split_blocks, batch=batch, ctx=ctx, width=width, flash=flash_step):
+            q, kv, seq_ids, tables, positions = _decode_cache(batch, ctx, width=width)
+            if split_blocks == "flash":
+                return lambda: _decode_flash_mla(q, kv, *flash, 192**-0.5, 512)
+            if split_blocks == "op":
+                return lambda: mla_attention_triton(
+                    q, kv, seq_ids, tables, positions, scale=192**-0.5, v_dim=512
+                )
+            splits = split_count(width, split_blocks, 0)
+            v_parts, lat_chunk = value_split(batch, 512, splits)
+            whole = whole_query_stages(batch) if v_parts == 1 else None
+            ahead = whole is not None or batch * splits <= TABLE_AHEAD_MAX_PAIRS
+            return lambda: _attend(
+                q, kv, seq_ids, tables, positions, 192**-0.5, 512, split_blocks, 4,
+                whole or 3, 16, v_parts, lat_chunk, is_whole_query=whole is not None,
+                is_table_ahead=ahead,
+            )  # fmt: skip
+
+        try:
+            flash = _graph_ms(partial(make, "flash"), read, 8) * 1e3
+        except Exception as exc:  # FlashMLA not installed: the ratios are against the op
+            print(f"FlashMLA: {type(exc).__name__}: {exc}")
+            flash = None
+        text = [f"{flash:.1f}" if flash else "-"]
+        for launch in ("op", *sizes):
+            us = _graph_ms(partial(make, launch), read, 8) * 1e3
+            text.append(f"{us:.1f} ({us / flash:.2f})" if flash else f"{us:.1f}")
+        print(f"| {batch} | {ctx} | " + " | ".join(text) + " |")
+
+
 def bench_split_sweep() -> None:
     """The 16-head split launch (fewer than 128 programs of whole queries: B < 128) at long
     contexts, every launch shape that keeps its bits: value split (v_parts, lat_chunk), warps,
@@ -1991,6 +2059,7 @@ def sections() -> dict:
         "value_split": bench_value_split,
         "wide_value_split": bench_wide_value_split,
         "split_size": bench_split_size,
+        "split_larger": bench_split_larger,
         "tail": bench_tail,
         "merge": bench_merge,
         "split_sweep": bench_split_sweep,
