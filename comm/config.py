@@ -22,6 +22,12 @@ class ParallelConfig:
     backend: str = "auto"
     device: str = "cpu"
     timeout_s: float = 120.0
+    # The bound on phase 1 of a weight update (each rank reading and checking its part of the
+    # new weights: no collective in it), instead of timeout_s's. Reading a large checkpoint
+    # from slow storage (V3's ~700 GB from a network file system) runs for minutes while every
+    # rank is alive; a rank that dies or freezes meanwhile is still found at once (its death)
+    # or by the watchdog's pings (server.health_check_interval_s).
+    weight_read_timeout_s: float = 1800.0
     # Worker-group rebuilds the engine may make after a rank dies or stalls, within any
     # restart_window_s seconds, before giving up: rare faults over a long life are each rebuilt,
     # a group that keeps failing is not rebuilt forever.
@@ -75,11 +81,11 @@ class ParallelConfig:
             raise ValueError(
                 f"parallel.max_restarts must be an int >= 0, got {self.max_restarts!r}"
             )
-        for key in ("timeout_s", "restart_window_s"):
+        for key in ("timeout_s", "weight_read_timeout_s", "restart_window_s"):
             value = getattr(self, key)
             is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
             if not (is_number and 0 < value <= threading.TIMEOUT_MAX):
-                # timeout_s bounds every collective and every call to a worker: never unbounded
+                # The timeouts bound collectives and calls to a worker: never unbounded
                 # (and a wait longer than the platform's longest overflows at its first use).
                 raise ValueError(
                     f"parallel.{key} must be a number in (0, {threading.TIMEOUT_MAX:.3g}] "

@@ -27,7 +27,13 @@ from moe_runtime.tokenizer import TOKENIZER_FILES
 
 # Config keys left out of the settings record: they change no output bit in any mode.
 UNRECORDED_KEYS = frozenset(
-    {"server", "parallel.timeout_s", "parallel.max_restarts", "parallel.restart_window_s"}
+    {
+        "server",
+        "parallel.timeout_s",
+        "parallel.weight_read_timeout_s",
+        "parallel.max_restarts",
+        "parallel.restart_window_s",
+    }
 )
 # Left out too while the invariance contract holds (invariant kernels, no multiple reduction):
 # where rows run, how they are batched, cached, chunked and placed changes none of their bits

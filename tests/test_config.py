@@ -609,6 +609,12 @@ def test_attention_group_splits_loads_below_64_heads_and_is_refused_from_64():
         # past the platform's longest wait: an OverflowError at its first use, the loop dead
         ("parallel.timeout_s", "1.0e+30", r"a number in \(0, 9.22e\+09\] seconds"),
         ("parallel.restart_window_s", ".inf", "a finite number"),
+        # an update's read has its own bound, never none (a stuck read would hang the engine)
+        ("parallel.weight_read_timeout_s", "0", r"a number in \(0, .* got 0"),
+        ("parallel.weight_read_timeout_s", "-5", r"a number in \(0, .* got -5"),
+        ("parallel.weight_read_timeout_s", ".inf", "a finite number"),
+        ("parallel.weight_read_timeout_s", "null", "a finite number"),
+        ("parallel.weight_read_timeout_s", "slow", "a finite number"),
         ("cache.enable_prefix_caching", "maybe", "true or false"),  # a word is truthy
         ("scheduler.enable_chunked_prefill", "1", "true or false"),
         ("eplb.enabled", "yes please", "true or false"),
@@ -688,6 +694,7 @@ def test_loose_values_that_mean_one_thing_still_load():
         CONFIGS / "tiny_cpu.yaml",
         {
             "parallel.timeout_s": "10",
+            "parallel.weight_read_timeout_s": "3600",
             "cache.gpu_memory_utilization": "1",
             "parallel.ep_capacity_dispatch": "off",
             "server.health_check_interval_s": "null",
@@ -695,6 +702,7 @@ def test_loose_values_that_mean_one_thing_still_load():
         },
     )
     assert config.parallel.timeout_s == 10 and config.cache.gpu_memory_utilization == 1
+    assert config.parallel.weight_read_timeout_s == 3600
     assert config.parallel.ep_capacity_dispatch == "off"
     assert config.server.health_check_interval_s is None and config.model.q_lora_rank is None
 

@@ -486,6 +486,7 @@ def test_responses_carry_a_system_fingerprint_of_what_the_bits_depend_on(server)
         ({"scheduler.max_num_seqs": 3, "cache.num_blocks": 300}, True),  # change no bit
         # neither does the admission reserve (which sequences share a step); it was recorded
         ({"scheduler.admission_reserve": 0}, True),
+        ({"parallel.weight_read_timeout_s": 60}, True),  # a bound, in no mode part of the bits
         ({"cache.block_size": 32}, False),  # the attention's KV splits
         ({"kernels.mode": "fast"}, False),
     ],

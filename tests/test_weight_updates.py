@@ -1,17 +1,20 @@
 """update_weights: a copy of the weights changes no bit, other weights change the output,
 a bad source (bad tensors, or a config.json that differs from the running model's) is refused
-without touching the model, and prefixes cached under the old weights are never reused.
+without touching the model, prefixes cached under the old weights are never reused, and the
+ranks' read is bounded by parallel.weight_read_timeout_s, not by the steps' bound.
 Checkpoints are tiny DeepSeek-V3 models written with transformers."""
 
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from moe_runtime import LLM, SamplingParams
+from moe_runtime.executor import WorkerError
 from tests.checkpoints import rewrite_checkpoint
 from tests.invariance import fingerprint
 from tests.serving import write_checkpoint
@@ -609,4 +612,124 @@ def test_a_ctrl_c_while_the_ranks_read_an_update_does_not_spend_the_restart_budg
             assert _generate(llm, prompts) == original  # the old weights, rebuilt
         assert engine.num_restarts == 2 and engine.weight_version == 0  # engagement
     finally:
+        llm.shutdown()
+
+
+def _slow_reads(llm: LLM, delay_s: float) -> None:
+    """Each Ray rank's reads of a checkpoint directory take delay_s longer, as from slow storage
+    (patched inside its process); the rank stays alive and answers pings meanwhile."""
+    import ray
+
+    def patch(worker, delay_s: float) -> None:
+        import moe_runtime.worker.worker as worker_module
+
+        read = worker_module.read_checkpoint
+
+        def slow_read(*args, **kwargs):
+            time.sleep(delay_s)
+            return read(*args, **kwargs)
+
+        worker_module.read_checkpoint = slow_read
+
+    ray.get([rank.__ray_call__.remote(patch, delay_s) for rank in llm.engine.executor.workers])
+
+
+@pytest.mark.slow
+def test_a_read_slower_than_the_step_bound_finishes_with_nothing_rebuilt(
+    checkpoints, caplog, monkeypatch
+):
+    """Reading an update's checkpoint from slow storage (V2-Lite's 31 GB, V3's ~700 GB over a
+    network file system) was bounded as a step is, by parallel.timeout_s + 30 s: past it the
+    ranks, alive and reading, were taken for stalled, the update failed and the engine was
+    rebuilt (a restart spent). Now the read has its own bound, parallel.weight_read_timeout_s:
+    a read past the steps' bound finishes, nothing is rebuilt, the watchdog pinging meanwhile
+    finds every rank answering, and the read is logged while it runs."""
+    import moe_runtime.executor.ray_executor as ray_executor
+
+    monkeypatch.setattr(ray_executor, "_PROGRESS_EVERY_S", 10.0)
+    first, second = checkpoints
+    timeout_s = 5
+    overrides = {
+        "parallel.world_size": 2,
+        "parallel.timeout_s": timeout_s,
+        "parallel.weight_read_timeout_s": 120,
+        "parallel.max_restarts": 0,
+        "server.health_check_interval_s": 2.0,
+    }
+    llm = LLM({"model": {"path": first}, "scheduler": {"max_model_len": 256}}, **overrides)
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8]]
+    probes, probe = [], llm.engine.silent_ranks
+
+    def spy(timeout_s):
+        probes.append(probe(timeout_s))
+        return probes[-1]
+
+    monkeypatch.setattr(llm.engine, "silent_ranks", spy)
+    try:
+        before = _generate(llm, prompts)
+        _slow_reads(llm, timeout_s + 30 + 3)  # past the steps' bound (README: + 30 s)
+        started = time.monotonic()
+        with caplog.at_level(logging.INFO, logger="moe_runtime"):
+            assert llm.update_weights(second) == 1
+        assert time.monotonic() - started > timeout_s + 30
+        assert llm.engine.num_restarts == 0 and llm.engine.error is None
+        assert _generate(llm, prompts) != before  # the new weights serve
+        assert probes and all(silent == [] for silent in probes), probes  # pinged, all alive
+        notes = [r.getMessage() for r in caplog.records if "still running" in r.getMessage()]
+        assert notes and notes[0].startswith("prepare_weights: ranks [0, 1] still running after")
+        assert "of 120s (parallel.weight_read_timeout_s)" in notes[0], notes
+    finally:
+        llm.shutdown()
+
+
+def test_a_read_past_its_own_bound_fails_naming_the_setting(checkpoints):
+    """A read that outlasts parallel.weight_read_timeout_s fails with an error naming the key
+    and how long it waited; the next call rebuilds the ranks with the old weights."""
+    first, second = checkpoints
+    overrides = {"parallel.world_size": 2, "parallel.weight_read_timeout_s": 2}
+    llm = LLM({"model": {"path": first}, "scheduler": {"max_model_len": 256}}, **overrides)
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6]]
+    try:
+        before = _generate(llm, prompts)
+        _slow_reads(llm, 10)
+        started = time.monotonic()
+        late = r"ranks \[0, 1\] did not finish prepare_weights within 2s"
+        with pytest.raises(WorkerError, match=rf"{late} \(parallel\.weight_read_timeout_s\)"):
+            llm.update_weights(second)
+        assert time.monotonic() - started < 10  # at the read's bound, not the read's end
+        assert _generate(llm, prompts) == before  # rebuilt, serving the old weights
+        assert llm.engine.num_restarts == 1 and llm.engine.weight_version == 0
+    finally:
+        llm.shutdown()
+
+
+def test_a_rank_frozen_while_reading_is_still_killed_at_the_second_check(checkpoints):
+    """The read's long bound keeps the liveness checks: a rank stopped (SIGSTOP) while reading
+    answers no ping, and the watchdog kills it at its second check, long before
+    parallel.weight_read_timeout_s; its peer, reading too, answers and is left alone."""
+    import contextlib
+    import os
+    import signal
+    import threading
+
+    first, second = checkpoints
+    overrides = {
+        "parallel.world_size": 2,
+        "parallel.weight_read_timeout_s": 600,
+        "server.health_check_interval_s": 1.0,
+    }
+    llm = LLM({"model": {"path": first}, "scheduler": {"max_model_len": 256}}, **overrides)
+    pids = llm.engine.executor.call_all("pid")
+    stop = threading.Timer(1.0, os.kill, (pids[1], signal.SIGSTOP))
+    try:
+        _slow_reads(llm, 60)
+        started = time.monotonic()
+        stop.start()
+        with pytest.raises(WorkerError, match=r"rank 1 died during prepare_weights: killed"):
+            llm.update_weights(second)
+        assert time.monotonic() - started < 45  # the second check's kill, not the bound
+    finally:
+        stop.join()
+        with contextlib.suppress(ProcessLookupError):  # killed already
+            os.kill(pids[1], signal.SIGCONT)
         llm.shutdown()

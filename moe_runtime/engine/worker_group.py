@@ -165,10 +165,18 @@ class WorkerGroup:
         state dict: the part every rank reads is shipped once for all of them, and each rank
         its own experts beside it (rank_shares), where each rank was sent the whole dict (R
         copies of the model in host memory at once), then its part with the common tensors
-        serialized once a rank."""
+        serialized once a rank.
+
+        Bounded by parallel.weight_read_timeout_s, not the steps' bound: a read from slow
+        storage that outlasted parallel.timeout_s was taken for a stalled rank, and the engine
+        rebuilt (a restart spent) while every rank was alive and reading. A rank that dies
+        meanwhile still fails the call at once, one that freezes at the watchdog's second
+        check (stall_watch.py: a rank reading answers its pings)."""
         world_size, model = self.config.parallel.world_size, self.config.model
+        timeout_s = self.config.parallel.weight_read_timeout_s
+        key = "parallel.weight_read_timeout_s"
         if not isinstance(source, dict) or world_size == 1:
-            self.executor.call_all("prepare_weights", source)
+            self.executor.call_all("prepare_weights", source, timeout_s=timeout_s, timeout_key=key)
             return
         local = [
             placement.local_experts(r, world_size)[: model.num_moe_layers].tolist()
@@ -177,7 +185,8 @@ class WorkerGroup:
         # transformers' fused expert tensors as per-expert views first, so they are cut too.
         source = unfuse_experts(source, model, "the state dict")
         common, own = rank_shares(source, local, model)
-        self.executor.call("prepare_weights", [(common, experts) for experts in own])
+        per_rank = [(common, experts) for experts in own]
+        self.executor.call("prepare_weights", per_rank, timeout_s=timeout_s, timeout_key=key)
 
     def commit_weights(self, weights: WeightsSource) -> int:
         """Phase 2: every rank copies its staged part in. -> the new weight_version. A failure

@@ -74,14 +74,27 @@ class LocalExecutor:
         with self._on_rank():
             return [self._rank().execute(per_rank_inputs[0])]
 
-    def call(self, method: str, per_rank_args: list[tuple], timeout_s: float | None = None) -> list:
+    def call(
+        self,
+        method: str,
+        per_rank_args: list[tuple],
+        timeout_s: float | None = None,
+        timeout_key: str | None = None,
+    ) -> list:
         """Run Worker.<method> on every rank with its own arguments; results in rank order.
-        timeout_s is the Ray executor's bound; a call in this process has none to keep."""
+        timeout_s (and timeout_key) is the Ray executor's bound; a call in this process has
+        none to keep."""
         with self._on_rank():
             return [getattr(self._rank(), method)(*per_rank_args[0])]
 
-    def call_all(self, method: str, *args, timeout_s: float | None = None) -> list:
-        return self.call(method, [args], timeout_s)
+    def call_all(
+        self,
+        method: str,
+        *args,
+        timeout_s: float | None = None,
+        timeout_key: str | None = None,
+    ) -> list:
+        return self.call(method, [args], timeout_s, timeout_key)
 
     def silent_ranks(self, timeout_s: float) -> list[int]:
         """[]: the one rank runs in this process, beside whatever asks: nothing to ping."""

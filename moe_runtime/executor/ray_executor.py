@@ -3,9 +3,10 @@
 Joins Ray through connect_ray (ray_connect.py). Bundles: one per rank, CPU bundles for
 `device: cpu`, GPU bundles for `device: cuda` (fractional when ranks share a GPU). Rank r runs in
 bundle r; rank 0's node and a free port there are the rendezvous point. Every remote call is
-bounded by the collective timeout plus a margin; a dead or stuck worker becomes a WorkerError
-naming its rank and the step. This module and ray_connect.py are the only ones besides launch/
-that import ray.
+bounded by the collective timeout plus a margin, or by a bound its caller gives (a quick call's;
+an update's read of the weights, parallel.weight_read_timeout_s); a dead or stuck worker becomes
+a WorkerError naming its rank and the step. This module and ray_connect.py are the only ones
+besides launch/ that import ray.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import re
 import time
 import weakref
 from collections import Counter
+from dataclasses import dataclass
 
 import ray
 import torch
@@ -42,6 +44,9 @@ _MARGIN_S = 30.0
 # The driver's bound (timeout_s) as a message names it: "within 150s" named no key to raise.
 _BOUND = f"parallel.timeout_s + {_MARGIN_S:.0f}s"
 _STALL_GRACE_S = 3.0
+# A call still running this long is logged, then again as often, with how long it has run: a
+# read of a large checkpoint from slow storage takes minutes, and the log said nothing meanwhile.
+_PROGRESS_EVERY_S = 30.0
 # Each actor answers Worker.ping in a thread of its own (this concurrency group), so a rank busy
 # in a step or a collective still answers and only a frozen process (stopped, wedged) does not.
 # Its second thread holds Worker.hold, a call that never returns: the driver learns of the
@@ -132,10 +137,17 @@ class RayExecutor:
         ]
         return self._get(refs, f"step {self.num_steps}")
 
-    def call(self, method: str, per_rank_args: list[tuple], timeout_s: float | None = None) -> list:
+    def call(
+        self,
+        method: str,
+        per_rank_args: list[tuple],
+        timeout_s: float | None = None,
+        timeout_key: str | None = None,
+    ) -> list:
         """Worker.<method> on every rank at once (collective methods need that), rank order;
-        bounded by timeout_s where given (a call with no collective in it: a live rank answers
-        at once), else by the collective timeout plus the margin."""
+        bounded by timeout_s where given (a call with no collective in it: a quick one a live
+        rank answers at once, or one with a setting of its own, `timeout_key`, which a timeout's
+        message names), else by the collective timeout plus the margin."""
         # A state dict (prepare_weights) is put once for the ranks it is for, its tensors
         # compacted (_compact), where each rank's .remote() serialized it again.
         puts: dict[int, ray.ObjectRef] = {}
@@ -151,10 +163,16 @@ class RayExecutor:
             getattr(w, method).remote(*(shipped(arg) for arg in args))
             for w, args in zip(self.workers, per_rank_args, strict=True)
         ]
-        return self._get(refs, method, timeout_s)
+        return self._get(refs, method, timeout_s, timeout_key)
 
-    def call_all(self, method: str, *args, timeout_s: float | None = None) -> list:
-        return self.call(method, [args] * self.world_size, timeout_s)
+    def call_all(
+        self,
+        method: str,
+        *args,
+        timeout_s: float | None = None,
+        timeout_key: str | None = None,
+    ) -> list:
+        return self.call(method, [args] * self.world_size, timeout_s, timeout_key)
 
     def silent_ranks(self, timeout_s: float) -> list[int]:
         """The ranks that do not answer a ping within timeout_s (dead ones included), asked
@@ -197,7 +215,13 @@ class RayExecutor:
         on a broken or half-started group (a worker already dead, the group never ready)."""
         self._release()
 
-    def _get(self, refs: list, what: str, timeout_s: float | None = None) -> list:
+    def _get(
+        self,
+        refs: list,
+        what: str,
+        timeout_s: float | None = None,
+        timeout_key: str | None = None,
+    ) -> list:
         """ray.get bounded by the timeout; the first failure is raised at once, naming its rank.
 
         Why not one ray.get: when one rank dies the others block in a collective until its
@@ -205,24 +229,18 @@ class RayExecutor:
         """
         rank_of = {ref: rank for rank, ref in enumerate(refs)}
         pending = list(refs)
-        bound = f" ({_BOUND})" if timeout_s is None else ""
-        timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + timeout_s
+        if timeout_s is None:
+            timeout_s, timeout_key = self.timeout_s, _BOUND
+        bound = _Bound(time.monotonic(), timeout_s, timeout_key)
         try:
             while pending:
-                done, pending = ray.wait(
-                    pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic())
-                )
-                if not done:
-                    ranks = sorted(rank_of[ref] for ref in pending)
-                    late = f"did not finish {what} within {timeout_s:.0f}s{bound}"
-                    raise WorkerError(f"ranks {ranks} {late}")
+                done, pending = bound.wait_next(pending, rank_of, what)
                 rank = rank_of[done[0]]
                 try:
                     ray.get(done[0])
                 except RayTaskError as exc:
                     if isinstance(exc.cause, ValueError):  # bad input, identical on every rank
-                        self._settle(pending, rank_of, what, deadline)
+                        self._settle(pending, rank_of, what, bound.deadline)
                         raise ValueError(f"rank {rank}: {exc.cause}") from exc
                     log.error("rank %d failed during %s: %s", rank, what, exc)
                     failure = f"rank {rank} failed during {what}: {_cause(exc)}"
@@ -296,6 +314,39 @@ class RayExecutor:
         """'rank r died during what', with why where the driver killed it (kill_ranks)."""
         why = f": killed, {self._killed[rank]}" if rank in self._killed else ""
         return f"rank {rank} died during {what}{why}"
+
+
+@dataclass(frozen=True)
+class _Bound:
+    """A call's bound: started (monotonic) + timeout_s, `key` the setting it comes from, named
+    when it runs out (None: a quick call's, QUICK_CALL_TIMEOUT_S)."""
+
+    started: float
+    timeout_s: float
+    key: str | None
+
+    @property
+    def deadline(self) -> float:
+        return self.started + self.timeout_s
+
+    def wait_next(self, pending: list, rank_of: dict, what: str) -> tuple[list, list]:
+        """ray.wait for the first of `pending` (ref -> rank in rank_of) to finish: ([it], the
+        others). Logged every _PROGRESS_EVERY_S while none does; WorkerError past the bound."""
+        bound = f"{self.timeout_s:.0f}s" + (f" ({self.key})" if self.key else "")
+        num_notes = (time.monotonic() - self.started) // _PROGRESS_EVERY_S  # due before this wait
+        while True:
+            note_at = self.started + (num_notes + 1) * _PROGRESS_EVERY_S
+            wait_s = max(0.0, min(self.deadline, note_at) - time.monotonic())
+            done, others = ray.wait(pending, num_returns=1, timeout=wait_s)
+            if done:
+                return done, others
+            now, ranks = time.monotonic(), sorted(rank_of[ref] for ref in pending)
+            if now >= self.deadline:
+                raise WorkerError(f"ranks {ranks} did not finish {what} within {bound}")
+            if now >= note_at:
+                ran_s = now - self.started
+                num_notes = ran_s // _PROGRESS_EVERY_S
+                log.info("%s: ranks %s still running after %.0fs of %s", what, ranks, ran_s, bound)
 
 
 def _release(owner_pid: int, workers: list, group) -> None:
