@@ -81,6 +81,7 @@ def _rollout_row(sample: Sample, output: RequestOutput) -> dict:
         "top_logprobs": cli.json_top_logprobs(out.top_logprobs),
         "routed_experts": None if routed is None else np.asarray(routed).tolist(),
         "finish_reason": out.finish_reason,
+        "stop_reason": out.stop_reason,
         "seed": out.seed,
     }
 

@@ -121,6 +121,16 @@ def finish_reason(
     return None
 
 
+def stop_token_reason(
+    params: SamplingParams, token_id: int, eos_token_id: int | None
+) -> int | None:
+    """The stop_reason of a sample that finish_reason ended with "stop" at token_id: the id
+    where it is one of stop_token_ids, None where it is EOS (vLLM's rule: EOS comes first)."""
+    if not params.ignore_eos and token_id == eos_token_id:
+        return None
+    return token_id if token_id in params.stop_token_ids else None
+
+
 def ends_by_length(
     params: SamplingParams, num_output_tokens: int, num_tokens: int, max_model_len: int
 ) -> bool:

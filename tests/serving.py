@@ -92,11 +92,20 @@ def merge_completion_chunks(chunks: list[dict]) -> dict[int, dict]:
         for c in chunk["choices"]:
             m = merged.setdefault(
                 c["index"],
-                {"text": "", "token_ids": [], "finish_reason": None, "logprobs": None},
+                {
+                    "text": "",
+                    "token_ids": [],
+                    "finish_reason": None,
+                    "stop_reason": None,
+                    "logprobs": None,
+                },
             )
             m["text"] += c["text"]
             m["token_ids"] += c["token_ids"]
             m["finish_reason"] = c["finish_reason"] or m["finish_reason"]
+            if c["stop_reason"] is not None:  # the final chunk's: null before it
+                assert m["finish_reason"] == "stop" and m["stop_reason"] is None, (c, m)
+                m["stop_reason"] = c["stop_reason"]
             if c["logprobs"] is not None:
                 lp = m["logprobs"] = m["logprobs"] or {
                     "tokens": [],

@@ -208,3 +208,22 @@ def test_every_choice_carries_its_own_samples_weight_versions():
         assert (choice["weight_version"], choice["first_weight_version"]) == (1, 1)
     mixed = dataclasses.replace(out, first_weight_version=0)
     assert completion_choice(1, mixed, tokenizer, None)["first_weight_version"] == 0
+
+
+@pytest.mark.parametrize("stop_reason", [None, "\n\n", 257])
+def test_every_choice_carries_its_stop_reason(stop_reason):
+    """vLLM's `stop_reason` (the stop string or token id that ended a "stop", else null) in
+    every completion and chat choice, whole or streamed; it was no field of the response."""
+    from launch.openai.render import chat_choice, completion_choice
+
+    tokenizer = ByteTokenizer(vocab_size=300)
+    out = CompletionOutput(
+        index=0, token_ids=[104], logprobs=[-0.5], top_logprobs=[{}], text="h",
+        finish_reason="stop", seed=4, stop_reason=stop_reason,
+    )  # fmt: skip
+    for choice in (
+        completion_choice(0, out, tokenizer, None),
+        chat_choice("message", {"content": "h"}, out, tokenizer, False),
+        chat_choice("delta", {"content": "h"}, out, tokenizer, False),
+    ):
+        assert choice["stop_reason"] == stop_reason

@@ -143,11 +143,13 @@ def test_a_rows_own_stops_end_its_samples_as_generate_does(tmp_path, capsys):
     got = _rollout(tmp_path / "stops", rows)
     assert got[0]["token_ids"] == free[0][: free[0].index(stop_at) + 1]
     assert [out["finish_reason"] for out in got] == ["stop", "stop"]
+    assert [out["stop_reason"] for out in got] == [stop_at, decode([stop_at]).strip()]
     for row, out in zip(rows, got, strict=True):
         knobs = {k: v for k, v in row.items() if k not in ("id", "prompt")}
         want = llm.generate([row["prompt"]], SamplingParams(seed=out["seed"], **knobs))[0]
         assert exact(out)[:2] == (tuple(want.token_ids), tuple(map(float.hex, want.logprobs)))
         assert out["finish_reason"] == want.finish_reason
+        assert out["stop_reason"] == want.stop_reason
         # The text, cut before the stop string: the row said nothing of where it stops, and
         # its token ids decode to the stop string too.
         assert out["text"] == want.text == decode(out["token_ids"][:-1])

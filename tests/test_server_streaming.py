@@ -143,6 +143,7 @@ def test_stop_string_ends_stream_early_and_is_never_sent(server):
     whole = post(server.http, body).json()
     (choice,) = streamed(server, body).values()
     assert choice["finish_reason"] == "stop" == whole["choices"][0]["finish_reason"]
+    assert choice["stop_reason"] == stop == whole["choices"][0]["stop_reason"]
     assert choice["token_ids"] == ids[: k + 1] == whole["choices"][0]["token_ids"]
     assert choice["text"] == text[:at] == whole["choices"][0]["text"]
     assert whole["usage"]["completion_tokens"] == k + 1  # the engine stopped early

@@ -173,6 +173,7 @@ def completion_choice(
         "index": index,
         "text": text,
         "finish_reason": out.finish_reason,
+        "stop_reason": out.stop_reason,
         "logprobs": completion_logprobs(token_ids, logprobs, tops, tokenizer, offsets)
         if offsets is not None
         else None,
@@ -219,6 +220,7 @@ def chat_choice(
         key: message,
         "logprobs": chat_logprobs(out, tokenizer) if with_logprobs else None,
         "finish_reason": out.finish_reason,
+        "stop_reason": out.stop_reason,
         "token_ids": list(out.token_ids),
     }
     return _with_sample_fields(choice, out)

@@ -39,6 +39,7 @@ class IncrementalDetokenizer:
         self._num_chars = 0
         self._unsent = ""  # the text's tail that delta() has not handed out
         self.stop_index: int | None = None  # where the first stop string starts
+        self.stop_string: str | None = None  # which one: a sample's stop_reason
 
     @property
     def text(self) -> str:
@@ -59,9 +60,10 @@ class IncrementalDetokenizer:
             # stops. Why not the earliest start of any found in the new text: that cut
             # depended on how the text was split into tokens (stop ("bc", "abcd") cut
             # "abcd" to "a" read as "abc", "d" and to "" read as one token).
-            lengths = [len(m.stop) for m in self._stop if m.feed(char)]  # every matcher fed
-            if lengths:
-                self.stop_index = self._num_chars + end + 1 - max(lengths)
+            whole = [m.stop for m in self._stop if m.feed(char)]  # every matcher fed
+            if whole:
+                self.stop_string = max(whole, key=len)
+                self.stop_index = self._num_chars + end + 1 - len(self.stop_string)
                 break
         self._text.write(new)
         self._num_chars += len(new)

@@ -21,6 +21,9 @@ class CompletionOutput:
     text: str  # cut before a stop string
     finish_reason: str | None  # None while the sample runs; stop | length | error | abort
     seed: int  # the seed this sample drew its noise from
+    # What ended a "stop": the stop string (str) or stop token id (int); None for EOS, for
+    # any other finish_reason and while the sample runs (vLLM's field).
+    stop_reason: int | str | None = None
     # When the request asks: int32 [T, L_moe, K], the logical experts (top-k in slot order,
     # per MoE layer) that routed the position whose logits sampled token t.
     routed_experts: np.ndarray | None = None
@@ -57,6 +60,10 @@ class RequestOutput:
     @property
     def finish_reason(self) -> str | None:
         return self.outputs[0].finish_reason
+
+    @property
+    def stop_reason(self) -> int | str | None:
+        return self.outputs[0].stop_reason
 
     @property
     def text(self) -> str:

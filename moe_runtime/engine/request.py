@@ -45,6 +45,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     is_preempted: bool = False  # preempted once at least: it resumes only once it fits whole
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop token id or string that ended it
     error: str | None = None
     dp_rank: int = 0
     # What the worker holds: 0 sent tokens means it holds nothing (new, or preempted).

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from moe_runtime.config import SchedulerConfig
 from moe_runtime.engine.block_manager import ROOT_KEY_ID, BlockManager
 from moe_runtime.engine.request import Sequence, SequenceStatus
-from moe_runtime.sampling_params import ends_by_length, finish_reason
+from moe_runtime.sampling_params import ends_by_length, finish_reason, stop_token_reason
 from moe_runtime.worker.step_input import SampleResult
 
 
@@ -252,13 +252,17 @@ class Scheduler:
                 self.eos_token_id,
                 self.config.max_model_len,
             )
-            if reason is not None:
+            if reason == "stop":
+                stop = stop_token_reason(seq.params, sample.token_id, self.eos_token_id)
+                self.finish(seq, reason, stop)
+            elif reason is not None:
                 self.finish(seq, reason)
 
-    def finish(self, seq: Sequence, reason: str) -> None:
-        """End a running sequence now (a stop token or string, the length, an abort)."""
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        """End a running sequence now (a stop token or string, the length, an abort);
+        stop_reason: the stop token id or string that ended it (None: EOS, or not a stop)."""
         seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = reason
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
         self._release(seq)
 
     def _release(self, seq: Sequence) -> None:

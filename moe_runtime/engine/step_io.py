@@ -39,9 +39,10 @@ def record_results(scheduler: Scheduler, chunks: list[ScheduledChunk], result: S
         token_ids = seq.output_token_ids[:-1] if is_id_stop else seq.output_token_ids
         stopped = seq.detokenizer.update(token_ids, is_final=seq.is_finished)
         if stopped and not seq.is_finished:
-            scheduler.finish(seq, "stop")
+            scheduler.finish(seq, "stop", seq.detokenizer.stop_string)
         elif stopped and seq.finish_reason == "length":
-            seq.finish_reason = "stop"  # its last allowed token completed a stop string
+            # Its last allowed token completed a stop string.
+            seq.finish_reason, seq.stop_reason = "stop", seq.detokenizer.stop_string
 
 
 def request_output(
@@ -74,6 +75,7 @@ def request_output(
                 text=text,
                 finish_reason=seq.finish_reason if seq.is_finished else None,
                 seed=seq.seed,
+                stop_reason=seq.stop_reason if seq.is_finished else None,
                 routed_experts=routed,
                 weight_version=last,
                 first_weight_version=first,
