@@ -105,7 +105,7 @@ async def complete(
 def _check_completion(body: CompletionRequest, config: RuntimeConfig, num_prompts: int) -> None:
     """The completion's refusals that need no engine: the model and ids it names, max_tokens 0
     without echo, more sequences than server.max_sequences_per_request."""
-    body.check_served(config.server.model_name, config.model.vocab_size)
+    body.check_served(config.server.model_name, config.model.vocab_size, DEFAULT_MAX_TOKENS)
     if body.max_tokens == 0 and not body.echo:
         raise FieldError("max_tokens", "max_tokens: 0 needs echo: true (else nothing comes back)")
     most = config.server.max_sequences_per_request

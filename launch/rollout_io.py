@@ -1,8 +1,8 @@
 """JSONL in and out for the rollout job: input rows to samples, and resuming a partial output.
 
 Input rows: {"id", "prompt" (text or token ids), "n", "seed" | "seeds", "max_tokens",
-"temperature", "top_p", "top_k", "logprobs", "stop", "stop_token_ids", "ignore_eos"}; missing
-fields take the CLI defaults (the last three: none, as SamplingParams' own). A row
+"temperature", "top_p", "top_k", "logprobs", "stop", "stop_token_ids", "ignore_eos",
+"min_tokens"}; missing fields take the CLI defaults (the last four: SamplingParams' own). A row
 becomes one `Sample` per sample, each with its own seed (`sample_seeds` of the row's seed,
 which is derive_seed(base seed, row index) when the row gives none), so a sample can run in
 any batch, in any run, and be resumed alone. Bad rows raise `RowError` naming the line (or are
@@ -36,7 +36,7 @@ from moe_runtime.seeds import MAX_SEED, SEED_BITS, derive_seed, sample_seeds
 # A row's sampling fields, each defaulting to its CLI flag: the flags' own list, so the two agree.
 PARAM_FIELDS = SAMPLING_FLAGS
 # A row's own ends, with no CLI default: what ends its samples besides max_tokens.
-STOP_FIELDS = ("stop", "stop_token_ids", "ignore_eos")
+STOP_FIELDS = ("stop", "stop_token_ids", "ignore_eos", "min_tokens")
 ROLLOUT_FIELDS = {"id", "prompt", "n", "seed", "seeds", *PARAM_FIELDS, *STOP_FIELDS}
 SCORE_FIELDS = {"id", "sample_idx", "prompt_token_ids", "token_ids"}
 # Ctrl-C and `ray job stop` (or a scheduler's kill): the run ends saying what it wrote.

@@ -4,7 +4,9 @@ Noise is a function of (seed, output position, vocab id) only, so a request samp
 tokens whatever else shares its step. `logprobs_mode` says what the reported logprobs are:
 "raw" (log_softmax of the model's logits, what `score()` returns) or "processed" (after
 temperature, top-k and top-p, the distribution actually sampled from; a greedy sample, which
-samples from no distribution, reports raw logprobs, as vLLM's greedy path does).
+samples from no distribution, reports raw logprobs, as vLLM's greedy path does). `min_tokens`
+follows the same rule: the ids it holds off (EOS, stop_token_ids) are -inf in what is sampled
+from, so in "processed" logprobs, and keep the model's own logprobs in "raw" ones.
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     # Report, per output token, the [MoE layer][K] logical experts that routed it.
     return_routed_experts: bool = False
+    # Output tokens before EOS, stop_token_ids and stop strings may end a sample: until then
+    # the ids are masked to -inf before sampling (`ids_held_off`) and stop strings do not stop.
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.stop is None:  # no stop strings
@@ -77,6 +82,12 @@ class SamplingParams:
         _check(ok, "logprobs", self.logprobs, "None or an int >= 0")
         _check(self.n >= 1, "n", self.n, "an int >= 1")
         _check(
+            0 <= self.min_tokens <= (self.max_tokens or self.min_tokens),  # None: any
+            "min_tokens",
+            self.min_tokens,
+            f"an int >= 0 and <= max_tokens ({self.max_tokens})",
+        )
+        _check(
             self.logprobs_mode in LOGPROBS_MODES,
             "logprobs_mode",
             self.logprobs_mode,
@@ -99,6 +110,16 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
 
+    def ids_held_off(self, output_position: int, eos_token_id: int | None) -> tuple[int, ...]:
+        """The ids the sampler masks to -inf for the output token at output_position (0: the
+        first): before min_tokens, stop_token_ids and EOS (unless ignore_eos), as vLLM's
+        min-tokens processor; none after. A function of the request alone."""
+        if output_position >= self.min_tokens:
+            return ()
+        if self.ignore_eos or eos_token_id is None:
+            return self.stop_token_ids
+        return (*self.stop_token_ids, eos_token_id)
+
 
 def finish_reason(
     params: SamplingParams,
@@ -111,10 +132,12 @@ def finish_reason(
     """Why a sample ends once token_id is its newest token (num_output_tokens and num_tokens
     count it), or None: a stop token or EOS ("stop"), max_tokens or the context ("length").
     Stop strings are the detokenizer's. The scheduler ends samples by it; a worker's decode
-    lookahead leaves out the samples it ends."""
-    if token_id in params.stop_token_ids:
+    lookahead leaves out the samples it ends. Before min_tokens only the length ends a sample
+    (the sampler never draws the stop ids then; this holds where it did not, as vLLM's)."""
+    may_stop = num_output_tokens > params.min_tokens
+    if may_stop and token_id in params.stop_token_ids:
         return "stop"
-    if not params.ignore_eos and token_id == eos_token_id:
+    if may_stop and not params.ignore_eos and token_id == eos_token_id:
         return "stop"
     if ends_by_length(params, num_output_tokens, num_tokens, max_model_len):
         return "length"
@@ -143,7 +166,7 @@ def ends_by_length(
 
 # The numeric fields, by the Python type each is stored as.
 _NUMBERS = {"temperature": float, "top_p": float} | dict.fromkeys(
-    ("max_tokens", "top_k", "seed", "logprobs", "n"), int
+    ("max_tokens", "top_k", "seed", "logprobs", "n", "min_tokens"), int
 )
 
 

@@ -47,7 +47,7 @@ def _params(stop_token: int, stop_text: str) -> list[SamplingParams]:
         SamplingParams(max_tokens=15, seed=11, ignore_eos=True, **sampled),
         SamplingParams(max_tokens=6, temperature=0.0, logprobs=3),
         SamplingParams(max_tokens=14, seed=5, ignore_eos=True, **sampled),
-        SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=10, temperature=0.0, min_tokens=5, stop_token_ids=(stop_token,)),
     ]
 
 

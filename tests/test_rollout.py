@@ -159,6 +159,22 @@ def test_a_rows_own_stops_end_its_samples_as_generate_does(tmp_path, capsys):
     assert "stop_token_ids must be a list of token ids" in capsys.readouterr().err
 
 
+def test_a_rows_min_tokens_holds_its_stops_off(tmp_path, capsys):
+    """A row's min_tokens reaches its samples (it was refused as an unknown field): a stop id
+    it would take is never sampled before it; one over max_tokens is the row's error."""
+    prompt, greedy = [5, 6, 7, 8], {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True}
+    (free,) = _rollout(tmp_path / "free", [{"id": 0, "prompt": prompt, **greedy}])
+    stop_at = free["token_ids"][1]
+    row = {"id": 0, "prompt": prompt, **greedy, "stop_token_ids": [stop_at], "min_tokens": 12}
+    (held,) = _rollout(tmp_path / "held", [row])
+    assert stop_at not in held["token_ids"] and len(held["token_ids"]) == 12
+    assert (held["finish_reason"], held["stop_reason"]) == ("length", None)
+    source = write_jsonl(tmp_path / "bad.jsonl", [{**row, "min_tokens": 13}])
+    assert run("--input", source, "--output", tmp_path / "bad.out.jsonl", *ARGS) == 2
+    problem = "min_tokens must be an int >= 0 and <= max_tokens (12), got 13"
+    assert problem in capsys.readouterr().err
+
+
 def _rollout(directory: Path, rows: list[dict]) -> list[dict]:
     directory.mkdir()
     source, out = write_jsonl(directory / "in.jsonl", rows), directory / "out.jsonl"

@@ -363,3 +363,81 @@ def test_cuda_row_argmax_equals_torch_argmax():
         assert torch.equal(row_argmax(x), torch.argmax(x, dim=-1)), x.shape
         for r in range(x.shape[0]):
             assert torch.equal(row_argmax(x[r : r + 1]), torch.argmax(x[r : r + 1], dim=-1)), r
+
+
+EOS = 7
+
+
+def test_min_tokens_holds_off_eos_and_stop_ids_until_its_position(logits):
+    """Before min_tokens the row's EOS and stop ids are -inf in what it samples from (a greedy
+    row whose argmax is EOS takes the next best); from min_tokens on nothing is held. Raw
+    logprobs are the model's own (EOS keeps its logprob among the tops); processed ones are of
+    the distribution sampled from (EOS at -inf)."""
+    sampler = Sampler(lambda x: torch.log_softmax(x.float(), -1), cumsum_ref, eos_token_id=EOS)
+    row = logits[:1].clone()
+    row[0, EOS] = row.max() + 5.0  # greedy picks EOS
+    second = int(torch.argsort(row[0], descending=True, stable=True)[1])
+    greedy = SamplingParams(temperature=0.0, logprobs=3, min_tokens=2)
+    assert sampler.sample(row, [greedy], [0], [2])[0].token_id == EOS  # at min_tokens: free
+    held = sampler.sample(row, [greedy], [0], [1])[0]
+    assert held.token_id == second
+    assert held.logprob == torch.log_softmax(row[0], -1)[second].item()  # raw: unmasked
+    assert EOS in held.top_logprobs
+    ignoring = SamplingParams(temperature=0.0, min_tokens=2, ignore_eos=True)
+    assert sampler.sample(row, [ignoring], [0], [0])[0].token_id == EOS  # EOS is no stop then
+    by_id = SamplingParams(temperature=0.0, min_tokens=2, ignore_eos=True, stop_token_ids=[EOS])
+    assert sampler.sample(row, [by_id], [0], [0])[0].token_id == second
+    processed = SamplingParams(
+        temperature=1.0, logprobs=3, min_tokens=1, stop_token_ids=[second],
+        logprobs_mode="processed",
+    )  # fmt: skip
+    draws = [sampler.sample(row, [processed], [s], [0])[0] for s in range(50)]
+    assert not {d.token_id for d in draws} & {EOS, second}
+    masked = row.clone()
+    masked[0, [EOS, second]] = float("-inf")
+    want = torch.log_softmax(masked[0], -1)
+    assert all(d.logprob == want[d.token_id].item() for d in draws)
+    assert all(EOS not in d.top_logprobs and second not in d.top_logprobs for d in draws)
+
+
+def _held_off_params() -> list[SamplingParams]:
+    return [
+        SamplingParams(temperature=0.0, logprobs=5, min_tokens=9, stop_token_ids=[3, 4]),
+        SamplingParams(temperature=0.8, top_p=0.9, logprobs=5, logprobs_mode="processed"),
+        SamplingParams(temperature=1.3, logprobs=5, min_tokens=3, logprobs_mode="processed"),
+        SamplingParams(temperature=0.0, logprobs=2),
+        SamplingParams(temperature=0.5, top_k=3, logprobs=2, min_tokens=1, stop_token_ids=[9]),
+        SamplingParams(temperature=1.0, logprobs=7, logprobs_mode="processed"),
+    ]
+
+
+def _assert_held_off_rows_are_batch_invariant(sampler, logits) -> None:
+    """Each row alone equals its row in the batch, rows with min_tokens held off beside rows
+    without (and the other way round)."""
+    logits = logits.clone()
+    logits[:, [EOS, 3, 4, 9]] += 4.0  # the held-off ids are likely picks: the masks matter
+    params, seeds, positions = _held_off_params(), [11, 22, 33, 44, 55, 66], [0, 5, 1, 2, 0, 3]
+    full = sampler.sample(logits, params, seeds, positions)
+    for i in range(len(params)):
+        alone = sampler.sample(logits[i : i + 1].clone(), [params[i]], [seeds[i]], [positions[i]])
+        assert _same(alone[0], full[i]), i
+
+
+def test_min_tokens_is_batch_invariant(logits):
+    sampler = Sampler(lambda x: torch.log_softmax(x.float(), -1), cumsum_ref, eos_token_id=EOS)
+    _assert_held_off_rows_are_batch_invariant(sampler, logits)
+
+
+def test_min_tokens_batch_invariance_negative_control(logits, monkeypatch):
+    """A hold-off taken for the whole step (every row masks the ids any row holds off) gives a
+    row without min_tokens other bits in the batch than alone: the comparison can fail."""
+    sampler = Sampler(lambda x: torch.log_softmax(x.float(), -1), cumsum_ref, eos_token_id=EOS)
+    per_row = sampler._hold_off
+
+    def step_wide(logits, params, positions):
+        is_held = per_row(logits, params, positions).isinf().any(0)  # by any row
+        return logits.masked_fill(is_held, float("-inf"))
+
+    monkeypatch.setattr(sampler, "_hold_off", step_wide)
+    with pytest.raises(AssertionError):
+        _assert_held_off_rows_are_batch_invariant(sampler, logits)

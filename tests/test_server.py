@@ -931,6 +931,35 @@ def test_stop_token_ids_outside_the_vocabulary_are_400s_naming_the_field(server,
     assert last.status_code == 200, last.text
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_min_tokens_holds_stop_ids_off_within_the_token_budget(server, path):
+    """min_tokens was refused as an unknown field; now it reaches SamplingParams (a stop id
+    is never sampled before it) and a value over the token budget is a 400 naming it."""
+    is_chat = "chat" in path
+    prompt = {"messages": [{"role": "user", "content": "a"}]} if is_chat else {"prompt": "a"}
+    bad = [
+        ({"min_tokens": -1}, "greater than or equal to 0"),
+        ({"min_tokens": 1.0}, "valid integer"),
+        ({"max_tokens": 4, "min_tokens": 5}, "min_tokens: 5 is more than max_tokens=4"),
+        (
+            {"max_completion_tokens": 3, "min_tokens": 4}
+            if is_chat
+            else {"min_tokens": 17},  # over the default max_tokens, 16
+            "more than max_completion_tokens=3" if is_chat else "the default max_tokens=16",
+        ),
+    ]
+    for body, problem in bad:
+        response = server.http.post(path, json={**prompt, **body})
+        assert response.status_code == 400, (body, response.text)
+        error = response.json()["error"]
+        assert error["param"] == "min_tokens" and problem in error["message"], (body, error)
+    greedy = {**prompt, "max_tokens": 6, "temperature": 0.0}
+    free = server.http.post(path, json=greedy).json()["choices"][0]["token_ids"]
+    body = {**greedy, "stop_token_ids": [free[1]], "min_tokens": 6}
+    held = server.http.post(path, json=body).json()["choices"][0]
+    assert free[1] not in held["token_ids"] and len(held["token_ids"]) == 6
+
+
 @pytest.mark.parametrize(
     ("body", "param", "problem"),
     [

@@ -1,12 +1,14 @@
 """What ends a sample, end to end on the tiny model: `stop_reason` names the stop string or
-stop token id that ended it (None for EOS and length)."""
+stop token id that ended it (None for EOS and length); `min_tokens` holds EOS, stop ids and
+stop strings off until a sample has that many tokens, bit for bit alone or in any batch."""
 
 from __future__ import annotations
 
 import pytest
 
 from moe_runtime import LLM, SamplingParams
-from tests.invariance import TINY_CONFIG
+from moe_runtime.worker.sampler import Sampler
+from tests.invariance import TINY_CONFIG, mixed_prompts, random_sub_batches, run_in_batches
 
 PROMPT = [72, 101, 108, 108, 111]
 GREEDY = {"temperature": 0.0, "max_tokens": 20}
@@ -65,3 +67,132 @@ def test_eos_has_no_stop_reason_even_when_also_a_stop_token_id(free_run):
             assert (out.finish_reason, out.stop_reason) == ("stop", None)
     finally:
         llm.shutdown()
+
+
+def test_min_tokens_goes_on_past_eos_stop_ids_and_stop_strings(free_run):
+    """Greedy, this prompt ends on EOS at token 4; with min_tokens 8 the EOS is held off there
+    (the next best is taken) and the sample runs on, to EOS again once it may."""
+    eos = free_run[4]
+    llm = LLM(TINY_CONFIG, **{"model.eos_token_id": eos})
+    try:
+        ended = llm.generate([PROMPT], SamplingParams(**GREEDY))[0]
+        assert ended.token_ids == free_run[:5] and ended.finish_reason == "stop"
+        out = llm.generate([PROMPT], SamplingParams(min_tokens=8, logprobs=2, **GREEDY))[0]
+        assert out.token_ids[:4] == free_run[:4] and eos not in out.token_ids[:8]
+        assert len(out.token_ids) > 8
+        assert out.finish_reason == ("stop" if out.token_ids[-1] == eos else "length")
+        # Raw logprobs (the default mode): the model's own, EOS still among the tops.
+        assert eos in out.top_logprobs[4] and out.top_logprobs[4][eos] > out.logprobs[4]
+        # A stop id first taken at token k: a stop there with min_tokens k, held off with k + 1.
+        k = next(k for k in range(1, 4) if out.token_ids[k] not in out.token_ids[:k])
+        stop_id = out.token_ids[k]
+        for min_tokens in (k, k + 1):
+            by_id = SamplingParams(min_tokens=min_tokens, stop_token_ids=[stop_id], **GREEDY)
+            again = llm.generate([PROMPT], by_id)[0]
+            assert again.token_ids[:k] == out.token_ids[:k]
+            assert (again.token_ids[k] == stop_id) == (min_tokens == k)
+            assert (again.stop_reason == stop_id) == (min_tokens == k)
+    finally:
+        llm.shutdown()
+    plain = LLM(TINY_CONFIG)
+    try:
+        k, char = _first_new_char(plain, free_run)
+        stopped = plain.generate([PROMPT], SamplingParams(stop=[char], **GREEDY))[0]
+        assert stopped.token_ids == free_run[: k + 1]
+        held = plain.generate([PROMPT], SamplingParams(stop=[char], min_tokens=k + 1, **GREEDY))
+        assert held[0].token_ids[: k + 2] == free_run[: k + 2]  # no stop at token k
+        assert char in held[0].text
+    finally:
+        plain.shutdown()
+
+
+NUM = 6
+
+
+def _workload(llm) -> tuple[list[list[int]], list[SamplingParams]]:
+    """Even prompts greedy, odd ones sampled with processed logprobs; the first four hold off,
+    until token 4, a stop id each would otherwise take at token 1 (its free run's), the last
+    two have no min_tokens (and stop there)."""
+    prompts = mixed_prompts(NUM, 4, 40, seed=3)
+    base = [
+        {"temperature": 0.0}
+        if i % 2 == 0
+        else {"temperature": 0.9, "top_k": 50, "seed": 100 + i, "logprobs_mode": "processed"}
+        for i in range(NUM)
+    ]
+    free = llm.generate(prompts, [SamplingParams(max_tokens=10, **b) for b in base])
+    params = [
+        SamplingParams(
+            max_tokens=10,
+            logprobs=3,
+            stop_token_ids=[free[i].token_ids[1]],
+            min_tokens=4 if i < 4 else 0,
+            **base[i],
+        )
+        for i in range(NUM)
+    ]
+    return prompts, params
+
+
+def _alone_and_batched(llm) -> tuple[dict, dict, dict, list[SamplingParams]]:
+    prompts, params = _workload(llm)
+    alone = run_in_batches(llm, prompts, params, [[i] for i in range(NUM)])
+    together = run_in_batches(llm, prompts, params, [list(range(NUM))])
+    mixed = run_in_batches(llm, prompts, params, random_sub_batches(NUM, seed=1, max_size=3))
+    return alone, together, mixed, params
+
+
+def test_min_tokens_is_batch_invariant():
+    """A request's tokens and logprobs alone equal its own in a batch of requests with and
+    without min_tokens (engagement: the held-off stop id would have ended the sample)."""
+    llm = LLM(TINY_CONFIG)
+    try:
+        alone, together, mixed, params = _alone_and_batched(llm)
+    finally:
+        llm.shutdown()
+    assert alone == together == mixed
+    for i in range(4):  # held off at token 1 (another token sampled), went on past token 4
+        assert alone[i][0][1] not in params[i].stop_token_ids and len(alone[i][0]) > 4
+    assert all(len(alone[i][0]) <= 2 for i in range(4, NUM))  # stopped on it
+
+
+def test_min_tokens_batch_invariance_negative_control(monkeypatch):
+    """Every row of a step held off the ids any row holds off: a request without min_tokens
+    gets other bits in the batch than alone, so the comparison above can fail."""
+    per_row = Sampler._hold_off
+
+    def step_wide(self, logits, params, positions):
+        is_held = per_row(self, logits, params, positions).isinf().any(0)
+        return logits.masked_fill(is_held, float("-inf"))
+
+    monkeypatch.setattr(Sampler, "_hold_off", step_wide)
+    llm = LLM(TINY_CONFIG)
+    try:
+        alone, together, _, _ = _alone_and_batched(llm)
+    finally:
+        llm.shutdown()
+    assert alone != together
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "problem"),
+    [
+        ({"min_tokens": -1}, "min_tokens must be an int >= 0 and <= max_tokens (16), got -1"),
+        ({"min_tokens": 17}, "min_tokens must be an int >= 0 and <= max_tokens (16), got 17"),
+        (
+            {"min_tokens": 5, "max_tokens": 4},
+            "min_tokens must be an int >= 0 and <= max_tokens (4), got 5",
+        ),
+        ({"min_tokens": 1.0}, "min_tokens must be an int, got 1.0"),
+        ({"min_tokens": True}, "min_tokens must be an int, got True"),
+    ],
+)
+def test_min_tokens_is_an_int_within_max_tokens(kwargs, problem):
+    with pytest.raises(ValueError) as refused:
+        SamplingParams(**kwargs)
+    assert str(refused.value) == f"SamplingParams.{problem}"
+
+
+def test_min_tokens_up_to_max_tokens_or_any_without_one():
+    assert SamplingParams(min_tokens=16).min_tokens == 16
+    assert SamplingParams(max_tokens=None, min_tokens=10**6).min_tokens == 10**6

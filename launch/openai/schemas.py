@@ -134,6 +134,7 @@ class SamplingFields(Strict):
     stop: str | list[StrictStr] | None = None
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)  # within the token budget: check_served
     return_routed_experts: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -178,10 +179,20 @@ class SamplingFields(Strict):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def check_served(self, model_name: str, vocab_size: int) -> None:
-        """Refuses another model's name and stop token ids outside the vocabulary."""
+    def check_served(
+        self, model_name: str, vocab_size: int, default_budget: int | None = None
+    ) -> None:
+        """Refuses another model's name, stop token ids outside the vocabulary and a min_tokens
+        over the token budget (default_budget where the request gives none; None: the
+        context's end)."""
         if self.model is not None and self.model != model_name:
             raise UnknownModelError(self.model)
+        budget, field = self.token_budget(), self.token_budget_field()
+        if budget is None:
+            budget, field = default_budget, f"the default {field}"
+        if budget is not None and self.min_tokens > budget:
+            message = f"min_tokens: {self.min_tokens} is more than {field}={budget}"
+            raise FieldError("min_tokens", message)
         for token_id in self.stop_token_ids or ():
             if token_id >= vocab_size:
                 message = f"token id {token_id} is outside the vocabulary [0, {vocab_size})"
@@ -193,6 +204,10 @@ class SamplingFields(Strict):
     def token_budget(self) -> int | None:
         """The most tokens the client lets a sample generate, or None (the default)."""
         return self.max_tokens
+
+    def token_budget_field(self) -> str:
+        """The field `token_budget` reads, for errors to name."""
+        return "max_tokens"
 
     def sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
         """The request's SamplingParams; default_max_tokens where it gives no budget (None: to
@@ -207,6 +222,7 @@ class SamplingFields(Strict):
             logprobs=self.num_top_logprobs(),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
             n=self.n,
             stop=self.stop or (),
             return_routed_experts=self.return_routed_experts,

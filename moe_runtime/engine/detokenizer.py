@@ -47,10 +47,11 @@ class IncrementalDetokenizer:
         text = self._text.getvalue()
         return text if self.stop_index is None else text[: self.stop_index]
 
-    def update(self, token_ids: list[int], is_final: bool = False) -> bool:
+    def update(self, token_ids: list[int], is_final: bool = False, may_stop: bool = True) -> bool:
         """token_ids: every output token so far (new ones at the end). -> whether a stop
         string has appeared. With is_final, an incomplete last character is kept as decode
-        gives it (U+FFFD)."""
+        gives it (U+FFFD). may_stop False (before the sample's min_tokens): the new text is
+        read, and a stop string it completes does not stop it (vLLM's rule)."""
         if self.stop_index is not None:
             return True
         new = self._decoder.take(token_ids, is_final)
@@ -61,7 +62,7 @@ class IncrementalDetokenizer:
             # depended on how the text was split into tokens (stop ("bc", "abcd") cut
             # "abcd" to "a" read as "abc", "d" and to "" read as one token).
             whole = [m.stop for m in self._stop if m.feed(char)]  # every matcher fed
-            if whole:
+            if whole and may_stop:
                 self.stop_string = max(whole, key=len)
                 self.stop_index = self._num_chars + end + 1 - len(self.stop_string)
                 break

@@ -37,7 +37,8 @@ def record_results(scheduler: Scheduler, chunks: list[ScheduledChunk], result: S
         # newline, the text a stop string on the same character gives.
         is_id_stop = seq.is_finished and seq.finish_reason == "stop"
         token_ids = seq.output_token_ids[:-1] if is_id_stop else seq.output_token_ids
-        stopped = seq.detokenizer.update(token_ids, is_final=seq.is_finished)
+        may_stop = seq.num_output_tokens > seq.params.min_tokens
+        stopped = seq.detokenizer.update(token_ids, seq.is_finished, may_stop)
         if stopped and not seq.is_finished:
             scheduler.finish(seq, "stop", seq.detokenizer.stop_string)
         elif stopped and seq.finish_reason == "length":

@@ -90,7 +90,7 @@ class ModelRunner:
                 f"{block_size} ({size / 2**30:.3g} GiB in {cfg.num_hidden_layers} layers) "
                 f"cannot be allocated on {device}: {str(exc).splitlines()[0]}"
             ) from exc
-        self.sampler = Sampler(ops.log_softmax, ops.cumsum)
+        self.sampler = Sampler(ops.log_softmax, ops.cumsum, cfg.eos_token_id)
         self.lookahead = Lookahead(
             self.sampler,
             self._build_batch,

@@ -7,7 +7,9 @@ each row), so no row's bits follow the others; the top-k / top-p rows of a step 
 together (one sort, one prefix sum). The Gumbel noise is a
 counter-based hash of (seed, output position, vocab id) computed where the logits are (one
 batch of integer ops on CUDA, no host draw or copy), so it needs no generator state. Results
-reach the host in one copy. The sampler owns no state across steps and never mixes rows;
+reach the host in one copy. Before a row's min_tokens its EOS and stop ids are set to -inf
+in what it samples from (after the raw logprobs are taken: see SamplingParams' logprobs rule).
+The sampler owns no state across steps and never mixes rows;
 choosing seeds for n > 1 and recording fresh ones is the engine's job (moe_runtime.seeds).
 """
 
@@ -45,8 +47,9 @@ class Sampler:
     fp32) -> [R, V] fp32` and `cumsum(x [R, V]) -> [R, V]` along each row (exact, in integers,
     when invariant)."""
 
-    def __init__(self, log_softmax: RowOp, cumsum: RowOp) -> None:
+    def __init__(self, log_softmax: RowOp, cumsum: RowOp, eos_token_id: int | None = None) -> None:
         self._log_softmax, self._cumsum = log_softmax, cumsum
+        self._eos_token_id = eos_token_id  # held off before a sample's min_tokens
 
     def sample(
         self,
@@ -81,6 +84,7 @@ class Sampler:
         if num_rows == 0:
             return SampleLaunch(None, params, 0)
         raw = self._log_softmax(logits)
+        logits = self._hold_off(logits, params, output_positions)
         # Sampled rows: scaled (and filtered) logits plus their own noise; greedy rows: the
         # logits themselves (argmax returns the first maximum: ties go to the lower id).
         scores, reported = logits, raw
@@ -115,6 +119,24 @@ class Sampler:
         # Read back in one device-to-host copy: fp64 holds ids < 2**53 and fp32 logprobs exactly.
         table = torch.cat([c.to(torch.float64) for c in columns], dim=1)
         return SampleLaunch(table, params, num_top, host=device_to_host(table))
+
+    def _hold_off(
+        self, logits: torch.Tensor, params: list[SamplingParams], output_positions: list[int]
+    ) -> torch.Tensor:
+        """logits [R, V] with each row's held-off ids (EOS and stop ids before its min_tokens,
+        SamplingParams.ids_held_off) at -inf: a new tensor, the model's logits (and the raw
+        logprobs of them) untouched. Why it keeps the bits of every row: each masked element
+        is chosen by its own row's request and output position alone, and no row is read."""
+        rows, ids = [], []
+        for row, (p, position) in enumerate(zip(params, output_positions, strict=True)):
+            held = p.ids_held_off(position, self._eos_token_id)
+            rows += [row] * len(held)
+            ids += held
+        if not rows:
+            return logits
+        index = (host_to_device(rows, logits.device), host_to_device(ids, logits.device))
+        minus_inf = torch.tensor(float("-inf"), device=logits.device)
+        return logits.index_put(index, minus_inf)
 
     @staticmethod
     def read(launched: SampleLaunch) -> list[list[float]]:
