@@ -2,16 +2,17 @@
 
 Input rows: {"id", "prompt" (text or token ids), "n", "seed" | "seeds", "max_tokens",
 "temperature", "top_p", "top_k", "logprobs", "stop", "stop_token_ids", "ignore_eos",
-"min_tokens"}; missing fields take the CLI defaults (the last four: SamplingParams' own). A row
-becomes one `Sample` per sample, each with its own seed (`sample_seeds` of the row's seed,
-which is derive_seed(base seed, row index) when the row gives none), so a sample can run in
-any batch, in any run, and be resumed alone. Bad rows raise `RowError` naming the line (or are
-returned, to be skipped); an (id, sample_idx) given twice refuses the whole file. The output
-file is only appended to; `read_done` returns the (id, sample_idx) pairs already written and
-where a torn last line starts, which `cut_torn_line` cuts only once the output is known to be
-this job's. Beside it, `<output>.settings.json` records what a row's bits depend on, so a resume
-with other settings (or of a file this tool did not write) is refused instead of mixing two runs
-in one file, and `lock_output` keeps a second run off an output while one writes it. `Appender`
+"min_tokens", "include_stop_str_in_output"}; missing fields take the CLI defaults (the last
+five: SamplingParams' own). A row becomes one `Sample` per sample, each with its own seed
+(`sample_seeds` of the row's seed, which is derive_seed(base seed, row index) when the row
+gives none), so a sample can run in any batch, in any run, and be resumed alone. Bad rows
+raise `RowError` naming the line (or are returned, to be skipped); an (id, sample_idx) given
+twice refuses the whole file. The output file is only appended to; `read_done` returns the
+(id, sample_idx) pairs already written and where a torn last line starts, which
+`cut_torn_line` cuts only once the output is known to be this job's. Beside it,
+`<output>.settings.json` records what a row's bits depend on, so a resume with other
+settings (or of a file this tool did not write) is refused instead of mixing two runs in one
+file, and `lock_output` keeps a second run off an output while one writes it. `Appender`
 appends a run's batches, and turns SIGINT / SIGTERM into `Stopped` between them.
 """
 
@@ -36,7 +37,7 @@ from moe_runtime.seeds import MAX_SEED, SEED_BITS, derive_seed, sample_seeds
 # A row's sampling fields, each defaulting to its CLI flag: the flags' own list, so the two agree.
 PARAM_FIELDS = SAMPLING_FLAGS
 # A row's own ends, with no CLI default: what ends its samples besides max_tokens.
-STOP_FIELDS = ("stop", "stop_token_ids", "ignore_eos", "min_tokens")
+STOP_FIELDS = ("stop", "stop_token_ids", "ignore_eos", "min_tokens", "include_stop_str_in_output")
 ROLLOUT_FIELDS = {"id", "prompt", "n", "seed", "seeds", *PARAM_FIELDS, *STOP_FIELDS}
 SCORE_FIELDS = {"id", "sample_idx", "prompt_token_ids", "token_ids"}
 # Ctrl-C and `ray job stop` (or a scheduler's kill): the run ends saying what it wrote.

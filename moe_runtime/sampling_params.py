@@ -43,6 +43,8 @@ class SamplingParams:
     # Output tokens before EOS, stop_token_ids and stop strings may end a sample: until then
     # the ids are masked to -inf before sampling (`ids_held_off`) and stop strings do not stop.
     min_tokens: int = 0
+    # The text keeps the stop string (or stop id's or EOS's text) that ended the sample.
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         if self.stop is None:  # no stop strings

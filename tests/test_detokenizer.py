@@ -219,3 +219,22 @@ def test_sentencepiece_window_keeps_context_after_a_special_token_and_holds_byte
 class _OneTokenAtATime(random.Random):
     def randint(self, a: int, b: int) -> int:
         return 1
+
+
+def test_include_stop_str_keeps_the_stop_string_and_holds_nothing_back():
+    """include_stop_str (vLLM's include_stop_str_in_output): the text ends after the stop
+    string, whatever the tokens' boundaries, and each token's text goes out at once (no part
+    of a stop string is ever cut, so none is held)."""
+    detok = IncrementalDetokenizer(TOKENIZER, ("abcd",), include_stop_str=True)
+    ids, deltas = [], []
+    for char in "xyabcabcdz":
+        ids.append(ord(char))
+        is_stopped = detok.update(ids)
+        deltas.append(detok.delta(is_final=is_stopped))
+        if is_stopped:
+            break
+    assert deltas == list("xyabcabcd") and detok.text == "xyabcabcd"
+    assert (detok.stop_index, detok.stop_string) == (5, "abcd")
+    whole = IncrementalDetokenizer(TOKENIZER, ("bc", "abcd"), include_stop_str=True)
+    assert whole.update([ord(c) for c in "xabcdz"], is_final=True)
+    assert whole.text == whole.delta(is_final=True) == "xabc"  # "bc" is whole first

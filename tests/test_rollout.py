@@ -25,6 +25,7 @@ from launch.rollout_settings import settings_path
 from moe_runtime import LLM, CompletionOutput, SamplingParams
 from moe_runtime.engine.engine import LLMEngine
 from moe_runtime.seeds import derive_seed
+from moe_runtime.tokenizer import ByteTokenizer
 from tests.invariance import TINY_CONFIG
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -173,6 +174,19 @@ def test_a_rows_min_tokens_holds_its_stops_off(tmp_path, capsys):
     assert run("--input", source, "--output", tmp_path / "bad.out.jsonl", *ARGS) == 2
     problem = "min_tokens must be an int >= 0 and <= max_tokens (12), got 13"
     assert problem in capsys.readouterr().err
+
+
+def test_a_rows_include_stop_str_in_output_keeps_the_stop_string(tmp_path):
+    prompt, greedy = [5, 6, 7, 8], {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True}
+    (free,) = _rollout(tmp_path / "free", [{"id": 0, "prompt": prompt, **greedy}])
+    stop_at = free["token_ids"][1]
+    row = {"id": 0, "prompt": prompt, **greedy, "stop_token_ids": [stop_at]}
+    (cut,) = _rollout(tmp_path / "cut", [row])
+    (kept,) = _rollout(tmp_path / "kept", [{**row, "include_stop_str_in_output": True}])
+    assert cut["token_ids"] == kept["token_ids"] and cut["token_ids"][-1] == stop_at
+    decode = ByteTokenizer(512, bos_token_id=256, eos_token_id=257).decode  # the tiny model's
+    assert cut["text"] == decode(cut["token_ids"][:-1])
+    assert kept["text"] == decode(kept["token_ids"])
 
 
 def _rollout(directory: Path, rows: list[dict]) -> list[dict]:

@@ -147,6 +147,12 @@ def test_stop_string_ends_stream_early_and_is_never_sent(server):
     assert choice["token_ids"] == ids[: k + 1] == whole["choices"][0]["token_ids"]
     assert choice["text"] == text[:at] == whole["choices"][0]["text"]
     assert whole["usage"]["completion_tokens"] == k + 1  # the engine stopped early
+    # include_stop_str_in_output: the same tokens, the text up to the stop string's end.
+    kept = {**body, "include_stop_str_in_output": True}
+    (choice,) = streamed(server, kept).values()
+    whole = post(server.http, kept).json()["choices"][0]
+    assert choice["token_ids"] == ids[: k + 1] == whole["token_ids"]
+    assert choice["text"] == text[: at + 2] == whole["text"]
 
 
 def test_client_leaving_a_stream_aborts_its_request(server):

@@ -1,6 +1,7 @@
 """What ends a sample, end to end on the tiny model: `stop_reason` names the stop string or
 stop token id that ended it (None for EOS and length); `min_tokens` holds EOS, stop ids and
-stop strings off until a sample has that many tokens, bit for bit alone or in any batch."""
+stop strings off until a sample has that many tokens, bit for bit alone or in any batch;
+`include_stop_str_in_output` keeps the stop string (or stop id's text) in the text."""
 
 from __future__ import annotations
 
@@ -196,3 +197,21 @@ def test_min_tokens_is_an_int_within_max_tokens(kwargs, problem):
 def test_min_tokens_up_to_max_tokens_or_any_without_one():
     assert SamplingParams(min_tokens=16).min_tokens == 16
     assert SamplingParams(max_tokens=None, min_tokens=10**6).min_tokens == 10**6
+
+
+def test_include_stop_str_in_output_keeps_what_ended_the_text(llm, free_run):
+    """Without it the text stops before the stop string (and leaves a stop id's text out);
+    with it the text is the decode of every token, the stop string or id's last."""
+    k, char = _first_new_char(llm, free_run)
+    decode = llm.tokenizer.decode
+    for stop in ({"stop": [char]}, {"stop_token_ids": [free_run[k]]}):
+        cut, kept = (
+            llm.generate(
+                [PROMPT], SamplingParams(include_stop_str_in_output=keep, **stop, **GREEDY)
+            )[0]
+            for keep in (False, True)
+        )
+        assert cut.token_ids == kept.token_ids == free_run[: k + 1]
+        assert cut.text == decode(free_run[:k]) and not cut.text.endswith(char)
+        assert kept.text == decode(free_run[: k + 1]) and kept.text.endswith(char)
+        assert kept.stop_reason == cut.stop_reason

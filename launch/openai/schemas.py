@@ -135,6 +135,7 @@ class SamplingFields(Strict):
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)  # within the token budget: check_served
+    include_stop_str_in_output: bool = False
     return_routed_experts: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -223,6 +224,7 @@ class SamplingFields(Strict):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
             n=self.n,
             stop=self.stop or (),
             return_routed_experts=self.return_routed_experts,

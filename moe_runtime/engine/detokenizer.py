@@ -28,7 +28,16 @@ _MAX_WAIT = 64  # tokens a window waits for a character; past that its text is t
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, stop: tuple[str, ...] = (), prompt_token_ids=()) -> None:
+    """include_stop_str: the text keeps the stop string that ends it (vLLM's
+    include_stop_str_in_output), and nothing is held back, since no stop string is cut."""
+
+    def __init__(
+        self,
+        tokenizer,
+        stop: tuple[str, ...] = (),
+        prompt_token_ids=(),
+        include_stop_str: bool = False,
+    ) -> None:
         if tokenizer.is_byte_exact:
             self._decoder: _ByteDecoder | _WindowDecoder = _ByteDecoder(tokenizer)
         else:
@@ -40,12 +49,21 @@ class IncrementalDetokenizer:
         self._unsent = ""  # the text's tail that delta() has not handed out
         self.stop_index: int | None = None  # where the first stop string starts
         self.stop_string: str | None = None  # which one: a sample's stop_reason
+        self._include_stop_str = include_stop_str
 
     @property
     def text(self) -> str:
-        """The text so far, cut before a stop string (a new string, O(text): whole outputs)."""
-        text = self._text.getvalue()
-        return text if self.stop_index is None else text[: self.stop_index]
+        """The text so far, cut before a stop string (after it with include_stop_str; a new
+        string, O(text): whole outputs)."""
+        return self._text.getvalue()[: self._end()]
+
+    def _end(self) -> int:
+        """Where the text ends: where a stop string cuts it, else all of it."""
+        if self.stop_index is None:
+            return self._num_chars
+        if self._include_stop_str:
+            return self.stop_index + len(self.stop_string)
+        return self.stop_index
 
     def update(self, token_ids: list[int], is_final: bool = False, may_stop: bool = True) -> bool:
         """token_ids: every output token so far (new ones at the end). -> whether a stop
@@ -73,8 +91,8 @@ class IncrementalDetokenizer:
 
     def delta(self, is_final: bool) -> str:
         """Text not handed out yet; before the end, a possible stop-string start is held."""
-        end = self._num_chars if self.stop_index is None else self.stop_index
-        if not is_final and self.stop_index is None:
+        end = self._end()
+        if not is_final and self.stop_index is None and not self._include_stop_str:
             end -= max((m.num_matched for m in self._stop), default=0)
         num_sent = self._num_chars - len(self._unsent)
         if end <= num_sent:

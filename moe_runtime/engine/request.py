@@ -139,7 +139,10 @@ class Request:
                 i,
                 seed,
                 detokenizer=IncrementalDetokenizer(
-                    tokenizer, self.params.stop, self.prompt_token_ids
+                    tokenizer,
+                    self.params.stop,
+                    self.prompt_token_ids,
+                    self.params.include_stop_str_in_output,
                 ),
             )
             for i, seed in enumerate(sample_seeds(self.seed, self.params.n))

@@ -36,6 +36,7 @@ def record_results(scheduler: Scheduler, chunks: list[ScheduledChunk], result: S
         # does (without include_stop_str_in_output): a stop on a newline id gives no trailing
         # newline, the text a stop string on the same character gives.
         is_id_stop = seq.is_finished and seq.finish_reason == "stop"
+        is_id_stop = is_id_stop and not seq.params.include_stop_str_in_output
         token_ids = seq.output_token_ids[:-1] if is_id_stop else seq.output_token_ids
         may_stop = seq.num_output_tokens > seq.params.min_tokens
         stopped = seq.detokenizer.update(token_ids, seq.is_finished, may_stop)
