@@ -439,6 +439,15 @@ def _decode_cache(batch: int, ctx: int, seed: int = 0, width: int = 128) -> tupl
     return q, kv, torch.arange(batch, device="cuda"), tables, positions
 
 
+def _engine_step(batch: int, ctx: int) -> tuple[int, int, tuple]:
+    """(the engine's graph table width, the KV bytes read, FlashMLA's (block tables, positions))
+    of a 16-head decode step of batch queries at context ctx (_decode_cache's)."""
+    blocks = -(-ctx // 64)
+    width = _graph_width(blocks)
+    step = _decode_cache(batch, ctx, width=width)
+    return width, batch * ctx * 576 * 2, (step[3][:, :blocks].contiguous(), step[4])
+
+
 def bench_value_split() -> None:
     """The invariant decode attention's value split (VALUE_SPLIT in
     moe_kernels/attention_launch.py, and a split of two) at 16 heads against whole head blocks,
@@ -619,11 +628,7 @@ def bench_groups() -> None:
         (128, 4140), (256, 2048), (256, 4140),
     )  # fmt: skip
     for batch, ctx in shapes:
-        blocks = -(-ctx // 64)
-        width = _graph_width(blocks)
-        read = batch * ctx * 576 * 2
-        step = _decode_cache(batch, ctx, width=width)
-        flash_step = (step[3][:, :blocks].contiguous(), step[4])
+        width, read, flash_step = _engine_step(batch, ctx)
 
         def make(launch, batch=batch, ctx=ctx, width=width, flash=flash_step):
             q, kv, seq_ids, tables, positions = _decode_cache(batch, ctx, width=width)
@@ -838,11 +843,7 @@ def bench_split_larger() -> None:
         (32, 4096), (64, 1024), (64, 2048), (64, 4096), (64, 8192), (128, 4096), (256, 4096),
     )  # fmt: skip
     for batch, ctx in shapes:
-        blocks = -(-ctx // 64)
-        width = _graph_width(blocks)
-        read = batch * ctx * 576 * 2
-        step = _decode_cache(batch, ctx, width=width)
-        flash_step = (step[3][:, :blocks].contiguous(), step[4])
+        width, read, flash_step = _engine_step(batch, ctx)
 
         def make(split_blocks, batch=batch, ctx=ctx, width=width, flash=flash_step):
             q, kv, seq_ids, tables, positions = _decode_cache(batch, ctx, width=width)
