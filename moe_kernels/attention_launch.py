@@ -32,9 +32,19 @@ class HeadLaunch:
     tail_blocks: int = 0
     group_splits: int = 0
     group_tail: int = 0  # blocks past its last whole group a query's last group takes on
+    long_blocks: int = 0  # a query of at least this many blocks has splits twice as long
 
     def __post_init__(self) -> None:
-        check_runs(self.split_blocks, self.tail_blocks, self.group_splits, self.group_tail)
+        check_runs(
+            self.split_blocks, self.tail_blocks, self.group_splits, self.group_tail,
+            self.long_blocks,
+        )  # fmt: skip
+
+    def table_splits(self, table_width: int) -> int:
+        """The most KV splits of any query in a table table_width blocks wide."""
+        return table_split_count(
+            table_width, self.split_blocks, self.tail_blocks, self.long_blocks
+        )  # fmt: skip
 
     def num_groups(self, num_blocks: int) -> int:
         """The groups of a query (or table) of num_blocks cache blocks (1 without groups)."""
@@ -43,9 +53,17 @@ class HeadLaunch:
         return split_count(num_blocks, self.group_splits * self.split_blocks, self.group_tail)
 
 
-def check_runs(split_blocks: int, tail_blocks: int, group_splits: int, group_tail: int) -> None:
+def check_runs(
+    split_blocks: int, tail_blocks: int, group_splits: int, group_tail: int, long_blocks: int = 0
+) -> None:
     """Raise ValueError, naming the value, unless the split tail is below a split, the groups
-    are >= 0 and only without a split tail, and the group tail is whole splits below a group."""
+    are >= 0 and only without a split tail, the group tail is whole splits below a group, and
+    long splits (long_blocks > 0) come with neither a split tail nor groups."""
+    if long_blocks < 0 or (long_blocks and (tail_blocks or group_splits)):
+        raise ValueError(
+            f"long_blocks {long_blocks} must be >= 0, and 0 with tail_blocks {tail_blocks} or "
+            f"group_splits {group_splits}"
+        )
     if not 0 <= tail_blocks < split_blocks:
         raise ValueError(
             f"tail_blocks {tail_blocks} must be in [0, {split_blocks}) "
@@ -72,6 +90,26 @@ def split_count(num_blocks: int, split_blocks: int, tail_blocks: int) -> int:
     return max(1, -(-(num_blocks - tail_blocks) // split_blocks))
 
 
+def query_split_blocks(num_blocks: int, split_blocks: int, long_blocks: int) -> int:
+    """The cache blocks a KV split of a query of num_blocks blocks runs: split_blocks, twice
+    that from long_blocks blocks (0: never). A function of the query's own length only, as
+    split_count is (the kernels restate it: _split_blocks_of)."""
+    return 2 * split_blocks if long_blocks and num_blocks >= long_blocks else split_blocks
+
+
+def table_split_count(
+    table_width: int, split_blocks: int, tail_blocks: int, long_blocks: int = 0
+) -> int:
+    """The most KV splits of any query in a table table_width blocks wide (the launch's grid):
+    with long splits a query just short of long_blocks may have more than the widest one."""
+    if not long_blocks:
+        return split_count(table_width, split_blocks, tail_blocks)
+    short = split_count(min(table_width, long_blocks - 1), split_blocks, tail_blocks)
+    if table_width < long_blocks:
+        return short
+    return max(short, split_count(table_width, 2 * split_blocks, tail_blocks))
+
+
 # Why the launch follows the model's head count (at TP 1), never the heads a rank holds or the
 # batch: the head block's width picks the MMA (16 rows: mma.sync; 64: wgmma, whose fp32 sums
 # round differently) and the split is part of the merge order, so both are fixed per model.
@@ -84,7 +122,19 @@ def split_count(num_blocks: int, split_blocks: int, tail_blocks: int) -> int:
 # shared as the engine shares it, 1.42x its time at B = 256 context 1024 (the earlier
 # 0.80-1.39x paid FlashMLA's plan on every call).
 WIDE_HEADS = 64
-NARROW_LAUNCH = HeadLaunch(BLOCK_H, SPLIT_BLOCKS, 4, 3)
+# A 16-head query of at least LONG_BLOCKS cache blocks (4096 positions in blocks of 64) has KV
+# splits of 2 x SPLIT_BLOCKS: part of the bits, a function of the query's own length, so one
+# value for every batch. Why: a split launch writes each split's fp32 partial (16 x 512) to HBM
+# and merges them, and at long contexts those round trips and the merge were what kept B = 64
+# at 1.2x FlashMLA's time; halving a long query's splits halves them, where a query below it
+# keeps its parallelism (one query at context 1024: 13 -> 19 µs with splits of 8). H100, graph
+# replay, engine-wide tables (BENCHMARKS.md, fifty-second session, `bench/gpu_kernels.py
+# split_larger`), splits of 4 -> 8 blocks, µs: context 4096 B = 1 14.9 -> 19.5, B = 8 26.4 ->
+# 26.8, B = 16 41.7 -> 38.0, B = 32 75.6 -> 67.2, B = 64 138.8 -> 122.8; context 8192 B = 8
+# 45.7 -> 40.0, B = 64 264.5 -> 236.5; from 128 queries (a program a whole query, so prefill)
+# level. Groups (with_groups) count splits of one size: a launch with groups has none.
+LONG_BLOCKS = 64
+NARROW_LAUNCH = HeadLaunch(BLOCK_H, SPLIT_BLOCKS, 4, 3, long_blocks=LONG_BLOCKS)
 # A query's last split of the wide launch takes up to 2 blocks past its last whole split
 # (tail_blocks) instead of a split of its own: a whole-query program then folds no split of
 # one or two blocks (its running fold's fp32 round trip through L2 cost more than the blocks).
@@ -200,8 +250,23 @@ def with_groups(launch: HeadLaunch, group_splits: int) -> HeadLaunch:
             f"group_splits {group_splits} applies to the launch of models below {WIDE_HEADS} "
             f"heads (16 heads a program), not to {launch}"
         )
-    tail = launch.split_blocks if group_splits else 0
-    return dataclasses.replace(launch, group_splits=group_splits, group_tail=tail)
+    if not group_splits:
+        return launch
+    # Groups count splits of one size: a launch with groups has no long splits.
+    return dataclasses.replace(
+        launch, group_splits=group_splits, group_tail=launch.split_blocks, long_blocks=0
+    )
+
+
+@functools.cache  # a frozen launch per (launch, long_blocks), as with_groups
+def with_long_blocks(launch: HeadLaunch, long_blocks: int) -> HeadLaunch:
+    """The narrow launch with long splits from long_blocks blocks (0: none)."""
+    if launch == WIDE_LAUNCH and long_blocks:
+        raise ValueError(
+            f"long_blocks {long_blocks} applies to the launch of models below {WIDE_HEADS} "
+            f"heads (16 heads a program), not to {launch}"
+        )
+    return dataclasses.replace(launch, long_blocks=long_blocks)
 
 
 def group_launch(

@@ -22,7 +22,10 @@ CUDA, models below 64 heads): a query's KV splits fold in groups of this many, t
 groups, the last group taking up to one split more (moe_kernels/attention_launch.py); 0 (the
 default) keeps one group. It is part of the bits, as tp_max is: every rank and run that must
 agree sets the same value. Measured and off by default (BENCHMARKS.md, twenty-sixth and
-twenty-seventh sessions).
+twenty-seventh sessions). `attention_long_blocks` (invariant mode on CUDA, models below 64
+heads): a query of at least this many cache blocks has KV splits twice as long (0: never; null,
+the default: the launch's, moe_kernels/attention_launch.py's LONG_BLOCKS). Part of the bits
+too; not with attention_group_splits (groups count splits of one size).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ class KernelConfig:
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
     side_stream_rows: int = SIDE_STREAM_ROWS
     attention_group_splits: int = 0
+    attention_long_blocks: int | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -61,6 +65,18 @@ class KernelConfig:
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"kernels.{key} must be an int >= 0, got {value!r}")
+        long_blocks = self.attention_long_blocks
+        is_count = isinstance(long_blocks, int) and not isinstance(long_blocks, bool)
+        if long_blocks is not None and not (is_count and long_blocks >= 0):
+            raise ValueError(
+                f"kernels.attention_long_blocks must be an int >= 0 or null, got {long_blocks!r}"
+            )
+        if long_blocks and self.attention_group_splits:
+            raise ValueError(
+                f"kernels.attention_long_blocks={long_blocks} and kernels."
+                f"attention_group_splits={self.attention_group_splits}: groups count splits "
+                "of one size, so set one of them to 0"
+            )
         if self.cuda_graphs is not None and not isinstance(self.cuda_graphs, bool):
             raise ValueError(
                 f"kernels.cuda_graphs must be a bool or null, got {self.cuda_graphs!r}"

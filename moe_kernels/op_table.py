@@ -185,6 +185,10 @@ def _invariant_ops(
             ops["mla_attention"] = partial(
                 ops["mla_attention"], group_splits=config.attention_group_splits
             )
+        if config.attention_long_blocks is not None:  # the same (null: the launch's)
+            ops["mla_attention"] = partial(
+                ops["mla_attention"], long_blocks=config.attention_long_blocks
+            )
         return ops
     if device.type == "cpu":
         tile = partial(partial, tile_rows=config.tile_rows)

@@ -4,9 +4,10 @@ Contract of `mla_attention_ref` (moe_kernels/attention.py): query t attends to p
 0..positions[t] of sequence query_seq_ids[t], keys are whole cache rows [C], values their first
 v_dim channels. One program per (query token, head block, KV split): it walks cache blocks
 (chunks of exactly the cache block size, aligned to absolute positions) with an online softmax
-in fp32. A split is a fixed run of SPLIT_BLOCKS blocks counted from position 0 (a query's last
-split also takes up to TAIL_BLOCKS blocks past it: split_count), so which splits a query has
-depends on its own position only; a second kernel merges a query's splits in split order.
+in fp32. A split is a fixed run of SPLIT_BLOCKS blocks counted from position 0 (twice that
+for a query of LONG_BLOCKS blocks or more; a query's last split also takes up to TAIL_BLOCKS
+blocks past it: split_count), so which splits a query has depends on its own position only; a
+second kernel merges a query's splits in split order.
 Nothing a program computes depends on the other queries: prefill, decode and any chunking of a
 prompt give the same bits. Under TRITON_INTERPRET=1 it runs on CPU tensors.
 """
@@ -28,15 +29,18 @@ from moe_kernels.attention_launch import (
     merge_heads,
     merge_warps,
     split_count,
+    table_split_count,
     value_split,
     wide_value_parts,
     with_groups,
+    with_long_blocks,
 )
 from moe_kernels.gluon_attention import fits_gluon, launch_wide_split
 from moe_kernels.triton_attention_block import (
     _fold,
     _load_query,
     _own_splits,
+    _split_blocks_of,
     _starts_run,
     _walk_run,
 )
@@ -80,6 +84,7 @@ def _mla_split_kernel(
     TABLE_AHEAD: tl.constexpr,
     GROUP_BLOCKS: tl.constexpr = 0,
     GROUP_TAIL: tl.constexpr = 0,
+    LONG_BLOCKS: tl.constexpr = 0,
     PDL: tl.constexpr = False,
 ):
     """Partial (max, sum, acc) of one query's heads over one split of its cache blocks; with
@@ -94,6 +99,8 @@ def _mla_split_kernel(
     order of the merge kernel's GROUP_SLOTS. With WHOLE_QUERY (grid axis 2: the table's groups)
     the program walks one group and writes its fold as a partial (or, WRITE_OUT, the output),
     which the merge kernel folds in group order.
+    LONG_BLOCKS > 0: a query of at least that many blocks has splits of 2 x SPLIT_BLOCKS
+    (_split_blocks_of; never with groups or a tail).
 
     Many heads (V_PARTS > 1): a program keeps only its 1 / V_PARTS of the value columns (the
     scores are recomputed by each part) and walks the latent in LAT_CHUNK-column dots, so a
@@ -108,14 +115,19 @@ def _mla_split_kernel(
     t = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)  # a KV split, or with WHOLE_QUERY and GROUP_BLOCKS a group
     position = tl.load(positions_ptr + t)
-    # The blocks a program walks from its first: a split's, a group's, or every block (0),
-    # and the blocks its last run takes on past RUN (its tail).
-    IS_GROUP: tl.constexpr = WHOLE_QUERY and GROUP_BLOCKS > 0
-    RUN: tl.constexpr = GROUP_BLOCKS if IS_GROUP else (0 if WHOLE_QUERY else SPLIT_BLOCKS)
-    RUN_TAIL: tl.constexpr = GROUP_TAIL if IS_GROUP else TAIL_BLOCKS
-    first_block = split * RUN
     num_blocks = position // BS + 1
-    # Run k > 0 of the query's own (_own_splits) exists where k * RUN + RUN_TAIL < num_blocks;
+    # The blocks a program walks from its first: a group's, every block (0), or a split's
+    # (the query's own size), and the blocks its last run takes on past them (its tail).
+    IS_GROUP: tl.constexpr = WHOLE_QUERY and GROUP_BLOCKS > 0
+    RUN_TAIL: tl.constexpr = GROUP_TAIL if IS_GROUP else TAIL_BLOCKS
+    if IS_GROUP:
+        run = GROUP_BLOCKS
+    elif WHOLE_QUERY:
+        run = 0
+    else:
+        run = _split_blocks_of(num_blocks, SPLIT_BLOCKS, LONG_BLOCKS)
+    first_block = split * run
+    # Run k > 0 of the query's own (_own_splits) exists where k * run + RUN_TAIL < num_blocks;
     # the last one runs to the query's last block.
     if first_block < tl.maximum(num_blocks - RUN_TAIL, 1):
         seq = tl.load(seq_ids_ptr + t)
@@ -132,13 +144,14 @@ def _mla_split_kernel(
         q_lat, q_pe = _load_query(
             q_rows, head_ok, offs_v, v_ok, offs_r, r_ok, V, IS_WHOLE, UPCAST_DOT
         )
-        is_to_end = (first_block + RUN + RUN_TAIL >= num_blocks) | (RUN == 0)
-        last_block = tl.where(is_to_end, num_blocks, first_block + RUN)
+        IS_ALL_BLOCKS: tl.constexpr = WHOLE_QUERY and not IS_GROUP
+        is_to_end = (first_block + run + RUN_TAIL >= num_blocks) | IS_ALL_BLOCKS
+        last_block = tl.where(is_to_end, num_blocks, first_block + run)
         row_max, row_sum, acc = _walk_run(
             q_lat, q_pe, q_rows, kv_ptr, tables_ptr + seq * table_width, position, first_block,
             last_block, num_blocks, offs_s, head_ok, offs_pv, pv_ok, offs_r, r_ok, scale, V, C,
             BS, BLOCK_H, BLOCK_S, BLOCK_V, BLOCK_PV, LAT_CHUNK, IS_WHOLE, INPUT_PRECISION,
-            UPCAST_DOT, SPLIT_BLOCKS, TAIL_BLOCKS, WHOLE_QUERY, TABLE_AHEAD,
+            UPCAST_DOT, SPLIT_BLOCKS, TAIL_BLOCKS, WHOLE_QUERY, TABLE_AHEAD, LONG_BLOCKS,
         )  # fmt: skip
         if WRITE_OUT:
             # The merge kernel's one-split case, the same fp32 division: the same bits.
@@ -177,11 +190,13 @@ def _mla_merge_kernel(
     GROUP_TAIL: tl.constexpr = 0,
     ONE_SPLIT_WRITTEN: tl.constexpr = False,
     MERGE_HEADS: tl.constexpr = 1,
+    LONG_BLOCKS: tl.constexpr = 0,
     PDL: tl.constexpr = False,
 ):
     """out[t, h] = merge of the query's partials 0, 1, ... (its own: SPLIT_BLOCKS cache blocks
-    a partial) in that order, then acc / sum, for MERGE_HEADS heads a program (each head's
-    columns folded by the same fp32 operations whatever heads share its program). GROUP_SLOTS
+    a partial, twice that for a query of LONG_BLOCKS blocks or more) in that order, then
+    acc / sum, for MERGE_HEADS heads a program (each head's columns folded by the same fp32
+    operations whatever heads share its program). GROUP_SLOTS
     > 0: the partials are KV splits in groups of GROUP_SLOTS (the last taking up to GROUP_TAIL
     blocks more), folded in order within a group, the groups' folds in group order (the bits of
     WHOLE_QUERY programs with GROUP_BLOCKS, and of a flat merge of group programs' partials).
@@ -193,7 +208,7 @@ def _mla_merge_kernel(
     head_ok = heads < num_heads
     position = tl.load(positions_ptr + t)
     num_blocks = position // BS + 1
-    num_own_splits = _own_splits(num_blocks, SPLIT_BLOCKS, TAIL_BLOCKS)
+    num_own_splits = _own_splits(num_blocks, SPLIT_BLOCKS, TAIL_BLOCKS, LONG_BLOCKS)
     if ONE_SPLIT_WRITTEN and num_own_splits == 1:
         return
     offs_v = tl.arange(0, BLOCK_V)
@@ -285,13 +300,16 @@ def mla_attention_triton(
     v_dim: int,
     whole_heads: int | None = None,
     group_splits: int | None = None,
+    long_blocks: int | None = None,
 ) -> torch.Tensor:
     """q [T, H, C], kv_cache [NB, BS, C] (q's dtype), query_seq_ids/positions [T] int64,
     block_tables [B, MB] int64 (-1 padding past a sequence's end) -> [T, H, v_dim] q.dtype.
     whole_heads: the model's head count at TP 1 (None: H), whose launch (head_launch) a TP
     rank holding H of them keeps, so every TP degree gives the same bits. group_splits
     (models below 64 heads; None: the launch's): a query's splits folded in groups of this
-    many, then the groups (attention_launch.with_groups; part of the bits).
+    many, then the groups (attention_launch.with_groups; part of the bits). long_blocks
+    (models below 64 heads; None: the launch's): a query of at least this many cache blocks
+    has splits twice as long, 0 never (attention_launch.with_long_blocks; part of the bits).
     """
     _check(q, kv_cache, query_seq_ids, block_tables, positions, v_dim)
     if whole_heads is not None and whole_heads < q.shape[1]:
@@ -299,6 +317,8 @@ def mla_attention_triton(
     # The launch (measured on the H200, BENCHMARKS.md) is fixed per model, so prefill and
     # decode compile the same kernel and round the same way.
     launch = head_launch(q.shape[1] if whole_heads is None else whole_heads)
+    if long_blocks is not None:
+        launch = with_long_blocks(launch, long_blocks)
     if group_splits is not None:
         launch = with_groups(launch, group_splits)
     if launch == WIDE_LAUNCH and q.element_size() > 2 and not _is_interpreted():
@@ -309,7 +329,7 @@ def mla_attention_triton(
         )
     # The interpreter's dots are numpy's, not checked across widths: it keeps whole head blocks.
     block_v = triton.next_power_of_2(v_dim)
-    num_splits = split_count(block_tables.shape[1], launch.split_blocks, launch.tail_blocks)
+    num_splits = launch.table_splits(block_tables.shape[1])
     is_narrow_launch = launch != WIDE_LAUNCH  # the narrow launch, its groups as configured
     is_narrow = is_narrow_launch and not _is_interpreted()
     v_parts, lat_chunk = (1, None)
@@ -333,7 +353,7 @@ def mla_attention_triton(
         is_whole_query=whole_stages is not None,
         is_table_ahead=is_ahead or (whole_stages is not None and is_ahead_ok),
         tail_blocks=launch.tail_blocks, group_splits=launch.group_splits,
-        group_tail=launch.group_tail,
+        group_tail=launch.group_tail, long_blocks=launch.long_blocks,
     )  # fmt: skip
 
 
@@ -341,7 +361,7 @@ def _attend(
     q, kv_cache, query_seq_ids, block_tables, positions, scale, v_dim,
     split_blocks, num_warps, num_stages, block_h=BLOCK_H, v_parts=1, lat_chunk=None,
     is_gluon=False, is_whole_query=False, is_table_ahead=None, tail_blocks=0, group_splits=0,
-    group_tail=0, merge_heads_per_program=None,
+    group_tail=0, merge_heads_per_program=None, long_blocks=0,
 ) -> torch.Tensor:  # fmt: skip
     """The launches; the launch parameters are arguments so bench/ can sweep them (tail_blocks:
     HeadLaunch's, the blocks a query's last split takes on past its whole splits). is_gluon:
@@ -352,8 +372,12 @@ def _attend(
     group_splits and group_tail (HeadLaunch's): a query's splits fold in groups of this many
     (0: one group), the last taking up to group_tail blocks more, then the groups; a
     whole-query launch then has a program a query's group. merge_heads_per_program: the merge
-    launch's heads a program (default merge_heads's; no bit depends on it)."""
-    check_runs(split_blocks, tail_blocks, group_splits, group_tail)
+    launch's heads a program (default merge_heads's; no bit depends on it). long_blocks
+    (HeadLaunch's): a query of at least this many blocks has splits twice as long (0: never;
+    the Triton kernel only)."""
+    check_runs(split_blocks, tail_blocks, group_splits, group_tail, long_blocks)
+    if long_blocks and is_gluon:
+        raise ValueError(f"long_blocks {long_blocks} needs the Triton kernel, not the Gluon one")
     if group_splits and is_gluon:
         raise ValueError(f"group_splits {group_splits} needs the Triton kernel, not the Gluon one")
     if is_whole_query and is_gluon:
@@ -371,7 +395,7 @@ def _attend(
     # batch's longest block table). Queries with fewer splits skip the extra programs; no
     # query's result depends on this number.
     width = block_tables.shape[1]
-    num_splits = split_count(width, split_blocks, tail_blocks)
+    num_splits = table_split_count(width, split_blocks, tail_blocks, long_blocks)
     # What a partial (and a program along grid axis 2) covers, with its tail: a split, or a
     # group of them; the merge folds split partials in groups (merge_groups) or flat.
     slot_blocks, slot_tail, merge_groups = split_blocks, tail_blocks, group_splits
@@ -435,6 +459,7 @@ def _attend(
                 TABLE_AHEAD=is_whole_query if is_table_ahead is None else is_table_ahead,
                 GROUP_BLOCKS=group_blocks if is_whole_query else 0,
                 GROUP_TAIL=group_tail if is_whole_query else 0,
+                LONG_BLOCKS=long_blocks,
                 num_warps=num_warps if block_v >= 256 else 4,
                 num_stages=num_stages,
                 **pdl_launch(q.device),
@@ -457,6 +482,7 @@ def _attend(
             GROUP_TAIL=group_tail if merge_groups else 0,
             ONE_SPLIT_WRITTEN=is_gluon,
             MERGE_HEADS=heads_a_merge,
+            LONG_BLOCKS=long_blocks,
             num_warps=merge_warps(heads_a_merge),
             **pdl_launch(out.device),
         )

@@ -15,19 +15,33 @@ import triton.language as tl
 
 
 @triton.jit
-def _own_splits(num_blocks, SPLIT_BLOCKS: tl.constexpr, TAIL_BLOCKS: tl.constexpr):
-    """A query's KV splits: runs of SPLIT_BLOCKS cache blocks from block 0, the last one
-    taking up to TAIL_BLOCKS blocks more (at least one split). A function of the query's own
-    block count only (split_count in moe_kernels/attention_launch.py, restated for the kernels)."""
-    return tl.maximum((num_blocks - TAIL_BLOCKS + SPLIT_BLOCKS - 1) // SPLIT_BLOCKS, 1)
+def _split_blocks_of(num_blocks, SPLIT_BLOCKS: tl.constexpr, LONG_BLOCKS: tl.constexpr):
+    """The cache blocks a KV split of a query of num_blocks blocks runs: SPLIT_BLOCKS, twice
+    that from LONG_BLOCKS blocks (0: never; then a constant). A function of the query's own
+    block count only (query_split_blocks in moe_kernels/attention_launch.py, restated)."""
+    if LONG_BLOCKS > 0:
+        return tl.where(num_blocks >= LONG_BLOCKS, 2 * SPLIT_BLOCKS, SPLIT_BLOCKS)
+    else:
+        return SPLIT_BLOCKS
 
 
 @triton.jit
-def _starts_run(block, RUN_BLOCKS: tl.constexpr, TAIL_BLOCKS: tl.constexpr, num_blocks):
+def _own_splits(
+    num_blocks, SPLIT_BLOCKS: tl.constexpr, TAIL_BLOCKS: tl.constexpr, LONG_BLOCKS: tl.constexpr
+):
+    """A query's KV splits: runs of its split size (_split_blocks_of) from block 0, the last
+    one taking up to TAIL_BLOCKS blocks more (at least one split). A function of the query's
+    own block count only (split_count in moe_kernels/attention_launch.py, restated)."""
+    split_blocks = _split_blocks_of(num_blocks, SPLIT_BLOCKS, LONG_BLOCKS)
+    return tl.maximum((num_blocks - TAIL_BLOCKS + split_blocks - 1) // split_blocks, 1)
+
+
+@triton.jit
+def _starts_run(block, run_blocks, TAIL_BLOCKS: tl.constexpr, num_blocks):
     """Whether cache block `block` (> 0) starts a new run (a KV split, or a group of them) of
-    a query of num_blocks blocks: runs of RUN_BLOCKS from block 0, the last one taking up to
+    a query of num_blocks blocks: runs of run_blocks from block 0, the last one taking up to
     TAIL_BLOCKS more (the rule _own_splits counts)."""
-    return (block % RUN_BLOCKS == 0) & (block + TAIL_BLOCKS < num_blocks)
+    return (block % run_blocks == 0) & (block + TAIL_BLOCKS < num_blocks)
 
 
 @triton.jit
@@ -154,10 +168,12 @@ def _walk_run(
     BLOCK_PV: tl.constexpr, LAT_CHUNK: tl.constexpr, IS_WHOLE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, SPLIT_BLOCKS: tl.constexpr,
     TAIL_BLOCKS: tl.constexpr, WHOLE_QUERY: tl.constexpr, TABLE_AHEAD: tl.constexpr,
+    LONG_BLOCKS: tl.constexpr,
 ):  # fmt: skip
     """(max, sum, acc) of a query's heads over its cache blocks first_block .. last_block - 1
     (a KV split; with WHOLE_QUERY a run of splits, each from a fresh state, folded in order:
-    a group of them or the whole query)."""
+    a group of them or the whole query). Its splits' size: _split_blocks_of."""
+    split_blocks = _split_blocks_of(num_blocks, SPLIT_BLOCKS, LONG_BLOCKS)
     row_max = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
     row_sum = tl.zeros((BLOCK_H,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_H, BLOCK_PV), dtype=tl.float32)
@@ -171,12 +187,12 @@ def _walk_run(
         next_id = tl.load(table_row + first_block).to(tl.int64)
     for j in range(first_block, last_block):
         # A split starts at every SPLIT_BLOCKS-th block but inside the last split's tail.
-        is_split_start = (j > first_block) & _starts_run(j, SPLIT_BLOCKS, TAIL_BLOCKS, num_blocks)
+        is_split_start = (j > first_block) & _starts_run(j, split_blocks, TAIL_BLOCKS, num_blocks)
         if WHOLE_QUERY and is_split_start:
             # Why one loop, not a loop over splits: the pipeliner keeps its copies in
             # flight across split boundaries. At a boundary the finished split is
             # folded in (the first one taken as it is) and a fresh state starts.
-            is_first = j == group_first + SPLIT_BLOCKS
+            is_first = j == group_first + split_blocks
             done_max, done_sum, done_acc = _fold(
                 done_max, done_sum, done_acc, row_max, row_sum, acc, is_first, True
             )
@@ -199,7 +215,7 @@ def _walk_run(
             IS_WHOLE, INPUT_PRECISION, UPCAST_DOT,
         )  # fmt: skip
     if WHOLE_QUERY:  # the last split folded in (taken as it is if it is the only one)
-        is_one_split = last_block <= group_first + SPLIT_BLOCKS + TAIL_BLOCKS
+        is_one_split = last_block <= group_first + split_blocks + TAIL_BLOCKS
         row_max, row_sum, acc = _fold(
             done_max, done_sum, done_acc, row_max, row_sum, acc, is_one_split, True
         )

@@ -28,12 +28,13 @@ def check_attention_launch(
             f"64 heads an attention program) needs model.dtype 'bfloat16', got "
             f"{model.dtype!r} (fp32 cache blocks do not fit in shared memory)"
         )
-    if kernels.attention_group_splits and is_wide:
-        raise ValueError(
-            f"kernels.attention_group_splits={kernels.attention_group_splits} applies "
-            f"to models below {WIDE_HEADS} attention heads (16 heads a program), got "
-            f"model.num_attention_heads={model.num_attention_heads}: set it to 0"
-        )
+    for key in ("attention_group_splits", "attention_long_blocks"):
+        if getattr(kernels, key) and is_wide:
+            raise ValueError(
+                f"kernels.{key}={getattr(kernels, key)} applies to models below {WIDE_HEADS} "
+                f"attention heads (16 heads a program), got "
+                f"model.num_attention_heads={model.num_attention_heads}: set it to 0"
+            )
 
 
 def check_deepep(model: ModelConfig, parallel: ParallelConfig, max_num_batched_tokens: int) -> None:

@@ -585,6 +585,23 @@ def test_invariant_cuda_models_of_64_heads_or_more_need_bf16():
     assert narrow.model.dtype == "float32"  # 4 heads: the 16-head launch, fp32 fits
 
 
+def test_attention_long_blocks_loads_below_64_heads_and_is_refused_from_64_or_with_groups():
+    """kernels.attention_long_blocks applies to the 16-head launch: a 4-head model loads with
+    it (0 and null too); a 64-head one is refused at load, and so are groups beside it, each
+    naming the keys."""
+    for value in (8, 0, None):
+        config = load_config(CONFIGS / "tiny_gpu.yaml", {"kernels.attention_long_blocks": value})
+        assert config.kernels.attention_long_blocks == value
+    wide = {"model.num_attention_heads": 64, "model.dtype": "bfloat16"}
+    with pytest.raises(
+        ValueError, match="kernels.attention_long_blocks=8 .*model.num_attention_heads=64"
+    ):
+        load_config(CONFIGS / "tiny_gpu.yaml", {**wide, "kernels.attention_long_blocks": 8})
+    both = {"kernels.attention_long_blocks": 8, "kernels.attention_group_splits": 2}
+    with pytest.raises(ValueError, match="attention_long_blocks=8 and .*group_splits=2"):
+        load_config(CONFIGS / "tiny_gpu.yaml", both)
+
+
 def test_attention_group_splits_loads_below_64_heads_and_is_refused_from_64():
     """kernels.attention_group_splits applies to the 16-head launch: a 4-head model loads with
     it; a 64-head one is refused at load, naming both keys."""

@@ -144,6 +144,31 @@ def test_gpu_golden_attention_groups(workload, alone_invariant, monkeypatch):
     assert moved, "groups on gave every prompt the bits of groups off: the groups never folded"
 
 
+# kernels.attention_long_blocks=8: a query of 8 cache blocks of 16 tokens or more (128
+# tokens) has KV splits of 8 blocks instead of 4 (the default's threshold, 64 blocks, is past
+# every prompt here, so alone_invariant has none).
+LONG_SPLITS = {"kernels.attention_long_blocks": 8, **NO_PREFIX_CACHE}
+
+
+def test_gpu_golden_long_splits(workload, alone_invariant):
+    """Long splits on: each prompt alone (decode in the split launch) is bitwise equal to the
+    prompts batched and shuffled (prefill rows in a program a query). Engagement: some query
+    is long enough; control: long splits change some prompt's bits against none."""
+    prompts, params = workload
+    llm = LLM(TINY_GPU, **LONG_SPLITS)
+    try:
+        alone = run_in_batches(llm, prompts, params, [[i] for i in range(GROUP_PROMPTS)])
+    finally:
+        llm.shutdown()
+    together, shuffled, _ = _batched("invariant", workload, **LONG_SPLITS)
+    assert max(len(prompts[i]) for i in alone) + MAX_TOKENS > 128, "no query is long"
+    for i in alone:
+        assert together[i] == alone[i], f"prompt {i}: batched differs from alone (long splits)"
+        assert shuffled[i] == alone[i], f"prompt {i}: shuffled differs from alone (long splits)"
+    moved = [i for i in alone if alone[i] != alone_invariant[i]]
+    assert moved, "long splits gave every prompt the bits without them: they never ran"
+
+
 # Decode vs score runs on a wider model: at the tiny model's K = 64 cuBLAS was seen to pick the
 # same kernel for decode- and prefill-sized M, so the fast-mode control could not fail there.
 WIDE = {

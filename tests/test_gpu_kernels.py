@@ -827,25 +827,30 @@ def test_mla_whole_query_launch_gives_the_split_bits(generator):
     q, kv_cache, seq_ids, tables, positions = _decode_step(generator, lengths, 16, 128)
     args = (q, kv_cache, seq_ids, tables, positions, 192**-0.5, 512)
     results = {}
-    # One group (every split folded in turn), groups of 8 splits, and with a tail of a split.
-    for group_splits, tail in ((0, 0), (8, 0), (8, 4)):
-        groups = dict(group_splits=group_splits, group_tail=tail)
+    # One group (every split folded in turn), groups of 8 splits, and with a tail of a split;
+    # and the op's long splits (twice as long from NARROW_LAUNCH.long_blocks blocks).
+    long = NARROW_LAUNCH.long_blocks
+    for group_splits, tail, long_blocks in ((0, 0, 0), (8, 0, 0), (8, 4, 0), (0, 0, long)):
+        groups = dict(group_splits=group_splits, group_tail=tail, long_blocks=long_blocks)
         split = _attend(*args, SPLIT_BLOCKS, 4, 3, **groups)
         for stages in (2, 3):  # a program a group (without groups: a query)
             whole = _attend(*args, SPLIT_BLOCKS, 4, stages, is_whole_query=True, **groups)
-            assert torch.equal(whole, split), (group_splits, tail, stages)
+            assert torch.equal(whole, split), (group_splits, tail, long_blocks, stages)
         assert not split.isnan().any()
-        results[group_splits, tail] = split
+        results[group_splits, tail, long_blocks] = split
     is_past_group = (blocks > 8 * SPLIT_BLOCKS).cuda()  # the queries past one group of 8
-    assert torch.equal(results[0, 0][~is_past_group], results[8, 0][~is_past_group])
-    assert not torch.equal(results[0, 0][is_past_group], results[8, 0][is_past_group])
+    assert torch.equal(results[0, 0, 0][~is_past_group], results[8, 0, 0][~is_past_group])
+    assert not torch.equal(results[0, 0, 0][is_past_group], results[8, 0, 0][is_past_group])
     # The tail moves only queries whose last group (one split) it joined to the one before,
     # and only from the third group: (g1 g2) s then becomes g1 (g2 s); (g1) s stays.
     is_in_tail = (blocks > 32) & ((blocks - 1) % 32 < 4)
-    moved = (results[8, 0] != results[8, 4]).flatten(1).any(1).cpu()
+    moved = (results[8, 0, 0] != results[8, 4, 0]).flatten(1).any(1).cpu()
     assert not moved[~is_in_tail | (blocks <= 64)].any()
     assert moved[is_in_tail & (blocks > 64)].any(), "the tail moved no query of three groups"
-    whole = results[NARROW_LAUNCH.group_splits, NARROW_LAUNCH.group_tail]
+    # Long splits move only the long queries' bits (and move some).
+    moved = (results[0, 0, 0] != results[0, 0, long]).flatten(1).any(1).cpu()
+    assert not moved[blocks < long].any() and moved[blocks >= long].any()
+    whole = results[NARROW_LAUNCH.group_splits, NARROW_LAUNCH.group_tail, long]
     # Engagement: the op takes the two launches above at 256 and 128 queries, the split
     # launch below (the single queries further down).
     assert [whole_query_stages(n) for n in (256, 128, 127)] == [2, 3, None]

@@ -175,3 +175,44 @@ def test_head_launch_refuses_bad_tails_and_counts_groups():
     counts = [launch.num_groups(n) for n in (1, 32, 33, 36, 37, 64, 68, 69)]
     assert counts == [1, 1, 1, 1, 2, 2, 2, 3], counts
     assert HeadLaunch(16, 4, 4, 3).num_groups(1000) == 1
+
+
+def test_long_splits_count_a_tables_splits_and_leave_groups_alone():
+    """With long splits (a query of long_blocks blocks or more has splits twice as long) a
+    table's split count is the most of any query it can hold, which a query just short of
+    long_blocks may set; long splits beside a split tail or groups are refused naming the
+    value, and a launch with groups has none."""
+    from moe_kernels.attention_launch import (
+        NARROW_LAUNCH,
+        WIDE_LAUNCH,
+        HeadLaunch,
+        query_split_blocks,
+        split_count,
+        table_split_count,
+        with_groups,
+        with_long_blocks,
+    )
+
+    for split_blocks, long_blocks in ((4, 64), (2, 5), (4, 4), (4, 1), (4, 0)):
+        for width in range(1, 200):
+            most = max(
+                split_count(n, query_split_blocks(n, split_blocks, long_blocks), 0)
+                for n in range(1, width + 1)
+            )
+            got = table_split_count(width, split_blocks, 0, long_blocks)
+            assert got == most, (split_blocks, long_blocks, width, got, most)
+    launch = HeadLaunch(16, 4, 4, 3, long_blocks=64)
+    assert [launch.table_splits(w) for w in (16, 63, 64, 128, 256)] == [4, 16, 16, 16, 32]
+    with pytest.raises(ValueError, match="long_blocks 64 must be >= 0, and 0 with tail_blocks 2"):
+        HeadLaunch(16, 4, 4, 3, tail_blocks=2, long_blocks=64)
+    with pytest.raises(ValueError, match="long_blocks 64 .* group_splits 8"):
+        HeadLaunch(16, 4, 4, 3, group_splits=8, long_blocks=64)
+    with pytest.raises(ValueError, match="long_blocks -1 must be >= 0"):
+        HeadLaunch(16, 4, 4, 3, long_blocks=-1)
+    assert NARROW_LAUNCH.long_blocks > 0
+    assert with_groups(NARROW_LAUNCH, 0) == NARROW_LAUNCH
+    assert with_groups(NARROW_LAUNCH, 8).long_blocks == 0
+    assert with_long_blocks(NARROW_LAUNCH, 0).long_blocks == 0
+    assert with_long_blocks(WIDE_LAUNCH, 0) == WIDE_LAUNCH
+    with pytest.raises(ValueError, match="long_blocks 8 applies to the launch of models below"):
+        with_long_blocks(WIDE_LAUNCH, 8)

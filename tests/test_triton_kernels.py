@@ -704,6 +704,61 @@ def check_mla_attention_groups(generator: torch.Generator) -> None:
         raise AssertionError("no ValueError for group_splits with tail blocks")
 
 
+def check_mla_attention_long_splits(generator: torch.Generator) -> None:
+    """Long queries with longer splits (long_blocks: from 5 blocks of 16, splits of 4 blocks
+    instead of 2): the split launch, its merge at a head or 8 a program, and a program a whole
+    query (2 and 3 stages) give the same bits, fp32 and bf16, in a wide table with -1 padding;
+    each query alone in a table as wide as its own blocks gives its bits in the batch (the
+    launch's splits counted from any width). Control: without long splits (long_blocks 0)
+    queries below 5 blocks keep their bits and some from 5 blocks do not, so the comparisons
+    see the longer splits. Long splits with groups or a split tail are refused."""
+    from moe_kernels.attention import mla_attention_ref
+    from moe_kernels.triton_attention import _attend
+
+    q, kv_cache, seq_ids, tables, positions = _paged_cache(generator, (140, 30), 4, 40, 8, 16)
+    rows = torch.tensor([0, 15, 16, 63, 64, 65, 127, 128, 139, 150, 169])  # 0-139; 10, 29
+    q, seq_ids, positions = q[rows], seq_ids[rows], positions[rows]
+    wide = torch.full((tables.shape[0], 12), -1, dtype=tables.dtype)
+    wide[:, : tables.shape[1]] = tables
+    num_blocks = (positions // 16 + 1).tolist()
+    results = {}
+    for dtype in DTYPES:
+        args = (q.to(dtype), kv_cache.to(dtype), seq_ids, wide, positions, 40**-0.5, 32, 2, 4)
+        split = _attend(*args, 3, long_blocks=5)
+        for per_program in (1, 8):
+            merged = _attend(*args, 3, long_blocks=5, merge_heads_per_program=per_program)
+            assert torch.equal(merged, split), (dtype, per_program)
+        for stages in (2, 3):
+            whole = _attend(*args, stages, is_whole_query=True, long_blocks=5)
+            assert torch.equal(whole, split), (dtype, stages)
+        for i, blocks in enumerate(num_blocks):
+            own = wide[seq_ids[i], :blocks].unsqueeze(0).contiguous()
+            alone = _attend(
+                args[0][i : i + 1], args[1], torch.zeros(1, dtype=seq_ids.dtype), own,
+                positions[i : i + 1], *args[5:], 3, long_blocks=5,
+            )  # fmt: skip
+            assert torch.equal(alone[0], split[i]), (dtype, i, blocks)
+        results[dtype] = split
+    args = (q, kv_cache, seq_ids, wide, positions, 40**-0.5, 32, 2, 4, 3)
+    short = _attend(*args)
+    same = [torch.equal(short[i], results[torch.float32][i]) for i in range(len(rows))]
+    is_long = [blocks >= 5 for blocks in num_blocks]
+    assert all(s for s, long in zip(same, is_long, strict=True) if not long), same
+    assert not all(s for s, long in zip(same, is_long, strict=True) if long), "no control"
+    expected = mla_attention_ref(
+        q.double(), kv_cache.double(), seq_ids, tables, positions, scale=40**-0.5, v_dim=32,
+        tile_rows=8,
+    )  # fmt: skip
+    torch.testing.assert_close(results[torch.float32].double(), expected, **FP32_TOL)
+    for bad in (dict(group_splits=2), dict(tail_blocks=1)):
+        try:
+            _attend(*args, long_blocks=5, **bad)
+        except ValueError as e:
+            assert "long_blocks 5" in str(e), e
+        else:
+            raise AssertionError(f"no ValueError for long_blocks with {bad}")
+
+
 def check_mla_attention_wide_launch(generator: torch.Generator) -> None:
     """A model of 64 heads takes the wide launch (64 heads a program, WIDE_LAUNCH's split and
     tail: with 2 tail blocks the second sequence's 17 and 18 blocks of 16 are one split, its
@@ -941,6 +996,7 @@ CHECKS = {
     "mla_attention_wide_launch": check_mla_attention_wide_launch,
     "mla_attention_whole_query": check_mla_attention_whole_query,
     "mla_attention_groups": check_mla_attention_groups,
+    "mla_attention_long_splits": check_mla_attention_long_splits,
     "mla_attention_default_dtype": check_mla_attention_default_dtype,
     "router_logits": check_router_logits,
     "router_topk": check_router_topk,
