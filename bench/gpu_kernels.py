@@ -815,10 +815,12 @@ def bench_split_larger() -> None:
     """The 16-head invariant decode attention with KV splits of a constant 4, 8 and 16 cache
     blocks, each with the launch rules the op applies to its own splits (value split and table
     read ahead by (query, split) pairs, a program a whole query from 128 queries), beside the
-    op (splits of 4, of 8 from NARROW_LAUNCH.long_blocks blocks: a split size that follows the
-    query's own length, never the batch) and FlashMLA with one plan a step (where installed).
+    op as configured, the op with long splits (of 8 from LONG_BLOCKS blocks: a split size that
+    follows the query's own length, never the batch; kernels.attention_long_blocks) and
+    FlashMLA with one plan a step (where installed).
     Tables as wide as the engine's graph, graph replay over L2-missing caches, µs (/ FlashMLA)."""
     from moe_kernels.attention_launch import (
+        LONG_BLOCKS,
         TABLE_AHEAD_MAX_PAIRS,
         split_count,
         value_split,
@@ -830,8 +832,8 @@ def bench_split_larger() -> None:
     sizes = (4, 8, 16)
     print("\n## 16-head decode attention, KV splits of 4, 8, 16 blocks and the op (graph replay)")
     cols = " | ".join(f"{s} blocks µs" for s in sizes)
-    print(f"| B | ctx | FlashMLA µs | {cols} | op µs |")
-    print("|---|---|---|" + "---|" * (len(sizes) + 1))
+    print(f"| B | ctx | FlashMLA µs | {cols} | op µs | op, long splits from {LONG_BLOCKS} µs |")
+    print("|---|---|---|" + "---|" * (len(sizes) + 2))
     shapes = (
         (1, 1024), (1, 2048), (1, 4096), (1, 8192), (8, 1024), (8, 4096), (8, 8192),
         (16, 4096), (32, 2048), (32, 4096), (64, 1024), (64, 2048), (64, 4096), (64, 8192),
@@ -844,9 +846,10 @@ def bench_split_larger() -> None:
             q, kv, seq_ids, tables, positions = _decode_cache(batch, ctx, width=width)
             if split_blocks == "flash":
                 return lambda: _decode_flash_mla(q, kv, *flash, 192**-0.5, 512)
-            if split_blocks == "op":
+            if split_blocks in ("op", "long"):
+                long = {"long_blocks": LONG_BLOCKS} if split_blocks == "long" else {}
                 return lambda: mla_attention_triton(
-                    q, kv, seq_ids, tables, positions, scale=192**-0.5, v_dim=512
+                    q, kv, seq_ids, tables, positions, scale=192**-0.5, v_dim=512, **long
                 )
             splits = split_count(width, split_blocks, 0)
             v_parts, lat_chunk = value_split(batch, 512, splits)
@@ -864,7 +867,7 @@ def bench_split_larger() -> None:
             print(f"FlashMLA: {type(exc).__name__}: {exc}")
             flash = None
         text = [f"{flash:.1f}" if flash else "-"]
-        for launch in (*sizes, "op"):
+        for launch in (*sizes, "op", "long"):
             us = _graph_ms(partial(make, launch), read, 8) * 1e3
             text.append(f"{us:.1f} ({us / flash:.2f})" if flash else f"{us:.1f}")
         print(f"| {batch} | {ctx} | " + " | ".join(text) + " |")

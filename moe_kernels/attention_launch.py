@@ -122,19 +122,22 @@ def table_split_count(
 # shared as the engine shares it, 1.42x its time at B = 256 context 1024 (the earlier
 # 0.80-1.39x paid FlashMLA's plan on every call).
 WIDE_HEADS = 64
-# A 16-head query of at least LONG_BLOCKS cache blocks (4096 positions in blocks of 64) has KV
-# splits of 2 x SPLIT_BLOCKS: part of the bits, a function of the query's own length, so one
-# value for every batch. Why: a split launch writes each split's fp32 partial (16 x 512) to HBM
-# and merges them, and at long contexts those round trips and the merge were what kept B = 64
-# at 1.2x FlashMLA's time; halving a long query's splits halves them, where a query below it
-# keeps its parallelism (one query at context 1024: 13 -> 19 µs with splits of 8). H100, graph
-# replay, engine-wide tables (BENCHMARKS.md, fifty-second session, `bench/gpu_kernels.py
-# split_larger`), splits of 4 -> 8 blocks, µs: context 4096 B = 1 14.9 -> 19.5, B = 8 26.4 ->
-# 26.8, B = 16 41.7 -> 38.0, B = 32 75.6 -> 67.2, B = 64 138.8 -> 122.8; context 8192 B = 8
-# 45.7 -> 40.0, B = 64 264.5 -> 236.5; from 128 queries (a program a whole query, so prefill)
-# level. Groups (with_groups) count splits of one size: a launch with groups has none.
+# A 16-head query of at least LONG_BLOCKS cache blocks (4096 positions in blocks of 64) may
+# have KV splits of 2 x SPLIT_BLOCKS (kernels.attention_long_blocks; with_long_blocks): part of
+# the bits, a function of the query's own length, so one value for every batch. Why: a split
+# launch writes each split's fp32 partial (16 x 512) to HBM and merges them, and at long
+# contexts those round trips and the merge were what kept B = 64 at 1.2x FlashMLA's time;
+# halving a long query's splits halves them, where a query below it keeps its parallelism
+# (one query at context 1024: 13 -> 19 µs with splits of 8). H100, graph replay, engine-wide
+# tables (BENCHMARKS.md, fifty-second session, `bench/gpu_kernels.py split_larger`), constant
+# splits of 4 -> 8 blocks, µs: context 4096 B = 1 14.9 -> 19.5, B = 8 26.4 -> 26.8, B = 16
+# 41.7 -> 38.0, B = 32 75.6 -> 67.2, B = 64 138.8 -> 122.8; context 8192 B = 8 45.7 -> 40.0,
+# B = 64 264.5 -> 236.5; from 128 queries (a program a whole query, so prefill) level. Off by
+# default (long_blocks 0) until the kernel with long splits has run on a GPU: it was built and
+# checked under the interpreter only (no device came in that session). Groups (with_groups)
+# count splits of one size: a launch with groups has none.
 LONG_BLOCKS = 64
-NARROW_LAUNCH = HeadLaunch(BLOCK_H, SPLIT_BLOCKS, 4, 3, long_blocks=LONG_BLOCKS)
+NARROW_LAUNCH = HeadLaunch(BLOCK_H, SPLIT_BLOCKS, 4, 3)
 # A query's last split of the wide launch takes up to 2 blocks past its last whole split
 # (tail_blocks) instead of a split of its own: a whole-query program then folds no split of
 # one or two blocks (its running fold's fp32 round trip through L2 cost more than the blocks).

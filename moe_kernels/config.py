@@ -24,8 +24,9 @@ default) keeps one group. It is part of the bits, as tp_max is: every rank and r
 agree sets the same value. Measured and off by default (BENCHMARKS.md, twenty-sixth and
 twenty-seventh sessions). `attention_long_blocks` (invariant mode on CUDA, models below 64
 heads): a query of at least this many cache blocks has KV splits twice as long (0: never; null,
-the default: the launch's, moe_kernels/attention_launch.py's LONG_BLOCKS). Part of the bits
-too; not with attention_group_splits (groups count splits of one size).
+the default: the launch's, none today; 64 is the measured threshold, attention_launch.py's
+LONG_BLOCKS). Part of the bits too; not with attention_group_splits (groups count splits of
+one size).
 """
 
 from __future__ import annotations

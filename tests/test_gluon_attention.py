@@ -168,8 +168,7 @@ def _recorded_launches(monkeypatch) -> list:
         (8, 128, 16, (128, 1, True, True, 3)),  # one group
         (8, 256, 16, (256, 1, True, True, 2)),  # one group: a program a query
         (8, 256, 128, (256, 4, True, True, 2)),  # the table's 4 groups, 3 counted: 768
-        (0, 64, 128, (64, 16, False, False, 3)),  # no groups: splits of 8 blocks from 64
-        # blocks (long_blocks), so 16 in a table of 128; a program a query from 128 queries
+        (0, 64, 128, (64, 32, False, False, 3)),  # no groups: a program a query from 128
         (0, 128, 128, (128, 1, True, False, 3)),
         (0, 256, 128, (256, 1, True, False, 2)),
     ],
@@ -187,8 +186,8 @@ def test_16_head_launch_follows_the_programs_of_groups(
     import moe_kernels.triton_attention as attention
     from moe_kernels.attention_launch import NARROW_LAUNCH
 
-    # The cases above count splits of 4 blocks, 8 from 64 blocks without groups.
-    assert (NARROW_LAUNCH.split_blocks, NARROW_LAUNCH.long_blocks) == (4, 64)
+    # The cases above count splits of 4 blocks, none longer.
+    assert (NARROW_LAUNCH.split_blocks, NARROW_LAUNCH.long_blocks) == (4, 0)
     launches = _recorded_launches(monkeypatch)
     q = torch.zeros(tokens, 16, 576, dtype=torch.bfloat16)
     kv = torch.zeros(4, 64, 576, dtype=torch.bfloat16)

@@ -817,7 +817,12 @@ def test_mla_whole_query_launch_gives_the_split_bits(generator):
     query alone; controls: one split over the whole table (no restarts) moves the bits, groups
     of 8 move exactly the queries past one group, and the tail only queries of three groups
     whose last one it absorbed."""
-    from moe_kernels.attention_launch import NARROW_LAUNCH, SPLIT_BLOCKS, whole_query_stages
+    from moe_kernels.attention_launch import (
+        LONG_BLOCKS,
+        NARROW_LAUNCH,
+        SPLIT_BLOCKS,
+        whole_query_stages,
+    )
     from moe_kernels.triton_attention import _attend, mla_attention_triton
 
     boundary = 64 * SPLIT_BLOCKS
@@ -829,7 +834,7 @@ def test_mla_whole_query_launch_gives_the_split_bits(generator):
     results = {}
     # One group (every split folded in turn), groups of 8 splits, and with a tail of a split;
     # and the op's long splits (twice as long from NARROW_LAUNCH.long_blocks blocks).
-    long = NARROW_LAUNCH.long_blocks
+    long = LONG_BLOCKS
     for group_splits, tail, long_blocks in ((0, 0, 0), (8, 0, 0), (8, 4, 0), (0, 0, long)):
         groups = dict(group_splits=group_splits, group_tail=tail, long_blocks=long_blocks)
         split = _attend(*args, SPLIT_BLOCKS, 4, 3, **groups)
@@ -850,7 +855,10 @@ def test_mla_whole_query_launch_gives_the_split_bits(generator):
     # Long splits move only the long queries' bits (and move some).
     moved = (results[0, 0, 0] != results[0, 0, long]).flatten(1).any(1).cpu()
     assert not moved[blocks < long].any() and moved[blocks >= long].any()
-    whole = results[NARROW_LAUNCH.group_splits, NARROW_LAUNCH.group_tail, long]
+    whole = results[NARROW_LAUNCH.group_splits, NARROW_LAUNCH.group_tail, NARROW_LAUNCH.long_blocks]
+    # The op with long splits (kernels.attention_long_blocks) gives the long launches' bits.
+    got = mla_attention_triton(*args[:5], scale=args[5], v_dim=512, long_blocks=long)
+    assert torch.equal(got, results[0, 0, long])
     # Engagement: the op takes the two launches above at 256 and 128 queries, the split
     # launch below (the single queries further down).
     assert [whole_query_stages(n) for n in (256, 128, 127)] == [2, 3, None]
