@@ -3,7 +3,8 @@
     python launch/generate.py --config launch/configs/tiny_cpu.yaml --prompt "Hello" \
         [--max-tokens 32] [--temperature 0] [--seed 0] [--logprobs 5] [--set kernels.mode=fast]
 
-Prints one JSON line per prompt: token ids, text, chosen-token logprobs, top logprobs.
+Prints one JSON line per prompt: token ids, text, chosen-token logprobs, top logprobs,
+finish_reason and stop_reason (as a rollout row's).
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
             "logprobs": out.logprobs,
             "top_logprobs": cli.json_top_logprobs(out.top_logprobs),
             "finish_reason": out.finish_reason,
+            "stop_reason": out.stop_reason,
         }
         print(json.dumps(row))
     print(

@@ -215,3 +215,20 @@ def test_include_stop_str_in_output_keeps_what_ended_the_text(llm, free_run):
         assert cut.text == decode(free_run[:k]) and not cut.text.endswith(char)
         assert kept.text == decode(free_run[: k + 1]) and kept.text.endswith(char)
         assert kept.stop_reason == cut.stop_reason
+
+
+def test_generate_cli_rows_carry_stop_reason_as_rollout_rows_do(llm, capsys):
+    """launch/generate.py printed finish_reason but no stop_reason, which rollout rows and
+    every HTTP choice carry: each row has it now, beside finish_reason, LLM.generate's."""
+    import json
+
+    from launch.generate import main
+
+    free = llm.generate(["Hello"], SamplingParams(ignore_eos=True, **GREEDY))[0].token_ids
+    eos = free[3]  # the text prompt's greedy run then ends on EOS at token 3
+    argv = ["--config", str(TINY_CONFIG), "--prompt", "Hello", "--max-tokens", "20"]
+    assert main([*argv, "--set", f"model.eos_token_id={eos}"]) == 0
+    (row,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert row["token_ids"] == free[: free.index(eos) + 1]
+    assert (row["finish_reason"], row["stop_reason"]) == ("stop", None)
+    assert list(row)[-2:] == ["finish_reason", "stop_reason"]
