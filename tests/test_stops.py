@@ -232,3 +232,18 @@ def test_generate_cli_rows_carry_stop_reason_as_rollout_rows_do(llm, capsys):
     assert row["token_ids"] == free[: free.index(eos) + 1]
     assert (row["finish_reason"], row["stop_reason"]) == ("stop", None)
     assert list(row)[-2:] == ["finish_reason", "stop_reason"]
+
+
+def test_a_stop_string_that_cuts_the_text_names_the_stop_reason(llm, free_run):
+    """With include_stop_str_in_output a stop id's text is read: where it completes a stop
+    string, the text is cut at that string and stop_reason is the string, as vLLM's (its
+    detokenizer's stop string overrides the id's reason). It named the id while the string
+    cut the text. Without include_stop_str_in_output the id's text is never read: the id."""
+    k, char = _first_new_char(llm, free_run)
+    both = {"stop": ["never", char], "stop_token_ids": [free_run[k]], **GREEDY}
+    for keep, reason in ((True, char), (False, free_run[k])):
+        params = SamplingParams(include_stop_str_in_output=keep, **both)
+        out = llm.generate([PROMPT], params)[0]
+        assert out.token_ids == free_run[: k + 1] and out.finish_reason == "stop"
+        assert out.stop_reason == reason
+        assert out.text == llm.tokenizer.decode(free_run[: k + 1 if keep else k])

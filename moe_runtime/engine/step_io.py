@@ -42,8 +42,10 @@ def record_results(scheduler: Scheduler, chunks: list[ScheduledChunk], result: S
         stopped = seq.detokenizer.update(token_ids, seq.is_finished, may_stop)
         if stopped and not seq.is_finished:
             scheduler.finish(seq, "stop", seq.detokenizer.stop_string)
-        elif stopped and seq.finish_reason == "length":
-            # Its last allowed token completed a stop string.
+        elif stopped and seq.finish_reason in ("length", "stop"):
+            # Its last allowed token, or the stop id or EOS whose text was read (with
+            # include_stop_str_in_output), completed a stop string: the string cut the text, so
+            # it is the reason (vLLM's rule).
             seq.finish_reason, seq.stop_reason = "stop", seq.detokenizer.stop_string
 
 
