@@ -247,3 +247,17 @@ def test_a_stop_string_that_cuts_the_text_names_the_stop_reason(llm, free_run):
         assert out.token_ids == free_run[: k + 1] and out.finish_reason == "stop"
         assert out.stop_reason == reason
         assert out.text == llm.tokenizer.decode(free_run[: k + 1 if keep else k])
+
+
+def test_readme_lists_every_sampling_params_field():
+    """README's `SamplingParams(...)` line names each field (include_stop_str_in_output was
+    missing from it), and its HTTP field list gives include_stop_str_in_output's default."""
+    import dataclasses
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    listed = re.search(r"`SamplingParams\(([^)]*)\)`", readme).group(1)
+    names = {name.strip() for name in listed.split(",")}
+    assert names == {f.name for f in dataclasses.fields(SamplingParams)}
+    assert "`include_stop_str_in_output` (false)" in readme
