@@ -8,8 +8,9 @@ bookkeeping as the CUDA-graph path (tests/test_gpu_graphs.py runs that one on th
 
 - Generation with the lookahead on equals it off bit for bit (token ids, logprobs, top-3,
   routed experts, finish reasons) over greedy and seeded top-k / top-p sampling, n = 2,
-  finishes by length, stop token and stop string, requests arriving mid-generation and
-  block boundaries. Engagement: lookaheads served steps, and some were dropped.
+  finishes by length, stop token and stop string, a min_tokens holding a stop id off (the
+  lookahead's hold-off is at the output position the step samples), requests arriving
+  mid-generation and block boundaries. Engagement: lookaheads served steps, and some were dropped.
 - The same with preemptions (a cache too small), chunked prompts and a scoring request.
 - Controls: a lookahead fed a wrong token is always dropped by the comparison (no hit, same
   bits), and the same lookahead compared by shape only changes the output; a lookahead kept
@@ -35,7 +36,7 @@ from tests.invariance import TINY_CONFIG, fingerprint, mixed_prompts, record_ste
 ARRIVALS = {0: range(0, 5), 5: range(5, 8), 12: range(8, 10)}
 
 
-def _params(stop_token: int, stop_text: str) -> list[SamplingParams]:
+def _params(stop_token: int, stop_text: str, held_token: int) -> list[SamplingParams]:
     sampled = {"temperature": 0.9, "top_k": 40, "top_p": 0.9, "logprobs": 3}
     return [
         SamplingParams(max_tokens=20, temperature=0.0, logprobs=3, stop=(stop_text,)),
@@ -47,20 +48,22 @@ def _params(stop_token: int, stop_text: str) -> list[SamplingParams]:
         SamplingParams(max_tokens=15, seed=11, ignore_eos=True, **sampled),
         SamplingParams(max_tokens=6, temperature=0.0, logprobs=3),
         SamplingParams(max_tokens=14, seed=5, ignore_eos=True, **sampled),
-        SamplingParams(max_tokens=10, temperature=0.0, min_tokens=5, stop_token_ids=(stop_token,)),
+        SamplingParams(max_tokens=10, temperature=0.0, min_tokens=5, stop_token_ids=(held_token,)),
     ]
 
 
 @pytest.fixture(scope="module")
 def workload():
     """Prompts and params; request 0 stops at a string and request 1 at a token, both taken
-    from their greedy output without stops (so the stops really end them early)."""
+    from their greedy output without stops (so the stops really end them early); request 9's
+    min_tokens holds off its own greedy token 1 (so the hold-off changes its tokens)."""
     prompts = mixed_prompts(10, 5, 40, seed=11)
     llm = LLM(TINY_CONFIG)
     plain = llm.generate(prompts[:2], SamplingParams(max_tokens=20, temperature=0.0))
     stop_text = plain[0].outputs[0].text[2]
     stop_token = plain[1].outputs[0].token_ids[3]
-    return prompts, _params(stop_token, stop_text)
+    free = llm.generate(prompts[9], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+    return prompts, _params(stop_token, stop_text, free[0].outputs[0].token_ids[1])
 
 
 def _run(workload, overlap: bool, llm: LLM | None = None) -> tuple[dict, dict]:
@@ -97,6 +100,15 @@ def test_overlap_decode_bitwise_equals_off(workload):
     assert reasons == {"stop", "length"}, reasons
     assert off[0][0][3] == off[1][0][3] == "stop"
     assert len(off[0][0][0]) < 20 and len(off[1][0][0]) < 20
+    # min_tokens engaged: request 9's greedy token 1 without it is its stop id, held off.
+    prompts, params = workload
+    llm = LLM(TINY_CONFIG)
+    try:
+        free = llm.generate(prompts[9], SamplingParams(max_tokens=10, temperature=0.0))
+    finally:
+        llm.shutdown()
+    (held,) = params[9].stop_token_ids
+    assert free[0].outputs[0].token_ids[1] == held != off[9][0][0][1]
 
 
 def _wrong_token_lookahead(monkeypatch) -> None:
