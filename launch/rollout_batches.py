@@ -76,7 +76,7 @@ def _rollout_row(sample: Sample, output: RequestOutput) -> dict:
         "sample_idx": sample.sample_idx,
         "prompt_token_ids": output.prompt_token_ids,
         "token_ids": out.token_ids,
-        "text": out.text,  # cut before a stop string (token_ids keep the token completing it)
+        "text": out.text,  # as generate returns it (token_ids keep the stop token)
         "logprobs": out.logprobs,
         "top_logprobs": cli.json_top_logprobs(out.top_logprobs),
         "routed_experts": None if routed is None else np.asarray(routed).tolist(),

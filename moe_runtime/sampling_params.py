@@ -112,11 +112,17 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
 
+    def may_stop(self, num_output_tokens: int) -> bool:
+        """Whether a stop id, EOS or stop string may end a sample of num_output_tokens tokens
+        (its newest counted): past min_tokens. The one place the sampler's hold-off, the
+        scheduler's stop ids and the detokenizer's stop strings take the boundary from."""
+        return num_output_tokens > self.min_tokens
+
     def ids_held_off(self, output_position: int, eos_token_id: int | None) -> tuple[int, ...]:
         """The ids the sampler masks to -inf for the output token at output_position (0: the
         first): before min_tokens, stop_token_ids and EOS (unless ignore_eos), as vLLM's
         min-tokens processor; none after. A function of the request alone."""
-        if output_position >= self.min_tokens:
+        if self.may_stop(output_position + 1):
             return ()
         if self.ignore_eos or eos_token_id is None:
             return self.stop_token_ids
@@ -136,7 +142,7 @@ def finish_reason(
     Stop strings are the detokenizer's. The scheduler ends samples by it; a worker's decode
     lookahead leaves out the samples it ends. Before min_tokens only the length ends a sample
     (the sampler never draws the stop ids then; this holds where it did not, as vLLM's)."""
-    may_stop = num_output_tokens > params.min_tokens
+    may_stop = params.may_stop(num_output_tokens)
     if may_stop and token_id in params.stop_token_ids:
         return "stop"
     if may_stop and not params.ignore_eos and token_id == eos_token_id:

@@ -38,7 +38,7 @@ def record_results(scheduler: Scheduler, chunks: list[ScheduledChunk], result: S
         is_id_stop = seq.is_finished and seq.finish_reason == "stop"
         is_id_stop = is_id_stop and not seq.params.include_stop_str_in_output
         token_ids = seq.output_token_ids[:-1] if is_id_stop else seq.output_token_ids
-        may_stop = seq.num_output_tokens > seq.params.min_tokens
+        may_stop = seq.params.may_stop(seq.num_output_tokens)
         stopped = seq.detokenizer.update(token_ids, seq.is_finished, may_stop)
         if stopped and not seq.is_finished:
             scheduler.finish(seq, "stop", seq.detokenizer.stop_string)
