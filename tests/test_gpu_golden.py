@@ -129,19 +129,29 @@ def test_gpu_golden_attention_groups(workload, alone_invariant, monkeypatch):
         return forms[-1]
 
     monkeypatch.setattr(triton_attention, "group_launch", spy)
-    prompts, params = workload
-    llm = LLM(TINY_GPU, **GROUPS)
-    alone = run_in_batches(llm, prompts, params, [[i] for i in range(GROUP_PROMPTS)])
-    llm.shutdown()
-    together, shuffled, _ = _batched("invariant", workload, **GROUPS)
+    prompts, _ = workload
+    moved = _alone_equals_batched(workload, alone_invariant, "groups on", **GROUPS)
     assert None in forms, f"the split launch never ran: {forms}"
     assert any(stages is not None for stages in forms), f"no program a group ran: {forms}"
-    assert max(len(prompts[i]) for i in alone) + MAX_TOKENS > 192, "no query spans two groups"
-    for i in alone:
-        assert together[i] == alone[i], f"prompt {i}: batched differs from alone (groups on)"
-        assert shuffled[i] == alone[i], f"prompt {i}: shuffled differs from alone (groups on)"
-    moved = [i for i in alone if alone[i] != alone_invariant[i]]
+    assert max(len(p) for p in prompts[:GROUP_PROMPTS]) + MAX_TOKENS > 192, "no query spans two"
     assert moved, "groups on gave every prompt the bits of groups off: the groups never folded"
+
+
+def _alone_equals_batched(workload, alone_invariant, what: str, **overrides) -> list[int]:
+    """The first GROUP_PROMPTS prompts alone under overrides, bitwise equal to all prompts
+    batched and shuffled under them; -> the prompts whose bits differ from alone_invariant's
+    (the overrides' control)."""
+    prompts, params = workload
+    llm = LLM(TINY_GPU, **overrides)
+    try:
+        alone = run_in_batches(llm, prompts, params, [[i] for i in range(GROUP_PROMPTS)])
+    finally:
+        llm.shutdown()
+    together, shuffled, _ = _batched("invariant", workload, **overrides)
+    for i in alone:
+        assert together[i] == alone[i], f"prompt {i}: batched differs from alone ({what})"
+        assert shuffled[i] == alone[i], f"prompt {i}: shuffled differs from alone ({what})"
+    return [i for i in alone if alone[i] != alone_invariant[i]]
 
 
 # kernels.attention_long_blocks=8: a query of 8 cache blocks of 16 tokens or more (128
@@ -154,18 +164,9 @@ def test_gpu_golden_long_splits(workload, alone_invariant):
     """Long splits on: each prompt alone (decode in the split launch) is bitwise equal to the
     prompts batched and shuffled (prefill rows in a program a query). Engagement: some query
     is long enough; control: long splits change some prompt's bits against none."""
-    prompts, params = workload
-    llm = LLM(TINY_GPU, **LONG_SPLITS)
-    try:
-        alone = run_in_batches(llm, prompts, params, [[i] for i in range(GROUP_PROMPTS)])
-    finally:
-        llm.shutdown()
-    together, shuffled, _ = _batched("invariant", workload, **LONG_SPLITS)
-    assert max(len(prompts[i]) for i in alone) + MAX_TOKENS > 128, "no query is long"
-    for i in alone:
-        assert together[i] == alone[i], f"prompt {i}: batched differs from alone (long splits)"
-        assert shuffled[i] == alone[i], f"prompt {i}: shuffled differs from alone (long splits)"
-    moved = [i for i in alone if alone[i] != alone_invariant[i]]
+    prompts, _ = workload
+    moved = _alone_equals_batched(workload, alone_invariant, "long splits", **LONG_SPLITS)
+    assert max(len(p) for p in prompts[:GROUP_PROMPTS]) + MAX_TOKENS > 128, "no query is long"
     assert moved, "long splits gave every prompt the bits without them: they never ran"
 
 
