@@ -18,7 +18,7 @@ class CompletionOutput:
     token_ids: list[int]
     logprobs: list[float]
     top_logprobs: list[dict[int, float]]
-    text: str  # cut before a stop string
+    text: str  # cut before a stop string (after it with include_stop_str_in_output)
     finish_reason: str | None  # None while the sample runs; stop | length | error | abort
     seed: int  # the seed this sample drew its noise from
     # What ended a "stop": the stop string (str) or stop token id (int); None for EOS, for
