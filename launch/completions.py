@@ -313,8 +313,13 @@ async def chat(
     prompt_ids = await asyncio.to_thread(tokenizer.apply_chat_template, messages)
     max_model_len, budget = config.scheduler.max_model_len, body.token_budget()
     params = body.sampling_params(None)  # no budget: to the context's end
-    generation = Generation(backend.engine, [prompt_ids], [params], metrics, received, body.stream)
     try:
+        # Checked here as the engine checks it (needing no engine), as complete's prompts: a
+        # rebuilding engine's 503 hid the 400 of a conversation past the context.
+        await asyncio.to_thread(RequestChecks(config, tokenizer).request, prompt_ids, params)
+        generation = Generation(
+            backend.engine, [prompt_ids], [params], metrics, received, body.stream
+        )
         await generation.start()
     except ContextLengthError as exc:
         if budget is not None:  # the client's budget; else the prompt alone fills the context

@@ -183,7 +183,8 @@ def test_a_prompt_outside_the_vocabulary_is_a_400_while_the_engine_rebuilds():
     served, but 503 "recovering" while it rebuilt (the engine checked the ids; the route only
     what needs no engine), so a client retried a request no engine would ever run. The route
     now checks each prompt as the engine does (RequestChecks: the config and the tokenizer):
-    the same 400 with the engine's message, rebuilding or not."""
+    the same 400 with the engine's message, rebuilding or not; and so does the chat route for
+    a conversation past the context."""
     llm = LLM(TINY_CONFIG, **{"server.health_check_interval_s": 0.2})
     engine = llm.engine
     vocab, name = engine.config.model.vocab_size, engine.config.server.model_name
@@ -197,6 +198,9 @@ def test_a_prompt_outside_the_vocabulary_is_a_400_while_the_engine_rebuilds():
     assert expected[1]["error"]["message"].startswith("prompt 1: token id 1000000 is outside")
     bodies = [{"model": name, "prompt": prompt, "max_tokens": 3} for prompt in bad_prompts]
     bodies[1]["stream"] = True
+    # A conversation past the context: the chat route's 400 (its prompt is the template's).
+    too_long = [{"role": "user", "content": "a b c " * engine.config.scheduler.max_model_len}]
+    chat = {"model": name, "messages": too_long, "max_tokens": 3}
     good = {"model": name, "prompt": [1, 2, vocab - 1], "max_tokens": 3}
     rebuilding, release, _ = _held_rebuilds(engine)
     loop = AsyncEngine(engine)
@@ -204,6 +208,7 @@ def test_a_prompt_outside_the_vocabulary_is_a_400_while_the_engine_rebuilds():
     try:
         assert rebuilding.wait(30)
         during = [_post(app, "/v1/completions", body) for body in bodies]
+        chat_during = _post(app, "/v1/chat/completions", chat)
         assert _post(app, "/v1/completions", good).status_code == 503  # still rebuilding
         release.set()
         deadline = time.monotonic() + 60
@@ -211,12 +216,16 @@ def test_a_prompt_outside_the_vocabulary_is_a_400_while_the_engine_rebuilds():
             assert time.monotonic() < deadline, f"no recovery: {loop.error}"
             time.sleep(0.05)
         served = [_post(app, "/v1/completions", body) for body in bodies]
+        chat_served = _post(app, "/v1/chat/completions", chat)
         assert _post(app, "/v1/completions", good).status_code == 200
     finally:
         release.set()
         loop.shutdown()
     for responses in (during, served):
         assert [(r.status_code, r.json()) for r in responses] == [(400, e) for e in expected]
+    assert chat_served.status_code == 400, chat_served.text
+    assert chat_served.json()["error"]["code"] == "context_length_exceeded"
+    assert (chat_during.status_code, chat_during.json()) == (400, chat_served.json())
 
 
 def test_failed_rebuild_attempts_back_off_and_a_shutdown_ends_the_pause(monkeypatch):
