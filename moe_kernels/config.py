@@ -23,10 +23,10 @@ groups, the last group taking up to one split more (moe_kernels/attention_launch
 default) keeps one group. It is part of the bits, as tp_max is: every rank and run that must
 agree sets the same value. Measured and off by default (BENCHMARKS.md, twenty-sixth and
 twenty-seventh sessions). `attention_long_blocks` (invariant mode on CUDA, models below 64
-heads): a query of at least this many cache blocks has KV splits twice as long (0: never; null,
-the default: the launch's, none today; 64 is the measured threshold, attention_launch.py's
-LONG_BLOCKS). Part of the bits too; not with attention_group_splits (groups count splits of
-one size).
+heads): a query of at least this many cache blocks has KV splits twice as long; 0 (the
+default) never, until the long-split kernel has run on a GPU (64 is the measured threshold,
+attention_launch.py's LONG_BLOCKS). Part of the bits too; not with attention_group_splits
+(groups count splits of one size).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class KernelConfig:
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
     side_stream_rows: int = SIDE_STREAM_ROWS
     attention_group_splits: int = 0
-    attention_long_blocks: int | None = None
+    attention_long_blocks: int = 0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -62,16 +62,11 @@ class KernelConfig:
                 f"kernels.tp_max must be a power of two <= {MAX_TP_MAX} (the ranks of every TP "
                 f"degree then hold whole subtrees of its fixed binary tree), got {self.tp_max}"
             )
-        for key in ("side_stream_rows", "attention_group_splits"):
+        for key in ("side_stream_rows", "attention_group_splits", "attention_long_blocks"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"kernels.{key} must be an int >= 0, got {value!r}")
         long_blocks = self.attention_long_blocks
-        is_count = isinstance(long_blocks, int) and not isinstance(long_blocks, bool)
-        if long_blocks is not None and not (is_count and long_blocks >= 0):
-            raise ValueError(
-                f"kernels.attention_long_blocks must be an int >= 0 or null, got {long_blocks!r}"
-            )
         if long_blocks and self.attention_group_splits:
             raise ValueError(
                 f"kernels.attention_long_blocks={long_blocks} and kernels."
