@@ -127,6 +127,8 @@ class Sampler:
         SamplingParams.ids_held_off) at -inf: a new tensor, the model's logits (and the raw
         logprobs of them) untouched. Why it keeps the bits of every row: each masked element
         is chosen by its own row's request and output position alone, and no row is read."""
+        if not any(p.min_tokens for p in params):  # (a decode step's host loop otherwise)
+            return logits
         rows, ids = [], []
         for row, (p, position) in enumerate(zip(params, output_positions, strict=True)):
             held = p.ids_held_off(position, self._eos_token_id)
