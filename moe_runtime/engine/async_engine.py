@@ -176,7 +176,7 @@ class AsyncEngine(Recovery):
             self._thread.join(stop_timeout_s)
 
     def cut_drain(self) -> None:
-        """End a shutdown's drain now (the operator's second Ctrl-C): what is still in flight
+        """End a shutdown's drain now (the operator's second stop signal): what is still in flight
         fails as at the drain timeout, saying the drain was cut short. Safe from any thread."""
         with self._cond:
             self._is_drain_cut = True
