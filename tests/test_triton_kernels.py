@@ -1104,3 +1104,57 @@ def test_every_linear_config_keeps_its_dtypes_one_k_step():
     assert {(64, 64), (128, 128)} <= tiles  # engagement: the batched tiles were taken
     configs = (CHAIN_CONFIG_16BIT, TREE_CONFIG, POINTER_CONFIG_16BIT)
     assert {c.block_k for c in configs} == {block_k_of(torch.bfloat16)}
+
+
+def _sm90_ptx(kernel, signature: dict, consts: dict, **options) -> str:
+    """kernel's PTX for sm_90 from this machine's Triton, debug lines left out."""
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    source = ASTSource(kernel, {**signature, **dict.fromkeys(consts, "constexpr")}, consts, {})
+    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+    return "\n".join(line for line in ptx.splitlines() if not re.match(r"\s*(\.loc|//)", line))
+
+
+def test_the_attention_kernels_with_long_splits_compile_for_sm90():
+    """The 16-head attention's split kernel (split launch and a program a whole query) and its
+    merge compile for sm_90 with long splits (LONG_BLOCKS 64, checked above under the
+    interpreter), and to other code than without them, so the switch reaches the kernels."""
+    from moe_kernels.triton_attention import _mla_merge_kernel, _mla_split_kernel
+
+    signature = dict.fromkeys(("q_ptr", "kv_ptr"), "*bf16") | {
+        **dict.fromkeys(("seq_ids_ptr", "tables_ptr", "positions_ptr"), "*i64"),
+        **dict.fromkeys(("acc_ptr", "stats_ptr"), "*fp32"),
+        "scale": "fp32",
+        **dict.fromkeys(("num_heads", "num_splits", "table_width"), "i32"),
+    }
+    launch = dict(
+        C=576, V=512, BS=64, BLOCK_S=64, BLOCK_H=16, BLOCK_V=512, BLOCK_R=64, SPLIT_BLOCKS=4,
+        TAIL_BLOCKS=0, INPUT_PRECISION="tf32", UPCAST_DOT=False, V_PARTS=1, LAT_CHUNK=512,
+        TABLE_AHEAD=True, GROUP_BLOCKS=0, GROUP_TAIL=0, PDL=False,
+    )  # fmt: skip
+    for whole in (False, True):
+        consts = {**launch, "WRITE_OUT": whole, "WHOLE_QUERY": whole}
+        ptx = [
+            _sm90_ptx(_mla_split_kernel, signature, {**consts, "LONG_BLOCKS": long}, num_warps=4)
+            for long in (0, 64)
+        ]
+        assert ".visible .entry" in ptx[1] and ptx[0] != ptx[1], whole
+    merge_signature = {
+        **dict.fromkeys(("acc_ptr", "stats_ptr"), "*fp32"),
+        "positions_ptr": "*i64",
+        "out_ptr": "*bf16",
+        **dict.fromkeys(("num_heads", "num_splits"), "i32"),
+    }
+    merge = dict(
+        V=512, BS=64, BLOCK_V=512, SPLIT_BLOCKS=4, TAIL_BLOCKS=0, GROUP_SLOTS=0, GROUP_TAIL=0,
+        ONE_SPLIT_WRITTEN=False, MERGE_HEADS=1, PDL=False,
+    )  # fmt: skip
+    ptx = [
+        _sm90_ptx(_mla_merge_kernel, merge_signature, {**merge, "LONG_BLOCKS": long}, num_warps=4)
+        for long in (0, 64)
+    ]
+    assert ".visible .entry" in ptx[1] and ptx[0] != ptx[1]
