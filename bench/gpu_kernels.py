@@ -817,12 +817,15 @@ def bench_split_larger() -> None:
     read ahead by (query, split) pairs, a program a whole query from 128 queries), beside the
     op as configured, the op with long splits (of 8 from LONG_BLOCKS blocks: a split size that
     follows the query's own length, never the batch; kernels.attention_long_blocks) and
-    FlashMLA with one plan a step (where installed).
+    FlashMLA with one plan a step (where installed), and where the long launch has at most
+    FEW_PAIRS (query, split) pairs, the long launch with value parts of 64 columns (8 parts,
+    where the op takes 4 of 128; "!=" where its bits are not the op's).
     Tables as wide as the engine's graph, graph replay over L2-missing caches, µs (/ FlashMLA)."""
     from moe_kernels.attention_launch import (
         LONG_BLOCKS,
         TABLE_AHEAD_MAX_PAIRS,
         split_count,
+        table_split_count,
         value_split,
         whole_query_stages,
     )
@@ -832,8 +835,12 @@ def bench_split_larger() -> None:
     sizes = (4, 8, 16)
     print("\n## 16-head decode attention, KV splits of 4, 8, 16 blocks and the op (graph replay)")
     cols = " | ".join(f"{s} blocks µs" for s in sizes)
-    print(f"| B | ctx | FlashMLA µs | {cols} | op µs | op, long splits from {LONG_BLOCKS} µs |")
-    print("|---|---|---|" + "---|" * (len(sizes) + 2))
+    few_pairs = 16
+    print(
+        f"| B | ctx | FlashMLA µs | {cols} | op µs | op, long splits from {LONG_BLOCKS} µs "
+        f"| long, 8 value parts (<= {few_pairs} pairs) µs |"
+    )
+    print("|---|---|---|" + "---|" * (len(sizes) + 3))
     shapes = (
         (1, 1024), (1, 2048), (1, 4096), (1, 8192), (8, 1024), (8, 4096), (8, 8192),
         (16, 4096), (32, 2048), (32, 4096), (64, 1024), (64, 2048), (64, 4096), (64, 8192),
@@ -846,6 +853,11 @@ def bench_split_larger() -> None:
             q, kv, seq_ids, tables, positions = _decode_cache(batch, ctx, width=width)
             if split_blocks == "flash":
                 return lambda: _decode_flash_mla(q, kv, *flash, 192**-0.5, 512)
+            if split_blocks == "long_v8":
+                return lambda: _attend(
+                    q, kv, seq_ids, tables, positions, 192**-0.5, 512, 4, 4, 3, 16, 8, 64,
+                    is_table_ahead=True, long_blocks=LONG_BLOCKS,
+                )  # fmt: skip
             if split_blocks in ("op", "long"):
                 long = {"long_blocks": LONG_BLOCKS} if split_blocks == "long" else {}
                 return lambda: mla_attention_triton(
@@ -867,9 +879,15 @@ def bench_split_larger() -> None:
             print(f"FlashMLA: {type(exc).__name__}: {exc}")
             flash = None
         text = [f"{flash:.1f}" if flash else "-"]
-        for launch in (*sizes, "op", "long"):
+        is_few = batch * table_split_count(width, 4, 0, LONG_BLOCKS) <= few_pairs
+        for launch in (*sizes, "op", "long", *(["long_v8"] if is_few else [])):
             us = _graph_ms(partial(make, launch), read, 8) * 1e3
             text.append(f"{us:.1f} ({us / flash:.2f})" if flash else f"{us:.1f}")
+        if is_few:  # the same bits as the op with long splits, or the column is no choice
+            same = torch.equal(make("long_v8")(), make("long")())
+            text[-1] += "" if same else " !="
+        else:
+            text.append("-")
         print(f"| {batch} | {ctx} | " + " | ".join(text) + " |")
 
 
