@@ -72,12 +72,40 @@ def test_good_checkpoint_loads_its_own_bits(checkpoint):
     _assert_file_bits(_load(checkpoint), load_file(str(checkpoint / "model.safetensors")))
 
 
+def _mtp_module(layer_id: int):
+    """The tensors DeepSeek-V3 stores beside a decoder layer's to make it an MTP module."""
+    prefix = f"model.layers.{layer_id}"
+    return _with(
+        {
+            f"{prefix}.eh_proj.weight": torch.zeros(64, 128),
+            f"{prefix}.enorm.weight": torch.ones(64),
+            f"{prefix}.hnorm.weight": torch.ones(64),
+            f"{prefix}.shared_head.norm.weight": torch.ones(64),
+            f"{prefix}.shared_head.head.weight": torch.zeros(512, 64),
+        }
+    )
+
+
 def test_declared_mtp_layer_is_skipped(checkpoint, tmp_path):
     """config.json with 2 decoder layers and 1 MTP layer: layer 2 is the MTP layer, left out."""
-    path = rewrite_checkpoint(checkpoint, tmp_path / "mtp", config=_layers(2, 1))
+    path = rewrite_checkpoint(
+        checkpoint, tmp_path / "mtp", tensors=_mtp_module(2), config=_layers(2, 1)
+    )
     params = _load(path)
     assert not any(name.startswith("model.layers.2.") for name in params)
     _assert_file_bits(params, load_file(str(checkpoint / "model.safetensors")))
+
+
+def test_a_decoder_layer_the_config_does_not_count_is_refused(checkpoint, tmp_path):
+    """config.json counting 2 decoder layers and the 1 MTP layer V3 declares by default, over a
+    checkpoint of 3 decoder layers: layer 2 has no MTP module's eh_proj, so it is a decoder
+    layer the model would lack (it was skipped as MTP: a 2-layer model, no error)."""
+    path = rewrite_checkpoint(checkpoint, tmp_path / "short", config=_layers(2, 1))
+    with pytest.raises(
+        ValueError,
+        match=r"layer 2 holds no model\.layers\.2\.eh_proj\.weight.*num_hidden_layers=2",
+    ):
+        _load(path)
 
 
 @pytest.mark.parametrize(

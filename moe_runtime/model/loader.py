@@ -241,8 +241,9 @@ def _open_checkpoint(path: Path, cfg: ModelConfig, device: torch.device | str) -
     """HF name -> the open safetensors file holding it (tensors it reads land on `device`).
 
     The multi-token-prediction layers config.json declares after the decoder layers are left
-    out, they are not part of this model; a layer beyond them, a name in two files or a file
-    that is not safetensors is a ValueError naming it.
+    out, they are not part of this model; a layer beyond them, a declared one without an MTP
+    module's `eh_proj.weight` (a decoder layer the config does not count), a name in two files
+    or a file that is not safetensors is a ValueError naming it.
     """
     files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -250,7 +251,7 @@ def _open_checkpoint(path: Path, cfg: ModelConfig, device: torch.device | str) -
     num_layers = cfg.num_hidden_layers
     num_stored = num_layers + num_mtp_layers(read_config_json(path))
     with ExitStack() as stack:
-        handles, file_of = {}, {}
+        handles, file_of, skipped = {}, {}, {}
         for file in files:
             handle = stack.enter_context(_safe_open(file, device))
             for key in handle.keys():
@@ -268,10 +269,29 @@ def _open_checkpoint(path: Path, cfg: ModelConfig, device: torch.device | str) -
                         f"{num_layers} decoder and {num_stored - num_layers} "
                         "multi-token-prediction layers"
                     )
+                if layer_id >= num_layers:
+                    skipped.setdefault(layer_id, set()).add(key)
+                    continue
                 shape = handle.get_slice(key).get_shape()
-                if layer_id < num_layers and not is_absent_shared_expert(key, shape, cfg):
+                if not is_absent_shared_expert(key, shape, cfg):
                     handles[key] = handle
+        _check_mtp_layers(skipped, num_layers, str(path))
         yield handles
+
+
+def _check_mtp_layers(skipped: dict[int, set[str]], num_layers: int, path: str) -> None:
+    """Every layer left out as multi-token prediction is one: it holds the `eh_proj` that joins
+    an MTP module's two inputs (DeepSeek-V3's layout). Why: a config.json counting fewer decoder
+    layers than the checkpoint holds (with the MTP layer V3's config declares by default)
+    otherwise served a model short of its last layers, with no error."""
+    for layer_id, keys in sorted(skipped.items()):
+        if f"model.layers.{layer_id}.eh_proj.weight" not in keys:
+            raise ValueError(
+                f"weights {path!r}: layer {layer_id} holds no model.layers.{layer_id}.eh_proj."
+                "weight, so it is a decoder layer, not a multi-token-prediction layer: "
+                f"config.json declares num_hidden_layers={num_layers}, fewer than the "
+                "checkpoint's decoder layers"
+            )
 
 
 def _safe_open(file: Path, device: torch.device | str):
