@@ -142,3 +142,24 @@ def write_sentencepiece_like(directory, words: tuple[str, ...]) -> dict[str, int
     tokenizer.add_special_tokens(["<unk>", "<s>", "</s>"])
     tokenizer.save(str(Path(directory) / "tokenizer.json"))
     return vocab
+
+
+def shard_checkpoint(src, dst, num_shards: int) -> Path:
+    """Copy the checkpoint directory `src` (config.json, model.safetensors) to the new directory
+    `dst` as HF saves a large one: its tensors, in name order, cut into `num_shards` files
+    `model-0000i-of-0000n.safetensors`, and model.safetensors.index.json mapping each tensor to
+    its file; -> dst."""
+    src, dst = Path(src), Path(dst)
+    dst.mkdir()
+    (dst / "config.json").write_text((src / "config.json").read_text())
+    state = load_file(str(src / "model.safetensors"))
+    keys = sorted(state)
+    weight_map = {}
+    for shard in range(num_shards):
+        name = f"model-{shard + 1:05d}-of-{num_shards:05d}.safetensors"
+        part = keys[shard * len(keys) // num_shards : (shard + 1) * len(keys) // num_shards]
+        save_file({key: state[key] for key in part}, str(dst / name))
+        weight_map.update(dict.fromkeys(part, name))
+    index = {"metadata": {}, "weight_map": weight_map}
+    (dst / "model.safetensors.index.json").write_text(json.dumps(index))
+    return dst

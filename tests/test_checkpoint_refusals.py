@@ -19,7 +19,7 @@ from moe_kernels import KernelConfig, build_op_table
 from moe_runtime import LLM
 from moe_runtime.model.loader import build_model
 from moe_runtime.model_config import ModelConfig
-from tests.checkpoints import rewrite_checkpoint
+from tests.checkpoints import rewrite_checkpoint, shard_checkpoint
 
 pytest.importorskip("transformers")
 
@@ -212,6 +212,56 @@ def test_malformed_safetensors_file_is_named(checkpoint, tmp_path, damage):
         b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}" if damage == "garbage" else data[:-100]
     )
     with pytest.raises(ValueError, match=r"model\.safetensors' is not valid safetensors"):
+        _load(path)
+
+
+def test_a_sharded_checkpoint_loads_its_own_bits(checkpoint, tmp_path):
+    path = shard_checkpoint(checkpoint, tmp_path / "sharded", 4)
+    _assert_file_bits(_load(path), load_file(str(checkpoint / "model.safetensors")))
+
+
+def test_a_shard_the_index_names_that_is_missing_is_named(checkpoint, tmp_path):
+    """An interrupted download: the error names the absent shard and the index (it named the
+    first tensor the model lacked, as if the checkpoint were of another model)."""
+    path = shard_checkpoint(checkpoint, tmp_path / "sharded", 4)
+    (path / "model-00003-of-00004.safetensors").unlink()
+    with pytest.raises(
+        ValueError,
+        match=r"shard model-00003-of-00004\.safetensors is missing; "
+        r"model\.safetensors\.index\.json names it for \d+ tensors",
+    ):
+        _load(path)
+
+
+def test_a_shard_the_index_does_not_name_is_not_read(checkpoint, tmp_path, caplog):
+    """A stale shard of an earlier save beside the current ones: transformers reads the index's
+    shards alone, and so does the loader (it refused the directory, a tensor in two files).
+    The warning names the file."""
+    path = shard_checkpoint(checkpoint, tmp_path / "sharded", 4)
+    stale = {"model.norm.weight": torch.full((64,), 3.0)}
+    save_file(stale, str(path / "model-00001-of-00005.safetensors"))
+    with caplog.at_level(logging.WARNING, logger="moe_runtime.loader"):
+        params = _load(path)
+    _assert_file_bits(params, load_file(str(checkpoint / "model.safetensors")))
+    assert "model-00001-of-00005.safetensors not named in model.safetensors.index.json" in (
+        caplog.text
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("{not json", r"index\.json is not valid JSON"),
+        ('{"weight_map": {"model.norm.weight": "../x.safetensors"}}', r"holds no weight_map"),
+        ('{"metadata": {}}', r"holds no weight_map"),
+        ('{"weight_map": {}}', r"names no tensors"),
+    ],
+    ids=["syntax", "path_outside", "no_map", "empty_map"],
+)
+def test_a_malformed_index_is_named(checkpoint, tmp_path, text, match):
+    path = shard_checkpoint(checkpoint, tmp_path / "sharded", 2)
+    (path / "model.safetensors.index.json").write_text(text)
+    with pytest.raises(ValueError, match=match):
         _load(path)
 
 

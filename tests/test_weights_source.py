@@ -155,6 +155,18 @@ def test_the_stamp_names_an_added_or_removed_file(tmp_path):
     )
 
 
+def test_the_stamp_names_a_rewritten_shard_index(tmp_path):
+    """The loader reads the shards the index names: an index rewritten since (a trainer's
+    next save, sharded otherwise) may name other files, so a rebuild must see it."""
+    for name in ("config.json", "model.safetensors.index.json", "a.safetensors"):
+        (tmp_path / name).write_text(name)
+    stamp = WeightsSource.of(str(tmp_path))
+    (tmp_path / "model.safetensors.index.json").write_text("a longer index")
+    assert stamp.changed() == (
+        f"'model.safetensors.index.json' in {str(tmp_path)!r} changed since the weights were read"
+    )
+
+
 def test_a_state_dict_of_inference_tensors_is_accepted(checkpoints):
     """Tensors made under torch.inference_mode keep no version counter: reading it raised, and
     update_weights refused the dict."""

@@ -20,8 +20,10 @@ from pathlib import Path
 
 import torch
 
+from moe_runtime.model.loader import INDEX_FILE
+
 # The files a checkpoint load reads (moe_runtime/model/loader.py).
-_READ_FILES = ("config.json", "*.safetensors")
+_READ_FILES = ("config.json", INDEX_FILE, "*.safetensors")
 
 
 class WeightsChangedError(RuntimeError):

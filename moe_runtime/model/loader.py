@@ -26,7 +26,12 @@ from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from moe_kernels import OpTable
 from moe_runtime.model.deepseek import DeepseekForCausalLM
-from moe_runtime.model.hf_config import num_mtp_layers, read_config_json, read_hf_config
+from moe_runtime.model.hf_config import (
+    num_mtp_layers,
+    read_config_json,
+    read_hf_config,
+    read_json_object,
+)
 from moe_runtime.model.layers import NO_TP
 from moe_runtime.model.random_weights import CHUNK_NUMEL, fill_uniform, weight_key
 from moe_runtime.model.tensor_parallel import TensorParallel, shard_dim
@@ -48,6 +53,7 @@ log = logging.getLogger("moe_runtime.loader")
 _EXPERT_PARAMS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 _BIAS_BOUND = 0.1  # e_score_correction_bias is uniform in [-0.1, 0.1)
 _LOG_EVERY_S = 5.0
+INDEX_FILE = "model.safetensors.index.json"  # HF's map of a sharded checkpoint's tensors
 
 _SAFETENSORS_DTYPES = {
     "F64": torch.float64,
@@ -245,9 +251,7 @@ def _open_checkpoint(path: Path, cfg: ModelConfig, device: torch.device | str) -
     module's `eh_proj.weight` (a decoder layer the config does not count), a name in two files
     or a file that is not safetensors is a ValueError naming it.
     """
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"weights path {str(path)!r} holds no *.safetensors files")
+    files = checkpoint_files(path)
     num_layers = cfg.num_hidden_layers
     num_stored = num_layers + num_mtp_layers(read_config_json(path))
     with ExitStack() as stack:
@@ -277,6 +281,40 @@ def _open_checkpoint(path: Path, cfg: ModelConfig, device: torch.device | str) -
                     handles[key] = handle
         _check_mtp_layers(skipped, num_layers, str(path))
         yield handles
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    """The safetensors files of the checkpoint directory `path`: the shards its index names
+    where it has one (transformers reads those alone; another file there, a stale shard of an
+    earlier save say, is left out with a warning), else every *.safetensors file. A shard the
+    index names that is absent, or an index that is no weight_map of names to file names, is a
+    ValueError naming it: a missing shard was reported as the first tensor it held."""
+    index = path / INDEX_FILE
+    if not index.is_file():
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"weights path {str(path)!r} holds no *.safetensors files")
+        return files
+    weight_map = read_json_object(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(name, str) and name and name == Path(name).name for name in weight_map.values()
+    ):
+        raise ValueError(f"{index} holds no weight_map of tensor names to file names in {path}")
+    tensors_in: dict[str, list[str]] = {}
+    for key, name in weight_map.items():
+        tensors_in.setdefault(name, []).append(key)
+    if not tensors_in:
+        raise ValueError(f"{index} names no tensors (its weight_map is empty)")
+    for name, keys in sorted(tensors_in.items()):
+        if not (path / name).exists() and not (path / name).is_symlink():
+            raise ValueError(
+                f"weights {str(path)!r}: shard {name} is missing; {INDEX_FILE} names it for "
+                f"{len(keys)} tensor{'s' * (len(keys) > 1)} ({keys[0]}{', ...' * (len(keys) > 1)})"
+            )
+    unnamed = sorted(f.name for f in path.glob("*.safetensors") if f.name not in tensors_in)
+    if unnamed:
+        log.warning("%s: %s not named in %s, not read", path, ", ".join(unnamed), INDEX_FILE)
+    return [path / name for name in sorted(tensors_in)]
 
 
 def _check_mtp_layers(skipped: dict[int, set[str]], num_layers: int, path: str) -> None:
