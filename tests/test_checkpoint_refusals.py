@@ -167,6 +167,47 @@ def test_bad_expert_tensor_is_refused_by_name(checkpoint, tmp_path, case):
         _load(path)
 
 
+def _fp8_block_quantized(state: dict) -> dict:
+    """DeepSeek-V3's layout: each 2-D projection's weight in float8_e4m3fn, with a float32
+    `weight_scale_inv` of one value per 128 x 128 block beside it."""
+    out = dict(state)
+    for key, value in state.items():
+        if key.endswith("_proj.weight") and value.dim() == 2:
+            out[key] = value.to(torch.float8_e4m3fn)
+            blocks = (-(-value.shape[0] // 128), -(-value.shape[1] // 128))
+            out[f"{key}_scale_inv"] = torch.ones(blocks)
+    return out
+
+
+def test_an_fp8_block_quantized_checkpoint_is_refused_naming_a_tensor(checkpoint, tmp_path):
+    """Its config.json's quantization_config is refused saying what it is and what to do (it
+    said "only None is implemented"); without it, the first float8 weight or scale is named
+    as FP8 block-quantized (a dense layer's scale was an "unexpected" name, an expert's weight
+    a wrong dtype). Either way no float8 byte is loaded."""
+    fp8 = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    declared = rewrite_checkpoint(
+        checkpoint,
+        tmp_path / "declared",
+        tensors=_fp8_block_quantized,
+        config=lambda hf: {**hf, "quantization_config": fp8},
+    )
+    with pytest.raises(ValueError, match=r"quantization_config=.*FP8.*dequantize"):
+        _load(declared)
+    bare = rewrite_checkpoint(checkpoint, tmp_path / "bare", tensors=_fp8_block_quantized)
+    with pytest.raises(
+        ValueError,
+        match=r"tensor model\.layers\.0\.mlp\.down_proj\.weight is \(64, 128\) "
+        r"torch\.float8_e4m3fn, part of an FP8 block-quantized checkpoint",
+    ):
+        _load(bare)
+    scale = "model.layers.0.self_attn.o_proj.weight_scale_inv"
+    one_scale = rewrite_checkpoint(
+        checkpoint, tmp_path / "scale", tensors=_with({scale: torch.ones(1, 1)})
+    )
+    with pytest.raises(ValueError, match=rf"tensor {scale} is .*FP8 block-quantized"):
+        _load(one_scale)
+
+
 def _poisoned(key: str, value: float):
     """The state with one value of `key` replaced by `value`."""
 

@@ -65,6 +65,14 @@ ONLY = {
     "moe_layer_freq": (1,),
     "quantization_config": (None,),  # fp8 block-scaled weights are not loaded
 }
+# Why a refused ONLY value is refused, where "only X is implemented" would not tell a user what
+# to do about it.
+ONLY_WHY = {
+    "quantization_config": (
+        "quantized weights (DeepSeek-V3's FP8: float8_e4m3fn `weight` with a block scale "
+        "`weight_scale_inv`) are not loaded; dequantize the checkpoint to bfloat16 first"
+    ),
+}
 
 ROPE_KEYS = {
     "default": {"rope_type", "type", "rope_theta"},
@@ -149,7 +157,7 @@ def read_hf_config(path: Path) -> dict[str, Any]:
     handled = set(MAPPED) | set(NO_EFFECT) | set(ONLY) | _SPECIAL
     for key, value in hf.items():
         if key in ONLY and value not in ONLY[key]:
-            _refuse(key, value, f"only {ONLY[key][0]!r} is implemented")
+            _refuse(key, value, ONLY_WHY.get(key, f"only {ONLY[key][0]!r} is implemented"))
         if key not in handled:
             _refuse(key, value, "this field is not implemented")
     return out

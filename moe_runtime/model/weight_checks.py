@@ -36,6 +36,7 @@ def check_weights(
     parameter, every name, shape and dtype checked, and every value finite (ValueError naming
     the first bad one); the model is not touched."""
     cfg = model.config
+    refuse_quantized(tensors, source)
     tensors = unfuse_experts(tensors, cfg, source)
     tensors = {k: v for k, v in tensors.items() if not is_absent_shared_expert(k, v.shape, cfg)}
     _check_experts(tensors, cfg, source)
@@ -57,6 +58,22 @@ def check_weights(
     for name, param in params.items():
         _check_tensor(values[name], param.shape, name, source)
     return values
+
+
+def refuse_quantized(tensors: dict[str, torch.Tensor], source: str) -> None:
+    """ValueError naming the first float8 weight or block scale: an FP8 block-quantized
+    checkpoint (DeepSeek-V3 stores `weight` in float8_e4m3fn and `weight_scale_inv` [rows/128,
+    cols/128]) needs its scales applied, which the loader does not do. Why here, first: the
+    scales were refused as unexpected names, or an expert's float8 dtype, with no word of what
+    the checkpoint is or what to do (a config.json declaring it is refused before: hf_config)."""
+    for key, value in tensors.items():
+        if key.endswith("_scale_inv") or value.dtype in FLOAT8_DTYPES:
+            raise ValueError(
+                f"weights {source!r}: tensor {key} is {tuple(value.shape)} {value.dtype}, "
+                "part of an FP8 block-quantized checkpoint (float8 `weight` with a "
+                "`weight_scale_inv` block scale), which is not loaded; dequantize it to "
+                "bfloat16 first"
+            )
 
 
 def rank_shares(
@@ -201,6 +218,12 @@ def _check_experts(tensors: dict[str, torch.Tensor], cfg: ModelConfig, source: s
 # float8 needs the scales of a quantized checkpoint (not loaded); torch.cat of an expert's
 # projections refused to promote one among others, an error naming no tensor.
 WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+FLOAT8_DTYPES = (
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.float8_e4m3fnuz,
+    torch.float8_e5m2fnuz,
+)
 
 
 def _check_tensor(value: torch.Tensor, shape: Sequence[int], name: str, source: str) -> None:
