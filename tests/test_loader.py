@@ -221,6 +221,23 @@ def test_hf_load_errors_name_the_tensor(checkpoint, tmp_path):
             build_model(_hf_config(path), _ops())
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_tensor_parallel_rank_checks_the_whole_tensor(checkpoint, tmp_path, rank):
+    """kv_b_proj one row short (127 of 128) at tp_size 2: rank 0's cut of 64 rows fit, so it
+    loaded the wrong weight, and rank 1 named a (63, 32) no file holds. Each rank now refuses
+    the whole tensor's shape."""
+    key = "model.layers.0.self_attn.kv_b_proj.weight"
+    path = rewrite_checkpoint(
+        checkpoint, tmp_path / "short", lambda state: {**state, key: state[key][:-1]}
+    )
+    with pytest.raises(
+        ValueError,
+        match=rf"{key} is \(127, 32\) torch\.float32, the model "
+        r"expects \(128, 32\)",
+    ):
+        build_model(_hf_config(path), _ops(), tp=TensorParallel(size=2, rank=rank))
+
+
 # GPU: the same bits on cuda as on the CPU ------------------------------------------------------
 
 

@@ -54,10 +54,11 @@ def check_weights(
             f"weights {source!r} do not match the model: missing {missing[:5]}, "
             f"unexpected {unexpected[:5]}"
         )
-    values = {name: model.tp.shard(name, tensors[name]) for name in params}
+    # The whole tensor against the whole parameter, then cut: a cut of a wrong shape can fit a
+    # rank (rank 0's 64 rows of 127 where 128 were due), and its shape is none the file holds.
     for name, param in params.items():
-        _check_tensor(values[name], param.shape, name, source)
-    return values
+        _check_tensor(tensors[name], model.tp.full_shape(name, param.shape), name, source)
+    return {name: model.tp.shard(name, tensors[name]) for name in params}
 
 
 def refuse_quantized(tensors: dict[str, torch.Tensor], source: str) -> None:
