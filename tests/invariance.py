@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 from moe_runtime import SamplingParams
 
-TINY_CONFIG = Path(__file__).resolve().parent.parent / "launch" / "configs" / "tiny_cpu.yaml"
+ROOT = Path(__file__).resolve().parent.parent
+TINY_CONFIG = ROOT / "launch" / "configs" / "tiny_cpu.yaml"
+HASH_SEEDS = (1, 2)  # PYTHONHASHSEED of the fresh processes: str hashes differ between them
 
 
 def mixed_prompts(num: int, min_len: int, max_len: int, seed: int) -> list[list[int]]:
@@ -99,3 +105,18 @@ def interrupt_at_call(engine, call: int) -> None:
         return outputs
 
     engine.executor.execute = interrupted
+
+
+def in_fresh_processes(setup: str, expression: str) -> list:
+    """`expression`'s value (JSON) after `setup` in one fresh Python process per HASH_SEEDS
+    entry: what a restarted job would compute, with Python's str hash salted otherwise."""
+    code = "; ".join(filter(None, ["import json", setup, f"print(json.dumps({expression}))"]))
+    values = []
+    for hash_seed in HASH_SEEDS:
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONHASHSEED": str(hash_seed)}
+        done = subprocess.run(
+            [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        values.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    return values

@@ -26,6 +26,7 @@ from moe_runtime.model.tensor_parallel import TensorParallel
 from moe_runtime.model.weight_checks import assign_weights
 from moe_runtime.model_config import ModelConfig
 from tests.checkpoints import rewrite_checkpoint
+from tests.invariance import in_fresh_processes
 
 TINY = ModelConfig(q_lora_rank=24)  # 3 layers, 2 MoE layers of 16 experts, hidden 64
 HAS_CUDA = torch.cuda.is_available()
@@ -63,7 +64,13 @@ def test_uniform_matches_splitmix64_reference(seed, name):
 def test_keys_depend_on_seed_and_name():
     keys = {weight_key(s, n) for s in (0, 1) for n in ("a.weight", "b.weight")}
     assert len(keys) == 4
-    assert weight_key(0, "a.weight") == weight_key(0, "a.weight")
+    # Equal in every process (a restarted job draws the same weights): fresh processes with
+    # other str-hash salts give this process's keys (their salted hash() differs:
+    # test_derive_seed_stable_and_distinct); weight_key compared with itself could not fail.
+    names = [(0, "a.weight"), (1, "b.weight"), (-3, "lm_head.weight")]
+    here = [weight_key(s, n) for s, n in names]
+    setup = "from moe_runtime.model.random_weights import weight_key"
+    assert in_fresh_processes(setup, f"[weight_key(s, n) for s, n in {names}]") == [here, here]
 
 
 @pytest.mark.parametrize("subset", [[3, 7, 12, 0], [15, 1, 1, 9]], ids=["subset", "replicas"])
