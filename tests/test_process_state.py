@@ -74,6 +74,34 @@ def baseline() -> tuple:
     return _run()
 
 
+def test_caller_fp32_matmul_precision_is_pinned_in_calls_and_given_back(
+    restore_process_state, monkeypatch
+):
+    """A caller at "medium" (oneDNN's fp32 matmuls in bf16): each rank call runs at "highest"
+    (oneDNN in IEEE fp32) and the caller's settings come back after it. Checked on every CPU:
+    these assertions were behind the skip of the bits test below, which skips on CPUs where
+    "medium" changes no product (the CI machines), so there they never ran."""
+    from moe_runtime.worker.worker import Worker
+
+    seen = []
+    execute = Worker.execute
+
+    def recording(self, step):
+        seen.append(
+            (torch.get_float32_matmul_precision(), torch.backends.mkldnn.matmul.fp32_precision)
+        )
+        return execute(self, step)
+
+    torch.set_float32_matmul_precision("medium")
+    caller = (torch.get_float32_matmul_precision(), torch.backends.mkldnn.matmul.fp32_precision)
+    assert caller == ("medium", "bf16")  # the negative control: the caller's setting shows
+    monkeypatch.setattr(Worker, "execute", recording)
+    _generate_once()
+    assert seen and set(seen) == {("highest", "ieee")}, set(seen)  # engagement: pinned
+    assert torch.get_float32_matmul_precision() == "medium"  # the caller's, given back
+    assert torch.backends.mkldnn.matmul.fp32_precision == "bf16"
+
+
 def test_caller_fp32_matmul_precision_changes_no_bit(baseline, restore_process_state):
     a = torch.randn(16, 64, generator=torch.Generator().manual_seed(0))
     b = torch.randn(64, 64, generator=torch.Generator().manual_seed(1))
