@@ -7,23 +7,25 @@ also runs in a child process under MKL's SSE4.2 dispatch (the kernels an older C
 the fixed-tile code before the K/N padding, out 2-3 and grouped out 1 (in % 4 != 0) failed
 there while this CPU's AVX-512 path hid it.
 
-Controls: at the sweep's widths plain torch's norm and softmaxes gave a row the same bits in any
-batch here, so there an untiled reference is caught only by the engagement check (the row op
-ran on whole tiles alone); where torch splits a row's sum (2 threads, D = 2**16) the untiled
-norm differs and the tiled one does not. The untiled attention differs at every head shape
-swept.
+Controls: plain torch's linear and grouped linear (fast mode's) give rows position-dependent
+bits at some swept widths, so the linear sweep can fail. At the sweep's widths plain torch's
+norm and softmaxes gave a row the same bits in any batch here, so there an untiled reference
+is caught only by the engagement check (the row op ran on whole tiles alone); where torch
+splits a row's sum (2 threads, D = 2**16) the untiled norm differs and the tiled one does
+not. The untiled attention differs at every head shape swept.
 """
 
 import os
 import subprocess
 import sys
+from functools import partial
 
 import pytest
 import torch
 
 from moe_kernels import attention, rmsnorm, softmax
 from moe_kernels.attention import mla_attention_fast, mla_attention_ref
-from moe_kernels.linear import grouped_linear_ref, linear_ref
+from moe_kernels.linear import grouped_linear_fast, grouped_linear_ref, linear_fast, linear_ref
 from moe_kernels.rmsnorm import rms_norm_fast, rms_norm_ref
 from moe_kernels.softmax import log_softmax_ref, softmax_ref
 
@@ -62,7 +64,13 @@ def _is_invariant(row: torch.Tensor, op) -> bool:
     return all(torch.equal(first, other) for other in rest)
 
 
-def position_dependent_linear_shapes(widths=WIDTHS) -> list[tuple[str, int, int]]:
+TILED_LINEAR = partial(linear_ref, tile_rows=TILE)
+TILED_GROUPED_LINEAR = partial(grouped_linear_ref, tile_rows=TILE)
+
+
+def position_dependent_linear_shapes(
+    widths=WIDTHS, linear=TILED_LINEAR, grouped_linear=TILED_GROUPED_LINEAR
+) -> list[tuple[str, int, int]]:
     """(op, out, in) for every shape whose rows are not bitwise invariant."""
     g = torch.Generator().manual_seed(0)
     bad = []
@@ -70,13 +78,13 @@ def position_dependent_linear_shapes(widths=WIDTHS) -> list[tuple[str, int, int]
         for in_dim in widths:
             w = torch.randn(2, out_dim, in_dim, generator=g)
             row = torch.randn(1, in_dim, generator=g)
-            if not _is_invariant(row, lambda x, w=w: linear_ref(x, w[0], tile_rows=TILE)):
+            if not _is_invariant(row, lambda x, w=w: linear(x, w[0])):
                 bad.append(("linear", out_dim, in_dim))
             # Expert 1's rows start at a batch-dependent offset behind expert 0's.
             lead, rows = torch.randn(4, in_dim, generator=g), torch.randn(TILE, in_dim, generator=g)
-            full = grouped_linear_ref(rows, w, [0, TILE], tile_rows=TILE)
+            full = grouped_linear(rows, w, [0, TILE])
             if not all(
-                torch.equal(grouped_linear_ref(batch, w, [k, TILE], tile_rows=TILE)[k:], full)
+                torch.equal(grouped_linear(batch, w, [k, TILE])[k:], full)
                 for k in range(1, 5)
                 for batch in [torch.cat([lead[:k], rows])]
             ):
@@ -86,6 +94,13 @@ def position_dependent_linear_shapes(widths=WIDTHS) -> list[tuple[str, int, int]
 
 def test_linear_rows_invariant_for_every_width():
     assert position_dependent_linear_shapes() == []
+
+
+def test_the_width_sweep_catches_untiled_linears():
+    """Negative control of the two sweeps: fast mode's plain torch linear and grouped linear
+    give some swept shape of each op position-dependent rows, so the sweeps could fail."""
+    bad = position_dependent_linear_shapes(linear=linear_fast, grouped_linear=grouped_linear_fast)
+    assert {op for op, _, _ in bad} == {"linear", "grouped_linear"}, bad
 
 
 def test_linear_rows_invariant_under_mkl_sse42_dispatch():
