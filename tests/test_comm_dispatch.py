@@ -208,6 +208,11 @@ def test_precomputed_layout_gives_the_same_dispatch(generator):
     rows_a, sizes_a, handle_a = dispatcher.dispatch(x, ids, weights, layout)
     rows_b, sizes_b, handle_b = dispatcher.dispatch(x, ids, weights)
     assert torch.equal(rows_a, rows_b) and torch.equal(sizes_a, sizes_b)
+    # Engagement: dispatch reads the layout it is given (one recomputed from the ids would
+    # make the comparison above hold whatever the seam did): another routing's layout moves
+    # the rows.
+    moved, _, _ = dispatcher.dispatch(x, ids, weights, dispatcher.layout(ids.flip(0)))
+    assert not torch.equal(moved, rows_a)
     out_a = dispatcher.combine(rows_a * 2, handle_a, weights)
     assert torch.equal(out_a, dispatcher.combine(rows_b * 2, handle_b, weights))
 
