@@ -891,6 +891,59 @@ def bench_split_larger() -> None:
         print(f"| {batch} | {ctx} | " + " | ".join(text) + " |")
 
 
+def bench_wide_split_larger() -> None:
+    """The 128-head invariant decode attention (the Gluon kernel, 64 heads a program) with KV
+    splits of a constant 16 blocks (WIDE_LAUNCH's), 32 and 64, each with the op's tail and its
+    value split (wide_value_parts), beside the op and fast mode's op with one plan a step
+    (FlashMLA from 8 queries where installed). What a split of the query's own length (longer
+    for long queries, as the 16-head launch's long_blocks) could gain where, before a kernel
+    has one. Tables as wide as the engine's graph, graph replay over L2-missing caches, µs
+    (/ fast)."""
+    from moe_kernels.attention_launch import WIDE_LAUNCH, split_count, wide_value_parts
+    from moe_kernels.fast_attention import mla_decode_fast
+    from moe_kernels.triton_attention import _attend, mla_attention_triton
+
+    sizes = (16, 32, 64)
+    tail = WIDE_LAUNCH.tail_blocks
+    print("\n## 128-head decode attention, KV splits of 16, 32, 64 blocks (graph replay)")
+    cols = " | ".join(f"{s} blocks µs" for s in sizes)
+    print(f"| B | ctx | fast µs | {cols} | op µs |")
+    print("|---|---|---|" + "---|" * (len(sizes) + 1))
+    shapes = (
+        (1, 4096), (8, 4096), (8, 8192), (32, 4096), (64, 1024), (64, 2048), (64, 4096),
+        (64, 8192), (128, 4096), (256, 1024), (256, 4096),
+    )  # fmt: skip
+    for batch, ctx in shapes:
+        blocks = ctx // 64 + 1  # the engine's decode: a context past a block's end
+        width = _graph_width(blocks)
+        read = batch * (ctx + 1) * 576 * 2
+        tables = torch.full((batch, width), -1, device="cuda", dtype=torch.int64)
+        tables[:, :blocks] = torch.randperm(batch * blocks, device="cuda").view(batch, -1)
+        positions = torch.full((batch,), ctx, device="cuda")
+        step = (torch.arange(batch, device="cuda"), tables, positions)
+
+        def make(launch, batch=batch, blocks=blocks, step=step, width=width):
+            kv = torch.randn(batch * blocks, 64, 576, device="cuda").bfloat16()
+            q = torch.randn(batch, 128, 576, device="cuda").bfloat16()
+            if launch == "fast":
+                return lambda: mla_decode_fast(q, kv, *step, scale=192**-0.5, v_dim=512)
+            if launch == "op":
+                return lambda: mla_attention_triton(q, kv, *step, scale=192**-0.5, v_dim=512)
+            v_parts = wide_value_parts(batch, split_count(width, launch, tail))
+            return lambda: _attend(
+                q, kv, *step, 192**-0.5, 512, launch, WIDE_LAUNCH.num_warps,
+                WIDE_LAUNCH.num_stages, WIDE_LAUNCH.block_h, is_gluon=True, tail_blocks=tail,
+                v_parts=v_parts,
+            )  # fmt: skip
+
+        fast = _graph_ms(partial(make, "fast"), read, ATTENTION_GRAPH_CALLS) * 1e3
+        text = [f"{fast:.1f}"]
+        for launch in (*sizes, "op"):
+            us = _graph_ms(partial(make, launch), read, ATTENTION_GRAPH_CALLS) * 1e3
+            text.append(f"{us:.1f} ({us / fast:.2f})")
+        print(f"| {batch} | {ctx} | " + " | ".join(text) + " |")
+
+
 def bench_split_sweep() -> None:
     """The 16-head split launch (fewer than 128 programs of whole queries: B < 128) at long
     contexts, every launch shape that keeps its bits: value split (v_parts, lat_chunk), warps,
@@ -2077,6 +2130,7 @@ def sections() -> dict:
         "wide_value_split": bench_wide_value_split,
         "split_size": bench_split_size,
         "split_larger": bench_split_larger,
+        "wide_split_larger": bench_wide_split_larger,
         "tail": bench_tail,
         "merge": bench_merge,
         "split_sweep": bench_split_sweep,
