@@ -475,3 +475,47 @@ def test_the_tokenizer_outlives_shutdown_to_decode_what_was_generated():
     assert llm.tokenizer.decode(out.token_ids) == out.text
     with pytest.raises(RuntimeError, match="shut down"):
         llm.generate([[72, 101, 108]], use_tqdm=False)
+
+
+class _CountingSamples(list):
+    """A request's samples that count the reads of them, by iteration or by index."""
+
+    num_reads = 0
+
+    def __iter__(self):
+        for seq in super().__iter__():
+            self.num_reads += 1
+            yield seq
+
+    def __getitem__(self, index):
+        self.num_reads += 1
+        return super().__getitem__(index)
+
+
+def test_a_step_reads_the_samples_it_ran_not_every_sample_of_the_request():
+    """A request of n = 2000 samples, 4 running at a time. Each step's delta walked all n
+    samples (their weight versions, then which had new tokens) and asked whether the request
+    had finished by walking its finished ones: O(n) a step, 15 ms at n = 50,000, for every step
+    of the request's life. Counted, not timed: a step reads about the samples it ran. The
+    deltas are those of the samples that got a token, and their versions the request's."""
+    llm = LLM(TINY_CONFIG, **{"scheduler.max_num_seqs": 4})
+    engine = llm.engine
+    params = SamplingParams(n=2000, max_tokens=2, seed=3, ignore_eos=True)
+    request = engine.add_request(list(range(1, 5)), params)
+    request.samples = samples = _CountingSamples(request.samples)
+    deltas = []
+    for _ in range(6):
+        deltas += engine.step()
+    num_reads = samples.num_reads  # (not in the assert: its report would print it)
+    assert num_reads <= 6 * 8, num_reads
+    reported = [(out.index, tuple(out.token_ids)) for delta in deltas for out in delta.outputs]
+    whole = engine.output(request).outputs  # 4 samples a prefill and a decode step: 12 ran
+    expected = [(out.index, (token,)) for out in whole for token in out.token_ids]
+    assert sorted(reported) == sorted(expected) and len(reported) == 24
+    assert all(
+        [out.index for out in d.outputs] == list(range(4 * (i // 2), 4 * (i // 2) + 4))
+        for i, d in enumerate(deltas)
+    )  # in sample order, as the whole output is
+    assert all(not delta.is_finished and delta.weight_version == 0 for delta in deltas)
+    assert [out.finish_reason for out in whole[:13]] == ["length"] * 12 + [None]
+    llm.shutdown()

@@ -25,7 +25,7 @@ from moe_runtime.engine.balancer import ExpertBalancer, RebalanceError, initial_
 from moe_runtime.engine.block_manager import BlockManager
 from moe_runtime.engine.outputs import EngineStats, RequestOutput
 from moe_runtime.engine.rank_faults import RankFaults, under_lock
-from moe_runtime.engine.request import Request
+from moe_runtime.engine.request import Request, Sequence
 from moe_runtime.engine.request_checks import RequestChecks
 from moe_runtime.engine.scheduler import Scheduler, share_waiting
 from moe_runtime.engine.step_io import build_step_input, record_results, request_output
@@ -242,10 +242,7 @@ class LLMEngine(RankFaults):
         per_dp_rank = [scheduler.schedule() for scheduler in self.schedulers]
         for chunks in per_dp_rank:
             for chunk in chunks:
-                seq = chunk.seq
-                if seq.first_weight_version is None:
-                    seq.first_weight_version = self.weight_version
-                seq.last_weight_version = self.weight_version
+                chunk.seq.note_step(self.weight_version)
         inputs = [
             build_step_input(scheduler.collect_released(), chunks, scheduler.is_lookahead)
             for scheduler, chunks in zip(self.schedulers, per_dp_rank, strict=True)
@@ -255,15 +252,20 @@ class LLMEngine(RankFaults):
         per_worker = [step for step in inputs for _ in range(tp_size)]
         with self._fatal_on_error():
             results = self.executor.execute(per_worker)[::tp_size]  # TP rank 0 of each group
-        changed: dict[int, Request] = {}
+        # Per request that got tokens, the samples that did: its delta reads those alone.
+        changed: dict[int, tuple[Request, list[Sequence]]] = {}
         for scheduler, chunks, result in zip(self.schedulers, per_dp_rank, results, strict=True):
             record_results(scheduler, chunks, result)
             for chunk in chunks:
-                if chunk.seq.seq_id in result.samples and not chunk.seq.is_score:
-                    changed[id(chunk.seq.request)] = chunk.seq.request
+                seq = chunk.seq
+                if seq.seq_id in result.samples and not seq.is_score:
+                    changed.setdefault(id(seq.request), (seq.request, []))[1].append(seq)
         self.num_steps += 1
         version, width = self.weight_version, self.config.model.routed_width
-        return [request_output(r, version, True, width) for r in changed.values()]
+        return [
+            request_output(r, version, True, width, sorted(seqs, key=lambda s: s.sample_idx))
+            for r, seqs in changed.values()
+        ]
 
     def _rebalance_if_due(self) -> None:
         """The periodic rebalance due after the last step (eplb.interval_steps), between it and

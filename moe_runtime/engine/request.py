@@ -91,6 +91,15 @@ class Sequence:
     def is_on_worker(self) -> bool:
         return self.num_sent_tokens > 0
 
+    def note_step(self, weight_version: int) -> None:
+        """Count a step of this sample's, run with weight_version, here and on its request."""
+        if self.first_weight_version is None:
+            self.first_weight_version = weight_version
+            self.request.num_started += 1
+            if self.request.first_weight_version is None:
+                self.request.first_weight_version = weight_version
+        self.last_weight_version = self.request.last_weight_version = weight_version
+
     def leave_worker(self) -> bool:
         """Count the worker's copy as dropped (released: the next step names it), so a
         preempted sequence is sent whole again; -> whether the worker held one."""
@@ -109,7 +118,13 @@ class Request:
     seed: int
     score_token_ids: list[int] | None = None
     samples: list[Sequence] = field(default_factory=list)
+    # Over its samples' steps (Sequence.note_step): how many samples ran a step, the weights'
+    # versions at the first and the latest.
+    num_started: int = 0
+    first_weight_version: int | None = None
+    last_weight_version: int | None = None
     _prompt_copy: list[int] | None = field(default=None, repr=False)
+    _num_finished: int = field(default=0, repr=False)  # samples[:_num_finished] have finished
 
     def prompt_copy(self) -> list[int]:
         """The prompt's ids for deltas: one copy made once, shared by the request's deltas
@@ -125,7 +140,23 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return all(seq.is_finished for seq in self.samples)
+        """Whether every sample has finished. Why a pointer past the finished ones (a sample
+        never runs again once finished): asked at every step (each delta, the progress bar, a
+        server's submission), a pass over the finished samples cost O(n) a step."""
+        samples = self.samples
+        while self._num_finished < len(samples) and samples[self._num_finished].is_finished:
+            self._num_finished += 1
+        return self._num_finished == len(samples)
+
+    def weight_versions(self, weight_version: int) -> tuple[int, int]:
+        """(newest, oldest) weight version over its samples' steps, a sample that has run none
+        counting as weight_version, the engine's now (versions only grow)."""
+        if self.num_started == 0:
+            return weight_version, weight_version
+        newest = self.last_weight_version
+        if self.num_started < len(self.samples):
+            newest = weight_version
+        return newest, self.first_weight_version
 
     def expand_samples(self, first_seq_id: int, tokenizer) -> list[Sequence]:
         """The request's n sequences, with seq ids first_seq_id.. and one seed each."""

@@ -50,14 +50,20 @@ def record_results(scheduler: Scheduler, chunks: list[ScheduledChunk], result: S
 
 
 def request_output(
-    request: Request, weight_version: int, is_delta: bool, routed_width: tuple[int, int]
+    request: Request,
+    weight_version: int,
+    is_delta: bool,
+    routed_width: tuple[int, int],
+    samples: list[Sequence] | None = None,
 ) -> RequestOutput:
     """The whole result, or (is_delta) what changed since the last delta: the samples with
     new tokens, only their new tokens and text. Values are copies. routed_width: (MoE layers,
-    K) of a routed-experts row, so a sample with no tokens has [0, L_moe, K]."""
+    K) of a routed-experts row, so a sample with no tokens has [0, L_moe, K]. samples: a
+    delta's candidates in sample order (the step's: none other has new tokens), not all n.
+    Why: a pass over every sample each step cost O(n) a step (15 ms at n = 50,000)."""
     outputs = []
-    versions = [_versions(seq, weight_version) for seq in request.samples]
-    for seq, (last, first) in zip(request.samples, versions, strict=True):
+    for seq in request.samples if samples is None else samples:
+        last, first = _versions(seq, weight_version)
         start = seq.num_reported if is_delta else 0
         if is_delta and seq.num_output_tokens == start:
             continue
@@ -90,8 +96,7 @@ def request_output(
         request.prompt_copy() if is_delta else list(request.prompt_token_ids),
         outputs,
         request.is_finished,
-        max(last for last, _ in versions),
-        min(first for _, first in versions),
+        *request.weight_versions(weight_version),
     )
 
 
