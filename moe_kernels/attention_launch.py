@@ -132,12 +132,16 @@ WIDE_HEADS = 64
 # tables (BENCHMARKS.md, fifty-second session, `bench/gpu_kernels.py split_larger`), constant
 # splits of 4 -> 8 blocks, µs: context 4096 B = 1 14.9 -> 19.5, B = 8 26.4 -> 26.8, B = 16
 # 41.7 -> 38.0, B = 32 75.6 -> 67.2, B = 64 138.8 -> 122.8; context 8192 B = 8 45.7 -> 40.0,
-# B = 64 264.5 -> 236.5; from 128 queries (a program a whole query, so prefill) level. Off by
-# default (long_blocks 0) until the kernel with long splits has run on a GPU: it was built and
-# checked under the interpreter only (no device came in that session). Groups (with_groups)
-# count splits of one size: a launch with groups has none.
+# B = 64 264.5 -> 236.5; from 128 queries (a program a whole query, so prefill) level. On by
+# default since the kernel with long splits ran on a GPU (H100, fifty-third session: its kernel
+# and golden tests pass; the op at context 4096 B = 64 139.0 -> 123.2 µs, B = 8 at 8192 45.5
+# -> 39.9, B = 1 at 4096 14.7 -> 19.4, B = 16 at 4096 41.4 -> 45.2: the grid counts the 16
+# splits a query just short of LONG_BLOCKS has; through the engine at context 4096, ms a step,
+# B = 64 15.25 -> 14.88, B = 8 7.67 -> 7.60, B = 1 2.93 -> 3.04, prefill 8x4096 level). The
+# issue's attention goal is at B >= 64, where one query's +4.7 µs a layer is the price.
+# Groups (with_groups) count splits of one size: a launch with groups has none.
 LONG_BLOCKS = 64
-NARROW_LAUNCH = HeadLaunch(BLOCK_H, SPLIT_BLOCKS, 4, 3)
+NARROW_LAUNCH = HeadLaunch(BLOCK_H, SPLIT_BLOCKS, 4, 3, long_blocks=LONG_BLOCKS)
 # A query's last split of the wide launch takes up to 2 blocks past its last whole split
 # (tail_blocks) instead of a split of its own: a whole-query program then folds no split of
 # one or two blocks (its running fold's fp32 round trip through L2 cost more than the blocks).

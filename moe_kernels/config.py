@@ -23,10 +23,10 @@ groups, the last group taking up to one split more (moe_kernels/attention_launch
 default) keeps one group. It is part of the bits, as tp_max is: every rank and run that must
 agree sets the same value. Measured and off by default (BENCHMARKS.md, twenty-sixth and
 twenty-seventh sessions). `attention_long_blocks` (invariant mode on CUDA, models below 64
-heads): a query of at least this many cache blocks has KV splits twice as long; 0 (the
-default) never, until the long-split kernel has run on a GPU (64 is the measured threshold,
-attention_launch.py's LONG_BLOCKS). Part of the bits too; not with attention_group_splits
-(groups count splits of one size).
+heads): a query of at least this many cache blocks has KV splits twice as long; 0 never;
+None (the default) the launch's own: LONG_BLOCKS (64, measured: attention_launch.py) below 64
+heads, none from 64. Part of the bits too; not with attention_group_splits (groups count
+splits of one size: with groups, the default has none).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class KernelConfig:
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
     side_stream_rows: int = SIDE_STREAM_ROWS
     attention_group_splits: int = 0
-    attention_long_blocks: int = 0
+    attention_long_blocks: int | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -64,6 +64,8 @@ class KernelConfig:
             )
         for key in ("side_stream_rows", "attention_group_splits", "attention_long_blocks"):
             value = getattr(self, key)
+            if value is None and key == "attention_long_blocks":
+                continue  # the launch's own
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"kernels.{key} must be an int >= 0, got {value!r}")
         long_blocks = self.attention_long_blocks

@@ -185,7 +185,7 @@ def _invariant_ops(
             ops["mla_attention"] = partial(
                 ops["mla_attention"], group_splits=config.attention_group_splits
             )
-        if config.attention_long_blocks:  # the same
+        if config.attention_long_blocks is not None:  # the same (None: the launch's own)
             ops["mla_attention"] = partial(
                 ops["mla_attention"], long_blocks=config.attention_long_blocks
             )

@@ -587,12 +587,15 @@ def test_invariant_cuda_models_of_64_heads_or_more_need_bf16():
 
 def test_attention_long_blocks_loads_below_64_heads_and_is_refused_from_64_or_with_groups():
     """kernels.attention_long_blocks applies to the 16-head launch: a 4-head model loads with
-    it (0 too); a 64-head one is refused at load, and so are groups beside it, each naming the
-    keys."""
-    for value in (8, 0):
+    it (0 and null too); a 64-head one is refused at load, and so are groups beside it, each
+    naming the keys. The default (null: the launch's own) loads at 64 heads and with groups."""
+    for value in (8, 0, None):
         config = load_config(CONFIGS / "tiny_gpu.yaml", {"kernels.attention_long_blocks": value})
         assert config.kernels.attention_long_blocks == value
     wide = {"model.num_attention_heads": 64, "model.dtype": "bfloat16"}
+    assert load_config(CONFIGS / "tiny_gpu.yaml", wide).kernels.attention_long_blocks is None
+    groups = {"kernels.attention_group_splits": 2}
+    assert load_config(CONFIGS / "tiny_gpu.yaml", groups).kernels.attention_long_blocks is None
     with pytest.raises(
         ValueError, match="kernels.attention_long_blocks=8 .*model.num_attention_heads=64"
     ):

@@ -183,6 +183,7 @@ def test_long_splits_count_a_tables_splits_and_leave_groups_alone():
     long_blocks may set; long splits beside a split tail or groups are refused naming the
     value, and a launch with groups has none."""
     from moe_kernels.attention_launch import (
+        LONG_BLOCKS,
         NARROW_LAUNCH,
         WIDE_LAUNCH,
         HeadLaunch,
@@ -209,7 +210,7 @@ def test_long_splits_count_a_tables_splits_and_leave_groups_alone():
         HeadLaunch(16, 4, 4, 3, group_splits=8, long_blocks=64)
     with pytest.raises(ValueError, match="long_blocks -1 must be >= 0"):
         HeadLaunch(16, 4, 4, 3, long_blocks=-1)
-    assert NARROW_LAUNCH.long_blocks == 0  # off until the long-split kernel runs on a GPU
+    assert NARROW_LAUNCH.long_blocks == LONG_BLOCKS  # on by default since it ran on a GPU
     assert with_long_blocks(NARROW_LAUNCH, 64).table_splits(128) == 16
     assert with_groups(NARROW_LAUNCH, 0) == NARROW_LAUNCH
     assert with_groups(NARROW_LAUNCH, 8).long_blocks == 0

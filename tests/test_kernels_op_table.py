@@ -310,7 +310,7 @@ def test_attention_group_splits_is_validated_naming_the_value(bad):
         KernelConfig(attention_group_splits=bad)
 
 
-@pytest.mark.parametrize("bad", (-1, 1.5, True, "64", None))
+@pytest.mark.parametrize("bad", (-1, 1.5, True, "64"))
 def test_attention_long_blocks_is_validated_naming_the_value(bad):
     with pytest.raises(ValueError, match=f"kernels.attention_long_blocks .* got {bad!r}"):
         KernelConfig(attention_long_blocks=bad)
@@ -318,11 +318,14 @@ def test_attention_long_blocks_is_validated_naming_the_value(bad):
 
 def test_attention_long_blocks_binds_the_invariant_cuda_attention_only():
     """kernels.attention_long_blocks reaches the invariant CUDA attention op as its long_blocks
-    (part of the bits); 0 leaves the op as it is; CPU tables ignore it."""
-    op = build_op_table(KernelConfig(attention_long_blocks=8), "cuda:1").mla_attention
-    assert op.func.__name__ == "mla_attention_triton"
-    assert op.keywords == {"long_blocks": 8}
-    plain = build_op_table(KernelConfig(attention_long_blocks=0), "cuda:1").mla_attention
+    (part of the bits), 0 too (off); None, the default, leaves the op its launch's own; CPU
+    tables ignore it."""
+    for value in (8, 0):
+        op = build_op_table(KernelConfig(attention_long_blocks=value), "cuda:1").mla_attention
+        assert op.func.__name__ == "mla_attention_triton"
+        assert op.keywords == {"long_blocks": value}
+    assert KernelConfig().attention_long_blocks is None
+    plain = build_op_table(KernelConfig(), "cuda:1").mla_attention
     assert plain.__name__ == "mla_attention_triton"
     cpu = build_op_table(KernelConfig(attention_long_blocks=8), "cpu").mla_attention
     assert "long_blocks" not in getattr(cpu, "keywords", {})
