@@ -18,6 +18,7 @@ from moe_runtime import LLM, SamplingParams
 from moe_runtime.config import load_config
 from moe_runtime.engine.balancer import HISTORY_LEN, ExpertBalancer, initial_placement
 from moe_runtime.engine.request_checks import ContextLengthError, PromptTooLongError
+from tests.counting import CountingSamples
 from tests.invariance import TINY_CONFIG, fingerprint, interrupt_at_call, mixed_prompts
 
 # 16 blocks of 4: a 44-token request with 12 generated needs 14, leaving 2.
@@ -477,21 +478,6 @@ def test_the_tokenizer_outlives_shutdown_to_decode_what_was_generated():
         llm.generate([[72, 101, 108]], use_tqdm=False)
 
 
-class _CountingSamples(list):
-    """A request's samples that count the reads of them, by iteration or by index."""
-
-    num_reads = 0
-
-    def __iter__(self):
-        for seq in super().__iter__():
-            self.num_reads += 1
-            yield seq
-
-    def __getitem__(self, index):
-        self.num_reads += 1
-        return super().__getitem__(index)
-
-
 def test_a_step_reads_the_samples_it_ran_not_every_sample_of_the_request():
     """A request of n = 2000 samples, 4 running at a time. Each step's delta walked all n
     samples (their weight versions, then which had new tokens) and asked whether the request
@@ -502,7 +488,7 @@ def test_a_step_reads_the_samples_it_ran_not_every_sample_of_the_request():
     engine = llm.engine
     params = SamplingParams(n=2000, max_tokens=2, seed=3, ignore_eos=True)
     request = engine.add_request(list(range(1, 5)), params)
-    request.samples = samples = _CountingSamples(request.samples)
+    request.samples = samples = CountingSamples(request.samples)
     deltas = []
     for _ in range(6):
         deltas += engine.step()

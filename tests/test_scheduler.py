@@ -28,6 +28,7 @@ from moe_runtime.engine.scheduler import ScheduledChunk, Scheduler
 from moe_runtime.sampling_params import SamplingParams
 from moe_runtime.tokenizer import ByteTokenizer
 from moe_runtime.worker.step_input import SampleResult
+from tests.counting import CountingSamples
 
 BLOCK_SIZE = 4
 TOKENIZER = ByteTokenizer(512)
@@ -287,17 +288,6 @@ def test_the_admission_bench_runs_and_the_reserve_cuts_the_recompute():
     assert len(waste) == 3 and waste[1] < waste[0], out.stdout
 
 
-class _CountingSamples(list):
-    """A request's samples that count the sequences read by iterating them."""
-
-    num_reads = 0
-
-    def __iter__(self):
-        for seq in super().__iter__():
-            self.num_reads += 1
-            yield seq
-
-
 def test_admitting_many_samples_reads_no_list_of_siblings():
     """The samples of a request of n wait for the first to compute the prompt, then are let in
     64 at once. Each one let in read every sibling to learn whether one still computed the
@@ -305,7 +295,7 @@ def test_admitting_many_samples_reads_no_list_of_siblings():
     siblings read in that step stay within max_num_seqs whatever n is."""
     scheduler = _scheduler(num_blocks=4096, budget=4096, max_num_seqs=64)
     request = _add(scheduler, list(range(1, 18)), max_tokens=5, n=2000)  # 4 full blocks
-    request.samples = _CountingSamples(request.samples)
+    request.samples = CountingSamples(request.samples)
     assert [c.seq for c in _step(scheduler)] == [request.samples[0]]  # the others wait
     chunks = _step(scheduler)
     assert len(chunks) == 64 and all(c.start == 16 for c in chunks[1:])  # past the prompt
