@@ -11,7 +11,9 @@ prefill vs decode, or on how a prompt was chunked. `mla_attention_fast` is plain
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
+from moe_kernels.linear import PAD_FEATURES
 from moe_kernels.tiling import pad_rows
 
 FAST_PADDED_BYTES = 1 << 30  # fast path: largest gathered KV [T, S, C] of the padded kernel
@@ -85,11 +87,18 @@ def _per_head_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a [R, H, K] x b [R, K, N] (shared by a row's heads) -> [R, H, N], one [1, K] x [K, N]
     product per (row, head)."""
     num_rows, num_heads, k = a.shape
-    # Why contiguous: at one head the reshape is a view with b's own (transposed) strides, and
+    n = b.shape[-1]
+    # Why padded: MKL's bmm rounds a product by its index in the batch (its operands' alignment)
+    # where K or N is not a multiple of 16 (K = a block size of 64 and N = a v_dim of 11 say):
+    # a query's bits followed its row in the tile. Zero-padded K and N (exact zeros add
+    # nothing) give every product one full-width path, as the linears' PAD_FEATURES does.
+    # Why copies: at one head the reshape is a view with b's own (transposed) strides, and
     # BLAS would take another path than for the copies made at several heads.
-    b = b[:, None].expand(num_rows, num_heads, *b.shape[1:]).reshape(-1, *b.shape[1:])
-    a = a.reshape(-1, 1, k).contiguous()
-    return torch.bmm(a, b.contiguous()).view(num_rows, num_heads, -1)
+    pad_k, pad_n = -k % PAD_FEATURES, -n % PAD_FEATURES
+    b = b[:, None].expand(num_rows, num_heads, k, n).reshape(-1, k, n)
+    b = F.pad(b, (0, pad_n, 0, pad_k)).contiguous()
+    a = F.pad(a.reshape(-1, 1, k), (0, pad_k)).contiguous()
+    return torch.bmm(a, b)[..., :n].reshape(num_rows, num_heads, n)
 
 
 def mla_attention_fast(

@@ -186,3 +186,37 @@ def test_attention_ref_invariant_at_odd_head_dims(
     monkeypatch.setattr(attention, "FAST_PADDED_BYTES", 0)
     is_per_sequence_invariant = _is_invariant(q, attend(mla_attention_fast))
     assert not (is_padded_invariant and is_per_sequence_invariant), "the control cannot fail"
+
+
+# (block_size, cache_dim, v_dim, seq_len): long cache blocks (64, 65) with a latent width
+# (kv_lora_rank) or a block that is no multiple of 16. Unpadded, MKL's bmm rounded these
+# products by their index in the tile (each shape here; blocks of 1-16 were invariant): a model
+# with kv_lora_rank 11 and blocks of 64 gave a decoded token other top-k logprobs alone than in
+# a batch (found by a shape fuzz).
+BLOCK_SHAPES = [(64, 17, 11, 100), (64, 13, 9, 70), (65, 72, 64, 80), (64, 40, 17, 70)]
+
+
+@pytest.mark.parametrize("block_size, cache_dim, v_dim, seq_len", BLOCK_SHAPES)
+def test_attention_ref_invariant_at_odd_block_and_latent_widths(
+    generator, monkeypatch, block_size, cache_dim, v_dim, seq_len
+):
+    num_blocks = -(-seq_len // block_size)
+    kv_cache = torch.randn(num_blocks + 1, block_size, cache_dim, generator=generator)
+    block_tables = torch.randperm(num_blocks + 1, generator=generator)[None, :num_blocks]
+    q = torch.randn(1, 1, cache_dim, generator=generator)
+
+    def attend(qs):  # every query is sequence 0 at the last position
+        n = qs.shape[0]
+        positions = torch.full((n,), seq_len - 1, dtype=torch.int64)
+        seq_ids = torch.zeros(n, dtype=torch.int64)
+        return mla_attention_ref(
+            qs, kv_cache, seq_ids, block_tables, positions, scale=0.3, v_dim=v_dim, tile_rows=TILE
+        )
+
+    products = spy_input_shapes(monkeypatch, torch, "bmm")
+    assert _is_invariant(q, attend)
+    # Engagement: every product ran on 16-wide K and N, one product a (row, head) of a tile.
+    assert all(m == TILE and k % 16 == 0 for m, _, k in products), sorted(set(products))
+    # Negative control: the same products unpadded give the query position-dependent bits.
+    monkeypatch.setattr(attention, "PAD_FEATURES", 1)
+    assert not _is_invariant(q, attend), "unpadded, the query was invariant: no control"

@@ -1,8 +1,9 @@
 """End-to-end invariance at widths that are not multiples of 16 (issue 12, item 4).
 
-Odd hidden size, odd expert width and a router narrower than a SIMD register: a needle
-prompt must give the same bits alone and inside random batches, at any position. The
-fast-mode control shows the comparison can fail.
+Odd hidden size, odd expert width, a router narrower than a SIMD register, and an odd latent
+width in long cache blocks: a needle prompt must give the same bits alone and inside random
+batches, at any position. The fast-mode control shows the comparison can fail (the odd latent's
+kernel-level control, the same products unpadded, is in tests/test_kernels_shapes.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,10 @@ ODD_SHAPES = [
     {"model.hidden_size": 30, "model.moe_intermediate_size": 7, "model.intermediate_size": 34,
      "model.n_routed_experts": 3, "model.num_experts_per_tok": 2, "model.n_group": 1,
      "model.topk_group": 1, "kernels.tp_max": 1},
+    # a latent of 11 + 6 in blocks of 64, one head: unpadded, the attention's per-head products
+    # rounded by the query's row in its tile (a decode's top-k logprobs followed the batch)
+    {"model.kv_lora_rank": 11, "model.qk_rope_head_dim": 6, "cache.block_size": 64,
+     "model.num_attention_heads": 1},
 ]  # fmt: skip
 NUM_BATCHES = 8
 
