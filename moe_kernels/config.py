@@ -3,7 +3,8 @@
 `mode` picks between the batch-invariant implementations and plain torch ("fast", used for
 speed and as the negative control of every invariance test). `num_threads` is the intra-op
 thread count of a worker: part of the layout, never of the load. `tile_rows` is the fixed
-row count every CPU BLAS call and row reduction is padded to. `cuda_graphs` replays pure
+row count every CPU BLAS call and row reduction is padded to (a power of two with several
+threads: BLAS splits other tiles' rows between the threads). `cuda_graphs` replays pure
 decode steps of at most max(`cuda_graph_batch_sizes`) sequences as CUDA graphs, the batch
 padded up to the next size; None (the default) lets the runtime config decide (on where the
 device is CUDA, tensor parallelism is off and ranks, if several, talk over gloo), and sizes
@@ -57,6 +58,17 @@ class KernelConfig:
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"kernels.{key} must be an int >= 1, got {value!r}")
+        rows = self.tile_rows
+        if self.is_invariant and self.num_threads > 1 and rows & (rows - 1):
+            # Why: with several threads MKL splits a GEMM's rows between them at some row
+            # counts (5-7 and 9-11 measured, 2-4 threads), each part taking its own kernel, so
+            # a row's bits followed its place in the tile; powers of two up to 64 held.
+            raise ValueError(
+                f"kernels.tile_rows must be a power of two when kernels.num_threads > 1 in "
+                f"invariant mode (BLAS splits a tile's rows between the threads, and at some "
+                f"other counts a row's bits follow its place in the tile), got "
+                f"kernels.tile_rows={rows} with kernels.num_threads={self.num_threads}"
+            )
         if self.tp_max & (self.tp_max - 1) or self.tp_max > MAX_TP_MAX:
             raise ValueError(
                 f"kernels.tp_max must be a power of two <= {MAX_TP_MAX} (the ranks of every TP "

@@ -810,3 +810,19 @@ def test_an_empty_model_path_is_refused_not_read_as_random_weights(path):
     with pytest.raises(ValueError, match=r"model\.path is empty .* or null \(or no key\)"):
         load_config(CONFIGS / "tiny_cpu.yaml", {"model.path": repr(path)})
     assert load_config(CONFIGS / "tiny_cpu.yaml", {"model.path": "null"}).model.path is None
+
+
+@pytest.mark.parametrize("tile_rows", [3, 5, 12])
+def test_threads_with_a_tile_that_is_no_power_of_two_are_refused_naming_both(tile_rows):
+    """Several intra-op threads split a tile's rows between them, and at some heights a row's
+    bits then follow its place in the tile (tests/test_kernels_shapes.py); invariant mode
+    refuses such a tile with threads, fast mode (no promise) and one thread accept it."""
+    threads = {"kernels.num_threads": 2, "kernels.tile_rows": tile_rows}
+    with pytest.raises(
+        ValueError, match=rf"kernels.tile_rows={tile_rows} with kernels.num_threads=2"
+    ):
+        load_config(CONFIGS / "tiny_cpu.yaml", threads)
+    assert load_config(CONFIGS / "tiny_cpu.yaml", {**threads, "kernels.mode": "fast"})
+    assert load_config(CONFIGS / "tiny_cpu.yaml", {**threads, "kernels.num_threads": 1})
+    power_of_two = load_config(CONFIGS / "tiny_cpu.yaml", {**threads, "kernels.tile_rows": 8})
+    assert (power_of_two.kernels.num_threads, power_of_two.kernels.tile_rows) == (2, 8)

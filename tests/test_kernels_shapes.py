@@ -220,3 +220,31 @@ def test_attention_ref_invariant_at_odd_block_and_latent_widths(
     # Negative control: the same products unpadded give the query position-dependent bits.
     monkeypatch.setattr(attention, "PAD_FEATURES", 1)
     assert not _is_invariant(q, attend), "unpadded, the query was invariant: no control"
+
+
+def _position_dependent_tiles(tiles, num_threads: int) -> list[int]:
+    """The tile_rows among `tiles` at which some row of linear_ref, at a few widths, gets bits
+    that follow its place in the batch, run with num_threads intra-op threads."""
+    torch.set_num_threads(num_threads)
+    g = torch.Generator().manual_seed(2)
+    shapes = [(64, 13), (512, 13), (64, 300), (512, 300)]
+    weights = [(torch.randn(1, k, generator=g), torch.randn(n, k, generator=g)) for n, k in shapes]
+    return [
+        tile
+        for tile in tiles
+        if not all(
+            _is_invariant(row, partial(linear_ref, weight=w, tile_rows=tile)) for row, w in weights
+        )
+    ]
+
+
+def test_linear_rows_invariant_with_threads_at_power_of_two_tiles(restore_num_threads):
+    """kernels.num_threads > 1 needs a power-of-two kernels.tile_rows (KernelConfig refuses
+    others): there a row's bits ignore the batch with 2 threads. Control: with 2 threads MKL
+    splits the rows of a 5-11-row tile between the threads, and some of those tile heights
+    give rows position-dependent bits (5-7 and 9-11 on the CPUs measured); with one thread
+    none does, so the threads are the cause."""
+    assert _position_dependent_tiles([1, 2, 4, 8, 16, 32], num_threads=2) == []
+    odd_tiles = [5, 6, 7, 9, 10, 11]
+    assert _position_dependent_tiles(odd_tiles, num_threads=2), "no control: threads matched"
+    assert _position_dependent_tiles(odd_tiles, num_threads=1) == []
