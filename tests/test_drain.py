@@ -401,3 +401,26 @@ def _stream(url: str, body: dict, first_chunk: threading.Semaphore) -> dict:
                     if len(events) == 1:
                         first_chunk.release()
     raise AssertionError(f"the stream ended without data: [DONE] after {len(events)} chunks")
+
+
+def test_the_loops_own_slow_engine_shutdown_is_not_run_twice():
+    """The loop's last act is the engine's shutdown; where that takes longer than the stop
+    timeout (a large model's workers, a busy host), shutdown() took the loop for stuck and shut
+    the engine down a second time from its own thread, beside the first (seen as a flaky
+    test_a_call_the_loop_has_taken_but_not_started_is_drained on a loaded host). Once, from
+    the loop; shutdown() still returns within its bound."""
+    engine = LLM(TINY_CONFIG).engine
+    callers, stop = [], engine.shutdown
+
+    def slow_shutdown():
+        callers.append(threading.current_thread() is threading.main_thread())
+        time.sleep(1.0)  # past the stop timeout below
+        stop()
+
+    engine.shutdown = slow_shutdown
+    loop = AsyncEngine(engine)
+    started = time.monotonic()
+    loop.shutdown(drain_timeout_s=5, stop_timeout_s=0.3)
+    assert time.monotonic() - started < 5
+    time.sleep(1.2)  # the loop's shutdown has finished
+    assert callers == [False], callers  # once, from the loop's thread

@@ -52,6 +52,7 @@ class AsyncEngine(Recovery):
         self._live: set[Submission] = set()
         self._is_accepting = True
         self._is_stopping = False
+        self._is_closing_engine = False  # the loop has ended and shuts the engine down itself
         self._is_drain_cut = False  # cut_drain(): the drain ends now, not at its timeout
         self._has_cancelled = False
         self._error: BaseException | None = None
@@ -171,9 +172,13 @@ class AsyncEngine(Recovery):
             )
             resolve(call, EngineUnavailableError(late_call), None)
         self._thread.join(stop_timeout_s)
-        if self._thread.is_alive():  # stuck in a call that only a rank's timeout would end
+        with self._cond:
+            # Why not when the loop is shutting the engine down itself (its last act): a
+            # shutdown slower than stop_timeout_s (a busy host) then ran twice, from two threads.
+            is_stuck = self._thread.is_alive() and not self._is_closing_engine
+        if is_stuck:  # in a call or step that only a rank's timeout would end
             self._engine.shutdown()
-            self._thread.join(stop_timeout_s)
+        self._thread.join(stop_timeout_s)
 
     def cut_drain(self) -> None:
         """End a shutdown's drain now (the operator's second stop signal): what is still in flight
@@ -241,6 +246,7 @@ class AsyncEngine(Recovery):
                 leftover, self._queue = list(self._queue), deque()
                 self._num_unpublished = 0  # every submission taken is answered above
                 calls, self._calls = list(self._calls), set()  # taken from the queue, not run
+                self._is_closing_engine = True
                 self._cond.notify_all()
             for item in leftover:
                 future = item.future if isinstance(item, Submission) else item[1]
