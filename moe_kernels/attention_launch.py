@@ -137,9 +137,9 @@ WIDE_HEADS = 64
 # and golden tests pass; the op at context 4096 B = 64 139.0 -> 123.2 µs, B = 8 at 8192 45.5
 # -> 39.9, B = 1 at 4096 14.7 -> 19.4, B = 16 at 4096 41.4 -> 45.2, not understood: constant
 # splits of 8 ran it at 37.9 with the same launch forms; through the engine at context 4096,
-# ms a step,
-# B = 64 15.25 -> 14.88, B = 8 7.67 -> 7.60, B = 1 2.93 -> 3.04, prefill 8x4096 level). The
-# issue's attention goal is at B >= 64, where one query's +4.7 µs a layer is the price.
+# ms a step, B = 64 15.25 -> 14.88, B = 8 7.67 -> 7.60, B = 1 2.93 -> 3.04, prefill 8x4096
+# level). The attention goal is at B >= 64, where one query's +4.7 µs a layer is the
+# price.
 # Groups (with_groups) count splits of one size: a launch with groups has none.
 LONG_BLOCKS = 64
 NARROW_LAUNCH = HeadLaunch(BLOCK_H, SPLIT_BLOCKS, 4, 3, long_blocks=LONG_BLOCKS)
