@@ -818,8 +818,10 @@ def bench_split_larger() -> None:
     op as configured, the op with long splits (of 8 from LONG_BLOCKS blocks: a split size that
     follows the query's own length, never the batch; kernels.attention_long_blocks) and
     FlashMLA with one plan a step (where installed), and where the long launch has at most
-    FEW_PAIRS (query, split) pairs, the long launch with value parts of 64 columns (8 parts,
-    where the op takes 4 of 128; "!=" where its bits are not the op's).
+    16 (query, split) pairs (few_pairs), the long launch with value parts of 64 columns (8
+    parts, where the op takes 4 of 128; "!=" where its bits are not the long op's). Since
+    51bf165 the op as configured has long splits itself (NARROW_LAUNCH), so its column and
+    the long one time the same launch; the 4-block column is the op before.
     Tables as wide as the engine's graph, graph replay over L2-missing caches, µs (/ FlashMLA)."""
     from moe_kernels.attention_launch import (
         LONG_BLOCKS,
