@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 from bench.hbm_floor import copy_bandwidth  # noqa: E402
-from moe_kernels.attention_launch import NARROW_LAUNCH, WIDE_HEADS  # noqa: E402
+from moe_kernels.attention_launch import NARROW_LAUNCH, WIDE_HEADS, WIDE_LAUNCH  # noqa: E402
 from moe_kernels.rmsnorm import rms_norm_fast  # noqa: E402
 from moe_kernels.triton_grouped_linear import grouped_config, grouped_linear_triton  # noqa: E402
 from moe_kernels.triton_linear import _launch, linear_triton  # noqa: E402
@@ -859,6 +859,7 @@ def bench_split_larger() -> None:
                 return lambda: _attend(
                     q, kv, seq_ids, tables, positions, 192**-0.5, 512, 4, 4, 3, 16, 8, 64,
                     is_table_ahead=True, long_blocks=LONG_BLOCKS,
+                    long_split_blocks=NARROW_LAUNCH.long_split_blocks,
                 )  # fmt: skip
             if split_blocks in ("op", "long"):
                 long = {"long_blocks": LONG_BLOCKS} if split_blocks == "long" else {}
@@ -897,20 +898,22 @@ def bench_wide_split_larger() -> None:
     """The 128-head invariant decode attention (the Gluon kernel, 64 heads a program) with KV
     splits of a constant 16 blocks (WIDE_LAUNCH's), 32 and 64, each with the op's tail and its
     value split (wide_value_parts), beside the op and fast mode's op with one plan a step
-    (FlashMLA from 8 queries where installed). What a split of the query's own length (longer
-    for long queries, as the 16-head launch's long_blocks) could gain where, before a kernel
-    has one. Tables as wide as the engine's graph, graph replay over L2-missing caches, µs
-    (/ fast)."""
+    (FlashMLA from 8 queries where installed), and the op with long splits (a split size of
+    the query's own length: long_split blocks from long_blocks, "long L from B"; kernels.
+    attention_long_blocks and attention_long_split_blocks). Tables as wide as the engine's
+    graph, graph replay over L2-missing caches, µs (/ fast)."""
     from moe_kernels.attention_launch import WIDE_LAUNCH, split_count, wide_value_parts
     from moe_kernels.fast_attention import mla_decode_fast
     from moe_kernels.triton_attention import _attend, mla_attention_triton
 
     sizes = (16, 32, 64)
+    longs = ((64, 64), (64, 32), (32, 32))  # (long_blocks, long_split_blocks)
     tail = WIDE_LAUNCH.tail_blocks
     print("\n## 128-head decode attention, KV splits of 16, 32, 64 blocks (graph replay)")
     cols = " | ".join(f"{s} blocks µs" for s in sizes)
-    print(f"| B | ctx | fast µs | {cols} | op µs |")
-    print("|---|---|---|" + "---|" * (len(sizes) + 1))
+    long_cols = " | ".join(f"long {size} from {start} µs" for start, size in longs)
+    print(f"| B | ctx | fast µs | {cols} | op µs | {long_cols} |")
+    print("|---|---|---|" + "---|" * (len(sizes) + 1 + len(longs)))
     # 8000: a table of 126 blocks (the widest graph's 128)
     shapes = (
         (1, 4096), (8, 4096), (8, 8000), (32, 4096), (64, 1024), (64, 2048), (64, 4096),
@@ -932,6 +935,11 @@ def bench_wide_split_larger() -> None:
                 return lambda: mla_decode_fast(q, kv, *step, scale=192**-0.5, v_dim=512)
             if launch == "op":
                 return lambda: mla_attention_triton(q, kv, *step, scale=192**-0.5, v_dim=512)
+            if isinstance(launch, tuple):
+                long = dict(long_blocks=launch[0], long_split_blocks=launch[1])
+                return lambda: mla_attention_triton(
+                    q, kv, *step, scale=192**-0.5, v_dim=512, **long
+                )  # fmt: skip
             v_parts = wide_value_parts(batch, split_count(width, launch, tail))
             return lambda: _attend(
                 q, kv, *step, 192**-0.5, 512, launch, WIDE_LAUNCH.num_warps,
@@ -941,7 +949,7 @@ def bench_wide_split_larger() -> None:
 
         fast = _graph_ms(partial(make, "fast"), read, ATTENTION_GRAPH_CALLS) * 1e3
         text = [f"{fast:.1f}"]
-        for launch in (*sizes, "op"):
+        for launch in (*sizes, "op", *longs):
             us = _graph_ms(partial(make, launch), read, ATTENTION_GRAPH_CALLS) * 1e3
             text.append(f"{us:.1f} ({us / fast:.2f})")
         print(f"| {batch} | {ctx} | " + " | ".join(text) + " |")
@@ -1016,18 +1024,17 @@ def _attention_op(heads: int, batch: int, ctx: int, width: int):
 
 @contextlib.contextmanager
 def _wide_tail(tail_blocks: int):
-    """The op's wide launch with tail_blocks: the bench swaps both names the op reads (its
-    launch is compared with WIDE_LAUNCH, so head_launch alone would leave the wide path)."""
+    """The op's wide launch with tail_blocks (the op reads its launch from head_launch, and a
+    launch of 64 heads a program is the wide one whatever its tail: HeadLaunch.is_wide)."""
     import moe_kernels.triton_attention as attention
 
-    saved = attention.WIDE_LAUNCH, attention.head_launch
-    tailed = dataclasses.replace(saved[0], tail_blocks=tail_blocks)
-    attention.WIDE_LAUNCH = tailed
+    saved = attention.head_launch
+    tailed = dataclasses.replace(WIDE_LAUNCH, tail_blocks=tail_blocks)
     attention.head_launch = lambda heads: tailed if heads >= WIDE_HEADS else NARROW_LAUNCH
     try:
         yield
     finally:
-        attention.WIDE_LAUNCH, attention.head_launch = saved
+        attention.head_launch = saved
 
 
 def bench_tail() -> None:

@@ -32,18 +32,25 @@ class HeadLaunch:
     tail_blocks: int = 0
     group_splits: int = 0
     group_tail: int = 0  # blocks past its last whole group a query's last group takes on
-    long_blocks: int = 0  # a query of at least this many blocks has splits twice as long
+    long_blocks: int = 0  # a query of at least this many blocks (0: none) has long splits,
+    long_split_blocks: int = 0  # of this many blocks (its last taking up to tail_blocks more)
 
     def __post_init__(self) -> None:
         check_runs(
             self.split_blocks, self.tail_blocks, self.group_splits, self.group_tail,
-            self.long_blocks,
+            self.long_blocks, self.long_split_blocks,
         )  # fmt: skip
+
+    @property
+    def is_wide(self) -> bool:
+        """Whether this is the wide launch (64 heads a program), whatever its long splits."""
+        return self.block_h == WIDE_LAUNCH.block_h
 
     def table_splits(self, table_width: int) -> int:
         """The most KV splits of any query in a table table_width blocks wide."""
         return table_split_count(
-            table_width, self.split_blocks, self.tail_blocks, self.long_blocks
+            table_width, self.split_blocks, self.tail_blocks, self.long_blocks,
+            self.long_split_blocks,
         )  # fmt: skip
 
     def num_groups(self, num_blocks: int) -> int:
@@ -54,15 +61,20 @@ class HeadLaunch:
 
 
 def check_runs(
-    split_blocks: int, tail_blocks: int, group_splits: int, group_tail: int, long_blocks: int = 0
-) -> None:
+    split_blocks: int, tail_blocks: int, group_splits: int, group_tail: int, long_blocks: int = 0,
+    long_split_blocks: int = 0,
+) -> None:  # fmt: skip
     """Raise ValueError, naming the value, unless the split tail is below a split, the groups
     are >= 0 and only without a split tail, the group tail is whole splits below a group, and
-    long splits (long_blocks > 0) come with neither a split tail nor groups."""
-    if long_blocks < 0 or (long_blocks and (tail_blocks or group_splits)):
+    long splits (long_blocks > 0) come without groups and are longer than a split."""
+    if long_blocks < 0 or (long_blocks and group_splits):
         raise ValueError(
-            f"long_blocks {long_blocks} must be >= 0, and 0 with tail_blocks {tail_blocks} or "
-            f"group_splits {group_splits}"
+            f"long_blocks {long_blocks} must be >= 0, and 0 with group_splits {group_splits}"
+        )
+    if long_blocks and long_split_blocks <= split_blocks:
+        raise ValueError(
+            f"long_split_blocks {long_split_blocks} must be above split_blocks {split_blocks} "
+            f"where long_blocks is {long_blocks}"
         )
     if not 0 <= tail_blocks < split_blocks:
         raise ValueError(
@@ -90,16 +102,19 @@ def split_count(num_blocks: int, split_blocks: int, tail_blocks: int) -> int:
     return max(1, -(-(num_blocks - tail_blocks) // split_blocks))
 
 
-def query_split_blocks(num_blocks: int, split_blocks: int, long_blocks: int) -> int:
-    """The cache blocks a KV split of a query of num_blocks blocks runs: split_blocks, twice
-    that from long_blocks blocks (0: never). A function of the query's own length only, as
-    split_count is (the kernels restate it: _split_blocks_of)."""
-    return 2 * split_blocks if long_blocks and num_blocks >= long_blocks else split_blocks
+def query_split_blocks(
+    num_blocks: int, split_blocks: int, long_blocks: int, long_split_blocks: int
+) -> int:
+    """The cache blocks a KV split of a query of num_blocks blocks runs: split_blocks,
+    long_split_blocks from long_blocks blocks (0: never). A function of the query's own length
+    only, as split_count is (the kernels restate it: _split_blocks_of)."""
+    return long_split_blocks if long_blocks and num_blocks >= long_blocks else split_blocks
 
 
 def table_split_count(
-    table_width: int, split_blocks: int, tail_blocks: int, long_blocks: int = 0
-) -> int:
+    table_width: int, split_blocks: int, tail_blocks: int, long_blocks: int = 0,
+    long_split_blocks: int = 0,
+) -> int:  # fmt: skip
     """The most KV splits of any query in a table table_width blocks wide (the launch's grid):
     with long splits a query just short of long_blocks may have more than the widest one."""
     if not long_blocks:
@@ -107,7 +122,7 @@ def table_split_count(
     short = split_count(min(table_width, long_blocks - 1), split_blocks, tail_blocks)
     if table_width < long_blocks:
         return short
-    return max(short, split_count(table_width, 2 * split_blocks, tail_blocks))
+    return max(short, split_count(table_width, long_split_blocks, tail_blocks))
 
 
 # Why the launch follows the model's head count (at TP 1), never the heads a rank holds or the
@@ -142,7 +157,9 @@ WIDE_HEADS = 64
 # price.
 # Groups (with_groups) count splits of one size: a launch with groups has none.
 LONG_BLOCKS = 64
-NARROW_LAUNCH = HeadLaunch(BLOCK_H, SPLIT_BLOCKS, 4, 3, long_blocks=LONG_BLOCKS)
+NARROW_LAUNCH = HeadLaunch(
+    BLOCK_H, SPLIT_BLOCKS, 4, 3, long_blocks=LONG_BLOCKS, long_split_blocks=2 * SPLIT_BLOCKS
+)
 # A query's last split of the wide launch takes up to 2 blocks past its last whole split
 # (tail_blocks) instead of a split of its own: a whole-query program then folds no split of
 # one or two blocks (its running fold's fp32 round trip through L2 cost more than the blocks).
@@ -151,7 +168,15 @@ NARROW_LAUNCH = HeadLaunch(BLOCK_H, SPLIT_BLOCKS, 4, 3, long_blocks=LONG_BLOCKS)
 # 225.3, 1152 267.6 -> 229.1, B = 64 65.8 -> 58.3 and 70.2 -> 60.4; the split launch (B <= 8)
 # pays the longer last split, 47 -> 49-52. Four tail blocks gained as much at 20 blocks (B =
 # 256 287 -> 259) and cost B <= 8 20% there (47 -> 57).
-WIDE_LAUNCH = HeadLaunch(64, 16, 8, 2, tail_blocks=2)
+# A 128-head query's long splits (kernels.attention_long_blocks sets where they start; off by
+# default until measured through the engine): each split's fp32 partial is 64 x 512 a head
+# block, so at long contexts the partials' round trip and the merge cost more than at 16
+# heads. H100, graph replay, engine-wide tables (BENCHMARKS.md, fifty-third session, `bench/
+# gpu_kernels.py wide_split_larger`), constant splits of 16 -> 32 -> 64 blocks, µs: context
+# 4096 B = 64 212 -> 175 -> 155, B = 128 467 -> 348 -> 299, B = 256 887 -> 751 -> 612, B = 1
+# 42 -> 64 -> 115; context 8000 B = 64 401 -> 335 -> 298.
+WIDE_LONG_SPLIT_BLOCKS = 64
+WIDE_LAUNCH = HeadLaunch(64, 16, 8, 2, tail_blocks=2, long_split_blocks=WIDE_LONG_SPLIT_BLOCKS)
 
 
 def head_launch(whole_heads: int) -> HeadLaunch:
@@ -253,7 +278,7 @@ def value_split(num_tokens: int, block_v: int, num_splits: int) -> tuple[int, in
 def with_groups(launch: HeadLaunch, group_splits: int) -> HeadLaunch:
     """The narrow launch with a query's splits folded in groups of group_splits (0: one
     group), the last group taking up to one split more."""
-    if launch == WIDE_LAUNCH:
+    if launch.is_wide:
         raise ValueError(
             f"group_splits {group_splits} applies to the launch of models below {WIDE_HEADS} "
             f"heads (16 heads a program), not to {launch}"
@@ -266,15 +291,17 @@ def with_groups(launch: HeadLaunch, group_splits: int) -> HeadLaunch:
     )
 
 
-@functools.cache  # a frozen launch per (launch, long_blocks), as with_groups
-def with_long_blocks(launch: HeadLaunch, long_blocks: int) -> HeadLaunch:
-    """The narrow launch with long splits from long_blocks blocks (0: none)."""
-    if launch == WIDE_LAUNCH and long_blocks:
-        raise ValueError(
-            f"long_blocks {long_blocks} applies to the launch of models below {WIDE_HEADS} "
-            f"heads (16 heads a program), not to {launch}"
-        )
-    return dataclasses.replace(launch, long_blocks=long_blocks)
+@functools.cache  # a frozen launch per (launch, long_blocks, size), as with_groups
+def with_long_blocks(
+    launch: HeadLaunch, long_blocks: int, long_split_blocks: int | None = None
+) -> HeadLaunch:
+    """The launch with long splits of long_split_blocks (None: the launch's own) from
+    long_blocks blocks (0: none)."""
+    if long_split_blocks is None:
+        long_split_blocks = launch.long_split_blocks
+    return dataclasses.replace(
+        launch, long_blocks=long_blocks, long_split_blocks=long_split_blocks
+    )  # fmt: skip
 
 
 def group_launch(

@@ -23,11 +23,14 @@ CUDA, models below 64 heads): a query's KV splits fold in groups of this many, t
 groups, the last group taking up to one split more (moe_kernels/attention_launch.py); 0 (the
 default) keeps one group. It is part of the bits, as tp_max is: every rank and run that must
 agree sets the same value. Measured and off by default (BENCHMARKS.md, twenty-sixth and
-twenty-seventh sessions). `attention_long_blocks` (invariant mode on CUDA, models below 64
-heads): a query of at least this many cache blocks has KV splits twice as long; 0 never;
-None (the default) the launch's own: LONG_BLOCKS (64, measured: attention_launch.py) below 64
-heads, none from 64. Part of the bits too; not with attention_group_splits (groups count
-splits of one size: with groups, the default has none).
+twenty-seventh sessions). `attention_long_blocks` (invariant mode on CUDA): a query of at
+least this many cache blocks has long KV splits, of `attention_long_split_blocks` blocks; 0
+never; None (the default) the launch's own: LONG_BLOCKS (64, measured: attention_launch.py)
+below 64 heads, none from 64. `attention_long_split_blocks`: None (the default) the launch's
+own (8 blocks below 64 heads, WIDE_LONG_SPLIT_BLOCKS from 64), else more than the launch's
+split (4 blocks; 16 from 64 heads, and even there: the kernel pairs blocks). Both are part of
+the bits too; neither with attention_group_splits (groups count splits of one size: with
+groups, the default has none).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ class KernelConfig:
     side_stream_rows: int = SIDE_STREAM_ROWS
     attention_group_splits: int = 0
     attention_long_blocks: int | None = None
+    attention_long_split_blocks: int | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -80,12 +84,23 @@ class KernelConfig:
                 continue  # the launch's own
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"kernels.{key} must be an int >= 0, got {value!r}")
+        size = self.attention_long_split_blocks
+        if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
+            raise ValueError(
+                f"kernels.attention_long_split_blocks must be an int >= 1 or null, got {size!r}"
+            )
         long_blocks = self.attention_long_blocks
         if long_blocks and self.attention_group_splits:
             raise ValueError(
                 f"kernels.attention_long_blocks={long_blocks} and kernels."
                 f"attention_group_splits={self.attention_group_splits}: groups count splits "
                 "of one size, so set one of them to 0"
+            )
+        if size is not None and self.attention_group_splits:
+            raise ValueError(
+                f"kernels.attention_long_split_blocks={size} and kernels."
+                f"attention_group_splits={self.attention_group_splits}: groups have no long "
+                "splits, so leave it null or set attention_group_splits to 0"
             )
         if self.cuda_graphs is not None and not isinstance(self.cuda_graphs, bool):
             raise ValueError(

@@ -82,16 +82,24 @@ MAXNREG = 168
 
 
 @gluon.jit
-def _split_range(split, position, SPLIT_BLOCKS: gl.constexpr, TAIL_BLOCKS: gl.constexpr):
+def _split_range(
+    split, position, SPLIT_BLOCKS: gl.constexpr, TAIL_BLOCKS: gl.constexpr,
+    LONG_BLOCKS: gl.constexpr, LONG_SPLIT_BLOCKS: gl.constexpr,
+):  # fmt: skip
     """(first block, blocks) of KV split `split` of a query at `position`: the query's own
-    splits (split_count, moe_kernels/attention_launch.py) are runs of SPLIT_BLOCKS from block 0,
-    the last one taking up to TAIL_BLOCKS blocks more; split k > 0 exists where
-    k * SPLIT_BLOCKS + TAIL_BLOCKS < its blocks (0 blocks otherwise)."""
-    first_block = split * SPLIT_BLOCKS
+    splits (split_count, moe_kernels/attention_launch.py) are runs of its split size
+    (SPLIT_BLOCKS; LONG_SPLIT_BLOCKS from LONG_BLOCKS blocks, 0: never: query_split_blocks)
+    from block 0, the last one taking up to TAIL_BLOCKS blocks more; split k > 0 exists where
+    k * size + TAIL_BLOCKS < its blocks (0 blocks otherwise)."""
     num_blocks = position // BS + 1
+    if LONG_BLOCKS > 0:
+        split_blocks = gl.where(num_blocks >= LONG_BLOCKS, LONG_SPLIT_BLOCKS, SPLIT_BLOCKS)
+    else:
+        split_blocks = SPLIT_BLOCKS
+    first_block = split * split_blocks
     has_split = first_block < gl.maximum(num_blocks - TAIL_BLOCKS, 1)
-    is_last_split = first_block + SPLIT_BLOCKS + TAIL_BLOCKS >= num_blocks
-    last_block = gl.where(is_last_split, num_blocks, first_block + SPLIT_BLOCKS)
+    is_last_split = first_block + split_blocks + TAIL_BLOCKS >= num_blocks
+    last_block = gl.where(is_last_split, num_blocks, first_block + split_blocks)
     return first_block, gl.where(has_split, last_block - first_block, 0).to(gl.int32)
 
 
@@ -411,7 +419,8 @@ def _mla_wide_split_kernel(
     q_desc, q_pe_desc, tile_desc, seq_ids_ptr, tables_ptr, positions_ptr, acc_ptr, stats_ptr,
     out_ptr, scale, num_heads, num_splits, table_width,
     SPLIT_BLOCKS: gl.constexpr, TAIL_BLOCKS: gl.constexpr, WRITE_OUT: gl.constexpr,
-    V_PARTS: gl.constexpr, num_warps: gl.constexpr,
+    V_PARTS: gl.constexpr, num_warps: gl.constexpr, LONG_BLOCKS: gl.constexpr = 0,
+    LONG_SPLIT_BLOCKS: gl.constexpr = 0,
 ):  # fmt: skip
     """_mla_split_kernel's contract (moe_kernels/triton_attention.py) for one (head block of 64,
     query, KV split): the split's partial (max, sum, acc), an online softmax in fp32 a pair of
@@ -431,7 +440,9 @@ def _mla_wide_split_kernel(
     t = gl.program_id(1).to(gl.int64)
     split = gl.program_id(2)
     position = gl.load(positions_ptr + t)
-    first_block, n = _split_range(split, position, SPLIT_BLOCKS, TAIL_BLOCKS)
+    first_block, n = _split_range(
+        split, position, SPLIT_BLOCKS, TAIL_BLOCKS, LONG_BLOCKS, LONG_SPLIT_BLOCKS
+    )  # fmt: skip
     table = tables_ptr + gl.load(seq_ids_ptr + t) * table_width
     q_lo_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, HALF], lat_s)
     q_hi_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, HALF], lat_s)
@@ -511,19 +522,21 @@ def _mla_wide_split_kernel(
 
 def launch_wide_split(
     grid, q, kv_cache, seq_ids, block_tables, positions, acc, stats, out, scale, num_splits,
-    split_blocks, tail_blocks, is_direct, v_parts=1,
+    split_blocks, tail_blocks, is_direct, v_parts=1, long_blocks=0, long_split_blocks=0,
 ) -> None:  # fmt: skip
     """One launch of the Gluon split kernel over `grid` (head blocks x v_parts, queries,
     splits) into the split buffers acc / stats (or the output out, is_direct), as _attend
     launches the Triton one; v_parts (1 or 2): programs a head block's value columns are
-    split over (WIDE_VALUE_PARTS). The query reaches it through TMA descriptors of 64-row boxes
-    of its latent halves and rope part, the cache through one of 64 x 64 tiles."""
+    split over (WIDE_VALUE_PARTS); long_blocks, long_split_blocks: HeadLaunch's. The query
+    reaches it through TMA descriptors of 64-row boxes of its latent halves and rope part, the
+    cache through one of 64 x 64 tiles."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     if v_parts not in WIDE_VALUE_PARTS:
         raise ValueError(f"v_parts {v_parts} must be one of {WIDE_VALUE_PARTS}")
-    if split_blocks % 2:
-        raise ValueError(f"split_blocks {split_blocks} must be even (the kernel pairs blocks)")
+    for name, blocks in (("split_blocks", split_blocks), ("long_split_blocks", long_split_blocks)):
+        if blocks % 2:
+            raise ValueError(f"{name} {blocks} must be even (the kernel pairs blocks)")
     num_tokens, num_heads, cache_dim = q.shape
     q_rows = q.reshape(num_tokens * num_heads, cache_dim)
     if q_rows.data_ptr() % 16:  # TMA reads from 16-byte aligned addresses
@@ -542,5 +555,6 @@ def launch_wide_split(
         seq_ids, block_tables, positions, acc, stats, out,
         scale, num_heads, num_splits, block_tables.shape[1],
         SPLIT_BLOCKS=split_blocks, TAIL_BLOCKS=tail_blocks, WRITE_OUT=is_direct,
-        V_PARTS=v_parts, num_warps=GLUON_SHAPE["num_warps"], maxnreg=MAXNREG,
+        V_PARTS=v_parts, num_warps=GLUON_SHAPE["num_warps"], LONG_BLOCKS=long_blocks,
+        LONG_SPLIT_BLOCKS=long_split_blocks, maxnreg=MAXNREG,
     )  # fmt: skip

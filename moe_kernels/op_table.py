@@ -185,10 +185,12 @@ def _invariant_ops(
             ops["mla_attention"] = partial(
                 ops["mla_attention"], group_splits=config.attention_group_splits
             )
-        if config.attention_long_blocks is not None:  # the same (None: the launch's own)
-            ops["mla_attention"] = partial(
-                ops["mla_attention"], long_blocks=config.attention_long_blocks
-            )
+        long_splits = {  # the same (None: the launch's own)
+            "long_blocks": config.attention_long_blocks,
+            "long_split_blocks": config.attention_long_split_blocks,
+        }
+        if any(value is not None for value in long_splits.values()):
+            ops["mla_attention"] = partial(ops["mla_attention"], **long_splits)
         return ops
     if device.type == "cpu":
         tile = partial(partial, tile_rows=config.tile_rows)

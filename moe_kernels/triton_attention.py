@@ -4,10 +4,10 @@ Contract of `mla_attention_ref` (moe_kernels/attention.py): query t attends to p
 0..positions[t] of sequence query_seq_ids[t], keys are whole cache rows [C], values their first
 v_dim channels. One program per (query token, head block, KV split): it walks cache blocks
 (chunks of exactly the cache block size, aligned to absolute positions) with an online softmax
-in fp32. A split is a fixed run of SPLIT_BLOCKS blocks counted from position 0 (twice that
-for a query of LONG_BLOCKS blocks or more; a query's last split also takes up to TAIL_BLOCKS
-blocks past it: split_count), so which splits a query has depends on its own position only; a
-second kernel merges a query's splits in split order.
+in fp32. A split is a fixed run of SPLIT_BLOCKS blocks counted from position 0
+(LONG_SPLIT_BLOCKS for a query of LONG_BLOCKS blocks or more; a query's last split also takes
+up to TAIL_BLOCKS blocks past it: split_count), so which splits a query has depends on its own
+position only; a second kernel merges a query's splits in split order.
 Nothing a program computes depends on the other queries: prefill, decode and any chunking of a
 prompt give the same bits. Under TRITON_INTERPRET=1 it runs on CPU tensors.
 """
@@ -22,7 +22,6 @@ from triton.runtime.interpreter import InterpretedFunction
 from moe_kernels.attention_launch import (
     BLOCK_H,
     TABLE_AHEAD_MAX_PAIRS,
-    WIDE_LAUNCH,
     check_runs,
     group_launch,
     head_launch,
@@ -85,6 +84,7 @@ def _mla_split_kernel(
     GROUP_BLOCKS: tl.constexpr = 0,
     GROUP_TAIL: tl.constexpr = 0,
     LONG_BLOCKS: tl.constexpr = 0,
+    LONG_SPLIT_BLOCKS: tl.constexpr = 0,
     PDL: tl.constexpr = False,
 ):
     """Partial (max, sum, acc) of one query's heads over one split of its cache blocks; with
@@ -99,8 +99,8 @@ def _mla_split_kernel(
     order of the merge kernel's GROUP_SLOTS. With WHOLE_QUERY (grid axis 2: the table's groups)
     the program walks one group and writes its fold as a partial (or, WRITE_OUT, the output),
     which the merge kernel folds in group order.
-    LONG_BLOCKS > 0: a query of at least that many blocks has splits of 2 x SPLIT_BLOCKS
-    (_split_blocks_of; never with groups or a tail).
+    LONG_BLOCKS > 0: a query of at least that many blocks has splits of LONG_SPLIT_BLOCKS
+    (_split_blocks_of; never with groups), its last one taking up to TAIL_BLOCKS more too.
 
     Many heads (V_PARTS > 1): a program keeps only its 1 / V_PARTS of the value columns (the
     scores are recomputed by each part) and walks the latent in LAT_CHUNK-column dots, so a
@@ -125,7 +125,7 @@ def _mla_split_kernel(
     elif WHOLE_QUERY:
         run = 0
     else:
-        run = _split_blocks_of(num_blocks, SPLIT_BLOCKS, LONG_BLOCKS)
+        run = _split_blocks_of(num_blocks, SPLIT_BLOCKS, LONG_BLOCKS, LONG_SPLIT_BLOCKS)
     first_block = split * run
     # Run k > 0 of the query's own (_own_splits) exists where k * run + RUN_TAIL < num_blocks;
     # the last one runs to the query's last block.
@@ -152,6 +152,7 @@ def _mla_split_kernel(
             last_block, num_blocks, offs_s, head_ok, offs_pv, pv_ok, offs_r, r_ok, scale, V, C,
             BS, BLOCK_H, BLOCK_S, BLOCK_V, BLOCK_PV, LAT_CHUNK, IS_WHOLE, INPUT_PRECISION,
             UPCAST_DOT, SPLIT_BLOCKS, TAIL_BLOCKS, WHOLE_QUERY, TABLE_AHEAD, LONG_BLOCKS,
+            LONG_SPLIT_BLOCKS,
         )  # fmt: skip
         if WRITE_OUT:
             # The merge kernel's one-split case, the same fp32 division: the same bits.
@@ -191,10 +192,11 @@ def _mla_merge_kernel(
     ONE_SPLIT_WRITTEN: tl.constexpr = False,
     MERGE_HEADS: tl.constexpr = 1,
     LONG_BLOCKS: tl.constexpr = 0,
+    LONG_SPLIT_BLOCKS: tl.constexpr = 0,
     PDL: tl.constexpr = False,
 ):
     """out[t, h] = merge of the query's partials 0, 1, ... (its own: SPLIT_BLOCKS cache blocks
-    a partial, twice that for a query of LONG_BLOCKS blocks or more) in that order, then
+    a partial, LONG_SPLIT_BLOCKS for a query of LONG_BLOCKS blocks or more) in that order, then
     acc / sum, for MERGE_HEADS heads a program (each head's columns folded by the same fp32
     operations whatever heads share its program). GROUP_SLOTS
     > 0: the partials are KV splits in groups of GROUP_SLOTS (the last taking up to GROUP_TAIL
@@ -208,7 +210,9 @@ def _mla_merge_kernel(
     head_ok = heads < num_heads
     position = tl.load(positions_ptr + t)
     num_blocks = position // BS + 1
-    num_own_splits = _own_splits(num_blocks, SPLIT_BLOCKS, TAIL_BLOCKS, LONG_BLOCKS)
+    num_own_splits = _own_splits(
+        num_blocks, SPLIT_BLOCKS, TAIL_BLOCKS, LONG_BLOCKS, LONG_SPLIT_BLOCKS
+    )  # fmt: skip
     if ONE_SPLIT_WRITTEN and num_own_splits == 1:
         return
     offs_v = tl.arange(0, BLOCK_V)
@@ -301,6 +305,7 @@ def mla_attention_triton(
     whole_heads: int | None = None,
     group_splits: int | None = None,
     long_blocks: int | None = None,
+    long_split_blocks: int | None = None,
 ) -> torch.Tensor:
     """q [T, H, C], kv_cache [NB, BS, C] (q's dtype), query_seq_ids/positions [T] int64,
     block_tables [B, MB] int64 (-1 padding past a sequence's end) -> [T, H, v_dim] q.dtype.
@@ -308,20 +313,23 @@ def mla_attention_triton(
     rank holding H of them keeps, so every TP degree gives the same bits. group_splits
     (models below 64 heads; None: the launch's): a query's splits folded in groups of this
     many, then the groups (attention_launch.with_groups; part of the bits). long_blocks
-    (models below 64 heads; None: the launch's): a query of at least this many cache blocks
-    has splits twice as long, 0 never (attention_launch.with_long_blocks; part of the bits).
-    """
+    (None: the launch's own): a query of at least this many cache blocks has splits of
+    long_split_blocks (None: the launch's own), 0 never (attention_launch.with_long_blocks;
+    part of the bits)."""
     _check(q, kv_cache, query_seq_ids, block_tables, positions, v_dim)
     if whole_heads is not None and whole_heads < q.shape[1]:
         raise ValueError(f"whole_heads {whole_heads} is below the {q.shape[1]} heads of q")
     # The launch (measured on the H200, BENCHMARKS.md) is fixed per model, so prefill and
     # decode compile the same kernel and round the same way.
     launch = head_launch(q.shape[1] if whole_heads is None else whole_heads)
-    if long_blocks is not None:
-        launch = with_long_blocks(launch, long_blocks)
+    if long_blocks is not None or long_split_blocks is not None:
+        is_default = long_blocks is None
+        launch = with_long_blocks(
+            launch, launch.long_blocks if is_default else long_blocks, long_split_blocks
+        )  # fmt: skip
     if group_splits is not None:
         launch = with_groups(launch, group_splits)
-    if launch == WIDE_LAUNCH and q.element_size() > 2 and not _is_interpreted():
+    if launch.is_wide and q.element_size() > 2 and not _is_interpreted():
         raise ValueError(
             f"invariant attention of a {whole_heads or q.shape[1]}-head model (64 heads a "
             f"program) needs 16-bit q and kv_cache on the GPU, got {q.dtype}: the fp32 "
@@ -330,12 +338,12 @@ def mla_attention_triton(
     # The interpreter's dots are numpy's, not checked across widths: it keeps whole head blocks.
     block_v = triton.next_power_of_2(v_dim)
     num_splits = launch.table_splits(block_tables.shape[1])
-    is_narrow_launch = launch != WIDE_LAUNCH  # the narrow launch, its groups as configured
+    is_narrow_launch = not launch.is_wide  # the narrow launch, its groups as configured
     is_narrow = is_narrow_launch and not _is_interpreted()
     v_parts, lat_chunk = (1, None)
     if is_narrow:
         v_parts, lat_chunk = value_split(q.shape[0], block_v, num_splits)
-    is_wide = launch == WIDE_LAUNCH and not _is_interpreted()
+    is_wide = launch.is_wide and not _is_interpreted()
     is_gluon = is_wide and fits_gluon(q, kv_cache, v_dim, launch.block_h)
     if is_gluon:
         v_parts = wide_value_parts(q.shape[0], num_splits)
@@ -354,6 +362,7 @@ def mla_attention_triton(
         is_table_ahead=is_ahead or (whole_stages is not None and is_ahead_ok),
         tail_blocks=launch.tail_blocks, group_splits=launch.group_splits,
         group_tail=launch.group_tail, long_blocks=launch.long_blocks,
+        long_split_blocks=launch.long_split_blocks,
     )  # fmt: skip
 
 
@@ -361,7 +370,7 @@ def _attend(
     q, kv_cache, query_seq_ids, block_tables, positions, scale, v_dim,
     split_blocks, num_warps, num_stages, block_h=BLOCK_H, v_parts=1, lat_chunk=None,
     is_gluon=False, is_whole_query=False, is_table_ahead=None, tail_blocks=0, group_splits=0,
-    group_tail=0, merge_heads_per_program=None, long_blocks=0,
+    group_tail=0, merge_heads_per_program=None, long_blocks=0, long_split_blocks=0,
 ) -> torch.Tensor:  # fmt: skip
     """The launches; the launch parameters are arguments so bench/ can sweep them (tail_blocks:
     HeadLaunch's, the blocks a query's last split takes on past its whole splits). is_gluon:
@@ -372,12 +381,11 @@ def _attend(
     group_splits and group_tail (HeadLaunch's): a query's splits fold in groups of this many
     (0: one group), the last taking up to group_tail blocks more, then the groups; a
     whole-query launch then has a program a query's group. merge_heads_per_program: the merge
-    launch's heads a program (default merge_heads's; no bit depends on it). long_blocks
-    (HeadLaunch's): a query of at least this many blocks has splits twice as long (0: never;
-    the Triton kernel only)."""
-    check_runs(split_blocks, tail_blocks, group_splits, group_tail, long_blocks)
-    if long_blocks and is_gluon:
-        raise ValueError(f"long_blocks {long_blocks} needs the Triton kernel, not the Gluon one")
+    launch's heads a program (default merge_heads's; no bit depends on it). long_blocks and
+    long_split_blocks (HeadLaunch's): a query of at least long_blocks blocks has splits of
+    long_split_blocks (long_blocks 0: never)."""
+    check_runs(split_blocks, tail_blocks, group_splits, group_tail, long_blocks, long_split_blocks)
+    long_split_blocks = long_split_blocks if long_blocks else 0  # one compile where they're off
     if group_splits and is_gluon:
         raise ValueError(f"group_splits {group_splits} needs the Triton kernel, not the Gluon one")
     if is_whole_query and is_gluon:
@@ -395,7 +403,7 @@ def _attend(
     # batch's longest block table). Queries with fewer splits skip the extra programs; no
     # query's result depends on this number.
     width = block_tables.shape[1]
-    num_splits = table_split_count(width, split_blocks, tail_blocks, long_blocks)
+    num_splits = table_split_count(width, split_blocks, tail_blocks, long_blocks, long_split_blocks)
     # What a partial (and a program along grid axis 2) covers, with its tail: a split, or a
     # group of them; the merge folds split partials in groups (merge_groups) or flat.
     slot_blocks, slot_tail, merge_groups = split_blocks, tail_blocks, group_splits
@@ -425,6 +433,7 @@ def _attend(
             launch_wide_split(
                 grid, q[rows], kv_cache, seq_ids, block_tables, pos, acc, stats, out[rows],
                 scale, num_splits, split_blocks, tail_blocks, is_direct, v_parts=v_parts,
+                long_blocks=long_blocks, long_split_blocks=long_split_blocks,
             )  # fmt: skip
         else:
             _mla_split_kernel[grid](
@@ -460,6 +469,7 @@ def _attend(
                 GROUP_BLOCKS=group_blocks if is_whole_query else 0,
                 GROUP_TAIL=group_tail if is_whole_query else 0,
                 LONG_BLOCKS=long_blocks,
+                LONG_SPLIT_BLOCKS=long_split_blocks,
                 num_warps=num_warps if block_v >= 256 else 4,
                 num_stages=num_stages,
                 **pdl_launch(q.device),
@@ -483,6 +493,7 @@ def _attend(
             ONE_SPLIT_WRITTEN=is_gluon,
             MERGE_HEADS=heads_a_merge,
             LONG_BLOCKS=long_blocks,
+            LONG_SPLIT_BLOCKS=long_split_blocks,
             num_warps=merge_warps(heads_a_merge),
             **pdl_launch(out.device),
         )

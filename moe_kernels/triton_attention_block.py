@@ -15,24 +15,29 @@ import triton.language as tl
 
 
 @triton.jit
-def _split_blocks_of(num_blocks, SPLIT_BLOCKS: tl.constexpr, LONG_BLOCKS: tl.constexpr):
-    """The cache blocks a KV split of a query of num_blocks blocks runs: SPLIT_BLOCKS, twice
-    that from LONG_BLOCKS blocks (0: never; then a constant). A function of the query's own
-    block count only (query_split_blocks in moe_kernels/attention_launch.py, restated)."""
+def _split_blocks_of(
+    num_blocks, SPLIT_BLOCKS: tl.constexpr, LONG_BLOCKS: tl.constexpr,
+    LONG_SPLIT_BLOCKS: tl.constexpr,
+):  # fmt: skip
+    """The cache blocks a KV split of a query of num_blocks blocks runs: SPLIT_BLOCKS,
+    LONG_SPLIT_BLOCKS from LONG_BLOCKS blocks (0: never; then a constant). A function of the
+    query's own block count only (query_split_blocks in moe_kernels/attention_launch.py,
+    restated)."""
     if LONG_BLOCKS > 0:
-        return tl.where(num_blocks >= LONG_BLOCKS, 2 * SPLIT_BLOCKS, SPLIT_BLOCKS)
+        return tl.where(num_blocks >= LONG_BLOCKS, LONG_SPLIT_BLOCKS, SPLIT_BLOCKS)
     else:
         return SPLIT_BLOCKS
 
 
 @triton.jit
 def _own_splits(
-    num_blocks, SPLIT_BLOCKS: tl.constexpr, TAIL_BLOCKS: tl.constexpr, LONG_BLOCKS: tl.constexpr
-):
+    num_blocks, SPLIT_BLOCKS: tl.constexpr, TAIL_BLOCKS: tl.constexpr, LONG_BLOCKS: tl.constexpr,
+    LONG_SPLIT_BLOCKS: tl.constexpr,
+):  # fmt: skip
     """A query's KV splits: runs of its split size (_split_blocks_of) from block 0, the last
     one taking up to TAIL_BLOCKS blocks more (at least one split). A function of the query's
     own block count only (split_count in moe_kernels/attention_launch.py, restated)."""
-    split_blocks = _split_blocks_of(num_blocks, SPLIT_BLOCKS, LONG_BLOCKS)
+    split_blocks = _split_blocks_of(num_blocks, SPLIT_BLOCKS, LONG_BLOCKS, LONG_SPLIT_BLOCKS)
     return tl.maximum((num_blocks - TAIL_BLOCKS + split_blocks - 1) // split_blocks, 1)
 
 
@@ -168,12 +173,12 @@ def _walk_run(
     BLOCK_PV: tl.constexpr, LAT_CHUNK: tl.constexpr, IS_WHOLE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, SPLIT_BLOCKS: tl.constexpr,
     TAIL_BLOCKS: tl.constexpr, WHOLE_QUERY: tl.constexpr, TABLE_AHEAD: tl.constexpr,
-    LONG_BLOCKS: tl.constexpr,
+    LONG_BLOCKS: tl.constexpr, LONG_SPLIT_BLOCKS: tl.constexpr,
 ):  # fmt: skip
     """(max, sum, acc) of a query's heads over its cache blocks first_block .. last_block - 1
     (a KV split; with WHOLE_QUERY a run of splits, each from a fresh state, folded in order:
     a group of them or the whole query). Its splits' size: _split_blocks_of."""
-    split_blocks = _split_blocks_of(num_blocks, SPLIT_BLOCKS, LONG_BLOCKS)
+    split_blocks = _split_blocks_of(num_blocks, SPLIT_BLOCKS, LONG_BLOCKS, LONG_SPLIT_BLOCKS)
     row_max = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
     row_sum = tl.zeros((BLOCK_H,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_H, BLOCK_PV), dtype=tl.float32)

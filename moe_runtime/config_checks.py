@@ -8,7 +8,7 @@ from comm.config import ParallelConfig
 from comm.deepep_dispatch import check_deepep_shapes, is_deepep_installed
 from comm.groups import select_backend
 from eplb.config import EplbConfig
-from moe_kernels.attention_launch import WIDE_HEADS, WIDE_LAUNCH, head_launch
+from moe_kernels.attention_launch import WIDE_HEADS, head_launch
 from moe_kernels.config import KernelConfig
 from moe_runtime.model_config import ModelConfig
 
@@ -18,7 +18,8 @@ def check_attention_launch(
 ) -> None:
     """The kernel keys that depend on the attention launch the model's head count picks
     (moe_kernels/attention_launch.py)."""
-    is_wide = head_launch(model.num_attention_heads) == WIDE_LAUNCH
+    launch = head_launch(model.num_attention_heads)
+    is_wide = launch.is_wide
     is_gpu_invariant = kernels.is_invariant and parallel.device == "cuda"
     if is_gpu_invariant and is_wide and model.dtype != "bfloat16":
         # (moe_kernels/triton_attention.py refuses it too)
@@ -28,13 +29,20 @@ def check_attention_launch(
             f"64 heads an attention program) needs model.dtype 'bfloat16', got "
             f"{model.dtype!r} (fp32 cache blocks do not fit in shared memory)"
         )
-    for key in ("attention_group_splits", "attention_long_blocks"):
-        if getattr(kernels, key) and is_wide:
-            raise ValueError(
-                f"kernels.{key}={getattr(kernels, key)} applies to models below {WIDE_HEADS} "
-                f"attention heads (16 heads a program), got "
-                f"model.num_attention_heads={model.num_attention_heads}: set it to 0"
-            )
+    if kernels.attention_group_splits and is_wide:
+        raise ValueError(
+            f"kernels.attention_group_splits={kernels.attention_group_splits} applies to models "
+            f"below {WIDE_HEADS} attention heads (16 heads a program), got "
+            f"model.num_attention_heads={model.num_attention_heads}: set it to 0"
+        )
+    size = kernels.attention_long_split_blocks
+    if size is not None and (size <= launch.split_blocks or (is_wide and size % 2)):
+        even = " and even (the kernel pairs cache blocks)" if is_wide else ""
+        raise ValueError(
+            f"kernels.attention_long_split_blocks={size} must be above the launch's split of "
+            f"{launch.split_blocks} cache blocks{even} at "
+            f"model.num_attention_heads={model.num_attention_heads}"
+        )
 
 
 def check_deepep(model: ModelConfig, parallel: ParallelConfig, max_num_batched_tokens: int) -> None:

@@ -585,23 +585,39 @@ def test_invariant_cuda_models_of_64_heads_or_more_need_bf16():
     assert narrow.model.dtype == "float32"  # 4 heads: the 16-head launch, fp32 fits
 
 
-def test_attention_long_blocks_loads_below_64_heads_and_is_refused_from_64_or_with_groups():
-    """kernels.attention_long_blocks applies to the 16-head launch: a 4-head model loads with
-    it (0 and null too); a 64-head one is refused at load, and so are groups beside it, each
-    naming the keys. The default (null: the launch's own) loads at 64 heads and with groups."""
-    for value in (8, 0, None):
-        config = load_config(CONFIGS / "tiny_gpu.yaml", {"kernels.attention_long_blocks": value})
-        assert config.kernels.attention_long_blocks == value
+def test_attention_long_splits_load_at_both_launches_and_bad_sizes_are_refused():
+    """kernels.attention_long_blocks and attention_long_split_blocks load at a 4-head model
+    (the 16-head launch) and a 64-head one (the wide launch), 0 and null too; a split size not
+    above the launch's split (4 blocks; 16 at 64 heads), an odd one at 64 heads (the Gluon
+    kernel pairs blocks), a size below 1, and either beside groups are refused, each naming
+    the keys and values. The defaults (null: the launch's own) load with groups."""
     wide = {"model.num_attention_heads": 64, "model.dtype": "bfloat16"}
-    assert load_config(CONFIGS / "tiny_gpu.yaml", wide).kernels.attention_long_blocks is None
+    for heads, size in (({}, 8), ({}, 5), (wide, 64), (wide, 32)):
+        for value in (8, 0, None):
+            keys = {"kernels.attention_long_blocks": value}
+            config = load_config(CONFIGS / "tiny_gpu.yaml", {**heads, **keys})
+            assert config.kernels.attention_long_blocks == value
+        keys = {"kernels.attention_long_blocks": 64, "kernels.attention_long_split_blocks": size}
+        kernels = load_config(CONFIGS / "tiny_gpu.yaml", {**heads, **keys}).kernels
+        assert (kernels.attention_long_blocks, kernels.attention_long_split_blocks) == (64, size)
     groups = {"kernels.attention_group_splits": 2}
     assert load_config(CONFIGS / "tiny_gpu.yaml", groups).kernels.attention_long_blocks is None
-    with pytest.raises(
-        ValueError, match="kernels.attention_long_blocks=8 .*model.num_attention_heads=64"
-    ):
-        load_config(CONFIGS / "tiny_gpu.yaml", {**wide, "kernels.attention_long_blocks": 8})
+    for heads, size, message in (
+        ({}, 4, "attention_long_split_blocks=4 must be above the launch's split of 4 cache "
+         "blocks at model.num_attention_heads=4"),
+        (wide, 16, "attention_long_split_blocks=16 must be above the launch's split of 16 "
+         "cache blocks and even .*num_attention_heads=64"),
+        (wide, 33, "attention_long_split_blocks=33 .* and even"),
+        ({}, 0, "attention_long_split_blocks must be an int >= 1 or null, got 0"),
+    ):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            keys = {"kernels.attention_long_split_blocks": size}
+            load_config(CONFIGS / "tiny_gpu.yaml", {**heads, **keys})
     both = {"kernels.attention_long_blocks": 8, "kernels.attention_group_splits": 2}
     with pytest.raises(ValueError, match="attention_long_blocks=8 and .*group_splits=2"):
+        load_config(CONFIGS / "tiny_gpu.yaml", both)
+    both = {"kernels.attention_long_split_blocks": 8, "kernels.attention_group_splits": 2}
+    with pytest.raises(ValueError, match="attention_long_split_blocks=8 and .*group_splits=2"):
         load_config(CONFIGS / "tiny_gpu.yaml", both)
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 import triton
 
-from moe_kernels.attention_launch import WIDE_LAUNCH
+from moe_kernels.attention_launch import WIDE_LAUNCH, WIDE_LONG_SPLIT_BLOCKS
 from moe_kernels.gluon_attention import (
     GLUON_SHAPE,
     MAXNREG,
@@ -32,13 +32,16 @@ SPILL_BYTES = {(False, 1): 8, (True, 1): 0, (False, 2): 160, (True, 2): 0}
 MMA_WAITS = {1: 6, 2: 10}
 
 
+@pytest.mark.parametrize("long_blocks", (0, 64))
 @pytest.mark.parametrize("v_parts", WIDE_VALUE_PARTS)
 @pytest.mark.parametrize("write_out", (False, True))
-def test_gluon_split_kernel_compiles_for_sm90(tmp_path, write_out, v_parts):
+def test_gluon_split_kernel_compiles_for_sm90(tmp_path, write_out, v_parts, long_blocks):
     """Both forms (partials; the output of a launch's one split), with and without the value
-    split, compile for sm_90 as the GPU's JIT specializes them, inside the GPU's shared
-    memory, with TMA copies and warpgroup MMAs of the value columns a program keeps (N = 256
-    / v_parts) that ptxas did not serialise, and spilling at most SPILL_BYTES a thread."""
+    split, and with and without long splits (of WIDE_LONG_SPLIT_BLOCKS from long_blocks: a
+    split size read at run time), compile for sm_90 as the GPU's JIT specializes them, inside
+    the GPU's shared memory, with TMA copies and warpgroup MMAs of the value columns a program
+    keeps (N = 256 / v_parts) that ptxas did not serialise, and spilling at most SPILL_BYTES a
+    thread."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -56,6 +59,7 @@ def test_gluon_split_kernel_compiles_for_sm90(tmp_path, write_out, v_parts):
     consts = dict(
         SPLIT_BLOCKS=WIDE_LAUNCH.split_blocks, TAIL_BLOCKS=WIDE_LAUNCH.tail_blocks,
         WRITE_OUT=write_out, V_PARTS=v_parts, num_warps=GLUON_SHAPE["num_warps"],
+        LONG_BLOCKS=long_blocks, LONG_SPLIT_BLOCKS=WIDE_LONG_SPLIT_BLOCKS if long_blocks else 0,
     )  # fmt: skip
     names = [*signature, *consts]
     aligned = [n for n in signature if n.endswith("_ptr")] + ["num_heads"]

@@ -56,29 +56,36 @@ def workload():
 
 
 @pytest.fixture
-def gluon_launches(monkeypatch) -> list[tuple[bool, int, int]]:
-    """(written directly, block-table width, value parts) of every Gluon launch, eager or
-    captured."""
-    launches: list[tuple[bool, int, int]] = []
+def gluon_launches(monkeypatch) -> list[tuple[bool, int, int, tuple[int, int]]]:
+    """(written directly, block-table width, value parts, (long_blocks, long_split_blocks))
+    of every Gluon launch, eager or captured."""
+    launches: list[tuple[bool, int, int, tuple[int, int]]] = []
     launch = triton_attention.launch_wide_split
 
     def spy(grid, q, kv_cache, seq_ids, block_tables, *args, **kwargs):
-        launches.append((bool(args[-1]), block_tables.shape[1], kwargs.get("v_parts", 1)))
+        long = (kwargs.get("long_blocks", 0), kwargs.get("long_split_blocks", 0))
+        launches.append((bool(args[-1]), block_tables.shape[1], kwargs.get("v_parts", 1), long))
         return launch(grid, q, kv_cache, seq_ids, block_tables, *args, **kwargs)
 
     monkeypatch.setattr(triton_attention, "launch_wide_split", spy)
     return launches
 
 
-def _runs(mode: str, workload, num_alone: int) -> tuple[dict, dict, dict]:
-    """(the first num_alone prompts alone, all together, shuffled sub-batches)."""
+def _runs(
+    mode: str, workload, num_alone: int, is_alone_only: bool = False, **overrides
+) -> tuple[dict, dict, dict]:
+    """(the first num_alone prompts alone, all together, shuffled sub-batches; the last two
+    empty with is_alone_only) under WIDE_HEADS and overrides."""
     prompts, params = workload
-    llm = LLM(TINY_GPU, **{"kernels.mode": mode, **WIDE_HEADS})
+    llm = LLM(TINY_GPU, **{"kernels.mode": mode, **WIDE_HEADS, **overrides})
     graphs = llm.engine.executor.worker.runner.graphs
+    together, shuffled = {}, {}
     try:
         alone = run_in_batches(llm, prompts, params, [[i] for i in range(num_alone)])
-        together = run_in_batches(llm, prompts, params, [list(range(NUM_PROMPTS))])
-        shuffled = run_in_batches(llm, prompts, params, random_sub_batches(NUM_PROMPTS, seed=7))
+        if not is_alone_only:
+            together = run_in_batches(llm, prompts, params, [list(range(NUM_PROMPTS))])
+            sub_batches = random_sub_batches(NUM_PROMPTS, seed=7)
+            shuffled = run_in_batches(llm, prompts, params, sub_batches)
     finally:
         llm.shutdown()
     # Engagement: the decode steps ran as graph replays (most of each run's steps).
@@ -88,15 +95,43 @@ def _runs(mode: str, workload, num_alone: int) -> tuple[dict, dict, dict]:
 
 def test_gpu_golden_128_heads(workload, gluon_launches):
     alone, together, shuffled = _runs("invariant", workload, NUM_PROMPTS)
-    forms = {(direct, width > 18) for direct, width, _ in gluon_launches}
+    forms = {(direct, width > 18) for direct, width, *_ in gluon_launches}
     assert (False, True) in forms, "no launch with partials over a two-split table ran"
     assert (True, False) in forms, "no launch writing the output directly ran"
-    parts = {v_parts for _, _, v_parts in gluon_launches}
+    assert {long for *_, long in gluon_launches} == {(0, 0)}  # off by default at 128 heads
+    parts = {v_parts for _, _, v_parts, _ in gluon_launches}
     assert parts == {1, 2}, f"value parts {parts}: both forms must run"
     assert all(len(alone[i][0]) == MAX_TOKENS for i in alone)
     for i in range(NUM_PROMPTS):
         assert together[i] == alone[i], f"prompt {i}: batched differs from alone"
         assert shuffled[i] == alone[i], f"prompt {i}: shuffled differs from alone"
+
+
+# Long splits at 128 heads: from 12 blocks of 64, splits of 18 blocks with the launch's tail
+# of 2, so queries of 12 to 20 blocks are one split and longer ones two (without them, 19 and
+# 20 blocks are two splits of 16: those and longer queries move; prompts 2, 7, 8 and 13 of the
+# first 16 reach 19 to 22 blocks).
+LONG_SPLITS = {"kernels.attention_long_blocks": 12, "kernels.attention_long_split_blocks": 18}
+
+
+def test_gpu_golden_128_heads_long_splits(workload, gluon_launches):
+    """Long splits on at 128 heads (the Gluon kernel's split size read per query): the first
+    16 prompts alone are bitwise equal to all prompts batched and shuffled. Engagement: the
+    Gluon kernel ran with them, in launches with partials (several splits) and written
+    directly; some query passed 22 blocks (two long splits); control: long splits change some
+    prompt's bits against the launch without them."""
+    prompts, _ = workload
+    alone, together, shuffled = _runs("invariant", workload, 16, **LONG_SPLITS)
+    assert gluon_launches and all(long == (12, 18) for *_, long in gluon_launches)
+    forms = {direct for direct, *_ in gluon_launches}
+    assert forms == {False, True}, f"launch forms {forms}: both must run"
+    longest = max(len(p) for p in prompts[:16]) + MAX_TOKENS
+    assert longest > 20 * 64, "no query of two long splits alone"
+    for i in alone:
+        assert together[i] == alone[i], f"prompt {i}: batched differs from alone (long splits)"
+        assert shuffled[i] == alone[i], f"prompt {i}: shuffled differs from alone (long splits)"
+    without, _, _ = _runs("invariant", workload, 16, is_alone_only=True)
+    assert any(without[i] != alone[i] for i in alone), "long splits moved no prompt's bits"
 
 
 def test_gpu_golden_128_heads_negative_control_fast(workload):

@@ -788,6 +788,72 @@ def test_mla_wide_value_split_gives_the_same_bits(generator, num_tokens):
     assert not torch.equal(control, whole), "another split gave the same bits: no control"
 
 
+@pytest.mark.parametrize("long_blocks, long_split", ((20, 32), (64, 64)))
+def test_mla_wide_long_splits_batch_and_tp_bitwise(generator, long_blocks, long_split):
+    """The 128-head Gluon kernel with long splits (kernels.attention_long_blocks and
+    attention_long_split_blocks through the op's arguments): a decode step of queries on both
+    sides of long_blocks and of the long splits' ends with their tail of 2 (so some long
+    queries are one split, written by the kernel, and some several, merged), in an
+    engine-wide table, gives each query's bits alone in a table of its own blocks, with one
+    and two value parts, and for a TP rank's 64 heads (whole_heads 128). Engagement: the op's
+    Gluon grid has the table's split count with long splits; control: without them (long_blocks
+    0) only the queries of at least long_blocks blocks move, and some do."""
+    import moe_kernels.gluon_attention as gluon_attention
+    from moe_kernels.attention_launch import WIDE_LAUNCH, table_split_count
+    from moe_kernels.triton_attention import _attend, mla_attention_triton
+
+    tail = WIDE_LAUNCH.tail_blocks
+    edges = (long_blocks - 1, long_blocks, long_split, long_split + tail, long_split + tail + 1)
+    block_counts = sorted({b for e in edges for b in (e - 1, e, e + 1) if 1 <= b <= 120} | {3})
+    lengths = [64 * (b - 1) + 1 + (17 * i) % 64 for i, b in enumerate(block_counts)]
+    width = 128
+    q, kv_cache, seq_ids, tables, positions = _decode_step(generator, lengths, 128, width)
+    long = dict(long_blocks=long_blocks, long_split_blocks=long_split)
+    kernel, grids = gluon_attention._mla_wide_split_kernel, []
+
+    class Recorder:  # the op's Gluon launch grid, then the real launch
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return kernel[grid]
+
+    gluon_attention._mla_wide_split_kernel = Recorder()
+    try:
+        full = mla_attention_triton(
+            q, kv_cache, seq_ids, tables, positions, scale=192**-0.5, v_dim=512, **long
+        )  # fmt: skip
+    finally:
+        gluon_attention._mla_wide_split_kernel = kernel
+    num_splits = table_split_count(width, 16, tail, long_blocks, long_split)
+    assert [g[1:] for g in grids] == [(len(lengths), num_splits)], grids
+    assert not full.isnan().any()
+    launch = (WIDE_LAUNCH.split_blocks, WIDE_LAUNCH.num_warps, WIDE_LAUNCH.num_stages, 64)
+    args = (q, kv_cache, seq_ids, tables, positions, 192**-0.5, 512, *launch)
+    for v_parts in (1, 2):
+        got = _attend(*args, is_gluon=True, tail_blocks=tail, v_parts=v_parts, **long)
+        assert torch.equal(got, full), v_parts
+    for i, b in enumerate(block_counts):
+        own = tables[i : i + 1, :b].contiguous()
+        alone = mla_attention_triton(
+            q[i : i + 1], kv_cache, seq_ids[:1] * 0, own, positions[i : i + 1],
+            scale=192**-0.5, v_dim=512, **long,
+        )  # fmt: skip
+        assert torch.equal(alone[0], full[i]), (i, b)
+    for heads in (slice(0, 64), slice(64, 128)):
+        got = mla_attention_triton(
+            q[:, heads].contiguous(), kv_cache, seq_ids, tables, positions, scale=192**-0.5,
+            v_dim=512, whole_heads=128, **long,
+        )  # fmt: skip
+        assert torch.equal(got, full[:, heads]), heads
+    short = mla_attention_triton(
+        q, kv_cache, seq_ids, tables, positions, scale=192**-0.5, v_dim=512, long_blocks=0
+    )  # fmt: skip
+    moved = (short != full).flatten(1).any(1).cpu()
+    is_long = torch.tensor(block_counts) >= long_blocks
+    assert not moved[~is_long].any(), "queries below long_blocks moved"
+    assert moved[is_long].any(), "long splits moved no long query"
+    torch.testing.assert_close(full.float(), short.float(), atol=2e-2, rtol=2e-2)
+
+
 def _decode_step(generator, lengths, num_heads, width):
     """(q, kv_cache, seq_ids, block_tables, positions) of a bf16 decode step: one query a
     sequence at the last of its `lengths` positions, each sequence in its own shuffled cache
@@ -833,10 +899,11 @@ def test_mla_whole_query_launch_gives_the_split_bits(generator):
     args = (q, kv_cache, seq_ids, tables, positions, 192**-0.5, 512)
     results = {}
     # One group (every split folded in turn), groups of 8 splits, and with a tail of a split;
-    # and the op's long splits (twice as long from NARROW_LAUNCH.long_blocks blocks).
+    # and the op's long splits (of NARROW_LAUNCH.long_split_blocks from its long_blocks).
     long = LONG_BLOCKS
     for group_splits, tail, long_blocks in ((0, 0, 0), (8, 0, 0), (8, 4, 0), (0, 0, long)):
         groups = dict(group_splits=group_splits, group_tail=tail, long_blocks=long_blocks)
+        groups["long_split_blocks"] = NARROW_LAUNCH.long_split_blocks if long_blocks else 0
         split = _attend(*args, SPLIT_BLOCKS, 4, 3, **groups)
         for stages in (2, 3):  # a program a group (without groups: a query)
             whole = _attend(*args, SPLIT_BLOCKS, 4, stages, is_whole_query=True, **groups)

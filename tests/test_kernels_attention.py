@@ -178,14 +178,17 @@ def test_head_launch_refuses_bad_tails_and_counts_groups():
 
 
 def test_long_splits_count_a_tables_splits_and_leave_groups_alone():
-    """With long splits (a query of long_blocks blocks or more has splits twice as long) a
-    table's split count is the most of any query it can hold, which a query just short of
-    long_blocks may set; long splits beside a split tail or groups are refused naming the
-    value, and a launch with groups has none."""
+    """With long splits (a query of long_blocks blocks or more has splits of
+    long_split_blocks, its last one taking the launch's tail too) a table's split count is the
+    most of any query it can hold, which a query just short of long_blocks may set; long splits
+    beside groups, or no longer than a split, are refused naming the value, and a launch with
+    groups has none. Both launches take them: the 16-head one on by default, the wide one
+    (64 heads a program, a tail of 2) with its own split size, off by default."""
     from moe_kernels.attention_launch import (
         LONG_BLOCKS,
         NARROW_LAUNCH,
         WIDE_LAUNCH,
+        WIDE_LONG_SPLIT_BLOCKS,
         HeadLaunch,
         query_split_blocks,
         split_count,
@@ -194,27 +197,37 @@ def test_long_splits_count_a_tables_splits_and_leave_groups_alone():
         with_long_blocks,
     )
 
-    for split_blocks, long_blocks in ((4, 64), (2, 5), (4, 4), (4, 1), (4, 0)):
+    cases = ((4, 0, 64, 8), (2, 0, 5, 4), (4, 0, 4, 8), (4, 0, 1, 8), (4, 0, 0, 8),
+             (16, 2, 64, 64), (16, 2, 64, 32), (4, 3, 9, 12), (2, 1, 3, 7))  # fmt: skip
+    for split_blocks, tail, long_blocks, long_split in cases:
         for width in range(1, 200):
             most = max(
-                split_count(n, query_split_blocks(n, split_blocks, long_blocks), 0)
+                split_count(n, query_split_blocks(n, split_blocks, long_blocks, long_split), tail)
                 for n in range(1, width + 1)
             )
-            got = table_split_count(width, split_blocks, 0, long_blocks)
-            assert got == most, (split_blocks, long_blocks, width, got, most)
-    launch = HeadLaunch(16, 4, 4, 3, long_blocks=64)
+            got = table_split_count(width, split_blocks, tail, long_blocks, long_split)
+            assert got == most, (split_blocks, tail, long_blocks, long_split, width, got, most)
+    launch = HeadLaunch(16, 4, 4, 3, long_blocks=64, long_split_blocks=8)
     assert [launch.table_splits(w) for w in (16, 63, 64, 128, 256)] == [4, 16, 16, 16, 32]
-    with pytest.raises(ValueError, match="long_blocks 64 must be >= 0, and 0 with tail_blocks 2"):
-        HeadLaunch(16, 4, 4, 3, tail_blocks=2, long_blocks=64)
-    with pytest.raises(ValueError, match="long_blocks 64 .* group_splits 8"):
-        HeadLaunch(16, 4, 4, 3, group_splits=8, long_blocks=64)
+    wide = with_long_blocks(WIDE_LAUNCH, 64)
+    assert wide.is_wide and wide.long_split_blocks == WIDE_LONG_SPLIT_BLOCKS == 64
+    # 63 blocks: four splits of 16 (the last taking 15); from 64, one split up to 66 blocks.
+    assert [wide.table_splits(w) for w in (18, 63, 66, 130, 131)] == [1, 4, 4, 4, 4]
+    assert with_long_blocks(WIDE_LAUNCH, 64, 32).table_splits(200) == 7
+    with pytest.raises(ValueError, match="long_blocks 64 must be >= 0, and 0 with group_splits 8"):
+        HeadLaunch(16, 4, 4, 3, group_splits=8, long_blocks=64, long_split_blocks=8)
     with pytest.raises(ValueError, match="long_blocks -1 must be >= 0"):
         HeadLaunch(16, 4, 4, 3, long_blocks=-1)
+    for size in (0, 4, 3):
+        with pytest.raises(ValueError, match=f"long_split_blocks {size} must be above split_"):
+            HeadLaunch(16, 4, 4, 3, long_blocks=64, long_split_blocks=size)
     assert NARROW_LAUNCH.long_blocks == LONG_BLOCKS  # on by default since it ran on a GPU
+    assert NARROW_LAUNCH.long_split_blocks == 2 * NARROW_LAUNCH.split_blocks
+    assert WIDE_LAUNCH.long_blocks == 0  # off until measured through the engine
     assert with_long_blocks(NARROW_LAUNCH, 64).table_splits(128) == 16
     assert with_groups(NARROW_LAUNCH, 0) == NARROW_LAUNCH
     assert with_groups(NARROW_LAUNCH, 8).long_blocks == 0
     assert with_long_blocks(NARROW_LAUNCH, 0).long_blocks == 0
     assert with_long_blocks(WIDE_LAUNCH, 0) == WIDE_LAUNCH
-    with pytest.raises(ValueError, match="long_blocks 8 applies to the launch of models below"):
-        with_long_blocks(WIDE_LAUNCH, 8)
+    with pytest.raises(ValueError, match="group_splits 8 applies to the launch of models below"):
+        with_groups(wide, 8)

@@ -706,55 +706,73 @@ def check_mla_attention_groups(generator: torch.Generator) -> None:
 
 def check_mla_attention_long_splits(generator: torch.Generator) -> None:
     """Long queries with longer splits (long_blocks: from 5 blocks of 16, splits of 4 blocks
-    instead of 2): the split launch, its merge at a head or 8 a program, and a program a whole
-    query (2 and 3 stages) give the same bits, fp32 and bf16, in a wide table with -1 padding;
-    each query alone in a table as wide as its own blocks gives its bits in the batch (the
-    launch's splits counted from any width). Control: without long splits (long_blocks 0)
-    queries below 5 blocks keep their bits and some from 5 blocks do not, so the comparisons
-    see the longer splits. Long splits with groups or a split tail are refused."""
+    instead of 2; and with a split tail of 1 block, splits of 5 where the last takes up to one
+    more, as the wide launch's): the split launch, its merge at a head or 8 a program, and a
+    program a whole query (2 and 3 stages) give the same bits, fp32 and bf16, in a wide table
+    with -1 padding; each query alone in a table as wide as its own blocks gives its bits in
+    the batch (the launch's splits counted from any width). Controls: without long splits
+    (long_blocks 0, the same tail) queries below 5 blocks keep their bits and some from 5
+    blocks do not, so the comparisons see the longer splits; with the tail against without
+    it, only long queries whose last long split took the tail move, and some do. Long splits
+    with groups, or no longer than a split, are refused."""
     from moe_kernels.attention import mla_attention_ref
     from moe_kernels.triton_attention import _attend
 
     q, kv_cache, seq_ids, tables, positions = _paged_cache(generator, (140, 30), 4, 40, 8, 16)
-    rows = torch.tensor([0, 15, 16, 63, 64, 65, 127, 128, 139, 150, 169])  # 0-139; 10, 29
+    # Positions 0-139 of the first sequence (1 to 9 blocks), 10 and 29 of the second.
+    rows = torch.tensor([0, 15, 16, 63, 64, 65, 80, 87, 95, 127, 128, 139, 150, 169])
     q, seq_ids, positions = q[rows], seq_ids[rows], positions[rows]
     wide = torch.full((tables.shape[0], 12), -1, dtype=tables.dtype)
     wide[:, : tables.shape[1]] = tables
     num_blocks = (positions // 16 + 1).tolist()
-    results = {}
-    for dtype in DTYPES:
-        args = (q.to(dtype), kv_cache.to(dtype), seq_ids, wide, positions, 40**-0.5, 32, 2, 4)
-        split = _attend(*args, 3, long_blocks=5)
-        for per_program in (1, 8):
-            merged = _attend(*args, 3, long_blocks=5, merge_heads_per_program=per_program)
-            assert torch.equal(merged, split), (dtype, per_program)
-        for stages in (2, 3):
-            whole = _attend(*args, stages, is_whole_query=True, long_blocks=5)
-            assert torch.equal(whole, split), (dtype, stages)
-        for i, blocks in enumerate(num_blocks):
-            own = wide[seq_ids[i], :blocks].unsqueeze(0).contiguous()
-            alone = _attend(
-                args[0][i : i + 1], args[1], torch.zeros(1, dtype=seq_ids.dtype), own,
-                positions[i : i + 1], *args[5:], 3, long_blocks=5,
-            )  # fmt: skip
-            assert torch.equal(alone[0], split[i]), (dtype, i, blocks)
-        results[dtype] = split
-    args = (q, kv_cache, seq_ids, wide, positions, 40**-0.5, 32, 2, 4, 3)
-    short = _attend(*args)
-    same = [torch.equal(short[i], results[torch.float32][i]) for i in range(len(rows))]
     is_long = [blocks >= 5 for blocks in num_blocks]
-    assert all(s for s, long in zip(same, is_long, strict=True) if not long), same
-    assert not all(s for s, long in zip(same, is_long, strict=True) if long), "no control"
     expected = mla_attention_ref(
         q.double(), kv_cache.double(), seq_ids, tables, positions, scale=40**-0.5, v_dim=32,
         tile_rows=8,
     )  # fmt: skip
-    torch.testing.assert_close(results[torch.float32].double(), expected, **FP32_TOL)
-    for bad in (dict(group_splits=2), dict(tail_blocks=1)):
+    for tail, long_split in ((0, 4), (1, 5)):
+        long = dict(tail_blocks=tail, long_blocks=5, long_split_blocks=long_split)
+        results = {}
+        for dtype in DTYPES:
+            args = (q.to(dtype), kv_cache.to(dtype), seq_ids, wide, positions, 40**-0.5, 32, 2, 4)
+            split = _attend(*args, 3, **long)
+            for per_program in (1, 8):
+                merged = _attend(*args, 3, **long, merge_heads_per_program=per_program)
+                assert torch.equal(merged, split), (tail, dtype, per_program)
+            for stages in (2, 3):
+                whole = _attend(*args, stages, is_whole_query=True, **long)
+                assert torch.equal(whole, split), (tail, dtype, stages)
+            for i, blocks in enumerate(num_blocks):
+                own = wide[seq_ids[i], :blocks].unsqueeze(0).contiguous()
+                alone = _attend(
+                    args[0][i : i + 1], args[1], torch.zeros(1, dtype=seq_ids.dtype), own,
+                    positions[i : i + 1], *args[5:], 3, **long,
+                )  # fmt: skip
+                assert torch.equal(alone[0], split[i]), (tail, dtype, i, blocks)
+            results[dtype] = split
+        args = (q, kv_cache, seq_ids, wide, positions, 40**-0.5, 32, 2, 4, 3)
+        short = _attend(*args, tail_blocks=tail)
+        same = [torch.equal(short[i], results[torch.float32][i]) for i in range(len(rows))]
+        assert all(s for s, is_l in zip(same, is_long, strict=True) if not is_l), (tail, same)
+        assert not all(s for s, is_l in zip(same, is_long, strict=True) if is_l), "no control"
+        torch.testing.assert_close(results[torch.float32].double(), expected, **FP32_TOL)
+        if tail:  # the tail's control: the same long splits without it
+            untailed = _attend(*args, long_blocks=5, long_split_blocks=long_split)
+            fp32 = results[torch.float32]
+            moved = [not torch.equal(untailed[i], fp32[i]) for i in range(len(rows))]
+            # A long query's last split took the tail where its blocks pass whole splits by 1.
+            took = [b >= 5 and b > long_split and b % long_split == 1 for b in num_blocks]
+            assert not any(m for m, t in zip(moved, took, strict=True) if not t), moved
+            assert any(moved), "the tail of the long splits moved nothing"
+    args = (q, kv_cache, seq_ids, wide, positions, 40**-0.5, 32, 2, 4, 3)
+    for bad, message in (
+        (dict(group_splits=2, long_split_blocks=4), "long_blocks 5 must be >= 0, and 0 with gr"),
+        (dict(long_split_blocks=2), "long_split_blocks 2 must be above split_blocks 2"),
+    ):  # fmt: skip
         try:
             _attend(*args, long_blocks=5, **bad)
         except ValueError as e:
-            assert "long_blocks 5" in str(e), e
+            assert message in str(e), e
         else:
             raise AssertionError(f"no ValueError for long_blocks with {bad}")
 
@@ -768,11 +786,11 @@ def check_mla_attention_wide_launch(generator: torch.Generator) -> None:
     move (and some do: it ran too)."""
     import moe_kernels.triton_attention as attention
     from moe_kernels.attention import mla_attention_ref
-    from moe_kernels.attention_launch import NARROW_LAUNCH
+    from moe_kernels.attention_launch import NARROW_LAUNCH, WIDE_LAUNCH
 
-    assert attention.head_launch(64) == attention.WIDE_LAUNCH
+    assert attention.head_launch(64) == WIDE_LAUNCH
     assert attention.head_launch(16) == NARROW_LAUNCH
-    wide = attention.WIDE_LAUNCH
+    wide = WIDE_LAUNCH
     assert wide.split_blocks + wide.tail_blocks < 21 <= 2 * wide.split_blocks
     q, kv_cache, seq_ids, tables, positions = _paged_cache(generator, (40, 340), 64, 48, 8, 16)
     args = dict(scale=56**-0.5, v_dim=48)
@@ -823,6 +841,47 @@ def check_mla_attention_wide_launch(generator: torch.Generator) -> None:
         assert "whole_heads 16" in str(exc)
     else:
         raise AssertionError("whole_heads below q's heads was accepted")
+
+
+def check_mla_attention_wide_long_splits(generator: torch.Generator) -> None:
+    """The wide launch (64 heads a program, WIDE_LAUNCH's split of 16 blocks and tail of 2)
+    with long splits through the op's arguments (kernels.attention_long_blocks and
+    attention_long_split_blocks): from 19 blocks of 16, splits of 20, so queries of 19 to 22
+    blocks are one split where the launch alone gives them two. Each query alone in a table of
+    its own blocks, and a TP rank's 16 or 48 heads (whole_heads 64), give the batch's bits;
+    control: without long splits (long_blocks 0) queries below 19 blocks keep their bits and
+    some from 19 do not."""
+    from moe_kernels.attention import mla_attention_ref
+    from moe_kernels.attention_launch import WIDE_LAUNCH
+    from moe_kernels.triton_attention import mla_attention_triton
+
+    q, kv_cache, seq_ids, tables, positions = _paged_cache(generator, (40, 352), 64, 48, 8, 16)
+    rows = torch.tensor([3, 39, 40 + 200, 40 + 287, 40 + 288, 40 + 300, 40 + 320, 40 + 351])
+    q, seq_ids, positions = q[rows], seq_ids[rows], positions[rows]
+    num_blocks = (positions // 16 + 1).tolist()  # 1, 3, 13, 18, 19, 19, 21, 22
+    assert WIDE_LAUNCH.split_blocks == 16 and WIDE_LAUNCH.tail_blocks == 2
+    args = dict(scale=56**-0.5, v_dim=48)
+    long = dict(long_blocks=19, long_split_blocks=20)
+    full = mla_attention_triton(q, kv_cache, seq_ids, tables, positions, **args, **long)
+    for heads in (slice(0, 16), slice(16, 64)):
+        got = mla_attention_triton(
+            q[:, heads], kv_cache, seq_ids, tables, positions, **args, whole_heads=64, **long
+        )  # fmt: skip
+        assert torch.equal(got, full[:, heads]), heads
+    for i, blocks in enumerate(num_blocks):
+        own = tables[seq_ids[i], :blocks].unsqueeze(0).contiguous()
+        alone = mla_attention_triton(
+            q[i : i + 1], kv_cache, torch.zeros(1, dtype=seq_ids.dtype), own,
+            positions[i : i + 1], **args, **long,
+        )  # fmt: skip
+        assert torch.equal(alone[0], full[i]), (i, blocks)
+    short = mla_attention_triton(q, kv_cache, seq_ids, tables, positions, **args, long_blocks=0)
+    same = [torch.equal(short[i], full[i]) for i in range(len(rows))]
+    is_long = [blocks >= 19 for blocks in num_blocks]
+    assert all(s for s, is_l in zip(same, is_long, strict=True) if not is_l), same
+    assert not all(s for s, is_l in zip(same, is_long, strict=True) if is_l), "no control"
+    expected = mla_attention_ref(q, kv_cache, seq_ids, tables, positions, **args, tile_rows=8)
+    torch.testing.assert_close(full, expected, **FP32_TOL)
 
 
 def check_router_logits(generator: torch.Generator) -> None:
@@ -997,6 +1056,7 @@ CHECKS = {
     "mla_attention_whole_query": check_mla_attention_whole_query,
     "mla_attention_groups": check_mla_attention_groups,
     "mla_attention_long_splits": check_mla_attention_long_splits,
+    "mla_attention_wide_long_splits": check_mla_attention_wide_long_splits,
     "mla_attention_default_dtype": check_mla_attention_default_dtype,
     "router_logits": check_router_logits,
     "router_topk": check_router_topk,
