@@ -168,15 +168,23 @@ NARROW_LAUNCH = HeadLaunch(
 # 225.3, 1152 267.6 -> 229.1, B = 64 65.8 -> 58.3 and 70.2 -> 60.4; the split launch (B <= 8)
 # pays the longer last split, 47 -> 49-52. Four tail blocks gained as much at 20 blocks (B =
 # 256 287 -> 259) and cost B <= 8 20% there (47 -> 57).
-# A 128-head query's long splits (kernels.attention_long_blocks sets where they start; off by
-# default until measured through the engine): each split's fp32 partial is 64 x 512 a head
-# block, so at long contexts the partials' round trip and the merge cost more than at 16
-# heads. H100, graph replay, engine-wide tables (BENCHMARKS.md, fifty-third session, `bench/
-# gpu_kernels.py wide_split_larger`), constant splits of 16 -> 32 -> 64 blocks, µs: context
-# 4096 B = 64 212 -> 175 -> 155, B = 128 467 -> 348 -> 299, B = 256 887 -> 751 -> 612, B = 1
-# 42 -> 64 -> 115; context 8000 B = 64 401 -> 335 -> 298.
-WIDE_LONG_SPLIT_BLOCKS = 64
-WIDE_LAUNCH = HeadLaunch(64, 16, 8, 2, tail_blocks=2, long_split_blocks=WIDE_LONG_SPLIT_BLOCKS)
+# A 128-head query of at least WIDE_LONG_BLOCKS cache blocks has KV splits of
+# WIDE_LONG_SPLIT_BLOCKS (the launch's tail kept; kernels.attention_long_blocks and
+# attention_long_split_blocks): part of the bits, a function of the query's own length. Why:
+# each split's fp32 partial is 64 x 512 a head block, so at long contexts the partials' round
+# trip and the merge cost more than at 16 heads. H100 (BENCHMARKS.md, fifty-fourth session):
+# the op at context 4096, graph replay, engine-wide tables, splits of 16 / long 32 / long 64
+# from 64 blocks, µs: B = 64 214 / 175 / 154, B = 128 473 / 348 / 308, B = 256 884 / 771 /
+# 720, B = 8 49 / 69 / 118, B = 1 42 / 65 / 117; through the engine (27 layers, context 4096,
+# ms a step): B = 64 19.26 / 18.18 / 17.53, B = 8 10.13 / 10.73 / 11.89, B = 1 5.54 / 6.19 /
+# 7.65. Splits of 64 would save 3.4% more at B = 64 for 24% more at one query than 32: 32 is
+# the trade the 16-head launch made (B = 64 -2.4%, B = 1 +3.8% there; here -5.6%, +11.7%).
+WIDE_LONG_BLOCKS = 64
+WIDE_LONG_SPLIT_BLOCKS = 32
+WIDE_LAUNCH = HeadLaunch(
+    64, 16, 8, 2, tail_blocks=2, long_blocks=WIDE_LONG_BLOCKS,
+    long_split_blocks=WIDE_LONG_SPLIT_BLOCKS,
+)  # fmt: skip
 
 
 def head_launch(whole_heads: int) -> HeadLaunch:

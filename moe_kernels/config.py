@@ -26,10 +26,10 @@ agree sets the same value. Measured and off by default (BENCHMARKS.md, twenty-si
 twenty-seventh sessions). `attention_long_blocks` (invariant mode on CUDA): a query of at
 least this many cache blocks has long KV splits, of `attention_long_split_blocks` blocks; 0
 never; None (the default) the launch's own: LONG_BLOCKS (64, measured: attention_launch.py)
-below 64 heads, none from 64. `attention_long_split_blocks`: None (the default) the launch's
-own (8 blocks below 64 heads, WIDE_LONG_SPLIT_BLOCKS from 64), else more than the launch's
-split (4 blocks; 16 from 64 heads, and even there: the kernel pairs blocks). Both are part of
-the bits too; neither with attention_group_splits (groups count splits of one size: with
+below 64 heads, WIDE_LONG_BLOCKS (64) from 64. `attention_long_split_blocks`: None (the default)
+the launch's own (8 blocks below 64 heads, WIDE_LONG_SPLIT_BLOCKS (32) from 64), else more than
+the launch's split (4 blocks; 16 from 64 heads, and even there: the kernel pairs blocks). Both
+are part of the bits too; neither with attention_group_splits (groups count splits of one size: with
 groups, the default has none).
 """
 

@@ -185,11 +185,12 @@ def _invariant_ops(
             ops["mla_attention"] = partial(
                 ops["mla_attention"], group_splits=config.attention_group_splits
             )
-        long_splits = {  # the same (None: the launch's own)
+        long_splits = {  # the same (None, unbound: the launch's own)
             "long_blocks": config.attention_long_blocks,
             "long_split_blocks": config.attention_long_split_blocks,
         }
-        if any(value is not None for value in long_splits.values()):
+        long_splits = {key: value for key, value in long_splits.items() if value is not None}
+        if long_splits:
             ops["mla_attention"] = partial(ops["mla_attention"], **long_splits)
         return ops
     if device.type == "cpu":

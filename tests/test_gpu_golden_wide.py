@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import moe_kernels.triton_attention as triton_attention
+from moe_kernels.attention_launch import WIDE_LAUNCH
 from moe_runtime import LLM
 from tests.invariance import mixed_params, mixed_prompts, random_sub_batches, run_in_batches
 
@@ -98,7 +99,9 @@ def test_gpu_golden_128_heads(workload, gluon_launches):
     forms = {(direct, width > 18) for direct, width, *_ in gluon_launches}
     assert (False, True) in forms, "no launch with partials over a two-split table ran"
     assert (True, False) in forms, "no launch writing the output directly ran"
-    assert {long for *_, long in gluon_launches} == {(0, 0)}  # off by default at 128 heads
+    # The launch's own long splits, which no query here reaches (its 64 blocks are 4096).
+    default = (WIDE_LAUNCH.long_blocks, WIDE_LAUNCH.long_split_blocks)
+    assert {long for *_, long in gluon_launches} == {default}
     parts = {v_parts for _, _, v_parts, _ in gluon_launches}
     assert parts == {1, 2}, f"value parts {parts}: both forms must run"
     assert all(len(alone[i][0]) == MAX_TOKENS for i in alone)

@@ -182,12 +182,13 @@ def test_long_splits_count_a_tables_splits_and_leave_groups_alone():
     long_split_blocks, its last one taking the launch's tail too) a table's split count is the
     most of any query it can hold, which a query just short of long_blocks may set; long splits
     beside groups, or no longer than a split, are refused naming the value, and a launch with
-    groups has none. Both launches take them: the 16-head one on by default, the wide one
-    (64 heads a program, a tail of 2) with its own split size, off by default."""
+    groups has none. Both launches take them by default, the wide one (64 heads a program, a
+    tail of 2) with its own threshold and split size."""
     from moe_kernels.attention_launch import (
         LONG_BLOCKS,
         NARROW_LAUNCH,
         WIDE_LAUNCH,
+        WIDE_LONG_BLOCKS,
         WIDE_LONG_SPLIT_BLOCKS,
         HeadLaunch,
         query_split_blocks,
@@ -209,11 +210,14 @@ def test_long_splits_count_a_tables_splits_and_leave_groups_alone():
             assert got == most, (split_blocks, tail, long_blocks, long_split, width, got, most)
     launch = HeadLaunch(16, 4, 4, 3, long_blocks=64, long_split_blocks=8)
     assert [launch.table_splits(w) for w in (16, 63, 64, 128, 256)] == [4, 16, 16, 16, 32]
-    wide = with_long_blocks(WIDE_LAUNCH, 64)
-    assert wide.is_wide and wide.long_split_blocks == WIDE_LONG_SPLIT_BLOCKS == 64
+    wide = with_long_blocks(WIDE_LAUNCH, 64, 64)
+    assert wide.is_wide and wide.long_split_blocks == 64
     # 63 blocks: four splits of 16 (the last taking 15); from 64, one split up to 66 blocks.
     assert [wide.table_splits(w) for w in (18, 63, 66, 130, 131)] == [1, 4, 4, 4, 4]
     assert with_long_blocks(WIDE_LAUNCH, 64, 32).table_splits(200) == 7
+    assert (WIDE_LAUNCH.long_blocks, WIDE_LAUNCH.long_split_blocks) == (64, 32)  # measured
+    assert (WIDE_LONG_BLOCKS, WIDE_LONG_SPLIT_BLOCKS) == (64, 32)
+    assert WIDE_LAUNCH.table_splits(131) == 5 and with_long_blocks(WIDE_LAUNCH, 0).is_wide
     with pytest.raises(ValueError, match="long_blocks 64 must be >= 0, and 0 with group_splits 8"):
         HeadLaunch(16, 4, 4, 3, group_splits=8, long_blocks=64, long_split_blocks=8)
     with pytest.raises(ValueError, match="long_blocks -1 must be >= 0"):
@@ -223,11 +227,10 @@ def test_long_splits_count_a_tables_splits_and_leave_groups_alone():
             HeadLaunch(16, 4, 4, 3, long_blocks=64, long_split_blocks=size)
     assert NARROW_LAUNCH.long_blocks == LONG_BLOCKS  # on by default since it ran on a GPU
     assert NARROW_LAUNCH.long_split_blocks == 2 * NARROW_LAUNCH.split_blocks
-    assert WIDE_LAUNCH.long_blocks == 0  # off until measured through the engine
     assert with_long_blocks(NARROW_LAUNCH, 64).table_splits(128) == 16
     assert with_groups(NARROW_LAUNCH, 0) == NARROW_LAUNCH
     assert with_groups(NARROW_LAUNCH, 8).long_blocks == 0
     assert with_long_blocks(NARROW_LAUNCH, 0).long_blocks == 0
-    assert with_long_blocks(WIDE_LAUNCH, 0) == WIDE_LAUNCH
+    assert with_long_blocks(WIDE_LAUNCH, 64) == WIDE_LAUNCH
     with pytest.raises(ValueError, match="group_splits 8 applies to the launch of models below"):
         with_groups(wide, 8)

@@ -317,14 +317,20 @@ def test_attention_long_blocks_is_validated_naming_the_value(bad):
 
 
 def test_attention_long_blocks_binds_the_invariant_cuda_attention_only():
-    """kernels.attention_long_blocks reaches the invariant CUDA attention op as its long_blocks
-    (part of the bits), 0 too (off); None, the default, leaves the op its launch's own; CPU
-    tables ignore it."""
+    """kernels.attention_long_blocks and attention_long_split_blocks reach the invariant CUDA
+    attention op as its long_blocks and long_split_blocks (part of the bits), 0 too (off);
+    None, the default, leaves the op its launch's own; CPU tables ignore them."""
     for value in (8, 0):
         op = build_op_table(KernelConfig(attention_long_blocks=value), "cuda:1").mla_attention
         assert op.func.__name__ == "mla_attention_triton"
         assert op.keywords == {"long_blocks": value}
+    config = KernelConfig(attention_long_split_blocks=12)
+    assert build_op_table(config, "cuda:1").mla_attention.keywords == {"long_split_blocks": 12}
+    config = KernelConfig(attention_long_blocks=9, attention_long_split_blocks=12)
+    op = build_op_table(config, "cuda:1").mla_attention
+    assert op.keywords == {"long_blocks": 9, "long_split_blocks": 12}
     assert KernelConfig().attention_long_blocks is None
+    assert KernelConfig().attention_long_split_blocks is None
     plain = build_op_table(KernelConfig(), "cuda:1").mla_attention
     assert plain.__name__ == "mla_attention_triton"
     cpu = build_op_table(KernelConfig(attention_long_blocks=8), "cpu").mla_attention
