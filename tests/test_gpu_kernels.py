@@ -741,7 +741,6 @@ def test_mla_wide_value_split_gives_the_same_bits(generator, num_tokens):
     from moe_kernels.attention_launch import (
         WIDE_LAUNCH,
         WIDE_VALUE_SPLIT_MAX_PAIRS,
-        split_count,
         wide_value_parts,
     )
     from moe_kernels.triton_attention import _attend, mla_attention_triton
@@ -758,7 +757,7 @@ def test_mla_wide_value_split_gives_the_same_bits(generator, num_tokens):
 
     for width in (18, 128):
         q, kv_cache, seq_ids, tables, positions = _decode_step(generator, lengths, 128, width)
-        num_splits = split_count(width, WIDE_LAUNCH.split_blocks, WIDE_LAUNCH.tail_blocks)
+        num_splits = WIDE_LAUNCH.table_splits(width)  # the op's grid (with its long splits)
         for heads in (slice(None), slice(0, 64), slice(64, 96)):
             args = (q[:, heads].contiguous(), kv_cache, seq_ids, tables, positions, 192**-0.5, 512)
             one = _attend(*args, *launch, is_gluon=True, tail_blocks=2, v_parts=1)
