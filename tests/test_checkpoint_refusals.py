@@ -36,9 +36,10 @@ def checkpoint(tmp_path_factory):
     return path
 
 
-def _load(path) -> dict[str, torch.Tensor]:
+def _load(path, dtype: str = "float32") -> dict[str, torch.Tensor]:
     model = build_model(
-        ModelConfig.from_dict({"path": str(path)}), build_op_table(KernelConfig(), "cpu")
+        ModelConfig.from_dict({"path": str(path), "dtype": dtype}),
+        build_op_table(KernelConfig(), "cpu"),
     )
     return {name: p.detach() for name, p in model.named_parameters()}
 
@@ -232,6 +233,33 @@ def test_non_finite_tensor_is_refused_by_name(checkpoint, tmp_path, key, value):
         _load(path)
     finite = rewrite_checkpoint(checkpoint, tmp_path / "finite", tensors=_poisoned(key, 0.5))
     _assert_file_bits(_load(finite), load_file(str(finite / "model.safetensors")))
+
+
+def test_value_that_overflows_the_model_dtype_is_refused_by_name(checkpoint, tmp_path):
+    """A finite value that is an infinity once cast to the model's dtype (float32 3.4e38 as
+    bfloat16, whose largest is 3.39e38; float64 1e39 as float32) would load as one: refused,
+    naming the tensor, the value and the dtype. Controls: the float32 value loads as float32
+    (finite there, and the parameter holds it); bfloat16's largest loads as bfloat16."""
+    key = "model.norm.weight"
+    path = rewrite_checkpoint(checkpoint, tmp_path / "big", tensors=_poisoned(key, 3.4e38))
+    with pytest.raises(
+        ValueError, match=rf"{key} holds a value of magnitude 3\.4e\+38, which is an infinity "
+        r"as the model's torch\.bfloat16 \(largest finite 3\.38953e\+38\)",
+    ):  # fmt: skip
+        _load(path, "bfloat16")
+    assert float(_load(path)[key].view(-1)[7]) == float(torch.tensor(3.4e38))
+    largest = torch.finfo(torch.bfloat16).max
+    fits = rewrite_checkpoint(checkpoint, tmp_path / "fits", tensors=_poisoned(key, largest))
+    assert float(_load(fits, "bfloat16")[key].view(-1)[7]) == largest
+
+    def wide(state: dict) -> dict:
+        tensor = state[key].double()
+        tensor.view(-1)[3] = -1e39
+        return {**state, key: tensor}
+
+    path = rewrite_checkpoint(checkpoint, tmp_path / "wide", tensors=wide)
+    with pytest.raises(ValueError, match=rf"{key} holds a value of magnitude 1e\+39, .*float32"):
+        _load(path)
 
 
 def test_tensor_in_two_files_is_refused(checkpoint, tmp_path):

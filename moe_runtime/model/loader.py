@@ -205,7 +205,7 @@ def load_hf_weights(
         for keys in _read_groups(handles, local_experts, cfg):
             tensors = {key: handles[key].get_tensor(key) for key in keys}
             tensors = unfuse_experts(tensors, cfg, str(path))  # a layer's, read whole
-            check_finite(tensors, str(path))
+            check_finite(tensors, str(path), model.dtype)
             tensors = drop_tied_head(tensors, cfg, str(path))
             stacked = stack_experts(tensors, local_experts, cfg.first_k_dense_replace)
             assign_weights(model, {name: model.tp.shard(name, v) for name, v in stacked.items()})

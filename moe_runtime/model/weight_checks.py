@@ -40,7 +40,7 @@ def check_weights(
     tensors = unfuse_experts(tensors, cfg, source)
     tensors = {k: v for k, v in tensors.items() if not is_absent_shared_expert(k, v.shape, cfg)}
     _check_experts(tensors, cfg, source)
-    check_finite(tensors, source)
+    check_finite(tensors, source, model.dtype)
     tensors = drop_tied_head(tensors, cfg, source)
     tensors = stack_experts(tensors, local_experts, model.config.first_k_dense_replace)
     params = dict(model.named_parameters())
@@ -235,22 +235,39 @@ def _check_tensor(value: torch.Tensor, shape: Sequence[int], name: str, source: 
         )
 
 
-def check_finite(tensors: dict[str, torch.Tensor], source: str) -> None:
+def check_finite(
+    tensors: dict[str, torch.Tensor], source: str, dtype: torch.dtype | None = None
+) -> None:
     """ValueError naming the first tensor holding a NaN or an infinity (a diverged trainer's
-    update, a damaged file): served, it would give every request garbage or NaN logprobs with
-    no error. Meta tensors (headers) are skipped; one device sync a tensor. The test is the
-    tensor's min and max (both NaN if any value is; an infinity is one of them): one vectorized
-    pass, ~60x faster than isfinite on the CPU, where an update's tensors are read."""
+    update, a damaged file), or, with dtype (the model's), a value that rounds to an infinity
+    in it (float64 past float32's range, or float32 within 0.2% of its largest as bfloat16):
+    served, it would give every request garbage or NaN logprobs with no error. Meta tensors
+    (headers) are skipped; one device sync a tensor. The test is the tensor's min and max (both
+    NaN if any value is; an infinity is one of them; rounding is monotonic, so a value
+    overflows the cast only if one of them does): one vectorized pass, ~60x faster than
+    isfinite on the CPU, where an update's tensors are read."""
     for key, value in tensors.items():
         if value.is_meta or not value.dtype.is_floating_point or not value.numel():
             continue  # the dtype checks name a non-float tensor
         # no float8 min/max kernels everywhere: widened, each value keeps its NaN-ness
         wide = value.to(torch.bfloat16) if value.dtype.itemsize == 1 else value
-        if not bool(torch.isfinite(torch.stack(torch.aminmax(wide))).all()):
+        extremes = torch.stack(torch.aminmax(wide))
+        cast = extremes if dtype is None else extremes.to(dtype)
+        is_finite, is_cast_finite = torch.stack(
+            [torch.isfinite(extremes).all(), torch.isfinite(cast).all()]
+        ).tolist()
+        if not is_finite:
             bad = int(wide.numel() - torch.isfinite(wide).sum())
             raise ValueError(
                 f"weights {source!r}: tensor {key} holds {bad} non-finite value"
                 f"{'s' * (bad > 1)} (NaN or infinity) of {value.numel()}"
+            )
+        if not is_cast_finite:
+            largest = float(extremes.abs().max())
+            raise ValueError(
+                f"weights {source!r}: tensor {key} holds a value of magnitude {largest:.6g}, "
+                f"which is an infinity as the model's {dtype} (largest finite "
+                f"{torch.finfo(dtype).max:.6g})"
             )
 
 
