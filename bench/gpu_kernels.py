@@ -882,7 +882,8 @@ def bench_split_larger() -> None:
             print(f"FlashMLA: {type(exc).__name__}: {exc}")
             flash = None
         text = [f"{flash:.1f}" if flash else "-"]
-        is_few = batch * table_split_count(width, 4, 0, LONG_BLOCKS) <= few_pairs
+        long_split = NARROW_LAUNCH.long_split_blocks
+        is_few = batch * table_split_count(width, 4, 0, LONG_BLOCKS, long_split) <= few_pairs
         for launch in (*sizes, "op", "long", *(["long_v8"] if is_few else [])):
             us = _graph_ms(partial(make, launch), read, 8) * 1e3
             text.append(f"{us:.1f} ({us / flash:.2f})" if flash else f"{us:.1f}")
@@ -892,6 +893,41 @@ def bench_split_larger() -> None:
         else:
             text.append("-")
         print(f"| {batch} | {ctx} | " + " | ".join(text) + " |")
+
+
+def bench_long_ahead() -> None:
+    """The 16-head op with its long splits where the engine's table is 64 blocks wide (queries
+    of 33 to 64 blocks): the table read a block ahead off (the op's choice there: the table's
+    most splits of any query, 16 for a query of 63 blocks, make every launch from 9 queries
+    256 pairs or more) and on (forced), at mixed batches of one length, each pair's bits
+    compared (the read ahead changes none). What the choice's pair count costs where every
+    query is long (64 blocks: 8 splits each) and where none is (33-63 blocks: 9-16 splits).
+    Graph replay over L2-missing caches, µs."""
+    from moe_kernels.triton_attention import _attend, mla_attention_triton
+
+    long = dict(long_blocks=NARROW_LAUNCH.long_blocks, long_split_blocks=8)
+    print("\n## 16-head op, long splits, tables 64 wide: the table read ahead off / on")
+    print("| B | ctx | op µs (ahead off) | ahead on µs | on / off |")
+    print("|---|---|---|---|---|")
+    for batch in (8, 12, 16, 24, 32):
+        for ctx in (2200, 3000, 3600, 4096):
+            width = _graph_width(-(-ctx // 64))
+            read = batch * ctx * 576 * 2
+
+            def make(ahead, batch=batch, ctx=ctx, width=width):
+                step = _decode_cache(batch, ctx, width=width)
+                if not ahead:
+                    return lambda: mla_attention_triton(
+                        *step, scale=192**-0.5, v_dim=512, **long
+                    )  # fmt: skip
+                return lambda: _attend(
+                    *step, 192**-0.5, 512, 4, 4, 3, 16, is_table_ahead=True, **long
+                )  # fmt: skip
+
+            if not torch.equal(make(False)(), make(True)()):
+                raise AssertionError(f"B = {batch} ctx {ctx}: the read ahead moved bits")
+            off, on = (_graph_ms(partial(make, a), read, 8) * 1e3 for a in (False, True))
+            print(f"| {batch} | {ctx} | {off:.1f} | {on:.1f} | {on / off:.2f} |")
 
 
 def bench_wide_split_larger() -> None:
@@ -2141,6 +2177,7 @@ def sections() -> dict:
         "split_size": bench_split_size,
         "split_larger": bench_split_larger,
         "wide_split_larger": bench_wide_split_larger,
+        "long_ahead": bench_long_ahead,
         "tail": bench_tail,
         "merge": bench_merge,
         "split_sweep": bench_split_sweep,
