@@ -150,8 +150,11 @@ WIDE_HEADS = 64
 # B = 64 264.5 -> 236.5; from 128 queries (a program a whole query, so prefill) level. On by
 # default since the kernel with long splits ran on a GPU (H100, fifty-third session: its kernel
 # and golden tests pass; the op at context 4096 B = 64 139.0 -> 123.2 µs, B = 8 at 8192 45.5
-# -> 39.9, B = 1 at 4096 14.7 -> 19.4, B = 16 at 4096 41.4 -> 45.2, not understood: constant
-# splits of 8 ran it at 37.9 with the same launch forms; through the engine at context 4096,
+# -> 39.9, B = 1 at 4096 14.7 -> 19.4, B = 16 at 4096 41.4 -> 45.2: in a table 64 blocks
+# wide the grid counts 16 splits (a query of 63 blocks) where a 64-block query has 8, so the
+# launch is past TABLE_AHEAD_MAX_PAIRS where constant splits of 8 (37.9) are not; fifty-fourth
+# session, `bench/gpu_kernels.py long_ahead`: counting the widest query's own splits instead
+# would lose 2-11% for the shorter queries such tables hold; through the engine at context 4096,
 # ms a step, B = 64 15.25 -> 14.88, B = 8 7.67 -> 7.60, B = 1 2.93 -> 3.04, prefill 8x4096
 # level). The attention goal is at B >= 64, where one query's +4.7 µs a layer is the
 # price.
