@@ -181,7 +181,9 @@ NARROW_LAUNCH = HeadLaunch(
 # 720, B = 8 49 / 69 / 118, B = 1 42 / 65 / 117; through the engine (27 layers, context 4096,
 # ms a step): B = 64 19.26 / 18.18 / 17.53, B = 8 10.13 / 10.73 / 11.89, B = 1 5.54 / 6.19 /
 # 7.65. Splits of 64 would save 3.4% more at B = 64 for 24% more at one query than 32: 32 is
-# the trade the 16-head launch made (B = 64 -2.4%, B = 1 +3.8% there; here -5.6%, +11.7%).
+# the trade the 16-head launch made (B = 64 -2.4%, B = 1 +3.8% there; here -5.6%, +11.7%),
+# and against fast mode with FlashMLA it gives the smaller worst price of invariance at
+# context 4096: 1.07-1.12 from B = 1 to 64 (1.00-1.14 without long splits, 1.03-1.38 with 64).
 WIDE_LONG_BLOCKS = 64
 WIDE_LONG_SPLIT_BLOCKS = 32
 WIDE_LAUNCH = HeadLaunch(
