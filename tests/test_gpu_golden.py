@@ -76,35 +76,72 @@ def test_gpu_golden_batch_invariance(workload, alone_invariant):
         assert shuffled[i] == alone_invariant[i], f"prompt {i}: shuffled differs from alone"
 
 
-def test_gpu_golden_negative_control_fast_mode(workload):
-    alone = _alone("fast", workload)
+@pytest.fixture(scope="module")
+def alone_fast(workload) -> dict:
+    return _alone("fast", workload)
+
+
+def test_gpu_golden_negative_control_fast_mode(workload, alone_fast):
+    alone = alone_fast
     together, shuffled, _ = _batched("fast", workload, **NO_PREFIX_CACHE)
     differing = [i for i in alone if together[i] != alone[i] or shuffled[i] != alone[i]]
     assert differing, "fast kernels gave identical bits alone and batched: the test cannot fail"
 
 
-@pytest.mark.parametrize("budget", [7, 33])
-def test_gpu_chunked_prefill_bitwise(workload, alone_invariant, budget):
+def _chunked(mode: str, workload, budget: int) -> dict:
+    """The first 16 prompts batched, prefilled in chunks of at most `budget` tokens; asserts
+    some prompt was prefilled in several chunks (engagement)."""
     prompts, params = workload
-    llm = LLM(TINY_GPU, **{"scheduler.max_num_batched_tokens": budget, **NO_PREFIX_CACHE})
+    overrides = {"kernels.mode": mode, "scheduler.max_num_batched_tokens": budget}
+    llm = LLM(TINY_GPU, **overrides, **NO_PREFIX_CACHE)
     steps = record_steps(llm)
-    got = run_in_batches(llm, prompts, params, [list(range(16))])
+    try:
+        got = run_in_batches(llm, prompts, params, [list(range(16))])
+    finally:
+        llm.shutdown()
     starts = [c.start for step in steps for c in step if c.num_tokens > 1]
     assert any(start > 0 for start in starts), "no prompt was prefilled in several chunks"
+    return got
+
+
+@pytest.mark.parametrize("budget", [7, 33])
+def test_gpu_chunked_prefill_bitwise(workload, alone_invariant, budget):
+    got = _chunked("invariant", workload, budget)
     assert got == {i: alone_invariant[i] for i in range(16)}
+
+
+def test_gpu_chunked_prefill_negative_control_fast(workload, alone_fast):
+    """The chunked test's comparison in fast mode finds a difference: it can fail."""
+    got = _chunked("fast", workload, 7)
+    assert any(got[i] != alone_fast[i] for i in range(16)), "fast mode chunked matched alone"
+
+
+def _prefix_hits(mode: str, workload) -> dict:
+    """The first 16 prompts batched twice on one engine, the second run hitting the prefix
+    cache the first filled (asserted: engagement); -> the second run's outputs."""
+    prompts, params = workload
+    llm = LLM(TINY_GPU, **{"kernels.mode": mode})
+    batch = [list(range(16))]
+    try:
+        run_in_batches(llm, prompts, params, batch)  # fills the cache
+        hits_before = llm.engine.stats().num_prefix_hit_blocks
+        got = run_in_batches(llm, prompts, params, batch)
+        hits = llm.engine.stats().num_prefix_hit_blocks - hits_before
+    finally:
+        llm.shutdown()
+    assert hits > 0, "the second run never hit the cache"
+    return got
 
 
 def test_gpu_prefix_cache_hit_bitwise(workload, alone_invariant):
-    prompts, params = workload
-    llm = LLM(TINY_GPU)
-    batch = [list(range(16))]
-    run_in_batches(llm, prompts, params, batch)  # fills the cache
-    hits_before = llm.engine.stats().num_prefix_hit_blocks
-    got = run_in_batches(llm, prompts, params, batch)
-    assert llm.engine.stats().num_prefix_hit_blocks > hits_before, (
-        "the second run never hit the cache"
-    )
+    got = _prefix_hits("invariant", workload)
     assert got == {i: alone_invariant[i] for i in range(16)}
+
+
+def test_gpu_prefix_cache_hit_negative_control_fast(workload, alone_fast):
+    """The prefix-cache test's comparison in fast mode finds a difference: it can fail."""
+    got = _prefix_hits("fast", workload)
+    assert any(got[i] != alone_fast[i] for i in range(16)), "fast mode with hits matched alone"
 
 
 # kernels.attention_group_splits=2: a query's splits (4 cache blocks of 16 tokens) fold in
