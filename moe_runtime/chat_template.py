@@ -6,7 +6,8 @@ transformers renders it: with `messages` (each message's fields as given: an ass
 `tool_calls` and a null `content`, a tool message's `tool_call_id` too), `add_generation_prompt
 =True`, `tools` and `documents` None (no tools are offered), the tokenizer's special token
 strings (`bos_token`, `eos_token`, `pad_token`, ...), `raise_exception`, Jinja's loop controls
-(`{% break %}`, `{% continue %}`) and a `tojson` that keeps non-ASCII text and key order.
+(`{% break %}`, `{% continue %}`), its `{% generation %}` blocks (rendered as their body) and a
+`tojson` that keeps non-ASCII text and key order.
 Not given: `strftime_now` (a prompt would change with the date, so the same request would not
 give the same bits from one day to the next; a template that checks for it takes its own
 fallback). A `developer` message (OpenAI's newer name for the system instruction) reaches a
@@ -24,7 +25,8 @@ import json
 from functools import lru_cache
 from typing import Any
 
-from jinja2 import TemplateError
+from jinja2 import TemplateError, nodes
+from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 DEFAULT_CHAT_TEMPLATE = (
@@ -45,6 +47,22 @@ def _raise_exception(message: str) -> None:
     raise TemplateError(message)
 
 
+class _GenerationBlock(Extension):
+    """transformers' `{% generation %}...{% endgeneration %}`, which marks an assistant's text
+    for its training masks: rendered as its body alone, in a scope of its own as transformers
+    renders it. Without it a template using the tag failed to load."""
+
+    tags = {"generation"}
+
+    def parse(self, parser) -> nodes.CallBlock:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller) -> str:
+        return caller()
+
+
 def _tojson(
     value: Any, ensure_ascii: bool = False, indent=None, separators=None, sort_keys=False
 ) -> str:
@@ -58,7 +76,9 @@ def _tojson(
 def compile_chat_template(template: str):
     """The compiled template; ValueError naming the problem if it is not valid Jinja."""
     env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=["jinja2.ext.loopcontrols", _GenerationBlock],
     )
     env.globals["raise_exception"] = _raise_exception
     env.filters["tojson"] = _tojson

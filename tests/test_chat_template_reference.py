@@ -1,7 +1,7 @@
 """Chat prompts against transformers' `apply_chat_template`, the outside reference: the same
 token ids for templates that use what transformers gives a template (loop controls, its
-`tojson`, `tools` None, the special-token strings, a message's `name`, an assistant's
-`tool_calls` and a tool message's `tool_call_id`), read from
+`tojson`, its `{% generation %}` blocks, `tools` None, the special-token strings, a message's
+`name`, an assistant's `tool_calls` and a tool message's `tool_call_id`), read from
 tokenizer_config.json or from `chat_template.jinja` (where transformers saves it now), and the
 same refusals. The tokenizer is a byte-level BPE trained here with special tokens added; the
 templates are written for this test in the style of real ones.
@@ -37,6 +37,14 @@ TEMPLATES = {
     ),
     "other_specials": "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{{ pad_token }}"
     "{{ unk_token }}{% endfor %}<Assistant>",
+    # transformers' tag marking an assistant's text for training masks, with a `set` inside
+    # that must not leak out of the block
+    "generation_tag": (
+        "{% set seen = 'none' %}{% for m in messages %}{% if m['role'] == 'assistant' %}"
+        "<Assistant>{% generation %}{% set seen = 'inner' %}{{ m['content'] }}{{ eos_token }}"
+        "{% endgeneration %}{% else %}<User>{{ m['content'] }}{% endif %}{% endfor %}"
+        "{{ seen }}{% if add_generation_prompt %}<Assistant>{% endif %}"
+    ),
     "named_speakers": (
         "{% for m in messages %}{% if m.name %}{{ m.name }}: {% endif %}"
         "<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<Assistant>"
