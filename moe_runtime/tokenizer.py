@@ -234,8 +234,15 @@ def _read_tokenizer_config(path: Path) -> dict:
 
 def _chat_template(model_dir: Path, settings: dict) -> tuple[str | None, str, str | None]:
     """(the model's chat template or None, the file it came from, why chat cannot be served
-    or None). tokenizer_config.json's `chat_template` (a string, or a list of named templates:
-    the one named "default"), else `chat_template.jinja` (where transformers saves it now)."""
+    or None). `chat_template.jinja` (where transformers saves it now), else tokenizer_config.json's
+    `chat_template` (a string, or a list of named templates: the one named "default"). The file
+    wins where both are there, as in transformers, so that both build the same prompt."""
+    jinja_file = model_dir / "chat_template.jinja"
+    if jinja_file.is_file():
+        try:
+            return jinja_file.read_text(encoding="utf-8"), str(jinja_file), None
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{jinja_file} is not UTF-8 text: {exc}") from None
     config_file = str(model_dir / "tokenizer_config.json")
     template = settings.get("chat_template")
     if isinstance(template, list):  # [{"name": ..., "template": ...}]
@@ -250,12 +257,4 @@ def _chat_template(model_dir: Path, settings: dict) -> tuple[str | None, str, st
             f"{config_file}: chat_template must be a string or a list of named templates, "
             f"got {type(template).__name__}"
         )
-    if template:
-        return template, config_file, None
-    jinja_file = model_dir / "chat_template.jinja"
-    if jinja_file.is_file():
-        try:
-            return jinja_file.read_text(encoding="utf-8"), str(jinja_file), None
-        except UnicodeDecodeError as exc:
-            raise ValueError(f"{jinja_file} is not UTF-8 text: {exc}") from None
-    return None, config_file, None
+    return template or None, config_file, None

@@ -85,6 +85,19 @@ def test_prompt_ids_equal_transformers(tmp_path, name, where):
     assert ours.apply_chat_template(MESSAGES) == _reference_ids(directory)
 
 
+@pytest.mark.parametrize(
+    "in_config",
+    [TEMPLATES["loop_controls"], [{"name": "rag", "template": "R"}], 7],
+    ids=["a_template", "named_templates_without_default", "not_a_template"],
+)
+def test_a_chat_template_jinja_file_wins_over_the_configs_template(tmp_path, in_config):
+    """transformers reads `chat_template.jinja` over tokenizer_config.json's entry."""
+    directory = _tokenizer_dir(tmp_path, {"chat_template": in_config}, TEMPLATES["tojson"])
+    ours = HFTokenizer(directory, bos_token_id=None, eos_token_id=None)
+    assert ours.apply_chat_template(MESSAGES) == _reference_ids(directory)
+    assert ours.decode(ours.apply_chat_template(MESSAGES)).startswith("[{")  # the file's
+
+
 # A tool-calling history read as templates read it: an assistant turn's tool calls (dicts), a
 # tool message's tool_call_id. Written to read a null content and an absent one alike.
 TOOL_TEMPLATE = (
