@@ -3,11 +3,13 @@
 A model directory's tokenizer_config.json may carry a `chat_template` (HF's Jinja format), or,
 as transformers now saves it, a `chat_template.jinja` file beside it. It is rendered as
 transformers renders it: with `messages` (each message's fields as given: an assistant's
-`tool_calls` and a null `content`, a tool message's `tool_call_id` too), `add_generation_prompt
-=True`, `tools` and `documents` None (no tools are offered), the tokenizer's special token
-strings (`bos_token`, `eos_token`, `pad_token`, ...), `raise_exception`, Jinja's loop controls
-(`{% break %}`, `{% continue %}`), its `{% generation %}` blocks (rendered as their body) and a
-`tojson` that keeps non-ASCII text and key order.
+`tool_calls` and a null `content`, a tool message's `tool_call_id` too), `add_generation_prompt`
+(true unless the request says otherwise), `tools` and `documents` None (no tools are offered),
+the tokenizer's special token strings (`bos_token`, `eos_token`, `pad_token`, ...),
+`raise_exception`, Jinja's loop controls (`{% break %}`, `{% continue %}`), its
+`{% generation %}` blocks (rendered as their body) and a `tojson` that keeps non-ASCII text and
+key order; a final message to continue (an assistant's prefill) ends the prompt where its
+content ends.
 Not given: `strftime_now` (a prompt would change with the date, so the same request would not
 give the same bits from one day to the next; a template that checks for it takes its own
 fallback). A `developer` message (OpenAI's newer name for the system instruction) reaches a
@@ -16,7 +18,7 @@ user, assistant and tool only, and skip any other role without a word, so the in
 be lost. Without a template, `DEFAULT_CHAT_TEMPLATE` is used: each message as `<|role|>` on its
 own line followed by its content and a newline (no content line for a null or empty content
 with tool calls), then each of its tool calls as `<|tool_call|>name(arguments)` and a newline;
-then `<|assistant|>` and a newline.
+then, with add_generation_prompt, `<|assistant|>` and a newline.
 """
 
 from __future__ import annotations
@@ -92,18 +94,35 @@ def _developer_as_system(message: dict[str, Any]) -> dict[str, Any]:
     return {**message, "role": "system"} if message.get("role") == "developer" else message
 
 
+# Put after the final message's content to find where it ends in the prompt (continue_final_
+# message); its trailing space tells whether the template trimmed the content's end.
+_FINAL_MESSAGE_END = "<|moe-runtime:final-message-ends-here|> "
+
+
 def render_chat(
-    template: str, messages: list[dict[str, Any]], **special_tokens: str | list[str]
+    template: str,
+    messages: list[dict[str, Any]],
+    *,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    **special_tokens: str | list[str],
 ) -> str:
     """The prompt text for `messages` ([{"role", "content", ...}]); ValueError if the template
-    rejects them or fails on them (any exception it raises: a bad message is a bad request)."""
+    rejects them or fails on them (any exception it raises: a bad message is a bad request).
+    add_generation_prompt: the template opens the assistant's next turn. continue_final_message
+    (not with add_generation_prompt): the prompt ends where the final message's content ends,
+    so the model continues that message (an assistant's prefill), as transformers cuts it:
+    after the content as rendered, or, where the template trimmed it, with the whitespace at
+    its end stripped."""
     compiled = compile_chat_template(template)
     if template != DEFAULT_CHAT_TEMPLATE and "developer" not in template:
         messages = [_developer_as_system(message) for message in messages]
+    if continue_final_message:
+        messages = _marked_final_message(messages)
     try:
-        return compiled.render(
+        text = compiled.render(
             messages=messages,
-            add_generation_prompt=True,
+            add_generation_prompt=add_generation_prompt,
             tools=None,
             documents=None,
             **special_tokens,
@@ -111,3 +130,28 @@ def render_chat(
     except Exception as exc:  # raise_exception's TemplateError, or the template's own bug
         detail = str(exc) if isinstance(exc, TemplateError) else f"{type(exc).__name__}: {exc}"
         raise ValueError(f"messages: the chat template failed: {detail}") from None
+    return _cut_at_final_message_end(text) if continue_final_message else text
+
+
+def _marked_final_message(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages with _FINAL_MESSAGE_END after the final one's content (a copy)."""
+    if not messages or not isinstance(messages[-1].get("content"), str):
+        raise ValueError(
+            "continue_final_message: the final message has no content to continue "
+            "(an assistant message with tool calls alone)"
+        )
+    final = messages[-1]
+    return [*messages[:-1], {**final, "content": final["content"] + _FINAL_MESSAGE_END}]
+
+
+def _cut_at_final_message_end(text: str) -> str:
+    marker = _FINAL_MESSAGE_END.rstrip()
+    at = text.rfind(marker)
+    if at < 0:
+        raise ValueError(
+            "continue_final_message: the chat template does not write the final message's "
+            "content as it is (it drops or rewrites its end), so the prompt cannot end inside it"
+        )
+    if text.startswith(_FINAL_MESSAGE_END, at):
+        return text[:at]
+    return text[:at].rstrip()  # the template trimmed the content: its end's spaces too

@@ -47,9 +47,10 @@ class ByteTokenizer:
     def is_byte_piece(self, token_id: int) -> bool:
         return 0 <= token_id < 256
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of the prompt for `messages`, with the default template (bos first)."""
-        return self.encode(render_chat(self.chat_template, messages))
+    def apply_chat_template(self, messages: list[dict[str, str]], **options: bool) -> list[int]:
+        """Token ids of the prompt for `messages`, with the default template (bos first);
+        `options`: render_chat's add_generation_prompt and continue_final_message."""
+        return self.encode(render_chat(self.chat_template, messages, **options))
 
 
 class HFTokenizer:
@@ -149,19 +150,20 @@ class HFTokenizer:
                 return token_id
         return 0
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of the prompt for `messages`. The model's own template writes its special
-        tokens itself (no bos added); the default template is encoded like any text."""
+    def apply_chat_template(self, messages: list[dict[str, str]], **options: bool) -> list[int]:
+        """Token ids of the prompt for `messages`; `options`: render_chat's add_generation_prompt
+        and continue_final_message. The model's own template writes its special tokens itself
+        (no bos added); the default template is encoded like any text."""
         if self._template_problem is not None:
             raise ValueError(f"messages: {self._template_problem}")
         if not self.has_chat_template:
-            return self.encode(render_chat(self.chat_template, messages))
+            return self.encode(render_chat(self.chat_template, messages, **options))
         specials = {
             "bos_token": self.bos_token,
             "eos_token": self.eos_token,
             **self._special_tokens,
         }
-        text = render_chat(self.chat_template, messages, **specials)
+        text = render_chat(self.chat_template, messages, **options, **specials)
         return self._encode(text)
 
     def _encode(self, text: str) -> list[int]:

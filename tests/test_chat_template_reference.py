@@ -186,3 +186,40 @@ def test_a_template_that_is_not_jinja_is_refused_at_load_naming_its_file(tmp_pat
     directory = _tokenizer_dir(tmp_path, {}, jinja="{% for m in messages %}unclosed")
     with pytest.raises(ValueError, match=r"chat_template\.jinja: the chat template is not valid"):
         HFTokenizer(directory, None, None)
+
+
+# Templates as real ones close a turn: an end token after the content, or the content trimmed
+# first (its end's spaces then go too).
+CLOSING_TEMPLATES = {
+    "eos_after": TEMPLATES["generation_tag"],
+    "trimmed": (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] | trim }}{{ eos_token }}"
+        "{% endfor %}{% if add_generation_prompt %}<Assistant>{% endif %}"
+    ),
+}
+PREFILLED = [*MESSAGES, {"role": "assistant", "content": "hello wörld  "}]
+
+
+@pytest.mark.parametrize("name", CLOSING_TEMPLATES)
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"add_generation_prompt": False, "continue_final_message": True},
+        {"add_generation_prompt": False, "continue_final_message": False},
+    ],
+    ids=["continue_final_message", "no_generation_prompt"],
+)
+def test_the_template_options_cut_the_prompt_as_transformers_does(tmp_path, name, options):
+    directory = _tokenizer_dir(tmp_path, {"chat_template": CLOSING_TEMPLATES[name]})
+    ours = HFTokenizer(directory, None, None).apply_chat_template(PREFILLED, **options)
+    reference = transformers.AutoTokenizer.from_pretrained(str(directory))
+    assert ours == list(reference.apply_chat_template(PREFILLED, **options)["input_ids"])
+    default = HFTokenizer(directory, None, None).apply_chat_template(PREFILLED)
+    assert ours != default  # engagement: the options change the prompt
+
+
+def test_a_final_message_the_template_drops_cannot_be_continued(tmp_path):
+    directory = _tokenizer_dir(tmp_path, {"chat_template": TEMPLATES["loop_controls"]})
+    options = {"add_generation_prompt": False, "continue_final_message": True}
+    with pytest.raises(ValueError, match="continue_final_message: the chat template does not"):
+        HFTokenizer(directory, None, None).apply_chat_template(PREFILLED, **options)

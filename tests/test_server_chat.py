@@ -382,6 +382,42 @@ def test_max_completion_tokens_wins_over_max_tokens(server):
     assert "max_completion_tokens is 1024" in error["message"]
 
 
+PREFILL = [*MESSAGES, {"role": "assistant", "content": "Hel"}]
+CONTINUE = {"add_generation_prompt": False, "continue_final_message": True}
+
+
+@pytest.mark.parametrize(
+    "options", [CONTINUE, {"add_generation_prompt": False}], ids=["continue", "no_turn_opened"]
+)
+def test_the_template_options_make_the_prompt(server, options):
+    """vLLM's add_generation_prompt and continue_final_message (a prefill): were 400s. The
+    answer is what /v1/completions gives for the prompt the tokenizer builds with them."""
+    body = {"messages": PREFILL, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    response = server.http.post(CHAT, json={**body, **options})
+    assert response.status_code == 200, response.text
+    prompt_ids = server.engine.tokenizer.apply_chat_template(PREFILL, **options)
+    assert prompt_ids != server.engine.tokenizer.apply_chat_template(PREFILL)
+    assert response.json()["usage"]["prompt_tokens"] == len(prompt_ids)
+    plain = {"prompt": prompt_ids, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    (expected,) = server.http.post("/v1/completions", json=plain).json()["choices"]
+    assert response.json()["choices"][0]["token_ids"] == expected["token_ids"]
+
+
+@pytest.mark.parametrize(
+    ("body", "problem"),
+    [
+        ({"messages": PREFILL, "continue_final_message": True}, "add_generation_prompt: false"),
+        ({"messages": TOOL_HISTORY[:2], **CONTINUE}, "no content to continue"),
+    ],
+)
+def test_continue_final_message_it_cannot_honour_is_a_400_naming_it(server, body, problem):
+    response = server.http.post(CHAT, json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "continue_final_message"
+    assert problem in error["message"]
+
+
 def test_a_whole_message_carries_a_null_refusal_as_openai_sends_it(server):
     body = {"messages": MESSAGES, "max_tokens": 2}
     (choice,) = server.http.post(CHAT, json=body).json()["choices"]

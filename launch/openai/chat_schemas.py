@@ -136,6 +136,10 @@ class ChatCompletionRequest(SamplingFields):
     left in the context."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    # vLLM's: the template opens the assistant's next turn (OpenAI's behaviour), or, instead,
+    # the prompt ends inside the final message for the model to continue it (a prefill)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -149,6 +153,18 @@ class ChatCompletionRequest(SamplingFields):
     modalities: Any = None
     reasoning_effort: Any = None
 
+    @field_validator("continue_final_message")
+    @classmethod
+    def _a_final_message_to_continue(cls, value: bool, info) -> bool:
+        if not value:
+            return value
+        if info.data.get("add_generation_prompt"):  # info.data: fields above
+            raise ValueError("needs add_generation_prompt: false (no new turn is opened)")
+        messages = info.data.get("messages")  # absent when they are bad themselves
+        if messages and messages[-1].content is None:
+            raise ValueError("the final message has no content to continue, only tool_calls")
+        return value
+
     @field_validator("top_logprobs")
     @classmethod
     def _needs_logprobs(cls, value: int | None, info) -> int | None:
@@ -158,6 +174,13 @@ class ChatCompletionRequest(SamplingFields):
 
     def num_top_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def template_options(self) -> dict[str, bool]:
+        """The chat template's options (render_chat's)."""
+        return {
+            "add_generation_prompt": self.add_generation_prompt,
+            "continue_final_message": self.continue_final_message,
+        }
 
     def token_budget(self) -> int | None:
         """max_completion_tokens, else max_tokens: OpenAI deprecated max_tokens for it, so it
