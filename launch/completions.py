@@ -310,9 +310,12 @@ async def chat(
     messages = [m.template_fields() for m in body.messages]
     # Off the event loop: a long conversation's template and encoding take a while, and every
     # stream's chunks go out through the loop.
-    prompt_ids = await asyncio.to_thread(
-        tokenizer.apply_chat_template, messages, **body.template_options()
-    )
+    try:
+        prompt_ids = await asyncio.to_thread(
+            tokenizer.apply_chat_template, messages, **body.template_options()
+        )
+    except ValueError as exc:  # the template refused or failed on the messages
+        raise FieldError("messages", str(exc)) from None
     max_model_len, budget = config.scheduler.max_model_len, body.token_budget()
     params = body.sampling_params(None)  # no budget: to the context's end
     try:

@@ -6,11 +6,19 @@ bits `LLM.generate` gives for those prompt ids, whole or streamed.
 
 from __future__ import annotations
 
+import json
+
 import openai
 import pytest
+from fastapi.testclient import TestClient
 
+from launch.generation import Backend
+from launch.server_app import create_app
 from moe_runtime import LLM, SamplingParams
 from moe_runtime.chat_template import DEFAULT_CHAT_TEMPLATE, render_chat
+from moe_runtime.config import load_config
+from moe_runtime.tokenizer import HFTokenizer
+from tests.checkpoints import write_byte_level_bpe
 from tests.invariance import TINY_CONFIG, fingerprint
 from tests.serving import running_server, sse_events
 
@@ -540,3 +548,22 @@ def test_the_system_fingerprint_changes_with_what_can_change_bits(overrides, sam
         finally:
             engine.shutdown()
     assert (fingerprints[0] == fingerprints[1]) is same, fingerprints
+
+
+def test_a_template_refusing_the_messages_is_a_400_naming_them(tmp_path):
+    """raise_exception in the model's template (here: more than one message) answered a 400
+    whose `param` was null; it names `messages` now, as every other fault of theirs."""
+    write_byte_level_bpe(tmp_path, "hello world", ("<bos>", "<eos>"))
+    template = (
+        "{% if messages | length > 1 %}{{ raise_exception('one message only') }}{% endif %}"
+        "{{ messages[0]['content'] }}"
+    )
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    # The template runs before the engine is reached: no engine needed.
+    backend = Backend(engine=None, tokenizer=HFTokenizer(tmp_path, None, None))
+    client = TestClient(create_app(load_config(TINY_CONFIG), backend))
+    response = client.post(CHAT, json={"messages": [*MESSAGES, *MESSAGES]})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "messages"
+    assert "the chat template failed: one message only" in error["message"]
