@@ -1,8 +1,9 @@
 """Tokenizers: a model directory's tokenizer.json, or bytes for models without one.
 
 `load_tokenizer(model_config)` picks `HFTokenizer` when `model.path` holds a `tokenizer.json`
-(the `tokenizers` library) and `ByteTokenizer` otherwise: ids 0-255 are the UTF-8 bytes of the
-text; ids >= 256 are special (bos, eos, padding of the vocabulary) and decode to nothing.
+(the `tokenizers` library), refuses a directory with another tokenizer's files alone, and
+picks `ByteTokenizer` otherwise: ids 0-255 are the UTF-8 bytes of the text; ids >= 256 are
+special (bos, eos, padding of the vocabulary) and decode to nothing.
 Both prepend `bos_token_id` (from the model config) when encoding text, decode without special
 tokens, and build chat prompts with `apply_chat_template`. No model code here.
 """
@@ -213,17 +214,44 @@ def _is_only_byte_level(decoder: dict) -> bool:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
+# Files of a tokenizer this runtime does not read (a sentencepiece or tiktoken model, a
+# vocabulary and its merges) or does not read without tokenizer.json (its config, its template).
+_UNREAD_TOKENIZER_FILES = (
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "tokenizer.model",
+    "tiktoken.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+)
+
+
 def load_tokenizer(model_config: ModelConfig) -> ByteTokenizer | HFTokenizer:
-    """HFTokenizer for a model directory with tokenizer.json, else the byte-level fallback."""
+    """HFTokenizer for a model directory with tokenizer.json, else the byte-level fallback;
+    ValueError for a directory with another tokenizer's files alone: the model's tokenizer is
+    there, and bytes in its place would feed it ids it never learned, without a word."""
     bos, eos = model_config.bos_token_id, model_config.eos_token_id
-    if model_config.path and (Path(model_config.path) / "tokenizer.json").is_file():
-        tokenizer = HFTokenizer(model_config.path, bos, eos)
+    directory = Path(model_config.path) if model_config.path else None
+    if directory is not None and (directory / "tokenizer.json").is_file():
+        tokenizer = HFTokenizer(directory, bos, eos)
         if tokenizer.vocab_size > model_config.vocab_size:
             raise ValueError(
                 f"{model_config.path}/tokenizer.json has {tokenizer.vocab_size} tokens, more "
                 f"than model.vocab_size={model_config.vocab_size}"
             )
         return tokenizer
+    unread = (
+        []
+        if directory is None
+        else [name for name in _UNREAD_TOKENIZER_FILES if (directory / name).is_file()]
+    )
+    if unread:
+        raise ValueError(
+            f"model.path={model_config.path} holds {', '.join(unread)} but no tokenizer.json, "
+            "the one tokenizer file the runtime reads; write it with transformers: "
+            "AutoTokenizer.from_pretrained(path).save_pretrained(path)"
+        )
     return ByteTokenizer(model_config.vocab_size, bos, eos)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -71,6 +72,20 @@ def test_load_tokenizer_picks_by_model_dir(model_config):
     tiny_vocab = model_config.__class__(**{**model_config.__dict__, **small})
     with pytest.raises(ValueError, match="model.vocab_size=4"):
         load_tokenizer(tiny_vocab)
+
+
+@pytest.mark.parametrize("name", ["tokenizer.model", "tokenizer_config.json"])
+def test_a_model_dir_with_another_tokenizer_alone_is_refused(model_config, name):
+    """A sentencepiece model (or a tokenizer config) without tokenizer.json was silently
+    replaced by bytes: a real model fed ids it never learned. The refusal names the file."""
+    directory = Path(model_config.path)
+    (directory / "tokenizer.json").unlink()
+    for other in ("tokenizer_config.json", "tokenizer.model"):
+        (directory / other).unlink(missing_ok=True)
+    assert isinstance(load_tokenizer(model_config), ByteTokenizer)  # nothing there: bytes
+    (directory / name).write_text("{}")
+    with pytest.raises(ValueError, match=rf"holds {re.escape(name)} but no tokenizer\.json"):
+        load_tokenizer(model_config)
 
 
 def test_engine_uses_the_model_dirs_tokenizer(tmp_path):
