@@ -33,11 +33,14 @@ def all_gather(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> list[
 def all_to_all_equal(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """x [R * n, ...], block j (rows j * n .. (j + 1) * n) for rank j -> [R * n, ...], block j
     from rank j. n may be 0."""
+    # Why contiguous first: empty_like keeps a view's strides, and the collective writes the
+    # output as one dense buffer, so a transposed or sliced x came back with its rows scrambled.
+    x = x.contiguous()
     out = torch.empty_like(x)
     # Collective: every rank of the group calls this with the same shape, even with n 0, in the
     # same order as its other collectives.
     with collective_guard(dist.get_rank(), "all_to_all"):
-        dist.all_to_all_single(out, x.contiguous(), group=group)
+        dist.all_to_all_single(out, x, group=group)
     return out
 
 

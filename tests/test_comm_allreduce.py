@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from comm import all_reduce, destroy_process_groups, init_process_groups, worker_nccl_env
+from comm.allreduce import all_to_all_equal
 from moe_kernels.combine import sum_over_ranks_fast, sum_over_ranks_ref
 from tests.test_comm_groups import BACKENDS, MASTER_ADDR, backend_config, run_ranks
 
@@ -98,3 +99,24 @@ def test_the_workers_nccl_env_leaves_nccl_its_channels():
     env = worker_nccl_env()
     assert not {"NCCL_ALGO", "NCCL_PROTO", "NCCL_MIN_NCHANNELS", "NCCL_MAX_NCHANNELS"} & set(env)
     assert env["NCCL_NVLS_ENABLE"] == "0" and env["NCCL_COLLNET_ENABLE"] == "0"
+
+
+def _strided_exchange_worker(rank: int, world_size: int, port: int) -> dict:
+    groups = init_process_groups(backend_config(world_size, "gloo"), rank, MASTER_ADDR, port)
+    # [R * n, w] as a transposed view: its rows are not one dense block each.
+    strided = (torch.arange(24.0).view(3, 8) + 100 * rank).t()
+    # Collectives: every rank runs both exchanges, in this order.
+    result = {"strided": all_to_all_equal(strided, groups.ep_group)}
+    result["dense"] = all_to_all_equal(strided.contiguous(), groups.ep_group)
+    destroy_process_groups()
+    return result
+
+
+def test_all_to_all_equal_of_a_strided_view_moves_its_rows(tmp_path):
+    results = run_ranks(_strided_exchange_worker, 2, tmp_path)
+    blocks = [(torch.arange(24.0).view(3, 8) + 100 * r).t().split(4) for r in range(2)]
+    for rank, res in enumerate(results):
+        # Block j of what rank r receives: rank j's block r, as for a dense input.
+        expected = torch.cat([blocks[source][rank] for source in range(2)])
+        assert torch.equal(res["dense"], expected)
+        assert torch.equal(res["strided"], expected)
