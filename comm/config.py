@@ -48,7 +48,8 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         for key in ("world_size", "tp_size"):
             value = getattr(self, key)
-            if not isinstance(value, int) or value < 1:
+            # A bool is an int to Python: `world_size: yes` must not pass as 1.
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"parallel.{key} must be an int >= 1, got {value!r}")
         if self.world_size % self.tp_size:
             raise ValueError(
@@ -57,6 +58,13 @@ class ParallelConfig:
             )
         if self.backend not in BACKENDS:
             raise ValueError(f"parallel.backend must be one of {BACKENDS}, got {self.backend!r}")
+        if not isinstance(self.allow_multiple_reduction, bool):
+            # Why strict: the dispatchers test it for truth, so the string "false" turned the
+            # placement-dependent pre-reduction on.
+            raise ValueError(
+                "parallel.allow_multiple_reduction must be true or false, got "
+                f"{self.allow_multiple_reduction!r}"
+            )
         # YAML reads a bare on/off as a bool: true/false mean "on"/"off".
         if isinstance(self.ep_capacity_dispatch, bool):
             dispatch = "on" if self.ep_capacity_dispatch else "off"
@@ -77,7 +85,11 @@ class ParallelConfig:
             )
         if self.device not in DEVICES:
             raise ValueError(f"parallel.device must be one of {DEVICES}, got {self.device!r}")
-        if not isinstance(self.max_restarts, int) or self.max_restarts < 0:
+        if (
+            not isinstance(self.max_restarts, int)
+            or isinstance(self.max_restarts, bool)
+            or self.max_restarts < 0
+        ):
             raise ValueError(
                 f"parallel.max_restarts must be an int >= 0, got {self.max_restarts!r}"
             )

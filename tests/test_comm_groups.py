@@ -169,3 +169,20 @@ def test_process_groups_tp2_world4(tmp_path):
 
 def test_process_groups_is_frozen():
     assert ProcessGroups.__dataclass_params__.frozen
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("world_size", True),
+        ("tp_size", True),
+        ("max_restarts", False),
+        ("allow_multiple_reduction", "false"),
+        ("allow_multiple_reduction", 0),
+    ],
+)
+def test_parallel_config_refuses_a_value_of_the_wrong_kind(key, value):
+    """A bool is no rank count, and a non-bool is no switch (the string "false" is true to the
+    dispatchers): each refused naming the key and the value."""
+    with pytest.raises(ValueError, match=rf"parallel\.{key} .*got {value!r}"):
+        ParallelConfig(**{key: value})
