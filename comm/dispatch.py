@@ -86,7 +86,8 @@ def dispatch_layout(topk_phys_ids: torch.Tensor, num_physical: int) -> DispatchL
         and not 0 <= int(flat.min()) <= int(flat.max()) < num_physical
     ):
         raise ValueError(
-            f"physical expert ids must lie in [0, {num_physical}), got {flat.min()}..{flat.max()}"
+            f"physical expert ids must lie in [0, {num_physical}), got "
+            f"{int(flat.min())}..{int(flat.max())}"
         )
     if flat.device.type == "cuda" and flat.numel() <= _RANK_MAX_ROWS:
         # Decode-sized steps: the stable sort's order exactly, in one launch (a radix sort

@@ -228,3 +228,13 @@ def test_layout_is_the_stable_sort_order_with_counts(num_tokens):
     layout = dispatch_layout(ids, 16)
     assert torch.equal(layout.order, torch.sort(ids.reshape(-1), stable=True).indices)
     assert layout.rows_per_slot.tolist() == torch.bincount(ids.reshape(-1), minlength=16).tolist()
+
+
+def test_dispatch_layout_refuses_ids_out_of_range_naming_them_as_ints():
+    """An expert id outside [0, num_physical) is refused with the ids' range as plain ints
+    (it printed tensor(-1)..tensor(3)); ids in range give a layout."""
+    with pytest.raises(ValueError, match=r"must lie in \[0, 4\), got -1\.\.3$"):
+        dispatch_layout(torch.tensor([[0, 3], [-1, 2]]), 4)
+    with pytest.raises(ValueError, match=r"must lie in \[0, 4\), got 0\.\.4$"):
+        dispatch_layout(torch.tensor([[0, 4]]), 4)
+    assert dispatch_layout(torch.tensor([[0, 3], [1, 2]]), 4).rows_per_slot.tolist() == [1] * 4
