@@ -302,3 +302,45 @@ def test_a_placement_past_the_collective_bound_names_the_key_that_sets_it(monkey
     message = _never_placed(monkeypatch, {"CPU": 4.0}, 8, "cpu")
     assert "each within 1s (parallel.timeout_s + 30s): it has 4 CPU" in message, message
     assert ray_executor._BOUND == "parallel.timeout_s + 30s"
+
+
+def _rendezvous_worker():
+    """A Worker that remembers the rendezvous point the driver gave its init (a local class:
+    shipped to the actors by value)."""
+    from moe_runtime.worker.worker import Worker
+
+    class RendezvousWorker(Worker):
+        def init(self, master_addr, master_port, physical_to_logical):
+            self.rendezvous = (master_addr, master_port)
+            super().init(master_addr, master_port, physical_to_logical)
+
+        def joined(self):
+            return self.rendezvous
+
+    return RendezvousWorker
+
+
+def test_the_rendezvous_is_rank_0_s_node_as_ray_reaches_it(ray_local, monkeypatch):
+    """The ranks meet at the address Ray reaches rank 0's node at. It was the one rank 0's
+    hostname resolves to, which is often loopback (127.0.1.1: Debian's /etc/hosts), so ranks
+    on other nodes waited the collective timeout and failed, or no address at all (a container
+    whose hostname resolves to nothing: rank 0 failed with gaierror). This machine's hostname
+    resolves to 127.0.0.1 while Ray reaches its node at another address."""
+    import ray
+
+    from moe_runtime.engine.balancer import initial_placement
+    from moe_runtime.executor import ray_executor
+    from tests.invariance import TINY_CONFIG
+
+    monkeypatch.setattr(ray_executor, "Worker", _rendezvous_worker())
+    config = load_config(TINY_CONFIG, {"parallel.world_size": 2, "parallel.timeout_s": 30})
+    executor = create_executor(config, initial_placement(config).physical_to_logical.tolist())
+    try:
+        joined = executor.call_all("joined")
+        table = ray.util.placement_group_table(executor.placement_group)
+        node_id = table["bundles_to_node_id"][0]
+        (node,) = [n for n in ray.nodes() if n["NodeID"] == node_id]
+        assert joined[0] == joined[1], joined
+        assert joined[0][0] == node["NodeManagerAddress"], (joined, node["NodeManagerAddress"])
+    finally:
+        executor.shutdown()

@@ -2,10 +2,11 @@
 
 Joins Ray through connect_ray (ray_connect.py). Bundles: one per rank, CPU bundles for
 `device: cpu`, GPU bundles for `device: cuda` (fractional when ranks share a GPU). Rank r runs in
-bundle r; rank 0's node and a free port there are the rendezvous point. Every remote call is
-bounded by the collective timeout plus a margin, or by a bound its caller gives (a quick call's;
-an update's read of the weights, parallel.weight_read_timeout_s); a dead or stuck worker becomes
-a WorkerError naming its rank and the step. This module and ray_connect.py are the only ones
+bundle r; rank 0's node (at the address Ray reaches it by) and a free port there are the
+rendezvous point. Every remote call is bounded by the collective timeout plus a margin, or by a
+bound its caller gives (a quick call's; an update's read of the weights,
+parallel.weight_read_timeout_s); a dead or stuck worker becomes a WorkerError naming its rank
+and the step. This module and ray_connect.py are the only ones
 besides launch/ that import ray.
 """
 
@@ -33,6 +34,7 @@ from moe_runtime.executor.ray_connect import connect_ray
 from moe_runtime.executor.ray_placement import (
     bundles,
     check_gpu_sharing,
+    node_address,
     wait_for_placement,
 )
 from moe_runtime.worker.step_input import StepInput, StepOutput, WorkerError
@@ -114,7 +116,10 @@ class RayExecutor:
         # The driver's threshold for the runtime's records, so a rank's loading progress shows.
         level = logging.getLogger("moe_runtime").getEffectiveLevel()
         self._get([w.configure_logging.remote(level) for w in self.workers], "configure_logging")
-        master_addr, master_port = self._get([self.workers[0].address.remote()], "address")[0]
+        # Why Ray's address for rank 0's node, not the one its hostname resolves to: that is
+        # often loopback (Debian's 127.0.1.1), where ranks of other nodes wait out the timeout.
+        master_addr = node_address(self.placement_group, 0)
+        master_port = self._get([self.workers[0].free_port.remote()], "free_port")[0]
         # Collective: every rank joins the rendezvous, so all init calls go out together.
         p2l = ray.put(physical_to_logical)
         self._get([w.init.remote(master_addr, master_port, p2l) for w in self.workers], "init")

@@ -43,6 +43,16 @@ def wait_for_placement(
     )
 
 
+def node_address(group, bundle_index: int) -> str:
+    """The address Ray reaches the node of a ready placement group's bundle at (its raylet's,
+    which every other node of the cluster connects to)."""
+    node_id = ray.util.placement_group_table(group)["bundles_to_node_id"][bundle_index]
+    for node in ray.nodes():
+        if node["NodeID"] == node_id:
+            return node["NodeManagerAddress"]
+    raise WorkerError(f"the Ray cluster has no node {node_id} (bundle {bundle_index}'s)")
+
+
 def cluster_has(bundle: dict[str, float]) -> str:
     """The cluster's total and free amounts of each resource a bundle asks for."""
     total, free = ray.cluster_resources(), ray.available_resources()

@@ -153,12 +153,13 @@ class Worker:
         the driver sees it without asking (RayExecutor.dead_ranks)."""
         threading.Event().wait()
 
-    def address(self) -> tuple[str, int]:
-        """(ip, free port) of this worker's node: rank 0's is the rendezvous point."""
+    def free_port(self) -> int:
+        """A port free on this worker's node: rank 0's is the rendezvous port. (The node's
+        address is Ray's for it, which the driver knows: the one this host's name resolves to
+        may be loopback, or nothing.)"""
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.bind(("", 0))
-            port = sock.getsockname()[1]
-        return socket.gethostbyname(socket.gethostname()), port
+            return sock.getsockname()[1]
 
     def init(
         self, master_addr: str, master_port: int, physical_to_logical: list[list[int]]
