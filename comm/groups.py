@@ -56,14 +56,33 @@ def dp_group_ranks(world_size: int, tp_size: int) -> list[list[int]]:
     return [list(range(tp_rank, world_size, tp_size)) for tp_rank in range(tp_size)]
 
 
+def open_rendezvous(config: ParallelConfig) -> dist.TCPStore:
+    """Rank 0's side of the rendezvous, before any rank joins: a store listening on a port the
+    OS picks (its .port), for init_process_groups' `store`.
+
+    Why not a port found free and let go until the init binds it: meanwhile another process
+    (a second engine's rank 0, any program's socket) could take it, and the start failed with
+    EADDRINUSE, or the other ranks joined that other engine's store.
+    """
+    timeout = timedelta(seconds=config.timeout_s)
+    return dist.TCPStore(
+        "127.0.0.1", 0, config.world_size, is_master=True, timeout=timeout, wait_for_workers=False
+    )
+
+
 def init_process_groups(
-    config: ParallelConfig, rank: int, master_addr: str, master_port: int
+    config: ParallelConfig,
+    rank: int,
+    master_addr: str,
+    master_port: int,
+    store: dist.TCPStore | None = None,
 ) -> ProcessGroups:
     """Join the job's default group over TCP and build the TP/DP groups; fill the registry.
 
     Every rank of the job must call this once, with the same config, address and port. On
     CUDA the groups' device is the current one (a Ray rank's: its one visible GPU, device 0;
-    Worker.init sets none).
+    Worker.init sets none). store: rank 0's open_rendezvous(), listening at master_port
+    already; None: rank 0 binds master_port itself (every other rank connects to it).
     """
     global _registry
     if _registry is not None:
@@ -77,12 +96,13 @@ def init_process_groups(
     timeout = timedelta(seconds=config.timeout_s)
     # Collective: every rank joins the rendezvous at master_addr:master_port.
     with collective_guard(rank, "init_process_group"):
+        if store is None:  # (a store given to rank 0 listens already)
+            is_master = rank == 0
+            store = dist.TCPStore(
+                master_addr, master_port, config.world_size, is_master, timeout=timeout
+            )
         dist.init_process_group(
-            backend,
-            init_method=f"tcp://{master_addr}:{master_port}",
-            world_size=config.world_size,
-            rank=rank,
-            timeout=timeout,
+            backend, store=store, world_size=config.world_size, rank=rank, timeout=timeout
         )
         # Collective: new_group must be called by ALL ranks, for every group, in the same
         # order (TP groups in block order, then DP groups in tp_rank order), even by ranks

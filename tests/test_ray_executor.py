@@ -344,3 +344,23 @@ def test_the_rendezvous_is_rank_0_s_node_as_ray_reaches_it(ray_local, monkeypatc
         assert joined[0][0] == node["NodeManagerAddress"], (joined, node["NodeManagerAddress"])
     finally:
         executor.shutdown()
+
+
+def test_the_rendezvous_port_is_held_from_its_choice_to_the_init():
+    """Rank 0 found a free port, let it go and bound it again in its init, after every rank's
+    init call went out: meanwhile any process could take it (a second engine's rank 0 picking
+    ports at the same time), and the start failed with EADDRINUSE, or the other ranks joined
+    that engine's store. Now rank 0's store listens on the port from the moment it is chosen,
+    and the init joins that store."""
+    import errno
+    import socket
+
+    from moe_runtime.worker.worker import Worker
+    from tests.invariance import TINY_CONFIG
+
+    config = load_config(TINY_CONFIG, {"parallel.world_size": 2})
+    worker = Worker(config, rank=0)
+    port = worker.open_rendezvous()
+    with socket.socket() as other, pytest.raises(OSError) as taken:
+        other.bind(("", port))
+    assert taken.value.errno == errno.EADDRINUSE, taken.value

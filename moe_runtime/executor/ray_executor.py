@@ -2,12 +2,12 @@
 
 Joins Ray through connect_ray (ray_connect.py). Bundles: one per rank, CPU bundles for
 `device: cpu`, GPU bundles for `device: cuda` (fractional when ranks share a GPU). Rank r runs in
-bundle r; rank 0's node (at the address Ray reaches it by) and a free port there are the
-rendezvous point. Every remote call is bounded by the collective timeout plus a margin, or by a
-bound its caller gives (a quick call's; an update's read of the weights,
-parallel.weight_read_timeout_s); a dead or stuck worker becomes a WorkerError naming its rank
-and the step. This module and ray_connect.py are the only ones
-besides launch/ that import ray.
+bundle r; rank 0's node (at the address Ray reaches it by) and the port its rendezvous store
+holds there are the rendezvous point. Every remote call is bounded by the collective timeout
+plus a margin, or by a bound its caller gives (a quick call's; an update's read of the
+weights, parallel.weight_read_timeout_s); a dead or stuck worker becomes a WorkerError naming
+its rank and the step. This module and ray_connect.py are the only ones besides launch/ that
+import ray.
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ class RayExecutor:
         # Why Ray's address for rank 0's node, not the one its hostname resolves to: that is
         # often loopback (Debian's 127.0.1.1), where ranks of other nodes wait out the timeout.
         master_addr = node_address(self.placement_group, 0)
-        master_port = self._get([self.workers[0].free_port.remote()], "free_port")[0]
+        master_port = self._get([self.workers[0].open_rendezvous.remote()], "open_rendezvous")[0]
         # Collective: every rank joins the rendezvous, so all init calls go out together.
         p2l = ray.put(physical_to_logical)
         self._get([w.init.remote(master_addr, master_port, p2l) for w in self.workers], "init")

@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import socket
 import sys
 import threading
 from collections import deque
@@ -27,7 +26,7 @@ import torch
 from comm.capacity_dispatch import FixedCapacityDispatcher
 from comm.deepep_dispatch import DeepEPDispatcher
 from comm.dispatch import AllToAllDispatcher, LocalDispatcher
-from comm.groups import destroy_process_groups, init_process_groups
+from comm.groups import destroy_process_groups, init_process_groups, open_rendezvous
 from eplb.placement import ExpertPlacement
 from eplb.rearrange import rearrange_experts
 from moe_kernels import build_op_table, pin_threads
@@ -117,6 +116,7 @@ class Worker:
         self.placement: ExpertPlacement | None = None  # the driver's, given at init
         self.seqs: dict[int, SequenceState] = {}
         self.staged_weights: dict[str, torch.Tensor] | None = None
+        self.rendezvous_store = None  # rank 0's between open_rendezvous and init
         self.num_steps = 0
         self.load_window: deque[np.ndarray] = deque(maxlen=config.eplb.window_steps)
         self.total_load: np.ndarray | None = None
@@ -153,13 +153,13 @@ class Worker:
         the driver sees it without asking (RayExecutor.dead_ranks)."""
         threading.Event().wait()
 
-    def free_port(self) -> int:
-        """A port free on this worker's node: rank 0's is the rendezvous port. (The node's
-        address is Ray's for it, which the driver knows: the one this host's name resolves to
-        may be loopback, or nothing.)"""
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind(("", 0))
-            return sock.getsockname()[1]
+    def open_rendezvous(self) -> int:
+        """Rank 0, before init: the rendezvous store listening on this node, held until init
+        joins it (comm.groups.open_rendezvous says why) -> its port. (The node's address is
+        Ray's for it, which the driver knows: the one this host's name resolves to may be
+        loopback, or nothing.)"""
+        self.rendezvous_store = open_rendezvous(self.config.parallel)
+        return self.rendezvous_store.port
 
     def init(
         self, master_addr: str, master_port: int, physical_to_logical: list[list[int]]
@@ -187,7 +187,8 @@ class Worker:
         slots = self.placement.num_physical // self.world_size
         tp = TensorParallel()
         if self.world_size > 1:
-            groups = init_process_groups(parallel, self.rank, master_addr, master_port)
+            store, self.rendezvous_store = self.rendezvous_store, None  # the group holds it
+            groups = init_process_groups(parallel, self.rank, master_addr, master_port, store)
             tp = TensorParallel(groups.tp_size, groups.tp_rank, groups.tp_group)
             self.group = groups.ep_group
             # Experts are parallel over the whole world; the TP ranks of one DP group hold the
