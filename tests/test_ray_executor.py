@@ -364,3 +364,34 @@ def test_the_rendezvous_port_is_held_from_its_choice_to_the_init():
     with socket.socket() as other, pytest.raises(OSError) as taken:
         other.bind(("", port))
     assert taken.value.errno == errno.EADDRINUSE, taken.value
+
+
+def _worker_that_cannot_start():
+    """A Worker whose actor fails in its creation, as one whose node lacks a package does."""
+    from moe_runtime.worker.worker import Worker
+
+    class UnstartableWorker(Worker):
+        def __init__(self, config, rank):
+            raise ModuleNotFoundError("No module named 'triton_on_this_node'")
+
+    return UnstartableWorker
+
+
+def test_a_rank_that_fails_to_start_says_why(ray_local, monkeypatch):
+    """An actor that died in its creation (its class failing to import on a node that lacks a
+    package, its constructor raising) read "rank 0 died during configure_logging": the cause
+    went to the log only. It is named now, without Ray's pids and ids."""
+    from moe_runtime.engine.balancer import initial_placement
+    from moe_runtime.executor import ray_executor
+    from tests.invariance import TINY_CONFIG
+
+    monkeypatch.setattr(ray_executor, "Worker", _worker_that_cannot_start())
+    config = load_config(TINY_CONFIG, {"parallel.world_size": 2, "parallel.timeout_s": 30})
+    with pytest.raises(WorkerError) as failure:
+        create_executor(config, initial_placement(config).physical_to_logical.tolist())
+    message = str(failure.value)
+    assert re.fullmatch(
+        r"rank [01] died during configure_logging: its actor failed to start: "
+        r"ModuleNotFoundError: No module named 'triton_on_this_node'",
+        message,
+    ), message

@@ -254,7 +254,7 @@ class RayExecutor:
                     raise WorkerError(self._blame(pending, rank_of, what, failure)) from exc
                 except RayActorError as exc:  # its pid, node and actor ids go to the log only
                     log.error("rank %d died during %s: %s", rank, what, exc)
-                    raise WorkerError(self._death(rank, what)) from exc
+                    raise WorkerError(self._death(rank, what, exc)) from exc
                 except RayError as exc:
                     log.error("rank %d failed during %s: %s", rank, what, exc)
                     raise WorkerError(f"rank {rank} failed during {what}: {_cause(exc)}") from exc
@@ -277,7 +277,7 @@ class RayExecutor:
                 continue
             log.error("rank %d failed during %s: %s", rank_of[ref], what, error)
             if isinstance(error, RayActorError):
-                raise WorkerError(self._death(rank_of[ref], what)) from error
+                raise WorkerError(self._death(rank_of[ref], what, error)) from error
             raise WorkerError(f"rank {rank_of[ref]} failed during {what}: {_cause(error)}")
 
     def _blame(self, pending: list, rank_of: dict, what: str, failure: str) -> str:
@@ -315,9 +315,12 @@ class RayExecutor:
             return f"ranks {silent_ranks} still in {what} (they answer pings) {grace}"
         return failure
 
-    def _death(self, rank: int, what: str) -> str:
-        """'rank r died during what', with why where the driver killed it (kill_ranks)."""
+    def _death(self, rank: int, what: str, error: RayActorError | None = None) -> str:
+        """'rank r died during what', with why where the driver killed it (kill_ranks) or its
+        actor failed to start (`error`, the death's)."""
         why = f": killed, {self._killed[rank]}" if rank in self._killed else ""
+        if not why and error is not None and error.actor_init_failed:
+            why = f": its actor failed to start: {_creation_cause(error)}"
         return f"rank {rank} died during {what}{why}"
 
 
@@ -414,6 +417,8 @@ def _outcomes(refs: list, timeout_s: float) -> tuple[dict, list]:
 
 _ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _MAX_CAUSE_CHARS = 300
+# A traceback's exception line, "module.SomeError: message" (or the type alone), unindented.
+_EXCEPTION_LINE = re.compile(r"(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception)(?::.*)?")
 
 
 def _cause(exc: RayError) -> str:
@@ -422,4 +427,17 @@ def _cause(exc: RayError) -> str:
     traceback and ids, cut at _MAX_CAUSE_CHARS (the whole of it is logged)."""
     cause = getattr(exc, "cause", None) or exc
     text = _ANSI_ESCAPE.sub("", f"{type(cause).__name__}: {cause}").strip().splitlines()[0]
+    return text if len(text) <= _MAX_CAUSE_CHARS else text[: _MAX_CAUSE_CHARS - 3] + "..."
+
+
+def _creation_cause(error: RayActorError) -> str:
+    """What an actor that died in its creation raised, as _cause gives an exception (its class
+    failing to import on a node that lacks a package, its constructor raising). Ray keeps it
+    only as text: its traceback inside the error's message, the innermost exception last
+    (an import failure's "failed to import" first, then ModuleNotFoundError)."""
+    lines = _ANSI_ESCAPE.sub("", str(error)).splitlines()
+    found = [line for line in lines[1:] if _EXCEPTION_LINE.fullmatch(line)]
+    if not found:
+        return "see Ray's report in the log"
+    text = found[-1].strip()
     return text if len(text) <= _MAX_CAUSE_CHARS else text[: _MAX_CAUSE_CHARS - 3] + "..."
