@@ -208,7 +208,7 @@ def _mla_ws_split_kernel(
     t = gl.program_id(1).to(gl.int64)
     split = gl.program_id(2)
     position = gl.load(positions_ptr + t)
-    first_block, n = _split_range(split, position, SPLIT_BLOCKS, TAIL_BLOCKS)
+    first_block, n = _split_range(split, position, SPLIT_BLOCKS, TAIL_BLOCKS, 0, 0)  # no long
     table = tables_ptr + gl.load(seq_ids_ptr + t) * table_width
     q_lo_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, V // 2], lat_s)
     q_hi_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, V // 2], lat_s)

@@ -1196,11 +1196,13 @@ def test_the_attention_kernels_with_long_splits_compile_for_sm90():
         TAIL_BLOCKS=0, INPUT_PRECISION="tf32", UPCAST_DOT=False, V_PARTS=1, LAT_CHUNK=512,
         TABLE_AHEAD=True, GROUP_BLOCKS=0, GROUP_TAIL=0, PDL=False,
     )  # fmt: skip
+    short_splits = {"LONG_BLOCKS": 0, "LONG_SPLIT_BLOCKS": 0}
+    long_splits = {"LONG_BLOCKS": 64, "LONG_SPLIT_BLOCKS": 8}
     for whole in (False, True):
         consts = {**launch, "WRITE_OUT": whole, "WHOLE_QUERY": whole}
         ptx = [
-            _sm90_ptx(_mla_split_kernel, signature, {**consts, "LONG_BLOCKS": long}, num_warps=4)
-            for long in (0, 64)
+            _sm90_ptx(_mla_split_kernel, signature, {**consts, **long}, num_warps=4)
+            for long in (short_splits, long_splits)
         ]
         assert ".visible .entry" in ptx[1] and ptx[0] != ptx[1], whole
     merge_signature = {
@@ -1214,7 +1216,7 @@ def test_the_attention_kernels_with_long_splits_compile_for_sm90():
         ONE_SPLIT_WRITTEN=False, MERGE_HEADS=1, PDL=False,
     )  # fmt: skip
     ptx = [
-        _sm90_ptx(_mla_merge_kernel, merge_signature, {**merge, "LONG_BLOCKS": long}, num_warps=4)
-        for long in (0, 64)
+        _sm90_ptx(_mla_merge_kernel, merge_signature, {**merge, **long}, num_warps=4)
+        for long in (short_splits, long_splits)
     ]
     assert ".visible .entry" in ptx[1] and ptx[0] != ptx[1]
