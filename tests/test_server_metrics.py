@@ -160,9 +160,9 @@ def test_time_to_first_token_counts_from_the_requests_arrival(server, monkeypatc
     tokenizer = server.engine.tokenizer
     template = tokenizer.apply_chat_template
 
-    def slow_template(messages):
+    def slow_template(messages, **options):
         time.sleep(0.5)
-        return template(messages)
+        return template(messages, **options)
 
     monkeypatch.setattr(tokenizer, "apply_chat_template", slow_template)
     before = scrape(server)
