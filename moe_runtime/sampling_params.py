@@ -14,6 +14,8 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass, field, fields
 
+import numpy as np
+
 from moe_runtime.config_fields import check_field_types
 from moe_runtime.seeds import MAX_SEED, SEED_BITS
 
@@ -21,6 +23,9 @@ LOGPROBS_MODES = ("raw", "processed")
 # Temperatures below this are greedy, as in vLLM and SGLang: logits divided by a temperature
 # near float32's smallest normal (1.2e-38) overflow to inf, and argmax then takes the first.
 GREEDY_TEMPERATURE = 1e-5
+# The largest temperature: the sampler divides by it in float32, where a larger one is inf, the
+# logits then 0 and the -inf of held-off ids NaN, which argmax takes (EOS before min_tokens).
+MAX_TEMPERATURE = float(np.finfo(np.float32).max)
 
 
 @dataclass(frozen=True)
@@ -65,10 +70,11 @@ class SamplingParams:
             "an int >= 1",
         )
         _check(
-            self.temperature >= 0.0,
+            0.0 <= self.temperature <= MAX_TEMPERATURE,
             "temperature",
             self.temperature,
-            f"a finite number >= 0 (below {GREEDY_TEMPERATURE:g}: greedy)",
+            f"a finite number >= 0 (below {GREEDY_TEMPERATURE:g}: greedy) and at most "
+            f"float32's largest, {MAX_TEMPERATURE:g}",
         )
         _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "in (0, 1]")
         _check(self.top_k >= -1, "top_k", self.top_k, "-1 or 0 (off) or an int >= 1")

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from moe_kernels.cumsum import cumsum_ref
-from moe_runtime.sampling_params import SamplingParams
+from moe_runtime.sampling_params import MAX_TEMPERATURE, SamplingParams
 from moe_runtime.seeds import derive_seed, resolve_seed
 from moe_runtime.worker import sampler as sampler_module
 from moe_runtime.worker.sampler import Sampler
@@ -82,6 +82,20 @@ def test_a_temperature_too_small_to_divide_by_is_greedy(sampler, logits, tempera
 def test_temperature_must_be_a_finite_number(temperature):
     with pytest.raises(ValueError, match="temperature must be a finite number"):
         SamplingParams(temperature=temperature)
+
+
+def test_a_temperature_past_float32_is_refused(sampler, logits):
+    """The sampler divides by the temperature in float32, where 1e39 is inf: the logits were 0
+    and a held-off id's -inf NaN, which argmax takes, so every draw was EOS before min_tokens."""
+    with pytest.raises(ValueError, match="temperature must be a finite number"):
+        SamplingParams(temperature=1e39)
+    sampler = Sampler(lambda x: torch.log_softmax(x.float(), -1), cumsum_ref, eos_token_id=EOS)
+    params = SamplingParams(temperature=MAX_TEMPERATURE, min_tokens=2, logprobs=2)
+    draws = [sampler.sample(logits[:1], [params], [s], [0])[0] for s in range(20)]
+    assert all(d.token_id != EOS and math.isfinite(d.logprob) for d in draws)
+    assert len({d.token_id for d in draws}) > 5  # logits / 3.4e38: about uniform
+    # The control: the -inf of a held-off id divided by 1e39 in float32 is NaN.
+    assert torch.isnan(torch.tensor([float("-inf")]) / torch.tensor([1e39])).all()
 
 
 def test_ties_go_to_lower_id(sampler):
