@@ -905,7 +905,9 @@ def bench_long_ahead() -> None:
     Graph replay over L2-missing caches, µs."""
     from moe_kernels.triton_attention import _attend, mla_attention_triton
 
-    long = dict(long_blocks=NARROW_LAUNCH.long_blocks, long_split_blocks=8)
+    long = dict(
+        long_blocks=NARROW_LAUNCH.long_blocks, long_split_blocks=NARROW_LAUNCH.long_split_blocks
+    )
     print("\n## 16-head op, long splits, tables 64 wide: the table read ahead off / on")
     print("| B | ctx | op µs (ahead off) | ahead on µs | on / off |")
     print("|---|---|---|---|---|")

@@ -306,10 +306,12 @@ def with_groups(launch: HeadLaunch, group_splits: int) -> HeadLaunch:
 
 @functools.cache  # a frozen launch per (launch, long_blocks, size), as with_groups
 def with_long_blocks(
-    launch: HeadLaunch, long_blocks: int, long_split_blocks: int | None = None
+    launch: HeadLaunch, long_blocks: int | None, long_split_blocks: int | None = None
 ) -> HeadLaunch:
-    """The launch with long splits of long_split_blocks (None: the launch's own) from
-    long_blocks blocks (0: none)."""
+    """The launch with long splits of long_split_blocks from long_blocks blocks (0: none);
+    either None: the launch's own."""
+    if long_blocks is None:
+        long_blocks = launch.long_blocks
     if long_split_blocks is None:
         long_split_blocks = launch.long_split_blocks
     return dataclasses.replace(

@@ -323,10 +323,7 @@ def mla_attention_triton(
     # decode compile the same kernel and round the same way.
     launch = head_launch(q.shape[1] if whole_heads is None else whole_heads)
     if long_blocks is not None or long_split_blocks is not None:
-        is_default = long_blocks is None
-        launch = with_long_blocks(
-            launch, launch.long_blocks if is_default else long_blocks, long_split_blocks
-        )  # fmt: skip
+        launch = with_long_blocks(launch, long_blocks, long_split_blocks)
     if group_splits is not None:
         launch = with_groups(launch, group_splits)
     if launch.is_wide and q.element_size() > 2 and not _is_interpreted():
