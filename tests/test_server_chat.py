@@ -222,6 +222,16 @@ def test_a_message_name_reaches_the_template():
     }
 
 
+def test_text_parts_are_joined_with_newlines_as_vllm_joins_them():
+    """A content list's text parts reach the template one per line, as vLLM joins them; they
+    were run together ("a" and "b" gave "ab")."""
+    from launch.openai.chat_schemas import ChatMessage
+
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    message = ChatMessage(role="user", content=parts)
+    assert message.template_fields() == {"role": "user", "content": "a\nb"}
+
+
 TOOL_CALL = {"id": "call_1", "type": "function", "function": {"name": "w", "arguments": '{"a": 1}'}}
 TOOL_HISTORY = [
     {"role": "user", "content": "weather?"},

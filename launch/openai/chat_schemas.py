@@ -111,16 +111,16 @@ class ChatMessage(Strict):
     def text(self) -> str | None:
         if self.content is None or isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "\n".join(part.text for part in self.content)
 
     def template_fields(self) -> dict[str, Any]:
         """The message as the chat template reads it, as transformers hands it over: role,
-        content (text parts joined; a null content kept as None, as transformers 4 kept it:
-        DeepSeek-V3's template finds the tool-call turn by `content is none`, and fails on it
-        where transformers 5 drops the key), and `name`, `tool_calls` (a list of dicts) and
-        `tool_call_id` when given. Null or empty tool_calls and the no-op fields are left out:
-        they carry nothing, and a template that tests `'tool_calls' in message` would take
-        them for calls."""
+        content (text parts joined with newlines, as vLLM joins them; a null content kept as
+        None, as transformers 4 kept it: DeepSeek-V3's template finds the tool-call turn by
+        `content is none`, and fails on it where transformers 5 drops the key), and `name`,
+        `tool_calls` (a list of dicts) and `tool_call_id` when given. Null or empty tool_calls
+        and the no-op fields are left out: they carry nothing, and a template that tests
+        `'tool_calls' in message` would take them for calls."""
         fields: dict[str, Any] = {"role": self.role, "content": self.text()}
         if self.name is not None:
             fields["name"] = self.name
