@@ -328,6 +328,24 @@ def test_message_fields_that_would_carry_something_are_400s(server, message, pro
         assert "is not supported" in error["message"]
 
 
+@pytest.mark.parametrize("role", ["system", "user", "assistant", "tool", "developer"])
+def test_an_empty_list_of_content_parts_is_a_400_naming_the_message(server, role):
+    """`content: []` holds no text: OpenAI refuses it; it was accepted as an empty message.
+    An assistant message with tool_calls may have none (as a null content)."""
+    empty = {"role": role, "content": []}
+    if role == "tool":
+        empty["tool_call_id"] = "call_1"
+    body = {"messages": [MESSAGES[1], empty], "max_tokens": 2}
+    response = server.http.post(CHAT, json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "messages", error
+    assert error["message"].startswith("messages.1: content: [] holds no parts"), error
+    calls = {"role": "assistant", "content": [], "tool_calls": [TOOL_CALL]}
+    history = [MESSAGES[1], calls, {"role": "tool", "tool_call_id": "call_1", "content": "x"}]
+    assert server.http.post(CHAT, json={**body, "messages": history}).status_code == 200
+
+
 NO_TOOL_FIELDS = [
     ("tools", None),
     ("tools", []),

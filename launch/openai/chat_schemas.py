@@ -71,10 +71,10 @@ class ToolCall(Strict):
 
 
 class ChatMessage(Strict):
-    """A message of the history. `content` may be null (or absent) only in an assistant
-    message with tool calls, as OpenAI allows; `tool_calls` belong to assistant messages,
-    `tool_call_id` to tool messages (optional there); the other fields of the openai client's
-    `message.model_dump()` are accepted with the values that carry nothing."""
+    """A message of the history. `content` may be null (or absent) or `[]` only in an
+    assistant message with tool calls, as OpenAI allows; `tool_calls` belong to assistant
+    messages, `tool_call_id` to tool messages (optional there); the other fields of the openai
+    client's `message.model_dump()` are accepted with the values that carry nothing."""
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[TextPart] | None = None
@@ -106,11 +106,18 @@ class ChatMessage(Strict):
             raise ValueError(
                 "content: required (null or absent only in an assistant message with tool_calls)"
             )
+        if self.content == [] and not self.tool_calls:  # OpenAI refuses it too
+            raise ValueError(
+                "content: [] holds no parts (an empty list only in an assistant message with "
+                "tool_calls); send at least one text part, or a string"
+            )
         return self
 
     def text(self) -> str | None:
         if self.content is None or isinstance(self.content, str):
             return self.content
+        if not self.content:  # [] beside tool_calls: no content, as a null one
+            return None
         return "\n".join(part.text for part in self.content)
 
     def template_fields(self) -> dict[str, Any]:
