@@ -276,8 +276,16 @@ def test_a_tool_calling_history_is_accepted(server):
     assert response.status_code == 200, response.text
     prompt_ids = server.engine.tokenizer.apply_chat_template(TOOL_HISTORY)
     assert response.json()["usage"]["prompt_tokens"] == len(prompt_ids)
-    lenient = [{"role": "user", "content": "x"}, {"role": "tool", "content": "sunny"}]
-    assert server.http.post(CHAT, json={**body, "messages": lenient}).status_code == 200
+
+
+def test_a_tool_message_without_its_tool_call_id_is_a_400_naming_it(server):
+    """OpenAI requires a tool message's tool_call_id (the call it answers); it was optional."""
+    unnamed = [*TOOL_HISTORY[:2], {"role": "tool", "content": "sunny"}]
+    response = server.http.post(CHAT, json={"messages": unnamed, "max_tokens": 2})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "messages", error
+    assert error["message"].startswith("messages.2: tool_call_id: required"), error
 
 
 def test_an_openai_client_message_is_sent_back_as_it_dumps(server):

@@ -73,7 +73,7 @@ class ToolCall(Strict):
 class ChatMessage(Strict):
     """A message of the history. `content` may be null (or absent) or `[]` only in an
     assistant message with tool calls, as OpenAI allows; `tool_calls` belong to assistant
-    messages, `tool_call_id` to tool messages (optional there); the other fields of the openai
+    messages, `tool_call_id` to tool messages (required there); the other fields of the openai
     client's `message.model_dump()` are accepted with the values that carry nothing."""
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
@@ -102,6 +102,8 @@ class ChatMessage(Strict):
             raise ValueError(f"tool_calls: only an assistant message has them, not a {self.role}")
         if self.tool_call_id is not None and self.role != "tool":
             raise ValueError(f"tool_call_id: only a tool message has one, not a {self.role}")
+        if self.tool_call_id is None and self.role == "tool":  # OpenAI requires it too
+            raise ValueError("tool_call_id: required in a tool message (the call it answers)")
         if self.content is None and not self.tool_calls:
             raise ValueError(
                 "content: required (null or absent only in an assistant message with tool_calls)"
