@@ -17,6 +17,7 @@ import uuid
 from collections.abc import Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
+from dataclasses import replace
 
 from fastapi.responses import Response
 
@@ -344,18 +345,35 @@ async def chat(
     kind = "chat.completion.chunk" if body.stream else "chat.completion"
     head = _head("chatcmpl", kind, config, backend)
     key = "delta" if body.stream else "message"
-    has_role: set[int] = set()  # samples whose first chunk (with the role) went out
+    has_role: set[int] = set()  # streamed samples whose role chunk went out
 
     def choices(_prompt_idx: int, output: RequestOutput) -> list[dict]:
         result = []
         for out in output.outputs:
             message = {"content": out.text}
             if not body.stream:  # OpenAI's whole message always has it
-                message["refusal"] = None
-            if out.index not in has_role:
-                message = {"role": "assistant", **message}
+                message = {"role": "assistant", **message, "refusal": None}
+            elif out.index not in has_role:  # OpenAI opens a stream with the role alone
+                role = {"role": "assistant", "content": ""}
+                result.append(chat_choice(key, role, _nothing_yet(out), tokenizer, False))
                 has_role.add(out.index)
             result.append(chat_choice(key, message, out, tokenizer, body.logprobs))
         return result
 
     return await generation.response(head, choices, body.include_usage)
+
+
+def _nothing_yet(out: CompletionOutput) -> CompletionOutput:
+    """A sample's delta before its first token (a stream's role chunk): no tokens, no text, not
+    finished; its routed experts, where asked, the [0, MoE layers, K] rows of no token."""
+    routed = None if out.routed_experts is None else out.routed_experts[:0]
+    return replace(
+        out,
+        token_ids=[],
+        logprobs=[],
+        top_logprobs=[],
+        text="",
+        finish_reason=None,
+        stop_reason=None,
+        routed_experts=routed,
+    )

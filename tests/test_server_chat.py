@@ -89,7 +89,7 @@ def test_chat_response_equals_generate(server, reference):
 def test_chat_stream_equals_whole(server, reference):
     chunks = sse_events(server.http, CHAT, {**BODY, "stream_options": {"include_usage": True}})
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
-    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chunks.pop(0)["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     usage = chunks.pop()["usage"]
     ids = [t for c in chunks for t in c["choices"][0]["token_ids"]]
     content = [e for c in chunks for e in c["choices"][0]["logprobs"]["content"]]
@@ -98,6 +98,19 @@ def test_chat_stream_equals_whole(server, reference):
     assert text == server.engine.tokenizer.decode(ids)
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert usage["completion_tokens"] == 10
+
+
+def test_a_stream_opens_each_sample_with_a_role_chunk_as_openai(server):
+    """OpenAI's first chunk of a sample is `{"role": "assistant", "content": ""}` alone, its text
+    in the chunks after; the role came with the first token's text."""
+    body = {**BODY, "n": 2, "max_tokens": 3}
+    chunks = [c["choices"][0] for c in sse_events(server.http, CHAT, body)]
+    for index in (0, 1):
+        first, *rest = [c for c in chunks if c["index"] == index]
+        assert first["delta"] == {"role": "assistant", "content": ""}
+        assert (first["token_ids"], first["logprobs"], first["finish_reason"]) == ([], None, None)
+        assert all("role" not in c["delta"] for c in rest)
+        assert sum(len(c["token_ids"]) for c in rest) == 3
 
 
 def test_openai_client_chat_with_n(server):
@@ -118,7 +131,7 @@ def test_openai_client_chat_with_n(server):
     stream = client.chat.completions.create(
         model=server.model, messages=MESSAGES, max_tokens=6, seed=3, stream=True
     )
-    assert sum(len(chunk.choices) for chunk in stream) == 6
+    assert sum(len(chunk.choices) for chunk in stream) == 1 + 6  # the role chunk, the tokens
 
 
 @pytest.mark.parametrize(
