@@ -4,8 +4,10 @@
 (the `tokenizers` library), refuses a directory with another tokenizer's files alone, and
 picks `ByteTokenizer` otherwise: ids 0-255 are the UTF-8 bytes of the text; ids >= 256 are
 special (bos, eos, padding of the vocabulary) and decode to nothing.
-Both prepend `bos_token_id` (from the model config) when encoding text, decode without special
-tokens, and build chat prompts with `apply_chat_template`. No model code here.
+Encoding text puts `bos_token_id` (from the model config) first: always for bytes; for
+tokenizer.json where the tokenizer itself would (`add_bos_token` in tokenizer_config.json, else
+its post-processor's rule), as transformers encodes text. Both decode without special tokens and
+build chat prompts with `apply_chat_template`. No model code here.
 """
 
 from __future__ import annotations
@@ -73,6 +75,10 @@ class HFTokenizer:
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
         settings = _read_tokenizer_config(model_dir / "tokenizer_config.json")
+        is_bos_added = bos_token_id is not None and _adds_bos(
+            settings, self._tokenizer, bos_token_id
+        )
+        self._bos_ids = [bos_token_id] if is_bos_added else []
         template, source, self._template_problem = _chat_template(model_dir, settings)
         self.has_chat_template = bool(template)
         self.chat_template = template or DEFAULT_CHAT_TEMPLATE
@@ -107,8 +113,7 @@ class HFTokenizer:
         self._context_text = self.decode([self._context_id])
 
     def encode(self, text: str) -> list[int]:
-        ids = self._encode(text)
-        return ids if self.bos_token_id is None else [self.bos_token_id, *ids]
+        return [*self._bos_ids, *self._encode(text)]
 
     def decode(self, token_ids: list[int]) -> str:
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=True)
@@ -154,7 +159,8 @@ class HFTokenizer:
     def apply_chat_template(self, messages: list[dict[str, str]], **options: bool) -> list[int]:
         """Token ids of the prompt for `messages`; `options`: render_chat's add_generation_prompt
         and continue_final_message. The model's own template writes its special tokens itself
-        (no bos added); the default template is encoded like any text."""
+        (no bos added, as transformers and vLLM encode a chat: one `{{ bos_token }}` is one bos);
+        the default template is encoded like any text (bos by the tokenizer's rule)."""
         if self._template_problem is not None:
             raise ValueError(f"messages: {self._template_problem}")
         if not self.has_chat_template:
@@ -260,6 +266,16 @@ _OTHER_SPECIAL_TOKENS = ("unk_token", "pad_token", "sep_token", "cls_token", "ma
 
 def _read_tokenizer_config(path: Path) -> dict:
     return read_json_object(path) if path.is_file() else {}
+
+
+def _adds_bos(settings: dict, tokenizer, bos_token_id: int) -> bool:
+    """Whether encoding text puts bos first, as transformers encodes it: tokenizer_config.json's
+    `add_bos_token` where it is a bool, else whether the tokenizer's post-processor adds it
+    (what it makes of no text: its special tokens alone)."""
+    configured = settings.get("add_bos_token")
+    if isinstance(configured, bool):
+        return configured
+    return tokenizer.encode("", add_special_tokens=True).ids[:1] == [bos_token_id]
 
 
 def _chat_template(model_dir: Path, settings: dict) -> tuple[str | None, str, str | None]:

@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer, models, pre_tokenizers
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
 from moe_runtime import LLM, SamplingParams
 from moe_runtime.config import load_config
@@ -26,13 +26,26 @@ TEMPLATE = (
 )
 
 
-def write_tokenizer(directory, chat_template: str | None = None) -> None:
+def write_tokenizer(
+    directory,
+    chat_template: str | None = None,
+    add_bos_token: bool | None = True,
+    is_bos_post_processed: bool = False,
+) -> None:
+    """add_bos_token: tokenizer_config.json's (None: no key); is_bos_post_processed: the
+    tokenizer's post-processor puts bos before the text (a TemplateProcessing, as Llama's)."""
     vocab = {w: i for i, w in enumerate(WORDS)}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer.add_special_tokens(["<bos>", "<eos>", "<|user|>", "<|assistant|>"])
+    if is_bos_post_processed:
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single="<bos> $A", pair="<bos> $A <bos> $B", special_tokens=[("<bos>", 0)]
+        )
     tokenizer.save(str(directory / "tokenizer.json"))
     settings = {"bos_token": "<bos>", "eos_token": {"content": "<eos>"}}
+    if add_bos_token is not None:
+        settings["add_bos_token"] = add_bos_token
     if chat_template is not None:
         settings["chat_template"] = chat_template
     (directory / "tokenizer_config.json").write_text(json.dumps(settings))
@@ -62,6 +75,32 @@ def test_hf_tokenizer_without_template_uses_default(tmp_path):
     tok = HFTokenizer(tmp_path, bos_token_id=0, eos_token_id=1)
     assert not tok.has_chat_template
     assert tok.apply_chat_template([{"role": "user", "content": "fox"}]) == [0, 7, 6, 8]
+
+
+@pytest.mark.parametrize(
+    ("add_bos_token", "is_bos_post_processed", "bos"),
+    [
+        (None, False, []),
+        (False, False, []),
+        (True, False, [0]),
+        (None, True, [0]),
+        (False, True, []),
+    ],
+    ids=["neither", "config_false", "config_true", "post_processor", "config_wins"],
+)
+def test_bos_is_added_by_the_tokenizers_own_rule(
+    tmp_path, add_bos_token, is_bos_post_processed, bos
+):
+    """tokenizer_config.json's add_bos_token where it is set, else whether the tokenizer's
+    post-processor adds bos, as transformers encodes text; bos was put before every text,
+    for tokenizers that add none too. A model template writing {{ bos_token }} gets one."""
+    write_tokenizer(tmp_path, None, add_bos_token, is_bos_post_processed)
+    tok = HFTokenizer(tmp_path, bos_token_id=0, eos_token_id=1)
+    assert tok.encode("hello the fox") == [*bos, 3, 5, 6]
+    assert tok.apply_chat_template([{"role": "user", "content": "fox"}]) == [*bos, 7, 6, 8]
+    write_tokenizer(tmp_path, TEMPLATE, add_bos_token, is_bos_post_processed)
+    templated = HFTokenizer(tmp_path, bos_token_id=0, eos_token_id=1)
+    assert templated.apply_chat_template([{"role": "user", "content": "fox"}]) == [0, 7, 6, 8]
 
 
 def test_load_tokenizer_picks_by_model_dir(model_config):
