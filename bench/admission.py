@@ -42,7 +42,7 @@ def run(args: argparse.Namespace, num_blocks: int, reserve: int, seed: int) -> d
         max_model_len=2048,
         admission_reserve=reserve,
     )
-    scheduler = Scheduler(config, BlockManager(num_blocks, BLOCK_SIZE, False), eos_token_id=None)
+    scheduler = Scheduler(config, BlockManager(num_blocks, BLOCK_SIZE, False), eos_token_ids=())
     needed = 0
     for index in range(args.requests):
         max_tokens = max(1, min(1500, int(rng.lognormvariate(0, 1) * 200)))

@@ -55,7 +55,7 @@ def run(args: argparse.Namespace, rows: list[tuple[list[int], int]], share: bool
     )
     num_blocks = args.max_num_seqs * -(-config.max_model_len // BLOCK_SIZE)  # no preemption
     schedulers = [
-        Scheduler(config, BlockManager(num_blocks, BLOCK_SIZE, False), eos_token_id=None)
+        Scheduler(config, BlockManager(num_blocks, BLOCK_SIZE, False), eos_token_ids=())
         for _ in range(args.dp)
     ]
     for index, (prompt, max_tokens) in enumerate(rows):

@@ -207,7 +207,7 @@ def build_state(
         Scheduler(
             config.scheduler,
             BlockManager(cache.num_blocks, cache.block_size, cache.enable_prefix_caching),
-            config.model.eos_token_id,
+            config.model.eos_token_ids,
         )
         for _ in range(config.parallel.dp_size)
     ]

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from moe_runtime.config_fields import check_section
-from moe_runtime.model.hf_config import read_hf_config, rope_problem
+from moe_runtime.model.hf_config import read_generation_eos_ids, read_hf_config, rope_problem
 
 SCORING_FUNCS = ("softmax", "sigmoid")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
@@ -58,6 +58,8 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    # generation_config.json's eos_token_id ids (read from `path`): they end a sample as EOS too
+    generation_eos_token_ids: tuple[int, ...] = ()
     tie_word_embeddings: bool = False
 
     def __post_init__(self) -> None:
@@ -147,6 +149,15 @@ class ModelConfig:
                 value,
                 f"null or in [0, vocab_size={self.vocab_size})",
             )
+        ids = self.generation_eos_token_ids
+        _require(
+            isinstance(ids, (list, tuple))
+            and all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
+            and all(0 <= i < self.vocab_size for i in ids),
+            "generation_eos_token_ids",
+            ids,
+            f"a list of ids in [0, vocab_size={self.vocab_size})",
+        )
 
     def _check_groups(self) -> None:
         """Group-limited routing the reference computes: topk_group of n_group groups, top_k
@@ -175,6 +186,14 @@ class ModelConfig:
                 self.n_group,
                 f"<= n_routed_experts / 2 ({self.n_routed_experts} / 2) under noaux_tc",
             )
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Every id that ends a sample as EOS (unless it ignores EOS), once each: eos_token_id
+        and generation_config.json's, as transformers' generate stops on the latter and vLLM
+        on both."""
+        first = () if self.eos_token_id is None else (self.eos_token_id,)
+        return tuple(dict.fromkeys((*first, *self.generation_eos_token_ids)))
 
     @property
     def qk_head_dim(self) -> int:
@@ -229,13 +248,21 @@ class ModelConfig:
                 "key) for random weights"
             )
         if raw.get("path"):
-            hf = read_hf_config(Path(raw["path"]))
+            path = Path(raw["path"])
+            hf = {
+                **read_hf_config(path),
+                "generation_eos_token_ids": read_generation_eos_ids(path),
+            }
             clash = sorted(set(raw) & set(hf))
             if clash:
+                is_generation = clash[0] == "generation_eos_token_ids"
+                source = "generation_config.json" if is_generation else "config.json"
                 raise ValueError(
-                    f"model.{clash[0]} is set in the YAML but comes from {raw['path']}/config.json"
+                    f"model.{clash[0]} is set in the YAML but comes from {raw['path']}/{source}"
                 )
             raw.update(hf)
+        if isinstance(raw.get("generation_eos_token_ids"), list):  # YAML's; a config is hashable
+            raw["generation_eos_token_ids"] = tuple(raw["generation_eos_token_ids"])
         return cls(**raw)
 
 

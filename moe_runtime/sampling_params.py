@@ -124,15 +124,15 @@ class SamplingParams:
         scheduler's stop ids and the detokenizer's stop strings take the boundary from."""
         return num_output_tokens > self.min_tokens
 
-    def ids_held_off(self, output_position: int, eos_token_id: int | None) -> tuple[int, ...]:
+    def ids_held_off(self, output_position: int, eos_token_ids: tuple[int, ...]) -> tuple[int, ...]:
         """The ids the sampler masks to -inf for the output token at output_position (0: the
-        first): before min_tokens, stop_token_ids and EOS (unless ignore_eos), as vLLM's
+        first): before min_tokens, stop_token_ids and the EOS ids (unless ignore_eos), as vLLM's
         min-tokens processor; none after. A function of the request alone."""
         if self.may_stop(output_position + 1):
             return ()
-        if self.ignore_eos or eos_token_id is None:
+        if self.ignore_eos:
             return self.stop_token_ids
-        return (*self.stop_token_ids, eos_token_id)
+        return (*self.stop_token_ids, *eos_token_ids)
 
 
 def finish_reason(
@@ -140,18 +140,18 @@ def finish_reason(
     token_id: int,
     num_output_tokens: int,
     num_tokens: int,
-    eos_token_id: int | None,
+    eos_token_ids: tuple[int, ...],
     max_model_len: int,
 ) -> str | None:
     """Why a sample ends once token_id is its newest token (num_output_tokens and num_tokens
-    count it), or None: a stop token or EOS ("stop"), max_tokens or the context ("length").
-    Stop strings are the detokenizer's. The scheduler ends samples by it; a worker's decode
-    lookahead leaves out the samples it ends. Before min_tokens only the length ends a sample
+    count it), or None: a stop token or one of the EOS ids ("stop"), max_tokens or the context
+    ("length"). Stop strings are the detokenizer's. The scheduler ends samples by it; a worker's
+    decode lookahead leaves out the samples it ends. Before min_tokens only the length ends a sample
     (the sampler never draws the stop ids then; this holds where it did not, as vLLM's)."""
     may_stop = params.may_stop(num_output_tokens)
     if may_stop and token_id in params.stop_token_ids:
         return "stop"
-    if may_stop and not params.ignore_eos and token_id == eos_token_id:
+    if may_stop and not params.ignore_eos and token_id in eos_token_ids:
         return "stop"
     if ends_by_length(params, num_output_tokens, num_tokens, max_model_len):
         return "length"
@@ -159,11 +159,11 @@ def finish_reason(
 
 
 def stop_token_reason(
-    params: SamplingParams, token_id: int, eos_token_id: int | None
+    params: SamplingParams, token_id: int, eos_token_ids: tuple[int, ...]
 ) -> int | None:
     """The stop_reason of a sample that finish_reason ended with "stop" at token_id: the id
     where it is one of stop_token_ids, None where it is EOS (vLLM's rule: EOS comes first)."""
-    if not params.ignore_eos and token_id == eos_token_id:
+    if not params.ignore_eos and token_id in eos_token_ids:
         return None
     return token_id if token_id in params.stop_token_ids else None
 

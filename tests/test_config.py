@@ -425,6 +425,29 @@ def test_hf_fields_without_numeric_effect_load(tmp_path):
 
 
 @pytest.mark.parametrize(
+    ("generation_eos", "eos_token_ids"),
+    [(None, (257,)), (300, (257, 300)), ([257, 300, 301], (257, 300, 301)), ([], (257,))],
+)
+def test_generation_configs_eos_ids_are_read(tmp_path, generation_eos, eos_token_ids):
+    """generation_config.json's eos_token_id (an int or a list) ends a sample too."""
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": generation_eos}))
+    assert _hf_config(tmp_path, "v3").eos_token_ids == eos_token_ids
+
+
+@pytest.mark.parametrize(
+    ("generation_eos", "problem"),
+    [
+        ("7", "generation_config.json: eos_token_id must be an int, a list of ints or null"),
+        ([1, 512], "model.generation_eos_token_ids must be a list of ids in [0, vocab_size=512)"),
+    ],
+)
+def test_a_bad_generation_config_eos_id_is_refused_by_name(tmp_path, generation_eos, problem):
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": generation_eos}))
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        _hf_config(tmp_path, "v3")
+
+
+@pytest.mark.parametrize(
     "top_k, norm_in, norm, scale",
     [(4, True, True, 1.0), (4, False, False, 2.0), (1, True, False, 2.0)],
 )

@@ -89,7 +89,7 @@ def test_a_temperature_past_float32_is_refused(sampler, logits):
     and a held-off id's -inf NaN, which argmax takes, so every draw was EOS before min_tokens."""
     with pytest.raises(ValueError, match="temperature must be a finite number"):
         SamplingParams(temperature=1e39)
-    sampler = Sampler(lambda x: torch.log_softmax(x.float(), -1), cumsum_ref, eos_token_id=EOS)
+    sampler = Sampler(lambda x: torch.log_softmax(x.float(), -1), cumsum_ref, eos_token_ids=(EOS,))
     params = SamplingParams(temperature=MAX_TEMPERATURE, min_tokens=2, logprobs=2)
     draws = [sampler.sample(logits[:1], [params], [s], [0])[0] for s in range(20)]
     assert all(d.token_id != EOS and math.isfinite(d.logprob) for d in draws)
@@ -396,7 +396,7 @@ def test_min_tokens_holds_off_eos_and_stop_ids_until_its_position(logits):
     row whose argmax is EOS takes the next best); from min_tokens on nothing is held. Raw
     logprobs are the model's own (EOS keeps its logprob among the tops); processed ones are of
     the distribution sampled from (EOS at -inf)."""
-    sampler = Sampler(lambda x: torch.log_softmax(x.float(), -1), cumsum_ref, eos_token_id=EOS)
+    sampler = Sampler(lambda x: torch.log_softmax(x.float(), -1), cumsum_ref, eos_token_ids=(EOS,))
     row = logits[:1].clone()
     row[0, EOS] = row.max() + 5.0  # greedy picks EOS
     second = int(torch.argsort(row[0], descending=True, stable=True)[1])
@@ -447,14 +447,14 @@ def _assert_held_off_rows_are_batch_invariant(sampler, logits) -> None:
 
 
 def test_min_tokens_is_batch_invariant(logits):
-    sampler = Sampler(lambda x: torch.log_softmax(x.float(), -1), cumsum_ref, eos_token_id=EOS)
+    sampler = Sampler(lambda x: torch.log_softmax(x.float(), -1), cumsum_ref, eos_token_ids=(EOS,))
     _assert_held_off_rows_are_batch_invariant(sampler, logits)
 
 
 def test_min_tokens_batch_invariance_negative_control(logits, monkeypatch):
     """A hold-off taken for the whole step (every row masks the ids any row holds off) gives a
     row without min_tokens other bits in the batch than alone: the comparison can fail."""
-    sampler = Sampler(lambda x: torch.log_softmax(x.float(), -1), cumsum_ref, eos_token_id=EOS)
+    sampler = Sampler(lambda x: torch.log_softmax(x.float(), -1), cumsum_ref, eos_token_ids=(EOS,))
     per_row = sampler._hold_off
 
     def step_wide(logits, params, positions):

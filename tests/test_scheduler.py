@@ -41,7 +41,7 @@ def _scheduler(
     config = SchedulerConfig(
         max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=256
     )
-    return Scheduler(config, BlockManager(num_blocks, BLOCK_SIZE, caching), eos_token_id=None)
+    return Scheduler(config, BlockManager(num_blocks, BLOCK_SIZE, caching), eos_token_ids=())
 
 
 def _add(scheduler: Scheduler, prompt: list[int], max_tokens: int = 3, n: int = 1) -> Request:
@@ -142,7 +142,7 @@ def test_an_admission_leaves_a_free_block_for_each_running_sequence(reserve):
     config = SchedulerConfig(
         max_num_seqs=8, max_num_batched_tokens=32, max_model_len=256, admission_reserve=reserve
     )
-    scheduler = Scheduler(config, BlockManager(4, BLOCK_SIZE, False), eos_token_id=None)
+    scheduler = Scheduler(config, BlockManager(4, BLOCK_SIZE, False), eos_token_ids=())
     older = _add(scheduler, list(range(5)), max_tokens=6)
     newer = _add(scheduler, list(range(50, 55)), max_tokens=6)
     steps = _run(scheduler)
@@ -183,7 +183,7 @@ def test_a_lookahead_slot_never_costs_a_preemption(older_max_tokens):
     config = SchedulerConfig(
         max_num_seqs=8, max_num_batched_tokens=6, max_model_len=32, overlap_decode=True
     )
-    scheduler = Scheduler(config, BlockManager(8, BLOCK_SIZE, False), eos_token_id=None)
+    scheduler = Scheduler(config, BlockManager(8, BLOCK_SIZE, False), eos_token_ids=())
     older = _add(scheduler, list(range(9)), max_tokens=older_max_tokens)
     newer = _add(scheduler, list(range(100, 117)), max_tokens=1)  # 17: all 5 other blocks
     steps = _run(scheduler)
@@ -203,7 +203,7 @@ def test_no_lookahead_slot_for_a_sample_its_step_ends(max_tokens):
         config = SchedulerConfig(
             max_num_batched_tokens=16, max_model_len=max_model_len, overlap_decode=True
         )
-        scheduler = Scheduler(config, BlockManager(8, BLOCK_SIZE, False), eos_token_id=None)
+        scheduler = Scheduler(config, BlockManager(8, BLOCK_SIZE, False), eos_token_ids=())
         limit = max_tokens if max_model_len == 9 else None
         (seq,) = _add(scheduler, list(range(8)), max_tokens=limit).samples
         (chunk,) = scheduler.schedule()

@@ -47,7 +47,7 @@ def _scheduler(rng: random.Random) -> Scheduler:
         admission_reserve=rng.choice([0, 1, 1, 2]),
     )
     blocks = BlockManager(num_blocks, block_size, rng.random() < 0.6)
-    return Scheduler(config, blocks, None, can_hold_admission=overlap and rng.random() < 0.5)
+    return Scheduler(config, blocks, (), can_hold_admission=overlap and rng.random() < 0.5)
 
 
 def _request(rng: random.Random, index: int, max_model_len: int, prefixes) -> Request:

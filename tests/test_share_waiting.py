@@ -42,7 +42,7 @@ class Ranks:
             max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=128
         )
         self.schedulers = [
-            Scheduler(config, BlockManager(num_blocks, BLOCK_SIZE, True), eos_token_id=None)
+            Scheduler(config, BlockManager(num_blocks, BLOCK_SIZE, True), eos_token_ids=())
             for _ in range(num)
         ]
         self.ids = itertools.count()

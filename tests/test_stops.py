@@ -5,11 +5,14 @@ stop strings off until a sample has that many tokens, bit for bit alone or in an
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from moe_runtime import LLM, SamplingParams
 from moe_runtime.worker.sampler import Sampler
 from tests.invariance import TINY_CONFIG, mixed_prompts, random_sub_batches, run_in_batches
+from tests.serving import write_checkpoint
 
 PROMPT = [72, 101, 108, 108, 111]
 GREEDY = {"temperature": 0.0, "max_tokens": 20}
@@ -68,6 +71,37 @@ def test_eos_has_no_stop_reason_even_when_also_a_stop_token_id(free_run):
             assert (out.finish_reason, out.stop_reason) == ("stop", None)
     finally:
         llm.shutdown()
+
+
+def test_generation_configs_eos_ids_end_a_sample_unless_ignore_eos(tmp_path):
+    """transformers' generate stops on each eos_token_id of generation_config.json (an int or a
+    list): a chat model's end-of-turn id there, not config.json's eos, ended no turn. EOS like
+    config.json's: no stop_reason, run past with ignore_eos, held off before min_tokens."""
+    pytest.importorskip("transformers")
+    config = {
+        "model": {"path": write_checkpoint(tmp_path, seed=0)},
+        "scheduler": {"max_model_len": 64},
+    }
+    (tmp_path / "generation_config.json").unlink()
+    llm = LLM(config)
+    free_run = llm.generate([PROMPT], SamplingParams(ignore_eos=True, **GREEDY))[0].token_ids
+    llm.shutdown()
+    eos = llm.config.model.eos_token_id
+    k = next(k for k in range(1, 20) if free_run[k] not in (eos, *free_run[:k]))
+    assert eos not in free_run[:k]  # (else config.json's eos would end the sample first)
+    for eos_ids in (free_run[k], [eos, free_run[k]]):
+        (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_ids}))
+        llm = LLM(config)
+        try:
+            out = llm.generate([PROMPT], SamplingParams(**GREEDY))[0]
+            assert out.token_ids == free_run[: k + 1]
+            assert (out.finish_reason, out.stop_reason) == ("stop", None)
+            ignored = llm.generate([PROMPT], SamplingParams(ignore_eos=True, **GREEDY))[0]
+            assert ignored.token_ids == free_run
+            held = llm.generate([PROMPT], SamplingParams(min_tokens=k + 1, **GREEDY))[0]
+            assert held.token_ids[:k] == free_run[:k] and held.token_ids[k] != free_run[k]
+        finally:
+            llm.shutdown()
 
 
 def test_min_tokens_goes_on_past_eos_stop_ids_and_stop_strings(free_run):

@@ -77,7 +77,7 @@ class LLMEngine(RankFaults):
         # batch, which changes no bit of theirs only there (Scheduler.schedule).
         can_hold = self.config.kernels.is_invariant and bool(self.config.scheduler.overlap_decode)
         self.schedulers = [
-            Scheduler(self.config.scheduler, blocks, self.config.model.eos_token_id, can_hold)
+            Scheduler(self.config.scheduler, blocks, self.config.model.eos_token_ids, can_hold)
             for blocks in self.block_managers
         ]
 

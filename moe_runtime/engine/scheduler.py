@@ -37,15 +37,16 @@ class Scheduler:
         self,
         config: SchedulerConfig,
         block_manager: BlockManager,
-        eos_token_id: int | None,
+        eos_token_ids: tuple[int, ...],
         can_hold_admission: bool = False,
     ) -> None:
-        """can_hold_admission: with overlap_decode, a decode lookahead may be asked for while
+        """eos_token_ids: the ids that end a sample as EOS (ModelConfig.eos_token_ids).
+        can_hold_admission: with overlap_decode, a decode lookahead may be asked for while
         sequences wait, and their admission then held a step where it would waste it (only
         where a request's bits ignore its batch: invariant mode)."""
         self.config = config
         self.blocks = block_manager
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = eos_token_ids
         self.can_hold_admission = can_hold_admission
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -259,11 +260,11 @@ class Scheduler:
                 sample.token_id,
                 len(seq.output_token_ids),
                 seq.num_tokens,
-                self.eos_token_id,
+                self.eos_token_ids,
                 self.config.max_model_len,
             )
             if reason == "stop":
-                stop = stop_token_reason(seq.params, sample.token_id, self.eos_token_id)
+                stop = stop_token_reason(seq.params, sample.token_id, self.eos_token_ids)
                 self.finish(seq, reason, stop)
             elif reason is not None:
                 self.finish(seq, reason)

@@ -358,6 +358,23 @@ def _groups(hf: dict[str, Any], method: str) -> dict[str, int]:
     return {"n_group": hf["n_group"], "topk_group": hf["topk_group"]}
 
 
+def read_generation_eos_ids(path: Path) -> tuple[int, ...]:
+    """The eos_token_id ids (an int or a list) of the checkpoint directory `path`'s
+    generation_config.json, where transformers' generate reads the ids that end a sample (a chat
+    model's end of turn among them); () without the file or the key. ValueError naming the
+    file for a value that is not an int, a list of ints or null."""
+    file = path / "generation_config.json"
+    if not file.is_file():
+        return ()
+    value = read_json_object(file).get("eos_token_id")
+    ids = value if isinstance(value, list) else [] if value is None else [value]
+    if not all(is_int(i) for i in ids):
+        raise ValueError(
+            f"{file}: eos_token_id must be an int, a list of ints or null, got {value!r}"
+        )
+    return tuple(ids)
+
+
 def _eos(value: Any) -> Any:
     """One stop id; a list of several would be a stop set the runtime does not keep."""
     ids = value if isinstance(value, list) else [value]

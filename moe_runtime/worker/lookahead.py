@@ -63,17 +63,17 @@ class Lookahead:
         block_size: int,
         is_enabled: bool,
         is_invariant: bool,
-        eos_token_id: int | None,
+        eos_token_ids: tuple[int, ...],
         max_model_len: int | None,
     ) -> None:
         """build_batch, forward: the runner's, for the steps launched ahead. is_enabled: steps
         may be launched ahead (else `prepare` and `launch` launch none). is_invariant: the
         kernels are batch-invariant, so a lookahead may keep the rows of the samples that go
-        on. eos_token_id, max_model_len: end samples as the scheduler does, so a lookahead
+        on. eos_token_ids, max_model_len: end samples as the scheduler does, so a lookahead
         leaves out those that end."""
         self._sampler, self._build_batch, self._forward = sampler, build_batch, forward
         self.block_size, self.is_enabled, self.is_invariant = block_size, is_enabled, is_invariant
-        self.eos_token_id, self.max_model_len = eos_token_id, max_model_len
+        self.eos_token_ids, self.max_model_len = eos_token_ids, max_model_len
         self._step: _LaunchedStep | None = None
         self.num_hits = 0  # steps served by a lookahead (tests check the path ran)
         self.num_misses = 0  # lookaheads dropped: the step was another one
@@ -193,7 +193,7 @@ class Lookahead:
 
     def _ends(self, seq: SequenceState, token_id: int) -> bool:
         """Whether seq ends once token_id (just sampled, not yet in seq) is its newest."""
-        counts, eos, max_len = self._next_counts(seq), self.eos_token_id, self.max_model_len
+        counts, eos, max_len = self._next_counts(seq), self.eos_token_ids, self.max_model_len
         return finish_reason(seq.params, token_id, *counts, eos, max_len) is not None
 
     def launch(

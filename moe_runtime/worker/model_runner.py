@@ -90,7 +90,7 @@ class ModelRunner:
                 f"{block_size} ({size / 2**30:.3g} GiB in {cfg.num_hidden_layers} layers) "
                 f"cannot be allocated on {device}: {str(exc).splitlines()[0]}"
             ) from exc
-        self.sampler = Sampler(ops.log_softmax, ops.cumsum, cfg.eos_token_id)
+        self.sampler = Sampler(ops.log_softmax, ops.cumsum, cfg.eos_token_ids)
         self.lookahead = Lookahead(
             self.sampler,
             self._build_batch,
@@ -98,7 +98,7 @@ class ModelRunner:
             block_size=block_size,
             is_enabled=overlap,
             is_invariant=ops.mode == "invariant",
-            eos_token_id=cfg.eos_token_id,
+            eos_token_ids=cfg.eos_token_ids,
             max_model_len=max_model_len,
         )
         self._slot_counts: HostCopy | None = None

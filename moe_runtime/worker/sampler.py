@@ -47,9 +47,11 @@ class Sampler:
     fp32) -> [R, V] fp32` and `cumsum(x [R, V]) -> [R, V]` along each row (exact, in integers,
     when invariant)."""
 
-    def __init__(self, log_softmax: RowOp, cumsum: RowOp, eos_token_id: int | None = None) -> None:
+    def __init__(
+        self, log_softmax: RowOp, cumsum: RowOp, eos_token_ids: tuple[int, ...] = ()
+    ) -> None:
         self._log_softmax, self._cumsum = log_softmax, cumsum
-        self._eos_token_id = eos_token_id  # held off before a sample's min_tokens
+        self._eos_token_ids = eos_token_ids  # held off before a sample's min_tokens
 
     def sample(
         self,
@@ -131,7 +133,7 @@ class Sampler:
             return logits
         rows, ids = [], []
         for row, (p, position) in enumerate(zip(params, output_positions, strict=True)):
-            held = p.ids_held_off(position, self._eos_token_id)
+            held = p.ids_held_off(position, self._eos_token_ids)
             rows += [row] * len(held)
             ids += held
         if not rows:
