@@ -192,7 +192,7 @@ def test_a_rebuilt_rank_stays_on_the_device_of_the_rank_it_replaces(monkeypatch,
     from moe_runtime.engine.worker_group import WorkerGroup
     from moe_runtime.executor import local as local_module
 
-    monkeypatch.setattr(local_module, "Worker", lambda config, rank: _FakeRank(fake_cuda))
+    monkeypatch.setattr(local_module, "Worker", lambda *args: _FakeRank(fake_cuda))
     config = load_config(TINY_CONFIG, {"parallel.device": "cuda"})
     model = config.model
     placement = ExpertPlacement.default(model.num_moe_layers, model.n_routed_experts, 0, 1)

@@ -371,7 +371,7 @@ def _worker_that_cannot_start():
     from moe_runtime.worker.worker import Worker
 
     class UnstartableWorker(Worker):
-        def __init__(self, config, rank):
+        def __init__(self, config, rank, sampled_vocab_size):
             raise ModuleNotFoundError("No module named 'triton_on_this_node'")
 
     return UnstartableWorker

@@ -464,3 +464,44 @@ def test_min_tokens_batch_invariance_negative_control(logits, monkeypatch):
     monkeypatch.setattr(sampler, "_hold_off", step_wide)
     with pytest.raises(AssertionError):
         _assert_held_off_rows_are_batch_invariant(sampler, logits)
+
+
+def test_ids_past_the_tokenizer_are_never_sampled(logits):
+    """sampled_vocab_size (the tokenizer's size): ids at or past it, the model's padding of its
+    vocabulary, are -inf in what every row samples from, EOS excepted (a stop, with no text);
+    raw logprobs stay the model's (decode equals score), processed ones are of the masked
+    distribution. Each row alone equals its row in the batch."""
+    num_ids, eos = 40, 45
+    logits = logits.clone()
+    logits[:, num_ids:] += 8.0  # the padding would win every draw
+    sampler = Sampler(
+        lambda x: torch.log_softmax(x.float(), -1), cumsum_ref, (eos,), sampled_vocab_size=num_ids
+    )
+    params = [
+        SamplingParams(temperature=0.0, logprobs=3, ignore_eos=True),
+        SamplingParams(temperature=1.0, logprobs=3, logprobs_mode="processed"),
+        SamplingParams(temperature=0.7, top_k=5, logprobs=3),
+        SamplingParams(temperature=1.0, top_p=0.5, logprobs=3, min_tokens=4),
+        SamplingParams(temperature=2.0, logprobs=3, logprobs_mode="processed"),
+        SamplingParams(temperature=0.0, logprobs=3, min_tokens=2),
+    ]
+    seeds, positions = [1, 2, 3, 4, 5, 6], [0, 1, 2, 0, 3, 1]
+    full = sampler.sample(logits, params, seeds, positions)
+    assert {r.token_id for r in full} <= {*range(num_ids), eos}
+    assert full[0].token_id == eos  # greedy: EOS is the best id left (no stop: ignore_eos)
+    assert full[5].token_id < num_ids  # EOS held off too before min_tokens
+    raw = torch.log_softmax(logits, -1)
+    assert full[0].logprob == raw[0, eos].item()
+    assert any(t >= num_ids for t in full[0].top_logprobs)  # raw tops: the model's own
+    masked = logits.masked_fill(torch.arange(50) >= num_ids, float("-inf"))
+    masked[:, eos] = logits[:, eos]
+    processed = torch.log_softmax(masked[1] / 1.0, -1)
+    assert full[1].logprob == processed[full[1].token_id].item()
+    assert all(t < num_ids or t == eos for t in full[1].top_logprobs)
+    for i in range(len(params)):
+        alone = sampler.sample(logits[i : i + 1].clone(), [params[i]], [seeds[i]], [positions[i]])
+        assert _same(alone[0], full[i]), i
+    draws = [sampler.sample(logits[1:2], [params[1]], [s], [0])[0].token_id for s in range(200)]
+    assert max(draws) < num_ids or set(draws) - set(range(num_ids)) == {eos}
+    unbounded = Sampler(lambda x: torch.log_softmax(x.float(), -1), cumsum_ref, (eos,))
+    assert unbounded.sample(logits[:1], params[:1], [1], [0])[0].token_id >= num_ids  # control

@@ -191,3 +191,37 @@ def test_a_long_text_is_encoded_without_holding_pythons_lock(tmp_path):
     assert ids == tokenizer._tokenizer.encode(text, add_special_tokens=False).ids
     # ~900 ticks a second with the lock free; a held lock lets through one or two at most
     assert during >= max(5, 200 * seconds), f"{during} ticks in a {seconds:.2f} s encode"
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_ids_past_the_tokenizer_are_never_sampled(tmp_path, request, world_size):
+    """The model's vocabulary is often padded past its tokenizer's (V2-Lite: 102400 rows for
+    100002 tokens); ids there decode to nothing, so a sample of them came back as empty text
+    without a word. Here a tokenizer of 9 tokens serves a model of 512 (EOS 257 outside it
+    but sampleable: it ends a sample, with no text): every sampled id, greedy or drawn, is one
+    the tokenizer has or EOS, on one rank and on two (the engine hands every rank the bound).
+    Raw logprobs stay the model's: decode equals score()."""
+    pytest.importorskip("transformers")
+    if world_size > 1:
+        request.getfixturevalue("ray_local")
+    write_checkpoint(tmp_path, seed=0)
+    write_tokenizer(tmp_path, TEMPLATE)
+    config = {"path": str(tmp_path)}
+    parallel = {"world_size": world_size}
+    llm = LLM({"model": config, "parallel": parallel, "scheduler": {"max_model_len": 64}})
+    num_tokens, eos = llm.tokenizer.vocab_size, llm.config.model.eos_token_id
+    assert num_tokens == len(WORDS) < eos < llm.config.model.vocab_size
+    params = [
+        SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2),
+        *(SamplingParams(max_tokens=8, temperature=2.0, seed=s, logprobs=2) for s in range(6)),
+        SamplingParams(max_tokens=8, temperature=1.0, top_k=3, seed=9, logprobs_mode="processed"),
+    ]
+    outs = llm.generate(["hello the fox"] * len(params), params)
+    sampled = {t for out in outs for t in out.token_ids}
+    assert sampled <= {*range(num_tokens), eos}, sorted(sampled)
+    # (WordLevel's decode joins with spaces: a continuation's text starts with one)
+    assert all(out.text.lstrip() == llm.tokenizer.decode(out.token_ids) for out in outs)
+    greedy = outs[0]
+    scored = llm.score([greedy.prompt_token_ids + greedy.token_ids], [len(greedy.prompt_token_ids)])
+    assert scored[0] == greedy.logprobs
+    llm.shutdown()

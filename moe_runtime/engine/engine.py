@@ -55,7 +55,9 @@ class LLMEngine(RankFaults):
         self.tokenizer = load_tokenizer(config.model)
         self.checks = RequestChecks(config, self.tokenizer)
         placement = initial_placement(config)
-        self.group = WorkerGroup(config, placement)
+        # The ids the tokenizer has: ids past them (model.vocab_size's padding) are never
+        # sampled, the same bound on every rank.
+        self.group = WorkerGroup(config, placement, self.tokenizer.vocab_size)
         self._reset_queues()
         self.balancer = ExpertBalancer(config, self.executor, placement)
         self.error: str | None = None

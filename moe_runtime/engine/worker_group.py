@@ -23,8 +23,16 @@ from moe_runtime.model.weight_checks import rank_shares, unfuse_experts
 
 
 class WorkerGroup:
-    def __init__(self, config: RuntimeConfig, placement: ExpertPlacement) -> None:
+    def __init__(
+        self,
+        config: RuntimeConfig,
+        placement: ExpertPlacement,
+        sampled_vocab_size: int | None = None,
+    ) -> None:
+        """sampled_vocab_size: the tokenizer's size, every rank's bound on the ids it samples
+        (a rebuild's ranks too); None: any id."""
         self.config = config
+        self.sampled_vocab_size = sampled_vocab_size
         # model.path's weights as stamped before the workers read them: a rebuild checks that it
         # still holds them (and a rollout job's record names them).
         try:
@@ -35,7 +43,8 @@ class WorkerGroup:
         self.num_restarts = 0  # every rebuild since start (a metric)
         self._restart_times: collections.deque[float] = collections.deque()  # monotonic
         started = time.monotonic()
-        self.executor = create_executor(config, placement.physical_to_logical.tolist())
+        p2l = placement.physical_to_logical.tolist()
+        self.executor = create_executor(config, p2l, sampled_vocab_size=sampled_vocab_size)
         try:
             self.num_kv_blocks = self._count_kv_blocks()
             # Each rank read model.path on its own, as an update's ranks read its source: a
@@ -115,7 +124,7 @@ class WorkerGroup:
             with contextlib.suppress(Exception):  # the old group is broken; free what is left
                 self.executor.shutdown()
             p2l = placement.physical_to_logical.tolist()
-            self.executor = create_executor(self.config, p2l, device)
+            self.executor = create_executor(self.config, p2l, device, self.sampled_vocab_size)
             try:
                 # The new group's caches, sized afresh where cache.num_blocks is 0 (the old
                 # group's memory may not all be back): the schedulers follow its count.

@@ -21,16 +21,20 @@ QUICK_CALL_TIMEOUT_S = 10.0
 
 
 def create_executor(
-    config: RuntimeConfig, physical_to_logical: list[list[int]], device: torch.device | None = None
+    config: RuntimeConfig,
+    physical_to_logical: list[list[int]],
+    device: torch.device | None = None,
+    sampled_vocab_size: int | None = None,
 ):
     """In-process for one rank; Ray actors for more (imported lazily: only the driver needs
     ray). physical_to_logical: the placement the workers start with; device: where an
-    in-process rank is built (LocalExecutor), None for the current device."""
+    in-process rank is built (LocalExecutor), None for the current device;
+    sampled_vocab_size: the tokenizer's, every rank's bound on the ids it samples (Worker)."""
     if config.parallel.world_size == 1:
-        return LocalExecutor(config, physical_to_logical, device)
+        return LocalExecutor(config, physical_to_logical, device, sampled_vocab_size)
     from moe_runtime.executor.ray_executor import RayExecutor
 
-    return RayExecutor(config, physical_to_logical)
+    return RayExecutor(config, physical_to_logical, sampled_vocab_size)
 
 
 __all__ = ["QUICK_CALL_TIMEOUT_S", "LocalExecutor", "WorkerError", "create_executor"]

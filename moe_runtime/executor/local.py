@@ -21,16 +21,18 @@ class LocalExecutor:
         config: RuntimeConfig,
         physical_to_logical: list[list[int]],
         device: torch.device | None = None,
+        sampled_vocab_size: int | None = None,
     ) -> None:
         """device: the CUDA device to build the rank on (a rebuild's: the old rank's, whatever
-        the rebuilding thread has current); None: the current one, the caller's."""
+        the rebuilding thread has current); None: the current one, the caller's.
+        sampled_vocab_size: the Worker's."""
         if config.parallel.world_size != 1:
             raise ValueError(
                 f"LocalExecutor runs one rank, parallel.world_size is {config.parallel.world_size}"
             )
         self.config = config
         with self._own_threads(), _current_device(device):
-            self.worker: Worker | None = Worker(config, rank=0)
+            self.worker: Worker | None = Worker(config, 0, sampled_vocab_size)
             self.worker.init("127.0.0.1", 0, physical_to_logical)
         self.device = self.worker.runner.device  # the rank's, current during every call
 

@@ -60,7 +60,13 @@ class RayExecutor:
     # No device of the driver's: each rank's is its own actor's one visible GPU (or CPU).
     device = None
 
-    def __init__(self, config: RuntimeConfig, physical_to_logical: list[list[int]]) -> None:
+    def __init__(
+        self,
+        config: RuntimeConfig,
+        physical_to_logical: list[list[int]],
+        sampled_vocab_size: int | None = None,
+    ) -> None:
+        """sampled_vocab_size: every Worker's (the same on every rank)."""
         parallel = config.parallel
         self.world_size = parallel.world_size
         self.timeout_s = parallel.timeout_s + _MARGIN_S
@@ -82,7 +88,7 @@ class RayExecutor:
         )
         self._release.atexit = False
         try:
-            self._start_workers(config, physical_to_logical, rank_bundles[0])
+            self._start_workers(config, physical_to_logical, rank_bundles[0], sampled_vocab_size)
         except BaseException:
             # A group that failed to start (a worker died or stalled in it, the cluster lacked
             # room) must not keep its bundles and live workers: on a cluster sized to the
@@ -91,7 +97,11 @@ class RayExecutor:
             raise
 
     def _start_workers(
-        self, config: RuntimeConfig, physical_to_logical: list[list[int]], bundle: dict
+        self,
+        config: RuntimeConfig,
+        physical_to_logical: list[list[int]],
+        bundle: dict,
+        sampled_vocab_size: int | None,
     ) -> None:
         """The placement group ready, a worker a rank in it (each asking for its `bundle`),
         every rank joined."""
@@ -110,7 +120,7 @@ class RayExecutor:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=self.placement_group, placement_group_bundle_index=rank
                 ),
-            ).remote(config, rank)
+            ).remote(config, rank, sampled_vocab_size)
             for rank in range(self.world_size)
         ]
         # The driver's threshold for the runtime's records, so a rank's loading progress shows.

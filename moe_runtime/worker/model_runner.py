@@ -65,11 +65,13 @@ class ModelRunner:
         max_blocks_per_seq: int = 0,
         overlap: bool = False,
         max_model_len: int | None = None,
+        sampled_vocab_size: int | None = None,
     ) -> None:
         """graph_batch_sizes: CUDA-graph decode batch sizes (empty: always eager); block
         tables of graphed steps are padded to max_blocks_per_seq columns. overlap: decode
         steps may be launched ahead (one rank only); max_model_len ends samples as the
-        scheduler does, so a lookahead leaves out those that end."""
+        scheduler does, so a lookahead leaves out those that end. sampled_vocab_size: the
+        Sampler's bound on the ids it draws."""
         if overlap and must_join:
             raise ValueError("a decode lookahead needs one rank: every MoE layer is a collective")
         cfg = model.config
@@ -90,7 +92,7 @@ class ModelRunner:
                 f"{block_size} ({size / 2**30:.3g} GiB in {cfg.num_hidden_layers} layers) "
                 f"cannot be allocated on {device}: {str(exc).splitlines()[0]}"
             ) from exc
-        self.sampler = Sampler(ops.log_softmax, ops.cumsum, cfg.eos_token_ids)
+        self.sampler = Sampler(ops.log_softmax, ops.cumsum, cfg.eos_token_ids, sampled_vocab_size)
         self.lookahead = Lookahead(
             self.sampler,
             self._build_batch,

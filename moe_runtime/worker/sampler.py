@@ -8,7 +8,8 @@ together (one sort, one prefix sum). The Gumbel noise is a
 counter-based hash of (seed, output position, vocab id) computed where the logits are (one
 batch of integer ops on CUDA, no host draw or copy), so it needs no generator state. Results
 reach the host in one copy. Before a row's min_tokens its EOS and stop ids are set to -inf
-in what it samples from (after the raw logprobs are taken: see SamplingParams' logprobs rule).
+in what it samples from (after the raw logprobs are taken: see SamplingParams' logprobs rule),
+and so are, in every row alike, the ids past the tokenizer's (`sampled_vocab_size`).
 The sampler owns no state across steps and never mixes rows;
 choosing seeds for n > 1 and recording fresh ones is the engine's job (moe_runtime.seeds).
 """
@@ -48,10 +49,19 @@ class Sampler:
     when invariant)."""
 
     def __init__(
-        self, log_softmax: RowOp, cumsum: RowOp, eos_token_ids: tuple[int, ...] = ()
+        self,
+        log_softmax: RowOp,
+        cumsum: RowOp,
+        eos_token_ids: tuple[int, ...] = (),
+        sampled_vocab_size: int | None = None,
     ) -> None:
+        """sampled_vocab_size: ids at or past it (the model's padding of its vocabulary past
+        the tokenizer's, which decodes to nothing) are never sampled, EOS ids excepted; None:
+        any."""
         self._log_softmax, self._cumsum = log_softmax, cumsum
         self._eos_token_ids = eos_token_ids  # held off before a sample's min_tokens
+        self._sampled_vocab_size = sampled_vocab_size
+        self._past_mask: tuple | None = None  # ((device, vocab size), [V] bool): _past_tokenizer
 
     def sample(
         self,
@@ -86,7 +96,7 @@ class Sampler:
         if num_rows == 0:
             return SampleLaunch(None, params, 0)
         raw = self._log_softmax(logits)
-        logits = self._hold_off(logits, params, output_positions)
+        logits = self._hold_off(self._past_tokenizer(logits), params, output_positions)
         # Sampled rows: scaled (and filtered) logits plus their own noise; greedy rows: the
         # logits themselves (argmax returns the first maximum: ties go to the lower id).
         scores, reported = logits, raw
@@ -121,6 +131,24 @@ class Sampler:
         # Read back in one device-to-host copy: fp64 holds ids < 2**53 and fp32 logprobs exactly.
         table = torch.cat([c.to(torch.float64) for c in columns], dim=1)
         return SampleLaunch(table, params, num_top, host=device_to_host(table))
+
+    def _past_tokenizer(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [R, V] with the ids at or past sampled_vocab_size (EOS ids excepted) at -inf
+        in every row: a new tensor, the model's logits and raw logprobs untouched, so a
+        decode's raw logprob is still score()'s. Why it keeps the bits of every row: the same
+        columns in every row, whatever the batch, on every rank alike (the engine's number).
+        The mask is built once a device (a step's sampling reads it, copies nothing)."""
+        vocab_size = logits.shape[1]
+        if self._sampled_vocab_size is None or self._sampled_vocab_size >= vocab_size:
+            return logits
+        key = (logits.device, vocab_size)
+        if self._past_mask is None or self._past_mask[0] != key:
+            is_past = torch.arange(vocab_size) >= self._sampled_vocab_size
+            for eos in self._eos_token_ids:  # a stop even where the tokenizer has no text for it
+                if 0 <= eos < vocab_size:
+                    is_past[eos] = False
+            self._past_mask = (key, is_past.to(logits.device))
+        return logits.masked_fill(self._past_mask[1], float("-inf"))
 
     def _hold_off(
         self, logits: torch.Tensor, params: list[SamplingParams], output_positions: list[int]

@@ -107,8 +107,13 @@ def device_identity(device: torch.device) -> dict[str, str]:
 
 
 class Worker:
-    def __init__(self, config: RuntimeConfig, rank: int) -> None:
+    def __init__(
+        self, config: RuntimeConfig, rank: int, sampled_vocab_size: int | None = None
+    ) -> None:
+        """sampled_vocab_size: the driver's tokenizer's size; ids at or past it (the padding
+        of model.vocab_size) are never sampled (Sampler). None: any id."""
         self.config, self.rank = config, rank
+        self.sampled_vocab_size = sampled_vocab_size
         self.world_size = config.parallel.world_size
         self.runner: ModelRunner | None = None
         self.dispatcher = None
@@ -210,6 +215,7 @@ class Worker:
             max_blocks_per_seq=cfg.max_blocks_per_seq,
             overlap=bool(cfg.scheduler.overlap_decode),
             max_model_len=cfg.scheduler.max_model_len,
+            sampled_vocab_size=self.sampled_vocab_size,
         )
         self._bind_placement()
 
