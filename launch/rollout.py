@@ -284,12 +284,15 @@ def _run_loaded(
         )
         return 1
     elapsed = time.perf_counter() - started
+    for why in appender.left_out:
+        print(f"error: {why}", file=sys.stderr)
     print(
-        f"rollout: wrote {len(todo)} rows ({len(samples) - len(todo)} already done, "
-        f"{len(bad_rows)} bad input rows skipped) in {elapsed:.2f}s to {output}",
+        f"rollout: wrote {appender.num_written} rows ({len(samples) - len(todo)} already done, "
+        f"{len(bad_rows)} bad input rows skipped, {len(appender.left_out)} not written) in "
+        f"{elapsed:.2f}s to {output}",
         file=sys.stderr,
     )
-    return 0
+    return 1 if appender.left_out else 0
 
 
 def _warn_of_score_differences(input_path: Path, settings: dict) -> None:

@@ -29,6 +29,7 @@ from functools import partial
 from pathlib import Path
 from typing import IO, Any
 
+from launch import strict_json
 from launch.cli import SAMPLING_FLAGS
 from moe_runtime.config_fields import is_int
 from moe_runtime.sampling_params import SamplingParams
@@ -327,14 +328,23 @@ def cut_torn_line(path: Path, rows: OutputRows) -> None:
             os.fsync(f.fileno())
 
 
-def append_rows(path: Path, rows: list[dict]) -> None:
-    """Append rows as JSON lines in one write, then flush and fsync: a batch is on disk. Rows
-    open with their id and sample_idx (_row_key reads them alone on a resume)."""
-    text = "".join(json.dumps(row, separators=(",", ":")) + "\n" for row in rows)
+def append_rows(path: Path, rows: list[dict]) -> list[str]:
+    """Append rows as strict JSON lines (launch.strict_json: a -inf logprob as -9999.0) in one
+    write, then flush and fsync: a batch is on disk. Rows open with their id and sample_idx
+    (_row_key reads them alone on a resume). -> why each row left out was: one holding a NaN
+    logprob (the model's logits held NaN for it) has no JSON form; the others are written."""
+    lines, left_out = [], []
+    for row in rows:
+        try:
+            lines.append(strict_json.dumps(row, separators=(",", ":")) + "\n")
+        except strict_json.NonFiniteError as exc:
+            left_out.append(f"row {row['id']!r} sample {row['sample_idx']} not written: {exc}")
+    text = "".join(lines)
     with open(path, "a", encoding="utf-8") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
+    return left_out
 
 
 class Stopped(BaseException):
@@ -356,14 +366,16 @@ class Appender:
     def __init__(self, output: Path) -> None:
         self.output = output
         self.num_written = 0  # rows this run appended, all fsynced
+        self.left_out: list[str] = []  # why each row this run could not write was (append_rows)
         self.is_appending = False
         self.pending_signum: int | None = None
 
     def append(self, rows: list[dict]) -> None:
         self.is_appending = True
         try:
-            append_rows(self.output, rows)
-            self.num_written += len(rows)
+            left_out = append_rows(self.output, rows)
+            self.num_written += len(rows) - len(left_out)
+            self.left_out += left_out
         finally:
             self.is_appending = False
         self.check()

@@ -114,7 +114,7 @@ def record_settings(output: Path, settings: dict[str, Any]) -> None:
     path = settings_path(output)
     staging = path.with_name(path.name + ".tmp")
     with open(staging, "w", encoding="utf-8") as f:
-        json.dump(as_json(settings), f, indent=1)
+        json.dump(as_json(settings), f, indent=1, allow_nan=False)  # strict, as the rows
         f.write("\n")
         f.flush()
         os.fsync(f.fileno())

@@ -2,23 +2,24 @@
 
 A whole result and a streamed delta are the same `CompletionOutput` type, so one function
 renders a choice of either, and streamed bits equal whole ones. Floats are written by Python's
-json (shortest round-tripping repr, -Infinity allowed), so each logprob reaches the client with
-its exact bits. Routed experts travel as base64 of little-endian int32 [T, MoE layers, K], one
-row per generated token (with echo, the prompt's rows first). Pure formatting: no engine
-calls, no error mapping.
+json (shortest round-tripping repr), so each logprob reaches the client with its exact bits;
+the JSON is strict (launch.strict_json): a -inf logprob is written as -9999.0, a NaN one fails
+its response (NonFiniteError: a 500, or a stream's error chunk). Routed experts travel as
+base64 of little-endian int32 [T, MoE layers, K], one row per generated token (with echo, the
+prompt's rows first). Pure formatting: no engine calls, no error mapping.
 """
 
 from __future__ import annotations
 
 import base64
 import codecs
-import json
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from fastapi.responses import JSONResponse
 
+from launch import strict_json
 from moe_runtime.engine.outputs import CompletionOutput
 
 
@@ -28,7 +29,7 @@ class ExactJSONResponse(JSONResponse):
 
 
 def dumps(content: Any) -> str:
-    return json.dumps(content, ensure_ascii=False, separators=(",", ":"), default=_plain)
+    return strict_json.dumps(content, ensure_ascii=False, separators=(",", ":"), default=_plain)
 
 
 def dumps_by_item(body: dict, key: str) -> str:
