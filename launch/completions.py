@@ -106,7 +106,10 @@ async def complete(
 def _check_completion(body: CompletionRequest, config: RuntimeConfig, num_prompts: int) -> None:
     """The completion's refusals that need no engine: the model and ids it names, max_tokens 0
     without echo, more sequences than server.max_sequences_per_request."""
-    body.check_served(config.server.model_name, config.model.vocab_size, DEFAULT_MAX_TOKENS)
+    server = config.server
+    body.check_served(
+        server.model_name, config.model.vocab_size, server.max_logprobs, DEFAULT_MAX_TOKENS
+    )
     if body.max_tokens == 0 and not body.echo:
         raise FieldError("max_tokens", "max_tokens: 0 needs echo: true (else nothing comes back)")
     most = config.server.max_sequences_per_request
@@ -299,7 +302,8 @@ async def chat(
 ) -> Response:
     """/v1/chat/completions; `received` as `complete`'s."""
     backend = ready(backend)
-    body.check_served(config.server.model_name, config.model.vocab_size)
+    server = config.server
+    body.check_served(server.model_name, config.model.vocab_size, server.max_logprobs)
     most = config.server.max_sequences_per_request
     if body.n > most:  # (else the engine's refusal, named as a fault of `messages`)
         raise FieldError(

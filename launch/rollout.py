@@ -175,6 +175,11 @@ def _check_model_flags(llm: LLM, args: argparse.Namespace) -> None:
             f"--logprobs {args.logprobs} asks for more top logprobs than the vocabulary's "
             f"{vocab_size} tokens"
         )
+    max_logprobs = llm.config.server.max_logprobs
+    if args.logprobs > max_logprobs:
+        raise ValueError(
+            f"--logprobs {args.logprobs} is more than server.max_logprobs={max_logprobs}"
+        )
     if not args.score and args.max_tokens >= max_model_len:  # a prompt has one token at least
         raise ValueError(
             f"--max-tokens {args.max_tokens} leaves no room for a prompt in "

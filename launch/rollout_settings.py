@@ -28,8 +28,10 @@ def run_settings(llm: LLM, args: argparse.Namespace, defaults: dict, input_sha25
     settings = {"score": args.score, "input_sha256": input_sha256}
     if not args.score:  # scoring reads no sampling setting but --logprobs
         settings |= {"base_seed": args.base_seed, **defaults}
-        # It decides which rows run (a row's n past it is a bad row), though no row's bits.
+        # They decide which rows run (a row's n or logprobs past one is a bad row), though no
+        # row's bits.
         settings[MAX_N_KEY] = llm.config.server.max_sequences_per_request
+        settings["server.max_logprobs"] = llm.config.server.max_logprobs
     else:
         if args.logprobs:  # (0, the rows without top logprobs, records nothing, as before it)
             settings["logprobs"] = args.logprobs

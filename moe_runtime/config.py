@@ -148,6 +148,10 @@ class ServerConfig:
     # A completion of more prompts x n than this is a 400: each sequence holds engine state
     # (~1 KB, and its prompt) while it waits, so one body could exhaust the server's memory.
     max_sequences_per_request: int = 65536
+    # Top logprobs a position may ask for (generate, score, HTTP's logprobs / top_logprobs),
+    # OpenAI's bound by default: each is a sort column, a table entry and a dict item per token,
+    # so a request of the whole vocabulary (102400 at V2-Lite) held that much a token.
+    max_logprobs: int = 20
 
     def __post_init__(self) -> None:
         port = self.port
@@ -167,6 +171,8 @@ class ServerConfig:
             value = getattr(self, key)
             if not 1 <= value < 2**63:  # (its type checked at load)
                 raise ValueError(f"server.{key} must be an int >= 1, got {value!r}")
+        if not 0 <= self.max_logprobs < 2**63:
+            raise ValueError(f"server.max_logprobs must be an int >= 0, got {self.max_logprobs!r}")
         interval = self.health_check_interval_s
         if interval is not None and not 0 < interval <= threading.TIMEOUT_MAX:
             # (a wait longer than the platform's longest killed the engine loop at its first)

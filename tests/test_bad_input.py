@@ -125,7 +125,7 @@ def test_bad_requests_fail_alone_while_others_finish():
 
 
 def test_integer_scalars_of_numpy_and_torch_are_token_ids_and_a_vocabulary_of_logprobs_runs():
-    llm = LLM(TINY_CONFIG)
+    llm = LLM(TINY_CONFIG, **{"server.max_logprobs": 512})
     params = SamplingParams(max_tokens=2, temperature=0.0, logprobs=512)  # the whole vocabulary
     plain = fingerprint(llm.generate([[5, 6, 7]], params)[0])
     for prompt in (np.array([5, 6, 7]), list(torch.tensor([5, 6, 7]))):
@@ -277,3 +277,24 @@ def test_generate_ends_on_ctrl_c_with_one_line_and_exit_130():
     assert proc.returncode == 130, err
     assert "Traceback" not in err, err
     assert err.strip().splitlines()[-1] == "generate: interrupted (SIGINT); nothing was printed"
+
+
+def test_top_logprobs_are_bounded_by_server_max_logprobs():
+    """Top logprobs were bounded by the vocabulary alone outside HTTP (a request of 102400 a
+    token: a table and a list of dicts that large each step); now server.max_logprobs (20,
+    OpenAI's bound, by default) bounds generate and score too, naming the field and the key."""
+    llm = LLM(TINY_CONFIG)
+    bound = r"SamplingParams.logprobs=21 is more than server.max_logprobs=20"
+    with pytest.raises(ValueError, match=bound):
+        llm.generate([[1, 2]], SamplingParams(max_tokens=2, logprobs=21))
+    with pytest.raises(ValueError, match=r"logprobs=21 is more than server.max_logprobs=20"):
+        llm.score_outputs([[1, 2, 3]], [1], logprobs=21)
+    (output,) = llm.generate([[1, 2]], SamplingParams(max_tokens=2, logprobs=20))
+    assert all(len(top) == 20 for top in output.top_logprobs)
+    llm.shutdown()
+    wider = LLM(TINY_CONFIG, **{"server.max_logprobs": 30})
+    (output,) = wider.generate([[1, 2]], SamplingParams(max_tokens=2, logprobs=30))
+    assert all(len(top) == 30 for top in output.top_logprobs)
+    wider.shutdown()
+    with pytest.raises(ValueError, match=r"server.max_logprobs must be an int >= 0, got -1"):
+        load_config(TINY_CONFIG, {"server.max_logprobs": -1})

@@ -426,6 +426,7 @@ BAD_ROWS = [
     # The prompt fits, with its max_tokens it does not: the engine's check_request refuses it.
     ({"id": "x", "prompt": [1] * 1020, "max_tokens": 8}, "1028 in all"),
     ({"id": "x", "prompt": "a", "n": 2, "logprobs": 600}, "logprobs=600"),
+    ({"id": "x", "prompt": "a", "logprobs": 21}, "logprobs=21 is more than server.max_logprobs=20"),
 ]
 
 
@@ -656,6 +657,12 @@ def partial_run(tmp_path: Path, num_kept: int) -> tuple[Path, Path, list[str]]:
             ["--set", "server.max_sequences_per_request=64"],
             "server.max_sequences_per_request=65536",
             "server.max_sequences_per_request=64",
+        ),
+        # And so does the bound on a row's logprobs.
+        (
+            ["--set", "server.max_logprobs=10"],
+            "server.max_logprobs=20",
+            "server.max_logprobs=10",
         ),
         (["--edit-input"], "input_sha256=", "input_sha256="),
     ],
@@ -933,6 +940,7 @@ def test_a_bad_flag_is_refused_before_any_row_is_read(tmp_path, capsys, monkeypa
     ("flag", "error"),
     [
         (["--logprobs", "9999"], "--logprobs 9999 asks for more top logprobs than the vocab"),
+        (["--logprobs", "21"], "--logprobs 21 is more than server.max_logprobs=20"),
         (["--max-tokens", "1024"], "--max-tokens 1024 leaves no room for a prompt in sched"),
     ],
 )

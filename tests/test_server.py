@@ -1011,3 +1011,29 @@ def test_health_while_shutting_down_says_so():
         "status": "unavailable",
         "error": "the server is shutting down: it takes no new requests",
     }
+
+
+def test_top_logprobs_follow_server_max_logprobs():
+    """The HTTP bound on logprobs / top_logprobs was a constant 20 whatever the config, and
+    beside it the engine's own (the vocabulary) left generate and score unbounded: both follow
+    server.max_logprobs now, and the 400 names the field and the key with its value."""
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "logprobs": True}
+    with running_server({"server.max_logprobs": 3}) as small:
+        refused = post(small.http, {"prompt": "a", "max_tokens": 1, "logprobs": 4})
+        assert refused.status_code == 400, refused.text
+        error = refused.json()["error"]
+        assert error["param"] == "logprobs"
+        assert error["message"] == "logprobs: 4 is more than server.max_logprobs=3"
+        refused = small.http.post("/v1/chat/completions", json={**chat, "top_logprobs": 4})
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["param"] == "top_logprobs"
+        assert "top_logprobs: 4 is more than server.max_logprobs=3" in refused.text
+        echo = {"prompt": "ab", "max_tokens": 0, "echo": True, "logprobs": 4}
+        assert post(small.http, echo).status_code == 400
+        assert post(small.http, {"prompt": "a", "max_tokens": 1, "logprobs": 3}).status_code == 200
+    with running_server({"server.max_logprobs": 25}) as wide:
+        answered = post(wide.http, {"prompt": "a", "max_tokens": 1, "logprobs": 25})
+        assert answered.status_code == 200, answered.text
+        assert len(answered.json()["choices"][0]["logprobs"]["top_logprob_ids"][0]) == 25
+        answered = wide.http.post("/v1/chat/completions", json={**chat, "top_logprobs": 25})
+        assert answered.status_code == 200, answered.text

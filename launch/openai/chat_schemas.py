@@ -15,7 +15,6 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from launch.openai.schemas import (
-    MAX_LOGPROBS,
     SamplingFields,
     Strict,
     is_no_list,
@@ -151,7 +150,7 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = False
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=0)  # at most server.max_logprobs: check_served
     response_format: Any = None
     parallel_tool_calls: Any = None
     metadata: Any = None
@@ -199,3 +198,6 @@ class ChatCompletionRequest(SamplingFields):
     def token_budget_field(self) -> str:
         """The field `token_budget` reads, for errors to name."""
         return "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
+
+    def top_logprobs_field(self) -> str:
+        return "top_logprobs"

@@ -31,7 +31,6 @@ from moe_runtime.config_fields import is_int
 from moe_runtime.sampling_params import SamplingParams
 from moe_runtime.seeds import MAX_SEED, from_signed_seed
 
-MAX_LOGPROBS = 20
 MAX_N = 128
 # Every stop string is searched on every token of every sample on the engine's one thread, so
 # a request may not bring enough of them to slow the others (OpenAI allows 4).
@@ -181,13 +180,21 @@ class SamplingFields(Strict):
         return self.stream_options is not None and self.stream_options.include_usage
 
     def check_served(
-        self, model_name: str, vocab_size: int, default_budget: int | None = None
+        self,
+        model_name: str,
+        vocab_size: int,
+        max_logprobs: int,
+        default_budget: int | None = None,
     ) -> None:
-        """Refuses another model's name, stop token ids outside the vocabulary and a min_tokens
-        over the token budget (default_budget where the request gives none; None: the
-        context's end)."""
+        """Refuses another model's name, more top logprobs than max_logprobs (the config's
+        server.max_logprobs), stop token ids outside the vocabulary and a min_tokens over the
+        token budget (default_budget where the request gives none; None: the context's end)."""
         if self.model is not None and self.model != model_name:
             raise UnknownModelError(self.model)
+        num_top, field = self.num_top_logprobs(), self.top_logprobs_field()
+        if num_top is not None and num_top > max_logprobs:
+            message = f"{field}: {num_top} is more than server.max_logprobs={max_logprobs}"
+            raise FieldError(field, message)
         budget, field = self.token_budget(), self.token_budget_field()
         if budget is None:
             budget, field = default_budget, f"the default {field}"
@@ -209,6 +216,10 @@ class SamplingFields(Strict):
     def token_budget_field(self) -> str:
         """The field `token_budget` reads, for errors to name."""
         return "max_tokens"
+
+    def top_logprobs_field(self) -> str:
+        """The field `num_top_logprobs` reads, for errors to name."""
+        return "logprobs"
 
     def sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
         """The request's SamplingParams; default_max_tokens where it gives no budget (None: to
@@ -236,7 +247,7 @@ class CompletionRequest(SamplingFields):
 
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(None, ge=0)  # 0: the prompt alone, with echo
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(None, ge=0)  # at most server.max_logprobs: check_served
     echo: bool = False
     best_of: int | None = None
     suffix: Any = None

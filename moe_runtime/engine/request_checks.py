@@ -3,10 +3,10 @@
 A prompt (text or token ids) must encode to a non-empty list of ints inside the vocabulary and
 fit the context (`scheduler.max_model_len`; PromptTooLongError); with its max_tokens it must
 fit too (ContextLengthError, which names the budget); a request may not ask for more top
-logprobs than the vocabulary holds, nor stop on an id outside it. A scoring's sequence must
-hold a prompt and at least one token to score. Batches are checked all or none, the bad item
-named by its index. The checks read only the config and the tokenizer: the engine, a front end
-or a rollout job can run them ahead of anything else.
+logprobs than the vocabulary holds or `server.max_logprobs`, nor stop on an id outside it. A
+scoring's sequence must hold a prompt and at least one token to score. Batches are checked all
+or none, the bad item named by its index. The checks read only the config and the tokenizer:
+the engine, a front end or a rollout job can run them ahead of anything else.
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ class RequestChecks:
         self.vocab_size = config.model.vocab_size
         self.max_model_len = config.scheduler.max_model_len
         self.max_n = config.server.max_sequences_per_request
+        self.max_logprobs = config.server.max_logprobs
         self.tokenizer = tokenizer
 
     def requests(
@@ -94,11 +95,17 @@ class RequestChecks:
         return token_ids
 
     def num_top(self, logprobs: int | None) -> None:
-        """Refuse more top logprobs a position than the vocabulary has tokens."""
+        """Refuse more top logprobs a position than the vocabulary has tokens, or than
+        server.max_logprobs."""
         if logprobs is not None and logprobs > self.vocab_size:
             raise ValueError(
                 f"SamplingParams.logprobs={logprobs} asks for more top logprobs than the "
                 f"vocabulary's {self.vocab_size} tokens"
+            )
+        if logprobs is not None and logprobs > self.max_logprobs:
+            raise ValueError(
+                f"SamplingParams.logprobs={logprobs} is more than "
+                f"server.max_logprobs={self.max_logprobs}"
             )
 
     def scores(
