@@ -82,7 +82,8 @@ def init_process_groups(
     Every rank of the job must call this once, with the same config, address and port. On
     CUDA the groups' device is the current one (a Ray rank's: its one visible GPU, device 0;
     Worker.init sets none). store: rank 0's open_rendezvous(), listening at master_port
-    already; None: rank 0 binds master_port itself (every other rank connects to it).
+    already; None: rank 0 binds master_port itself (every other rank connects to it). A failure
+    after the default group is joined destroys it again, so the call may be retried.
     """
     global _registry
     if _registry is not None:
@@ -104,16 +105,14 @@ def init_process_groups(
         dist.init_process_group(
             backend, store=store, world_size=config.world_size, rank=rank, timeout=timeout
         )
-        # Collective: new_group must be called by ALL ranks, for every group, in the same
-        # order (TP groups in block order, then DP groups in tp_rank order), even by ranks
-        # that are not members; a different order pairs the wrong groups and hangs.
-        tp_group = dp_group = None
-        for ranks in tp_group_ranks(config.world_size, config.tp_size):
-            group = dist.new_group(ranks, timeout=timeout, backend=backend)
-            tp_group = group if rank in ranks else tp_group
-        for ranks in dp_group_ranks(config.world_size, config.tp_size):
-            group = dist.new_group(ranks, timeout=timeout, backend=backend)
-            dp_group = group if rank in ranks else dp_group
+        try:
+            tp_group, dp_group = _new_groups(config, rank, backend, timeout)
+        except BaseException:
+            # Why: a half-built job (default group joined, a later group failed) stayed
+            # initialised outside the registry: a retry was refused ("initialize the default
+            # process group twice") and destroy_process_groups had nothing to tear down.
+            dist.destroy_process_group()
+            raise
     _registry = ProcessGroups(
         rank=rank,
         world_size=config.world_size,
@@ -127,6 +126,23 @@ def init_process_groups(
         device=device,
     )
     return _registry
+
+
+def _new_groups(
+    config: ParallelConfig, rank: int, backend: str, timeout: timedelta
+) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """This rank's (TP group, DP group), after the default group is joined."""
+    # Collective: new_group must be called by ALL ranks, for every group, in the same order
+    # (TP groups in block order, then DP groups in tp_rank order), even by ranks that are not
+    # members; a different order pairs the wrong groups and hangs.
+    tp_group = dp_group = None
+    for ranks in tp_group_ranks(config.world_size, config.tp_size):
+        group = dist.new_group(ranks, timeout=timeout, backend=backend)
+        tp_group = group if rank in ranks else tp_group
+    for ranks in dp_group_ranks(config.world_size, config.tp_size):
+        group = dist.new_group(ranks, timeout=timeout, backend=backend)
+        dp_group = group if rank in ranks else dp_group
+    return tp_group, dp_group
 
 
 def get_process_groups() -> ProcessGroups:

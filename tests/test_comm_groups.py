@@ -27,7 +27,7 @@ from comm import (
     get_process_groups,
     init_process_groups,
 )
-from comm.groups import dp_group_ranks, select_backend, tp_group_ranks
+from comm.groups import dp_group_ranks, open_rendezvous, select_backend, tp_group_ranks
 
 MASTER_ADDR = "127.0.0.1"
 
@@ -186,3 +186,37 @@ def test_parallel_config_refuses_a_value_of_the_wrong_kind(key, value):
     dispatchers): each refused naming the key and the value."""
     with pytest.raises(ValueError, match=rf"parallel\.{key} .*got {value!r}"):
         ParallelConfig(**{key: value})
+
+
+def _partial_init_worker(rank: int, world_size: int, port: int) -> dict:
+    """The second new_group (the DP group) fails: the init raises and leaves nothing behind."""
+    real_new_group, made = dist.new_group, []
+
+    def new_group(*args, **kwargs):
+        made.append(args)
+        if len(made) == 2:
+            raise RuntimeError("second group refused")
+        return real_new_group(*args, **kwargs)
+
+    config = gloo_config(world_size, timeout_s=5)
+    dist.new_group = new_group
+    try:
+        with pytest.raises(RuntimeError, match="second group refused"):
+            init_process_groups(config, rank, MASTER_ADDR, port)
+    finally:
+        dist.new_group = real_new_group
+    result = {"initialised_after_failure": dist.is_initialized(), "groups_tried": len(made)}
+    # A retry joins afresh (its own store: the failed one's port may still be held).
+    store = open_rendezvous(config)
+    groups = init_process_groups(config, rank, MASTER_ADDR, store.port, store=store)
+    result["retry_rank"] = groups.rank
+    destroy_process_groups()
+    return result
+
+
+def test_a_partial_init_tears_down_what_it_built(tmp_path):
+    """The default group joined, the TP group made, the DP group's creation failing: the group
+    stayed initialised, so a retry failed ("trying to initialize the default process group
+    twice") and the registry never learnt of it to destroy it."""
+    result = run_ranks(_partial_init_worker, 1, tmp_path)[0]
+    assert result == {"initialised_after_failure": False, "groups_tried": 2, "retry_rank": 0}
