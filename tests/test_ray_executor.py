@@ -395,3 +395,40 @@ def test_a_rank_that_fails_to_start_says_why(ray_local, monkeypatch):
         r"ModuleNotFoundError: No module named 'triton_on_this_node'",
         message,
     ), message
+
+
+def test_a_placement_group_whose_removal_fails_is_logged_and_a_stopped_kill_still_removes_it(
+    monkeypatch, caplog
+):
+    """The release of an executor (shutdown, a failed start, a dropped LLM) removed its
+    placement group last and bare: a removal that raised came out of shutdown(), hiding a failed
+    start's own error, and a kill interrupted before it (Ctrl-C) never removed the group."""
+    import ray
+
+    from moe_runtime.executor import ray_executor
+
+    group = SimpleNamespace(id=SimpleNamespace(hex=lambda: "c0ffee"))
+    removed = []
+
+    def refuse(placement_group):
+        removed.append(placement_group)
+        raise RuntimeError("GCS unavailable")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "kill", lambda worker, no_restart: None)
+    monkeypatch.setattr(ray_executor, "remove_placement_group", refuse)
+    with caplog.at_level(logging.ERROR, logger=ray_executor.__name__):
+        ray_executor._release(os.getpid(), ["worker"], group)
+    assert removed == [group]
+    messages = [record.getMessage() for record in caplog.records]
+    assert len(messages) == 1 and "c0ffee" in messages[0], messages
+    assert "GCS unavailable" in messages[0], messages
+
+    def interrupted(worker, no_restart):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ray, "kill", interrupted)
+    monkeypatch.setattr(ray_executor, "remove_placement_group", removed.append)
+    with pytest.raises(KeyboardInterrupt):
+        ray_executor._release(os.getpid(), ["worker"], group)
+    assert removed == [group, group]

@@ -371,13 +371,23 @@ def _release(owner_pid: int, workers: list, group) -> None:
     """RayExecutor.shutdown's work, also run when an executor is dropped without it: every
     worker killed, the placement group removed. Nothing in a process forked from the owner:
     the workers are the owner's, still serving it. Nothing once Ray is shut down (the user's
-    ray.shutdown() before the LLM went): the workers and the group went with it."""
+    ray.shutdown() before the LLM went): the workers and the group went with it. A removal that
+    fails is logged, not raised: it must not hide the error of a start that failed."""
     if os.getpid() != owner_pid or not ray.is_initialized():
         return
-    for worker in workers:
-        with contextlib.suppress(Exception):
-            ray.kill(worker, no_restart=True)
-    remove_placement_group(group)
+    try:
+        for worker in workers:
+            with contextlib.suppress(Exception):
+                ray.kill(worker, no_restart=True)
+    finally:  # a kill interrupted (Ctrl-C) still frees the bundles
+        try:
+            remove_placement_group(group)
+        except Exception as exc:
+            log.error(
+                "could not remove placement group %s (its bundles stay held until the job "
+                "ends): %s",
+                group.id.hex(), exc,
+            )  # fmt: skip
 
 
 def _read_when_done(refs: list) -> None:
