@@ -23,7 +23,6 @@ from comm.dispatch import (
     DispatchHandle,
     DispatchLayout,
     RankExchange,
-    _check_routing,
     count_rows_per_slot,
 )
 from comm.errors import collective_guard
@@ -137,12 +136,18 @@ class FixedCapacityDispatcher(RankExchange):
             dist.all_reduce(counts, group=self.group)
         return counts.view(-1, self.world_size, self.num_local_slots)[:, self.rank]
 
-    def _capacity_tokens(self, x: torch.Tensor) -> int:
+    def _capacity_tokens(self, x: torch.Tensor, refusal: ValueError | None) -> int:
+        """The block size in tokens; raises on every rank when any refused its arguments."""
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            self._raise_refusal(None, refusal)  # the agreed bucket's shapes, the same on all
             return x.shape[0]  # every rank replays the same agreed bucket size
         # Eager: each rank has its own batch, so the blocks are sized by the largest. Named as
-        # the dispatch's first collective: a peer that never dispatches times out here.
-        return self._most_of_any_rank([x.shape[0]], "dispatch token count all_reduce")[0]
+        # the dispatch's first collective: a peer that never dispatches times out here. It
+        # carries the refusals too (rank + 1 of the highest refusing rank, else 0).
+        step = [0, self.rank + 1] if refusal is not None else [x.shape[0], 0]
+        most, refused = self._most_of_any_rank(step, "dispatch token count all_reduce")
+        self._raise_refusal(refused - 1 if refused else None, refusal)
+        return most
 
     def _all_to_all(self, send: torch.Tensor, op: str) -> torch.Tensor:
         recv = torch.empty_like(send)
@@ -164,10 +169,10 @@ class FixedCapacityDispatcher(RankExchange):
         In a step begun as eager: AllToAllDispatcher.dispatch's results."""
         if not self._is_graph_step:
             return self._uneven.dispatch(x, topk_phys_ids, topk_weights, layout)
-        _check_routing(x, topk_phys_ids, topk_weights)
+        layout, refusal = self._checked_layout(x, topk_phys_ids, topk_weights, layout)
+        num_tokens = self._capacity_tokens(x, refusal)  # raises when any rank refused
         r, slots, k = self.world_size, self.num_local_slots, topk_phys_ids.shape[1]
-        capacity = self._capacity_tokens(x) * k
-        layout = layout or self.layout(topk_phys_ids)
+        capacity = num_tokens * k
         order, send_counts = layout.order, layout.rows_per_slot  # [R*L]: (dest rank, slot)
         # Collective (all ranks, every call, first): counts per (rank, local slot), fixed size.
         recv_counts = self._all_to_all(send_counts, "dispatch counts all_to_all").view(r, slots)

@@ -172,9 +172,11 @@ class DeepEPDispatcher(RankExchange):
         if x.dtype != torch.bfloat16:
             raise ValueError(f"the DeepEP backend moves bf16 rows only, got x {x.dtype}")
         if x.shape[0] > self.max_tokens_per_rank:
+            # This rank's own count, refused by it alone (DeepEP's dispatch is one call, with no
+            # agreement to carry a refusal): its peers wait out timeout_s, so the rank is named.
             raise ValueError(
-                f"{x.shape[0]} tokens exceed the DeepEP buffer's scheduler.max_num_batched_tokens "
-                f"= {self.max_tokens_per_rank}"
+                f"rank {self.rank}: {x.shape[0]} tokens exceed the DeepEP buffer's "
+                f"scheduler.max_num_batched_tokens = {self.max_tokens_per_rank}"
             )
         xv, idv = virtual_tokens(x, topk_phys_ids)
         # Collective (all ranks, once per MoE layer): expand mode gives one row per (virtual

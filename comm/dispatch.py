@@ -212,6 +212,36 @@ class RankExchange:
     def layout(self, topk_phys_ids: torch.Tensor) -> DispatchLayout:
         return dispatch_layout(topk_phys_ids, self.world_size * self.num_local_slots)
 
+    def _checked_layout(
+        self,
+        x: torch.Tensor,
+        topk_phys_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        layout: DispatchLayout | None,
+    ) -> tuple[DispatchLayout | None, ValueError | None]:
+        """dispatch's argument checks and layout -> (layout, None), or (None, the refusal).
+
+        Why kept, not raised: the ids and shapes are this rank's own, so a rank that refused
+        alone left its peers waiting out timeout_s in the dispatch's first collective. The
+        refusal rides in that collective instead (_raise_refusal), and every rank raises.
+        """
+        try:
+            _check_routing(x, topk_phys_ids, topk_weights)
+            return layout or self.layout(topk_phys_ids), None
+        except ValueError as refusal:
+            return None, refusal
+
+    def _raise_refusal(self, refused_rank: int | None, refusal: ValueError | None) -> None:
+        """Every rank, after the collective that carried the refusals: this rank's own refusal,
+        else a ValueError naming a rank that refused (the ranks stay in step: none goes on)."""
+        if refusal is not None:
+            raise refusal
+        if refused_rank is not None:
+            raise ValueError(
+                f"dispatch skipped on every rank: rank {refused_rank} refused its dispatch "
+                "arguments (its own error says why)"
+            )
+
 
 class AllToAllDispatcher(RankExchange):
     """Dispatch/combine over all_to_all_single on `group` (gloo on CPU, NCCL on CUDA).
@@ -262,21 +292,28 @@ class AllToAllDispatcher(RankExchange):
     ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
         """x [T, D] -> recv_x [N, D] sorted by (local slot, source rank, token, slot),
         group sizes [L] int64 on x's device, handle. topk_phys_ids [T, K] int64, topk_weights fp32.
-        `layout` (from `self.layout`) may be computed ahead, as DeepEP's callers do."""
-        _check_routing(x, topk_phys_ids, topk_weights)
-        r, slots, k = self.world_size, self.num_local_slots, topk_phys_ids.shape[1]
-        flat_ids = topk_phys_ids.reshape(-1)
-        layout = layout or self.layout(topk_phys_ids)
-        order, send_counts = layout.order, layout.rows_per_slot  # [R*L]: (dest rank, slot)
-        recv_counts = torch.empty_like(send_counts)
+        `layout` (from `self.layout`) may be computed ahead, as DeepEP's callers do. A rank
+        whose arguments are refused makes every rank raise ValueError (see _checked_layout)."""
+        r, slots = self.world_size, self.num_local_slots
+        layout, refusal = self._checked_layout(x, topk_phys_ids, topk_weights, layout)
+        if layout is None:  # refused: no rows to send, only the refusal
+            send_counts = torch.zeros(r * slots, dtype=torch.int64, device=self.device)
+        else:
+            send_counts = layout.rows_per_slot  # [R*L]: (dest rank, local slot)
+        # [R, L + 1]: the counts bound for each rank, then whether this rank refused.
+        send = send_counts.view(r, slots)
+        send = torch.cat([send, send.new_full((r, 1), int(refusal is not None))], dim=1)
+        recv = torch.empty_like(send)
         # Collective (all ranks, every step, first): counts per (rank, local slot), so each
-        # receiver knows its group sizes before any row arrives.
+        # receiver knows its group sizes before any row arrives, and each rank's refusal.
         with collective_guard(self.rank, "dispatch counts all_to_all"):
-            dist.all_to_all_single(recv_counts, send_counts, group=self.group)
-        recv_counts = recv_counts.view(r, slots)  # [source rank, local slot]
+            dist.all_to_all_single(recv, send, group=self.group)
+        recv_counts = recv[:, :slots]  # [source rank, local slot]
         # Host sync (the step's one): the split sizes are host ints for the collectives.
-        splits = torch.cat([send_counts.view(r, slots).sum(1), recv_counts.sum(1)]).tolist()
-        send_splits, recv_splits = splits[:r], splits[r:]
+        splits = torch.cat([send[:, :slots].sum(1), recv_counts.sum(1), recv[:, slots]]).tolist()
+        send_splits, recv_splits, refused = splits[:r], splits[r : 2 * r], splits[2 * r :]
+        self._raise_refusal(refused.index(1) if 1 in refused else None, refusal)
+        order, k, flat_ids = layout.order, topk_phys_ids.shape[1], topk_phys_ids.reshape(-1)
         group_sizes = recv_counts.sum(0)
         # Collective (all ranks, right after the counts): the rows, uneven splits.
         recv_buf = self._all_to_all(

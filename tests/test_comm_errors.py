@@ -77,3 +77,39 @@ def test_pinned_all_reduce_world1_is_identity(tmp_path):
 def _world1_worker(rank: int, world_size: int, port: int) -> torch.Tensor:
     groups = init_process_groups(gloo_config(world_size), rank, MASTER_ADDR, port)
     return all_reduce(torch.arange(4.0), groups.ep_group, sum_over_ranks_ref)
+
+
+def _one_rank_refuses_worker(rank: int, world_size: int, port: int, dispatcher_cls: type) -> dict:
+    groups = init_process_groups(
+        gloo_config(world_size, timeout_s=TIMEOUT_S), rank, MASTER_ADDR, port
+    )
+    dispatcher = dispatcher_cls(groups.ep_group, rank, world_size, 2, False, "cpu", moe_combine_ref)
+    x, weights = torch.ones(1, 4), torch.ones(1, 1)
+    bad_ids = torch.tensor([[4 if rank == 1 else 3]])  # rank 1's: past the 4 physical slots
+    start = time.monotonic()
+    try:
+        dispatcher.dispatch(x, bad_ids, weights)
+        result = {"error": None}
+    except Exception as error:
+        result = {"type": type(error).__name__, "error": str(error)}
+    result["elapsed"] = time.monotonic() - start
+    # The ranks are still in step: the next dispatch and combine run on both.
+    recv, _, handle = dispatcher.dispatch(x, torch.tensor([[3 - rank]]), weights)
+    result["out"] = dispatcher.combine(recv, handle, weights)
+    return result
+
+
+@pytest.mark.parametrize("dispatcher_cls", list(FIRST_OPS), ids=lambda cls: cls.__name__)
+def test_a_rank_refusing_its_dispatch_arguments_fails_every_rank_at_once(tmp_path, dispatcher_cls):
+    """Rank 1's expert ids are out of range: it raised its ValueError alone, before the
+    dispatch's first collective, and rank 0 waited there for the whole timeout_s to fail with a
+    CollectiveError that named no cause. The refusal now travels in that first collective (the
+    counts, or the capacity's token count): both ranks raise a ValueError at once, rank 0's
+    naming rank 1, and the ranks stay in step."""
+    results = run_ranks(_one_rank_refuses_worker, 2, tmp_path, dispatcher_cls)
+    assert results[1]["type"] == "ValueError", results[1]
+    assert "must lie in [0, 4), got 4..4" in results[1]["error"], results[1]
+    assert results[0]["type"] == "ValueError", results[0]
+    assert "rank 1 refused its dispatch arguments" in results[0]["error"], results[0]
+    assert max(result["elapsed"] for result in results) < TIMEOUT_S / 2, results
+    assert all(torch.equal(result["out"], torch.ones(1, 4)) for result in results), results

@@ -364,3 +364,29 @@ def test_deepep_engine_rebalance_mid_generation_changes_nothing():
     assert sum(r["experts_moved"] for r in moves) > 0, "no expert moved"
     assert sum(r["bytes_moved"] for r in moves) > 0, "no expert weights crossed the GPUs"
     assert got == reference
+
+
+def _over_budget_worker(rank: int, world_size: int, port: int) -> str:
+    sys.modules["deep_ep"] = types.SimpleNamespace(
+        ElasticBuffer=StandInBuffer, topk_idx_t=torch.int64
+    )
+    groups = init_process_groups(backend_config(world_size, "gloo"), rank, MASTER_ADDR, port)
+    hidden, num_local_slots, top_k = SMALL
+    dispatcher = DeepEPDispatcher(
+        groups.ep_group, rank, world_size, num_local_slots, hidden, 4, top_k, "cpu",
+        moe_combine_ref, 5,
+    )  # fmt: skip
+    ids = torch.zeros(6, top_k, dtype=torch.int64)  # 6 tokens, past the buffer's 4
+    with pytest.raises(ValueError) as refusal:
+        dispatcher.dispatch(torch.zeros(6, hidden).bfloat16(), ids, torch.ones(6, top_k))
+    dispatcher.close()
+    return str(refusal.value)
+
+
+def test_a_dispatch_past_the_buffer_names_the_rank(tmp_path):
+    """A rank's own token count, over the buffer's bound, is refused by that rank alone (DeepEP's
+    dispatch is one call: no agreement of the ranks' counts to carry the refusal), and its peers
+    wait out timeout_s in DeepEP's dispatch: the refusal names its rank, so the peers' timeout
+    can be traced to it."""
+    message = run_ranks(_over_budget_worker, 1, tmp_path)[0]
+    assert message.startswith("rank 0: 6 tokens exceed the DeepEP buffer's"), message
