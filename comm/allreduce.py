@@ -32,7 +32,16 @@ def all_gather(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> list[
 
 def all_to_all_equal(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """x [R * n, ...], block j (rows j * n .. (j + 1) * n) for rank j -> [R * n, ...], block j
-    from rank j. n may be 0."""
+    from rank j. n may be 0; ValueError when x's rows do not split in R equal blocks."""
+    num_ranks = dist.get_world_size(group)
+    if x.dim() == 0 or x.shape[0] % num_ranks:
+        # Checked here: gloo sends such an x as it is and fills the output with garbage, or
+        # torch refuses it with a RuntimeError that collective_guard would call a failed
+        # collective. The shape is the same on every rank by contract, so each refuses alike.
+        raise ValueError(
+            f"rank {dist.get_rank()}: all_to_all_equal needs x's rows in {num_ranks} equal "
+            f"blocks (one a rank), got shape {tuple(x.shape)}"
+        )
     # Why contiguous first: empty_like keeps a view's strides, and the collective writes the
     # output as one dense buffer, so a transposed or sliced x came back with its rows scrambled.
     x = x.contiguous()

@@ -9,6 +9,7 @@ fp32 values of very different magnitudes at 4 ranks.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -120,3 +121,27 @@ def test_all_to_all_equal_of_a_strided_view_moves_its_rows(tmp_path):
         expected = torch.cat([blocks[source][rank] for source in range(2)])
         assert torch.equal(res["dense"], expected)
         assert torch.equal(res["strided"], expected)
+
+
+def _uneven_exchange_worker(rank: int, world_size: int, port: int) -> dict:
+    config = backend_config(world_size, "gloo")
+    init_process_groups(replace(config, timeout_s=3.0), rank, MASTER_ADDR, port)
+    try:
+        all_to_all_equal(torch.zeros(3, 2))  # 3 rows: no equal block for each of 2 ranks
+    except Exception as error:
+        return {"type": type(error).__name__, "error": str(error)}
+    finally:
+        destroy_process_groups()
+    return {"type": None}
+
+
+def test_an_exchange_of_unequal_blocks_is_an_argument_error(tmp_path):
+    """x's rows must split into one equal block per rank. torch refuses them with a
+    RuntimeError raised before anything is sent, which collective_guard reported as a failed
+    collective (CollectiveError), a peer's fault to the driver. It is this rank's argument: a
+    ValueError naming the rank and the shape."""
+    results = run_ranks(_uneven_exchange_worker, 2, tmp_path)
+    for rank, result in enumerate(results):
+        assert result["type"] == "ValueError", result
+        assert result["error"].startswith(f"rank {rank}: all_to_all_equal needs"), result
+        assert "(3, 2)" in result["error"], result

@@ -67,6 +67,9 @@ def test_collective_guard_wraps_runtime_errors_only():
     with pytest.raises(ValueError, match="^bad split$"):
         with collective_guard(0, "x"):
             raise ValueError("bad split")
+    with pytest.raises(TypeError, match="^not a tensor$"):
+        with collective_guard(0, "x"):
+            raise TypeError("not a tensor")
 
 
 def test_pinned_all_reduce_world1_is_identity(tmp_path):
