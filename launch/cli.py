@@ -10,6 +10,7 @@ import os
 import sys
 from typing import Any
 
+from moe_runtime.config import RuntimeConfig
 from moe_runtime.sampling_params import SamplingParams
 
 SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "logprobs")
@@ -90,11 +91,16 @@ def json_top_logprobs(top_logprobs: list[dict[int, float]]) -> list[dict[str, fl
     return [{str(token_id): lp for token_id, lp in top.items()} for top in top_logprobs]
 
 
-def connect_ray(world_size: int) -> None:
-    """Ray for a run of world_size > 1 ranks, before its engine loads: the cluster RAY_ADDRESS
-    names (a `ray job submit` job's own, or one the user names), else a new local instance;
-    never a cluster that merely runs on this machine."""
+def connect_ray(config: RuntimeConfig) -> None:
+    """Ray for a run of parallel.world_size > 1 ranks, before its engine loads: the cluster
+    RAY_ADDRESS names (a `ray job submit` job's own, or one the user names), else a new local
+    instance with the CPUs the ranks' bundles ask for; never a cluster that merely runs on this
+    machine."""
+    world_size = config.parallel.world_size
     if world_size > 1:
-        from moe_runtime.executor.ray_connect import connect_ray as connect  # ray only if used
+        # ray only if used
+        from moe_runtime.executor.ray_connect import connect_ray as connect
+        from moe_runtime.executor.ray_placement import rank_cpus
 
-        connect(world_size, os.environ.get(RAY_ADDRESS_VARIABLE) or "local")
+        address = os.environ.get(RAY_ADDRESS_VARIABLE) or "local"
+        connect(world_size * rank_cpus(config), address)

@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         params = SamplingParams(seed=args.seed, **cli.sampling_args(args))
         started = time.perf_counter()
         config = load_config(args.config, cli.parse_overrides(args.set))
-        cli.connect_ray(config.parallel.world_size)
+        cli.connect_ray(config)
         llm = LLM(config)
         print(f"loaded {args.config} in {time.perf_counter() - started:.1f}s", file=sys.stderr)
         prompts = args.prompt or ["The quick brown fox"]

@@ -227,7 +227,7 @@ def _load(
         # ray.init sets a SIGTERM handler of its own (sys.exit) as it starts: joined before
         # the load and ours put back, so a SIGTERM during the load ends the run as one after
         # it does (one while Ray itself is joined still ends it with Ray's exit code 15).
-        cli.connect_ray(config.parallel.world_size)
+        cli.connect_ray(config)
         _stop_on_signals(appender)
     print(f"rollout: loading the model on {config.parallel.world_size} rank(s)", file=sys.stderr)
     return rows, existing, LLM(config)

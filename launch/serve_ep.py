@@ -118,7 +118,7 @@ async def connect_ray_first(config) -> None:
     meet our handler (drain, exit 0), not Ray's (a stack dump and an abort 3 s later)."""
     if config.parallel.world_size > 1:
         try:
-            await asyncio.to_thread(connect_ray, config.parallel.world_size)
+            await asyncio.to_thread(connect_ray, config)
         finally:
             reclaim_stop_signals()  # here, on the main thread: only it may set handlers
 

@@ -278,7 +278,7 @@ def _never_placed(monkeypatch, resources: dict[str, float], world_size: int, dev
     monkeypatch.setattr(ray_placement.ray, "wait", lambda refs, timeout=None: ([], refs))
     group = SimpleNamespace(ready=lambda: "the group's ready ref")
     with pytest.raises(WorkerError) as failure:
-        bundle = ray_placement.bundles(device, world_size)[0]  # as RayExecutor passes it
+        bundle = ray_placement.bundles(device, world_size, 1)[0]  # as RayExecutor passes it
         ray_placement.wait_for_placement(group, world_size, bundle, 1.0, "parallel.timeout_s + 30s")
     return str(failure.value)
 
@@ -432,3 +432,30 @@ def test_a_placement_group_whose_removal_fails_is_logged_and_a_stopped_kill_stil
     with pytest.raises(KeyboardInterrupt):
         ray_executor._release(os.getpid(), ["worker"], group)
     assert removed == [group, group]
+
+
+@pytest.mark.parametrize(
+    ("device", "bundle", "num_cpus"),
+    [("cpu", {"CPU": 3}, 6), ("cuda", {"CPU": 1, "GPU": 1}, 2)],
+)
+def test_a_rank_s_bundle_asks_for_the_cpus_its_threads_use(monkeypatch, device, bundle, num_cpus):
+    """A CPU rank runs its step on kernels.num_threads threads, but its bundle asked for 1 CPU:
+    Ray packed ranks of 3 threads onto one core each as if they used one, and a local cluster
+    was started with a CPU a rank. A CUDA rank keeps 1 CPU (the GPU runs its step). No
+    cluster: Ray's calls stood in for, the placement group's bundles recorded."""
+    from moe_runtime.executor import ray_executor, ray_placement
+    from tests.invariance import TINY_CONFIG
+
+    asked = {}
+
+    def placement_group(bundles, strategy):
+        asked["bundles"] = bundles
+        raise InterruptedError("recorded")
+
+    monkeypatch.setattr(ray_executor, "connect_ray", lambda cpus: asked.setdefault("cpus", cpus))
+    monkeypatch.setattr(ray_placement.ray, "cluster_resources", lambda: {"CPU": 64.0, "GPU": 2.0})
+    monkeypatch.setattr(ray_executor, "placement_group", placement_group)
+    overrides = {"parallel.world_size": 2, "parallel.device": device, "kernels.num_threads": 3}
+    with pytest.raises(InterruptedError, match="recorded"):
+        create_executor(load_config(TINY_CONFIG, overrides), [])
+    assert asked == {"cpus": num_cpus, "bundles": [bundle, bundle]}

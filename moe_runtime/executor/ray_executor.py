@@ -1,9 +1,10 @@
 """RayExecutor: one worker actor per rank in a Ray placement group, driven in lockstep.
 
 Joins Ray through connect_ray (ray_connect.py). Bundles: one per rank, CPU bundles for
-`device: cpu`, GPU bundles for `device: cuda` (fractional when ranks share a GPU). Rank r runs in
-bundle r; rank 0's node (at the address Ray reaches it by) and the port its rendezvous store
-holds there are the rendezvous point. Every remote call is bounded by the collective timeout
+`device: cpu` (kernels.num_threads CPUs each), GPU bundles for `device: cuda` (one CPU and a GPU,
+fractional when ranks share one; see rank_cpus). Rank r runs in bundle r; rank 0's node (at the
+address Ray reaches it by) and the port its rendezvous store holds there are the rendezvous
+point. Every remote call is bounded by the collective timeout
 plus a margin, or by a bound its caller gives (a quick call's; an update's read of the
 weights, parallel.weight_read_timeout_s); a dead or stuck worker becomes a WorkerError naming
 its rank and the step. This module and ray_connect.py are the only ones besides launch/ that
@@ -35,6 +36,7 @@ from moe_runtime.executor.ray_placement import (
     bundles,
     check_gpu_sharing,
     node_address,
+    rank_cpus,
     wait_for_placement,
 )
 from moe_runtime.worker.step_input import StepInput, StepOutput, WorkerError
@@ -71,13 +73,13 @@ class RayExecutor:
         self.world_size = parallel.world_size
         self.timeout_s = parallel.timeout_s + _MARGIN_S
         self.num_steps = 0
-        connect_ray(self.world_size)
+        connect_ray(self.world_size * rank_cpus(config))
         check_gpu_sharing(config)
         self.workers: list = []  # filled in place: the release below holds this list
         self.num_frozen: list[int] = []  # objects each rank's process froze after its init
         self._sentinels: list = []  # each rank's Worker.hold call: done only once it died
         self._killed: dict[int, str] = {}  # rank -> why the driver killed it
-        rank_bundles = bundles(parallel.device, self.world_size)
+        rank_bundles = bundles(parallel.device, self.world_size, rank_cpus(config))
         self.placement_group = placement_group(rank_bundles, strategy="PACK")
         # Why: a placement group outlives every handle to it until the job ends, so an
         # executor dropped without shutdown (an LLM deleted or gone out of scope) kept its

@@ -1,4 +1,4 @@
-"""Where a Ray executor's ranks go: one bundle a rank (a CPU, and a GPU or a share of one),
+"""Where a Ray executor's ranks go: one bundle a rank (its CPUs, and a GPU or a share of one),
 refused at once where GPU sharing cannot work, and the wait for the cluster to place them."""
 
 from __future__ import annotations
@@ -59,9 +59,20 @@ def cluster_has(bundle: dict[str, float]) -> str:
     return ", ".join(f"{total.get(k, 0):g} {k} ({free.get(k, 0):g} free)" for k in bundle)
 
 
-def bundles(device: str, world_size: int) -> list[dict[str, float]]:
+def rank_cpus(config: RuntimeConfig) -> int:
+    """The CPUs a rank's bundle asks for. device cpu: kernels.num_threads, the threads its whole
+    step runs on, so Ray gives each rank cores of its own (ranks packed one a core ran
+    num_threads threads on it, as slow as one; the bits are the same either way: the thread
+    count is the rank's, not Ray's). device cuda: 1, the norm for a GPU worker: the GPU runs
+    the step and the CPU launches it; num_threads CPUs a rank would not fit ranks sharing one
+    GPU (EP=8 at 4 threads on a 16-core GPU machine) for no speed."""
+    return config.kernels.num_threads if config.parallel.device == "cpu" else 1
+
+
+def bundles(device: str, world_size: int, num_cpus: int) -> list[dict[str, float]]:
+    """One bundle a rank: num_cpus CPUs (rank_cpus), and its GPU or share of one on CUDA."""
     gpu = gpu_share(device, world_size)
-    return [{"CPU": 1, "GPU": gpu} if gpu else {"CPU": 1} for _ in range(world_size)]
+    return [{"CPU": num_cpus, "GPU": gpu} if gpu else {"CPU": num_cpus}] * world_size
 
 
 def check_gpu_sharing(config: RuntimeConfig) -> None:
