@@ -192,3 +192,38 @@ def test_a_ray_without_the_private_lookup_still_joins(monkeypatch):
     monkeypatch.delattr(services, "canonicalize_bootstrap_address")
     ray_connect.connect_ray(2)
     assert joined == [{"log_to_driver": True}]
+
+
+OWN_CLUSTER_TOO_SMALL = """
+import time, ray
+from moe_runtime.config import load_config
+from moe_runtime.executor import WorkerError, create_executor
+from moe_runtime.executor.ray_connect import OWN_CLUSTER_RESOURCE, connect_ray
+from tests.invariance import TINY_CONFIG
+connect_ray(1, "local")  # an earlier, smaller engine's local instance: os.cpu_count() CPUs
+num_cpus = int(ray.cluster_resources()["CPU"])
+overrides = {"parallel.world_size": 2, "parallel.timeout_s": 5, "kernels.num_threads": num_cpus}
+start = time.monotonic()
+try:
+    create_executor(load_config(TINY_CONFIG, overrides), [])
+except WorkerError as error:
+    marker = ray.cluster_resources().get(OWN_CLUSTER_RESOURCE)
+    print(marker, round(time.monotonic() - start), error, sep="|", flush=True)
+"""
+
+
+def test_a_placement_larger_than_the_own_local_ray_fails_at_once():
+    """connect_ray's local instance is marked as the runtime's own, and 2 ranks of all its CPUs
+    each are refused at once: the placement waited parallel.timeout_s + 30 s (35 s here)."""
+    run = subprocess.run(
+        [sys.executable, "-c", OWN_CLUSTER_TOO_SMALL],
+        cwd=ROOT,
+        env=ray_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    marker, elapsed_s, message = run.stdout.strip().splitlines()[-1].split("|")
+    assert marker == "1.0" and int(elapsed_s) < 10, run.stdout
+    assert "and the local Ray cluster this process started has" in message, message

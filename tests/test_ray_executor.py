@@ -459,3 +459,41 @@ def test_a_rank_s_bundle_asks_for_the_cpus_its_threads_use(monkeypatch, device, 
     with pytest.raises(InterruptedError, match="recorded"):
         create_executor(load_config(TINY_CONFIG, overrides), [])
     assert asked == {"cpus": num_cpus, "bundles": [bundle, bundle]}
+
+
+def _placement_refusal(monkeypatch, resources: dict[str, float], world_size: int, bundle) -> str:
+    """wait_for_placement's refusal on a cluster of `resources` whose group never becomes ready;
+    "waited" when it waited for it (Ray's calls stood in for)."""
+    from moe_runtime.executor import ray_placement
+
+    waited = []
+    monkeypatch.setattr(ray_placement.ray, "cluster_resources", lambda: resources)
+    monkeypatch.setattr(ray_placement.ray, "available_resources", lambda: resources)
+    monkeypatch.setattr(
+        ray_placement.ray, "wait", lambda refs, timeout: waited.append(1) or ([], refs)
+    )
+    group = SimpleNamespace(ready=lambda: "the group's ready ref")
+    with pytest.raises(WorkerError) as failure:
+        ray_placement.wait_for_placement(group, world_size, bundle, 1.0, "parallel.timeout_s + 30s")
+    return "waited" if waited else str(failure.value)
+
+
+def test_a_placement_the_runtime_s_own_cluster_can_never_hold_is_refused_at_once(monkeypatch):
+    """4 ranks of a CPU each on the local cluster this process started with 2 CPUs (an earlier,
+    smaller engine's): it never grows, yet the placement waited parallel.timeout_s + 30 s for
+    room. Refused at once now, naming what was asked and what exists. A cluster the runtime
+    did not start (nodes may join it, an autoscaler may grow it) is still waited for, and so is
+    a placement the own cluster can hold (8 ranks sharing its one GPU)."""
+    from moe_runtime.executor.ray_connect import OWN_CLUSTER_RESOURCE
+
+    own = {"CPU": 2.0, "GPU": 1.0, OWN_CLUSTER_RESOURCE: 1.0}
+    message = _placement_refusal(monkeypatch, own, 4, {"CPU": 1})
+    assert message == (
+        "parallel.world_size=4 ranks of {'CPU': 1} each ask for 4 CPU in all, and the local Ray "
+        "cluster this process started has 2 CPU in all: it never grows (it was sized for the "
+        "first engine of the process; call ray.shutdown() before a larger one, or give it a "
+        "cluster with room through RAY_ADDRESS)"
+    ), message
+    assert _placement_refusal(monkeypatch, {"CPU": 2.0}, 4, {"CPU": 1}) == "waited"
+    shared_gpu = {"CPU": 1, "GPU": 0.125}
+    assert _placement_refusal(monkeypatch, {**own, "CPU": 8.0}, 8, shared_gpu) == "waited"

@@ -16,6 +16,10 @@ import ray
 
 # How long a named cluster's GCS address has to accept a TCP connection before ray.init is tried.
 _REACH_TIMEOUT_S = 10.0
+# A custom resource (1 unit, never asked for) that marks a local instance connect_ray started:
+# one node, no autoscaler, so its totals are all it will ever have (ray_placement reads it).
+OWN_CLUSTER_RESOURCE = "moe_runtime_own_cluster"
+_OWN = {OWN_CLUSTER_RESOURCE: 1}
 
 
 def connect_ray(num_cpus_needed: int, address: str | None = None) -> None:
@@ -84,7 +88,8 @@ def _check_reachable(address: str, named_by: str = "") -> None:
 
 def _start_local_ray(num_cpus: int, address: str | None) -> None:
     """ray.init(address, num_cpus) of a new local instance ("local"; None: unless Ray finds a
-    cluster to join, which raises ValueError for the num_cpus), called on a thread that lives
+    cluster to join, which raises ValueError for the num_cpus), marked with
+    OWN_CLUSTER_RESOURCE, called on a thread that lives
     as long as the process: the main thread (there Ray also sets its SIGTERM handler, which
     exits through its shutdown), else a daemon thread of its own.
 
@@ -96,14 +101,14 @@ def _start_local_ray(num_cpus: int, address: str | None) -> None:
     a caller's pool that ended before its last Ray call left that call hanging.
     """
     if threading.current_thread() is threading.main_thread():
-        ray.init(address=address, num_cpus=num_cpus, log_to_driver=True)
+        ray.init(address=address, num_cpus=num_cpus, resources=_OWN, log_to_driver=True)
         return
     done = threading.Event()
     failures: list[BaseException] = []
 
     def own_ray() -> None:
         try:
-            ray.init(address=address, num_cpus=num_cpus, log_to_driver=True)
+            ray.init(address=address, num_cpus=num_cpus, resources=_OWN, log_to_driver=True)
         except BaseException as exc:  # raised on the caller's thread below
             failures.append(exc)
         done.set()

@@ -9,6 +9,7 @@ import ray
 
 from comm.groups import select_backend
 from moe_runtime.config import RuntimeConfig
+from moe_runtime.executor.ray_connect import OWN_CLUSTER_RESOURCE
 from moe_runtime.worker.step_input import WorkerError
 
 log = logging.getLogger(__name__)
@@ -24,6 +25,7 @@ def wait_for_placement(
     comes. A wait past PLACEMENT_NOTICE_S is logged with what the cluster has (else the
     start-up said nothing for the whole bound, minutes by default). bound: how timeout_s is
     set, named in the refusal."""
+    refuse_what_never_fits(world_size, bundle)
     ready_ref = group.ready()
     ready, _ = ray.wait([ready_ref], timeout=min(PLACEMENT_NOTICE_S, timeout_s))
     if not ready and timeout_s > PLACEMENT_NOTICE_S:
@@ -41,6 +43,27 @@ def wait_for_placement(
         "rest is held by other jobs, or by another engine of this process (an LLM at world "
         "size > 1 holds its ranks until its shutdown())"
     )
+
+
+def refuse_what_never_fits(world_size: int, bundle: dict[str, float]) -> None:
+    """WorkerError at once where the ranks ask for more of a resource, in all, than the local
+    cluster connect_ray started (OWN_CLUSTER_RESOURCE) has: one node and no autoscaler, so the
+    wait could only run out. Any other cluster may grow (nodes joining, an autoscaler): the
+    wait decides there."""
+    total = ray.cluster_resources()
+    if not total.get(OWN_CLUSTER_RESOURCE):
+        return
+    asked = {key: world_size * amount for key, amount in bundle.items()}
+    short = [key for key, amount in asked.items() if amount > total.get(key, 0) + 1e-9]
+    if short:
+        raise WorkerError(
+            f"parallel.world_size={world_size} ranks of {bundle} each ask for "
+            f"{', '.join(f'{asked[key]:g} {key}' for key in short)} in all, and the local Ray "
+            f"cluster this process started has "
+            f"{', '.join(f'{total.get(key, 0):g} {key}' for key in short)} in all: it never "
+            "grows (it was sized for the first engine of the process; call ray.shutdown() "
+            "before a larger one, or give it a cluster with room through RAY_ADDRESS)"
+        )
 
 
 def node_address(group, bundle_index: int) -> str:
