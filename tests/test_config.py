@@ -372,7 +372,7 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 
         ("v3", "topk_method", "greedy", None),
         ("v2", "topk_method", "noaux_tc", None),
         ("v2", "rope_interleave", False, None),
-        ("v3", "eos_token_id", [1, 2], None),
+        ("v3", "eos_token_id", [1, None], None),
         (
             "v3",
             "rope_scaling",
@@ -432,6 +432,28 @@ def test_generation_configs_eos_ids_are_read(tmp_path, generation_eos, eos_token
     """generation_config.json's eos_token_id (an int or a list) ends a sample too."""
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": generation_eos}))
     assert _hf_config(tmp_path, "v3").eos_token_ids == eos_token_ids
+
+
+@pytest.mark.parametrize(
+    ("generation", "eos_token_ids"),
+    [
+        (None, (1, 2, 257)),
+        ({}, (1,)),
+        ({"eos_token_id": 300}, (1, 300)),
+        ({"eos_token_id": []}, (1,)),
+    ],
+)
+def test_a_list_of_eos_ids_in_config_json_ends_a_sample_on_each(
+    tmp_path, generation, eos_token_ids
+):
+    """config.json's eos_token_id as a list of several ids (refused before: one id only): the
+    first is eos_token_id, and every one ends a sample where there is no generation_config.json
+    (None), as transformers' GenerationConfig.from_model_config copies the list; where there is
+    one, its ids (and config.json's first) end a sample."""
+    if generation is not None:
+        (tmp_path / "generation_config.json").write_text(json.dumps(generation))
+    cfg = _hf_config(tmp_path, "v3", eos_token_id=[1, 2, 257])
+    assert cfg.eos_token_id == 1 and cfg.eos_token_ids == eos_token_ids
 
 
 @pytest.mark.parametrize(

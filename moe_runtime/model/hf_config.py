@@ -359,13 +359,16 @@ def _groups(hf: dict[str, Any], method: str) -> dict[str, int]:
 
 
 def read_generation_eos_ids(path: Path) -> tuple[int, ...]:
-    """The eos_token_id ids (an int or a list) of the checkpoint directory `path`'s
-    generation_config.json, where transformers' generate reads the ids that end a sample (a chat
-    model's end of turn among them); () without the file or the key. ValueError naming the
-    file for a value that is not an int, a list of ints or null."""
+    """The ids that end a sample besides config.json's first eos_token_id, as transformers'
+    generate takes them: generation_config.json's eos_token_id (an int or a list; a chat
+    model's end of turn among them) in the checkpoint directory `path`, or without that file
+    config.json's eos_token_id where it is a list (GenerationConfig.from_model_config copies
+    it); () where neither says more. ValueError naming the file for a value that is not an int,
+    a list of ints or null."""
     file = path / "generation_config.json"
     if not file.is_file():
-        return ()
+        value = read_json_object(path / "config.json").get("eos_token_id")
+        return tuple(value) if isinstance(value, list) else ()  # checked by _eos
     value = read_json_object(file).get("eos_token_id")
     ids = value if isinstance(value, list) else [] if value is None else [value]
     if not all(is_int(i) for i in ids):
@@ -376,12 +379,11 @@ def read_generation_eos_ids(path: Path) -> tuple[int, ...]:
 
 
 def _eos(value: Any) -> Any:
-    """One stop id; a list of several would be a stop set the runtime does not keep."""
+    """config.json's eos_token_id: the first of a list (every id of it ends a sample where no
+    generation_config.json says otherwise: read_generation_eos_ids)."""
     ids = value if isinstance(value, list) else [value]
-    if not all(is_int(i) or i is None for i in ids):
+    if not all(is_int(i) or i is None for i in ids) or (len(ids) > 1 and None in ids):
         _refuse("eos_token_id", value, "must be an int, null or a list of ints")
-    if len(set(ids)) > 1:
-        _refuse("eos_token_id", value, "only one end-of-sequence id is implemented")
     return ids[0] if ids else None
 
 
