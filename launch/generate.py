@@ -4,13 +4,14 @@
         [--max-tokens 32] [--temperature 0] [--seed 0] [--logprobs 5] [--set kernels.mode=fast]
 
 Prints one JSON line per prompt: token ids, text, chosen-token logprobs, top logprobs,
-finish_reason and stop_reason (as a rollout row's).
+finish_reason and stop_reason (as a rollout row's), in strict JSON (launch/strict_json.py: a
+-inf logprob as -9999.0; a prompt whose output holds a NaN is named on stderr instead, the
+other lines printed, and the exit status is 1).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import signal
 import sys
 import time
@@ -19,7 +20,7 @@ from pathlib import Path
 if __name__ == "__main__":  # the checkout on the path, not launch/ (whose openai/ would shadow)
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
-from launch import cli  # noqa: E402
+from launch import cli, strict_json  # noqa: E402
 from moe_runtime import LLM, SamplingParams  # noqa: E402
 from moe_runtime.config import load_config  # noqa: E402
 from moe_runtime.executor import WorkerError  # noqa: E402
@@ -61,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + signal.SIGINT
     elapsed = time.perf_counter() - started
     num_tokens = sum(len(o.token_ids) for o in outputs)
-    for prompt, out in zip(prompts, outputs, strict=True):
+    unwritten = 0
+    for index, (prompt, out) in enumerate(zip(prompts, outputs, strict=True)):
         row = {
             "prompt": prompt,
             "text": out.text,
@@ -71,13 +73,17 @@ def main(argv: list[str] | None = None) -> int:
             "finish_reason": out.finish_reason,
             "stop_reason": out.stop_reason,
         }
-        print(json.dumps(row))
+        try:
+            print(strict_json.dumps(row))
+        except strict_json.NonFiniteError as exc:  # the model's logits held a NaN for it
+            print(f"error: prompt {index} not printed: {exc}", file=sys.stderr)
+            unwritten += 1
     print(
         f"generated {num_tokens} tokens for {len(prompts)} prompt(s) in {elapsed:.2f}s",
         file=sys.stderr,
     )
     llm.shutdown()
-    return 0
+    return 1 if unwritten else 0
 
 
 if __name__ == "__main__":

@@ -128,3 +128,21 @@ def test_rollout_writes_minus_inf_as_the_floor_and_leaves_a_nan_row_out(poisoned
     assert [row["id"] for row in written] == ["inf", "clean"]
     assert any(lp == -9999.0 for top in written[0]["top_logprobs"] for lp in top.values())
     assert "row 'nan' sample 0 not written" in err and "NaN logprob" in err, err
+
+
+def test_generate_prints_strict_json_and_names_a_nan_prompt(poisoned, capsys):
+    """launch/generate.py printed json.dumps' lines (-Infinity, NaN). Now a -inf logprob is
+    -9999.0; a prompt whose output holds a NaN is named on stderr, not printed, exit 1."""
+    from launch import generate
+
+    argv = ["--config", str(TINY_CONFIG), "--max-tokens", "3", "--logprobs", "5"]
+    assert generate.main([*argv, "--prompt", "ab", "--seed", str(NEG_INF_SEED)]) == 0
+    (line,) = capsys.readouterr().out.splitlines()
+    row = strict_loads(line)
+    assert any(lp == -9999.0 for top in row["top_logprobs"] for lp in top.values())
+    code = generate.main([*argv, "--prompt", "ab", "--prompt", "cd", "--seed", str(NAN_SEED)])
+    captured = capsys.readouterr()
+    assert code == 1 and captured.out == "", captured.out
+    for index in (0, 1):
+        assert f"error: prompt {index} not printed" in captured.err, captured.err
+    assert "NaN logprob" in captured.err
