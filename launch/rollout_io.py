@@ -47,6 +47,7 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 ROW_START, ROW_SAMPLE_IDX = '{"id":', ',"sample_idx":'
 # The bound on a row's n (and --n): a row is held to what one completion request may ask.
 MAX_N_KEY = "server.max_sequences_per_request"
+MAX_LOGPROBS_KEY = "server.max_logprobs"
 
 
 class RowError(ValueError):

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from launch.fingerprint import as_json, bit_settings
-from launch.rollout_io import MAX_N_KEY
+from launch.rollout_io import MAX_LOGPROBS_KEY, MAX_N_KEY
 from moe_runtime import LLM
 
 
@@ -31,7 +31,7 @@ def run_settings(llm: LLM, args: argparse.Namespace, defaults: dict, input_sha25
         # They decide which rows run (a row's n or logprobs past one is a bad row), though no
         # row's bits.
         settings[MAX_N_KEY] = llm.config.server.max_sequences_per_request
-        settings["server.max_logprobs"] = llm.config.server.max_logprobs
+        settings[MAX_LOGPROBS_KEY] = llm.config.server.max_logprobs
     else:
         if args.logprobs:  # (0, the rows without top logprobs, records nothing, as before it)
             settings["logprobs"] = args.logprobs
@@ -94,8 +94,8 @@ def score_differences(rollout_output: Path, settings: dict[str, Any]) -> list[st
         return []
     new = as_json(settings)
     # Not the tokenizer (the rollout's text prompts are ids in its rows already) nor the
-    # context and the bound on n (they decide which rows run).
-    unread = ("scheduler.max_model_len", "model.tokenizer_files", MAX_N_KEY)
+    # context and the bounds on n and on top logprobs (they decide which rows run).
+    unread = ("scheduler.max_model_len", "model.tokenizer_files", MAX_N_KEY, MAX_LOGPROBS_KEY)
     return [
         f"{key}={_shown(recorded, key)} -> {_shown(new, key)}"
         for key in _differing_keys(recorded, new)

@@ -992,11 +992,11 @@ def test_a_failed_append_is_named_and_a_rerun_resumes(rollout_rows, tmp_path, ca
     as an uninterrupted run writes it."""
     num_appends = []
 
-    def full_disk(path: Path, rows: list[dict]) -> None:
+    def full_disk(path: Path, rows: list[dict]) -> list[str]:
         num_appends.append(len(rows))
         if len(num_appends) == 2:
             raise OSError(errno.ENOSPC, "No space left on device")
-        append_rows(path, rows)
+        return append_rows(path, rows)
 
     monkeypatch.setattr(rollout_io, "append_rows", full_disk)
     source, out = write_jsonl(tmp_path / "in.jsonl", ROWS), tmp_path / "out.jsonl"
