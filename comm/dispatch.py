@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from comm.errors import collective_guard
+from comm.errors import PeerRefusedError, collective_guard
 
 # Key stride for (rank, token) pairs packed into one int64: tokens per step stay far below it.
 _TOKEN_KEY_STRIDE = 1 << 32
@@ -233,11 +233,12 @@ class RankExchange:
 
     def _raise_refusal(self, refused_rank: int | None, refusal: ValueError | None) -> None:
         """Every rank, after the collective that carried the refusals: this rank's own refusal,
-        else a ValueError naming a rank that refused (the ranks stay in step: none goes on)."""
+        else a PeerRefusedError naming a rank that refused (the ranks stay in step: none goes
+        on)."""
         if refusal is not None:
             raise refusal
         if refused_rank is not None:
-            raise ValueError(
+            raise PeerRefusedError(
                 f"dispatch skipped on every rank: rank {refused_rank} refused its dispatch "
                 "arguments (its own error says why)"
             )

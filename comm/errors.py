@@ -15,6 +15,12 @@ class CollectiveError(RuntimeError):
     """A collective failed on this rank (peer timeout, lost connection, backend error)."""
 
 
+class PeerRefusedError(ValueError):
+    """This rank's arguments were fine, a peer's were refused (named): raised in step with that
+    peer's own ValueError, so a driver gathering the ranks' errors can report the peer's, which
+    says why, rather than whichever it reads first."""
+
+
 @contextmanager
 def collective_guard(rank: int, op: str) -> Iterator[None]:
     """Run one collective; a backend RuntimeError becomes CollectiveError naming rank and op."""

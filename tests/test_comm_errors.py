@@ -108,11 +108,11 @@ def test_a_rank_refusing_its_dispatch_arguments_fails_every_rank_at_once(tmp_pat
     dispatch's first collective, and rank 0 waited there for the whole timeout_s to fail with a
     CollectiveError that named no cause. The refusal now travels in that first collective (the
     counts, or the capacity's token count): both ranks raise a ValueError at once, rank 0's
-    naming rank 1, and the ranks stay in step."""
+    (a PeerRefusedError) naming rank 1, and the ranks stay in step."""
     results = run_ranks(_one_rank_refuses_worker, 2, tmp_path, dispatcher_cls)
     assert results[1]["type"] == "ValueError", results[1]
     assert "must lie in [0, 4), got 4..4" in results[1]["error"], results[1]
-    assert results[0]["type"] == "ValueError", results[0]
+    assert results[0]["type"] == "PeerRefusedError", results[0]  # a ValueError naming rank 1
     assert "rank 1 refused its dispatch arguments" in results[0]["error"], results[0]
     assert max(result["elapsed"] for result in results) < TIMEOUT_S / 2, results
     assert all(torch.equal(result["out"], torch.ones(1, 4)) for result in results), results

@@ -497,3 +497,26 @@ def test_a_placement_the_runtime_s_own_cluster_can_never_hold_is_refused_at_once
     assert _placement_refusal(monkeypatch, {"CPU": 2.0}, 4, {"CPU": 1}) == "waited"
     shared_gpu = {"CPU": 1, "GPU": 0.125}
     assert _placement_refusal(monkeypatch, {**own, "CPU": 8.0}, 8, shared_gpu) == "waited"
+
+
+def test_a_peer_s_refusal_is_reported_by_the_rank_that_refused(ray_local):
+    """When one rank refuses its own dispatch arguments, every rank raises in step: that rank its
+    own ValueError (which says why), the others a PeerRefusedError naming it. The driver
+    raised whichever it read first, often the peers' "rank 1 refused ... (its own error says
+    why)", which does not say why; now it reports the refusing rank's own error."""
+    import ray
+
+    from comm.errors import PeerRefusedError
+    from moe_runtime.executor.ray_executor import RayExecutor
+
+    @ray.remote
+    def answer(rank: int) -> None:
+        if rank == 1:  # the refusing rank answers last
+            time.sleep(1.0)
+            raise ValueError("expert id 99 is outside [0, 64)")
+        raise PeerRefusedError("dispatch skipped on every rank: rank 1 refused its arguments")
+
+    executor = RayExecutor.__new__(RayExecutor)  # _get reads timeout_s only
+    executor.timeout_s = 30.0
+    with pytest.raises(ValueError, match=r"^rank 1: expert id 99 is outside \[0, 64\)$"):
+        executor._get([answer.remote(rank) for rank in range(3)], "step 1")

@@ -28,7 +28,7 @@ from ray.exceptions import RayActorError, RayError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from comm.errors import CollectiveError
+from comm.errors import CollectiveError, PeerRefusedError
 from comm.nccl_env import worker_nccl_env
 from moe_runtime.config import RuntimeConfig
 from moe_runtime.executor.ray_connect import connect_ray
@@ -257,7 +257,9 @@ class RayExecutor:
                     ray.get(done[0])
                 except RayTaskError as exc:
                     if isinstance(exc.cause, ValueError):  # bad input, identical on every rank
-                        self._settle(pending, rank_of, what, bound.deadline)
+                        refusals = self._settle(pending, rank_of, what, bound.deadline)
+                        if isinstance(exc.cause, PeerRefusedError):  # a peer's own says why
+                            rank, exc = next(iter(refusals), (rank, exc))
                         raise ValueError(f"rank {rank}: {exc.cause}") from exc
                     log.error("rank %d failed during %s: %s", rank, what, exc)
                     failure = f"rank {rank} failed during {what}: {_cause(exc)}"
@@ -275,22 +277,31 @@ class RayExecutor:
             raise
         return ray.get(refs)
 
-    def _settle(self, pending: list, rank_of: dict, what: str, deadline: float) -> None:
+    def _settle(
+        self, pending: list, rank_of: dict, what: str, deadline: float
+    ) -> list[tuple[int, RayTaskError]]:
         """After one rank refused bad input: the other ranks' answers, read before the refusal
         is raised. Why: the engine's next call (discarding staged weights, the next step)
         assumes every rank got past this one; a peer that died or stalled meanwhile is a
-        WorkerError, and a peer's refusal read here is not logged by Ray as unhandled."""
+        WorkerError, and a peer's refusal read here is not logged by Ray as unhandled. ->
+        (rank, error) of the peers that refused their own input (not a PeerRefusedError),
+        in rank order."""
         errors, silent = _outcomes(pending, max(0.0, deadline - time.monotonic()))
         if silent:
             ranks = sorted(rank_of[ref] for ref in silent)
             raise WorkerError(f"ranks {ranks} did not finish {what} after a peer refused it")
+        refusals = []
         for ref, error in sorted(errors.items(), key=lambda item: rank_of[item[0]]):
-            if error is None or isinstance(getattr(error, "cause", None), ValueError):
+            cause = getattr(error, "cause", None)
+            if isinstance(cause, ValueError) and not isinstance(cause, PeerRefusedError):
+                refusals.append((rank_of[ref], error))
+            if error is None or isinstance(cause, ValueError):
                 continue
             log.error("rank %d failed during %s: %s", rank_of[ref], what, error)
             if isinstance(error, RayActorError):
                 raise WorkerError(self._death(rank_of[ref], what, error)) from error
             raise WorkerError(f"rank {rank_of[ref]} failed during {what}: {_cause(error)}")
+        return refusals
 
     def _blame(self, pending: list, rank_of: dict, what: str, failure: str) -> str:
         """The message for a rank's failed collective, naming the rank that caused it when a
