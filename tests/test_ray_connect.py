@@ -43,22 +43,30 @@ print(ray.get(ray.remote(lambda: "served").remote(), timeout=120), flush=True)
 """
 
 
+def _python(
+    source: str, *args: str, timeout_s: float = 300, env=None
+) -> subprocess.CompletedProcess:
+    """A fresh Python process running `source` with args, from the checkout, in a user's shell
+    (ray_env(): no RAY_ADDRESS; the session's private RAY_TMPDIR stays) unless env is given."""
+    return subprocess.run(
+        [sys.executable, "-c", source, *args],
+        cwd=ROOT,
+        env=ray_env() if env is None else env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+
+
 def _connect(
     *address: str, timeout_s: float = 300, ray_address: str | None = None
 ) -> subprocess.CompletedProcess:
     """A fresh process's connect_ray(1, *address), printing the GCS address it joined or
     started; ray_address: its RAY_ADDRESS, as `ray job submit` sets it for a job's driver."""
-    env = ray_env()  # a user's shell: no RAY_ADDRESS (the session's private RAY_TMPDIR stays)
+    env = ray_env()
     if ray_address is not None:
         env["RAY_ADDRESS"] = ray_address
-    return subprocess.run(
-        [sys.executable, "-c", CONNECT, *address],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-    )
+    return _python(CONNECT, *address, timeout_s=timeout_s, env=env)
 
 
 def _connected_to(*address: str, ray_address: str | None = None) -> str:
@@ -110,14 +118,8 @@ def test_a_recorded_cluster_that_died_fails_at_once_naming_it(tmp_path):
     (tmp_path / "ray").mkdir()
     (tmp_path / "ray" / "ray_current_cluster").write_text(address)
     env = {**ray_env(), "RAY_TMPDIR": str(tmp_path)}
-    run = subprocess.run(
-        [sys.executable, "-c", CONNECT],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,  # generous against a loaded machine: the check takes well under a second
-    )
+    # 120 s: generous against a loaded machine (the check takes well under a second)
+    run = _python(CONNECT, timeout_s=120, env=env)
     assert run.returncode == 1, run.stdout + run.stderr[-3000:]
     last = run.stderr.strip().splitlines()[-1]
     port = address.rsplit(":", 1)[1]  # (Ray names this machine's address for 127.0.0.1)
@@ -126,14 +128,7 @@ def test_a_recorded_cluster_that_died_fails_at_once_naming_it(tmp_path):
 
 
 def test_a_local_ray_started_on_a_thread_outlives_the_thread():
-    run = subprocess.run(
-        [sys.executable, "-c", THREAD_STARTED],
-        cwd=ROOT,
-        env=ray_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    run = _python(THREAD_STARTED)
     assert run.stdout.split() == ["served"], run.stdout + run.stderr[-3000:]
     assert run.returncode == 0, run.stderr[-3000:]
 
@@ -215,14 +210,7 @@ except WorkerError as error:
 def test_a_placement_larger_than_the_own_local_ray_fails_at_once():
     """connect_ray's local instance is marked as the runtime's own, and 2 ranks of all its CPUs
     each are refused at once: the placement waited parallel.timeout_s + 30 s (35 s here)."""
-    run = subprocess.run(
-        [sys.executable, "-c", OWN_CLUSTER_TOO_SMALL],
-        cwd=ROOT,
-        env=ray_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    run = _python(OWN_CLUSTER_TOO_SMALL)
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     marker, elapsed_s, message = run.stdout.strip().splitlines()[-1].split("|")
     assert marker == "1.0" and int(elapsed_s) < 10, run.stdout
