@@ -12,7 +12,12 @@ from pathlib import Path
 from typing import Any
 
 from moe_runtime.config_fields import check_section
-from moe_runtime.model.hf_config import read_generation_eos_ids, read_hf_config, rope_problem
+from moe_runtime.model.hf_config import (
+    hf_config_fields,
+    read_config_json,
+    read_generation_eos_ids,
+    rope_problem,
+)
 
 SCORING_FUNCS = ("softmax", "sigmoid")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
@@ -249,9 +254,10 @@ class ModelConfig:
             )
         if raw.get("path"):
             path = Path(raw["path"])
+            hf_json = read_config_json(path)  # once: both readers below take its object
             hf = {
-                **read_hf_config(path),
-                "generation_eos_token_ids": read_generation_eos_ids(path),
+                **hf_config_fields(hf_json),
+                "generation_eos_token_ids": read_generation_eos_ids(path, hf_json),
             }
             clash = sorted(set(raw) & set(hf))
             if clash:

@@ -456,6 +456,22 @@ def test_a_list_of_eos_ids_in_config_json_ends_a_sample_on_each(
     assert cfg.eos_token_id == 1 and cfg.eos_token_ids == eos_token_ids
 
 
+@pytest.mark.parametrize("has_generation_config", [False, True])
+def test_config_json_is_read_once_at_load(tmp_path, monkeypatch, has_generation_config):
+    """ModelConfig.from_dict read config.json twice where there was no generation_config.json
+    (once for the fields, once more for its eos_token_id list): one read now feeds both."""
+    from moe_runtime.model import hf_config
+
+    if has_generation_config:
+        (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 300}))
+    files = []
+    read = hf_config.read_json_object
+    monkeypatch.setattr(hf_config, "read_json_object", lambda f: files.append(f.name) or read(f))
+    cfg = _hf_config(tmp_path, "v3", eos_token_id=[1, 2, 257])
+    assert files.count("config.json") == 1, files
+    assert cfg.eos_token_ids == ((1, 300) if has_generation_config else (1, 2, 257))
+
+
 @pytest.mark.parametrize(
     ("generation_eos", "problem"),
     [

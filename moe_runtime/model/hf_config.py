@@ -136,7 +136,11 @@ ROUTING = {  # model type -> (scoring_func it computes, topk_methods it computes
 
 def read_hf_config(path: Path) -> dict[str, Any]:
     """config.json of the checkpoint directory `path` -> ModelConfig keyword arguments."""
-    hf = read_config_json(path)
+    return hf_config_fields(read_config_json(path))
+
+
+def hf_config_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """config.json's object (read_config_json) -> ModelConfig keyword arguments."""
     _check_json_types(hf)
     num_mtp_layers(hf)
     model_type = hf.get("model_type")
@@ -358,16 +362,16 @@ def _groups(hf: dict[str, Any], method: str) -> dict[str, int]:
     return {"n_group": hf["n_group"], "topk_group": hf["topk_group"]}
 
 
-def read_generation_eos_ids(path: Path) -> tuple[int, ...]:
+def read_generation_eos_ids(path: Path, hf: dict[str, Any]) -> tuple[int, ...]:
     """The ids that end a sample besides config.json's first eos_token_id, as transformers'
     generate takes them: generation_config.json's eos_token_id (an int or a list; a chat
     model's end of turn among them) in the checkpoint directory `path`, or without that file
-    config.json's eos_token_id where it is a list (GenerationConfig.from_model_config copies
-    it); () where neither says more. ValueError naming the file for a value that is not an int,
-    a list of ints or null."""
+    the eos_token_id of `hf` (config.json's object, read once by the caller) where it is a list
+    (GenerationConfig.from_model_config copies it); () where neither says more. ValueError
+    naming the file for a value that is not an int, a list of ints or null."""
     file = path / "generation_config.json"
     if not file.is_file():
-        value = read_json_object(path / "config.json").get("eos_token_id")
+        value = hf.get("eos_token_id")
         return tuple(value) if isinstance(value, list) else ()  # checked by _eos
     value = read_json_object(file).get("eos_token_id")
     ids = value if isinstance(value, list) else [] if value is None else [value]
