@@ -358,7 +358,7 @@ async def chat(
             if not body.stream:  # OpenAI's whole message always has it
                 message = {"role": "assistant", **message, "refusal": None}
             elif out.index not in has_role:  # OpenAI opens a stream with the role alone
-                role = {"role": "assistant", "content": ""}
+                role = {"role": "assistant", "content": "", "refusal": None}
                 result.append(chat_choice(key, role, _nothing_yet(out), tokenizer, False))
                 has_role.add(out.index)
             result.append(chat_choice(key, message, out, tokenizer, body.logprobs))

@@ -57,6 +57,10 @@ def reference():
     return prompt_ids, fingerprint(out)
 
 
+# A stream's first delta of each sample, as OpenAI's.
+ROLE_DELTA = {"role": "assistant", "content": "", "refusal": None}
+
+
 def chat_fingerprint(token_ids: list[int], content: list[dict]) -> tuple:
     return (
         tuple(token_ids),
@@ -89,7 +93,7 @@ def test_chat_response_equals_generate(server, reference):
 def test_chat_stream_equals_whole(server, reference):
     chunks = sse_events(server.http, CHAT, {**BODY, "stream_options": {"include_usage": True}})
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
-    assert chunks.pop(0)["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chunks.pop(0)["choices"][0]["delta"] == ROLE_DELTA
     usage = chunks.pop()["usage"]
     ids = [t for c in chunks for t in c["choices"][0]["token_ids"]]
     content = [e for c in chunks for e in c["choices"][0]["logprobs"]["content"]]
@@ -101,15 +105,16 @@ def test_chat_stream_equals_whole(server, reference):
 
 
 def test_a_stream_opens_each_sample_with_a_role_chunk_as_openai(server):
-    """OpenAI's first chunk of a sample is `{"role": "assistant", "content": ""}` alone, its text
-    in the chunks after; the role came with the first token's text."""
+    """OpenAI's first chunk of a sample is `{"role": "assistant", "content": "", "refusal":
+    null}` alone, its text in the chunks after; the role came with the first token's text, and
+    the role chunk had no `refusal` (OpenAI's has it there only)."""
     body = {**BODY, "n": 2, "max_tokens": 3}
     chunks = [c["choices"][0] for c in sse_events(server.http, CHAT, body)]
     for index in (0, 1):
         first, *rest = [c for c in chunks if c["index"] == index]
-        assert first["delta"] == {"role": "assistant", "content": ""}
+        assert first["delta"] == ROLE_DELTA
         assert (first["token_ids"], first["logprobs"], first["finish_reason"]) == ([], None, None)
-        assert all("role" not in c["delta"] for c in rest)
+        assert all("role" not in c["delta"] and "refusal" not in c["delta"] for c in rest)
         assert sum(len(c["token_ids"]) for c in rest) == 3
 
 
@@ -480,7 +485,8 @@ def test_a_whole_message_carries_a_null_refusal_as_openai_sends_it(server):
     (choice,) = server.http.post(CHAT, json=body).json()["choices"]
     assert set(choice["message"]) == {"role", "content", "refusal"}
     assert choice["message"]["refusal"] is None
-    chunks = sse_events(server.http, CHAT, body)
+    role, *chunks = sse_events(server.http, CHAT, body)
+    assert role["choices"][0]["delta"] == ROLE_DELTA  # a stream's: in its role chunk alone
     assert all("refusal" not in c["choices"][0]["delta"] for c in chunks)
 
 
