@@ -135,10 +135,14 @@ def render_chat(
 
 def _marked_final_message(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The messages with _FINAL_MESSAGE_END after the final one's content (a copy)."""
-    if not messages or not isinstance(messages[-1].get("content"), str):
+    if not messages:
+        raise ValueError("continue_final_message: there is no final message to continue")
+    content = messages[-1].get("content")
+    if not isinstance(content, str):
         raise ValueError(
-            "continue_final_message: the final message has no content to continue "
-            "(an assistant message with tool calls alone)"
+            f"continue_final_message: messages[{len(messages) - 1}] (the final message) has no "
+            f"content to continue: its content is {content!r}, not text (an assistant message "
+            "with tool calls alone)"
         )
     final = messages[-1]
     return [*messages[:-1], {**final, "content": final["content"] + _FINAL_MESSAGE_END}]

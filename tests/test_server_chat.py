@@ -258,6 +258,12 @@ TOOL_HISTORY = [
 ]
 
 
+def test_a_final_message_without_text_to_continue_is_named_by_index():
+    """render_chat (LLM's chat and the server alike) names the final message by its index."""
+    with pytest.raises(ValueError, match=r"messages\[1\] \(the final message\) has no content"):
+        render_chat(DEFAULT_CHAT_TEMPLATE, TOOL_HISTORY[:2], **CONTINUE)
+
+
 def test_default_template_writes_tool_calls_a_line_each():
     text = render_chat(
         DEFAULT_CHAT_TEMPLATE,
@@ -469,10 +475,23 @@ def test_the_template_options_make_the_prompt(server, options):
     ("body", "problem"),
     [
         ({"messages": PREFILL, "continue_final_message": True}, "add_generation_prompt: false"),
-        ({"messages": TOOL_HISTORY[:2], **CONTINUE}, "no content to continue"),
+        (
+            {"messages": TOOL_HISTORY[:2], **CONTINUE},
+            "messages[1] (the final message) has no content to continue: an assistant message "
+            "with tool_calls and content null",
+        ),
+        (
+            {"messages": [TOOL_HISTORY[0], {**TOOL_HISTORY[1], "content": []}], **CONTINUE},
+            "messages[1] (the final message) has no content to continue: an assistant message "
+            "with tool_calls and content []",
+        ),
     ],
+    ids=["opens_a_turn", "null_content", "no_parts"],
 )
 def test_continue_final_message_it_cannot_honour_is_a_400_naming_it(server, body, problem):
+    """A final assistant message with tool_calls and `content: []` passed the request's check
+    (made for null alone) and failed in the template as a fault of `messages` as a whole: it is
+    refused as null is, naming the message's index and why."""
     response = server.http.post(CHAT, json=body)
     assert response.status_code == 400, response.text
     error = response.json()["error"]

@@ -169,8 +169,12 @@ class ChatCompletionRequest(SamplingFields):
         if info.data.get("add_generation_prompt"):  # info.data: fields above
             raise ValueError("needs add_generation_prompt: false (no new turn is opened)")
         messages = info.data.get("messages")  # absent when they are bad themselves
-        if messages and messages[-1].content is None:
-            raise ValueError("the final message has no content to continue, only tool_calls")
+        if messages and messages[-1].text() is None:  # null, or [] beside tool_calls
+            shown = "null" if messages[-1].content is None else "[]"
+            raise ValueError(
+                f"messages[{len(messages) - 1}] (the final message) has no content to continue: "
+                f"an assistant message with tool_calls and content {shown}"
+            )
         return value
 
     @field_validator("top_logprobs")
