@@ -115,6 +115,10 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return [*self._bos_ids, *self._encode(text)]
 
+    def has_token(self, token_id: int) -> bool:
+        """Whether token_id is one of the tokenizer's ids (below vocab_size, with a token)."""
+        return 0 <= token_id < self.vocab_size and self._tokenizer.id_to_token(token_id) is not None
+
     def decode(self, token_ids: list[int]) -> str:
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
@@ -246,6 +250,7 @@ def load_tokenizer(model_config: ModelConfig) -> ByteTokenizer | HFTokenizer:
                 f"{model_config.path}/tokenizer.json has {tokenizer.vocab_size} tokens, more "
                 f"than model.vocab_size={model_config.vocab_size}"
             )
+        _check_special_ids(tokenizer, model_config, directory)
         return tokenizer
     unread = (
         []
@@ -259,6 +264,29 @@ def load_tokenizer(model_config: ModelConfig) -> ByteTokenizer | HFTokenizer:
             "AutoTokenizer.from_pretrained(path).save_pretrained(path)"
         )
     return ByteTokenizer(model_config.vocab_size, bos, eos)
+
+
+def _check_special_ids(tokenizer: HFTokenizer, model_config: ModelConfig, directory: Path) -> None:
+    """Every bos and eos id the model directory's configs give is a token of tokenizer.json,
+    else a ValueError naming the file, the key and the id, never clamped: an id the tokenizer
+    lacks has no text (a chat template's bos_token/eos_token came out empty, an encoded text's
+    bos was one the tokenizer never wrote), so the configs are another tokenizer's."""
+    generation_file = directory / "generation_config.json"
+    config_file = directory / "config.json"
+    # generation_eos_token_ids: generation_config.json's, or config.json's list without it
+    generation_source = generation_file if generation_file.is_file() else config_file
+    named = [
+        (config_file, "bos_token_id", model_config.bos_token_id),
+        (config_file, "eos_token_id", model_config.eos_token_id),
+        *((generation_source, "eos_token_id", i) for i in model_config.generation_eos_token_ids),
+    ]
+    for file, key, token_id in named:
+        if token_id is not None and not tokenizer.has_token(token_id):
+            raise ValueError(
+                f"{file}: {key} {token_id} is refused: {directory / 'tokenizer.json'} has no "
+                f"token {token_id} (its {tokenizer.vocab_size} tokens), so the two files are "
+                "not of one model"
+            )
 
 
 _OTHER_SPECIAL_TOKENS = ("unk_token", "pad_token", "sep_token", "cls_token", "mask_token")

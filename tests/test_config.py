@@ -456,6 +456,27 @@ def test_a_list_of_eos_ids_in_config_json_ends_a_sample_on_each(
     assert cfg.eos_token_id == 1 and cfg.eos_token_ids == eos_token_ids
 
 
+@pytest.mark.parametrize(
+    ("key", "value", "outside"),
+    [
+        ("bos_token_id", 512, 512),
+        ("bos_token_id", -1, -1),
+        ("eos_token_id", 600, 600),
+        ("eos_token_id", [1, 600], 600),  # a later id of the list: generation_eos_token_ids
+    ],
+)
+def test_a_bos_or_eos_id_past_the_vocabulary_is_refused_naming_config_json(
+    tmp_path, key, value, outside
+):
+    """An id outside [0, vocab_size) in config.json was refused as model.<key> (a key the
+    YAML does not hold; a list's later id as model.generation_eos_token_ids): the refusal
+    names the file, the key and its value, as every other config.json field's does."""
+    with pytest.raises(ValueError) as err:
+        _hf_config(tmp_path, "v3", **{key: value})
+    expected = f"config.json field {key}={value!r} is refused: id {outside} is outside "
+    assert expected + "[0, vocab_size=512)" in str(err.value)
+
+
 @pytest.mark.parametrize("has_generation_config", [False, True])
 def test_config_json_is_read_once_at_load(tmp_path, monkeypatch, has_generation_config):
     """ModelConfig.from_dict read config.json twice where there was no generation_config.json
@@ -476,7 +497,12 @@ def test_config_json_is_read_once_at_load(tmp_path, monkeypatch, has_generation_
     ("generation_eos", "problem"),
     [
         ("7", "generation_config.json: eos_token_id must be an int, a list of ints or null"),
-        ([1, 512], "model.generation_eos_token_ids must be a list of ids in [0, vocab_size=512)"),
+        (
+            [1, 512],
+            "generation_config.json: eos_token_id=[1, 512] is refused: id 512 is outside "
+            "[0, vocab_size=512) of config.json",
+        ),
+        (-1, "generation_config.json: eos_token_id=-1 is refused: id -1 is outside"),
     ],
 )
 def test_a_bad_generation_config_eos_id_is_refused_by_name(tmp_path, generation_eos, problem):

@@ -15,9 +15,10 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
 from moe_runtime import LLM, SamplingParams
 from moe_runtime.config import load_config
+from moe_runtime.model_config import ModelConfig
 from moe_runtime.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from tests.checkpoints import TINY_HF, write_tiny_checkpoint
 from tests.invariance import TINY_CONFIG
-from tests.serving import write_checkpoint
 
 WORDS = ["<bos>", "<eos>", "[UNK]", "hello", "world", "the", "fox", "<|user|>", "<|assistant|>"]
 TEMPLATE = (
@@ -56,7 +57,8 @@ def model_config(tmp_path):
     write_tokenizer(tmp_path, TEMPLATE)
     raw = load_config(TINY_CONFIG).model
     # ModelConfig.path would read config.json; set it on a copy for load_tokenizer only.
-    return raw.__class__(**{**raw.__dict__, "path": str(tmp_path), "bos_token_id": 0})
+    ids = {"bos_token_id": 0, "eos_token_id": 1}  # the tokenizer's <bos> and <eos>
+    return raw.__class__(**{**raw.__dict__, "path": str(tmp_path), **ids})
 
 
 def test_hf_tokenizer_encodes_decodes_and_templates(tmp_path):
@@ -113,6 +115,40 @@ def test_load_tokenizer_picks_by_model_dir(model_config):
         load_tokenizer(tiny_vocab)
 
 
+def write_checkpoint(directory) -> None:
+    """The tiny random V3 checkpoint, its bos and eos the tokenizer's <bos> and <eos>."""
+    write_tiny_checkpoint(directory, "v3", seed=0, q_lora_rank=None, bos_token_id=0, eos_token_id=1)
+
+
+@pytest.mark.parametrize(
+    ("file", "fields", "generation", "key", "token_id"),
+    [
+        ("config.json", {"bos_token_id": 256}, None, "bos_token_id", 256),
+        ("config.json", {"eos_token_id": 257}, None, "eos_token_id", 257),
+        ("config.json", {"eos_token_id": [1, 300]}, None, "eos_token_id", 300),
+        ("generation_config.json", {}, {"eos_token_id": [1, 9]}, "eos_token_id", 9),
+    ],
+    ids=["bos", "eos", "eos_list", "generation_eos"],
+)
+def test_a_bos_or_eos_id_the_tokenizer_lacks_is_refused_at_load(
+    tmp_path, file, fields, generation, key, token_id
+):
+    """A bos or eos id inside model.vocab_size but past tokenizer.json's tokens loaded without
+    a word (the template's eos_token string came out empty; the id had no text): refused at
+    load, naming the file, the key and the id."""
+    config = {**TINY_HF, "model_type": "deepseek_v3", "q_lora_rank": None}
+    config.update(routed_scaling_factor=1.0, bos_token_id=0, eos_token_id=1)
+    (tmp_path / "config.json").write_text(json.dumps({**config, **fields}))
+    if generation is not None:
+        (tmp_path / "generation_config.json").write_text(json.dumps(generation))
+    write_tokenizer(tmp_path, TEMPLATE)
+    model_config = ModelConfig.from_dict({"path": str(tmp_path)})
+    with pytest.raises(ValueError) as err:
+        load_tokenizer(model_config)
+    expected = f"{tmp_path / file}: {key} {token_id} is refused: {tmp_path / 'tokenizer.json'}"
+    assert f"{expected} has no token {token_id} (its {len(WORDS)} tokens)" in str(err.value)
+
+
 @pytest.mark.parametrize("name", ["tokenizer.model", "tokenizer_config.json"])
 def test_a_model_dir_with_another_tokenizer_alone_is_refused(model_config, name):
     """A sentencepiece model (or a tokenizer config) without tokenizer.json was silently
@@ -130,7 +166,7 @@ def test_a_model_dir_with_another_tokenizer_alone_is_refused(model_config, name)
 def test_engine_uses_the_model_dirs_tokenizer(tmp_path):
     """A written checkpoint plus tokenizer.json: text prompts go through the HF tokenizer."""
     pytest.importorskip("transformers")
-    write_checkpoint(tmp_path, seed=0)
+    write_checkpoint(tmp_path)
     write_tokenizer(tmp_path, TEMPLATE)
     llm = LLM({"model": {"path": str(tmp_path)}, "scheduler": {"max_model_len": 64}})
     assert isinstance(llm.tokenizer, HFTokenizer)
@@ -140,7 +176,8 @@ def test_engine_uses_the_model_dirs_tokenizer(tmp_path):
     by_ids = llm.generate([[*([bos] if bos is not None else []), 3, 5, 6]], params)[0]
     assert by_text.prompt_token_ids == by_ids.prompt_token_ids
     assert by_text.token_ids == by_ids.token_ids
-    assert by_text.text == llm.tokenizer.decode(by_text.token_ids)
+    # (WordLevel's decode joins with spaces: a continuation's text starts with one)
+    assert by_text.text.lstrip() == llm.tokenizer.decode(by_text.token_ids)
     llm.shutdown()
 
 
@@ -197,20 +234,20 @@ def test_a_long_text_is_encoded_without_holding_pythons_lock(tmp_path):
 def test_ids_past_the_tokenizer_are_never_sampled(tmp_path, request, world_size):
     """The model's vocabulary is often padded past its tokenizer's (V2-Lite: 102400 rows for
     100002 tokens); ids there decode to nothing, so a sample of them came back as empty text
-    without a word. Here a tokenizer of 9 tokens serves a model of 512 (EOS 257 outside it
-    but sampleable: it ends a sample, with no text): every sampled id, greedy or drawn, is one
-    the tokenizer has or EOS, on one rank and on two (the engine hands every rank the bound).
-    Raw logprobs stay the model's: decode equals score()."""
+    without a word. Here a tokenizer of 9 tokens serves a model of 512 (its EOS is the
+    tokenizer's <eos>: one past the tokenizer is refused at load): every sampled id, greedy or
+    drawn, is one the tokenizer has, on one rank and on two (the engine hands every rank the
+    bound). Raw logprobs stay the model's: decode equals score()."""
     pytest.importorskip("transformers")
     if world_size > 1:
         request.getfixturevalue("ray_local")
-    write_checkpoint(tmp_path, seed=0)
+    write_checkpoint(tmp_path)
     write_tokenizer(tmp_path, TEMPLATE)
     config = {"path": str(tmp_path)}
     parallel = {"world_size": world_size}
     llm = LLM({"model": config, "parallel": parallel, "scheduler": {"max_model_len": 64}})
     num_tokens, eos = llm.tokenizer.vocab_size, llm.config.model.eos_token_id
-    assert num_tokens == len(WORDS) < eos < llm.config.model.vocab_size
+    assert eos < num_tokens == len(WORDS) < llm.config.model.vocab_size
     params = [
         SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2),
         *(SamplingParams(max_tokens=8, temperature=2.0, seed=s, logprobs=2) for s in range(6)),
@@ -218,7 +255,7 @@ def test_ids_past_the_tokenizer_are_never_sampled(tmp_path, request, world_size)
     ]
     outs = llm.generate(["hello the fox"] * len(params), params)
     sampled = {t for out in outs for t in out.token_ids}
-    assert sampled <= {*range(num_tokens), eos}, sorted(sampled)
+    assert sampled <= set(range(num_tokens)), sorted(sampled)
     # (WordLevel's decode joins with spaces: a continuation's text starts with one)
     assert all(out.text.lstrip() == llm.tokenizer.decode(out.token_ids) for out in outs)
     greedy = outs[0]

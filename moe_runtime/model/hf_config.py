@@ -158,6 +158,7 @@ def hf_config_fields(hf: dict[str, Any]) -> dict[str, Any]:
     out.update(_rope(hf))
     out.update(_routing(hf, model_type))
     out["eos_token_id"] = _eos(hf.get("eos_token_id"))
+    _check_token_ids_in_vocab(hf)
     handled = set(MAPPED) | set(NO_EFFECT) | set(ONLY) | _SPECIAL
     for key, value in hf.items():
         if key in ONLY and value not in ONLY[key]:
@@ -379,7 +380,32 @@ def read_generation_eos_ids(path: Path, hf: dict[str, Any]) -> tuple[int, ...]:
         raise ValueError(
             f"{file}: eos_token_id must be an int, a list of ints or null, got {value!r}"
         )
+    outside = _outside_vocab(ids, hf.get("vocab_size"))
+    if outside is not None:
+        raise ValueError(
+            f"{file}: eos_token_id={value!r} is refused: id {outside} is outside "
+            f"[0, vocab_size={hf['vocab_size']}) of config.json"
+        )
     return tuple(ids)
+
+
+def _check_token_ids_in_vocab(hf: dict[str, Any]) -> None:
+    """bos_token_id and every id of eos_token_id in [0, vocab_size), else refused naming the
+    file, the key and the value (ModelConfig's own check named model.<key>, which the YAML
+    does not hold, and missed a list's later ids as generation_eos_token_ids); never clamped."""
+    for key in ("bos_token_id", "eos_token_id"):
+        value = hf.get(key)
+        outside = _outside_vocab(value if isinstance(value, list) else [value], hf["vocab_size"])
+        if outside is not None:
+            _refuse(key, value, f"id {outside} is outside [0, vocab_size={hf['vocab_size']})")
+
+
+def _outside_vocab(ids: list[Any], vocab_size: Any) -> int | None:
+    """The first int of `ids` outside [0, vocab_size), or None (also where vocab_size is no
+    int >= 1: ModelConfig refuses that by its own name)."""
+    if not is_int(vocab_size) or vocab_size < 1:
+        return None
+    return next((i for i in ids if is_int(i) and not 0 <= i < vocab_size), None)
 
 
 def _eos(value: Any) -> Any:
