@@ -5,8 +5,9 @@
 
 Prints one JSON line per prompt: token ids, text, chosen-token logprobs, top logprobs,
 finish_reason and stop_reason (as a rollout row's), in strict JSON (launch/strict_json.py: a
--inf logprob as -9999.0; a prompt whose output holds a NaN is named on stderr instead, the
-other lines printed, and the exit status is 1).
+-inf logprob as -9999.0). A prompt whose sample ended with finish_reason "error" (its logits
+were not finite) or whose output holds a NaN is named on stderr instead, the other lines
+printed, and the exit status is 1.
 """
 
 from __future__ import annotations
@@ -73,6 +74,10 @@ def main(argv: list[str] | None = None) -> int:
             "finish_reason": out.finish_reason,
             "stop_reason": out.stop_reason,
         }
+        if out.finish_reason == "error":  # its logits were not finite: out.error says where
+            print(f"error: prompt {index} not printed: {out.error}", file=sys.stderr)
+            unwritten += 1
+            continue
         try:
             print(strict_json.dumps(row))
         except strict_json.NonFiniteError as exc:  # the model's logits held a NaN for it

@@ -26,6 +26,14 @@ from moe_runtime.engine.submission import OutputCallback
 from moe_runtime.sampling_params import SamplingParams
 
 _END = object()
+
+
+class SampleFailedError(Exception):
+    """A sample the engine ended with finish_reason "error" (its logits were not finite): the
+    response fails, a 500 or a stream's error event, naming it (CompletionOutput.error).
+    Not a ValueError: the request was good; the model failed on it."""
+
+
 Choices = Callable[[int, RequestOutput], list[dict]]  # (prompt index, output) -> its choices
 
 
@@ -105,6 +113,8 @@ class Generation:
         try:
             if not self._stream:
                 self._outputs = await asyncio.wrap_future(self.future)
+                for prompt_idx, whole in enumerate(self._outputs):
+                    check_samples(prompt_idx, whole)
                 return
             self._first = await self._queue.get()
         except BaseException:
@@ -155,6 +165,7 @@ class Generation:
             item = self._first
             while item is not _END:
                 prompt_idx, delta = item
+                check_samples(prompt_idx, delta)  # (the submission is cancelled below)
                 num_in[prompt_idx] = len(delta.prompt_token_ids)
                 num_out += sum(len(out.token_ids) for out in delta.outputs)
                 weight_version = max(weight_version, delta.weight_version)
@@ -183,3 +194,11 @@ class Generation:
         finally:
             self.future.cancel()  # no-op once finished
         yield "data: [DONE]\n\n"
+
+
+def check_samples(prompt_idx: int, output: RequestOutput) -> None:
+    """SampleFailedError naming the first sample of `output` (whole or a delta) that ended with
+    finish_reason "error"; its tokens before it are not sent, nor its siblings'."""
+    for out in output.outputs:
+        if out.finish_reason == "error":
+            raise SampleFailedError(f"prompt {prompt_idx}: {out.error}")

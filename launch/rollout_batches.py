@@ -69,8 +69,11 @@ def _with_prompt_routing(
 
 
 def _rollout_row(sample: Sample, output: RequestOutput) -> dict:
+    """A sample's output row; one ended with finish_reason "error" (its logits were not
+    finite) also holds `error`, why, and is not written (rollout_io.append_rows)."""
     (out,) = output.outputs
     routed = out.routed_experts
+    failed = {"error": out.error} if out.finish_reason == "error" else {}
     return {
         "id": sample.row_id,
         "sample_idx": sample.sample_idx,
@@ -83,6 +86,7 @@ def _rollout_row(sample: Sample, output: RequestOutput) -> dict:
         "finish_reason": out.finish_reason,
         "stop_reason": out.stop_reason,
         "seed": out.seed,
+        **failed,
     }
 
 

@@ -332,14 +332,19 @@ def cut_torn_line(path: Path, rows: OutputRows) -> None:
 def append_rows(path: Path, rows: list[dict]) -> list[str]:
     """Append rows as strict JSON lines (launch.strict_json: a -inf logprob as -9999.0) in one
     write, then flush and fsync: a batch is on disk. Rows open with their id and sample_idx
-    (_row_key reads them alone on a resume). -> why each row left out was: one holding a NaN
-    logprob (the model's logits held NaN for it) has no JSON form; the others are written."""
+    (_row_key reads them alone on a resume). -> why each row left out was: one whose sample
+    ended with finish_reason "error" (its logits were not finite: the row's `error` says where)
+    or one holding a NaN logprob (no JSON form); the others are written."""
     lines, left_out = [], []
     for row in rows:
+        named = f"row {row['id']!r} sample {row['sample_idx']} not written"
+        if row.get("finish_reason") == "error":
+            left_out.append(f"{named}: {row['error']}")
+            continue
         try:
             lines.append(strict_json.dumps(row, separators=(",", ":")) + "\n")
         except strict_json.NonFiniteError as exc:
-            left_out.append(f"row {row['id']!r} sample {row['sample_idx']} not written: {exc}")
+            left_out.append(f"{named}: {exc}")
     text = "".join(lines)
     with open(path, "a", encoding="utf-8") as f:
         f.write(text)

@@ -6,7 +6,8 @@ A logprob of -inf (a token of no probability: a -inf logit, or a token filtered 
 in processed logprobs) is written as LOGPROB_FLOOR instead, as vLLM's OpenAI server writes it.
 Any other value that is not finite (a NaN logprob: the model's logits held NaN for that
 request) has no JSON form and raises NonFiniteError, so the one response, stream or row that
-holds it fails, saying why, and nothing else does.
+holds it fails, saying why, and nothing else does. A generated sample never holds one (the
+engine ends it at its NaN logits with finish_reason "error", keeping no NaN): a scoring may.
 """
 
 from __future__ import annotations

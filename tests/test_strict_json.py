@@ -1,6 +1,7 @@
 """Strict JSON from the server and the rollout job: no NaN nor Infinity, which strict parsers
-refuse. A -inf logprob is written as -9999.0 (vLLM's); a NaN one (a NaN logits row) fails its
-own response, stream or rollout row, with a message saying so, and nothing else.
+refuse. A -inf logprob is written as -9999.0 (vLLM's); a NaN logits row ends its sample at once
+(finish_reason "error", no NaN logprob kept: tests/test_non_finite.py), which fails its own
+response, stream or rollout row, with a message saying so, and nothing else.
 
 The NaN and -inf come from a sampler whose logits rows are poisoned by the request's seed."""
 
@@ -19,6 +20,7 @@ from tests.invariance import TINY_CONFIG
 from tests.serving import running_server, sse_events
 
 NEG_INF_SEED, NAN_SEED, CLEAN_SEED = 101, 202, 303
+NAN_WORDS = "non-finite logits (NaN)"  # CompletionOutput.error of a NaN logits row
 
 
 def strict_loads(text: str):
@@ -99,13 +101,13 @@ def test_server_writes_minus_inf_as_the_floor_and_fails_a_nan_request_alone(pois
             answers = [f.result() for f in clean]
         assert failed.status_code == 500, failed.text
         error = strict_loads(failed.text)["error"]
-        assert "NaN logprob" in error["message"] and error["type"] == "internal_error"
+        assert NAN_WORDS in error["message"] and error["type"] == "internal_error"
         for answer in answers:
             assert answer.status_code == 200
             assert strict_loads(answer.text)["choices"] == alone["choices"]
 
         events = sse_events(http, "/v1/completions", _completion(NAN_SEED))
-        assert "NaN logprob" in events[-1]["error"]["message"], events
+        assert NAN_WORDS in events[-1]["error"]["message"], events
         assert http.get("/health").status_code == 200  # the engine serves on
 
 
@@ -127,7 +129,7 @@ def test_rollout_writes_minus_inf_as_the_floor_and_leaves_a_nan_row_out(poisoned
     written = [strict_loads(line) for line in output.read_text().splitlines()]
     assert [row["id"] for row in written] == ["inf", "clean"]
     assert any(lp == -9999.0 for top in written[0]["top_logprobs"] for lp in top.values())
-    assert "row 'nan' sample 0 not written" in err and "NaN logprob" in err, err
+    assert "row 'nan' sample 0 not written" in err and NAN_WORDS in err, err
 
 
 def test_generate_prints_strict_json_and_names_a_nan_prompt(poisoned, capsys):
@@ -145,4 +147,4 @@ def test_generate_prints_strict_json_and_names_a_nan_prompt(poisoned, capsys):
     assert code == 1 and captured.out == "", captured.out
     for index in (0, 1):
         assert f"error: prompt {index} not printed" in captured.err, captured.err
-    assert "NaN logprob" in captured.err
+    assert NAN_WORDS in captured.err

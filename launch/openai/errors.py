@@ -6,7 +6,8 @@ field is known (its `param` names it), the engine's prompt checks. Statuses: 400
 refused together: nothing changed, the old placement serves), 503 `EngineUnavailableError`
 (loading, draining, dead), the framework's own `HTTPException` its status (404 no such route,
 405 no such method, 400 a body that is not UTF-8), 500 anything else (a worker failure, a NaN
-logprob: launch.strict_json's NonFiniteError). Never decided by a message's words.
+logprob: launch.strict_json's NonFiniteError, a sample ended by non-finite logits:
+launch.generation's SampleFailedError). Never decided by a message's words.
 Bodies are OpenAI's {"error": {"message", "type", "param", "code"}}: `code` is a string or
 null as in OpenAI's API (never the HTTP status), chosen in the same table: "invalid_api_key"
 (401), "model_not_found" (404), "context_length_exceeded" for a prompt, or a prompt and its

@@ -19,7 +19,9 @@ class CompletionOutput:
     logprobs: list[float]
     top_logprobs: list[dict[int, float]]
     text: str  # cut before a stop string (after it with include_stop_str_in_output)
-    finish_reason: str | None  # None while the sample runs; stop | length | error | abort
+    # None while the sample runs; stop | length | abort | error: its logits were not finite
+    # (NaN) at the step after its last token, which ended it there; or the engine failed.
+    finish_reason: str | None
     seed: int  # the seed this sample drew its noise from
     # What ended a "stop": the stop string (str) or stop token id (int); None for EOS, for
     # any other finish_reason and while the sample runs (vLLM's field).
@@ -32,6 +34,8 @@ class CompletionOutput:
     # came from both versions, equal to neither's alone.
     weight_version: int = 0
     first_weight_version: int = 0
+    # Why finish_reason is "error" (non_finite_error's words, or the engine's fault); else None.
+    error: str | None = None
 
 
 @dataclass(frozen=True)
@@ -66,12 +70,25 @@ class RequestOutput:
         return self.outputs[0].stop_reason
 
     @property
+    def error(self) -> str | None:
+        return self.outputs[0].error
+
+    @property
     def text(self) -> str:
         return self.outputs[0].text
 
     @property
     def routed_experts(self) -> np.ndarray | None:
         return self.outputs[0].routed_experts
+
+
+def non_finite_error(sample_idx: int, position: int) -> str:
+    """CompletionOutput.error of a sample whose logits were not finite at output `position`."""
+    return (
+        f"non-finite logits (NaN) for sample {sample_idx} at output token {position}: the "
+        "model's output was not a number there, so the sample ended (finish_reason 'error') "
+        "with the tokens before it"
+    )
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,11 @@ class Sequence:
     is_preempted: bool = False  # preempted once at least: it resumes only once it fits whole
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop token id or string that ended it
-    error: str | None = None
+    error: str | None = None  # the engine's fault that ended it ("error"), if one did
+    # The output position whose logits were not finite (NaN): it ended there with "error", no
+    # token kept for that position (one drawn from NaN logits is no sample).
+    non_finite_at: int | None = None
+    is_end_reported: bool = False  # a delta carried its finish_reason
     dp_rank: int = 0
     # What the worker holds: 0 sent tokens means it holds nothing (new, or preempted).
     num_sent_tokens: int = 0

@@ -252,6 +252,10 @@ class Scheduler:
             sample = samples.get(seq.seq_id)
             if sample is None:
                 continue
+            if is_non_finite(sample):
+                seq.non_finite_at = len(seq.output_token_ids)
+                self.finish(seq, "error")
+                continue
             seq.output_token_ids.append(sample.token_id)
             seq.output_logprobs.append(sample.logprob)
             seq.output_top_logprobs.append(sample.top_logprobs)
@@ -270,7 +274,8 @@ class Scheduler:
                 self.finish(seq, reason)
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
-        """End a running sequence now (a stop token or string, the length, an abort);
+        """End a running sequence now (a stop token or string, the length, an abort, "error" for
+        logits that were not finite);
         stop_reason: the stop token id or string that ended it (None: EOS, or not a stop)."""
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason, seq.stop_reason = reason, stop_reason
@@ -338,6 +343,14 @@ class Scheduler:
         if len(kept) < len(self.waiting):
             self.waiting.clear()
             self.waiting.extend(kept)
+
+
+def is_non_finite(sample: SampleResult) -> bool:
+    """Whether the sample's logits row held a NaN (or +inf): its chosen logprob is then NaN, as
+    log_softmax spreads one NaN over the row. Why the logprob: the sampler returns it for every
+    row in the one copy to the host a step makes anyway, so the check costs no kernel and no
+    sync; a -inf logprob (a token of no probability) is finite enough: it stays."""
+    return sample.logprob != sample.logprob
 
 
 def share_waiting(schedulers: list[Scheduler]) -> int:

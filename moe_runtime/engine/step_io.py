@@ -7,16 +7,20 @@ from __future__ import annotations
 
 import numpy as np
 
-from moe_runtime.engine.outputs import CompletionOutput, RequestOutput
+from moe_runtime.engine.outputs import CompletionOutput, RequestOutput, non_finite_error
 from moe_runtime.engine.request import Request, Sequence
-from moe_runtime.engine.scheduler import ScheduledChunk, Scheduler
+from moe_runtime.engine.scheduler import ScheduledChunk, Scheduler, is_non_finite
 from moe_runtime.worker.step_input import NewSequence, ScheduledSeq, StepInput, StepOutput
 
 
 def record_results(scheduler: Scheduler, chunks: list[ScheduledChunk], result: StepOutput) -> None:
-    """Outputs of one DP rank's step onto its sequences; ends samples at stop strings."""
+    """Outputs of one DP rank's step onto its sequences; ends samples at stop strings, and
+    with "error" those whose logits were not finite (Scheduler.update)."""
     for chunk in chunks:
         seq = chunk.seq
+        sample = result.samples.get(seq.seq_id)
+        if sample is not None and is_non_finite(sample):
+            continue  # no token kept for it (Scheduler.update ends it): nor its routing
         scored = result.scored.get(seq.seq_id, ())
         seq.output_logprobs.extend(scored)
         # A top a scored token, empty when none was asked for, as decode reports them.
@@ -65,10 +69,13 @@ def request_output(
     for seq in request.samples if samples is None else samples:
         last, first = _versions(seq, weight_version)
         start = seq.num_reported if is_delta else 0
-        if is_delta and seq.num_output_tokens == start:
+        # A sample ended with no new token (its logits not finite) still reports its end.
+        is_end_news = seq.is_finished and not seq.is_end_reported
+        if is_delta and seq.num_output_tokens == start and not is_end_news:
             continue
         if is_delta:
             seq.num_reported = seq.num_output_tokens
+            seq.is_end_reported = seq.is_finished
             text = seq.detokenizer.delta(seq.is_finished)
         else:
             text = seq.detokenizer.text if seq.detokenizer else ""
@@ -86,6 +93,7 @@ def request_output(
                 finish_reason=seq.finish_reason if seq.is_finished else None,
                 seed=seq.seed,
                 stop_reason=seq.stop_reason if seq.is_finished else None,
+                error=_error(seq),
                 routed_experts=routed,
                 weight_version=last,
                 first_weight_version=first,
@@ -98,6 +106,13 @@ def request_output(
         request.is_finished,
         *request.weight_versions(weight_version),
     )
+
+
+def _error(seq: Sequence) -> str | None:
+    """What ended a sample with "error": the engine's fault, or logits that were not finite."""
+    if seq.non_finite_at is not None:
+        return non_finite_error(seq.sample_idx, seq.non_finite_at)
+    return seq.error
 
 
 def _versions(seq: Sequence, weight_version: int) -> tuple[int, int]:
