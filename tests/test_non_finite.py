@@ -87,8 +87,21 @@ def test_nan_logits_end_the_sample_at_that_step_and_free_its_blocks(poisoned, ll
     assert blocks.num_free_blocks == blocks.num_blocks
 
 
-def test_a_nan_neighbour_changes_no_bit_of_a_request(poisoned, llm):
-    """The requests beside a NaN one finish normally with the bits they have alone."""
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_nan_neighbour_changes_no_bit_of_a_request(poisoned, overlap):
+    """The requests beside a NaN one finish normally with the bits they have alone, with a
+    decode launched ahead too (it held the NaN sample, ended on the driver: dropped)."""
+    llm = LLM(TINY_CONFIG, **{"scheduler.overlap_decode": overlap})
+    try:
+        _check_neighbours(llm)
+        stats = llm.engine.worker_stats()[0]
+        assert (stats["num_lookahead_hits"] > 0) is overlap, stats
+        assert (stats["num_lookahead_misses"] > 0) is overlap, stats
+    finally:
+        llm.shutdown()
+
+
+def _check_neighbours(llm: LLM) -> None:
     prompts = [OTHER, PROMPT, [9, 8, 7]]
     params = [_params(CLEAN_SEED), _params(NAN_SEED), _params(CLEAN_SEED + 1)]
     alone = [llm.generate([p], [s])[0] for p, s in zip(prompts, params, strict=True)]
