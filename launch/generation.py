@@ -88,8 +88,12 @@ class Generation:
             tracker.observe(prompt_idx, delta)
             # A whole response is built from the Future's outputs: its deltas, queued, were held
             # unread until it ended (its output twice over).
-            if stream:
-                aio_loop.call_soon_threadsafe(self._queue.put_nowait, (prompt_idx, delta))
+            if not stream:
+                # Raised here, the engine aborts the rest of the submission and fails its
+                # Future with it (a 500), not running its other samples on for nothing.
+                check_samples(prompt_idx, delta)
+                return
+            aio_loop.call_soon_threadsafe(self._queue.put_nowait, (prompt_idx, delta))
 
         def on_done(future: Future) -> None:  # on whichever thread settled it
             if future.cancelled():  # the client left before the end
@@ -113,8 +117,6 @@ class Generation:
         try:
             if not self._stream:
                 self._outputs = await asyncio.wrap_future(self.future)
-                for prompt_idx, whole in enumerate(self._outputs):
-                    check_samples(prompt_idx, whole)
                 return
             self._first = await self._queue.get()
         except BaseException:
@@ -197,8 +199,9 @@ class Generation:
 
 
 def check_samples(prompt_idx: int, output: RequestOutput) -> None:
-    """SampleFailedError naming the first sample of `output` (whole or a delta) that ended with
-    finish_reason "error"; its tokens before it are not sent, nor its siblings'."""
+    """SampleFailedError naming the first sample of a delta that ended with finish_reason
+    "error" (its logits were not finite). Why the whole response fails: a client reading a 200
+    would take the tokens before it for a whole sample."""
     for out in output.outputs:
         if out.finish_reason == "error":
             raise SampleFailedError(f"prompt {prompt_idx}: {out.error}")
