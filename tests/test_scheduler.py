@@ -301,3 +301,27 @@ def test_admitting_many_samples_reads_no_list_of_siblings():
     assert len(chunks) == 64 and all(c.start == 16 for c in chunks[1:])  # past the prompt
     num_reads = request.samples.num_reads  # (not in the assert: its report would print it)
     assert num_reads <= 64, num_reads
+
+
+def test_a_nan_logprob_ends_its_sequence_at_once_with_error():
+    """A sampled token whose logprob is NaN (its logits were not finite) ends the sequence at
+    that step with "error", keeping no token for it, its blocks freed; one with a -inf logprob
+    (a token of no probability) and a finite one go on."""
+    scheduler = _scheduler()
+    bad_seq, odd_seq, other = (
+        _add(scheduler, [1, 2, 3, 4, 5], max_tokens=4).samples[0] for _ in range(3)
+    )
+    _step(scheduler)  # the prompts, a token each
+    chunks = scheduler.schedule()
+    logprobs = {bad_seq.seq_id: float("nan"), odd_seq.seq_id: float("-inf"), other.seq_id: -0.5}
+    scheduler.update(
+        chunks, {c.seq.seq_id: SampleResult(9, logprobs[c.seq.seq_id], {}) for c in chunks}
+    )
+    assert (bad_seq.finish_reason, bad_seq.non_finite_at) == ("error", 1)
+    assert bad_seq.output_token_ids == [7] and bad_seq.output_logprobs == [0.0]
+    assert bad_seq.block_table == [] and bad_seq not in scheduler.running
+    assert not (odd_seq.is_finished or other.is_finished)
+    assert odd_seq.output_token_ids == other.output_token_ids == [7, 9]
+    _run(scheduler)
+    assert [s.finish_reason for s in (odd_seq, other)] == ["length", "length"]
+    assert scheduler.blocks.num_free_blocks == scheduler.blocks.num_blocks

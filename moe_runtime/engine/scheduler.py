@@ -346,10 +346,11 @@ class Scheduler:
 
 
 def is_non_finite(sample: SampleResult) -> bool:
-    """Whether the sample's logits row held a NaN (or +inf): its chosen logprob is then NaN, as
-    log_softmax spreads one NaN over the row. Why the logprob: the sampler returns it for every
-    row in the one copy to the host a step makes anyway, so the check costs no kernel and no
-    sync; a -inf logprob (a token of no probability) is finite enough: it stays."""
+    """Whether the sample's logits row was not finite (a NaN or +inf in it): its chosen logprob
+    is then NaN, as log_softmax spreads either over the whole row. Why the logprob: the sampler
+    returns it for every row in the one copy to the host a step makes anyway, so the check
+    costs no kernel, copy or sync. A -inf logprob (a token of no probability: a -inf logit, a
+    token filtered out in processed logprobs) is no fault: its sample goes on."""
     return sample.logprob != sample.logprob
 
 
