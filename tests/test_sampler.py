@@ -505,3 +505,35 @@ def test_ids_past_the_tokenizer_are_never_sampled(logits):
     assert max(draws) < num_ids or set(draws) - set(range(num_ids)) == {eos}
     unbounded = Sampler(lambda x: torch.log_softmax(x.float(), -1), cumsum_ref, (eos,))
     assert unbounded.sample(logits[:1], params[:1], [1], [0])[0].token_id >= num_ids  # control
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.7, seed=3),
+        SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=3, logprobs_mode="processed"),
+    ],
+    ids=["greedy", "sampled", "processed_top_k_top_p"],
+)
+def test_one_non_finite_logit_makes_the_chosen_logprob_nan(logits, bad, params):
+    """What the engine ends a sample by (scheduler.is_non_finite): one NaN or +inf logit in a
+    row, anywhere, gives a NaN chosen logprob (greedy or drawn, raw or processed, filtered),
+    with both ops of the kernel table's reference; the other rows keep their results."""
+    from moe_kernels.softmax import log_softmax_ref
+    from moe_runtime.engine.scheduler import is_non_finite
+
+    poisoned = logits.clone()
+    poisoned[2, 17] = bad
+    for log_softmax in (
+        lambda x: torch.log_softmax(x, -1),
+        lambda x: log_softmax_ref(x, tile_rows=4),
+    ):
+        sampler = Sampler(log_softmax, cumsum_ref)
+        args = ([params] * 6, [3] * 6, [0] * 6)
+        clean, results = sampler.sample(logits, *args), sampler.sample(poisoned, *args)
+        assert [is_non_finite(r) for r in results] == [False, False, True, False, False, False]
+        assert all(
+            _same(a, b) for i, (a, b) in enumerate(zip(clean, results, strict=True)) if i != 2
+        )
