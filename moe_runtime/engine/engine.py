@@ -3,7 +3,8 @@
 The driver: one scheduler and KV block pool per data-parallel rank, the expert placement (the
 balancer), every request's sequences and outputs. A step sends each rank a `StepInput` (only
 what changed since its last step), runs all ranks at once, records the results, detokenizes
-incrementally, ends samples at stop strings and returns a `RequestOutput` delta per request
+incrementally, ends samples at stop strings (and with "error" those whose logits were not
+finite, from the logprob every step returns) and returns a `RequestOutput` delta per request
 that changed. A bad request raises at `add_request` and never disturbs those in flight; a
 worker failure fails every request in flight and leaves the engine dead, never hung, until
 `restart` has its WorkerGroup (the ranks and the weights they serve) rebuild the ranks.
