@@ -15,6 +15,7 @@ waste the step launched ahead.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -351,7 +352,7 @@ def is_non_finite(sample: SampleResult) -> bool:
     returns it for every row in the one copy to the host a step makes anyway, so the check
     costs no kernel, copy or sync. A -inf logprob (a token of no probability: a -inf logit, a
     token filtered out in processed logprobs) is no fault: its sample goes on."""
-    return sample.logprob != sample.logprob
+    return math.isnan(sample.logprob)
 
 
 def share_waiting(schedulers: list[Scheduler]) -> int:
