@@ -156,8 +156,8 @@ def test_server_fails_a_nan_request_alone(poisoned):
 
 
 def test_rollout_and_generate_leave_a_nan_row_out(poisoned, tmp_path, capsys):
-    """A sample whose logits were NaN is left out by name (it ran to max_tokens, its row's
-    logprobs NaN), the others written, exit 1."""
+    """A sample whose logits were NaN is left out by name (it ended at that step with
+    "error"), the others written, exit 1."""
     rows = [
         {"id": "nan", "prompt": PROMPT, "seed": NAN_SEED},
         {"id": "clean", "prompt": PROMPT, "seed": CLEAN_SEED},
