@@ -440,6 +440,24 @@ def test_softmax_invariant_and_close(generator, is_log, dtype):
     _assert_row_invariant(op, x, full, generator)
 
 
+@pytest.mark.parametrize("bad", (float("nan"), float("inf")))
+@pytest.mark.parametrize("vocab", (1000, 102400))  # one program a row; parts of PART_V
+def test_log_softmax_spreads_one_non_finite_logit_over_its_row_alone(generator, bad, vocab):
+    """What the engine ends a sample by (moe_runtime/engine/scheduler.py is_non_finite: the
+    chosen logprob is NaN): on the GPU kernel one NaN or +inf logit makes its whole row NaN,
+    whichever column it is in, and every other row keeps its bits; torch's op alike."""
+    from moe_kernels.triton_softmax import log_softmax_triton
+
+    x = _randn(generator, 6, vocab, dtype=torch.float32, scale=4.0)
+    poisoned = x.clone()
+    poisoned[2, vocab - 7] = bad
+    for op in (log_softmax_triton, lambda rows: torch.log_softmax(rows, -1)):
+        clean, out = op(x), op(poisoned)
+        assert torch.isnan(out[2]).all()
+        assert torch.equal(out[[0, 1, 3, 4, 5]], clean[[0, 1, 3, 4, 5]])
+        assert not torch.isnan(clean).any()  # control: the clean rows are numbers
+
+
 def test_silu_mul_elementwise_invariant_on_gpu(generator):
     """The fused kernel the GPU op table binds: an element's bits ignore the row count, the
     halves being views of one gate_up output, and its neighbours; close to the reference."""
