@@ -25,6 +25,14 @@ block, the same products, so the same probabilities; its value products run at N
 a slice of the stage, and a warpgroup MMA gives each column the same bits at N = 64, 128 and
 256 (bench/wgmma_width_probe.py, H100), so the choice may follow the batch. It fills more SMs,
 not a shorter walk: each program still waits on every block's copy in turn.
+
+The softmax runs in base 2 (the scale times log2(e) folded into one multiply-add before
+exp2; the split's max converted back to natural log for the merge), and the kernel's
+mbarriers each have their own allocation and are signalled by zero-byte expects: Triton's
+barrier analysis put a CTA barrier before every wait on an element of a barrier array and
+after every arrive, 16-20 a pair of blocks in each partition where the protocol needs 4-5.
+Together 2-4% faster at 128 heads (H100, BENCHMARKS.md, fifty-sixth session); the base-2
+softmax changed the bits (batch invariance holds as before), the barriers none.
 """
 
 from __future__ import annotations
@@ -68,7 +76,7 @@ V = gl.constexpr(GLUON_SHAPE["v_dim"])
 R = gl.constexpr(GLUON_SHAPE["cache_dim"] - GLUON_SHAPE["v_dim"])
 HALF = gl.constexpr(GLUON_SHAPE["v_dim"] // 2)  # a partition's value columns
 BLOCK_H = gl.constexpr(GLUON_SHAPE["block_h"])
-# A cache-block stage's parts, each with a free mbarrier at part * 2 + stage.
+# A cache-block stage's parts (the latent halves freed by free[LO | HI][stage]).
 LO = gl.constexpr(0)
 HI = gl.constexpr(1)
 PE = gl.constexpr(2)
@@ -107,17 +115,17 @@ def _split_range(
 def _copy_part(tile_desc, block_id, part: gl.constexpr, smem, ready, stage: gl.constexpr):
     """TMA copies of one part (LO, HI: a latent half, four 64-column tiles; PE: the rope
     columns, one tile) of cache block block_id into smem, each tile completing on its own ready
-    barrier (tile * 2 + stage; tiles 0-3 LO, 4-7 HI, 8 the rope), so a score product starts
+    barrier (ready[part][tile][stage]; the rope part one tile), so a score product starts
     on a part's first tile while the rest is in flight. Rows past the query's position arrive
     as they are in the cache: their scores are masked and their value rows zeroed."""
     row = (block_id * BS).to(gl.int32)
     if part == PE:
-        bar = ready.index(8 * 2 + stage)
+        bar = ready[PE][0][stage]
         mbarrier.expect(bar, BS * R * 2)
         tma.async_copy_global_to_shared(tile_desc, [row, V], bar, smem)
     else:
         for c in gl.static_range(4):
-            bar = ready.index((part * 4 + c) * 2 + stage)
+            bar = ready[part][c][stage]
             mbarrier.expect(bar, BS * 64 * 2)
             tma.async_copy_global_to_shared(
                 tile_desc, [row, part * HALF + c * 64], bar, smem.slice(c * 64, 64, dim=1)
@@ -129,13 +137,13 @@ def _score_part(q_part, k_part, ready, part: gl.constexpr, stage: gl.constexpr, 
                 use_acc: gl.constexpr):  # fmt: skip
     """Issue a part's share of a score product, each 64-column tile as it lands."""
     if part == PE:
-        mbarrier.wait(ready.index(8 * 2 + stage), phase)
+        mbarrier.wait(ready[PE][0][stage], phase)
         sc = warpgroup_mma(
             q_part, k_part.index(stage).permute((1, 0)), sc, use_acc=use_acc, is_async=True
         )  # fmt: skip
     else:
         for c in gl.static_range(4):
-            mbarrier.wait(ready.index((part * 4 + c) * 2 + stage), phase)
+            mbarrier.wait(ready[part][c][stage], phase)
             q_tile = q_part.slice(c * 64, 64, dim=1)
             k_tile = k_part.index(stage).slice(c * 64, 64, dim=1).permute((1, 0))
             if c == 0:
@@ -164,7 +172,16 @@ def _block_scores(W: gl.constexpr, smem, ready, phase, j, position, scale, S_L: 
         sc = _score_part(q_parts[PE], k_parts[PE], ready, PE, 1, phase, sc, True)
     sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
     kv_ok = (j * BS + gl.arange(0, BS, layout=gl.SliceLayout(0, S_L))) <= position
-    return gl.where(kv_ok[None, :], sc * scale, float("-inf"))
+    return gl.where(kv_ok[None, :], sc, float("-inf"))
+
+
+@gluon.jit
+def _signal(bar):
+    """One arrive on bar, written as an expect of 0 bytes: the same PTX arrive (with
+    release semantics), which Triton's barrier analysis does not take for a write to all of
+    shared memory, as it takes mbarrier.arrive (a CTA barrier before the next shared memory
+    access after every one of those)."""
+    mbarrier.expect(bar, 0)
 
 
 @gluon.jit
@@ -174,7 +191,7 @@ def _publish(buf, bar, values):
     buf.store(values)
     fence_async_shared()
     gl.thread_barrier()
-    mbarrier.arrive(bar, count=1)
+    _signal(bar)
 
 
 @gluon.jit
@@ -193,7 +210,7 @@ def _publish_probs(W: gl.constexpr, smem, p_bar, p, j, position):
             piece.store(gl.where(keep, piece.load(ZERO_L), 0.0))
             piece = k_hi_s.index(W).slice(c, 64, dim=1)
             piece.store(gl.where(keep, piece.load(ZERO_L), 0.0))
-    _publish((p_s, k_pe_s.index(1))[W], p_bar.index(W), p)
+    _publish((p_s, k_pe_s.index(1))[W], p_bar[W], p)
 
 
 @gluon.jit
@@ -264,6 +281,7 @@ def _consumer(W: gl.constexpr, smem, bars, scal, ptrs, WRITE_OUT: gl.constexpr,
     q_lo_s, q_hi_s, q_pe_s, k_lo_s, k_hi_s, k_pe_s, p_s, mx_s, l_s = smem
     q_bar, ready, free, mx_bar, p_bar, l_bar = bars
     table, position, first_block, n, t, head_block, split, num_heads, num_splits, scale, vp = scal
+    scale = scale * 1.4426950408889634  # base 2: log2(e) folded in
     MY_HALF: gl.constexpr = LO if W == 0 else HI  # this partition's value columns
     PART: gl.constexpr = HALF // V_PARTS  # the value columns it keeps
     S_L: gl.constexpr = gl.NVMMADistributedLayout(
@@ -288,11 +306,8 @@ def _consumer(W: gl.constexpr, smem, bars, scal, ptrs, WRITE_OUT: gl.constexpr,
         j = first_block + 2 * k + W
         if is_owner:
             sc = _block_scores(W, smem, ready, phase, j, position, scale, S_L)
-            if W == 0:  # the rope part's last reader was the score product
-                gl.thread_barrier()
-                mbarrier.arrive(free.index(PE * 2 + 0), count=1)
-            mx = gl.max(sc, axis=1)
-            _publish(mx_s[W], mx_bar.index(W), mx)
+            mx = gl.max(sc, axis=1) * scale
+            _publish(mx_s[W], mx_bar[W], mx)
         else:
             sc = gl.full([BLOCK_H, BS], float("-inf"), gl.float32, layout=S_L)
             mx = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=ROW)
@@ -300,37 +315,36 @@ def _consumer(W: gl.constexpr, smem, bars, scal, ptrs, WRITE_OUT: gl.constexpr,
         if W == 0:
             m_new = gl.maximum(m_run, mx)
             if has_b:
-                mbarrier.wait(mx_bar.index(1), phase)
+                mbarrier.wait(mx_bar[1], phase)
                 m_new = gl.maximum(m_new, mx_s[1].load(ROW))
         else:
-            mbarrier.wait(mx_bar.index(0), phase)
+            mbarrier.wait(mx_bar[0], phase)
             m_new = gl.maximum(gl.maximum(m_run, mx_s[0].load(ROW)), mx)
-        alpha = gl.exp(m_run - m_new)
+        alpha = gl.exp2(m_run - m_new)
         l_own = l_own * alpha
         acc = acc * gl.convert_layout(alpha, OROW)[:, None]
         if is_owner:
-            p = gl.exp(sc - m_new[:, None])
+            p = gl.exp2(sc * scale - m_new[:, None])
             l_own = l_own + gl.sum(p, axis=1)
             p16 = p.to(gl.bfloat16)
             _publish_probs(W, smem, p_bar, p16, j, position)
             # Own block: probabilities from registers; then this half of the stage frees.
             acc = _value_product(gl.convert_layout(p16, P_L), k_half.index(W), acc, vp, V_PARTS)
             gl.thread_barrier()
-            mbarrier.arrive(free.index(MY_HALF * 2 + W), count=1)
+            _signal(free[MY_HALF][W])
         if W == 1 or has_b:  # the other partition's block: probabilities from shared memory
-            mbarrier.wait(p_bar.index(1 - W), phase)
+            mbarrier.wait(p_bar[1 - W], phase)
             other_p = (k_pe_s.index(1), p_s)[W]
             acc = _value_product(other_p, k_half.index(1 - W), acc, vp, V_PARTS)
             gl.thread_barrier()
-            mbarrier.arrive(free.index(MY_HALF * 2 + 1 - W), count=1)
-            if W == 0:  # partition 1's probabilities lie over stage 1's rope rows
-                mbarrier.arrive(free.index(PE * 2 + 1), count=1)
+            _signal(free[MY_HALF][1 - W])
         m_run = m_new
     if n > 0:
         # The split's sum: both partitions' sums, added in one order by both.
-        _publish(l_s[W], l_bar.index(W), l_own)
-        mbarrier.wait(l_bar.index(1 - W), 0)
+        _publish(l_s[W], l_bar[W], l_own)
+        mbarrier.wait(l_bar[1 - W], 0)
         l_run = l_s[0].load(ROW) + l_s[1].load(ROW)
+        m_run = m_run * 0.6931471805599453  # the merge's natural-log max
         _write_half(
             W, acc, m_run, l_run, position, first_block, n, t, head_block, split, num_heads,
             num_splits, ptrs, WRITE_OUT, vp,
@@ -382,10 +396,10 @@ def _consumer_1_out_2(smem, bars, descs, scal, ptrs):
 
 @gluon.jit
 def _refill(tile_desc, block_id, part: gl.constexpr, stage: gl.constexpr, phase, smem, ready,
-            free):  # fmt: skip
+            bar):  # fmt: skip
     """Wait until the pair before has released (part, stage), then copy block_id's part."""
     q_lo_s, q_hi_s, q_pe_s, k_lo_s, k_hi_s, k_pe_s, p_s, mx_s, l_s = smem
-    mbarrier.wait(free.index(part * 2 + stage), phase)
+    mbarrier.wait(bar, phase)  # the barrier that releases (part, stage)
     _copy_part(tile_desc, block_id, part, (k_lo_s, k_hi_s, k_pe_s)[part].index(stage), ready, stage)
 
 
@@ -405,13 +419,33 @@ def _loader(smem, bars, descs, scal, ptrs):
         has_b = 2 * k + 1 < n
         a_id = gl.load(table + a)
         b_id = gl.load(table + gl.minimum(a + 1, first_block + n - 1))
-        _refill(tile_desc, a_id, PE, 0, phase, smem, ready, free)
-        _refill(tile_desc, a_id, LO, 0, phase, smem, ready, free)
+        # Stage 0's rope part frees with partition 0's max (its scores were its last reader),
+        # stage 1's with partition 0's second value product (partition 1's probabilities lay
+        # over it), as stage 1's first half does.
+        _refill(tile_desc, a_id, PE, 0, phase, smem, ready, mx_bar[0])
+        _refill(tile_desc, a_id, LO, 0, phase, smem, ready, free[LO][0])
         if has_b:
-            _refill(tile_desc, b_id, HI, 1, phase, smem, ready, free)
-            _refill(tile_desc, b_id, LO, 1, phase, smem, ready, free)
-            _refill(tile_desc, b_id, PE, 1, phase, smem, ready, free)
-        _refill(tile_desc, a_id, HI, 0, phase, smem, ready, free)
+            _refill(tile_desc, b_id, HI, 1, phase, smem, ready, free[HI][1])
+            _refill(tile_desc, b_id, LO, 1, phase, smem, ready, free[LO][1])
+            _refill(tile_desc, b_id, PE, 1, phase, smem, ready, free[LO][1])
+        _refill(tile_desc, a_id, HI, 0, phase, smem, ready, free[HI][0])
+
+
+@gluon.jit
+def _barrier_pair():
+    """Two mbarriers (a stage each), each in its own allocation: Triton's barrier analysis
+    (membar) takes a wait on one element of a barrier array for an access to all of it and put
+    a CTA barrier before every wait (9 a block in each partition, on the ready tiles)."""
+    return (
+        gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0),
+        gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0),
+    )
+
+
+@gluon.jit
+def _tile_barriers():
+    """A latent half's four 64-column tiles' ready barriers, [tile][stage]."""
+    return (_barrier_pair(), _barrier_pair(), _barrier_pair(), _barrier_pair())
 
 
 @gluon.jit(do_not_specialize=["num_splits", "table_width"])
@@ -456,24 +490,26 @@ def _mla_wide_split_kernel(
             gl.allocate_shared_memory(gl.float32, [BLOCK_H], vec_s))  # fmt: skip
     l_s = (gl.allocate_shared_memory(gl.float32, [BLOCK_H], vec_s),
            gl.allocate_shared_memory(gl.float32, [BLOCK_H], vec_s))  # fmt: skip
-    # ready: tile * 2 + stage (_copy_part); free: part * 2 + stage (arrays of a power-of-two
-    # length).
-    ready = gl.allocate_shared_memory(gl.int64, [32, 1], mbarrier.MBarrierLayout())
-    free = gl.allocate_shared_memory(gl.int64, [8, 1], mbarrier.MBarrierLayout())
-    mx_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    p_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    l_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    # ready[part][tile][stage] (_copy_part; the rope part one tile); free[LO | HI][stage]: a
+    # latent half of a stage released by the one partition whose value product reads it last
+    # (the score product before it is done by then); the rope parts free with mx_bar[0] and
+    # free[LO][1] (_loader).
+    ready = (_tile_barriers(), _tile_barriers(), (_barrier_pair(),))
+    free = (_barrier_pair(), _barrier_pair())
+    mx_bar = _barrier_pair()
+    p_bar = _barrier_pair()
+    l_bar = _barrier_pair()
     q_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
-    for b in gl.static_range(18):
-        mbarrier.init(ready.index(b), count=1)
-    for b in gl.static_range(6):
-        # Every part is released by the one partition whose value product reads it last (the
-        # score product before it is done by then).
-        mbarrier.init(free.index(b), count=1)
     for b in gl.static_range(2):
-        mbarrier.init(mx_bar.index(b), count=1)
-        mbarrier.init(p_bar.index(b), count=1)
-        mbarrier.init(l_bar.index(b), count=1)
+        for c in gl.static_range(4):
+            mbarrier.init(ready[LO][c][b], count=1)
+            mbarrier.init(ready[HI][c][b], count=1)
+        mbarrier.init(ready[PE][0][b], count=1)
+        mbarrier.init(free[LO][b], count=1)
+        mbarrier.init(free[HI][b], count=1)
+        mbarrier.init(mx_bar[b], count=1)
+        mbarrier.init(p_bar[b], count=1)
+        mbarrier.init(l_bar[b], count=1)
     mbarrier.init(q_bar, count=1)
     fence_async_shared()
     if n > 0:
