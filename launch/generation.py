@@ -79,6 +79,10 @@ class Generation:
         self._stream = stream
         self._first: Any = None  # the first delta (or the end), which `start` waited for
         self._outputs: list[RequestOutput] | None = None  # None: streamed
+        # Set before this Generation cancels its submission for a failed sample (a stream's):
+        # its other samples then end as "error", as a whole body's do, not "abort", which
+        # README keeps for a client that left.
+        self._is_failed = False
         aio_loop = asyncio.get_running_loop()
         tracker = RequestTracker(metrics, received)
         self._metrics = metrics
@@ -96,8 +100,8 @@ class Generation:
             aio_loop.call_soon_threadsafe(self._queue.put_nowait, (prompt_idx, delta))
 
         def on_done(future: Future) -> None:  # on whichever thread settled it
-            if future.cancelled():  # the client left before the end
-                tracker.end(num_samples, "abort")
+            if future.cancelled():  # the client left, or a sample failed a stream
+                tracker.end(num_samples, "error" if self._is_failed else "abort")
             elif not isinstance(future.exception(), (ValueError, type(None))):
                 tracker.end(num_samples, "error")  # a refused prompt (ValueError) never ran
             try:
@@ -111,9 +115,10 @@ class Generation:
     async def start(self) -> None:
         """Wait for the whole outputs (cancelling the awaiting task aborts them) or, to stream,
         for the first delta. Raises the submission's error (e.g. ValueError) if it failed before
-        producing anything, so a route can still answer with a status code. Cancelled (its
-        client left before the first token), it cancels the submission: nothing runs for
-        nobody."""
+        producing anything, or SampleFailedError if the first delta holds a failed sample, so
+        a route can still answer with a status code (a 500, not a 200 stream of one error
+        event). Cancelled (its client left before the first token), it cancels the
+        submission: nothing runs for nobody."""
         try:
             if not self._stream:
                 self._outputs = await asyncio.wrap_future(self.future)
@@ -124,6 +129,17 @@ class Generation:
             raise
         if self._first is _END:
             self.future.result()
+            return
+        try:
+            check_samples(*self._first)
+        except SampleFailedError:
+            self._fail()
+            raise
+
+    def _fail(self) -> None:
+        """Cancel the submission for a failed sample: its other samples end as "error"."""
+        self._is_failed = True
+        self.future.cancel()
 
     async def response(
         self, head: dict, choices: Choices, include_usage: bool, also: list[RequestOutput] = ()
@@ -191,6 +207,8 @@ class Generation:
                 }
                 yield sse({**head, "choices": [], "usage": totals, **versions})
         except Exception as exc:
+            if isinstance(exc, SampleFailedError):
+                self._fail()
             self._metrics.stream_errors.inc()
             yield sse(error_body(exc))
         finally:

@@ -16,12 +16,15 @@ import pytest
 
 from launch import generate, rollout
 from moe_runtime import LLM, SamplingParams
+from moe_runtime.seeds import derive_seed
 from moe_runtime.worker.sampler import Sampler
 from tests.invariance import TINY_CONFIG, fingerprint, record_steps
 from tests.serving import running_server, sse_events
 
 NAN_SEED, CLEAN_SEED = 202, 303
 NAN_FROM = 3  # the first output position whose logits are NaN
+FIRST_NAN_SEED = 404  # NaN from output position 0: the first token fails
+PAIR_SEED = 505  # with n = 2: sample 1's seed is poisoned from NAN_FROM, sample 0's is not
 MAX_TOKENS = 8
 PROMPT, OTHER = [72, 101, 108, 108, 111], [5, 6, 7, 8, 9, 10]
 WORDS = "non-finite logits (NaN)"
@@ -29,13 +32,15 @@ WORDS = "non-finite logits (NaN)"
 
 @pytest.fixture
 def poisoned(monkeypatch):
-    """The sampler's logits rows of seed NAN_SEED all NaN from output position NAN_FROM on."""
+    """The sampler's logits rows of seed NAN_SEED (and of PAIR_SEED's sample 1) all NaN from
+    output position NAN_FROM on, of FIRST_NAN_SEED from position 0."""
     launch = Sampler.launch
+    nan_from = {NAN_SEED: NAN_FROM, FIRST_NAN_SEED: 0, derive_seed(PAIR_SEED, 1): NAN_FROM}
 
     def poisoned_launch(self, logits, params, seeds, output_positions):
         logits = logits.clone()
         for row, (seed, position) in enumerate(zip(seeds, output_positions, strict=True)):
-            if seed == NAN_SEED and position >= NAN_FROM:
+            if seed in nan_from and position >= nan_from[seed]:
                 logits[row] = math.nan
         return launch(self, logits, params, seeds, output_positions)
 
@@ -153,6 +158,48 @@ def test_server_fails_a_nan_request_alone(poisoned):
         assert WORDS in events[-1]["error"]["message"], events
         assert all(c["finish_reason"] is None for e in events[:-1] for c in e["choices"])
         assert http.get("/health").status_code == 200  # the engine serves on
+
+
+def test_a_stream_failing_at_its_first_token_is_a_500(poisoned):
+    """Its first delta is awaited before the response starts: a 200 stream of one error event
+    becomes a 500 body naming the logits, as unstreamed; the engine serves on."""
+    with running_server() as server:
+        http = server.http
+        for path, body in (
+            ("/v1/completions", _completion(FIRST_NAN_SEED, stream=True)),
+            ("/v1/chat/completions", {
+                "messages": [{"role": "user", "content": "abc"}], "max_tokens": MAX_TOKENS,
+                "seed": FIRST_NAN_SEED, "stream": True,
+            }),
+        ):  # fmt: skip
+            response = http.post(path, json=body)
+            assert response.status_code == 500, (path, response.text)
+            error = response.json()["error"]
+            assert WORDS in error["message"] and error["type"] == "internal_error", error
+        assert http.post("/v1/completions", json=_completion(CLEAN_SEED)).status_code == 200
+        assert http.get("/health").status_code == 200
+
+
+def test_a_failed_sample_ends_its_streamed_siblings_as_error_not_abort(poisoned):
+    """A stream of n = 2 whose sample 1 fails mid-stream: the server cancels sample 0 with
+    it. Sample 0 was counted as "abort", which README keeps for a client that left; an
+    unstreamed request's siblings count as "error"."""
+    from tests.test_server_admin import metrics
+
+    finished = "moe_samples_finished_total{{finish_reason={}}}".format
+    body = _completion(PAIR_SEED, n=2, ignore_eos=True)
+    with running_server() as server:
+        for stream in (True, False):
+            before = metrics(server)
+            if stream:
+                events = sse_events(server.http, "/v1/completions", body)
+                assert WORDS in events[-1]["error"]["message"], events
+            else:
+                response = server.http.post("/v1/completions", json=body)
+                assert response.status_code == 500, response.text
+            after = metrics(server)
+            delta = {r: after[finished(r)] - before[finished(r)] for r in ("abort", "error")}
+            assert delta == {"abort": 0, "error": 2}, (stream, delta)
 
 
 def test_rollout_and_generate_leave_a_nan_row_out(poisoned, tmp_path, capsys):
