@@ -253,26 +253,44 @@ def test_gpu_kv_cache_sized_from_free_memory():
     assert len(out.token_ids) == 4
 
 
-def test_gpu_a_full_budget_scoring_fits_a_cache_sized_from_free_memory():
-    """V2-Lite's 27 layers, cache.num_blocks 0: a score of max_num_batched_tokens - 192
-    tokens (one step, every row scored) ran out of memory on an H100, its fp32 logits held
-    three times over (10 GB) in the 10% a fraction of 0.9 left. Now it runs, its logprobs the
-    bits of the same sequence scored in chunks of 1024 tokens (scheduler budget)."""
+def _full_budget_scores(mode: str) -> tuple[list[float], list[float], int]:
+    """(V2-Lite's logprobs of one sequence of max_num_batched_tokens - 192 tokens scored in one
+    step with cache.num_blocks 0, the same scored in chunks of 1024 tokens, its length), in
+    kernels.mode `mode`."""
     v2_lite = TINY_GPU.parent / "v2_lite_gpu.yaml"
-    llm = LLM(v2_lite, **{"cache.num_blocks": 0})
+    llm = LLM(v2_lite, **{"cache.num_blocks": 0, "kernels.mode": mode})
     budget = llm.config.scheduler.max_num_batched_tokens
     sequence = [(i * 7919) % 100000 + 1 for i in range(budget - 192)]
     try:
         whole = llm.score([sequence], [1], use_tqdm=False)[0]
     finally:
         llm.shutdown()
-    llm = LLM(v2_lite, **{"scheduler.max_num_batched_tokens": 1024})
+    llm = LLM(v2_lite, **{"scheduler.max_num_batched_tokens": 1024, "kernels.mode": mode})
     try:
         chunked = llm.score([sequence], [1], use_tqdm=False)[0]
     finally:
         llm.shutdown()
-    assert len(whole) == len(sequence) - 1
+    return whole, chunked, len(sequence)
+
+
+def test_gpu_a_full_budget_scoring_fits_a_cache_sized_from_free_memory():
+    """V2-Lite's 27 layers, cache.num_blocks 0: a score of max_num_batched_tokens - 192
+    tokens (one step, every row scored) ran out of memory on an H100, its fp32 logits held
+    three times over (10 GB) in the 10% a fraction of 0.9 left. Now it runs, its logprobs the
+    bits of the same sequence scored in chunks of 1024 tokens (scheduler budget)."""
+    whole, chunked, length = _full_budget_scores("invariant")
+    assert len(whole) == length - 1
     assert [float.hex(x) for x in whole] == [float.hex(x) for x in chunked]
+
+
+def test_gpu_full_budget_scoring_negative_control_fast():
+    """The same two scorings in fast mode: the chunking must show in the bits, or the test
+    above could not fail."""
+    whole, chunked, length = _full_budget_scores("fast")
+    assert len(whole) == len(chunked) == length - 1
+    assert [float.hex(x) for x in whole] != [float.hex(x) for x in chunked], (
+        "fast mode scored the whole sequence and its chunks to the same bits"
+    )
 
 
 @pytest.fixture(scope="module")
