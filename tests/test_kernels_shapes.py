@@ -8,13 +8,18 @@ the fixed-tile code before the K/N padding, out 2-3 and grouped out 1 (in % 4 !=
 there while this CPU's AVX-512 path hid it.
 
 Controls: plain torch's linear and grouped linear (fast mode's) give rows position-dependent
-bits at some swept widths, so the linear sweep can fail. At the sweep's widths plain torch's
+bits at some swept widths, so the linear sweep can fail. Where a control depends on MKL's
+kernels it runs in this process and, if it finds no difference here, again under MKL's SSE4.2
+dispatch (`_under_sse42`): an AMD EPYC's MKL gave every such difference in process, an AMX
+Xeon's (AVX-512 and AVX2 kernels) none of the grouped, unpadded-attention or thread ones,
+its SSE4.2 kernels all of them. At the sweep's widths plain torch's
 norm and softmaxes gave a row the same bits in any batch here, so there an untiled reference
 is caught only by the engagement check (the row op ran on whole tiles alone); where torch
 splits a row's sum (2 threads, D = 2**16) the untiled norm differs and the tiled one does
 not. The untiled attention differs at every head shape swept.
 """
 
+import ast
 import os
 import subprocess
 import sys
@@ -96,20 +101,39 @@ def test_linear_rows_invariant_for_every_width():
     assert position_dependent_linear_shapes() == []
 
 
+def _under_sse42(expression: str):
+    """The value of `expression` (a literal's repr: names from this module) computed in a
+    child process under MKL's SSE4.2 dispatch (the kernels an older CPU gets), one thread."""
+    code = (
+        "import tests.test_kernels_shapes as m; globals().update(vars(m)); "
+        f"print(repr({expression}))"
+    )
+    env = {**os.environ, "MKL_ENABLE_INSTRUCTIONS": "SSE4_2", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return ast.literal_eval(done.stdout.strip().splitlines()[-1])
+
+
+def _fast_sweep_ops() -> list[str]:
+    """The ops (linear, grouped_linear) of which fast mode's form has some swept shape with
+    position-dependent rows."""
+    bad = position_dependent_linear_shapes(linear=linear_fast, grouped_linear=grouped_linear_fast)
+    return sorted({op for op, _, _ in bad})
+
+
 def test_the_width_sweep_catches_untiled_linears():
     """Negative control of the two sweeps: fast mode's plain torch linear and grouped linear
-    give some swept shape of each op position-dependent rows, so the sweeps could fail."""
-    bad = position_dependent_linear_shapes(linear=linear_fast, grouped_linear=grouped_linear_fast)
-    assert {op for op, _, _ in bad} == {"linear", "grouped_linear"}, bad
+    give some swept shape of each op position-dependent rows, so the sweeps could fail. The
+    grouped one's differences follow where its expert's rows start in memory (an AMD EPYC's
+    MKL); an AMX Xeon's gives them only under its SSE4.2 kernels."""
+    ops = _fast_sweep_ops()
+    if ops != ["grouped_linear", "linear"]:
+        ops = sorted({*ops, *_under_sse42("_fast_sweep_ops()")})
+    assert ops == ["grouped_linear", "linear"], ops
 
 
 def test_linear_rows_invariant_under_mkl_sse42_dispatch():
-    code = "from tests.test_kernels_shapes import *; print(position_dependent_linear_shapes())"
-    env = {**os.environ, "MKL_ENABLE_INSTRUCTIONS": "SSE4_2", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
-    )
-    assert done.stdout.strip() == "[]", done.stdout[-2000:]
+    assert _under_sse42("position_dependent_linear_shapes()") == []
 
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
@@ -196,16 +220,16 @@ def test_attention_ref_invariant_at_odd_head_dims(
 BLOCK_SHAPES = [(64, 17, 11, 100), (64, 13, 9, 70), (65, 72, 64, 80), (64, 40, 17, 70)]
 
 
-@pytest.mark.parametrize("block_size, cache_dim, v_dim, seq_len", BLOCK_SHAPES)
-def test_attention_ref_invariant_at_odd_block_and_latent_widths(
-    generator, monkeypatch, block_size, cache_dim, v_dim, seq_len
-):
+def _block_shape_case(block_size: int, cache_dim: int, v_dim: int, seq_len: int):
+    """(a query [1, 1, cache_dim], attend(queries): the tiled reference with every query
+    sequence 0 at its last position) over a seeded cache of blocks of block_size."""
+    g = torch.Generator().manual_seed(0)
     num_blocks = -(-seq_len // block_size)
-    kv_cache = torch.randn(num_blocks + 1, block_size, cache_dim, generator=generator)
-    block_tables = torch.randperm(num_blocks + 1, generator=generator)[None, :num_blocks]
-    q = torch.randn(1, 1, cache_dim, generator=generator)
+    kv_cache = torch.randn(num_blocks + 1, block_size, cache_dim, generator=g)
+    block_tables = torch.randperm(num_blocks + 1, generator=g)[None, :num_blocks]
+    q = torch.randn(1, 1, cache_dim, generator=g)
 
-    def attend(qs):  # every query is sequence 0 at the last position
+    def attend(qs):
         n = qs.shape[0]
         positions = torch.full((n,), seq_len - 1, dtype=torch.int64)
         seq_ids = torch.zeros(n, dtype=torch.int64)
@@ -213,13 +237,35 @@ def test_attention_ref_invariant_at_odd_block_and_latent_widths(
             qs, kv_cache, seq_ids, block_tables, positions, scale=0.3, v_dim=v_dim, tile_rows=TILE
         )
 
+    return q, attend
+
+
+def _unpadded_is_invariant(*shape: int) -> bool:
+    """Whether _block_shape_case(*shape)'s query keeps its bits in any batch with the
+    per-head products unpadded (PAD_FEATURES 1)."""
+    q, attend = _block_shape_case(*shape)
+    kept = attention.PAD_FEATURES
+    attention.PAD_FEATURES = 1
+    try:
+        return _is_invariant(q, attend)
+    finally:
+        attention.PAD_FEATURES = kept
+
+
+@pytest.mark.parametrize("shape", BLOCK_SHAPES)
+def test_attention_ref_invariant_at_odd_block_and_latent_widths(monkeypatch, shape):
+    q, attend = _block_shape_case(*shape)
     products = spy_input_shapes(monkeypatch, torch, "bmm")
     assert _is_invariant(q, attend)
     # Engagement: every product ran on 16-wide K and N, one product a (row, head) of a tile.
     assert all(m == TILE and k % 16 == 0 for m, _, k in products), sorted(set(products))
-    # Negative control: the same products unpadded give the query position-dependent bits.
-    monkeypatch.setattr(attention, "PAD_FEATURES", 1)
-    assert not _is_invariant(q, attend), "unpadded, the query was invariant: no control"
+    # Negative control: the same products unpadded give the query position-dependent bits
+    # (in process on an AMD EPYC's MKL; an AMX Xeon's only under its SSE4.2 kernels).
+    monkeypatch.undo()
+    is_invariant = _unpadded_is_invariant(*shape)
+    if is_invariant:
+        is_invariant = _under_sse42(f"_unpadded_is_invariant{tuple(shape)}")
+    assert not is_invariant, "unpadded, the query was invariant: no control"
 
 
 def _position_dependent_tiles(tiles, num_threads: int) -> list[int]:
@@ -240,11 +286,16 @@ def _position_dependent_tiles(tiles, num_threads: int) -> list[int]:
 
 def test_linear_rows_invariant_with_threads_at_power_of_two_tiles(restore_num_threads):
     """kernels.num_threads > 1 needs a power-of-two kernels.tile_rows (KernelConfig refuses
-    others): there a row's bits ignore the batch with 2 threads. Control: with 2 threads MKL
-    splits the rows of a 5-11-row tile between the threads, and some of those tile heights
-    give rows position-dependent bits (5-7 and 9-11 on the CPUs measured); with one thread
-    none does, so the threads are the cause."""
+    others): there a row's bits ignore the batch with 2 threads. Control: on an AMD EPYC with
+    2 threads MKL split the rows of a 5-11-row tile between the threads and some of those
+    tile heights gave rows position-dependent bits (5-7 and 9-11), with one thread none, so
+    the threads were the cause. An AMX Xeon's MKL splits no tile so (none differs in process);
+    there the check is shown able to fail under its SSE4.2 kernels, where tiles of 5-7 rows
+    differ with any thread count."""
     assert _position_dependent_tiles([1, 2, 4, 8, 16, 32], num_threads=2) == []
     odd_tiles = [5, 6, 7, 9, 10, 11]
-    assert _position_dependent_tiles(odd_tiles, num_threads=2), "no control: threads matched"
+    caught = _position_dependent_tiles(odd_tiles, num_threads=2)
+    if not caught:
+        caught = _under_sse42(f"_position_dependent_tiles({odd_tiles}, num_threads=2)")
+    assert caught, "no control: every odd tile matched"
     assert _position_dependent_tiles(odd_tiles, num_threads=1) == []
