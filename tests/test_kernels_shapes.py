@@ -9,14 +9,14 @@ there while this CPU's AVX-512 path hid it.
 
 Controls: plain torch's linear and grouped linear (fast mode's) give rows position-dependent
 bits at some swept widths, so the linear sweep can fail. Where a control depends on MKL's
-kernels it runs in this process and, if it finds no difference here, again under MKL's SSE4.2
-dispatch (`_under_sse42`): an AMD EPYC's MKL gave every such difference in process, an AMX
-Xeon's (AVX-512 and AVX2 kernels) none of the grouped, unpadded-attention or thread ones,
-its SSE4.2 kernels all of them. At the sweep's widths plain torch's
-norm and softmaxes gave a row the same bits in any batch here, so there an untiled reference
-is caught only by the engagement check (the row op ran on whole tiles alone); where torch
-splits a row's sum (2 threads, D = 2**16) the untiled norm differs and the tiled one does
-not. The untiled attention differs at every head shape swept.
+kernels it runs in this process and, if it finds no difference here, again under MKL's
+SSE4.2 dispatch (`_under_sse42`): the machines these tests were written on gave every such
+difference in process; an AMX Xeon's MKL (its AVX-512 and AVX2 kernels) gives none of the
+grouped, unpadded-attention or thread ones, its SSE4.2 kernels all of them. At the sweep's
+widths plain torch's norm and softmaxes gave a row the same bits in any batch here, so there
+an untiled reference is caught only by the engagement check (the row op ran on whole tiles
+alone); where torch splits a row's sum (2 threads, D = 2**16) the untiled norm differs and
+the tiled one does not. The untiled attention differs at every head shape swept.
 """
 
 import ast
@@ -124,8 +124,8 @@ def _fast_sweep_ops() -> list[str]:
 def test_the_width_sweep_catches_untiled_linears():
     """Negative control of the two sweeps: fast mode's plain torch linear and grouped linear
     give some swept shape of each op position-dependent rows, so the sweeps could fail. The
-    grouped one's differences follow where its expert's rows start in memory (an AMD EPYC's
-    MKL); an AMX Xeon's gives them only under its SSE4.2 kernels."""
+    grouped one's differences follow where its expert's rows start in memory (on the machines
+    it was written on); an AMX Xeon's MKL gives them only under its SSE4.2 kernels."""
     ops = _fast_sweep_ops()
     if ops != ["grouped_linear", "linear"]:
         ops = sorted({*ops, *_under_sse42("_fast_sweep_ops()")})
@@ -260,7 +260,7 @@ def test_attention_ref_invariant_at_odd_block_and_latent_widths(monkeypatch, sha
     # Engagement: every product ran on 16-wide K and N, one product a (row, head) of a tile.
     assert all(m == TILE and k % 16 == 0 for m, _, k in products), sorted(set(products))
     # Negative control: the same products unpadded give the query position-dependent bits
-    # (in process on an AMD EPYC's MKL; an AMX Xeon's only under its SSE4.2 kernels).
+    # (in process where this was found; on an AMX Xeon only under MKL's SSE4.2 kernels).
     monkeypatch.undo()
     is_invariant = _unpadded_is_invariant(*shape)
     if is_invariant:
@@ -286,12 +286,12 @@ def _position_dependent_tiles(tiles, num_threads: int) -> list[int]:
 
 def test_linear_rows_invariant_with_threads_at_power_of_two_tiles(restore_num_threads):
     """kernels.num_threads > 1 needs a power-of-two kernels.tile_rows (KernelConfig refuses
-    others): there a row's bits ignore the batch with 2 threads. Control: on an AMD EPYC with
-    2 threads MKL split the rows of a 5-11-row tile between the threads and some of those
-    tile heights gave rows position-dependent bits (5-7 and 9-11), with one thread none, so
-    the threads were the cause. An AMX Xeon's MKL splits no tile so (none differs in process);
-    there the check is shown able to fail under its SSE4.2 kernels, where tiles of 5-7 rows
-    differ with any thread count."""
+    others): there a row's bits ignore the batch with 2 threads. Control: on the CPUs this was
+    measured on, with 2 threads MKL split the rows of a 5-11-row tile between the threads and
+    some of those tile heights gave rows position-dependent bits (5-7 and 9-11), with one thread
+    none, so the threads were the cause. An AMX Xeon's MKL splits no tile so (none differs in
+    process); there the check is shown able to fail under its SSE4.2 kernels, where tiles of 5-7
+    rows differ with any thread count."""
     assert _position_dependent_tiles([1, 2, 4, 8, 16, 32], num_threads=2) == []
     odd_tiles = [5, 6, 7, 9, 10, 11]
     caught = _position_dependent_tiles(odd_tiles, num_threads=2)
