@@ -432,14 +432,17 @@ def _loader(smem, bars, descs, scal, ptrs):
 
 
 @gluon.jit
+def _barrier():
+    """One mbarrier in its own allocation: Triton's barrier analysis (membar) takes a wait on
+    one element of a barrier array for an access to all of it and put a CTA barrier before
+    every wait (9 a block in each partition, on the ready tiles)."""
+    return gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
+
+
+@gluon.jit
 def _barrier_pair():
-    """Two mbarriers (a stage each), each in its own allocation: Triton's barrier analysis
-    (membar) takes a wait on one element of a barrier array for an access to all of it and put
-    a CTA barrier before every wait (9 a block in each partition, on the ready tiles)."""
-    return (
-        gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0),
-        gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0),
-    )
+    """Two mbarriers, a stage each (_barrier)."""
+    return (_barrier(), _barrier())
 
 
 @gluon.jit
@@ -499,7 +502,7 @@ def _mla_wide_split_kernel(
     mx_bar = _barrier_pair()
     p_bar = _barrier_pair()
     l_bar = _barrier_pair()
-    q_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
+    q_bar = _barrier()
     for b in gl.static_range(2):
         for c in gl.static_range(4):
             mbarrier.init(ready[LO][c][b], count=1)
