@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     import triton
 
     from bench.gluon_ws_attention import _split_launch
-    from bench.gpu_kernels import ATTENTION_GRAPH_CALLS, _graph_ms, _graph_width
+    from bench.gpu_kernels import ATTENTION_GRAPH_CALLS, _graph_ms, engine_decode_step
     from moe_kernels.fast_attention import HAS_FLASH_MLA, mla_decode_fast
     from moe_kernels.gluon_attention import launch_wide_split
     from moe_kernels.triton_attention import mla_attention_triton
@@ -201,11 +201,7 @@ def main(argv: list[str] | None = None) -> None:
     print("|---|---|---|" + "---|" * (len(names) + 1))
     for batch, ctx in args.shapes:
         blocks = ctx // 64 + 1
-        tables = torch.full((batch, _graph_width(blocks)), -1, device="cuda", dtype=torch.int64)
-        tables[:, :blocks] = torch.randperm(batch * blocks, device="cuda").view(batch, -1)
-        step = (
-            torch.arange(batch, device="cuda"), tables, torch.full((batch,), ctx, device="cuda")
-        )  # fmt: skip
+        step = engine_decode_step(batch, ctx)
         read = batch * (ctx + 1) * 576 * 2
 
         def make(op, batch=batch, blocks=blocks, step=step, seed=None):

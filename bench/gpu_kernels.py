@@ -424,6 +424,17 @@ def _graph_width(blocks: int) -> int:
     return next(w for w in table_widths(128) if w >= blocks)
 
 
+def engine_decode_step(batch: int, ctx: int) -> tuple:
+    """(seq_ids, block_tables, positions) of a decode step as the engine's graph runs it:
+    batch queries at position ctx (a context one past a block's end), each over its own
+    shuffled ctx // 64 + 1 blocks, tables padded with -1 to the graph's width (_graph_width)."""
+    blocks = ctx // 64 + 1
+    tables = torch.full((batch, _graph_width(blocks)), -1, device="cuda", dtype=torch.int64)
+    tables[:, :blocks] = torch.randperm(batch * blocks, device="cuda").view(batch, -1)
+    positions = torch.full((batch,), ctx, device="cuda")
+    return torch.arange(batch, device="cuda"), tables, positions
+
+
 def _decode_cache(batch: int, ctx: int, seed: int = 0, width: int = 128) -> tuple:
     """(q, kv_cache, seq_ids, block_tables, positions) of a 16-head decode step: batch queries
     at position ctx - 1, each over its own shuffled cache blocks of 64, bf16, block tables
@@ -521,12 +532,7 @@ def bench_wide_value_split() -> None:
         width = _graph_width(blocks)
         for batch in (1, 2, 4, 8, 16, 32, 64):
             read = batch * (ctx + 1) * 576 * 2
-            tables = torch.full((batch, width), -1, device="cuda", dtype=torch.int64)
-            tables[:, :blocks] = torch.randperm(batch * blocks, device="cuda").view(batch, -1)
-            step = (
-                torch.arange(batch, device="cuda"), tables,
-                torch.full((batch,), ctx, device="cuda"),
-            )  # fmt: skip
+            step = engine_decode_step(batch, ctx)
 
             def make(op, batch=batch, blocks=blocks, step=step):
                 kv = torch.randn(batch * blocks, 64, 576, device="cuda").bfloat16()
@@ -961,10 +967,7 @@ def bench_wide_split_larger() -> None:
         blocks = ctx // 64 + 1  # the engine's decode: a context past a block's end
         width = _graph_width(blocks)
         read = batch * (ctx + 1) * 576 * 2
-        tables = torch.full((batch, width), -1, device="cuda", dtype=torch.int64)
-        tables[:, :blocks] = torch.randperm(batch * blocks, device="cuda").view(batch, -1)
-        positions = torch.full((batch,), ctx, device="cuda")
-        step = (torch.arange(batch, device="cuda"), tables, positions)
+        step = engine_decode_step(batch, ctx)
 
         def make(launch, batch=batch, blocks=blocks, step=step, width=width):
             kv = torch.randn(batch * blocks, 64, 576, device="cuda").bfloat16()
