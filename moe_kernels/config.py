@@ -3,8 +3,9 @@
 `mode` picks between the batch-invariant implementations and plain torch ("fast", used for
 speed and as the negative control of every invariance test). `num_threads` is the intra-op
 thread count of a worker: part of the layout, never of the load. `tile_rows` is the fixed
-row count every CPU BLAS call and row reduction is padded to (a power of two with several
-threads: BLAS splits other tiles' rows between the threads). `cuda_graphs` replays pure
+row count every CPU BLAS call and row reduction is padded to (1 or at least 8 in invariant
+mode, and a power of two with several threads: BLAS splits other tiles' rows between the
+threads). `cuda_graphs` replays pure
 decode steps of at most max(`cuda_graph_batch_sizes`) sequences as CUDA graphs, the batch
 padded up to the next size; None (the default) lets the runtime config decide (on where the
 device is CUDA, tensor parallelism is off and ranks, if several, talk over gloo), and sizes
@@ -40,6 +41,7 @@ from dataclasses import dataclass
 MODES = ("invariant", "fast")
 MAX_TP_MAX = 16  # what the GPU tree-sum kernel adds (moe_kernels/triton_tp_linear.py)
 SIDE_STREAM_ROWS = 128
+MIN_TILE_ROWS = 8  # invariant mode's smallest tile above 1 (KernelConfig: why)
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,16 @@ class KernelConfig:
                 f"invariant mode (BLAS splits a tile's rows between the threads, and at some "
                 f"other counts a row's bits follow its place in the tile), got "
                 f"kernels.tile_rows={rows} with kernels.num_threads={self.num_threads}"
+            )
+        if self.is_invariant and 1 < rows < MIN_TILE_ROWS:
+            # Why: under MKL's SSE4.2 kernels (what a CPU without AVX gets) a row's bits
+            # followed its place in tiles of 2-7 rows even on one thread; 1 and 8-64 held
+            # (tests/test_kernels_shapes.py). AVX CPUs hold at every height, so the refusal
+            # costs them only tiles nobody needs.
+            raise ValueError(
+                f"kernels.tile_rows must be 1 or at least {MIN_TILE_ROWS} in invariant mode "
+                f"(on CPUs without AVX, BLAS gave a row of a 2-7-row tile bits that follow its "
+                f"place in the tile), got kernels.tile_rows={rows}"
             )
         if self.tp_max & (self.tp_max - 1) or self.tp_max > MAX_TP_MAX:
             raise ValueError(

@@ -926,6 +926,23 @@ def test_threads_with_a_tile_that_is_no_power_of_two_are_refused_naming_both(til
     ):
         load_config(CONFIGS / "tiny_cpu.yaml", threads)
     assert load_config(CONFIGS / "tiny_cpu.yaml", {**threads, "kernels.mode": "fast"})
-    assert load_config(CONFIGS / "tiny_cpu.yaml", {**threads, "kernels.num_threads": 1})
+    if tile_rows >= 8:  # below 8 one thread is refused too (the test below)
+        assert load_config(CONFIGS / "tiny_cpu.yaml", {**threads, "kernels.num_threads": 1})
     power_of_two = load_config(CONFIGS / "tiny_cpu.yaml", {**threads, "kernels.tile_rows": 8})
     assert (power_of_two.kernels.num_threads, power_of_two.kernels.tile_rows) == (2, 8)
+
+
+@pytest.mark.parametrize("tile_rows", [2, 4, 7])
+def test_a_tile_of_two_to_seven_rows_is_refused_in_invariant_mode(tile_rows):
+    """Under MKL's SSE4.2 kernels a row of such a tile got bits that follow its place in it,
+    even on one thread (tests/test_kernels_shapes.py); 1 and 8 load, and fast mode (no
+    promise) takes any height."""
+    with pytest.raises(
+        ValueError, match=rf"at least 8 in invariant mode .* got kernels.tile_rows={tile_rows}$"
+    ):
+        load_config(CONFIGS / "tiny_cpu.yaml", {"kernels.tile_rows": tile_rows})
+    fast = {"kernels.tile_rows": tile_rows, "kernels.mode": "fast"}
+    assert load_config(CONFIGS / "tiny_cpu.yaml", fast).kernels.tile_rows == tile_rows
+    for allowed in (1, 8):
+        config = load_config(CONFIGS / "tiny_cpu.yaml", {"kernels.tile_rows": allowed})
+        assert config.kernels.tile_rows == allowed

@@ -30,6 +30,7 @@ import torch
 
 from moe_kernels import attention, rmsnorm, softmax
 from moe_kernels.attention import mla_attention_fast, mla_attention_ref
+from moe_kernels.config import MIN_TILE_ROWS
 from moe_kernels.linear import grouped_linear_fast, grouped_linear_ref, linear_fast, linear_ref
 from moe_kernels.rmsnorm import rms_norm_fast, rms_norm_ref
 from moe_kernels.softmax import log_softmax_ref, softmax_ref
@@ -299,3 +300,15 @@ def test_linear_rows_invariant_with_threads_at_power_of_two_tiles(restore_num_th
         caught = _under_sse42(f"_position_dependent_tiles({odd_tiles}, num_threads=2)")
     assert caught, "no control: every odd tile matched"
     assert _position_dependent_tiles(odd_tiles, num_threads=1) == []
+
+
+def test_the_tiles_invariant_mode_takes_hold_under_mkl_sse42():
+    """KernelConfig takes kernels.tile_rows 1 or at least MIN_TILE_ROWS in invariant mode: under
+    MKL's SSE4.2 kernels (a CPU without AVX) those heights hold on one thread, and each refused
+    height (2-7) gives some row bits that follow its place in the batch there (the control,
+    and the reason for the refusal; an AVX CPU holds at all of them)."""
+    taken = [1, MIN_TILE_ROWS, 12, 16, 64]
+    refused = list(range(2, MIN_TILE_ROWS))
+    caught = _under_sse42(f"_position_dependent_tiles({taken + refused}, num_threads=1)")
+    assert [tile for tile in caught if tile in taken] == []
+    assert caught == refused
