@@ -253,10 +253,16 @@ def test_gpu_kv_cache_sized_from_free_memory():
     assert len(out.token_ids) == 4
 
 
+# The chunked scoring's chunk: in fast mode chunks of 1024 gave the whole scoring's bits on an
+# H100 (every fast kernel row-independent between M = 1024 and M ~ 16k), so the control
+# could not fail there; at 128 rows cuBLAS's choices for V2-Lite's long-K products differ.
+FULL_BUDGET_CHUNK = 128
+
+
 def _full_budget_scores(mode: str) -> tuple[list[float], list[float], int]:
     """(V2-Lite's logprobs of one sequence of max_num_batched_tokens - 192 tokens scored in one
-    step with cache.num_blocks 0, the same scored in chunks of 1024 tokens, its length), in
-    kernels.mode `mode`."""
+    step with cache.num_blocks 0, the same scored in chunks of FULL_BUDGET_CHUNK tokens, its
+    length), in kernels.mode `mode`."""
     v2_lite = TINY_GPU.parent / "v2_lite_gpu.yaml"
     llm = LLM(v2_lite, **{"cache.num_blocks": 0, "kernels.mode": mode})
     budget = llm.config.scheduler.max_num_batched_tokens
@@ -265,7 +271,8 @@ def _full_budget_scores(mode: str) -> tuple[list[float], list[float], int]:
         whole = llm.score([sequence], [1], use_tqdm=False)[0]
     finally:
         llm.shutdown()
-    llm = LLM(v2_lite, **{"scheduler.max_num_batched_tokens": 1024, "kernels.mode": mode})
+    chunk = {"scheduler.max_num_batched_tokens": FULL_BUDGET_CHUNK, "kernels.mode": mode}
+    llm = LLM(v2_lite, **chunk)
     try:
         chunked = llm.score([sequence], [1], use_tqdm=False)[0]
     finally:
@@ -277,7 +284,7 @@ def test_gpu_a_full_budget_scoring_fits_a_cache_sized_from_free_memory():
     """V2-Lite's 27 layers, cache.num_blocks 0: a score of max_num_batched_tokens - 192
     tokens (one step, every row scored) ran out of memory on an H100, its fp32 logits held
     three times over (10 GB) in the 10% a fraction of 0.9 left. Now it runs, its logprobs the
-    bits of the same sequence scored in chunks of 1024 tokens (scheduler budget)."""
+    bits of the same sequence scored in chunks of FULL_BUDGET_CHUNK tokens (scheduler budget)."""
     whole, chunked, length = _full_budget_scores("invariant")
     assert len(whole) == length - 1
     assert [float.hex(x) for x in whole] == [float.hex(x) for x in chunked]
