@@ -21,7 +21,7 @@ from dataclasses import replace
 
 from fastapi.responses import Response
 
-from launch.generation import Backend, Generation, ready
+from launch.generation import Backend, Generation, SampleFailedError, check_samples, ready
 from launch.metrics import ServerMetrics
 from launch.openai.chat_schemas import ChatCompletionRequest
 from launch.openai.errors import ContextLengthExceeded, FieldError
@@ -90,9 +90,11 @@ async def complete(
                 answered = _Answered(_prompts_alone(ids, scored, body.n, version))
                 generation = Generation(answered, prompts, [], metrics, received, body.stream)
             await generation.start()
-    except BaseException:
+    except BaseException as exc:
         scores.cancel()
-        if generation is not None:
+        if generation is not None and isinstance(exc, SampleFailedError):
+            generation.fail()  # counted as "error", not as a client that left
+        elif generation is not None:
             generation.future.cancel()
         raise
     # (MoE layers, K) of a routed-experts row: a prompt with no rows of its own has [0, L, K]
@@ -195,6 +197,7 @@ class _PromptScores:
         if self._future is not None:
             whole = await asyncio.wrap_future(self._future)
             for i, output in zip(self._scorable, whole, strict=True):
+                check_samples(i, output)  # NaN logits: the engine's words, not the JSON's
                 scored[i] = output
         return scored
 

@@ -133,11 +133,12 @@ class Generation:
         try:
             check_samples(*self._first)
         except SampleFailedError:
-            self._fail()
+            self.fail()
             raise
 
-    def _fail(self) -> None:
-        """Cancel the submission for a failed sample: its other samples end as "error"."""
+    def fail(self) -> None:
+        """Cancel the submission for a failed sample (its own, or for an echo its prompt's
+        scoring): its other samples end as "error"."""
         self._is_failed = True
         self.future.cancel()
 
@@ -208,7 +209,7 @@ class Generation:
                 yield sse({**head, "choices": [], "usage": totals, **versions})
         except Exception as exc:
             if isinstance(exc, SampleFailedError):
-                self._fail()
+                self.fail()
             self._metrics.stream_errors.inc()
             yield sse(error_body(exc))
         finally:

@@ -123,5 +123,7 @@ def score_batch(
             row["top_logprobs"] = cli.json_top_logprobs(out.top_logprobs)
         if routed:
             row["routed_experts"] = np.asarray(out.routed_experts).tolist()
+        if out.finish_reason == "error":  # NaN logits: not written (rollout_io.append_rows)
+            row.update(finish_reason="error", error=out.error)
         rows.append(row)
     return _with_prompt_routing(rows, batch, engine, prompt_routing)

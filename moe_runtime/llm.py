@@ -98,7 +98,9 @@ class LLM:
     def score(
         self, sequences: list[list[int]], prompt_lens: list[int], *, use_tqdm: bool = True
     ) -> list[list[float]]:
-        """Teacher-forced logprob of every token after the prompt, one list per sequence."""
+        """Teacher-forced logprob of every token after the prompt, one list per sequence. A
+        position whose logits were not finite has a NaN logprob (score_outputs reports such a
+        sequence with finish_reason "error", naming the first)."""
         requests = self._live_engine().add_score_requests(sequences, prompt_lens)  # all or none
         self._run_until_done(requests, "score", use_tqdm)
         return [list(r.samples[0].output_logprobs) for r in requests]

@@ -17,6 +17,7 @@ import pytest
 from launch import generate, rollout
 from moe_runtime import LLM, SamplingParams
 from moe_runtime.seeds import derive_seed
+from moe_runtime.worker.model_runner import ModelRunner
 from moe_runtime.worker.sampler import Sampler
 from tests.invariance import TINY_CONFIG, fingerprint, record_steps
 from tests.serving import running_server, sse_events
@@ -28,6 +29,9 @@ PAIR_SEED = 505  # with n = 2: sample 1's seed is poisoned from NAN_FROM, sample
 MAX_TOKENS = 8
 PROMPT, OTHER = [72, 101, 108, 108, 111], [5, 6, 7, 8, 9, 10]
 WORDS = "non-finite logits (NaN)"
+# Scorings (prompt_len 1): NAN_SCORED's logits NaN from scored token NAN_SCORED_FROM on.
+SCORED, NAN_SCORED = [11, 12, 13, 14, 15, 16], [21, 22, 23, 24, 25, 26]
+NAN_SCORED_FROM = 2
 
 
 @pytest.fixture
@@ -45,6 +49,28 @@ def poisoned(monkeypatch):
         return launch(self, logits, params, seeds, output_positions)
 
     monkeypatch.setattr(Sampler, "launch", poisoned_launch)
+
+
+@pytest.fixture
+def poisoned_scoring(monkeypatch):
+    """The scored logits rows of a sequence that starts with NAN_SCORED all NaN from scored
+    token NAN_SCORED_FROM on (with prompt_len 1 the row at position p scores token p + 1,
+    the p-th scored)."""
+    score = ModelRunner._score
+
+    def poisoned_score(self, logits, score_rows, row_owners, out):
+        def is_poisoned(row: int) -> bool:
+            chunk, position = row_owners[row]
+            is_marked = list(chunk.seq.token_ids[: len(NAN_SCORED)]) == NAN_SCORED
+            return is_marked and position >= NAN_SCORED_FROM
+
+        rows = [row for row in score_rows if is_poisoned(row)]
+        if rows:
+            logits = logits.clone()
+            logits[rows] = math.nan
+        return score(self, logits, score_rows, row_owners, out)
+
+    monkeypatch.setattr(ModelRunner, "_score", poisoned_score)
 
 
 @pytest.fixture
@@ -225,3 +251,67 @@ def test_rollout_and_generate_leave_a_nan_row_out(poisoned, tmp_path, capsys):
     captured = capsys.readouterr()
     assert code == 1 and captured.out == "", captured.out
     assert "error: prompt 0 not printed" in captured.err and WORDS in captured.err
+
+
+def test_a_nan_in_a_scoring_ends_it_as_error_naming_the_token(poisoned_scoring, llm):
+    """score_outputs said "scored" over NaN logprobs, and only writing them as JSON refused
+    them. Now the scoring ends with finish_reason "error" naming its first NaN token, every
+    logprob kept (score's lists hold the NaN); its neighbour's bits are those it has alone."""
+    bad, good = llm.score_outputs([NAN_SCORED, SCORED], [1, 1], use_tqdm=False)
+    assert bad.finish_reason == "error", bad
+    assert WORDS in bad.error and f"at scored token {NAN_SCORED_FROM}:" in bad.error, bad.error
+    assert len(bad.logprobs) == len(NAN_SCORED) - 1
+    assert [math.isnan(x) for x in bad.logprobs] == [i >= NAN_SCORED_FROM for i in range(5)]
+    assert (good.finish_reason, good.error) == ("scored", None)
+    (alone,) = llm.score_outputs([SCORED], [1], use_tqdm=False)
+    assert [float.hex(x) for x in good.logprobs] == [float.hex(x) for x in alone.logprobs]
+    (listed,) = llm.score([NAN_SCORED], [1], use_tqdm=False)
+    assert [math.isnan(x) for x in listed] == [i >= NAN_SCORED_FROM for i in range(5)]
+
+
+def test_server_fails_an_echo_whose_scoring_is_nan_with_the_engines_words(poisoned_scoring):
+    """An echo's prompt scoring with NaN logits was refused only when its logprobs were
+    written as JSON. Now it is a 500 naming the prompt and the scored token, counted as an
+    "error", and the engine serves on."""
+    from tests.test_server_admin import metrics
+
+    finished = "moe_samples_finished_total{{finish_reason={}}}".format
+    echo = {"max_tokens": 2, "echo": True, "logprobs": 1, "temperature": 0.0}
+    with running_server() as server:
+        before = metrics(server)
+        failed = server.http.post("/v1/completions", json={**echo, "prompt": NAN_SCORED})
+        assert failed.status_code == 500, failed.text
+        message = failed.json()["error"]["message"]
+        assert f"prompt 0: {WORDS} at scored token {NAN_SCORED_FROM}:" in message, message
+        after = metrics(server)
+        assert after[finished("error")] - before[finished("error")] == 1
+        assert after[finished("abort")] == before[finished("abort")]
+        clean = server.http.post("/v1/completions", json={**echo, "prompt": SCORED})
+        assert clean.status_code == 200, clean.text
+        assert server.http.get("/health").status_code == 200
+
+
+def test_a_score_run_leaves_a_nan_scoring_out_with_the_engines_words(
+    poisoned_scoring, tmp_path, capsys
+):
+    """rollout --score named such a row by the JSON write's refusal ("a value of nan has no
+    JSON form"); now by the scored token, as a rollout row is named; the others written."""
+    rows = [
+        {
+            "id": "nan",
+            "sample_idx": 0,
+            "prompt_token_ids": NAN_SCORED[:1],
+            "token_ids": NAN_SCORED[1:],
+        },
+        {"id": "clean", "sample_idx": 0, "prompt_token_ids": SCORED[:1], "token_ids": SCORED[1:]},
+    ]
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    output = tmp_path / "scores.jsonl"
+    argv = ["--config", str(TINY_CONFIG), "--no-progress", "--input", str(source), "--score"]
+    code = rollout.main([*argv, "--output", str(output)])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert [json.loads(line)["id"] for line in output.read_text().splitlines()] == ["clean"]
+    named = f"row 'nan' sample 0 not written: {WORDS} at scored token {NAN_SCORED_FROM}:"
+    assert named in err, err

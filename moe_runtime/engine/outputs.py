@@ -34,7 +34,8 @@ class CompletionOutput:
     # came from both versions, equal to neither's alone.
     weight_version: int = 0
     first_weight_version: int = 0
-    # Why finish_reason is "error" (non_finite_error's words, or the engine's fault); else None.
+    # Why finish_reason is "error" (non_finite_error's or non_finite_score_error's words, or the
+    # engine's fault); else None.
     error: str | None = None
 
 
@@ -80,6 +81,16 @@ class RequestOutput:
     @property
     def routed_experts(self) -> np.ndarray | None:
         return self.outputs[0].routed_experts
+
+
+def non_finite_score_error(position: int) -> str:
+    """CompletionOutput.error of a scoring whose logits were not finite at scored token
+    `position` (its index among the scored tokens)."""
+    return (
+        f"non-finite logits (NaN) at scored token {position}: the model's output was not a "
+        "number there, so that token's logprob is NaN (finish_reason 'error'; the scoring ran "
+        "to its end, later logprobs as the model gave them)"
+    )
 
 
 def non_finite_error(sample_idx: int, position: int) -> str:

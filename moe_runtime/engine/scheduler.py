@@ -248,7 +248,7 @@ class Scheduler:
                 )
             if seq.is_score:
                 if seq.num_computed_tokens == seq.num_tokens:
-                    self.finish(seq, "scored")
+                    self.finish(seq, "scored" if seq.non_finite_at is None else "error")
                 continue
             sample = samples.get(seq.seq_id)
             if sample is None:

@@ -5,9 +5,16 @@ and a request's output, whole or as a delta (`request_output`).
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
-from moe_runtime.engine.outputs import CompletionOutput, RequestOutput, non_finite_error
+from moe_runtime.engine.outputs import (
+    CompletionOutput,
+    RequestOutput,
+    non_finite_error,
+    non_finite_score_error,
+)
 from moe_runtime.engine.request import Request, Sequence
 from moe_runtime.engine.scheduler import ScheduledChunk, Scheduler, is_non_finite
 from moe_runtime.worker.step_input import NewSequence, ScheduledSeq, StepInput, StepOutput
@@ -15,13 +22,17 @@ from moe_runtime.worker.step_input import NewSequence, ScheduledSeq, StepInput, 
 
 def record_results(scheduler: Scheduler, chunks: list[ScheduledChunk], result: StepOutput) -> None:
     """Outputs of one DP rank's step onto its sequences; ends samples at stop strings, and
-    with "error" those whose logits were not finite (Scheduler.update)."""
+    with "error" those whose logits were not finite (Scheduler.update; a scoring at its end,
+    its first NaN logprob's place kept)."""
     for chunk in chunks:
         seq = chunk.seq
         sample = result.samples.get(seq.seq_id)
         if sample is not None and is_non_finite(sample):
             continue  # no token kept for it (Scheduler.update ends it): nor its routing
         scored = result.scored.get(seq.seq_id, ())
+        if seq.non_finite_at is None and any(math.isnan(x) for x in scored):
+            first_nan = next(i for i, x in enumerate(scored) if math.isnan(x))
+            seq.non_finite_at = len(seq.output_logprobs) + first_nan
         seq.output_logprobs.extend(scored)
         # A top a scored token, empty when none was asked for, as decode reports them.
         seq.output_top_logprobs.extend(result.scored_top.get(seq.seq_id) or [{} for _ in scored])
@@ -110,6 +121,8 @@ def request_output(
 
 def _error(seq: Sequence) -> str | None:
     """What ended a sample with "error": the engine's fault, or logits that were not finite."""
+    if seq.non_finite_at is not None and seq.is_score:
+        return non_finite_score_error(seq.non_finite_at)
     if seq.non_finite_at is not None:
         return non_finite_error(seq.sample_idx, seq.non_finite_at)
     return seq.error
