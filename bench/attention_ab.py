@@ -99,6 +99,20 @@ ABLATIONS = {
         "no key mask on the scores",
         [('    return gl.where(kv_ok[None, :], sc, float("-inf"))', "    return sc")],
     ),
+    "noexp": (
+        "no exp2 of the scores: the probabilities are their scaled differences from the max, "
+        "floored at -1 (a max on the ALU where each element took a special-function exp2)",
+        [
+            (
+                "            p = gl.exp2(sc * scale - m_new[:, None])",
+                "            p = gl.maximum(sc * scale - m_new[:, None], -1.0)",
+            )
+        ],
+    ),
+    "norescale": (
+        "no rescale of the value accumulator by the step's alpha (128 multiplies a thread)",
+        [("        acc = acc * gl.convert_layout(alpha, OROW)[:, None]\n", "")],
+    ),
 }
 
 
