@@ -117,8 +117,10 @@ class LLM:
     ) -> list[CompletionOutput]:
         """`score` with each position's top `logprobs` too: one CompletionOutput a sequence
         (token_ids: the scored tokens; logprobs, top_logprobs and, with return_routed_experts,
-        routed_experts: as decoding them reports). With prompt_lens of 1, routed_experts holds
-        every position but the last: a whole sequence's routing for a trainer to replay."""
+        routed_experts: as decoding them reports; finish_reason "scored", or "error" where
+        some position's logits were not finite, `error` naming the first). With prompt_lens
+        of 1, routed_experts holds every position but the last: a whole sequence's routing
+        for a trainer to replay."""
         engine = self._live_engine()
         requests = engine.add_score_requests(
             sequences, prompt_lens, logprobs, return_routed_experts
