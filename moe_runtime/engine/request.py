@@ -48,7 +48,8 @@ class Sequence:
     stop_reason: int | str | None = None  # the stop token id or string that ended it
     error: str | None = None  # the engine's fault that ended it ("error"), if one did
     # The output position whose logits were not finite (NaN): it ended there with "error", no
-    # token kept for that position (one drawn from NaN logits is no sample).
+    # token kept for that position (one drawn from NaN logits is no sample). A scoring's first
+    # NaN logprob (its index among the scored tokens): it runs to its end, then "error".
     non_finite_at: int | None = None
     is_end_reported: bool = False  # a delta carried its finish_reason
     dp_rank: int = 0

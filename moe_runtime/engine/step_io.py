@@ -30,8 +30,8 @@ def record_results(scheduler: Scheduler, chunks: list[ScheduledChunk], result: S
         if sample is not None and is_non_finite(sample):
             continue  # no token kept for it (Scheduler.update ends it): nor its routing
         scored = result.scored.get(seq.seq_id, ())
-        if seq.non_finite_at is None and any(math.isnan(x) for x in scored):
-            first_nan = next(i for i, x in enumerate(scored) if math.isnan(x))
+        first_nan = next((i for i, x in enumerate(scored) if math.isnan(x)), None)
+        if seq.non_finite_at is None and first_nan is not None:
             seq.non_finite_at = len(seq.output_logprobs) + first_nan
         seq.output_logprobs.extend(scored)
         # A top a scored token, empty when none was asked for, as decode reports them.
