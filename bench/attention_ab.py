@@ -15,9 +15,10 @@ difference, so a broken form shows as a large one.
 --ablations makes diagnostic forms from the tree's kernel (ABLATIONS: each takes one thing
 out, to time what it costs; all but novbar compute wrong outputs on purpose).
 
-Tables are as wide as the engine's decode graph for the context and every query sits at
-position ctx (a context one past a block's end, as in a decode step). Why in the tree: the
-A/B figures in BENCHMARKS.md came from session-local wrappers that could not be rerun.
+Tables are as wide as the engine's decode graph for the context (--table-width: another
+width, and with it the launch's split grid and merge) and every query sits at position ctx
+(a context one past a block's end, as in a decode step). Why in the tree: the A/B figures
+in BENCHMARKS.md came from session-local wrappers that could not be rerun.
 """
 
 from __future__ import annotations
@@ -166,6 +167,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES), help="BxCTX")
     parser.add_argument("--heads", type=int, default=128, help="query heads (64 or more)")
     parser.add_argument("--rounds", type=int, default=3, help="timing rounds (median, range)")
+    parser.add_argument(
+        "--table-width", type=int, default=None,
+        help="block table entries a query (default: the engine's decode graph's for the "
+        "context); the launch's split grid and its merge follow it",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     try:
         args.shapes = [parse_shape(s) for s in args.shapes]
@@ -177,6 +183,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error("name at least one form file or --ablations")
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds} must be at least 1")
+    most = max(ctx // 64 + 1 for _, ctx in args.shapes)
+    if args.table_width is not None and args.table_width < most:
+        parser.error(
+            f"--table-width {args.table_width} holds fewer than the {most} blocks of the "
+            f"longest context"
+        )
     return args
 
 
@@ -215,7 +227,7 @@ def main(argv: list[str] | None = None) -> None:
     print("|---|---|---|" + "---|" * (len(names) + 1))
     for batch, ctx in args.shapes:
         blocks = ctx // 64 + 1
-        step = engine_decode_step(batch, ctx)
+        step = engine_decode_step(batch, ctx, args.table_width)
         read = batch * (ctx + 1) * 576 * 2
 
         def make(op, batch=batch, blocks=blocks, step=step, seed=None):

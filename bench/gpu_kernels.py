@@ -424,12 +424,14 @@ def _graph_width(blocks: int) -> int:
     return next(w for w in table_widths(128) if w >= blocks)
 
 
-def engine_decode_step(batch: int, ctx: int) -> tuple:
+def engine_decode_step(batch: int, ctx: int, width: int | None = None) -> tuple:
     """(seq_ids, block_tables, positions) of a decode step as the engine's graph runs it:
     batch queries at position ctx (a context one past a block's end), each over its own
-    shuffled ctx // 64 + 1 blocks, tables padded with -1 to the graph's width (_graph_width)."""
+    shuffled ctx // 64 + 1 blocks, tables padded with -1 to the graph's width (_graph_width)
+    or to `width` entries."""
     blocks = ctx // 64 + 1
-    tables = torch.full((batch, _graph_width(blocks)), -1, device="cuda", dtype=torch.int64)
+    width = _graph_width(blocks) if width is None else width
+    tables = torch.full((batch, width), -1, device="cuda", dtype=torch.int64)
     tables[:, :blocks] = torch.randperm(batch * blocks, device="cuda").view(batch, -1)
     positions = torch.full((batch,), ctx, device="cuda")
     return torch.arange(batch, device="cuda"), tables, positions

@@ -24,6 +24,7 @@ def test_shapes_parse_and_bad_ones_are_named():
         (["f.py", "--rounds", "0"], "--rounds 0"),
         ([], "at least one form file or --ablations"),
         (["--ablations", "nothing"], "'nothing'"),
+        (["f.py", "--shapes", "64x1024", "--table-width", "16"], "--table-width 16"),
     ],
 )
 def test_bad_arguments_exit_naming_the_value(argv, named, capsys):
