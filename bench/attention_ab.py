@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> None:
     print("|---|---|---|" + "---|" * (len(names) + 1))
     for batch, ctx in args.shapes:
         blocks = ctx // 64 + 1
-        step = engine_decode_step(batch, ctx, args.table_width)
+        step = engine_decode_step(batch, ctx, args.heads, args.table_width)
         read = batch * (ctx + 1) * 576 * 2
 
         def make(op, batch=batch, blocks=blocks, step=step, seed=None):

@@ -30,7 +30,12 @@ sys.path.insert(0, str(ROOT))
 from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 from bench.hbm_floor import copy_bandwidth  # noqa: E402
-from moe_kernels.attention_launch import NARROW_LAUNCH, WIDE_HEADS, WIDE_LAUNCH  # noqa: E402
+from moe_kernels.attention_launch import (  # noqa: E402
+    NARROW_LAUNCH,
+    WIDE_HEADS,
+    WIDE_LAUNCH,
+    head_launch,
+)
 from moe_kernels.rmsnorm import rms_norm_fast  # noqa: E402
 from moe_kernels.triton_grouped_linear import grouped_config, grouped_linear_triton  # noqa: E402
 from moe_kernels.triton_linear import _launch, linear_triton  # noqa: E402
@@ -418,19 +423,22 @@ def fast_decode_path(
     return "FlashMLA"
 
 
-def _graph_width(blocks: int) -> int:
-    """The block-table width of the engine's decode graph for a batch whose longest context
-    is `blocks` cache blocks (table_widths of a 128-block model)."""
-    return next(w for w in table_widths(128) if w >= blocks)
+def _graph_width(blocks: int, heads: int = 16) -> int:
+    """The block-table width of the engine's decode graph at `heads` heads for a batch whose
+    longest context is `blocks` cache blocks: table_widths of a 128-block model with the
+    tail of the head count's launch, as DecodeGraphRunner takes them (16 heads: 16, 32, 64,
+    128; 128 heads: 18, 34, 66, 128)."""
+    tail = head_launch(heads).tail_blocks
+    return next(w for w in table_widths(128, tail) if w >= blocks)
 
 
-def engine_decode_step(batch: int, ctx: int, width: int | None = None) -> tuple:
-    """(seq_ids, block_tables, positions) of a decode step as the engine's graph runs it:
-    batch queries at position ctx (a context one past a block's end), each over its own
-    shuffled ctx // 64 + 1 blocks, tables padded with -1 to the graph's width (_graph_width)
-    or to `width` entries."""
+def engine_decode_step(batch: int, ctx: int, heads: int, width: int | None = None) -> tuple:
+    """(seq_ids, block_tables, positions) of a decode step of `heads` heads as the engine's
+    graph runs it: batch queries at position ctx (a context one past a block's end), each
+    over its own shuffled ctx // 64 + 1 blocks, tables padded with -1 to the graph's width
+    (_graph_width) or to `width` entries."""
     blocks = ctx // 64 + 1
-    width = _graph_width(blocks) if width is None else width
+    width = _graph_width(blocks, heads) if width is None else width
     tables = torch.full((batch, width), -1, device="cuda", dtype=torch.int64)
     tables[:, :blocks] = torch.randperm(batch * blocks, device="cuda").view(batch, -1)
     positions = torch.full((batch,), ctx, device="cuda")
@@ -531,10 +539,10 @@ def bench_wide_value_split() -> None:
     print("|---|---|---|" + "---|" * (len(WIDE_VALUE_PARTS) + 4))
     for ctx in (1024, 2048, 4096, 8000):  # 8000: a table of 126 blocks (the widest graph's 128)
         blocks = ctx // 64 + 1  # the engine's decode: a context past a block's end
-        width = _graph_width(blocks)
+        width = _graph_width(blocks, 128)
         for batch in (1, 2, 4, 8, 16, 32, 64):
             read = batch * (ctx + 1) * 576 * 2
-            step = engine_decode_step(batch, ctx)
+            step = engine_decode_step(batch, ctx, 128)
 
             def make(op, batch=batch, blocks=blocks, step=step):
                 kv = torch.randn(batch * blocks, 64, 576, device="cuda").bfloat16()
@@ -967,9 +975,9 @@ def bench_wide_split_larger() -> None:
     )  # fmt: skip
     for batch, ctx in shapes:
         blocks = ctx // 64 + 1  # the engine's decode: a context past a block's end
-        width = _graph_width(blocks)
+        width = _graph_width(blocks, 128)
         read = batch * (ctx + 1) * 576 * 2
-        step = engine_decode_step(batch, ctx)
+        step = engine_decode_step(batch, ctx, 128)
 
         def make(launch, batch=batch, blocks=blocks, step=step, width=width):
             kv = torch.randn(batch * blocks, 64, 576, device="cuda").bfloat16()
@@ -2137,7 +2145,7 @@ def bench_fast_choice(model: str = "v2_lite") -> None:
 
             def attention(op, m, ctx=ctx, heads=heads):
                 blocks = -(-ctx // 64)
-                width = _graph_width(blocks)
+                width = _graph_width(blocks, heads)
                 seq_ids = torch.arange(m, device="cuda")
                 positions = torch.full((m,), ctx - 1, device="cuda")
                 tables = torch.full((m, width), -1, device="cuda", dtype=torch.int64)

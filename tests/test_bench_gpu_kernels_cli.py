@@ -56,3 +56,18 @@ def test_attention_rows_name_the_kernel_fast_mode_ran():
     assert {fast_decode_path(b, -(-ctx // 64), h, True, (10, 0)) for h, b, ctx in paths} == {
         "split-KV Triton"
     }
+
+
+def test_graph_widths_are_the_engines_at_each_head_count():
+    """The benches' block tables are as wide as the engine's decode graph's, and the engine
+    takes its widths with the tail of the model's launch (DecodeGraphRunner): at 128 heads a
+    query of 17 blocks runs in a table of 18 (one split, no merge), of 65 blocks in one of 66.
+    The benches padded every head count to 16, 32, 64 and 128, so their 128-head rows at
+    context 1024 ran two splits and a merge the engine never runs (fifty-ninth session)."""
+    from bench.gpu_kernels import _graph_width
+    from moe_kernels.attention_launch import WIDE_LAUNCH, split_count
+
+    assert [_graph_width(b, 16) for b in (16, 17, 33, 65)] == [16, 32, 64, 128]
+    assert [_graph_width(b, 128) for b in (16, 17, 18, 19, 65, 67)] == [18, 18, 18, 34, 66, 128]
+    width = _graph_width(17, 128)  # context 1024 decoded: a query of 17 blocks
+    assert split_count(width, WIDE_LAUNCH.split_blocks, WIDE_LAUNCH.tail_blocks) == 1
