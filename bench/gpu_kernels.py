@@ -1666,58 +1666,72 @@ def bench_layer() -> None:
         torch.cuda.empty_cache()
 
 
-def bench_layer_kernels() -> None:
-    """One invariant V2-Lite MoE layer at decode (B = 1 and 64, context 1024), 8 layers in a
-    CUDA graph, its kernels timed by the profiler over 10 replays: count and µs a layer each,
-    against the layer's graph-replay time; without PDL (a kernel launched with it counts the
-    time its programs wait for the one before) and on one stream (moe_kernels/streams.py: the
-    branches' kernels would overlap), then the layer's time with PDL and with both."""
+def bench_layer_kernels(
+    heads: int = 16, modes: tuple[str, ...] = ("invariant",), batches: tuple[int, ...] = (1, 64)
+) -> None:
+    """One V2-Lite MoE layer at decode (context 1024) with `heads` attention heads, in each of
+    `modes`, 8 layers in a CUDA graph, its kernels timed by the profiler over 10 replays:
+    count and µs a layer each, against the layer's graph-replay time; without PDL (a kernel
+    launched with it counts the time its programs wait for the one before) and on one stream
+    (moe_kernels/streams.py: the branches' kernels would overlap), then the layer's time with
+    PDL and with both. Two modes side by side say which kernels make a step's price."""
     from torch.profiler import ProfilerActivity, profile
 
     from moe_kernels import KernelConfig, build_op_table, triton_pdl
     from moe_runtime.model.loader import build_model
 
     cfg = load_config(
-        ROOT / "launch" / "configs" / "v2_lite_gpu.yaml", {"model.num_hidden_layers": 9}
+        ROOT / "launch" / "configs" / "v2_lite_gpu.yaml",
+        {"model.num_hidden_layers": 9, "model.num_attention_heads": heads},
     )
-    model = build_model(cfg.model, build_op_table(KernelConfig(mode="invariant"), "cuda"), "cuda")
-    side = model.ops.side_stream  # the default config has one on CUDA
-    side_rows = side.max_rows
-    for batch_size in (1, 64):
-        layer = _layer_parts(model, batch_size, 1024, cfg.cache.block_size)["layer"]
-        with_both = _layer_graph_us(layer, 8)
-        side.max_rows = 0  # every branch inline: one stream
-        with_pdl = _layer_graph_us(layer, 8)
-        was_enabled, triton_pdl.ENABLED = triton_pdl.ENABLED, False
-        try:
-            wall = _layer_graph_us(layer, 8)
-            graph = _layer_graph(layer)
-            graph.replay()
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(10):
-                    graph.replay()
+    for mode in modes:
+        model = build_model(cfg.model, build_op_table(KernelConfig(mode=mode), "cuda"), "cuda")
+        side = model.ops.side_stream  # None where the mode's table has no side stream
+        side_rows = side.max_rows if side else 0
+        for batch_size in batches:
+            layer = _layer_parts(model, batch_size, 1024, cfg.cache.block_size)["layer"]
+            with_both = _layer_graph_us(layer, 8)
+            if side:
+                side.max_rows = 0  # every branch inline: one stream
+            with_pdl = _layer_graph_us(layer, 8)
+            was_enabled, triton_pdl.ENABLED = triton_pdl.ENABLED, False
+            try:
+                wall = _layer_graph_us(layer, 8)
+                graph = _layer_graph(layer)
+                graph.replay()
                 torch.cuda.synchronize()
-        finally:
-            triton_pdl.ENABLED = was_enabled
-            side.max_rows = side_rows
-        times: dict[str, list[float]] = {}
-        for event in prof.events():
-            if event.device_type == torch.autograd.DeviceType.CUDA:
-                times.setdefault(event.name[:60], []).append(event.device_time)
-        num_layers = 8 * 10
-        busy = sum(sum(v) for v in times.values()) / num_layers
-        count = sum(len(v) for v in times.values()) / num_layers
-        print(
-            f"\n## B = {batch_size}: {wall:.1f} us a layer without PDL on one stream "
-            f"({with_pdl:.1f} with PDL, {with_both:.1f} with PDL and the side stream), "
-            f"{count:.0f} kernels, {busy:.1f} us of kernel time"
-        )
-        print("| kernel | launches a layer | us each | us a layer |")
-        print("|---|---|---|---|")
-        for name, v in sorted(times.items(), key=lambda item: -sum(item[1])):
-            print(f"| {name} | {len(v) / num_layers:.0f} | {sum(v) / len(v):.1f} | "
-                  f"{sum(v) / num_layers:.1f} |")  # fmt: skip
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(10):
+                        graph.replay()
+                    torch.cuda.synchronize()
+            finally:
+                triton_pdl.ENABLED = was_enabled
+                if side:
+                    side.max_rows = side_rows
+            _print_layer_kernels(prof, f"{mode}, {heads} heads, B = {batch_size}", wall,
+                                 with_pdl, with_both)  # fmt: skip
+        del model
+        torch.cuda.empty_cache()
+
+
+def _print_layer_kernels(prof, label: str, wall: float, with_pdl: float, with_both: float):
+    times: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            times.setdefault(event.name[:60], []).append(event.device_time)
+    num_layers = 8 * 10
+    busy = sum(sum(v) for v in times.values()) / num_layers
+    count = sum(len(v) for v in times.values()) / num_layers
+    print(
+        f"\n## {label}: {wall:.1f} us a layer without PDL on one stream "
+        f"({with_pdl:.1f} with PDL, {with_both:.1f} with PDL and the side stream), "
+        f"{count:.0f} kernels, {busy:.1f} us of kernel time"
+    )
+    print("| kernel | launches a layer | us each | us a layer |")
+    print("|---|---|---|---|")
+    for name, v in sorted(times.items(), key=lambda item: -sum(item[1])):
+        print(f"| {name} | {len(v) / num_layers:.0f} | {sum(v) / len(v):.1f} | "
+              f"{sum(v) / num_layers:.1f} |")  # fmt: skip
 
 
 def _print_row(label: str, num_bytes: int, t_triton: float, t_torch: float, ceiling: float):
@@ -2178,6 +2192,7 @@ def sections() -> dict:
         "groups": bench_groups,
         "layer": bench_layer,
         "layer_kernels": bench_layer_kernels,
+        "layer_kernels_128": partial(bench_layer_kernels, 128, ("invariant", "fast"), (1,)),
         "row_parallel": bench_row_parallel,
         "tree_crossover": bench_tree_crossover,
         "tree_loops": bench_tree_loops,
