@@ -262,21 +262,27 @@ FULL_BUDGET_CHUNK = 128
 def _full_budget_scores(mode: str) -> tuple[list[float], list[float], int]:
     """(V2-Lite's logprobs of one sequence of max_num_batched_tokens - 192 tokens scored in one
     step with cache.num_blocks 0, the same scored in chunks of FULL_BUDGET_CHUNK tokens, its
-    length), in kernels.mode `mode`."""
+    length), in kernels.mode `mode`. Engagement: the engines' step counts say the first
+    scoring ran in one step and the second in one a chunk."""
     v2_lite = TINY_GPU.parent / "v2_lite_gpu.yaml"
     llm = LLM(v2_lite, **{"cache.num_blocks": 0, "kernels.mode": mode})
     budget = llm.config.scheduler.max_num_batched_tokens
     sequence = [(i * 7919) % 100000 + 1 for i in range(budget - 192)]
     try:
         whole = llm.score([sequence], [1], use_tqdm=False)[0]
+        whole_steps = llm.engine.num_steps
     finally:
         llm.shutdown()
     chunk = {"scheduler.max_num_batched_tokens": FULL_BUDGET_CHUNK, "kernels.mode": mode}
     llm = LLM(v2_lite, **chunk)
     try:
         chunked = llm.score([sequence], [1], use_tqdm=False)[0]
+        chunked_steps = llm.engine.num_steps
     finally:
         llm.shutdown()
+    assert whole_steps == 1, f"the whole scoring took {whole_steps} steps"
+    chunks = -(-len(sequence) // FULL_BUDGET_CHUNK)
+    assert chunked_steps >= chunks, f"{chunked_steps} steps for {chunks} chunks"
     return whole, chunked, len(sequence)
 
 
