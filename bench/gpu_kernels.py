@@ -1127,6 +1127,64 @@ def _merge_heads(count: int):
         attention.merge_heads = saved
 
 
+def bench_fast_split_kv() -> None:
+    """Fast mode's split-KV decode attention, the path it takes at 128 heads up to
+    SPLIT_KV_MAX_QUERIES queries, by KV split size and the merge's heads a program, beside its
+    rule's choice (choose_split_blocks: WAVES programs an SM), FlashMLA with one plan a step
+    where installed, and the invariant op; tables as wide as the engine's graph, graph replay
+    over L2-missing caches, µs. Why: at B = 1 context 1024 the rule gave 17 splits of one
+    block, and the merge of them took 19.5 of the path's 27.3 µs a layer (fifty-ninth session,
+    `layer_kernels_128`), so the fast baseline of the 128-head B = 1 price may be weak."""
+    from moe_kernels.fast_attention import (
+        HAS_FLASH_MLA,
+        NUM_STAGES,
+        NUM_WARPS,
+        _decode_flash_mla,
+        _num_sms,
+        choose_split_blocks,
+    )
+    from moe_kernels.triton_attention import _attend, mla_attention_triton
+
+    sizes, merge_counts = (1, 2, 4, 8, 16), (1, 8)
+    cols = [f"{b} blocks, {h} heads a merge" for b in sizes for h in merge_counts]
+    print("\n## fast mode's split-KV attention at 128 heads: split size and merge (graph replay)")
+    print(f"| B | ctx | rule's split | rule µs | {' | '.join(cols)} | FlashMLA µs | invariant µs |")
+    print("|---|---|---|---|" + "---|" * (len(cols) + 2))
+    for batch in (1, 2, 4):
+        for ctx in (1024, 4096):
+            blocks = ctx // 64 + 1
+            step = engine_decode_step(batch, ctx, 128)
+            read = batch * (ctx + 1) * 576 * 2
+            rule = choose_split_blocks(batch, 128, step[1].shape[1], _num_sms(torch.device("cuda")))
+
+            def make(op, batch=batch, blocks=blocks, step=step):
+                kv = torch.randn(batch * blocks, 64, 576, device="cuda").bfloat16()
+                q = torch.randn(batch, 128, 576, device="cuda").bfloat16()
+                return lambda: op(q, kv, *step)
+
+            def split_kv(split_blocks, merge_heads=None):
+                return lambda q, kv, *rest: _attend(
+                    q, kv, *rest, 192**-0.5, 512, split_blocks, NUM_WARPS, NUM_STAGES,
+                    merge_heads_per_program=merge_heads,
+                )  # fmt: skip
+
+            def flash(q, kv, seq_ids, tables, positions):
+                return _decode_flash_mla(q, kv, tables, positions, 192**-0.5, 512)
+
+            def invariant(q, kv, *rest):
+                return mla_attention_triton(q, kv, *rest, scale=192**-0.5, v_dim=512)
+
+            def us(op, read=read, make=make):
+                return _graph_ms(partial(make, op), read, ATTENTION_GRAPH_CALLS) * 1e3
+
+            cells = [us(split_kv(b, h)) for b in sizes for h in merge_counts]
+            flash_us = f"{us(flash):.1f}" if HAS_FLASH_MLA else "not installed"
+            print(
+                f"| {batch} | {ctx} | {rule} | {us(split_kv(rule)):.1f} | "
+                f"{' | '.join(f'{c:.1f}' for c in cells)} | {flash_us} | {us(invariant):.1f} |"
+            )
+
+
 def bench_merge() -> None:
     """The merge launch's heads a program: the op (split launch, then the merge of the fp32
     partials; a query of one split skips the merge) at 1 head a program (the launch before),
@@ -2210,6 +2268,7 @@ def sections() -> dict:
         "long_ahead": bench_long_ahead,
         "tail": bench_tail,
         "merge": bench_merge,
+        "fast_split_kv": bench_fast_split_kv,
         "split_sweep": bench_split_sweep,
         "read_floor": bench_read_floor,
         "decode_tiles": bench_decode_tiles,
