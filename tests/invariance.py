@@ -120,3 +120,16 @@ def in_fresh_processes(setup: str, expression: str) -> list:
         assert done.returncode == 0, done.stderr[-2000:]
         values.append(json.loads(done.stdout.strip().splitlines()[-1]))
     return values
+
+
+def replica_rows(stats: list[dict], num_experts: int, num_slots: int) -> int:
+    """Rows the redundant replicas served, summed over ranks and layers: worker_stats'
+    slot_load of the slots num_experts.. (a rank holds num_slots; slots past the logical
+    experts hold the replicas)."""
+    return sum(
+        layer[slot]
+        for s in stats
+        for layer in s["slot_load"]
+        for slot in range(num_slots)
+        if s["rank"] * num_slots + slot >= num_experts
+    )

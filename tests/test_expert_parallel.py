@@ -23,6 +23,7 @@ from tests.invariance import (
     mixed_params,
     mixed_prompts,
     random_sub_batches,
+    replica_rows,
     run_in_batches,
 )
 
@@ -117,13 +118,7 @@ def test_layout_invariance_across_ep_degrees(layout_workload, with_redundant):
             # Slots E.. hold the replicas (a rank prefers its own replica, so at EP=1 slot e
             # always wins); on several ranks the replicas must have served rows.
             num_slots = (16 + redundant) // world_size
-            replica_load = sum(
-                layer[slot]
-                for s in stats
-                for layer in s["slot_load"]
-                for slot in range(num_slots)
-                if s["rank"] * num_slots + slot >= 16
-            )
+            replica_load = replica_rows(stats, 16, num_slots)
             assert replica_load > 0, f"EP={world_size}: redundant replicas served no rows"
 
 

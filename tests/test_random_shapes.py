@@ -87,7 +87,7 @@ def _needle_runs(seed: int, mode: str) -> tuple[int, bool, int, int]:
     llm = LLM(TINY_CONFIG, **shape, **chunked)
     try:
         mismatches = 0
-        for _ in range(NUM_BATCHES):  # the second and third find the needle's blocks cached
+        for _ in range(NUM_BATCHES):  # from the second on, the needle's blocks are cached
             batch = rng.sample(others, rng.randint(1, 7))
             pos = rng.randint(0, len(batch))
             batch.insert(pos, needle)

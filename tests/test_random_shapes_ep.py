@@ -10,7 +10,13 @@ from __future__ import annotations
 import pytest
 
 from moe_runtime import LLM
-from tests.invariance import TINY_CONFIG, mixed_params, mixed_prompts, run_in_batches
+from tests.invariance import (
+    TINY_CONFIG,
+    mixed_params,
+    mixed_prompts,
+    replica_rows,
+    run_in_batches,
+)
 from tests.test_random_shapes import draw_shape
 
 ray = pytest.importorskip("ray")
@@ -51,14 +57,8 @@ def test_random_shape_ep_layouts_give_ep1_bits(seed):
     layout = {"parallel.world_size": world, "eplb.num_redundant_experts": redundant}
     got, stats = _run(shape, prompts, params, **layout)
     assert sum(s["num_rows_sent_remote"] for s in stats) > 0, "no row crossed ranks"
-    num_slots = (shape["model.n_routed_experts"] + redundant) // world
-    replica_load = sum(
-        layer[slot]
-        for s in stats
-        for layer in s["slot_load"]
-        for slot in range(num_slots)
-        if s["rank"] * num_slots + slot >= shape["model.n_routed_experts"]
-    )
+    experts = shape["model.n_routed_experts"]
+    replica_load = replica_rows(stats, experts, (experts + redundant) // world)
     assert replica_load > 0, "the redundant replicas served no rows"
     assert got == reference, f"EP={world} with {redundant} redundant differs: {shape}"
     control, stats = _run(shape, prompts, params, **layout, **{
